@@ -1,0 +1,21 @@
+"""attnkit: the attention mechanisms of the Transformer in NumPy, with exact forward and backward passes.
+
+Mask convention everywhere: boolean, ``True`` = may attend (or: is a real token). A query that may attend
+to nothing gets zero weights, zero output and zero gradient, never NaN.
+"""
+__version__ = "0.1.0"
+
+from . import attention_core, core, kernels, multi_head, positional, transformer_block
+from .attention import MultiHeadAttention, ScaledDotProductAttention
+from .attention_core import additive_attention, scaled_dot_product_attention
+from .core import BaseAttention, Module
+from .positional import create_causal_mask, create_padding_mask, sinusoidal_encoding
+from .transformer_block import TransformerEncoderBlock
+
+__all__ = [
+    "__version__",
+    "attention_core", "core", "kernels", "multi_head", "positional", "transformer_block",
+    "BaseAttention", "Module", "MultiHeadAttention", "ScaledDotProductAttention", "TransformerEncoderBlock",
+    "additive_attention", "scaled_dot_product_attention",
+    "create_causal_mask", "create_padding_mask", "sinusoidal_encoding",
+]

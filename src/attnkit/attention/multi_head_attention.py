@@ -1,0 +1,240 @@
+"""``MultiHeadAttention``: projections, any pluggable head, and the output projection.
+
+Dimension letters: B batch, Lq/Lk query/key length, E embed_dim (= d_model), H heads, Dh = E // H,
+Ek/Ev key/value input features (kdim/vdim, default E).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._validation import as_float_array, check_mask, check_ndim, check_positive_int, common_float_dtype
+from ..core.base_attention import BaseAttention
+from ..core.module import Module
+from ..kernels.heads import merge_heads, split_heads
+from ..kernels.linear import linear, linear_backward
+from .scaled_dot_product import ScaledDotProductAttention
+
+__all__ = ["MultiHeadAttention", "check_mha_mask", "xavier_uniform"]
+
+
+def xavier_uniform(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.ndarray:
+    """Glorot-uniform ``(fan_in, fan_out)`` matrix: keeps activation variance across the layer."""
+    limit = np.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, size=(fan_in, fan_out))
+
+
+def check_mha_mask(mask, name: str, batch: int, num_heads: int, seq_q: int, seq_k: int) -> np.ndarray | None:
+    """Validate a mask for (B, H, Lq, Lk) scores: 1-D (Lk,), 2-D (Lq, Lk) or 4-D (B|1, H|1, Lq|1, Lk).
+
+    A 3-D mask is refused: numpy would read (B, Lq, Lk) as (H, Lq, Lk), silently wrong when B == H.
+    """
+    if mask is None:
+        return None
+    ndim = np.ndim(mask)
+    if ndim == 3:
+        raise ValueError(f"{name} of shape {np.shape(mask)} is ambiguous for (batch, heads, seq_q, seq_k) "
+                         f"scores {(batch, num_heads, seq_q, seq_k)}: give it as (seq_q, seq_k) or 4-D, "
+                         f"e.g. mask[:, None] for a (batch, seq_q, seq_k) mask")
+    return check_mask(mask, name, (batch, num_heads, seq_q, seq_k), "(batch, heads, seq_q, seq_k) scores")
+
+
+class MultiHeadAttention(Module):
+    """Multi-head attention: ``Concat(head_1, ..., head_H) W_O`` with ``head_i = Attention(q W_Q^i, k W_K^i, v W_V^i)``.
+
+    Weights are applied as ``x @ W`` (``W_Q`` is (Ek... , E)), unlike ``torch.nn.Linear`` which stores the
+    transpose: to copy from ``torch.nn.MultiheadAttention`` use ``W_Q = in_proj_weight[:E].T``.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Model dimension E (``d_model`` in seed 003; ``MultiHeadAttention(d_model, num_heads)`` works too,
+        and so does the keyword ``d_model=``). Must be divisible by ``num_heads``.
+    num_heads : int
+        Number of heads H; each has ``Dh = E // H`` features.
+    attention : BaseAttention, optional
+        The head computation, applied to all heads at once on (B, H, L, Dh) arrays. Default
+        :class:`ScaledDotProductAttention` with the given ``dropout``.
+    dropout : float, default 0.0
+        Dropout on the attention weights of the default head (training mode only).
+    bias : bool, default False
+        Add biases ``b_Q, b_K, b_V, b_O`` to the four projections.
+    kdim, vdim : int, optional
+        Feature sizes of the key and value inputs (default E).
+    rng : numpy.random.Generator or int, optional
+        Source of the Glorot-uniform initial weights (biases start at zero).
+
+    Attributes
+    ----------
+    W_Q : (E, E), W_K : (Ek, E), W_V : (Ev, E), W_O : (E, E), and b_Q, b_K, b_V, b_O : (E,) when ``bias``.
+    grads : dict with the same names, filled by :meth:`backward`.
+    d_model, embed_dim, num_heads, d_k (= head_dim = Dh), kdim, vdim, attention.
+
+    Examples
+    --------
+    >>> mha = MultiHeadAttention(8, 2, rng=0)
+    >>> x = np.random.default_rng(0).normal(size=(3, 5, 8))
+    >>> out, w = mha(x, x, x, attn_mask=np.tril(np.ones((5, 5), bool)))
+    >>> out.shape, w.shape
+    ((3, 5, 8), (3, 2, 5, 5))
+    >>> grad_q, grad_k, grad_v = mha.backward(np.ones_like(out))
+    >>> sorted(mha.grads)
+    ['W_K', 'W_O', 'W_Q', 'W_V']
+    """
+
+    def __init__(self, embed_dim: int | None = None, num_heads: int | None = None,
+                 attention: BaseAttention | None = None, dropout: float = 0.0, bias: bool = False,
+                 kdim: int | None = None, vdim: int | None = None, *, d_model: int | None = None,
+                 rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        if d_model is not None:
+            if embed_dim is not None and embed_dim != d_model:
+                raise ValueError(f"give embed_dim or d_model, not both (got {embed_dim} and {d_model})")
+            embed_dim = d_model
+        if embed_dim is None or num_heads is None:
+            raise TypeError("MultiHeadAttention needs embed_dim (or d_model) and num_heads")
+        embed_dim = check_positive_int(embed_dim, "embed_dim")
+        num_heads = check_positive_int(num_heads, "num_heads")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim (d_model) = {embed_dim} is not divisible by num_heads = {num_heads}")
+        kdim = embed_dim if kdim is None else check_positive_int(kdim, "kdim")
+        vdim = embed_dim if vdim is None else check_positive_int(vdim, "vdim")
+        if attention is None:
+            attention = ScaledDotProductAttention(dropout=dropout)
+        elif not isinstance(attention, BaseAttention):
+            raise TypeError(f"attention must be a BaseAttention instance, got {type(attention).__name__}")
+        elif dropout:
+            raise ValueError("dropout applies to the default head only; configure the dropout of the given attention head")
+        self.embed_dim = self.d_model = embed_dim
+        self.num_heads = num_heads
+        self.d_k = self.head_dim = embed_dim // num_heads
+        self.kdim, self.vdim = kdim, vdim
+        self.bias = bool(bias)
+        self.attention = attention
+        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        for name, fan_in in (("W_Q", embed_dim), ("W_K", kdim), ("W_V", vdim), ("W_O", embed_dim)):
+            self.register_parameter(name, xavier_uniform(gen, fan_in, embed_dim))
+        if self.bias:
+            for name in ("b_Q", "b_K", "b_V", "b_O"):
+                self.register_parameter(name, np.zeros(embed_dim))
+        self._cache = None
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, bias={self.bias}, kdim={self.kdim}, vdim={self.vdim}"
+
+    def get_params(self) -> dict[str, np.ndarray]:
+        """Copies of all parameters by name (``W_Q, W_K, W_V, W_O``, biases, and the head's as ``attention.*``)."""
+        return self.state_dict()
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        """Copy in any subset of the parameters named as in :meth:`get_params` (shapes are checked)."""
+        self.load_state_dict(params, strict=False)
+
+    def _b(self, name: str) -> np.ndarray | None:
+        return self._parameters[name] if self.bias else None
+
+    def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, attn_mask: np.ndarray | None = None,
+                key_padding_mask: np.ndarray | None = None, need_weights: bool = True, is_causal: bool = False,
+                *, mask: np.ndarray | None = None):
+        """Attend from ``query`` to ``key``/``value``.
+
+        Parameters
+        ----------
+        query : ndarray, shape (B, Lq, E)
+        key : ndarray, shape (B, Lk, Ek)
+        value : ndarray, shape (B, Lk, Ev)
+        attn_mask : ndarray of bool, optional
+            ``True`` = may attend (the opposite of torch's boolean ``attn_mask``). Shape (Lq, Lk), (Lk,) or
+            4-D broadcastable to (B, H, Lq, Lk); 3-D masks are refused as ambiguous. ``mask=`` is an alias.
+        key_padding_mask : ndarray of bool, shape (B, Lk), optional
+            ``True`` = real token, ``False`` = padding (again the opposite of torch). Padded keys and values
+            are ignored entirely, even if they hold NaN or Inf.
+        need_weights : bool, default True
+            Return the per-head weights; with ``False`` returns ``None`` for them.
+        is_causal : bool, default False
+            Add the bottom-right-aligned causal mask (query i sees keys ``j <= i + Lk - Lq``).
+
+        Returns
+        -------
+        output : ndarray, shape (B, Lq, E)
+        weights : ndarray, shape (B, H, Lq, Lk), or None
+            Queries that may attend to no key get zero weights and a zero head output.
+        """
+        if mask is not None:
+            if attn_mask is not None:
+                raise ValueError("give attn_mask or its alias mask, not both")
+            attn_mask = mask
+        query, key, value, kpm = self._check_inputs(query, key, value, key_padding_mask)
+        batch, seq_q, _ = query.shape
+        seq_k = key.shape[1]
+        attn_mask = check_mha_mask(attn_mask, "attn_mask", batch, self.num_heads, seq_q, seq_k)
+        head_mask = attn_mask
+        if kpm is not None:
+            pad = kpm[:, None, None, :]  # (B, 1, 1, Lk)
+            head_mask = pad if head_mask is None else (head_mask & pad)
+            # Padding garbage (NaN/Inf) must not reach any output or gradient: zero it before projecting.
+            key = np.where(kpm[..., None], key, 0).astype(key.dtype, copy=False)  # (B, Lk, Ek)
+            value = np.where(kpm[..., None], value, 0).astype(value.dtype, copy=False)  # (B, Lk, Ev)
+        q = split_heads(linear(query, self.W_Q, self._b("b_Q")), self.num_heads)  # (B, H, Lq, Dh)
+        k = split_heads(linear(key, self.W_K, self._b("b_K")), self.num_heads)  # (B, H, Lk, Dh)
+        v = split_heads(linear(value, self.W_V, self._b("b_V")), self.num_heads)  # (B, H, Lk, Dh)
+        heads, weights = self.attention.forward(q, k, v, head_mask, is_causal=is_causal,
+                                                need_weights=need_weights)  # (B, H, Lq, Dh)
+        merged = merge_heads(heads)  # (B, Lq, E)
+        out = linear(merged, self.W_O, self._b("b_O"))  # (B, Lq, E)
+        self._cache = (query, key, value, merged, kpm)
+        return out, weights
+
+    def backward(self, grad_output: np.ndarray):
+        """Backpropagate ``grad_output`` (B, Lq, E) through the last forward.
+
+        Returns ``(grad_query (B, Lq, E), grad_key (B, Lk, Ek), grad_value (B, Lk, Ev))`` and adds the
+        parameter gradients into ``self.grads`` (the head adds its own into ``self.attention.grads``).
+        """
+        if self._cache is None:
+            raise RuntimeError("MultiHeadAttention.backward called before forward")
+        query, key, value, merged, kpm = self._cache
+        grad_output = as_float_array(grad_output, "grad_output")
+        if grad_output.shape != merged.shape:
+            raise ValueError(f"grad_output has shape {grad_output.shape}, expected the output shape {merged.shape}")
+        g = grad_output.astype(merged.dtype, copy=False)
+        d_merged = self._accumulate("O", g, merged)  # (B, Lq, E)
+        dq, dk, dv = self.attention.backward(split_heads(d_merged, self.num_heads))  # (B, H, L, Dh) each
+        grad_query = self._accumulate("Q", merge_heads(dq), query)  # (B, Lq, E)
+        grad_key = self._accumulate("K", merge_heads(dk), key)  # (B, Lk, Ek)
+        grad_value = self._accumulate("V", merge_heads(dv), value)  # (B, Lk, Ev)
+        if kpm is not None:
+            grad_key = np.where(kpm[..., None], grad_key, 0).astype(g.dtype, copy=False)
+            grad_value = np.where(kpm[..., None], grad_value, 0).astype(g.dtype, copy=False)
+        return grad_query, grad_key, grad_value
+
+    def _accumulate(self, which: str, grad_y: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Add the gradients of projection ``W_<which>`` (and its bias); return the gradient of its input."""
+        grad_x, grad_w, grad_b = linear_backward(grad_y, x, self._parameters["W_" + which], self.bias)
+        self.grads["W_" + which] += grad_w
+        if self.bias:
+            self.grads["b_" + which] += grad_b
+        return grad_x
+
+    def _check_inputs(self, query, key, value, key_padding_mask):
+        query = as_float_array(query, "query")
+        key = as_float_array(key, "key")
+        value = as_float_array(value, "value")
+        for name, x, feat in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            check_ndim(x, name, ndim=3, expected=f"3-D (batch, seq, {feat})")
+            if x.shape[-1] != feat:
+                raise ValueError(f"{name} has {x.shape[-1]} features, expected {feat} (got shape {x.shape})")
+        if not (query.shape[0] == key.shape[0] == value.shape[0]):
+            raise ValueError(f"query, key and value must share the batch size, got {query.shape}, {key.shape}, {value.shape}")
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key has length {key.shape[1]} but value has length {value.shape[1]} "
+                             f"(key: {key.shape}, value: {value.shape})")
+        dtype = common_float_dtype(query, key, value)
+        query, key, value = (a.astype(dtype, copy=False) for a in (query, key, value))
+        kpm = None
+        if key_padding_mask is not None:
+            kpm = np.asarray(key_padding_mask)
+            if kpm.dtype != np.bool_:
+                raise TypeError(f"key_padding_mask must be boolean (True = real token), got dtype {kpm.dtype}")
+            if kpm.shape != key.shape[:2]:
+                raise ValueError(f"key_padding_mask has shape {kpm.shape}, expected (batch, seq_k) = {key.shape[:2]}")
+        return query, key, value, kpm

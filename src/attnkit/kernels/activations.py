@@ -1,0 +1,110 @@
+"""Activations of the feed-forward network and their derivatives.
+
+``gelu`` is the exact ``x * Phi(x)`` with the Gaussian CDF (BERT's and torch's default), computed with a
+rational approximation of erf accurate to float64 rounding (W. J. Cody, 1969); numpy has no erf.
+``gelu_tanh`` is the tanh approximation (GPT-2; torch's ``approximate="tanh"``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ACTIVATIONS", "activation_forward", "activation_backward", "erf"]
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+# Cody's coefficients: erf on |x| < 0.5, erfc on 0.5 <= |x| < 4, and the asymptotic erfc beyond.
+_A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02, 3.20937758913846947e03,
+      1.85777706184603153e-1)
+_B = (2.36012909523441209e01, 2.44024637934444173e02, 1.28261652607737228e03, 2.84423683343917062e03)
+_C = (5.64188496988670089e-1, 8.88314979438837594e00, 6.61191906371416295e01, 2.98635138197400131e02,
+      8.81952221241769090e02, 1.71204761263407058e03, 2.05107837782607147e03, 1.23033935479799725e03,
+      2.15311535474403846e-8)
+_D = (1.57449261107098347e01, 1.17693950891312499e02, 5.37181101862009858e02, 1.62138957456669019e03,
+      3.29079923573345963e03, 4.36261909014324716e03, 3.43936767414372164e03, 1.23033935480374942e03)
+_P = (3.05326634961232344e-1, 3.60344899949804439e-1, 1.25781726111229246e-1, 1.60837851487422766e-2,
+      6.58749161529837803e-4, 1.63153871373020978e-2)
+_Q = (2.56852019228982242e00, 1.87295284992346725e00, 5.27905102951428412e-1, 6.05183413124413191e-2,
+      2.33520497626869185e-3)
+_SQRPI = 5.6418958354775628695e-1  # 1 / sqrt(pi)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """Error function, elementwise, in float64 (relative error near machine epsilon)."""
+    x = np.asarray(x, dtype=np.float64)
+    ax = np.abs(x)
+    out = np.empty_like(x)
+    small = ax < 0.5
+    mid = (ax >= 0.5) & (ax < 4.0)
+    big = (ax >= 4.0) & (ax < 27.0)
+    out[ax >= 27.0] = np.sign(x[ax >= 27.0])  # erfc underflows below float64's smallest normal
+    out[np.isnan(x)] = np.nan
+    if small.any():
+        xs = x[small]
+        z = xs * xs
+        num = _A[4] * z
+        den = z
+        for i in range(3):
+            num = (num + _A[i]) * z
+            den = (den + _B[i]) * z
+        out[small] = xs * (num + _A[3]) / (den + _B[3])
+    if mid.any():
+        y = ax[mid]
+        num = _C[8] * y
+        den = y
+        for i in range(7):
+            num = (num + _C[i]) * y
+            den = (den + _D[i]) * y
+        erfc = (num + _C[7]) / (den + _D[7]) * _exp_minus_square(y)
+        out[mid] = np.sign(x[mid]) * (1.0 - erfc)
+    if big.any():
+        y = ax[big]
+        z = 1.0 / (y * y)
+        num = _P[5] * z
+        den = z
+        for i in range(4):
+            num = (num + _P[i]) * z
+            den = (den + _Q[i]) * z
+        r = z * (num + _P[4]) / (den + _Q[4])
+        erfc = (_SQRPI - r) / y * _exp_minus_square(y)
+        out[big] = np.sign(x[big]) * (1.0 - erfc)
+    return out
+
+
+def _exp_minus_square(y: np.ndarray) -> np.ndarray:
+    """``exp(-y*y)`` split as Cody does, so the rounding of ``y*y`` does not cost relative accuracy."""
+    ysq = np.trunc(y * 16.0) / 16.0
+    delta = (y - ysq) * (y + ysq)
+    return np.exp(-ysq * ysq) * np.exp(-delta)
+
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+def activation_forward(pre: np.ndarray, name: str) -> np.ndarray:
+    """Apply activation ``name`` to ``pre`` (result in ``pre``'s dtype)."""
+    if name == "relu":
+        return np.maximum(pre, 0)
+    if name == "gelu":
+        cdf = 0.5 * (1.0 + erf(pre * 0.7071067811865476))
+        return (pre * cdf).astype(pre.dtype, copy=False)
+    if name == "gelu_tanh":
+        inner = _SQRT_2_OVER_PI * (pre + 0.044715 * pre**3)
+        return 0.5 * pre * (1.0 + np.tanh(inner))
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
+def activation_backward(grad: np.ndarray, pre: np.ndarray, post: np.ndarray, name: str) -> np.ndarray:
+    """Gradient of the activation's input given the gradient of its output."""
+    if name == "relu":
+        return grad * (pre > 0)
+    if name == "gelu":
+        x = pre.astype(np.float64, copy=False)
+        cdf = 0.5 * (1.0 + erf(x * 0.7071067811865476))
+        pdf = np.exp(-0.5 * x * x) * 0.3989422804014327
+        return (grad * (cdf + x * pdf)).astype(grad.dtype, copy=False)
+    if name == "gelu_tanh":
+        inner = _SQRT_2_OVER_PI * (pre + 0.044715 * pre**3)
+        t = np.tanh(inner)
+        d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * pre * pre)
+        return grad * (0.5 * (1.0 + t) + 0.5 * pre * (1.0 - t * t) * d_inner)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")

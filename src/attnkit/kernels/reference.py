@@ -1,0 +1,260 @@
+"""Reference attention kernels: the full ``Lq x Lk`` score matrix, materialised.
+
+These are the unchecked compute functions behind the public API (callers validate first). They are the
+path used whenever attention weights are asked for, and the yardstick the tiled kernel is tested against.
+
+Dimension letters: ``...`` leading batch/head dims (broadcast between q, k and v), Lq/Lk query/key
+length, D query/key features, Dv value features. Masks are boolean, ``True`` = may attend.
+
+Masked softmax semantics: entries whose mask is False get weight exactly 0; a row whose mask allows no
+key gets all-zero weights, hence zero output and zero gradient, never NaN. A row is "fully masked"
+because of the mask, never because of its values: finite logits of -1e5 still get a proper softmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._validation import unbroadcast
+from .bias import ScoreBias
+from .dropout import keep_mask
+
+__all__ = [
+    "causal_mask",
+    "masked_softmax",
+    "softmax_backward",
+    "zero_dead_keys",
+    "AttentionContext",
+    "attention_forward",
+    "attention_backward",
+    "attention_backward_arrays",
+    "additive_forward",
+    "additive_backward",
+]
+
+
+def causal_mask(seq_q: int, seq_k: int) -> np.ndarray:
+    """Bottom-right-aligned causal mask ``(Lq, Lk)``: query i may attend key j iff ``j <= i + Lk - Lq``.
+
+    With ``Lq == Lk`` this is the usual lower-triangular mask; with ``Lq < Lk`` the query block ends at the
+    last key, as in incremental decoding with a key/value cache.
+    """
+    q = np.arange(seq_q)[:, None]  # (Lq, 1)
+    k = np.arange(seq_k)[None, :]  # (1, Lk)
+    return k <= q + (seq_k - seq_q)  # (Lq, Lk)
+
+
+def masked_softmax(scores: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Stable softmax over the last axis with masked entries at exactly zero.
+
+    Parameters
+    ----------
+    scores : ndarray, shape (..., Lq, Lk)
+    mask : ndarray of bool broadcastable to ``scores``, optional
+
+    Returns
+    -------
+    ndarray, shape (..., Lq, Lk)
+        Rows sum to 1 where at least one key is allowed, and are all zero where none is.
+    """
+    if scores.shape[-1] == 0:
+        return np.zeros_like(scores)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)  # (..., Lq, Lk)
+    row_max = scores.max(axis=-1, keepdims=True)  # (..., Lq, 1)
+    if mask is not None:
+        # A row with no allowed key has max -inf; any finite shift keeps exp() at 0 there instead of NaN.
+        row_max = np.where(np.isneginf(row_max), 0.0, row_max)
+    e = np.exp(scores - row_max)  # (..., Lq, Lk)
+    denom = e.sum(axis=-1, keepdims=True)  # (..., Lq, 1)
+    if mask is not None:
+        denom = np.where(denom == 0, 1.0, denom)
+    return e / denom
+
+
+def softmax_backward(grad_weights: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Gradient of the scores from the gradient of ``weights = softmax(scores)`` (last axis).
+
+    ``dS = W * (dW - sum(dW * W))``: rows of zero weights (fully masked) get zero gradient.
+    """
+    inner = (grad_weights * weights).sum(axis=-1, keepdims=True)  # (..., Lq, 1)
+    return weights * (grad_weights - inner)  # (..., Lq, Lk)
+
+
+def zero_dead_keys(x: np.ndarray, live: np.ndarray | None) -> np.ndarray:
+    """Zero the key/value rows no query may attend to, so garbage (NaN, Inf) in padding cannot leak.
+
+    ``live`` has shape (..., Lk); ``x`` has shape (..., Lk, F). Exact for finite inputs: a dead row has
+    zero weight everywhere, so it contributes nothing to outputs or gradients either way.
+    """
+    if live is None or live.all():
+        return x
+    return np.where(live[..., None], x, 0)  # (..., Lk, F)
+
+
+@dataclass
+class AttentionContext:
+    """What :func:`attention_backward` needs from the reference forward, and nothing else."""
+
+    q: np.ndarray  # (..., Lq, D)
+    k: np.ndarray  # (..., Lk, D), dead keys zeroed
+    v: np.ndarray  # (..., Lk, Dv), dead keys zeroed
+    weights: np.ndarray  # (..., Lq, Lk), before dropout
+    scale: float
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    keep_scaled: np.ndarray | None = None  # (..., Lq, Lk) keep / (1 - p), or None without dropout
+    bias: np.ndarray | ScoreBias | None = None
+
+
+def _resolve_mask(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int) -> np.ndarray | None:
+    if causal:
+        c = causal_mask(seq_q, seq_k)  # (Lq, Lk)
+        return c if mask is None else (mask & c)
+    return mask
+
+
+def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
+                      causal: bool = False, scale: float | None = None,
+                      bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
+                      dropout_seed: int | None = None) -> tuple[np.ndarray, np.ndarray, AttentionContext]:
+    """Softmax attention with the score matrix materialised.
+
+    Parameters
+    ----------
+    q : ndarray, shape (..., Lq, D)
+    k : ndarray, shape (..., Lk, D)
+    v : ndarray, shape (..., Lk, Dv)
+    mask : ndarray of bool, broadcastable to (..., Lq, Lk), optional
+        ``True`` = may attend.
+    causal : bool
+        Combine with the bottom-right-aligned causal mask.
+    scale : float, optional
+        Multiplier of ``q @ k.T``; default ``1 / sqrt(D)``.
+    bias : ndarray broadcastable to (..., Lq, Lk) or ScoreBias, optional
+        Added to the scaled scores before masking.
+    dropout_p : float
+        Probability of dropping a weight after the softmax (inverted scaling); 0 disables dropout.
+    dropout_seed : int, optional
+        Seed of the counter-based dropout mask (required when ``dropout_p > 0``).
+
+    Returns
+    -------
+    out : ndarray, shape (..., Lq, Dv)
+    weights : ndarray, shape (..., Lq, Lk)
+        Softmax weights before dropout.
+    ctx : AttentionContext
+    """
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    mask = _resolve_mask(mask, causal, seq_q, seq_k)
+    live = None if mask is None else mask.any(axis=-2)  # (..., Lk)
+    k_safe = zero_dead_keys(k, live)  # (..., Lk, D)
+    v_safe = zero_dead_keys(v, live)  # (..., Lk, Dv)
+    scores = (q @ k_safe.swapaxes(-1, -2)) * scale  # (..., Lq, Lk)
+    if isinstance(bias, ScoreBias):
+        scores = scores + bias.tile(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k)  # (..., Lq, Lk)
+    elif bias is not None:
+        scores = scores + bias  # (..., Lq, Lk)
+    scores = scores.astype(q.dtype, copy=False)
+    weights = masked_softmax(scores, mask)  # (..., Lq, Lk)
+    keep_scaled = None
+    if dropout_p > 0.0:
+        if dropout_seed is None:
+            raise ValueError("dropout_seed is required when dropout_p > 0")
+        keep = keep_mask(dropout_seed, dropout_p, weights.shape[:-2], np.arange(seq_q), np.arange(seq_k),
+                         seq_q, seq_k)  # (..., Lq, Lk)
+        keep_scaled = (keep * (1.0 / (1.0 - dropout_p))).astype(weights.dtype)
+        out = (weights * keep_scaled) @ v_safe  # (..., Lq, Dv)
+    else:
+        out = weights @ v_safe  # (..., Lq, Dv)
+    ctx = AttentionContext(q=q, k=k_safe, v=v_safe, weights=weights, scale=scale, q_shape=q.shape,
+                           k_shape=k.shape, v_shape=v.shape, keep_scaled=keep_scaled, bias=bias)
+    return out, weights, ctx
+
+
+def attention_backward_arrays(grad_out: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                              weights: np.ndarray, scale: float, keep_scaled: np.ndarray | None = None):
+    """Backward of ``out = dropout(softmax(scale * q @ k.T + bias)) @ v`` from materialised weights.
+
+    Returns
+    -------
+    dq : (..., Lq, D), dk : (..., Lk, D), dv : (..., Lk, Dv), ds : (..., Lq, Lk)
+        ``ds`` is the gradient of the (biased) scores, i.e. of any additive bias. Leading dims are the
+        broadcast ones; reduce with :func:`attnkit._validation.unbroadcast`.
+    """
+    dropped = weights if keep_scaled is None else weights * keep_scaled  # (..., Lq, Lk)
+    dv = dropped.swapaxes(-1, -2) @ grad_out  # (..., Lk, Dv)
+    dw = grad_out @ v.swapaxes(-1, -2)  # (..., Lq, Lk)
+    if keep_scaled is not None:
+        dw = dw * keep_scaled
+    ds = softmax_backward(dw, weights)  # (..., Lq, Lk)
+    dq = (ds @ k) * scale  # (..., Lq, D)
+    dk = (ds.swapaxes(-1, -2) @ q) * scale  # (..., Lk, D)
+    return dq, dk, dv, ds
+
+
+def attention_backward(grad_out: np.ndarray, ctx: AttentionContext):
+    """Gradients of :func:`attention_forward`'s output.
+
+    Returns
+    -------
+    dq, dk, dv : ndarrays shaped like the forward's q, k, v
+    dbias : ndarray shaped like an array ``bias``, else None (a ScoreBias accumulates its own gradient)
+    """
+    dq, dk, dv, ds = attention_backward_arrays(grad_out, ctx.q, ctx.k, ctx.v, ctx.weights, ctx.scale,
+                                               ctx.keep_scaled)
+    dbias = None
+    if isinstance(ctx.bias, ScoreBias):
+        seq_q, seq_k = ds.shape[-2], ds.shape[-1]
+        ctx.bias.accumulate_grad(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k, ds)
+    elif ctx.bias is not None:
+        dbias = unbroadcast(ds, np.shape(ctx.bias))
+    return unbroadcast(dq, ctx.q_shape), unbroadcast(dk, ctx.k_shape), unbroadcast(dv, ctx.v_shape), dbias
+
+
+def additive_forward(q, k, v, w_q, w_k, w_v, mask=None):
+    """Bahdanau attention: ``score(q_i, k_j) = w_v . tanh(q_i @ w_q + k_j @ w_k)``.
+
+    Shapes: q (..., Lq, Dq), k (..., Lk, Dk), v (..., Lk, Dv), w_q (Dq, A), w_k (Dk, A), w_v (A,).
+
+    Returns
+    -------
+    out : (..., Lq, Dv), weights : (..., Lq, Lk), hidden : (..., Lq, Lk, A) the tanh features backward needs
+    """
+    live = None if mask is None else mask.any(axis=-2)  # (..., Lk)
+    v_safe = zero_dead_keys(v, live)  # (..., Lk, Dv)
+    k_safe = zero_dead_keys(k, live)  # (..., Lk, Dk)
+    hq = q @ w_q  # (..., Lq, A)
+    hk = k_safe @ w_k  # (..., Lk, A)
+    hidden = np.tanh(hq[..., :, None, :] + hk[..., None, :, :])  # (..., Lq, Lk, A)
+    scores = hidden @ w_v  # (..., Lq, Lk)
+    weights = masked_softmax(scores, mask)  # (..., Lq, Lk)
+    return weights @ v_safe, weights, hidden  # (..., Lq, Dv)
+
+
+def additive_backward(grad_out, q, k, v, w_q, w_k, w_v, weights, hidden):
+    """Gradients of :func:`additive_forward` given its weights and tanh features.
+
+    Returns
+    -------
+    dq, dk, dv (shaped like q, k, v), dw_q (Dq, A), dw_k (Dk, A), dw_v (A,)
+    """
+    live = (weights != 0).any(axis=-2)  # (..., Lk); dead keys carry no weight
+    v_safe = zero_dead_keys(v, live)  # (..., Lk, Dv)
+    k_safe = zero_dead_keys(k, live)  # (..., Lk, Dk)
+    dv = unbroadcast(weights.swapaxes(-1, -2) @ grad_out, v.shape)  # (..., Lk, Dv)
+    ds = softmax_backward(grad_out @ v_safe.swapaxes(-1, -2), weights)  # (..., Lq, Lk)
+    dw_v = np.einsum("...qka,...qk->a", hidden, ds)  # (A,)
+    dpre = ds[..., None] * w_v * (1.0 - hidden * hidden)  # (..., Lq, Lk, A)
+    dhq = dpre.sum(axis=-2)  # (..., Lq, A), broadcast leading dims
+    dhk = dpre.sum(axis=-3)  # (..., Lk, A)
+    q_b = np.broadcast_to(q, dhq.shape[:-1] + q.shape[-1:])  # (..., Lq, Dq)
+    k_b = np.broadcast_to(k_safe, dhk.shape[:-1] + k.shape[-1:])  # (..., Lk, Dk)
+    dw_q = q_b.reshape(-1, q.shape[-1]).T @ dhq.reshape(-1, dhq.shape[-1])  # (Dq, A)
+    dw_k = k_b.reshape(-1, k.shape[-1]).T @ dhk.reshape(-1, dhk.shape[-1])  # (Dk, A)
+    dq = unbroadcast(dhq @ w_q.T, q.shape)  # (..., Lq, Dq)
+    dk = unbroadcast(dhk @ w_k.T, k.shape)  # (..., Lk, Dk)
+    return dq, dk, dv, dw_q, dw_k, dw_v
