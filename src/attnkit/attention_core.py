@@ -92,7 +92,7 @@ def compute_attention_scores(Q: np.ndarray, K: np.ndarray, scale: bool = True) -
     Q, K, _, _ = _check_qkv(Q, K)
     scores = Q @ K.swapaxes(-1, -2)  # (..., Lq, Lk)
     if scale:
-        scores = scores * (1.0 / np.sqrt(Q.shape[-1]))
+        scores = scores * Q.shape[-1] ** -0.5
     return scores.astype(Q.dtype, copy=False)
 
 
@@ -254,7 +254,7 @@ def scaled_dot_product_attention_backward(grad_output: np.ndarray, Q: np.ndarray
     k = _ref.zero_dead_keys(K, live)  # (..., Lk, D)
     v = _ref.zero_dead_keys(V, live)  # (..., Lk, Dv)
     dq, dk, dv, _ = _ref.attention_backward_arrays(grad_output.astype(dtype, copy=False), Q, k, v,
-                                                   weights.astype(dtype, copy=False), 1.0 / np.sqrt(Q.shape[-1]))
+                                                   weights.astype(dtype, copy=False), Q.shape[-1] ** -0.5)
     return (unbroadcast(dq, Q.shape).astype(dtype, copy=False), unbroadcast(dk, K.shape).astype(dtype, copy=False),
             unbroadcast(dv, V.shape).astype(dtype, copy=False))
 

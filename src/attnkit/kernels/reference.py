@@ -24,6 +24,7 @@ __all__ = [
     "causal_mask",
     "masked_softmax",
     "softmax_backward",
+    "live_keys",
     "zero_dead_keys",
     "AttentionContext",
     "attention_forward",
@@ -80,6 +81,11 @@ def softmax_backward(grad_weights: np.ndarray, weights: np.ndarray) -> np.ndarra
     """
     inner = (grad_weights * weights).sum(axis=-1, keepdims=True)  # (..., Lq, 1)
     return weights * (grad_weights - inner)  # (..., Lq, Lk)
+
+
+def live_keys(mask: np.ndarray | None) -> np.ndarray | None:
+    """(..., Lk) bool: keys at least one query may attend to (``None`` without a mask)."""
+    return None if mask is None else np.atleast_2d(mask).any(axis=-2)
 
 
 def zero_dead_keys(x: np.ndarray, live: np.ndarray | None) -> np.ndarray:
@@ -148,9 +154,9 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     ctx : AttentionContext
     """
     seq_q, seq_k = q.shape[-2], k.shape[-2]
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)  # a Python float keeps float32 float32
     mask = _resolve_mask(mask, causal, seq_q, seq_k)
-    live = None if mask is None else mask.any(axis=-2)  # (..., Lk)
+    live = live_keys(mask)  # (..., Lk)
     k_safe = zero_dead_keys(k, live)  # (..., Lk, D)
     v_safe = zero_dead_keys(v, live)  # (..., Lk, Dv)
     scores = (q @ k_safe.swapaxes(-1, -2)) * scale  # (..., Lq, Lk)
@@ -224,7 +230,7 @@ def additive_forward(q, k, v, w_q, w_k, w_v, mask=None):
     -------
     out : (..., Lq, Dv), weights : (..., Lq, Lk), hidden : (..., Lq, Lk, A) the tanh features backward needs
     """
-    live = None if mask is None else mask.any(axis=-2)  # (..., Lk)
+    live = live_keys(mask)  # (..., Lk)
     v_safe = zero_dead_keys(v, live)  # (..., Lk, Dv)
     k_safe = zero_dead_keys(k, live)  # (..., Lk, Dk)
     hq = q @ w_q  # (..., Lq, A)
