@@ -7,6 +7,8 @@ __version__ = "0.1.0"
 
 from . import attention_core, core, kernels, multi_head, positional, transformer_block
 from .attention import MultiHeadAttention, ScaledDotProductAttention
+from .attention import (AdditiveAttention, Attention, CausalAttention, LearnedBiasAttention,
+                        PhysicsGuidedAttention)
 from .attention_core import additive_attention, scaled_dot_product_attention
 from .core import BaseAttention, Module
 from .positional import create_causal_mask, create_padding_mask, sinusoidal_encoding
@@ -16,6 +18,7 @@ __all__ = [
     "__version__",
     "attention_core", "core", "kernels", "multi_head", "positional", "transformer_block",
     "BaseAttention", "Module", "MultiHeadAttention", "ScaledDotProductAttention", "TransformerEncoderBlock",
+    "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention",
     "additive_attention", "scaled_dot_product_attention",
     "create_causal_mask", "create_padding_mask", "sinusoidal_encoding",
 ]

@@ -58,7 +58,8 @@ def _check_qkv(Q, K, V=None):
             raise ValueError(f"V has length {V.shape[-2]} but K has length {K.shape[-2]}; they must match "
                              f"(K: {K.shape}, V: {V.shape})")
         arrays.append(("V", V))
-    lead = _leading_shape(*arrays)
+    _leading_shape(*arrays)
+    lead = _leading_shape(*arrays[:2])  # the scores broadcast Q against K only
     dtype = common_float_dtype(*(a for _, a in arrays))
     Q, K = Q.astype(dtype, copy=False), K.astype(dtype, copy=False)
     V = None if V is None else V.astype(dtype, copy=False)
@@ -246,7 +247,7 @@ def scaled_dot_product_attention_backward(grad_output: np.ndarray, Q: np.ndarray
     grad_output = as_float_array(grad_output, "grad_output")
     if weights.shape != score_shape:
         raise ValueError(f"weights has shape {weights.shape}, expected {score_shape} (..., seq_q, seq_k)")
-    expected = score_shape[:-1] + (V.shape[-1],)
+    expected = np.broadcast_shapes(score_shape[:-2], V.shape[:-2]) + (score_shape[-2], V.shape[-1])
     if grad_output.shape != expected:
         raise ValueError(f"grad_output has shape {grad_output.shape}, expected {expected} (..., seq_q, d_v)")
     dtype = common_float_dtype(Q, grad_output)
@@ -291,7 +292,8 @@ def _check_qkv_additive(Q, K, V):
     if V.shape[-2] != K.shape[-2]:
         raise ValueError(f"V has length {V.shape[-2]} but K has length {K.shape[-2]}; they must match "
                          f"(K: {K.shape}, V: {V.shape})")
-    lead = _leading_shape(("Q", Q), ("K", K), ("V", V))
+    _leading_shape(("Q", Q), ("K", K), ("V", V))
+    lead = _leading_shape(("Q", Q), ("K", K))  # the scores broadcast Q against K only
     dtype = common_float_dtype(Q, K, V)
     return (Q.astype(dtype, copy=False), K.astype(dtype, copy=False), V.astype(dtype, copy=False),
             lead + (Q.shape[-2], K.shape[-2]))
@@ -364,7 +366,7 @@ def additive_attention_backward(grad_output: np.ndarray, Q: np.ndarray, K: np.nd
     grad_output = as_float_array(grad_output, "grad_output").astype(Q.dtype, copy=False)
     if weights.shape != score_shape:
         raise ValueError(f"weights has shape {weights.shape}, expected {score_shape} (..., seq_q, seq_k)")
-    expected = score_shape[:-1] + (V.shape[-1],)
+    expected = np.broadcast_shapes(score_shape[:-2], V.shape[:-2]) + (score_shape[-2], V.shape[-1])
     if grad_output.shape != expected:
         raise ValueError(f"grad_output has shape {grad_output.shape}, expected {expected} (..., seq_q, d_v)")
     live = (weights != 0).any(axis=-2)  # (..., Lk)

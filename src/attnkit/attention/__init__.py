@@ -1,5 +1,11 @@
 """Attention modules: every head implements :class:`attnkit.core.BaseAttention`."""
+from .additive import AdditiveAttention
+from .attention import Attention
+from .causal import CausalAttention
+from .learned_bias import LearnedBiasAttention
 from .multi_head_attention import MultiHeadAttention
+from .physics_guided import PhysicsGuidedAttention
 from .scaled_dot_product import ScaledDotProductAttention
 
-__all__ = ["MultiHeadAttention", "ScaledDotProductAttention"]
+__all__ = ["MultiHeadAttention", "ScaledDotProductAttention",
+           "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention"]

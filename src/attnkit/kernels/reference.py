@@ -253,7 +253,7 @@ def additive_backward(grad_out, q, k, v, w_q, w_k, w_v, weights, hidden):
     k_safe = zero_dead_keys(k, live)  # (..., Lk, Dk)
     dv = unbroadcast(weights.swapaxes(-1, -2) @ grad_out, v.shape)  # (..., Lk, Dv)
     ds = softmax_backward(grad_out @ v_safe.swapaxes(-1, -2), weights)  # (..., Lq, Lk)
-    dw_v = ds.reshape(-1) @ hidden.reshape(-1, hidden.shape[-1])  # (A,)
+    dw_v = np.einsum("...qka,...qk->...a", hidden, ds).reshape(-1, hidden.shape[-1]).sum(axis=0)  # (A,)
     dpre = ds[..., None] * w_v * (1.0 - hidden * hidden)  # (..., Lq, Lk, A)
     dhq = dpre.sum(axis=-2)  # (..., Lq, A), broadcast leading dims
     dhk = dpre.sum(axis=-3)  # (..., Lk, A)

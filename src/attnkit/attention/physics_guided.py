@@ -1,0 +1,295 @@
+"""``PhysicsGuidedAttention``: seed 000's "PINN-guided" head, a physics prior added to the scores.
+
+``scores[..., i, j] = scale * q_i . k_j + strength * prior(x_i, x_j)``, where ``x`` are positions or
+user-supplied coordinates and ``strength`` (scalar or per head) is learned. The prior is a
+:class:`attnkit.kernels.bias.ScoreBias`, evaluated tile by tile from the query and key indices.
+
+Dimension letters: B batch, H heads, Lq/Lk query/key length, Tq/Tk the query/key positions of one tile,
+N the number of points of a coordinate grid, d the dimension of a point, S = 1 or H strengths.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._validation import as_float_array, check_mask, check_positive_int
+from ..kernels import reference as _ref
+from ..kernels.bias import ScoreBias
+from .attention import as_bool_mask, check_qkv
+from .scaled_dot_product import ScaledDotProductAttention
+
+__all__ = ["PhysicsGuidedAttention", "PhysicsPriorBias"]
+
+_BUILTIN = ("distance_decay", "gaussian")
+# d(prior)/d(log length_scale) = -_DLOG[prior] * prior: the prior is proportional to l^-1 or l^-2.
+_DLOG = {"distance_decay": 1.0, "gaussian": 2.0}
+
+
+class PhysicsPriorBias(ScoreBias):
+    """Score bias ``strength[h] * prior(x_i, x_j)``.
+
+    Parameters
+    ----------
+    prior : {"distance_decay", "gaussian"} or callable
+        ``"distance_decay"``: ``-|x_i - x_j| / l``; ``"gaussian"``: ``-|x_i - x_j|^2 / (2 l^2)`` (Euclidean
+        norm for points); a callable ``f(xq (Tq,) or (Tq, d), xk (Tk,) or (Tk, d)) -> (Tq, Tk)``.
+    strength : ndarray, shape (S,)
+        S = 1 (shared) or H (per head).
+    length_scale : float
+        l, for the built-in priors.
+    coordinates : None, ndarray (N,) / (N, d), or pair of ndarrays
+        None: ``x`` is the position, query i at ``i + Lk - Lq`` (bottom-right aligned); one array: the
+        coordinates of key positions 0..N-1 (N >= Lk), query i taking those of position ``i + Lk - Lq``;
+        a pair ``(xq (Lq, ...), xk (Lk, ...))``: query i at ``xq[i]``, key j at ``xk[j]``.
+    grad_strength : ndarray (S,), optional
+        Added into (in place) by :meth:`accumulate_grad`; ``None`` to freeze.
+    grad_log_length_scale : ndarray (1,), optional
+        Gradient of ``log(l)`` (built-in priors only), added into in place; ``None`` to freeze.
+    dtype : numpy dtype, optional
+        dtype of the returned tiles (default that of ``strength``).
+
+    Shapes
+    ------
+    tile : (S, Tq, Tk); grad_tile : (..., Tq, Tk), with H at axis -3 when S = H.
+
+    Examples
+    --------
+    >>> bias = PhysicsPriorBias("distance_decay", np.array([2.0]), length_scale=4.0)
+    >>> bias.tile(np.arange(2), np.arange(3), 2, 3)  # queries at positions 1, 2
+    array([[[-0.5, -0. , -0.5],
+            [-1. , -0.5, -0. ]]])
+    """
+
+    def __init__(self, prior: str | Callable, strength: np.ndarray, length_scale: float = 1.0,
+                 coordinates: Any = None, grad_strength: np.ndarray | None = None,
+                 grad_log_length_scale: np.ndarray | None = None, dtype: Any = None) -> None:
+        self.prior, self.strength, self.length_scale = prior, strength, float(length_scale)
+        self.coordinates = coordinates
+        self.grad_strength, self.grad_log_length_scale = grad_strength, grad_log_length_scale
+        self.dtype = np.dtype(strength.dtype if dtype is None else dtype)
+
+    def points(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Coordinates of the tile's queries (Tq,) / (Tq, d) and keys (Tk,) / (Tk, d)."""
+        q_pos = np.asarray(q_idx, dtype=np.int64) + (seq_k - seq_q)  # (Tq,)
+        k_idx = np.asarray(k_idx, dtype=np.int64)
+        if self.coordinates is None:
+            return q_pos.astype(np.float64), k_idx.astype(np.float64)
+        if isinstance(self.coordinates, tuple):
+            xq, xk = self.coordinates
+            return xq[np.asarray(q_idx, dtype=np.int64)], xk[k_idx]  # (Tq, ...), (Tk, ...)
+        return self.coordinates[q_pos], self.coordinates[k_idx]  # (Tq, ...), (Tk, ...)
+
+    def prior_tile(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
+        """The prior without strength: (Tq, Tk) float64."""
+        xq, xk = self.points(q_idx, k_idx, seq_q, seq_k)
+        if callable(self.prior):
+            values = as_float_array(self.prior(xq, xk), "prior(q_pos, k_pos)")
+            if values.shape != (xq.shape[0], xk.shape[0]):
+                raise ValueError(f"prior(q_pos, k_pos) returned shape {values.shape}, expected (Tq, Tk) = "
+                                 f"{(xq.shape[0], xk.shape[0])} for q_pos {xq.shape}, k_pos {xk.shape}")
+            return values.astype(np.float64, copy=False)
+        diff = xq[:, None] - xk[None, :]  # (Tq, Tk) or (Tq, Tk, d)
+        sq = diff * diff if diff.ndim == 2 else (diff * diff).sum(axis=-1)  # (Tq, Tk)
+        if self.prior == "gaussian":
+            return -sq / (2.0 * self.length_scale**2)
+        return -(np.abs(diff) if diff.ndim == 2 else np.sqrt(sq)) / self.length_scale  # (Tq, Tk)
+
+    def tile(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
+        prior = self.prior_tile(q_idx, k_idx, seq_q, seq_k)  # (Tq, Tk)
+        return (self.strength[:, None, None] * prior).astype(self.dtype, copy=False)  # (S, Tq, Tk)
+
+    def accumulate_grad(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int,
+                        grad_tile: np.ndarray) -> None:
+        if self.grad_strength is None and self.grad_log_length_scale is None:
+            return
+        prior = self.prior_tile(q_idx, k_idx, seq_q, seq_k)  # (Tq, Tk)
+        n = self.strength.shape[0]
+        if n == 1:
+            g_s = np.einsum("nqk,qk->", grad_tile.reshape(-1, *grad_tile.shape[-2:]), prior).reshape(1)  # (1,)
+        else:
+            if grad_tile.ndim < 3 or grad_tile.shape[-3] != n:
+                raise ValueError(f"PhysicsPriorBias: the score gradient of shape {grad_tile.shape} has no head "
+                                 f"axis of size {n} at position -3")
+            g_s = np.einsum("nhqk,qk->h", grad_tile.reshape(-1, *grad_tile.shape[-3:]), prior)  # (H,)
+        if self.grad_strength is not None:
+            self.grad_strength += g_s
+        if self.grad_log_length_scale is not None:
+            self.grad_log_length_scale -= _DLOG[self.prior] * float(np.dot(self.strength, g_s))
+
+
+class PhysicsGuidedAttention(ScaledDotProductAttention):
+    """Scaled dot-product attention plus a learnable-strength physics prior over positions or coordinates.
+
+    ``weights = softmax(scale * q k^T + strength * prior(x_i, x_j))``: a positive ``strength`` with a
+    distance-decay prior favours nearby points, as a PINN-style inductive bias (locality, diffusion
+    kernels); training may strengthen, weaken or flip it.
+
+    Parameters
+    ----------
+    prior : {"distance_decay", "gaussian"} or callable, default "distance_decay"
+        ``"distance_decay"``: ``-|x_i - x_j| / length_scale``. ``"gaussian"``: ``-|x_i - x_j|^2 /
+        (2 length_scale^2)``. For points (rows of a (N, d) array) ``|.|`` is the Euclidean norm. A callable
+        ``f(q_pos, k_pos) -> (Tq, Tk)`` gets the coordinates of a tile's queries ((Tq,) or (Tq, d)) and keys
+        and must be a pure function of them (it is evaluated again in backward); ``length_scale`` is unused.
+    strength_init : float or array of shape (H,), default 1.0
+        Initial strength.
+    length_scale : float, default 1.0
+        l > 0 of the built-in priors.
+    coordinates : None, array (N,) / (N, d), or a pair of arrays, optional
+        Where the tokens are. ``None``: at their positions, query i at ``i + Lk - Lq`` (bottom-right
+        aligned, like the causal mask). One array: coordinates of positions 0..N-1 shared by queries and
+        keys (N >= Lk >= Lq; query i again at position ``i + Lk - Lq``). A pair ``(q_coords, k_coords)`` of
+        shapes (Lq,) / (Lq, d) and (Lk,) / (Lk, d): separate point sets (cross-attention). Can be changed
+        later with :meth:`set_coordinates`.
+    dropout : float, default 0.0
+        Dropout on the weights after the softmax, training mode only (inverted scaling).
+    scale : float, optional
+        Score multiplier; default ``1 / sqrt(Dk)``.
+    seed : int, optional
+        Seed of the dropout stream.
+    num_heads : int, optional
+        Give H for one strength per head (the inputs must then have H at axis -3); default one shared.
+    learn_length_scale : bool, default False
+        Also learn the length scale, as the parameter ``log_length_scale`` (keeps l positive).
+
+    Attributes
+    ----------
+    strength : (1,) or (H,); log_length_scale : (1,) when learned. Gradients in ``grads`` by name.
+
+    Shapes
+    ------
+    q : (..., Lq, Dk), k : (..., Lk, Dk), v : (..., Lk, Dv) ((B, H, L, Dh) under ``MultiHeadAttention``).
+        With ``num_heads`` set, axis -3 is the head axis (a 3-D input is read as (H, L, D)).
+    mask : bool broadcastable to (..., Lq, Lk), ``True`` = may attend; ``is_causal`` ANDs the causal mask.
+    output : (..., Lq, Dv), weights : (..., Lq, Lk) (before dropout), in the inputs' dtype.
+
+    Examples
+    --------
+    >>> head = PhysicsGuidedAttention("gaussian", strength_init=2.0, length_scale=3.0)
+    >>> x = np.random.default_rng(0).normal(size=(2, 6, 4))
+    >>> out, w = head(x, x, x)
+    >>> _ = head.backward(np.ones_like(out))
+    >>> out.shape, head.grads["strength"].shape
+    ((2, 6, 4), (1,))
+
+    Points in the plane, one strength per head, inside ``MultiHeadAttention``:
+
+    >>> from attnkit.attention import MultiHeadAttention
+    >>> pts = np.random.default_rng(1).uniform(size=(6, 2))  # (N, d)
+    >>> head = PhysicsGuidedAttention(coordinates=pts, length_scale=0.5, num_heads=2)
+    >>> out, w = MultiHeadAttention(4, 2, attention=head, rng=0)(x, x, x)
+    >>> w.shape
+    (2, 2, 6, 6)
+    """
+
+    def __init__(self, prior: str | Callable = "distance_decay", strength_init: Any = 1.0, length_scale: float = 1.0,
+                 coordinates: Any = None, dropout: float = 0.0, scale: float | None = None,
+                 seed: int | None = None, *, num_heads: int | None = None, learn_length_scale: bool = False) -> None:
+        super().__init__(dropout=dropout, scale=scale, is_causal=False, seed=seed)
+        if not callable(prior) and prior not in _BUILTIN:
+            raise ValueError(f"prior must be one of {_BUILTIN} or a callable f(q_pos, k_pos), got {prior!r}")
+        self.prior = prior
+        if isinstance(length_scale, (bool, np.bool_)) or not isinstance(length_scale, (int, float, np.number)) \
+                or not np.isfinite(length_scale) or length_scale <= 0:
+            raise ValueError(f"length_scale must be a positive finite number, got {length_scale!r}")
+        if learn_length_scale and callable(prior):
+            raise ValueError("learn_length_scale needs a built-in prior: a callable prior has no length scale")
+        self.num_heads = None if num_heads is None else check_positive_int(num_heads, "num_heads")
+        n = 1 if self.num_heads is None else self.num_heads
+        strength = as_float_array(strength_init, "strength_init")
+        if strength.ndim > 1 or strength.size not in (1, n):
+            raise ValueError(f"strength_init must be a number or an array of shape ({n},) (num_heads="
+                             f"{self.num_heads}), got shape {strength.shape}")
+        self.register_parameter("strength", np.broadcast_to(strength.reshape(-1), (n,)))
+        self._fixed_length_scale = float(length_scale)
+        if learn_length_scale:
+            self.register_parameter("log_length_scale", np.full(1, np.log(float(length_scale))))
+        self.coordinates = None
+        self.set_coordinates(coordinates)
+        self._out_shape: tuple[int, ...] | None = None
+
+    @property
+    def length_scale(self) -> float:
+        """Current length scale l (``exp(log_length_scale)`` when learned)."""
+        if "log_length_scale" in self._parameters:
+            return float(np.exp(self._parameters["log_length_scale"][0]))
+        return self._fixed_length_scale
+
+    def set_coordinates(self, coordinates: Any) -> None:
+        """Set the token coordinates: ``None``, one array (N,) / (N, d), or a pair ``(q_coords, k_coords)``."""
+        if coordinates is None:
+            self.coordinates = None
+            return
+        pair = isinstance(coordinates, (tuple, list)) and len(coordinates) == 2 and \
+            not np.isscalar(coordinates[0]) and np.ndim(coordinates[0]) >= 1
+        arrays = [as_float_array(c, "coordinates").copy() for c in (coordinates if pair else (coordinates,))]
+        for a in arrays:
+            if a.ndim not in (1, 2) or a.shape[0] == 0:
+                raise ValueError(f"coordinates must be arrays of shape (N,) or (N, d), got shape {a.shape}")
+            if not np.all(np.isfinite(a)):
+                raise ValueError(f"coordinates must be finite (shape {a.shape})")
+        if pair and arrays[0].shape[1:] != arrays[1].shape[1:]:
+            raise ValueError(f"query and key coordinates must have the same point dimension, got shapes "
+                             f"{arrays[0].shape} and {arrays[1].shape}")
+        self.coordinates = tuple(arrays) if pair else arrays[0]
+
+    def extra_repr(self) -> str:
+        prior = getattr(self.prior, "__name__", repr(self.prior))
+        return (f"prior={prior}, length_scale={self.length_scale}, num_heads={self.num_heads}, "
+                f"dropout={self.dropout}, scale={self.scale}")
+
+    def score_bias(self, dtype: Any = None) -> PhysicsPriorBias:
+        """The :class:`PhysicsPriorBias` of the current parameters, accumulating into ``grads``."""
+        strength = self._parameters["strength"]
+        return PhysicsPriorBias(
+            self.prior, strength if dtype is None else strength.astype(dtype, copy=False),
+            length_scale=self.length_scale, coordinates=self.coordinates, grad_strength=self.grads["strength"],
+            grad_log_length_scale=self.grads.get("log_length_scale"), dtype=dtype)
+
+    def _check_coordinates(self, seq_q: int, seq_k: int) -> None:
+        c = self.coordinates
+        if c is None:
+            return
+        if isinstance(c, tuple):
+            if c[0].shape[0] != seq_q or c[1].shape[0] != seq_k:
+                raise ValueError(f"coordinates: the pair has {c[0].shape[0]} query and {c[1].shape[0]} key points "
+                                 f"but the inputs have seq_q = {seq_q}, seq_k = {seq_k}")
+        elif c.shape[0] < seq_k:
+            raise ValueError(f"coordinates has {c.shape[0]} points (shape {c.shape}) but the keys have "
+                             f"seq_k = {seq_k} positions")
+        elif seq_q > seq_k:
+            raise ValueError(f"coordinates: with one array the queries sit at key positions i + seq_k - seq_q, "
+                             f"negative for seq_q = {seq_q} > seq_k = {seq_k}; give a pair (q_coords, k_coords)")
+
+    def forward(self, q: Any, k: Any, v: Any, mask: Any = None, *, is_causal: bool = False,
+                need_weights: bool = True):
+        """Attend with the prior; returns ``(output (..., Lq, Dv), weights (..., Lq, Lk) or None)``."""
+        q, k, v, lead = check_qkv(q, k, v, "PhysicsGuidedAttention")
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"PhysicsGuidedAttention: q has {q.shape[-1]} features but k has {k.shape[-1]} "
+                             f"(q: {q.shape}, k: {k.shape})")
+        if self.num_heads is not None and (not lead or lead[-1] != self.num_heads):
+            raise ValueError(f"PhysicsGuidedAttention has num_heads = {self.num_heads} strengths but the inputs "
+                             f"have {lead[-1] if lead else 'no'} heads at axis -3 (q: {q.shape}); expected "
+                             f"(..., {self.num_heads}, L, D)")
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        self._check_coordinates(seq_q, seq_k)
+        mask = check_mask(as_bool_mask(mask, "mask"), "mask", lead + (seq_q, seq_k), "(..., seq_q, seq_k) scores")
+        p = self.dropout if self.training else 0.0
+        seed = int(self._rng.integers(2**63)) if p > 0 else None
+        out, weights, self._ctx = _ref.attention_forward(
+            q, k, v, mask=mask, causal=is_causal, scale=self.scale, bias=self.score_bias(q.dtype),
+            dropout_p=p, dropout_seed=seed)  # (..., Lq, Dv), (..., Lq, Lk)
+        self._out_shape = out.shape
+        return out, (weights if need_weights else None)
+
+    def backward(self, grad_output: Any):
+        """Return ``(grad_q, grad_k, grad_v)`` and add the gradients of ``strength`` (and ``log_length_scale``)."""
+        if self._out_shape is None:
+            raise RuntimeError("PhysicsGuidedAttention.backward called before forward")
+        g = as_float_array(grad_output, "grad_output")
+        if g.shape != self._out_shape:
+            raise ValueError(f"grad_output has shape {g.shape}, expected the output shape {self._out_shape}")
+        return super().backward(g.astype(self._ctx.q.dtype, copy=False))
