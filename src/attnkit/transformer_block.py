@@ -252,11 +252,12 @@ class TransformerEncoderBlock(Module):
         return _ffn.feed_forward_forward(x, p["W1"], p["b1"], p["W2"], p["b2"], self.activation)
 
     def forward(self, x: np.ndarray, mask: np.ndarray | None = None, key_padding_mask: np.ndarray | None = None,
-                is_causal: bool = False) -> np.ndarray:
-        """Encode ``x`` (B, L, D); returns (B, L, D).
+                is_causal: bool = False, need_weights: bool = False):
+        """Encode ``x`` (B, L, D); returns (B, L, D), or ``(output, weights)`` with ``need_weights=True``.
 
         ``mask`` (``True`` = may attend) and ``key_padding_mask`` ((B, L), ``True`` = real token) are passed to
-        :meth:`MultiHeadAttention.forward`; ``is_causal`` adds the causal mask.
+        :meth:`MultiHeadAttention.forward`; ``is_causal`` adds the causal mask. With ``need_weights`` the
+        attention's per-head weights (B, H, L, L) are returned too (e.g. for plotting).
         """
         x = as_float_array(x, "x")
         check_ndim(x, "x", ndim=3, expected=f"3-D (batch, seq, d_model={self.d_model})")
@@ -264,18 +265,20 @@ class TransformerEncoderBlock(Module):
             raise ValueError(f"x has {x.shape[-1]} features, expected d_model = {self.d_model} (got shape {x.shape})")
         if self.norm_first:
             a, *ln1 = self._norm("1", x)  # (B, L, D)
-            h = x + self._attend(a, mask, key_padding_mask, is_causal)  # (B, L, D)
+            att, weights = self._attend(a, mask, key_padding_mask, is_causal, need_weights)  # (B, L, D)
+            h = x + att  # (B, L, D)
             f, *ln2 = self._norm("2", h)  # (B, L, D)
             y, *ff = self._ffn(f)  # (B, L, D)
             out = h + y
             self._cache = (ln1, ln2, (f, *ff))
         else:
-            s = x + self._attend(x, mask, key_padding_mask, is_causal)  # (B, L, D)
+            att, weights = self._attend(x, mask, key_padding_mask, is_causal, need_weights)  # (B, L, D)
+            s = x + att  # (B, L, D)
             h, *ln1 = self._norm("1", s)  # (B, L, D)
             y, *ff = self._ffn(h)  # (B, L, D)
             out, *ln2 = self._norm("2", h + y)  # (B, L, D)
             self._cache = (ln1, ln2, (h, *ff))
-        return out
+        return (out, weights) if need_weights else out
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         """Backpropagate (B, L, D) ``grad_output``; returns the gradient of ``x`` and adds every parameter's
@@ -295,10 +298,10 @@ class TransformerEncoderBlock(Module):
         g_s1 = self._norm_backward("1", g_h, ln1)  # gradient of x + MHA(x)
         return g_s1 + self._attention_backward(g_s1)
 
-    def _attend(self, a: np.ndarray, mask, key_padding_mask, is_causal: bool) -> np.ndarray:
-        out, _ = self.attention.forward(a, a, a, attn_mask=mask, key_padding_mask=key_padding_mask,
-                                        need_weights=False, is_causal=is_causal)
-        return out
+    def _attend(self, a: np.ndarray, mask, key_padding_mask, is_causal: bool, need_weights: bool = False):
+        """Self-attention of ``a``: returns ``(output (B, L, D), weights (B, H, L, L) or None)``."""
+        return self.attention.forward(a, a, a, attn_mask=mask, key_padding_mask=key_padding_mask,
+                                      need_weights=need_weights, is_causal=is_causal)
 
     def _attention_backward(self, g: np.ndarray) -> np.ndarray:
         dq, dk, dv = self.attention.backward(g)

@@ -153,6 +153,32 @@ class Module:
         for name in state:
             np.copyto(own[name], np.asarray(state[name]), casting="unsafe")
 
+    def save(self, path: Any) -> None:
+        """Write :meth:`state_dict` to ``path`` as an ``.npz`` archive (``np.savez``), exactly at ``path``.
+
+        Examples
+        --------
+        >>> import os, tempfile
+        >>> from attnkit.layers import Projection
+        >>> a, b = Projection(3, 2, rng=0), Projection(3, 2, rng=1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "proj.npz")
+        >>> a.save(path)
+        >>> b.load(path)
+        >>> np.array_equal(a.W, b.W)
+        True
+        """
+        with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a bare name
+            np.savez(f, **self.state_dict())
+
+    def load(self, path: Any) -> None:
+        """Load parameters saved by :meth:`save` (``load_state_dict(np.load(path))``, strict).
+
+        Raises ``KeyError``/``ValueError`` like :meth:`load_state_dict` for unknown, missing or wrongly shaped
+        entries.
+        """
+        with np.load(path, allow_pickle=False) as archive:
+            self.load_state_dict(archive)
+
     # -- calling -------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError

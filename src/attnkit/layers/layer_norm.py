@@ -1,0 +1,85 @@
+"""``LayerNorm``: layer normalisation over the last axis with a learnable gain and shift (seed 001).
+
+Dimension letters: ``...`` any leading dims, D ``normalized_shape``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._validation import check_positive_int
+from ..core.module import Module
+from ..kernels import norm as _norm
+from ._common import check_features, check_grad_output
+
+__all__ = ["LayerNorm"]
+
+
+class LayerNorm(Module):
+    """``y = gamma * (x - mean) / sqrt(var + eps) + beta`` over the last axis (biased variance, as torch).
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of one int
+        Size D of the normalised (last) axis.
+    eps : float, default 1e-6
+        Added to the variance (note: ``torch.nn.LayerNorm`` defaults to 1e-5).
+
+    Attributes
+    ----------
+    gamma : ndarray, shape (D,), starts at ones
+    beta : ndarray, shape (D,), starts at zeros
+    grads : dict with ``"gamma"`` and ``"beta"``.
+
+    Shapes
+    ------
+    x : (..., D) -> y : (..., D), in ``x``'s float dtype.
+
+    Examples
+    --------
+    >>> ln = LayerNorm(3)
+    >>> ln(np.array([[1.0, 2.0, 3.0]])).round(4)
+    array([[-1.2247,  0.    ,  1.2247]])
+    >>> ln.backward(np.ones((1, 3))).round(6)  # shifting every input alike changes nothing
+    array([[0., 0., 0.]])
+    >>> ln.grads["beta"]
+    array([1., 1., 1.])
+    """
+
+    def __init__(self, normalized_shape: int | tuple[int], eps: float = 1e-6) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, (tuple, list)):
+            if len(normalized_shape) != 1:
+                raise ValueError(f"normalized_shape must be an int or a tuple of one int (the last axis), "
+                                 f"got {tuple(normalized_shape)}")
+            normalized_shape = normalized_shape[0]
+        self.normalized_shape = check_positive_int(normalized_shape, "normalized_shape")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not eps >= 0:
+            raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+        self.eps = float(eps)
+        self.register_parameter("gamma", np.ones(self.normalized_shape))
+        self.register_parameter("beta", np.zeros(self.normalized_shape))
+        self._cache: tuple[np.ndarray, np.ndarray] | None = None
+
+    def extra_repr(self) -> str:
+        return f"normalized_shape={self.normalized_shape}, eps={self.eps}"
+
+    def forward(self, x: Any) -> np.ndarray:
+        """Normalise ``x`` (..., D); caches the normalised input and ``1 / std`` for :meth:`backward`."""
+        x = check_features(x, "x", self.normalized_shape, "LayerNorm", "normalized_shape")
+        y, x_hat, rstd = _norm.layer_norm_forward(x, self._parameters["gamma"], self._parameters["beta"],
+                                                  self.eps)  # (..., D), (..., D), (..., 1)
+        self._cache = (x_hat, rstd)
+        return y
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        """Add the gradients of ``gamma`` and ``beta`` into ``self.grads``; return ``grad_x`` (..., D)."""
+        if self._cache is None:
+            raise RuntimeError("LayerNorm.backward called before forward")
+        x_hat, rstd = self._cache
+        g = check_grad_output(grad_output, x_hat.shape, x_hat.dtype, "LayerNorm")
+        grad_x, grad_gamma, grad_beta = _norm.layer_norm_backward(g, x_hat, rstd, self._parameters["gamma"])
+        self.grads["gamma"] += grad_gamma
+        self.grads["beta"] += grad_beta
+        return grad_x
