@@ -61,7 +61,8 @@ class MultiHeadAttention(Module):
     kdim, vdim : int, optional
         Feature sizes of the key and value inputs (default E).
     rng : numpy.random.Generator or int, optional
-        Source of the Glorot-uniform initial weights (biases start at zero).
+        Source of the Glorot-uniform initial weights (biases start at zero) and of the default head's
+        dropout seed.
 
     Attributes
     ----------
@@ -98,8 +99,10 @@ class MultiHeadAttention(Module):
             raise ValueError(f"embed_dim (d_model) = {embed_dim} is not divisible by num_heads = {num_heads}")
         kdim = embed_dim if kdim is None else check_positive_int(kdim, "kdim")
         vdim = embed_dim if vdim is None else check_positive_int(vdim, "vdim")
+        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
         if attention is None:
-            attention = ScaledDotProductAttention(dropout=dropout)
+            # The dropout stream is seeded from rng too, so a seeded layer is reproducible end to end.
+            attention = ScaledDotProductAttention(dropout=dropout, seed=int(gen.integers(2**63)) if dropout else None)
         elif not isinstance(attention, BaseAttention):
             raise TypeError(f"attention must be a BaseAttention instance, got {type(attention).__name__}")
         elif dropout:
@@ -110,7 +113,6 @@ class MultiHeadAttention(Module):
         self.kdim, self.vdim = kdim, vdim
         self.bias = bool(bias)
         self.attention = attention
-        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
         for name, fan_in in (("W_Q", embed_dim), ("W_K", kdim), ("W_V", vdim), ("W_O", embed_dim)):
             self.register_parameter(name, xavier_uniform(gen, fan_in, embed_dim))
         if self.bias:
