@@ -1,0 +1,300 @@
+"""Pictures of attention weights and training curves (matplotlib, imported only when a plot is drawn).
+
+matplotlib is not a dependency of attnkit: install it with ``pip install 'attnkit[viz]'``. Every function
+returns a :class:`matplotlib.figure.Figure`, so the same call shows inline in a notebook and saves to a
+file from a script (``fig.savefig("attention.png")``). On a machine without a display the non-interactive
+Agg backend is chosen, unless ``MPLBACKEND`` says otherwise.
+
+Dimension letters: H heads, N layers, Lq query length (rows), Lk key length (columns).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["plot_attention", "plot_training_curve", "attention_figsize", "VIZ_INSTALL_HINT"]
+
+VIZ_INSTALL_HINT = "pip install 'attnkit[viz]'"
+
+_CELL_INCHES = 0.32  # side of one attention cell in the picture
+_MIN_PANEL_INCHES = 2.4  # no heatmap smaller than this, however short the sequence
+_MAX_TICK_LABELS = 40  # label every token up to this length, every k-th beyond
+_MAX_COLUMNS_ONE_LAYER = 4  # the heads of one layer wrap into rows of this many
+
+
+def _pyplot():
+    """Import ``matplotlib.pyplot`` (Agg backend when there is no display), or explain how to install it."""
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - exercised with a monkeypatched import in the tests
+        raise ImportError(f"attnkit.viz needs matplotlib, which is not installed: {VIZ_INSTALL_HINT}") from exc
+    headless = sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    if headless and "MPLBACKEND" not in os.environ and "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _as_4d(weights: Any) -> np.ndarray:
+    w = np.asarray(weights)
+    if w.dtype.kind not in "fiub":
+        raise TypeError(f"weights must be a real numeric array, got dtype {w.dtype} (shape {w.shape})")
+    if w.ndim not in (2, 3, 4):
+        raise ValueError(f"weights must be (Lq, Lk), (H, Lq, Lk) or (layers, H, Lq, Lk), got shape {w.shape}")
+    if 0 in w.shape:
+        raise ValueError(f"weights must not be empty, got shape {w.shape}")
+    return w.reshape((1,) * (4 - w.ndim) + w.shape).astype(np.float64)  # (N, H, Lq, Lk)
+
+
+def _check_tokens(tokens: Sequence[Any] | None, n: int, name: str, what: str) -> list[str] | None:
+    if tokens is None:
+        return None
+    if isinstance(tokens, str):
+        raise TypeError(f"{name} must be a sequence of tokens, not a string (split it first: {name}=text.split())")
+    labels = [str(t) for t in tokens]
+    if len(labels) != n:
+        raise ValueError(f"{name} has {len(labels)} tokens, but the weights have {n} {what}")
+    return labels
+
+
+def _check_names(names: Sequence[Any] | None, n: int, name: str, default: str) -> list[str]:
+    if names is None:
+        return [f"{default} {i}" for i in range(n)]
+    labels = [str(s) for s in names]
+    if len(labels) != n:
+        raise ValueError(f"{name} has {len(labels)} names, but the weights have {n}")
+    return labels
+
+
+def _grid_shape(n_layers: int, n_heads: int) -> tuple[int, int]:
+    """Rows and columns of panels: layers x heads, except that the heads of a single layer wrap at 4 columns."""
+    if n_layers == 1 and n_heads > _MAX_COLUMNS_ONE_LAYER:
+        return math.ceil(n_heads / _MAX_COLUMNS_ONE_LAYER), _MAX_COLUMNS_ONE_LAYER
+    return n_layers, n_heads
+
+
+def attention_figsize(n_layers: int, n_heads: int, seq_q: int, seq_k: int) -> tuple[float, float]:
+    """Size in inches of the figure :func:`plot_attention` draws for a (layers, H, Lq, Lk) array.
+
+    One panel per head and layer (layers are rows, heads are columns; the heads of a single layer wrap
+    into rows of 4) plus room for the colour bar.
+
+    Examples
+    --------
+    >>> attention_figsize(2, 4, 8, 8)
+    (13.44, 6.32)
+    >>> attention_figsize(1, 12, 8, 8)  # 3 rows of 4 heads
+    (13.44, 9.48)
+    """
+    rows, cols = _grid_shape(n_layers, n_heads)
+    panel_w = max(_MIN_PANEL_INCHES, _CELL_INCHES * seq_k) + 0.55  # + the query labels
+    panel_h = max(_MIN_PANEL_INCHES, _CELL_INCHES * seq_q) + 0.6  # + title and key labels
+    return round(cols * panel_w + 1.0, 2), round(rows * panel_h, 2)
+
+
+def _tick_positions(n: int) -> np.ndarray:
+    step = max(1, int(np.ceil(n / _MAX_TICK_LABELS)))
+    return np.arange(0, n, step)
+
+
+def plot_attention(weights: Any, query_tokens: Sequence[Any] | None = None, key_tokens: Sequence[Any] | None = None,
+                   *, title: str | None = None, layer_names: Sequence[Any] | None = None,
+                   head_names: Sequence[Any] | None = None, ax: Any = None, cmap: str = "viridis",
+                   vmin: float = 0.0, vmax: float | None = None):
+    """Draw attention weights as a grid of heatmaps, one per head (columns) and layer (rows).
+
+    The heads of a single layer wrap into rows of four (12 heads: 3 x 4).
+
+    Parameters
+    ----------
+    weights : array_like, shape (Lq, Lk), (H, Lq, Lk) or (N, H, Lq, Lk)
+        Attention weights of one example (e.g. ``weights[0]`` of a ``MultiHeadAttention`` output, or one
+        example's weights of every layer stacked). Row ``i`` is what query ``i`` attends to.
+    query_tokens : sequence of Lq tokens, optional
+        Labels of the rows (the queries); default the positions ``0 .. Lq-1``.
+    key_tokens : sequence of Lk tokens, optional
+        Labels of the columns (the keys); default ``query_tokens`` when ``Lq == Lk`` (self-attention),
+        else the positions.
+    title : str, optional
+        Title of the whole figure.
+    layer_names, head_names : sequence of str, optional
+        Names of the N layers and H heads in the panel titles (default ``"layer i"``, ``"head j"``).
+    ax : matplotlib Axes, optional
+        Draw a single (Lq, Lk) map into this existing axes (the figure is then ``ax.figure``). Only for
+        weights with one layer and one head.
+    cmap : str, default "viridis"
+    vmin, vmax : float
+        The colour scale, shared by every panel of the figure. ``vmax`` defaults to the largest weight
+        (at most 1), so heads are comparable with one another.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        With one colour bar for the whole figure. Panels are ``fig.axes[:-1]`` (the last axes is the
+        colour bar), in row-major order (layer 0 head 0, layer 0 head 1, ...).
+
+    Raises
+    ------
+    ImportError
+        If matplotlib is not installed (the message names ``pip install 'attnkit[viz]'``).
+    ValueError
+        Wrong number of dimensions, or token/name lists whose length does not match the weights.
+
+    Shapes
+    ------
+    N layers, H heads, Lq queries (rows), Lk keys (columns). A fully masked query row (all-zero weights,
+    attnkit's convention) shows as the bottom of the colour scale.
+
+    Examples
+    --------
+    >>> w = np.full((2, 3, 3), 1 / 3)  # (H, Lq, Lk)
+    >>> fig = plot_attention(w, ["the", "cat", "sat"], title="uniform")
+    >>> len(fig.axes)  # two heads and the colour bar
+    3
+    >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    ['the', 'cat', 'sat']
+    """
+    w = _as_4d(weights)  # (N, H, Lq, Lk)
+    n_layers, n_heads, seq_q, seq_k = w.shape
+    q_labels = _check_tokens(query_tokens, seq_q, "query_tokens", "queries (rows)")
+    if key_tokens is None and q_labels is not None and seq_q == seq_k:
+        k_labels = q_labels
+    else:
+        k_labels = _check_tokens(key_tokens, seq_k, "key_tokens", "keys (columns)")
+    layer_labels = _check_names(layer_names, n_layers, "layer_names", "layer")
+    head_labels = _check_names(head_names, n_heads, "head_names", "head")
+    if vmax is None:
+        vmax = float(min(1.0, np.nanmax(w))) if np.nanmax(w) > vmin else vmin + 1.0
+    if not vmax > vmin:
+        raise ValueError(f"vmax must be greater than vmin, got vmin={vmin}, vmax={vmax}")
+
+    plt = _pyplot()
+    rows, cols = _grid_shape(n_layers, n_heads)
+    if ax is not None:
+        if n_layers * n_heads != 1:
+            raise ValueError(f"ax= draws one heatmap, but the weights hold {n_layers} layers x {n_heads} heads "
+                             f"(shape {np.shape(weights)}); leave ax=None to get a grid")
+        fig, grid = ax.figure, np.array([[ax]])
+    else:
+        fig, grid = plt.subplots(rows, cols, squeeze=False, layout="constrained",
+                                 figsize=attention_figsize(n_layers, n_heads, seq_q, seq_k))
+    panels = grid.ravel()[: n_layers * n_heads]
+    for unused in grid.ravel()[n_layers * n_heads:]:  # the last row of wrapped heads may be short
+        unused.remove()
+    image = None
+    q_ticks, k_ticks = _tick_positions(seq_q), _tick_positions(seq_k)
+    for n, a in enumerate(panels):
+        i, j = divmod(n, n_heads)  # layer, head
+        image = a.imshow(w[i, j], cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
+        name = []
+        if n_layers > 1 or layer_names is not None:
+            name.append(layer_labels[i])
+        if n_heads > 1 or head_names is not None:
+            name.append(head_labels[j])
+        if name:
+            a.set_title(", ".join(name), fontsize=10)
+        a.set_xticks(k_ticks)
+        a.set_yticks(q_ticks)
+        a.set_xticklabels([k_labels[t] for t in k_ticks] if k_labels else [str(t) for t in k_ticks],
+                          rotation=90 if k_labels and max(map(len, k_labels)) > 2 else 0, fontsize=8)
+        a.set_yticklabels([q_labels[t] for t in q_ticks] if q_labels else [str(t) for t in q_ticks], fontsize=8)
+        a.tick_params(length=0)
+        if n + cols >= len(panels):  # no panel below this one
+            a.set_xlabel("key")
+        if n % cols == 0:
+            a.set_ylabel("query")
+    bar = fig.colorbar(image, ax=list(panels), shrink=0.9 if rows > 1 else 1.0, pad=0.02)
+    bar.set_label("attention weight")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def _moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    if window <= 1 or values.size < 2:
+        return values
+    window = min(window, values.size)
+    kernel = np.ones(window) / window
+    head = np.cumsum(values[: window - 1]) / np.arange(1, window)  # (window-1,) warm-up means
+    return np.concatenate([head, np.convolve(values, kernel, mode="valid")])  # (T,)
+
+
+def plot_training_curve(loss: Any, accuracy: Any = None, *, steps: Any = None, eval_steps: Any = None,
+                        eval_accuracy: Any = None, smooth: int | None = None, title: str | None = None):
+    """Draw a training curve: the loss (log scale) and, if given, the accuracy, side by side.
+
+    Parameters
+    ----------
+    loss : array_like, shape (T,)
+        Training loss per step (or per logging point).
+    accuracy : array_like, shape (T,), optional
+        Training accuracy in [0, 1] at the same points.
+    steps : array_like, shape (T,), optional
+        The step numbers of the points (default ``1 .. T``).
+    eval_steps, eval_accuracy : array_like, shape (E,), optional
+        Held-out accuracy measured at some steps, drawn as markers on the accuracy panel.
+    smooth : int, optional
+        Moving-average window drawn over the raw (faint) curves; default about T / 50.
+    title : str, optional
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One axes (loss) or two (loss, accuracy).
+
+    Examples
+    --------
+    >>> fig = plot_training_curve([2.3, 1.0, 0.5], [0.1, 0.6, 0.9])
+    >>> [a.get_ylabel() for a in fig.axes]
+    ['loss', 'accuracy']
+    """
+    loss = np.asarray(loss, dtype=np.float64).ravel()  # (T,)
+    if loss.size == 0:
+        raise ValueError("loss must hold at least one value")
+    x = np.arange(1, loss.size + 1) if steps is None else np.asarray(steps, dtype=np.float64).ravel()
+    if x.shape != loss.shape:
+        raise ValueError(f"steps has {x.size} values but loss has {loss.size}")
+    acc = None if accuracy is None else np.asarray(accuracy, dtype=np.float64).ravel()
+    if acc is not None and acc.shape != loss.shape:
+        raise ValueError(f"accuracy has {acc.size} values but loss has {loss.size}")
+    if (eval_steps is None) != (eval_accuracy is None):
+        raise ValueError("give eval_steps and eval_accuracy together")
+    window = max(1, loss.size // 50) if smooth is None else int(smooth)
+
+    plt = _pyplot()
+    n_panels = 1 if acc is None else 2
+    fig, axes = plt.subplots(1, n_panels, squeeze=False, layout="constrained", figsize=(5.0 * n_panels, 3.6))
+    a = axes[0, 0]
+    a.plot(x, loss, color="C0", alpha=0.3, linewidth=0.8, label="per step" if window > 1 else "loss")
+    if window > 1:
+        a.plot(x, _moving_average(loss, window), color="C0", linewidth=1.8, label=f"mean of {window} steps")
+    if np.all(loss > 0):
+        a.set_yscale("log")
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    a.set_title("training loss (cross-entropy)", fontsize=10)
+    a.grid(True, which="major", alpha=0.3)
+    a.legend(fontsize=8)
+    if acc is not None:
+        b = axes[0, 1]
+        b.plot(x, acc, color="C1", alpha=0.3, linewidth=0.8, label="train (per batch)" if window > 1 else "train")
+        if window > 1:
+            b.plot(x, _moving_average(acc, window), color="C1", linewidth=1.8, label=f"train (mean of {window})")
+        if eval_steps is not None:
+            b.plot(np.asarray(eval_steps, dtype=np.float64), np.asarray(eval_accuracy, dtype=np.float64), "o-",
+                   color="C2", markersize=4, linewidth=1.2, label="held-out")
+        b.set_ylim(0.0, 1.02)
+        b.set_xlabel("step")
+        b.set_ylabel("accuracy")
+        b.set_title("token accuracy", fontsize=10)
+        b.grid(True, alpha=0.3)
+        b.legend(fontsize=8, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    return fig
