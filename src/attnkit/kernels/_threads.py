@@ -1,0 +1,124 @@
+"""Thread pool and BLAS-thread management for the tiled kernel.
+
+NumPy releases the GIL inside BLAS calls and inside ufunc loops (``exp``, ``multiply``, reductions), so
+a handful of Python threads each working on its own tiles keeps all cores busy. BLAS must then run one
+thread per caller: ``t`` tile threads times ``b`` BLAS threads above the core count only adds contention.
+
+``threadpoolctl`` (the ``fast`` extra) sets the BLAS thread count; it is imported lazily, and without it
+the kernel still runs, merely risking oversubscription if BLAS is itself multi-threaded.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Sequence
+
+__all__ = ["default_num_threads", "blas_single_thread", "run_tasks"]
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+_in_worker = threading.local()
+_controller: Any = None  # threadpoolctl.ThreadpoolController, False if unavailable, None before first use
+
+
+def default_num_threads() -> int:
+    """The number of tile threads used when the caller does not say: every core (``os.cpu_count()``)."""
+    return os.cpu_count() or 1
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A long-lived executor with ``workers`` threads (created once: spawning threads per call costs)."""
+    with _pools_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnkit")
+        return pool
+
+
+_limit_lock = threading.Lock()
+_limit_users = 0
+_limit_handle: Any = None
+
+
+@contextmanager
+def blas_single_thread():
+    """Context manager limiting BLAS to one thread (a no-op without threadpoolctl).
+
+    Uses one cached ``ThreadpoolController``: building a fresh one (what ``threadpool_limits`` does)
+    inspects every loaded library and costs ~0.4 ms a call, entering a cached one costs ~3 us.
+    The limit is process-wide while it is held, as every BLAS thread setting is; concurrent callers
+    share it (reference-counted), and the last one out restores the original setting.
+    """
+    global _controller, _limit_users, _limit_handle
+    with _limit_lock:
+        if _controller is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+                _controller = ThreadpoolController()
+            except Exception:  # threadpoolctl missing or unable to inspect the libraries
+                _controller = False
+        if _controller is not False:
+            if _limit_users == 0:
+                _limit_handle = _controller.limit(limits=1, user_api="blas")
+            _limit_users += 1
+    try:
+        yield
+    finally:
+        with _limit_lock:
+            if _controller is not False:
+                _limit_users -= 1
+                if _limit_users == 0:
+                    _limit_handle.restore_original_limits()
+                    _limit_handle = None
+
+
+def run_tasks(tasks: Sequence[Any], work: Callable[[Any, int], None], num_threads: int) -> int:
+    """Run ``work(task, worker_id)`` for every task, spread over ``num_threads`` threads.
+
+    Tasks are handed out dynamically in the given order (put the largest first for load balance). Each
+    worker has a stable ``worker_id`` in ``range(workers)``, so it may own scratch buffers and private
+    accumulators without locks. The calling thread is worker 0. With one thread, or one task, or when
+    called from inside a worker (no nested pools: that could deadlock), everything runs in the calling
+    thread and the BLAS thread count is left alone.
+
+    Returns
+    -------
+    int
+        The number of workers used (``worker_id`` ranged over ``range(workers)``).
+    """
+    workers = min(int(num_threads), len(tasks))
+    if workers <= 1 or getattr(_in_worker, "active", False):
+        for task in tasks:
+            work(task, 0)
+        return 1
+    counter = itertools.count()  # next() on a count is atomic under the GIL
+
+    def loop(worker_id: int) -> None:
+        _in_worker.active = True
+        try:
+            while True:
+                i = next(counter)
+                if i >= len(tasks):
+                    return
+                work(tasks[i], worker_id)
+        finally:
+            _in_worker.active = False
+
+    with blas_single_thread():
+        futures = [_pool(workers - 1).submit(loop, w) for w in range(1, workers)]
+        error = None
+        try:
+            loop(0)
+        except BaseException as exc:  # still wait for the others before leaving the BLAS limit
+            error = exc
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+    return workers
