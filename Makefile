@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP_TEST): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[test,fast,viz]'
+	$(BIN)/python -m pip install --quiet -e '.[test,fast,viz,pretrained]'
 	touch $@
 
 # The demo needs the pictures and the progress bar (viz) and one BLAS thread on its tiny matrices (fast).

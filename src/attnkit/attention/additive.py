@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_float_array, check_mask, check_positive_int
+from .._validation import as_bool_mask, as_float_array, check_mask, check_positive_int, check_qkv
 from ..core.base_attention import BaseAttention
 from ..kernels import reference as _ref
-from .attention import as_bool_mask, check_qkv
 from .multi_head_attention import xavier_uniform
 
 __all__ = ["AdditiveAttention"]

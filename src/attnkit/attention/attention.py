@@ -3,8 +3,6 @@
 Dimension letters: B batch, Lq/Lk query/key length, Dq/Dk query/key features (Dq == Dk required), Dv value
 features, ``...`` any leading dims (e.g. (B, H) under ``MultiHeadAttention``).
 
-This file also holds :func:`check_qkv` and :func:`as_bool_mask`, the input checks the parametrised heads of
-this package (additive, learned-bias, physics-guided) share.
 """
 from __future__ import annotations
 
@@ -12,76 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_float_array, check_mask, common_float_dtype
+from .._validation import as_bool_mask, as_float_array, check_mask, check_qkv
 from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["Attention", "check_qkv", "as_bool_mask"]
-
-
-def check_qkv(q: Any, k: Any, v: Any, owner: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
-    """Convert and check the ``(q, k, v)`` of an attention head.
-
-    Converts to floating arrays of one common dtype (ints become float64; the caller's arrays are never
-    modified) and checks the ranks, that keys and values have the same length and that the leading dims
-    broadcast. Feature sizes are the caller's business (dot-product and additive heads differ).
-
-    Parameters
-    ----------
-    q, k, v : array_like, shapes (..., Lq, Dq), (..., Lk, Dk), (..., Lk, Dv)
-    owner : str
-        Name of the calling head, used in error messages.
-
-    Returns
-    -------
-    q, k, v : ndarrays of the common float dtype
-    lead : tuple of int
-        The broadcast leading shape ``...`` of the scores (..., Lq, Lk).
-
-    Raises
-    ------
-    TypeError
-        Non-numeric input.
-    ValueError
-        Fewer than 2 dims, different ranks, Lk of k and v differ, leading dims that do not broadcast.
-    """
-    q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim < 2:
-            raise ValueError(f"{owner}: {name} must be at least 2-D (..., seq, features), got shape {x.shape}")
-    if not q.ndim == k.ndim == v.ndim:
-        raise ValueError(f"{owner}: q, k and v must have the same number of dimensions, got shapes "
-                         f"q: {q.shape}, k: {k.shape}, v: {v.shape}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"{owner}: k has length {k.shape[-2]} but v has length {v.shape[-2]} "
-                         f"(k: {k.shape}, v: {v.shape})")
-    try:
-        lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except ValueError:
-        raise ValueError(f"{owner}: the leading (batch/head) dims of q, k and v do not broadcast "
-                         f"(q: {q.shape}, k: {k.shape}, v: {v.shape})") from None
-    dtype = common_float_dtype(q, k, v)
-    q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
-    return q, k, v, tuple(lead)
-
-
-def as_bool_mask(mask: Any, name: str = "mask", allow_int: bool = False) -> np.ndarray | None:
-    """``mask`` as a boolean array (``True`` = may attend); ``None`` passes through.
-
-    With ``allow_int`` an integer array of 0s and 1s is accepted too (1 = may attend, 0 = masked), as seed
-    004 writes masks; any other value, and floating masks (easily confused with additive biases), are refused.
-    """
-    if mask is None:
-        return None
-    m = np.asarray(mask)
-    if m.dtype == np.bool_:
-        return m
-    if allow_int and m.dtype.kind in "iu":
-        if not np.all((m == 0) | (m == 1)):
-            raise ValueError(f"{name} holds integers other than 0 and 1 (shape {m.shape}); 1 = may attend, "
-                             f"0 = masked")
-        return m.astype(bool)
-    accepted = "boolean or a 0/1 integer array" if allow_int else "boolean"
-    raise TypeError(f"{name} must be {accepted} (True = may attend), got dtype {m.dtype} with shape {m.shape}")
 
 
 class Attention(ScaledDotProductAttention):
@@ -146,7 +78,6 @@ class Attention(ScaledDotProductAttention):
     def __init__(self, dropout: float = 0.0, future_mask: bool = False, scale: float | None = None,
                  seed: int | None = None) -> None:
         super().__init__(dropout=dropout, scale=scale, is_causal=future_mask, seed=seed)
-        self._out_shape: tuple[int, ...] | None = None
 
     @property
     def future_mask(self) -> bool:
@@ -165,18 +96,9 @@ class Attention(ScaledDotProductAttention):
                              f"k: {k.shape}); dot-product attention needs d_q == d_k: project one of them or "
                              f"use AdditiveAttention")
         mask = self._read_mask(as_bool_mask(mask, "mask", allow_int=True), q, k, lead)
-        out, weights = super().forward(q, k, v, mask, is_causal=is_causal, need_weights=need_weights)
-        self._out_shape = out.shape
-        return out, weights
+        return self._attend(q, k, v, mask, is_causal, None, need_weights)
 
-    def backward(self, grad_output: Any):
-        """Return ``(grad_q, grad_k, grad_v)``, shaped like the last forward's q, k, v."""
-        if self._out_shape is None:
-            raise RuntimeError("Attention.backward called before forward")
-        g = as_float_array(grad_output, "grad_output")
-        if g.shape != self._out_shape:
-            raise ValueError(f"grad_output has shape {g.shape}, expected the output shape {self._out_shape}")
-        return super().backward(g.astype(self._ctx.q.dtype, copy=False))
+
 
     @staticmethod
     def _read_mask(mask: np.ndarray | None, q: np.ndarray, k: np.ndarray, lead: tuple[int, ...]):

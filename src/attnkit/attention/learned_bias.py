@@ -17,10 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_float_array, check_mask, check_positive_int
-from ..kernels import reference as _ref
+from .._validation import as_bool_mask, as_float_array, check_mask, check_positive_int, check_qkv
 from ..kernels.bias import ScoreBias
-from .attention import as_bool_mask, check_qkv
 from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["LearnedBiasAttention", "T5RelativeBias", "ALiBiBias", "t5_relative_position_bucket", "alibi_slopes"]
@@ -280,7 +278,6 @@ class LearnedBiasAttention(ScaledDotProductAttention):
             self.register_parameter("rel_bias", np.zeros((self.num_heads, self.num_buckets)))
         else:
             self.register_parameter("slopes", alibi_slopes(self.num_heads))
-        self._out_shape: tuple[int, ...] | None = None
 
     def extra_repr(self) -> str:
         extra = (f", num_buckets={self.num_buckets}, max_distance={self.max_distance}" if self.mode == "t5" else "")
@@ -311,19 +308,8 @@ class LearnedBiasAttention(ScaledDotProductAttention):
                              f"num_heads={self.num_heads}")
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         mask = check_mask(as_bool_mask(mask, "mask"), "mask", lead + (seq_q, seq_k), "(..., H, seq_q, seq_k) scores")
-        p = self.dropout if self.training else 0.0
-        seed = int(self._rng.integers(2**63)) if p > 0 else None
-        out, weights, self._ctx = _ref.attention_forward(
-            q, k, v, mask=mask, causal=is_causal, scale=self.scale, bias=self.score_bias(q.dtype),
-            dropout_p=p, dropout_seed=seed)  # (..., H, Lq, Dv), (..., H, Lq, Lk)
-        self._out_shape = out.shape
-        return out, (weights if need_weights else None)
+        return self._attend(q, k, v, mask, is_causal, self.score_bias(q.dtype), need_weights)
 
     def backward(self, grad_output: Any):
         """Return ``(grad_q, grad_k, grad_v)`` and add the gradient of ``rel_bias`` / ``slopes``."""
-        if self._out_shape is None:
-            raise RuntimeError("LearnedBiasAttention.backward called before forward")
-        g = as_float_array(grad_output, "grad_output")
-        if g.shape != self._out_shape:
-            raise ValueError(f"grad_output has shape {g.shape}, expected the output shape {self._out_shape}")
-        return super().backward(g.astype(self._ctx.q.dtype, copy=False))
+        return super().backward(grad_output)

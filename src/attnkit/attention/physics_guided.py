@@ -14,10 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_float_array, check_mask, check_positive_int
-from ..kernels import reference as _ref
+from .._validation import as_bool_mask, as_float_array, check_mask, check_positive_int, check_qkv
 from ..kernels.bias import ScoreBias
-from .attention import as_bool_mask, check_qkv
 from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["PhysicsGuidedAttention", "PhysicsPriorBias"]
@@ -208,7 +206,6 @@ class PhysicsGuidedAttention(ScaledDotProductAttention):
             self.register_parameter("log_length_scale", np.full(1, np.log(float(length_scale))))
         self.coordinates = None
         self.set_coordinates(coordinates)
-        self._out_shape: tuple[int, ...] | None = None
 
     @property
     def length_scale(self) -> float:
@@ -277,19 +274,8 @@ class PhysicsGuidedAttention(ScaledDotProductAttention):
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         self._check_coordinates(seq_q, seq_k)
         mask = check_mask(as_bool_mask(mask, "mask"), "mask", lead + (seq_q, seq_k), "(..., seq_q, seq_k) scores")
-        p = self.dropout if self.training else 0.0
-        seed = int(self._rng.integers(2**63)) if p > 0 else None
-        out, weights, self._ctx = _ref.attention_forward(
-            q, k, v, mask=mask, causal=is_causal, scale=self.scale, bias=self.score_bias(q.dtype),
-            dropout_p=p, dropout_seed=seed)  # (..., Lq, Dv), (..., Lq, Lk)
-        self._out_shape = out.shape
-        return out, (weights if need_weights else None)
+        return self._attend(q, k, v, mask, is_causal, self.score_bias(q.dtype), need_weights)
 
     def backward(self, grad_output: Any):
         """Return ``(grad_q, grad_k, grad_v)`` and add the gradients of ``strength`` (and ``log_length_scale``)."""
-        if self._out_shape is None:
-            raise RuntimeError("PhysicsGuidedAttention.backward called before forward")
-        g = as_float_array(grad_output, "grad_output")
-        if g.shape != self._out_shape:
-            raise ValueError(f"grad_output has shape {g.shape}, expected the output shape {self._out_shape}")
-        return super().backward(g.astype(self._ctx.q.dtype, copy=False))
+        return super().backward(grad_output)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.base_attention import BaseAttention
-from ..kernels import reference as _ref
+from .. import kernels as _kernels
+from .._validation import as_bool_mask, as_float_array, check_mask, check_qkv
 
 __all__ = ["ScaledDotProductAttention"]
 
@@ -50,23 +51,43 @@ class ScaledDotProductAttention(BaseAttention):
         self.is_causal = bool(is_causal)
         self._rng = np.random.default_rng(seed)
         self._ctx = None
+        self._out_shape = None
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, scale={self.scale}, is_causal={self.is_causal}"
 
     def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
                 is_causal: bool = False, need_weights: bool = True):
-        """Attend; see the class docstring for shapes. Caches the kernel context for :meth:`backward`."""
+        """Attend; see the class docstring for shapes. Caches the kernel context for :meth:`backward`.
+
+        With ``need_weights=False`` the tiled kernel runs (no ``Lq x Lk`` array is allocated) and the
+        weights come back as ``None``.
+        """
+        q, k, v, lead = check_qkv(q, k, v, type(self).__name__)
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"{type(self).__name__}: q has {q.shape[-1]} features but k has {k.shape[-1]} "
+                             f"(q: {q.shape}, k: {k.shape})")
+        mask = check_mask(as_bool_mask(mask, "mask"), "mask", lead + (q.shape[-2], k.shape[-2]),
+                          "(..., seq_q, seq_k) scores")
+        return self._attend(q, k, v, mask, is_causal, None, need_weights)
+
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, is_causal: bool,
+                bias, need_weights: bool):
+        """Run the kernel on checked inputs (subclasses add their ``bias`` here) and cache its context."""
         p = self.dropout if self.training else 0.0
         seed = int(self._rng.integers(2**63)) if p > 0 else None
-        out, weights, self._ctx = _ref.attention_forward(
-            q, k, v, mask=mask, causal=self.is_causal or is_causal, scale=self.scale, dropout_p=p,
-            dropout_seed=seed)
-        return out, (weights if need_weights else None)
+        out, weights, self._ctx = _kernels.attention_forward(
+            q, k, v, mask=mask, causal=self.is_causal or is_causal, scale=self.scale, bias=bias, dropout_p=p,
+            dropout_seed=seed, need_weights=need_weights)  # (..., Lq, Dv), (..., Lq, Lk) or None
+        self._out_shape = out.shape
+        return out, weights
 
     def backward(self, grad_output: np.ndarray):
-        """Return ``(grad_q, grad_k, grad_v)`` for the last forward."""
+        """Return ``(grad_q, grad_k, grad_v)`` for the last forward (a bias's parameters get theirs too)."""
         if self._ctx is None:
-            raise RuntimeError("backward called before forward")
-        dq, dk, dv, _ = _ref.attention_backward(grad_output, self._ctx)
+            raise RuntimeError(f"{type(self).__name__}.backward called before forward")
+        g = as_float_array(grad_output, "grad_output")
+        if g.shape != self._out_shape:
+            raise ValueError(f"grad_output has shape {g.shape}, expected the output shape {self._out_shape}")
+        dq, dk, dv, _ = _kernels.attention_backward(g.astype(self._ctx.q.dtype, copy=False), self._ctx)
         return dq, dk, dv

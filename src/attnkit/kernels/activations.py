@@ -1,7 +1,9 @@
 """Activations of the feed-forward network and their derivatives.
 
-``gelu`` is the exact ``x * Phi(x)`` with the Gaussian CDF (BERT's and torch's default), computed with a
-rational approximation of erf accurate to float64 rounding (W. J. Cody, 1969); numpy has no erf.
+``gelu`` is the exact ``x * Phi(x)`` with the Gaussian CDF (BERT's and torch's default). numpy has no erf:
+float64 uses W. J. Cody's (1969) rational approximations, accurate to float64 rounding; float32 uses the
+``x P(x^2) / Q(x^2)`` form on [-4, 4] that Eigen uses (within 8 float32 ulp, about torch's own float32
+GELU error) and is ~15x faster, which matters for BERT-sized feed-forward layers.
 ``gelu_tanh`` is the tanh approximation (GPT-2; torch's ``approximate="tanh"``).
 """
 from __future__ import annotations
@@ -85,6 +87,8 @@ def activation_forward(pre: np.ndarray, name: str) -> np.ndarray:
     if name == "relu":
         return np.maximum(pre, 0)
     if name == "gelu":
+        if pre.dtype == np.float32:
+            return pre * (np.float32(0.5) * (np.float32(1.0) + _erf_float32(pre * np.float32(0.7071067811865476))))
         cdf = 0.5 * (1.0 + erf(pre * 0.7071067811865476))
         return (pre * cdf).astype(pre.dtype, copy=False)
     if name == "gelu_tanh":
@@ -97,6 +101,10 @@ def activation_backward(grad: np.ndarray, pre: np.ndarray, post: np.ndarray, nam
     """Gradient of the activation's input given the gradient of its output."""
     if name == "relu":
         return grad * (pre > 0)
+    if name == "gelu" and pre.dtype == np.float32:
+        cdf = np.float32(0.5) * (np.float32(1.0) + _erf_float32(pre * np.float32(0.7071067811865476)))
+        pdf = np.exp(np.float32(-0.5) * pre * pre) * np.float32(0.3989422804014327)
+        return grad * (cdf + pre * pdf)
     if name == "gelu":
         x = pre.astype(np.float64, copy=False)
         cdf = 0.5 * (1.0 + erf(x * 0.7071067811865476))
@@ -108,3 +116,25 @@ def activation_backward(grad: np.ndarray, pre: np.ndarray, post: np.ndarray, nam
         d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * pre * pre)
         return grad * (0.5 * (1.0 + t) + 0.5 * pre * (1.0 - t * t) * d_inner)
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
+_ALPHA32 = np.array([-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+                     -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02], dtype=np.float32)
+_BETA32 = np.array([-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+                    -1.42647390514189e-02], dtype=np.float32)
+
+
+def _erf_float32(x):
+    """erf in float32, ``x * P(x^2) / Q(x^2)`` on [-4, 4] (Eigen's fast erf; within 8 float32 ulp)."""
+    x = np.clip(x, np.float32(-4.0), np.float32(4.0))
+    x2 = x * x
+    p = np.full_like(x2, _ALPHA32[0])
+    for c in _ALPHA32[1:]:
+        p *= x2
+        p += c
+    p *= x
+    q = np.full_like(x2, _BETA32[0])
+    for c in _BETA32[1:]:
+        q *= x2
+        q += c
+    return p / q
