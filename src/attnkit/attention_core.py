@@ -41,13 +41,16 @@ def _leading_shape(*named: tuple[str, np.ndarray]) -> tuple[int, ...]:
                          f"({shapes})") from None
 
 
-def _check_qkv(Q, K, V=None):
-    """Convert and check query/key/value arrays; returns them in a common float dtype and the score shape."""
+def _check_qkv(Q, K, V=None, same_features: bool = True):
+    """Convert and check query/key/value arrays; returns them in a common float dtype and the score shape.
+
+    ``same_features=False`` lets Q and K differ in features (additive attention projects each).
+    """
     Q = as_float_array(Q, "Q")
     K = as_float_array(K, "K")
-    check_ndim(Q, "Q", min_ndim=2, expected="at least 2-D (..., seq_q, d_k)")
+    check_ndim(Q, "Q", min_ndim=2, expected="at least 2-D (..., seq_q, d_q)")
     check_ndim(K, "K", min_ndim=2, expected="at least 2-D (..., seq_k, d_k)")
-    if Q.shape[-1] != K.shape[-1]:
+    if same_features and Q.shape[-1] != K.shape[-1]:
         raise ValueError(f"K has {K.shape[-1]} features but Q has {Q.shape[-1]}; they must match "
                          f"(Q: {Q.shape}, K: {K.shape})")
     arrays = [("Q", Q), ("K", K)]
@@ -261,7 +264,7 @@ def scaled_dot_product_attention_backward(grad_output: np.ndarray, Q: np.ndarray
 
 
 def _check_additive(Q, K, V, W_q, W_k, v):
-    Q, K, V, score_shape = _check_qkv_additive(Q, K, V)
+    Q, K, V, score_shape = _check_qkv(Q, K, V, same_features=False)
     W_q = as_float_array(W_q, "W_q")
     W_k = as_float_array(W_k, "W_k")
     v = as_float_array(v, "v")
@@ -279,24 +282,6 @@ def _check_additive(Q, K, V, W_q, W_k, v):
     dtype = common_float_dtype(Q, W_q, W_k, v)
     cast = [a.astype(dtype, copy=False) for a in (Q, K, V, W_q, W_k, v)]
     return (*cast, score_shape)
-
-
-def _check_qkv_additive(Q, K, V):
-    """Like :func:`_check_qkv` but Q and K may have different feature sizes (each has its projection)."""
-    Q = as_float_array(Q, "Q")
-    K = as_float_array(K, "K")
-    V = as_float_array(V, "V")
-    check_ndim(Q, "Q", min_ndim=2, expected="at least 2-D (..., seq_q, d_q)")
-    check_ndim(K, "K", min_ndim=2, expected="at least 2-D (..., seq_k, d_k)")
-    check_ndim(V, "V", min_ndim=2, expected="at least 2-D (..., seq_k, d_v)")
-    if V.shape[-2] != K.shape[-2]:
-        raise ValueError(f"V has length {V.shape[-2]} but K has length {K.shape[-2]}; they must match "
-                         f"(K: {K.shape}, V: {V.shape})")
-    _leading_shape(("Q", Q), ("K", K), ("V", V))
-    lead = _leading_shape(("Q", Q), ("K", K))  # the scores broadcast Q against K only
-    dtype = common_float_dtype(Q, K, V)
-    return (Q.astype(dtype, copy=False), K.astype(dtype, copy=False), V.astype(dtype, copy=False),
-            lead + (Q.shape[-2], K.shape[-2]))
 
 
 def additive_attention(Q: np.ndarray, K: np.ndarray, V: np.ndarray, W_q: np.ndarray, W_k: np.ndarray,
