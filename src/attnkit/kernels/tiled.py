@@ -328,24 +328,34 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     block_q, block_k = fixed_blocks[0] or auto_q, fixed_blocks[1] or auto_k
 
     # Keys and values once, with their ones columns; keys no query may see are zeroed (NaN padding).
+    q_flat = np.broadcast_to(q, lead + (seq_q, d)).reshape(n, seq_q, d)  # (N, Lq, D), a view if q is full
+    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, block_q, block_k)
+    live = _live_keys(mask, causal, seq_q, seq_k, block_q)  # (..., Lk) or None
     k_aug = np.empty((n, seq_k, d + 2), dtype)  # (N, Lk, D+2) [k, 1, 1]
     v_aug = np.empty((n, seq_k, dv + 2), dtype)  # (N, Lk, Dv+2) [v, 1, 1]
-    k_aug.reshape(lead + (seq_k, d + 2))[..., :d] = k
-    v_aug.reshape(lead + (seq_k, dv + 2))[..., :dv] = v
-    k_aug[..., d:] = 1
-    v_aug[..., dv:] = 1
-    live = _live_keys(mask, causal, seq_q, seq_k, block_q)  # (..., Lk) or None
-    if live is not None:
-        dead = ~live[..., None]  # (..., Lk, 1)
-        np.copyto(k_aug.reshape(lead + (seq_k, d + 2))[..., :d], 0, where=dead)
-        np.copyto(v_aug.reshape(lead + (seq_k, dv + 2))[..., :dv], 0, where=dead)
-    q_flat = np.broadcast_to(q, lead + (seq_q, d)).reshape(n, seq_q, d)  # (N, Lq, D), a view if q is full
+    kmax = np.empty((n, len(tiles.k_blocks)))  # (N, nKb) largest key norm of each key block
+    k_aug4 = k_aug.reshape(lead + (seq_k, d + 2))  # (..., Lk, D+2)
+    v_aug4 = v_aug.reshape(lead + (seq_k, dv + 2))  # (..., Lk, Dv+2)
 
-    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, block_q, block_k)
+    def prepare(kb, worker):
+        """Copy one key block into the augmented layout, zero its dead keys, take its largest norm."""
+        k0, k1 = tiles.k_blocks[kb]
+        k_aug4[..., k0:k1, :d] = k[..., k0:k1, :]
+        v_aug4[..., k0:k1, :dv] = v[..., k0:k1, :]
+        k_aug[:, k0:k1, d:] = 1
+        v_aug[:, k0:k1, dv:] = 1
+        if live is not None:
+            dead = ~live[..., k0:k1, None]  # (..., Tk, 1)
+            np.copyto(k_aug4[..., k0:k1, :d], 0, where=dead)
+            np.copyto(v_aug4[..., k0:k1, :dv], 0, where=dead)
+        kb_ = k_aug[:, k0:k1, :d]  # (N, Tk, D)
+        kmax[:, kb] = np.sqrt(np.einsum("nld,nld->nl", kb_, kb_).max(axis=1))  # (N,)
+
+    run_tasks(list(range(len(tiles.k_blocks))), prepare, num_threads)  # copies in parallel too
     out = np.zeros((n, seq_q, dv), dtype)  # (N, Lq, Dv)
     lse = np.full((n, seq_q), np.inf)  # (N, Lq) float64: backward splits it into two columns
     if n and seq_q and seq_k:
-        _forward(tiles, q_flat, k_aug, v_aug, out, lse, dtype.type(scale), dropout_p, dropout_seed,
+        _forward(tiles, q_flat, k_aug, v_aug, kmax, out, lse, dtype.type(scale), dropout_p, dropout_seed,
                  drop_lead, num_threads)
     ctx = FlashContext(q=q_flat, k_aug=k_aug, v_aug=v_aug, out=out, lse=lse, scale=scale, lead=lead,
                        q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, out_dtype=out_dtype, mask=mask,
@@ -355,7 +365,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     return out_r, lse.reshape(lead + (seq_q,)).astype(out_dtype, copy=False), ctx
 
 
-def _forward(tiles, q, k_aug, v_aug, out, lse, scale, dropout_p, seed, drop_lead, num_threads):
+def _forward(tiles, q, k_aug, v_aug, kmax, out, lse, scale, dropout_p, seed, drop_lead, num_threads):
     """Fill ``out`` (N, Lq, Dv) and ``lse`` (N, Lq) block of queries by block of queries."""
     n, seq_q, d = q.shape
     seq_k, dv = v_aug.shape[1], v_aug.shape[2] - 2
@@ -364,12 +374,8 @@ def _forward(tiles, q, k_aug, v_aug, out, lse, scale, dropout_p, seed, drop_lead
     fold = tiles.bias is None  # fold the shift into the matmul (see the module docstring)
     dropout = dropout_p > 0.0
     bq, bk = tiles.block_q, tiles.block_k
-    if fold:
-        qn = np.sqrt(np.einsum("nld,nld->nl", q, q, dtype=np.float64)) * abs(float(scale))  # (N, Lq)
-        kn = np.sqrt(np.einsum("nld,nld->nl", k_aug[..., :d], k_aug[..., :d], dtype=np.float64))  # (N, Lk)
-        kmax = np.stack([kn[:, k0:k1].max(axis=1) for k0, k1 in tiles.k_blocks], axis=1)  # (N, nKb)
-        if not np.isfinite(kmax).all():  # non-finite keys: no bound, take every tile's max
-            kmax[...] = np.inf
+    if fold and not np.isfinite(kmax).all():  # non-finite keys: no bound, take every tile's max
+        kmax = np.full_like(kmax, np.inf)
     scratch = {}
 
     def work(qb, worker):
@@ -382,6 +388,8 @@ def _forward(tiles, q, k_aug, v_aug, out, lse, scale, dropout_p, seed, drop_lead
         qa = q_buf[:n * tq * (d + 1)].reshape(n, tq, d + 1)  # (N, Tq, D+1) [q*scale, -m]
         np.multiply(q[:, q0:q1], scale, out=qa[..., :d])
         qa[..., d] = 0
+        if fold:
+            qn = np.sqrt(np.einsum("nld,nld->nl", qa[..., :d], qa[..., :d]))  # (N, Tq) |q_i| * |scale|
         acc = acc_buf[:n * tq * (dv + 1)].reshape(n, tq, dv + 1)  # (N, Tq, Dv+1) [sum p v, sum p]
         acc[...] = 0
         first = True  # the first tile's p @ v goes straight into acc
@@ -401,7 +409,7 @@ def _forward(tiles, q, k_aug, v_aug, out, lse, scale, dropout_p, seed, drop_lead
                 np.add(s4, tiles.bias_tile(q0, q1, k0, k1), out=s4)
             if blocked is not None:
                 np.copyto(s4, -np.inf, where=blocked)
-            exact = not fold or not (qn[:, q0:q1] * kmax[:, kb, None] - m).max() <= _LAZY_SHIFT
+            exact = not fold or not (qn * kmax[:, kb, None] - m).max() <= _LAZY_SHIFT
             alpha = None
             if exact:
                 t = s.max(axis=-1)  # (N, Tq) tile max, relative to m when folded
