@@ -19,7 +19,6 @@ Examples
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import tasks as _tasks
+from .kernels._threads import blas_single_thread
 from .losses import softmax_cross_entropy
 from .models import TokenTagger
 from .optim import Adam, clip_grad_norm
@@ -127,19 +127,6 @@ def learning_rate(step: int, config: DemoConfig) -> float:
     return config.lr * warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _blas_single_thread():
-    """Limit BLAS to one thread while training, if threadpoolctl is installed (else do nothing).
-
-    The demo's matrices are tiny ((B*L, 64) @ (64, 64)): a multi-threaded BLAS only adds synchronisation,
-    and on a busy machine its spinning threads make a step ~10x slower.
-    """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
-
-
 def _evaluate(model: TokenTagger, ids: np.ndarray, targets: np.ndarray) -> tuple[float, float, np.ndarray]:
     """Token accuracy, whole-sequence accuracy and predictions (B, L) in eval mode."""
     was_training = model.training
@@ -184,7 +171,9 @@ def train(config: DemoConfig, on_step: Callable[[int, float, float], None] | Non
                                                rng=np.random.default_rng([config.seed, 3]))  # (E, L) each
     eval_at = set(np.linspace(0, config.steps, config.eval_points + 1).round().astype(int)[1:].tolist())
     losses, accuracies, eval_steps, eval_accuracies = [], [], [], []
-    with _blas_single_thread():
+    # The demo's matrices are tiny ((B*L, 64) @ (64, 64)): a multi-threaded BLAS only adds synchronisation,
+    # and on a busy machine its spinning threads make a step ~10x slower.
+    with blas_single_thread():
         for step in range(1, config.steps + 1):
             ids, targets = _tasks.make_batch(config.task, config.batch_size, config.seq_len, config.num_digits,
                                              rng=data_rng)  # (B, L) each
