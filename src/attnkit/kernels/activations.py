@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _threads
+
 __all__ = ["ACTIVATIONS", "activation_forward", "activation_backward", "erf"]
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -88,7 +90,7 @@ def activation_forward(pre: np.ndarray, name: str) -> np.ndarray:
         return np.maximum(pre, 0)
     if name == "gelu":
         if pre.dtype == np.float32:
-            return pre * (np.float32(0.5) * (np.float32(1.0) + _erf_float32(pre * np.float32(0.7071067811865476))))
+            return _gelu_float32(pre)
         cdf = 0.5 * (1.0 + erf(pre * 0.7071067811865476))
         return (pre * cdf).astype(pre.dtype, copy=False)
     if name == "gelu_tanh":
@@ -101,6 +103,8 @@ def activation_backward(grad: np.ndarray, pre: np.ndarray, post: np.ndarray, nam
     """Gradient of the activation's input given the gradient of its output."""
     if name == "relu":
         return grad * (pre > 0)
+    if name == "gelu" and pre.dtype == np.float32 and grad.dtype == np.float32 and grad.shape == pre.shape:
+        return _gelu_backward_float32(grad, pre)
     if name == "gelu" and pre.dtype == np.float32:
         cdf = np.float32(0.5) * (np.float32(1.0) + _erf_float32(pre * np.float32(0.7071067811865476)))
         pdf = np.exp(np.float32(-0.5) * pre * pre) * np.float32(0.3989422804014327)
@@ -124,17 +128,85 @@ _BETA32 = np.array([-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438
                     -1.42647390514189e-02], dtype=np.float32)
 
 
+# Float32 GELU in chunks of this many elements (256 KiB): the ~20 elementwise passes of the erf polynomial
+# then run on cache-resident temporaries (instead of 20 sweeps over, e.g., a 16 MiB BERT hidden layer plus
+# fresh page-faulting temporaries), and the chunks are spread over the kernels' thread pool (ufuncs release
+# the GIL), as torch's GELU uses every intra-op thread. Measured on (32, 80, 1536): 27.6 ms one-shot,
+# 11.1 ms chunked on one thread, 7.3 ms on two; 16K-element chunks lose to GIL hand-offs on two threads.
+_GELU_CHUNK = 65536
+
+
+def _gelu_float32(pre: np.ndarray) -> np.ndarray:
+    """``pre * 0.5 * (1 + erf(pre / sqrt(2)))`` in float32, chunked and threaded.
+
+    Bit-for-bit the same as the one-shot expression: the same float32 operations in the same order.
+    """
+    out = np.empty(pre.shape, dtype=pre.dtype)  # C order, like flat_in
+    flat_in = pre.reshape(-1) if pre.flags.c_contiguous else np.ascontiguousarray(pre).reshape(-1)
+    flat_out = out.reshape(-1)
+    n = flat_in.size
+    starts = list(range(0, n, _GELU_CHUNK))
+
+    def work(start: int, _worker: int) -> None:
+        x = flat_in[start:start + _GELU_CHUNK]
+        y = flat_out[start:start + _GELU_CHUNK]
+        e = _erf_float32(x * np.float32(0.7071067811865476))
+        e += np.float32(1.0)
+        e *= np.float32(0.5)
+        np.multiply(x, e, out=y)
+
+    if len(starts) <= 1:
+        work(0, 0)
+    else:
+        _threads.run_tasks(starts, work, _threads.default_num_threads())
+    return out
+
+
+def _gelu_backward_float32(grad: np.ndarray, pre: np.ndarray) -> np.ndarray:
+    """``grad * (Phi(pre) + pre * phi(pre))`` in float32, chunked and threaded like :func:`_gelu_float32`.
+
+    Bit-for-bit the same as the one-shot expression in :func:`activation_backward`.
+    """
+    out = np.empty(pre.shape, dtype=np.float32)
+    flat_pre = np.ascontiguousarray(pre).reshape(-1)
+    flat_grad = np.ascontiguousarray(grad).reshape(-1)
+    flat_out = out.reshape(-1)
+    starts = list(range(0, flat_pre.size, _GELU_CHUNK))
+
+    def work(start: int, _worker: int) -> None:
+        x = flat_pre[start:start + _GELU_CHUNK]
+        cdf = _erf_float32(x * np.float32(0.7071067811865476))
+        cdf += np.float32(1.0)
+        cdf *= np.float32(0.5)
+        pdf = np.float32(-0.5) * x
+        pdf *= x
+        np.exp(pdf, out=pdf)
+        pdf *= np.float32(0.3989422804014327)
+        pdf *= x
+        cdf += pdf
+        np.multiply(flat_grad[start:start + _GELU_CHUNK], cdf, out=flat_out[start:start + _GELU_CHUNK])
+
+    if len(starts) <= 1:
+        work(0, 0)
+    else:
+        _threads.run_tasks(starts, work, _threads.default_num_threads())
+    return out
+
+
 def _erf_float32(x):
     """erf in float32, ``x * P(x^2) / Q(x^2)`` on [-4, 4] (Eigen's fast erf; within 8 float32 ulp)."""
     x = np.clip(x, np.float32(-4.0), np.float32(4.0))
     x2 = x * x
-    p = np.full_like(x2, _ALPHA32[0])
-    for c in _ALPHA32[1:]:
+    p = x2 * _ALPHA32[0]  # the same roundings as starting from full(alpha0) and multiplying by x2
+    p += _ALPHA32[1]
+    for c in _ALPHA32[2:]:
         p *= x2
         p += c
     p *= x
-    q = np.full_like(x2, _BETA32[0])
-    for c in _BETA32[1:]:
+    q = x2 * _BETA32[0]
+    q += _BETA32[1]
+    for c in _BETA32[2:]:
         q *= x2
         q += c
-    return p / q
+    p /= q
+    return p
