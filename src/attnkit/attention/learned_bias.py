@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, as_float_array, check_mask, check_positive_int, check_qkv
+from .._validation import check_positive_int
 from ..kernels.bias import ScoreBias
 from .scaled_dot_product import ScaledDotProductAttention
 
@@ -297,17 +297,12 @@ class LearnedBiasAttention(ScaledDotProductAttention):
     def forward(self, q: Any, k: Any, v: Any, mask: Any = None, *, is_causal: bool = False,
                 need_weights: bool = True):
         """Attend with the bias; returns ``(output (..., H, Lq, Dv), weights (..., H, Lq, Lk) or None)``."""
-        q, k, v, lead = check_qkv(q, k, v, "LearnedBiasAttention")
-        if q.shape[-1] != k.shape[-1]:
-            raise ValueError(f"LearnedBiasAttention: q has {q.shape[-1]} features but k has {k.shape[-1]} "
-                             f"(q: {q.shape}, k: {k.shape})")
+        q, k, v, lead, mask = self._check_inputs(q, k, v, mask)
         if not lead or lead[-1] != self.num_heads:
             raise ValueError(f"LearnedBiasAttention has num_heads = {self.num_heads} but the inputs have "
                              f"{lead[-1] if lead else 'no'} heads at axis -3 (q: {q.shape}, k: {k.shape}); "
                              f"expected (..., {self.num_heads}, L, D), e.g. from MultiHeadAttention with "
                              f"num_heads={self.num_heads}")
-        seq_q, seq_k = q.shape[-2], k.shape[-2]
-        mask = check_mask(as_bool_mask(mask, "mask"), "mask", lead + (seq_q, seq_k), "(..., H, seq_q, seq_k) scores")
         return self._attend(q, k, v, mask, is_causal, self.score_bias(q.dtype), need_weights)
 
     def backward(self, grad_output: Any):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, as_float_array, check_mask, check_positive_int, check_qkv
+from .._validation import as_float_array, check_positive_int
 from ..kernels.bias import ScoreBias
 from .scaled_dot_product import ScaledDotProductAttention
 
@@ -263,17 +263,13 @@ class PhysicsGuidedAttention(ScaledDotProductAttention):
     def forward(self, q: Any, k: Any, v: Any, mask: Any = None, *, is_causal: bool = False,
                 need_weights: bool = True):
         """Attend with the prior; returns ``(output (..., Lq, Dv), weights (..., Lq, Lk) or None)``."""
-        q, k, v, lead = check_qkv(q, k, v, "PhysicsGuidedAttention")
-        if q.shape[-1] != k.shape[-1]:
-            raise ValueError(f"PhysicsGuidedAttention: q has {q.shape[-1]} features but k has {k.shape[-1]} "
-                             f"(q: {q.shape}, k: {k.shape})")
+        q, k, v, lead, mask = self._check_inputs(q, k, v, mask)
         if self.num_heads is not None and (not lead or lead[-1] != self.num_heads):
             raise ValueError(f"PhysicsGuidedAttention has num_heads = {self.num_heads} strengths but the inputs "
                              f"have {lead[-1] if lead else 'no'} heads at axis -3 (q: {q.shape}); expected "
                              f"(..., {self.num_heads}, L, D)")
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         self._check_coordinates(seq_q, seq_k)
-        mask = check_mask(as_bool_mask(mask, "mask"), "mask", lead + (seq_q, seq_k), "(..., seq_q, seq_k) scores")
         return self._attend(q, k, v, mask, is_causal, self.score_bias(q.dtype), need_weights)
 
     def backward(self, grad_output: Any):

@@ -63,13 +63,18 @@ class ScaledDotProductAttention(BaseAttention):
         With ``need_weights=False`` the tiled kernel runs (no ``Lq x Lk`` array is allocated) and the
         weights come back as ``None``.
         """
+        q, k, v, lead, mask = self._check_inputs(q, k, v, mask)
+        return self._attend(q, k, v, mask, is_causal, None, need_weights)
+
+    def _check_inputs(self, q, k, v, mask):
+        """Checked ``(q, k, v, lead, mask)``: a common float dtype, d_q == d_k, a boolean broadcastable mask."""
         q, k, v, lead = check_qkv(q, k, v, type(self).__name__)
         if q.shape[-1] != k.shape[-1]:
             raise ValueError(f"{type(self).__name__}: q has {q.shape[-1]} features but k has {k.shape[-1]} "
                              f"(q: {q.shape}, k: {k.shape})")
         mask = check_mask(as_bool_mask(mask, "mask"), "mask", lead + (q.shape[-2], k.shape[-2]),
                           "(..., seq_q, seq_k) scores")
-        return self._attend(q, k, v, mask, is_causal, None, need_weights)
+        return q, k, v, lead, mask
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, is_causal: bool,
                 bias, need_weights: bool):
