@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.reference import causal_mask
+from ..kernels.reference import combine_causal
 from .module import Module
 
 __all__ = ["BaseAttention"]
@@ -64,7 +64,4 @@ class BaseAttention(Module):
     @staticmethod
     def combine_masks(mask: np.ndarray | None, is_causal: bool, seq_q: int, seq_k: int) -> np.ndarray | None:
         """``mask`` AND the bottom-right-aligned causal mask (when ``is_causal``); ``None`` if neither."""
-        if not is_causal:
-            return mask
-        c = causal_mask(seq_q, seq_k)  # (Lq, Lk)
-        return c if mask is None else (mask & c)
+        return combine_causal(mask, is_causal, seq_q, seq_k)

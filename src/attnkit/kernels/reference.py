@@ -22,6 +22,7 @@ from .dropout import keep_mask
 
 __all__ = [
     "causal_mask",
+    "combine_causal",
     "masked_softmax",
     "softmax_backward",
     "live_keys",
@@ -115,7 +116,8 @@ class AttentionContext:
     bias: np.ndarray | ScoreBias | None = None
 
 
-def _resolve_mask(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int) -> np.ndarray | None:
+def combine_causal(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int) -> np.ndarray | None:
+    """``mask`` AND the bottom-right-aligned causal mask (when ``causal``); ``None`` if neither."""
     if causal:
         c = causal_mask(seq_q, seq_k)  # (Lq, Lk)
         return c if mask is None else (mask & c)
@@ -155,7 +157,7 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     """
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)  # a Python float keeps float32 float32
-    mask = _resolve_mask(mask, causal, seq_q, seq_k)
+    mask = combine_causal(mask, causal, seq_q, seq_k)
     live = live_keys(mask)  # (..., Lk)
     k_safe = zero_dead_keys(k, live)  # (..., Lk, D)
     v_safe = zero_dead_keys(v, live)  # (..., Lk, Dv)
