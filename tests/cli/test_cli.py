@@ -17,7 +17,7 @@ from attnkit.models import TokenTagger  # noqa: E402
 from attnkit.viz import attention_figsize  # noqa: E402
 
 DPI = 100  # the CLI writes its pictures at 100 dpi: figsize * 100 pixels
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def png_size(path: Path) -> tuple[int, int]:

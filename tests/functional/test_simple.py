@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.simple import multi_head_attention, scaled_dot_product_attention
-from conftest import make_rng, randn
+from helpers import make_rng, randn
 
 
 def torch_heads(q, k, v, num_heads):

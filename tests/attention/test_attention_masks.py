@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnkit.attention import Attention, MultiHeadAttention, ScaledDotProductAttention
-from conftest import assert_close_rel, make_rng, randn, to_numpy, to_torch, torch_masked_attention, torch_sdpa
+from helpers import assert_close_rel, make_rng, randn, to_numpy, to_torch, torch_masked_attention, torch_sdpa
 
 B, D, DV = 2, 4, 3
 MASK_SHAPES = ["none", "(B, Lk)", "(B, 1, Lk)", "(B, Lq, Lk)"]

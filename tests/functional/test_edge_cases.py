@@ -36,7 +36,7 @@ from attnkit.transformer_block import (
     layer_norm_backward,
     stack_encoder_blocks,
 )
-from conftest import make_rng, randn, torch_sdpa
+from helpers import make_rng, randn, torch_sdpa
 
 
 def stable_softmax(s: np.ndarray) -> np.ndarray:

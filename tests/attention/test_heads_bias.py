@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from attnkit.attention import (LearnedBiasAttention, PhysicsGuidedAttention,
                                ScaledDotProductAttention)
 from attnkit.attention.learned_bias import T5RelativeBias, alibi_slopes, t5_relative_position_bucket
-from conftest import make_rng, randn
-from test_heads import HEADS, _t5_bucket_reference
+from helpers import make_rng, randn
+from head_cases import HEADS, t5_bucket_reference
 
 REL = np.arange(-400, 401)  # relative positions key - query
 
@@ -26,7 +26,7 @@ REL = np.arange(-400, 401)  # relative positions key - query
 def test_t5_buckets_match_reference_transcription(bidirectional, num_buckets, max_distance):
     """Our buckets equal a direct transcription of HuggingFace's T5 formula (torch, float32 log)."""
     ours = t5_relative_position_bucket(REL, bidirectional, num_buckets, max_distance)
-    np.testing.assert_array_equal(ours, _t5_bucket_reference(REL, bidirectional, num_buckets, max_distance))
+    np.testing.assert_array_equal(ours, t5_bucket_reference(REL, bidirectional, num_buckets, max_distance))
     assert ours.min() == 0 and ours.max() < num_buckets
 
 
@@ -36,7 +36,7 @@ def test_t5_buckets_match_reference_random_configs(bidirectional, num_buckets, e
     max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
     max_distance = max_exact + extra
     np.testing.assert_array_equal(t5_relative_position_bucket(np.array(rel), bidirectional, num_buckets, max_distance),
-                                  _t5_bucket_reference(rel, bidirectional, num_buckets, max_distance))
+                                  t5_bucket_reference(rel, bidirectional, num_buckets, max_distance))
 
 
 def test_t5_tile_is_bottom_right_aligned():
@@ -45,7 +45,7 @@ def test_t5_tile_is_bottom_right_aligned():
     bias = T5RelativeBias(table, num_buckets=8, max_distance=10)
     for seq_q, seq_k in ((2, 7), (6, 3)):
         i, j = np.meshgrid(np.arange(seq_q), np.arange(seq_k), indexing="ij")  # (Lq, Lk)
-        expected = table[:, _t5_bucket_reference(j - (i + seq_k - seq_q), True, 8, 10)]  # (H, Lq, Lk)
+        expected = table[:, t5_bucket_reference(j - (i + seq_k - seq_q), True, 8, 10)]  # (H, Lq, Lk)
         np.testing.assert_array_equal(bias.tile(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k), expected)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from attnkit.layers import LayerNorm, Projection, TransformerEncoder
 from attnkit.optim import SGD, Adam, AdamW, clip_grad_norm
-from conftest import make_rng, randn
+from helpers import make_rng, randn
 
 STEPS = 6
 

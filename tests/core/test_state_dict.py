@@ -7,7 +7,7 @@ import pytest
 
 from attnkit.layers import Embedding, LayerNorm, Projection, TransformerEncoder
 from attnkit.models import TokenTagger
-from conftest import make_rng
+from helpers import make_rng
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -10,7 +10,7 @@ import pytest
 
 from attnkit.attention import MultiHeadAttention, ScaledDotProductAttention
 from attnkit.layers import Dropout
-from conftest import assert_gradient, make_rng, randn
+from helpers import assert_gradient, make_rng, randn
 
 
 # --------------------------------------------------------------------------------------------------------

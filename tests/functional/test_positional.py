@@ -19,7 +19,7 @@ from attnkit.positional import (
     learned_positional_encoding,
     sinusoidal_encoding,
 )
-from conftest import make_rng, randn
+from helpers import make_rng, randn
 
 
 def explicit_sinusoidal(max_length: int, d_model: int) -> np.ndarray:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from attnkit.attention_core import scaled_dot_product_attention, scaled_dot_product_attention_backward
 from attnkit.multi_head import MultiHeadAttention, multi_head_attention_backward, multi_head_attention_forward
 from attnkit.transformer_block import TransformerEncoderBlock, layer_norm, layer_norm_backward
-from conftest import (
+from helpers import (
     MASK_KINDS,
     TORCH_DTYPE,
     assert_close_rel,

@@ -6,7 +6,7 @@ and softmax_cross_entropy ~ F.cross_entropy (with ignore_index).
 
 Layout: our weights are applied as ``x @ W`` (torch stores ``W.T``). Masks: ours ``True`` = may attend / real
 token, torch's boolean masks ``True`` = not allowed / padding, so they are inverted. Agreement: 1e-10 (float64)
-and 1e-5 (float32) relative to the largest reference magnitude (conftest.assert_close_rel).
+and 1e-5 (float32) relative to the largest reference magnitude (helpers.assert_close_rel).
 
 Each ``run_*`` helper returns ``{quantity: max relative discrepancy}`` so the figures can be reported.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from attnkit.layers import Embedding, FeedForward, LayerNorm, Projection, TransformerEncoder
 from attnkit.losses import softmax_cross_entropy
-from conftest import TORCH_DTYPE, assert_close_rel, group_scale, make_rng, randn, to_numpy, to_torch
+from helpers import TORCH_DTYPE, assert_close_rel, group_scale, make_rng, randn, to_numpy, to_torch
 
 DTYPES = [np.float64, np.float32]
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from attnkit.attention_core import scaled_dot_product_attention, scaled_dot_product_attention_backward
-from conftest import assert_close_rel, dead_rows, group_scale, make_mask, make_rng, torch_sdpa
+from helpers import assert_close_rel, dead_rows, group_scale, make_mask, make_rng, torch_sdpa
 
 N_CONFIGS = 300
 LENGTHS = (1, 2, 3, 5, 8, 17, 64, 129)

@@ -26,7 +26,7 @@ from attnkit.transformer_block import (
     layer_norm,
     layer_norm_backward,
 )
-from conftest import assert_gradient, make_mask, make_rng, randn
+from helpers import assert_gradient, make_mask, make_rng, randn
 
 SDPA_MASKS = ("none", "causal", "padding", "broadcast", "fully_masked")
 # (leading dims, Lq, Lk): batch only, batch x heads, no batch; self and cross attention.

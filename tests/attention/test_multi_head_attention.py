@@ -20,7 +20,7 @@ from attnkit.kernels.reference import causal_mask
 from attnkit.layers import TransformerEncoder
 from attnkit.models import TokenTagger
 from attnkit.multi_head import MultiHeadAttention as Seed003MultiHeadAttention
-from conftest import TORCH_DTYPE, assert_close_rel, group_scale, make_rng, randn, to_numpy, to_torch
+from helpers import TORCH_DTYPE, assert_close_rel, group_scale, make_rng, randn, to_numpy, to_torch
 
 DTYPES = [np.float64, np.float32]
 

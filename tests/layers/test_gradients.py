@@ -15,7 +15,7 @@ from attnkit.layers import (Dropout, Embedding, FeedForward, LayerNorm, LearnedP
                             SinusoidalPositionalEncoding, TransformerEncoder, TransformerEncoderBlock)
 from attnkit.losses import softmax_cross_entropy
 from attnkit.models import TokenTagger
-from conftest import FD_TOL, numerical_gradient, randn, relative_error
+from helpers import FD_TOL, numerical_gradient, randn, relative_error
 
 
 def assert_gradient(f, x, analytic, name, tol=FD_TOL):

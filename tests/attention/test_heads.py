@@ -18,55 +18,8 @@ from attnkit.attention import (AdditiveAttention, Attention, CausalAttention, Le
                                MultiHeadAttention, PhysicsGuidedAttention)
 from attnkit.core import BaseAttention
 from attnkit.kernels import reference as ref
-from conftest import FD_TOL, assert_gradient, make_rng, numerical_gradient, randn, relative_error
-
-B, H, LQ, LK, D, DV = 2, 2, 3, 5, 3, 2
-
-
-# --------------------------------------------------------------------------------------------------------
-# Head factories: name -> (factory(seed) -> head, per_head_inputs). per_head_inputs: inputs are (B, H, L, D).
-# Every factory gives random (non-initial) parameter values so that the checks are not degenerate.
-# --------------------------------------------------------------------------------------------------------
-def _randomise(head: BaseAttention, seed: int = 5) -> BaseAttention:
-    rng = make_rng(seed)
-    for name, p in head.named_parameters():
-        if name == "log_length_scale":
-            p[...] = np.log(1.7)
-        elif name != "slopes":
-            p[...] = rng.normal(size=p.shape)
-    return head
-
-
-def _prior_fn(xq, xk):
-    return np.cos(0.7 * (xq[:, None] - xk[None, :]))  # (Tq, Tk)
-
-
-HEADS = {
-    "attention": (lambda s: Attention(), False),
-    "attention_future": (lambda s: Attention(future_mask=True), False),
-    "attention_dropout": (lambda s: Attention(dropout=0.3, seed=s), False),
-    "causal": (lambda s: CausalAttention(scale=0.7), False),
-    "causal_dropout": (lambda s: CausalAttention(dropout=0.25, seed=s), False),
-    "additive": (lambda s: _randomise(AdditiveAttention(D, D, 4, rng=0)), False),
-    "t5": (lambda s: _randomise(LearnedBiasAttention(H, max_distance=6, num_buckets=8)), True),
-    "t5_causal": (lambda s: _randomise(LearnedBiasAttention(H, max_distance=5, num_buckets=6,
-                                                            bidirectional=False)), True),
-    "t5_dropout": (lambda s: _randomise(LearnedBiasAttention(H, max_distance=6, num_buckets=8, dropout=0.3,
-                                                             seed=s)), True),
-    "alibi": (lambda s: _randomise(LearnedBiasAttention(H, mode="alibi")), True),
-    "alibi_causal": (lambda s: _randomise(LearnedBiasAttention(H, mode="alibi", bidirectional=False)), True),
-    "physics_decay": (lambda s: _randomise(PhysicsGuidedAttention(length_scale=2.0)), False),
-    "physics_gauss_heads": (lambda s: _randomise(PhysicsGuidedAttention(
-        "gaussian", num_heads=H, learn_length_scale=True)), True),
-    "physics_points": (lambda s: _randomise(PhysicsGuidedAttention(
-        coordinates=make_rng(9).uniform(size=(LK + 2, 2)), num_heads=H, learn_length_scale=True)), True),
-    "physics_pair": (lambda s: _randomise(PhysicsGuidedAttention(
-        "gaussian", coordinates=(make_rng(10).normal(size=LQ), make_rng(11).normal(size=LK)),
-        learn_length_scale=True)), False),
-    "physics_callable": (lambda s: _randomise(PhysicsGuidedAttention(_prior_fn, num_heads=H, dropout=0.2,
-                                                                     seed=s)), True),
-}
-
+from head_cases import B, D, DV, H, HEADS, LK, LQ, prior_fn, randomise, t5_bucket_reference
+from helpers import FD_TOL, assert_gradient, make_rng, numerical_gradient, randn, relative_error
 
 def _inputs(rng, per_head: bool, seq_q: int = LQ, seq_k: int = LK):
     lead = (B, H) if per_head else (B,)
@@ -205,45 +158,19 @@ def _softmax(scores, mask):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _t5_bucket_reference(rel, bidirectional, num_buckets, max_distance):
-    """Direct transcription of HuggingFace T5Attention._relative_position_bucket (torch, float32 log)."""
-    import math
-
-    import torch
-    relative_position = torch.from_numpy(np.asarray(rel, dtype=np.int64))
-    relative_buckets = 0
-    if bidirectional:
-        num_buckets //= 2
-        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
-        relative_position = torch.abs(relative_position)
-    else:
-        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
-    max_exact = num_buckets // 2
-    is_small = relative_position < max_exact
-    relative_position_if_large = max_exact + (
-        torch.log(relative_position.float() / max_exact)
-        / math.log(max_distance / max_exact)
-        * (num_buckets - max_exact)
-    ).to(torch.long)
-    relative_position_if_large = torch.min(
-        relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1))
-    relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
-    return relative_buckets.numpy()
-
-
 def _head_bias_by_hand(head, h: int, seq_q: int, seq_k: int) -> np.ndarray:
     """The (Lq, Lk) bias of head h, from the head's parameters and the papers' formulas."""
     i = np.arange(seq_q)[:, None] + seq_k - seq_q  # (Lq, 1) bottom-right aligned query positions
     j = np.arange(seq_k)[None, :]  # (1, Lk)
     if isinstance(head, LearnedBiasAttention) and head.mode == "t5":
-        buckets = _t5_bucket_reference(j - i, head.bidirectional, head.num_buckets, head.max_distance)
+        buckets = t5_bucket_reference(j - i, head.bidirectional, head.num_buckets, head.max_distance)
         return head.rel_bias[h][buckets]
     if isinstance(head, LearnedBiasAttention):
         dist = np.abs(i - j) if head.bidirectional else np.maximum(i - j, 0)
         return -head.slopes[h] * dist
     if isinstance(head, PhysicsGuidedAttention):
         s = head.strength[h if head.strength.size > 1 else 0]
-        if head.prior is _prior_fn:
+        if head.prior is prior_fn:
             return s * np.cos(0.7 * (i - j))
         c = head.coordinates
         if c is None:
@@ -356,8 +283,8 @@ def test_score_bias_tiles_equal_full_tile(name):
 @pytest.mark.parametrize("name,twin", [
     ("attention_dropout", lambda: Attention()),
     ("causal_dropout", lambda: CausalAttention()),
-    ("t5_dropout", lambda: _randomise(LearnedBiasAttention(H, max_distance=6, num_buckets=8))),
-    ("physics_callable", lambda: _randomise(PhysicsGuidedAttention(_prior_fn, num_heads=H))),
+    ("t5_dropout", lambda: randomise(LearnedBiasAttention(H, max_distance=6, num_buckets=8))),
+    ("physics_callable", lambda: randomise(PhysicsGuidedAttention(prior_fn, num_heads=H))),
 ])
 def test_dropout_is_training_only_and_weights_are_pre_dropout(name, twin):
     """Training mode drops weights (same seed, same result); eval mode equals the head without dropout; the

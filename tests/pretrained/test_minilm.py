@@ -29,7 +29,7 @@ from attnkit.pretrained import (BertConfig, BertEncoder, PRETRAINED_INSTALL_HINT
                                 default_model_dir, l2_normalize, load_minilm, mean_pool)
 from attnkit.pretrained import cli  # noqa: E402
 
-from conftest import assert_gradient  # noqa: E402
+from helpers import assert_gradient  # noqa: E402
 
 EMBED_ATOL = 1e-5  # issue 6: max absolute difference of the float32 embeddings
 MIN_COSINE = 0.99999  # issue 6: cosine similarity to the reference, per sentence

@@ -1,6 +1,6 @@
 """Bad input to the layers, losses, models and tasks raises a clear TypeError/ValueError naming the argument
-(or RuntimeError for backward before forward). State-dict errors are in test_state_dict.py, optimizer
-argument errors in test_optim.py, the non-BaseAttention head in test_mha_module.py (and once more here)."""
+(or RuntimeError for backward before forward). State-dict errors are in core/test_state_dict.py, optimizer
+argument errors in optim/test_optim.py, the non-BaseAttention head in attention/test_multi_head_attention.py (and once more here)."""
 from __future__ import annotations
 
 import numpy as np
