@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from .core.module import Module
-from .layers import (Embedding, LearnedPositionalEmbedding, Projection, SinusoidalPositionalEncoding,
+from ..core.module import Module
+from ..layers import (Embedding, LearnedPositionalEmbedding, Projection, SinusoidalPositionalEncoding,
                      TransformerEncoder)
-from .layers._common import as_generator
-from .losses import softmax_cross_entropy
-from .optim.clip import clip_grad_norm
-from .optim.optimizer import Optimizer
+from ..layers._common import as_generator
+from ..losses import softmax_cross_entropy
+from ..optim.clip import clip_grad_norm
+from ..optim.optimizer import Optimizer
 
 __all__ = ["TokenTagger", "train_step", "token_accuracy"]
 

@@ -1,0 +1,10 @@
+"""Complete models built from :mod:`attnkit.layers`, their configurations, and helpers to train and score them.
+
+- :class:`TokenTagger`: embedding + encoder + projection, one class per token;
+- :class:`DecoderConfig`: the architecture of a decoder-only language model (GPT-2, Llama, Mistral, Qwen2
+  families), read from a Hugging Face ``config.json`` by :mod:`attnkit.pretrained`.
+"""
+from .config import DecoderConfig
+from .token_tagger import TokenTagger, token_accuracy, train_step
+
+__all__ = ["DecoderConfig", "TokenTagger", "token_accuracy", "train_step"]

@@ -1,0 +1,180 @@
+"""The architecture of a decoder-only language model, as one frozen dataclass passed down to every layer.
+
+One :class:`DecoderConfig` describes the GPT-2, Llama, Mistral and Qwen2 families: which norm, which MLP,
+which positions, how many key/value heads, which layers use a sliding window. It holds architecture only (no
+weights, no tokenizer) and is validated when it is made, so a layer can trust what it reads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DecoderConfig", "FAMILIES", "ROPE_TYPES"]
+
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _finite_positive(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Architecture of a decoder-only Transformer language model.
+
+    Parameters
+    ----------
+    family : {"gpt2", "llama", "mistral", "qwen2"}
+        The checkpoint family (decides the parameter names of a Hugging Face folder, nothing else).
+    vocab_size : int
+        V, the number of token ids.
+    hidden_size : int
+        D, the width of the residual stream.
+    num_layers : int
+        Number of decoder layers.
+    num_heads : int
+        Hq, query heads.
+    num_kv_heads : int
+        Hkv, key/value heads; must divide ``num_heads`` (Hkv = Hq: multi-head, 1: multi-query, else
+        grouped-query attention).
+    head_dim : int
+        Dh, features per head (``hidden_size // num_heads`` in most checkpoints, but not required).
+    intermediate_size : int
+        F, the hidden width of the MLP.
+    max_position_embeddings : int
+        The longest context the model was trained for (the size of GPT-2's position table).
+    norm : {"layernorm", "rmsnorm"}
+    norm_eps : float
+    activation : {"silu", "gelu", "gelu_tanh", "relu"}
+    mlp : {"gated", "plain"}
+        ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for silu); ``plain``: ``act(x W1 + b1) W2 + b2``.
+    position : {"rotary", "learned"}
+        Rotary embeddings on queries and keys, or a learned absolute position table added to the input.
+    rope_theta : float
+        The rotary base.
+    rope_scaling : dict, optional
+        Frequency scaling, normalised to Hugging Face's keys with ``"rope_type"`` one of
+        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"`` (``None`` = ``"default"``).
+    rope_interleaved : bool
+        Rotate pairs ``(x0, x1), (x2, x3), ...`` (interleaved) instead of ``(x_i, x_{i + Dh/2})`` (half-split,
+        the layout of Hugging Face checkpoints).
+    partial_rotary_factor : float
+        Fraction of each head's features that are rotated (1.0 = all).
+    attention_bias : bool
+        Biases on the query, key and value projections.
+    output_bias : bool
+        Bias on the attention output projection.
+    mlp_bias : bool
+        Biases in the MLP (gated MLPs; a plain MLP always has them).
+    tie_word_embeddings : bool
+        The output head reuses the token embedding matrix.
+    sliding_window : int, optional
+        W, the number of keys a sliding-window layer sees (itself included).
+    layer_types : tuple of {"full_attention", "sliding_attention"}
+        One entry per layer; default: every layer full.
+    bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
+        Special tokens from the checkpoint (``eos_token_id`` may list several).
+
+    Examples
+    --------
+    >>> cfg = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=2, num_heads=4,
+    ...                     num_kv_heads=2, head_dim=4, intermediate_size=24)
+    >>> cfg.num_groups, cfg.layer_types
+    (2, ('full_attention', 'full_attention'))
+    >>> cfg.window_of(1) is None
+    True
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    activation: str = "silu"
+    mlp: str = "gated"
+    position: str = "rotary"
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_interleaved: bool = False
+    partial_rotary_factor: float = 1.0
+    attention_bias: bool = False
+    output_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = field(default=())
+    bos_token_id: int | tuple[int, ...] | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            _positive_int(getattr(self, name), name)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        for name, value, allowed in (("norm", self.norm, ("layernorm", "rmsnorm")),
+                                     ("activation", self.activation, _ACTIVATIONS),
+                                     ("mlp", self.mlp, ("gated", "plain")),
+                                     ("position", self.position, ("rotary", "learned"))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        _finite_positive(self.norm_eps, "norm_eps")
+        _finite_positive(self.rope_theta, "rope_theta")
+        factor = _finite_positive(self.partial_rotary_factor, "partial_rotary_factor")
+        if factor > 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+        if self.position == "rotary" and int(self.head_dim * factor) % 2:
+            raise ValueError(f"the rotated features per head (head_dim * partial_rotary_factor = "
+                             f"{self.head_dim * factor:g}) must be even")
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                raise TypeError(f"rope_scaling must be a dict or None, got {type(self.rope_scaling).__name__}")
+            kind = self.rope_scaling.get("rope_type", "default")
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"rope_scaling['rope_type'] must be one of {', '.join(ROPE_TYPES)}, got {kind!r}")
+        if self.sliding_window is not None:
+            _positive_int(self.sliding_window, "sliding_window")
+        types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers
+        if len(types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries but num_layers is {self.num_layers}")
+        bad = sorted(set(types) - set(_LAYER_TYPES))
+        if bad:
+            raise ValueError(f"layer_types must hold only {', '.join(_LAYER_TYPES)}, got {bad}")
+        if "sliding_attention" in types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        object.__setattr__(self, "layer_types", types)
+
+    @property
+    def num_groups(self) -> int:
+        """G = Hq / Hkv, the query heads that share one key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_type(self) -> str:
+        """The rotary frequency scaling in use (``"default"`` when none)."""
+        return "default" if self.rope_scaling is None else self.rope_scaling.get("rope_type", "default")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window W of layer ``layer``, or None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
