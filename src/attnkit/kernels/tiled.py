@@ -135,37 +135,61 @@ class FlashContext:
     drop_lead: tuple[int, ...]  # leading shape of the reference's weights (keep_mask's index space)
     blocks: tuple[int | None, int | None]  # the caller's block_q, block_k (None: default per pass)
     num_threads: int
+    window: int | None = None
 
 
 class _Tiles:
     """Tile geometry and per-tile masks/biases, shared by forward and backward."""
 
-    def __init__(self, lead, seq_q, seq_k, mask, causal, bias, block_q, block_k):
+    def __init__(self, lead, seq_q, seq_k, mask, causal, bias, block_q, block_k, window=None):
         self.lead = lead
         self.seq_q, self.seq_k = seq_q, seq_k
         self.offset = seq_k - seq_q  # query i sees key j iff j <= i + offset (causal)
         self.mask, self.causal, self.bias = mask, causal, bias
+        self.window = window  # with causal: query i also needs j > i + offset - window
         self.block_q, self.block_k = block_q, block_k
         self.q_blocks = [(q0, min(q0 + block_q, seq_q)) for q0 in range(0, seq_q, block_q)]
         self.k_blocks = [(k0, min(k0 + block_k, seq_k)) for k0 in range(0, seq_k, block_k)]
 
     def causal_kind(self, q0, q1, k0, k1):
-        """0: tile entirely above the diagonal (skip), 1: entirely visible, 2: crosses the diagonal."""
+        """0: tile entirely outside the causal band (skip), 1: entirely visible, 2: partly visible."""
         if not self.causal:
             return 1
-        if k0 > q1 - 1 + self.offset:
+        top, bottom = q0 + self.offset, q1 - 1 + self.offset  # positions of the first and last query
+        if k0 > bottom:
             return 0
-        return 1 if k1 - 1 <= q0 + self.offset else 2
+        if self.window is None:
+            return 1 if k1 - 1 <= top else 2
+        if k1 - 1 <= top - self.window:
+            return 0
+        return 1 if k1 - 1 <= top and k0 > bottom - self.window else 2
 
     def k_range(self, q0, q1):
-        """Key blocks a query block may see (causal: up to the last visible key)."""
-        last = self.seq_k if not self.causal else min(self.seq_k, q1 + self.offset)
-        return [kb for kb, (k0, _) in enumerate(self.k_blocks) if k0 < last]
+        """Key blocks a query block may see (causal: up to the last visible key; window: from the first)."""
+        first, last = 0, self.seq_k
+        if self.causal:
+            last = min(self.seq_k, q1 + self.offset)
+            if self.window is not None:
+                first = q0 + self.offset - self.window + 1
+        return [kb for kb, (k0, k1) in enumerate(self.k_blocks) if k0 < last and k1 > first]
 
     def q_range(self, k0, k1):
         """Query blocks that may see a key block (causal: from the first query seeing key k0)."""
-        first = 0 if not self.causal else k0 - self.offset
-        return [qb for qb, (_, q1) in enumerate(self.q_blocks) if q1 - 1 >= first]
+        first, end = 0, self.seq_q
+        if self.causal:
+            first = k0 - self.offset
+            if self.window is not None:
+                end = k1 - 1 - self.offset + self.window  # queries i < end see key k1 - 1
+        return [qb for qb, (q0, q1) in enumerate(self.q_blocks) if q1 - 1 >= first and q0 < end]
+
+    def band(self, q0, q1, k0, k1):
+        """(Tq, Tk) bool: the causal (and window) band of a tile."""
+        kk = np.arange(k0, k1)[None, :]  # (1, Tk)
+        pos = np.arange(q0, q1)[:, None] + self.offset  # (Tq, 1)
+        allowed = kk <= pos  # (Tq, Tk)
+        if self.window is not None:
+            allowed &= kk > pos - self.window
+        return allowed
 
     def blocked(self, q0, q1, k0, k1):
         """``(skip, blocked)``: skip the tile entirely, or the entries to mask (None: none).
@@ -175,9 +199,7 @@ class _Tiles:
         kind = self.causal_kind(q0, q1, k0, k1)
         if kind == 0:
             return True, None
-        allowed = None
-        if kind == 2:
-            allowed = (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] + self.offset)  # (Tq, Tk)
+        allowed = self.band(q0, q1, k0, k1) if kind == 2 else None  # (Tq, Tk)
         if self.mask is not None:
             mt = _tile(self.mask, q0, q1, k0, k1)  # (..., Tq|1, Tk|1)
             allowed = mt if allowed is None else (mt & allowed)
@@ -207,27 +229,29 @@ def _at_least_2d_right(x: np.ndarray) -> np.ndarray:
     return x.reshape((1,) * (2 - x.ndim) + x.shape) if x.ndim < 2 else x
 
 
-def _live_keys(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int, block_q: int):
+def _live_keys(mask: np.ndarray | None, tiles: "_Tiles"):
     """Keys at least one query may attend to, shape (..., Lk); None when all are live.
 
     Computed block by block over the queries when a full mask is combined with causal masking, so
     nothing of size Lq x Lk is built beyond the caller's own mask.
     """
+    seq_q, seq_k = tiles.seq_q, tiles.seq_k
     if mask is None:
-        return None  # causal alone: key j is seen by the last query (j <= Lq - 1 + Lk - Lq)
-    if not causal or mask.shape[-2] == 1:
+        if not tiles.causal or tiles.window is None:
+            return None  # causal alone: key j is seen by the last query (j <= Lq - 1 + Lk - Lq)
+        live = np.arange(seq_k) > tiles.offset - tiles.window if seq_q else np.zeros(seq_k, bool)  # (Lk,)
+    elif not tiles.causal or (mask.shape[-2] == 1 and tiles.window is None):
         live = mask.any(axis=-2)  # (..., Lk); a causal row still sees every key of the last query
-        if causal and seq_q == 0:
+        if tiles.causal and seq_q == 0:
             live = np.zeros_like(live)
     else:
-        live = np.zeros(mask.shape[:-2] + (mask.shape[-1],), dtype=bool)  # (..., Lk)
-        offset = seq_k - seq_q
-        kk = np.arange(mask.shape[-1])
-        for q0 in range(0, seq_q, block_q):
-            q1 = min(q0 + block_q, seq_q)
-            vis = kk[None, :] <= np.arange(q0, q1)[:, None] + offset  # (Tq, Lk)
-            live |= (mask[..., q0:q1, :] & vis).any(axis=-2)  # (..., Lk)
-    return None if live.all() else live
+        live = np.zeros(mask.shape[:-2] + (seq_k,), dtype=bool)  # (..., Lk)
+        for q0, q1 in tiles.q_blocks:
+            rows = mask[..., q0:q1, :] if mask.shape[-2] != 1 else mask  # (..., Tq|1, Lk|1)
+            live |= (rows & tiles.band(q0, q1, 0, seq_k)).any(axis=-2)  # (..., Lk)
+    if live.all():
+        return None
+    return np.broadcast_to(live, live.shape[:-1] + (seq_k,))  # a per-query mask has a size-1 key axis
 
 
 def _check(q, k, v):
@@ -254,7 +278,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
                             causal: bool = False, scale: float | None = None,
                             bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
                             dropout_seed: int | None = None, block_q: int | None = None,
-                            block_k: int | None = None, num_threads: int | None = None):
+                            block_k: int | None = None, num_threads: int | None = None,
+                            window: int | None = None):
     """Tiled softmax attention ``dropout(softmax(scale * q @ k.T + bias, masked)) @ v``.
 
     Shapes
@@ -312,6 +337,9 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_seed is required when dropout_p > 0")
     num_threads = _positive(num_threads, "num_threads") or default_num_threads()
+    window = _positive(window, "window")
+    if window is not None and not causal:
+        raise ValueError(f"window={window} requires causal=True")
     if mask is not None:
         mask = _at_least_2d_right(np.asarray(mask))
         if mask.dtype != np.bool_:
@@ -329,8 +357,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
 
     # Keys and values once, with their ones columns; keys no query may see are zeroed (NaN padding).
     q_flat = np.broadcast_to(q, lead + (seq_q, d)).reshape(n, seq_q, d)  # (N, Lq, D), a view if q is full
-    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, block_q, block_k)
-    live = _live_keys(mask, causal, seq_q, seq_k, block_q)  # (..., Lk) or None
+    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, block_q, block_k, window)
+    live = _live_keys(mask, tiles)  # (..., Lk) or None
     k_aug = np.empty((n, seq_k, d + 2), dtype)  # (N, Lk, D+2) [k, 1, 1]
     v_aug = np.empty((n, seq_k, dv + 2), dtype)  # (N, Lk, Dv+2) [v, 1, 1]
     kmax = np.empty((n, len(tiles.k_blocks)))  # (N, nKb) largest key norm of each key block
@@ -360,7 +388,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     ctx = FlashContext(q=q_flat, k_aug=k_aug, v_aug=v_aug, out=out, lse=lse, scale=scale, lead=lead,
                        q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, out_dtype=out_dtype, mask=mask,
                        causal=causal, bias=bias, dropout_p=float(dropout_p), dropout_seed=dropout_seed,
-                       drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads)
+                       drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads, window=window)
     out_r = out.reshape(lead + (seq_q, dv)).astype(out_dtype, copy=False)  # (..., Lq, Dv)
     return out_r, lse.reshape(lead + (seq_q,)).astype(out_dtype, copy=False), ctx
 
@@ -481,7 +509,7 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
                          f"{lead + (seq_q, dv)}")
     auto_q, auto_k = default_blocks(n, seq_q, seq_k, ctx.num_threads, "k")  # tasks are key blocks
     tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, ctx.blocks[0] or auto_q,
-                   ctx.blocks[1] or auto_k)
+                   ctx.blocks[1] or auto_k, ctx.window)
     fold = ctx.bias is None
     scale = dtype.type(ctx.scale)
     # [dO, -D] with D = rowsum(dO * O): one matmul gives dP - D (without dropout).
