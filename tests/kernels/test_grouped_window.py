@@ -204,3 +204,45 @@ def test_window_arguments_are_checked(kernel):
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="window"):
             fwd(x, x, x, causal=True, window=bad)
+
+
+def test_grouped_tiled_keeps_keys_in_their_own_shape():
+    """The tiled context holds k/v at the key heads' size, not repeated once per query head."""
+    rng = np.random.default_rng(9)
+    q, k, v, grad = _inputs(rng, (1, 2, 8), (1, 2, 1), 40, 40)
+    _, _, ctx = tiled.flash_attention_forward(q, k, v, causal=True, block_q=16, block_k=16)
+    assert ctx.k_aug.shape == (1, 2, 1, 40, 8 + 2)
+    assert ctx.v_aug.shape == (1, 2, 1, 40, 6 + 2)
+    dq, dk, dv, _ = tiled.flash_attention_backward(grad, ctx)
+    assert dk.shape == k.shape and dv.shape == v.shape
+
+
+class _CountingBias(kernels.ScoreBias):
+    """A zero bias that counts the tiles the kernel asks for."""
+
+    def __init__(self):
+        self.tiles = 0
+
+    def tile(self, q_idx, k_idx, seq_q, seq_k):
+        self.tiles += 1
+        return np.zeros((len(q_idx), len(k_idx)))
+
+
+@pytest.mark.parametrize("seq_q,seq_k", [(256, 256), (100, 256)])
+def test_tiled_kernel_visits_only_tiles_touching_the_window(seq_q, seq_k):
+    """Forward and backward each visit about L / block * (W / block + 2) tiles, not the causal triangle."""
+    rng = np.random.default_rng(10)
+    q, k, v, grad = _inputs(rng, (1,), (1,), seq_q, seq_k)
+    counts = {}
+    for window in (None, 16):
+        bias = _CountingBias()
+        out, _, ctx = tiled.flash_attention_forward(q, k, v, bias=bias, causal=True, window=window,
+                                                    block_q=16, block_k=16, num_threads=1)
+        tiled.flash_attention_backward(grad, ctx)
+        counts[window] = bias.tiles
+    q_blocks = -(-seq_q // 16)
+    assert counts[16] <= 2 * q_blocks * 3  # forward + backward, at most three key tiles per query block
+    band = explicit_window_mask(seq_q, seq_k, 16)
+    touching = sum(band[q0:q0 + 16, k0:k0 + 16].any() for q0 in range(0, seq_q, 16) for k0 in range(0, seq_k, 16))
+    assert counts[16] == 2 * touching  # exactly the tiles with at least one visible entry
+    assert counts[None] > 3 * counts[16]

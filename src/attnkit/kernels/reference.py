@@ -205,7 +205,7 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     -------
     out : ndarray, shape (..., Lq, Dv)
     weights : ndarray, shape (..., Lq, Lk)
-        Softmax weights before dropout.
+        Softmax weights before dropout (the caller's own copy: editing it does not change gradients).
     ctx : AttentionContext
 
     Examples
@@ -241,7 +241,7 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
         out = weights @ v_safe  # (..., Lq, Dv)
     ctx = AttentionContext(q=q, k=k_safe, v=v_safe, weights=weights, scale=scale, q_shape=q.shape,
                            k_shape=k.shape, v_shape=v.shape, keep_scaled=keep_scaled, bias=bias)
-    return out, weights, ctx
+    return out, weights.copy(), ctx  # a copy: the caller may edit its weights, the backward reads ctx's
 
 
 def attention_backward_arrays(grad_out: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
