@@ -757,9 +757,11 @@ def _score_grads(run: _Pass, data: _BackwardData, box, p: np.ndarray, scratch: _
 
 def _add_product(target: np.ndarray, a: np.ndarray, b: np.ndarray, axes: tuple[int, ...],
                  scratch: _Scratch, name: str) -> None:
-    """``target += a @ b``, summed over the leading ``axes`` where the target is shared (grouped k/v)."""
-    lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    product = scratch.get(name, lead + (a.shape[-2], b.shape[-1]))
+    """``target += a @ b``, summed over the leading ``axes`` where the target is shared (grouped k/v).
+
+    ``a`` has the full leading shape (a score tile), ``b`` one that broadcasts to it.
+    """
+    product = scratch.get(name, a.shape[:-1] + b.shape[-1:])  # (*lead, rows of a, columns of b)
     np.matmul(a, b, out=product)
     if axes:
         product = product.sum(axis=axes, keepdims=True)
@@ -773,12 +775,12 @@ def _backward_tile(run: _Pass, data: _BackwardData, lane: int, box, blocked, scr
     p = _probabilities(run, data, box, blocked, scratch)  # (*lead, Tq, Tk)
     ds = _score_grads(run, data, box, p, scratch)  # (*lead, Tq, Tk); p is now the dropped weights
     _add_product(data.dv[..., k0:k1, :], p.swapaxes(-1, -2), data.do_aug[..., q0:q1, :dv], data.v_axes,
-                 scratch, "dv")  # (*Vl, Tk, Dv)
+                 scratch, "kv")  # (*Vl, Tk, Dv)
     if run.tiles.bias is not None:
         _bias_grad(run.tiles, data, lane, ds, box)
-    _add_product(data.dq_lanes[lane][..., q0:q1, :], ds, data.k_aug[..., k0:k1, :d], (), scratch, "dq")
+    _add_product(data.dq_lanes[lane][..., q0:q1, :], ds, data.k_aug[..., k0:k1, :d], (), scratch, "q")
     _add_product(data.dk[..., k0:k1, :], ds.swapaxes(-1, -2), data.q_aug[..., q0:q1, :d], data.k_axes,
-                 scratch, "dk")  # (*Kl, Tk, D); q_aug holds the scaled q
+                 scratch, "kv")  # (*Kl, Tk, D); q_aug holds the scaled q
 
 
 def _bias_grad(tiles: _Tiles, data: _BackwardData, lane: int, ds: np.ndarray, box) -> None:
