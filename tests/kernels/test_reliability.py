@@ -1,0 +1,301 @@
+"""The kernels under processes, interrupts, odd mask shapes, warnings, threads and caller edits.
+
+Every mask shape the docs accept must give the same result on the reference and the tiled path, at
+lengths around every tile boundary, with fully masked rows and sequences; a child made by fork() must be
+able to run the threaded kernel; Ctrl-C stops a long call after a few tiles; float32 fully masked rows
+raise no floating-point warnings; identical calls give identical bits; the default thread count follows
+CPU affinity; editing what a forward returned does not change the gradients.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnkit import kernels
+from attnkit.kernels import _threads, reference, tiled
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+SRC = str(Path(kernels.__file__).resolve().parents[2])  # the attnkit being tested, for subprocesses
+
+
+def _python(script: str, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Processes and interrupts
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_runs_the_threaded_kernel():
+    script = """
+        import os, sys, time
+        import numpy as np
+        from attnkit.kernels.tiled import flash_attention_backward, flash_attention_forward
+
+        q = np.random.default_rng(0).standard_normal((1, 4, 512, 32)).astype(np.float32)
+        def run():
+            out, _, ctx = flash_attention_forward(q, q, q, causal=True, num_threads=2, block_q=64, block_k=64)
+            flash_attention_backward(out, ctx)
+            return out
+        want = run()  # the parent's pool now has live threads
+        pid = os.fork()
+        if pid == 0:
+            ok = np.array_equal(run(), want)
+            os._exit(0 if ok else 3)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                sys.exit(os.waitstatus_to_exitcode(status))
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        print("child hung")
+        sys.exit(4)
+    """
+    result = _python(script, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
+
+
+def test_keyboard_interrupt_stops_a_long_call_within_a_few_tiles():
+    """SIGINT during a threaded call: KeyboardInterrupt, after a handful of further tiles, not thousands.
+
+    A ScoreBias counts the tiles it is asked for and sends SIGINT at the 20th; the call has 32 x 32 key
+    tiles per query block, 1024 tiles in all. The pool keeps working afterwards.
+    """
+    script = """
+        import os, signal, threading, time
+        import numpy as np
+        from attnkit.kernels.bias import ScoreBias
+        from attnkit.kernels.tiled import flash_attention_forward
+
+        class Counting(ScoreBias):
+            def __init__(self):
+                self.calls, self.lock = 0, threading.Lock()
+                self.sent_at = None
+            def tile(self, q_idx, k_idx, seq_q, seq_k):
+                with self.lock:
+                    self.calls += 1
+                    if self.calls == 20:
+                        self.sent_at = time.perf_counter()
+                        os.kill(os.getpid(), signal.SIGINT)
+                return np.zeros((len(q_idx), len(k_idx)), np.float32)
+
+        q = np.random.default_rng(0).standard_normal((1, 2, 2048, 16)).astype(np.float32)
+        bias = Counting()
+        try:
+            flash_attention_forward(q, q, q, bias=bias, num_threads=2, block_q=64, block_k=64)
+            print("finished", bias.calls)
+        except KeyboardInterrupt:
+            print("interrupted", bias.calls, f"{time.perf_counter() - bias.sent_at:.3f}")
+        out = flash_attention_forward(q[..., :128, :], q[..., :128, :], q[..., :128, :], num_threads=2,
+                                      block_q=32, block_k=32)[0]
+        print("after", bool(np.isfinite(out).all()))
+    """
+    result = _python(script, timeout=300)
+    assert result.returncode == 0, result.stderr
+    first, after = result.stdout.split("\n")[:2]
+    word, calls, _seconds = first.split()
+    assert word == "interrupted", result.stdout
+    assert int(calls) < 40, result.stdout  # 20 before the signal, then at most a tile or two per worker
+    assert after == "after True"
+
+
+def test_an_error_in_a_worker_stops_the_others_and_is_raised():
+    class Failing(kernels.ScoreBias):
+        calls = 0
+
+        def tile(self, q_idx, k_idx, seq_q, seq_k):
+            Failing.calls += 1
+            if Failing.calls == 5:
+                raise RuntimeError("bias tile failed")
+            return np.zeros((len(q_idx), len(k_idx)))
+
+    q = np.random.default_rng(0).standard_normal((1, 2, 640, 8))
+    with pytest.raises(RuntimeError, match="bias tile failed"):
+        tiled.flash_attention_forward(q, q, q, bias=Failing(), num_threads=2, block_q=32, block_k=32)
+    assert Failing.calls < 5 + 10  # not all 400 tiles
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every documented mask shape, on both paths, around every tile boundary
+# ----------------------------------------------------------------------------------------------------
+BLOCK_Q, BLOCK_K = 16, 24
+LENGTHS = [1, 15, 16, 17, 24, 25, 49]
+MASK_SHAPES = {  # name: (q leading shape, mask shape builder)
+    "keys_3d (B, 1, Lk)": ((3,), lambda lq, lk: (3, 1, lk)),
+    "queries_3d (B, Lq, 1)": ((3,), lambda lq, lk: (3, lq, 1)),
+    "full_3d (B, Lq, Lk)": ((3,), lambda lq, lk: (3, lq, lk)),
+    "shared (Lq, Lk)": ((3, 2), lambda lq, lk: (lq, lk)),
+    "padding (B, 1, 1, Lk)": ((3, 2), lambda lq, lk: (3, 1, 1, lk)),
+    "queries (B, 1, Lq, 1)": ((3, 2), lambda lq, lk: (3, 1, lq, 1)),
+    "per_batch (B, 1, Lq, Lk)": ((3, 2), lambda lq, lk: (3, 1, lq, lk)),
+    "per_head (B, H, Lq, Lk)": ((3, 2), lambda lq, lk: (3, 2, lq, lk)),
+    "heads_keys (1, H, 1, Lk)": ((3, 2), lambda lq, lk: (1, 2, 1, lk)),
+}
+
+
+def _documented_mask(rng, shape):
+    """Random mask of ``shape`` with a fully masked row or key column and a fully masked first sequence."""
+    mask = rng.random(shape) < 0.6
+    if shape[-2] > 1:
+        mask[..., shape[-2] // 2, :] = False  # a fully masked query row
+    if shape[-1] > 1:
+        mask[..., shape[-1] // 3] = False  # a key no query sees
+    if len(shape) >= 3 and shape[0] > 1:
+        mask[0] = False  # a whole sequence masked
+    return mask
+
+
+def _both_paths(q, k, v, grad, **kw):
+    results = []
+    for forward, backward in ((reference.attention_forward, reference.attention_backward),
+                              (lambda *a, **k_: tiled.flash_attention_forward(*a, block_q=BLOCK_Q, block_k=BLOCK_K,
+                                                                              num_threads=2, **k_),
+                               tiled.flash_attention_backward)):
+        out, _, ctx = forward(q, k, v, **kw)
+        results.append((out,) + tuple(backward(grad, ctx)[:3]))
+    return results
+
+
+@pytest.mark.parametrize("shape_name", sorted(MASK_SHAPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_mask_shape_agrees_on_both_paths_around_tile_boundaries(shape_name, causal):
+    lead, make_shape = MASK_SHAPES[shape_name]
+    rng = np.random.default_rng(abs(hash(shape_name)) % 1000)
+    for seq_q, seq_k in itertools.product(LENGTHS, LENGTHS):
+        q = rng.standard_normal(lead + (seq_q, 4))
+        k = rng.standard_normal(lead + (seq_k, 4))
+        v = rng.standard_normal(lead + (seq_k, 3))
+        grad = rng.standard_normal(lead + (seq_q, 3))
+        mask = _documented_mask(rng, make_shape(seq_q, seq_k))
+        want, got = _both_paths(q, k, v, grad, mask=mask, causal=causal)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert a.shape == b.shape, (shape_name, seq_q, seq_k, name)
+            assert np.isfinite(a).all(), (shape_name, seq_q, seq_k, name)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=f"{shape_name} {seq_q} {seq_k} {name}")
+        if mask.ndim >= 3 and mask.shape[0] > 1:
+            assert np.all(got[0][0] == 0) and np.all(got[1][0] == 0)  # the masked sequence
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 300, 1), (2, 300, 1), (2, 1, 1, 700)])
+def test_whole_masked_sequences_with_default_tiles(mask_shape):
+    """Per-query and padding masks with more keys than one default key tile, through the dispatcher."""
+    rng = np.random.default_rng(1)
+    lead = (2, 4) if len(mask_shape) == 4 else (2,)
+    q = rng.standard_normal(lead + (300, 8))
+    k = rng.standard_normal(lead + (700, 8))
+    v = rng.standard_normal(lead + (700, 8))
+    grad = rng.standard_normal(lead + (300, 8))
+    mask = rng.random(mask_shape) < 0.5
+    mask[1] = False
+    results = []
+    for need_weights in (True, False):
+        out, _, ctx = kernels.attention_forward(q, k, v, mask=mask, need_weights=need_weights)
+        results.append((out,) + tuple(kernels.attention_backward(grad, ctx)[:3]))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-10)
+    assert np.all(results[1][0][1] == 0) and np.all(results[1][1][1] == 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Warnings
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seq", [7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_fully_masked_rows_raise_no_warnings(seq, with_bias):
+    rng = np.random.default_rng(seq)
+    q, k, v = (rng.standard_normal((2, 4, seq, 64)).astype(np.float32) for _ in range(3))
+    mask = rng.random((2, 1, seq, seq)) < 0.7
+    mask[0, :, seq // 2] = False
+    mask[1] = False
+    bias = rng.standard_normal((seq, seq)).astype(np.float32) if with_bias else None
+    with warnings.catch_warnings(), np.errstate(all="warn"):
+        warnings.simplefilter("error")
+        for causal in (False, True):
+            out, _, ctx = tiled.flash_attention_forward(q, k, v, mask=mask, bias=bias, causal=causal)
+            grads = tiled.flash_attention_backward(np.ones_like(out), ctx)
+            assert all(np.isfinite(g).all() for g in grads[:3])
+            assert np.all(out[1] == 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reproducibility and threads
+# ----------------------------------------------------------------------------------------------------
+def _grads(q, k, v, grad, bias, threads):
+    out, _, ctx = tiled.flash_attention_forward(q, k, v, causal=True, bias=bias, num_threads=threads,
+                                                block_q=32, block_k=32)
+    return (out,) + tuple(tiled.flash_attention_backward(grad, ctx))
+
+
+def test_identical_calls_give_identical_bits_whatever_the_scheduling(monkeypatch):
+    """Backward partial sums are reduced in a fixed order: scheduling tasks differently changes nothing."""
+    rng = np.random.default_rng(2)
+    q, k, v, grad = (rng.standard_normal((2, 3, 300, 16)) for _ in range(4))
+    bias = rng.standard_normal((2, 1, 300, 1))  # broadcast over keys: key blocks share its gradient
+    for threads in (2, 3, 5):
+        first = _grads(q, k, v, grad, bias, threads)
+        for _ in range(3):
+            for a, b in zip(first, _grads(q, k, v, grad, bias, threads)):
+                np.testing.assert_array_equal(a, b)
+        real_run_tasks = tiled.run_tasks
+
+        def reversed_tasks(tasks, work, num_threads):
+            """Every task in one thread, last first, worker ids dealt round-robin: another schedule."""
+            workers = max(1, min(num_threads, len(tasks)))
+            for i, task in enumerate(reversed(list(tasks))):
+                work(task, i % workers)
+            return workers
+
+        monkeypatch.setattr(tiled, "run_tasks", reversed_tasks)
+        try:
+            for a, b in zip(first, _grads(q, k, v, grad, bias, threads)):
+                np.testing.assert_array_equal(a, b)
+        finally:
+            monkeypatch.setattr(tiled, "run_tasks", real_run_tasks)
+
+
+def test_default_thread_count_follows_cpu_affinity(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    if hasattr(os, "sched_getaffinity"):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+        assert _threads.default_num_threads() == 1
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 7})
+        assert _threads.default_num_threads() == 3
+        monkeypatch.delattr(os, "sched_getaffinity")
+    assert _threads.default_num_threads() == 64
+
+
+# ----------------------------------------------------------------------------------------------------
+# What a call returns is the caller's
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_editing_returned_arrays_does_not_change_gradients(need_weights, dtype):
+    rng = np.random.default_rng(3)
+    q, k, v, grad = (rng.standard_normal((2, 2, 20, 8)).astype(dtype) for _ in range(4))
+    out, weights, ctx = kernels.attention_forward(q, k, v, causal=True, need_weights=need_weights)
+    want = kernels.attention_backward(grad, ctx)
+    out, weights, ctx = kernels.attention_forward(q, k, v, causal=True, need_weights=need_weights)
+    out[...] = 1e3
+    if weights is not None:
+        weights[...] = np.nan
+    got = kernels.attention_backward(grad, ctx)
+    for a, b in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(a, b)
+    out, lse, ctx = tiled.flash_attention_forward(q, k, v, causal=True)
+    want = tiled.flash_attention_backward(grad, ctx)
+    out, lse, ctx = tiled.flash_attention_forward(q, k, v, causal=True)
+    out[...], lse[...] = 0, 0
+    for a, b in zip(tiled.flash_attention_backward(grad, ctx)[:3], want[:3]):
+        np.testing.assert_array_equal(a, b)
