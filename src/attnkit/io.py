@@ -346,7 +346,9 @@ class ArrayArchive:
                 else:
                     raise ValueError(f".npy format version {version} is not read (1.0 and 2.0 are)")
                 header_bytes = member.tell()
-        except (ValueError, EOFError, OSError, SyntaxError, zipfile.BadZipFile, zlib.error) as exc:
+        except (EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:  # small members are read whole here
+            raise self._error(f"entry {name!r} is damaged: {exc}") from exc
+        except (ValueError, SyntaxError) as exc:
             raise self._error(f"entry {name!r} has no valid .npy header: {exc}") from exc
         header = ArrayHeader(name, tuple(int(n) for n in shape), np.dtype(dtype), bool(fortran_order))
         if header.dtype.hasobject or header.dtype.fields is not None or header.dtype.subdtype is not None:

@@ -239,7 +239,7 @@ class Module:
         if unknown:
             hints = []
             for key in unknown[:3]:
-                close = difflib.get_close_matches(key.split(" ")[0], missing or list(own), n=1, cutoff=0.6)
+                close = difflib.get_close_matches(key.split(" ")[0], missing or list(own), n=1, cutoff=0.5)
                 if close:
                     hints.append(f"{key!r} -> {close[0]!r}?")
             message += (". If the checkpoint comes from an earlier parameter layout, map each old name to its "
