@@ -121,7 +121,7 @@ def _sync_folder(folder: Path) -> None:
 def atomic_write(path: str | os.PathLike, write: Writer) -> Path:
     """Create or replace the file ``path`` with what ``write(f)`` writes to a binary file object ``f``.
 
-    Either the whole new file is in place afterwards or, if anything fails (an exception from ``write``,
+    Either the whole file written is in place afterwards or, if anything fails (an exception from ``write``,
     disk full, a file-size limit, Ctrl-C), the previous file is untouched and no temporary file remains.
 
     Parameters
@@ -147,7 +147,7 @@ def atomic_write(path: str | os.PathLike, write: Writer) -> Path:
     >>> atomic_write(path, fails)
     Traceback (most recent call last):
     RuntimeError: interrupted
-    >>> open(path, "rb").read(), os.listdir(os.path.dirname(path))
+    >>> Path(path).read_bytes(), os.listdir(os.path.dirname(path))
     (b'first', ['note.txt'])
     """
     return atomic_write_files({path: write})[0]
@@ -159,7 +159,7 @@ def atomic_write_files(writers: Mapping[str | os.PathLike, Writer]) -> list[Path
     All temporary files are written and ``fsync``-ed first; only when all succeeded are they renamed into
     place, one ``os.replace`` after the other. A failure while writing leaves every previous file as it
     was. (The renames themselves do not fail for lack of space; only a process killed in the
-    microseconds between two renames can leave some files new and some previous.)
+    microseconds between two renames can leave some files replaced and some previous.)
 
     Parameters
     ----------
@@ -295,7 +295,7 @@ class ArrayArchive:
     ...                                                      "shape": (10**9,)})
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "crafted.npz")
-    >>> _ = open(path, "wb").write(buffer.getvalue())
+    >>> _ = Path(path).write_bytes(buffer.getvalue())
     >>> ArrayArchive(path)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: ...entry 'W' declares shape (1000000000,) float32 (4000000000 bytes of data) but holds 0 bytes...

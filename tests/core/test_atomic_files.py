@@ -68,7 +68,6 @@ SIZE_LIMITED = """
             Adam(Projection(100, 200, rng=1), lr=0.5).save(path)
         else:
             from attnkit import demo
-from attnkit import io as attnkit_io
             config = demo.DemoConfig(steps=1, batch_size=4, eval_size=4, eval_points=1, seed=1)
             demo.save_model(demo.train(config), path)
     except OSError as exc:
@@ -93,7 +92,7 @@ def test_write_beyond_the_file_size_limit_keeps_the_previous_checkpoint(tmp_path
         demo.save_model(demo.train(small_demo_config(0)), target)
     files = sorted(p for p in tmp_path.iterdir())
     before = {p.name: p.read_bytes() for p in files}
-    assert max(len(b) for b in before.values()) > 64 * 1024  # the new write must cross the limit
+    assert max(len(b) for b in before.values()) > 64 * 1024  # the write must cross the limit
 
     result = run_python(SIZE_LIMITED, kind, str(target))
     assert result.returncode == 0, result.stderr
@@ -146,19 +145,19 @@ def test_atomic_write_removes_its_temporary_file_on_any_exception(tmp_path, exc)
 
 def test_a_group_of_files_is_replaced_only_when_every_file_was_written(tmp_path):
     a, b = tmp_path / "model.npz", tmp_path / "model.json"
-    a.write_bytes(b"old weights")
-    b.write_bytes(b"old config")
+    a.write_bytes(b"previous weights")
+    b.write_bytes(b"previous config")
 
     def fails(f):
         f.write(b"half a config")
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="No space left"):
-        atomic_write_files({a: lambda f: f.write(b"new weights"), b: fails})
-    assert (a.read_bytes(), b.read_bytes()) == (b"old weights", b"old config")
+        atomic_write_files({a: lambda f: f.write(b"written weights"), b: fails})
+    assert (a.read_bytes(), b.read_bytes()) == (b"previous weights", b"previous config")
     assert temporaries(tmp_path) == []
-    atomic_write_files({a: lambda f: f.write(b"new weights"), b: lambda f: f.write(b"new config")})
-    assert (a.read_bytes(), b.read_bytes()) == (b"new weights", b"new config")
+    atomic_write_files({a: lambda f: f.write(b"written weights"), b: lambda f: f.write(b"written config")})
+    assert (a.read_bytes(), b.read_bytes()) == (b"written weights", b"written config")
 
 
 def test_demo_pair_survives_a_failure_while_writing_the_config(tmp_path, monkeypatch):
@@ -220,7 +219,7 @@ def test_sigkill_during_a_large_save_leaves_the_previous_file_loadable(tmp_path)
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:  # wait until the temporary file holds part of the new archive
+        while time.monotonic() < deadline:  # wait until the temporary file holds part of the archive
             partial = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p.stat().st_size > 4 << 20]
             if partial or child.poll() is not None:
                 break

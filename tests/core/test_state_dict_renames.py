@@ -43,10 +43,10 @@ def earlier_block_state(seed: int) -> dict[str, np.ndarray]:
 
 def test_earlier_layout_loads_into_the_renamed_parameters():
     block = Block()
-    old = earlier_block_state(1)
-    block.load_state_dict(old)
-    assert np.array_equal(block.norm1.gamma, old["gamma1"]) and np.array_equal(block.norm1.beta, old["beta1"])
-    assert np.array_equal(block.ffn.W, old["W1"]) and np.array_equal(block.ffn.b, old["b1"])
+    earlier = earlier_block_state(1)
+    block.load_state_dict(earlier)
+    assert np.array_equal(block.norm1.gamma, earlier["gamma1"]) and np.array_equal(block.norm1.beta, earlier["beta1"])
+    assert np.array_equal(block.ffn.W, earlier["W1"]) and np.array_equal(block.ffn.b, earlier["b1"])
 
 
 def test_current_layout_still_loads():
@@ -58,8 +58,8 @@ def test_current_layout_still_loads():
 def test_renames_are_prefixed_by_the_submodule_path_and_chain_parent_then_child():
     # The earlier stack called its list "layers" and each block stored flat names: both tables apply.
     stack = Stack()
-    old = {f"layers.{i}.{k}": v for i in range(2) for k, v in earlier_block_state(10 + i).items()}
-    stack.load_state_dict(old)
+    earlier = {f"layers.{i}.{k}": v for i in range(2) for k, v in earlier_block_state(10 + i).items()}
+    stack.load_state_dict(earlier)
     for i in range(2):
         expected = earlier_block_state(10 + i)
         assert np.array_equal(stack.blocks[i].norm1.gamma, expected["gamma1"])
@@ -71,11 +71,11 @@ def test_renames_are_prefixed_by_the_submodule_path_and_chain_parent_then_child(
 
 def test_renames_apply_to_files_too(tmp_path):
     path = tmp_path / "earlier.npz"
-    old = earlier_block_state(2)
-    np.savez(path, **old)
+    earlier = earlier_block_state(2)
+    np.savez(path, **earlier)
     block = Block()
     block.load(path)
-    assert np.array_equal(block.ffn.W, old["W1"])
+    assert np.array_equal(block.ffn.W, earlier["W1"])
 
 
 def test_renamed_and_current_name_of_the_same_parameter_together_are_refused():
@@ -95,7 +95,7 @@ def test_unknown_names_still_fail_and_say_how_to_convert():
         block.load_state_dict(state)
     message = str(info.value)
     assert "unknown keys ['gamma2']" in message and "missing keys ['norm1.gamma']" in message
-    assert "state[new] = state.pop(old)" in message and "STATE_DICT_RENAMES" in message
+    assert "state[current] = state.pop(earlier)" in message and "STATE_DICT_RENAMES" in message
     assert "'gamma2' -> 'norm1.gamma'?" in message  # the closest current name
 
 

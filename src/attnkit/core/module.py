@@ -130,7 +130,7 @@ class Module:
         """Copy parameters in from ``state``, all or nothing: every entry is checked before any is copied.
 
         Checkpoints of an earlier parameter layout load too: a module class may declare
-        ``STATE_DICT_RENAMES = {"old local name": "new local name"}`` (a name may also be a child module's
+        ``STATE_DICT_RENAMES = {"earlier local name": "current local name"}`` (a name may also be a child module's
         name, renaming everything under it). Each module's table is applied to the incoming keys, prefixed by
         that module's dotted path, parents before children, before anything is checked.
 
@@ -144,7 +144,7 @@ class Module:
         Raises
         ------
         KeyError
-            Unknown keys, or (strict) missing keys, naming them and saying how to map old names.
+            Unknown keys, or (strict) missing keys, naming them and saying how to map earlier names.
         ValueError
             A value whose shape differs from its parameter's, or two keys naming the same parameter.
         TypeError
@@ -189,12 +189,12 @@ class Module:
             if not key.startswith(prefix):
                 continue
             local = key[len(prefix):]
-            for old, new in table.items():
-                if local == old:
-                    local = new
+            for earlier, current in table.items():
+                if local == earlier:
+                    local = current
                     break
-                if local.startswith(old + "."):
-                    local = new + local[len(old):]
+                if local.startswith(earlier + "."):
+                    local = current + local[len(earlier):]
                     break
             key = prefix + local
         return key
@@ -242,9 +242,9 @@ class Module:
                 close = difflib.get_close_matches(key.split(" ")[0], missing or list(own), n=1, cutoff=0.5)
                 if close:
                     hints.append(f"{key!r} -> {close[0]!r}?")
-            message += (". If the checkpoint comes from an earlier parameter layout, map each old name to its "
-                        "current name, either in the dict (state[new] = state.pop(old)) or, for every "
-                        "checkpoint, in the module class's STATE_DICT_RENAMES = {'old': 'new'} (local names)")
+            message += (". If the checkpoint comes from an earlier parameter layout, map each earlier name to its "
+                        "current name, either in the dict (state[current] = state.pop(earlier)) or, for every "
+                        "checkpoint, in the module class's STATE_DICT_RENAMES = {'earlier': 'current'} (local names)")
             if hints:
                 message += f"; closest current names: {', '.join(hints)}"
         return message
