@@ -351,6 +351,8 @@ class ArrayArchive:
         except (ValueError, SyntaxError) as exc:
             raise self._error(f"entry {name!r} has no valid .npy header: {exc}") from exc
         header = ArrayHeader(name, tuple(int(n) for n in shape), np.dtype(dtype), bool(fortran_order))
+        if any(n < 0 for n in header.shape):
+            raise self._error(f"entry {name!r} declares shape {header.shape} with a negative length")
         if header.dtype.hasobject or header.dtype.fields is not None or header.dtype.subdtype is not None:
             raise self._error(f"entry {name!r} has dtype {header.dtype}; only plain numeric arrays are read")
         declared = header_bytes + header.nbytes

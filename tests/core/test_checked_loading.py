@@ -121,6 +121,7 @@ def test_compressed_wrong_shape_is_refused_before_its_data_is_read(tmp_path):
     ("truncated_data", ValueError, r"entry 'W' declares shape \(2, 2\) float64 \(32 bytes of data\) but holds 8"),
     ("bad_header", ValueError, r"entry 'W' has no valid .npy header"),
     ("bzip2", ValueError, r"entry 'W' uses zip compression method 12"),
+    ("negative_shape", ValueError, r"entry 'W' declares shape \(-2, -2\) with a negative length"),
 ])
 def test_bad_entries_are_refused_naming_the_entry(tmp_path, case, error, message):
     good_W, good_b = npy_bytes(np.ones((2, 2))), npy_bytes(np.ones(2))
@@ -136,6 +137,7 @@ def test_bad_entries_are_refused_naming_the_entry(tmp_path, case, error, message
         "not_npy": [("W.npy", good_W), ("b.npy", good_b), ("notes.txt", b"hello")],
         "truncated_data": [("W.npy", good_W[:-24]), ("b.npy", good_b)],
         "bad_header": [("W.npy", b"\x93NUMPY\x01\x00\x10\x00{'descr': oops}"), ("b.npy", good_b)],
+        "negative_shape": [("W.npy", npy_header_bytes((-2, -2), "<f8") + bytes(32)), ("b.npy", good_b)],
     }
     path = tmp_path / f"{case}.npz"
     if case == "bzip2":
