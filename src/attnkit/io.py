@@ -76,10 +76,22 @@ def _file_mode(dest: Path) -> int:
     try:
         return os.stat(dest).st_mode & 0o7777
     except FileNotFoundError:
-        with _umask_lock:  # the umask can only be read by setting it
-            umask = os.umask(0o022)
-            os.umask(umask)
-        return 0o666 & ~umask
+        return 0o666 & ~_current_umask()
+
+
+def _current_umask() -> int:
+    """The process umask, read from /proc where possible (setting it, the only portable way, races threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _umask_lock:
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return umask
 
 
 def _remove_quietly(path: str) -> None:
