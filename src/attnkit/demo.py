@@ -203,11 +203,16 @@ def train(config: DemoConfig, on_step: Callable[[int, float, float], None] | Non
 def save_model(result: TrainResult, folder: str | Path) -> tuple[Path, Path]:
     """Write ``model.npz`` (parameters) and ``model.json`` (architecture, task, scores) into ``folder``.
 
+    Both files are written in full to temporary files first and only then renamed into place
+    (:func:`attnkit.io.atomic_write_files`), so a failed save (disk full, a file-size limit, an error,
+    Ctrl-C) leaves the folder's previous pair intact and loadable.
+
     Returns the two paths.
     """
+    from .io import atomic_write_files, write_arrays
+
     folder = Path(folder)
     model_path, config_path = folder / MODEL_FILE, folder / CONFIG_FILE
-    result.model.save(model_path)
     c = result.config
     meta = {
         "format": _FORMAT, "version": _FORMAT_VERSION,
@@ -218,7 +223,9 @@ def save_model(result: TrainResult, folder: str | Path) -> tuple[Path, Path]:
         "heldout_token_accuracy": round(result.heldout_accuracy, 6),
         "heldout_sequence_accuracy": round(result.heldout_sequence_accuracy, 6),
     }
-    config_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    config_bytes = (json.dumps(meta, indent=2) + "\n").encode("utf-8")
+    state = result.model.state_dict()
+    atomic_write_files({model_path: lambda f: write_arrays(f, state), config_path: lambda f: f.write(config_bytes)})
     return model_path, config_path
 
 

@@ -8,10 +8,14 @@ which stay until :meth:`zero_grad`.
 """
 from __future__ import annotations
 
+import difflib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from ..io import ArrayArchive, save_arrays
 
 __all__ = ["Module", "ModuleList"]
 
@@ -119,42 +123,138 @@ class Module:
         return self
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """A copy of every parameter, keyed by dotted name (save with ``np.savez(path, **state)``)."""
+        """A copy of every parameter, keyed by dotted name (write it to a file with :meth:`save`)."""
         return {name: p.copy() for name, p in self.named_parameters()}
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """Copy parameters in from ``state`` (e.g. ``np.load(path)``).
+        """Copy parameters in from ``state``, all or nothing: every entry is checked before any is copied.
+
+        Checkpoints of an earlier parameter layout load too: a module class may declare
+        ``STATE_DICT_RENAMES = {"earlier local name": "current local name"}`` (a name may also be a child module's
+        name, renaming everything under it). Each module's table is applied to the incoming keys, prefixed by
+        that module's dotted path, parents before children, before anything is checked.
 
         Parameters
         ----------
         state : mapping of str to array
+            Real floating arrays (any float dtype: each is cast to its parameter's dtype), keyed by dotted name.
         strict : bool, default True
-            Refuse missing keys too; unknown keys and wrong shapes are always refused.
+            Refuse missing keys too; unknown keys, duplicates and wrong shapes or dtypes are always refused.
 
         Raises
         ------
         KeyError
-            Unknown keys, or (strict) missing keys, naming them.
+            Unknown keys, or (strict) missing keys, naming them and saying how to map earlier names.
         ValueError
-            A value whose shape differs from the parameter's.
+            A value whose shape differs from its parameter's, or two keys naming the same parameter.
+        TypeError
+            A value that is not a real floating array.
+
+        Examples
+        --------
+        >>> from attnkit.layers import LayerNorm
+        >>> class Norm(Module):  # a layout that keeps its LayerNorm under "norm"; "gamma"/"beta" were its own
+        ...     STATE_DICT_RENAMES = {"gamma": "norm.gamma", "beta": "norm.beta"}
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm = LayerNorm(2)
+        >>> layer = Norm()
+        >>> layer.load_state_dict({"gamma": np.array([2.0, 3.0]), "beta": np.zeros(2)})
+        >>> layer.norm.gamma
+        array([2., 3.])
+        """
+        values = {key: np.asarray(state[key]) for key in state}  # each entry read once
+        plan = self._check_state({key: (v.shape, v.dtype) for key, v in values.items()}, strict)
+        own = dict(self.named_parameters())
+        for key, name in plan.items():
+            np.copyto(own[name], values[key], casting="unsafe")
+
+    def _state_renames(self) -> list[tuple[str, dict[str, str]]]:
+        """``(dotted path, STATE_DICT_RENAMES)`` of every module that declares renames, parents first."""
+        tables = []
+        for path, mod in self.named_modules():
+            table = getattr(type(mod), "STATE_DICT_RENAMES", None)
+            if not table:
+                continue
+            if not isinstance(table, Mapping) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                                         for k, v in table.items()):
+                raise TypeError(f"{type(mod).__name__}.STATE_DICT_RENAMES must map str to str, got {table!r}")
+            tables.append((path, dict(table)))
+        return tables
+
+    def _renamed_key(self, key: str, tables: list[tuple[str, dict[str, str]]]) -> str:
+        """``key`` in the current layout: each table renames an exact name or everything below a name."""
+        for path, table in tables:
+            prefix = f"{path}." if path else ""
+            if not key.startswith(prefix):
+                continue
+            local = key[len(prefix):]
+            for earlier, current in table.items():
+                if local == earlier:
+                    local = current
+                    break
+                if local.startswith(earlier + "."):
+                    local = current + local[len(earlier):]
+                    break
+            key = prefix + local
+        return key
+
+    def _check_state(self, entries: Mapping[str, tuple[tuple[int, ...], np.dtype]], strict: bool) -> dict[str, str]:
+        """Check names (after renames), shapes and dtypes of incoming entries; map each key to its parameter.
+
+        ``entries`` holds only what a header declares (shape, dtype), so files are checked before any
+        array is read.
         """
         own = dict(self.named_parameters())
-        unknown = sorted(set(state) - set(own))
-        missing = sorted(set(own) - set(state)) if strict else []
+        tables = self._state_renames()
+        plan: dict[str, str] = {}
+        claimed: dict[str, str] = {}
+        unknown = []
+        for key in entries:
+            if not isinstance(key, str):
+                raise KeyError(f"state dict keys must be strings, got {key!r}")
+            name = self._renamed_key(key, tables)
+            if name in claimed:
+                raise ValueError(f"state dict entries {claimed[name]!r} and {key!r} both name parameter {name!r}")
+            claimed[name] = key
+            if name in own:
+                plan[key] = name
+            else:
+                unknown.append(key if name == key else f"{key} (renamed {name})")
+        missing = sorted(set(own) - set(claimed)) if strict else []
         if unknown or missing:
-            raise KeyError(f"state dict does not match {type(self).__name__}: unknown keys {unknown}, "
-                           f"missing keys {missing}")
-        for name in state:
-            value = np.asarray(state[name])
-            if value.shape != own[name].shape:
-                raise ValueError(f"state dict entry {name!r} has shape {value.shape}, expected {own[name].shape}")
-            if value.dtype.kind not in "fiu":
-                raise TypeError(f"state dict entry {name!r} has non-numeric dtype {value.dtype}")
-        for name in state:
-            np.copyto(own[name], np.asarray(state[name]), casting="unsafe")
+            raise KeyError(self._mismatch_message(sorted(unknown), missing, own))
+        for key, name in plan.items():
+            shape, dtype = entries[key]
+            if tuple(shape) != own[name].shape:
+                raise ValueError(f"state dict entry {key!r} has shape {tuple(shape)}, expected {own[name].shape}")
+            if np.dtype(dtype).kind != "f":
+                raise TypeError(f"state dict entry {key!r} has dtype {np.dtype(dtype)}, expected a real floating "
+                                f"dtype (the parameter is {own[name].dtype}; convert with .astype(np.{own[name].dtype.name}))")
+        return plan
 
-    def save(self, path: Any) -> None:
-        """Write :meth:`state_dict` to ``path`` as an ``.npz`` archive (``np.savez``), exactly at ``path``.
+    def _mismatch_message(self, unknown: list[str], missing: list[str], own: Mapping[str, np.ndarray]) -> str:
+        message = (f"state dict does not match {type(self).__name__}: unknown keys {unknown}, "
+                   f"missing keys {missing}")
+        if unknown:
+            hints = []
+            for key in unknown[:3]:
+                close = difflib.get_close_matches(key.split(" ")[0], missing or list(own), n=1, cutoff=0.5)
+                if close:
+                    hints.append(f"{key!r} -> {close[0]!r}?")
+            message += (". If the checkpoint comes from an earlier parameter layout, map each earlier name to its "
+                        "current name, either in the dict (state[current] = state.pop(earlier)) or, for every "
+                        "checkpoint, in the module class's STATE_DICT_RENAMES = {'earlier': 'current'} (local names)")
+            if hints:
+                message += f"; closest current names: {', '.join(hints)}"
+        return message
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :meth:`state_dict` to ``path`` as an ``.npz`` archive, atomically and exactly at ``path``.
+
+        The archive is written to a temporary file in the same folder and renamed over ``path`` only when
+        complete, so a failed or interrupted save leaves the previous file intact (:func:`attnkit.io.atomic_write`).
+        ``np.load`` reads it too.
 
         Examples
         --------
@@ -167,17 +267,31 @@ class Module:
         >>> np.array_equal(a.W, b.W)
         True
         """
-        with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a bare name
-            np.savez(f, **self.state_dict())
+        save_arrays(path, self.state_dict())
 
-    def load(self, path: Any) -> None:
-        """Load parameters saved by :meth:`save` (``load_state_dict(np.load(path))``, strict).
+    def load(self, path: str | os.PathLike, strict: bool = True) -> None:
+        """Load parameters saved by :meth:`save`, checking the file's headers before reading any array.
 
-        Raises ``KeyError``/``ValueError`` like :meth:`load_state_dict` for unknown, missing or wrongly shaped
-        entries.
+        Names (after ``STATE_DICT_RENAMES``), shapes and dtypes are compared with the parameters from the
+        archive's ``.npy`` headers alone; only then is each array read, once, and all are copied in
+        together (on any error no parameter changes).
+
+        Raises
+        ------
+        KeyError
+            Unknown or (strict) missing entries, as :meth:`load_state_dict`.
+        ValueError
+            A file that is not a valid archive (damaged, duplicate entries, sizes that disagree with the
+            headers), or an entry whose shape differs from its parameter's.
+        TypeError
+            An entry that is not a real floating array.
         """
-        with np.load(path, allow_pickle=False) as archive:
-            self.load_state_dict(archive)
+        with ArrayArchive(path) as archive:
+            plan = self._check_state({name: (h.shape, h.dtype) for name, h in archive.headers.items()}, strict)
+            values = {key: archive.read(key) for key in plan}
+        own = dict(self.named_parameters())
+        for key, name in plan.items():
+            np.copyto(own[name], values[key], casting="unsafe")
 
     # -- calling -------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

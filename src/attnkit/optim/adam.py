@@ -1,6 +1,9 @@
 """``Adam`` (L2 penalty in the gradient) and ``AdamW`` (decoupled weight decay), as in ``torch.optim``."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
 from ..core.module import Module
@@ -26,6 +29,7 @@ class Adam(Optimizer):
     betas : (float, float), default (0.9, 0.999)
         Decay rates of the first and second moment estimates, each in [0, 1).
     eps : float, default 1e-8
+        Added to the denominator (> 0).
     weight_decay : float, default 0.0
         L2 penalty added to the gradient (use :class:`AdamW` for decoupled decay).
 
@@ -47,13 +51,17 @@ class Adam(Optimizer):
 
     def __init__(self, module: Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        self.lr = check_hyper(lr, "lr")
+        super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    @classmethod
+    def check_hyperparameters(cls, values: Mapping[str, Any]) -> dict[str, Any]:
+        betas = values["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        self.betas = (check_hyper(betas[0], "betas[0]", 0.0, 1.0), check_hyper(betas[1], "betas[1]", 0.0, 1.0))
-        self.eps = check_hyper(eps, "eps")
-        self.weight_decay = check_hyper(weight_decay, "weight_decay")
-        super().__init__(module)
+        return {"lr": check_hyper(values["lr"], "lr"),
+                "betas": (check_hyper(betas[0], "betas[0]", 0.0, 1.0), check_hyper(betas[1], "betas[1]", 0.0, 1.0)),
+                "eps": check_hyper(values["eps"], "eps", low_inclusive=False),
+                "weight_decay": check_hyper(values["weight_decay"], "weight_decay")}
 
     def _update(self, p, g, state) -> None:
         beta1, beta2 = self.betas

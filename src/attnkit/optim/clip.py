@@ -40,7 +40,7 @@ def clip_grad_norm(module: Module, max_norm: float) -> float:
     """
     if not isinstance(module, Module):
         raise TypeError(f"module must be an attnkit Module, got {type(module).__name__}")
-    max_norm = check_hyper(max_norm, "max_norm")
+    max_norm = check_hyper(max_norm, "max_norm", low_inclusive=False)
     grads = [g for _, g in module.named_gradients()]
     total = float(np.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads)))
     coef = max_norm / (total + 1e-6)

@@ -1,6 +1,11 @@
 """``SGD``: stochastic gradient descent with (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
 from ..core.module import Module
 from .optimizer import Optimizer, check_hyper
 
@@ -23,6 +28,7 @@ class SGD(Optimizer):
     lr : float
         Learning rate (>= 0).
     momentum : float, default 0.0
+        In [0, 1).
     weight_decay : float, default 0.0
         L2 penalty added to the gradient.
     nesterov : bool, default False
@@ -44,17 +50,28 @@ class SGD(Optimizer):
     """
 
     hyperparameter_names = ("lr", "momentum", "weight_decay", "nesterov")
+    slot_names = ("momentum_buffer",)
 
     def __init__(self, module: Module, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False) -> None:
-        self.lr = check_hyper(lr, "lr")
-        self.momentum = check_hyper(momentum, "momentum", 0.0, 1.0, high_inclusive=True)
-        self.weight_decay = check_hyper(weight_decay, "weight_decay")
-        self.nesterov = bool(nesterov)
-        if self.nesterov and self.momentum == 0:
+        super().__init__(module, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+
+    @classmethod
+    def check_hyperparameters(cls, values: Mapping[str, Any]) -> dict[str, Any]:
+        nesterov = values["nesterov"]
+        if not isinstance(nesterov, (bool, np.bool_)):
+            raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__} {nesterov!r}")
+        hyper = {"lr": check_hyper(values["lr"], "lr"),
+                 "momentum": check_hyper(values["momentum"], "momentum", 0.0, 1.0),
+                 "weight_decay": check_hyper(values["weight_decay"], "weight_decay"),
+                 "nesterov": bool(nesterov)}
+        if hyper["nesterov"] and hyper["momentum"] == 0:
             raise ValueError("nesterov=True requires momentum > 0")
-        self.slot_names = ("momentum_buffer",) if self.momentum else ()
-        super().__init__(module)
+        return hyper
+
+    @classmethod
+    def slots_for(cls, hyperparameters: Mapping[str, Any]) -> tuple[str, ...]:
+        return cls.slot_names if hyperparameters["momentum"] else ()
 
     def _update(self, p, g, state) -> None:
         if self.weight_decay:

@@ -1,0 +1,289 @@
+"""Files are written atomically: a failed or interrupted write leaves the previous file intact and loadable.
+
+Three ways a write can die are tried on every writer (Module.save, Optimizer.save, the demo's model pair):
+a file-size limit (``RLIMIT_FSIZE`` in a subprocess, SIGXFSZ ignored, so the write gets EFBIG as on a full
+disk), an exception in the middle of the write (no temporary file may remain), and SIGKILL of a child
+process in the middle of a large save.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnkit import demo
+from attnkit import io as attnkit_io
+from attnkit.core import Module, ModuleList
+from attnkit.io import atomic_write, atomic_write_files, save_arrays
+from attnkit.layers import Projection
+from attnkit.optim import Adam
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+TIMEOUT = 120
+
+
+def temporaries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          env=env, timeout=TIMEOUT)
+
+
+def stepped_adam(seed: int) -> Adam:
+    proj = Projection(100, 200, rng=seed)  # 160 kB of float64 weights, 480 kB of optimizer state
+    opt = Adam(proj, lr=0.01)
+    proj.grads["W"][:] = np.random.default_rng(seed).normal(size=proj.W.shape)
+    opt.step()
+    return opt
+
+
+def small_demo_config(seed: int) -> demo.DemoConfig:
+    return demo.DemoConfig(steps=1, batch_size=4, eval_size=4, eval_points=1, seed=seed)
+
+
+# -- a file-size limit (EFBIG, like a full disk) ------------------------------------------------------------
+SIZE_LIMITED = """
+    import resource, signal, sys
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # otherwise the kernel kills us instead of failing the write
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+    kind, path = sys.argv[1], sys.argv[2]
+    try:
+        if kind == "module":
+            from attnkit.layers import Projection
+            Projection(100, 200, rng=1).save(path)
+        elif kind == "optimizer":
+            from attnkit.layers import Projection
+            from attnkit.optim import Adam
+            Adam(Projection(100, 200, rng=1), lr=0.5).save(path)
+        else:
+            from attnkit import demo
+            config = demo.DemoConfig(steps=1, batch_size=4, eval_size=4, eval_points=1, seed=1)
+            demo.save_model(demo.train(config), path)
+    except OSError as exc:
+        print("write failed:", exc.errno)
+    else:
+        print("write succeeded")
+"""
+
+
+@pytest.mark.parametrize("kind", ["module", "optimizer", "demo"])
+def test_write_beyond_the_file_size_limit_keeps_the_previous_checkpoint(tmp_path, kind):
+    import errno
+
+    if kind == "module":
+        target = tmp_path / "model.npz"
+        Projection(100, 200, rng=0).save(target)
+    elif kind == "optimizer":
+        target = tmp_path / "adam.npz"
+        stepped_adam(0).save(target)
+    else:
+        target = tmp_path
+        demo.save_model(demo.train(small_demo_config(0)), target)
+    files = sorted(p for p in tmp_path.iterdir())
+    before = {p.name: p.read_bytes() for p in files}
+    assert max(len(b) for b in before.values()) > 64 * 1024  # the write must cross the limit
+
+    result = run_python(SIZE_LIMITED, kind, str(target))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"write failed: {errno.EFBIG}"
+    assert temporaries(tmp_path) == []
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # byte for byte
+    if kind == "module":
+        proj = Projection(100, 200, rng=5)
+        proj.load(target)
+        assert np.array_equal(proj.W, Projection(100, 200, rng=0).W)
+    elif kind == "optimizer":
+        opt = Adam(Projection(100, 200, rng=0))
+        opt.load(target)
+        assert opt.step_count == 1 and np.array_equal(opt.state["W"]["exp_avg"], stepped_adam(0).state["W"]["exp_avg"])
+    else:
+        model, meta = demo.load_model(target)
+        assert meta["training"]["seed"] == 0
+        assert np.array_equal(model.state_dict()["head.W"], demo.train(small_demo_config(0)).model.state_dict()["head.W"])
+
+
+# -- an exception in the middle of a write ------------------------------------------------------------------
+def test_an_exception_mid_write_leaves_the_previous_file_and_no_temporary(tmp_path):
+    path = tmp_path / "model.npz"
+    Projection(3, 4, rng=0).save(path)
+    before = path.read_bytes()
+    proj = Projection(3, 4, rng=1)
+    # the first entry is written, then the second cannot be: object arrays are never pickled
+    proj.state_dict = lambda: {"W": np.ones((3, 4)), "b": np.array([None], dtype=object)}
+    with pytest.raises(ValueError, match="'b' has dtype object"):
+        proj.save(path)
+    assert path.read_bytes() == before and temporaries(tmp_path) == []
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
+def test_atomic_write_removes_its_temporary_file_on_any_exception(tmp_path, exc):
+    path = tmp_path / "file.bin"
+
+    def dies(f):
+        f.write(b"x" * 100_000)
+        raise exc
+
+    with pytest.raises(type(exc)):
+        atomic_write(path, dies)
+    assert list(tmp_path.iterdir()) == []  # no file, no temporary
+    path.write_bytes(b"previous")
+    with pytest.raises(type(exc)):
+        atomic_write(path, dies)
+    assert path.read_bytes() == b"previous" and temporaries(tmp_path) == []
+
+
+def test_a_group_of_files_is_replaced_only_when_every_file_was_written(tmp_path):
+    a, b = tmp_path / "model.npz", tmp_path / "model.json"
+    a.write_bytes(b"previous weights")
+    b.write_bytes(b"previous config")
+
+    def fails(f):
+        f.write(b"half a config")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write_files({a: lambda f: f.write(b"written weights"), b: fails})
+    assert (a.read_bytes(), b.read_bytes()) == (b"previous weights", b"previous config")
+    assert temporaries(tmp_path) == []
+    atomic_write_files({a: lambda f: f.write(b"written weights"), b: lambda f: f.write(b"written config")})
+    assert (a.read_bytes(), b.read_bytes()) == (b"written weights", b"written config")
+
+
+def test_demo_pair_survives_a_failure_while_writing_the_config(tmp_path, monkeypatch):
+    # model.npz's temporary file is complete when writing model.json's fails half-way: neither is replaced
+    demo.save_model(demo.train(small_demo_config(0)), tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = demo.train(small_demo_config(1))
+    write_temporary, written = attnkit_io._write_temporary, []
+
+    def second_file_fails(dest, write):
+        written.append(dest.name)
+        if len(written) == 2:
+            def half_then_no_space(f):
+                f.write(b'{"format": ')
+                raise OSError(28, "No space left on device")
+            return write_temporary(dest, half_then_no_space)
+        return write_temporary(dest, write)
+
+    monkeypatch.setattr(attnkit_io, "_write_temporary", second_file_fails)
+    with pytest.raises(OSError, match="No space left"):
+        demo.save_model(result, tmp_path)
+    assert written == ["model.npz", "model.json"]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    monkeypatch.undo()
+    _, meta = demo.load_model(tmp_path)
+    assert meta["training"]["seed"] == 0
+
+
+# -- SIGKILL in the middle of a large save ------------------------------------------------------------------
+KILLED = """
+    import sys, time
+    from numpy.lib import format as npy_format
+    from attnkit.core import ModuleList
+    from attnkit.layers import Projection
+    write_array = npy_format.write_array
+
+    def slow_write_array(*args, **kwargs):  # a slow disk: the parent kills us while the temp file grows
+        write_array(*args, **kwargs)
+        time.sleep(0.2)
+
+    npy_format.write_array = slow_write_array
+    model = ModuleList([Projection(512, 1024, rng=100 + i) for i in range(8)])  # 32 MB
+    print("saving", flush=True)
+    model.save(sys.argv[1])
+    print("saved", flush=True)
+"""
+
+
+def big_model(seed: int) -> ModuleList:
+    return ModuleList([Projection(512, 1024, rng=seed + i) for i in range(8)])
+
+
+def test_sigkill_during_a_large_save_leaves_the_previous_file_loadable(tmp_path):
+    path = tmp_path / "model.npz"
+    big_model(0).save(path)
+    before = path.read_bytes()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED), str(path)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:  # wait until the temporary file holds part of the archive
+            partial = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p.stat().st_size > 4 << 20]
+            if partial or child.poll() is not None:
+                break
+            time.sleep(0.01)
+        assert child.poll() is None, f"the child ended before it could be killed: {child.communicate()}"
+        assert partial, "no temporary file appeared"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=TIMEOUT)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+        child.stderr.close()
+    assert child.returncode == -signal.SIGKILL
+    assert path.read_bytes() == before
+    loaded = big_model(50)
+    loaded.load(path)
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(loaded.named_parameters(), big_model(0).named_parameters()))
+    # what a kill can leave: at most the hidden, partial temporary file beside the checkpoint
+    assert all(name.startswith(".model.npz.") for name in temporaries(tmp_path))
+
+
+# -- what the written file is -------------------------------------------------------------------------------
+def test_a_replaced_file_keeps_its_permissions_and_a_new_one_gets_the_umask_default(tmp_path):
+    path = tmp_path / "model.npz"
+    old_umask = os.umask(0o027)
+    try:
+        Projection(2, 2, rng=0).save(path)
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    path.chmod(0o604)
+    Projection(2, 2, rng=1).save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o604
+
+
+def test_saving_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    target, link = tmp_path / "real.npz", tmp_path / "link.npz"
+    Projection(2, 2, rng=0).save(target)
+    link.symlink_to(target)
+    Projection(2, 2, rng=1).save(link)
+    assert link.is_symlink()
+    proj = Projection(2, 2, rng=0)
+    proj.load(target)
+    assert np.array_equal(proj.W, Projection(2, 2, rng=1).W)
+
+
+@pytest.mark.parametrize("where, error, message", [
+    ("folder", IsADirectoryError, "is a folder, expected a file path"),
+    ("missing", FileNotFoundError, "does not exist"),
+    ("not_a_path", TypeError, "path must be a str or os.PathLike"),
+])
+def test_bad_destinations_are_refused_before_writing(tmp_path, where, error, message):
+    path = {"folder": tmp_path, "missing": tmp_path / "nowhere" / "m.npz", "not_a_path": 3}[where]
+    with pytest.raises(error, match=message):
+        save_arrays(path, {"W": np.zeros(2)})
+    assert temporaries(tmp_path) == []
+
+
+def test_module_save_is_an_npz_that_numpy_reads(tmp_path):
+    path = tmp_path / "m.npz"
+    model = Module()
+    model.register_parameter("W", np.arange(6.0).reshape(2, 3))
+    model.save(path)
+    with np.load(path, allow_pickle=False) as archive:
+        assert archive.files == ["W"] and np.array_equal(archive["W"], model.W)
