@@ -27,6 +27,7 @@ PROG = "attnkit"
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 _DPI = 100  # pictures are exactly figsize * 100 pixels
 _SHOWN_CHARS = 40  # longest piece of user text quoted back in a message
+_MESSAGE_CHARS = 500  # longest error message (a 5000-character path is cut)
 _INTEGER = re.compile("[+-]?[0-9]+")
 
 # C0/C1 control characters, DEL, lone surrogates and the bidirectional overrides ("Trojan source"):
@@ -180,7 +181,7 @@ def save_figure(fig: Any, path: Path, dpi: int = _DPI) -> None:
 
 # -- the one error handler -------------------------------------------------------------------------------
 def _say(prog: str, message: Any) -> None:
-    print(f"{prog}: error: {printable(message)}", file=sys.stderr, flush=True)
+    print(f"{printable(prog, _SHOWN_CHARS)}: error: {printable(message, _MESSAGE_CHARS)}", file=sys.stderr, flush=True)
 
 
 def run_command(run: Callable[[], int], prog: str = PROG) -> int:
