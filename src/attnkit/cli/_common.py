@@ -87,7 +87,8 @@ def check_argv_text(argv: Sequence[str]) -> None:
             arg.encode("utf-8")
         except UnicodeEncodeError:
             shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")  # bytes as \xff
-            raise UsageError(f"argument {position} ({printable(shown, _SHOWN_CHARS)}) is not valid UTF-8 text") from None
+            shown = printable(shown, _SHOWN_CHARS)
+            raise UsageError(f"argument {position} ({shown}) is not valid UTF-8 text") from None
 
 
 # -- argument types --------------------------------------------------------------------------------------
@@ -129,7 +130,8 @@ def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {printable(repr(text), _SHOWN_CHARS)}") from None
+        shown = printable(repr(text), _SHOWN_CHARS)
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {shown}") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {printable(text, _SHOWN_CHARS)}")
     return value

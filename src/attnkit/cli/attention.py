@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ._common import (UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure)
+from ._common import UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure
 
 __all__ = ["NAME", "add_parser", "run", "PRETRAINED_MODELS"]
 
