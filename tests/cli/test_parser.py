@@ -1,6 +1,7 @@
 """The ``attnkit`` parser: commands registered from ``COMMANDS``, ``--help`` everywhere, and every bad command
 line (out of range, absurd, not UTF-8, control characters, unwritable paths) is one line on stderr and exit 2."""
 import argparse
+import os
 import sys
 
 import pytest
@@ -211,4 +212,6 @@ def test_pictures_are_written_atomically(tmp_path):
     fig = plt.figure()
     save_figure(fig, target)
     assert target.read_bytes()[:4] == b"\x89PNG" and sorted(tmp_path.iterdir()) == [target]
-    assert target.stat().st_mode & 0o044  # readable by others, as a plain savefig would leave it
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # as a plain savefig would leave it
