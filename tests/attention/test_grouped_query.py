@@ -7,7 +7,7 @@ import torch
 from decoder_cases import copy_attention, hf_config, tiny_config
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
-from attnkit.attention.grouped_query import GroupedQueryAttention, band_mask
+from attnkit.attention.grouped_query import GroupedQueryAttention
 from attnkit.cache import KVCache
 from attnkit.layers.rotary import RotaryEmbedding
 
@@ -40,10 +40,21 @@ def _positions(mask):
     return np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
 
 
-def test_band_mask_counts_the_query_itself():
-    band = band_mask(4, 4, 2) & np.tril(np.ones((4, 4), bool))
-    assert band.sum(axis=1).tolist() == [1, 2, 2, 2]
-    assert band[3].tolist() == [False, False, True, True]
+def band_mask(seq_q, seq_k, window):
+    """Independent window band, bottom-right aligned: query i sees key j iff i + Lk - Lq - W < j."""
+    return np.array([[j > i + seq_k - seq_q - window for j in range(seq_k)] for i in range(seq_q)])
+
+
+def test_window_counts_the_query_itself():
+    rng = make_rng(11)
+    cfg, attn = _layer("window", rng)  # W = 3
+    x = randn(rng, 1, 6, cfg.hidden_size)
+    y = attn(x)
+    g = np.zeros_like(y)
+    g[0, 5] = 1.0
+    grad_x = attn.backward(g)
+    # Query 5 sees keys 3, 4, 5 only: inputs 0..2 get no gradient, 3..5 do.
+    assert np.all(grad_x[0, :3] == 0) and np.all(np.abs(grad_x[0, 3:]).sum(axis=-1) > 0)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -20,14 +20,7 @@ from ..kernels import rotary as _rotary
 from ..kernels.linear import linear, linear_backward
 from ..layers._common import as_generator, check_features, check_grad_output
 
-__all__ = ["GroupedQueryAttention", "band_mask"]
-
-
-def band_mask(seq_q: int, seq_k: int, window: int) -> np.ndarray:
-    """Sliding-window band ``(Lq, Lk)``, bottom-right aligned: query i sees key j iff ``i' - W < j`` with
-    ``i' = i + Lk - Lq`` (the causal half is the kernel's ``causal=True``)."""
-    shifted = np.arange(seq_q)[:, None] + (seq_k - seq_q)  # (Lq, 1)
-    return np.arange(seq_k)[None, :] > shifted - window  # (Lq, Lk)
+__all__ = ["GroupedQueryAttention"]
 
 
 class GroupedQueryAttention(Module):
@@ -113,14 +106,6 @@ class GroupedQueryAttention(Module):
                              f"(past + new tokens), got {mask.shape}")
         return mask
 
-    def _kernel_mask(self, key_mask: np.ndarray | None, seq_q: int, seq_k: int) -> np.ndarray | None:
-        """Key padding (B, 1, 1, 1, S) AND the window band (Lq, S); the causal part is ``causal=True``."""
-        mask = None if key_mask is None else key_mask[:, None, None, None, :]  # (B, 1, 1, 1, S)
-        if self.window is not None:
-            band = band_mask(seq_q, seq_k, self.window)  # (Lq, S)
-            mask = band if mask is None else mask & band  # (B, 1, 1, Lq, S)
-        return mask
-
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None) -> np.ndarray:
         """Attend every new token to itself and the tokens before it; caches what :meth:`backward` needs."""
         x = check_features(x, "x", self.hidden_size, "GroupedQueryAttention", "hidden_size")
@@ -140,10 +125,13 @@ class GroupedQueryAttention(Module):
             key_mask = None if key_mask is None else key_mask[:, kept.slots]  # (B, S)
         else:
             key_mask = self._check_mask(attention_mask, b, length)
-        seq_k = k.shape[2]
         qg = q.reshape(b, self.num_kv_heads, self.num_groups, length, self.head_dim)  # (B, Hkv, G, L, Dh)
-        out, _, ctx = attention_forward(qg, k[:, :, None], v[:, :, None], causal=True,
-                                        mask=self._kernel_mask(key_mask, length, seq_k))  # (B, Hkv, G, L, Dh)
+        mask = None if key_mask is None else key_mask[:, None, None, None, :]  # (B, 1, 1, 1, S)
+        # The cache returns consecutive slots ending at the new tokens, so the kernel's bottom-right aligned
+        # causal window applies to cached steps as well. One decoding step (L = 1) is a single row of scores:
+        # the reference kernel is cheapest there; longer inputs take the tiled kernel (no L x S scores).
+        out, _, ctx = attention_forward(qg, k[:, :, None], v[:, :, None], mask=mask, causal=True,
+                                        window=self.window, need_weights=length == 1)  # (B, Hkv, G, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
