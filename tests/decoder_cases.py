@@ -124,9 +124,36 @@ def hf_model(model, dtype=torch.float64):
     import transformers
 
     hf_cfg = hf_config(model.config)
-    hf_cfg._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").to(dtype).eval()
+    # sdpa rather than eager: eager takes its softmax in float32 even for float64 models, and its fully masked
+    # (left-pad) rows turn into NaN that the next layer spreads into real rows through 0 * NaN.
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").to(dtype).eval()
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
     assert not unexpected, unexpected
     assert all("lm_head" in m or "attn.bias" in m or "masked_bias" in m for m in missing), missing
     return hf
+
+
+def without_float32_internals(hf, model) -> None:
+    """Make a float64 HF Llama-family model compute in float64 throughout, for a float64 comparison.
+
+    Hugging Face computes RMSNorm statistics and rotary angles in float32 whatever the model's dtype, which
+    limits any float64 comparison to ~1e-7. Here the RMSNorms compute in their input dtype and the rotary
+    tables come from attnkit's float64 RotaryEmbedding (its frequencies are compared with HF's separately).
+    """
+    from attnkit.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(model.config)
+
+    def rms_forward(self, hidden):
+        rstd = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (hidden * rstd)
+
+    def rotary_forward(x, position_ids):
+        cos, sin = rotary(position_ids.numpy(), dtype=np.float64)
+        return torch.from_numpy(cos).to(x.dtype), torch.from_numpy(sin).to(x.dtype)
+
+    for module in hf.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = rms_forward.__get__(module)
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            module.forward = rotary_forward
