@@ -168,8 +168,9 @@ class CausalLM(Module):
             rotary = None
         else:
             rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
+        layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
         for layer in self.layers:
-            h = layer(h, rotary=rotary, attention_mask=mask, cache=cache)  # (B, L, D)
+            h = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
         h = self.norm(h)  # (B, L, D)
         weight = self.head_weight.astype(h.dtype, copy=False)
         logits = (h.reshape(-1, h.shape[-1]) @ weight.T).reshape(*h.shape[:-1], weight.shape[0])  # (B, L, V)
