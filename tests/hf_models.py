@@ -137,3 +137,14 @@ def edit_config(folder: Path, target: Path, **changes) -> Path:
             config[key] = value
     (target / "config.json").write_text(json.dumps(config))
     return target
+
+
+def write_word_tokenizer(folder: Path) -> Path:
+    """A word-level ``tokenizer.json`` for the tiny models: token i is the word ``w{i}`` (``w0`` = unknown)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = Path(folder) / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path

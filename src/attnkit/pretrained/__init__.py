@@ -12,9 +12,9 @@ They are imported when a model is loaded, not when this package is imported.
 (2, 384)
 """
 from ._extra import PRETRAINED_INSTALL_HINT, default_model_dir
+from .bert import BertConfig, BertEncoder, bert_state_dict
 from .causal_lm import load_causal_lm, read_decoder_config
 from .hf_config import decoder_config_from_hf
-from .bert import BertConfig, BertEncoder, bert_state_dict
 from .sentence_encoder import SentenceEncoder, TokenBatch, l2_normalize, load_minilm, load_sentence_encoder, mean_pool
 
 __all__ = [
