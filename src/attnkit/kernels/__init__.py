@@ -26,13 +26,18 @@ __all__ = ["ScoreBias", "attention_forward", "attention_backward", "causal_mask"
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
                       causal: bool = False, scale: float | None = None,
                       bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
-                      dropout_seed: int | None = None, need_weights: bool = True):
+                      dropout_seed: int | None = None, need_weights: bool = True, window: int | None = None):
     """Softmax attention ``dropout(softmax(scale * q k^T + bias, masked)) v`` by the fitting kernel.
 
     Shapes
     ------
     q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv); mask bool broadcastable to (..., Lq, Lk), ``True`` =
-    may attend; bias an array broadcastable to (..., Lq, Lk) or a :class:`ScoreBias`.
+    may attend; bias an array broadcastable to (..., Lq, Lk) or a :class:`ScoreBias`. Leading dims
+    broadcast: grouped-query attention is q (B, Hkv, G, Lq, D) with k, v (B, Hkv, 1, Lk, D), and the
+    key/value gradients come back in k's and v's own shapes (summed over the group).
+
+    ``window=W`` (requires ``causal=True``, W >= 1): query i, at bottom-right-aligned position
+    ``i' = i + Lk - Lq``, attends key j iff ``i' - W < j <= i'`` (W keys, itself included).
 
     Returns
     -------
@@ -40,7 +45,8 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     weights : (..., Lq, Lk) softmax weights before dropout (reference kernel), or None (tiled kernel)
     ctx : the context :func:`attention_backward` needs
     """
-    kwargs = dict(mask=mask, causal=causal, scale=scale, bias=bias, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    kwargs = dict(mask=mask, causal=causal, scale=scale, bias=bias, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                  window=window)
     if need_weights:
         return reference.attention_forward(q, k, v, **kwargs)
     out, _, ctx = tiled.flash_attention_forward(q, k, v, **kwargs)

@@ -6,6 +6,11 @@ thread per caller: ``t`` tile threads times ``b`` BLAS threads above the core co
 
 ``threadpoolctl`` (the ``fast`` extra) sets the BLAS thread count; it is imported lazily, and without it
 the kernel still runs, merely risking oversubscription if BLAS is itself multi-threaded.
+
+Processes and interrupts: a child made by ``fork()`` inherits the pool's bookkeeping but none of its
+threads, so the pools are forgotten in the child (``os.register_at_fork``) and rebuilt on first use.
+When the calling thread stops (``KeyboardInterrupt``, an error in any task), the other workers are told
+to stop and give up at their next :func:`check_stop` (the kernels call it between tiles).
 """
 from __future__ import annotations
 
@@ -16,17 +21,37 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
-__all__ = ["default_num_threads", "blas_single_thread", "run_tasks"]
+__all__ = ["default_num_threads", "blas_single_thread", "run_tasks", "check_stop", "TasksStopped"]
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
-_in_worker = threading.local()
+_in_worker = threading.local()  # .active: inside a worker loop; .stop: the running call's stop event
 _controller: Any = None  # threadpoolctl.ThreadpoolController, False if unavailable, None before first use
 
 
+class TasksStopped(Exception):
+    """Raised inside a worker whose call was stopped (the caller sees the original error instead)."""
+
+
 def default_num_threads() -> int:
-    """The number of tile threads used when the caller does not say: every core (``os.cpu_count()``)."""
+    """The number of tile threads used when the caller does not say: the cores this process may run on.
+
+    ``os.sched_getaffinity`` where the platform has it (containers and ``taskset`` restrict it), else
+    ``os.cpu_count()``.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except OSError:
+            pass
     return os.cpu_count() or 1
+
+
+def check_stop() -> None:
+    """Raise :class:`TasksStopped` if the call this worker is running for has been stopped."""
+    event = getattr(_in_worker, "stop", None)
+    if event is not None and event.is_set():
+        raise TasksStopped
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -41,6 +66,20 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 _limit_lock = threading.Lock()
 _limit_users = 0
 _limit_handle: Any = None
+
+
+def _forget_pools_after_fork() -> None:
+    """In a forked child: drop the parent's pools (their threads do not exist here) and reset the locks."""
+    global _pools_lock, _limit_lock, _limit_users, _limit_handle
+    _pools.clear()
+    _pools_lock = threading.Lock()
+    _limit_lock = threading.Lock()
+    _limit_users = 0
+    _limit_handle = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
 @contextmanager
@@ -84,6 +123,9 @@ def run_tasks(tasks: Sequence[Any], work: Callable[[Any, int], None], num_thread
     called from inside a worker (no nested pools: that could deadlock), everything runs in the calling
     thread and the BLAS thread count is left alone.
 
+    If any worker fails or the calling thread is interrupted (``KeyboardInterrupt``), the others stop at
+    their next :func:`check_stop`, and the first error is raised once all of them have returned.
+
     Returns
     -------
     int
@@ -95,30 +137,55 @@ def run_tasks(tasks: Sequence[Any], work: Callable[[Any, int], None], num_thread
             work(task, 0)
         return 1
     counter = itertools.count()  # next() on a count is atomic under the GIL
+    stop = threading.Event()
 
     def loop(worker_id: int) -> None:
-        _in_worker.active = True
+        _in_worker.active, _in_worker.stop = True, stop
         try:
-            while True:
+            while not stop.is_set():
                 i = next(counter)
                 if i >= len(tasks):
                     return
                 work(tasks[i], worker_id)
+        except BaseException:
+            stop.set()  # the others leave at their next tile
+            raise
         finally:
-            _in_worker.active = False
+            _in_worker.active, _in_worker.stop = False, None
 
     with blas_single_thread():
         futures = [_pool(workers - 1).submit(loop, w) for w in range(1, workers)]
-        error = None
         try:
-            loop(0)
-        except BaseException as exc:  # still wait for the others before leaving the BLAS limit
-            error = exc
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
+            _join(loop, futures)
+        except BaseException:  # KeyboardInterrupt while waiting, or the first task error
+            stop.set()
+            _wait_all(futures)  # no task may outlive the call (they write into the caller's arrays)
+            raise
     return workers
+
+
+def _join(loop: Callable[[int], None], futures) -> None:
+    """Run worker 0 in the calling thread, then wait for the others; raise the first task error."""
+    try:
+        loop(0)
+    except TasksStopped:  # another worker failed: its error is raised below
+        pass
+    error = None
+    for f in futures:
+        try:
+            f.result()
+        except TasksStopped:
+            pass
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _wait_all(futures) -> None:
+    """Wait until every future is done, ignoring their results (the caller raises its own error)."""
+    for f in futures:
+        try:
+            f.result()
+        except BaseException:  # TasksStopped, or a second error: the first one is reported
+            pass

@@ -6,6 +6,11 @@ path used whenever attention weights are asked for, and the yardstick the tiled 
 Dimension letters: ``...`` leading batch/head dims (broadcast between q, k and v), Lq/Lk query/key
 length, D query/key features, Dv value features. Masks are boolean, ``True`` = may attend.
 
+Grouped-query attention is broadcasting: q ``(B, Hkv, G, Lq, D)`` against k/v ``(B, Hkv, 1, Lk, D)``; the
+size-1 group axis of k/v is never expanded in memory, and their gradients are summed over the group.
+A sliding window ``W`` (with causal masking) lets query i, at bottom-right-aligned position
+``i' = i + Lk - Lq``, attend key j iff ``i' - W < j <= i'``: W keys, itself included.
+
 Masked softmax semantics: entries whose mask is False get weight exactly 0; a row whose mask allows no
 key gets all-zero weights, hence zero output and zero gradient, never NaN. A row is "fully masked"
 because of the mask, never because of its values: finite logits of -1e5 still get a proper softmax.
@@ -22,6 +27,7 @@ from .dropout import keep_mask
 
 __all__ = [
     "causal_mask",
+    "window_mask",
     "combine_causal",
     "masked_softmax",
     "softmax_backward",
@@ -45,6 +51,22 @@ def causal_mask(seq_q: int, seq_k: int) -> np.ndarray:
     q = np.arange(seq_q)[:, None]  # (Lq, 1)
     k = np.arange(seq_k)[None, :]  # (1, Lk)
     return k <= q + (seq_k - seq_q)  # (Lq, Lk)
+
+
+def window_mask(seq_q: int, seq_k: int, window: int) -> np.ndarray:
+    """Bottom-right-aligned sliding-window causal mask ``(Lq, Lk)``.
+
+    Query i, at position ``i' = i + Lk - Lq``, may attend key j iff ``i' - window < j <= i'``.
+
+    >>> window_mask(4, 4, 2).astype(int)
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 0, 1, 1]])
+    """
+    pos = np.arange(seq_q)[:, None] + (seq_k - seq_q)  # (Lq, 1)
+    k = np.arange(seq_k)[None, :]  # (1, Lk)
+    return (k <= pos) & (k > pos - window)  # (Lq, Lk)
 
 
 def masked_softmax(scores: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
@@ -84,9 +106,25 @@ def softmax_backward(grad_weights: np.ndarray, weights: np.ndarray) -> np.ndarra
     return weights * (grad_weights - inner)  # (..., Lq, Lk)
 
 
-def live_keys(mask: np.ndarray | None) -> np.ndarray | None:
-    """(..., Lk) bool: keys at least one query may attend to (``None`` without a mask)."""
-    return None if mask is None else np.atleast_2d(mask).any(axis=-2)
+def live_keys(mask: np.ndarray | None, key_shape: tuple[int, ...] | None = None) -> np.ndarray | None:
+    """(..., Lk) bool: keys at least one query may attend to (``None`` without a mask).
+
+    With ``key_shape`` (the shape of k, ``(..., Lk, D)``), leading axes along which k broadcasts (the
+    group axis of grouped-query attention) are reduced too: a shared key is live if any query of any
+    group member sees it, so zeroing dead keys never expands k to the queries' leading shape.
+    """
+    if mask is None:
+        return None
+    live = np.atleast_2d(mask).any(axis=-2)  # (..., Lk)
+    if key_shape is None:
+        return live
+    lead = tuple(key_shape[:-2])
+    extra = live.ndim - 1 - len(lead)
+    if extra > 0:
+        live = live.any(axis=tuple(range(extra)))  # (*lead', Lk)
+    axes = tuple(i for i, n in enumerate(lead[len(lead) - (live.ndim - 1):])
+                 if n == 1 and live.shape[i] != 1)
+    return live.any(axis=axes, keepdims=True) if axes else live  # (..., Lk)
 
 
 def zero_dead_keys(x: np.ndarray, live: np.ndarray | None) -> np.ndarray:
@@ -116,10 +154,19 @@ class AttentionContext:
     bias: np.ndarray | ScoreBias | None = None
 
 
-def combine_causal(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int) -> np.ndarray | None:
-    """``mask`` AND the bottom-right-aligned causal mask (when ``causal``); ``None`` if neither."""
+def combine_causal(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int,
+                   window: int | None = None) -> np.ndarray | None:
+    """``mask`` AND the bottom-right-aligned causal (or sliding-window) mask; ``None`` if neither.
+
+    ``window`` (only with ``causal``) keeps the last ``window`` keys up to each query's position.
+    """
+    if window is not None and not causal:
+        raise ValueError(f"window={window} requires causal=True")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
+                               or window < 1):
+        raise ValueError(f"window must be a positive integer number of keys, got {window!r}")
     if causal:
-        c = causal_mask(seq_q, seq_k)  # (Lq, Lk)
+        c = causal_mask(seq_q, seq_k) if window is None else window_mask(seq_q, seq_k, window)  # (Lq, Lk)
         return c if mask is None else (mask & c)
     return mask
 
@@ -127,13 +174,16 @@ def combine_causal(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
                       causal: bool = False, scale: float | None = None,
                       bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
-                      dropout_seed: int | None = None) -> tuple[np.ndarray, np.ndarray, AttentionContext]:
+                      dropout_seed: int | None = None,
+                      window: int | None = None) -> tuple[np.ndarray, np.ndarray, AttentionContext]:
     """Softmax attention with the score matrix materialised.
 
     Parameters
     ----------
     q : ndarray, shape (..., Lq, D)
     k : ndarray, shape (..., Lk, D)
+        Leading dims broadcast against q's: grouped-query attention passes q ``(B, Hkv, G, Lq, D)`` and
+        k ``(B, Hkv, 1, Lk, D)``.
     v : ndarray, shape (..., Lk, Dv)
     mask : ndarray of bool, broadcastable to (..., Lq, Lk), optional
         ``True`` = may attend.
@@ -147,6 +197,9 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
         Probability of dropping a weight after the softmax (inverted scaling); 0 disables dropout.
     dropout_seed : int, optional
         Seed of the counter-based dropout mask (required when ``dropout_p > 0``).
+    window : int, optional
+        Sliding window (requires ``causal``): query i at position ``i' = i + Lk - Lq`` attends key j iff
+        ``i' - window < j <= i'``.
 
     Returns
     -------
@@ -154,13 +207,21 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     weights : ndarray, shape (..., Lq, Lk)
         Softmax weights before dropout.
     ctx : AttentionContext
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 2, 3, 5, 4))  # (B, Hkv, G, Lq, D): three query heads per key head
+    >>> k, v = rng.standard_normal((2, 1, 2, 1, 5, 4))  # (B, Hkv, 1, Lk, D)
+    >>> out, w, ctx = attention_forward(q, k, v, causal=True, window=2)
+    >>> out.shape, int((w[0, 0, 0] > 0).sum(axis=-1).max())
+    ((1, 2, 3, 5, 4), 2)
     """
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)  # a Python float keeps float32 float32
-    mask = combine_causal(mask, causal, seq_q, seq_k)
-    live = live_keys(mask)  # (..., Lk)
-    k_safe = zero_dead_keys(k, live)  # (..., Lk, D)
-    v_safe = zero_dead_keys(v, live)  # (..., Lk, Dv)
+    mask = combine_causal(mask, causal, seq_q, seq_k, window)
+    k_safe = zero_dead_keys(k, live_keys(mask, k.shape))  # (..., Lk, D)
+    v_safe = zero_dead_keys(v, live_keys(mask, v.shape))  # (..., Lk, Dv)
     scores = (q @ k_safe.swapaxes(-1, -2)) * scale  # (..., Lq, Lk)
     if isinstance(bias, ScoreBias):
         scores = scores + bias.tile(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k)  # (..., Lq, Lk)

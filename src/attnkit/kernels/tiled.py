@@ -1,82 +1,33 @@
 """Tiled (FlashAttention-style) attention: online softmax forward, recomputing backward, threads.
 
 Same semantics as :mod:`attnkit.kernels.reference` (boolean masks with ``True`` = may attend,
-bottom-right-aligned causal masking, fully masked rows give zero output and zero gradients, keys no
-query may attend to are zeroed so NaN/Inf padding cannot leak, inverted dropout after the softmax from
-the counter-based :func:`~attnkit.kernels.dropout.keep_mask`), but nothing of size ``Lq x Lk`` is ever
-allocated: forward keeps the output and the per-row log-sum-exp, backward recomputes the probabilities
-tile by tile (FlashAttention-2), so memory is linear in the sequence length.
+bottom-right-aligned causal masking and sliding windows, fully masked rows give zero output and zero
+gradients, keys no query may attend to are zeroed so NaN/Inf padding cannot leak, inverted dropout after
+the softmax from the counter-based :func:`~attnkit.kernels.dropout.keep_mask`), but nothing of size
+``Lq x Lk`` is ever allocated: forward keeps the output and the per-row log-sum-exp, backward recomputes
+the probabilities tile by tile (FlashAttention-2), so memory is linear in the sequence length. Tiles
+entirely outside the causal band or the sliding window are skipped: with a window W the work is ~L W.
 
-Dimension letters: ``...`` leading batch/head dims (broadcast between q, k, v, mask and bias; flattened to
-N inside the kernel so that all heads of a tile go to BLAS in one batched matmul), Lq/Lk query/key
-length, D query/key features, Dv value features, Tq/Tk tile lengths.
+Dimension letters: ``...`` the broadcast leading batch/head dims of q, k, v, mask and bias (all heads of
+a tile go to BLAS in one batched matmul); k and v keep their own leading shape, so grouped-query keys
+``(B, Hkv, 1, Lk, D)`` are never repeated per query head ``(B, Hkv, G, Lq, D)``. Lq/Lk query/key length,
+D query/key features, Dv value features, Tq/Tk tile lengths.
 
-How the time is spent, and the tricks
--------------------------------------
-Per score element the forward does two matmul FMAs per feature (``q.k`` and ``p.v``, ~3 ns per element
-at D = 64 on one core) and one ``exp`` (~0.45 ns); everything else is overhead to be removed:
-
-* the scale is folded into q once, and the row shift is folded into the first matmul: the query tile
-  carries an extra column ``-m`` and the keys an extra column of ones, so ``[q*scale, -m] @ [k, 1].T``
-  is already ``s - m`` (no subtract pass);
-* the softmax denominator comes out of the second matmul: the values carry a column of ones, so
-  ``p @ [v, 1]`` is ``[p @ v, rowsum(p)]`` (no sum pass);
-* the running max is lazy: a tile is exponentiated against the current shift ``m`` as long as
-  ``|q_i| |k_j| scale - m_i <= 16`` for the whole tile (a Cauchy-Schwarz bound from precomputed norms),
-  so most tiles need no max pass; otherwise the tile max is taken and ``m`` only moves when it grows
-  by more than 16 (``e^16`` cannot overflow the float32 accumulators). The result is the exact softmax;
-* ``exp`` runs in place in per-thread scratch buffers; float32 stays float32 (the scale is cast to
-  the compute dtype, never a float64 scalar that would upcast whole tiles);
-* causal attention skips the tiles above the diagonal and builds the triangular mask only on the
-  diagonal tiles; boolean masks are checked per tile (all-allowed tiles are not masked, all-blocked
-  tiles are skipped, so fully padded key blocks cost nothing);
-* backward folds ``-lse`` into q and ``-D`` into dO (``D = rowsum(dO * O)``), each as two columns
-  holding the float64 value split into a float32 head and tail, so that
-  ``[q*scale, -lse_hi, -lse_lo] @ [k, 1, 1].T = s - lse`` and ``[dO, -D_hi, -D_lo] @ [v, 1, 1].T =
-  dP - D`` come out of the matmuls as accurately as the forward computed them; what is left per element
-  is one ``exp`` and one multiply next to five matmuls.
-
-With an additive bias the shift is not folded (cancellation between a large bias and the shift would
-cost float32 accuracy); the tile gets an explicit max and subtract instead.
-
-Profile (py-spy --native, one thread, L = 2048, H = 8, D = 64, float32): forward 67% in OpenBLAS's
-sgemm kernel, 15% in its operand packing (every ``p`` tile is copied once into BLAS's panel format),
-12% in ``exp``, ~5% everything else; backward ~75% sgemm kernel, ~13% packing, 6% ``exp``, 6% the
-small accumulating adds and the ``dS = P * (dP - D)`` multiply. The remaining gap to PyTorch's fused
-kernel is BLAS packing and the separate ``exp`` pass, which NumPy cannot fuse into the matmul.
-
-Threads: forward tasks are query blocks (all heads of a block in one task, the longest causal rows
-first), backward tasks are key blocks, each owning its dK/dV rows outright, with dQ accumulated in one
-buffer per worker and summed at the end: no write is shared between threads. BLAS is limited to one
-thread while the tile threads run (:mod:`attnkit.kernels._threads`); ``num_threads=1`` leaves the BLAS
-setting alone.
-
-Tile sizes
-----------
-Chosen for the 1 MiB per-core L2 of the machine this was tuned on (AMD EPYC, Zen 4; most current x86
-server cores have 1-2 MiB). A float32 ``256 x 256`` score tile of one head is 256 KiB; with the 256
-query rows and 256 key and value rows it touches (66 floats each, ~200 KiB) the working set of one
-head's two matmuls and its ``exp`` is ~450 KiB, inside L2 with room for BLAS's packed panels. Measured
-single-core sgemm throughput for the two products ``(Tq x 65)(65 x Tk)`` and ``(Tq x Tk)(Tk x 65)``
-peaks there (~88-93 GFLOP/s, against 73-80 for 128 x 512, 512 x 512 or 1024 x 1024 tiles, whose
-working sets spill to L3). Smaller tiles cost more BLAS packing per flop and more Python calls.
-
-All N heads of a tile are one batched ``np.matmul`` (N BLAS calls in NumPy's loop, one Python call),
-so the ~20 NumPy calls of Python overhead per tile are shared by all heads: with H = 8 a tile is ~0.6M
-scores and the overhead is ~1%. With fewer than four heads the tiles grow to ``512 x 512`` for the same
-reason. float64 keeps the same sizes (512 KiB per head tile, still within L2). The block the tasks
-run over (queries forward, keys backward) is halved, down to 64, until every thread has two tasks.
+The code is a sequence of tile steps, each a function of what it reads: ``_Pass`` (geometry and settings
+of one call), the operand dataclasses, and a per-worker :class:`_Scratch`. How the time is spent, the
+tricks that remove overhead, and why the tiles have their sizes: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .._validation import unbroadcast
-from ._threads import default_num_threads, run_tasks
+from ._threads import check_stop, default_num_threads, run_tasks
 from .bias import ScoreBias
 from .dropout import keep_mask
 
@@ -113,16 +64,16 @@ def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1,
 class FlashContext:
     """What :func:`flash_attention_backward` needs from the forward: inputs, output, log-sum-exp.
 
-    Arrays are in the flattened layout (N = product of the broadcast leading dims).
+    Nothing here is an array the forward returned: the output is a private copy.
     """
 
-    q: np.ndarray  # (N, Lq, D) query, not scaled
-    k_aug: np.ndarray  # (N, Lk, D + 2) [k, 1, 1], dead keys' features zeroed
-    v_aug: np.ndarray  # (N, Lk, Dv + 2) [v, 1, 1], dead keys' features zeroed
-    out: np.ndarray  # (N, Lq, Dv)
-    lse: np.ndarray  # (N, Lq) float64 log-sum-exp of the scaled, biased scores; +inf if fully masked
+    q: np.ndarray  # (..., Lq, D) query as given (broadcasts to the leading shape), not scaled
+    k_aug: np.ndarray  # (*Kl, Lk, D + 2) [k, 1, 1] in k's own leading shape, dead keys' features zeroed
+    v_aug: np.ndarray  # (*Vl, Lk, Dv + 2) [v, 1, 1] in v's own leading shape, dead keys' features zeroed
+    out: np.ndarray  # (*lead, Lq, Dv) in the compute dtype
+    lse: np.ndarray  # (*lead, Lq) float64 log-sum-exp of the scaled, biased scores; +inf if fully masked
     scale: float
-    lead: tuple[int, ...]  # broadcast leading shape, prod(lead) = N
+    lead: tuple[int, ...]  # broadcast leading shape
     q_shape: tuple[int, ...]
     k_shape: tuple[int, ...]
     v_shape: tuple[int, ...]
@@ -135,37 +86,61 @@ class FlashContext:
     drop_lead: tuple[int, ...]  # leading shape of the reference's weights (keep_mask's index space)
     blocks: tuple[int | None, int | None]  # the caller's block_q, block_k (None: default per pass)
     num_threads: int
+    window: int | None = None
 
 
 class _Tiles:
     """Tile geometry and per-tile masks/biases, shared by forward and backward."""
 
-    def __init__(self, lead, seq_q, seq_k, mask, causal, bias, block_q, block_k):
+    def __init__(self, lead, seq_q, seq_k, mask, causal, bias, block_q, block_k, window=None):
         self.lead = lead
         self.seq_q, self.seq_k = seq_q, seq_k
         self.offset = seq_k - seq_q  # query i sees key j iff j <= i + offset (causal)
         self.mask, self.causal, self.bias = mask, causal, bias
+        self.window = window  # with causal: query i also needs j > i + offset - window
         self.block_q, self.block_k = block_q, block_k
         self.q_blocks = [(q0, min(q0 + block_q, seq_q)) for q0 in range(0, seq_q, block_q)]
         self.k_blocks = [(k0, min(k0 + block_k, seq_k)) for k0 in range(0, seq_k, block_k)]
 
     def causal_kind(self, q0, q1, k0, k1):
-        """0: tile entirely above the diagonal (skip), 1: entirely visible, 2: crosses the diagonal."""
+        """0: tile entirely outside the causal band (skip), 1: entirely visible, 2: partly visible."""
         if not self.causal:
             return 1
-        if k0 > q1 - 1 + self.offset:
+        top, bottom = q0 + self.offset, q1 - 1 + self.offset  # positions of the first and last query
+        if k0 > bottom:
             return 0
-        return 1 if k1 - 1 <= q0 + self.offset else 2
+        if self.window is None:
+            return 1 if k1 - 1 <= top else 2
+        if k1 - 1 <= top - self.window:
+            return 0
+        return 1 if k1 - 1 <= top and k0 > bottom - self.window else 2
 
     def k_range(self, q0, q1):
-        """Key blocks a query block may see (causal: up to the last visible key)."""
-        last = self.seq_k if not self.causal else min(self.seq_k, q1 + self.offset)
-        return [kb for kb, (k0, _) in enumerate(self.k_blocks) if k0 < last]
+        """Key blocks a query block may see (causal: up to the last visible key; window: from the first)."""
+        first, last = 0, self.seq_k
+        if self.causal:
+            last = min(self.seq_k, q1 + self.offset)
+            if self.window is not None:
+                first = q0 + self.offset - self.window + 1
+        return [kb for kb, (k0, k1) in enumerate(self.k_blocks) if k0 < last and k1 > first]
 
     def q_range(self, k0, k1):
         """Query blocks that may see a key block (causal: from the first query seeing key k0)."""
-        first = 0 if not self.causal else k0 - self.offset
-        return [qb for qb, (_, q1) in enumerate(self.q_blocks) if q1 - 1 >= first]
+        first, end = 0, self.seq_q
+        if self.causal:
+            first = k0 - self.offset
+            if self.window is not None:
+                end = k1 - 1 - self.offset + self.window  # queries i < end see key k1 - 1
+        return [qb for qb, (q0, q1) in enumerate(self.q_blocks) if q1 - 1 >= first and q0 < end]
+
+    def band(self, q0, q1, k0, k1):
+        """(Tq, Tk) bool: the causal (and window) band of a tile."""
+        kk = np.arange(k0, k1)[None, :]  # (1, Tk)
+        pos = np.arange(q0, q1)[:, None] + self.offset  # (Tq, 1)
+        allowed = kk <= pos  # (Tq, Tk)
+        if self.window is not None:
+            allowed &= kk > pos - self.window
+        return allowed
 
     def blocked(self, q0, q1, k0, k1):
         """``(skip, blocked)``: skip the tile entirely, or the entries to mask (None: none).
@@ -175,9 +150,7 @@ class _Tiles:
         kind = self.causal_kind(q0, q1, k0, k1)
         if kind == 0:
             return True, None
-        allowed = None
-        if kind == 2:
-            allowed = (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] + self.offset)  # (Tq, Tk)
+        allowed = self.band(q0, q1, k0, k1) if kind == 2 else None  # (Tq, Tk)
         if self.mask is not None:
             mt = _tile(self.mask, q0, q1, k0, k1)  # (..., Tq|1, Tk|1)
             allowed = mt if allowed is None else (mt & allowed)
@@ -207,27 +180,29 @@ def _at_least_2d_right(x: np.ndarray) -> np.ndarray:
     return x.reshape((1,) * (2 - x.ndim) + x.shape) if x.ndim < 2 else x
 
 
-def _live_keys(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int, block_q: int):
+def _live_keys(mask: np.ndarray | None, tiles: "_Tiles"):
     """Keys at least one query may attend to, shape (..., Lk); None when all are live.
 
     Computed block by block over the queries when a full mask is combined with causal masking, so
     nothing of size Lq x Lk is built beyond the caller's own mask.
     """
+    seq_q, seq_k = tiles.seq_q, tiles.seq_k
     if mask is None:
-        return None  # causal alone: key j is seen by the last query (j <= Lq - 1 + Lk - Lq)
-    if not causal or mask.shape[-2] == 1:
+        if not tiles.causal or tiles.window is None:
+            return None  # causal alone: key j is seen by the last query (j <= Lq - 1 + Lk - Lq)
+        live = np.arange(seq_k) > tiles.offset - tiles.window if seq_q else np.zeros(seq_k, bool)  # (Lk,)
+    elif not tiles.causal or (mask.shape[-2] == 1 and tiles.window is None):
         live = mask.any(axis=-2)  # (..., Lk); a causal row still sees every key of the last query
-        if causal and seq_q == 0:
+        if tiles.causal and seq_q == 0:
             live = np.zeros_like(live)
     else:
-        live = np.zeros(mask.shape[:-2] + (mask.shape[-1],), dtype=bool)  # (..., Lk)
-        offset = seq_k - seq_q
-        kk = np.arange(mask.shape[-1])
-        for q0 in range(0, seq_q, block_q):
-            q1 = min(q0 + block_q, seq_q)
-            vis = kk[None, :] <= np.arange(q0, q1)[:, None] + offset  # (Tq, Lk)
-            live |= (mask[..., q0:q1, :] & vis).any(axis=-2)  # (..., Lk)
-    return None if live.all() else live
+        live = np.zeros(mask.shape[:-2] + (seq_k,), dtype=bool)  # (..., Lk)
+        for q0, q1 in tiles.q_blocks:
+            rows = mask[..., q0:q1, :] if mask.shape[-2] != 1 else mask  # (..., Tq|1, Lk|1)
+            live |= (rows & tiles.band(q0, q1, 0, seq_k)).any(axis=-2)  # (..., Lk)
+    if live.all():
+        return None
+    return np.broadcast_to(live, live.shape[:-1] + (seq_k,))  # a per-query mask has a size-1 key axis
 
 
 def _check(q, k, v):
@@ -250,11 +225,142 @@ def _positive(value, name):
     return int(value)
 
 
+def _padded_lead(shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+    """The leading (batch/head) part of ``shape`` (..., L, F), with unit axes prepended up to ``ndim``."""
+    lead = tuple(shape[:-2])
+    return (1,) * (ndim - len(lead)) + lead
+
+
+def _reduce_to_lead(live: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    """``live`` (..., Lk) reduced with ``any`` over the axes where ``lead`` is 1 (a shared key is live if
+    any sharer sees it), so that it broadcasts against arrays of leading shape ``lead``."""
+    live = live.reshape((1,) * (len(lead) + 1 - live.ndim) + live.shape)  # (*lead', Lk)
+    axes = tuple(i for i, n in enumerate(lead) if n == 1 and live.shape[i] != 1)
+    return live.any(axis=axes, keepdims=True) if axes else live
+
+
+def _group_axes(lead: tuple[int, ...], own: tuple[int, ...]) -> tuple[int, ...]:
+    """Axes of the leading shape along which an operand of leading shape ``own`` is shared."""
+    return tuple(i for i, (n, m) in enumerate(zip(lead, own)) if m == 1 and n != 1)
+
+
+class _Scratch:
+    """Per-worker flat buffers handed out as views of each tile's shape (no allocation per tile)."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = dtype
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        size = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < size:
+            buf = self.buffers[name] = np.empty(size, self.dtype)
+        return buf[:size].reshape(shape)
+
+
+@dataclass
+class _Pass:
+    """Settings of one forward or backward call that every tile step reads."""
+
+    tiles: _Tiles
+    dtype: np.dtype  # compute dtype, float32 or float64
+    scale: np.floating  # in the compute dtype: a float64 scalar would upcast float32 tiles
+    fold: bool  # no additive bias: the row shift rides in the score matmul (docs/kernels.md)
+    dropout_p: float
+    seed: int | None
+    drop_lead: tuple[int, ...]
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0.0
+
+    def keep(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
+        """Dropout keep-mask of a tile, (*drop_lead, Tq, Tk)."""
+        return keep_mask(self.seed, self.dropout_p, self.drop_lead, np.arange(q0, q1), np.arange(k0, k1),
+                         self.tiles.seq_q, self.tiles.seq_k)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------
+def _normalise(q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num_threads):
+    """Check the arguments; return the arrays, dtypes, mask, bias, window and thread count to use."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    _check(q, k, v)
+    out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
+    if out_dtype.kind != "f":
+        out_dtype = np.dtype(np.float64)
+    dtype = np.dtype(np.float64) if out_dtype.itemsize > 4 else np.dtype(np.float32)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0 and dropout_seed is None:
+        raise ValueError("dropout_seed is required when dropout_p > 0")
+    num_threads = _positive(num_threads, "num_threads") or default_num_threads()
+    window = _positive(window, "window")
+    if window is not None and not causal:
+        raise ValueError(f"window={window} requires causal=True")
+    if mask is not None:
+        mask = _at_least_2d_right(np.asarray(mask))
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    if bias is not None and not isinstance(bias, ScoreBias):
+        bias = _at_least_2d_right(np.asarray(bias))
+    return q, k, v, out_dtype, dtype, mask, bias, window, num_threads
+
+
+@dataclass
+class _ForwardData:
+    """The forward's operands: inputs in the augmented layout, and the outputs being filled."""
+
+    q: np.ndarray  # (..., Lq, D)
+    k_aug: np.ndarray  # (*Kl, Lk, D+2) [k, 1, 1]
+    v_aug: np.ndarray  # (*Vl, Lk, Dv+2) [v, 1, 1]
+    kmax: np.ndarray  # (*Kl, nKb) largest key norm of each key block (+inf: no bound)
+    out: np.ndarray  # (*lead, Lq, Dv)
+    lse: np.ndarray  # (*lead, Lq) float64
+
+
+def _augment_block(kb: int, worker: int, k, v, live_k, live_v, tiles, k_aug, v_aug, kmax) -> None:
+    """Copy one key block into the augmented layout, zero its dead keys, take its largest key norm."""
+    k0, k1 = tiles.k_blocks[kb]
+    d, dv = k.shape[-1], v.shape[-1]
+    k_aug[..., k0:k1, :d] = k[..., k0:k1, :]
+    v_aug[..., k0:k1, :dv] = v[..., k0:k1, :]
+    k_aug[..., k0:k1, d:] = 1
+    v_aug[..., k0:k1, dv:] = 1
+    if live_k is not None:
+        np.copyto(k_aug[..., k0:k1, :d], 0, where=~live_k[..., k0:k1, None])  # (..., Tk, D)
+        np.copyto(v_aug[..., k0:k1, :dv], 0, where=~live_v[..., k0:k1, None])  # (..., Tk, Dv)
+    block = k_aug[..., k0:k1, :d]  # (*Kl, Tk, D)
+    kmax[..., kb] = np.sqrt(np.einsum("...ld,...ld->...l", block, block).max(axis=-1))  # (*Kl,)
+
+
+def _augment_keys(k, v, mask, tiles, dtype, num_threads):
+    """``k_aug``, ``v_aug`` (keys/values with ones columns, dead keys zeroed) and per-block key norms."""
+    nd = len(tiles.lead)
+    k_lead, v_lead = _padded_lead(k.shape, nd), _padded_lead(v.shape, nd)
+    seq_k, d, dv = k.shape[-2], k.shape[-1], v.shape[-1]
+    live = _live_keys(mask, tiles)  # (..., Lk) or None
+    live_k = None if live is None else _reduce_to_lead(live, k_lead)  # (..., Lk)
+    live_v = None if live is None else _reduce_to_lead(live, v_lead)  # (..., Lk)
+    k_aug = np.empty(k_lead + (seq_k, d + 2), dtype)  # (*Kl, Lk, D+2)
+    v_aug = np.empty(v_lead + (seq_k, dv + 2), dtype)  # (*Vl, Lk, Dv+2)
+    kmax = np.empty(k_lead + (len(tiles.k_blocks),))  # (*Kl, nKb)
+    step = functools.partial(_augment_block, k=k, v=v, live_k=live_k, live_v=live_v, tiles=tiles,
+                             k_aug=k_aug, v_aug=v_aug, kmax=kmax)
+    run_tasks(list(range(len(tiles.k_blocks))), step, num_threads)  # copies in parallel too
+    if not np.isfinite(kmax).all():  # non-finite keys: no bound, every tile takes its max
+        kmax[...] = np.inf
+    return k_aug, v_aug, kmax
+
+
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
                             causal: bool = False, scale: float | None = None,
                             bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
                             dropout_seed: int | None = None, block_q: int | None = None,
-                            block_k: int | None = None, num_threads: int | None = None):
+                            block_k: int | None = None, num_threads: int | None = None,
+                            window: int | None = None):
     """Tiled softmax attention ``dropout(softmax(scale * q @ k.T + bias, masked)) @ v``.
 
     Shapes
@@ -264,6 +370,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
         ``attn_mask`` of ``scaled_dot_product_attention`` means the same; ``nn.MultiheadAttention``'s
         boolean masks mean the opposite). Never expanded: it is sliced tile by tile.
     bias : ndarray broadcastable to (..., Lq, Lk), or a :class:`ScoreBias` asked for each tile.
+    Grouped-query attention: q (B, Hkv, G, Lq, D) with k, v (B, Hkv, 1, Lk, D); k and v are never
+    repeated over the group.
     Returns ``out`` (..., Lq, Dv), ``lse`` (..., Lq) and the context for the backward.
 
     Dtype: float32 inputs compute and return float32, float64 compute and return float64 (mixed inputs
@@ -277,10 +385,13 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
         Multiplier of ``q @ k.T``; default ``1 / sqrt(D)``.
     dropout_p, dropout_seed
         Drop probability after the softmax (inverted scaling) and the seed of the counter-based mask.
+    window : int, optional
+        Sliding window (requires ``causal``): query i at position ``i' = i + Lk - Lq`` attends key j iff
+        ``i' - window < j <= i'``; tiles wholly outside the window are skipped.
     block_q, block_k : int, optional
         Tile lengths; default from :func:`default_blocks`.
     num_threads : int, optional
-        Tile threads; default ``os.cpu_count()``. With more than one, BLAS runs single-threaded.
+        Tile threads; default: the cores this process may run on (CPU affinity). With more than one, BLAS runs single-threaded.
 
     Returns
     -------
@@ -299,164 +410,253 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     >>> bool(np.allclose(out, attention_forward(q, k, v, causal=True)[0]))
     True
     """
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    _check(q, k, v)
-    out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
-    if out_dtype.kind != "f":
-        out_dtype = np.dtype(np.float64)
-    dtype = np.dtype(np.float64) if out_dtype.itemsize > 4 else np.dtype(np.float32)
+    q, k, v, out_dtype, dtype, mask, bias, window, num_threads = _normalise(
+        q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num_threads)
     seq_q, d = q.shape[-2:]
     seq_k, dv = v.shape[-2:]
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0 and dropout_seed is None:
-        raise ValueError("dropout_seed is required when dropout_p > 0")
-    num_threads = _positive(num_threads, "num_threads") or default_num_threads()
-    if mask is not None:
-        mask = _at_least_2d_right(np.asarray(mask))
-        if mask.dtype != np.bool_:
-            raise TypeError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
-    if bias is not None and not isinstance(bias, ScoreBias):
-        bias = _at_least_2d_right(np.asarray(bias))
     extra = [m.shape[:-2] for m in (mask, bias) if isinstance(m, np.ndarray)]
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *extra)
     drop_lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], *extra)
-    n = math.prod(lead)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    auto_q, auto_k = default_blocks(n, seq_q, seq_k, num_threads, "q")
+    auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, num_threads, "q")
     fixed_blocks = (_positive(block_q, "block_q"), _positive(block_k, "block_k"))
-    block_q, block_k = fixed_blocks[0] or auto_q, fixed_blocks[1] or auto_k
-
-    # Keys and values once, with their ones columns; keys no query may see are zeroed (NaN padding).
-    q_flat = np.broadcast_to(q, lead + (seq_q, d)).reshape(n, seq_q, d)  # (N, Lq, D), a view if q is full
-    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, block_q, block_k)
-    live = _live_keys(mask, causal, seq_q, seq_k, block_q)  # (..., Lk) or None
-    k_aug = np.empty((n, seq_k, d + 2), dtype)  # (N, Lk, D+2) [k, 1, 1]
-    v_aug = np.empty((n, seq_k, dv + 2), dtype)  # (N, Lk, Dv+2) [v, 1, 1]
-    kmax = np.empty((n, len(tiles.k_blocks)))  # (N, nKb) largest key norm of each key block
-    k_aug4 = k_aug.reshape(lead + (seq_k, d + 2))  # (..., Lk, D+2)
-    v_aug4 = v_aug.reshape(lead + (seq_k, dv + 2))  # (..., Lk, Dv+2)
-
-    def prepare(kb, worker):
-        """Copy one key block into the augmented layout, zero its dead keys, take its largest norm."""
-        k0, k1 = tiles.k_blocks[kb]
-        k_aug4[..., k0:k1, :d] = k[..., k0:k1, :]
-        v_aug4[..., k0:k1, :dv] = v[..., k0:k1, :]
-        k_aug[:, k0:k1, d:] = 1
-        v_aug[:, k0:k1, dv:] = 1
-        if live is not None:
-            dead = ~live[..., k0:k1, None]  # (..., Tk, 1)
-            np.copyto(k_aug4[..., k0:k1, :d], 0, where=dead)
-            np.copyto(v_aug4[..., k0:k1, :dv], 0, where=dead)
-        kb_ = k_aug[:, k0:k1, :d]  # (N, Tk, D)
-        kmax[:, kb] = np.sqrt(np.einsum("nld,nld->nl", kb_, kb_).max(axis=1))  # (N,)
-
-    run_tasks(list(range(len(tiles.k_blocks))), prepare, num_threads)  # copies in parallel too
-    out = np.zeros((n, seq_q, dv), dtype)  # (N, Lq, Dv)
-    lse = np.full((n, seq_q), np.inf)  # (N, Lq) float64: backward splits it into two columns
-    if n and seq_q and seq_k:
-        _forward(tiles, q_flat, k_aug, v_aug, kmax, out, lse, dtype.type(scale), dropout_p, dropout_seed,
-                 drop_lead, num_threads)
-    ctx = FlashContext(q=q_flat, k_aug=k_aug, v_aug=v_aug, out=out, lse=lse, scale=scale, lead=lead,
+    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, fixed_blocks[0] or auto_q,
+                   fixed_blocks[1] or auto_k, window)
+    k_aug, v_aug, kmax = _augment_keys(k, v, mask, tiles, dtype, num_threads)
+    data = _ForwardData(q=q, k_aug=k_aug, v_aug=v_aug, kmax=kmax, out=np.zeros(lead + (seq_q, dv), dtype),
+                        lse=np.full(lead + (seq_q,), np.inf))  # lse float64: backward splits it in two
+    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(scale), fold=bias is None,
+                dropout_p=float(dropout_p), seed=dropout_seed, drop_lead=drop_lead)
+    if math.prod(lead) and seq_q and seq_k:
+        order = list(range(len(tiles.q_blocks)))
+        if causal:
+            order.reverse()  # the last query blocks see the most keys: hand them out first
+        scratch = [_Scratch(dtype) for _ in range(num_threads)]
+        run_tasks(order, functools.partial(_forward_block, run=run, data=data, scratch=scratch), num_threads)
+    ctx = FlashContext(q=q, k_aug=k_aug, v_aug=v_aug, out=data.out, lse=data.lse, scale=scale, lead=lead,
                        q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, out_dtype=out_dtype, mask=mask,
                        causal=causal, bias=bias, dropout_p=float(dropout_p), dropout_seed=dropout_seed,
-                       drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads)
-    out_r = out.reshape(lead + (seq_q, dv)).astype(out_dtype, copy=False)  # (..., Lq, Dv)
-    return out_r, lse.reshape(lead + (seq_q,)).astype(out_dtype, copy=False), ctx
+                       drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads, window=window)
+    # copies: the caller may edit what it gets back, the backward reads ctx.out and ctx.lse
+    return data.out.astype(out_dtype, copy=True), data.lse.astype(out_dtype, copy=True), ctx
 
 
-def _forward(tiles, q, k_aug, v_aug, kmax, out, lse, scale, dropout_p, seed, drop_lead, num_threads):
-    """Fill ``out`` (N, Lq, Dv) and ``lse`` (N, Lq) block of queries by block of queries."""
-    n, seq_q, d = q.shape
-    seq_k, dv = v_aug.shape[1], v_aug.shape[2] - 2
-    dtype = out.dtype
-    lead = tiles.lead
-    fold = tiles.bias is None  # fold the shift into the matmul (see the module docstring)
-    dropout = dropout_p > 0.0
-    bq, bk = tiles.block_q, tiles.block_k
-    if fold and not np.isfinite(kmax).all():  # non-finite keys: no bound, take every tile's max
-        kmax = np.full_like(kmax, np.inf)
-    scratch = {}
+@dataclass
+class _Rows:
+    """Running state of one query block in the forward."""
 
-    def work(qb, worker):
-        if worker not in scratch:
-            scratch[worker] = (np.empty(n * bq * bk, dtype), np.empty(n * bq * (d + 1), dtype),
-                               np.empty(n * bq * (dv + 1), dtype), np.empty(n * bq * (dv + 1), dtype))
-        s_buf, q_buf, acc_buf, pv_buf = scratch[worker]
-        q0, q1 = tiles.q_blocks[qb]
-        tq = q1 - q0
-        qa = q_buf[:n * tq * (d + 1)].reshape(n, tq, d + 1)  # (N, Tq, D+1) [q*scale, -m]
-        np.multiply(q[:, q0:q1], scale, out=qa[..., :d])
-        qa[..., d] = 0
-        if fold:
-            qn = np.sqrt(np.einsum("nld,nld->nl", qa[..., :d], qa[..., :d]))  # (N, Tq) |q_i| * |scale|
-        acc = acc_buf[:n * tq * (dv + 1)].reshape(n, tq, dv + 1)  # (N, Tq, Dv+1) [sum p v, sum p]
-        acc[...] = 0
-        first = True  # the first tile's p @ v goes straight into acc
-        pv = pv_buf[:n * tq * (dv + 1)].reshape(n, tq, dv + 1)  # (N, Tq, Dv+1)
-        m = np.zeros((n, tq), dtype)  # (N, Tq) current shift of each row
-        l_sum = np.zeros((n, tq), dtype) if dropout else acc[..., dv]  # (N, Tq) softmax denominators
-        for kb in tiles.k_range(q0, q1):
-            k0, k1 = tiles.k_blocks[kb]
-            skip, blocked = tiles.blocked(q0, q1, k0, k1)
-            if skip:
-                continue
-            tk = k1 - k0
-            s = s_buf[:n * tq * tk].reshape(n, tq, tk)  # (N, Tq, Tk)
-            s4 = s.reshape(lead + (tq, tk))  # (..., Tq, Tk) the same memory
-            np.matmul(qa, k_aug[:, k0:k1, :d + 1].swapaxes(-1, -2), out=s)  # scale q.k - m (fold) or scale q.k
-            if not fold:
-                np.add(s4, tiles.bias_tile(q0, q1, k0, k1), out=s4)
-            if blocked is not None:
-                np.copyto(s4, -np.inf, where=blocked)
-            exact = not fold or not (qn * kmax[:, kb, None] - m).max() <= _LAZY_SHIFT
-            alpha = None
-            if exact:
-                t = s.max(axis=-1)  # (N, Tq) tile max, relative to m when folded
-                if not fold:
-                    t -= m
-                fresh = l_sum == 0  # (N, Tq) nothing accumulated yet (then m == 0)
-                need = (t > _LAZY_SHIFT) | (fresh & (t > -np.inf))  # (N, Tq) rows whose shift moves
-                if need.any():
-                    delta = np.where(need, t, 0).astype(dtype, copy=False)  # (N, Tq)
-                    m += delta
-                    if fold:
-                        np.subtract(s, delta[..., None], out=s)
-                        qa[..., d] = -m
-                    alpha = np.exp(-np.where(fresh, 0, delta))[..., None]  # (N, Tq, 1)
-                if not fold:
-                    np.subtract(s, m[..., None], out=s)
-            np.exp(s, out=s)  # p, up to e^16 times the final probabilities
-            if alpha is not None:
-                np.multiply(acc, alpha, out=acc)
-                if dropout:
-                    l_sum *= alpha[..., 0]
-            if dropout:
-                l_sum += s.sum(axis=-1)
-                keep = keep_mask(seed, dropout_p, drop_lead, np.arange(q0, q1), np.arange(k0, k1),
-                                 seq_q, seq_k)  # (*drop_lead, Tq, Tk)
-                np.multiply(s4, keep, out=s4)
-            if first and alpha is None and not dropout:
-                np.matmul(s, v_aug[:, k0:k1, :dv + 1], out=acc)  # (N, Tq, Dv+1)
-            else:
-                np.matmul(s, v_aug[:, k0:k1, :dv + 1], out=pv)  # (N, Tq, Dv+1)
-                np.add(acc, pv, out=acc)
-            first = False
-        ok = l_sum > 0  # (N, Tq) rows that attend to at least one key
-        norm = np.divide(1.0 if not dropout else 1.0 / (1.0 - dropout_p), l_sum, where=ok,
-                         out=np.zeros((n, tq), dtype))  # (N, Tq)
-        np.multiply(acc[..., :dv], norm[..., None], out=out[:, q0:q1])
-        lse[:, q0:q1] = np.where(ok, m + np.log(l_sum.astype(np.float64), where=ok, out=np.zeros((n, tq))),
-                                 np.inf)
+    q0: int
+    q1: int
+    qa: np.ndarray  # (*lead, Tq, D+1) [q * scale, -m]; the last column only moves when folded
+    qn: np.ndarray | None  # (*lead, Tq) |q_i| * |scale|, for the lazy-shift bound (folded only)
+    acc: np.ndarray  # (*lead, Tq, Dv+1) [sum p v, sum p]
+    pv: np.ndarray  # (*lead, Tq, Dv+1) one tile's p @ [v, 1]
+    m: np.ndarray  # (*lead, Tq) current shift of each row
+    l_sum: np.ndarray  # (*lead, Tq) softmax denominators (a view of acc's last column without dropout)
+    first: bool = True  # the first tile's p @ v goes straight into acc
 
-    order = list(range(len(tiles.q_blocks)))
-    if tiles.causal:
-        order.reverse()  # the last query blocks see the most keys: hand them out first
-    run_tasks(order, work, num_threads)
+
+def _start_rows(run: _Pass, data: _ForwardData, q0: int, q1: int, scratch: _Scratch) -> _Rows:
+    """Scaled queries and zeroed accumulators of query block ``[q0, q1)``."""
+    lead, tq = run.tiles.lead, q1 - q0
+    d, dv = data.q.shape[-1], data.out.shape[-1]
+    qa = scratch.get("qa", lead + (tq, d + 1))  # (*lead, Tq, D+1)
+    np.multiply(data.q[..., q0:q1, :], run.scale, out=qa[..., :d])
+    qa[..., d] = 0
+    qn = np.sqrt(np.einsum("...ld,...ld->...l", qa[..., :d], qa[..., :d])) if run.fold else None  # (*lead, Tq)
+    acc = scratch.get("acc", lead + (tq, dv + 1))  # (*lead, Tq, Dv+1)
+    acc[...] = 0
+    pv = scratch.get("pv", lead + (tq, dv + 1))  # (*lead, Tq, Dv+1)
+    m = np.zeros(lead + (tq,), run.dtype)  # (*lead, Tq)
+    l_sum = np.zeros(lead + (tq,), run.dtype) if run.dropout else acc[..., dv]  # (*lead, Tq)
+    return _Rows(q0=q0, q1=q1, qa=qa, qn=qn, acc=acc, pv=pv, m=m, l_sum=l_sum)
+
+
+def _forward_block(qb: int, worker: int, run: _Pass, data: _ForwardData, scratch: list[_Scratch]) -> None:
+    """Fill the output and log-sum-exp rows of query block ``qb``, one key tile after another."""
+    tiles = run.tiles
+    q0, q1 = tiles.q_blocks[qb]
+    rows = _start_rows(run, data, q0, q1, scratch[worker])
+    for kb in tiles.k_range(q0, q1):
+        check_stop()
+        skip, blocked = tiles.blocked(q0, q1, *tiles.k_blocks[kb])
+        if not skip:
+            _forward_tile(run, data, rows, kb, blocked, scratch[worker])
+    _finish_rows(run, data, rows)
+
+
+def _forward_tile(run: _Pass, data: _ForwardData, rows: _Rows, kb: int, blocked, scratch: _Scratch) -> None:
+    """One key tile of the online softmax: scores, shift, exp, accumulate ``p @ [v, 1]``."""
+    k0, k1 = run.tiles.k_blocks[kb]
+    d = data.q.shape[-1]
+    s = scratch.get("s", run.tiles.lead + (rows.q1 - rows.q0, k1 - k0))  # (*lead, Tq, Tk)
+    np.matmul(rows.qa, data.k_aug[..., k0:k1, :d + 1].swapaxes(-1, -2), out=s)  # scale q.k (- m if folded)
+    if not run.fold:
+        np.add(s, run.tiles.bias_tile(rows.q0, rows.q1, k0, k1), out=s)
+    if blocked is not None:
+        np.copyto(s, -np.inf, where=blocked)
+    alpha = _shift_rows(run, rows, s, data.kmax[..., kb, None])
+    np.exp(s, out=s)  # p, up to e^16 times the final probabilities
+    if alpha is not None:
+        np.multiply(rows.acc, alpha, out=rows.acc)
+        if run.dropout:
+            rows.l_sum *= alpha[..., 0]
+    if run.dropout:
+        rows.l_sum += s.sum(axis=-1)
+        np.multiply(s, run.keep(rows.q0, rows.q1, k0, k1), out=s)
+    dv = data.out.shape[-1]
+    if rows.first and alpha is None and not run.dropout:
+        np.matmul(s, data.v_aug[..., k0:k1, :dv + 1], out=rows.acc)  # (*lead, Tq, Dv+1)
+    else:
+        np.matmul(s, data.v_aug[..., k0:k1, :dv + 1], out=rows.pv)  # (*lead, Tq, Dv+1)
+        np.add(rows.acc, rows.pv, out=rows.acc)
+    rows.first = False
+
+
+def _shift_rows(run: _Pass, rows: _Rows, s: np.ndarray, kmax: np.ndarray) -> np.ndarray | None:
+    """Make ``s`` relative to each row's shift, moving the shift where the tile needs it.
+
+    While ``|q_i| |k_j| scale - m_i <= 16`` bounds the whole tile (folded case), nothing is done: the
+    shift already in the matmul keeps ``exp`` from overflowing. Otherwise rows whose tile max exceeds the
+    shift by more than 16, or that see their first key, move it. Returns the factor ``exp(-delta)``
+    (*lead, Tq, 1) that rescales what was accumulated, or None when no shift moved.
+    """
+    if run.fold and (rows.qn * kmax - rows.m).max() <= _LAZY_SHIFT:
+        return None
+    t = s.max(axis=-1)  # (*lead, Tq) tile max, relative to m when folded
+    if not run.fold:
+        t -= rows.m
+    fresh = rows.l_sum == 0  # (*lead, Tq) nothing accumulated yet (then m == 0)
+    need = (t > _LAZY_SHIFT) | (fresh & (t > -np.inf))  # (*lead, Tq) rows whose shift moves
+    alpha = None
+    if need.any():
+        delta = np.where(need, t, 0).astype(run.dtype, copy=False)  # (*lead, Tq)
+        rows.m += delta
+        if run.fold:
+            np.subtract(s, delta[..., None], out=s)
+            rows.qa[..., -1] = -rows.m
+        alpha = np.exp(-np.where(fresh, 0, delta))[..., None]  # (*lead, Tq, 1)
+    if not run.fold:
+        np.subtract(s, rows.m[..., None], out=s)
+    return alpha
+
+
+def _finish_rows(run: _Pass, data: _ForwardData, rows: _Rows) -> None:
+    """Normalise the accumulated rows into the output; store each row's log-sum-exp."""
+    dv = data.out.shape[-1]
+    ok = rows.l_sum > 0  # (*lead, Tq) rows that attend to at least one key
+    norm = np.divide(1.0 if not run.dropout else 1.0 / (1.0 - run.dropout_p), rows.l_sum, where=ok,
+                     out=np.zeros(rows.l_sum.shape, run.dtype))  # (*lead, Tq)
+    np.multiply(rows.acc[..., :dv], norm[..., None], out=data.out[..., rows.q0:rows.q1, :])
+    log_l = np.log(rows.l_sum.astype(np.float64), where=ok, out=np.zeros(rows.l_sum.shape))  # (*lead, Tq)
+    data.lse[..., rows.q0:rows.q1] = np.where(ok, rows.m + log_l, np.inf)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class _BackwardData:
+    """The backward's operands (augmented so that matmuls fold in the row constants) and gradients."""
+
+    q_aug: np.ndarray  # (*lead, Lq, D+2) [q * scale, -lse_hi, -lse_lo] (folded) or [q * scale, 0, 0]
+    k_aug: np.ndarray  # (*Kl, Lk, D+2)
+    v_aug: np.ndarray  # (*Vl, Lk, Dv+2)
+    do_aug: np.ndarray  # (*lead, Lq, Dv+2) [dO, -D_hi, -D_lo], D = rowsum(dO * O)
+    lse_hi: np.ndarray  # (*lead, Lq) compute dtype; 0 for fully masked rows (every entry is masked)
+    lse_lo: np.ndarray  # (*lead, Lq) the rest of the float64 lse
+    dk: np.ndarray  # (*Kl, Lk, D)
+    dv: np.ndarray  # (*Vl, Lk, Dv)
+    dq_lanes: list[np.ndarray]  # one (*lead, Lq, D) per lane, summed in lane order at the end
+    dbias_lanes: list[np.ndarray | None]  # per lane if lanes share bias entries, else one shared array
+    k_axes: tuple[int, ...]  # leading axes along which k is shared (grouped-query): dk sums over them
+    v_axes: tuple[int, ...]
+    lock: threading.Lock = field(default_factory=threading.Lock)  # ScoreBias.accumulate_grad
+
+
+def _check_grad(grad_out: np.ndarray, out_shape: tuple[int, ...]) -> None:
+    try:
+        fits = np.broadcast_shapes(grad_out.shape, out_shape) == out_shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"grad_out of shape {grad_out.shape} does not broadcast to the output shape "
+                         f"{out_shape}")
+
+
+def _split(x: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` (float64) as ``hi + lo`` in ``dtype``, to twice the working precision; inf -> (0, 0)."""
+    finite = np.isfinite(x)
+    hi = np.where(finite, x, 0).astype(dtype)
+    lo = np.where(finite, x - hi, 0).astype(dtype)
+    return hi, lo
+
+
+def _augment_backward(grad_out: np.ndarray, ctx: FlashContext, dtype: np.dtype, fold: bool):
+    """``do_aug``, ``q_aug`` and the split log-sum-exp of the backward (see :class:`_BackwardData`).
+
+    One matmul then gives ``s - lse`` (folded) as accurately as the forward's ``s - m``, and another
+    ``dP - D``. Fully masked rows get a zero in place of ``-lse = -inf``: all their entries are masked
+    anyway, and an infinity inside BLAS raises spurious invalid-value warnings.
+    """
+    lead, (seq_q, dv), d = ctx.lead, ctx.out.shape[-2:], ctx.q.shape[-1]
+    do_aug = np.empty(lead + (seq_q, dv + 2), dtype)  # (*lead, Lq, Dv+2)
+    do_aug[..., :dv] = grad_out
+    d_row = np.einsum("...ld,...ld->...l", do_aug[..., :dv], ctx.out, dtype=np.float64)  # (*lead, Lq)
+    d_hi, d_lo = _split(d_row, dtype)
+    np.negative(d_hi, out=do_aug[..., dv])
+    np.negative(d_lo, out=do_aug[..., dv + 1])
+    q_aug = np.empty(lead + (seq_q, d + 2), dtype)  # (*lead, Lq, D+2)
+    np.multiply(ctx.q, dtype.type(ctx.scale), out=q_aug[..., :d])
+    lse_hi, lse_lo = _split(ctx.lse, dtype)  # (*lead, Lq) each
+    if fold:
+        np.negative(lse_hi, out=q_aug[..., d])
+        np.negative(lse_lo, out=q_aug[..., d + 1])
+    else:
+        q_aug[..., d:] = 0
+    return do_aug, q_aug, lse_hi, lse_lo
+
+
+def _lanes(n_blocks: int, workers: int) -> list[list[int]]:
+    """Key blocks dealt to ``workers`` lanes in snake order (0..W-1, W-1..0, ...).
+
+    A lane's key blocks run in order in one task and accumulate dQ into the lane's own buffer; the
+    buffers are summed in lane order, so the result does not depend on thread scheduling. The snake
+    balances causal work, where early key blocks meet the most queries.
+    """
+    lanes: list[list[int]] = [[] for _ in range(workers)]
+    for i in range(n_blocks):
+        turn, pos = divmod(i, workers)
+        lanes[pos if turn % 2 == 0 else workers - 1 - pos].append(i)
+    return lanes
+
+
+def _backward_data(grad_out, ctx: FlashContext, run: _Pass, n_lanes: int) -> _BackwardData:
+    """Allocate the backward's operands and gradient accumulators."""
+    lead, seq_q, d = ctx.lead, ctx.out.shape[-2], ctx.q.shape[-1]
+    do_aug, q_aug, lse_hi, lse_lo = _augment_backward(grad_out, ctx, run.dtype, run.fold)
+    k_lead, v_lead = ctx.k_aug.shape[:-2], ctx.v_aug.shape[:-2]
+    bias = ctx.bias
+    if isinstance(bias, np.ndarray) and bias.shape[-1] == 1:  # key blocks share entries: one per lane
+        dbias_lanes = [np.zeros(bias.shape, run.dtype) for _ in range(n_lanes)]
+    elif isinstance(bias, np.ndarray):  # key blocks write disjoint columns
+        dbias_lanes = [np.zeros(bias.shape, run.dtype)] * n_lanes
+    else:
+        dbias_lanes = [None] * n_lanes
+    return _BackwardData(
+        q_aug=q_aug, k_aug=ctx.k_aug, v_aug=ctx.v_aug, do_aug=do_aug, lse_hi=lse_hi, lse_lo=lse_lo,
+        dk=np.zeros(k_lead + ctx.k_aug.shape[-2:-1] + (d,), run.dtype),
+        dv=np.zeros(v_lead + ctx.v_aug.shape[-2:-1] + (ctx.v_aug.shape[-1] - 2,), run.dtype),
+        dq_lanes=[np.zeros(lead + (seq_q, d), run.dtype) for _ in range(n_lanes)], dbias_lanes=dbias_lanes,
+        k_axes=_group_axes(lead, k_lead), v_axes=_group_axes(lead, v_lead))
 
 
 def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     """Gradients of :func:`flash_attention_forward`'s output, by tile-wise recomputation.
+
+    Deterministic: identical calls give bitwise identical gradients, whatever the thread scheduling
+    (dQ partial sums are reduced in a fixed order; see ``docs/kernels.md``). A :class:`ScoreBias`'s
+    ``accumulate_grad`` is called once per tile, in an order that may vary between threaded runs.
 
     Shapes
     ------
@@ -464,136 +664,129 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
 
     Returns
     -------
-    dq, dk, dv : ndarrays shaped like the forward's q, k, v (broadcast dims summed)
+    dq, dk, dv : ndarrays shaped like the forward's q, k, v (broadcast dims summed: grouped-query keys
+        and values get the sum over their group)
     dbias : ndarray shaped like an array ``bias``, else None (a ScoreBias gets ``accumulate_grad`` per tile)
     """
-    n, seq_q, d = ctx.q.shape
-    seq_k, dv = ctx.v_aug.shape[1], ctx.v_aug.shape[2] - 2
-    dtype = ctx.out.dtype
-    lead = ctx.lead
+    lead, (seq_q, dv) = ctx.lead, ctx.out.shape[-2:]
+    seq_k, d, dtype = ctx.k_aug.shape[-2], ctx.q.shape[-1], ctx.out.dtype
     grad_out = np.asarray(grad_out)
-    try:
-        fits = np.broadcast_shapes(grad_out.shape, lead + (seq_q, dv)) == lead + (seq_q, dv)
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"grad_out of shape {grad_out.shape} does not broadcast to the output shape "
-                         f"{lead + (seq_q, dv)}")
-    auto_q, auto_k = default_blocks(n, seq_q, seq_k, ctx.num_threads, "k")  # tasks are key blocks
+    _check_grad(grad_out, lead + (seq_q, dv))
+    auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, ctx.num_threads, "k")  # tasks: key blocks
     tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, ctx.blocks[0] or auto_q,
-                   ctx.blocks[1] or auto_k)
-    fold = ctx.bias is None
-    scale = dtype.type(ctx.scale)
-    # [dO, -D] with D = rowsum(dO * O): one matmul gives dP - D (without dropout).
-    do_aug = np.empty((n, seq_q, dv + 2), dtype)  # (N, Lq, Dv+2) [dO, -D_hi, -D_lo]
-    do_aug.reshape(lead + (seq_q, dv + 2))[..., :dv] = grad_out
-    do = do_aug[..., :dv]  # (N, Lq, Dv)
-    d_row = np.einsum("nld,nld->nl", do, ctx.out, dtype=np.float64)  # (N, Lq)
-    np.negative(d_row, out=do_aug[..., dv], casting="same_kind")
-    np.subtract(do_aug[..., dv], -d_row, out=do_aug[..., dv + 1], casting="same_kind")
-    # [q * scale, -hi, -lo] with hi + lo = lse to twice the working precision: one matmul gives
-    # s - lse (without bias) as accurately as the forward's s - m; fully masked rows get -inf.
-    q_aug = np.empty((n, seq_q, d + 2), dtype)  # (N, Lq, D+2)
-    np.multiply(ctx.q, scale, out=q_aug[..., :d])
-    lse_hi = ctx.lse.astype(dtype)  # (N, Lq)
-    with np.errstate(invalid="ignore"):
-        lse_lo = np.where(np.isfinite(lse_hi), ctx.lse - lse_hi, 0).astype(dtype)  # (N, Lq)
-    if fold:
-        np.negative(lse_hi, out=q_aug[..., d])
-        np.negative(lse_lo, out=q_aug[..., d + 1])
-    else:
-        q_aug[..., d:] = 0
-    dk = np.zeros((n, seq_k, d), dtype)  # (N, Lk, D)
-    dv_ = np.zeros((n, seq_k, dv), dtype)  # (N, Lk, Dv)
-    dbias = None
-    if isinstance(ctx.bias, np.ndarray):
-        dbias = np.zeros(ctx.bias.shape, dtype)
-    lock = threading.Lock()
-    dropout = ctx.dropout_p > 0.0
-    keep_scale = dtype.type(1.0 / (1.0 - ctx.dropout_p)) if dropout else None
-    bq, bk = tiles.block_q, tiles.block_k
-    scratch = {}
+                   ctx.blocks[1] or auto_k, ctx.window)
+    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None,
+                dropout_p=ctx.dropout_p, seed=ctx.dropout_seed, drop_lead=ctx.drop_lead)
+    lanes = _lanes(len(tiles.k_blocks), max(1, min(ctx.num_threads, len(tiles.k_blocks))))
+    data = _backward_data(grad_out, ctx, run, len(lanes))
+    if math.prod(lead) and seq_q and seq_k:
+        scratch = [_Scratch(dtype) for _ in range(len(lanes))]
+        step = functools.partial(_backward_lane, run=run, data=data, lanes=lanes, scratch=scratch)
+        run_tasks(list(range(len(lanes))), step, ctx.num_threads)
+    dq = data.dq_lanes[0]
+    for partial in data.dq_lanes[1:]:  # fixed order: bitwise reproducible
+        np.add(dq, partial, out=dq)
+    np.multiply(dq, run.scale, out=dq)
+    cast = ctx.out_dtype
+    dq = unbroadcast(dq, ctx.q_shape).astype(cast, copy=False)
+    dk = unbroadcast(data.dk, ctx.k_shape).astype(cast, copy=False)
+    dv_ = unbroadcast(data.dv, ctx.v_shape).astype(cast, copy=False)
+    return dq, dk, dv_, _reduce_dbias(data.dbias_lanes, cast)
 
-    def work(kb, worker):
-        if worker not in scratch:
-            scratch[worker] = (np.empty(n * bq * bk, dtype), np.empty(n * bq * bk, dtype),
-                               np.zeros((n, seq_q, d), dtype), np.empty(n * bk * max(d, dv), dtype),
-                               np.empty(n * bq * d, dtype))
-        s_buf, dp_buf, dq_acc, kv_tmp, q_tmp = scratch[worker]
+
+def _reduce_dbias(lanes: list[np.ndarray | None], cast: np.dtype) -> np.ndarray | None:
+    """The array bias's gradient: the lanes' partial sums added in lane order (or the one shared array)."""
+    if lanes[0] is None:
+        return None
+    total = lanes[0]
+    for part in lanes[1:]:
+        if part is not total:
+            np.add(total, part, out=total)
+    return total.astype(cast, copy=False)
+
+
+def _backward_lane(lane: int, worker: int, run: _Pass, data: _BackwardData, lanes: list[list[int]],
+                   scratch: list[_Scratch]) -> None:
+    """Every tile of the lane's key blocks, key block by key block, query block by query block."""
+    tiles = run.tiles
+    for kb in lanes[lane]:
         k0, k1 = tiles.k_blocks[kb]
-        tk = k1 - k0
-        ka = ctx.k_aug[:, k0:k1]  # (N, Tk, D+2)
-        va = ctx.v_aug[:, k0:k1]  # (N, Tk, Dv+2)
-        dk_t = kv_tmp[:n * tk * d].reshape(n, tk, d)  # (N, Tk, D)
-        dv_t = kv_tmp[:n * tk * dv].reshape(n, tk, dv)  # (N, Tk, Dv)
         for qb in tiles.q_range(k0, k1):
+            check_stop()
             q0, q1 = tiles.q_blocks[qb]
             skip, blocked = tiles.blocked(q0, q1, k0, k1)
-            if skip:
-                continue
-            tq = q1 - q0
-            p = s_buf[:n * tq * tk].reshape(n, tq, tk)  # (N, Tq, Tk)
-            p4 = p.reshape(lead + (tq, tk))
-            ds = dp_buf[:n * tq * tk].reshape(n, tq, tk)  # (N, Tq, Tk)
-            ds4 = ds.reshape(lead + (tq, tk))
-            np.matmul(q_aug[:, q0:q1], ka.swapaxes(-1, -2), out=p)  # s - lse (fold) or s
-            if not fold:
-                np.add(p4, tiles.bias_tile(q0, q1, k0, k1), out=p4)
-                np.subtract(p, lse_hi[:, q0:q1, None], out=p)
-                if dtype == np.float32:
-                    np.subtract(p, lse_lo[:, q0:q1, None], out=p)
-            if blocked is not None:
-                np.copyto(p4, -np.inf, where=blocked)
-            np.exp(p, out=p)  # probabilities before dropout
-            if not dropout:
-                np.matmul(do_aug[:, q0:q1], va.swapaxes(-1, -2), out=ds)  # dO.v - D
-                np.matmul(p.swapaxes(-1, -2), do[:, q0:q1], out=dv_t)  # (N, Tk, Dv)
-                np.add(dv_[:, k0:k1], dv_t, out=dv_[:, k0:k1])
-                np.multiply(ds, p, out=ds)  # dS = P (dP - D)
-            else:
-                keep = keep_mask(ctx.dropout_seed, ctx.dropout_p, ctx.drop_lead, np.arange(q0, q1),
-                                 np.arange(k0, k1), seq_q, seq_k)  # (*drop_lead, Tq, Tk)
-                np.matmul(do[:, q0:q1], va[..., :dv].swapaxes(-1, -2), out=ds)  # dO.v = grad of dropped p
-                np.multiply(ds4, keep, out=ds4)
-                np.multiply(ds, keep_scale, out=ds)
-                np.add(ds, do_aug[:, q0:q1, dv:dv + 1], out=ds)  # dP - D (the columns hold -D)
-                np.add(ds, do_aug[:, q0:q1, dv + 1:], out=ds)
-                np.multiply(ds, p, out=ds)  # dS
-                np.multiply(p4, keep, out=p4)
-                np.multiply(p, keep_scale, out=p)  # dropped, rescaled weights
-                np.matmul(p.swapaxes(-1, -2), do[:, q0:q1], out=dv_t)  # (N, Tk, Dv)
-                np.add(dv_[:, k0:k1], dv_t, out=dv_[:, k0:k1])
-            if ctx.bias is not None:
-                _bias_grad(ctx.bias, dbias, ds4, tiles, q0, q1, k0, k1, lock)
-            dq_t = q_tmp[:n * tq * d].reshape(n, tq, d)  # (N, Tq, D)
-            np.matmul(ds, ka[..., :d], out=dq_t)
-            np.add(dq_acc[:, q0:q1], dq_t, out=dq_acc[:, q0:q1])
-            np.matmul(ds.swapaxes(-1, -2), q_aug[:, q0:q1, :d], out=dk_t)  # (N, Tk, D), q already scaled
-            np.add(dk[:, k0:k1], dk_t, out=dk[:, k0:k1])
-
-    if n and seq_q and seq_k:
-        run_tasks(list(range(len(tiles.k_blocks))), work, ctx.num_threads)
-    accs = [scratch[w][2] for w in sorted(scratch)]
-    dq = accs[0] if accs else np.zeros((n, seq_q, d), dtype)  # (N, Lq, D)
-    for extra in accs[1:]:
-        np.add(dq, extra, out=dq)
-    np.multiply(dq, scale, out=dq)
-    cast = ctx.out_dtype
-    dq = unbroadcast(dq.reshape(lead + (seq_q, d)), ctx.q_shape).astype(cast, copy=False)
-    dk = unbroadcast(dk.reshape(lead + (seq_k, d)), ctx.k_shape).astype(cast, copy=False)
-    dv_ = unbroadcast(dv_.reshape(lead + (seq_k, dv)), ctx.v_shape).astype(cast, copy=False)
-    if dbias is not None:
-        dbias = dbias.astype(cast, copy=False)
-    return dq, dk, dv_, dbias
+            if not skip:
+                _backward_tile(run, data, lane, (q0, q1, k0, k1), blocked, scratch[lane])
 
 
-def _bias_grad(bias, dbias, ds4, tiles, q0, q1, k0, k1, lock):
-    """Hand the score gradient of one tile to the bias: a ScoreBias's hook, or the array's tile."""
-    if isinstance(bias, ScoreBias):
-        with lock:  # accumulate_grad updates shared parameter gradients
-            bias.accumulate_grad(np.arange(q0, q1), np.arange(k0, k1), tiles.seq_q, tiles.seq_k, ds4)
+def _probabilities(run: _Pass, data: _BackwardData, box, blocked, scratch: _Scratch) -> np.ndarray:
+    """The tile's softmax probabilities before dropout, recomputed from q, k and the log-sum-exp."""
+    q0, q1, k0, k1 = box
+    p = scratch.get("p", run.tiles.lead + (q1 - q0, k1 - k0))  # (*lead, Tq, Tk)
+    np.matmul(data.q_aug[..., q0:q1, :], data.k_aug[..., k0:k1, :].swapaxes(-1, -2), out=p)  # s - lse or s
+    if not run.fold:
+        np.add(p, run.tiles.bias_tile(q0, q1, k0, k1), out=p)
+        np.subtract(p, data.lse_hi[..., q0:q1, None], out=p)
+        if run.dtype == np.float32:
+            np.subtract(p, data.lse_lo[..., q0:q1, None], out=p)
+    if blocked is not None:
+        np.copyto(p, -np.inf, where=blocked)
+    return np.exp(p, out=p)
+
+
+def _score_grads(run: _Pass, data: _BackwardData, box, p: np.ndarray, scratch: _Scratch) -> np.ndarray:
+    """``dS = P (dP - D)`` of the tile; with dropout, ``p`` becomes the dropped, rescaled weights."""
+    q0, q1, k0, k1 = box
+    dv = data.dv.shape[-1]
+    ds = scratch.get("ds", p.shape)  # (*lead, Tq, Tk)
+    if not run.dropout:
+        np.matmul(data.do_aug[..., q0:q1, :], data.v_aug[..., k0:k1, :].swapaxes(-1, -2), out=ds)  # dP - D
+        return np.multiply(ds, p, out=ds)
+    keep = run.keep(q0, q1, k0, k1)  # (*drop_lead, Tq, Tk)
+    keep_scale = run.dtype.type(1.0 / (1.0 - run.dropout_p))
+    np.matmul(data.do_aug[..., q0:q1, :dv], data.v_aug[..., k0:k1, :dv].swapaxes(-1, -2), out=ds)  # dO.v
+    np.multiply(ds, keep, out=ds)
+    np.multiply(ds, keep_scale, out=ds)  # dP, the gradient of the weights before dropout
+    np.add(ds, data.do_aug[..., q0:q1, dv:dv + 1], out=ds)  # dP - D (the columns hold -D)
+    np.add(ds, data.do_aug[..., q0:q1, dv + 1:], out=ds)
+    np.multiply(ds, p, out=ds)
+    np.multiply(p, keep, out=p)
+    np.multiply(p, keep_scale, out=p)
+    return ds
+
+
+def _add_product(target: np.ndarray, a: np.ndarray, b: np.ndarray, axes: tuple[int, ...],
+                 scratch: _Scratch, name: str) -> None:
+    """``target += a @ b``, summed over the leading ``axes`` where the target is shared (grouped k/v)."""
+    lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    product = scratch.get(name, lead + (a.shape[-2], b.shape[-1]))
+    np.matmul(a, b, out=product)
+    if axes:
+        product = product.sum(axis=axes, keepdims=True)
+    np.add(target, product, out=target)
+
+
+def _backward_tile(run: _Pass, data: _BackwardData, lane: int, box, blocked, scratch: _Scratch) -> None:
+    """One tile's contribution to dV, dK (the key block's own rows), dQ (the lane's buffer) and the bias."""
+    q0, q1, k0, k1 = box
+    d, dv = data.dk.shape[-1], data.dv.shape[-1]
+    p = _probabilities(run, data, box, blocked, scratch)  # (*lead, Tq, Tk)
+    ds = _score_grads(run, data, box, p, scratch)  # (*lead, Tq, Tk); p is now the dropped weights
+    _add_product(data.dv[..., k0:k1, :], p.swapaxes(-1, -2), data.do_aug[..., q0:q1, :dv], data.v_axes,
+                 scratch, "dv")  # (*Vl, Tk, Dv)
+    if run.tiles.bias is not None:
+        _bias_grad(run.tiles, data, lane, ds, box)
+    _add_product(data.dq_lanes[lane][..., q0:q1, :], ds, data.k_aug[..., k0:k1, :d], (), scratch, "dq")
+    _add_product(data.dk[..., k0:k1, :], ds.swapaxes(-1, -2), data.q_aug[..., q0:q1, :d], data.k_axes,
+                 scratch, "dk")  # (*Kl, Tk, D); q_aug holds the scaled q
+
+
+def _bias_grad(tiles: _Tiles, data: _BackwardData, lane: int, ds: np.ndarray, box) -> None:
+    """Hand the score gradient of one tile to the bias: a ScoreBias's hook, or the lane's array tile."""
+    q0, q1, k0, k1 = box
+    if isinstance(tiles.bias, ScoreBias):
+        with data.lock:  # accumulate_grad updates shared parameter gradients
+            tiles.bias.accumulate_grad(np.arange(q0, q1), np.arange(k0, k1), tiles.seq_q, tiles.seq_k, ds)
         return
-    target = _tile(dbias, q0, q1, k0, k1)  # (..., Tq|1, Tk|1) view into dbias
-    g = unbroadcast(ds4, target.shape)
-    with lock:  # tiles of other key blocks may share this region when the bias broadcasts over keys
-        target += g
+    target = _tile(data.dbias_lanes[lane], q0, q1, k0, k1)  # (..., Tq|1, Tk|1) view into the lane's dbias
+    target += unbroadcast(ds, target.shape)

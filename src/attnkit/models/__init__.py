@@ -2,9 +2,11 @@
 
 - :class:`TokenTagger`: embedding + encoder + projection, one class per token;
 - :class:`DecoderConfig`: the architecture of a decoder-only language model (GPT-2, Llama, Mistral, Qwen2
-  families), read from a Hugging Face ``config.json`` by :mod:`attnkit.pretrained`.
+  families), read from a Hugging Face ``config.json`` by :mod:`attnkit.pretrained`;
+- :class:`CausalLM`: the decoder-only language model a :class:`DecoderConfig` describes.
 """
+from .causal_lm import CausalLM
 from .config import DecoderConfig
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["DecoderConfig", "TokenTagger", "token_accuracy", "train_step"]
+__all__ = ["CausalLM", "DecoderConfig", "TokenTagger", "token_accuracy", "train_step"]

@@ -1,0 +1,171 @@
+"""``GroupedQueryAttention``: causal self-attention of a decoder-only LM (multi-head, grouped-query, multi-query).
+
+Dimension letters: B batch, L new tokens, S keys (past + new), D ``hidden_size``, Hq query heads, Hkv key/value
+heads, G = Hq / Hkv queries per key/value head, Dh ``head_dim``, R rotated features.
+
+Grouped-query attention shares each key/value head among G query heads. The queries are reshaped to
+``(B, Hkv, G, L, Dh)`` and the keys/values kept at ``(B, Hkv, 1, S, Dh)``: the kernel broadcasts them over
+the group and sums their gradients over it, so repeated K/V are never materialised.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._validation import as_bool_mask
+from ..core.module import Module
+from ..kernels import attention_backward, attention_forward
+from ..kernels import rotary as _rotary
+from ..kernels.linear import linear, linear_backward
+from ..layers._common import as_generator, check_features, check_grad_output
+
+__all__ = ["GroupedQueryAttention"]
+
+
+class GroupedQueryAttention(Module):
+    """Causal self-attention with rotary queries/keys, Hkv <= Hq key/value heads and an optional window.
+
+    Parameters
+    ----------
+    config : DecoderConfig
+        Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention_bias``,
+        ``output_bias``, ``rope_interleaved`` and the window of this layer (``config.window_of(layer_index)``).
+    layer_index : int
+        Which layer this is (its window, and its entry in a :class:`~attnkit.cache.KVCache`).
+    rng : numpy.random.Generator or int, optional
+        Source of the ``N(0, 0.02^2)`` initial weights (biases start at zero).
+
+    Attributes
+    ----------
+    W_Q : (D, Hq*Dh), W_K : (D, Hkv*Dh), W_V : (D, Hkv*Dh), W_O : (Hq*Dh, D), stored for ``x @ W``;
+    b_Q, b_K, b_V with ``attention_bias``; b_O with ``output_bias``. ``grads`` with the same names.
+
+    Shapes
+    ------
+    x : (B, L, D) -> (B, L, D) in ``x``'s float dtype.
+    rotary : ``(cos, sin)`` each (B, L, R) from :class:`~attnkit.layers.rotary.RotaryEmbedding`, or None
+    (no rotary, e.g. GPT-2's learned positions).
+    attention_mask : (B, S) bool/0-1, ``True`` = real token, over the cache slots (past + new); None = all real.
+    cache : :class:`~attnkit.cache.KVCache`, optional. With a cache the new keys/values are appended and the
+    queries attend to every kept slot; the cached path is for inference (no :meth:`backward`).
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=4,
+    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8)
+    >>> attn = GroupedQueryAttention(cfg, 0, rng=0)
+    >>> y = attn(np.ones((2, 3, 8)))
+    >>> y.shape, attn.backward(np.ones_like(y)).shape, attn.W_K.shape
+    ((2, 3, 8), (2, 3, 8), (8, 4))
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not 0 <= layer_index < config.num_layers:
+            raise ValueError(f"layer_index must be an integer in [0, {config.num_layers}), got {layer_index!r}")
+        self.layer_index = layer_index
+        self.hidden_size, self.head_dim = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_groups = config.num_groups
+        self.window = config.window_of(layer_index)
+        self.interleaved = config.rope_interleaved
+        gen = as_generator(rng)
+        d, q_width, kv_width = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for name, shape in (("W_Q", (d, q_width)), ("W_K", (d, kv_width)), ("W_V", (d, kv_width)),
+                            ("W_O", (q_width, d))):
+            self.register_parameter(name, 0.02 * gen.standard_normal(shape))
+        if config.attention_bias:
+            for name, size in (("b_Q", q_width), ("b_K", kv_width), ("b_V", kv_width)):
+                self.register_parameter(name, np.zeros(size))
+        if config.output_bias:
+            self.register_parameter("b_O", np.zeros(d))
+        self._cache: tuple | None = None
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, window={self.window}, layer_index={self.layer_index}")
+
+    # ------------------------------------------------------------------------------------------------
+    def _heads(self, flat: np.ndarray, heads: int) -> np.ndarray:
+        b, length = flat.shape[:2]
+        return flat.reshape(b, length, heads, self.head_dim).transpose(0, 2, 1, 3)  # (B, H, L, Dh)
+
+    def _project(self, x: np.ndarray):
+        p = self._parameters
+        q = self._heads(linear(x, p["W_Q"], p.get("b_Q")), self.num_heads)  # (B, Hq, L, Dh)
+        k = self._heads(linear(x, p["W_K"], p.get("b_K")), self.num_kv_heads)  # (B, Hkv, L, Dh)
+        v = self._heads(linear(x, p["W_V"], p.get("b_V")), self.num_kv_heads)  # (B, Hkv, L, Dh)
+        return q, k, v
+
+    def _check_mask(self, attention_mask, batch: int, seq_k: int) -> np.ndarray | None:
+        mask = as_bool_mask(attention_mask, "attention_mask", allow_int=True)
+        if mask is not None and mask.shape != (batch, seq_k):
+            raise ValueError(f"GroupedQueryAttention: attention_mask must have shape (B, S) = ({batch}, {seq_k}) "
+                             f"(past + new tokens), got {mask.shape}")
+        return mask
+
+    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None) -> np.ndarray:
+        """Attend every new token to itself and the tokens before it; caches what :meth:`backward` needs."""
+        x = check_features(x, "x", self.hidden_size, "GroupedQueryAttention", "hidden_size")
+        if x.ndim != 3:
+            raise ValueError(f"GroupedQueryAttention: x must be (B, L, D), got shape {x.shape}")
+        b, length, _ = x.shape
+        q, k, v = self._project(x)  # (B, Hq, L, Dh), (B, Hkv, L, Dh), (B, Hkv, L, Dh)
+        if rotary is not None:
+            cos, sin = rotary
+            q = _rotary.rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
+            k = _rotary.rotary_apply(k, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
+        if cache is not None:
+            kept = cache.update(self.layer_index, k, v)
+            k, v = kept.keys, kept.values  # (B, Hkv, S, Dh)
+            past = int(kept.slots[-1]) + 1  # slots filled after this update
+            key_mask = self._check_mask(attention_mask, b, past)
+            key_mask = None if key_mask is None else key_mask[:, kept.slots]  # (B, S)
+        else:
+            key_mask = self._check_mask(attention_mask, b, length)
+        qg = q.reshape(b, self.num_kv_heads, self.num_groups, length, self.head_dim)  # (B, Hkv, G, L, Dh)
+        mask = None if key_mask is None else key_mask[:, None, None, None, :]  # (B, 1, 1, 1, S)
+        # The cache returns consecutive slots ending at the new tokens, so the kernel's bottom-right aligned
+        # causal window applies to cached steps as well. One decoding step (L = 1) is a single row of scores:
+        # the reference kernel is cheapest there; longer inputs take the tiled kernel (no L x S scores).
+        out, _, ctx = attention_forward(qg, k[:, :, None], v[:, :, None], mask=mask, causal=True,
+                                        window=self.window, need_weights=length == 1)  # (B, Hkv, G, L, Dh)
+        merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
+        merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
+        y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
+        self._cache = None if cache is not None else (x, merged, ctx, rotary)
+        return y
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""
+        if self._cache is None:
+            raise RuntimeError("GroupedQueryAttention.backward needs a forward without a cache just before it")
+        x, merged, ctx, rotary = self._cache
+        b, length, _ = x.shape
+        g = check_grad_output(grad_output, x.shape, x.dtype, "GroupedQueryAttention")
+        p = self._parameters
+        grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
+        self._accumulate("O", grad_w, grad_b)
+        grad_out = grad_merged.reshape(b, length, self.num_kv_heads, self.num_groups, self.head_dim)
+        grad_out = grad_out.transpose(0, 2, 3, 1, 4)  # (B, Hkv, G, L, Dh)
+        dq, dk, dv, _ = attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, Hkv, G|1, L, Dh)
+        dq = dq.reshape(b, self.num_heads, length, self.head_dim)  # (B, Hq, L, Dh)
+        dk, dv = dk[:, :, 0], dv[:, :, 0]  # (B, Hkv, L, Dh)
+        if rotary is not None:
+            cos, sin = rotary
+            dq = _rotary.rotary_backward(dq, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
+            dk = _rotary.rotary_backward(dk, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
+        grad_x = np.zeros_like(x)
+        for name, d in (("Q", dq), ("K", dk), ("V", dv)):
+            flat = d.transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, H*Dh)
+            gx, grad_w, grad_b = linear_backward(flat, x, p[f"W_{name}"], f"b_{name}" in p)  # (B, L, D)
+            self._accumulate(name, grad_w, grad_b)
+            grad_x += gx
+        return grad_x
+
+    def _accumulate(self, name: str, grad_w: np.ndarray, grad_b: np.ndarray | None) -> None:
+        self.grads[f"W_{name}"] += grad_w
+        if grad_b is not None:
+            self.grads[f"b_{name}"] += grad_b

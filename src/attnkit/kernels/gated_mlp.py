@@ -1,0 +1,34 @@
+"""Gated MLP ``(act(x W_gate + b_gate) * (x W_up + b_up)) W_down + b_down`` and its gradient (unchecked).
+
+With ``act = silu`` this is SwiGLU, the MLP of Llama, Mistral and Qwen2 (``gelu``: GeGLU). Biases may be None.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .activations import activation_backward, activation_forward
+from .linear import linear, linear_backward
+
+__all__ = ["gated_mlp_forward", "gated_mlp_backward"]
+
+
+def gated_mlp_forward(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu"):
+    """Returns ``y (..., D)`` and ``(gate_pre, gate, up, hidden)`` (each (..., F)), what backward needs."""
+    gate_pre = linear(x, w_gate, b_gate)  # (..., F)
+    gate = activation_forward(gate_pre, activation)  # (..., F)
+    up = linear(x, w_up, b_up)  # (..., F)
+    hidden = gate * up  # (..., F)
+    return linear(hidden, w_down, b_down), (gate_pre, gate, up, hidden)  # (..., D)
+
+
+def gated_mlp_backward(grad_y, x, w_gate, w_up, w_down, saved, activation: str = "silu", need_bias: bool = False):
+    """Returns ``grad_x (..., D)`` and the gradients ``{'W_gate', 'W_up', 'W_down'}`` (+ ``b_*`` if need_bias)."""
+    gate_pre, gate, up, hidden = saved
+    grad_hidden, grad_w_down, grad_b_down = linear_backward(grad_y, hidden, w_down, need_bias)  # (..., F)
+    grad_gate_pre = activation_backward(grad_hidden * up, gate_pre, gate, activation)  # (..., F)
+    grad_x_gate, grad_w_gate, grad_b_gate = linear_backward(grad_gate_pre, x, w_gate, need_bias)  # (..., D)
+    grad_x_up, grad_w_up, grad_b_up = linear_backward(grad_hidden * gate, x, w_up, need_bias)  # (..., D)
+    grads = {"W_gate": grad_w_gate, "W_up": grad_w_up, "W_down": grad_w_down}
+    if need_bias:
+        grads.update(b_gate=grad_b_gate, b_up=grad_b_up, b_down=grad_b_down)
+    return grad_x_gate + grad_x_up, grads

@@ -1,0 +1,46 @@
+"""Root-mean-square normalisation over the last axis and its gradient (unchecked kernels).
+
+``y = gamma * x / sqrt(mean(x^2) + eps)``: LayerNorm without centring or shift (Llama, Mistral, Qwen2).
+Half-precision inputs are normalised in float32 (their squares overflow or lose too many digits otherwise)
+and the normalised value is cast back before the gain is applied, as Hugging Face's ``LlamaRMSNorm`` does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["rms_norm_forward", "rms_norm_backward"]
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    return np.result_type(dtype, np.float32)
+
+
+def rms_norm_forward(x: np.ndarray, gamma: np.ndarray, eps: float):
+    """``gamma * x / sqrt(mean(x^2) + eps)``.
+
+    Returns
+    -------
+    y : (..., D) in ``x``'s dtype
+    x_hat : (..., D) normalised input and rstd : (..., 1), both in the compute dtype (float32 at least):
+    what backward needs.
+    """
+    xc = x.astype(_compute_dtype(x.dtype), copy=False)
+    rstd = 1.0 / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + eps)  # (..., 1)
+    x_hat = xc * rstd  # (..., D)
+    y = gamma.astype(x.dtype, copy=False) * x_hat.astype(x.dtype, copy=False)  # (..., D)
+    return y, x_hat, rstd
+
+
+def rms_norm_backward(grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, gamma: np.ndarray):
+    """Gradients of :func:`rms_norm_forward` from its cached ``x_hat`` and ``rstd``.
+
+    Returns
+    -------
+    grad_x : (..., D) in ``grad_y``'s dtype, grad_gamma : (D,)
+    """
+    d = x_hat.shape[-1]
+    g = grad_y.astype(x_hat.dtype, copy=False)
+    grad_gamma = np.einsum("nd,nd->d", g.reshape(-1, d), x_hat.reshape(-1, d))  # (D,)
+    g_hat = g * gamma.astype(x_hat.dtype, copy=False)  # (..., D)
+    grad_x = rstd * (g_hat - x_hat * np.mean(g_hat * x_hat, axis=-1, keepdims=True))  # (..., D)
+    return grad_x.astype(grad_y.dtype, copy=False), grad_gamma

@@ -1,0 +1,93 @@
+"""``GatedMLP``: the gated feed-forward network of Llama-style decoders (SwiGLU with ``silu``).
+
+Dimension letters: ``...`` any leading dims, D ``hidden_size``, F ``intermediate_size``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..core.module import Module
+from ..kernels import gated_mlp as _gated
+from ..kernels.activations import ACTIVATIONS
+from ._common import as_generator, check_features, check_grad_output
+
+__all__ = ["GatedMLP"]
+
+_NAMES = ("W_gate", "W_up", "W_down")
+_BIASES = ("b_gate", "b_up", "b_down")
+
+
+class GatedMLP(Module):
+    """``y = (act(x W_gate + b_gate) * (x W_up + b_up)) W_down + b_down``.
+
+    Parameters
+    ----------
+    config : DecoderConfig
+        Reads ``hidden_size``, ``intermediate_size``, ``activation`` and ``mlp_bias``.
+    rng : numpy.random.Generator or int, optional
+        Source of the ``N(0, 0.02^2)`` initial weights (biases start at zero).
+
+    Attributes
+    ----------
+    W_gate : (D, F), W_up : (D, F), W_down : (F, D); with ``mlp_bias`` also b_gate (F,), b_up (F,),
+    b_down (D,). ``grads`` with the same names. Weights are stored for ``x @ W`` (the transpose of torch's
+    ``nn.Linear.weight``).
+
+    Shapes
+    ------
+    x : (..., D) -> y : (..., D), in ``x``'s float dtype.
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6)
+    >>> mlp = GatedMLP(cfg, rng=0)
+    >>> y = mlp(np.ones((2, 3, 4)))
+    >>> y.shape, mlp.backward(np.ones_like(y)).shape, sorted(mlp.grads)
+    ((2, 3, 4), (2, 3, 4), ['W_down', 'W_gate', 'W_up'])
+    """
+
+    def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        if config.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {config.activation!r}")
+        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
+        self.activation, self.bias = config.activation, config.mlp_bias
+        gen = as_generator(rng)
+        d, f = self.hidden_size, self.intermediate_size
+        for name, shape in zip(_NAMES, ((d, f), (d, f), (f, d))):
+            self.register_parameter(name, 0.02 * gen.standard_normal(shape))
+        if self.bias:
+            for name, size in zip(_BIASES, (f, f, d)):
+                self.register_parameter(name, np.zeros(size))
+        self._cache: tuple | None = None
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"activation={self.activation!r}, bias={self.bias}")
+
+    def forward(self, x: Any) -> np.ndarray:
+        """Apply the MLP to every position of ``x`` (..., D); caches what :meth:`backward` needs."""
+        x = check_features(x, "x", self.hidden_size, "GatedMLP", "hidden_size")
+        p = self._parameters
+        biases = [p.get(name) for name in _BIASES]
+        y, saved = _gated.gated_mlp_forward(x, p["W_gate"], p["W_up"], p["W_down"], *biases,
+                                            activation=self.activation)  # (..., D)
+        self._cache = (x, saved)
+        return y
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        """Add the parameter gradients into ``self.grads``; return ``grad_x`` (..., D)."""
+        if self._cache is None:
+            raise RuntimeError("GatedMLP.backward called before forward")
+        x, saved = self._cache
+        g = check_grad_output(grad_output, x.shape, x.dtype, "GatedMLP")
+        p = self._parameters
+        grad_x, grads = _gated.gated_mlp_backward(g, x, p["W_gate"], p["W_up"], p["W_down"], saved,
+                                                  self.activation, need_bias=self.bias)
+        for name, value in grads.items():
+            self.grads[name] += value
+        return grad_x

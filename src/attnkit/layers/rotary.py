@@ -1,0 +1,76 @@
+"""``RotaryEmbedding``: the cos/sin tables of a decoder's rotary position embedding, from its config.
+
+Dimension letters: B batch, L positions, R rotated features per head (``head_dim * partial_rotary_factor``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..core.module import Module
+from ..kernels import rotary as _rotary
+
+__all__ = ["RotaryEmbedding"]
+
+
+class RotaryEmbedding(Module):
+    """cos/sin of the rotary angles for given positions; no parameters.
+
+    Parameters
+    ----------
+    config : DecoderConfig
+        Reads ``head_dim``, ``partial_rotary_factor``, ``rope_theta``, ``rope_scaling``, ``rope_interleaved``
+        and ``max_position_embeddings``.
+
+    Shapes
+    ------
+    position_ids : (B, L) int, the rotary position of every token (from the attention mask, not the cache
+    slot) -> cos, sin : (B, L, R) in ``dtype``, laid out for :func:`attnkit.kernels.rotary.rotary_apply`.
+
+    Notes
+    -----
+    ``dynamic`` scaling depends on the longest position in the call (``max(position_ids) + 1``); it is a pure
+    function of its input, so a call gives what Hugging Face's module gives on a fresh instance.
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
+    ...                     num_kv_heads=2, head_dim=4, intermediate_size=8)
+    >>> cos, sin = RotaryEmbedding(cfg)(np.array([[0, 1]]))
+    >>> cos.shape, cos[0, 0].tolist(), round(float(sin[0, 1, 0]), 4)
+    ((1, 2, 4), [1.0, 1.0, 1.0, 1.0], 0.8415)
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        self.theta = config.rope_theta
+        self.scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
+        self.interleaved = config.rope_interleaved
+        self.max_position_embeddings = config.max_position_embeddings
+        self.inv_freq, self.attention_factor = _rotary.rotary_frequencies(
+            self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings)
+        self.dynamic = config.rope_type == "dynamic"
+
+    def extra_repr(self) -> str:
+        kind = "default" if self.scaling is None else self.scaling.get("rope_type", "default")
+        return f"rotary_dim={self.rotary_dim}, theta={self.theta}, rope_type={kind!r}, interleaved={self.interleaved}"
+
+    def forward(self, position_ids: Any, dtype=np.float32):
+        """cos, sin (B, L, R) for ``position_ids`` (B, L)."""
+        position_ids = np.asarray(position_ids)
+        if position_ids.ndim != 2 or position_ids.dtype.kind not in "iu":
+            raise ValueError(f"RotaryEmbedding: position_ids must be a 2-D integer array (B, L), got shape "
+                             f"{position_ids.shape} and dtype {position_ids.dtype}")
+        inv_freq, factor = self.inv_freq, self.attention_factor
+        if self.dynamic and position_ids.size:
+            inv_freq, factor = _rotary.rotary_frequencies(
+                self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings,
+                seq_len=int(position_ids.max()) + 1)
+        return _rotary.rotary_cos_sin(position_ids, inv_freq, factor, interleaved=self.interleaved, dtype=dtype)
+
+    def backward(self, grad_output: Any) -> None:
+        """Positions are integers: nothing to differentiate."""
+        return None

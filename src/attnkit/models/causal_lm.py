@@ -1,0 +1,203 @@
+"""``CausalLM``: a decoder-only Transformer language model (GPT-2, Llama, Mistral, Qwen2 families).
+
+Dimension letters: B batch, L new tokens, P past slots in the cache, V ``vocab_size``, D ``hidden_size``.
+
+Positions come from the attention mask, not from the column index: a row's position counts its real
+tokens (``cumsum(mask) - 1``), so a left-padded row is computed exactly like the same tokens alone. The
+cache stores keys by column (slot); rotary positions are applied before the keys enter it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._validation import as_bool_mask
+from ..cache import KVCache
+from ..core.module import Module, ModuleList
+from ..layers._common import as_generator, check_grad_output
+from ..layers.embedding import Embedding
+from ..layers.lm_block import LMBlock, make_norm
+from ..layers.rotary import RotaryEmbedding
+from .config import DecoderConfig
+
+__all__ = ["CausalLM", "positions_from_mask"]
+
+
+def positions_from_mask(attention_mask: np.ndarray, length: int) -> np.ndarray:
+    """Positions of the last ``length`` columns: ``cumsum(mask) - 1`` clipped at 0 (pads before a row's first
+    real token get position 0).
+
+    Shapes
+    ------
+    attention_mask (B, P + L) bool -> (B, L) int64
+
+    Examples
+    --------
+    >>> positions_from_mask(np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=bool), 3).tolist()
+    [[0, 1, 2], [2, 3, 4]]
+    """
+    counts = np.cumsum(attention_mask, axis=1, dtype=np.int64) - 1  # (B, P + L)
+    return np.maximum(counts[:, attention_mask.shape[1] - length:], 0)  # (B, L)
+
+
+class CausalLM(Module):
+    """Token embedding, ``num_layers`` :class:`~attnkit.layers.lm_block.LMBlock`, final norm, output head.
+
+    Parameters
+    ----------
+    config : DecoderConfig
+    rng : numpy.random.Generator or int, optional
+        Source of the ``N(0, 0.02^2)`` initial weights (norm gains start at one, biases at zero).
+
+    Attributes
+    ----------
+    embed.weight (V, D); pos_embed.weight (P, D) for learned positions; ``layers.{i}`` blocks; ``norm``;
+    head.weight (V, D) unless ``tie_word_embeddings`` (then the embedding is the head). Logits are
+    ``final_hidden @ weight.T``.
+
+    Shapes
+    ------
+    input_ids : (B, L) int in [0, V)
+    attention_mask : (B, P + L) bool or 0/1, ``True`` = real token, over the cached columns and the new
+    ones (None: every column real)
+    position_ids : (B, L) int, optional (default: from the mask)
+    -> logits (B, L, V) in the parameters' dtype.
+
+    Examples
+    --------
+    >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    >>> lm = CausalLM(cfg, rng=0)
+    >>> ids = np.array([[1, 2, 3]])
+    >>> logits = lm(ids)
+    >>> logits.shape
+    (1, 3, 11)
+    >>> cache = lm.new_cache(1)
+    >>> steps = [lm(ids[:, :2], cache=cache), lm(ids[:, 2:], cache=cache)]
+    >>> bool(np.allclose(np.concatenate(steps, axis=1), logits))
+    True
+    """
+
+    def __init__(self, config: DecoderConfig, rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+        self.config = config
+        gen = as_generator(rng)
+        self.embed = Embedding(config.vocab_size, config.hidden_size, rng=gen)
+        self.embed.weight = 0.02 * self.embed.weight
+        if config.position == "learned":
+            self.pos_embed = Embedding(config.max_position_embeddings, config.hidden_size, rng=gen)
+            self.pos_embed.weight = 0.01 * self.pos_embed.weight
+            self.rotary = None
+        else:
+            self.rotary = RotaryEmbedding(config)
+        self.layers = ModuleList([LMBlock(config, i, rng=gen) for i in range(config.num_layers)])
+        self.norm = make_norm(config)
+        if not config.tie_word_embeddings:
+            self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen)
+            self.head.weight = 0.02 * self.head.weight
+        self._saved: np.ndarray | None = None
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"family={c.family!r}, vocab_size={c.vocab_size}, hidden_size={c.hidden_size}, "
+                f"num_layers={c.num_layers}, num_heads={c.num_heads}, num_kv_heads={c.num_kv_heads}")
+
+    @property
+    def head_weight(self) -> np.ndarray:
+        """The (V, D) matrix the logits are taken against (the embedding when tied)."""
+        return self.embed.weight if self.config.tie_word_embeddings else self.head.weight
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The parameters' dtype (and so the logits' and the cache's)."""
+        return self.embed.weight.dtype
+
+    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
+        """An empty :class:`~attnkit.cache.KVCache` for this model (ring buffers for sliding layers)."""
+        c = self.config
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
+                       windows=[c.window_of(i) for i in range(c.num_layers)])
+
+    # ------------------------------------------------------------------------------------------------
+    def _check_inputs(self, input_ids, attention_mask, position_ids, cache):
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be a 2-D integer array (B, L), got shape {ids.shape} and dtype "
+                             f"{ids.dtype}")
+        b, length = ids.shape
+        if length == 0:
+            raise ValueError("input_ids must hold at least one token per row, got shape (B, 0)")
+        past = 0
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a KVCache (from new_cache), got {type(cache).__name__}")
+            if cache.batch_size != b:
+                raise ValueError(f"cache holds {cache.batch_size} rows but input_ids has {b}")
+            past = cache.length
+        mask = as_bool_mask(attention_mask, "attention_mask", allow_int=True)
+        if mask is None:
+            mask = np.ones((b, past + length), dtype=bool)
+        elif mask.shape != (b, past + length):
+            raise ValueError(f"attention_mask must have shape (B, past + L) = ({b}, {past + length}) "
+                             f"(cache holds {past} columns, input_ids has {length}), got {mask.shape}")
+        if position_ids is None:
+            positions = positions_from_mask(mask, length)  # (B, L)
+        else:
+            positions = np.asarray(position_ids)
+            if positions.shape != (b, length) or positions.dtype.kind not in "iu" or (positions < 0).any():
+                raise ValueError(f"position_ids must be non-negative integers of shape ({b}, {length}), got "
+                                 f"shape {positions.shape} and dtype {positions.dtype}")
+        if self.config.position == "learned" and positions.size and positions.max() >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is past the model's max_position_embeddings = "
+                             f"{self.config.max_position_embeddings}")
+        return ids, mask, positions
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
+                cache: KVCache | None = None) -> np.ndarray:
+        """Logits (B, L, V) of the next token after every position; with a cache, only the new tokens are fed.
+
+        The uncached forward caches what :meth:`backward` needs; a cached forward (inference) does not.
+        """
+        ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
+        h = self.embed(ids)  # (B, L, D)
+        if self.rotary is None:
+            h = h + self.pos_embed(positions)  # (B, L, D)
+            rotary = None
+        else:
+            rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
+        layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
+        for layer in self.layers:
+            h = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
+        h = self.norm(h)  # (B, L, D)
+        weight = self.head_weight.astype(h.dtype, copy=False)
+        logits = (h.reshape(-1, h.shape[-1]) @ weight.T).reshape(*h.shape[:-1], weight.shape[0])  # (B, L, V)
+        self._saved = None if cache is not None else h
+        return logits
+
+    def backward(self, grad_logits: Any) -> None:
+        """Add every parameter's gradient of ``sum(grad_logits * logits)`` into the grads; returns None."""
+        if self._saved is None:
+            raise RuntimeError("CausalLM.backward needs a forward without a cache just before it")
+        h = self._saved
+        g = check_grad_output(grad_logits, h.shape[:-1] + (self.config.vocab_size,), h.dtype, "CausalLM")
+        flat_g = g.reshape(-1, g.shape[-1])  # (B*L, V)
+        weight = self.head_weight.astype(h.dtype, copy=False)
+        owner = self.embed if self.config.tie_word_embeddings else self.head
+        owner.grads["weight"] += flat_g.T @ h.reshape(-1, h.shape[-1])  # (V, D)
+        grad_h = (flat_g @ weight).reshape(h.shape)  # (B, L, D)
+        grad_h = self.norm.backward(grad_h)
+        for layer in reversed(list(self.layers)):
+            grad_h = layer.backward(grad_h)  # (B, L, D)
+        self.embed.backward(grad_h)
+        if self.rotary is None:
+            self.pos_embed.backward(grad_h)
+        return None
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """Decode new tokens with the cache: see :func:`attnkit.generation.generate` (same arguments)."""
+        from ..generation import generate
+
+        return generate(self, *args, **kwargs)

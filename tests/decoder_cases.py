@@ -1,0 +1,159 @@
+"""Shared test code for decoder parts: tiny configs and copies of attnkit weights into Hugging Face modules.
+
+attnkit stores weights for ``x @ W`` (In, Out); torch's ``nn.Linear.weight`` is (Out, In), so every matrix is
+transposed on the way; GPT-2's ``Conv1D`` already stores (In, Out).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnkit.models import DecoderConfig
+
+
+def tiny_config(family="llama", **overrides) -> DecoderConfig:
+    base = dict(family=family, vocab_size=23, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                intermediate_size=24, max_position_embeddings=64, rope_theta=100.0, norm_eps=1e-6)
+    if family == "gpt2":
+        base.update(norm="layernorm", mlp="plain", activation="gelu_tanh", position="learned", attention_bias=True,
+                    output_bias=True, num_kv_heads=4, norm_eps=1e-5, tie_word_embeddings=True)
+    base.update(overrides)
+    return DecoderConfig(**base)
+
+
+HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+
+
+def hf_config(cfg: DecoderConfig):
+    """The Hugging Face config of the same architecture (llama, mistral, qwen2 or gpt2)."""
+    import transformers
+
+    if cfg.family == "gpt2":
+        return transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
+                                       n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+                                       n_inner=cfg.intermediate_size, activation_function="gelu_new",
+                                       layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0, tie_word_embeddings=cfg.tie_word_embeddings)
+    params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        params = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                  intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+                  rms_norm_eps=cfg.norm_eps, hidden_act=HF_ACT[cfg.activation], rope_parameters=params,
+                  tie_word_embeddings=cfg.tie_word_embeddings, attention_dropout=0.0)
+    if cfg.family == "llama":
+        return transformers.LlamaConfig(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, **common)
+    if cfg.family == "mistral":
+        return transformers.MistralConfig(sliding_window=cfg.sliding_window, **common)
+    if cfg.family == "qwen2":
+        return transformers.Qwen2Config(sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types),
+                                        use_sliding_window=cfg.sliding_window is not None,
+                                        max_window_layers=cfg.num_layers, **common)
+    raise ValueError(cfg.family)
+
+
+def _t(a, transpose=True, dtype=torch.float64):
+    a = np.asarray(a)
+    return torch.from_numpy(np.ascontiguousarray(a.T if transpose else a)).to(dtype)
+
+
+def copy_attention(ours, theirs, dtype=torch.float64):
+    """Copy a GroupedQueryAttention's weights into a HF LlamaAttention-like module (q/k/v/o_proj)."""
+    with torch.no_grad():
+        for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj"), ("O", "o_proj")):
+            getattr(theirs, proj).weight.copy_(_t(getattr(ours, f"W_{name}"), dtype=dtype))
+            if f"b_{name}" in ours._parameters:
+                getattr(theirs, proj).bias.copy_(_t(getattr(ours, f"b_{name}"), False, dtype))
+
+
+def copy_gated_mlp(ours, theirs, dtype=torch.float64):
+    with torch.no_grad():
+        for name, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            getattr(theirs, proj).weight.copy_(_t(getattr(ours, f"W_{name}"), dtype=dtype))
+            if f"b_{name}" in ours._parameters:
+                getattr(theirs, proj).bias.copy_(_t(getattr(ours, f"b_{name}"), False, dtype))
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """A CausalLM's parameters under the Hugging Face names of its family (float64 tensors)."""
+    cfg = model.config
+    p = dict(model.named_parameters())
+    out = {}
+    if cfg.family == "gpt2":
+        out["transformer.wte.weight"] = _t(p["embed.weight"], False)
+        out["transformer.wpe.weight"] = _t(p["pos_embed.weight"], False)
+        for i in range(cfg.num_layers):
+            pre, hf = f"layers.{i}.", f"transformer.h.{i}."
+            for ours_norm, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                out[hf + theirs + ".weight"] = _t(p[pre + ours_norm + ".gamma"], False)
+                out[hf + theirs + ".bias"] = _t(p[pre + ours_norm + ".beta"], False)
+            a = pre + "attention."
+            out[hf + "attn.c_attn.weight"] = _t(np.concatenate([p[a + "W_Q"], p[a + "W_K"], p[a + "W_V"]], 1), False)
+            out[hf + "attn.c_attn.bias"] = _t(np.concatenate([p[a + "b_Q"], p[a + "b_K"], p[a + "b_V"]]), False)
+            out[hf + "attn.c_proj.weight"] = _t(p[a + "W_O"], False)
+            out[hf + "attn.c_proj.bias"] = _t(p[a + "b_O"], False)
+            out[hf + "mlp.c_fc.weight"] = _t(p[pre + "mlp.W1"], False)
+            out[hf + "mlp.c_fc.bias"] = _t(p[pre + "mlp.b1"], False)
+            out[hf + "mlp.c_proj.weight"] = _t(p[pre + "mlp.W2"], False)
+            out[hf + "mlp.c_proj.bias"] = _t(p[pre + "mlp.b2"], False)
+        out["transformer.ln_f.weight"] = _t(p["norm.gamma"], False)
+        out["transformer.ln_f.bias"] = _t(p["norm.beta"], False)
+        out["lm_head.weight"] = _t(p.get("head.weight", p["embed.weight"]), False)
+        return out
+    out["model.embed_tokens.weight"] = _t(p["embed.weight"], False)
+    for i in range(cfg.num_layers):
+        pre, hf = f"layers.{i}.", f"model.layers.{i}."
+        out[hf + "input_layernorm.weight"] = _t(p[pre + "attn_norm.gamma"], False)
+        out[hf + "post_attention_layernorm.weight"] = _t(p[pre + "mlp_norm.gamma"], False)
+        for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj"), ("O", "o_proj")):
+            out[hf + f"self_attn.{proj}.weight"] = _t(p[pre + f"attention.W_{name}"])
+            if pre + f"attention.b_{name}" in p:
+                out[hf + f"self_attn.{proj}.bias"] = _t(p[pre + f"attention.b_{name}"], False)
+        for name, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            out[hf + f"mlp.{proj}.weight"] = _t(p[pre + f"mlp.W_{name}"])
+            if pre + f"mlp.b_{name}" in p:
+                out[hf + f"mlp.{proj}.bias"] = _t(p[pre + f"mlp.b_{name}"], False)
+    out["model.norm.weight"] = _t(p["norm.gamma"], False)
+    out["lm_head.weight"] = _t(p.get("head.weight", p["embed.weight"]), False)
+    return out
+
+
+def hf_model(model, dtype=torch.float64):
+    """A Hugging Face causal LM holding a CausalLM's weights, in eval mode."""
+    import transformers
+
+    hf_cfg = hf_config(model.config)
+    # sdpa rather than eager: eager takes its softmax in float32 even for float64 models, and its fully masked
+    # (left-pad) rows turn into NaN that the next layer spreads into real rows through 0 * NaN.
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").to(dtype).eval()
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    assert not unexpected, unexpected
+    assert all("lm_head" in m or "attn.bias" in m or "masked_bias" in m for m in missing), missing
+    return hf
+
+
+def without_float32_internals(hf, model) -> None:
+    """Make a float64 HF Llama-family model compute in float64 throughout, for a float64 comparison.
+
+    Hugging Face computes RMSNorm statistics and rotary angles in float32 whatever the model's dtype, which
+    limits any float64 comparison to ~1e-7. Here the RMSNorms compute in their input dtype and the rotary
+    tables come from attnkit's float64 RotaryEmbedding (its frequencies are compared with HF's separately).
+    """
+    from attnkit.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(model.config)
+
+    def rms_forward(self, hidden):
+        rstd = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (hidden * rstd)
+
+    def rotary_forward(x, position_ids):
+        cos, sin = rotary(position_ids.numpy(), dtype=np.float64)
+        return torch.from_numpy(cos).to(x.dtype), torch.from_numpy(sin).to(x.dtype)
+
+    for module in hf.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = rms_forward.__get__(module)
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            module.forward = rotary_forward

@@ -1,0 +1,206 @@
+"""Grouped-query attention and sliding-window causal masks in both kernels.
+
+Both kernels are checked against an explicit-mask computation (float64, 1e-10), grouped k/v against the
+same k/v repeated per query head (gradients summed over the group), finite differences in float64, and
+PyTorch's ``scaled_dot_product_attention`` (``enable_gqa=True``, an explicit window mask).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnkit import kernels
+from attnkit.kernels import reference, tiled
+from helpers import assert_gradient, numerical_gradient
+
+
+def explicit_window_mask(seq_q, seq_k, window):
+    """(Lq, Lk) written out position by position: query i at i' = i + Lk - Lq sees i' - W < j <= i'."""
+    mask = np.zeros((seq_q, seq_k), bool)
+    for i in range(seq_q):
+        pos = i + seq_k - seq_q
+        for j in range(seq_k):
+            mask[i, j] = pos - window < j <= pos
+    return mask
+
+
+def _inputs(rng, q_lead, kv_lead, seq_q, seq_k, d=8, dv=6):
+    q = rng.standard_normal(q_lead + (seq_q, d))
+    k = rng.standard_normal(kv_lead + (seq_k, d))
+    v = rng.standard_normal(kv_lead + (seq_k, dv))
+    grad = rng.standard_normal(q_lead + (seq_q, dv))
+    return q, k, v, grad
+
+
+def _tiled_fwd(block_q, block_k, num_threads=2):
+    return functools.partial(tiled.flash_attention_forward, block_q=block_q, block_k=block_k,
+                             num_threads=num_threads)
+
+
+def _run(forward, backward, q, k, v, grad, **kw):
+    out, _, ctx = forward(q, k, v, **kw)
+    dq, dk, dv, _ = backward(grad, ctx)
+    return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+
+def _explicit(q, k, v, grad, mask):
+    """Reference kernel with the window given as an ordinary boolean mask (no window argument)."""
+    return _run(reference.attention_forward, reference.attention_backward, q, k, v, grad, mask=mask)
+
+
+KERNELS = {
+    "reference": lambda bq, bk: (reference.attention_forward, reference.attention_backward),
+    "tiled": lambda bq, bk: (_tiled_fwd(bq, bk), tiled.flash_attention_backward),
+}
+
+# lengths around the tile boundaries of blocks (16, 24), windows from 1 to the whole sequence
+WINDOW_CASES = [
+    (1, 1, 1), (16, 16, 1), (16, 16, 16), (17, 17, 16), (47, 47, 24), (48, 48, 25), (49, 49, 23),
+    (64, 64, 64), (64, 64, 100), (40, 72, 24), (72, 40, 9), (1, 73, 24), (33, 97, 48), (97, 97, 8),
+]
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("seq_q,seq_k,window", WINDOW_CASES)
+def test_window_matches_explicit_mask(kernel, seq_q, seq_k, window):
+    rng = np.random.default_rng(seq_q * 131 + seq_k * 7 + window)
+    q, k, v, grad = _inputs(rng, (2, 3), (2, 3), seq_q, seq_k)
+    fwd, bwd = KERNELS[kernel](16, 24)
+    got = _run(fwd, bwd, q, k, v, grad, causal=True, window=window)
+    want = _explicit(q, k, v, grad, explicit_window_mask(seq_q, seq_k, window))
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-10, err_msg=name)
+
+
+def test_window_of_one_attends_only_to_itself():
+    rng = np.random.default_rng(1)
+    q, k, v, grad = _inputs(rng, (2,), (2,), 30, 30)
+    for fwd in (reference.attention_forward, _tiled_fwd(8, 8)):
+        out = fwd(q, k, v, causal=True, window=1)[0]
+        np.testing.assert_allclose(out, v, rtol=0, atol=1e-12)
+
+
+def test_window_as_long_as_the_keys_is_plain_causal():
+    rng = np.random.default_rng(2)
+    q, k, v, grad = _inputs(rng, (2, 2), (2, 2), 50, 70)
+    for name, make in KERNELS.items():
+        fwd, bwd = make(16, 24)
+        windowed = _run(fwd, bwd, q, k, v, grad, causal=True, window=70)
+        causal = _run(fwd, bwd, q, k, v, grad, causal=True)
+        for key in causal:
+            np.testing.assert_array_equal(windowed[key], causal[key], err_msg=(name, key))
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_window_combines_with_masks_and_bias(kernel):
+    rng = np.random.default_rng(3)
+    seq_q, seq_k, window = 45, 60, 20
+    q, k, v, grad = _inputs(rng, (2, 3), (2, 3), seq_q, seq_k)
+    mask = rng.random((2, 1, seq_q, seq_k)) < 0.7
+    mask[0, :, 5] = False  # a fully masked row
+    bias = rng.standard_normal((3, seq_q, seq_k))
+    fwd, bwd = KERNELS[kernel](16, 24)
+    out, _, ctx = fwd(q, k, v, mask=mask, bias=bias, causal=True, window=window)
+    got = dict(zip(("dq", "dk", "dv", "dbias"), bwd(grad, ctx)), out=out)
+    both = mask & explicit_window_mask(seq_q, seq_k, window)
+    out, _, ctx = reference.attention_forward(q, k, v, mask=both, bias=bias)
+    want = dict(zip(("dq", "dk", "dv", "dbias"), reference.attention_backward(grad, ctx)), out=out)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-10, err_msg=name)
+    assert np.all(got["out"][0, :, 5] == 0)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("kv_lead,q_lead", [((2, 3, 1), (2, 3, 4)), ((2, 1, 1), (2, 1, 5)),
+                                            ((1, 2, 1), (3, 2, 2))])
+def test_grouped_equals_repeated_keys_and_values(kernel, window, kv_lead, q_lead):
+    rng = np.random.default_rng(4)
+    seq_q, seq_k = 37, 53
+    q, k, v, grad = _inputs(rng, q_lead, kv_lead, seq_q, seq_k)
+    fwd, bwd = KERNELS[kernel](16, 24)
+    causal = window is not None
+    grouped = _run(fwd, bwd, q, k, v, grad, causal=causal, window=window)
+    k_rep = np.broadcast_to(k, q_lead + k.shape[-2:]).copy()  # (B, Hkv, G, Lk, D) materialised
+    v_rep = np.broadcast_to(v, q_lead + v.shape[-2:]).copy()
+    repeated = _run(fwd, bwd, q, k_rep, v_rep, grad, causal=causal, window=window)
+    assert grouped["dk"].shape == k.shape and grouped["dv"].shape == v.shape
+    np.testing.assert_allclose(grouped["out"], repeated["out"], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(grouped["dq"], repeated["dq"], rtol=0, atol=1e-12)
+    sum_axes = tuple(i for i, n in enumerate(kv_lead) if n == 1 and q_lead[i] != 1)
+    for name in ("dk", "dv"):
+        summed = repeated[name].sum(axis=sum_axes, keepdims=True)
+        np.testing.assert_allclose(grouped[name], summed, rtol=0, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_finite_differences_grouped_window(kernel):
+    rng = np.random.default_rng(6)
+    q, k, v, grad = _inputs(rng, (1, 2, 3), (1, 2, 1), 11, 13, d=4, dv=3)
+    mask = rng.random((1, 1, 1, 11, 13)) < 0.8
+    fwd, bwd = KERNELS[kernel](4, 5)
+    kw = dict(mask=mask, causal=True, window=4)
+    out, _, ctx = fwd(q, k, v, **kw)
+    dq, dk, dv, _ = bwd(grad, ctx)
+
+    def loss():  # reads q, k, v, which the finite differences perturb in place
+        return float((fwd(q, k, v, **kw)[0] * grad).sum())
+
+    assert_gradient(loss, q, dq, "dq")
+    assert_gradient(loss, k, dk, "dk")
+    assert_gradient(loss, v, dv, "dv")
+    assert np.abs(numerical_gradient(loss, k)).max() > 1e-3  # the check has teeth
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("window", [None, 5, 16])
+def test_torch_parity_grouped_query_and_window(kernel, window):
+    rng = np.random.default_rng(7)
+    batch, h_kv, group, seq_q, seq_k, d = 2, 2, 3, 19, 29, 8
+    q = rng.standard_normal((batch, h_kv * group, seq_q, d))  # torch layout (B, Hq, Lq, D)
+    k = rng.standard_normal((batch, h_kv, seq_k, d))
+    v = rng.standard_normal((batch, h_kv, seq_k, d))
+    grad = rng.standard_normal((batch, h_kv * group, seq_q, d))
+    mask = explicit_window_mask(seq_q, seq_k, window or seq_k)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=torch.tensor(mask), enable_gqa=True)
+    ref.backward(torch.tensor(grad))
+
+    fwd, bwd = KERNELS[kernel](8, 8)
+    q5 = q.reshape(batch, h_kv, group, seq_q, d)  # query head h_kv * G + g uses key head h_kv
+    out, _, ctx = fwd(q5, k[:, :, None], v[:, :, None], causal=True, window=window)
+    dq, dk, dv, _ = bwd(grad.reshape(batch, h_kv, group, seq_q, d), ctx)
+    np.testing.assert_allclose(out.reshape(q.shape), ref.detach().numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(dq.reshape(q.shape), tq.grad.numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(dk[:, :, 0], tk.grad.numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(dv[:, :, 0], tv.grad.numpy(), rtol=0, atol=1e-12)
+
+
+def test_dispatcher_passes_window_and_groups_to_both_kernels():
+    rng = np.random.default_rng(8)
+    q, k, v, grad = _inputs(rng, (2, 2, 3), (2, 2, 1), 30, 30)
+    results = []
+    for need_weights in (True, False):
+        out, weights, ctx = kernels.attention_forward(q, k, v, causal=True, window=6, need_weights=need_weights)
+        results.append((out,) + kernels.attention_backward(grad, ctx)[:3])
+        if need_weights:
+            assert weights.shape == (2, 2, 3, 30, 30)
+            assert (weights > 0).sum(axis=-1).max() == 6
+    for a, b in zip(*results):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_window_arguments_are_checked(kernel):
+    fwd, _ = KERNELS[kernel](8, 8)
+    x = np.zeros((4, 8))
+    with pytest.raises(ValueError, match="requires causal=True"):
+        fwd(x, x, x, window=3)
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="window"):
+            fwd(x, x, x, causal=True, window=bad)
