@@ -10,7 +10,8 @@ One step = forward, MSE loss against a fixed random target, backward, Adam step,
 
 float32, batch 8, L = 512 by default. attnkit's weights (attention biases included, made non-zero) are
 copied into the torch model, so both compute the same function; the script checks that before timing
-(outputs, loss and every parameter gradient but the key biases', whose true gradient is zero; it stops if they disagree beyond float32 tolerance) and
+(outputs, loss and every parameter gradient but the key biases', whose true gradient is zero; it stops
+if they disagree beyond float32 tolerance) and
 prints the largest differences.
 
 Threads: "n threads" means ``torch.set_num_threads(n)``, NumPy's BLAS limited to ``n`` threads

@@ -19,7 +19,6 @@ import math
 
 import numpy as np
 
-
 __all__ = ["naive_forward", "naive_backward"]
 
 
@@ -41,7 +40,8 @@ def naive_forward(q, k, v, causal=False):
 
 
 def naive_backward(grad_out, cache):
-    """Gradients of :func:`naive_forward` with respect to q, k, v (shapes as theirs), from ``grad_out`` (B, H, Lq, Dv)."""
+    """Gradients of :func:`naive_forward` with respect to q, k, v (shapes as theirs) from ``grad_out``
+    (B, H, Lq, Dv)."""
     q, k, v, p, scale = cache
     dv = p.swapaxes(-1, -2) @ grad_out  # (B, H, Lk, Dv)
     dp = grad_out @ v.swapaxes(-1, -2)  # (B, H, Lq, Lk)

@@ -8,9 +8,14 @@ Commands::
     attnkit embed      sentence embeddings with all-MiniLM-L6-v2 (the ``pretrained`` extra)
     attnkit generate   continue a prompt with a Hugging Face GPT-2/Llama/Mistral/Qwen2 folder (``pretrained`` extra)
 
-Each command is one module of this package with ``NAME`` (the command's name), ``add_parser(subparsers)`` (its arguments; it sets
-``run`` as the parser's default) and ``run(args) -> int``; :data:`COMMANDS` lists them in ``--help`` order.
-Adding a command is writing such a module and adding it to :data:`COMMANDS`.
+Layout: ``_common.py`` holds what every command shares (:class:`UsageError`, the argument types
+``bounded_int`` / ``positive_int`` / ``non_negative_int`` / ``positive_float``, ``output_folder`` /
+``output_file``, ``printable`` for untrusted text, and ``run_command``, the one error handler); each
+command is one module with ``NAME``, ``add_parser(subparsers)`` (adds its parser and arguments, sets
+``run`` as the parser's default) and ``run(args) -> int``. :data:`COMMANDS` lists them in ``--help``
+order. To add a command, write such a module (raise :class:`UsageError` for bad input, let a missing
+extra raise an ``ImportError`` whose message names ``pip install``) and add it to :data:`COMMANDS`.
+A demo task is a row of :data:`attnkit.cli.demo.DEMO_TASKS`.
 
 Exit status: 0 success; 1 a missing optional dependency (the message names the install command) or an
 internal error; 2 a bad command line or bad input files (a number out of range, an output folder that

@@ -27,6 +27,7 @@ PROG = "attnkit"
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 _DPI = 100  # pictures are exactly figsize * 100 pixels
 _SHOWN_CHARS = 40  # longest piece of user text quoted back in a message
+_MESSAGE_CHARS = 500  # longest error message (a 5000-character path is cut)
 _INTEGER = re.compile("[+-]?[0-9]+")
 
 # C0/C1 control characters, DEL, lone surrogates and the bidirectional overrides ("Trojan source"):
@@ -86,7 +87,8 @@ def check_argv_text(argv: Sequence[str]) -> None:
             arg.encode("utf-8")
         except UnicodeEncodeError:
             shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")  # bytes as \xff
-            raise UsageError(f"argument {position} ({printable(shown, _SHOWN_CHARS)}) is not valid UTF-8 text") from None
+            shown = printable(shown, _SHOWN_CHARS)
+            raise UsageError(f"argument {position} ({shown}) is not valid UTF-8 text") from None
 
 
 # -- argument types --------------------------------------------------------------------------------------
@@ -128,7 +130,8 @@ def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {printable(repr(text), _SHOWN_CHARS)}") from None
+        shown = printable(repr(text), _SHOWN_CHARS)
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {shown}") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {printable(text, _SHOWN_CHARS)}")
     return value
@@ -180,7 +183,7 @@ def save_figure(fig: Any, path: Path, dpi: int = _DPI) -> None:
 
 # -- the one error handler -------------------------------------------------------------------------------
 def _say(prog: str, message: Any) -> None:
-    print(f"{prog}: error: {printable(message)}", file=sys.stderr, flush=True)
+    print(f"{printable(prog, _SHOWN_CHARS)}: error: {printable(message, _MESSAGE_CHARS)}", file=sys.stderr, flush=True)
 
 
 def run_command(run: Callable[[], int], prog: str = PROG) -> int:

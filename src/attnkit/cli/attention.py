@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ._common import (UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure)
+from ._common import UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure
 
 __all__ = ["NAME", "add_parser", "run", "PRETRAINED_MODELS"]
 
@@ -92,13 +92,14 @@ def _demo_attention(args: argparse.Namespace, text: str, output: Path) -> int:
     layers = range(n_layers) if args.layer is None else [args.layer]
     heads = range(n_heads) if args.head is None else [args.head]
     weights = weights[list(layers)][:, list(heads)]  # (N', H', L, L)
-    words, said = [tokens[t] for t in ids], printable(" ".join(tokens[t] for t in ids))
+    tokens = [printable(t) for t in tokens]  # they come from a file: no control characters in labels
+    words, said = [tokens[t] for t in ids], " ".join(tokens[t] for t in ids)
     print(f"model: {printable(args.model)} ({printable(meta['task'])}, trained on {meta['seq_len']} digits, "
           f"held-out token accuracy {meta.get('heldout_token_accuracy', float('nan')):.2%})")
     if len(ids) != meta["seq_len"]:
         print(f"note: the model was trained on sequences of {meta['seq_len']} digits; this one has {len(ids)}")
     print(f"input  {said}")
-    print(f"output {printable(' '.join(tokens[t] for t in pred))}")
+    print(f"output {' '.join(tokens[t] for t in pred)}")
     fig = plot_attention(weights, query_labels(ids, pred, tokens), words,
                          layer_names=[f"layer {i}" for i in layers], head_names=[f"head {j}" for j in heads],
                          title=f"{printable(meta['task'])}: attention for the input {said}  (rows: input\u2192output)")
