@@ -108,15 +108,22 @@ def test_left_padded_batch_equals_each_row_alone(name, hf_root):
         np.testing.assert_array_equal(out[row, -6:], solo[0, -6:])
 
 
-def test_float64_load_is_exact_to_float64_hf(hf_root):
-    folder, hf = saved_model("llama_gqa", hf_root)
+# HF computes rotary cos/sin in float32 even for a float64 model, which bounds the rotary families' agreement.
+@pytest.mark.parametrize("name, tol", [("gpt2_untied", 1e-12), ("llama_gqa", 1e-6)])
+def test_float64_load_matches_float64_hf(name, tol, hf_root):
+    folder, hf = saved_model(name, hf_root)
     lm = load_causal_lm(folder, dtype=np.float64)
     ids, mask = left_padded_batch(np.random.default_rng(4), (5, 8))
     ours = lm(ids, mask)
     assert ours.dtype == np.float64
-    err = relative(ours, hf_logits(hf.double(), ids, mask), mask)
-    hf.float()
-    assert err <= 1e-12
+    # HF's eager attention yields NaN in float64 with left padding; its sdpa path is the float64 reference.
+    hf.double().set_attn_implementation("sdpa")
+    try:
+        err = relative(ours, hf_logits(hf, ids, mask), mask)
+    finally:
+        hf.float().set_attn_implementation("eager")
+    print(f"{name} float64: max relative logit difference to HF {err:.2e}")
+    assert err <= tol
 
 
 def test_model_carries_its_config_and_generate_delegates(hf_root):
