@@ -121,7 +121,7 @@ def top_p_filter(logits: np.ndarray, top_p: float, *, min_tokens_to_keep: int = 
 
     Examples
     --------
-    >>> top_p_filter(np.log(np.array([0.5, 0.3, 0.15, 0.05])), 0.8)
+    >>> top_p_filter(np.log(np.array([0.5, 0.3, 0.15, 0.05])), 0.7)
     array([-0.69314718, -1.2039728 ,        -inf,        -inf])
     """
     array = _check_logits(logits)

@@ -75,9 +75,22 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
 
     Examples
     --------
-    >>> lm = load_causal_lm(tiny_llama_dir)  # doctest: +SKIP
-    >>> lm(np.array([[1, 2, 3]])).shape  # doctest: +SKIP
-    (1, 3, 64)
+    A one-layer Llama folder with random weights, written the way ``save_pretrained`` names them:
+
+    >>> import json, tempfile
+    >>> from safetensors.numpy import save_file
+    >>> from attnkit.pretrained.checkpoint import checkpoint_map
+    >>> hf = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+    ...       "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "config.json").write_text(json.dumps(hf))
+    >>> maps, prefix = checkpoint_map(decoder_config_from_hf(hf))
+    >>> rng = np.random.default_rng(0)
+    >>> save_file({("" if m.source == "lm_head.weight" else prefix) + m.source:
+    ...            rng.standard_normal(m.shape).astype(np.float32) for m in maps}, str(folder / "model.safetensors"))
+    >>> lm = load_causal_lm(folder)
+    >>> lm(np.array([[1, 2, 3]])).shape, lm.config.num_kv_heads
+    ((1, 3, 64), 2)
     """
     try:
         dtype = np.dtype(dtype)

@@ -96,7 +96,7 @@ def checkpoint_map(config: DecoderConfig) -> tuple[list[TensorMap], str]:
     >>> cfg = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=1, num_heads=4,
     ...                     num_kv_heads=2, head_dim=4, intermediate_size=24)
     >>> maps, prefix = checkpoint_map(cfg)
-    >>> prefix, [(m.source, m.shape, m.targets[0], m.layout) for m in maps][2]
+    >>> prefix, [(m.source, m.shape, m.targets[0], m.layout) for m in maps if "k_proj" in m.source][0]
     ('model.', ('layers.0.self_attn.k_proj.weight', (8, 16), 'layers.0.attention.W_K', 'transpose'))
     """
     return (_gpt2_map(config), "transformer.") if config.family == "gpt2" else (_rotary_map(config), "model.")
