@@ -145,3 +145,21 @@ def test_no_torch_or_transformers_imported_at_runtime(hf_root, tmp_path):
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=5, top_p=0.8, min_p=0.05),
+                                      dict(temperature=1.3, top_p=0.6), dict(top_k=3, min_p=0.3),
+                                      dict(temperature=0.5)])
+def test_warp_logits_equals_the_processor_list_hf_generate_builds(settings, hf_root):
+    from transformers import GenerationConfig
+
+    from attnkit.generation import warp_logits
+
+    _, hf = loaded("llama_gqa", hf_root)
+    full = {"temperature": 1.0, "top_k": None, "top_p": None, "min_p": None, **settings}
+    procs = hf._get_logits_processor(GenerationConfig(do_sample=True, **full), input_ids_seq_length=1)
+    logits = (np.random.default_rng(8).standard_normal((6, 96)) * 3).astype(np.float32)
+    theirs = procs(torch.zeros((6, 1), dtype=torch.long), torch.from_numpy(logits)).numpy()
+    ours = warp_logits(logits, **settings)
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(theirs))
+    np.testing.assert_allclose(ours[np.isfinite(ours)], theirs[np.isfinite(theirs)], rtol=1e-6)
