@@ -208,3 +208,19 @@ def test_map_example_matches_gpt2_fused_attention():
     assert prefix == "transformer." and fused.target_shapes() == {
         "layers.0.attention.W_Q": (8, 8), "layers.0.attention.W_K": (8, 8), "layers.0.attention.W_V": (8, 8)}
     assert not any(m.source == "lm_head.weight" for m in maps)
+
+
+def test_missing_safetensors_names_the_install_command(hf_root, monkeypatch):
+    import importlib
+
+    folder, _ = saved_model("llama_gqa", hf_root)
+    real = importlib.import_module
+
+    def without_safetensors(name, *args, **kwargs):
+        if name.split(".")[0] == "safetensors":
+            raise ImportError("No module named 'safetensors'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", without_safetensors)
+    with pytest.raises(ImportError, match=r"pip install 'attnkit\[pretrained\]'"):
+        load_causal_lm(folder)
