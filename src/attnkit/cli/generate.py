@@ -1,0 +1,176 @@
+"""``attnkit generate``: continue a prompt with a Hugging Face decoder folder (GPT-2, Llama, Mistral, Qwen2) on attnkit.
+
+The prompt is text (``--prompt``, tokenised with the folder's ``tokenizer.json`` through ``tokenizers``) or token
+ids (``--ids 1,2,3``, no tokenizer needed). Decoding is greedy unless a sampling option is given
+(``--temperature``, ``--top-k``, ``--top-p``, ``--min-p`` or ``--seed``); it stops at the model's end-of-sequence
+token or after ``--max-new-tokens``. Text is printed as it is produced; ``--json`` prints one object at the end::
+
+    {"ids": [...prompt ids, new ids...], "new_ids": [...], "text": "...prompt and continuation...",
+     "new_text": "..."}
+
+(``text`` and ``new_text`` are null without a tokenizer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from ._common import UsageError, non_negative_int, positive_float, positive_int, printable
+
+__all__ = ["NAME", "add_parser", "run", "load_model", "parse_ids"]
+
+NAME = "generate"
+PROG = f"attnkit {NAME}"
+_SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
+def _unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {printable(repr(text), 40)}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {printable(text, 40)}")
+    return value
+
+
+_unit_float.__name__ = "number in [0, 1]"
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (spaces allowed); anything else is a :class:`UsageError`.
+
+    Examples
+    --------
+    >>> parse_ids("5, 7,9")
+    [5, 7, 9]
+    """
+    pieces = [p.strip() for p in text.split(",")]
+    if not text.strip() or not all(p.isdigit() and p.isascii() and len(p) <= 12 for p in pieces):
+        raise UsageError(f"--ids must be comma-separated non-negative integers like 1,2,3, got "
+                         f"{printable(repr(text), 40)}", PROG)
+    return [int(p) for p in pieces]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``attnkit generate`` and its arguments."""
+    p = subparsers.add_parser(
+        NAME, help="continue a prompt with a Hugging Face GPT-2/Llama/Mistral/Qwen2 folder (needs the "
+                   "'pretrained' extra)",
+        description="Continue a prompt with a Hugging Face decoder folder (config.json + model.safetensors, "
+                    "model_type gpt2, llama, mistral or qwen2) running on attnkit's NumPy layers. Greedy unless "
+                    "a sampling option (--temperature, --top-k, --top-p, --min-p, --seed) is given; the warpers "
+                    "apply in Hugging Face's order: temperature, top-k, top-p, min-p.")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="a folder written by save_pretrained")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the folder's tokenizer.json)")
+    prompt.add_argument("--ids", metavar="IDS", help="prompt token ids, comma-separated (no tokenizer needed)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to add at most (default 32)")
+    p.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (default 1)")
+    p.add_argument("--top-k", type=non_negative_int, default=None, help="sample among the k likeliest tokens")
+    p.add_argument("--top-p", type=_unit_float, default=None, help="nucleus sampling mass in [0, 1]")
+    p.add_argument("--min-p", type=_unit_float, default=None,
+                   help="drop tokens less likely than this fraction of the likeliest, in [0, 1]")
+    p.add_argument("--seed", type=non_negative_int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
+    p.set_defaults(run=run)
+    return p
+
+
+def load_model(model_dir: str) -> Any:
+    """The CausalLM of ``model_dir``; a missing or damaged folder is a :class:`UsageError` (exit 2)."""
+    from ..pretrained import load_causal_lm
+
+    try:
+        return load_causal_lm(model_dir)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise UsageError(f"cannot load the model {printable(repr(model_dir))}: {printable(message, 300)}",
+                         PROG) from None
+
+
+def _load_tokenizer(model_dir: str, needed: bool) -> Any:
+    file = Path(model_dir) / "tokenizer.json"
+    if not file.is_file():
+        if needed:
+            raise UsageError(f"{printable(repr(model_dir))} has no tokenizer.json: pass token ids with --ids "
+                             f"instead of --prompt", PROG)
+        return None
+    from ..pretrained._extra import import_extra
+
+    tokenizers = import_extra("tokenizers", "read tokenizer.json")
+    try:
+        return tokenizers.Tokenizer.from_file(str(file))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception type for a bad file
+        raise UsageError(f"cannot read {printable(repr(str(file)))}: {printable(exc, 200)}", PROG) from None
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer: Any, config: Any) -> list[int]:
+    ids = parse_ids(args.ids) if args.ids is not None else tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise UsageError("the prompt is empty (no tokens)", PROG)
+    bad = [i for i in ids if i >= config.vocab_size]
+    if bad:
+        raise UsageError(f"token id {bad[0]} is outside the model's vocabulary of {config.vocab_size}", PROG)
+    limit = config.max_position_embeddings
+    if len(ids) > limit:
+        raise UsageError(f"the prompt has {len(ids)} tokens, longer than the model's context of {limit}", PROG)
+    return ids
+
+
+def _shown(text: str) -> str:
+    """Model output made safe for a terminal, keeping its line breaks and tabs."""
+    return "\n".join("\t".join(printable(cell) for cell in line.split("\t")) for line in text.split("\n"))
+
+
+def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
+    """Generate from ``args`` and stream the text (or the ids, without a tokenizer) to ``stdout``."""
+    from ..generation import generate_stream
+
+    out = sys.stdout if stdout is None else stdout
+    if not Path(args.model_dir).is_dir():
+        raise UsageError(f"{printable(repr(args.model_dir))} is not a folder", PROG)
+    tokenizer = _load_tokenizer(args.model_dir, needed=args.prompt is not None)
+    model = load_model(args.model_dir)
+    config = model.config
+    prompt = _prompt_ids(args, tokenizer, config)
+    max_new = args.max_new_tokens
+    if config.position == "learned":  # a learned position table cannot go past its last row
+        max_new = min(max_new, config.max_position_embeddings - len(prompt))
+    sampling = {name: getattr(args, name) for name in _SAMPLING_OPTIONS if getattr(args, name) is not None}
+    stream = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
+                             do_sample=bool(sampling), **sampling)
+    new: list[int] = []
+    shown = ""
+    prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
+    if not args.json:
+        out.write(_shown(prompt_text) if tokenizer is not None else " ".join(map(str, prompt)))
+        out.flush()
+    eos = config.eos_token_id
+    eos = set(eos if isinstance(eos, tuple) else () if eos is None else (eos,))
+    for tokens in stream:
+        token = int(tokens[0])
+        new.append(token)
+        if args.json:
+            continue
+        if tokenizer is None:
+            out.write(f" {token}")
+        else:
+            text = tokenizer.decode(prompt + new)[len(prompt_text):]
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                out.write(_shown(text[len(shown):]))
+                shown = text
+        out.flush()
+    if args.json:
+        text = tokenizer.decode(prompt + new) if tokenizer is not None else None
+        record = {"ids": prompt + new, "new_ids": new, "text": text,
+                  "new_text": None if text is None else text[len(prompt_text):],
+                  "stopped_at_eos": bool(new) and new[-1] in eos}
+        json.dump(record, out, ensure_ascii=False)
+    out.write("\n")
+    return 0

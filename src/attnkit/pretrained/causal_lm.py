@@ -1,0 +1,112 @@
+"""Load a Hugging Face decoder folder (GPT-2, Llama, Mistral, Qwen2) as an attnkit :class:`CausalLM`.
+
+``config.json`` becomes a :class:`~attnkit.models.DecoderConfig` (:mod:`.hf_config`), the safetensors headers
+are checked against it (:mod:`.checkpoint`), and only then is the model built and each tensor read into it.
+Needs ``safetensors`` (the ``pretrained`` extra); never imports torch or transformers.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import check_model_matches, load_tensors_into, read_checkpoint_index, validate_checkpoint
+from .hf_config import decoder_config_from_hf
+
+__all__ = ["load_causal_lm", "read_decoder_config"]
+
+_DTYPES = (np.float16, np.float32, np.float64)
+
+
+def read_decoder_config(folder: str | Path):
+    """The :class:`~attnkit.models.DecoderConfig` of a Hugging Face model folder's ``config.json``.
+
+    Raises
+    ------
+    FileNotFoundError
+        The folder or its ``config.json`` does not exist.
+    ValueError
+        ``config.json`` is not a JSON object, or describes a model attnkit does not load (naming the key).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder")
+    file = folder / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(raw).__name__}")
+    return decoder_config_from_hf(raw)
+
+
+def load_causal_lm(path: str | Path, dtype: Any = np.float32):
+    """Load a Hugging Face causal LM folder onto attnkit.
+
+    Parameters
+    ----------
+    path : str or Path
+        A folder with ``config.json`` and ``model.safetensors`` (or ``model.safetensors.index.json`` and its
+        shards), as written by ``save_pretrained``; ``model_type`` gpt2, llama, mistral or qwen2.
+    dtype : numpy float dtype, default float32
+        Dtype of the weights and computations; F64/F32/F16/BF16 tensors are converted to it.
+
+    Returns
+    -------
+    CausalLM
+        In eval mode; ``lm.config`` is its :class:`~attnkit.models.DecoderConfig`.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such folder, no ``config.json``, no safetensors file.
+    ValueError
+        A config attnkit does not load, or a checkpoint that does not match it: a missing or unexpected
+        tensor, a wrong shape or dtype (each named). Raised before any tensor is read.
+    TypeError
+        ``dtype`` is not float16, float32 or float64.
+    ImportError
+        ``safetensors`` is not installed (naming ``pip install 'attnkit[pretrained]'``).
+
+    Examples
+    --------
+    A one-layer Llama folder with random weights, written the way ``save_pretrained`` names them:
+
+    >>> import json, tempfile
+    >>> from safetensors.numpy import save_file
+    >>> from attnkit.pretrained.checkpoint import checkpoint_map
+    >>> hf = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+    ...       "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "config.json").write_text(json.dumps(hf))
+    >>> maps, prefix = checkpoint_map(decoder_config_from_hf(hf))
+    >>> rng = np.random.default_rng(0)
+    >>> save_file({("" if m.source == "lm_head.weight" else prefix) + m.source:
+    ...            rng.standard_normal(m.shape).astype(np.float32) for m in maps}, str(folder / "model.safetensors"))
+    >>> lm = load_causal_lm(folder)
+    >>> lm(np.array([[1, 2, 3]])).shape, lm.config.num_kv_heads
+    ((1, 3, 64), 2)
+    """
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}") from None
+    if dtype not in [np.dtype(d) for d in _DTYPES]:
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype}")
+    folder = Path(path)
+    config = read_decoder_config(folder)
+    index = read_checkpoint_index(folder)
+    stored = validate_checkpoint(index, config)
+
+    from ..models import CausalLM
+
+    model = CausalLM(config, rng=0).astype(dtype)
+    params = dict(model.named_parameters())
+    check_model_matches(params, stored)
+    load_tensors_into(params, index, stored)
+    return model.eval()

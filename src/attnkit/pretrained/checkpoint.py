@@ -1,0 +1,330 @@
+"""Hugging Face decoder checkpoints: the one name map onto attnkit's ``CausalLM``, and validated safetensors reads.
+
+A checkpoint is ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Before any tensor is
+read, every header is checked against what the :class:`~attnkit.models.DecoderConfig` implies: each expected
+tensor present once, nothing unexpected, every shape right, every dtype a float attnkit converts (F64, F32,
+F16, BF16). Then tensors are read one at a time, converted to the requested dtype and written into the model.
+
+Weight layouts. attnkit computes ``x @ W`` with W (in, out). Hugging Face ``nn.Linear`` stores (out, in), so
+those weights are transposed. GPT-2's ``Conv1D`` already stores (in, out); its fused ``c_attn`` (D, 3D) is
+split column-wise into W_Q, W_K, W_V (and its bias into b_Q, b_K, b_V). A tied head has no tensor of its own
+(a checkpoint that still carries ``lm_head.weight`` has it ignored, as Hugging Face ties it).
+
+Dimension letters: V vocabulary, D hidden size, P positions, F MLP width, Hq/Hkv heads, Dh head features.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..models.config import DecoderConfig
+from ._extra import import_extra
+
+__all__ = ["TensorMap", "checkpoint_map", "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
+           "validate_checkpoint", "expected_parameter_shapes", "check_model_matches", "load_tensors_into",
+           "SINGLE_FILE", "INDEX_FILE"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype names attnkit converts, with their byte sizes.
+_FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+
+# Buffers some checkpoints carry that are not weights: GPT-2's causal mask and old rotary frequency tables.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One checkpoint tensor and where it goes.
+
+    Attributes
+    ----------
+    source : str
+        Hugging Face name, without the ``transformer.`` / ``model.`` prefix of the base model.
+    shape : tuple of int
+        Its shape in the checkpoint.
+    targets : tuple of str
+        attnkit parameter names (three for a fused ``c_attn``, else one).
+    layout : {"copy", "transpose", "split"}
+        ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis.
+    """
+
+    source: str
+    shape: tuple[int, ...]
+    targets: tuple[str, ...]
+    layout: str
+
+    def target_shapes(self) -> dict[str, tuple[int, ...]]:
+        """attnkit parameter name -> the shape it receives."""
+        if self.layout == "transpose":
+            return {self.targets[0]: self.shape[::-1]}
+        if self.layout == "split":
+            part = self.shape[:-1] + (self.shape[-1] // len(self.targets),)
+            return {t: part for t in self.targets}
+        return {self.targets[0]: self.shape}
+
+    def convert(self, array: np.ndarray) -> dict[str, np.ndarray]:
+        """The attnkit arrays made from the checkpoint array (views where possible)."""
+        if self.layout == "transpose":
+            return {self.targets[0]: array.T}
+        if self.layout == "split":
+            return dict(zip(self.targets, np.split(array, len(self.targets), axis=-1)))
+        return {self.targets[0]: array}
+
+
+def checkpoint_map(config: DecoderConfig) -> tuple[list[TensorMap], str]:
+    """Every tensor a Hugging Face checkpoint of ``config``'s family holds, with its attnkit destination.
+
+    Returns
+    -------
+    maps : list of TensorMap
+        In checkpoint order (embeddings, layers, final norm, head).
+    base_prefix : str
+        The prefix of the base model's names in a ``*ForCausalLM`` checkpoint (``"transformer."`` for GPT-2,
+        ``"model."`` otherwise); the head is named without it.
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=1, num_heads=4,
+    ...                     num_kv_heads=2, head_dim=4, intermediate_size=24)
+    >>> maps, prefix = checkpoint_map(cfg)
+    >>> prefix, [(m.source, m.shape, m.targets[0], m.layout) for m in maps if "k_proj" in m.source][0]
+    ('model.', ('layers.0.self_attn.k_proj.weight', (8, 16), 'layers.0.attention.W_K', 'transpose'))
+    """
+    return (_gpt2_map(config), "transformer.") if config.family == "gpt2" else (_rotary_map(config), "model.")
+
+
+def _gpt2_map(cfg: DecoderConfig) -> list[TensorMap]:
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    maps = [TensorMap("wte.weight", (v, d), ("embed.weight",), "copy"),
+            TensorMap("wpe.weight", (cfg.max_position_embeddings, d), ("pos_embed.weight",), "copy")]
+    for i in range(cfg.num_layers):
+        hf, ak = f"h.{i}.", f"layers.{i}."
+        attn = ak + "attention."
+        maps += [
+            TensorMap(hf + "ln_1.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
+            TensorMap(hf + "ln_1.bias", (d,), (ak + "attn_norm.beta",), "copy"),
+            TensorMap(hf + "attn.c_attn.weight", (d, 3 * d), (attn + "W_Q", attn + "W_K", attn + "W_V"), "split"),
+            TensorMap(hf + "attn.c_attn.bias", (3 * d,), (attn + "b_Q", attn + "b_K", attn + "b_V"), "split"),
+            TensorMap(hf + "attn.c_proj.weight", (d, d), (attn + "W_O",), "copy"),
+            TensorMap(hf + "attn.c_proj.bias", (d,), (attn + "b_O",), "copy"),
+            TensorMap(hf + "ln_2.weight", (d,), (ak + "mlp_norm.gamma",), "copy"),
+            TensorMap(hf + "ln_2.bias", (d,), (ak + "mlp_norm.beta",), "copy"),
+            TensorMap(hf + "mlp.c_fc.weight", (d, f), (ak + "mlp.W1",), "copy"),
+            TensorMap(hf + "mlp.c_fc.bias", (f,), (ak + "mlp.b1",), "copy"),
+            TensorMap(hf + "mlp.c_proj.weight", (f, d), (ak + "mlp.W2",), "copy"),
+            TensorMap(hf + "mlp.c_proj.bias", (d,), (ak + "mlp.b2",), "copy"),
+        ]
+    maps += [TensorMap("ln_f.weight", (d,), ("norm.gamma",), "copy"),
+             TensorMap("ln_f.bias", (d,), ("norm.beta",), "copy")]
+    if not cfg.tie_word_embeddings:
+        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
+    return maps
+
+
+def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
+    for i in range(cfg.num_layers):
+        hf, ak = f"layers.{i}.", f"layers.{i}."
+        attn, mlp = ak + "attention.", ak + "mlp."
+        maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy")]
+        for proj, width, name in (("q_proj", q, "Q"), ("k_proj", kv, "K"), ("v_proj", kv, "V")):
+            maps.append(TensorMap(f"{hf}self_attn.{proj}.weight", (width, d), (attn + "W_" + name,), "transpose"))
+            if cfg.attention_bias:
+                maps.append(TensorMap(f"{hf}self_attn.{proj}.bias", (width,), (attn + "b_" + name,), "copy"))
+        maps.append(TensorMap(hf + "self_attn.o_proj.weight", (d, q), (attn + "W_O",), "transpose"))
+        if cfg.output_bias:
+            maps.append(TensorMap(hf + "self_attn.o_proj.bias", (d,), (attn + "b_O",), "copy"))
+        maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
+        for proj, shape, name, width in (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
+                                         ("down_proj", (d, f), "down", d)):
+            maps.append(TensorMap(f"{hf}mlp.{proj}.weight", shape, (mlp + "W_" + name,), "transpose"))
+            if cfg.mlp_bias:
+                maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (mlp + "b_" + name,), "copy"))
+    maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
+    if not cfg.tie_word_embeddings:
+        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
+    return maps
+
+
+# -- reading the files -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorHeader:
+    """What a safetensors header says about one tensor."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """Every tensor of a checkpoint folder, from the headers only (no tensor data read)."""
+
+    folder: Path
+    tensors: dict[str, TensorHeader]
+
+
+def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}") \
+                from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        shards = []
+        for name in sorted(set(weight_map.values())):
+            shard = folder / name
+            if Path(name).name != name or not shard.is_file():
+                raise ValueError(f"{index} lists the shard {name!r}, which is not a file in {folder}")
+            shards.append(shard)
+        return shards, weight_map
+    if single.is_file():
+        return [single], None
+    raise FileNotFoundError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def read_checkpoint_index(folder: str | Path) -> CheckpointIndex:
+    """Read the headers of a folder's safetensors file(s): every tensor's file, dtype and shape.
+
+    Raises
+    ------
+    FileNotFoundError
+        No ``model.safetensors`` and no ``model.safetensors.index.json``.
+    ValueError
+        An unreadable header, a tensor in two shards, or an index that disagrees with its shards.
+    """
+    folder = Path(folder)
+    safetensors = import_extra("safetensors", "read safetensors checkpoints")
+    shards, weight_map = _shard_files(folder)
+    tensors: dict[str, TensorHeader] = {}
+    for shard in shards:
+        try:
+            with safetensors.safe_open(str(shard), framework="numpy") as handle:
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    if name in tensors:
+                        raise ValueError(f"tensor {name!r} is in both {tensors[name].file.name} and {shard.name}")
+                    tensors[name] = TensorHeader(shard, piece.get_dtype(), tuple(int(n) for n in piece.get_shape()))
+        except ValueError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for a corrupt header
+            raise ValueError(f"{shard} is not a readable safetensors file: {exc}") from None
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            if name not in tensors or tensors[name].file.name != file:
+                raise ValueError(f"{INDEX_FILE} places {name!r} in {file}, but that shard does not hold it")
+        unlisted = sorted(set(tensors) - set(weight_map))
+        if unlisted:
+            raise ValueError(f"shards hold tensors {INDEX_FILE} does not list: {unlisted[:5]}")
+    return CheckpointIndex(folder, tensors)
+
+
+def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[str, TensorMap]:
+    """Match the checkpoint's headers against what ``config`` needs, before reading any tensor.
+
+    Returns
+    -------
+    dict
+        Checkpoint tensor name (as stored) -> its :class:`TensorMap`.
+
+    Raises
+    ------
+    ValueError
+        A missing or unexpected tensor, a wrong shape or an unsupported dtype, naming the tensor.
+    """
+    maps, prefix = checkpoint_map(config)
+    names = [n for n in index.tensors if not n.endswith(_IGNORED_SUFFIXES)]
+    # A *ForCausalLM checkpoint prefixes the base model's names; a bare base model (GPT2Model) does not.
+    prefixed = any(n.startswith(prefix) for n in names)
+    stored: dict[str, TensorMap] = {}
+    for m in maps:
+        name = m.source if (m.source == "lm_head.weight" or not prefixed) else prefix + m.source
+        stored[name] = m
+    missing = [n for n in stored if n not in index.tensors]
+    if missing:
+        raise ValueError(f"{index.folder}: the checkpoint has no tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
+                         + f" needed by this {config.family} config")
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = [n for n in names if n not in stored and n not in ignorable]
+    if unexpected:
+        raise ValueError(f"{index.folder}: unexpected tensor {unexpected[0]!r}"
+                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                         + f" for this {config.family} config")
+    for name, m in stored.items():
+        header = index.tensors[name]
+        if header.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{header.file}: tensor {name!r} has dtype {header.dtype}; attnkit reads "
+                             f"{', '.join(_FLOAT_DTYPES)}")
+        if header.shape != m.shape:
+            raise ValueError(f"{header.file}: tensor {name!r} has shape {header.shape}, but the config implies "
+                             f"{m.shape}")
+    return stored
+
+
+def _bf16_tensor(header: TensorHeader, name: str) -> np.ndarray:
+    """A BF16 tensor as float32 (NumPy has no bfloat16: read its bytes, which are float32's top half)."""
+    with open(header.file, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        meta = json.loads(fh.read(size))[name]
+        start, end = meta["data_offsets"]
+        fh.seek(8 + size + start)
+        raw = np.frombuffer(fh.read(end - start), dtype="<u2")  # (N,)
+    if raw.size != int(np.prod(header.shape)):
+        raise ValueError(f"{header.file}: tensor {name!r} holds {raw.size} values, its shape says {header.shape}")
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(header.shape)
+
+
+def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, stored: dict[str, TensorMap]) -> None:
+    """Read each validated tensor and copy it, converted, into ``params`` (attnkit name -> array, in place).
+
+    One tensor is held at a time besides the model, whatever the checkpoint's dtype.
+    """
+    safetensors = import_extra("safetensors", "read safetensors checkpoints")
+    by_file: dict[Path, list[str]] = {}
+    for name in stored:
+        by_file.setdefault(index.tensors[name].file, []).append(name)
+    for file, names in by_file.items():
+        with safetensors.safe_open(str(file), framework="numpy") as handle:
+            for name in names:
+                header = index.tensors[name]
+                array = _bf16_tensor(header, name) if header.dtype == "BF16" else handle.get_tensor(name)
+                for target, value in stored[name].convert(array).items():
+                    np.copyto(params[target], value, casting="unsafe")
+
+
+def expected_parameter_shapes(stored: dict[str, TensorMap]) -> dict[str, tuple[int, ...]]:
+    """attnkit parameter name -> shape, as the checkpoint map fills them."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for m in stored.values():
+        shapes.update(m.target_shapes())
+    return shapes
+
+
+def check_model_matches(params: dict[str, Any], stored: dict[str, TensorMap]) -> None:
+    """Fail loudly if the model's parameters and the checkpoint map disagree (names or shapes)."""
+    expected = expected_parameter_shapes(stored)
+    missing = sorted(set(params) - set(expected))
+    extra = sorted(set(expected) - set(params))
+    if missing or extra:
+        raise RuntimeError(f"CausalLM parameters and the checkpoint map disagree: parameters with no "
+                           f"checkpoint tensor {missing[:5]}, map targets the model lacks {extra[:5]}")
+    for name, shape in expected.items():
+        if tuple(params[name].shape) != tuple(shape):
+            raise RuntimeError(f"CausalLM parameter {name!r} has shape {params[name].shape}, the checkpoint map "
+                               f"gives {shape}")

@@ -1,0 +1,316 @@
+"""A Hugging Face ``config.json`` (as a dict) read into a :class:`~attnkit.models.DecoderConfig`.
+
+Four families are understood, keyed by ``model_type``: ``gpt2``, ``llama``, ``mistral`` and ``qwen2``. Their
+keys differ (GPT-2 says ``n_embd``, the others ``hidden_size``), their defaults differ (Mistral has 8 key/value
+heads and a 4096-token window unless told otherwise, GPT-2 ties its head) and rotary settings come in two
+styles: the older ``rope_theta`` + ``rope_scaling`` (with ``"type"`` or ``"rope_type"``) and the newer
+``rope_parameters`` dict that holds the theta too. Everything lands in one normalised form: ``rope_theta`` a
+float and ``rope_scaling`` either None or a dict with ``"rope_type"`` and that type's numbers.
+
+The dimensions that size a checkpoint's tensors (vocabulary, width, layers, heads, MLP width) are required;
+a key Hugging Face gives a default is read with the same default, so a folder written by
+``save_pretrained`` and a hand-trimmed ``config.json`` load alike. Anything missing, of the wrong type, or
+an architecture switch attnkit does not implement is a ``ValueError`` that names the key.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..models.config import DecoderConfig
+
+__all__ = ["decoder_config_from_hf", "SUPPORTED_MODEL_TYPES"]
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+
+_MISSING = object()
+
+# Hugging Face activation names -> DecoderConfig.activation. gelu_new, gelu_fast and gelu_pytorch_tanh are
+# the same tanh approximation written three ways.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+                "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+# The numbers each scaling needs (beyond rope_type), and the optional ones attnkit's rotary understands.
+_ROPE_REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
+                  "yarn": ("factor", "original_max_position_embeddings"),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_ROPE_OPTIONAL = {"default": (), "linear": (), "dynamic": (),
+                  "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+                  "llama3": ()}
+
+# Per-family defaults where Hugging Face's config classes differ.
+_FAMILY_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": 1,
+              "eos_token_id": 2, "num_key_value_heads": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "tie_word_embeddings": False, "bos_token_id": 1,
+                "eos_token_id": 2, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": None,
+              "eos_token_id": None, "num_key_value_heads": 32, "sliding_window": 4096,
+              "use_sliding_window": False, "max_window_layers": 28},
+}
+
+
+class _Reader:
+    """Typed access to one config dict; every error names the key and what it held."""
+
+    def __init__(self, config: dict, family: str) -> None:
+        self.config = config
+        self.family = family
+
+    def _fail(self, key: str, expected: str, value: Any) -> ValueError:
+        return ValueError(f"{self.family} config: {key!r} must be {expected}, got {value!r}")
+
+    def raw(self, key: str, default: Any = _MISSING) -> Any:
+        if key not in self.config:
+            if default is _MISSING:
+                raise ValueError(f"{self.family} config: required key {key!r} is missing")
+            return default
+        return self.config[key]
+
+    def int(self, key: str, default: Any = _MISSING, *, optional: bool = False) -> int | None:
+        value = self.raw(key, default)
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise self._fail(key, "a positive integer" + (" or null" if optional else ""), value)
+        return value
+
+    def float(self, key: str, default: Any = _MISSING) -> float:
+        value = self.raw(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise self._fail(key, "a finite positive number", value)
+        return float(value)
+
+    def bool(self, key: str, default: Any = _MISSING) -> bool:
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self._fail(key, "true or false", value)
+        return value
+
+    def token_ids(self, key: str, default: Any, *, many: bool) -> int | tuple[int, ...] | None:
+        value = self.raw(key, default)
+        if value is None:
+            return None
+        if many and isinstance(value, list):
+            if not value or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+                raise self._fail(key, "a non-negative integer, a non-empty list of them, or null", value)
+            return tuple(value) if len(value) > 1 else value[0]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self._fail(key, "a non-negative integer" + (", a list of them" if many else "") + " or null",
+                             value)
+        return value
+
+    def activation(self, key: str, default: Any = _MISSING) -> str:
+        value = self.raw(key, default)
+        if value not in _ACTIVATIONS:
+            raise self._fail(key, f"one of {', '.join(sorted(_ACTIVATIONS))}", value)
+        return _ACTIVATIONS[value]
+
+
+def decoder_config_from_hf(config: dict) -> DecoderConfig:
+    """Read a Hugging Face decoder ``config.json`` (already parsed) into a :class:`DecoderConfig`.
+
+    Parameters
+    ----------
+    config : dict
+        The parsed ``config.json``; ``model_type`` must be ``"gpt2"``, ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+
+    Returns
+    -------
+    DecoderConfig
+        GPT-2: LayerNorm, learned positions, plain MLP, biases everywhere, tied head by default.
+        Llama / Mistral / Qwen2: RMSNorm, rotary (half-split), gated MLP; Qwen2 has query/key/value biases,
+        Llama has them (and the output bias) when ``attention_bias`` is true.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``model_type``, a missing or wrongly typed key (named in the message), a rotary scaling
+        or architecture switch attnkit does not implement.
+    TypeError
+        If ``config`` is not a dict.
+
+    Notes
+    -----
+    Sliding windows follow Hugging Face's classes: Mistral slides every layer when ``sliding_window`` is set
+    (its default is 4096); Qwen2 slides only when ``use_sliding_window`` is true, and then either the layers
+    ``layer_types`` marks ``"sliding_attention"`` or, without ``layer_types``, layers ``i >= max_window_layers``.
+
+    Examples
+    --------
+    >>> cfg = decoder_config_from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+    ...     "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    ...     "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    >>> cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta, cfg.rope_scaling
+    (8, 2, 500000.0, {'rope_type': 'linear', 'factor': 2.0})
+    >>> decoder_config_from_hf({"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2,
+    ...     "n_head": 4}).activation
+    'gelu_tanh'
+    """
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict (a parsed config.json), got {type(config).__name__}")
+    family = config.get("model_type", _MISSING)
+    if family is _MISSING:
+        raise ValueError("config has no 'model_type'; expected one of " + ", ".join(SUPPORTED_MODEL_TYPES))
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {family!r} is not supported; attnkit loads "
+                         + ", ".join(SUPPORTED_MODEL_TYPES))
+    read = _Reader(config, family)
+    return _gpt2(read) if family == "gpt2" else _rotary_family(read)
+
+
+def _gpt2(read: _Reader) -> DecoderConfig:
+    hidden = read.int("n_embd")
+    heads = read.int("n_head")
+    if hidden % heads:
+        raise ValueError(f"gpt2 config: n_embd ({hidden}) must be a multiple of n_head ({heads})")
+    if read.bool("add_cross_attention", False):
+        raise ValueError("gpt2 config: add_cross_attention=true (an encoder-decoder GPT-2) is not supported")
+    if not read.bool("scale_attn_weights", True):
+        raise ValueError("gpt2 config: scale_attn_weights=false is not supported (scores are scaled by 1/sqrt(Dh))")
+    if read.bool("scale_attn_by_inverse_layer_idx", False):
+        raise ValueError("gpt2 config: scale_attn_by_inverse_layer_idx=true is not supported")
+    return DecoderConfig(
+        family="gpt2", vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=read.int("n_layer"),
+        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+        intermediate_size=read.int("n_inner", None, optional=True) or 4 * hidden,
+        max_position_embeddings=read.int("n_positions", 1024),
+        norm="layernorm", norm_eps=read.float("layer_norm_epsilon", 1e-5),
+        activation=read.activation("activation_function", "gelu_new"), mlp="plain", position="learned",
+        attention_bias=True, output_bias=True, mlp_bias=True,
+        tie_word_embeddings=read.bool("tie_word_embeddings", True),
+        bos_token_id=read.token_ids("bos_token_id", 50256, many=False),
+        eos_token_id=read.token_ids("eos_token_id", 50256, many=True),
+        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+    )
+
+
+def _rotary_family(read: _Reader) -> DecoderConfig:
+    family = read.family
+    defaults = _FAMILY_DEFAULTS[family]
+    hidden = read.int("hidden_size")
+    heads = read.int("num_attention_heads")
+    layers = read.int("num_hidden_layers")
+    kv_default = defaults["num_key_value_heads"] or heads
+    kv_heads = read.int("num_key_value_heads", kv_default, optional=True) or heads
+    head_dim = read.int("head_dim", None, optional=True)
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{family} config: hidden_size ({hidden}) must be a multiple of num_attention_heads "
+                             f"({heads}) when head_dim is not given")
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        raise ValueError(f"{family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+                         f"({heads})")
+    max_positions = read.int("max_position_embeddings", defaults["max_position_embeddings"])
+    theta, scaling, partial = _rope(read, max_positions)
+    if family == "llama":
+        qkv_bias = output_bias = read.bool("attention_bias", False)
+        mlp_bias = read.bool("mlp_bias", False)
+        window, layer_types = None, ()
+    elif family == "mistral":
+        qkv_bias = output_bias = mlp_bias = False
+        window = read.int("sliding_window", defaults["sliding_window"], optional=True)
+        layer_types = ("sliding_attention",) * layers if window is not None else ()
+    else:  # qwen2
+        qkv_bias, output_bias, mlp_bias = True, False, False
+        window, layer_types = _qwen2_windows(read, layers)
+    return DecoderConfig(
+        family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        norm="rmsnorm", norm_eps=read.float("rms_norm_eps", 1e-6),
+        activation=read.activation("hidden_act", "silu"), mlp="gated", position="rotary",
+        rope_theta=theta, rope_scaling=scaling, rope_interleaved=False, partial_rotary_factor=partial,
+        attention_bias=qkv_bias, output_bias=output_bias, mlp_bias=mlp_bias,
+        tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),
+        sliding_window=window, layer_types=layer_types,
+        bos_token_id=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
+        eos_token_id=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
+        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+    )
+
+
+def _qwen2_windows(read: _Reader, layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """Qwen2's window and per-layer types, by the rule of Hugging Face's ``Qwen2Config``.
+
+    The window exists only when ``use_sliding_window`` is true; ``layer_types`` (if given) says which layers
+    use it, else layers from ``max_window_layers`` on do.
+    """
+    use = read.bool("use_sliding_window", False)
+    window = read.int("sliding_window", 4096, optional=True) if use else None
+    given = read.raw("layer_types", None)
+    if given is not None:
+        if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
+            raise ValueError(f"qwen2 config: 'layer_types' must be a list of strings, got {given!r}")
+        if len(given) != layers:
+            raise ValueError(f"qwen2 config: 'layer_types' has {len(given)} entries but num_hidden_layers is "
+                             f"{layers}")
+        allowed = {"full_attention", "sliding_attention"}
+        bad = sorted(set(given) - allowed)
+        if bad:
+            raise ValueError(f"qwen2 config: 'layer_types' may hold only full_attention and sliding_attention, "
+                             f"got {bad}")
+        if "sliding_attention" in given and window is None:
+            raise ValueError("qwen2 config: 'layer_types' has sliding_attention layers but there is no window "
+                             "(use_sliding_window is false or sliding_window is null)")
+        return (window if "sliding_attention" in given else None), tuple(given)
+    if window is None:
+        return None, ()
+    first = read.raw("max_window_layers", 28)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"qwen2 config: 'max_window_layers' must be a non-negative integer, got {first!r}")
+    types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    return (window if "sliding_attention" in types else None), types
+
+
+def _rope(read: _Reader, max_positions: int) -> tuple[float, dict | None, float]:
+    """(theta, normalised scaling or None, partial rotary factor) from either config style.
+
+    As in Hugging Face, a non-empty ``rope_scaling`` takes the place of ``rope_parameters``; the theta comes
+    from that dict, else the top-level ``rope_theta``, else 10000.
+    """
+    family = read.family
+    scaling = read.raw("rope_scaling", None)
+    params = scaling or read.raw("rope_parameters", None)
+    key = "rope_scaling" if scaling else "rope_parameters"
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{family} config: {key!r} must be a dict or null, got {params!r}")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{family} config: {key!r} holds per-layer-type rotary settings "
+                         f"({', '.join(k for k, v in params.items() if isinstance(v, dict))}), which attnkit "
+                         f"does not support")
+    params = dict(params)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind not in _ROPE_REQUIRED:
+        raise ValueError(f"{family} config: {key}['rope_type'] {kind!r} is not supported; expected one of "
+                         f"{', '.join(_ROPE_REQUIRED)}")
+    theta_value = params.pop("rope_theta", _MISSING)
+    if theta_value is _MISSING:
+        theta = read.float("rope_theta", 10000.0)
+    else:
+        theta = _Reader({"rope_theta": theta_value}, f"{family} config: {key}").float("rope_theta")
+    partial_value = params.pop("partial_rotary_factor", read.raw("partial_rotary_factor", 1.0))
+    partial = _Reader({"partial_rotary_factor": partial_value}, family).float("partial_rotary_factor")
+    if kind == "default":
+        return theta, None, partial
+    if kind in ("yarn", "llama3"):
+        # Hugging Face fills the pre-scaling length in from the top level (or the context length itself).
+        params.setdefault("original_max_position_embeddings",
+                          read.raw("original_max_position_embeddings", max_positions))
+    where = _Reader(params, f"{family} config: {key}")
+    normalised: dict[str, Any] = {"rope_type": kind}
+    for name in _ROPE_REQUIRED[kind]:
+        normalised[name] = where.int(name) if name == "original_max_position_embeddings" else where.float(name)
+    for name in _ROPE_OPTIONAL[kind]:
+        if params.get(name) is not None:
+            normalised[name] = where.bool(name) if name == "truncate" else where.float(name)
+    # Hugging Face ignores the pre-scaling length for linear and dynamic scaling; so does attnkit.
+    unknown = sorted(set(params) - set(normalised) - {"original_max_position_embeddings"})
+    if unknown:
+        raise ValueError(f"{family} config: {key} has keys attnkit does not implement for rope_type {kind!r}: "
+                         f"{unknown}")
+    return theta, normalised, partial

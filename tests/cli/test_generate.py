@@ -1,0 +1,128 @@
+"""``attnkit generate`` on tiny saved HF models: streamed text, --json ids equal to the library's generate,
+--ids without a tokenizer, seeded sampling, and bad folders / configs / prompts as one line on stderr, exit 2."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from hf_models import VOCAB, edit_config, saved_model, write_word_tokenizer  # noqa: E402
+
+from attnkit.cli import main  # noqa: E402
+from attnkit.generation import generate  # noqa: E402
+from attnkit.pretrained import load_causal_lm  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """(llama folder with tokenizer.json, gpt2 folder without one)."""
+    root = tmp_path_factory.mktemp("cli_models")
+    llama = shutil.copytree(saved_model("llama_gqa", root)[0], root / "llama_tok")
+    write_word_tokenizer(llama)
+    return llama, saved_model("gpt2", root)[0]
+
+
+def test_prompt_streams_text(model_dirs, capsys):
+    llama, _ = model_dirs
+    assert main(["generate", str(llama), "--prompt", "w3 w4 w5", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    words = out.split()
+    assert words[:3] == ["w3", "w4", "w5"] and 3 < len(words) <= 9
+    assert all(w.startswith("w") for w in words) and out.endswith("\n")
+
+
+def test_json_ids_equal_library_generate(model_dirs, capsys):
+    llama, _ = model_dirs
+    assert main(["generate", str(llama), "--prompt", "w10 w11", "--max-new-tokens", "5", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    lm = load_causal_lm(llama)
+    expected = generate(lm, np.array([[10, 11]]), max_new_tokens=5)[0].tolist()
+    assert record["ids"] == expected and record["new_ids"] == expected[2:]
+    assert record["text"] == " ".join(f"w{i}" for i in expected)
+    assert record["new_text"].split() == [f"w{i}" for i in expected[2:]]
+
+
+def test_ids_without_tokenizer_print_ids(model_dirs, capsys):
+    _, gpt2 = model_dirs
+    assert not (gpt2 / "tokenizer.json").exists()
+    assert main(["generate", str(gpt2), "--ids", "1, 2,3", "--max-new-tokens", "4"]) == 0
+    tokens = [int(t) for t in capsys.readouterr().out.split()]
+    lm = load_causal_lm(gpt2)
+    assert tokens == generate(lm, np.array([[1, 2, 3]]), max_new_tokens=4)[0].tolist()
+    assert main(["generate", str(gpt2), "--ids", "1,2,3", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] is None
+
+
+def test_seeded_sampling_is_reproducible(model_dirs, capsys):
+    llama, _ = model_dirs
+    argv = ["generate", str(llama), "--ids", "4,5", "--max-new-tokens", "8", "--temperature", "1.5", "--top-k", "20",
+            "--top-p", "0.95", "--min-p", "0.01", "--seed", "7", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)["ids"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == first
+    lm = load_causal_lm(llama)
+    assert first == generate(lm, np.array([[4, 5]]), max_new_tokens=8, do_sample=True, temperature=1.5, top_k=20,
+                             top_p=0.95, min_p=0.01, seed=7)[0].tolist()
+
+
+def test_learned_positions_stop_at_the_table_end(model_dirs, capsys):
+    _, gpt2 = model_dirs
+    ids = ",".join(["5"] * 62)
+    assert main(["generate", str(gpt2), "--ids", ids, "--max-new-tokens", "10", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ids"]) <= 64
+
+
+@pytest.fixture(scope="session")
+def bad_folders(model_dirs, tmp_path_factory):
+    llama, gpt2 = model_dirs
+    root = tmp_path_factory.mktemp("bad")
+    bert = edit_config(gpt2, root / "bert", model_type="bert")
+    no_heads = edit_config(gpt2, root / "no_heads", n_head=...)
+    no_weights = shutil.copytree(gpt2, root / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    bad_tok = shutil.copytree(llama, root / "bad_tok")
+    (bad_tok / "tokenizer.json").write_text("{oops")
+    return {"bert": bert, "no_heads": no_heads, "no_weights": no_weights, "bad_tok": bad_tok}
+
+
+@pytest.mark.parametrize("case, words", [
+    (lambda d, b: [str(d[1]) + "/nowhere", "--ids", "1"], "is not a folder"),
+    (lambda d, b: [str(b["bert"]), "--ids", "1"], "model_type 'bert' is not supported"),
+    (lambda d, b: [str(b["no_heads"]), "--ids", "1"], "'n_head' is missing"),
+    (lambda d, b: [str(b["no_weights"]), "--ids", "1"], "neither model.safetensors"),
+    (lambda d, b: [str(b["bad_tok"]), "--prompt", "w1"], "cannot read"),
+    (lambda d, b: [str(d[1]), "--prompt", "hello"], "no tokenizer.json"),
+    (lambda d, b: [str(d[1]), "--ids", ",".join(["1"] * 65)], "65 tokens, longer than the model's context of 64"),
+    (lambda d, b: [str(d[0]), "--prompt", " ".join(["w1"] * 65)], "65 tokens, longer than the model's context of 64"),
+    (lambda d, b: [str(d[1]), "--ids", "1,x"], "--ids must be"),
+    (lambda d, b: [str(d[1]), "--ids", f"1,{VOCAB}"], f"token id {VOCAB} is outside"),
+    (lambda d, b: [str(d[0]), "--prompt", "   "], "prompt is empty"),
+    (lambda d, b: [str(d[1]), "--ids", "1", "--top-p", "1.5"], "--top-p"),
+    (lambda d, b: [str(d[1]), "--ids", "1", "--temperature", "0"], "--temperature"),
+    (lambda d, b: [str(d[1]), "--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (lambda d, b: [str(d[1])], "one of the arguments --prompt --ids is required"),
+    (lambda d, b: [str(d[1]), "--ids", "1", "--prompt", "w1"], "not allowed with"),
+])
+def test_bad_input_is_one_line_and_exit_2(case, words, model_dirs, bad_folders, capsys):
+    assert main(["generate", *case(model_dirs, bad_folders)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and err.startswith("attnkit generate: error:")
+    assert words in err
+
+
+def test_real_process_streams_and_fails_cleanly(model_dirs, tmp_path):
+    llama, _ = model_dirs
+    ok = subprocess.run([sys.executable, "-m", "attnkit", "generate", str(llama), "--prompt", "w7 w8",
+                         "--max-new-tokens", "3"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("w7 w8")
+    bad = subprocess.run([sys.executable, "-m", "attnkit", "generate", str(tmp_path), "--ids", "1"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no config.json" in bad.stderr

@@ -1,0 +1,150 @@
+"""Tiny random Hugging Face decoder models, built offline and saved once per test session.
+
+``saved_model(name, root)`` builds the model described by ``SPECS[name]`` with ``transformers`` (seeded),
+writes it with ``save_pretrained`` under ``root / name`` and returns ``(folder, hf_model)``; later calls with the
+same name return the cached pair, so every test file shares one build. ``hf_logits`` runs the HF model the
+way attnkit's ``CausalLM`` is specified: positions from the mask (cumulative sum - 1).
+
+All models have a 96-token vocabulary, width 32 and 4 query heads of 8 features, small enough that a whole
+family's parity check takes well under a second.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+VOCAB = 96
+EOS = 95
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, bos_token_id=1, eos_token_id=EOS, rms_norm_eps=1e-5)
+
+# name -> (transformers config class, keyword arguments, save_pretrained keyword arguments)
+SPECS: dict[str, tuple[str, dict, dict]] = {
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
+                                eos_token_id=EOS), {}),
+    "gpt2_untied": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                       activation_function="gelu", tie_word_embeddings=False, bos_token_id=1,
+                                       eos_token_id=EOS),
+                    {}),
+    "llama_gqa": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2, attention_bias=True, mlp_bias=True), {}),
+    "llama_mqa": ("LlamaConfig", dict(_COMMON, num_key_value_heads=1, tie_word_embeddings=True,
+                                      rope_theta=500.0), {}),
+    "llama_linear": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2,
+                                         rope_scaling={"rope_type": "linear", "factor": 2.0}), {}),
+    "llama_dynamic": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2, max_position_embeddings=8,
+                                          rope_scaling={"type": "dynamic", "factor": 2.0}), {}),
+    "llama_yarn": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2, max_position_embeddings=32,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000.0,
+                                                        "original_max_position_embeddings": 8}), {}),
+    "llama_llama3": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2,
+                                         rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 16}), {}),
+    "mistral_window": ("MistralConfig", dict(_COMMON, num_key_value_heads=2, sliding_window=4), {}),
+    "qwen2_mixed": ("Qwen2Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
+                                        sliding_window=4, max_window_layers=1, tie_word_embeddings=True), {}),
+    "qwen2_layer_types": ("Qwen2Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1,
+                                              use_sliding_window=True, sliding_window=3,
+                                              layer_types=["sliding_attention", "full_attention",
+                                                           "sliding_attention"]), {}),
+    "llama_sharded": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2), {"max_shard_size": "20KB"}),
+}
+
+FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
+                 "llama_llama3", "mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_sharded")
+
+_CACHE: dict[str, tuple[Path, Any]] = {}
+
+
+def build_hf_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The (random, seeded) ``transformers`` causal LM of ``SPECS[name]``, in eval mode."""
+    import transformers
+
+    class_name, kwargs, _ = SPECS[name]
+    config = getattr(transformers, class_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # larger weights than the 0.02 init, so logits differ clearly between tokens
+        for p in model.parameters():
+            if p.ndim >= 1:
+                p.add_(torch.randn_like(p) * 0.08)
+    return model.to(dtype).eval()
+
+
+def saved_model(name: str, root: Path):
+    """(folder, hf_model) of ``SPECS[name]`` saved with ``save_pretrained`` under ``root``; built once."""
+    if name not in _CACHE:
+        model = build_hf_model(name)
+        folder = Path(root) / name
+        model.save_pretrained(folder, **SPECS[name][2])
+        _CACHE[name] = (folder, model)
+    return _CACHE[name]
+
+
+def positions_from_mask(mask: np.ndarray) -> np.ndarray:
+    """Position ids of a left-padded batch: cumulative count of real tokens - 1, clipped at 0."""
+    return np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)
+
+
+def hf_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+    """HF logits (B, L, V) as float64 numpy, positions taken from the mask."""
+    ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
+    mask = np.ones(ids.shape, dtype=bool) if attention_mask is None else np.asarray(attention_mask, dtype=bool)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                    position_ids=torch.from_numpy(positions_from_mask(mask)))
+    return out.logits.double().numpy()
+
+
+def hf_greedy(model, input_ids: np.ndarray, attention_mask: np.ndarray, max_new_tokens: int,
+              eos_token_id: int | None = None, pad_token_id: int | None = None) -> np.ndarray:
+    """HF ``generate`` greedy continuation (B, L + T), sampling warpers off."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.from_numpy(np.asarray(input_ids, dtype=np.int64)),
+                             attention_mask=torch.from_numpy(np.asarray(attention_mask, dtype=np.int64)),
+                             max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id, top_k=None, top_p=None,
+                             temperature=None)
+    return out.numpy()
+
+
+def left_padded_batch(rng: np.random.Generator, lengths: tuple[int, ...], pad_id: int = 0):
+    """(input_ids, mask) of rows of the given real lengths, left-padded to the longest with ``pad_id``."""
+    width = max(lengths)
+    ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(lengths), width), dtype=bool)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = rng.integers(2, VOCAB - 1, size=n)
+        mask[row, width - n:] = True
+    return ids, mask
+
+
+def edit_config(folder: Path, target: Path, **changes) -> Path:
+    """Copy ``folder`` to ``target`` with ``config.json`` keys changed (a value ``...`` deletes the key)."""
+    import shutil
+
+    shutil.copytree(folder, target)
+    config = json.loads((target / "config.json").read_text())
+    for key, value in changes.items():
+        if value is ...:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def write_word_tokenizer(folder: Path) -> Path:
+    """A word-level ``tokenizer.json`` for the tiny models: token i is the word ``w{i}`` (``w0`` = unknown)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = Path(folder) / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path

@@ -1,0 +1,165 @@
+"""load_causal_lm on tiny random HF models of every family (GPT-2 tied/untied, Llama GQA/MQA and each rope
+scaling, Mistral with a window shorter than the text, Qwen2 with mixed full/sliding layers, a sharded
+checkpoint): logits against HF on a left-padded batch, greedy tokens against HF generate, cached against
+uncached decoding past the window, a padded batch against each row alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from hf_models import (EOS, FAMILY_MODELS, hf_greedy, hf_logits, left_padded_batch,  # noqa: E402
+                       saved_model)
+
+from attnkit.generation import generate  # noqa: E402
+from attnkit.pretrained import load_causal_lm  # noqa: E402
+
+LOGIT_TOL = 2e-5  # max |ours - HF| / max |HF| over the real positions, float32
+NEAR_TIE = 1e-4  # relative gap of the two best logits under which float32 rounding may pick either
+PARITY: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def hf_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf_causal_lm")
+
+
+_LOADED: dict[str, object] = {}
+
+
+def loaded(name, root):
+    """(attnkit model, hf model) of a saved tiny model, loaded once per session."""
+    folder, hf = saved_model(name, root)
+    if name not in _LOADED:
+        _LOADED[name] = load_causal_lm(folder)
+    return _LOADED[name], hf
+
+
+def relative(ours, theirs, mask):
+    ours, theirs = np.asarray(ours, np.float64)[mask], np.asarray(theirs, np.float64)[mask]
+    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_logits_match_hf_on_a_left_padded_batch(name, hf_root):
+    lm, hf = loaded(name, hf_root)
+    ids, mask = left_padded_batch(np.random.default_rng(0), (7, 12, 4))
+    ours = lm(ids, mask)
+    assert ours.dtype == np.float32 and ours.shape == (3, 12, 96)
+    assert np.all(np.isfinite(ours))  # padded positions too
+    err = relative(ours, hf_logits(hf, ids, mask), mask)
+    PARITY[name] = err
+    print(f"{name}: max relative logit difference to HF {err:.2e}")
+    assert err <= LOGIT_TOL
+
+
+def first_divergence_is_a_near_tie(lm, ours, theirs, mask_prompt):
+    """Where two greedy continuations first differ, the two best logits of that step must nearly tie."""
+    for row in range(ours.shape[0]):
+        differ = np.flatnonzero(ours[row] != theirs[row])
+        if differ.size == 0:
+            continue
+        at = differ[0]
+        prefix = ours[row:row + 1, :at]
+        row_mask = np.concatenate([mask_prompt[row:row + 1], np.ones((1, at - mask_prompt.shape[1]), bool)], 1)
+        last = np.asarray(lm(prefix, row_mask)[0, -1], np.float64)
+        top2 = np.sort(last)[-2:]
+        assert top2[1] - top2[0] <= NEAR_TIE * np.max(np.abs(last)), (row, at, top2)
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_greedy_tokens_equal_hf_generate(name, hf_root):
+    lm, hf = loaded(name, hf_root)
+    ids, mask = left_padded_batch(np.random.default_rng(1), (5, 3))
+    ours = generate(lm, ids, mask, max_new_tokens=10, eos_token_id=EOS, pad_token_id=0)
+    theirs = hf_greedy(hf, ids, mask, max_new_tokens=10, eos_token_id=EOS, pad_token_id=0)
+    assert ours.shape == theirs.shape
+    first_divergence_is_a_near_tie(lm, ours, theirs, mask)
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_dynamic", "gpt2"])
+def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root):
+    lm, _ = loaded(name, hf_root)
+    ids, mask = left_padded_batch(np.random.default_rng(2), (3, 2))
+    cached = generate(lm, ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
+    seq, seq_mask = ids.copy(), mask.copy()
+    for _ in range(12):  # the whole text again at every step, no cache
+        logits = lm(seq, seq_mask)[:, -1]
+        seq = np.concatenate([seq, np.argmax(logits, axis=-1)[:, None]], axis=1)
+        seq_mask = np.concatenate([seq_mask, np.ones((2, 1), bool)], axis=1)
+    assert seq.shape[1] > 4 + 3  # well past the windows (4 and 3) of the sliding layers
+    first_divergence_is_a_near_tie(lm, cached, seq, mask)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "gpt2_untied", "qwen2_mixed", "mistral_window"])
+def test_left_padded_batch_equals_each_row_alone(name, hf_root):
+    lm, _ = loaded(name, hf_root)
+    lengths = (6, 2, 4)
+    ids, mask = left_padded_batch(np.random.default_rng(3), lengths)
+    batch = lm(ids, mask)
+    out = generate(lm, ids, mask, max_new_tokens=6, eos_token_id=[])
+    for row, n in enumerate(lengths):
+        alone = lm(ids[row:row + 1, -n:])
+        err = relative(batch[row:row + 1, -n:], alone, np.ones(alone.shape[:2], bool))
+        assert err <= 1e-5, (row, err)
+        solo = generate(lm, ids[row:row + 1, -n:], max_new_tokens=6, eos_token_id=[])
+        np.testing.assert_array_equal(out[row, -6:], solo[0, -6:])
+
+
+# HF computes rotary cos/sin in float32 even for a float64 model, which bounds the rotary families' agreement.
+@pytest.mark.parametrize("name, tol", [("gpt2_untied", 1e-12), ("llama_gqa", 1e-6)])
+def test_float64_load_matches_float64_hf(name, tol, hf_root):
+    folder, hf = saved_model(name, hf_root)
+    lm = load_causal_lm(folder, dtype=np.float64)
+    ids, mask = left_padded_batch(np.random.default_rng(4), (5, 8))
+    ours = lm(ids, mask)
+    assert ours.dtype == np.float64
+    # HF's eager attention yields NaN in float64 with left padding; its sdpa path is the float64 reference.
+    hf.double().set_attn_implementation("sdpa")
+    try:
+        err = relative(ours, hf_logits(hf, ids, mask), mask)
+    finally:
+        hf.float().set_attn_implementation("eager")
+    print(f"{name} float64: max relative logit difference to HF {err:.2e}")
+    assert err <= tol
+
+
+def test_model_carries_its_config_and_generate_delegates(hf_root):
+    lm, _ = loaded("qwen2_mixed", hf_root)
+    assert lm.config.family == "qwen2" and lm.config.layer_types[1] == "sliding_attention"
+    prompt = np.array([[5, 6, 7]])
+    np.testing.assert_array_equal(lm.generate(prompt, max_new_tokens=4, do_sample=True, seed=3),
+                                  generate(lm, prompt, max_new_tokens=4, do_sample=True, seed=3))
+
+
+def test_no_torch_or_transformers_imported_at_runtime(hf_root, tmp_path):
+    import subprocess
+    import sys
+
+    folder, _ = saved_model("llama_mqa", hf_root)
+    code = ("import sys, numpy as np; from attnkit.pretrained import load_causal_lm; "
+            f"lm = load_causal_lm({str(folder)!r}); "
+            "from attnkit.generation import generate; generate(lm, np.array([[1, 2]]), max_new_tokens=2); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=5, top_p=0.8, min_p=0.05),
+                                      dict(temperature=1.3, top_p=0.6), dict(top_k=3, min_p=0.3),
+                                      dict(temperature=0.5)])
+def test_warp_logits_equals_the_processor_list_hf_generate_builds(settings, hf_root):
+    from transformers import GenerationConfig
+
+    from attnkit.generation import warp_logits
+
+    _, hf = loaded("llama_gqa", hf_root)
+    full = {"temperature": 1.0, "top_k": None, "top_p": None, "min_p": None, **settings}
+    procs = hf._get_logits_processor(GenerationConfig(do_sample=True, **full), input_ids_seq_length=1)
+    logits = (np.random.default_rng(8).standard_normal((6, 96)) * 3).astype(np.float32)
+    theirs = procs(torch.zeros((6, 1), dtype=torch.long), torch.from_numpy(logits)).numpy()
+    ours = warp_logits(logits, **settings)
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(theirs))
+    np.testing.assert_allclose(ours[np.isfinite(ours)], theirs[np.isfinite(theirs)], rtol=1e-6)
