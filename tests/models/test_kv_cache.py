@@ -1,0 +1,144 @@
+"""KVCache: growing, fixed-size and ring-buffer layers hold exactly the slots attention needs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import make_rng, randn
+
+from attnkit.cache import KVCache
+
+B, H, DH = 2, 3, 4
+
+
+def _chunks(rng, lengths, dtype=np.float32):
+    return [(randn(rng, B, H, n, DH, dtype=dtype), randn(rng, B, H, n, DH, dtype=dtype)) for n in lengths]
+
+
+@pytest.mark.parametrize("max_length", [None, 16])
+def test_full_layer_returns_every_slot_in_order(max_length):
+    rng = make_rng(1)
+    cache = KVCache(1, B, H, DH, max_length=max_length)
+    chunks = _chunks(rng, [5, 1, 1, 3])
+    for k, v in chunks:
+        out = cache.update(0, k, v)
+    all_k = np.concatenate([k for k, _ in chunks], axis=2)
+    all_v = np.concatenate([v for _, v in chunks], axis=2)
+    np.testing.assert_array_equal(out.keys, all_k)
+    np.testing.assert_array_equal(out.values, all_v)
+    np.testing.assert_array_equal(out.slots, np.arange(10))
+    assert cache.length == 10
+
+
+@pytest.mark.parametrize("window", [1, 3, 4])
+def test_ring_layer_keeps_last_window_and_returns_needed_keys(window):
+    rng = make_rng(2, window)
+    cache = KVCache(2, B, H, DH, windows=[None, window])
+    chunks = _chunks(rng, [5, 1, 2, 1, 1, 6, 1])
+    seen_k, seen_v = [], []
+    for k, v in chunks:
+        past = cache.length
+        cache.update(0, k, v)
+        out = cache.update(1, k, v)
+        seen_k.append(k)
+        seen_v.append(v)
+        all_k = np.concatenate(seen_k, axis=2)
+        all_v = np.concatenate(seen_v, axis=2)
+        expected = np.arange(max(0, past - window), past + k.shape[2])
+        np.testing.assert_array_equal(out.slots, expected)
+        np.testing.assert_array_equal(out.keys, all_k[:, :, expected])
+        np.testing.assert_array_equal(out.values, all_v[:, :, expected])
+    assert cache._keys[1].shape[2] == window  # memory stays O(W)
+
+
+def test_fixed_size_allocates_once_and_refuses_overflow():
+    cache = KVCache(2, B, H, DH, max_length=6)
+    assert cache.nbytes == 2 * 2 * B * H * 6 * DH * 4
+    k = np.zeros((B, H, 4, DH), np.float32)
+    cache.update(0, k, k)
+    with pytest.raises(ValueError, match="max_length=6"):
+        cache.update(0, np.zeros((B, H, 3, DH), np.float32), np.zeros((B, H, 3, DH), np.float32))
+
+
+def test_growing_cache_nbytes_follows_capacity():
+    cache = KVCache(1, 1, 1, 2, dtype=np.float64)
+    assert cache.nbytes == 0
+    k = np.zeros((1, 1, 3, 2))
+    cache.update(0, k, k)
+    assert cache.nbytes == 2 * 3 * 2 * 8
+    cache.update(0, k[:, :, :1], k[:, :, :1])
+    assert cache.nbytes == 2 * 6 * 2 * 8  # doubled, amortised O(1) per step
+
+
+def test_update_casts_to_the_cache_dtype():
+    cache = KVCache(1, B, H, DH, dtype=np.float32)
+    out = cache.update(0, np.ones((B, H, 2, DH)), np.ones((B, H, 2, DH)))
+    assert out.keys.dtype == np.float32
+
+
+def test_crop_then_continue_equals_never_written():
+    rng = make_rng(3)
+    a, b, c = _chunks(rng, [4, 3, 2])
+    cache = KVCache(2, B, H, DH, windows=[None, 8])
+    for layer in range(2):
+        cache.update(layer, *a)
+        cache.update(layer, *b)
+    cache.crop(4)
+    assert cache.length == 4
+    ref = KVCache(2, B, H, DH, windows=[None, 8])
+    for layer in range(2):
+        ref.update(layer, *a)
+        got, want = cache.update(layer, *c), ref.update(layer, *c)
+        np.testing.assert_array_equal(got.keys, want.keys)
+        np.testing.assert_array_equal(got.slots, want.slots)
+
+
+def test_crop_refuses_an_overwritten_ring():
+    cache = KVCache(1, 1, 1, 2, windows=[2])
+    k = np.zeros((1, 1, 3, 2), np.float32)
+    cache.update(0, k, k)
+    with pytest.raises(ValueError, match="ring buffer"):
+        cache.crop(2)
+    cache.crop(3)  # a no-op crop is fine
+    with pytest.raises(ValueError, match="length"):
+        cache.crop(4)
+
+
+@pytest.mark.parametrize("windows", [[None], [2]])
+def test_reorder_with_repeats_and_select(windows):
+    rng = make_rng(4)
+    cache = KVCache(1, 3, H, DH, windows=windows)
+    k, v = randn(rng, 3, H, 3, DH, dtype=np.float32), randn(rng, 3, H, 3, DH, dtype=np.float32)
+    cache.update(0, k, v)
+    cache.reorder(np.array([2, 2, 0, 1]))
+    assert cache.batch_size == 4
+    step_k = randn(rng, 4, H, 1, DH, dtype=np.float32)
+    out = cache.update(0, step_k, step_k)
+    kept = out.slots[:-1]
+    np.testing.assert_array_equal(out.keys[:, :, :-1], k[[2, 2, 0, 1]][:, :, kept])
+    cache.select(np.array([True, False, False, True]))
+    assert cache.batch_size == 2
+    out = cache.update(0, step_k[:2], step_k[:2])
+    np.testing.assert_array_equal(out.keys[:, :, -2], step_k[[0, 3], :, 0])
+    with pytest.raises(ValueError, match="repeat"):
+        cache.select([0, 0])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: c.update(2, np.zeros((B, H, 1, DH)), np.zeros((B, H, 1, DH))), "layer"),
+    (lambda c: c.update(0, np.zeros((B, H, 1, DH + 1)), np.zeros((B, H, 1, DH + 1))), "k_new"),
+    (lambda c: c.update(0, np.zeros((B, H, 1, DH)), np.zeros((B, H, 2, DH))), "same shape"),
+    (lambda c: c.reorder([5]), "index"),
+    (lambda c: c.select([[0]]), "rows"),
+])
+def test_bad_arguments_name_themselves(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(KVCache(2, B, H, DH))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="windows"):
+        KVCache(2, 1, 1, 2, windows=[None])
+    with pytest.raises(ValueError, match="max_length"):
+        KVCache(2, 1, 1, 2, max_length=0)
+    with pytest.raises(TypeError, match="dtype"):
+        KVCache(2, 1, 1, 2, dtype=np.int32)
