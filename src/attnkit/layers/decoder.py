@@ -241,8 +241,7 @@ class TransformerDecoderBlock(Module):
         x = _check_sequence(x, "x", self.d_model)
         sa_mha, ca_mha = self.self_attention, self.cross_attention
         h = self.norm1(x) if self.norm_first else x  # (B, Ln, D)
-        keys, values, slots = cache.update(layer, _project(sa_mha, "K", h), _project(sa_mha, "V", h))[:3]
-        slots = np.asarray(slots)  # (Lpast + Ln,)
+        keys, values, slots = cache.update(layer, _project(sa_mha, "K", h), _project(sa_mha, "V", h))
         causal = slots[None, :] <= slots[-x.shape[1]:, None]  # (Ln, Lpast + Ln): the new keys are the last slots
         sa, _ = _attend_projected(sa_mha, h, keys, values, causal, need_weights=False)  # (B, Ln, D)
         h1 = x + sa if self.norm_first else self.norm1(x + sa)  # (B, Ln, D)

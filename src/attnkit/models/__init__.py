@@ -2,9 +2,11 @@
 
 - :class:`TokenTagger`: embedding + encoder + projection, one class per token;
 - :class:`DecoderConfig`: the architecture of a decoder-only language model (GPT-2, Llama, Mistral, Qwen2
-  families), read from a Hugging Face ``config.json`` by :mod:`attnkit.pretrained`.
+  families), read from a Hugging Face ``config.json`` by :mod:`attnkit.pretrained`;
+- :class:`Seq2SeqTransformer`: embeddings + encoder-decoder Transformer + head, with greedy and beam search.
 """
 from .config import DecoderConfig
+from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["DecoderConfig", "TokenTagger", "token_accuracy", "train_step"]
+__all__ = ["DecoderConfig", "Seq2SeqTransformer", "TokenTagger", "token_accuracy", "train_step"]
