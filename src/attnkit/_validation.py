@@ -19,6 +19,10 @@ __all__ = [
     "unbroadcast",
     "check_qkv",
     "as_bool_mask",
+    "check_mha_mask",
+    "check_head_size",
+    "check_eps",
+    "check_finite",
 ]
 
 
@@ -153,8 +157,8 @@ def check_qkv(q: Any, k: Any, v: Any, owner: str) -> tuple[np.ndarray, np.ndarra
 def as_bool_mask(mask: Any, name: str = "mask", allow_int: bool = False) -> np.ndarray | None:
     """``mask`` as a boolean array (``True`` = may attend); ``None`` passes through.
 
-    With ``allow_int`` an integer array of 0s and 1s is accepted too (1 = may attend, 0 = masked), as seed
-    004 writes masks; any other value, and floating masks (easily confused with additive biases), are refused.
+    With ``allow_int`` an integer array of 0s and 1s is accepted too (1 = may attend, 0 = masked), the way
+    the ``Attention`` module documents its masks; any other value, and floating masks (easily confused with additive biases), are refused.
     """
     if mask is None:
         return None
@@ -168,3 +172,45 @@ def as_bool_mask(mask: Any, name: str = "mask", allow_int: bool = False) -> np.n
         return m.astype(bool)
     accepted = "boolean or a 0/1 integer array" if allow_int else "boolean"
     raise TypeError(f"{name} must be {accepted} (True = may attend), got dtype {m.dtype} with shape {m.shape}")
+
+
+def check_mha_mask(mask: Any, name: str, batch: int, num_heads: int, seq_q: int, seq_k: int) -> np.ndarray | None:
+    """Validate a mask for (B, H, Lq, Lk) scores: 1-D (Lk,), 2-D (Lq, Lk) or 4-D (B|1, H|1, Lq|1, Lk).
+
+    A 3-D mask is refused: numpy would read (B, Lq, Lk) as (H, Lq, Lk), silently wrong when B == H.
+    """
+    if mask is None:
+        return None
+    if np.ndim(mask) == 3:
+        raise ValueError(f"{name} of shape {np.shape(mask)} is ambiguous for (batch, heads, seq_q, seq_k) "
+                         f"scores {(batch, num_heads, seq_q, seq_k)}: give it as (seq_q, seq_k) or 4-D, "
+                         f"e.g. mask[:, None] for a (batch, seq_q, seq_k) mask")
+    return check_mask(mask, name, (batch, num_heads, seq_q, seq_k), "(batch, heads, seq_q, seq_k) scores")
+
+
+def check_head_size(features: int, num_heads: int, name: str = "d_model") -> int:
+    """The head size ``features // num_heads``; ``ValueError`` naming ``name`` unless it is a positive integer.
+
+    A head of size 0 (``features < num_heads``, or no features at all) would silently attend with empty
+    vectors, so it is refused like a size that ``num_heads`` does not divide.
+    """
+    if features < num_heads or features % num_heads:
+        why = "is not divisible by" if features % num_heads else "gives heads of size 0 for"
+        raise ValueError(f"{name} = {features} {why} num_heads = {num_heads}: num_heads = {num_heads} must divide "
+                         f"it, with at least one feature per head")
+    return features // num_heads
+
+
+def check_eps(eps: Any, name: str = "eps") -> float:
+    """``eps`` as a float; ``ValueError`` unless it is a finite number > 0 (it keeps ``1 / sqrt(var + eps)`` finite)."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(eps) or eps <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {eps!r}")
+    return float(eps)
+
+
+def check_finite(x: np.ndarray, name: str) -> np.ndarray:
+    """``x`` unchanged; ``ValueError`` naming it if any entry is NaN or infinite."""
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{name} must be finite, got NaN or inf (shape {np.shape(x)})")
+    return x

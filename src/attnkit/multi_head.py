@@ -1,4 +1,4 @@
-"""Multi-head attention as stateless functions (seed 003), and the :class:`MultiHeadAttention` layer.
+"""Multi-head attention as stateless functions, and the :class:`MultiHeadAttention` layer (re-exported).
 
 Dimension letters: B batch, Lq/Lk query/key length, D model dim (d_model), H heads, Dh = D // H.
 Projections are applied as ``x @ W`` with ``W`` of shape (D, D); head i uses columns ``i*Dh:(i+1)*Dh``.
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validation import as_float_array, check_ndim, check_positive_int, common_float_dtype
-from .attention.multi_head_attention import MultiHeadAttention, check_mha_mask
+from ._validation import (as_float_array, check_head_size, check_mha_mask, check_ndim, check_positive_int,
+                          common_float_dtype)
+from .attention.multi_head_attention import MultiHeadAttention
 from .kernels import heads as _heads
 from .kernels import reference as _ref
 from .kernels.linear import linear, linear_backward
@@ -43,8 +44,7 @@ def split_heads(x: np.ndarray, num_heads: int) -> np.ndarray:
     x = as_float_array(x, "x")
     check_ndim(x, "x", ndim=3, expected="3-D (batch, seq, d_model)")
     num_heads = check_positive_int(num_heads, "num_heads")
-    if x.shape[-1] % num_heads:
-        raise ValueError(f"d_model = {x.shape[-1]} (x: {x.shape}) is not divisible by num_heads = {num_heads}")
+    check_head_size(x.shape[-1], num_heads, f"d_model of x {x.shape}")
     return _heads.split_heads(x, num_heads)
 
 
@@ -110,8 +110,7 @@ def multi_head_attention_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, W_
         check_ndim(arrays[name], name, ndim=3, expected=f"3-D {want}")
     Q, K, V = arrays["Q"], arrays["K"], arrays["V"]
     d_model = Q.shape[-1]
-    if d_model % num_heads:
-        raise ValueError(f"d_model = {d_model} (Q: {Q.shape}) is not divisible by num_heads = {num_heads}")
+    check_head_size(d_model, num_heads, f"d_model of Q {Q.shape}")
     for name, x in (("K", K), ("V", V)):
         if x.shape[-1] != d_model or x.shape[0] != Q.shape[0]:
             raise ValueError(f"{name} has shape {x.shape}, expected (batch={Q.shape[0]}, seq_k, d_model={d_model}) "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._validation import as_float_array, check_ndim, check_positive_int
+from .init import as_generator, normal
 from .kernels.reference import causal_mask
 
 __all__ = ["sinusoidal_encoding", "add_positional_encoding", "learned_positional_encoding",
@@ -100,8 +101,7 @@ def learned_positional_encoding(max_length: int, d_model: int, *,
     """
     max_length = check_positive_int(max_length, "max_length", allow_zero=True)
     d_model = check_positive_int(d_model, "d_model")
-    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-    return gen.normal(0.0, 0.02, size=(max_length, d_model))
+    return normal(as_generator(rng), (max_length, d_model), std=0.02)  # (max_length, d_model)
 
 
 def create_causal_mask(seq_length: int) -> np.ndarray:

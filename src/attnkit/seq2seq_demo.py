@@ -44,9 +44,9 @@ _FORMAT = "attnkit-dates-model"
 class DatesConfig:
     """Everything that determines a run (the defaults are ``attnkit demo --task dates``'s)."""
 
-    steps: int = 1500
+    steps: int = 1000
     batch_size: int = 64
-    lr: float = 2e-3
+    lr: float = 3e-3
     warmup: int = 100
     max_grad_norm: float = 1.0
     d_model: int = 64

@@ -1,4 +1,4 @@
-"""Seed 002's functional API: attention on plain ``(L, d)`` matrices, given as nested lists or arrays.
+"""Attention on plain ``(L, d)`` matrices given as nested lists or arrays: one sequence, no batch.
 
 ``scaled_dot_product_attention(query, key, value)`` and ``multi_head_attention(query, key, value, num_heads)``
 take 2-D inputs (one sequence, no batch) and return the same kind they were given: nested lists of Python
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._validation import as_float_array, check_ndim, check_positive_int, common_float_dtype
+from ._validation import as_float_array, check_head_size, check_ndim, check_positive_int, common_float_dtype
 from .attention_core import scaled_dot_product_attention as _sdpa
 from .kernels import heads as _heads
 from .kernels import reference as _ref
@@ -103,9 +103,7 @@ def multi_head_attention(query: Any, key: Any, value: Any, num_heads: int) -> An
     q, k, v, as_list = _as_matrices(query, key, value)
     num_heads = check_positive_int(num_heads, "num_heads")
     for name, d in (("query/key", q.shape[1]), ("value", v.shape[1])):
-        if d % num_heads:
-            raise ValueError(f"num_heads = {num_heads} must divide the {name} features, got {d} "
-                             f"(query: {q.shape}, key: {k.shape}, value: {v.shape})")
+        check_head_size(d, num_heads, f"the {name} features (query: {q.shape}, key: {k.shape}, value: {v.shape})")
     qh = _heads.split_heads(q, num_heads)  # (H, Lq, D/H)
     kh = _heads.split_heads(k, num_heads)  # (H, Lk, D/H)
     vh = _heads.split_heads(v, num_heads)  # (H, Lk, Dv/H)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._validation import check_positive_int
+from .init import as_generator
 
 __all__ = ["TASKS", "make_batch", "token_names"]
 
@@ -63,7 +64,7 @@ def make_batch(task: str, batch_size: int, seq_len: int, num_digits: int = 10,
     batch_size = check_positive_int(batch_size, "batch_size")
     seq_len = check_positive_int(seq_len, "seq_len")
     num_digits = check_positive_int(num_digits, "num_digits")
-    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    gen = as_generator(rng)
     inputs = gen.integers(0, num_digits, size=(batch_size, seq_len), dtype=np.int64)  # (B, L)
     if task == "sort":
         targets = np.sort(inputs, axis=1)  # (B, L)

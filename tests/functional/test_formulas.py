@@ -351,7 +351,10 @@ def test_encoder_block_gradients_accumulate_names_match_and_zero():
     p_names = [n for n, _ in block.named_parameters()]
     g_names = [n for n, _ in block.named_gradients()]
     assert p_names == g_names
-    assert set(p_names) == set(BLOCK_OWN) | {f"attention.{n}" for n in WEIGHT_NAMES}
+    sublayer_names = {TransformerEncoderBlock.STATE_DICT_RENAMES[n] for n in BLOCK_OWN}
+    assert sublayer_names == {"ffn.W1", "ffn.b1", "ffn.W2", "ffn.b2", "norm1.gamma", "norm1.beta", "norm2.gamma",
+                              "norm2.beta"}
+    assert set(p_names) == sublayer_names | {f"attention.{n}" for n in WEIGHT_NAMES}
     shapes = {n: p.shape for n, p in block.named_parameters()}
     assert all(g.shape == shapes[n] for n, g in block.named_gradients())
     x, G = randn(rng, 2, 4, 8), randn(rng, 2, 4, 8)
@@ -360,7 +363,7 @@ def test_encoder_block_gradients_accumulate_names_match_and_zero():
     dx1 = block.backward(G)
     once = {n: np.array(g) for n, g in block.named_gradients()}
     assert all(np.any(g != 0) for g in once.values())
-    np.testing.assert_array_equal(block.grads["W1"], once["W1"])
+    np.testing.assert_array_equal(block.ffn.grads["W1"], once["ffn.W1"])
     np.testing.assert_array_equal(block.attention.grads["W_Q"], once["attention.W_Q"])
     block.forward(x)
     dx2 = block.backward(G)

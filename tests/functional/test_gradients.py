@@ -227,24 +227,22 @@ def test_feed_forward_backward_matches_finite_differences(shape, F):
 # Encoder block
 # --------------------------------------------------------------------------------------------------------
 def get_block_params(block) -> dict[str, np.ndarray]:
-    """Copies of every block parameter under its dotted name ('W1', 'attention.W_Q', ...)."""
+    """Copies of every block parameter under its dotted name ('ffn.W1', 'attention.W_Q', ...)."""
     return {name: np.array(p, copy=True) for name, p in block.named_parameters()}
 
 
 def set_block_params(block, params: dict[str, np.ndarray]) -> None:
-    """Copy dotted-name parameters into a block: its own by attribute, the attention's via set_params."""
+    """Copy dotted-name parameters into a block: the attention's via set_params, the others by name."""
     att = {n.split(".", 1)[1]: p for n, p in params.items() if n.startswith("attention.")}
     if att:
         block.attention.set_params(att)
-    for name, value in params.items():
-        if not name.startswith("attention."):
-            setattr(block, name, value)
+    block.load_state_dict({n: p for n, p in params.items() if not n.startswith("attention.")}, strict=False)
 
 
 def randomize_block(block, rng) -> dict[str, np.ndarray]:
     """Give every parameter (including gammas, betas and biases) random values; returns them."""
     params = {n: randn(rng, *p.shape, scale=0.5) for n, p in get_block_params(block).items()}
-    for n in ("gamma1", "gamma2"):
+    for n in ("norm1.gamma", "norm2.gamma"):
         params[n] = params[n] + 1.0
     set_block_params(block, params)
     return params
@@ -267,8 +265,8 @@ def test_encoder_block_backward_matches_finite_differences(B, H, L, kind):
     dx = block.backward(G)
     grads = {n: np.array(g, copy=True) for n, g in block.named_gradients()}
     assert set(grads) == set(params)
-    assert {"W1", "b1", "W2", "b2", "gamma1", "beta1", "gamma2", "beta2", "attention.W_Q", "attention.W_K",
-            "attention.W_V", "attention.W_O"} <= set(grads)
+    assert {"ffn.W1", "ffn.b1", "ffn.W2", "ffn.b2", "norm1.gamma", "norm1.beta", "norm2.gamma", "norm2.beta",
+            "attention.W_Q", "attention.W_K", "attention.W_V", "attention.W_O"} <= set(grads)
 
     def loss():
         set_block_params(block, params)
@@ -297,4 +295,4 @@ def test_encoder_block_causal_mask_from_positional_module():
 
     assert_gradient(loss, x, dx, "x")
     assert_gradient(loss, params["attention.W_K"], grads["attention.W_K"], "attention.W_K")
-    assert_gradient(loss, params["gamma1"], grads["gamma1"], "gamma1")
+    assert_gradient(loss, params["norm1.gamma"], grads["norm1.gamma"], "norm1.gamma")

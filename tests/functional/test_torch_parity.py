@@ -301,13 +301,13 @@ def torch_encoder_layer(block, dtype) -> torch.nn.TransformerEncoderLayer:
         att.in_proj_bias.zero_()
         att.out_proj.weight.copy_(to_torch(p["attention.W_O"].T))
         att.out_proj.bias.zero_()
-        layer.linear1.weight.copy_(to_torch(p["W1"].T))
-        layer.linear1.bias.copy_(to_torch(p["b1"]))
-        layer.linear2.weight.copy_(to_torch(p["W2"].T))
-        layer.linear2.bias.copy_(to_torch(p["b2"]))
+        layer.linear1.weight.copy_(to_torch(p["ffn.W1"].T))
+        layer.linear1.bias.copy_(to_torch(p["ffn.b1"]))
+        layer.linear2.weight.copy_(to_torch(p["ffn.W2"].T))
+        layer.linear2.bias.copy_(to_torch(p["ffn.b2"]))
         for i in ("1", "2"):
-            getattr(layer, "norm" + i).weight.copy_(to_torch(p["gamma" + i]))
-            getattr(layer, "norm" + i).bias.copy_(to_torch(p["beta" + i]))
+            getattr(layer, "norm" + i).weight.copy_(to_torch(p["norm" + i + ".gamma"]))
+            getattr(layer, "norm" + i).bias.copy_(to_torch(p["norm" + i + ".beta"]))
     layer.train()
     return layer
 
@@ -319,10 +319,10 @@ def torch_layer_grads(layer) -> dict[str, np.ndarray]:
     return {
         "attention.W_Q": g[:D].T, "attention.W_K": g[D:2 * D].T, "attention.W_V": g[2 * D:].T,
         "attention.W_O": to_numpy(layer.self_attn.out_proj.weight.grad).T,
-        "W1": to_numpy(layer.linear1.weight.grad).T, "b1": to_numpy(layer.linear1.bias.grad),
-        "W2": to_numpy(layer.linear2.weight.grad).T, "b2": to_numpy(layer.linear2.bias.grad),
-        "gamma1": to_numpy(layer.norm1.weight.grad), "beta1": to_numpy(layer.norm1.bias.grad),
-        "gamma2": to_numpy(layer.norm2.weight.grad), "beta2": to_numpy(layer.norm2.bias.grad),
+        "ffn.W1": to_numpy(layer.linear1.weight.grad).T, "ffn.b1": to_numpy(layer.linear1.bias.grad),
+        "ffn.W2": to_numpy(layer.linear2.weight.grad).T, "ffn.b2": to_numpy(layer.linear2.bias.grad),
+        "norm1.gamma": to_numpy(layer.norm1.weight.grad), "norm1.beta": to_numpy(layer.norm1.bias.grad),
+        "norm2.gamma": to_numpy(layer.norm2.weight.grad), "norm2.beta": to_numpy(layer.norm2.bias.grad),
     }
 
 
@@ -348,12 +348,10 @@ def randomize_block(block, rng):
     """Random values for every block parameter (gammas around 1), set through the public API."""
     params = {n: rng.standard_normal(np.shape(p)) * (0.3 if n.startswith("attention.") else 0.5)
               for n, p in block.named_parameters()}
-    params["gamma1"] += 1.0
-    params["gamma2"] += 1.0
+    params["norm1.gamma"] += 1.0
+    params["norm2.gamma"] += 1.0
     block.attention.set_params({n.split(".", 1)[1]: v for n, v in params.items() if n.startswith("attention.")})
-    for n, v in params.items():
-        if not n.startswith("attention."):
-            setattr(block, n, v)
+    block.load_state_dict({n: v for n, v in params.items() if not n.startswith("attention.")}, strict=False)
 
 
 def check_block_against_torch(dtype, B, L, H, kind, seed, d_ff=32):

@@ -157,11 +157,13 @@ def torch_encoder_grads(ref: torch.nn.TransformerEncoder, D: int) -> dict:
             out[p + "attention.b_" + n] = gb[j * D:(j + 1) * D]
         out[p + "attention.W_O"] = to_numpy(layer.self_attn.out_proj.weight.grad).T
         out[p + "attention.b_O"] = to_numpy(layer.self_attn.out_proj.bias.grad)
-        out[p + "W1"], out[p + "b1"] = to_numpy(layer.linear1.weight.grad).T, to_numpy(layer.linear1.bias.grad)
-        out[p + "W2"], out[p + "b2"] = to_numpy(layer.linear2.weight.grad).T, to_numpy(layer.linear2.bias.grad)
+        out[p + "ffn.W1"] = to_numpy(layer.linear1.weight.grad).T
+        out[p + "ffn.b1"] = to_numpy(layer.linear1.bias.grad)
+        out[p + "ffn.W2"] = to_numpy(layer.linear2.weight.grad).T
+        out[p + "ffn.b2"] = to_numpy(layer.linear2.bias.grad)
         for k in ("1", "2"):
-            out[p + "gamma" + k] = to_numpy(getattr(layer, "norm" + k).weight.grad)
-            out[p + "beta" + k] = to_numpy(getattr(layer, "norm" + k).bias.grad)
+            out[p + "norm" + k + ".gamma"] = to_numpy(getattr(layer, "norm" + k).weight.grad)
+            out[p + "norm" + k + ".beta"] = to_numpy(getattr(layer, "norm" + k).bias.grad)
     if ref.norm is not None:
         out["norm.gamma"], out["norm.beta"] = to_numpy(ref.norm.weight.grad), to_numpy(ref.norm.bias.grad)
     return out

@@ -284,8 +284,8 @@ def test_bert_encoder_backward_matches_finite_differences():
     grads = dict(model.named_gradients())
     params = dict(model.named_parameters())
     for name in ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
-                 "embedding_norm.gamma", "blocks.0.attention.W_Q", "blocks.0.attention.b_V", "blocks.1.W1",
-                 "blocks.1.gamma2"):
+                 "embedding_norm.gamma", "blocks.0.attention.W_Q", "blocks.0.attention.b_V", "blocks.1.ffn.W1",
+                 "blocks.1.norm2.gamma"):
         assert_gradient(loss, params[name], grads[name], name)
     assert out.shape == (2, 5, 8)
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from .._validation import as_bool_mask, as_float_array, check_mask, check_positive_int, check_qkv
 from ..core.base_attention import BaseAttention
+from ..init import as_generator, uniform_fan_in, xavier_uniform
 from ..kernels import reference as _ref
-from .multi_head_attention import xavier_uniform
 
 __all__ = ["AdditiveAttention"]
 
@@ -67,11 +67,10 @@ class AdditiveAttention(BaseAttention):
         self.d_q = check_positive_int(d_q, "d_q")
         self.d_k = check_positive_int(d_k, "d_k")
         self.d_attn = check_positive_int(d_attn, "d_attn")
-        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        gen = as_generator(rng)
         self.register_parameter("W_q", xavier_uniform(gen, self.d_q, self.d_attn))
         self.register_parameter("W_k", xavier_uniform(gen, self.d_k, self.d_attn))
-        limit = 1.0 / np.sqrt(self.d_attn)
-        self.register_parameter("v", gen.uniform(-limit, limit, size=self.d_attn))
+        self.register_parameter("v", uniform_fan_in(gen, self.d_attn, self.d_attn))
         self._cache = None
 
     def extra_repr(self) -> str:
@@ -93,7 +92,7 @@ class AdditiveAttention(BaseAttention):
         w_q, w_k, w_v = (self._parameters[n].astype(q.dtype, copy=False) for n in ("W_q", "W_k", "v"))
         out, weights, hidden = _ref.additive_forward(q, k, v, w_q, w_k, w_v, mask)  # (..., Lq, Dv), (..., Lq, Lk)
         self._cache = (q, k, v, w_q, w_k, w_v, weights, hidden, out.shape)
-        return out, (weights if need_weights else None)
+        return out, (weights.copy() if need_weights else None)  # backward reads the cached weights
 
     def backward(self, grad_output: Any):
         """Return ``(grad_q, grad_k, grad_v)`` and add the gradients of ``W_q``, ``W_k``, ``v``."""

@@ -1,4 +1,4 @@
-"""``Attention``: the seed-004 scaled dot-product module, with its mask shapes and a future mask.
+"""``Attention``: scaled dot-product attention that reads padding masks of shape (B, Lk), 0/1 masks and a future mask.
 
 Dimension letters: B batch, Lq/Lk query/key length, Dq/Dk query/key features (Dq == Dk required), Dv value
 features, ``...`` any leading dims (e.g. (B, H) under ``MultiHeadAttention``).
@@ -10,17 +10,19 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, as_float_array, check_mask, check_qkv
+from .._aliases import alias_property
+from .._validation import as_bool_mask, check_mask, check_qkv
 from .scaled_dot_product import ScaledDotProductAttention
 
-__all__ = ["Attention", "check_qkv", "as_bool_mask"]
+__all__ = ["Attention"]
 
 
 class Attention(ScaledDotProductAttention):
-    """Seed-004 attention: ``softmax(q k^T * scale) v`` with custom and future masks.
+    """Attention ``softmax(q k^T * scale) v`` with custom and future masks, for self- and cross-attention.
 
     A :class:`ScaledDotProductAttention` (hence a ``BaseAttention``, usable as the head of
-    ``MultiHeadAttention``) that also checks its inputs and reads the seed-004 mask shapes.
+    ``MultiHeadAttention``) that also reads 3-D inputs' masks by shape: (B, Lk) and (B, 1, Lk) key padding,
+    (B, Lq, Lk) per query and key, as booleans or 0/1 integers.
 
     Parameters
     ----------
@@ -43,7 +45,7 @@ class Attention(ScaledDotProductAttention):
         learnable ``W_q``/``W_k`` take different sizes, or project q or k first).
     mask : boolean, or integer 0/1 (this module only), ``True``/1 = may attend, ``False``/0 = masked (the
         opposite of ``torch.nn.MultiheadAttention``'s boolean masks; the same as
-        ``torch.nn.functional.scaled_dot_product_attention``). For 3-D inputs, the seed-004 shapes:
+        ``torch.nn.functional.scaled_dot_product_attention``). For 3-D inputs, the shapes are read as:
 
         - ``(B, Lk)``: key padding. A 2-D mask is **always** read as ``(B, Lk)``, even when ``B == Lq``
           would also let it pass as ``(Lq, Lk)``; any other 2-D shape is refused. Give a mask shared by
@@ -79,10 +81,7 @@ class Attention(ScaledDotProductAttention):
                  seed: int | None = None) -> None:
         super().__init__(dropout=dropout, scale=scale, is_causal=future_mask, seed=seed)
 
-    @property
-    def future_mask(self) -> bool:
-        """Whether the future (causal) mask is always applied (the ``is_causal`` attribute)."""
-        return self.is_causal
+    future_mask = alias_property("Attention", "future_mask")
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, future_mask={self.is_causal}, scale={self.scale}"
@@ -98,11 +97,9 @@ class Attention(ScaledDotProductAttention):
         mask = self._read_mask(as_bool_mask(mask, "mask", allow_int=True), q, k, lead)
         return self._attend(q, k, v, mask, is_causal, None, need_weights)
 
-
-
     @staticmethod
     def _read_mask(mask: np.ndarray | None, q: np.ndarray, k: np.ndarray, lead: tuple[int, ...]):
-        """Seed-004 reading for 3-D inputs, plain broadcasting against (..., Lq, Lk) otherwise."""
+        """(B, Lk), (B, 1, Lk) or (B, Lq, Lk) for 3-D inputs; plain broadcasting against (..., Lq, Lk) otherwise."""
         if mask is None:
             return None
         seq_q, seq_k = q.shape[-2], k.shape[-2]

@@ -7,35 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._validation import as_float_array, check_mask, check_ndim, check_positive_int, common_float_dtype
+from .._aliases import alias_property, resolve
+from .._validation import (as_float_array, check_head_size, check_mha_mask, check_ndim, check_positive_int,
+                           common_float_dtype)
 from ..core.base_attention import BaseAttention
 from ..core.module import Module
+from ..init import as_generator, xavier_uniform
 from ..kernels.heads import merge_heads, split_heads
 from ..kernels.linear import linear, linear_backward
 from .scaled_dot_product import ScaledDotProductAttention
 
-__all__ = ["MultiHeadAttention", "check_mha_mask", "xavier_uniform"]
-
-
-def xavier_uniform(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.ndarray:
-    """Glorot-uniform ``(fan_in, fan_out)`` matrix: keeps activation variance across the layer."""
-    limit = np.sqrt(6.0 / (fan_in + fan_out))
-    return rng.uniform(-limit, limit, size=(fan_in, fan_out))
-
-
-def check_mha_mask(mask, name: str, batch: int, num_heads: int, seq_q: int, seq_k: int) -> np.ndarray | None:
-    """Validate a mask for (B, H, Lq, Lk) scores: 1-D (Lk,), 2-D (Lq, Lk) or 4-D (B|1, H|1, Lq|1, Lk).
-
-    A 3-D mask is refused: numpy would read (B, Lq, Lk) as (H, Lq, Lk), silently wrong when B == H.
-    """
-    if mask is None:
-        return None
-    ndim = np.ndim(mask)
-    if ndim == 3:
-        raise ValueError(f"{name} of shape {np.shape(mask)} is ambiguous for (batch, heads, seq_q, seq_k) "
-                         f"scores {(batch, num_heads, seq_q, seq_k)}: give it as (seq_q, seq_k) or 4-D, "
-                         f"e.g. mask[:, None] for a (batch, seq_q, seq_k) mask")
-    return check_mask(mask, name, (batch, num_heads, seq_q, seq_k), "(batch, heads, seq_q, seq_k) scores")
+__all__ = ["MultiHeadAttention"]
 
 
 class MultiHeadAttention(Module):
@@ -47,8 +29,8 @@ class MultiHeadAttention(Module):
     Parameters
     ----------
     embed_dim : int
-        Model dimension E (``d_model`` in seed 003; ``MultiHeadAttention(d_model, num_heads)`` works too,
-        and so does the keyword ``d_model=``). Must be divisible by ``num_heads``.
+        Model dimension E, also accepted as ``d_model=`` (the positional form
+        ``MultiHeadAttention(d_model, num_heads)`` is the same call). A positive multiple of ``num_heads``.
     num_heads : int
         Number of heads H; each has ``Dh = E // H`` features.
     attention : BaseAttention, optional
@@ -68,7 +50,13 @@ class MultiHeadAttention(Module):
     ----------
     W_Q : (E, E), W_K : (Ek, E), W_V : (Ev, E), W_O : (E, E), and b_Q, b_K, b_V, b_O : (E,) when ``bias``.
     grads : dict with the same names, filled by :meth:`backward`.
-    d_model, embed_dim, num_heads, d_k (= head_dim = Dh), kdim, vdim, attention.
+    embed_dim (alias d_model), num_heads, d_k (alias head_dim) = Dh, kdim, vdim, attention.
+    Aliases resolve in :mod:`attnkit._aliases`; ``docs/names.md`` lists them.
+
+    Shapes
+    ------
+    query (B, Lq, E), key (B, Lk, Ek), value (B, Lk, Ev) -> output (B, Lq, E) and weights (B, H, Lq, Lk),
+    in the inputs' float dtype. Masks are boolean, ``True`` = may attend (see :meth:`forward`).
 
     Examples
     --------
@@ -87,19 +75,15 @@ class MultiHeadAttention(Module):
                  kdim: int | None = None, vdim: int | None = None, *, d_model: int | None = None,
                  rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
-        if d_model is not None:
-            if embed_dim is not None and embed_dim != d_model:
-                raise ValueError(f"give embed_dim or d_model, not both (got {embed_dim} and {d_model})")
-            embed_dim = d_model
+        embed_dim = resolve("MultiHeadAttention", "embed_dim", embed_dim, "d_model", d_model)
         if embed_dim is None or num_heads is None:
             raise TypeError("MultiHeadAttention needs embed_dim (or d_model) and num_heads")
         embed_dim = check_positive_int(embed_dim, "embed_dim")
         num_heads = check_positive_int(num_heads, "num_heads")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim (d_model) = {embed_dim} is not divisible by num_heads = {num_heads}")
+        head_size = check_head_size(embed_dim, num_heads, "embed_dim (d_model)")
         kdim = embed_dim if kdim is None else check_positive_int(kdim, "kdim")
         vdim = embed_dim if vdim is None else check_positive_int(vdim, "vdim")
-        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        gen = as_generator(rng)
         if attention is None:
             # The dropout stream is seeded from rng too, so a seeded layer is reproducible end to end.
             attention = ScaledDotProductAttention(dropout=dropout, seed=int(gen.integers(2**63)) if dropout else None)
@@ -107,9 +91,9 @@ class MultiHeadAttention(Module):
             raise TypeError(f"attention must be a BaseAttention instance, got {type(attention).__name__}")
         elif dropout:
             raise ValueError("dropout applies to the default head only; configure the dropout of the given attention head")
-        self.embed_dim = self.d_model = embed_dim
+        self.embed_dim = embed_dim
         self.num_heads = num_heads
-        self.d_k = self.head_dim = embed_dim // num_heads
+        self.d_k = head_size
         self.kdim, self.vdim = kdim, vdim
         self.bias = bool(bias)
         self.attention = attention
@@ -119,6 +103,9 @@ class MultiHeadAttention(Module):
             for name in ("b_Q", "b_K", "b_V", "b_O"):
                 self.register_parameter(name, np.zeros(embed_dim))
         self._cache = None
+
+    d_model = alias_property("MultiHeadAttention", "d_model")
+    head_dim = alias_property("MultiHeadAttention", "head_dim")
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, bias={self.bias}, kdim={self.kdim}, vdim={self.vdim}"
@@ -161,10 +148,7 @@ class MultiHeadAttention(Module):
         weights : ndarray, shape (B, H, Lq, Lk), or None
             Queries that may attend to no key get zero weights and a zero head output.
         """
-        if mask is not None:
-            if attn_mask is not None:
-                raise ValueError("give attn_mask or its alias mask, not both")
-            attn_mask = mask
+        attn_mask = resolve("MultiHeadAttention.forward", "attn_mask", attn_mask, "mask", mask)
         query, key, value, kpm = self._check_inputs(query, key, value, key_padding_mask)
         batch, seq_q, _ = query.shape
         seq_k = key.shape[1]

@@ -1,4 +1,4 @@
-"""``PhysicsGuidedAttention``: seed 000's "PINN-guided" head, a physics prior added to the scores.
+"""``PhysicsGuidedAttention``: a "PINN-guided" head, a physics prior added to the attention scores.
 
 ``scores[..., i, j] = scale * q_i . k_j + strength * prior(x_i, x_j)``, where ``x`` are positions or
 user-supplied coordinates and ``strength`` (scalar or per head) is learned. The prior is a
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_float_array, check_positive_int
+from .._validation import as_float_array, check_finite, check_positive_int
 from ..kernels.bias import ScoreBias
 from .scaled_dot_product import ScaledDotProductAttention
 
@@ -200,6 +200,7 @@ class PhysicsGuidedAttention(ScaledDotProductAttention):
         if strength.ndim > 1 or strength.size not in (1, n):
             raise ValueError(f"strength_init must be a number or an array of shape ({n},) (num_heads="
                              f"{self.num_heads}), got shape {strength.shape}")
+        check_finite(strength, "strength_init")
         self.register_parameter("strength", np.broadcast_to(strength.reshape(-1), (n,)))
         self._fixed_length_scale = float(length_scale)
         if learn_length_scale:

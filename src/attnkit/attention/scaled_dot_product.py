@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.base_attention import BaseAttention
 from .. import kernels as _kernels
 from .._validation import as_bool_mask, as_float_array, check_mask, check_qkv
+from ..core.base_attention import BaseAttention
 
 __all__ = ["ScaledDotProductAttention"]
 
@@ -85,7 +85,9 @@ class ScaledDotProductAttention(BaseAttention):
             q, k, v, mask=mask, causal=self.is_causal or is_causal, scale=self.scale, bias=bias, dropout_p=p,
             dropout_seed=seed, need_weights=need_weights)  # (..., Lq, Dv), (..., Lq, Lk) or None
         self._out_shape = out.shape
-        return out, weights
+        # The kernel's context holds the weights (reference) or the output (tiled) for backward: the caller
+        # gets copies, so editing them cannot change the gradients.
+        return out.copy(), (None if weights is None else weights.copy())
 
     def backward(self, grad_output: np.ndarray):
         """Return ``(grad_q, grad_k, grad_v)`` for the last forward (a bias's parameters get theirs too)."""

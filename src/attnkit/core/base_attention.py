@@ -1,4 +1,4 @@
-"""``BaseAttention``: the interface every attention head implements (seed 000).
+"""``BaseAttention``: the interface every attention head implements.
 
 A head maps per-head queries, keys and values to outputs and weights. ``MultiHeadAttention`` projects its
 inputs, splits them into heads and calls any ``BaseAttention`` with the heads folded into the batch

@@ -187,7 +187,7 @@ def _copy_encoder_block(block: Any, layer: Any) -> None:
 
 def encoder_block_from_torch(layer: Any):
     """An attnkit ``TransformerEncoderBlock`` with the weights of a ``torch.nn.TransformerEncoderLayer``."""
-    from ..transformer_block import TransformerEncoderBlock
+    from ..layers.encoder_block import TransformerEncoderBlock
     kwargs = _encoder_block_kwargs(layer)
     d_model, num_heads, d_ff = kwargs.pop("d_model"), kwargs.pop("num_heads"), kwargs.pop("d_ff")
     block = TransformerEncoderBlock(d_model, num_heads, d_ff, **kwargs, rng=0).astype(_dtype(layer))

@@ -1,18 +1,21 @@
 """Position-wise feed-forward network ``act(x W1 + b1) W2 + b2`` and its gradient (unchecked kernels)."""
 from __future__ import annotations
 
-import numpy as np
-
 from .activations import activation_backward, activation_forward
 from .linear import linear, linear_backward
 
-__all__ = ["feed_forward_forward", "feed_forward_backward"]
+__all__ = ["feed_forward_hidden", "feed_forward_forward", "feed_forward_backward"]
+
+
+def feed_forward_hidden(x, w1, b1, activation: str = "relu"):
+    """The hidden layer: ``(pre (..., F), hidden (..., F))`` with ``pre = x W1 + b1``, ``hidden = act(pre)``."""
+    pre = linear(x, w1, b1)  # (..., F)
+    return pre, activation_forward(pre, activation)  # (..., F)
 
 
 def feed_forward_forward(x, w1, b1, w2, b2, activation: str = "relu"):
     """Returns ``(y (..., D), pre (..., F), hidden (..., F))``; pre/hidden are what backward needs."""
-    pre = linear(x, w1, b1)  # (..., F)
-    hidden = activation_forward(pre, activation)  # (..., F)
+    pre, hidden = feed_forward_hidden(x, w1, b1, activation)  # (..., F)
     return linear(hidden, w2, b2), pre, hidden  # (..., D)
 
 

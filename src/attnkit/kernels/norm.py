@@ -1,9 +1,19 @@
-"""Layer normalisation over the last axis and its gradient (unchecked kernels)."""
+"""Layer normalisation over the last axis and its gradient (unchecked kernels).
+
+Half-precision inputs (float16) are normalised in float32: their variance overflows float16's range (65504)
+as soon as activations pass ~256, and the mean of many float16 values loses digits. The statistics and the
+normalised input that backward reads are float32; outputs and input gradients come back in the input's dtype.
+"""
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["layer_norm_forward", "layer_norm_backward"]
+__all__ = ["layer_norm_forward", "layer_norm_backward", "statistics_dtype"]
+
+
+def statistics_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype layer-norm statistics are computed in: at least float32."""
+    return np.promote_types(dtype, np.float32)
 
 
 def layer_norm_forward(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float):
@@ -11,16 +21,18 @@ def layer_norm_forward(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: 
 
     Returns
     -------
-    y : (..., D)
-    x_hat : (..., D) normalised input, and rstd : (..., 1) ``1 / sqrt(var + eps)``: what backward needs.
+    y : (..., D) in ``x``'s dtype
+    x_hat : (..., D) normalised input, and rstd : (..., 1) ``1 / sqrt(var + eps)``: what backward needs,
+    both in :func:`statistics_dtype` of ``x``.
     """
-    mean = x.mean(axis=-1, keepdims=True)  # (..., 1)
-    centred = x - mean  # (..., D)
+    xs = x.astype(statistics_dtype(x.dtype), copy=False)  # (..., D)
+    mean = xs.mean(axis=-1, keepdims=True)  # (..., 1)
+    centred = xs - mean  # (..., D)
     var = np.mean(centred * centred, axis=-1, keepdims=True)  # (..., 1)
     rstd = 1.0 / np.sqrt(var + eps)  # (..., 1)
     x_hat = centred * rstd  # (..., D)
-    y = x_hat * gamma.astype(x.dtype, copy=False) + beta.astype(x.dtype, copy=False)  # (..., D)
-    return y, x_hat, rstd
+    y = x_hat * gamma.astype(xs.dtype, copy=False) + beta.astype(xs.dtype, copy=False)  # (..., D)
+    return y.astype(x.dtype, copy=False), x_hat, rstd
 
 
 def layer_norm_backward(grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, gamma: np.ndarray):
@@ -28,13 +40,14 @@ def layer_norm_backward(grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray,
 
     Returns
     -------
-    grad_x : (..., D), grad_gamma : (D,), grad_beta : (D,)
+    grad_x : (..., D) in ``grad_y``'s dtype; grad_gamma : (D,), grad_beta : (D,) in the statistics' dtype.
     """
     d = x_hat.shape[-1]
-    flat_g = grad_y.reshape(-1, d)  # (N, D)
+    g = grad_y.astype(np.promote_types(grad_y.dtype, x_hat.dtype), copy=False)  # (..., D)
+    flat_g = g.reshape(-1, d)  # (N, D)
     grad_gamma = np.einsum("nd,nd->d", flat_g, x_hat.reshape(-1, d))  # (D,)
     grad_beta = flat_g.sum(axis=0)  # (D,)
-    g_hat = grad_y * gamma.astype(grad_y.dtype, copy=False)  # (..., D)
+    g_hat = g * gamma.astype(g.dtype, copy=False)  # (..., D)
     grad_x = rstd * (g_hat - g_hat.mean(axis=-1, keepdims=True)
                      - x_hat * np.mean(g_hat * x_hat, axis=-1, keepdims=True))  # (..., D)
-    return grad_x, grad_gamma, grad_beta
+    return grad_x.astype(grad_y.dtype, copy=False), grad_gamma, grad_beta

@@ -7,12 +7,7 @@ import numpy as np
 
 from .._validation import as_float_array, check_ndim
 
-__all__ = ["as_generator", "check_features", "check_grad_output"]
-
-
-def as_generator(rng: np.random.Generator | int | None) -> np.random.Generator:
-    """``rng`` itself if it is a Generator, else a new Generator seeded with it (``None``: fresh entropy)."""
-    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+__all__ = ["check_features", "check_grad_output"]
 
 
 def check_features(x: Any, name: str, features: int, owner: str, feature_name: str) -> np.ndarray:

@@ -23,7 +23,7 @@ from ..core.module import Module, ModuleList
 from ..kernels.activations import ACTIVATIONS
 from ..kernels.heads import merge_heads, split_heads
 from ..kernels.linear import linear
-from ._common import as_generator
+from ..init import as_generator
 from .dropout import Dropout
 from .feed_forward import FeedForward
 from .layer_norm import LayerNorm

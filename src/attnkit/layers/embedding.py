@@ -10,7 +10,8 @@ import numpy as np
 
 from .._validation import check_positive_int
 from ..core.module import Module
-from ._common import as_generator, check_grad_output
+from ..init import as_generator
+from ._common import check_grad_output
 
 __all__ = ["Embedding"]
 

@@ -1,20 +1,69 @@
-"""``TransformerEncoder``: a stack of :class:`~attnkit.transformer_block.TransformerEncoderBlock` and a final norm.
+"""Stacks of encoder blocks: the one loop over blocks (:func:`stack_encoder_blocks`) and the
+:class:`TransformerEncoder` module built on it.
 
 Dimension letters: B batch, L sequence length, D ``d_model``, H heads.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._validation import check_positive_int
 from ..core.module import Module, ModuleList
-from ..transformer_block import TransformerEncoderBlock
-from ._common import as_generator
+from ..init import as_generator
+from .encoder_block import TransformerEncoderBlock
 from .layer_norm import LayerNorm
 
-__all__ = ["TransformerEncoder"]
+__all__ = ["TransformerEncoder", "stack_encoder_blocks"]
+
+
+def _forward_blocks(blocks: Iterable[TransformerEncoderBlock], x: Any, mask: Any = None,
+                    key_padding_mask: Any = None, is_causal: bool = False,
+                    need_weights: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Run ``x`` through ``blocks`` in order with the same masks; returns ``(output, [weights per block])``."""
+    all_weights = []
+    for block in blocks:
+        x = block.forward(x, mask, key_padding_mask, is_causal, need_weights=need_weights)  # (B, L, D)
+        if need_weights:
+            x, weights = x
+            all_weights.append(weights)  # (B, H, L, L)
+    return x, all_weights
+
+
+def _backward_blocks(blocks: Sequence[TransformerEncoderBlock], grad_output: Any) -> np.ndarray:
+    """Backpropagate through ``blocks`` in reverse order; returns the gradient of the first block's input."""
+    g = grad_output
+    for block in reversed(list(blocks)):
+        g = block.backward(g)  # (B, L, D)
+    return g
+
+
+def stack_encoder_blocks(x: np.ndarray, blocks: list[TransformerEncoderBlock],
+                         mask: np.ndarray | None = None) -> np.ndarray:
+    """Pass ``x`` through a stack of encoder blocks in order.
+
+    Parameters
+    ----------
+    x : ndarray, shape (batch, seq, d_model)
+    blocks : list of TransformerEncoderBlock
+    mask : ndarray of bool, optional
+        ``True`` = may attend; the same mask for every block.
+
+    Returns
+    -------
+    output : ndarray, shape (batch, seq, d_model)
+
+    Examples
+    --------
+    >>> blocks = [TransformerEncoderBlock(8, 2, rng=i) for i in range(3)]
+    >>> stack_encoder_blocks(np.zeros((1, 4, 8)), blocks).shape
+    (1, 4, 8)
+    """
+    if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, TransformerEncoderBlock) for b in blocks):
+        raise TypeError("blocks must be a list of TransformerEncoderBlock instances")
+    return _forward_blocks(blocks, x, mask)[0]
 
 
 class TransformerEncoder(Module):
@@ -45,7 +94,7 @@ class TransformerEncoder(Module):
 
     Attributes
     ----------
-    layers : ModuleList of TransformerEncoderBlock (parameters ``"layers.0.W1"``, ``"layers.0.attention.W_Q"``, ...)
+    layers : ModuleList of TransformerEncoderBlock (parameters ``"layers.0.ffn.W1"``, ``"layers.0.attention.W_Q"``, ...)
     norm : LayerNorm or None (parameters ``"norm.gamma"``, ``"norm.beta"``)
 
     Shapes
@@ -67,7 +116,7 @@ class TransformerEncoder(Module):
     >>> enc.backward(np.ones_like(y)).shape
     (3, 5, 8)
     >>> [name for name, _ in enc.named_parameters()][:3]
-    ['layers.0.W1', 'layers.0.b1', 'layers.0.W2']
+    ['layers.0.norm1.gamma', 'layers.0.norm1.beta', 'layers.0.attention.W_Q']
     """
 
     def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int | None = None, *,
@@ -96,13 +145,7 @@ class TransformerEncoder(Module):
 
         With ``need_weights=True`` returns ``(output, [weights of layer 0, layer 1, ...])``, each (B, H, L, L).
         """
-        all_weights = []
-        for block in self.layers:
-            if need_weights:
-                x, weights = block.forward(x, mask, key_padding_mask, is_causal, need_weights=True)  # (B, L, D)
-                all_weights.append(weights)
-            else:
-                x = block.forward(x, mask, key_padding_mask, is_causal)  # (B, L, D)
+        x, all_weights = _forward_blocks(self.layers, x, mask, key_padding_mask, is_causal, need_weights)
         if self.norm is not None:
             x = self.norm.forward(x)  # (B, L, D)
         return (x, all_weights) if need_weights else x
@@ -112,6 +155,15 @@ class TransformerEncoder(Module):
         g = grad_output
         if self.norm is not None:
             g = self.norm.backward(g)  # (B, L, D)
-        for block in reversed(list(self.layers)):
-            g = block.backward(g)  # (B, L, D)
-        return g
+        return _backward_blocks(self.layers, g)  # (B, L, D)
+
+    @classmethod
+    def from_torch(cls, module: Any) -> "TransformerEncoder":
+        """The same computation as a ``torch.nn.TransformerEncoder`` (see :mod:`attnkit.interop.torch_nn`)."""
+        from ..interop import torch_nn
+        return torch_nn.encoder_from_torch(module)
+
+    def to_torch_state_dict(self) -> dict[str, Any]:
+        """These weights as a ``torch.nn.TransformerEncoder`` state dict (torch tensors)."""
+        from ..interop import torch_nn
+        return torch_nn.encoder_state_dict(self)

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_positive_int
-from ..attention.multi_head_attention import xavier_uniform
 from ..core.module import Module
+from ..init import as_generator, xavier_uniform
 from ..kernels import ffn as _ffn
 from ..kernels.activations import ACTIVATIONS
-from ._common import as_generator, check_features, check_grad_output
+from ._common import check_features, check_grad_output
 
 __all__ = ["FeedForward"]
 

@@ -1,4 +1,4 @@
-"""``LayerNorm``: layer normalisation over the last axis with a learnable gain and shift (seed 001).
+"""``LayerNorm``: layer normalisation over the last axis with a learnable gain and shift.
 
 Dimension letters: ``...`` any leading dims, D ``normalized_shape``.
 """
@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_positive_int
+from .._validation import check_eps, check_positive_int
 from ..core.module import Module
 from ..kernels import norm as _norm
 from ._common import check_features, check_grad_output
@@ -24,7 +24,7 @@ class LayerNorm(Module):
     normalized_shape : int or tuple of one int
         Size D of the normalised (last) axis.
     eps : float, default 1e-6
-        Added to the variance (note: ``torch.nn.LayerNorm`` defaults to 1e-5).
+        Added to the variance; a finite number > 0 (note: ``torch.nn.LayerNorm`` defaults to 1e-5).
 
     Attributes
     ----------
@@ -34,7 +34,8 @@ class LayerNorm(Module):
 
     Shapes
     ------
-    x : (..., D) -> y : (..., D), in ``x``'s float dtype.
+    x : (..., D) -> y : (..., D), in ``x``'s float dtype. float16 inputs are normalised in float32 (their
+    variance would overflow float16 above activations of ~256) and the result is rounded back to float16.
 
     Examples
     --------
@@ -55,12 +56,10 @@ class LayerNorm(Module):
                                  f"got {tuple(normalized_shape)}")
             normalized_shape = normalized_shape[0]
         self.normalized_shape = check_positive_int(normalized_shape, "normalized_shape")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not eps >= 0:
-            raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-        self.eps = float(eps)
+        self.eps = check_eps(eps)
         self.register_parameter("gamma", np.ones(self.normalized_shape))
         self.register_parameter("beta", np.zeros(self.normalized_shape))
-        self._cache: tuple[np.ndarray, np.ndarray] | None = None
+        self._cache: tuple[np.ndarray, np.ndarray, np.dtype] | None = None
 
     def extra_repr(self) -> str:
         return f"normalized_shape={self.normalized_shape}, eps={self.eps}"
@@ -70,15 +69,15 @@ class LayerNorm(Module):
         x = check_features(x, "x", self.normalized_shape, "LayerNorm", "normalized_shape")
         y, x_hat, rstd = _norm.layer_norm_forward(x, self._parameters["gamma"], self._parameters["beta"],
                                                   self.eps)  # (..., D), (..., D), (..., 1)
-        self._cache = (x_hat, rstd)
+        self._cache = (x_hat, rstd, x.dtype)
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradients of ``gamma`` and ``beta`` into ``self.grads``; return ``grad_x`` (..., D)."""
         if self._cache is None:
             raise RuntimeError("LayerNorm.backward called before forward")
-        x_hat, rstd = self._cache
-        g = check_grad_output(grad_output, x_hat.shape, x_hat.dtype, "LayerNorm")
+        x_hat, rstd, dtype = self._cache
+        g = check_grad_output(grad_output, x_hat.shape, dtype, "LayerNorm")
         grad_x, grad_gamma, grad_beta = _norm.layer_norm_backward(g, x_hat, rstd, self._parameters["gamma"])
         self.grads["gamma"] += grad_gamma
         self.grads["beta"] += grad_beta

@@ -1,4 +1,4 @@
-"""``Projection``: the learnable affine map ``x @ W + b`` of seed 001 (``torch.nn.Linear``, transposed).
+"""``Projection``: the learnable affine map ``x @ W + b`` (``torch.nn.Linear``, with ``W`` transposed).
 
 Dimension letters: ``...`` any leading dims, In ``in_features``, Out ``out_features``.
 """
@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_positive_int
-from ..attention.multi_head_attention import xavier_uniform
 from ..core.module import Module
+from ..init import as_generator, xavier_uniform
 from ..kernels.linear import linear, linear_backward
-from ._common import as_generator, check_features, check_grad_output
+from ._common import check_features, check_grad_output
 
 __all__ = ["Projection"]
 

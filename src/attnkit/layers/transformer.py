@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..core.module import Module
-from ._common import as_generator
+from ..init import as_generator
 from .decoder import TransformerDecoder
 from .encoder import TransformerEncoder
 

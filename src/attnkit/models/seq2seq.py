@@ -15,7 +15,7 @@ from ..beam_search import beam_search, greedy_search
 from ..cache import KVCache
 from ..core.module import Module
 from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
-from ..layers._common import as_generator
+from ..init import as_generator
 
 __all__ = ["Seq2SeqTransformer"]
 

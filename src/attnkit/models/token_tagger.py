@@ -13,7 +13,7 @@ import numpy as np
 from ..core.module import Module
 from ..layers import (Embedding, LearnedPositionalEmbedding, Projection, SinusoidalPositionalEncoding,
                      TransformerEncoder)
-from ..layers._common import as_generator
+from ..init import as_generator
 from ..losses import softmax_cross_entropy
 from ..optim.clip import clip_grad_norm
 from ..optim.optimizer import Optimizer

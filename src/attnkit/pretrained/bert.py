@@ -2,7 +2,7 @@
 
 Nothing here computes attention, normalisation or feed-forward itself: the model is three
 :class:`~attnkit.layers.embedding.Embedding` tables, a :class:`~attnkit.layers.layer_norm.LayerNorm` and a
-stack of post-norm :class:`~attnkit.transformer_block.TransformerEncoderBlock` (``norm_first=False``,
+stack of post-norm :class:`~attnkit.layers.TransformerEncoderBlock` (``norm_first=False``,
 ``attention_bias=True``, exact erf GELU), whose ``h = LN1(x + MHA(x))``, ``out = LN2(h + FFN(h))`` is BERT's
 layer exactly.
 
@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from ..core.module import Module, ModuleList
+from ..init import as_generator
 from ..layers.embedding import Embedding
+from ..layers.encoder import _backward_blocks
+from ..layers.encoder_block import TransformerEncoderBlock
 from ..layers.layer_norm import LayerNorm
-from ..transformer_block import TransformerEncoderBlock
 
 __all__ = ["BertConfig", "BertEncoder", "bert_state_dict", "IGNORED_BERT_KEYS"]
 
@@ -135,7 +137,7 @@ class BertEncoder(Module):
 
     def __init__(self, config: BertConfig, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
-        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        gen = as_generator(rng)
         c = config
         self.config = c
         self.word_embeddings = Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id, rng=gen)
@@ -206,12 +208,14 @@ class BertEncoder(Module):
         """
         ids, mask, types = self._check_inputs(input_ids, attention_mask, token_type_ids)
         h = self.embed(ids, types)  # (B, L, D)
-        states = [h]
+        # Every state but the last is the cached input of the next block: hand out copies, so that editing
+        # a returned state cannot change the gradients of a later backward.
+        states = [h.copy()]
         kpm = None if mask.all() else mask  # (B, L); no mask at all when nothing is padded
         for block in self.blocks:
             h = block(h, key_padding_mask=kpm)  # (B, L, D)
             if output_hidden_states:
-                states.append(h)
+                states.append(h.copy())
         return states if output_hidden_states else h
 
     def attention_weights(self, input_ids: Any, layer: int, attention_mask: Any = None,
@@ -239,9 +243,7 @@ class BertEncoder(Module):
         Adds every parameter's gradient into the ``grads`` of the layers; returns ``None`` (token ids
         have no gradient).
         """
-        g = grad_output
-        for block in reversed(list(self.blocks)):
-            g = block.backward(g)  # (B, L, D)
+        g = _backward_blocks(self.blocks, grad_output)  # (B, L, D)
         g = self.embedding_norm.backward(g)  # (B, L, D)
         self.word_embeddings.backward(g)
         self.token_type_embeddings.backward(g)
@@ -272,9 +274,9 @@ def bert_state_dict(tensors: Mapping[str, np.ndarray], num_layers: int) -> dict[
 
     Notes
     -----
-    In a BERT layer, ``attention.output.LayerNorm`` normalises ``x + attention`` (attnkit's
-    ``gamma1``/``beta1``) and ``output.LayerNorm`` normalises ``h + FFN(h)`` (``gamma2``/``beta2``);
-    ``intermediate.dense`` is the FFN's first map (``W1``, ``b1``) and ``output.dense`` its second.
+    In a BERT layer, ``attention.output.LayerNorm`` normalises ``x + attention`` (attnkit's ``norm1``) and
+    ``output.LayerNorm`` normalises ``h + FFN(h)`` (``norm2``); ``intermediate.dense`` is the FFN's first
+    map (``ffn.W1``, ``ffn.b1``) and ``output.dense`` its second (``ffn.W2``, ``ffn.b2``).
     """
     t = {k.removeprefix("bert."): v for k, v in tensors.items()}
     plan: dict[str, tuple[str, bool]] = {  # attnkit name -> (checkpoint name, transpose)
@@ -289,14 +291,14 @@ def bert_state_dict(tensors: Mapping[str, np.ndarray], num_layers: int) -> dict[
         for ours, theirs in (("Q", "self.query"), ("K", "self.key"), ("V", "self.value"), ("O", "output.dense")):
             plan[f"{dst}attention.W_{ours}"] = (f"{src}attention.{theirs}.weight", True)  # (out, in) -> (in, out)
             plan[f"{dst}attention.b_{ours}"] = (f"{src}attention.{theirs}.bias", False)
-        plan[f"{dst}gamma1"] = (f"{src}attention.output.LayerNorm.weight", False)
-        plan[f"{dst}beta1"] = (f"{src}attention.output.LayerNorm.bias", False)
-        plan[f"{dst}W1"] = (f"{src}intermediate.dense.weight", True)  # (F, D) -> (D, F)
-        plan[f"{dst}b1"] = (f"{src}intermediate.dense.bias", False)
-        plan[f"{dst}W2"] = (f"{src}output.dense.weight", True)  # (D, F) -> (F, D)
-        plan[f"{dst}b2"] = (f"{src}output.dense.bias", False)
-        plan[f"{dst}gamma2"] = (f"{src}output.LayerNorm.weight", False)
-        plan[f"{dst}beta2"] = (f"{src}output.LayerNorm.bias", False)
+        plan[f"{dst}norm1.gamma"] = (f"{src}attention.output.LayerNorm.weight", False)
+        plan[f"{dst}norm1.beta"] = (f"{src}attention.output.LayerNorm.bias", False)
+        plan[f"{dst}ffn.W1"] = (f"{src}intermediate.dense.weight", True)  # (F, D) -> (D, F)
+        plan[f"{dst}ffn.b1"] = (f"{src}intermediate.dense.bias", False)
+        plan[f"{dst}ffn.W2"] = (f"{src}output.dense.weight", True)  # (D, F) -> (F, D)
+        plan[f"{dst}ffn.b2"] = (f"{src}output.dense.bias", False)
+        plan[f"{dst}norm2.gamma"] = (f"{src}output.LayerNorm.weight", False)
+        plan[f"{dst}norm2.beta"] = (f"{src}output.LayerNorm.bias", False)
     missing = sorted(theirs for theirs, _ in plan.values() if theirs not in t)
     used = {theirs for theirs, _ in plan.values()}
     unknown = sorted(set(t) - used - set(IGNORED_BERT_KEYS))

@@ -1,0 +1,73 @@
+"""Initial weights of every layer, and the one way a seed becomes a random generator.
+
+Every constructor that takes ``rng`` passes it through :func:`as_generator` once and hands the generator to
+the initialisers here, so a seeded model is reproducible end to end and sub-layers built from one generator
+draw different weights.
+
+Dimension letters: In ``fan_in`` (rows: the features a weight reads), Out ``fan_out`` (columns: the features it
+writes). attnkit stores weights for ``x @ W``, so a weight is (In, Out), the transpose of ``torch.nn.Linear``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["as_generator", "xavier_uniform", "uniform_fan_in", "normal"]
+
+RandomSource = np.random.Generator | int | None
+
+
+def as_generator(rng: RandomSource) -> np.random.Generator:
+    """``rng`` itself if it is a Generator, else a new Generator seeded with it (``None``: fresh entropy).
+
+    Examples
+    --------
+    >>> gen = np.random.default_rng(0)
+    >>> as_generator(gen) is gen
+    True
+    >>> float(as_generator(3).uniform()) == float(np.random.default_rng(3).uniform())
+    True
+    """
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+
+
+def xavier_uniform(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.ndarray:
+    """Glorot-uniform (In, Out) matrix, ``U(-a, a)`` with ``a = sqrt(6 / (In + Out))``.
+
+    Keeps the variance of activations and of gradients about constant across the layer (Glorot & Bengio,
+    2010); ``torch.nn.init.xavier_uniform_`` draws from the same distribution.
+
+    Shapes
+    ------
+    returns (fan_in, fan_out) float64.
+
+    Examples
+    --------
+    >>> w = xavier_uniform(np.random.default_rng(0), 4, 2)
+    >>> w.shape, bool(np.abs(w).max() <= 1.0)
+    ((4, 2), True)
+    """
+    limit = np.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, size=(fan_in, fan_out))  # (In, Out)
+
+
+def uniform_fan_in(rng: np.random.Generator, fan_in: int, shape: tuple[int, ...] | int) -> np.ndarray:
+    """``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` of the given shape (torch's default for biases and vectors).
+
+    Examples
+    --------
+    >>> bool(np.abs(uniform_fan_in(np.random.default_rng(0), 4, 3)).max() <= 0.5)
+    True
+    """
+    limit = 1.0 / np.sqrt(fan_in)
+    return rng.uniform(-limit, limit, size=shape)
+
+
+def normal(rng: np.random.Generator, shape: tuple[int, ...] | int, std: float = 1.0) -> np.ndarray:
+    """``N(0, std^2)`` of the given shape (embedding tables: std 1 as torch, 0.02 as BERT and GPT-2).
+
+    Examples
+    --------
+    >>> normal(np.random.default_rng(0), (16, 8), std=0.02).shape
+    (16, 8)
+    """
+    return rng.normal(0.0, std, size=shape)
