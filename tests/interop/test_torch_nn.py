@@ -186,3 +186,29 @@ def test_missing_torch_gives_a_clear_import_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_torch)
     with pytest.raises(ImportError, match="pip install torch"):
         torch_nn.require_torch()
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_encoder_layer_and_stack_parity_batch_second(norm_first):
+    from attnkit.layers import TransformerEncoder, TransformerEncoderBlock
+    torch.manual_seed(6)
+    layer = torch.nn.TransformerEncoderLayer(D, H, F, dropout=0.0, activation="gelu", norm_first=norm_first,
+                                             dtype=torch.float64)
+    stack = torch.nn.TransformerEncoder(layer, num_layers=2, norm=torch.nn.LayerNorm(D, dtype=torch.float64),
+                                        enable_nested_tensor=False)
+    rng = make_rng(6, norm_first)
+    x = randn(rng, B, LS, D)
+    pad = np.arange(LS)[None, :] < np.array([[6], [4], [5]])
+    for ours, theirs in ((TransformerEncoderBlock.from_torch(layer), layer),
+                         (TransformerEncoder.from_torch(stack), stack)):
+        out = ours(x, key_padding_mask=pad)
+        tx = _tensor(x)
+        t_out = theirs(tx.transpose(0, 1), src_key_padding_mask=torch.from_numpy(~pad)).transpose(0, 1)
+        _assert_close(out, t_out, FORWARD_TOL, f"{type(theirs).__name__} output")
+        grad = randn(rng, *out.shape)
+        t_out.backward(torch.from_numpy(grad))
+        _assert_close(ours.backward(grad), tx.grad, GRAD_TOL, f"{type(theirs).__name__} grad of x")
+        state = ours.to_torch_state_dict()
+        assert sorted(state) == sorted(theirs.state_dict())
+        for name, value in theirs.state_dict().items():
+            assert torch.equal(state[name], value), name
