@@ -113,3 +113,22 @@ def test_decoder_block_rejects_bad_inputs():
         TransformerDecoderBlock(D, H, cross_attention="luong")
     with pytest.raises(RuntimeError, match="before forward"):
         TransformerDecoderBlock(D, H, rng=0).backward(np.zeros((1, 2, D)))
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("cross_attention", ["dot", "additive"])
+def test_incremental_decode_equals_full_forward(norm_first, cross_attention):
+    from attnkit.cache import KVCache
+    rng = make_rng(6, norm_first, len(cross_attention))
+    dec = TransformerDecoder(2, D, H, F, norm_first=norm_first, final_norm=True, attention_bias=True,
+                             cross_attention=cross_attention, rng=rng)
+    x, memory = randn(rng, B, 5, D), randn(rng, B, LS, D)
+    mem_pad = _padding([4, 2], LS)
+    full = dec(x, memory, memory_key_padding_mask=mem_pad, tgt_is_causal=True)
+    cache = KVCache(2, B, H, D // H, np.float64)
+    memory_kv = dec.project_memory(memory)
+    mask = mem_pad[:, None, None, :]
+    pieces = [dec.decode(x[:, :3], cache, memory_kv, mask)]  # a 3-position chunk, then one position at a time
+    pieces += [dec.decode(x[:, t:t + 1], cache, memory_kv, mask) for t in (3, 4)]
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=1e-12, atol=1e-12)
+    assert cache.length == 5
