@@ -22,6 +22,7 @@ $(STAMP_DEMO): $(BIN)/python pyproject.toml
 venv: $(STAMP_TEST)
 
 test: $(STAMP_TEST)
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest
 
 # make demo DEMO_ARGS="--task reverse --steps 400" passes options on (see .venv/bin/attnkit demo --help).

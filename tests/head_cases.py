@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkit.attention import AdditiveAttention, Attention, CausalAttention, LearnedBiasAttention, PhysicsGuidedAttention
+from attnkit.attention import (
+    AdditiveAttention,
+    Attention,
+    CausalAttention,
+    LearnedBiasAttention,
+    PhysicsGuidedAttention,
+)
 from attnkit.core import BaseAttention
+
 from helpers import make_rng
 
 B, H, LQ, LK, D, DV = 2, 2, 3, 5, 3, 2

@@ -6,9 +6,15 @@ to nothing gets zero weights, zero output and zero gradient, never NaN.
 __version__ = "0.1.0"
 
 from . import attention_core, core, kernels, multi_head, positional, transformer_block
-from .attention import MultiHeadAttention, ScaledDotProductAttention
-from .attention import (AdditiveAttention, Attention, CausalAttention, LearnedBiasAttention,
-                        PhysicsGuidedAttention)
+from .attention import (
+                        AdditiveAttention,
+                        Attention,
+                        CausalAttention,
+                        LearnedBiasAttention,
+                        MultiHeadAttention,
+                        PhysicsGuidedAttention,
+                        ScaledDotProductAttention,
+)
 from .attention_core import additive_attention, scaled_dot_product_attention
 from .core import BaseAttention, Module
 from .positional import create_causal_mask, create_padding_mask, sinusoidal_encoding

@@ -158,7 +158,8 @@ def as_bool_mask(mask: Any, name: str = "mask", allow_int: bool = False) -> np.n
     """``mask`` as a boolean array (``True`` = may attend); ``None`` passes through.
 
     With ``allow_int`` an integer array of 0s and 1s is accepted too (1 = may attend, 0 = masked), the way
-    the ``Attention`` module documents its masks; any other value, and floating masks (easily confused with additive biases), are refused.
+    the ``Attention`` module documents its masks; any other value, and floating masks (easily confused with
+    additive biases), are refused.
     """
     if mask is None:
         return None

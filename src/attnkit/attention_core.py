@@ -355,6 +355,7 @@ def additive_attention_backward(grad_output: np.ndarray, Q: np.ndarray, K: np.nd
     if grad_output.shape != expected:
         raise ValueError(f"grad_output has shape {grad_output.shape}, expected {expected} (..., seq_q, d_v)")
     live = (weights != 0).any(axis=-2)  # (..., Lk)
-    hidden = np.tanh((Q @ W_q)[..., :, None, :] + (_ref.zero_dead_keys(K, live) @ W_k)[..., None, :, :])  # (..., Lq, Lk, A)
+    k_live = _ref.zero_dead_keys(K, live)  # (..., Lk, Dk)
+    hidden = np.tanh((Q @ W_q)[..., :, None, :] + (k_live @ W_k)[..., None, :, :])  # (..., Lq, Lk, A)
     dq, dk, dv, dw_q, dw_k, dw_v = _ref.additive_backward(grad_output, Q, K, V, W_q, W_k, v, weights, hidden)
     return dq, dk, dv, {"W_q": dw_q, "W_k": dw_k, "v": dw_v}

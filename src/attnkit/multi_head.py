@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validation import (as_float_array, check_head_size, check_mha_mask, check_ndim, check_positive_int,
-                          common_float_dtype)
+from ._validation import (
+    as_float_array,
+    check_head_size,
+    check_mha_mask,
+    check_ndim,
+    check_positive_int,
+    common_float_dtype,
+)
 from .attention.multi_head_attention import MultiHeadAttention
 from .kernels import heads as _heads
 from .kernels import reference as _ref
@@ -73,7 +79,9 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
 def multi_head_attention_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, W_Q: np.ndarray, W_K: np.ndarray,
                                  W_V: np.ndarray, W_O: np.ndarray, num_heads: int,
                                  mask: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
-    """Multi-head attention forward pass: ``Concat(head_1..head_H) W_O``, ``head_i = Attention(Q W_Q^i, K W_K^i, V W_V^i)``.
+    """Multi-head attention forward pass: ``Concat(head_1..head_H) W_O``.
+
+    ``head_i = Attention(Q W_Q^i, K W_K^i, V W_V^i)``.
 
     Parameters
     ----------
@@ -121,7 +129,8 @@ def multi_head_attention_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, W_
     for name, w in (("W_Q", W_Q), ("W_K", W_K), ("W_V", W_V), ("W_O", W_O)):
         weights_in[name] = as_float_array(w, name)
         if weights_in[name].shape != (d_model, d_model):
-            raise ValueError(f"{name} has shape {weights_in[name].shape}, expected (d_model, d_model) = {(d_model, d_model)}")
+            raise ValueError(f"{name} has shape {weights_in[name].shape}, expected (d_model, d_model) = "
+                             f"{(d_model, d_model)}")
     dtype = common_float_dtype(Q, K, V, *weights_in.values())
     Q, K, V = (a.astype(dtype, copy=False) for a in (Q, K, V))
     W = {n: w.astype(dtype, copy=False) for n, w in weights_in.items()}

@@ -160,5 +160,6 @@ def create_padding_mask(lengths: np.ndarray, max_length: int) -> np.ndarray:
             raise TypeError(f"lengths must be integers, got dtype {lengths.dtype}")
     check_ndim(lengths, "lengths", ndim=1, expected="1-D (batch,)")
     if lengths.size and (lengths.min() < 0 or lengths.max() > max_length):
-        raise ValueError(f"lengths must lie in [0, max_length={max_length}], got min {lengths.min()} and max {lengths.max()}")
+        raise ValueError(f"lengths must lie in [0, max_length={max_length}], got min {lengths.min()} and max "
+                         f"{lengths.max()}")
     return np.arange(max_length)[None, :] < lengths[:, None]  # (B, max_length)

@@ -26,7 +26,8 @@ def _check_norm_args(x, gamma, name_x="x"):
     gamma = as_float_array(gamma, "gamma")
     check_ndim(x, name_x, min_ndim=1, expected="at least 1-D (..., d_model)")
     if gamma.shape != x.shape[-1:]:
-        raise ValueError(f"gamma has shape {gamma.shape}, expected (d_model,) = {x.shape[-1:]} for {name_x} of shape {x.shape}")
+        raise ValueError(f"gamma has shape {gamma.shape}, expected (d_model,) = {x.shape[-1:]} for {name_x} of "
+                         f"shape {x.shape}")
     return x, gamma
 
 

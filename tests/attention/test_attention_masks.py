@@ -1,4 +1,5 @@
-"""Seed-004 ``Attention`` against ``torch.nn.functional.scaled_dot_product_attention`` (float64, 1e-10).
+"""The ``Attention`` module (0/1 or boolean masks (B, Lk), (B, 1, Lk), (B, Lq, Lk), a future mask) against
+``torch.nn.functional.scaled_dot_product_attention`` (float64, 1e-10).
 
 Dimension letters: B batch, Lq/Lk query/key length, D query/key features, Dv value features.
 Our masks: ``True``/1 = may attend, the same polarity as F.scaled_dot_product_attention's boolean mask. The
@@ -12,14 +13,15 @@ import pytest
 import torch
 
 from attnkit.attention import Attention, MultiHeadAttention, ScaledDotProductAttention
+
 from helpers import assert_close_rel, make_rng, randn, to_numpy, to_torch, torch_masked_attention, torch_sdpa
 
 B, D, DV = 2, 4, 3
 MASK_SHAPES = ["none", "(B, Lk)", "(B, 1, Lk)", "(B, Lq, Lk)"]
 
 
-def _seed004_mask(shape: str, rng, seq_q: int, seq_k: int):
-    """A mask of one of seed 004's shapes in which key 0 is always allowed (no fully masked query)."""
+def _attention_module_mask(shape: str, rng, seq_q: int, seq_k: int):
+    """A mask of a shape ``Attention`` reads for 3-D inputs, key 0 always allowed (no fully masked query)."""
     if shape == "none":
         return None
     if shape == "(B, Lq, Lk)":
@@ -31,7 +33,7 @@ def _seed004_mask(shape: str, rng, seq_q: int, seq_k: int):
 
 
 def _explicit_mask(mask, shape: str, future: bool, seq_q: int, seq_k: int):
-    """The (B, Lq, Lk) mask torch gets: seed-004 reading plus an explicit bottom-right future mask."""
+    """The (B, Lq, Lk) mask torch gets: the mask as ``Attention`` reads it, plus a bottom-right future mask."""
     full = np.ones((B, seq_q, seq_k), bool)  # (B, Lq, Lk)
     if mask is not None:
         full &= (mask[:, None, :] if shape == "(B, Lk)" else mask).astype(bool)
@@ -44,12 +46,12 @@ def _explicit_mask(mask, shape: str, future: bool, seq_q: int, seq_k: int):
 @pytest.mark.parametrize("future", [False, True], ids=["", "future"])
 @pytest.mark.parametrize("shape,as_int", [(s, False) for s in MASK_SHAPES] + [(s, True) for s in MASK_SHAPES[1:]])
 def test_attention_matches_torch_sdpa(shape, as_int, future, seqs):
-    """Output and gradients of q, k, v equal torch's for each seed-004 mask shape (bool or 0/1 integers),
+    """Output and gradients of q, k, v equal torch's for each mask shape ``Attention`` reads (bool or 0/1 integers),
     with and without the future mask."""
     seq_q, seq_k = seqs
     rng = make_rng(40, MASK_SHAPES.index(shape), future, as_int, seq_q)
     q, k, v = randn(rng, B, seq_q, D), randn(rng, B, seq_k, D), randn(rng, B, seq_k, DV)
-    mask = _seed004_mask(shape, rng, seq_q, seq_k)
+    mask = _attention_module_mask(shape, rng, seq_q, seq_k)
     if as_int:
         mask = mask.astype(np.int64)
     G = randn(rng, B, seq_q, DV)
@@ -126,7 +128,7 @@ def test_padding_garbage_never_leaks():
     dq, dk, dv = attn.backward(np.ones_like(out))
     np.testing.assert_array_equal(out, out_clean)
     assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
-    for before, after in zip(copies, (q, k_bad, v_bad, mask)):
+    for before, after in zip(copies, (q, k_bad, v_bad, mask), strict=False):
         np.testing.assert_array_equal(before, after)
 
 
@@ -158,5 +160,5 @@ def test_attention_head_in_mha_equals_default_head():
     b = default(x, mem, mem, attn_mask=attn_mask, key_padding_mask=kpm)
     np.testing.assert_array_equal(a[0], b[0])
     G = randn(rng, B, 3, 8)
-    for ga, gb in zip(ours.backward(G), default.backward(G)):
+    for ga, gb in zip(ours.backward(G), default.backward(G), strict=False):
         np.testing.assert_array_equal(ga, gb)

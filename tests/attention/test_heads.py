@@ -1,4 +1,4 @@
-"""Attention heads of issue 3: Attention (seed 004), Additive, Causal, LearnedBias, PhysicsGuided.
+"""The attention heads: Attention, Additive, Causal, LearnedBias, PhysicsGuided.
 
 Dimension letters: B batch, H heads, Lq/Lk query/key length, D (= Dh) query/key features, Dv value features,
 E = H * Dh model dim. Masks are boolean, ``True`` = may attend.
@@ -14,12 +14,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnkit.attention import (AdditiveAttention, Attention, CausalAttention, LearnedBiasAttention,
-                               MultiHeadAttention, PhysicsGuidedAttention)
+from attnkit.attention import (
+    AdditiveAttention,
+    Attention,
+    CausalAttention,
+    LearnedBiasAttention,
+    MultiHeadAttention,
+    PhysicsGuidedAttention,
+)
 from attnkit.core import BaseAttention
 from attnkit.kernels import reference as ref
-from head_cases import B, D, DV, H, HEADS, LK, LQ, prior_fn, randomise, t5_bucket_reference
+
+from head_cases import DV, HEADS, LK, LQ, B, D, H, prior_fn, randomise, t5_bucket_reference
 from helpers import FD_TOL, assert_gradient, make_rng, numerical_gradient, randn, relative_error
+
 
 def _inputs(rng, per_head: bool, seq_q: int = LQ, seq_k: int = LK):
     lead = (B, H) if per_head else (B,)

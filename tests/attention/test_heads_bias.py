@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnkit.attention import (LearnedBiasAttention, PhysicsGuidedAttention,
-                               ScaledDotProductAttention)
+from attnkit.attention import LearnedBiasAttention, PhysicsGuidedAttention, ScaledDotProductAttention
 from attnkit.attention.learned_bias import T5RelativeBias, alibi_slopes, t5_relative_position_bucket
-from helpers import make_rng, randn
+
 from head_cases import HEADS, t5_bucket_reference
+from helpers import make_rng, randn
 
 REL = np.arange(-400, 401)  # relative positions key - query
 
@@ -142,7 +142,7 @@ def test_heads_preserve_dtype_and_inputs(name, dtype):
     assert out.dtype == w.dtype == dtype
     assert [g.dtype for g in grads] == [dtype] * 3
     assert all(head.grads[n].dtype == p.dtype == np.float64 for n, p in head.named_parameters())
-    for before, after in zip(copies, (q, k, v, mask)):
+    for before, after in zip(copies, (q, k, v, mask), strict=False):
         np.testing.assert_array_equal(before, after)
 
 
@@ -163,7 +163,7 @@ def test_biases_in_the_tiled_kernel_equal_the_reference(name):
                                                     block_k=3, num_threads=2)
     grads_t = tiled.flash_attention_backward(G, ctx_t)[:3]
     np.testing.assert_allclose(out_t, out, rtol=0, atol=1e-13)
-    for a, b in zip(grads_t, grads):
+    for a, b in zip(grads_t, grads, strict=False):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
     for n, g in head.grads.items():
         np.testing.assert_allclose(g, param_grads[n], rtol=0, atol=1e-12)

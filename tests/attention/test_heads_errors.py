@@ -7,8 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnkit.attention import (AdditiveAttention, Attention, CausalAttention, LearnedBiasAttention,
-                               MultiHeadAttention, PhysicsGuidedAttention)
+from attnkit.attention import (
+    AdditiveAttention,
+    Attention,
+    CausalAttention,
+    LearnedBiasAttention,
+    MultiHeadAttention,
+    PhysicsGuidedAttention,
+)
 
 Q, K, V = np.ones((2, 3, 4)), np.ones((2, 5, 4)), np.ones((2, 5, 6))  # (B, Lq, D), (B, Lk, D), (B, Lk, Dv)
 Q4, K4, V4 = Q[:, None], K[:, None], V[:, None]  # (B, 1, L, D): one head
@@ -41,7 +47,7 @@ def test_physics_per_head_strengths_must_match_heads():
         mha(x, x, x)
 
 
-# -- Attention (seed 004) masks -----------------------------------------------------------------------------
+# -- Attention module masks: (B, Lk), (B, 1, Lk), (B, Lq, Lk), booleans or 0/1 ---------------------------------
 @pytest.mark.parametrize("shape", [(3, 5), (2, 4), (5, 2)])
 def test_attention_refuses_2d_masks_other_than_batch_by_seq_k(shape):
     with pytest.raises(ValueError, match=r"read as a \(batch, seq_k\) = \(2, 5\) key padding mask"):
@@ -131,7 +137,8 @@ def test_backward_checks_grad_output_and_order(make):
     with pytest.raises(RuntimeError, match="backward called before forward"):
         head.backward(np.ones((2, 1, 3, 6)))
     out, _ = head(Q4, K4, V4)
-    with pytest.raises(ValueError, match=r"grad_output has shape \(2, 3, 6\), expected the output shape \(2, 1, 3, 6\)"):
+    with pytest.raises(ValueError,
+                       match=r"grad_output has shape \(2, 3, 6\), expected the output shape \(2, 1, 3, 6\)"):
         head.backward(np.ones((2, 3, 6)))
 
 
@@ -180,13 +187,15 @@ def test_physics_coordinates_must_cover_the_sequences():
         PhysicsGuidedAttention(coordinates=np.arange(4.0))(Q, K, V)
     with pytest.raises(ValueError, match=r"negative for seq_q = 5 > seq_k = 3; give a pair"):
         PhysicsGuidedAttention(coordinates=np.arange(6.0))(K, Q, Q)
-    with pytest.raises(ValueError, match="the pair has 3 query and 4 key points but the inputs have seq_q = 3, seq_k = 5"):
+    with pytest.raises(ValueError,
+                       match="the pair has 3 query and 4 key points but the inputs have seq_q = 3, seq_k = 5"):
         PhysicsGuidedAttention(coordinates=(np.arange(3.0), np.arange(4.0)))(Q, K, V)
 
 
 def test_physics_callable_prior_must_return_tq_by_tk():
     head = PhysicsGuidedAttention(lambda xq, xk: np.zeros((xk.shape[0], xq.shape[0])))
-    with pytest.raises(ValueError, match=r"prior\(q_pos, k_pos\) returned shape \(5, 3\), expected \(Tq, Tk\) = \(3, 5\)"):
+    with pytest.raises(ValueError,
+                       match=r"prior\(q_pos, k_pos\) returned shape \(5, 3\), expected \(Tq, Tk\) = \(3, 5\)"):
         head(Q, K, V)
 
 

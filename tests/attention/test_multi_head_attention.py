@@ -1,6 +1,6 @@
 """``MultiHeadAttention`` (the module) against ``torch.nn.MultiheadAttention(batch_first=True)``, forward and
 backward including every parameter gradient: self- and cross-attention (Lq != Lk), kdim/vdim (torch then
-keeps separate q/k/v_proj_weight), bias, attn_mask (2-D and 4-D), key_padding_mask, causal; the seed-003
+keeps separate q/k/v_proj_weight), bias, attn_mask (2-D and 4-D), key_padding_mask, causal; the positional
 signature ``MultiHeadAttention(d_model, num_heads).forward(Q, K, V, mask)``; padding garbage (NaN/Inf in
 padded keys and values) never reaching an output or a gradient; bottom-right-aligned causal masking.
 
@@ -19,7 +19,8 @@ from attnkit.attention import MultiHeadAttention, ScaledDotProductAttention
 from attnkit.kernels.reference import causal_mask
 from attnkit.layers import TransformerEncoder
 from attnkit.models import TokenTagger
-from attnkit.multi_head import MultiHeadAttention as Seed003MultiHeadAttention
+from attnkit.multi_head import MultiHeadAttention as MultiHeadAttentionFromMultiHead
+
 from helpers import TORCH_DTYPE, assert_close_rel, group_scale, make_rng, randn, to_numpy, to_torch
 
 DTYPES = [np.float64, np.float32]
@@ -169,11 +170,11 @@ def test_cross_attention_longer_queries_than_keys_matches_torch():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_seed_003_signature_matches_torch(dtype):
+def test_d_model_num_heads_signature_with_positional_mask_matches_torch(dtype):
     """``MultiHeadAttention(d_model, num_heads)`` and ``forward(Q, K, V, mask)`` (mask positional, True = attend)."""
-    assert Seed003MultiHeadAttention is MultiHeadAttention
+    assert MultiHeadAttentionFromMultiHead is MultiHeadAttention
     rng = make_rng(5)
-    mha = Seed003MultiHeadAttention(8, 4)
+    mha = MultiHeadAttentionFromMultiHead(8, 4)
     assert mha.d_model == 8 and mha.d_k == 2 and sorted(mha.get_params()) == ["W_K", "W_O", "W_Q", "W_V"]
     Q, K, V = randn(rng, 2, 3, 8, dtype=dtype), randn(rng, 2, 5, 8, dtype=dtype), randn(rng, 2, 5, 8, dtype=dtype)
     mask = rng.random((3, 5)) < 0.5
@@ -218,7 +219,7 @@ def test_padded_keys_never_influence_outputs_or_gradients(garbage, bias):
     grads = mha.backward(G)
     assert np.array_equal(out, clean_out) and np.array_equal(w, clean_w)
     assert np.all(w[np.broadcast_to(~kpm[:, None, None, :], w.shape)] == 0)
-    for ours, clean in zip(grads, clean_grads):
+    for ours, clean in zip(grads, clean_grads, strict=False):
         assert np.all(np.isfinite(ours)) and np.array_equal(ours, clean)
     assert np.all(grads[1][~kpm] == 0) and np.all(grads[2][~kpm] == 0)
     for name, g in mha.grads.items():
@@ -274,7 +275,7 @@ def test_causal_is_bottom_right_aligned_and_equals_the_explicit_mask(dtype, Lq, 
     grads_m = mha.backward(G)
     np.testing.assert_array_equal(out_c, out_m)
     np.testing.assert_array_equal(w_c, w_m)
-    for a, b in zip(grads_c, grads_m):
+    for a, b in zip(grads_c, grads_m, strict=False):
         np.testing.assert_array_equal(a, b)
     assert np.all(w_c[..., ~explicit] == 0) and np.all(w_c[..., -1, :] > 0)  # the last query sees every key
     # and torch, given the same explicit mask, agrees

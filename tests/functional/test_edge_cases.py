@@ -36,6 +36,7 @@ from attnkit.transformer_block import (
     layer_norm_backward,
     stack_encoder_blocks,
 )
+
 from helpers import make_rng, randn, torch_sdpa
 
 
@@ -181,7 +182,7 @@ def test_input_scale_1e4_sdpa_finite_and_matches_torch(scale):
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-12)
     ref = torch_sdpa(Q, K, V, mask, G)
     np.testing.assert_allclose(out, ref[0], rtol=0, atol=1e-10)
-    for ours, theirs in zip(grads, ref[1:]):
+    for ours, theirs in zip(grads, ref[1:], strict=False):
         scale_ref = max(np.abs(theirs).max(), 1.0)
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-10 * scale_ref)
 
@@ -282,7 +283,7 @@ def test_causal_receptive_field_multi_head_attention(H):
     mha = MultiHeadAttention(D, H, rng=make_rng(90))
     for mask, causal in ((create_causal_mask(L), True), (None, False)):
         for i in range(L):
-            def fb(G):
+            def fb(G, mask=mask):
                 mha.forward(x, x, x, mask=mask)
                 return sum(mha.backward(G))  # self-attention: the three input grads add up
             g = grad_of_output_row(fb, x, i)
@@ -307,7 +308,7 @@ def test_causal_receptive_field_encoder_block_and_stack():
                                   blocks[1].forward(blocks[0].forward(x, mask=mask), mask=mask))
     for n_blocks in (1, 2):
         for i in range(L):
-            def fb(G):
+            def fb(G, n_blocks=n_blocks):
                 h = x
                 for b in blocks[:n_blocks]:
                     h = b.forward(h, mask=mask)
@@ -415,7 +416,7 @@ def _snapshot(arrays):
 
 
 def _assert_unchanged(before, arrays, what):
-    for i, (b, a) in enumerate(zip(before, arrays)):
+    for i, (b, a) in enumerate(zip(before, arrays, strict=False)):
         np.testing.assert_array_equal(a, b, err_msg=f"{what}: argument {i} was modified in place")
 
 
@@ -469,7 +470,7 @@ def test_inputs_not_modified_in_place_multi_head_and_layers():
     add_positional_encoding(x, pe)
 
     mha = MultiHeadAttention(D, H, rng=make_rng(130))
-    params = {n: w for n, w in zip(("W_Q", "W_K", "W_V", "W_O"), W)}
+    params = {n: w for n, w in zip(("W_Q", "W_K", "W_V", "W_O"), W, strict=False)}
     mha.set_params(params)
     mha.forward(x, y, y, mask=mask)
     mha.backward(G)

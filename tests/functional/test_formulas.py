@@ -32,6 +32,7 @@ from attnkit.transformer_block import (
     layer_norm_backward,
     stack_encoder_blocks,
 )
+
 from helpers import make_rng, randn
 
 WEIGHT_NAMES = ("W_Q", "W_K", "W_V", "W_O")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from attnkit.attention_core import scaled_dot_product_attention, scaled_dot_product_attention_backward
+
 from helpers import assert_close_rel, dead_rows, group_scale, make_mask, make_rng, torch_sdpa
 
 N_CONFIGS = 300
@@ -35,7 +36,7 @@ class Config:
     mask: str
 
     @classmethod
-    def draw(cls, seed: int) -> "Config":
+    def draw(cls, seed: int) -> Config:
         r = make_rng(9000, seed)
         return cls(seed=seed, B=int(r.integers(1, 4)), H=int(r.integers(1, 5)), Lq=int(r.choice(LENGTHS)),
                    Lk=int(r.choice(LENGTHS)), Dk=int(r.choice(FEATURES)), Dv=int(r.choice(FEATURES)),

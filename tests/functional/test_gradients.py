@@ -26,6 +26,7 @@ from attnkit.transformer_block import (
     layer_norm,
     layer_norm_backward,
 )
+
 from helpers import assert_gradient, make_mask, make_rng, randn
 
 SDPA_MASKS = ("none", "causal", "padding", "broadcast", "fully_masked")

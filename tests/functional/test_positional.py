@@ -19,6 +19,7 @@ from attnkit.positional import (
     learned_positional_encoding,
     sinusoidal_encoding,
 )
+
 from helpers import make_rng, randn
 
 

@@ -1,4 +1,4 @@
-"""attnkit.simple: seed 002's functional API on (L, d) matrices given as nested lists or arrays.
+"""attnkit.simple: attention on plain (L, d) matrices given as nested lists or arrays (lists in, lists out).
 
 List in -> nested list of Python floats out; array in -> array out in the inputs' float dtype. Compared with
 torch's F.scaled_dot_product_attention (per head, on feature slices, for the multi-head version).
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.simple import multi_head_attention, scaled_dot_product_attention
+
 from helpers import make_rng, randn
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from attnkit.attention_core import scaled_dot_product_attention, scaled_dot_product_attention_backward
 from attnkit.multi_head import MultiHeadAttention, multi_head_attention_backward, multi_head_attention_forward
 from attnkit.transformer_block import TransformerEncoderBlock, layer_norm, layer_norm_backward
+
 from helpers import (
     MASK_KINDS,
     TORCH_DTYPE,
@@ -280,7 +281,7 @@ def test_layer_norm_matches_torch(dtype, D, B, L):
     assert_close_rel(y, to_numpy(ty), dtype, "layer_norm output")
     refs = to_numpy(tx.grad), to_numpy(ln.weight.grad), to_numpy(ln.bias.grad)
     gs = group_scale(*refs)
-    for name, ours, ref in zip(("grad_x", "grad_gamma", "grad_beta"), (dx, dgamma, dbeta), refs):
+    for name, ours, ref in zip(("grad_x", "grad_gamma", "grad_beta"), (dx, dgamma, dbeta), refs, strict=False):
         assert_close_rel(ours, ref, dtype, name, gs)
 
 

@@ -11,6 +11,7 @@ import pytest
 from attnkit.layers import FeedForward, LayerNorm, TransformerEncoder, TransformerEncoderBlock
 from attnkit.transformer_block import TransformerEncoderBlock as SpecBlock
 from attnkit.transformer_block import stack_encoder_blocks
+
 from helpers import make_rng, randn
 
 FLAT = {"W1": "ffn.W1", "b1": "ffn.b1", "W2": "ffn.W2", "b2": "ffn.b2", "gamma1": "norm1.gamma",
@@ -99,6 +100,6 @@ def test_stack_encoder_blocks_equals_the_encoder_module_without_final_norm(norm_
 
 def test_same_seed_gives_the_same_block():
     a, b = TransformerEncoderBlock(8, 2, 12, rng=5), TransformerEncoderBlock(8, 2, 12, rng=5)
-    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=False):
         np.testing.assert_array_equal(p, q, err_msg=name)
     assert not np.array_equal(a.W1, TransformerEncoderBlock(8, 2, 12, rng=6).W1)

@@ -1,14 +1,23 @@
 """Bad input to the layers, losses, models and tasks raises a clear TypeError/ValueError naming the argument
 (or RuntimeError for backward before forward). State-dict errors are in core/test_state_dict.py, optimizer
-argument errors in optim/test_optim.py, the non-BaseAttention head in attention/test_multi_head_attention.py (and once more here)."""
+argument errors in optim/test_optim.py, the non-BaseAttention head in attention/test_multi_head_attention.py
+(and once more here)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from attnkit.attention import MultiHeadAttention
-from attnkit.layers import (Dropout, Embedding, FeedForward, LayerNorm, LearnedPositionalEmbedding, Projection,
-                            SinusoidalPositionalEncoding, TransformerEncoder)
+from attnkit.layers import (
+    Dropout,
+    Embedding,
+    FeedForward,
+    LayerNorm,
+    LearnedPositionalEmbedding,
+    Projection,
+    SinusoidalPositionalEncoding,
+    TransformerEncoder,
+)
 from attnkit.losses import softmax_cross_entropy
 from attnkit.models import TokenTagger
 from attnkit.tasks import make_batch, token_names

@@ -11,10 +11,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnkit.layers import (Dropout, Embedding, FeedForward, LayerNorm, LearnedPositionalEmbedding, Projection,
-                            SinusoidalPositionalEncoding, TransformerEncoder, TransformerEncoderBlock)
+from attnkit.layers import (
+    Dropout,
+    Embedding,
+    FeedForward,
+    LayerNorm,
+    LearnedPositionalEmbedding,
+    Projection,
+    SinusoidalPositionalEncoding,
+    TransformerEncoder,
+    TransformerEncoderBlock,
+)
 from attnkit.losses import softmax_cross_entropy
 from attnkit.models import TokenTagger
+
 from helpers import FD_TOL, numerical_gradient, randn, relative_error
 
 
@@ -251,7 +261,8 @@ def test_encoder_final_norm_defaults(rng):
     assert TransformerEncoder(1, 4, 2, rng=0).norm is not None
     assert TransformerEncoder(1, 4, 2, norm_first=False, rng=0).norm is None
     assert TransformerEncoder(1, 4, 2, final_norm=False, rng=0).norm is None
-    assert "norm.gamma" in dict(TransformerEncoder(1, 4, 2, norm_first=False, final_norm=True, rng=0).named_parameters())
+    post_norm_with_final = TransformerEncoder(1, 4, 2, norm_first=False, final_norm=True, rng=0)
+    assert "norm.gamma" in dict(post_norm_with_final.named_parameters())
 
 
 def test_model_need_weights_and_predict(rng):

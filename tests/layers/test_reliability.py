@@ -14,10 +14,11 @@ from attnkit.models import TokenTagger
 from attnkit.multi_head import multi_head_attention_forward, split_heads
 from attnkit.simple import multi_head_attention
 from attnkit.transformer_block import layer_norm
+
+from head_cases import DV as HDV
 from head_cases import HEADS, LK, LQ
 from head_cases import B as HB
 from head_cases import D as HD
-from head_cases import DV as HDV
 from head_cases import H as HH
 from helpers import make_rng, randn
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from attnkit.layers import Embedding, FeedForward, LayerNorm, Projection, TransformerEncoder
 from attnkit.losses import softmax_cross_entropy
+
 from helpers import TORCH_DTYPE, assert_close_rel, group_scale, make_rng, randn, to_numpy, to_torch
 
 DTYPES = [np.float64, np.float32]
@@ -105,7 +106,7 @@ def run_ffn_parity(dtype, activation, seed=0) -> dict:
     act = {"relu": torch.nn.ReLU(), "gelu": torch.nn.GELU(), "gelu_tanh": torch.nn.GELU(approximate="tanh")}
     ref = torch.nn.Sequential(torch.nn.Linear(6, 10, dtype=tdt(dtype)), act[activation],
                               torch.nn.Linear(10, 6, dtype=tdt(dtype)))
-    for i, (w, b) in zip((0, 2), (("W1", "b1"), ("W2", "b2"))):
+    for i, (w, b) in zip((0, 2), (("W1", "b1"), ("W2", "b2")), strict=False):
         set_(ref[i].weight, getattr(ffn, w).T.astype(dtype))
         set_(ref[i].bias, getattr(ffn, b).astype(dtype))
     tx = to_torch(x, True)
@@ -127,7 +128,7 @@ def torch_encoder_from(enc: TransformerEncoder, dtype, d_ff: int, activation: st
                                              batch_first=True, norm_first=enc.norm_first, dtype=tdt(dtype))
     norm = torch.nn.LayerNorm(D, eps=1e-6, dtype=tdt(dtype)) if enc.norm is not None else None
     ref = torch.nn.TransformerEncoder(layer, enc.num_layers, norm=norm, enable_nested_tensor=False)
-    for ours, theirs in zip(enc.layers, ref.layers):
+    for ours, theirs in zip(enc.layers, ref.layers, strict=False):
         a = ours.attention
         set_(theirs.self_attn.in_proj_weight, np.concatenate([a.W_Q.T, a.W_K.T, a.W_V.T]).astype(dtype))
         set_(theirs.self_attn.in_proj_bias, np.concatenate([a.b_Q, a.b_K, a.b_V]).astype(dtype))

@@ -65,7 +65,7 @@ def test_trained_model_round_trips_through_a_file_bit_for_bit(sorter, tmp_path):
     logits, weights = model(ids, need_weights=True)
     fresh_logits, fresh_weights = fresh(ids, need_weights=True)
     assert np.array_equal(logits, fresh_logits)
-    assert all(np.array_equal(a, b) for a, b in zip(weights, fresh_weights))
+    assert all(np.array_equal(a, b) for a, b in zip(weights, fresh_weights, strict=False))
 
 
 def test_post_norm_gelu_encoder_with_learned_positions_learns_to_reverse():

@@ -8,8 +8,14 @@ from __future__ import annotations
 import numpy as np
 
 from .._aliases import alias_property, resolve
-from .._validation import (as_float_array, check_head_size, check_mha_mask, check_ndim, check_positive_int,
-                           common_float_dtype)
+from .._validation import (
+    as_float_array,
+    check_head_size,
+    check_mha_mask,
+    check_ndim,
+    check_positive_int,
+    common_float_dtype,
+)
 from ..core.base_attention import BaseAttention
 from ..core.module import Module
 from ..init import as_generator, xavier_uniform
@@ -90,7 +96,8 @@ class MultiHeadAttention(Module):
         elif not isinstance(attention, BaseAttention):
             raise TypeError(f"attention must be a BaseAttention instance, got {type(attention).__name__}")
         elif dropout:
-            raise ValueError("dropout applies to the default head only; configure the dropout of the given attention head")
+            raise ValueError("dropout applies to the default head only; configure the dropout of the given "
+                             "attention head")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.d_k = head_size
@@ -108,7 +115,8 @@ class MultiHeadAttention(Module):
     head_dim = alias_property("MultiHeadAttention", "head_dim")
 
     def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, bias={self.bias}, kdim={self.kdim}, vdim={self.vdim}"
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, bias={self.bias}, kdim={self.kdim}, "
+                f"vdim={self.vdim}")
 
     def get_params(self) -> dict[str, np.ndarray]:
         """Copies of all parameters by name (``W_Q, W_K, W_V, W_O``, biases, and the head's as ``attention.*``)."""
@@ -210,7 +218,8 @@ class MultiHeadAttention(Module):
             if x.shape[-1] != feat:
                 raise ValueError(f"{name} has {x.shape[-1]} features, expected {feat} (got shape {x.shape})")
         if not (query.shape[0] == key.shape[0] == value.shape[0]):
-            raise ValueError(f"query, key and value must share the batch size, got {query.shape}, {key.shape}, {value.shape}")
+            raise ValueError(f"query, key and value must share the batch size, got {query.shape}, {key.shape}, "
+                             f"{value.shape}")
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key has length {key.shape[1]} but value has length {value.shape[1]} "
                              f"(key: {key.shape}, value: {value.shape})")

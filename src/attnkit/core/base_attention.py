@@ -41,7 +41,8 @@ class BaseAttention(Module):
     ...     def backward(self, grad_output):
     ...         dnq, dnk, dv, _ = ref.attention_backward(grad_output, self._ctx)
     ...         q, k, nq, nk = self._norms
-    ...         unit_grad = lambda x, n, d: (d - n * (d * n).sum(-1, keepdims=True)) / np.linalg.norm(x, axis=-1, keepdims=True)
+    ...         def unit_grad(x, n, d):  # gradient through x -> x / |x|
+    ...             return (d - n * (d * n).sum(-1, keepdims=True)) / np.linalg.norm(x, axis=-1, keepdims=True)
     ...         return unit_grad(q, nq, dnq), unit_grad(k, nk, dnk), dv
     >>> out, w = CosineAttention()(np.ones((1, 2, 3)), np.ones((1, 4, 3)), np.ones((1, 4, 5)))
     >>> out.shape, w.shape

@@ -69,7 +69,8 @@ class Embedding(Module):
         self._ids: np.ndarray | None = None
 
     def extra_repr(self) -> str:
-        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, padding_idx={self.padding_idx}"
+        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+                f"padding_idx={self.padding_idx}")
 
     def forward(self, ids: Any) -> np.ndarray:
         """Look up every id; returns (..., D). Caches the ids for :meth:`backward`."""

@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 
 from ..core.module import Module
-from ..layers import (Embedding, LearnedPositionalEmbedding, Projection, SinusoidalPositionalEncoding,
-                     TransformerEncoder)
 from ..init import as_generator
+from ..layers import Embedding, LearnedPositionalEmbedding, Projection, SinusoidalPositionalEncoding, TransformerEncoder
 from ..losses import softmax_cross_entropy
 from ..optim.clip import clip_grad_norm
 from ..optim.optimizer import Optimizer
@@ -48,7 +47,8 @@ class TokenTagger(Module):
 
     Attributes
     ----------
-    embedding : Embedding (token vectors initialised ``N(0, 0.02^2)`` as in BERT and GPT-2), positional : SinusoidalPositionalEncoding or LearnedPositionalEmbedding,
+    embedding : Embedding (token vectors initialised ``N(0, 0.02^2)`` as in BERT and GPT-2),
+    positional : SinusoidalPositionalEncoding or LearnedPositionalEmbedding,
     encoder : TransformerEncoder, head : Projection (D -> C).
 
     Shapes

@@ -65,7 +65,7 @@ class BertConfig:
     pad_token_id: int = 0
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "BertConfig":
+    def from_json(cls, path: str | Path) -> BertConfig:
         """Read a Hugging Face ``config.json`` of a BERT model.
 
         Raises
@@ -303,6 +303,7 @@ def bert_state_dict(tensors: Mapping[str, np.ndarray], num_layers: int) -> dict[
     used = {theirs for theirs, _ in plan.values()}
     unknown = sorted(set(t) - used - set(IGNORED_BERT_KEYS))
     if missing or unknown:
+        more_missing, more_unknown = " ..." if len(missing) > 8 else "", " ..." if len(unknown) > 8 else ""
         raise KeyError(f"the checkpoint does not match a {num_layers}-layer BERT: missing {missing[:8]}"
-                       f"{' ...' if len(missing) > 8 else ''}, unexpected {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+                       f"{more_missing}, unexpected {unknown[:8]}{more_unknown}")
     return {ours: (t[theirs].T if transpose else t[theirs]) for ours, (theirs, transpose) in plan.items()}
