@@ -158,7 +158,7 @@ def make_examples(n: int, rng: np.random.Generator | int | None = None, *,
     names = list(FORMATS)
     fmts = gen.integers(0, len(names), size=n)
     cases = gen.choice(["as_is", "as_is", "lower", "upper"], size=n)
-    sources = [render(d, names[f], c) for d, f, c in zip(dates, fmts, cases)]
+    sources = [render(d, names[f], c) for d, f, c in zip(dates, fmts, cases, strict=True)]
     return sources, [d.isoformat() for d in dates]
 
 

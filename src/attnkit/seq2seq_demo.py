@@ -148,9 +148,9 @@ def train(config: DatesConfig, on_step: Callable[[int, float, float], None] | No
         greedy = normalise(model, sources)
         beam = normalise(model, sources, num_beams=config.num_beams)
     return DatesResult(config=config, model=model, losses=losses,
-                       greedy_exact_match=float(np.mean([g == t for g, t in zip(greedy, targets)])),
-                       beam_exact_match=float(np.mean([b == t for b, t in zip(beam, targets)])),
-                       examples=list(zip(sources[:8], targets[:8], greedy[:8])),
+                       greedy_exact_match=float(np.mean([g == t for g, t in zip(greedy, targets, strict=True)])),
+                       beam_exact_match=float(np.mean([b == t for b, t in zip(beam, targets, strict=True)])),
+                       examples=list(zip(sources[:8], targets[:8], greedy[:8], strict=True)),
                        train_seconds=train_seconds, eval_seconds=time.perf_counter() - start - train_seconds)
 
 

@@ -7,11 +7,12 @@ real token, so torch receives their negation.
 import numpy as np
 import pytest
 import torch
-from helpers import make_rng, max_rel_diff, randn
 
 from attnkit.attention import MultiHeadAttention
 from attnkit.interop import torch_nn
 from attnkit.layers import Transformer, TransformerDecoder, TransformerDecoderBlock
+
+from helpers import make_rng, max_rel_diff, randn
 
 FORWARD_TOL, GRAD_TOL = 1e-10, 1e-9
 B, LS, LT, D, H, F = 3, 6, 5, 8, 2, 12
@@ -72,7 +73,7 @@ def test_multihead_attention_parity(kdim, vdim, bias, batch_first):
     grad = randn(rng, *out.shape)
     grads = ours.backward(grad)
     t_out.backward(torch.from_numpy(grad))
-    for name, g, t in zip(("query", "key", "value"), grads, (tq, tk, tv)):
+    for name, g, t in zip(("query", "key", "value"), grads, (tq, tk, tv), strict=True):
         _assert_close(g, t.grad, GRAD_TOL, f"grad of {name}")
     _assert_param_grads(ours, m, MultiHeadAttention)
 
@@ -83,7 +84,7 @@ def test_multihead_attention_state_dict_round_trip():
         m = torch.nn.MultiheadAttention(D, H, **kwargs, dtype=torch.float64)
         back = torch.nn.MultiheadAttention(D, H, **kwargs, dtype=torch.float64)
         back.load_state_dict(MultiHeadAttention.from_torch(m).to_torch_state_dict())
-        for (name, a), (_, b) in zip(m.state_dict().items(), back.state_dict().items()):
+        for (name, a), (_, b) in zip(m.state_dict().items(), back.state_dict().items(), strict=True):
             assert torch.equal(a, b), name
 
 
@@ -154,7 +155,7 @@ def test_attnkit_model_to_torch_and_back_is_exact():
                                  dropout=0.0, batch_first=True, dtype=torch.float64)
     model.load_state_dict(ours.to_torch_state_dict())
     again = Transformer.from_torch(model)
-    for (name, a), (_, b) in zip(ours.named_parameters(), again.named_parameters()):
+    for (name, a), (_, b) in zip(ours.named_parameters(), again.named_parameters(), strict=True):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 

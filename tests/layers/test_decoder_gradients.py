@@ -5,10 +5,11 @@ inputs (target and memory / source) and every parameter, pre- and post-norm, rel
 """
 import numpy as np
 import pytest
-from helpers import assert_gradient, make_rng, numerical_gradient, randn
 
 from attnkit.attention import AdditiveAttention
 from attnkit.layers import Transformer, TransformerDecoder, TransformerDecoderBlock
+
+from helpers import assert_gradient, make_rng, numerical_gradient, randn
 
 B, LT, LS, D, H, F = 2, 3, 4, 4, 2, 6
 
@@ -23,7 +24,7 @@ def _check_all(run, backward, inputs, module, out_shape, rng):
     module.zero_grad()
     run()
     grads = backward(weight)
-    for (name, x), g in zip(inputs.items(), grads):
+    for (name, x), g in zip(inputs.items(), grads, strict=True):
         assert_gradient(loss, x, g, name)
     analytic = {name: g.copy() for name, g in module.named_gradients()}
     owners = dict(module.named_modules())

@@ -3,10 +3,11 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import assert_gradient, make_rng, numerical_gradient
 
 from attnkit.beam_search import beam_search
 from attnkit.models import Seq2SeqTransformer
+
+from helpers import assert_gradient, make_rng, numerical_gradient
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -142,7 +143,7 @@ def test_beam_search_prunes_to_the_best_sums():
 
         def step(self, tokens, t):
             if t > 0:
-                self.rows = [r + (int(tok),) for r, tok in zip(self.rows, tokens)]
+                self.rows = [r + (int(tok),) for r, tok in zip(self.rows, tokens, strict=True)]
             probs = np.array([table.get(r, [0.0, 0.0, 1.0, 0.0, 0.0]) for r in self.rows]) + 1e-12
             return np.log(probs / probs.sum(1, keepdims=True))
 

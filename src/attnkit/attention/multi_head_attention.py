@@ -235,7 +235,7 @@ class MultiHeadAttention(Module):
         return query, key, value, kpm
 
     @classmethod
-    def from_torch(cls, module) -> "MultiHeadAttention":
+    def from_torch(cls, module) -> MultiHeadAttention:
         """The same attention as a ``torch.nn.MultiheadAttention`` (see :mod:`attnkit.interop.torch_nn`)."""
         from ..interop import torch_nn
         return torch_nn.mha_from_torch(module)

@@ -211,7 +211,7 @@ def encoder_from_torch(encoder: Any):
     d_model, num_heads, d_ff = kwargs.pop("d_model"), kwargs.pop("num_heads"), kwargs.pop("d_ff")
     ours = TransformerEncoder(len(encoder.layers), d_model, num_heads, d_ff, final_norm=encoder.norm is not None,
                               **kwargs, rng=0).astype(_dtype(encoder.layers[0]))
-    for block, layer in zip(ours.layers, encoder.layers):
+    for block, layer in zip(ours.layers, encoder.layers, strict=True):
         if _encoder_block_kwargs(layer) != _encoder_block_kwargs(encoder.layers[0]):
             raise ValueError("torch.nn.TransformerEncoder layers of different configurations are not supported")
         _copy_encoder_block(block, layer)
@@ -275,7 +275,7 @@ def decoder_from_torch(decoder: Any):
     d_model, num_heads, d_ff = kwargs.pop("d_model"), kwargs.pop("num_heads"), kwargs.pop("d_ff")
     ours = TransformerDecoder(len(decoder.layers), d_model, num_heads, d_ff, final_norm=decoder.norm is not None,
                               **kwargs, rng=0).astype(_dtype(decoder.layers[0]))
-    for block, layer in zip(ours.layers, decoder.layers):
+    for block, layer in zip(ours.layers, decoder.layers, strict=True):
         if _decoder_block_kwargs(layer) != _decoder_block_kwargs(decoder.layers[0]):
             raise ValueError("torch.nn.TransformerDecoder layers of different configurations are not supported")
         _copy_decoder_block(block, layer)

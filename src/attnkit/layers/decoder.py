@@ -20,10 +20,10 @@ from .._validation import as_float_array, check_ndim, check_positive_int
 from ..attention.additive import AdditiveAttention
 from ..attention.multi_head_attention import MultiHeadAttention
 from ..core.module import Module, ModuleList
+from ..init import as_generator
 from ..kernels.activations import ACTIVATIONS
 from ..kernels.heads import merge_heads, split_heads
 from ..kernels.linear import linear
-from ..init import as_generator
 from .dropout import Dropout
 from .feed_forward import FeedForward
 from .layer_norm import LayerNorm
@@ -257,7 +257,7 @@ class TransformerDecoderBlock(Module):
 
     # -- torch.nn bridge ---------------------------------------------------------------------------
     @classmethod
-    def from_torch(cls, module: Any) -> "TransformerDecoderBlock":
+    def from_torch(cls, module: Any) -> TransformerDecoderBlock:
         """A block with the weights of a ``torch.nn.TransformerDecoderLayer`` (see :mod:`attnkit.interop.torch_nn`)."""
         from ..interop import torch_nn
         return torch_nn.decoder_block_from_torch(module)
@@ -366,7 +366,7 @@ class TransformerDecoder(Module):
         return [block.project_memory(memory) for block in self.layers]
 
     @classmethod
-    def from_torch(cls, module: Any) -> "TransformerDecoder":
+    def from_torch(cls, module: Any) -> TransformerDecoder:
         """A decoder with the weights of a ``torch.nn.TransformerDecoder`` (see :mod:`attnkit.interop.torch_nn`)."""
         from ..interop import torch_nn
         return torch_nn.decoder_from_torch(module)

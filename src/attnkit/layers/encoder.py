@@ -158,7 +158,7 @@ class TransformerEncoder(Module):
         return _backward_blocks(self.layers, g)  # (B, L, D)
 
     @classmethod
-    def from_torch(cls, module: Any) -> "TransformerEncoder":
+    def from_torch(cls, module: Any) -> TransformerEncoder:
         """The same computation as a ``torch.nn.TransformerEncoder`` (see :mod:`attnkit.interop.torch_nn`)."""
         from ..interop import torch_nn
         return torch_nn.encoder_from_torch(module)

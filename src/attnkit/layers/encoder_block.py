@@ -212,7 +212,7 @@ class TransformerEncoderBlock(Module):
         return np.where(bad, 0, x).astype(x.dtype, copy=False)  # (B, L, D)
 
     @classmethod
-    def from_torch(cls, module: Any) -> "TransformerEncoderBlock":
+    def from_torch(cls, module: Any) -> TransformerEncoderBlock:
         """The same computation as a ``torch.nn.TransformerEncoderLayer`` (see :mod:`attnkit.interop.torch_nn`)."""
         from ..interop import torch_nn
         return torch_nn.encoder_block_from_torch(module)

@@ -89,7 +89,7 @@ class Transformer(Module):
         return self.encoder.backward(grad_memory), grad_tgt
 
     @classmethod
-    def from_torch(cls, module: Any) -> "Transformer":
+    def from_torch(cls, module: Any) -> Transformer:
         """A Transformer with the weights of a ``torch.nn.Transformer`` (see :mod:`attnkit.interop.torch_nn`)."""
         from ..interop import torch_nn
         return torch_nn.transformer_from_torch(module)

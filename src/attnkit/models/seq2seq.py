@@ -14,8 +14,8 @@ from .._validation import check_positive_int
 from ..beam_search import beam_search, greedy_search
 from ..cache import KVCache
 from ..core.module import Module
-from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
 from ..init import as_generator
+from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
 
 __all__ = ["Seq2SeqTransformer"]
 
@@ -51,7 +51,7 @@ class _DecodingState:
     """Per-row decoding state of a :class:`Seq2SeqTransformer`: the self-attention cache of the decoder, the
     cross-attention keys/values of the memory (computed once) and the memory padding mask."""
 
-    def __init__(self, model: "Seq2SeqTransformer", memory: np.ndarray, memory_mask: np.ndarray | None,
+    def __init__(self, model: Seq2SeqTransformer, memory: np.ndarray, memory_mask: np.ndarray | None,
                  max_new_tokens: int) -> None:
         decoder = model.transformer.decoder
         self.model = model
@@ -211,7 +211,8 @@ class Seq2SeqTransformer(Module):
         src_pad = _check_padding(src_key_padding_mask, "src_key_padding_mask", src_ids.shape)
         for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
                             ("pad_token_id", pad_token_id)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < self.tgt_vocab_size:
+            is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            if not is_int or not 0 <= value < self.tgt_vocab_size:
                 raise ValueError(f"{name} must be an id in [0, {self.tgt_vocab_size}), got {value!r}")
         max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
         if max_new_tokens > self.max_length:
