@@ -166,10 +166,12 @@ def alignment(model: Seq2SeqTransformer, source: str) -> tuple[np.ndarray, list[
 
 
 def _write_atomically(path: Path, write: Callable[[Any], None], mode: str) -> None:
+    """Write through a temporary file in the same folder, then rename it: a reader never sees half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
+        os.chmod(tmp, 0o644)  # mkstemp's private 0600 would make the saved model unreadable to others
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
