@@ -133,3 +133,10 @@ def test_incremental_decode_equals_full_forward(norm_first, cross_attention):
     pieces += [dec.decode(x[:, t:t + 1], cache, memory_kv, mask) for t in (3, 4)]
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=1e-12, atol=1e-12)
     assert cache.length == 5
+
+
+def test_decoder_block_backward_checks_the_gradient_shape():
+    block = TransformerDecoderBlock(D, H, rng=0)
+    block(np.zeros((1, 2, D)), np.zeros((1, 3, D)))
+    with pytest.raises(ValueError, match=r"TransformerDecoderBlock: grad_output has shape \(1, 3, 4\)"):
+        block.backward(np.zeros((1, 3, D)))

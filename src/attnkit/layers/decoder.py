@@ -24,6 +24,7 @@ from ..init import as_generator
 from ..kernels.activations import ACTIVATIONS
 from ..kernels.heads import merge_heads, split_heads
 from ..kernels.linear import linear
+from ._common import check_grad_output
 from .dropout import Dropout
 from .feed_forward import FeedForward
 from .layer_norm import LayerNorm
@@ -146,6 +147,8 @@ class TransformerDecoderBlock(Module):
         self.dropout1, self.dropout2, self.dropout3 = (Dropout(dropout, seed=int(gen.integers(2**63)))
                                                        for _ in range(3))
         self._memory_shape: tuple[int, ...] | None = None
+        self._shape: tuple[int, ...] | None = None
+        self._dtype: np.dtype | None = None
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, d_ff={self.d_ff}, norm_first={self.norm_first}, "
@@ -164,7 +167,7 @@ class TransformerDecoderBlock(Module):
         if memory.shape[0] != x.shape[0]:
             raise ValueError(f"memory has batch size {memory.shape[0]} but x has {x.shape[0]} "
                              f"(x: {x.shape}, memory: {memory.shape})")
-        self._memory_shape = memory.shape
+        self._memory_shape, self._shape, self._dtype = memory.shape, x.shape, x.dtype
 
         def self_block(h):
             out, w = self.self_attention(h, h, h, tgt_mask, tgt_key_padding_mask, need_weights, tgt_is_causal)
@@ -192,7 +195,7 @@ class TransformerDecoderBlock(Module):
         """Backpropagate (B, Lt, D) ``grad_output``; returns ``(grad_x (B, Lt, D), grad_memory (B, Ls, D))``."""
         if self._memory_shape is None:
             raise RuntimeError("TransformerDecoderBlock.backward called before forward")
-        g = as_float_array(grad_output, "grad_output")
+        g = check_grad_output(grad_output, self._shape, self._dtype, "TransformerDecoderBlock")  # (B, Lt, D)
         if self.norm_first:
             g_h2 = g + self.norm3.backward(self.ffn.backward(self.dropout3.backward(g)))
             dq, dk, dv = self.cross_attention.backward(self.dropout2.backward(g_h2))
