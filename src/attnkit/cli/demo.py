@@ -169,7 +169,8 @@ def run_dates_task(args: argparse.Namespace, out: Path) -> int:
         progress.close()
     print(f"held-out exact match ({config.eval_size} dates never seen in training): greedy "
           f"{result.greedy_exact_match:.2%}, beam search ({config.num_beams} beams) {result.beam_exact_match:.2%}; "
-          f"trained in {result.train_seconds:.1f} s ({config.steps} steps), scored in {result.eval_seconds:.1f} s")
+          f"trained in {result.train_seconds:.1f} s ({config.steps} steps, {result.train_cpu_seconds:.1f} s of CPU), "
+          f"scored in {result.eval_seconds:.1f} s")
     for source, expected, got in result.examples[:4]:
         verdict = "correct" if got == expected else f"expected {expected}"
         print(f"  {printable(source):<34} -> {printable(got)}  ({verdict})")
