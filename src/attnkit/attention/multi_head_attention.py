@@ -233,3 +233,14 @@ class MultiHeadAttention(Module):
             if kpm.shape != key.shape[:2]:
                 raise ValueError(f"key_padding_mask has shape {kpm.shape}, expected (batch, seq_k) = {key.shape[:2]}")
         return query, key, value, kpm
+
+    @classmethod
+    def from_torch(cls, module) -> MultiHeadAttention:
+        """The same attention as a ``torch.nn.MultiheadAttention`` (see :mod:`attnkit.interop.torch_nn`)."""
+        from ..interop import torch_nn
+        return torch_nn.mha_from_torch(module)
+
+    def to_torch_state_dict(self) -> dict:
+        """These weights as a ``torch.nn.MultiheadAttention`` state dict (torch tensors)."""
+        from ..interop import torch_nn
+        return torch_nn.mha_state_dict(self)

@@ -79,8 +79,10 @@ def _words(ids: Sequence[int], tokens: Sequence[str]) -> str:
 def _train(args: argparse.Namespace) -> Any:
     from .. import demo
 
-    config = demo.DemoConfig(task=args.task, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
-                             lr=args.lr, seq_len=args.seq_len)
+    d = demo.DemoConfig()
+    config = demo.DemoConfig(task=args.task, steps=d.steps if args.steps is None else args.steps, seed=args.seed,
+                             batch_size=d.batch_size if args.batch_size is None else args.batch_size,
+                             lr=d.lr if args.lr is None else args.lr, seq_len=args.seq_len)
     model = demo.build_model(config)
     print(f"attnkit demo: learn to {args.task.replace('_', ' ')} {config.seq_len} digits with a "
           f"{config.num_layers}-layer, {config.num_heads}-head Transformer encoder (d_model {config.d_model}, "
@@ -144,10 +146,54 @@ def run_tagging_task(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+# -- the sequence-to-sequence task (dates) ---------------------------------------------------------------
+def run_dates_task(args: argparse.Namespace, out: Path) -> int:
+    """Train a :class:`~attnkit.models.Seq2SeqTransformer` to write dates as ISO; write the cross-attention
+    alignment picture, the training curve and the model to ``out``."""
+    from .. import seq2seq_demo
+    from ..viz import plot_attention, plot_training_curve
+
+    d = seq2seq_demo.DatesConfig()
+    config = seq2seq_demo.DatesConfig(steps=d.steps if args.steps is None else args.steps, seed=args.seed,
+                                      batch_size=d.batch_size if args.batch_size is None else args.batch_size,
+                                      lr=d.lr if args.lr is None else args.lr)
+    model = seq2seq_demo.build_model(config)
+    print(f"attnkit demo: learn to write dates as YYYY-MM-DD with a {config.num_layers}+{config.num_layers}-layer, "
+          f"{config.num_heads}-head encoder-decoder Transformer (d_model {config.d_model}, "
+          f"{model.num_parameters():,} parameters, float32), {config.steps} steps of Adam, batch "
+          f"{config.batch_size}, seed {config.seed}", flush=True)
+    progress = _Progress(config.steps, "training (dates)", plain=args.no_progress)
+    try:
+        result = seq2seq_demo.train(config, on_step=progress)
+    finally:
+        progress.close()
+    print(f"held-out exact match ({config.eval_size} dates never seen in training): greedy "
+          f"{result.greedy_exact_match:.2%}, beam search ({config.num_beams} beams) {result.beam_exact_match:.2%}; "
+          f"trained in {result.train_seconds:.1f} s ({config.steps} steps, {result.train_cpu_seconds:.1f} s of CPU), "
+          f"scored in {result.eval_seconds:.1f} s")
+    for source, expected, got in result.examples[:4]:
+        verdict = "correct" if got == expected else f"expected {expected}"
+        print(f"  {printable(source):<34} -> {printable(got)}  ({verdict})")
+    source = result.examples[0][0]
+    weights, out_tokens, src_tokens = seq2seq_demo.alignment(result.model, source)
+    fig = plot_attention(weights, out_tokens, src_tokens,
+                         title=f"cross-attention of the last decoder block (mean over heads): "
+                               f"{printable(source)} -> {printable(''.join(out_tokens[:-1]))}")
+    save_figure(fig, out / "alignment.png")
+    save_figure(plot_training_curve(result.losses, title="attnkit demo: dates, training loss"), out / "loss.png")
+    model_path, config_path = seq2seq_demo.save_model(result, out)
+    print(f"wrote {printable(out / 'alignment.png')} (output characters against source characters)")
+    print(f"wrote {printable(out / 'loss.png')} (training loss)")
+    print(f"wrote {printable(model_path)} and {printable(config_path)}")
+    return 0
+
+
 DEMO_TASKS: dict[str, DemoTask] = {
     "sort": DemoTask("sort the digits", run_tagging_task),
     "reverse": DemoTask("reverse them", run_tagging_task),
     "copy_offset": DemoTask("shift them one place", run_tagging_task),
+    "dates": DemoTask("rewrite dates like \"3rd of March 1998\" as 1998-03-03 (encoder-decoder, beam search)",
+                      run_dates_task),
 }
 
 
@@ -155,6 +201,7 @@ DEMO_TASKS: dict[str, DemoTask] = {
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit demo`` and its arguments."""
     from ..demo import DemoConfig
+    from ..seq2seq_demo import DatesConfig
 
     d = DemoConfig()
     p = subparsers.add_parser(
@@ -166,14 +213,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "'attnkit attention --model OUT').")
     tasks_help = "; ".join(f"{name}: {task.help}" for name, task in DEMO_TASKS.items())
     p.add_argument("--task", choices=tuple(DEMO_TASKS), default=d.task, help=f"{tasks_help} (default {d.task})")
-    p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=d.steps,
-                   help=f"training steps (default {d.steps})")
+    p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=None,
+                   help=f"training steps (default {d.steps}; dates: {DatesConfig().steps})")
     p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=d.seed,
                    help=f"seed of the data and the initial weights (default {d.seed})")
     p.add_argument("--out", default="attnkit-demo", help="output folder (default attnkit-demo)")
-    p.add_argument("--batch-size", type=bounded_int(1, MAX_BATCH), default=d.batch_size,
-                   help=f"sequences per step (default {d.batch_size})")
-    p.add_argument("--lr", type=positive_float, default=d.lr, help=f"peak Adam learning rate (default {d.lr})")
+    p.add_argument("--batch-size", type=bounded_int(1, MAX_BATCH), default=None,
+                   help=f"sequences per step (default {d.batch_size}; dates: {DatesConfig().batch_size})")
+    p.add_argument("--lr", type=positive_float, default=None,
+                   help=f"peak Adam learning rate (default {d.lr}; dates: {DatesConfig().lr})")
     p.add_argument("--seq-len", type=bounded_int(1, MAX_SEQ_LEN), default=d.seq_len,
                    help=f"digits per sequence (default {d.seq_len})")
     p.add_argument("--no-progress", action="store_true", help="print a line every 10%% instead of a progress bar")

@@ -4,12 +4,15 @@
   :class:`Embedding`;
 - :class:`SinusoidalPositionalEncoding` and :class:`LearnedPositionalEmbedding`;
 - :class:`TransformerEncoderBlock`, made of the layers above and :class:`~attnkit.attention.MultiHeadAttention`,
-  and the :class:`TransformerEncoder` stack.
+  and the :class:`TransformerEncoder` stack;
+- :class:`TransformerDecoderBlock` (self-attention, cross-attention, feed-forward), the
+  :class:`TransformerDecoder` stack and the encoder-decoder :class:`Transformer`.
 
 Every layer's ``forward`` caches what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
 """
 from .dropout import Dropout
+from .decoder import TransformerDecoder, TransformerDecoderBlock
 from .embedding import Embedding
 from .encoder import TransformerEncoder
 from .encoder_block import TransformerEncoderBlock
@@ -17,9 +20,11 @@ from .feed_forward import FeedForward
 from .layer_norm import LayerNorm
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .projection import Projection
+from .transformer import Transformer
 
 __all__ = [
     "Projection", "LayerNorm", "FeedForward", "Dropout", "Embedding",
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
+    "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
 ]

@@ -161,3 +161,14 @@ class TransformerEncoder(Module):
         if self.norm is not None:
             g = self.norm.backward(g)  # (B, L, D)
         return _backward_blocks(self.layers, g)  # (B, L, D)
+
+    @classmethod
+    def from_torch(cls, module: Any) -> TransformerEncoder:
+        """The same computation as a ``torch.nn.TransformerEncoder`` (see :mod:`attnkit.interop.torch_nn`)."""
+        from ..interop import torch_nn
+        return torch_nn.encoder_from_torch(module)
+
+    def to_torch_state_dict(self) -> dict[str, Any]:
+        """These weights as a ``torch.nn.TransformerEncoder`` state dict (torch tensors)."""
+        from ..interop import torch_nn
+        return torch_nn.encoder_state_dict(self)

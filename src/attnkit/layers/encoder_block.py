@@ -210,3 +210,14 @@ class TransformerEncoderBlock(Module):
             return x
         self._padding = bad
         return np.where(bad, 0, x).astype(x.dtype, copy=False)  # (B, L, D)
+
+    @classmethod
+    def from_torch(cls, module: Any) -> TransformerEncoderBlock:
+        """The same computation as a ``torch.nn.TransformerEncoderLayer`` (see :mod:`attnkit.interop.torch_nn`)."""
+        from ..interop import torch_nn
+        return torch_nn.encoder_block_from_torch(module)
+
+    def to_torch_state_dict(self) -> dict[str, Any]:
+        """These weights as a ``torch.nn.TransformerEncoderLayer`` state dict (torch tensors)."""
+        from ..interop import torch_nn
+        return torch_nn.encoder_block_state_dict(self)

@@ -3,10 +3,12 @@
 - :class:`TokenTagger`: embedding + encoder + projection, one class per token;
 - :class:`DecoderConfig`: the architecture of a decoder-only language model (GPT-2, Llama, Mistral, Qwen2
   families), read from a Hugging Face ``config.json`` by :mod:`attnkit.pretrained`;
-- :class:`CausalLM`: the decoder-only language model a :class:`DecoderConfig` describes.
+- :class:`CausalLM`: the decoder-only language model a :class:`DecoderConfig` describes;
+- :class:`Seq2SeqTransformer`: embeddings + encoder-decoder Transformer + head, with greedy and beam search.
 """
 from .causal_lm import CausalLM
 from .config import DecoderConfig
+from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "TokenTagger", "token_accuracy", "train_step"]
+__all__ = ["CausalLM", "DecoderConfig", "Seq2SeqTransformer", "TokenTagger", "token_accuracy", "train_step"]

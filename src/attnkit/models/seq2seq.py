@@ -1,0 +1,236 @@
+"""``Seq2SeqTransformer``: token embeddings, the encoder-decoder :class:`~attnkit.layers.Transformer`, a
+linear head over the target vocabulary, and cached greedy / beam-search generation.
+
+Dimension letters: B batch, Ls source length, Lt target length, D ``d_model``, H heads, Dh = D // H,
+V target vocabulary, K beams, N ``max_new_tokens``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._validation import check_positive_int
+from ..beam_search import beam_search, greedy_search
+from ..cache import KVCache
+from ..core.module import Module
+from ..init import as_generator
+from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
+
+__all__ = ["Seq2SeqTransformer"]
+
+
+def _check_ids(ids: Any, name: str, vocab_size: int, max_length: int) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be a 2-D integer array (batch, seq_len), got shape {ids.shape} "
+                         f"and dtype {ids.dtype}")
+    if ids.shape[1] > max_length:
+        raise ValueError(f"{name} has length {ids.shape[1]}, the model takes at most max_length = {max_length}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name} must hold ids in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
+    return ids
+
+
+def _check_padding(mask: Any, name: str, shape: tuple[int, int]) -> np.ndarray | None:
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_ or mask.shape != shape:
+        raise ValueError(f"{name} must be a boolean (batch, seq_len) = {shape} array (True = real token), "
+                         f"got shape {mask.shape} and dtype {mask.dtype}")
+    return mask
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)  # (R, V)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # (R, V)
+
+
+class _DecodingState:
+    """Per-row decoding state of a :class:`Seq2SeqTransformer`: the self-attention cache of the decoder, the
+    cross-attention keys/values of the memory (computed once) and the memory padding mask."""
+
+    def __init__(self, model: Seq2SeqTransformer, memory: np.ndarray, memory_mask: np.ndarray | None,
+                 max_new_tokens: int) -> None:
+        decoder = model.transformer.decoder
+        self.model = model
+        self.memory_kv = decoder.project_memory(memory)  # [((B, H, Ls, Dh), (B, H, Ls, Dh))] per block
+        self.memory_mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, Ls)
+        self.cache = KVCache(decoder.num_layers, memory.shape[0], decoder.num_heads,
+                             decoder.d_model // decoder.num_heads, memory.dtype, max_length=max_new_tokens)
+
+    def step(self, tokens: np.ndarray, t: int) -> np.ndarray:
+        """Log-probabilities (R, V) of the token after ``tokens`` (R,) at target position ``t``."""
+        model = self.model
+        x = model.tgt_embedding.weight[tokens] + model.tgt_positional.encodings[t]  # (R, D)
+        h = model.transformer.decoder.decode(x[:, None, :].astype(self.cache.dtype, copy=False), self.cache,
+                                             self.memory_kv, self.memory_mask)  # (R, 1, D)
+        return _log_softmax(model.head(h[:, 0]))  # (R, V)
+
+    def reorder(self, index: np.ndarray) -> None:
+        self.cache.reorder(index)
+        self.memory_kv = [(k[index], v[index]) for k, v in self.memory_kv]  # (R', H, Ls, Dh) each
+        if self.memory_mask is not None:
+            self.memory_mask = self.memory_mask[index]  # (R', 1, 1, Ls)
+
+
+class Seq2SeqTransformer(Module):
+    """Encoder-decoder Transformer for sequence-to-sequence tasks (translation, normalisation, ...).
+
+    ``logits = head(Transformer(pos(src_embed(src)), pos(tgt_embed(tgt)), causal target))``, with fixed
+    sinusoidal positions, pre-norm blocks and both stacks ending in a LayerNorm.
+
+    Parameters
+    ----------
+    src_vocab_size, tgt_vocab_size : int
+    d_model : int
+    num_heads : int
+    num_encoder_layers, num_decoder_layers : int
+    d_ff : int, optional
+        Feed-forward hidden size (default ``4 * d_model``).
+    max_length : int, default 256
+        Longest source and target sequence.
+    rng : numpy.random.Generator or int, optional
+        Source of every initial weight.
+    cross_attention : {"dot", "additive"}, default "dot"
+        Scaled dot-product cross-attention heads, or Bahdanau's additive ones.
+    dropout : float, default 0.0
+        Dropout of the decoder blocks (training mode only).
+    activation : {"relu", "gelu", "gelu_tanh"}, default "relu"
+
+    Attributes
+    ----------
+    src_embedding, tgt_embedding : Embedding; src_positional, tgt_positional : SinusoidalPositionalEncoding;
+    transformer : Transformer; head : Projection (D -> V).
+
+    Shapes
+    ------
+    src_ids int (B, Ls), tgt_ids int (B, Lt) -> logits (B, Lt, V) in the parameters' dtype.
+    ``*_key_padding_mask``: bool (B, L), ``True`` = real token (the opposite of torch).
+
+    Examples
+    --------
+    >>> model = Seq2SeqTransformer(7, 6, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+    ...                            max_length=10, rng=0)
+    >>> src, tgt = np.array([[3, 4, 5, 6]]), np.array([[1, 3, 4]])
+    >>> model(src, tgt).shape
+    (1, 3, 6)
+    >>> model.generate(src, bos_token_id=1, eos_token_id=2, max_new_tokens=5, num_beams=3).shape[1] <= 6
+    True
+    """
+
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int, num_heads: int,
+                 num_encoder_layers: int, num_decoder_layers: int, d_ff: int | None = None, max_length: int = 256,
+                 rng: np.random.Generator | int | None = None, cross_attention: str = "dot", *,
+                 dropout: float = 0.0, activation: str = "relu") -> None:
+        super().__init__()
+        gen = as_generator(rng)
+        self.src_vocab_size = check_positive_int(src_vocab_size, "src_vocab_size")
+        self.tgt_vocab_size = check_positive_int(tgt_vocab_size, "tgt_vocab_size")
+        self.max_length = check_positive_int(max_length, "max_length")
+        self.src_embedding = Embedding(src_vocab_size, d_model, rng=gen)
+        self.tgt_embedding = Embedding(tgt_vocab_size, d_model, rng=gen)
+        self.src_positional = SinusoidalPositionalEncoding(max_length, d_model)
+        self.tgt_positional = SinusoidalPositionalEncoding(max_length, d_model)
+        self.transformer = Transformer(d_model, num_heads, num_encoder_layers, num_decoder_layers, d_ff,
+                                       dropout=dropout, activation=activation, norm_first=True,
+                                       cross_attention=cross_attention, rng=gen)
+        self.head = Projection(d_model, tgt_vocab_size, rng=gen)
+
+    def extra_repr(self) -> str:
+        return (f"src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}, "
+                f"max_length={self.max_length}")
+
+    def _check(self, src_ids, tgt_ids, src_key_padding_mask, tgt_key_padding_mask):
+        src_ids = _check_ids(src_ids, "src_ids", self.src_vocab_size, self.max_length)
+        tgt_ids = _check_ids(tgt_ids, "tgt_ids", self.tgt_vocab_size, self.max_length)
+        if src_ids.shape[0] != tgt_ids.shape[0]:
+            raise ValueError(f"src_ids and tgt_ids must share the batch size, got {src_ids.shape} and {tgt_ids.shape}")
+        return (src_ids, tgt_ids, _check_padding(src_key_padding_mask, "src_key_padding_mask", src_ids.shape),
+                _check_padding(tgt_key_padding_mask, "tgt_key_padding_mask", tgt_ids.shape))
+
+    def forward(self, src_ids: Any, tgt_ids: Any, src_key_padding_mask: Any = None,
+                tgt_key_padding_mask: Any = None) -> np.ndarray:
+        """Next-token logits (B, Lt, V) at every target position (each sees the target up to itself)."""
+        src_ids, tgt_ids, src_pad, tgt_pad = self._check(src_ids, tgt_ids, src_key_padding_mask,
+                                                         tgt_key_padding_mask)
+        src = self.src_positional(self.src_embedding(src_ids))  # (B, Ls, D)
+        tgt = self.tgt_positional(self.tgt_embedding(tgt_ids))  # (B, Lt, D)
+        h = self.transformer(src, tgt, src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+                             memory_key_padding_mask=src_pad, tgt_is_causal=True)  # (B, Lt, D)
+        return self.head(h)  # (B, Lt, V)
+
+    def backward(self, grad_logits: Any) -> None:
+        """Backpropagate (B, Lt, V) ``grad_logits``, adding every parameter's gradient; returns ``None``."""
+        grad_src, grad_tgt = self.transformer.backward(self.head.backward(grad_logits))  # (B, Ls, D), (B, Lt, D)
+        self.src_embedding.backward(self.src_positional.backward(grad_src))
+        self.tgt_embedding.backward(self.tgt_positional.backward(grad_tgt))
+
+    def cross_attention_weights(self, src_ids: Any, tgt_ids: Any, src_key_padding_mask: Any = None) -> np.ndarray:
+        """Cross-attention weights of every decoder block, (num_decoder_layers, B, H, Lt, Ls) (e.g. to plot
+        which source tokens each output token looked at)."""
+        src_ids, tgt_ids, src_pad, _ = self._check(src_ids, tgt_ids, src_key_padding_mask, None)
+        memory = self.transformer.encoder(self.src_positional(self.src_embedding(src_ids)),
+                                          key_padding_mask=src_pad)  # (B, Ls, D)
+        tgt = self.tgt_positional(self.tgt_embedding(tgt_ids))  # (B, Lt, D)
+        _, weights = self.transformer.decoder(tgt, memory, memory_key_padding_mask=src_pad, tgt_is_causal=True,
+                                              need_weights=True)
+        return np.stack(weights)  # (N_dec, B, H, Lt, Ls)
+
+    def generate(self, src_ids: Any, src_key_padding_mask: Any = None, *, bos_token_id: int, eos_token_id: int,
+                 max_new_tokens: int, num_beams: int = 1, length_penalty: float = 1.0,
+                 pad_token_id: int = 0) -> np.ndarray:
+        """Decode a target for every source row: greedy (``num_beams=1``) or beam search.
+
+        The encoder runs once; every decoder block's cross-attention keys/values of the memory are
+        projected once, and its self-attention keys/values are kept in a :class:`~attnkit.cache.KVCache`, so
+        each step costs one position. Runs in eval mode (no dropout) and restores the previous mode.
+
+        Parameters
+        ----------
+        src_ids : int (B, Ls)
+        src_key_padding_mask : bool (B, Ls), optional
+            ``True`` = real token; padded source tokens are invisible to the encoder and the decoder.
+        bos_token_id, eos_token_id : int
+            The first target token, and the token that ends a hypothesis.
+        max_new_tokens : int
+            N, most tokens generated after bos (eos included).
+        num_beams : int, default 1
+            K; 1 is greedy decoding.
+        length_penalty : float, default 1.0
+            Beam search ranks hypotheses by ``sum(log p) / n ** length_penalty`` (n generated tokens).
+        pad_token_id : int, default 0
+            Fills each row after its eos.
+
+        Returns
+        -------
+        ids : int64 (B, 1 + n), bos first; n <= N is the longest row.
+        """
+        src_ids = _check_ids(src_ids, "src_ids", self.src_vocab_size, self.max_length)
+        src_pad = _check_padding(src_key_padding_mask, "src_key_padding_mask", src_ids.shape)
+        for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
+                            ("pad_token_id", pad_token_id)):
+            is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            if not is_int or not 0 <= value < self.tgt_vocab_size:
+                raise ValueError(f"{name} must be an id in [0, {self.tgt_vocab_size}), got {value!r}")
+        max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
+        if max_new_tokens > self.max_length:
+            raise ValueError(f"max_new_tokens = {max_new_tokens} exceeds the model's max_length = {self.max_length}")
+        num_beams = check_positive_int(num_beams, "num_beams")
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float, np.floating)):
+            raise TypeError(f"length_penalty must be a number, got {length_penalty!r}")
+        was_training = self.training
+        self.eval()
+        try:
+            memory = self.transformer.encoder(self.src_positional(self.src_embedding(src_ids)),
+                                              key_padding_mask=src_pad)  # (B, Ls, D)
+            state = _DecodingState(self, memory, src_pad, max_new_tokens)
+            common = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
+                          pad_token_id=pad_token_id)
+            if num_beams == 1:
+                return greedy_search(state, src_ids.shape[0], **common)
+            return beam_search(state, src_ids.shape[0], num_beams=num_beams, length_penalty=float(length_penalty),
+                               **common)
+        finally:
+            self.train(was_training)
