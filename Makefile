@@ -6,7 +6,7 @@ STAMP_TEST := $(VENV)/.installed-test
 STAMP_DEMO := $(VENV)/.installed-demo
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test demo docs chromium venv clean
+.PHONY: test demo docs docs-screenshot chromium venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,11 @@ chromium:
 
 # The documentation site (mkdocs.yml, docs/), built into site/; any warning is an error.
 docs: $(STAMP_TEST)
-	$(BIN)/python -m mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir site
+
+# Redraw docs/explorer.png (the explorer on all-MiniLM-L6-v2) after changing the page.
+docs-screenshot: $(STAMP_TEST) chromium
+	$(BIN)/python docs/tools/explorer_screenshot.py docs/explorer.png
 
 # make demo DEMO_ARGS="--task reverse --steps 400" passes options on (see .venv/bin/attnkit demo --help).
 demo: $(STAMP_DEMO)
