@@ -1,11 +1,11 @@
 """Pictures of attention weights and training curves, and an interactive attention explorer page.
 
-:func:`plot_attention` and :func:`plot_training_curve` draw with matplotlib (imported only when a plot is
-drawn; install it with ``pip install 'attnkit[viz]'``) and return a :class:`matplotlib.figure.Figure`, so
+`plot_attention` and `plot_training_curve` draw with matplotlib (imported only when a plot is
+drawn; install it with ``pip install 'attnkit[viz]'``) and return a `matplotlib.figure.Figure`, so
 the same call shows inline in a notebook and saves to a file from a script (``fig.savefig("attention.png")``).
 On a machine without a display the non-interactive Agg backend is chosen, unless ``MPLBACKEND`` says otherwise.
 
-:func:`attention_html` needs nothing but NumPy: it writes one self-contained HTML page (script, style and
+`attention_html` needs nothing but NumPy: it writes one self-contained HTML page (script, style and
 data inline; it loads nothing from the network) in which a browser picks a layer and a head, hovers tokens
 and sees where each one attends.
 
