@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -229,8 +230,90 @@ def _model_paths(path: str | Path) -> tuple[Path, Path]:
     return path, path.with_suffix(".json")
 
 
+_MODEL_FIELDS = ("vocab_size", "num_classes", "max_length", "d_model", "num_heads", "num_layers", "d_ff")
+_MAX_LENGTH = 1 << 16  # the sinusoidal table (max_length, d_model) is built, not loaded: bound it
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_architecture(arch: Any, where: Path) -> dict[str, Any]:
+    """The ``model`` entry of ``model.json``: known keys only, positive integer sizes."""
+    if not isinstance(arch, dict):
+        raise ValueError(f"{where}: \"model\" must be an object of TokenTagger arguments, got {type(arch).__name__}")
+    unknown = sorted(set(arch) - set(_MODEL_FIELDS) - {"positional"})
+    missing = [name for name in _MODEL_FIELDS[:3] if name not in arch]
+    if unknown or missing:
+        raise ValueError(f"{where}: \"model\" has unknown keys {unknown} or lacks {missing}")
+    for name in _MODEL_FIELDS:
+        if name in arch and not (name == "d_ff" and arch[name] is None) and not _positive_int(arch[name]):
+            raise ValueError(f"{where}: model.{name} must be a positive integer, got {arch[name]!r}")
+    if arch.get("d_model", 64) % arch.get("num_heads", 4):
+        raise ValueError(f"{where}: model.d_model {arch.get('d_model', 64)} is not divisible by model.num_heads "
+                         f"{arch.get('num_heads', 4)}")
+    if arch["max_length"] > _MAX_LENGTH:
+        raise ValueError(f"{where}: model.max_length {arch['max_length']} is above {_MAX_LENGTH}")
+    if arch.get("positional", "sinusoidal") not in ("sinusoidal", "learned"):
+        raise ValueError(f"{where}: model.positional must be 'sinusoidal' or 'learned', got {arch['positional']!r}")
+    return arch
+
+
+def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
+    """Every field of ``model.json`` that loading and the command line use, checked for type and range."""
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ValueError(f"{where} does not describe an attnkit demo model (no \"format\": \"{_FORMAT}\")")
+    arch = _check_architecture(meta.get("model"), where)
+    tokens = meta.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
+        raise ValueError(f"{where}: \"tokens\" must be a list of non-empty strings")
+    if len(tokens) < max(arch["vocab_size"], arch["num_classes"]):
+        raise ValueError(f"{where}: {len(tokens)} tokens for vocab_size {arch['vocab_size']} and num_classes "
+                         f"{arch['num_classes']}")
+    if not isinstance(meta.get("task"), str):
+        raise ValueError(f"{where}: \"task\" must be a string, got {meta.get('task')!r}")
+    if not _positive_int(meta.get("seq_len")) or meta["seq_len"] > arch["max_length"]:
+        raise ValueError(f"{where}: \"seq_len\" must be an integer in [1, {arch['max_length']}], got "
+                         f"{meta.get('seq_len')!r}")
+    accuracy = meta.get("heldout_token_accuracy", 0.0)
+    if isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)):
+        raise ValueError(f"{where}: \"heldout_token_accuracy\" must be a number, got {accuracy!r}")
+    if meta.get("dtype", "float32") not in ("float32", "float64"):
+        raise ValueError(f"{where}: \"dtype\" must be 'float32' or 'float64', got {meta.get('dtype')!r}")
+    return meta
+
+
+def _stored_values(model_path: Path) -> int:
+    """How many numbers the ``.npz`` archive holds, from its array headers (no array is read)."""
+    total = 0
+    try:
+        with zipfile.ZipFile(model_path) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                        np.lib.format.read_array_header_2_0
+                    shape, _, _ = read(member)
+                    total += math.prod(shape)
+    except (zipfile.BadZipFile, ValueError, EOFError) as exc:
+        raise ValueError(f"{model_path} is not a complete .npz archive of arrays: {exc}") from None
+    return total
+
+
+def _minimum_parameters(arch: dict[str, Any]) -> int:
+    """A lower bound on a TokenTagger's parameter count: embeddings, attention and MLP matrices, head."""
+    d, layers = arch["d_model"], arch.get("num_layers", 2)
+    d_ff = arch.get("d_ff") or 4 * d
+    learned = arch["max_length"] * d if arch.get("positional") == "learned" else 0
+    return arch["vocab_size"] * d + learned + layers * (4 * d * d + 2 * d * d_ff) + d * arch["num_classes"]
+
+
 def load_model(path: str | Path) -> tuple[TokenTagger, dict[str, Any]]:
     """Rebuild a model saved by :func:`save_model`.
+
+    ``model.json`` is checked field by field, and the sizes it claims against the array headers of
+    ``model.npz``, before the model is built: a tampered or truncated folder raises ``ValueError``
+    instead of allocating what it claims.
 
     Parameters
     ----------
@@ -259,12 +342,15 @@ def load_model(path: str | Path) -> tuple[TokenTagger, dict[str, Any]]:
         meta = json.loads(config_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise ValueError(f"{config_path} does not describe an attnkit demo model (no \"format\": \"{_FORMAT}\")")
+    meta = _check_meta(meta, config_path)
+    needed, stored = _minimum_parameters(meta["model"]), _stored_values(model_path)
+    if needed > stored:
+        raise ValueError(f"{config_path} describes a model of at least {needed:,} parameters, but {model_path} "
+                         f"holds {stored:,} numbers")
     model = TokenTagger(**meta["model"], rng=0).astype(np.dtype(meta.get("dtype", "float32")))
     try:
         model.load(model_path)
-    except (KeyError, ValueError, TypeError, OSError) as exc:
+    except (KeyError, ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{model_path} does not match {config_path}: {exc}") from exc
     return model.eval(), meta
 

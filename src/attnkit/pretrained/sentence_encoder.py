@@ -38,12 +38,16 @@ class TokenBatch:
         ``True`` = real token (sentence-transformers' 1), ``False`` = padding.
     tokens : list of B lists of str
         The WordPiece tokens of each sentence, special tokens included, padding excluded.
+    truncated : bool (B,)
+        ``True`` where the sentence had more than ``max_seq_length`` tokens and was cut (the rest of it
+        is ignored by every model output).
     """
 
     input_ids: np.ndarray
     token_type_ids: np.ndarray
     attention_mask: np.ndarray
     tokens: list[list[str]]
+    truncated: np.ndarray | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -111,7 +115,9 @@ class SentenceEncoder:
         Used as given, except that padding is set to the longest sentence of each batch (with the
         model's pad id) and truncation to ``max_seq_length``.
     max_seq_length : int
-        Longest token sequence, ``[CLS]`` and ``[SEP]`` included; longer sentences are truncated.
+        Longest token sequence, ``[CLS]`` and ``[SEP]`` included; longer sentences are silently cut to
+        this length (their end is ignored), as sentence-transformers does; ``tokenize(...).truncated``
+        says which were.
     normalize : bool, default True
         Whether the model's pipeline ends with L2 normalisation (its default for :meth:`encode`).
     model_dir : Path, optional
@@ -173,7 +179,14 @@ class SentenceEncoder:
         Returns
         -------
         TokenBatch
-            ``input_ids``, ``token_type_ids`` (B, L) int64, ``attention_mask`` (B, L) bool, ``tokens``.
+            ``input_ids``, ``token_type_ids`` (B, L) int64, ``attention_mask`` (B, L) bool, ``tokens``,
+            ``truncated`` (B,) bool: which sentences were cut at ``max_seq_length`` tokens.
+
+        Examples
+        --------
+        >>> enc = load_minilm()
+        >>> enc.tokenize(["short", "word " * 300]).truncated
+        array([False,  True])
         """
         texts = _as_sentences(sentences)
         encodings = self.tokenizer.encode_batch(texts)  # padded to the longest by the tokenizer
@@ -182,7 +195,8 @@ class SentenceEncoder:
         types = np.array([e.type_ids for e in encodings], dtype=np.int64).reshape(n, length)  # (B, L)
         mask = np.array([e.attention_mask for e in encodings], dtype=bool).reshape(n, length)  # (B, L)
         tokens = [e.tokens[:k] for e, k in zip(encodings, mask.sum(axis=1))]
-        return TokenBatch(ids, types, mask, tokens)
+        truncated = np.array([bool(e.overflowing) for e in encodings], dtype=bool)  # (B,)
+        return TokenBatch(ids, types, mask, tokens, truncated)
 
     # -- model outputs ---------------------------------------------------------------------------------
     def hidden_states(self, sentences: str | Sequence[str]) -> tuple[np.ndarray, TokenBatch]:
@@ -206,6 +220,11 @@ class SentenceEncoder:
 
         Sentences are sorted by length and cut into batches of ``batch_size`` (less padding, as
         sentence-transformers does); the result is in the input order.
+
+        A sentence longer than ``max_seq_length`` tokens (256 for all-MiniLM-L6-v2, ``[CLS]`` and
+        ``[SEP]`` included: roughly 200 English words) is silently truncated: its embedding describes
+        the first ``max_seq_length`` tokens only. ``self.tokenize(sentences).truncated`` says which
+        sentences were cut; ``attnkit embed --json`` lists them under ``"truncated"``.
 
         Parameters
         ----------
@@ -268,8 +287,20 @@ class SentenceEncoder:
         return batch.tokens[0], (weights if head is None else weights[head])
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _pipeline_modules(modules_file: Path) -> list[dict]:
+    modules = _read_json(modules_file)
+    if not isinstance(modules, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("type"), str) and isinstance(m.get("path", ""), str)
+            for m in modules):
+        raise ValueError(f"{modules_file}: expected a list of {{\"type\": str, \"path\": str}} objects")
+    return modules
 
 
 def _check_pipeline(model_dir: Path) -> bool:
@@ -280,23 +311,114 @@ def _check_pipeline(model_dir: Path) -> bool:
     modules_file = model_dir / "modules.json"
     if not modules_file.is_file():
         return True  # a bare BERT folder: mean pooling and normalisation as for all-MiniLM-L6-v2
-    kinds = [m["type"].rsplit(".", 1)[-1] for m in _read_json(modules_file)]
+    modules = _pipeline_modules(modules_file)
+    kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
     if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Normalize" for k in kinds[2:]):
         raise ValueError(f"{modules_file}: pipeline {kinds} is not supported, expected Transformer, Pooling "
                          f"and optionally Normalize")
-    pooling_dir = next(model_dir / m["path"] for m in _read_json(modules_file) if m["type"].endswith("Pooling"))
-    pooling_file = pooling_dir / "config.json"
+    pooling_file = model_dir / modules[1].get("path", "") / "config.json"
     if pooling_file.is_file():
         pooling = _read_json(pooling_file)
+        if not isinstance(pooling, dict):
+            raise ValueError(f"{pooling_file}: expected a JSON object")
         modes = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode") and v is True)
         if modes != ["pooling_mode_mean_tokens"]:
             raise ValueError(f"{pooling_file}: pooling {modes} is not supported, expected mean pooling only")
     return "Normalize" in kinds
 
 
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings", "type_vocab_size")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_config(path: Path) -> BertConfig:
+    """``config.json`` as a :class:`BertConfig`, every field checked (types, ranges) before anything is built."""
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        config = BertConfig.from_json(path)
+    except TypeError as exc:  # a required field is missing
+        raise ValueError(f"{path} is not a BERT config: {exc}") from None
+    for name in _SIZE_FIELDS:
+        value = getattr(config, name)
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{path}: {name} must be a positive integer, got {value!r}")
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"{path}: hidden_size {config.hidden_size} is not divisible by num_attention_heads "
+                         f"{config.num_attention_heads}")
+    eps = config.layer_norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"{path}: layer_norm_eps must be a number in (0, 1), got {eps!r}")
+    if not _is_int(config.pad_token_id) or not 0 <= config.pad_token_id < config.vocab_size:
+        raise ValueError(f"{path}: pad_token_id must be an integer in [0, vocab_size), got {config.pad_token_id!r}")
+    return config
+
+
+def _checkpoint_shapes(path: Path, safetensors: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from the safetensors header (no tensor is read)."""
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            return {name.removeprefix("bert."): tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except safetensors.SafetensorError as exc:  # truncated or damaged: the header does not fit the file
+        raise ValueError(f"{path} is not a complete safetensors file: {exc}") from None
+
+
+def _check_checkpoint(config: BertConfig, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """The sizes ``config.json`` claims must be those of the weights, before the model is allocated."""
+    layers = {name.split(".")[2] for name in shapes if name.startswith("encoder.layer.")}
+    if len(layers) != config.num_hidden_layers:
+        raise ValueError(f"{path} holds {len(layers)} layers, config.json describes num_hidden_layers = "
+                         f"{config.num_hidden_layers}")
+    d = config.hidden_size
+    expected = {"embeddings.word_embeddings.weight": (config.vocab_size, d),
+                "embeddings.position_embeddings.weight": (config.max_position_embeddings, d),
+                "embeddings.token_type_embeddings.weight": (config.type_vocab_size, d)}
+    for i in range(config.num_hidden_layers):
+        expected[f"encoder.layer.{i}.attention.self.query.weight"] = (d, d)
+        expected[f"encoder.layer.{i}.intermediate.dense.weight"] = (config.intermediate_size, d)
+    for name, shape in expected.items():
+        if shapes.get(name) != shape:
+            got = "is missing" if name not in shapes else f"has shape {shapes[name]}"
+            raise ValueError(f"{path}: {name} {got}, config.json describes {shape}")
+
+
+def _read_tokenizer(path: Path, tokenizers: Any) -> Any:
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{path} is not a tokenizer file: {exc}") from None
+
+
+def _max_seq_length(model_dir: Path, tokenizer: Any, config: BertConfig) -> int:
+    """``sentence_bert_config.json``'s ``max_seq_length``, else the tokenizer's truncation, else the positions."""
+    st_config = model_dir / "sentence_bert_config.json"
+    value: Any = None
+    if st_config.is_file():
+        settings = _read_json(st_config)
+        value = settings.get("max_seq_length") if isinstance(settings, dict) else None
+    if value is None and tokenizer.truncation is not None:
+        value = tokenizer.truncation.get("max_length")
+    if value is None:
+        value = config.max_position_embeddings
+    if not _is_int(value) or value < 3:
+        raise ValueError(f"{model_dir}: max_seq_length must be an integer of at least 3, got {value!r}")
+    return min(value, config.max_position_embeddings)
+
+
 def load_sentence_encoder(model_dir: str | Path, dtype: Any = np.float32,
                           max_seq_length: int | None = None) -> SentenceEncoder:
     """Load a mean-pooled BERT sentence-transformers folder onto attnkit.
+
+    Every file is checked before the model is built: the sizes in ``config.json`` must be positive
+    integers and match the tensor shapes in ``model.safetensors``'s header, so a damaged or tampered
+    folder raises an error instead of allocating what it claims.
 
     Parameters
     ----------
@@ -306,8 +428,8 @@ def load_sentence_encoder(model_dir: str | Path, dtype: Any = np.float32,
     dtype : numpy float dtype, default float32
         Dtype of the weights and computations (float32 like the checkpoint, or float64).
     max_seq_length : int, optional
-        Token limit; default ``sentence_bert_config.json``'s ``max_seq_length`` (else the tokenizer's
-        truncation length, else ``max_position_embeddings``).
+        Token limit (longer sentences are truncated); default ``sentence_bert_config.json``'s
+        ``max_seq_length`` (else the tokenizer's truncation length, else ``max_position_embeddings``).
 
     Returns
     -------
@@ -320,9 +442,11 @@ def load_sentence_encoder(model_dir: str | Path, dtype: Any = np.float32,
     FileNotFoundError
         If a required file is missing.
     ValueError, KeyError
-        If the folder holds a model attnkit does not implement, or weights that do not match its config.
+        If the folder holds a model attnkit does not implement, damaged files, or weights that do not
+        match its config.
     """
     model_dir = Path(model_dir)
+    safetensors = import_extra("safetensors", "read model.safetensors")
     safetensors_numpy = import_extra("safetensors.numpy", "read model.safetensors")
     tokenizers = import_extra("tokenizers", "read tokenizer.json")
     dtype = np.dtype(dtype)
@@ -331,21 +455,17 @@ def load_sentence_encoder(model_dir: str | Path, dtype: Any = np.float32,
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         if not (model_dir / name).is_file():
             raise FileNotFoundError(f"{model_dir} has no {name}: not a sentence-transformers model folder")
-    config = BertConfig.from_json(model_dir / "config.json")
+    config = _read_config(model_dir / "config.json")
     normalize = _check_pipeline(model_dir)
-    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer = _read_tokenizer(model_dir / "tokenizer.json", tokenizers)
     if max_seq_length is None:
-        st_config = model_dir / "sentence_bert_config.json"
-        if st_config.is_file() and "max_seq_length" in _read_json(st_config):
-            max_seq_length = int(_read_json(st_config)["max_seq_length"])
-        elif tokenizer.truncation is not None:
-            max_seq_length = int(tokenizer.truncation["max_length"])
-        else:
-            max_seq_length = config.max_position_embeddings
+        max_seq_length = _max_seq_length(model_dir, tokenizer, config)
     max_seq_length = min(int(max_seq_length), config.max_position_embeddings)
+    weights = model_dir / "model.safetensors"
+    _check_checkpoint(config, _checkpoint_shapes(weights, safetensors), weights)
 
     model = BertEncoder(config, rng=0).astype(dtype)
-    tensors = safetensors_numpy.load_file(str(model_dir / "model.safetensors"))
+    tensors = safetensors_numpy.load_file(str(weights))
     model.load_state_dict(bert_state_dict(tensors, config.num_hidden_layers), strict=True)
     return SentenceEncoder(model, tokenizer, max_seq_length, normalize=normalize, model_dir=model_dir)
 
@@ -354,6 +474,9 @@ def load_minilm(model_dir: str | Path | None = None, dtype: Any = np.float32,
                 max_seq_length: int | None = None) -> SentenceEncoder:
     """all-MiniLM-L6-v2 on attnkit: 6 BERT layers, 384 dims, 12 heads, 256 tokens, mean pooling, L2 norm.
 
+    The model reads at most ``max_seq_length`` = 256 tokens of a sentence; longer sentences are silently
+    truncated (as in sentence-transformers): see :meth:`SentenceEncoder.encode`.
+
     Parameters
     ----------
     model_dir : str or Path, optional
@@ -361,7 +484,7 @@ def load_minilm(model_dir: str | Path | None = None, dtype: Any = np.float32,
         download: the files ship in its wheel).
     dtype : numpy float dtype, default float32
     max_seq_length : int, optional
-        Default 256 (the model's ``sentence_bert_config.json``).
+        Default 256 (the model's ``sentence_bert_config.json``); tokens beyond it are dropped.
 
     Returns
     -------

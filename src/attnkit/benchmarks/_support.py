@@ -1,0 +1,49 @@
+"""Small pieces the benchmarks share: optional torch, BLAS thread limits, atomic JSON reports."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ContextManager
+
+__all__ = ["import_torch", "torch_missing_line", "blas_limit", "write_json"]
+
+
+def import_torch() -> ModuleType | None:
+    """``torch`` if it can be imported, else None (torch is a test-only dependency of attnkit)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def torch_missing_line(what: str) -> str:
+    """The one line a benchmark prints when torch is not installed."""
+    return f"# torch is not installed: {what} (pip install torch to compare)"
+
+
+def blas_limit(threads: int) -> ContextManager[Any]:
+    """NumPy's BLAS limited to ``threads`` threads (a no-op without threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return nullcontext()
+    return threadpool_limits(limits=threads, user_api="blas")
+
+
+def write_json(path: str | Path, report: Any) -> Path:
+    """Write ``report`` as JSON to ``path`` atomically (a temporary file in the same folder, then renamed)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path

@@ -1,0 +1,186 @@
+"""Where a benchmark ran: CPU model, cores, caches, the BLAS library and kernel, thread counts, versions.
+
+Every benchmark prints :func:`describe` at the top of its output and stores :func:`machine_info` in its
+JSON report, so a table can always be traced to the machine that produced it.
+
+Cache sizes come from Linux sysfs (``/sys/devices/system/cpu/cpu0/cache/index*/``: level, type, size and
+which CPUs share the cache), else from ``os.sysconf`` (``SC_LEVEL2_CACHE_SIZE``, glibc), else they are
+reported as unknown. The BLAS library and the kernel OpenBLAS chose (``architecture``) come from
+threadpoolctl's ``threadpool_info()`` (the ``fast`` extra); without it the report says so.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["machine_info", "describe", "cpu_model", "cache_sizes", "blas_info", "usable_cores",
+           "OPENBLAS_OVERRIDES"]
+
+OPENBLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")  # make a current OpenBLAS pick slower kernels
+_SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo``), else ``platform.processor()``, else the architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _size_bytes(text: str) -> int | None:
+    text = text.strip().upper()
+    scale = _UNITS.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in _UNITS else text
+    return int(digits) * scale if digits.isdigit() else None
+
+
+def _sysfs_caches(root: Path) -> dict[str, dict[str, Any]]:
+    caches = {}
+    for index in sorted(root.glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = _size_bytes((index / "size").read_text())
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except OSError:
+            continue
+        if kind == "Instruction" or size is None:
+            continue
+        name = f"L{level}" + ("d" if kind == "Data" else "")
+        caches[name] = {"bytes": size, "shared_cpu_list": shared}
+    return caches
+
+
+def _sysconf_caches() -> dict[str, dict[str, Any]]:
+    caches = {}
+    for name, key in (("L1d", "SC_LEVEL1_DCACHE_SIZE"), ("L2", "SC_LEVEL2_CACHE_SIZE"), ("L3", "SC_LEVEL3_CACHE_SIZE")):
+        try:
+            size = os.sysconf(key)
+        except (ValueError, OSError, AttributeError):
+            continue
+        if size and size > 0:
+            caches[name] = {"bytes": int(size), "shared_cpu_list": None}
+    return caches
+
+
+def cache_sizes(sysfs_root: Path = _SYSFS_CACHE) -> dict[str, Any]:
+    """Data and unified cache sizes of CPU 0: ``{"L1d": {...}, "L2": {...}, "L3": {...}, "source": ...}``.
+
+    Each cache is ``{"bytes": int, "shared_cpu_list": str or None}``; ``source`` is ``"sysfs"``,
+    ``"sysconf"`` or ``"unknown"`` (then no cache entries).
+
+    Examples
+    --------
+    >>> info = cache_sizes()
+    >>> info["source"] in ("sysfs", "sysconf", "unknown")
+    True
+    """
+    caches = _sysfs_caches(sysfs_root) if sysfs_root.is_dir() else {}
+    source = "sysfs"
+    if not caches:
+        caches, source = _sysconf_caches(), "sysconf"
+    if not caches:
+        source = "unknown"
+    return {**caches, "source": source}
+
+
+def blas_info() -> list[dict[str, Any]] | str:
+    """NumPy's BLAS libraries (threadpoolctl): ``internal_api``, ``architecture`` (the kernel chosen),
+    ``version``, ``num_threads``, ``threading_layer``, ``filepath``; a sentence when threadpoolctl is missing."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (threadpoolctl is not installed: pip install 'attnkit[fast]')"
+    keys = ("internal_api", "architecture", "version", "num_threads", "threading_layer", "filepath")
+    return [{k: lib.get(k) for k in keys} for lib in threadpool_info() if lib.get("user_api") == "blas"]
+
+
+def _torch_version() -> str | None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch
+        except ImportError:
+            return None
+    return getattr(torch, "__version__", None)
+
+
+def machine_info() -> dict[str, Any]:
+    """Everything :func:`describe` prints, as a JSON-ready dict."""
+    from ..kernels._threads import default_num_threads
+
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "cpu": cpu_model(), "machine": platform.machine(), "cores": os.cpu_count(),
+            "usable_cores": usable_cores(), "caches": cache_sizes(), "blas": blas_info(),
+            "attnkit_threads": default_num_threads(), "python": platform.python_version(),
+            "numpy": np.__version__, "torch": _torch_version(), "load_average": load,
+            "openblas_env": {k: os.environ[k] for k in OPENBLAS_OVERRIDES if k in os.environ}}
+
+
+def _format_bytes(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KiB"
+
+
+def _describe_caches(caches: dict[str, Any]) -> str:
+    if caches["source"] == "unknown":
+        return "cache sizes unknown (no sysfs cache topology, no sysconf values)"
+    parts = []
+    for name in ("L1d", "L2", "L3"):
+        if name in caches:
+            shared = caches[name]["shared_cpu_list"]
+            parts.append(f"{name} {_format_bytes(caches[name]['bytes'])}" + (f" (CPUs {shared})" if shared else ""))
+    return ", ".join(parts) + f" [{caches['source']}]"
+
+
+def _describe_blas(blas: list[dict[str, Any]] | str) -> str:
+    if isinstance(blas, str):
+        return blas
+    if not blas:
+        return "none found by threadpoolctl"
+    return "; ".join(f"{b['internal_api']} {b['version']}, kernel {b['architecture']}, {b['num_threads']} threads"
+                     + (f" ({b['threading_layer']})" if b.get("threading_layer") else "") for b in blas)
+
+
+def _join(threads: Any) -> str:
+    return ", ".join(map(str, threads)) if isinstance(threads, (list, tuple)) else str(threads)
+
+
+def describe(info: dict[str, Any] | None = None, threads: Any = None) -> list[str]:
+    """The lines (``# ...``) a benchmark prints about its machine; ``threads`` = the thread counts it runs."""
+    info = machine_info() if info is None else info
+    load = "" if info["load_average"] is None else f", load average {info['load_average']:.2f}"
+    lines = [f"# machine: {info['cpu']} ({info['machine']}), {info['cores']} cores, {info['usable_cores']} usable"
+             f"{load}; {info['date']}",
+             f"# caches: {_describe_caches(info['caches'])}",
+             f"# BLAS: {_describe_blas(info['blas'])}",
+             f"# threads: attnkit default {info['attnkit_threads']}"
+             + ("" if threads is None else f", this run {_join(threads)}"),
+             f"# python {info['python']}, numpy {info['numpy']}, torch {info['torch'] or 'not installed'}"]
+    if info["openblas_env"]:
+        lines.append(f"# WARNING: {info['openblas_env']} set; OpenBLAS may use slower kernels "
+                     f"(run with env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE)")
+    return lines

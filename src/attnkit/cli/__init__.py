@@ -1,0 +1,71 @@
+"""The ``attnkit`` command line (also ``python -m attnkit``).
+
+Commands::
+
+    attnkit demo       train a small Transformer on a synthetic task; write its attention, curve and model
+    attnkit attention  draw the attention heatmaps of a saved demo model (or of --model minilm) for an input
+    attnkit bench      time attnkit's attention kernels against naive NumPy and PyTorch
+    attnkit embed      sentence embeddings with all-MiniLM-L6-v2 (the ``pretrained`` extra)
+
+Layout: ``_common.py`` holds what every command shares (:class:`UsageError`, the argument types
+``bounded_int`` / ``positive_int`` / ``non_negative_int`` / ``positive_float``, ``output_folder`` /
+``output_file``, ``printable`` for untrusted text, and ``run_command``, the one error handler); each
+command is one module with ``NAME``, ``add_parser(subparsers)`` (adds its parser and arguments, sets
+``run`` as the parser's default) and ``run(args) -> int``. :data:`COMMANDS` lists them in ``--help``
+order. To add a command, write such a module (raise :class:`UsageError` for bad input, let a missing
+extra raise an ``ImportError`` whose message names ``pip install``) and add it to :data:`COMMANDS`.
+A demo task is a row of :data:`attnkit.cli.demo.DEMO_TASKS`.
+
+Exit status: 0 success; 1 a missing optional dependency (the message names the install command) or an
+internal error; 2 a bad command line or bad input files (a number out of range, an output folder that
+cannot be written, a missing or damaged model file), reported as one line on stderr without a traceback;
+130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import attention, bench, demo, embed
+from ._common import PROG, Parser, UsageError, check_argv_text, run_command
+
+__all__ = ["main", "build_parser", "UsageError", "COMMANDS"]
+
+COMMANDS = (demo, attention, bench, embed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``attnkit`` argument parser; each command's ``run`` function is its ``run`` default."""
+    from .. import __version__
+
+    parser = Parser(prog=PROG, description="attnkit: the attention mechanisms of the Transformer in NumPy. "
+                                           "Start with 'attnkit demo'.")
+    parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def _parse_and_run(argv: Sequence[str]) -> int:
+    check_argv_text(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help and --version
+        return int(exc.code or 0)
+    if args.command is None:
+        names = ", ".join(command.NAME for command in COMMANDS)
+        raise UsageError(f"choose a command: {names} (see 'attnkit --help')")
+    return args.run(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``attnkit`` command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_command(lambda: _parse_and_run(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""What every ``attnkit`` command shares: the parser class, the argument types, the checks of output paths,
+the escaping of untrusted text, and the one error handler that turns failures into exit codes.
+
+Exit codes (:func:`run_command`): 0 success; 1 a missing optional dependency (the message names the install
+command) or an internal error; 2 a bad command line or bad input files, reported as one line on stderr,
+never a traceback; 130 interrupted. ``ATTNKIT_TRACEBACK=1`` in the environment shows the traceback of an
+internal error instead of its one line.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PROG", "UsageError", "Parser", "bounded_int", "positive_int", "non_negative_int", "positive_float",
+           "output_folder", "output_file", "printable", "check_argv_text", "require_matplotlib", "save_figure",
+           "run_command", "IMAGE_SUFFIXES"]
+
+PROG = "attnkit"
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+_DPI = 100  # pictures are exactly figsize * 100 pixels
+_SHOWN_CHARS = 40  # longest piece of user text quoted back in a message
+_MESSAGE_CHARS = 500  # longest error message (a 5000-character path is cut)
+_INTEGER = re.compile("[+-]?[0-9]+")
+
+# C0/C1 control characters, DEL, lone surrogates and the bidirectional overrides ("Trojan source"):
+# a terminal would act on them, so text from files and arguments shows them as escapes.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+class UsageError(Exception):
+    """A bad command line or input file: :func:`run_command` prints ``"<prog>: error: <message>"`` and returns 2."""
+
+    def __init__(self, message: str, prog: str = PROG) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise :class:`UsageError` instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message, self.prog)
+
+
+# -- untrusted text --------------------------------------------------------------------------------------
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: Any, limit: int | None = None) -> str:
+    """``text`` with control characters, lone surrogates and bidi overrides escaped (``\\x1b``, ``\\u202e``).
+
+    Parameters
+    ----------
+    text : any
+        Converted with ``str``.
+    limit : int, optional
+        Cut to this many characters (before escaping), marking the cut with ``...``.
+
+    Examples
+    --------
+    >>> printable("red\\x1b[31m")
+    'red\\\\x1b[31m'
+    >>> printable("a" * 50, limit=5)
+    'aaaaa...'
+    """
+    text = str(text)
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "..."
+    return _UNSAFE.sub(_escape, text)
+
+
+def check_argv_text(argv: Sequence[str]) -> None:
+    """Raise :class:`UsageError` for an argument that is not valid UTF-8 (Python hands such bytes over as
+    lone surrogates, which cannot be printed or written back)."""
+    for position, arg in enumerate(argv, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")  # bytes as \xff
+            shown = printable(shown, _SHOWN_CHARS)
+            raise UsageError(f"argument {position} ({shown}) is not valid UTF-8 text") from None
+
+
+# -- argument types --------------------------------------------------------------------------------------
+def bounded_int(low: int, high: int, what: str | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]`` (``what`` names it in messages).
+
+    Examples
+    --------
+    >>> bounded_int(1, 10)("7")
+    7
+    """
+    what = what or ("a positive integer" if low == 1 else "a non-negative integer" if low == 0 else "an integer")
+
+    def parse(text: str) -> int:
+        text = text.strip()
+        if not _INTEGER.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {printable(repr(text), _SHOWN_CHARS)}")
+        if len(text.lstrip("+-0")) > 30:  # absurdly long: refused before int() reads it
+            text = text.lstrip("+")
+            problem = f"must be {what}" if text.startswith("-") else f"must be at most {high}"
+            raise argparse.ArgumentTypeError(f"{problem}, got a {len(text.lstrip('-'))}-digit number")
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in "invalid <name> value" messages
+    return parse
+
+
+positive_int = bounded_int(1, 2**31 - 1)
+non_negative_int = bounded_int(0, 2**31 - 1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        shown = printable(repr(text), _SHOWN_CHARS)
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {shown}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {printable(text, _SHOWN_CHARS)}")
+    return value
+
+
+# -- output paths ----------------------------------------------------------------------------------------
+def output_folder(path: str | Path) -> Path:
+    """Create ``path`` if needed and make sure a file can be written in it (else :class:`UsageError`)."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".attnkit-write-test-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write to the output folder {printable(repr(str(folder)))}: "
+                         f"{printable(exc.strerror or exc)}") from None
+    return folder
+
+
+def output_file(path: str | Path, suffixes: Sequence[str] = IMAGE_SUFFIXES) -> Path:
+    """Check that a file with one of ``suffixes`` can be written at ``path`` (its folder is created if needed)."""
+    file = Path(path)
+    if file.suffix.lower() not in suffixes:
+        raise UsageError(f"the output file must end in one of {', '.join(suffixes)}, got {printable(repr(str(file)))}")
+    if file.is_dir():
+        raise UsageError(f"the output file {printable(repr(str(file)))} is a folder")
+    output_folder(file.parent)
+    return file
+
+
+# -- pictures --------------------------------------------------------------------------------------------
+def require_matplotlib(what: str) -> None:
+    """Raise the one-line ImportError of a missing ``viz`` extra, before any work is done."""
+    if importlib.util.find_spec("matplotlib") is None:
+        from ..viz import VIZ_INSTALL_HINT
+
+        raise ImportError(f"{what} needs matplotlib, which is not installed: {VIZ_INSTALL_HINT}")
+
+
+def save_figure(fig: Any, path: Path, dpi: int = _DPI) -> None:
+    """Write ``fig`` to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
+# -- the one error handler -------------------------------------------------------------------------------
+def _say(prog: str, message: Any) -> None:
+    print(f"{printable(prog, _SHOWN_CHARS)}: error: {printable(message, _MESSAGE_CHARS)}", file=sys.stderr, flush=True)
+
+
+def run_command(run: Callable[[], int], prog: str = PROG) -> int:
+    """Call ``run()`` and turn what it raises into one line on stderr and an exit code (see module doc)."""
+    try:
+        return int(run() or 0)
+    except UsageError as exc:
+        _say(exc.prog, exc)
+        return 2
+    except ImportError as exc:
+        if "pip install" not in str(exc):  # a broken install rather than a missing extra
+            return _internal_error(prog, exc)
+        _say(prog, exc)
+        return 1
+    except MemoryError:
+        _say(prog, "not enough memory for this command (try smaller sizes)")
+        return 2
+    except OSError as exc:  # unreadable or unwritable files that no earlier check caught
+        where = f" ({printable(exc.filename)})" if exc.filename is not None else ""
+        _say(prog, f"{exc.strerror or exc}{where}")
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the command line shows no tracebacks
+        return _internal_error(prog, exc)
+
+
+def _internal_error(prog: str, exc: BaseException) -> int:
+    if os.environ.get("ATTNKIT_TRACEBACK"):
+        raise exc
+    _say(prog, f"internal error: {type(exc).__name__}: {printable(exc, 300)} "
+               f"(run with ATTNKIT_TRACEBACK=1 for the traceback and please report it)")
+    return 1

@@ -1,0 +1,129 @@
+"""``attnkit attention``: draw the attention heatmaps of a saved demo model, or of all-MiniLM-L6-v2, for an input."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ._common import UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure
+
+__all__ = ["NAME", "add_parser", "run", "PRETRAINED_MODELS"]
+
+NAME = "attention"
+PROG = f"attnkit {NAME}"
+PRETRAINED_MODELS = ("minilm",)
+_MAX_INDEX = 100_000  # layers and heads
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``attnkit attention`` and its arguments."""
+    p = subparsers.add_parser(
+        NAME, help="draw the attention heatmaps of a saved model for an input",
+        description="Load a model saved by 'attnkit demo' (its folder, or its model.npz with model.json\n"
+                    "beside it) and draw the attention of every layer and head (or of --layer/--head) for\n"
+                    "an input sequence. With --model minilm, draw a head of the pretrained all-MiniLM-L6-v2\n"
+                    "over a sentence instead (needs the 'pretrained' extra; sentences are cut at 256 tokens).",
+        epilog="examples:\n  attnkit attention --input \"3 1 4 1 5 9 2 6 5 3\" -o sort.png\n"
+               "  attnkit attention --model minilm \"The cat sat on the mat.\" --layer 2 --head 3 -o cat.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    index = bounded_int(0, _MAX_INDEX)
+    p.add_argument("text", nargs="?", metavar="TEXT", help="the input (a sentence for --model minilm)")
+    p.add_argument("--model", default="attnkit-demo",
+                   help="a demo model folder or .npz file (default attnkit-demo), or 'minilm'")
+    p.add_argument("--input", help="the input sequence, e.g. \"3 1 4 1 5\" (same as TEXT)")
+    p.add_argument("--layer", type=index, default=None, help="only this layer (0-based; minilm default 0)")
+    p.add_argument("--head", type=index, default=None, help="only this head (0-based)")
+    p.add_argument("-o", "--output", default="attention.png", help="image file to write (default attention.png)")
+    p.add_argument("--model-dir", default=None, help="--model minilm: a sentence-transformers model folder")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the input and the output file, then draw the demo model's or MiniLM's attention."""
+    if args.text is not None and args.input is not None:
+        raise UsageError("give the input once: as TEXT or with --input, not both", PROG)
+    text = args.input if args.input is not None else args.text
+    if text is None:
+        raise UsageError("no input: give it as TEXT or with --input \"3 1 4 1 5\"", PROG)
+    output = output_file(args.output)
+    if args.model in PRETRAINED_MODELS:
+        return _pretrained_attention(args, text, output)
+    return _demo_attention(args, text, output)
+
+
+def _check_index(name: str, value: int | None, count: int) -> None:
+    if value is not None and value >= count:
+        raise UsageError(f"--{name} {value} is out of range: the model has {count} {name}s (0..{count - 1})", PROG)
+
+
+# -- a demo model ----------------------------------------------------------------------------------------
+def _load_demo_model(path: str) -> tuple[Any, dict]:
+    from .. import demo
+
+    shown = printable(repr(path))
+    try:
+        return demo.load_model(path)
+    except FileNotFoundError as exc:
+        hint = " (train one with 'attnkit demo')" if path == "attnkit-demo" else ""
+        raise UsageError(f"cannot load the model {shown}: {printable(exc)}{hint}", PROG) from None
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"cannot load the model {shown}: {printable(exc)}", PROG) from None
+
+
+def _demo_attention(args: argparse.Namespace, text: str, output: Path) -> int:
+    from .. import demo
+    from .demo import query_labels
+
+    model, meta = _load_demo_model(args.model)
+    tokens = meta["tokens"]
+    try:
+        ids = demo.parse_sequence(text, tokens, model.max_length)
+    except ValueError as exc:
+        raise UsageError(str(exc), PROG) from None
+    n_layers, n_heads = meta["model"]["num_layers"], meta["model"]["num_heads"]
+    _check_index("layer", args.layer, n_layers)
+    _check_index("head", args.head, n_heads)
+    require_matplotlib(PROG)
+    from ..viz import plot_attention
+
+    weights = demo.attention_maps(model, ids)  # (N, H, L, L)
+    pred = model.predict(ids[None, :])[0]  # (L,)
+    layers = range(n_layers) if args.layer is None else [args.layer]
+    heads = range(n_heads) if args.head is None else [args.head]
+    weights = weights[list(layers)][:, list(heads)]  # (N', H', L, L)
+    tokens = [printable(t) for t in tokens]  # they come from a file: no control characters in labels
+    words, said = [tokens[t] for t in ids], " ".join(tokens[t] for t in ids)
+    print(f"model: {printable(args.model)} ({printable(meta['task'])}, trained on {meta['seq_len']} digits, "
+          f"held-out token accuracy {meta.get('heldout_token_accuracy', float('nan')):.2%})")
+    if len(ids) != meta["seq_len"]:
+        print(f"note: the model was trained on sequences of {meta['seq_len']} digits; this one has {len(ids)}")
+    print(f"input  {said}")
+    print(f"output {' '.join(tokens[t] for t in pred)}")
+    fig = plot_attention(weights, query_labels(ids, pred, tokens), words,
+                         layer_names=[f"layer {i}" for i in layers], head_names=[f"head {j}" for j in heads],
+                         title=f"{printable(meta['task'])}: attention for the input {said}  (rows: input\u2192output)")
+    save_figure(fig, output)
+    print(f"wrote {printable(output)}")
+    return 0
+
+
+# -- all-MiniLM-L6-v2 ------------------------------------------------------------------------------------
+def _pretrained_attention(args: argparse.Namespace, text: str, output: Path) -> int:
+    from .embed import MODEL_NAME, load_encoder
+
+    require_matplotlib(PROG)
+    encoder = load_encoder(args.model_dir, PROG)
+    layer = 0 if args.layer is None else args.layer
+    _check_index("layer", layer, encoder.num_layers)
+    _check_index("head", args.head, encoder.num_heads)
+    from ..viz import plot_attention
+
+    tokens, weights = encoder.attention(text, layer, args.head)  # (L, L) or (H, L, L)
+    which = "all heads" if args.head is None else f"head {args.head}"
+    fig = plot_attention(weights, [printable(t) for t in tokens], title=f"{MODEL_NAME}, layer {layer}, {which}")
+    save_figure(fig, output, dpi=150)
+    if len(tokens) == encoder.max_seq_length and encoder.tokenize([text]).truncated[0]:
+        print(f"note: the sentence was cut at {encoder.max_seq_length} tokens")
+    print(f"wrote {printable(output)}")
+    return 0

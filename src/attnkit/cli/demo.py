@@ -1,0 +1,188 @@
+"""``attnkit demo``: train a small Transformer on a synthetic task, draw its attention, save the model.
+
+The tasks are the rows of :data:`DEMO_TASKS`: a name, a one-line help and a ``run(args, out) -> int``
+that trains, prints and writes into the checked output folder ``out``. Adding a task is adding a row
+(the ``--task`` choices and help are built from the table); options that only one task uses are added by
+:func:`add_parser` and ignored by the others.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ._common import bounded_int, output_folder, positive_float, printable, require_matplotlib, save_figure
+
+__all__ = ["NAME", "DEMO_TASKS", "DemoTask", "add_parser", "run"]
+
+NAME = "demo"
+MAX_STEPS = 10_000_000
+MAX_BATCH = 65_536
+MAX_SEQ_LEN = 1024
+
+
+class DemoTask(NamedTuple):
+    """One ``--task`` of the demo: what it teaches (for ``--help``) and how it runs."""
+
+    help: str
+    run: Callable[[argparse.Namespace, Path], int]
+
+
+# -- the token-tagging tasks (sort, reverse, copy_offset) ------------------------------------------------
+class _Progress:
+    """A tqdm bar with the running loss and accuracy, or plain lines every 10% without tqdm."""
+
+    def __init__(self, total: int, desc: str, plain: bool) -> None:
+        self.total, self.desc = total, desc
+        self.bar = None
+        if not plain:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                print(f"({desc}: tqdm is not installed, printing plain progress lines; pip install 'attnkit[viz]')",
+                      file=sys.stderr)
+            else:
+                self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True,
+                                mininterval=0.25)
+        self.every = max(1, total // 10)
+        self.loss = self.acc = None
+
+    def __call__(self, step: int, loss: float, acc: float) -> None:
+        k = 0.9 if step > 1 else 0.0  # exponential running means, for a readable bar
+        self.loss = loss if self.loss is None else k * self.loss + (1 - k) * loss
+        self.acc = acc if self.acc is None else k * self.acc + (1 - k) * acc
+        if self.bar is not None:
+            self.bar.update(1)
+            if step % 10 == 0 or step == self.total:
+                self.bar.set_postfix_str(f"loss {self.loss:.4f}, acc {self.acc:6.1%}", refresh=False)
+        elif step % self.every == 0 or step == self.total:
+            print(f"{self.desc}: step {step:>{len(str(self.total))}}/{self.total}  loss {self.loss:.4f}  "
+                  f"accuracy {self.acc:6.1%}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def query_labels(ids: Sequence[int], outputs: Sequence[int], tokens: Sequence[str]) -> list[str]:
+    """Row labels ``"input -> output"``: what each position reads and what the model writes there."""
+    return [f"{tokens[i]}\u2192{tokens[o]}" for i, o in zip(ids, outputs)]
+
+
+def _words(ids: Sequence[int], tokens: Sequence[str]) -> str:
+    return printable(" ".join(tokens[t] for t in ids))
+
+
+def _train(args: argparse.Namespace) -> Any:
+    from .. import demo
+
+    config = demo.DemoConfig(task=args.task, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
+                             lr=args.lr, seq_len=args.seq_len)
+    model = demo.build_model(config)
+    print(f"attnkit demo: learn to {args.task.replace('_', ' ')} {config.seq_len} digits with a "
+          f"{config.num_layers}-layer, {config.num_heads}-head Transformer encoder (d_model {config.d_model}, "
+          f"{model.num_parameters():,} parameters, float32), {config.steps} steps of Adam, batch "
+          f"{config.batch_size}, seed {config.seed}", flush=True)
+    if importlib.util.find_spec("threadpoolctl") is None:
+        print("note: threadpoolctl is not installed, so BLAS may run several threads on these tiny matrices, "
+              "which is slow on a busy machine (pip install 'attnkit[fast]')", file=sys.stderr)
+    progress = _Progress(config.steps, f"training ({args.task})", plain=args.no_progress)
+    try:
+        return demo.train(config, on_step=progress)
+    finally:
+        progress.close()
+
+
+def _report(result: Any) -> None:
+    from .. import tasks
+
+    config, tokens = result.config, tasks.token_names(result.config.num_digits)
+    ex, pred, want = result.example, result.example_prediction, result.example_target
+    verdict = "correct" if (pred == want).all() else f"expected {_words(want, tokens)}"
+    print(f"held-out accuracy: {result.heldout_accuracy:.2%} of tokens, {result.heldout_sequence_accuracy:.2%} "
+          f"of whole sequences ({config.eval_size} new sequences); trained in {result.seconds:.1f} s")
+    print(f"example: input  {_words(ex, tokens)}")
+    print(f"         output {_words(pred, tokens)}  ({verdict})")
+
+
+def _draw(result: Any, out: Path) -> None:
+    from .. import demo, tasks
+    from ..viz import plot_attention, plot_training_curve
+
+    config, tokens = result.config, tasks.token_names(result.config.num_digits)
+    ex, pred = result.example, result.example_prediction
+    weights = demo.attention_maps(result.model, ex)  # (N, H, L, L)
+    fig = plot_attention(weights, query_labels(ex, pred, tokens), [tokens[t] for t in ex],
+                         title=f"{config.task}: attention of every layer and head for the input "
+                               f"{_words(ex, tokens)}  (rows: input\u2192output of the query)")
+    save_figure(fig, out / "attention.png")
+    fig = plot_training_curve(result.losses, result.accuracies, eval_steps=result.eval_steps,
+                              eval_accuracy=result.eval_accuracies,
+                              title=f"attnkit demo: {config.task}, held-out token accuracy "
+                                    f"{result.heldout_accuracy:.2%}")
+    save_figure(fig, out / "loss.png")
+
+
+def run_tagging_task(args: argparse.Namespace, out: Path) -> int:
+    """Train a :class:`~attnkit.models.TokenTagger` on ``args.task``; write pictures and the model to ``out``."""
+    from .. import demo, tasks
+
+    result = _train(args)
+    _report(result)
+    _draw(result, out)
+    model_path, config_path = demo.save_model(result, out)
+    config, tokens = result.config, tasks.token_names(result.config.num_digits)
+    print(f"wrote {printable(out / 'attention.png')} (attention of {config.num_layers} layers x "
+          f"{config.num_heads} heads for the example)")
+    print(f"wrote {printable(out / 'loss.png')} (training loss and accuracy)")
+    print(f"wrote {printable(model_path)} and {printable(config_path)}; draw the attention for another input with:")
+    print(f"  attnkit attention --model {printable(out)} --input \"{_words(result.example[::-1], tokens)}\" "
+          f"-o attention2.png")
+    return 0
+
+
+DEMO_TASKS: dict[str, DemoTask] = {
+    "sort": DemoTask("sort the digits", run_tagging_task),
+    "reverse": DemoTask("reverse them", run_tagging_task),
+    "copy_offset": DemoTask("shift them one place", run_tagging_task),
+}
+
+
+# -- the command -----------------------------------------------------------------------------------------
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``attnkit demo`` and its arguments."""
+    from ..demo import DemoConfig
+
+    d = DemoConfig()
+    p = subparsers.add_parser(
+        NAME, help="train a small Transformer on a synthetic task and draw its attention",
+        description="Train a small Transformer encoder (attnkit modules, Adam, pure NumPy) on a synthetic task "
+                    "that needs attention, generated in-process from a seed. Prints the held-out accuracy and "
+                    "writes OUT/attention.png (one heatmap per layer and head for a held-out example), "
+                    "OUT/loss.png (training curve) and OUT/model.npz + OUT/model.json (reload them with "
+                    "'attnkit attention --model OUT').")
+    tasks_help = "; ".join(f"{name}: {task.help}" for name, task in DEMO_TASKS.items())
+    p.add_argument("--task", choices=tuple(DEMO_TASKS), default=d.task, help=f"{tasks_help} (default {d.task})")
+    p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=d.steps,
+                   help=f"training steps (default {d.steps})")
+    p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=d.seed,
+                   help=f"seed of the data and the initial weights (default {d.seed})")
+    p.add_argument("--out", default="attnkit-demo", help="output folder (default attnkit-demo)")
+    p.add_argument("--batch-size", type=bounded_int(1, MAX_BATCH), default=d.batch_size,
+                   help=f"sequences per step (default {d.batch_size})")
+    p.add_argument("--lr", type=positive_float, default=d.lr, help=f"peak Adam learning rate (default {d.lr})")
+    p.add_argument("--seq-len", type=bounded_int(1, MAX_SEQ_LEN), default=d.seq_len,
+                   help=f"digits per sequence (default {d.seq_len})")
+    p.add_argument("--no-progress", action="store_true", help="print a line every 10%% instead of a progress bar")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the output folder and the plotting extra, then run the chosen task."""
+    require_matplotlib("attnkit demo draws its pictures with matplotlib and")
+    out = output_folder(args.out)
+    return DEMO_TASKS[args.task].run(args, out)

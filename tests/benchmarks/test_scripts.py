@@ -1,0 +1,67 @@
+"""The benchmark modules and their thin callers in ``benchmarks/``: every one prints where it ran, and the
+torch comparisons say in one line when torch is missing instead of crashing."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+MODULES = ("attention", "encoder", "minilm")
+
+
+def _run(args, tmp_path, block_torch=False):
+    prelude = "import sys; sys.modules['torch'] = None; " if block_torch else ""
+    code = prelude + "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("name", ["encoder", "minilm"])
+def test_torch_benchmarks_without_torch_say_so_in_one_line(name, tmp_path):
+    proc = _run([ROOT / "benchmarks" / f"bench_{name}.py"], tmp_path, block_torch=True)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum("torch is not installed" in line for line in lines) == 1
+    assert lines[0].startswith("# machine: ") and any(line.startswith("# BLAS: ") for line in lines)
+
+
+def test_attention_script_without_torch_runs_and_skips_the_column(tmp_path):
+    proc = _run([ROOT / "benchmarks" / "bench_attention.py", "--sizes", "16", "--repeats", "1", "--threads", "1",
+                 "--heads", "1", "--dim", "8", "--no-memory", "--modes", "fwd", "--causal", "no"],
+                tmp_path, block_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "# torch is not installed" in proc.stdout and "skipped: torch is not installed" in proc.stdout
+    assert "# caches: " in proc.stdout and "tiled" in proc.stdout
+
+
+def test_encoder_benchmark_runs_a_tiny_model_against_torch(capsys):
+    pytest.importorskip("torch")
+    from attnkit.benchmarks import encoder
+
+    report = encoder.run(encoder.parse_args(["--threads", "1", "--layers", "1", "--d-model", "16", "--heads", "2",
+                                             "--d-ff", "32", "--seq", "8", "--batch", "2", "--repeats", "1",
+                                             "--warmup", "0"]))
+    row = report["results"][0]
+    assert row["ratio"] > 0 and row["agreement"]["grad_max_rel_diff"] < 1e-2
+    assert "# machine: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["bench_attention", "bench_encoder", "bench_minilm"])
+def test_scripts_are_thin_callers(name):
+    source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+    tree = ast.parse(source)
+    assert len(source.splitlines()) <= 8
+    assert not any(isinstance(node, (ast.FunctionDef, ast.ClassDef)) for node in tree.body)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_no_benchmark_function_is_over_60_lines(name):
+    path = SRC / "attnkit" / "benchmarks" / f"{name}.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body[1:] if ast.get_docstring(node) else node.body
+            lines = body[-1].end_lineno - body[0].lineno + 1
+            assert lines <= 60, f"{name}.{node.name}: {lines} lines"

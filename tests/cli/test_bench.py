@@ -1,0 +1,46 @@
+"""``attnkit bench``: runs from the package (no source tree needed), says where it ran, works without torch."""
+import json
+import sys
+
+import pytest
+
+from attnkit.cli import main
+from cli_helpers import png_size
+
+
+def test_bench_prints_the_machine_the_table_and_writes_results(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    code = main(["bench", "--sizes", "32", "--repeats", "1", "--heads", "2", "--dim", "16", "--threads", "1",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.count("# torch is not installed") == 1 and "Traceback" not in out
+    for line in ("# machine: ", "# caches: ", "# BLAS: ", "# threads: "):
+        assert line in out
+    assert "tiled" in out and "reference" in out and "L = 32" in out
+    report = json.loads((tmp_path / "attention-benchmark.json").read_text())
+    assert {r["impl"] for r in report["results"]} >= {"tiled", "reference", "naive"}
+    assert report["machine"]["cores"] >= 1 and "caches" in report["machine"]
+    assert next(r for r in report["results"] if r["impl"] == "torch")["note"] == "skipped: torch is not installed"
+    png = tmp_path / "attention-benchmark.png"
+    has_matplotlib = __import__("importlib.util").util.find_spec("matplotlib") is not None
+    assert png.is_file() == has_matplotlib and (not has_matplotlib or png_size(png)[0] > 100)
+
+
+def test_bench_with_torch_reports_ratios(tmp_path, capsys):
+    pytest.importorskip("torch")
+    assert main(["bench", "--sizes", "16", "--repeats", "1", "--heads", "1", "--dim", "8", "--threads", "1",
+                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "attention-benchmark.json").read_text())
+    tiled = [r for r in report["results"] if r["impl"] == "tiled"]
+    assert len(tiled) == 4 and all(r["vs_torch"] > 0 for r in tiled)  # fwd/fwdbwd x causal/not
+    assert "torch is not installed" not in capsys.readouterr().out
+
+
+def test_bench_does_not_read_the_source_tree():
+    """The benchmark is a module of the package: nothing is loaded from a path outside it."""
+    import attnkit.benchmarks.attention as bench_module
+    import attnkit.cli.bench as command
+
+    source = open(command.__file__).read() + open(bench_module.__file__).read()
+    assert "spec_from_file_location" not in source and "parents[" not in source
