@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["plot_attention", "plot_training_curve", "attention_figsize", "attention_html", "VIZ_INSTALL_HINT",
-           "HTML_SIZE_WARNING_BYTES"]
+__all__ = ["HTML_SIZE_WARNING_BYTES", "VIZ_INSTALL_HINT", "attention_figsize", "attention_html", "plot_attention",
+           "plot_training_curve"]
 
 VIZ_INSTALL_HINT = "pip install 'attnkit[viz]'"
 

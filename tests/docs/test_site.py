@@ -25,7 +25,7 @@ def _pages() -> list[str]:
 
 
 def _blocks(page: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(encoding="utf-8"), flags=re.S)
+    return re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(encoding="utf-8"), flags=re.DOTALL)
 
 
 def _available(name: str) -> bool:

@@ -12,7 +12,7 @@ from attnkit.cli import main
 
 def _embedded(path) -> dict:
     text = path.read_text(encoding="utf-8")
-    return json.loads(re.search(r'id="attnkit-data">(.*?)</script>', text, flags=re.S).group(1))
+    return json.loads(re.search(r'id="attnkit-data">(.*?)</script>', text, flags=re.DOTALL).group(1))
 
 
 @pytest.fixture(scope="module")

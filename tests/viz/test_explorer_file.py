@@ -22,7 +22,7 @@ def _weights(*shape, seed=0):
 def _embedded(path) -> dict:
     """The JSON the page embeds (what the page's script parses into window.attnkitData)."""
     text = path.read_text(encoding="utf-8")
-    match = re.search(r'<script type="application/json" id="attnkit-data">(.*?)</script>', text, flags=re.S)
+    match = re.search(r'<script type="application/json" id="attnkit-data">(.*?)</script>', text, flags=re.DOTALL)
     assert match, "no embedded data"
     return json.loads(match.group(1))
 
@@ -103,8 +103,8 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path, monk
 
 
 @pytest.mark.parametrize("weights, error, message", [
-    (np.ones((2, 2, 2, 2, 2)) / 2, ValueError, r"weights must be \(L, L\), \(heads, L, L\) or \(layers, heads, L, L\), "
-                                              r"got shape \(2, 2, 2, 2, 2\)"),
+    (np.ones((2, 2, 2, 2, 2)) / 2, ValueError, (r"weights must be \(L, L\), \(heads, L, L\) or \(layers, heads, L, L\), "
+                                               r"got shape \(2, 2, 2, 2, 2\)")),
     (np.ones(2) / 2, ValueError, r"got shape \(2,\)"),
     (np.ones((2, 3)) / 3, ValueError, r"as many keys as queries .*\(2, 3\)"),
     (np.ones((0, 0)), ValueError, "must not be empty"),
