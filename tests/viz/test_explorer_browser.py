@@ -29,7 +29,9 @@ def _open(watch, tmp_path, tokens=TOKENS, weights=None, **kwargs):
 
 def _pixels(locator) -> np.ndarray:
     """A screenshot of one element as an (H, W, 3) uint8 array."""
-    from PIL import Image
+    image_module = pytest.importorskip("PIL.Image", reason="screenshot comparison decodes PNGs with Pillow "
+                                                          "(installed with the viz extra's matplotlib)")
+    Image = image_module
 
     return np.asarray(Image.open(io.BytesIO(locator.screenshot())).convert("RGB"))
 
