@@ -28,6 +28,14 @@ def find_chromium() -> str | None:
     return None
 
 
+def _unavailable(reason: str):
+    """Skip, saying why; fail instead where ``ATTNKIT_REQUIRE_BROWSER=1`` (make test sets it when Chromium is
+    installed, so a browser that is there but does not start is an error, not a silent skip)."""
+    if os.environ.get("ATTNKIT_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"ATTNKIT_REQUIRE_BROWSER=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def browser():
     """One headless Chromium for the session (launching one takes seconds)."""
@@ -35,17 +43,17 @@ def browser():
         from playwright.sync_api import Error as PlaywrightError
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("browser tests need the playwright package (pip install -e '.[test]')")
+        _unavailable("browser tests need the playwright package (pip install -e '.[test]')")
     executable = find_chromium()
     if executable is None:
-        pytest.skip("browser tests need Chromium: apt-get install chromium, or set ATTNKIT_CHROMIUM to its path")
+        _unavailable("browser tests need Chromium: apt-get install chromium, or set ATTNKIT_CHROMIUM to its path")
     manager = sync_playwright().start()
     try:
         instance = manager.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
     except PlaywrightError as exc:
         manager.stop()
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        pytest.skip(f"Chromium at {executable} did not start: {first_line}")
+        _unavailable(f"Chromium at {executable} did not start: {first_line}")
     yield instance
     instance.close()
     manager.stop()
