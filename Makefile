@@ -4,14 +4,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP_TEST := $(VENV)/.installed-test
 STAMP_DEMO := $(VENV)/.installed-demo
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test demo venv clean
+.PHONY: test demo docs docs-screenshot chromium venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP_TEST): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[test,fast,viz,pretrained]'
+	$(BIN)/python -m pip install --quiet -e '.[test,fast,viz,pretrained,docs]'
 	touch $@
 
 # The demo needs the pictures and the progress bar (viz) and one BLAS thread on its tiny matrices (fast).
@@ -21,13 +22,37 @@ $(STAMP_DEMO): $(BIN)/python pyproject.toml
 
 venv: $(STAMP_TEST)
 
-test: $(STAMP_TEST)
+# Lint and the strict docs build first (seconds), then every test; pytest's summary stays the last line. Where
+# Chromium is installed the browser tests must run: ATTNKIT_REQUIRE_BROWSER turns their skip into a failure.
+test: $(STAMP_TEST) chromium
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory docs
+	if [ -x "$(CHROMIUM)" ]; then export ATTNKIT_REQUIRE_BROWSER=1; fi; $(BIN)/python -m pytest
+
+# The explorer's browser tests (tests/viz) drive the system Chromium. Install it where we can (root with
+# apt-get); anywhere else, or when apt fails, the build goes on and those tests skip with the reason.
+chromium:
+	@if [ -x "$(CHROMIUM)" ]; then \
+		echo "browser tests: $(CHROMIUM)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "browser tests: installing the Debian package chromium"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+			|| echo "browser tests: apt-get could not install chromium; they will be skipped"; \
+	else \
+		echo "browser tests: no $(CHROMIUM) and no root apt-get; they will be skipped (set ATTNKIT_CHROMIUM)"; \
+	fi
+
+# The documentation site (mkdocs.yml, docs/), built into site/; any warning is an error.
+docs: $(STAMP_TEST)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir site
+
+# Redraw docs/explorer.png (the explorer on all-MiniLM-L6-v2) after changing the page.
+docs-screenshot: $(STAMP_TEST) chromium
+	$(BIN)/python docs/tools/explorer_screenshot.py docs/explorer.png
 
 # make demo DEMO_ARGS="--task reverse --steps 400" passes options on (see .venv/bin/attnkit demo --help).
 demo: $(STAMP_DEMO)
 	$(BIN)/attnkit demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist site *.egg-info src/*.egg-info .pytest_cache .hypothesis

@@ -1,23 +1,36 @@
-"""Pictures of attention weights and training curves (matplotlib, imported only when a plot is drawn).
+"""Pictures of attention weights and training curves, and an interactive attention explorer page.
 
-matplotlib is not a dependency of attnkit: install it with ``pip install 'attnkit[viz]'``. Every function
-returns a :class:`matplotlib.figure.Figure`, so the same call shows inline in a notebook and saves to a
-file from a script (``fig.savefig("attention.png")``). On a machine without a display the non-interactive
-Agg backend is chosen, unless ``MPLBACKEND`` says otherwise.
+`plot_attention` and `plot_training_curve` draw with matplotlib (imported only when a plot is
+drawn; install it with ``pip install 'attnkit[viz]'``) and return a `matplotlib.figure.Figure`, so
+the same call shows inline in a notebook and saves to a file from a script (``fig.savefig("attention.png")``).
+On a machine without a display the non-interactive Agg backend is chosen, unless ``MPLBACKEND`` says otherwise.
+
+`attention_html` needs nothing but NumPy: it writes one self-contained HTML page (script, style and
+data inline; it loads nothing from the network) in which a browser picks a layer and a head, hovers tokens
+and sees where each one attends.
 
 Dimension letters: H heads, N layers, Lq query length (rows), Lk key length (columns).
 """
 from __future__ import annotations
 
+import contextlib
+import html
+import importlib.resources
+import json
 import math
 import os
+import re
 import sys
+import tempfile
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["plot_attention", "plot_training_curve", "attention_figsize", "VIZ_INSTALL_HINT"]
+__all__ = ["HTML_SIZE_WARNING_BYTES", "VIZ_INSTALL_HINT", "attention_figsize", "attention_html", "plot_attention",
+           "plot_training_curve"]
 
 VIZ_INSTALL_HINT = "pip install 'attnkit[viz]'"
 
@@ -25,6 +38,8 @@ _CELL_INCHES = 0.32  # side of one attention cell in the picture
 _MIN_PANEL_INCHES = 2.4  # no heatmap smaller than this, however short the sequence
 _MAX_TICK_LABELS = 40  # label every token up to this length, every k-th beyond
 _MAX_COLUMNS_ONE_LAYER = 4  # the heads of one layer wrap into rows of this many
+HTML_SIZE_WARNING_BYTES = 5_000_000  # attention_html warns above this: browsers get slow to open such pages
+_PROBABILITY_SLACK = 1e-4  # rounding room around [0, 1] for weights computed in float32
 
 
 def _pyplot():
@@ -298,3 +313,143 @@ def plot_training_curve(loss: Any, accuracy: Any = None, *, steps: Any = None, e
     if title:
         fig.suptitle(title)
     return fig
+
+
+# -- the interactive explorer page -------------------------------------------------------------------------
+def _explorer_weights(weights: Any) -> np.ndarray:
+    """Check the explorer's weights: real, finite, in [0, 1], square; returned as (N, H, L, L) float64."""
+    w = np.asarray(weights)
+    if w.dtype.kind not in "fiub":
+        raise TypeError(f"weights must be a real numeric array, got dtype {w.dtype} (shape {w.shape})")
+    if w.ndim not in (2, 3, 4):
+        raise ValueError(f"weights must be (L, L), (heads, L, L) or (layers, heads, L, L), got shape {w.shape}")
+    if 0 in w.shape:
+        raise ValueError(f"weights must not be empty, got shape {w.shape}")
+    if w.shape[-1] != w.shape[-2]:
+        raise ValueError(f"weights must be self-attention with as many keys as queries (..., L, L), got shape "
+                         f"{w.shape}")
+    w = w.reshape((1,) * (4 - w.ndim) + w.shape).astype(np.float64)  # (N, H, L, L)
+    if not np.isfinite(w).all():
+        raise ValueError(f"weights must be finite, got {int(np.size(w) - np.isfinite(w).sum())} NaN or infinite values")
+    low, high = float(w.min()), float(w.max())
+    if low < -_PROBABILITY_SLACK or high > 1 + _PROBABILITY_SLACK:
+        raise ValueError(f"weights must be attention probabilities in [0, 1], got values from {low:.4g} to {high:.4g}")
+    return np.clip(w, 0.0, 1.0)
+
+
+def _script_json(value: Any) -> str:
+    """JSON that is safe inside a ``<script>`` element: ``<``, ``>`` and ``&`` become escapes JSON reads back."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and move it into place: no reader sees half a page."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the page from a web server's user
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike, *,
+                   title: str = "attnkit attention explorer", layer_names: Sequence[Any] | None = None,
+                   head_names: Sequence[Any] | None = None, decimals: int = 4) -> Path:
+    """Write an interactive attention explorer: one self-contained HTML file that needs no network.
+
+    The page shows the tokens, a heat map and a line view of one head, a layer and a head control, and
+    small pictures of every head of the chosen layer (click one to select it). Hovering, clicking or
+    tabbing to a token highlights where it attends and what attends to it; arrow keys move between tokens,
+    ``[`` and ``]`` switch heads, ``{`` and ``}`` switch layers. Script, style and data are inline, so the
+    file opens from disk, from an e-mail or from a static web server alike. The page's script exposes the
+    data as ``window.attnkitData = {tokens: [...], attention: [layer][head][query][key]}``.
+
+    Parameters
+    ----------
+    tokens : sequence of L tokens
+        The labels of the positions (anything ``str`` accepts). They are shown as text, never read as HTML.
+    weights : array_like, shape (L, L), (H, L, L) or (N, H, L, L)
+        Self-attention probabilities of one example, e.g. ``weights[0]`` of a ``MultiHeadAttention`` call,
+        or every layer's stacked. Row ``i`` is what query ``i`` attends to. Values must lie in [0, 1].
+    path : str or os.PathLike
+        The HTML file to write (its folder must exist). Written atomically: a temporary file in the same
+        folder, then ``os.replace``.
+    title : str, default "attnkit attention explorer"
+        The page's heading and window title (shown as text).
+    layer_names, head_names : sequence of str, optional
+        Names of the N layers and H heads in the controls (default ``"layer i"``, ``"head j"``).
+    decimals : int, default 4
+        Weights are rounded to this many decimals in the file, which keeps it small (1 to 6).
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+
+    Raises
+    ------
+    TypeError
+        ``tokens`` is a string, or ``weights`` is not numeric.
+    ValueError
+        ``weights`` of another rank, not square, empty, not finite or outside [0, 1]; as many tokens or
+        names as the weights need; ``decimals`` out of range.
+
+    Warns
+    -----
+    UserWarning
+        When the page would exceed :data:`HTML_SIZE_WARNING_BYTES` (5 MB); it is still written. Fewer
+        layers, heads or tokens, or fewer ``decimals``, make it smaller.
+
+    Shapes
+    ------
+    N layers, H heads, L tokens; the page holds ``N * H * L * L`` weights, so its size grows as ``L ** 2``
+    (about 7 bytes per weight at 4 decimals: 6 layers x 12 heads x 64 tokens is 2 MB).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> w = np.full((2, 3, 3, 3), 1 / 3)  # (N, H, L, L)
+    >>> page = attention_html(["the", "cat", "sat"], w, folder / "attention.html", title="uniform")
+    >>> text = page.read_text(encoding="utf-8")
+    >>> 'data-testid="layer"' in text, "http://" in text or "https://" in text
+    (True, False)
+    >>> attention_html(["the", "cat"], w, folder / "bad.html")
+    Traceback (most recent call last):
+    ...
+    ValueError: tokens has 2 tokens, but the weights have 3 positions
+    """
+    w = _explorer_weights(weights)  # (N, H, L, L)
+    n_layers, n_heads, length, _ = w.shape
+    labels = _check_tokens(tokens, length, "tokens", "positions")
+    if labels is None:
+        raise TypeError("tokens must be a sequence of L tokens, got None")
+    layer_labels = _check_names(layer_names, n_layers, "layer_names", "layer")
+    head_labels = _check_names(head_names, n_heads, "head_names", "head")
+    if isinstance(decimals, bool) or not isinstance(decimals, (int, np.integer)) or not 1 <= decimals <= 6:
+        raise ValueError(f"decimals must be an integer from 1 to 6, got {decimals!r}")
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
+    if target.is_dir():
+        raise ValueError(f"path must be a file name, got the folder {str(path)!r}")
+
+    data = {"tokens": labels, "attention": np.round(w, int(decimals)).tolist(),  # [N][H][L][L]
+            "layer_names": layer_labels, "head_names": head_labels}
+    template = importlib.resources.files("attnkit").joinpath("templates/attention_explorer.html")
+    values = {"TITLE": html.escape(str(title)), "DATA": _script_json(data)}
+    page = re.sub(r"\{\{(TITLE|DATA)\}\}", lambda m: values[m.group(1)], template.read_text(encoding="utf-8"))
+    size = len(page.encode("utf-8"))
+    if size > HTML_SIZE_WARNING_BYTES:
+        warnings.warn(f"the attention page {str(target)!r} is {size / 1e6:.1f} MB ({n_layers} layers x {n_heads} "
+                      f"heads x {length} x {length} weights); browsers open such pages slowly: pass fewer layers, "
+                      f"heads or tokens, or decimals=3", UserWarning, stacklevel=2)
+    _write_atomically(target, page)
+    return target

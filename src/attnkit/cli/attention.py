@@ -5,13 +5,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ._common import UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure
 
-__all__ = ["NAME", "add_parser", "run", "PRETRAINED_MODELS"]
+__all__ = ["NAME", "add_parser", "run", "write_explorer", "PRETRAINED_MODELS"]
 
 NAME = "attention"
 PROG = f"attnkit {NAME}"
 PRETRAINED_MODELS = ("minilm",)
+HTML_SUFFIXES = (".html", ".htm")
 _MAX_INDEX = 100_000  # layers and heads
 
 
@@ -24,7 +27,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "an input sequence. With --model minilm, draw a head of the pretrained all-MiniLM-L6-v2\n"
                     "over a sentence instead (needs the 'pretrained' extra; sentences are cut at 256 tokens).",
         epilog="examples:\n  attnkit attention --input \"3 1 4 1 5 9 2 6 5 3\" -o sort.png\n"
-               "  attnkit attention --model minilm \"The cat sat on the mat.\" --layer 2 --head 3 -o cat.png",
+               "  attnkit attention --model minilm \"The cat sat on the mat.\" --layer 2 --head 3 -o cat.png\n"
+               "  attnkit attention --model minilm \"The cat sat on the mat.\" --html cat.html",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     index = bounded_int(0, _MAX_INDEX)
     p.add_argument("text", nargs="?", metavar="TEXT", help="the input (a sentence for --model minilm)")
@@ -33,7 +37,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--input", help="the input sequence, e.g. \"3 1 4 1 5\" (same as TEXT)")
     p.add_argument("--layer", type=index, default=None, help="only this layer (0-based; minilm default 0)")
     p.add_argument("--head", type=index, default=None, help="only this head (0-based)")
-    p.add_argument("-o", "--output", default="attention.png", help="image file to write (default attention.png)")
+    p.add_argument("-o", "--output", default=None,
+                   help="image file to write (default attention.png, none when only --html is given)")
+    p.add_argument("--html", metavar="FILE", default=None,
+                   help="write the interactive attention explorer (one self-contained HTML file; every layer "
+                        "and head unless --layer/--head; needs no matplotlib)")
     p.add_argument("--model-dir", default=None, help="--model minilm: a sentence-transformers model folder")
     p.set_defaults(run=run)
     return p
@@ -46,10 +54,12 @@ def run(args: argparse.Namespace) -> int:
     text = args.input if args.input is not None else args.text
     if text is None:
         raise UsageError("no input: give it as TEXT or with --input \"3 1 4 1 5\"", PROG)
-    output = output_file(args.output)
+    image = args.output if args.output is not None or args.html is not None else "attention.png"
+    output = None if image is None else output_file(image)
+    html = None if args.html is None else output_file(args.html, HTML_SUFFIXES)
     if args.model in PRETRAINED_MODELS:
-        return _pretrained_attention(args, text, output)
-    return _demo_attention(args, text, output)
+        return _pretrained_attention(args, text, output, html)
+    return _demo_attention(args, text, output, html)
 
 
 def _check_index(name: str, value: int | None, count: int) -> None:
@@ -71,7 +81,7 @@ def _load_demo_model(path: str) -> tuple[Any, dict]:
         raise UsageError(f"cannot load the model {shown}: {printable(exc)}", PROG) from None
 
 
-def _demo_attention(args: argparse.Namespace, text: str, output: Path) -> int:
+def _demo_attention(args: argparse.Namespace, text: str, output: Path | None, html: Path | None) -> int:
     from .. import demo
     from .demo import query_labels
 
@@ -84,8 +94,8 @@ def _demo_attention(args: argparse.Namespace, text: str, output: Path) -> int:
     n_layers, n_heads = meta["model"]["num_layers"], meta["model"]["num_heads"]
     _check_index("layer", args.layer, n_layers)
     _check_index("head", args.head, n_heads)
-    require_matplotlib(PROG)
-    from ..viz import plot_attention
+    if output is not None:
+        require_matplotlib(PROG)
 
     weights = demo.attention_maps(model, ids)  # (N, H, L, L)
     pred = model.predict(ids[None, :])[0]  # (L,)
@@ -100,30 +110,55 @@ def _demo_attention(args: argparse.Namespace, text: str, output: Path) -> int:
         print(f"note: the model was trained on sequences of {meta['seq_len']} digits; this one has {len(ids)}")
     print(f"input  {said}")
     print(f"output {' '.join(tokens[t] for t in pred)}")
-    fig = plot_attention(weights, query_labels(ids, pred, tokens), words,
-                         layer_names=[f"layer {i}" for i in layers], head_names=[f"head {j}" for j in heads],
-                         title=f"{printable(meta['task'])}: attention for the input {said}  (rows: input\u2192output)")
-    save_figure(fig, output)
-    print(f"wrote {printable(output)}")
+    layer_names, head_names = [f"layer {i}" for i in layers], [f"head {j}" for j in heads]
+    if output is not None:
+        from ..viz import plot_attention
+
+        fig = plot_attention(weights, query_labels(ids, pred, tokens), words, layer_names=layer_names,
+                             head_names=head_names, title=f"{printable(meta['task'])}: attention for the input "
+                                                          f"{said}  (rows: input\u2192output)")
+        save_figure(fig, output)
+        print(f"wrote {printable(output)}")
+    if html is not None:
+        write_explorer(words, weights, html, f"{printable(meta['task'])}: {said} \u2192 "
+                                             f"{' '.join(tokens[t] for t in pred)}", layer_names, head_names)
     return 0
 
 
+def write_explorer(tokens: list[str], weights: Any, path: Path, title: str, layer_names: list[str],
+                   head_names: list[str]) -> None:
+    """Write the interactive explorer page of (N, H, L, L) ``weights`` and say so."""
+    from ..viz import attention_html
+
+    attention_html(tokens, weights, path, title=title, layer_names=layer_names, head_names=head_names)
+    print(f"wrote {printable(path)} (interactive: open it in a browser)")
+
+
 # -- all-MiniLM-L6-v2 ------------------------------------------------------------------------------------
-def _pretrained_attention(args: argparse.Namespace, text: str, output: Path) -> int:
+def _pretrained_attention(args: argparse.Namespace, text: str, output: Path | None, html: Path | None) -> int:
     from .embed import MODEL_NAME, load_encoder
 
-    require_matplotlib(PROG)
+    if output is not None:
+        require_matplotlib(PROG)
     encoder = load_encoder(args.model_dir, PROG)
     layer = 0 if args.layer is None else args.layer
     _check_index("layer", layer, encoder.num_layers)
     _check_index("head", args.head, encoder.num_heads)
-    from ..viz import plot_attention
 
     tokens, weights = encoder.attention(text, layer, args.head)  # (L, L) or (H, L, L)
-    which = "all heads" if args.head is None else f"head {args.head}"
-    fig = plot_attention(weights, [printable(t) for t in tokens], title=f"{MODEL_NAME}, layer {layer}, {which}")
-    save_figure(fig, output, dpi=150)
+    if output is not None:
+        from ..viz import plot_attention
+
+        which = "all heads" if args.head is None else f"head {args.head}"
+        fig = plot_attention(weights, [printable(t) for t in tokens], title=f"{MODEL_NAME}, layer {layer}, {which}")
+        save_figure(fig, output, dpi=150)
+        print(f"wrote {printable(output)}")
+    if html is not None:
+        layers = range(encoder.num_layers) if args.layer is None else [args.layer]
+        heads = range(encoder.num_heads) if args.head is None else [args.head]
+        stacked = np.stack([encoder.attention(text, i)[1][list(heads)] for i in layers])  # (N', H', L, L)
+        write_explorer([printable(t) for t in tokens], stacked, html, f"{MODEL_NAME}: {printable(text)}",
+                       [f"layer {i}" for i in layers], [f"head {j}" for j in heads])
     if len(tokens) == encoder.max_seq_length and encoder.tokenize([text]).truncated[0]:
         print(f"note: the sentence was cut at {encoder.max_seq_length} tokens")
-    print(f"wrote {printable(output)}")
     return 0

@@ -126,6 +126,11 @@ def _draw(result: Any, out: Path) -> None:
                               title=f"attnkit demo: {config.task}, held-out token accuracy "
                                     f"{result.heldout_accuracy:.2%}")
     save_figure(fig, out / "loss.png")
+    from .attention import write_explorer
+
+    write_explorer([tokens[t] for t in ex], weights, out / "attention.html",
+                   f"{config.task}: {_words(ex, tokens)} \u2192 {_words(pred, tokens)}",
+                   [f"layer {i}" for i in range(config.num_layers)], [f"head {j}" for j in range(config.num_heads)])
 
 
 def run_tagging_task(args: argparse.Namespace, out: Path) -> int:
@@ -209,7 +214,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Train a small Transformer encoder (attnkit modules, Adam, pure NumPy) on a synthetic task "
                     "that needs attention, generated in-process from a seed. Prints the held-out accuracy and "
                     "writes OUT/attention.png (one heatmap per layer and head for a held-out example), "
-                    "OUT/loss.png (training curve) and OUT/model.npz + OUT/model.json (reload them with "
+                    "OUT/attention.html (the same weights in an interactive page), OUT/loss.png (training "
+                    "curve) and OUT/model.npz + OUT/model.json (reload them with "
                     "'attnkit attention --model OUT').")
     tasks_help = "; ".join(f"{name}: {task.help}" for name, task in DEMO_TASKS.items())
     p.add_argument("--task", choices=tuple(DEMO_TASKS), default=d.task, help=f"{tasks_help} (default {d.task})")
