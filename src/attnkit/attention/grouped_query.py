@@ -18,7 +18,8 @@ from ..core.module import Module
 from ..kernels import attention_backward, attention_forward
 from ..kernels import rotary as _rotary
 from ..kernels.linear import linear, linear_backward
-from ..layers._common import as_generator, check_features, check_grad_output
+from ..init import as_generator
+from ..layers._common import check_features, check_grad_output
 
 __all__ = ["GroupedQueryAttention"]
 

@@ -11,7 +11,8 @@ import numpy as np
 from ..core.module import Module
 from ..kernels import gated_mlp as _gated
 from ..kernels.activations import ACTIVATIONS
-from ._common import as_generator, check_features, check_grad_output
+from ..init import as_generator
+from ._common import check_features, check_grad_output
 
 __all__ = ["GatedMLP"]
 

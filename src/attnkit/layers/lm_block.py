@@ -10,7 +10,7 @@ import numpy as np
 
 from ..attention.grouped_query import GroupedQueryAttention
 from ..core.module import Module
-from ._common import as_generator
+from ..init import as_generator
 from .feed_forward import FeedForward
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm

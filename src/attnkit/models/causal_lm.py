@@ -15,7 +15,8 @@ import numpy as np
 from .._validation import as_bool_mask
 from ..cache import KVCache
 from ..core.module import Module, ModuleList
-from ..layers._common import as_generator, check_grad_output
+from ..init import as_generator
+from ..layers._common import check_grad_output
 from ..layers.embedding import Embedding
 from ..layers.lm_block import LMBlock, make_norm
 from ..layers.rotary import RotaryEmbedding
