@@ -216,3 +216,22 @@ def test_degenerate_settings_raise_value_error_naming_the_argument(case):
     build, argument = DEGENERATE[case]
     with pytest.raises(ValueError, match=rf"\b{argument}\b"):
         build()
+
+
+def test_editing_bert_hidden_states_leaves_gradients_unchanged():
+    """Every returned hidden state but the last is some block's cached input: the caller gets copies."""
+    from attnkit.pretrained.bert import BertConfig, BertEncoder
+
+    cfg = BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=16, max_position_embeddings=10)
+    ids = np.array([[1, 5, 7, 2], [1, 9, 2, 0]])
+    G = randn(make_rng(39), 2, 4, 8)
+    results = []
+    for vandalise in (False, True):
+        model = BertEncoder(cfg, rng=0)
+        states = model(ids, attention_mask=ids > 0, output_hidden_states=True)
+        if vandalise:
+            _vandalise(*states)
+        model.backward(G)
+        results.append(_grads(model))
+    _assert_same_grads(results[0], results[1], "BertEncoder")

@@ -6,6 +6,7 @@ import numpy as np
 from .. import kernels as _kernels
 from .._validation import as_bool_mask, as_float_array, check_mask, check_qkv
 from ..core.base_attention import BaseAttention
+from ..init import as_generator
 
 __all__ = ["ScaledDotProductAttention"]
 
@@ -49,7 +50,7 @@ class ScaledDotProductAttention(BaseAttention):
         self.dropout = float(dropout)
         self.scale = None if scale is None else float(scale)
         self.is_causal = bool(is_causal)
-        self._rng = np.random.default_rng(seed)
+        self._rng = as_generator(seed)  # draws one dropout seed per forward
         self._ctx = None
         self._out_shape = None
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from .._validation import as_float_array
 from ..core.module import Module
+from ..init import as_generator
 from ..kernels.dropout import keep_mask
 from ._common import check_grad_output
 
@@ -50,7 +51,7 @@ class Dropout(Module):
         if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0.0 <= p < 1.0:
             raise ValueError(f"p must be a probability in [0, 1), got {p!r}")
         self.p = float(p)
-        self._rng = np.random.default_rng(seed)
+        self._rng = as_generator(seed)  # draws one mask seed per forward
         self._keep_scaled: np.ndarray | None = None
         self._shape: tuple[int, ...] | None = None
         self._dtype: np.dtype | None = None

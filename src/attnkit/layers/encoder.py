@@ -55,6 +55,11 @@ def stack_encoder_blocks(x: np.ndarray, blocks: list[TransformerEncoderBlock],
     -------
     output : ndarray, shape (batch, seq, d_model)
 
+    Shapes
+    ------
+    x : (B, L, D) -> (B, L, D) in ``x``'s float dtype; mask bool (L, L), (L,) or 4-D broadcastable to
+    (B, H, L, L), ``True`` = may attend. :class:`TransformerEncoder` runs the same loop.
+
     Examples
     --------
     >>> blocks = [TransformerEncoderBlock(8, 2, rng=i) for i in range(3)]
