@@ -1,6 +1,7 @@
 """The ``attnkit`` parser: commands registered from ``COMMANDS``, ``--help`` everywhere, and every bad command
 line (out of range, absurd, not UTF-8, control characters, unwritable paths) is one line on stderr and exit 2."""
 import argparse
+import os
 import sys
 
 import pytest
@@ -188,3 +189,29 @@ def test_bounded_int_accepts_what_int_does_within_range():
 def test_main_reads_sys_argv(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["attnkit", "--version"])
     assert main() == 0 and capsys.readouterr().out.startswith("attnkit ")
+
+
+def test_pictures_are_written_atomically(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from attnkit.cli._common import save_figure
+
+    target = tmp_path / "picture.png"
+    target.write_bytes(b"the previous picture")
+    fig = plt.figure()
+
+    def fail_midway(file, **kwargs):
+        file.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    fig.savefig = fail_midway
+    with pytest.raises(OSError):
+        save_figure(fig, target)
+    assert target.read_bytes() == b"the previous picture" and sorted(tmp_path.iterdir()) == [target]
+    fig = plt.figure()
+    save_figure(fig, target)
+    assert target.read_bytes()[:4] == b"\x89PNG" and sorted(tmp_path.iterdir()) == [target]
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # as a plain savefig would leave it

@@ -42,6 +42,9 @@ def write_json(path: str | Path, report: Any) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp's 0600 would make the report private
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -171,12 +171,27 @@ def require_matplotlib(what: str) -> None:
         raise ImportError(f"{what} needs matplotlib, which is not installed: {VIZ_INSTALL_HINT}")
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_figure(fig: Any, path: Path, dpi: int = _DPI) -> None:
-    """Write ``fig`` to ``path`` and close it."""
+    """Write ``fig`` to ``path`` atomically (a temporary file in the same folder, then renamed) and close it,
+    so an interrupted run never leaves half a picture behind."""
     import matplotlib.pyplot as plt
 
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     try:
-        fig.savefig(path, dpi=dpi)
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, dpi=dpi, format=path.suffix.lstrip(".").lower() or None)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would make the picture private
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     finally:
         plt.close(fig)
 
