@@ -31,8 +31,15 @@ from .losses import softmax_cross_entropy
 from .models import CausalLM, DecoderConfig
 from .optim import Adam, clip_grad_norm
 
-__all__ = ["AdditionConfig", "AdditionResult", "encode", "decode_answer", "make_batch", "greedy_answers",
-           "train_addition"]
+__all__ = [
+    "AdditionConfig",
+    "AdditionResult",
+    "decode_answer",
+    "encode",
+    "greedy_answers",
+    "make_batch",
+    "train_addition",
+]
 
 PLUS, EQUALS, EOS = 10, 11, 12
 VOCAB = 13
@@ -113,7 +120,7 @@ def make_batch(rng: np.random.Generator, size: int, digits: int):
     b = rng.integers(0, 10 ** digits, size)
     da, db = _digits(a, digits), _digits(b, digits)  # (B, digits)
     answer = _digits(a + b, digits + 1)[:, ::-1]  # (B, digits + 1), least significant first
-    column = lambda v: np.full((size, 1), v)  # noqa: E731
+    column = lambda v: np.full((size, 1), v)
     text = np.concatenate([da, column(PLUS), db, column(EQUALS), answer, column(EOS)], axis=1)  # (B, L + 1)
     ids, targets = text[:, :-1], text[:, 1:].copy()  # (B, L)
     targets[:, :2 * digits + 1] = _IGNORE  # no loss on predicting the operands

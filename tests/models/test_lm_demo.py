@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkit.lm_demo import EOS, AdditionConfig, decode_answer, encode, greedy_answers, make_batch, train_addition
+from attnkit.lm_demo import (
+    EOS,
+    AdditionConfig,
+    decode_answer,
+    encode,
+    greedy_answers,
+    make_batch,
+    train_addition,
+)
 from attnkit.models import CausalLM
 
 
