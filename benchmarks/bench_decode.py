@@ -29,8 +29,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-import attnkit.kernels._threads as _threads
 import attnkit.kernels.tiled as _tiled
+from attnkit.kernels import _threads
 from attnkit.models import CausalLM, DecoderConfig
 
 
@@ -146,8 +146,8 @@ def main(argv=None) -> dict:
         for batch in args.batches:
             ids = rng.integers(0, 50257, size=(batch, args.prompt))
             tid = torch.from_numpy(ids)
-            t_ours, ours_tokens = best_of(lambda: greedy(ours, ids, args.new), args.repeats)
-            t_hf, hf_tokens = best_of(lambda: hf.generate(tid, attention_mask=torch.ones_like(tid),
+            t_ours, ours_tokens = best_of(lambda ids=ids: greedy(ours, ids, args.new), args.repeats)
+            t_hf, hf_tokens = best_of(lambda tid=tid: hf.generate(tid, attention_mask=torch.ones_like(tid),
                                                           max_new_tokens=args.new, min_new_tokens=args.new,
                                                           do_sample=False, pad_token_id=0), args.repeats)
             same = float(np.mean(ours_tokens[:, args.prompt:] == hf_tokens.numpy()[:, args.prompt:]))

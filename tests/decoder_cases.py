@@ -12,8 +12,8 @@ from attnkit.models import DecoderConfig
 
 
 def tiny_config(family="llama", **overrides) -> DecoderConfig:
-    base = dict(family=family, vocab_size=23, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
-                intermediate_size=24, max_position_embeddings=64, rope_theta=100.0, norm_eps=1e-6)
+    base = {"family": family, "vocab_size": 23, "hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 4,
+                "intermediate_size": 24, "max_position_embeddings": 64, "rope_theta": 100.0, "norm_eps": 1e-6}
     if family == "gpt2":
         base.update(norm="layernorm", mlp="plain", activation="gelu_tanh", position="learned", attention_bias=True,
                     output_bias=True, num_kv_heads=4, norm_eps=1e-5, tie_word_embeddings=True)
@@ -37,11 +37,11 @@ def hf_config(cfg: DecoderConfig):
     params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         params = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                  num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                  intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-                  rms_norm_eps=cfg.norm_eps, hidden_act=HF_ACT[cfg.activation], rope_parameters=params,
-                  tie_word_embeddings=cfg.tie_word_embeddings, attention_dropout=0.0)
+    common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+                  "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                  "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position_embeddings,
+                  "rms_norm_eps": cfg.norm_eps, "hidden_act": HF_ACT[cfg.activation], "rope_parameters": params,
+                  "tie_word_embeddings": cfg.tie_word_embeddings, "attention_dropout": 0.0}
     if cfg.family == "llama":
         return transformers.LlamaConfig(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, **common)
     if cfg.family == "mistral":

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["KVCache", "CachedKV"]
+__all__ = ["CachedKV", "KVCache"]
 
 
 class CachedKV(NamedTuple):

@@ -12,12 +12,12 @@ from attnkit.cache import KVCache
 from attnkit.layers.rotary import RotaryEmbedding
 
 CASES = {
-    "gqa": dict(),
-    "mqa": dict(num_kv_heads=1),
-    "mha": dict(num_kv_heads=4),
-    "bias": dict(attention_bias=True, output_bias=True),
-    "window": dict(family="mistral", sliding_window=3, layer_types=("sliding_attention", "full_attention")),
-    "partial_interleaved": dict(partial_rotary_factor=0.5, rope_interleaved=True, head_dim=4),
+    "gqa": {},
+    "mqa": {"num_kv_heads": 1},
+    "mha": {"num_kv_heads": 4},
+    "bias": {"attention_bias": True, "output_bias": True},
+    "window": {"family": "mistral", "sliding_window": 3, "layer_types": ("sliding_attention", "full_attention")},
+    "partial_interleaved": {"partial_rotary_factor": 0.5, "rope_interleaved": True, "head_dim": 4},
 }
 
 
@@ -88,13 +88,13 @@ def _hf_attention(cfg, layer_idx=0):
 
 
 HF_CASES = {
-    "llama_gqa": dict(),
-    "llama_mqa": dict(num_kv_heads=1),
-    "llama_bias": dict(attention_bias=True, output_bias=True),
-    "mistral_window": dict(family="mistral", sliding_window=3, layer_types=("sliding_attention",) * 2),
-    "qwen2_bias": dict(family="qwen2", attention_bias=True),
-    "qwen2_window": dict(family="qwen2", attention_bias=True, sliding_window=2,
-                         layer_types=("sliding_attention", "full_attention")),
+    "llama_gqa": {},
+    "llama_mqa": {"num_kv_heads": 1},
+    "llama_bias": {"attention_bias": True, "output_bias": True},
+    "mistral_window": {"family": "mistral", "sliding_window": 3, "layer_types": ("sliding_attention",) * 2},
+    "qwen2_bias": {"family": "qwen2", "attention_bias": True},
+    "qwen2_window": {"family": "qwen2", "attention_bias": True, "sliding_window": 2,
+                         "layer_types": ("sliding_attention", "full_attention")},
 }
 
 

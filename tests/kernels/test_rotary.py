@@ -5,7 +5,12 @@ import numpy as np
 import pytest
 from helpers import assert_gradient, make_rng, numerical_gradient, randn
 
-from attnkit.kernels.rotary import rotary_apply, rotary_backward, rotary_cos_sin, rotary_frequencies
+from attnkit.kernels.rotary import (
+    rotary_apply,
+    rotary_backward,
+    rotary_cos_sin,
+    rotary_frequencies,
+)
 
 B, H, L = 2, 3, 5
 

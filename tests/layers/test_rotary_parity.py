@@ -6,7 +6,10 @@ import pytest
 import torch
 from helpers import make_rng, randn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import (
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from attnkit.kernels.rotary import rotary_apply, rotary_frequencies
 from attnkit.layers.rotary import RotaryEmbedding

@@ -11,19 +11,19 @@ from attnkit.models import CausalLM
 from attnkit.models.causal_lm import positions_from_mask
 
 FAMILY_CASES = {
-    "llama_gqa": dict(),
-    "llama_mqa_tied": dict(num_kv_heads=1, tie_word_embeddings=True),
-    "llama_bias_gelu": dict(attention_bias=True, output_bias=True, mlp_bias=True, activation="gelu_tanh"),
-    "llama_linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "llama_dynamic": dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8),
-    "llama_yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
-    "llama_llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
-    "mistral_window": dict(family="mistral", sliding_window=3, layer_types=("sliding_attention",) * 2),
-    "qwen2_mixed_window": dict(family="qwen2", attention_bias=True, sliding_window=2,
-                               layer_types=("sliding_attention", "full_attention")),
-    "gpt2": dict(family="gpt2"),
-    "gpt2_untied": dict(family="gpt2", tie_word_embeddings=False),
+    "llama_gqa": {},
+    "llama_mqa_tied": {"num_kv_heads": 1, "tie_word_embeddings": True},
+    "llama_bias_gelu": {"attention_bias": True, "output_bias": True, "mlp_bias": True, "activation": "gelu_tanh"},
+    "llama_linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "llama_dynamic": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 8},
+    "llama_yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    "llama_llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+    "mistral_window": {"family": "mistral", "sliding_window": 3, "layer_types": ("sliding_attention",) * 2},
+    "qwen2_mixed_window": {"family": "qwen2", "attention_bias": True, "sliding_window": 2,
+                               "layer_types": ("sliding_attention", "full_attention")},
+    "gpt2": {"family": "gpt2"},
+    "gpt2_untied": {"family": "gpt2", "tie_word_embeddings": False},
 }
 
 
@@ -205,10 +205,10 @@ def test_parameter_names_follow_the_shared_interface():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(input_ids=np.array([1, 2])), "input_ids"),
-    (dict(input_ids=np.array([[1, 2]]), attention_mask=np.ones((1, 3))), "attention_mask"),
-    (dict(input_ids=np.array([[1, 2]]), position_ids=np.array([[0]])), "position_ids"),
-    (dict(input_ids=np.array([[1, 99]])), "ids"),
+    ({"input_ids": np.array([1, 2])}, "input_ids"),
+    ({"input_ids": np.array([[1, 2]]), "attention_mask": np.ones((1, 3))}, "attention_mask"),
+    ({"input_ids": np.array([[1, 2]]), "position_ids": np.array([[0]])}, "position_ids"),
+    ({"input_ids": np.array([[1, 99]])}, "ids"),
 ])
 def test_bad_inputs_name_themselves(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -4,12 +4,10 @@ With ``act = silu`` this is SwiGLU, the MLP of Llama, Mistral and Qwen2 (``gelu`
 """
 from __future__ import annotations
 
-import numpy as np
-
 from .activations import activation_backward, activation_forward
 from .linear import linear, linear_backward
 
-__all__ = ["gated_mlp_forward", "gated_mlp_backward"]
+__all__ = ["gated_mlp_backward", "gated_mlp_forward"]
 
 
 def gated_mlp_forward(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu"):

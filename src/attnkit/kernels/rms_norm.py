@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["rms_norm_forward", "rms_norm_backward"]
+__all__ = ["rms_norm_backward", "rms_norm_forward"]
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:

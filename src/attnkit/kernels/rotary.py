@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-__all__ = ["rotary_frequencies", "rotary_cos_sin", "rotary_apply", "rotary_backward", "turn"]
+__all__ = ["rotary_apply", "rotary_backward", "rotary_cos_sin", "rotary_frequencies", "turn"]
 
 
 def _base_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:

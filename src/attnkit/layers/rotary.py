@@ -73,4 +73,4 @@ class RotaryEmbedding(Module):
 
     def backward(self, grad_output: Any) -> None:
         """Positions are integers: nothing to differentiate."""
-        return None
+        return

@@ -194,7 +194,6 @@ class CausalLM(Module):
         self.embed.backward(grad_h)
         if self.rotary is None:
             self.pos_embed.backward(grad_h)
-        return None
 
     def generate(self, *args: Any, **kwargs: Any):
         """Decode new tokens with the cache: see :func:`attnkit.generation.generate` (same arguments)."""
