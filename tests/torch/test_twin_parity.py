@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from helpers import group_scale, max_rel_diff
 
+import torch
 from attnkit import layers as L
 from attnkit.attention.grouped_query import GroupedQueryAttention
 from attnkit.attention.multi_head_attention import MultiHeadAttention
@@ -17,6 +16,8 @@ from attnkit.layers.rms_norm import RMSNorm
 from attnkit.layers.rotary import RotaryEmbedding
 from attnkit.models import CausalLM, DecoderConfig, Seq2SeqTransformer
 from attnkit.torch import from_numpy, to_numpy
+
+from helpers import group_scale, max_rel_diff
 
 FORWARD_TOL, GRAD_TOL = 1e-10, 1e-9
 
@@ -75,7 +76,7 @@ def check_parity(module, args, kwargs=None, *, seed=0):
         assert rel <= GRAD_TOL, f"gradient of {name} differs by {rel:.2e}"
     float_inputs = [t for t in targs if isinstance(t, torch.Tensor) and t.requires_grad]
     assert len(float_inputs) == len(grads_in)
-    for i, (t, g) in enumerate(zip(float_inputs, grads_in)):
+    for i, (t, g) in enumerate(zip(float_inputs, grads_in, strict=True)):
         rel = max_rel_diff(t.grad.numpy(), g)
         WORST["grad"] = max(WORST["grad"], rel)
         assert rel <= GRAD_TOL, f"gradient of input {i} differs by {rel:.2e}"

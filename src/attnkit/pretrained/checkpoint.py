@@ -25,7 +25,8 @@ import numpy as np
 from ..models.config import DecoderConfig
 from ._extra import import_extra
 
-__all__ = ["TensorMap", "checkpoint_map", "checkpoint_tensors", "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
+__all__ = ["TensorMap", "checkpoint_map", "checkpoint_tensors",
+           "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
            "validate_checkpoint", "expected_parameter_shapes", "check_model_matches", "load_tensors_into",
            "SINGLE_FILE", "INDEX_FILE"]
 

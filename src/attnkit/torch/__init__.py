@@ -11,6 +11,7 @@ masks (``True`` = may attend / real token). Attention runs on ``F.scaled_dot_pro
 attnkit's core never imports this package (or torch).
 
 >>> import numpy as np
+>>> import torch
 >>> from attnkit.layers import TransformerEncoder as NumpyEncoder
 >>> encoder = NumpyEncoder(2, d_model=8, num_heads=2, rng=0)
 >>> twin = from_numpy(encoder)
@@ -18,8 +19,6 @@ attnkit's core never imports this package (or torch).
 >>> bool(np.allclose(twin(torch.from_numpy(x)).detach().numpy(), encoder(x)))
 True
 """
-import torch
-
 from ._twin import from_numpy, to_numpy
 from .attention import GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
 from .blocks import (

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 import torch.nn.functional as F
+
+import torch
 from torch import nn
 
 from ..core.module import Module, ModuleList

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 import torch.nn.functional as F
+
+import torch
 
 from .. import layers as _layers
 from ..kernels import rotary as _rotary
@@ -121,7 +122,7 @@ class FeedForward(TwinModule):
 
 
 class GatedMLP(TwinModule):
-    """Twin of :class:`attnkit.layers.gated_mlp.GatedMLP`: ``(act(x W_gate + b_gate) * (x W_up + b_up)) W_down + b_down``.
+    """Twin of :class:`attnkit.layers.gated_mlp.GatedMLP`: ``(act(x W_gate + b_g) * (x W_up + b_u)) W_down + b_d``.
 
     Shapes
     ------

@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import torch
 
 from ..pretrained.checkpoint import SINGLE_FILE, checkpoint_tensors
 from ..pretrained.hf_config import decoder_config_from_hf
