@@ -22,7 +22,7 @@ forward under bfloat16 autocast; float32 and float64 train in that dtype.
 Output: ``DIR/config.json`` and ``DIR/model.safetensors`` under Hugging Face names (the inverse of attnkit's
 checkpoint map), loadable by :func:`attnkit.pretrained.load_causal_lm` and by ``transformers``;
 ``DIR/checkpoint.pt`` (model, optimiser, step) every ``--checkpoint-every`` steps and at the end, for
-``--resume``. Every file is written atomically. Rank 0 logs one line per step. Bad arguments: one line on
+``--resume``. Every file is written atomically. Rank 0 logs one line per step (``--quiet``: none). Bad arguments: one line on
 stderr and exit status 2.
 """
 from __future__ import annotations
@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=_non_negative_int, default=0,
                    help="write DIR/checkpoint.pt every N steps (0 = only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    p.add_argument("--quiet", action="store_true", help="no log lines (e.g. when called from Python)")
     return p
 
 
@@ -296,14 +297,15 @@ def _train(args: argparse.Namespace, raw: dict, config: Any, tokens: np.ndarray,
                 _save_checkpoint(args.out / CHECKPOINT, model, optimizer, done, raw)
             if world_size > 1:
                 dist.barrier()
-        if rank == 0:
+        if rank == 0 and not args.quiet:
             seconds = time.perf_counter() - began
             print(f"step {done}/{args.steps} loss {float(logged):.6f} lr {lr:.4e} grad_norm {grad_norm:.4f} "
                   f"tokens/s {tokens_per_step / seconds:.0f}", flush=True)
     if rank == 0:
         _save_checkpoint(args.out / CHECKPOINT, model, optimizer, args.steps, raw)
         _save_hf_folder(args.out, model, raw, args.dtype)
-        print(f"wrote {args.out / 'config.json'} and {args.out / SINGLE_FILE}", flush=True)
+        if not args.quiet:
+            print(f"wrote {args.out / 'config.json'} and {args.out / SINGLE_FILE}", flush=True)
     if world_size > 1:
         dist.barrier()
 
