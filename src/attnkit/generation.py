@@ -371,7 +371,7 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
     seed : int or numpy.random.Generator, optional
         The same seed gives the same samples.
     eos_token_id : int or sequence of int, optional
-        Tokens that end a row; default ``model.config.eos_token_id``.
+        Tokens that end a row; default ``model.config.eos_token_id``; an empty sequence never stops early.
     pad_token_id : int, optional
         What a finished row produces; default ``model.config.pad_token_id``, else the first eos.
 

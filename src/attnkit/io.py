@@ -188,9 +188,9 @@ def atomic_write_files(writers: Mapping[str | os.PathLike, Writer]) -> list[Path
         raise ValueError(f"atomic_write_files got the same file twice: {[str(d) for d in dests]}")
     temporaries: list[str] = []
     try:
-        for dest, write in zip(dests, writers.values()):
+        for dest, write in zip(dests, writers.values(), strict=True):
             temporaries.append(_write_temporary(dest, write))
-        for i, (tmp, dest) in enumerate(zip(temporaries, dests)):
+        for i, (tmp, dest) in enumerate(zip(temporaries, dests, strict=True)):
             os.replace(tmp, dest)
             temporaries[i] = ""
     except BaseException:
@@ -422,7 +422,7 @@ class ArrayArchive:
     def close(self) -> None:
         self._zip.close()
 
-    def __enter__(self) -> "ArrayArchive":
+    def __enter__(self) -> ArrayArchive:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -110,7 +110,8 @@ def test_write_beyond_the_file_size_limit_keeps_the_previous_checkpoint(tmp_path
     else:
         model, meta = demo.load_model(target)
         assert meta["training"]["seed"] == 0
-        assert np.array_equal(model.state_dict()["head.W"], demo.train(small_demo_config(0)).model.state_dict()["head.W"])
+        trained = demo.train(small_demo_config(0)).model
+        assert np.array_equal(model.state_dict()["head.W"], trained.state_dict()["head.W"])
 
 
 # -- an exception in the middle of a write ------------------------------------------------------------------
@@ -238,7 +239,8 @@ def test_sigkill_during_a_large_save_leaves_the_previous_file_loadable(tmp_path)
     assert path.read_bytes() == before
     loaded = big_model(50)
     loaded.load(path)
-    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(loaded.named_parameters(), big_model(0).named_parameters()))
+    pairs = zip(loaded.named_parameters(), big_model(0).named_parameters(), strict=True)
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in pairs)
     # what a kill can leave: at most the hidden, partial temporary file beside the checkpoint
     assert all(name.startswith(".model.npz.") for name in temporaries(tmp_path))
 

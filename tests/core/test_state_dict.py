@@ -7,6 +7,7 @@ import pytest
 
 from attnkit.layers import Embedding, LayerNorm, Projection, TransformerEncoder
 from attnkit.models import TokenTagger
+
 from helpers import make_rng
 
 
@@ -20,7 +21,7 @@ def test_model_round_trip_through_a_file_is_bitwise(tmp_path, dtype):
     a.save(path)
     b.load(path)
     assert np.array_equal(a(ids), b(ids))
-    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert pa.dtype == pb.dtype == dtype and np.array_equal(pa, pb), n
     # the archive holds exactly the state dict
     with np.load(path) as archive:

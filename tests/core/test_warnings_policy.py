@@ -5,7 +5,6 @@ A warning in normal use is a defect (a NaN computed and discarded, a deprecated 
 """
 from __future__ import annotations
 
-import tomllib
 import warnings
 from pathlib import Path
 
@@ -22,8 +21,8 @@ def test_a_warning_inside_a_test_is_an_error():
         warnings.warn("a deprecated call", DeprecationWarning, stacklevel=1)
 
 
-def test_the_configuration_starts_with_error_and_explains_each_exception():
-    filters = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]["filterwarnings"]
+def test_the_configuration_starts_with_error_and_explains_each_exception(pytestconfig):
+    filters = pytestconfig.getini("filterwarnings")
     assert filters[0] == "error"
     assert all(f.startswith("ignore:") and f.count(":") >= 2 for f in filters[1:]), filters  # named: message + category
     lines = PYPROJECT.read_text(encoding="utf-8").splitlines()

@@ -246,3 +246,17 @@ def test_tiled_kernel_visits_only_tiles_touching_the_window(seq_q, seq_k):
     touching = sum(band[q0:q0 + 16, k0:k0 + 16].any() for q0 in range(0, seq_q, 16) for k0 in range(0, seq_k, 16))
     assert counts[16] == 2 * touching  # exactly the tiles with at least one visible entry
     assert counts[None] > 3 * counts[16]
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_dropout_with_grouped_keys_drops_the_same_weights_in_both_kernels(window):
+    rng = np.random.default_rng(11)
+    q, k, v, grad = _inputs(rng, (2, 2, 3), (2, 2, 1), 30, 40)
+    kw = dict(causal=window is not None, window=window, dropout_p=0.2, dropout_seed=3)
+    want = _run(reference.attention_forward, reference.attention_backward, q, k, v, grad, **kw)
+    got = _run(_tiled_fwd(8, 16), tiled.flash_attention_backward, q, k, v, grad, **kw)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-10, err_msg=name)
+    no_drop = _run(reference.attention_forward, reference.attention_backward, q, k, v, grad,
+                   causal=kw["causal"], window=window)
+    assert not np.allclose(no_drop["out"], want["out"])  # dropout did drop something

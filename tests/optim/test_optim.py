@@ -14,6 +14,7 @@ import torch
 
 from attnkit.layers import LayerNorm, Projection, TransformerEncoder
 from attnkit.optim import SGD, Adam, AdamW, clip_grad_norm
+
 from helpers import make_rng, randn
 
 STEPS = 6
@@ -91,7 +92,7 @@ def test_state_dict_round_trip_continues_the_trajectory(kind):
     for g in grads[3:]:
         step(a, opt_a, g)
         step(b, opt_b, g)
-    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert np.array_equal(pa, pb), n
     # state_dict returns copies: stepping did not change what was saved
     assert saved["step_count"] == 3
@@ -131,7 +132,7 @@ def test_clip_grad_norm_matches_torch(max_norm):
     t_total = torch.nn.utils.clip_grad_norm_(tensors, max_norm)
     assert isinstance(total, float)
     assert abs(total - float(t_total)) < 1e-12 * float(t_total)
-    for (name, g), t in zip(enc.named_gradients(), tensors):
+    for (name, g), t in zip(enc.named_gradients(), tensors, strict=True):
         assert rel(g, t.grad.numpy()) < 1e-12, name
     clipped = np.sqrt(sum(np.sum(g * g) for _, g in enc.named_gradients()))
     assert clipped <= max_norm * (1 + 1e-9)

@@ -16,6 +16,7 @@ import pytest
 from attnkit.io import save_arrays
 from attnkit.layers import Projection
 from attnkit.optim import SGD, Adam, AdamW, clip_grad_norm
+
 from helpers import make_rng, randn
 
 NAN, INF = float("nan"), float("inf")
@@ -28,7 +29,7 @@ def stepped(make, steps=3, seed=0):
     rng = make_rng(seed, 7)
     for _ in range(steps):
         proj.zero_grad()
-        for name, g in proj.grads.items():
+        for g in proj.grads.values():
             g += randn(rng, *g.shape)
         opt.step()
     return proj, opt
@@ -217,7 +218,7 @@ def test_save_and_load_continue_the_trajectory_bit_for_bit(tmp_path, kind):
             for n, g in grads.items():
                 proj.grads[n] += g
             opt.step()
-    for (n, pa), (_, pb) in zip(proj_a.named_parameters(), proj_b.named_parameters()):
+    for (n, pa), (_, pb) in zip(proj_a.named_parameters(), proj_b.named_parameters(), strict=True):
         assert np.array_equal(pa, pb), n
 
 

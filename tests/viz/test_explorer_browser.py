@@ -107,8 +107,8 @@ def test_hovering_a_token_highlights_its_row_and_column(watched_page, tmp_path):
     assert _changed(before_heat, _pixels(heatmap)) > 100
     assert _changed(before_lines, _pixels(lines)) > 200
     status = page.get_by_role("status").inner_text()
-    best = TOKENS[int(np.argmax(np.round(weights[0, 0, 3], 4)))]
-    assert f"Token 3 \u201con\u201d attends most to \u201c{best}\u201d" in status
+    best = int(np.argmax(np.round(weights[0, 0, 3], 4)))
+    assert f"Token 3 \u201con\u201d attends most to token {best} \u201c{TOKENS[best]}\u201d" in status
     # The keys it attends to are tinted in proportion to the weight.
     tints = page.get_by_test_id("key").evaluate_all("els => els.map(e => getComputedStyle(e).backgroundColor)")
     strongest = int(np.argmax(weights[0, 0, 3]))

@@ -229,8 +229,9 @@ class Module:
             if tuple(shape) != own[name].shape:
                 raise ValueError(f"state dict entry {key!r} has shape {tuple(shape)}, expected {own[name].shape}")
             if np.dtype(dtype).kind != "f":
+                want = own[name].dtype
                 raise TypeError(f"state dict entry {key!r} has dtype {np.dtype(dtype)}, expected a real floating "
-                                f"dtype (the parameter is {own[name].dtype}; convert with .astype(np.{own[name].dtype.name}))")
+                                f"dtype (the parameter is {want}; convert with .astype(np.{want.name}))")
         return plan
 
     def _mismatch_message(self, unknown: list[str], missing: list[str], own: Mapping[str, np.ndarray]) -> str:

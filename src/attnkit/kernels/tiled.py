@@ -38,7 +38,7 @@ _LAZY_SHIFT = 16.0  # exp(s - m) may reach e^16 before the shift m is moved (flo
 
 def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1,
                    split: str = "q") -> tuple[int, int]:
-    """Default ``(block_q, block_k)`` for ``n_heads`` folded heads (see the module docstring).
+    """Default ``(block_q, block_k)`` for ``n_heads`` folded heads (why these sizes: ``docs/kernels.md``).
 
     ``split`` names the axis the tasks run over ("q" in the forward, "k" in the backward); that block
     is halved (down to 64) until every thread has at least two tasks.
@@ -391,7 +391,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     block_q, block_k : int, optional
         Tile lengths; default from :func:`default_blocks`.
     num_threads : int, optional
-        Tile threads; default: the cores this process may run on (CPU affinity). With more than one, BLAS runs single-threaded.
+        Tile threads; default: the cores this process may run on (CPU affinity). With more than one,
+        BLAS runs single-threaded.
 
     Returns
     -------
@@ -669,7 +670,7 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     dbias : ndarray shaped like an array ``bias``, else None (a ScoreBias gets ``accumulate_grad`` per tile)
     """
     lead, (seq_q, dv) = ctx.lead, ctx.out.shape[-2:]
-    seq_k, d, dtype = ctx.k_aug.shape[-2], ctx.q.shape[-1], ctx.out.dtype
+    seq_k, dtype = ctx.k_aug.shape[-2], ctx.out.dtype
     grad_out = np.asarray(grad_out)
     _check_grad(grad_out, lead + (seq_q, dv))
     auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, ctx.num_threads, "k")  # tasks: key blocks

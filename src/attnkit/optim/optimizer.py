@@ -123,7 +123,8 @@ class Optimizer:
         """
         return {"step_count": self.step_count,
                 "hyperparameters": {n: getattr(self, n) for n in self.hyperparameter_names},
-                "state": {name: {slot: buf.copy() for slot, buf in slots.items()} for name, slots in self.state.items()}}
+                "state": {name: {slot: buf.copy() for slot, buf in slots.items()}
+                          for name, slots in self.state.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, all or nothing: everything is checked before anything changes.
