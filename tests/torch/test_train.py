@@ -151,3 +151,37 @@ def test_config_and_batch_split_errors(run_files, tmp_path, capsys, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert train.main(_args(config, data, tmp_path / "o")) == 2
     assert "multiple of the 3 processes" in capsys.readouterr().err
+
+
+FAMILY_CONFIGS = {
+    "gpt2": {"model_type": "gpt2", "vocab_size": 32, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32,
+             "activation_function": "gelu_new"},
+    "qwen2": {"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+              "max_position_embeddings": 64, "tie_word_embeddings": True},
+    "mistral": {"model_type": "mistral", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 64, "sliding_window": 4},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_every_family_round_trips_through_the_hugging_face_folder(family, run_files, tmp_path, capsys):
+    _, data = run_files
+    config = tmp_path / f"{family}.json"
+    config.write_text(json.dumps(FAMILY_CONFIGS[family]))
+    out = tmp_path / family
+    assert train.main(_args(config, data, out, 2, "--quiet")) == 0
+    assert capsys.readouterr().out == ""
+    lm = load_causal_lm(out, dtype=np.float64)
+    state = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+    for name, array in lm.named_parameters():
+        assert np.array_equal(array, state[name].numpy()), name
+
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    ids = np.random.default_rng(1).integers(0, 32, size=(2, 9))
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(ids)).logits.numpy()
+    rel = float(np.abs(lm(ids) - theirs).max() / np.abs(theirs).max())
+    assert rel <= 1e-6, rel
