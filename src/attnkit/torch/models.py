@@ -59,6 +59,9 @@ class CausalLM(TwinModule):
 
     numpy_class = _CausalLM
 
+    def __init__(self, config: Any, rng: Any = None) -> None:
+        super().__init__(config, rng)
+
     def setup(self, source) -> None:
         self.config = source.config
 
