@@ -282,6 +282,8 @@ def test_untwinnable_head_is_refused():
     model = L.TransformerDecoderBlock(8, 2, cross_attention="additive", rng=0)
     with pytest.raises(ValueError, match="AdditiveAttention"):
         from_numpy(model)
+    with pytest.raises(ValueError, match="no weights"):
+        from_numpy(MultiHeadAttention(8, 2, rng=0))(*(torch.zeros(1, 2, 8),) * 3, need_weights=True)
     with pytest.raises(TypeError, match="attnkit Module"):
         from_numpy(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="twin"):

@@ -74,7 +74,7 @@ class MultiHeadAttention(TwinModule):
     Shapes
     ------
     query (B, Lq, E), key (B, Lk, Ek), value (B, Lk, Ev) -> ``(output (B, Lq, E), None)``: the fused kernels
-    return no weights. ``attn_mask`` bool (Lq, Lk), (Lk,) or 4-D, ``True`` = may attend;
+    return no weights (``need_weights=True`` is refused). ``attn_mask`` bool (Lq, Lk), (Lk,) or 4-D, ``True`` = may attend;
     ``key_padding_mask`` bool (B, Lk), ``True`` = real token (padded keys/values are zeroed before projecting,
     so NaN padding never spreads).
 
@@ -101,6 +101,9 @@ class MultiHeadAttention(TwinModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                 key_padding_mask: Any = None, need_weights: bool = False, is_causal: bool = False, *,
                 mask: Any = None):
+        if need_weights:
+            raise ValueError("MultiHeadAttention (torch twin) runs fused attention kernels, which return no "
+                             "weights; use attnkit's module (attnkit.torch.to_numpy) to inspect attention weights")
         if mask is not None:
             if attn_mask is not None:
                 raise TypeError("pass attn_mask or its alias mask, not both")
