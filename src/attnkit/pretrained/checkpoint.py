@@ -25,7 +25,8 @@ import numpy as np
 from ..models.config import DecoderConfig
 from ._extra import import_extra
 
-__all__ = ["TensorMap", "checkpoint_map", "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
+__all__ = ["TensorMap", "checkpoint_map", "checkpoint_tensors",
+           "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
            "validate_checkpoint", "expected_parameter_shapes", "check_model_matches", "load_tensors_into",
            "SINGLE_FILE", "INDEX_FILE"]
 
@@ -77,6 +78,34 @@ class TensorMap:
         if self.layout == "split":
             return dict(zip(self.targets, np.split(array, len(self.targets), axis=-1)))
         return {self.targets[0]: array}
+
+    def gather(self, params: dict[str, Any]) -> Any:
+        """The checkpoint array made back from attnkit's parameters (the inverse of :meth:`convert`), contiguous."""
+        parts = [np.asarray(params[t]) for t in self.targets]
+        if self.layout == "transpose":
+            return np.ascontiguousarray(parts[0].T)
+        if self.layout == "split":
+            return np.concatenate(parts, axis=-1)
+        return np.ascontiguousarray(parts[0])
+
+
+def checkpoint_tensors(config: DecoderConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """attnkit parameters (name -> array) as the tensors of a Hugging Face ``*ForCausalLM``
+    checkpoint of ``config``'s family, named as ``save_pretrained`` names them (the inverse of loading).
+
+    Examples
+    --------
+    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> cfg = DecoderConfig(family="gpt2", vocab_size=8, hidden_size=4, num_layers=1, num_heads=2,
+    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8, position="learned",
+    ...                     norm="layernorm", mlp="plain", tie_word_embeddings=True, attention_bias=True,
+    ...                     output_bias=True, max_position_embeddings=6)
+    >>> tensors = checkpoint_tensors(cfg, dict(CausalLM(cfg, rng=0).named_parameters()))
+    >>> tensors["transformer.h.0.attn.c_attn.weight"].shape, "lm_head.weight" in tensors
+    ((4, 12), False)
+    """
+    maps, prefix = checkpoint_map(config)
+    return {(m.source if m.source == "lm_head.weight" else prefix + m.source): m.gather(params) for m in maps}
 
 
 def checkpoint_map(config: DecoderConfig) -> tuple[list[TensorMap], str]:

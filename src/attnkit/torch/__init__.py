@@ -1,0 +1,52 @@
+"""PyTorch twins of attnkit's layers and models, for GPUs and clusters (the ``torch`` extra).
+
+Every twin is a ``torch.nn.Module`` with the constructor arguments of the attnkit class of the same name,
+the same parameter names (``named_parameters()`` keys equal attnkit's) and layout (``x @ W``), and attnkit's
+masks (``True`` = may attend / real token). Attention runs on ``F.scaled_dot_product_attention``.
+
+- :func:`from_numpy` / :func:`to_numpy`: an attnkit module to its twin and back (values and dtype kept);
+- ``python -m attnkit.torch.train``: data-parallel training of a :class:`CausalLM` with ``torchrun``,
+  writing a Hugging Face folder that attnkit's ``load_causal_lm`` and ``transformers`` both load.
+
+attnkit's core never imports this package (or torch).
+
+>>> import numpy as np
+>>> import torch
+>>> from attnkit.layers import TransformerEncoder as NumpyEncoder
+>>> encoder = NumpyEncoder(2, d_model=8, num_heads=2, rng=0)
+>>> twin = from_numpy(encoder)
+>>> x = np.random.default_rng(0).normal(size=(1, 4, 8))
+>>> bool(np.allclose(twin(torch.from_numpy(x)).detach().numpy(), encoder(x)))
+True
+"""
+from ._twin import from_numpy, to_numpy
+from .attention import GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
+from .blocks import (
+    LMBlock,
+    Transformer,
+    TransformerDecoder,
+    TransformerDecoderBlock,
+    TransformerEncoder,
+    TransformerEncoderBlock,
+)
+from .layers import (
+    Dropout,
+    Embedding,
+    FeedForward,
+    GatedMLP,
+    LayerNorm,
+    Projection,
+    RMSNorm,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+)
+from .models import CausalLM, Seq2SeqTransformer
+
+__all__ = [
+    "from_numpy", "to_numpy",
+    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Embedding", "Projection", "Dropout",
+    "SinusoidalPositionalEncoding", "RotaryEmbedding",
+    "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention",
+    "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
+    "Transformer", "LMBlock", "CausalLM", "Seq2SeqTransformer",
+]

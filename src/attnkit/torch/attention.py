@@ -1,0 +1,172 @@
+"""Twins of attnkit's attention layers, on ``F.scaled_dot_product_attention``.
+
+Masks keep attnkit's polarity (``True`` = may attend / real token, as ``F.scaled_dot_product_attention``
+itself), causal masks are bottom-right aligned when Lq != Lk, and a query that may attend to nothing gets a
+zero output and zero gradient.
+
+Dimension letters: B batch, Lq/Lk query/key length, E embed dim, H heads, Dh head features, Hq/Hkv query and
+key/value heads, S keys.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..attention.grouped_query import GroupedQueryAttention as _GroupedQueryAttention
+from ..attention.multi_head_attention import MultiHeadAttention as _MultiHeadAttention
+from ..attention.scaled_dot_product import ScaledDotProductAttention as _ScaledDotProductAttention
+from ._twin import TwinModule, as_tensor, attend
+from .layers import _linear, rotary_apply
+
+__all__ = ["ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention"]
+
+
+def _split(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, length, width = x.shape
+    return x.view(b, length, heads, width // heads).transpose(1, 2)  # (B, H, L, Dh)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    b, h, length, dh = x.shape
+    return x.transpose(1, 2).reshape(b, length, h * dh)  # (B, L, H*Dh)
+
+
+def _bool_mask(mask: Any, device: torch.device, name: str) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    mask = as_tensor(mask, device)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be boolean (True = may attend / real token), got dtype {mask.dtype}")
+    return mask
+
+
+class ScaledDotProductAttention(TwinModule):
+    """Twin of the default attention head: ``softmax(q k^T * scale) v`` with attnkit's masks, on SDPA.
+
+    Shapes
+    ------
+    q (B, H, Lq, Dh), k/v (B, H, Lk, Dh), mask bool broadcastable to (B, H, Lq, Lk) -> (B, H, Lq, Dh).
+
+    Examples
+    --------
+    >>> head = ScaledDotProductAttention()
+    >>> q = torch.ones(1, 1, 2, 4, dtype=torch.float64)
+    >>> head(q, q, q, torch.tensor([False, False])).abs().max().item()  # nothing to attend: zeros
+    0.0
+    """
+
+    numpy_class = _ScaledDotProductAttention
+
+    def setup(self, source) -> None:
+        self.dropout, self.scale, self.is_causal = source.dropout, source.scale, source.is_causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, *,
+                is_causal: bool = False) -> torch.Tensor:
+        mask = _bool_mask(mask, q.device, "mask")
+        return attend(q, k, v, mask, causal=self.is_causal or is_causal, scale=self.scale,
+                      dropout_p=self.dropout if self.training else 0.0)  # (B, H, Lq, Dh)
+
+
+class MultiHeadAttention(TwinModule):
+    """Twin of :class:`attnkit.attention.MultiHeadAttention` (default scaled dot-product head only).
+
+    Shapes
+    ------
+    query (B, Lq, E), key (B, Lk, Ek), value (B, Lk, Ev) -> ``(output (B, Lq, E), None)``: the fused kernels
+    return no weights (``need_weights=True`` is refused). ``attn_mask`` bool (Lq, Lk), (Lk,) or 4-D, ``True`` = may attend;
+    ``key_padding_mask`` bool (B, Lk), ``True`` = real token (padded keys/values are zeroed before projecting,
+    so NaN padding never spreads).
+
+    Examples
+    --------
+    >>> mha = MultiHeadAttention(8, 2, rng=0)
+    >>> x = torch.randn(3, 5, 8, dtype=torch.float64)
+    >>> out, weights = mha(x, x, x, is_causal=True)
+    >>> out.shape, weights
+    (torch.Size([3, 5, 8]), None)
+    """
+
+    numpy_class = _MultiHeadAttention
+
+    def setup(self, source) -> None:
+        if type(source.attention) is not _ScaledDotProductAttention:
+            raise ValueError(f"attnkit.torch twins MultiHeadAttention with the default ScaledDotProductAttention "
+                             f"head only, got a {type(source.attention).__name__} head")
+        self.embed_dim, self.num_heads, self.bias = source.embed_dim, source.num_heads, source.bias
+
+    def _b(self, name: str) -> torch.Tensor | None:
+        return getattr(self, name) if self.bias else None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                key_padding_mask: Any = None, need_weights: bool = False, is_causal: bool = False, *,
+                mask: Any = None):
+        if need_weights:
+            raise ValueError("MultiHeadAttention (torch twin) runs fused attention kernels, which return no "
+                             "weights; use attnkit's module (attnkit.torch.to_numpy) to inspect attention weights")
+        if mask is not None:
+            if attn_mask is not None:
+                raise TypeError("pass attn_mask or its alias mask, not both")
+            attn_mask = mask
+        device = query.device
+        head_mask = _bool_mask(attn_mask, device, "attn_mask")
+        kpm = _bool_mask(key_padding_mask, device, "key_padding_mask")
+        if kpm is not None:
+            pad = kpm[:, None, None, :]  # (B, 1, 1, Lk)
+            head_mask = pad if head_mask is None else head_mask & pad
+            zero = torch.zeros((), dtype=key.dtype, device=device)
+            key = torch.where(kpm[..., None], key, zero)  # (B, Lk, Ek)
+            value = torch.where(kpm[..., None], value, zero)  # (B, Lk, Ev)
+        q = _split(_linear(query, self.W_Q, self._b("b_Q")), self.num_heads)  # (B, H, Lq, Dh)
+        k = _split(_linear(key, self.W_K, self._b("b_K")), self.num_heads)  # (B, H, Lk, Dh)
+        v = _split(_linear(value, self.W_V, self._b("b_V")), self.num_heads)  # (B, H, Lk, Dh)
+        heads = self.attention(q, k, v, head_mask, is_causal=is_causal)  # (B, H, Lq, Dh)
+        return _linear(_merge(heads), self.W_O, self._b("b_O")), None  # (B, Lq, E)
+
+
+class GroupedQueryAttention(TwinModule):
+    """Twin of :class:`attnkit.attention.grouped_query.GroupedQueryAttention`: causal self-attention with
+    rotary queries/keys, Hkv <= Hq key/value heads (SDPA's ``enable_gqa``: K/V never repeated) and the layer's
+    sliding window (a band mask).
+
+    Shapes
+    ------
+    x (B, L, D) -> (B, L, D); rotary ``(cos, sin)`` each (B, L, R) or None; attention_mask (B, L) bool,
+    ``True`` = real token. No KV cache: the twin is for training (decode with attnkit or transformers).
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="mistral", vocab_size=8, hidden_size=8, num_layers=1, num_heads=4,
+    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8, sliding_window=2,
+    ...                     layer_types=("sliding_attention",))
+    >>> attn = GroupedQueryAttention(cfg, 0, rng=0)
+    >>> attn(torch.ones(2, 3, 8, dtype=torch.float64)).shape, attn.window
+    (torch.Size([2, 3, 8]), 2)
+    """
+
+    numpy_class = _GroupedQueryAttention
+
+    def setup(self, source) -> None:
+        for name in ("layer_index", "hidden_size", "head_dim", "num_heads", "num_kv_heads", "window", "interleaved"):
+            setattr(self, name, getattr(source, name))
+
+    def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None, cache=None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("GroupedQueryAttention (torch twin) has no KV cache; decode with attnkit's CausalLM "
+                             "(attnkit.torch.to_numpy) or transformers")
+        q = _split(_linear(x, self.W_Q, getattr(self, "b_Q", None)), self.num_heads)  # (B, Hq, L, Dh)
+        k = _split(_linear(x, self.W_K, getattr(self, "b_K", None)), self.num_kv_heads)  # (B, Hkv, L, Dh)
+        v = _split(_linear(x, self.W_V, getattr(self, "b_V", None)), self.num_kv_heads)  # (B, Hkv, L, Dh)
+        if rotary is not None:
+            cos, sin = rotary
+            q = rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
+            k = rotary_apply(k, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
+        mask = _bool_mask(attention_mask, x.device, "attention_mask")
+        if mask is not None:
+            if mask.shape != (x.shape[0], x.shape[1]):
+                raise ValueError(f"GroupedQueryAttention: attention_mask must have shape (B, L) = "
+                                 f"{tuple(x.shape[:2])}, got {tuple(mask.shape)}")
+            mask = mask[:, None, None, :]  # (B, 1, 1, S)
+        out = attend(q, k, v, mask, causal=True, window=self.window)  # (B, Hq, L, Dh)
+        return _linear(_merge(out), self.W_O, getattr(self, "b_O", None))  # (B, L, D)

@@ -1,0 +1,310 @@
+"""Twins of attnkit's parameter layers: norms, MLPs, embeddings, projection, dropout, positions.
+
+Each class takes the constructor arguments of the attnkit class of the same name (and builds it to get its
+initial weights); parameters carry attnkit's names and ``x @ W`` layout.
+
+Dimension letters: ``...`` any leading dims, D features, F hidden width, V table size, L positions,
+R rotated features per head.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch.nn.functional as F
+
+import torch
+
+from .. import layers as _layers
+from ..kernels import rotary as _rotary
+from ..layers.gated_mlp import GatedMLP as _GatedMLP
+from ..layers.rms_norm import RMSNorm as _RMSNorm
+from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
+from ._twin import TwinModule, as_tensor
+
+__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Embedding", "Projection", "Dropout",
+           "SinusoidalPositionalEncoding", "RotaryEmbedding", "activation"]
+
+
+def activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """attnkit's activations: ``relu``, ``gelu`` (exact erf), ``gelu_tanh`` and ``silu``."""
+    if name == "relu":
+        return F.relu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "silu":
+        return F.silu(x)
+    raise ValueError(f"activation must be relu, gelu, gelu_tanh or silu, got {name!r}")
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    y = x @ w  # (..., Out)
+    return y if b is None else y + b
+
+
+class LayerNorm(TwinModule):
+    """Twin of :class:`attnkit.layers.LayerNorm`: ``gamma * (x - mean) / sqrt(var + eps) + beta``.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D); float16 inputs are normalised in float32 as in attnkit.
+
+    Examples
+    --------
+    >>> LayerNorm(3)(torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)).round(decimals=4).tolist()
+    [[-1.2247, 0.0, 1.2247]]
+    """
+
+    numpy_class = _layers.LayerNorm
+
+    def setup(self, source) -> None:
+        self.normalized_shape, self.eps = source.normalized_shape, source.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        y = F.layer_norm(x.to(compute), (self.normalized_shape,), self.gamma.to(compute), self.beta.to(compute),
+                         self.eps)  # (..., D)
+        return y.to(x.dtype)
+
+
+class RMSNorm(TwinModule):
+    """Twin of :class:`attnkit.layers.rms_norm.RMSNorm`: ``gamma * x / sqrt(mean(x^2) + eps)``.
+
+    Half-precision inputs are normalised in float32 and cast back before the gain, as attnkit (and Hugging
+    Face's Llama) do.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+
+    Examples
+    --------
+    >>> RMSNorm(2, eps=0.0)(torch.tensor([[3.0, 4.0]], dtype=torch.float64)).round(decimals=4).tolist()
+    [[0.8485, 1.1314]]
+    """
+
+    numpy_class = _RMSNorm
+
+    def setup(self, source) -> None:
+        self.normalized_shape, self.eps = source.normalized_shape, source.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        xc = x.to(compute)
+        x_hat = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., D)
+        return self.gamma.to(x.dtype) * x_hat.to(x.dtype)  # (..., D)
+
+
+class FeedForward(TwinModule):
+    """Twin of :class:`attnkit.layers.FeedForward`: ``act(x @ W1 + b1) @ W2 + b2``.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+
+    Examples
+    --------
+    >>> ffn = FeedForward(4, 8, activation="gelu", rng=0)
+    >>> ffn(torch.ones(2, 3, 4, dtype=torch.float64)).shape
+    torch.Size([2, 3, 4])
+    """
+
+    numpy_class = _layers.FeedForward
+
+    def setup(self, source) -> None:
+        self.activation = source.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = activation(_linear(x, self.W1, self.b1), self.activation)  # (..., F)
+        return _linear(hidden, self.W2, self.b2)  # (..., D)
+
+
+class GatedMLP(TwinModule):
+    """Twin of :class:`attnkit.layers.gated_mlp.GatedMLP`: ``(act(x W_gate + b_g) * (x W_up + b_u)) W_down + b_d``.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6)
+    >>> [name for name, _ in GatedMLP(cfg, rng=0).named_parameters()]
+    ['W_gate', 'W_up', 'W_down']
+    """
+
+    numpy_class = _GatedMLP
+
+    def setup(self, source) -> None:
+        self.activation, self.bias = source.activation, source.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = (self.b_gate, self.b_up, self.b_down) if self.bias else (None, None, None)
+        gate = activation(_linear(x, self.W_gate, b[0]), self.activation)  # (..., F)
+        return _linear(gate * _linear(x, self.W_up, b[1]), self.W_down, b[2])  # (..., D)
+
+
+class Embedding(TwinModule):
+    """Twin of :class:`attnkit.layers.Embedding`: ``weight[ids]`` (the padding row gets no gradient).
+
+    Shapes
+    ------
+    ids (...) int -> (..., D).
+
+    Examples
+    --------
+    >>> Embedding(5, 3, rng=0)(torch.tensor([[1, 2]])).shape
+    torch.Size([1, 2, 3])
+    """
+
+    numpy_class = _layers.Embedding
+
+    def setup(self, source) -> None:
+        self.padding_idx = source.padding_idx
+
+    def forward(self, ids: Any) -> torch.Tensor:
+        ids = as_tensor(ids, self.weight.device, torch.long)
+        return F.embedding(ids, self.weight, padding_idx=self.padding_idx)  # (..., D)
+
+
+class Projection(TwinModule):
+    """Twin of :class:`attnkit.layers.Projection`: ``x @ W + b``.
+
+    Shapes
+    ------
+    x (..., In) -> (..., Out).
+
+    Examples
+    --------
+    >>> Projection(3, 2, rng=0)(torch.ones(4, 3, dtype=torch.float64)).shape
+    torch.Size([4, 2])
+    """
+
+    numpy_class = _layers.Projection
+
+    def setup(self, source) -> None:
+        self.bias = source.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.W, self.b if self.bias else None)  # (..., Out)
+
+
+class Dropout(TwinModule):
+    """Twin of :class:`attnkit.layers.Dropout` (torch's random stream, so masks differ from attnkit's).
+
+    Shapes
+    ------
+    x (...) -> (...); the identity in eval mode.
+
+    Examples
+    --------
+    >>> Dropout(0.5).eval()(torch.ones(3)).tolist()
+    [1.0, 1.0, 1.0]
+    """
+
+    numpy_class = _layers.Dropout
+
+    def setup(self, source) -> None:
+        self.p = source.p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.p, self.training) if self.p else x
+
+
+class SinusoidalPositionalEncoding(TwinModule):
+    """Twin of :class:`attnkit.layers.SinusoidalPositionalEncoding`: ``x + PE[:L]`` (a buffer, not a parameter).
+
+    Shapes
+    ------
+    x (B, L, D) -> (B, L, D), L <= ``max_length``.
+
+    Examples
+    --------
+    >>> SinusoidalPositionalEncoding(10, 4)(torch.zeros(1, 2, 4))[0, 1].round(decimals=4)
+    tensor([0.8415, 0.5403, 0.0100, 0.9999])
+    """
+
+    numpy_class = _layers.SinusoidalPositionalEncoding
+
+    def setup(self, source) -> None:
+        self.max_length = source.max_length
+        self.register_buffer("encodings", torch.from_numpy(np.array(source.encodings, copy=True)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[-2]
+        if length > self.max_length:
+            raise ValueError(f"SinusoidalPositionalEncoding: sequence length {length} exceeds max_length = "
+                             f"{self.max_length}")
+        return x + self.encodings[:length].to(x.dtype)  # (B, L, D)
+
+
+class RotaryEmbedding(TwinModule):
+    """Twin of :class:`attnkit.layers.rotary.RotaryEmbedding`: cos/sin of the rotary angles (no parameters).
+
+    Frequencies come from attnkit's own :func:`~attnkit.kernels.rotary.rotary_frequencies` (every scaling
+    it supports); angles are taken in float64 on the positions' device and cast once.
+
+    Shapes
+    ------
+    position_ids (B, L) int -> cos, sin (B, L, R) in ``dtype``.
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
+    ...                     num_kv_heads=2, head_dim=4, intermediate_size=8)
+    >>> cos, sin = RotaryEmbedding(cfg)(torch.tensor([[0, 1]]))
+    >>> cos.shape, round(float(sin[0, 1, 0]), 4)
+    (torch.Size([1, 2, 4]), 0.8415)
+    """
+
+    numpy_class = _RotaryEmbedding
+
+    def setup(self, source) -> None:
+        self.rotary_dim, self.theta, self.scaling = source.rotary_dim, source.theta, source.scaling
+        self.interleaved, self.dynamic = source.interleaved, source.dynamic
+        self.max_position_embeddings = source.max_position_embeddings
+        self.inv_freq, self.attention_factor = source.inv_freq, source.attention_factor
+
+    def forward(self, position_ids: Any, dtype: torch.dtype = torch.float32):
+        positions = as_tensor(position_ids, torch.device("cpu") if not isinstance(position_ids, torch.Tensor)
+                              else position_ids.device)
+        inv_freq, factor = self.inv_freq, self.attention_factor
+        if self.dynamic and positions.numel():
+            inv_freq, factor = _rotary.rotary_frequencies(
+                self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings,
+                seq_len=int(positions.max()) + 1)
+        freq = torch.as_tensor(inv_freq, dtype=torch.float64, device=positions.device)  # (R/2,)
+        angles = positions[..., None].to(torch.float64) * freq  # (B, L, R/2)
+        if self.interleaved:
+            angles = angles.repeat_interleave(2, dim=-1)  # (B, L, R)
+        else:
+            angles = torch.cat([angles, angles], dim=-1)  # (B, L, R)
+        return (torch.cos(angles) * factor).to(dtype), (torch.sin(angles) * factor).to(dtype)
+
+
+def turn(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Map every rotary feature pair ``(a, b)`` to ``(-b, a)`` in the given layout."""
+    if interleaved:
+        pairs = x.unflatten(-1, (-1, 2))  # (..., R/2, 2)
+        return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)  # (..., R)
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (..., R)
+
+
+def rotary_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the first R features of every head; the rest pass through.
+
+    Shapes
+    ------
+    x (B, H, L, Dh), cos/sin (B, L, R) -> (B, H, L, Dh).
+    """
+    r = cos.shape[-1]
+    c, s = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # (B, 1, L, R)
+    rot = x[..., :r]  # (B, H, L, R)
+    rotated = rot * c + turn(rot, interleaved) * s  # (B, H, L, R)
+    return rotated if r == x.shape[-1] else torch.cat([rotated, x[..., r:]], dim=-1)  # (B, H, L, Dh)

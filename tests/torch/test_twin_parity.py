@@ -1,0 +1,290 @@
+"""float64 parity of every attnkit.torch twin with its attnkit module: forward within 1e-10 (relative to the
+output's largest entry), every parameter gradient (matched by name) and input gradient within 1e-9, and the
+exact round trip ``to_numpy(from_numpy(m))``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import torch
+from attnkit import layers as L
+from attnkit.attention.grouped_query import GroupedQueryAttention
+from attnkit.attention.multi_head_attention import MultiHeadAttention
+from attnkit.layers.gated_mlp import GatedMLP
+from attnkit.layers.lm_block import LMBlock
+from attnkit.layers.rms_norm import RMSNorm
+from attnkit.layers.rotary import RotaryEmbedding
+from attnkit.models import CausalLM, DecoderConfig, Seq2SeqTransformer
+from attnkit.torch import from_numpy, to_numpy
+
+from helpers import group_scale, max_rel_diff
+
+FORWARD_TOL, GRAD_TOL = 1e-10, 1e-9
+
+# Figures printed at the end of the module (the report quotes them).
+WORST = {"forward": 0.0, "grad": 0.0}
+
+
+def _config(family="llama", **overrides) -> DecoderConfig:
+    base = dict(family=family, vocab_size=13, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=4, intermediate_size=24)
+    base.update(overrides)
+    return DecoderConfig(**base)
+
+
+def _to_torch(value, requires_grad: bool):
+    if isinstance(value, tuple):
+        return tuple(_to_torch(v, False) for v in value)
+    if isinstance(value, np.ndarray):
+        return torch.tensor(value, requires_grad=requires_grad and value.dtype.kind == "f")
+    return value
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def check_parity(module, args, kwargs=None, *, seed=0):
+    """Run ``module`` and its twin on the same float64 inputs; compare outputs and every gradient."""
+    kwargs = kwargs or {}
+    twin = from_numpy(module)
+    assert [n for n, _ in twin.named_parameters()] == [n for n, _ in module.named_parameters()]
+    out = _first(module(*args, **kwargs))
+    grad_out = np.random.default_rng(seed).normal(size=out.shape)
+    grads_in = module.backward(grad_out)
+    grads_in = () if grads_in is None else (grads_in if isinstance(grads_in, tuple) else (grads_in,))
+
+    targs = [_to_torch(a, True) for a in args]
+    tkwargs = {k: _to_torch(v, False) for k, v in kwargs.items()}
+    tout = _first(twin(*targs, **tkwargs))
+    (tout * torch.from_numpy(grad_out)).sum().backward()
+
+    rel = max_rel_diff(tout.detach().numpy(), out)
+    WORST["forward"] = max(WORST["forward"], rel)
+    assert rel <= FORWARD_TOL, f"forward differs by {rel:.2e}"
+    tgrads = dict(twin.named_parameters())
+    # A block that is zero in exact arithmetic (a key bias: softmax ignores shifts) holds rounding noise in
+    # both libraries; such blocks are compared relative to the whole gradient (tests/helpers.group_scale).
+    whole = group_scale(*(g for _, g in module.named_gradients()))
+    for name, grad in module.named_gradients():
+        tgrad = tgrads[name].grad
+        got = np.zeros_like(grad) if tgrad is None else tgrad.numpy()
+        own = float(np.abs(grad).max())
+        scale = own if own >= 1e-8 * whole else whole
+        rel = float(np.abs(got - grad).max()) / max(scale, 1e-300)
+        WORST["grad"] = max(WORST["grad"], rel)
+        assert rel <= GRAD_TOL, f"gradient of {name} differs by {rel:.2e}"
+    float_inputs = [t for t in targs if isinstance(t, torch.Tensor) and t.requires_grad]
+    assert len(float_inputs) == len(grads_in)
+    for i, (t, g) in enumerate(zip(float_inputs, grads_in, strict=True)):
+        rel = max_rel_diff(t.grad.numpy(), g)
+        WORST["grad"] = max(WORST["grad"], rel)
+        assert rel <= GRAD_TOL, f"gradient of input {i} differs by {rel:.2e}"
+    return twin
+
+
+def randn(*shape, seed=1):
+    return np.random.default_rng(seed).normal(size=shape)
+
+
+def left_padding(batch, length, real):
+    return np.arange(length)[None, :] >= (length - np.asarray(real))[:, None]  # (B, L) True = real token
+
+
+# -- layers ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_feed_forward(activation):
+    check_parity(L.FeedForward(6, 10, activation, rng=0), [randn(2, 3, 6)])
+
+
+@pytest.mark.parametrize("activation,bias", [("silu", False), ("gelu_tanh", True)])
+def test_gated_mlp(activation, bias):
+    mlp = GatedMLP(_config(hidden_size=6, intermediate_size=10, activation=activation, mlp_bias=bias), rng=0)
+    if bias:
+        for name in ("b_gate", "b_up", "b_down"):
+            setattr(mlp, name, randn(*getattr(mlp, name).shape, seed=7))
+    check_parity(mlp, [randn(2, 3, 6)])
+
+
+@pytest.mark.parametrize("make", [lambda: L.LayerNorm(6, eps=1e-5), lambda: RMSNorm(6, eps=1e-6)])
+def test_norms(make):
+    norm = make()
+    norm.gamma = randn(6, seed=3)
+    check_parity(norm, [randn(2, 3, 6)])
+
+
+def test_embedding_and_projection():
+    check_parity(L.Embedding(7, 5, padding_idx=0, rng=0), [np.array([[0, 3, 3], [6, 0, 1]])])
+    check_parity(L.Projection(5, 4, rng=0), [randn(2, 3, 5)])
+
+
+def test_positions():
+    pe = L.SinusoidalPositionalEncoding(10, 6)
+    check_parity(pe, [randn(2, 4, 6)])
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"rope_interleaved": True}, {"partial_rotary_factor": 0.5},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}},
+    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 8},
+])
+def test_rotary_tables(overrides):
+    rotary = RotaryEmbedding(_config(**overrides))
+    positions = np.array([[0, 1, 2, 40], [3, 3, 9, 11]])
+    cos, sin = rotary(positions, dtype=np.float64)
+    tcos, tsin = from_numpy(rotary)(torch.from_numpy(positions), dtype=torch.float64)
+    assert max_rel_diff(tcos.numpy(), cos) <= FORWARD_TOL and max_rel_diff(tsin.numpy(), sin) <= FORWARD_TOL
+
+
+# -- attention -------------------------------------------------------------------------------------------
+def test_multi_head_self_attention_with_masks():
+    mha = MultiHeadAttention(8, 2, bias=True, rng=0)
+    x = randn(3, 5, 8)
+    kpm = left_padding(3, 5, [5, 3, 1])
+    attn_mask = np.random.default_rng(4).random((5, 5)) < 0.6
+    attn_mask[2] = False  # a query with nothing to attend: zeros, never NaN
+    check_parity(mha, [x, x.copy(), x.copy()], dict(attn_mask=attn_mask, key_padding_mask=kpm, need_weights=False))
+
+
+def test_multi_head_cross_attention_causal_bottom_right():
+    mha = MultiHeadAttention(8, 4, kdim=6, vdim=5, rng=0)
+    check_parity(mha, [randn(2, 3, 8), randn(2, 7, 6, seed=2), randn(2, 7, 5, seed=3)],
+                 dict(is_causal=True, need_weights=False))
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"num_kv_heads": 1, "attention_bias": True, "output_bias": True},
+    {"family": "mistral", "sliding_window": 3, "layer_types": ("sliding_attention", "full_attention")},
+    {"rope_interleaved": True, "partial_rotary_factor": 0.5},
+])
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_query_attention(overrides, padded):
+    cfg = _config(**overrides)
+    attn = GroupedQueryAttention(cfg, 0, rng=0)
+    for name in ("b_Q", "b_K", "b_V", "b_O"):
+        if name in attn._parameters:
+            setattr(attn, name, randn(*getattr(attn, name).shape, seed=9))
+    positions = np.tile(np.arange(6), (2, 1))
+    mask = left_padding(2, 6, [6, 4]) if padded else None
+    rotary = RotaryEmbedding(cfg)(positions, dtype=np.float64)
+    check_parity(attn, [randn(2, 6, 16)], dict(rotary=rotary, attention_mask=mask))
+
+
+# -- blocks and stacks -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_encoder_block(norm_first):
+    block = L.TransformerEncoderBlock(8, 2, 12, norm_first=norm_first, activation="gelu", attention_bias=True,
+                                      rng=0)
+    x = randn(2, 5, 8)
+    x[1, 4] = np.nan  # padding garbage never reaches a real position or a gradient
+    check_parity(block, [x], dict(key_padding_mask=left_padding(2, 5, [5, 4])[:, ::-1].copy(), is_causal=True))
+
+
+def test_encoder_stack():
+    enc = L.TransformerEncoder(2, 8, 2, 12, rng=0)
+    check_parity(enc, [randn(2, 5, 8)], dict(mask=np.tril(np.ones((5, 5), bool))))
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_decoder_block(norm_first):
+    block = L.TransformerDecoderBlock(8, 2, 12, norm_first=norm_first, attention_bias=True, rng=0)
+    memory_pad = np.array([[True] * 6, [True] * 3 + [False] * 3])
+    check_parity(block.eval(), [randn(2, 4, 8), randn(2, 6, 8, seed=5)],
+                 dict(memory_key_padding_mask=memory_pad, tgt_is_causal=True))
+
+
+def test_decoder_stack_and_transformer():
+    check_parity(L.TransformerDecoder(2, 8, 2, rng=0), [randn(2, 4, 8), randn(2, 6, 8, seed=5)],
+                 dict(tgt_is_causal=True))
+    src_pad = np.array([[True] * 6, [True] * 2 + [False] * 4])
+    check_parity(L.Transformer(8, 2, 1, 2, 12, rng=0), [randn(2, 6, 8, seed=5), randn(2, 4, 8)],
+                 dict(src_key_padding_mask=src_pad, memory_key_padding_mask=src_pad, tgt_is_causal=True))
+
+
+def test_lm_block():
+    cfg = _config()
+    rotary = RotaryEmbedding(cfg)(np.tile(np.arange(5), (2, 1)), dtype=np.float64)
+    check_parity(LMBlock(cfg, 1, rng=0), [randn(2, 5, 16)], dict(rotary=rotary))
+
+
+# -- models ----------------------------------------------------------------------------------------------
+FAMILIES = {
+    "llama": dict(),
+    "llama_tied": dict(tie_word_embeddings=True, num_kv_heads=1),
+    "gpt2": dict(family="gpt2", norm="layernorm", norm_eps=1e-5, activation="gelu_tanh", mlp="plain",
+                 position="learned", num_kv_heads=4, attention_bias=True, output_bias=True,
+                 tie_word_embeddings=True, max_position_embeddings=16),
+    "mistral": dict(family="mistral", sliding_window=2, layer_types=("sliding_attention",) * 2),
+    "qwen2": dict(family="qwen2", attention_bias=True, sliding_window=3,
+                  layer_types=("full_attention", "sliding_attention")),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_lm(family, padded):
+    lm = CausalLM(_config(**FAMILIES[family]), rng=0)
+    ids = np.random.default_rng(2).integers(0, 13, size=(2, 6))
+    mask = left_padding(2, 6, [6, 3]) if padded else None
+    check_parity(lm, [ids], dict(attention_mask=mask))
+
+
+def test_seq2seq_transformer():
+    model = Seq2SeqTransformer(9, 7, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=2,
+                               max_length=12, rng=0)
+    src = np.random.default_rng(2).integers(0, 9, size=(2, 6))
+    tgt = np.random.default_rng(3).integers(0, 7, size=(2, 4))
+    check_parity(model, [src, tgt], dict(src_key_padding_mask=np.array([[True] * 6, [True] * 4 + [False] * 2])))
+
+
+def test_worst_figures_are_recorded():
+    # Runs last in this module: the largest discrepancies of the whole file, for the report.
+    print(f"\nworst forward rel {WORST['forward']:.2e}, worst gradient rel {WORST['grad']:.2e}")
+    assert 0 < WORST["forward"] <= FORWARD_TOL
+
+
+# -- conversion ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_round_trip_is_exact(dtype):
+    lm = CausalLM(_config(**FAMILIES["qwen2"]), rng=3).astype(dtype)
+    twin = from_numpy(lm)
+    assert {t.dtype for t in twin.parameters()} == {torch.float32 if dtype == np.float32 else torch.float64}
+    back = to_numpy(twin)
+    assert type(back) is CausalLM
+    for (name, a), (name_b, b) in zip(lm.named_parameters(), back.named_parameters(), strict=True):
+        assert name == name_b and a.dtype == b.dtype and np.array_equal(a, b)
+    ids = np.array([[1, 2, 3, 4]])
+    assert np.array_equal(back(ids), lm(ids))
+
+
+def test_trained_twin_comes_back_with_its_weights():
+    ffn = L.FeedForward(4, 6, rng=0)
+    twin = from_numpy(ffn)
+    with torch.no_grad():
+        twin.W1.add_(1.0)
+    back = to_numpy(twin)
+    np.testing.assert_array_equal(back.W1, ffn.W1 + 1.0)
+    back.W2 = back.W2 * 0  # the rebuilt module owns its arrays
+    assert np.abs(twin.W2.detach().numpy()).max() > 0
+
+
+def test_twin_constructor_matches_attnkit_initial_weights():
+    from attnkit.torch import CausalLM as TwinCausalLM
+    cfg = _config()
+    twin, ref = TwinCausalLM(cfg, rng=5), CausalLM(cfg, rng=5)
+    for (name, t), (_, a) in zip(twin.named_parameters(), ref.named_parameters(), strict=True):
+        assert np.array_equal(t.detach().numpy(), a), name
+
+
+def test_untwinnable_head_is_refused():
+    model = L.TransformerDecoderBlock(8, 2, cross_attention="additive", rng=0)
+    with pytest.raises(ValueError, match="AdditiveAttention"):
+        from_numpy(model)
+    with pytest.raises(ValueError, match="no weights"):
+        from_numpy(MultiHeadAttention(8, 2, rng=0))(*(torch.zeros(1, 2, 8),) * 3, need_weights=True)
+    with pytest.raises(TypeError, match="attnkit Module"):
+        from_numpy(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="twin"):
+        to_numpy(torch.nn.Linear(2, 2))
