@@ -8,7 +8,9 @@ that trains, prints and writes into the checked output folder ``out``. Adding a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,17 +52,20 @@ class _Progress:
         self.every = max(1, total // 10)
         self.loss = self.acc = None
 
-    def __call__(self, step: int, loss: float, acc: float) -> None:
+    def __call__(self, step: int, loss: float, acc: float | None = None) -> None:
         k = 0.9 if step > 1 else 0.0  # exponential running means, for a readable bar
         self.loss = loss if self.loss is None else k * self.loss + (1 - k) * loss
-        self.acc = acc if self.acc is None else k * self.acc + (1 - k) * acc
+        if acc is not None:
+            self.acc = acc if self.acc is None else k * self.acc + (1 - k) * acc
         if self.bar is not None:
             self.bar.update(1)
             if step % 10 == 0 or step == self.total:
-                self.bar.set_postfix_str(f"loss {self.loss:.4f}, acc {self.acc:6.1%}", refresh=False)
+                shown = f"loss {self.loss:.4f}" + ("" if self.acc is None else f", acc {self.acc:6.1%}")
+                self.bar.set_postfix_str(shown, refresh=False)
         elif step % self.every == 0 or step == self.total:
-            print(f"{self.desc}: step {step:>{len(str(self.total))}}/{self.total}  loss {self.loss:.4f}  "
-                  f"accuracy {self.acc:6.1%}", file=sys.stderr, flush=True)
+            shown = f"loss {self.loss:.4f}" + ("" if self.acc is None else f"  accuracy {self.acc:6.1%}")
+            print(f"{self.desc}: step {step:>{len(str(self.total))}}/{self.total}  {shown}", file=sys.stderr,
+                  flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -193,12 +198,48 @@ def run_dates_task(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+# -- the decoder-only language model task (addition) -------------------------------------------------------
+def run_addition_task(args: argparse.Namespace, out: Path) -> int:
+    """Train a Llama-style :class:`~attnkit.models.CausalLM` to add two numbers; decode held-out sums with the
+    KV cache; write the training curve and the model to ``out``."""
+    from .. import lm_demo
+    from ..io import atomic_write
+    from ..viz import plot_training_curve
+
+    d = lm_demo.AdditionConfig()
+    config = lm_demo.AdditionConfig(steps=d.steps if args.steps is None else args.steps, seed=args.seed,
+                                    batch_size=d.batch_size if args.batch_size is None else args.batch_size,
+                                    lr=d.lr if args.lr is None else args.lr)
+    cfg = config.model_config()
+    print(f"attnkit demo: learn {config.digits}-digit addition with a {cfg.num_layers}-layer decoder-only language "
+          f"model (Llama-style: RMSNorm, SwiGLU, rotary, {cfg.num_heads} query / {cfg.num_kv_heads} key-value heads, "
+          f"d_model {cfg.hidden_size}, float32), {config.steps} steps of Adam, batch {config.batch_size}, "
+          f"seed {config.seed}", flush=True)
+    progress = _Progress(config.steps, "training (addition)", plain=args.no_progress)
+    try:
+        result = lm_demo.train_addition(config, progress=progress)
+    finally:
+        progress.close()
+    print(f"held-out exact match ({config.eval_size} new sums, greedy decoding with the KV cache): "
+          f"{result.accuracy:.2%}; trained in {result.seconds:.1f} s")
+    for line in result.examples[:4]:
+        print(f"  {printable(line)}")
+    save_figure(plot_training_curve(result.losses, title="attnkit demo: addition, training loss"), out / "loss.png")
+    result.model.save(out / "model.npz")
+    atomic_write(out / "config.json", lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=2).encode()))
+    print(f"wrote {printable(out / 'loss.png')} (training loss)")
+    print(f"wrote {printable(out / 'model.npz')} and {printable(out / 'config.json')} (the DecoderConfig)")
+    return 0
+
+
 DEMO_TASKS: dict[str, DemoTask] = {
     "sort": DemoTask("sort the digits", run_tagging_task),
     "reverse": DemoTask("reverse them", run_tagging_task),
     "copy_offset": DemoTask("shift them one place", run_tagging_task),
     "dates": DemoTask("rewrite dates like \"3rd of March 1998\" as 1998-03-03 (encoder-decoder, beam search)",
                       run_dates_task),
+    "addition": DemoTask("add two 2-digit numbers (decoder-only language model, KV-cache decoding)",
+                         run_addition_task),
 }
 
 
@@ -206,6 +247,7 @@ DEMO_TASKS: dict[str, DemoTask] = {
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit demo`` and its arguments."""
     from ..demo import DemoConfig
+    from ..lm_demo import AdditionConfig
     from ..seq2seq_demo import DatesConfig
 
     d = DemoConfig()
@@ -220,7 +262,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     tasks_help = "; ".join(f"{name}: {task.help}" for name, task in DEMO_TASKS.items())
     p.add_argument("--task", choices=tuple(DEMO_TASKS), default=d.task, help=f"{tasks_help} (default {d.task})")
     p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=None,
-                   help=f"training steps (default {d.steps}; dates: {DatesConfig().steps})")
+                   help=f"training steps (default {d.steps}; dates: {DatesConfig().steps}; addition: {AdditionConfig().steps})")
     p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=d.seed,
                    help=f"seed of the data and the initial weights (default {d.seed})")
     p.add_argument("--out", default="attnkit-demo", help="output folder (default attnkit-demo)")
