@@ -2,10 +2,12 @@
 from .additive import AdditiveAttention
 from .attention import Attention
 from .causal import CausalAttention
+from .grouped_query import GroupedQueryAttention
 from .learned_bias import LearnedBiasAttention
 from .multi_head_attention import MultiHeadAttention
 from .physics_guided import PhysicsGuidedAttention
 from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["MultiHeadAttention", "ScaledDotProductAttention",
-           "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention"]
+           "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention",
+           "GroupedQueryAttention"]

@@ -6,7 +6,9 @@
 - :class:`TransformerEncoderBlock`, made of the layers above and :class:`~attnkit.attention.MultiHeadAttention`,
   and the :class:`TransformerEncoder` stack;
 - :class:`TransformerDecoderBlock` (self-attention, cross-attention, feed-forward), the
-  :class:`TransformerDecoder` stack and the encoder-decoder :class:`Transformer`.
+  :class:`TransformerDecoder` stack and the encoder-decoder :class:`Transformer`;
+- the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`RotaryEmbedding` and
+  :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`).
 
 Every layer's ``forward`` caches what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
@@ -17,9 +19,13 @@ from .embedding import Embedding
 from .encoder import TransformerEncoder
 from .encoder_block import TransformerEncoderBlock
 from .feed_forward import FeedForward
+from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
+from .lm_block import LMBlock
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .projection import Projection
+from .rms_norm import RMSNorm
+from .rotary import RotaryEmbedding
 from .transformer import Transformer
 
 __all__ = [
@@ -27,4 +33,5 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
+    "RMSNorm", "GatedMLP", "RotaryEmbedding", "LMBlock",
 ]
