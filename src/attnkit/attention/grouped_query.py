@@ -107,8 +107,14 @@ class GroupedQueryAttention(Module):
                              f"(past + new tokens), got {mask.shape}")
         return mask
 
-    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None) -> np.ndarray:
-        """Attend every new token to itself and the tokens before it; caches what :meth:`backward` needs."""
+    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
+                output_attentions: bool = False):
+        """Attend every new token to itself and the tokens before it; caches what :meth:`backward` needs.
+
+        With ``output_attentions=True`` the reference kernel computes the scores and the result is
+        ``(y, weights)``: weights (B, Hq, L, S), query head ``h * G + g`` in row ``h`` of key/value head
+        ``h``'s group, a copy the caller owns (backward reads the kernel's own array).
+        """
         x = check_features(x, "x", self.hidden_size, "GroupedQueryAttention", "hidden_size")
         if x.ndim != 3:
             raise ValueError(f"GroupedQueryAttention: x must be (B, L, D), got shape {x.shape}")
@@ -131,13 +137,17 @@ class GroupedQueryAttention(Module):
         # The cache returns consecutive slots ending at the new tokens, so the kernel's bottom-right aligned
         # causal window applies to cached steps as well. One decoding step (L = 1) is a single row of scores:
         # the reference kernel is cheapest there; longer inputs take the tiled kernel (no L x S scores).
-        out, _, ctx = attention_forward(qg, k[:, :, None], v[:, :, None], mask=mask, causal=True,
-                                        window=self.window, need_weights=length == 1)  # (B, Hkv, G, L, Dh)
+        out, weights, ctx = attention_forward(qg, k[:, :, None], v[:, :, None], mask=mask, causal=True,
+                                        window=self.window,
+                                        need_weights=output_attentions or length == 1)  # (B, Hkv, G, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
         self._cache = None if cache is not None else (x, merged, ctx, rotary)
-        return y
+        if not output_attentions:
+            return y
+        heads = weights.reshape(b, self.num_heads, length, weights.shape[-1]).copy()  # (B, Hq, L, S)
+        return y, heads
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""

@@ -69,10 +69,21 @@ class LMBlock(Module):
             for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
                 setattr(self.mlp, name, 0.02 * gen.standard_normal(self.mlp._parameters[name].shape))
 
-    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None) -> np.ndarray:
-        """The block's output (B, L, D); each sublayer caches what its backward needs."""
-        x = x + self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask, cache=cache)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
+                output_attentions: bool = False):
+        """The block's output (B, L, D); each sublayer caches what its backward needs.
+
+        With ``output_attentions=True`` the result is ``(y, weights)``, weights (B, Hq, L, S) from the
+        attention (see :meth:`GroupedQueryAttention.forward`).
+        """
+        attended = self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask, cache=cache,
+                                  output_attentions=output_attentions)
+        weights = None
+        if output_attentions:
+            attended, weights = attended
+        x = x + attended
+        y = x + self.mlp(self.mlp_norm(x))
+        return (y, weights) if output_attentions else y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """The forward read backwards: each residual branch adds its sublayers' input gradient."""

@@ -165,22 +165,26 @@ class CausalLM(Module):
         return ids, mask, positions
 
     def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
-                cache: KVCache | None = None) -> np.ndarray:
+                cache: KVCache | None = None, output_attentions: bool = False):
         """Logits (B, L, V) of the next token after every position; with a cache, only the new tokens are fed.
 
         The uncached forward caches what :meth:`backward` needs; a cached forward (inference) does not.
+        With ``output_attentions=True`` every layer's scores come from the reference kernel and the result
+        is ``(logits, weights)``: weights a list of ``num_layers`` arrays (B, Hq, L, S) (S = cached + new
+        keys), query head ``h`` in row ``h``, copies the caller owns; backward is unchanged.
         """
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
+        weights: list[np.ndarray] = []
         with blas_single_thread() if ids.size <= _SINGLE_THREAD_TOKENS else nullcontext():
-            h = self._hidden(ids, mask, positions, cache)  # (B, L, D)
+            h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None)  # (B, L, D)
         # The (V, D) head is large enough for every BLAS thread to help, even for one token.
         weight = self.head_weight.astype(h.dtype, copy=False)
         logits = (h.reshape(-1, h.shape[-1]) @ weight.T).reshape(*h.shape[:-1], weight.shape[0])  # (B, L, V)
         self._saved = None if cache is not None else h
-        return logits
+        return (logits, weights) if output_attentions else logits
 
-    def _hidden(self, ids, mask, positions, cache) -> np.ndarray:
-        """The final-norm hidden states (B, L, D)."""
+    def _hidden(self, ids, mask, positions, cache, weights: list | None = None) -> np.ndarray:
+        """The final-norm hidden states (B, L, D); each layer's weights are appended to ``weights`` if given."""
         h = self.embed(ids)  # (B, L, D)
         if self.rotary is None:
             h = h + self.pos_embed(positions)  # (B, L, D)
@@ -189,7 +193,12 @@ class CausalLM(Module):
             rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
         layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
         for layer in self.layers:
-            h = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
+            if weights is None:
+                h = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
+            else:
+                h, layer_weights = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache,
+                                         output_attentions=True)  # (B, L, D), (B, Hq, L, S)
+                weights.append(layer_weights)
         return self.norm(h)  # (B, L, D)
 
     def backward(self, grad_logits: Any) -> None:
