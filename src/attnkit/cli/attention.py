@@ -1,7 +1,9 @@
-"""``attnkit attention``: draw the attention heatmaps of a saved demo model, or of all-MiniLM-L6-v2, for an input."""
+"""``attnkit attention``: draw the attention heatmaps of a saved demo model, of all-MiniLM-L6-v2, or of a Hugging Face
+causal-LM folder (GPT-2, Llama, Mistral, Qwen2), for an input."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,13 +11,14 @@ import numpy as np
 
 from ._common import UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure
 
-__all__ = ["NAME", "add_parser", "run", "write_explorer", "PRETRAINED_MODELS"]
+__all__ = ["NAME", "add_parser", "run", "write_explorer", "PRETRAINED_MODELS", "is_causal_lm_folder"]
 
 NAME = "attention"
 PROG = f"attnkit {NAME}"
 PRETRAINED_MODELS = ("minilm",)
 HTML_SUFFIXES = (".html", ".htm")
 _MAX_INDEX = 100_000  # layers and heads
+_DEFAULT_MODEL = "attnkit-demo"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -25,15 +28,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Load a model saved by 'attnkit demo' (its folder, or its model.npz with model.json\n"
                     "beside it) and draw the attention of every layer and head (or of --layer/--head) for\n"
                     "an input sequence. With --model minilm, draw a head of the pretrained all-MiniLM-L6-v2\n"
-                    "over a sentence instead (needs the 'pretrained' extra; sentences are cut at 256 tokens).",
+                    "over a sentence instead (needs the 'pretrained' extra; sentences are cut at 256 tokens).\n"
+                    "Given a Hugging Face causal-LM folder (config.json with model_type gpt2, llama, mistral\n"
+                    "or qwen2, and model.safetensors) as MODEL_DIR or --model, draw the causal attention of\n"
+                    "every layer and head over a prompt: --prompt TEXT (tokenised with the folder's\n"
+                    "tokenizer.json) or --ids 1,2,3.",
         epilog="examples:\n  attnkit attention --input \"3 1 4 1 5 9 2 6 5 3\" -o sort.png\n"
                "  attnkit attention --model minilm \"The cat sat on the mat.\" --layer 2 --head 3 -o cat.png\n"
-               "  attnkit attention --model minilm \"The cat sat on the mat.\" --html cat.html",
+               "  attnkit attention --model minilm \"The cat sat on the mat.\" --html cat.html\n"
+               "  attnkit attention ./tiny-llama --prompt \"The cat sat\" --html llama.html\n"
+               "  attnkit attention --model ./gpt2 --ids 464,3797,3332 --layer 0 --html gpt2.html",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     index = bounded_int(0, _MAX_INDEX)
-    p.add_argument("text", nargs="?", metavar="TEXT", help="the input (a sentence for --model minilm)")
-    p.add_argument("--model", default="attnkit-demo",
-                   help="a demo model folder or .npz file (default attnkit-demo), or 'minilm'")
+    p.add_argument("text", nargs="?", metavar="TEXT | MODEL_DIR",
+                   help="the input (a sentence for --model minilm), or a causal-LM folder with --prompt/--ids")
+    p.add_argument("--model", default=_DEFAULT_MODEL,
+                   help="a demo model folder or .npz file (default attnkit-demo), 'minilm', or a Hugging Face "
+                        "causal-LM folder")
+    p.add_argument("--prompt", metavar="TEXT", default=None,
+                   help="causal LM: the prompt text (needs the folder's tokenizer.json)")
+    p.add_argument("--ids", metavar="IDS", default=None,
+                   help="causal LM: the prompt's token ids, comma-separated (no tokenizer needed)")
     p.add_argument("--input", help="the input sequence, e.g. \"3 1 4 1 5\" (same as TEXT)")
     p.add_argument("--layer", type=index, default=None, help="only this layer (0-based; minilm default 0)")
     p.add_argument("--head", type=index, default=None, help="only this head (0-based)")
@@ -47,16 +62,37 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def is_causal_lm_folder(path: str) -> bool:
+    """Whether ``path`` is a folder whose ``config.json`` names a decoder ``model_type`` attnkit loads."""
+    from ..pretrained.hf_config import SUPPORTED_MODEL_TYPES
+
+    config = Path(path) / "config.json"
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):  # no file, not JSON, or JSON that is not an object
+        return False
+    return model_type in SUPPORTED_MODEL_TYPES
+
+
 def run(args: argparse.Namespace) -> int:
-    """Check the input and the output file, then draw the demo model's or MiniLM's attention."""
-    if args.text is not None and args.input is not None:
-        raise UsageError("give the input once: as TEXT or with --input, not both", PROG)
+    """Check the input and the output file, then draw the demo model's, MiniLM's or a causal LM's attention."""
+    lm_dir = _causal_lm_dir(args)
+    if lm_dir is None and (args.prompt is not None or args.ids is not None):
+        raise UsageError("--prompt and --ids need a Hugging Face causal-LM folder (config.json with model_type "
+                         "gpt2, llama, mistral or qwen2) as MODEL_DIR or --model", PROG)
+    given = [name for name, value in (("TEXT", args.text), ("--input", args.input), ("--prompt", args.prompt),
+                                      ("--ids", args.ids)) if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"give the input once, not as {' and '.join(given)}", PROG)
     text = args.input if args.input is not None else args.text
-    if text is None:
-        raise UsageError("no input: give it as TEXT or with --input \"3 1 4 1 5\"", PROG)
+    if not given:
+        hint = "--prompt TEXT or --ids 1,2,3" if lm_dir is not None else "TEXT or with --input \"3 1 4 1 5\""
+        raise UsageError(f"no input: give it as {hint}", PROG)
     image = args.output if args.output is not None or args.html is not None else "attention.png"
     output = None if image is None else output_file(image)
     html = None if args.html is None else output_file(args.html, HTML_SUFFIXES)
+    if lm_dir is not None:
+        return _causal_lm_attention(args, lm_dir, text, output, html)
     if args.model in PRETRAINED_MODELS:
         return _pretrained_attention(args, text, output, html)
     return _demo_attention(args, text, output, html)
@@ -161,4 +197,53 @@ def _pretrained_attention(args: argparse.Namespace, text: str, output: Path | No
                        [f"layer {i}" for i in layers], [f"head {j}" for j in heads])
     if len(tokens) == encoder.max_seq_length and encoder.tokenize([text]).truncated[0]:
         print(f"note: the sentence was cut at {encoder.max_seq_length} tokens")
+    return 0
+
+
+# -- a Hugging Face causal LM ----------------------------------------------------------------------------
+def _causal_lm_dir(args: argparse.Namespace) -> str | None:
+    """The causal-LM folder named by ``--model``, or by TEXT (which then is not the input), else None."""
+    if args.model not in PRETRAINED_MODELS and is_causal_lm_folder(args.model):
+        return args.model
+    if args.model == _DEFAULT_MODEL and args.text is not None and is_causal_lm_folder(args.text):
+        folder, args.text = args.text, None
+        return folder
+    return None
+
+
+def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None, output: Path | None,
+                         html: Path | None) -> int:
+    from .generate import load_model, load_tokenizer, prompt_ids
+
+    if output is not None:
+        require_matplotlib(PROG)
+    if text is not None:  # TEXT or --input beside --model MODEL_DIR is the prompt text
+        args.prompt = text
+    tokenizer = load_tokenizer(lm_dir, needed=args.prompt is not None, prog=PROG)
+    model = load_model(lm_dir, prog=PROG)
+    config = model.config
+    ids = prompt_ids(args, tokenizer, config, prog=PROG)
+    _check_index("layer", args.layer, config.num_layers)
+    _check_index("head", args.head, config.num_heads)
+
+    _, per_layer = model(np.array([ids], dtype=np.int64), output_attentions=True)  # N x (1, H, L, L)
+    layers = range(config.num_layers) if args.layer is None else [args.layer]
+    heads = range(config.num_heads) if args.head is None else [args.head]
+    weights = np.stack([per_layer[i][0] for i in layers])[:, list(heads)]  # (N', H', L, L)
+    pieces = [tokenizer.id_to_token(i) if tokenizer is not None else None for i in ids]
+    tokens = [printable(str(i) if piece is None else piece) for i, piece in zip(ids, pieces)]
+    name = printable(Path(lm_dir).name or lm_dir)
+    said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
+    layer_names, head_names = [f"layer {i}" for i in layers], [f"head {j}" for j in heads]
+    print(f"model: {name} ({config.family}, {config.num_layers} layers, {config.num_heads} heads); "
+          f"{len(ids)} tokens")
+    if output is not None:
+        from ..viz import plot_attention
+
+        fig = plot_attention(weights, tokens, tokens, layer_names=layer_names, head_names=head_names,
+                             title=f"{name}: {said}")
+        save_figure(fig, output)
+        print(f"wrote {printable(output)}")
+    if html is not None:
+        write_explorer(tokens, weights, html, f"{name}: {said}", layer_names, head_names)
     return 0

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._common import UsageError, non_negative_int, positive_float, positive_int, printable
 
-__all__ = ["NAME", "add_parser", "run", "load_model", "parse_ids"]
+__all__ = ["NAME", "add_parser", "run", "load_model", "load_tokenizer", "parse_ids", "prompt_ids"]
 
 NAME = "generate"
 PROG = f"attnkit {NAME}"
@@ -42,8 +42,8 @@ def _unit_float(text: str) -> float:
 _unit_float.__name__ = "number in [0, 1]"
 
 
-def parse_ids(text: str) -> list[int]:
-    """``"1,2,3"`` -> ``[1, 2, 3]`` (spaces allowed); anything else is a :class:`UsageError`.
+def parse_ids(text: str, prog: str = PROG) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (spaces allowed); anything else is a :class:`UsageError` of ``prog``.
 
     Examples
     --------
@@ -53,7 +53,7 @@ def parse_ids(text: str) -> list[int]:
     pieces = [p.strip() for p in text.split(",")]
     if not text.strip() or not all(p.isdigit() and p.isascii() and len(p) <= 12 for p in pieces):
         raise UsageError(f"--ids must be comma-separated non-negative integers like 1,2,3, got "
-                         f"{printable(repr(text), 40)}", PROG)
+                         f"{printable(repr(text), 40)}", prog)
     return [int(p) for p in pieces]
 
 
@@ -82,8 +82,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def load_model(model_dir: str) -> Any:
-    """The CausalLM of ``model_dir``; a missing or damaged folder is a :class:`UsageError` (exit 2)."""
+def load_model(model_dir: str, prog: str = PROG) -> Any:
+    """The CausalLM of ``model_dir``; a missing or damaged folder is a :class:`UsageError` of ``prog`` (exit 2)."""
     from ..pretrained import load_causal_lm
 
     try:
@@ -91,15 +91,17 @@ def load_model(model_dir: str) -> Any:
     except (ValueError, KeyError, TypeError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise UsageError(f"cannot load the model {printable(repr(model_dir))}: {printable(message, 300)}",
-                         PROG) from None
+                         prog) from None
 
 
-def _load_tokenizer(model_dir: str, needed: bool) -> Any:
+def load_tokenizer(model_dir: str, needed: bool, prog: str = PROG) -> Any:
+    """The ``tokenizers.Tokenizer`` of ``model_dir/tokenizer.json``, or None when there is none and it is not
+    ``needed``; a missing-but-needed or unreadable file is a :class:`UsageError` of ``prog``."""
     file = Path(model_dir) / "tokenizer.json"
     if not file.is_file():
         if needed:
             raise UsageError(f"{printable(repr(model_dir))} has no tokenizer.json: pass token ids with --ids "
-                             f"instead of --prompt", PROG)
+                             f"instead of --prompt", prog)
         return None
     from ..pretrained._extra import import_extra
 
@@ -107,19 +109,21 @@ def _load_tokenizer(model_dir: str, needed: bool) -> Any:
     try:
         return tokenizers.Tokenizer.from_file(str(file))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception type for a bad file
-        raise UsageError(f"cannot read {printable(repr(str(file)))}: {printable(exc, 200)}", PROG) from None
+        raise UsageError(f"cannot read {printable(repr(str(file)))}: {printable(exc, 200)}", prog) from None
 
 
-def _prompt_ids(args: argparse.Namespace, tokenizer: Any, config: Any) -> list[int]:
-    ids = parse_ids(args.ids) if args.ids is not None else tokenizer.encode(args.prompt).ids
+def prompt_ids(args: argparse.Namespace, tokenizer: Any, config: Any, prog: str = PROG) -> list[int]:
+    """The token ids of ``args.ids`` or ``args.prompt``, checked against the vocabulary and the context
+    (else a :class:`UsageError` of ``prog``)."""
+    ids = parse_ids(args.ids, prog) if args.ids is not None else tokenizer.encode(args.prompt).ids
     if not ids:
-        raise UsageError("the prompt is empty (no tokens)", PROG)
+        raise UsageError("the prompt is empty (no tokens)", prog)
     bad = [i for i in ids if i >= config.vocab_size]
     if bad:
-        raise UsageError(f"token id {bad[0]} is outside the model's vocabulary of {config.vocab_size}", PROG)
+        raise UsageError(f"token id {bad[0]} is outside the model's vocabulary of {config.vocab_size}", prog)
     limit = config.max_position_embeddings
     if len(ids) > limit:
-        raise UsageError(f"the prompt has {len(ids)} tokens, longer than the model's context of {limit}", PROG)
+        raise UsageError(f"the prompt has {len(ids)} tokens, longer than the model's context of {limit}", prog)
     return ids
 
 
@@ -135,10 +139,10 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     out = sys.stdout if stdout is None else stdout
     if not Path(args.model_dir).is_dir():
         raise UsageError(f"{printable(repr(args.model_dir))} is not a folder", PROG)
-    tokenizer = _load_tokenizer(args.model_dir, needed=args.prompt is not None)
+    tokenizer = load_tokenizer(args.model_dir, needed=args.prompt is not None)
     model = load_model(args.model_dir)
     config = model.config
-    prompt = _prompt_ids(args, tokenizer, config)
+    prompt = prompt_ids(args, tokenizer, config)
     max_new = args.max_new_tokens
     if config.position == "learned":  # a learned position table cannot go past its last row
         max_new = min(max_new, config.max_position_embeddings - len(prompt))

@@ -1,0 +1,122 @@
+"""``attnkit attention`` on a Hugging Face causal-LM folder: the explorer page holds the model's weights, and bad
+folders / prompts are one line on stderr with exit 2."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from hf_models import edit_config, saved_model, write_word_tokenizer  # noqa: E402
+
+from attnkit.cli import main  # noqa: E402
+from attnkit.pretrained import load_causal_lm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(llama folder with tokenizer.json, mistral sliding-window folder without one)."""
+    root = tmp_path_factory.mktemp("attention_lm")
+    llama = shutil.copytree(saved_model("llama_gqa", root)[0], root / "llama_tok")
+    write_word_tokenizer(llama)
+    return llama, saved_model("mistral_window", root)[0]
+
+
+def embedded(path) -> dict:
+    """The JSON the page parses into ``window.attnkitData``."""
+    text = path.read_text(encoding="utf-8")
+    assert "window.attnkitData" in text
+    match = re.search(r'<script type="application/json" id="attnkit-data">(.*?)</script>', text, flags=re.DOTALL)
+    assert match, "no embedded data"
+    return json.loads(match.group(1))
+
+
+def api_weights(folder, ids) -> np.ndarray:
+    _, weights = load_causal_lm(folder)(np.array([ids]), output_attentions=True)
+    return np.stack([w[0] for w in weights])  # (N, H, L, L)
+
+
+def test_prompt_page_holds_every_layer_and_head(folders, tmp_path, capsys):
+    llama, _ = folders
+    page = tmp_path / "llama.html"
+    assert main(["attention", str(llama), "--prompt", "w3 w17 w5 w40", "--html", str(page)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    data = embedded(page)
+    assert data["tokens"] == ["w3", "w17", "w5", "w40"]
+    expected = api_weights(llama, [3, 17, 5, 40])  # (2, 4, 4, 4)
+    got = np.array(data["attention"])
+    assert got.shape == expected.shape == (2, 4, 4, 4)
+    np.testing.assert_allclose(got, expected, atol=5.1e-5)  # the page keeps 4 decimals
+    assert got[0, 0, 0, 0] == 1.0 and (np.triu(got, 1) == 0).all()  # causal
+    assert np.abs(got[:, :, 3, :] - 0.25).max() > 0.01  # not uniform
+
+
+def test_ids_with_model_option_layer_and_head(folders, tmp_path, capsys):
+    _, mistral = folders  # no tokenizer.json: the ids are the labels
+    page = tmp_path / "mistral.html"
+    ids = [2, 9, 30, 31, 4, 77, 6]
+    code = main(["attention", "--model", str(mistral), "--ids", ",".join(map(str, ids)), "--layer", "1",
+                 "--head", "2", "--html", str(page)])
+    assert code == 0, capsys.readouterr().err
+    data = embedded(page)
+    assert data["tokens"] == [str(i) for i in ids]
+    got = np.array(data["attention"])  # (1, 1, 7, 7)
+    np.testing.assert_allclose(got, api_weights(mistral, ids)[1:2, 2:3], atol=5.1e-5)
+    query, key = np.indices((7, 7))
+    assert (got[0, 0][key <= query - 4] == 0).all()  # sliding window of 4
+    assert (got[0, 0][(key <= query) & (key > query - 4)] > 0).all()
+
+
+def test_control_characters_in_tokens_are_escaped(folders, tmp_path):
+    llama, _ = folders
+    folder = shutil.copytree(llama, tmp_path / "ctl")
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["bell\x07"] = vocab.pop("w7")
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    page = tmp_path / "ctl.html"
+    assert main(["attention", str(folder), "--ids", "7,8", "--html", str(page)]) == 0
+    assert embedded(page)["tokens"] == ["bell\\x07", "w8"]
+
+
+def _one_line_exit_2(argv, capsys, *needles):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.count("\n") == 1 and err.startswith("attnkit attention: error:"), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_bad_folders_and_prompts_exit_2(folders, tmp_path, capsys):
+    llama, mistral = folders
+    page = str(tmp_path / "x.html")
+    long_ids = ",".join(["3"] * 65)  # the tiny models' context is 64
+    _one_line_exit_2(["attention", str(llama), "--ids", long_ids, "--html", page], capsys,
+                     "65 tokens", "context of 64")
+    _one_line_exit_2(["attention", str(llama), "--prompt", " ".join(["w3"] * 70), "--html", page], capsys,
+                     "70 tokens")
+    broken = tmp_path / "broken"
+    shutil.copytree(llama, broken)
+    (broken / "model.safetensors").unlink()
+    _one_line_exit_2(["attention", str(broken), "--ids", "1,2", "--html", page], capsys, "cannot load the model")
+    _one_line_exit_2(["attention", str(mistral), "--prompt", "w1 w2", "--html", page], capsys, "no tokenizer.json")
+    _one_line_exit_2(["attention", str(tmp_path / "nowhere"), "--ids", "1,2", "--html", page], capsys,
+                     "--prompt and --ids need a Hugging Face causal-LM folder")
+    bert = edit_config(llama, tmp_path / "bert", model_type="bert")
+    _one_line_exit_2(["attention", str(bert), "--ids", "1,2", "--html", page], capsys, "causal-LM folder")
+    _one_line_exit_2(["attention", str(llama), "--ids", "1,x", "--html", page], capsys, "--ids")
+    _one_line_exit_2(["attention", str(llama), "--ids", "1,500", "--html", page], capsys, "vocabulary")
+    _one_line_exit_2(["attention", str(llama), "--ids", "1,2", "--layer", "2", "--html", page], capsys,
+                     "--layer 2 is out of range")
+    _one_line_exit_2(["attention", str(llama), "--ids", "1,2", "--prompt", "w1", "--html", page], capsys,
+                     "give the input once")
+    _one_line_exit_2(["attention", str(llama), "--html", page], capsys, "--prompt TEXT or --ids")
+    assert not (tmp_path / "x.html").exists()
