@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 import torch
-
-from hf_models import left_padded_batch, positions_from_mask, saved_model
-
 from attnkit.pretrained import load_causal_lm
+from hf_models import left_padded_batch, positions_from_mask, saved_model
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,7 @@ def test_weights_equal_hugging_face_eager_attention(folders, name):
     logits, weights = lm(ids, mask, output_attentions=True)
     theirs = hf_attentions(hf, ids, mask)
     assert len(weights) == len(theirs) == 2
-    for ours, ref in zip(weights, theirs):
+    for ours, ref in zip(weights, theirs, strict=True):
         assert ours.shape == ref.shape == (2, 4, 7, 7)
         assert ours.dtype == np.float32
         # HF's rows of pad queries are not defined the same way (all keys masked); real queries are compared.

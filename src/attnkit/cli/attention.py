@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     given = [name for name, value in (("TEXT", args.text), ("--input", args.input), ("--prompt", args.prompt),
                                       ("--ids", args.ids)) if value is not None]
     if len(given) > 1:
-        raise UsageError(f"give the input once, not as {' and '.join(given)}", PROG)
+        both = "not both" if len(given) == 2 else "not several"
+        raise UsageError(f"give the input once: as {' or '.join(given)}, {both}", PROG)
     text = args.input if args.input is not None else args.text
     if not given:
         hint = "--prompt TEXT or --ids 1,2,3" if lm_dir is not None else "TEXT or with --input \"3 1 4 1 5\""
@@ -231,7 +232,7 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
     heads = range(config.num_heads) if args.head is None else [args.head]
     weights = np.stack([per_layer[i][0] for i in layers])[:, list(heads)]  # (N', H', L, L)
     pieces = [tokenizer.id_to_token(i) if tokenizer is not None else None for i in ids]
-    tokens = [printable(str(i) if piece is None else piece) for i, piece in zip(ids, pieces)]
+    tokens = [printable(str(i) if piece is None else piece) for i, piece in zip(ids, pieces, strict=True)]
     name = printable(Path(lm_dir).name or lm_dir)
     said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
     layer_names, head_names = [f"layer {i}" for i in layers], [f"head {j}" for j in heads]
