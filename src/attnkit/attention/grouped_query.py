@@ -112,8 +112,8 @@ class GroupedQueryAttention(Module):
         """Attend every new token to itself and the tokens before it; caches what :meth:`backward` needs.
 
         With ``output_attentions=True`` the reference kernel computes the scores and the result is
-        ``(y, weights)``: weights (B, Hq, L, S), query head ``h * G + g`` in row ``h`` of key/value head
-        ``h``'s group, a copy the caller owns (backward reads the kernel's own array).
+        ``(y, weights)``: weights (B, Hq, L, S), query head ``h * G + g`` (member g of key/value head h's
+        group) in row ``h * G + g``, an array the caller owns (backward reads the kernel's own copy).
         """
         x = check_features(x, "x", self.hidden_size, "GroupedQueryAttention", "hidden_size")
         if x.ndim != 3:
@@ -146,8 +146,8 @@ class GroupedQueryAttention(Module):
         self._cache = None if cache is not None else (x, merged, ctx, rotary)
         if not output_attentions:
             return y
-        heads = weights.reshape(b, self.num_heads, length, weights.shape[-1]).copy()  # (B, Hq, L, S)
-        return y, heads
+        # The reference kernel returns its own copy of the weights (backward reads ctx's), so this is the caller's.
+        return y, weights.reshape(b, self.num_heads, length, weights.shape[-1])  # (B, Hq, L, S)
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""

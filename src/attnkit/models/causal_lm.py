@@ -170,8 +170,9 @@ class CausalLM(Module):
 
         The uncached forward caches what :meth:`backward` needs; a cached forward (inference) does not.
         With ``output_attentions=True`` every layer's scores come from the reference kernel and the result
-        is ``(logits, weights)``: weights a list of ``num_layers`` arrays (B, Hq, L, S) (S = cached + new
-        keys), query head ``h`` in row ``h``, copies the caller owns; backward is unchanged.
+        is ``(logits, weights)``: weights a list of ``num_layers`` arrays (B, Hq, L, S) (S = L without a cache;
+        with one, the slots the layer keeps), query head ``h`` in row ``h``, arrays the caller owns; backward
+        is unchanged.
         """
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
         weights: list[np.ndarray] = []
