@@ -136,9 +136,16 @@ def test_every_public_module_imports_from_the_installed_wheel(fresh_env):
         "names = sorted(m.name for m in pkgutil.walk_packages(attnkit.__path__, 'attnkit.')\n"
         "               if not any(part.startswith('_') for part in m.name.split('.')))\n"
         "for name in names:\n"
+        "    if name.split('.')[:2] == ['attnkit', 'torch']:\n"
+        "        continue\n"
         "    importlib.import_module(name)\n"
+        "try:\n"
+        "    import attnkit.torch\n"
+        "except ImportError as err:\n"
+        "    hint = str(err)\n"
         "print(attnkit.__file__)\n"
-        "print(' '.join(names))\n"
+        "print(' '.join(n for n in names if not n.startswith('attnkit.torch')))\n"
+        "print(hint)\n"
     )
     out = _run([venv / "bin" / "python", "-c", script], cwd=work, env=_clean_env()).stdout.splitlines()
     assert Path(out[0]).is_relative_to(site)  # the installed copy, not the source tree
@@ -146,6 +153,8 @@ def test_every_public_module_imports_from_the_installed_wheel(fresh_env):
     assert {"attnkit.attention_core", "attnkit.multi_head", "attnkit.kernels.tiled", "attnkit.layers",
             "attnkit.models", "attnkit.optim", "attnkit.viz", "attnkit.pretrained"} <= imported
     assert len(imported) >= 40
+    # The PyTorch twins are the torch extra's: without torch they say how to get it, in one line.
+    assert out[2] == "attnkit.torch needs PyTorch: pip install 'attnkit[torch]'"
 
 
 def test_installed_bench_runs_from_the_wheel_with_numpy_only(fresh_env):

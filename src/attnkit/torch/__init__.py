@@ -19,7 +19,12 @@ attnkit's core never imports this package (or torch).
 >>> bool(np.allclose(twin(torch.from_numpy(x)).detach().numpy(), encoder(x)))
 True
 """
-from ._twin import from_numpy, to_numpy
+try:
+    import torch  # noqa: F401  (the twins are torch modules: without torch there is nothing to offer)
+except ImportError as err:  # pragma: no cover - exercised by the wheel test in a NumPy-only environment
+    raise ImportError("attnkit.torch needs PyTorch: pip install 'attnkit[torch]'") from err
+
+from ._twin import from_numpy, to_numpy  # noqa: E402
 from .attention import GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
 from .blocks import (
     LMBlock,
