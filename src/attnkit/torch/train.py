@@ -32,7 +32,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 
 import torch
 
+from ..io import atomic_write
 from ..pretrained.checkpoint import SINGLE_FILE, checkpoint_tensors
 from ..pretrained.hf_config import decoder_config_from_hf
 from .models import CausalLM
@@ -213,34 +213,39 @@ def _check(args: argparse.Namespace, world_size: int) -> tuple[dict, Any, np.nda
 
 
 # -- files -----------------------------------------------------------------------------------------------
-def _atomic_write(path: Path, write) -> None:
-    """``write(temp_path)`` into a temporary file next to ``path``, then rename it over ``path``."""
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(temp)
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
-
-
 def _save_checkpoint(path: Path, model: CausalLM, optimizer: torch.optim.Optimizer, step: int, raw: dict) -> None:
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": raw}
-    _atomic_write(path, lambda temp: torch.save(state, temp))
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def _save_hf_folder(out: Path, model: CausalLM, raw: dict, dtype_name: str) -> None:
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     params = {name: p.detach().cpu().numpy() for name, p in model.named_parameters()}
     tensors = checkpoint_tensors(model.config, params)
     config = dict(raw, architectures=[ARCHITECTURES[model.config.family]],
                   dtype="float32" if dtype_name == "bfloat16" else dtype_name)
-    _atomic_write(out / SINGLE_FILE, lambda temp: save_file(tensors, temp, metadata={"format": "pt"}))
-    _atomic_write(out / "config.json",
-                  lambda temp: Path(temp).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
+    atomic_write(out / SINGLE_FILE, lambda f: f.write(save(tensors, metadata={"format": "pt"})))
+    atomic_write(out / "config.json", lambda f: f.write((json.dumps(config, indent=2) + "\n").encode("utf-8")))
+
+
+def _resume(args: argparse.Namespace, raw: dict, model: CausalLM, optimizer: torch.optim.Optimizer,
+            device: torch.device) -> int:
+    """Load the checkpoint of ``--out`` into the model and optimizer; returns the step to continue from."""
+    state = torch.load(args.out / CHECKPOINT, map_location=device, weights_only=True)
+    if state["config"] != raw:
+        raise UsageError(f"--resume: {args.out / CHECKPOINT} was trained with a different --config")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def _clip(model: CausalLM, max_norm: float) -> float:
+    """Clip the gradients to ``max_norm`` (if positive); returns their norm before clipping."""
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    return float(torch.linalg.vector_norm(torch.stack(
+        [p.grad.detach().norm() for p in model.parameters() if p.grad is not None])))
 
 
 # -- training --------------------------------------------------------------------------------------------
@@ -251,14 +256,7 @@ def _train(args: argparse.Namespace, raw: dict, config: Any, tokens: np.ndarray,
     model = CausalLM(config, rng=args.seed).to(device=device, dtype=weight_dtype).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=args.weight_decay)
-    start = 0
-    if args.resume:
-        state = torch.load(args.out / CHECKPOINT, map_location=device, weights_only=True)
-        if state["config"] != raw:
-            raise UsageError(f"--resume: {args.out / CHECKPOINT} was trained with a different --config")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = int(state["step"])
+    start = _resume(args, raw, model, optimizer, device) if args.resume else 0
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -281,11 +279,7 @@ def _train(args: argparse.Namespace, raw: dict, config: Any, tokens: np.ndarray,
                                windows[:, 1:].reshape(-1))  # mean over this rank's tokens
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP averages the gradients over ranks: the global batch's mean-loss gradient
-        if args.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-        else:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack(
-                [p.grad.detach().norm() for p in model.parameters() if p.grad is not None])))
+        grad_norm = _clip(model, args.grad_clip)
         optimizer.step()
         logged = loss.detach().clone()
         if world_size > 1:
