@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import date_task
+from .io import atomic_write_files, write_arrays
 from .kernels._threads import blas_single_thread
 from .losses import softmax_cross_entropy
 from .models import Seq2SeqTransformer
@@ -167,30 +166,17 @@ def alignment(model: Seq2SeqTransformer, source: str) -> tuple[np.ndarray, list[
     return weights[-1, 0].mean(axis=0), out_tokens, list(source)  # (n, Ls)
 
 
-def _write_atomically(path: Path, write: Callable[[Any], None], mode: str) -> None:
-    """Write through a temporary file in the same folder, then rename it: a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        os.chmod(tmp, 0o644)  # mkstemp's private 0600 would make the saved model unreadable to others
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def save_model(result: DatesResult, folder: str | Path) -> tuple[Path, Path]:
     """Write ``model.npz`` and ``model.json`` into ``folder`` (each atomically); returns the two paths."""
     folder = Path(folder)
     model_path, config_path = folder / MODEL_FILE, folder / CONFIG_FILE
     state = result.model.state_dict()
-    _write_atomically(model_path, lambda f: np.savez(f, **state), "wb")
     meta = {"format": _FORMAT, "model": result.config.model_kwargs(), "dtype": "float32",
             "source_characters": "".join(date_task.SOURCE_VOCAB.tokens[3:]),
             "target_characters": "".join(date_task.TARGET_VOCAB.tokens[3:]),
             "training": dataclasses.asdict(result.config),
             "heldout_exact_match": {"greedy": result.greedy_exact_match,
                                     f"beam_{result.config.num_beams}": result.beam_exact_match}}
-    _write_atomically(config_path, lambda f: f.write(json.dumps(meta, indent=2) + "\n"), "w")
+    atomic_write_files({model_path: lambda f: write_arrays(f, state),
+                        config_path: lambda f: f.write((json.dumps(meta, indent=2) + "\n").encode("utf-8"))})
     return model_path, config_path

@@ -13,7 +13,6 @@ Dimension letters: H heads, N layers, Lq query length (rows), Lk key length (col
 """
 from __future__ import annotations
 
-import contextlib
 import html
 import importlib.resources
 import json
@@ -21,13 +20,14 @@ import math
 import os
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .io import atomic_write
 
 __all__ = ["HTML_SIZE_WARNING_BYTES", "VIZ_INSTALL_HINT", "attention_figsize", "attention_html", "plot_attention",
            "plot_training_curve"]
@@ -343,22 +343,6 @@ def _script_json(value: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and move it into place: no reader sees half a page."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the page from a web server's user
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike, *,
                    title: str = "attnkit attention explorer", layer_names: Sequence[Any] | None = None,
                    head_names: Sequence[Any] | None = None, decimals: int = 4) -> Path:
@@ -451,5 +435,5 @@ def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike,
         warnings.warn(f"the attention page {str(target)!r} is {size / 1e6:.1f} MB ({n_layers} layers x {n_heads} "
                       f"heads x {length} x {length} weights); browsers open such pages slowly: pass fewer layers, "
                       f"heads or tokens, or decimals=3", UserWarning, stacklevel=2)
-    _write_atomically(target, page)
+    atomic_write(target, lambda f: f.write(page.encode("utf-8")))
     return target

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any, ContextManager
+
+from ..io import atomic_write
 
 __all__ = ["import_torch", "torch_missing_line", "blas_limit", "write_json"]
 
@@ -38,15 +38,5 @@ def blas_limit(threads: int) -> ContextManager[Any]:
 def write_json(path: str | Path, report: Any) -> Path:
     """Write ``report`` as JSON to ``path`` atomically (a temporary file in the same folder, then renamed)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp's 0600 would make the report private
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(json.dumps(report, indent=1).encode("utf-8")))
     return path

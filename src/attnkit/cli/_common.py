@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..io import atomic_write
+
 __all__ = ["PROG", "UsageError", "Parser", "bounded_int", "positive_int", "non_negative_int", "positive_float",
            "output_folder", "output_file", "printable", "check_argv_text", "require_matplotlib", "save_figure",
            "run_command", "IMAGE_SUFFIXES"]
@@ -171,27 +173,14 @@ def require_matplotlib(what: str) -> None:
         raise ImportError(f"{what} needs matplotlib, which is not installed: {VIZ_INSTALL_HINT}")
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def save_figure(fig: Any, path: Path, dpi: int = _DPI) -> None:
     """Write ``fig`` to ``path`` atomically (a temporary file in the same folder, then renamed) and close it,
     so an interrupted run never leaves half a picture behind."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, dpi=dpi, format=path.suffix.lstrip(".").lower() or None)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would make the picture private
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=path.suffix.lstrip(".").lower() or None))
     finally:
         plt.close(fig)
 
