@@ -33,6 +33,13 @@ class DemoTask(NamedTuple):
     run: Callable[[argparse.Namespace, Path], int]
 
 
+def _task_config(config_class: Any, args: argparse.Namespace, **fixed: Any) -> Any:
+    """A task's configuration: its own defaults, overridden by ``--steps``, ``--batch-size`` and ``--lr`` where
+    the command line gives them (each task has its own defaults, so the options default to None)."""
+    given = {name: getattr(args, name) for name in ("steps", "batch_size", "lr") if getattr(args, name) is not None}
+    return config_class(seed=args.seed, **fixed, **given)
+
+
 # -- the token-tagging tasks (sort, reverse, copy_offset) ------------------------------------------------
 class _Progress:
     """A tqdm bar with the running loss and accuracy, or plain lines every 10% without tqdm."""
@@ -84,10 +91,7 @@ def _words(ids: Sequence[int], tokens: Sequence[str]) -> str:
 def _train(args: argparse.Namespace) -> Any:
     from .. import demo
 
-    d = demo.DemoConfig()
-    config = demo.DemoConfig(task=args.task, steps=d.steps if args.steps is None else args.steps, seed=args.seed,
-                             batch_size=d.batch_size if args.batch_size is None else args.batch_size,
-                             lr=d.lr if args.lr is None else args.lr, seq_len=args.seq_len)
+    config = _task_config(demo.DemoConfig, args, task=args.task, seq_len=args.seq_len)
     model = demo.build_model(config)
     print(f"attnkit demo: learn to {args.task.replace('_', ' ')} {config.seq_len} digits with a "
           f"{config.num_layers}-layer, {config.num_heads}-head Transformer encoder (d_model {config.d_model}, "
@@ -163,10 +167,7 @@ def run_dates_task(args: argparse.Namespace, out: Path) -> int:
     from .. import seq2seq_demo
     from ..viz import plot_attention, plot_training_curve
 
-    d = seq2seq_demo.DatesConfig()
-    config = seq2seq_demo.DatesConfig(steps=d.steps if args.steps is None else args.steps, seed=args.seed,
-                                      batch_size=d.batch_size if args.batch_size is None else args.batch_size,
-                                      lr=d.lr if args.lr is None else args.lr)
+    config = _task_config(seq2seq_demo.DatesConfig, args)
     model = seq2seq_demo.build_model(config)
     print(f"attnkit demo: learn to write dates as YYYY-MM-DD with a {config.num_layers}+{config.num_layers}-layer, "
           f"{config.num_heads}-head encoder-decoder Transformer (d_model {config.d_model}, "
@@ -206,10 +207,7 @@ def run_addition_task(args: argparse.Namespace, out: Path) -> int:
     from ..io import atomic_write
     from ..viz import plot_training_curve
 
-    d = lm_demo.AdditionConfig()
-    config = lm_demo.AdditionConfig(steps=d.steps if args.steps is None else args.steps, seed=args.seed,
-                                    batch_size=d.batch_size if args.batch_size is None else args.batch_size,
-                                    lr=d.lr if args.lr is None else args.lr)
+    config = _task_config(lm_demo.AdditionConfig, args)
     cfg = config.model_config()
     print(f"attnkit demo: learn {config.digits}-digit addition with a {cfg.num_layers}-layer decoder-only language "
           f"model (Llama-style: RMSNorm, SwiGLU, rotary, {cfg.num_heads} query / {cfg.num_kv_heads} key-value heads, "
