@@ -50,8 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 @contextmanager
 def thread_limit(n: int):
     """torch intra-op threads, NumPy's BLAS threads and attnkit's tile threads all set to ``n``."""
-    import torch
     from threadpoolctl import threadpool_limits
+
+    import torch
 
     old_torch, old = torch.get_num_threads(), (_tiled.default_num_threads, _threads.default_num_threads)
     torch.set_num_threads(n)
@@ -66,8 +67,9 @@ def thread_limit(n: int):
 
 def build(args):
     """A random HF GPT-2 (float32, eval) and an attnkit CausalLM holding the same weights."""
-    import torch
     import transformers
+
+    import torch
 
     torch.manual_seed(args.seed)
     hf_cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
@@ -122,8 +124,9 @@ def best_of(fn, repeats: int):
 
 
 def main(argv=None) -> dict:
-    import torch
     from threadpoolctl import threadpool_info
+
+    import torch
 
     args = parse_args(argv)
     blas = ", ".join(f"{lib.get('internal_api')} {lib.get('version')} ({lib.get('architecture')})"

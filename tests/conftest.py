@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from helpers import DISCREPANCIES
 from hypothesis import HealthCheck, settings
+
+import torch
+
+from helpers import DISCREPANCIES
 
 torch.set_num_threads(1)
 

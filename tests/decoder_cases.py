@@ -6,13 +6,14 @@ transposed on the way; GPT-2's ``Conv1D`` already stores (In, Out).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
+import torch
 from attnkit.models import DecoderConfig
 
 
 def tiny_config(family="llama", **overrides) -> DecoderConfig:
-    base = {"family": family, "vocab_size": 23, "hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 4,
+    base = {"family": family, "vocab_size": 23, "hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+            "head_dim": 4,
                 "intermediate_size": 24, "max_position_embeddings": 64, "rope_theta": 100.0, "norm_eps": 1e-6}
     if family == "gpt2":
         base.update(norm="layernorm", mlp="plain", activation="gelu_tanh", position="learned", attention_bias=True,
@@ -38,7 +39,8 @@ def hf_config(cfg: DecoderConfig):
     if cfg.rope_scaling is not None:
         params = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-                  "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                  "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+                  "head_dim": cfg.head_dim,
                   "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position_embeddings,
                   "rms_norm_eps": cfg.norm_eps, "hidden_act": HF_ACT[cfg.activation], "rope_parameters": params,
                   "tie_word_embeddings": cfg.tie_word_embeddings, "attention_dropout": 0.0}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
 import torch
 
 FD_EPS = 1e-6

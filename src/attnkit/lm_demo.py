@@ -120,8 +120,8 @@ def make_batch(rng: np.random.Generator, size: int, digits: int):
     b = rng.integers(0, 10 ** digits, size)
     da, db = _digits(a, digits), _digits(b, digits)  # (B, digits)
     answer = _digits(a + b, digits + 1)[:, ::-1]  # (B, digits + 1), least significant first
-    column = lambda v: np.full((size, 1), v)
-    text = np.concatenate([da, column(PLUS), db, column(EQUALS), answer, column(EOS)], axis=1)  # (B, L + 1)
+    plus, equals, eos = (np.full((size, 1), token) for token in (PLUS, EQUALS, EOS))  # (B, 1) each
+    text = np.concatenate([da, plus, db, equals, answer, eos], axis=1)  # (B, L + 1)
     ids, targets = text[:, :-1], text[:, 1:].copy()  # (B, L)
     targets[:, :2 * digits + 1] = _IGNORE  # no loss on predicting the operands
     return ids.astype(np.int64), targets.astype(np.int64), a, b
@@ -154,7 +154,8 @@ def _evaluate(model: CausalLM, config: AdditionConfig, rng: np.random.Generator)
 def train_addition(config: AdditionConfig = AdditionConfig(), progress=None) -> AdditionResult:
     """Train on fresh random pairs each step, then score greedy cached decoding on held-out pairs.
 
-    ``progress(step, loss)``, if given, is called after every step (steps count from 1). BLAS runs on one thread: the matrices are
+    ``progress(step, loss)``, if given, is called after every step (steps count from 1). BLAS runs on one
+    thread: the matrices are
     so small that waking a second thread costs more than it saves (and far more on a busy machine).
     """
     with blas_single_thread():
@@ -188,6 +189,6 @@ def _train(config: AdditionConfig, progress) -> AdditionResult:
 
 
 if __name__ == "__main__":  # a quick look without the CLI: python -m attnkit.lm_demo
-    result = train_addition(progress=lambda s, l: s % 100 or print(f"step {s:5d}  loss {l:.4f}", flush=True))
+    result = train_addition(progress=lambda step, loss: step % 100 or print(f"step {step:5d}  loss {loss:.4f}"))
     print(f"trained {len(result.losses)} steps in {result.seconds:.1f} s; held-out exact match {result.accuracy:.1%}")
     print("\n".join(result.examples))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
+import torch
 from attnkit.attention import Attention, MultiHeadAttention, ScaledDotProductAttention
 
 from helpers import assert_close_rel, make_rng, randn, to_numpy, to_torch, torch_masked_attention, torch_sdpa

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from decoder_cases import copy_attention, hf_config, tiny_config
-from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
+import torch
 from attnkit.attention.grouped_query import GroupedQueryAttention
 from attnkit.cache import KVCache
 from attnkit.layers.rotary import RotaryEmbedding
+from decoder_cases import copy_attention, hf_config, tiny_config
+
+from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
 CASES = {
     "gqa": {},

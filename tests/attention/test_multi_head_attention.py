@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
+import torch
 from attnkit.attention import MultiHeadAttention, ScaledDotProductAttention
 from attnkit.kernels.reference import causal_mask
 from attnkit.layers import TransformerEncoder

@@ -1,7 +1,7 @@
 """``attnkit bench``: runs from the package (no source tree needed), says where it ran, works without torch."""
 import json
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,5 +43,5 @@ def test_bench_does_not_read_the_source_tree():
     import attnkit.benchmarks.attention as bench_module
     import attnkit.cli.bench as command
 
-    source = Path(command.__file__).read_text(encoding="utf-8") + Path(bench_module.__file__).read_text(encoding="utf-8")
+    source = "".join(Path(m.__file__).read_text(encoding="utf-8") for m in (command, bench_module))
     assert "spec_from_file_location" not in source and "parents[" not in source

@@ -1,6 +1,5 @@
 """docs/names.md lists every alias attnkit accepts, and each alias resolves to its canonical name."""
 import pathlib
-import re
 
 import numpy as np
 import pytest

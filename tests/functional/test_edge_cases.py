@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
+import torch
 from attnkit.attention_core import (
     additive_attention,
     additive_attention_backward,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
+import torch
 from attnkit.simple import multi_head_attention, scaled_dot_product_attention
 
 from helpers import make_rng, randn

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
+import torch
 from attnkit.attention_core import scaled_dot_product_attention, scaled_dot_product_attention_backward
 from attnkit.multi_head import MultiHeadAttention, multi_head_attention_backward, multi_head_attention_forward
 from attnkit.transformer_block import TransformerEncoderBlock, layer_norm, layer_norm_backward

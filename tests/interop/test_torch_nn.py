@@ -6,8 +6,8 @@ real token, so torch receives their negation.
 """
 import numpy as np
 import pytest
-import torch
 
+import torch
 from attnkit.attention import MultiHeadAttention
 from attnkit.interop import torch_nn
 from attnkit.layers import Transformer, TransformerDecoder, TransformerDecoderBlock

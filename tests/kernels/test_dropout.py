@@ -10,6 +10,7 @@ import pytest
 
 from attnkit.attention import MultiHeadAttention, ScaledDotProductAttention
 from attnkit.layers import Dropout
+
 from helpers import assert_gradient, make_rng, randn
 
 

@@ -10,11 +10,12 @@ import functools
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
+import torch
 from attnkit import kernels
 from attnkit.kernels import reference, tiled
+
 from helpers import assert_gradient, numerical_gradient
 
 

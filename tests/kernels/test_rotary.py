@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_gradient, make_rng, numerical_gradient, randn
 
 from attnkit.kernels.rotary import (
     rotary_apply,
@@ -11,6 +10,8 @@ from attnkit.kernels.rotary import (
     rotary_cos_sin,
     rotary_frequencies,
 )
+
+from helpers import assert_gradient, make_rng, numerical_gradient, randn
 
 B, H, L = 2, 3, 5
 

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from decoder_cases import tiny_config
-from helpers import assert_gradient, make_rng, randn
 
 from attnkit.layers.gated_mlp import GatedMLP
 from attnkit.layers.layer_norm import LayerNorm
 from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
 from attnkit.layers.rotary import RotaryEmbedding
+from decoder_cases import tiny_config
+
+from helpers import assert_gradient, make_rng, randn
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from decoder_cases import HF_ACT, copy_gated_mlp, hf_config, tiny_config
-from helpers import assert_close_rel, assert_gradient, make_rng, randn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+import torch
 from attnkit.layers.gated_mlp import GatedMLP
 from attnkit.layers.rms_norm import RMSNorm
+from decoder_cases import HF_ACT, copy_gated_mlp, hf_config, tiny_config
+
+from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
 
 def test_rms_norm_gradients_by_finite_differences():

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from helpers import make_rng, randn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
 
+import torch
 from attnkit.kernels.rotary import rotary_apply, rotary_frequencies
 from attnkit.layers.rotary import RotaryEmbedding
 from attnkit.models import DecoderConfig
+
+from helpers import make_rng, randn
 
 THETA, MAX_POS, HEAD_DIM = 500.0, 64, 16
 SCALINGS = {

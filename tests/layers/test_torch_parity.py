@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
+import torch
 from attnkit.layers import Embedding, FeedForward, LayerNorm, Projection, TransformerEncoder
 from attnkit.losses import softmax_cross_entropy
 

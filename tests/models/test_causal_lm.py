@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from decoder_cases import hf_model, tiny_config, without_float32_internals
-from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
+import torch
 from attnkit.models import CausalLM
 from attnkit.models.causal_lm import positions_from_mask
+from decoder_cases import hf_model, tiny_config, without_float32_internals
+
+from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
 FAMILY_CASES = {
     "llama_gqa": {},

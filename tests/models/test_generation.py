@@ -8,8 +8,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from attnkit.generation import (generate, generate_stream, min_p_filter, sample_tokens, temperature_warp,
-                                top_k_filter, top_p_filter, warp_logits)
+from attnkit.generation import (
+    generate,
+    generate_stream,
+    min_p_filter,
+    sample_tokens,
+    temperature_warp,
+    top_k_filter,
+    top_p_filter,
+    warp_logits,
+)
 
 torch = pytest.importorskip("torch")
 logits_process = pytest.importorskip("transformers.generation.logits_process")

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import make_rng, randn
 
 from attnkit.cache import KVCache
+
+from helpers import make_rng, randn
 
 B, H, DH = 2, 3, 4
 

@@ -10,8 +10,8 @@ import copy
 
 import numpy as np
 import pytest
-import torch
 
+import torch
 from attnkit.layers import LayerNorm, Projection, TransformerEncoder
 from attnkit.optim import SGD, Adam, AdamW, clip_grad_norm
 

@@ -10,11 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-from hf_models import (EOS, FAMILY_MODELS, hf_greedy, hf_logits, left_padded_batch,  # noqa: E402
-                       saved_model)
-
 from attnkit.generation import generate  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
+from hf_models import EOS, FAMILY_MODELS, hf_greedy, hf_logits, left_padded_batch, saved_model  # noqa: E402
 
 LOGIT_TOL = 2e-5  # max |ours - HF| / max |HF| over the real positions, float32
 NEAR_TIE = 1e-4  # relative gap of the two best logits under which float32 rounding may pick either

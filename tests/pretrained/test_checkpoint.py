@@ -11,8 +11,14 @@ import pytest
 
 from attnkit.pretrained import load_causal_lm
 from attnkit.pretrained.causal_lm import read_decoder_config
-from attnkit.pretrained.checkpoint import (INDEX_FILE, SINGLE_FILE, checkpoint_map, load_tensors_into,
-                                           read_checkpoint_index, validate_checkpoint)
+from attnkit.pretrained.checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    checkpoint_map,
+    load_tensors_into,
+    read_checkpoint_index,
+    validate_checkpoint,
+)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -11,6 +11,7 @@ from attnkit.pretrained.hf_config import decoder_config_from_hf
 transformers = pytest.importorskip("transformers")
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4)
+QWEN2 = {"model_type": "qwen2", **SMALL, "num_key_value_heads": 2}
 
 
 def saved(config) -> dict:
@@ -109,7 +110,8 @@ def test_qwen2_sliding_layers_follow_hf_rule(use, max_window_layers, expected):
 
 def test_qwen2_explicit_layer_types_win_over_max_window_layers():
     types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
-    cfg = decoder_config_from_hf({"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 3,
+    cfg = decoder_config_from_hf({"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "use_sliding_window": True,
+                                  "sliding_window": 3,
                                   "max_window_layers": 1, "layer_types": types})
     assert cfg.layer_types == tuple(types) and cfg.window_of(0) == 3 and cfg.window_of(1) is None
 
@@ -136,10 +138,10 @@ def test_qwen2_explicit_layer_types_win_over_max_window_layers():
      ["per-layer-type"]),
     ({"model_type": "llama", **SMALL, "hidden_size": 30}, ["hidden_size (30)", "num_attention_heads"]),
     ({"model_type": "mistral", **SMALL, "num_key_value_heads": 2, "sliding_window": 0}, ["'sliding_window'"]),
-    ({"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "use_sliding_window": True, "max_window_layers": -1}, ["'max_window_layers'"]),
-    ({"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "layer_types": ["sliding_attention"] * 4}, ["no window", "use_sliding_window"]),
-    ({"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "layer_types": ["full_attention"] * 3}, ["3 entries", "4"]),
-    ({"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "use_sliding_window": True, "layer_types": ["chunked"] * 4}, ["chunked"]),
+    ({**QWEN2, "use_sliding_window": True, "max_window_layers": -1}, ["'max_window_layers'"]),
+    ({**QWEN2, "layer_types": ["sliding_attention"] * 4}, ["no window", "use_sliding_window"]),
+    ({**QWEN2, "layer_types": ["full_attention"] * 3}, ["3 entries", "4"]),
+    ({**QWEN2, "use_sliding_window": True, "layer_types": ["chunked"] * 4}, ["chunked"]),
     ({"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1, "n_head": 3}, ["n_embd (8)", "n_head (3)"]),
     ({"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1, "n_head": 2,
       "scale_attn_by_inverse_layer_idx": True}, ["scale_attn_by_inverse_layer_idx"]),

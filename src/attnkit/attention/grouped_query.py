@@ -15,10 +15,10 @@ import numpy as np
 
 from .._validation import as_bool_mask
 from ..core.module import Module
+from ..init import as_generator
 from ..kernels import attention_backward, attention_forward
 from ..kernels import rotary as _rotary
 from ..kernels.linear import linear, linear_backward
-from ..init import as_generator
 from ..layers._common import check_features, check_grad_output
 
 __all__ = ["GroupedQueryAttention"]
@@ -64,7 +64,8 @@ class GroupedQueryAttention(Module):
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
-        if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not 0 <= layer_index < config.num_layers:
+        if (isinstance(layer_index, bool) or not isinstance(layer_index, int)
+                or not 0 <= layer_index < config.num_layers):
             raise ValueError(f"layer_index must be an integer in [0, {config.num_layers}), got {layer_index!r}")
         self.layer_index = layer_index
         self.hidden_size, self.head_dim = config.hidden_size, config.head_dim

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import ModuleType
-from typing import Any, ContextManager
+from typing import Any
 
 from ..io import atomic_write
 
@@ -26,7 +26,7 @@ def torch_missing_line(what: str) -> str:
     return f"# torch is not installed: {what} (pip install torch to compare)"
 
 
-def blas_limit(threads: int) -> ContextManager[Any]:
+def blas_limit(threads: int) -> AbstractContextManager[Any]:
     """NumPy's BLAS limited to ``threads`` threads (a no-op without threadpoolctl)."""
     try:
         from threadpoolctl import threadpool_limits

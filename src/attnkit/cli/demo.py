@@ -260,7 +260,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     tasks_help = "; ".join(f"{name}: {task.help}" for name, task in DEMO_TASKS.items())
     p.add_argument("--task", choices=tuple(DEMO_TASKS), default=d.task, help=f"{tasks_help} (default {d.task})")
     p.add_argument("--steps", type=bounded_int(1, MAX_STEPS), default=None,
-                   help=f"training steps (default {d.steps}; dates: {DatesConfig().steps}; addition: {AdditionConfig().steps})")
+                   help=f"training steps (default {d.steps}; dates: {DatesConfig().steps}; "
+                        f"addition: {AdditionConfig().steps})")
     p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=d.seed,
                    help=f"seed of the data and the initial weights (default {d.seed})")
     p.add_argument("--out", default="attnkit-demo", help="output folder (default attnkit-demo)")

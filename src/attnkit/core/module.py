@@ -69,7 +69,7 @@ class Module:
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     # -- traversal -----------------------------------------------------------------------------------
-    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
         """Yield ``(dotted name, module)`` for this module and every descendant, depth first."""
         yield prefix, self
         for name, child in self._modules.items():
@@ -101,17 +101,17 @@ class Module:
         for _, g in self.named_gradients():
             g.fill(0)
 
-    def train(self, mode: bool = True) -> "Module":
+    def train(self, mode: bool = True) -> Module:
         """Set training mode (dropout on) for this module and its children; returns self."""
         for _, mod in self.named_modules():
             object.__setattr__(mod, "training", bool(mode))
         return self
 
-    def eval(self) -> "Module":
+    def eval(self) -> Module:
         """Set evaluation mode (dropout off); returns self."""
         return self.train(False)
 
-    def astype(self, dtype: Any) -> "Module":
+    def astype(self, dtype: Any) -> Module:
         """Convert every parameter and gradient to ``dtype`` (e.g. ``np.float32``) in place; returns self."""
         dtype = np.dtype(dtype)
         if dtype.kind != "f":

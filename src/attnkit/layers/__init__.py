@@ -13,8 +13,8 @@
 Every layer's ``forward`` caches what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
 """
-from .dropout import Dropout
 from .decoder import TransformerDecoder, TransformerDecoderBlock
+from .dropout import Dropout
 from .embedding import Embedding
 from .encoder import TransformerEncoder
 from .encoder_block import TransformerEncoderBlock

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from ..core.module import Module
+from ..init import as_generator
 from ..kernels import gated_mlp as _gated
 from ..kernels.activations import ACTIVATIONS
-from ..init import as_generator
 from ._common import check_features, check_grad_output
 
 __all__ = ["GatedMLP"]

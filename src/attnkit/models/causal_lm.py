@@ -159,7 +159,8 @@ class CausalLM(Module):
             if positions.shape != (b, length) or positions.dtype.kind not in "iu" or (positions < 0).any():
                 raise ValueError(f"position_ids must be non-negative integers of shape ({b}, {length}), got "
                                  f"shape {positions.shape} and dtype {positions.dtype}")
-        if self.config.position == "learned" and positions.size and positions.max() >= self.config.max_position_embeddings:
+        too_far = positions.size and positions.max() >= self.config.max_position_embeddings
+        if self.config.position == "learned" and too_far:
             raise ValueError(f"position {int(positions.max())} is past the model's max_position_embeddings = "
                              f"{self.config.max_position_embeddings}")
         return ids, mask, positions

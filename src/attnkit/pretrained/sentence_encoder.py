@@ -279,7 +279,8 @@ class SentenceEncoder:
         if not isinstance(sentence, str):
             raise TypeError(f"sentence must be a string, got {type(sentence).__name__}")
         h = self.num_heads
-        if head is not None and (isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < h):
+        if head is not None and (isinstance(head, bool) or not isinstance(head, (int, np.integer))
+                                 or not 0 <= head < h):
             raise ValueError(f"head must be an integer in [0, {h}) or None, got {head!r}")
         batch = self.tokenize([sentence])
         weights = self.model.attention_weights(batch.input_ids, layer, batch.attention_mask,

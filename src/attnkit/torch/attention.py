@@ -74,7 +74,8 @@ class MultiHeadAttention(TwinModule):
     Shapes
     ------
     query (B, Lq, E), key (B, Lk, Ek), value (B, Lk, Ev) -> ``(output (B, Lq, E), None)``: the fused kernels
-    return no weights (``need_weights=True`` is refused). ``attn_mask`` bool (Lq, Lk), (Lk,) or 4-D, ``True`` = may attend;
+    return no weights (``need_weights=True`` is refused). ``attn_mask`` bool (Lq, Lk), (Lk,) or 4-D,
+    ``True`` = may attend;
     ``key_padding_mask`` bool (B, Lk), ``True`` = real token (padded keys/values are zeroed before projecting,
     so NaN padding never spreads).
 
