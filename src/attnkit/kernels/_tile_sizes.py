@@ -73,8 +73,8 @@ def choose_tiles(n_heads: int, head_dim: int = 64, value_dim: int | None = None,
     """
     value_dim = head_dim if value_dim is None else value_dim
     l2 = l2_bytes(sysfs_root) if l2 is None else l2
-    best = min(((_cost(tq, tk, n_heads, head_dim, value_dim, itemsize, l2), abs(tq - tk), -tk, tq, tk)
-                for tq in _CANDIDATES for tk in _CANDIDATES))
+    best = min((_cost(tq, tk, n_heads, head_dim, value_dim, itemsize, l2), abs(tq - tk), -tk, tq, tk)
+               for tq in _CANDIDATES for tk in _CANDIDATES)
     return best[3], best[4]
 
 
