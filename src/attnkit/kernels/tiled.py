@@ -630,6 +630,8 @@ def _augment_backward(grad_out: np.ndarray, ctx: FlashContext, dtype: np.dtype, 
 def _lanes(n_blocks: int, workers: int) -> list[list[int]]:
     """Key blocks dealt to ``workers`` lanes in snake order (0..W-1, W-1..0, ...).
 
+    (``workers`` here is the number of lanes, a function of the thread count only.)
+
     A lane's key blocks run in order in one task and accumulate dQ into the lane's own buffer; the
     buffers are summed in lane order, so the result does not depend on thread scheduling. The snake
     balances causal work, where early key blocks meet the most queries.
@@ -688,10 +690,13 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
                    ctx.blocks[1] or auto_k, ctx.window)
     run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None,
                 dropout_p=ctx.dropout_p, seed=ctx.dropout_seed, drop_lead=ctx.drop_lead)
-    lanes = _lanes(len(tiles.k_blocks), max(1, min(ctx.num_threads, len(tiles.k_blocks))))
+    # two lanes per thread: tasks still balance when a core is busy elsewhere; the count depends on
+    # num_threads only, never on scheduling, so the reduction order is fixed
+    n_lanes = 1 if ctx.num_threads == 1 else min(2 * ctx.num_threads, len(tiles.k_blocks))
+    lanes = _lanes(len(tiles.k_blocks), max(1, n_lanes))
     data = _backward_data(grad_out, ctx, run, len(lanes))
     if math.prod(lead) and seq_q and seq_k:
-        scratch = [_Scratch(dtype) for _ in range(len(lanes))]
+        scratch = [_Scratch(dtype) for _ in range(ctx.num_threads)]
         step = functools.partial(_backward_lane, run=run, data=data, lanes=lanes, scratch=scratch)
         run_tasks(list(range(len(lanes))), step, ctx.num_threads)
     dq = data.dq_lanes[0]
@@ -727,7 +732,7 @@ def _backward_lane(lane: int, worker: int, run: _Pass, data: _BackwardData, lane
             q0, q1 = tiles.q_blocks[qb]
             skip, blocked = tiles.blocked(q0, q1, k0, k1)
             if not skip:
-                _backward_tile(run, data, lane, (q0, q1, k0, k1), blocked, scratch[lane])
+                _backward_tile(run, data, lane, (q0, q1, k0, k1), blocked, scratch[worker])
 
 
 def _probabilities(run: _Pass, data: _BackwardData, box, blocked, scratch: _Scratch) -> np.ndarray:
