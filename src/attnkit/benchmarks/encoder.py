@@ -144,10 +144,11 @@ def torch_grads_as_attnkit(theirs, layers: int) -> dict[str, np.ndarray]:
             out[f"layers.{i}.attention.b_{name}"] = b[j * e:(j + 1) * e]
         out[f"layers.{i}.attention.W_O"] = tl.self_attn.out_proj.weight.grad.numpy().T
         out[f"layers.{i}.attention.b_O"] = tl.self_attn.out_proj.bias.grad.numpy()
-        out[f"layers.{i}.ffn.W1"], out[f"layers.{i}.ffn.b1"] = tl.linear1.weight.grad.numpy().T, tl.linear1.bias.grad.numpy()
-        out[f"layers.{i}.ffn.W2"], out[f"layers.{i}.ffn.b2"] = tl.linear2.weight.grad.numpy().T, tl.linear2.bias.grad.numpy()
-        out[f"layers.{i}.norm1.gamma"], out[f"layers.{i}.norm1.beta"] = tl.norm1.weight.grad.numpy(), tl.norm1.bias.grad.numpy()
-        out[f"layers.{i}.norm2.gamma"], out[f"layers.{i}.norm2.beta"] = tl.norm2.weight.grad.numpy(), tl.norm2.bias.grad.numpy()
+        ffn, norm1, norm2 = f"layers.{i}.ffn", f"layers.{i}.norm1", f"layers.{i}.norm2"  # the block's sublayers
+        out[f"{ffn}.W1"], out[f"{ffn}.b1"] = tl.linear1.weight.grad.numpy().T, tl.linear1.bias.grad.numpy()
+        out[f"{ffn}.W2"], out[f"{ffn}.b2"] = tl.linear2.weight.grad.numpy().T, tl.linear2.bias.grad.numpy()
+        out[f"{norm1}.gamma"], out[f"{norm1}.beta"] = tl.norm1.weight.grad.numpy(), tl.norm1.bias.grad.numpy()
+        out[f"{norm2}.gamma"], out[f"{norm2}.beta"] = tl.norm2.weight.grad.numpy(), tl.norm2.bias.grad.numpy()
     out["norm.gamma"], out["norm.beta"] = theirs.norm.weight.grad.numpy(), theirs.norm.bias.grad.numpy()
     return out
 

@@ -3,10 +3,9 @@
 Every benchmark prints :func:`describe` at the top of its output and stores :func:`machine_info` in its
 JSON report, so a table can always be traced to the machine that produced it.
 
-Cache sizes come from Linux sysfs (``/sys/devices/system/cpu/cpu0/cache/index*/``: level, type, size and
-which CPUs share the cache), else from ``os.sysconf`` (``SC_LEVEL2_CACHE_SIZE``, glibc), else they are
-reported as unknown. The BLAS library and the kernel OpenBLAS chose (``architecture``) come from
-threadpoolctl's ``threadpool_info()`` (the ``fast`` extra); without it the report says so.
+Cache sizes come from :mod:`attnkit._cpu` (Linux sysfs, else ``os.sysconf``, else unknown), the same
+reader the tiled kernel sizes its tiles from. The BLAS library and the kernel OpenBLAS chose
+(``architecture``) come from threadpoolctl's ``threadpool_info()`` (the ``fast`` extra); without it the report says so.
 """
 from __future__ import annotations
 
@@ -14,94 +13,16 @@ import datetime
 import os
 import platform
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .._cpu import cache_sizes, cpu_model, usable_cores
 
 __all__ = ["machine_info", "describe", "cpu_model", "cache_sizes", "blas_info", "usable_cores",
            "OPENBLAS_OVERRIDES"]
 
 OPENBLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")  # make a current OpenBLAS pick slower kernels
-_SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name (``/proc/cpuinfo``), else ``platform.processor()``, else the architecture."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("model name", "Model", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _size_bytes(text: str) -> int | None:
-    text = text.strip().upper()
-    scale = _UNITS.get(text[-1:], 1)
-    digits = text[:-1] if text[-1:] in _UNITS else text
-    return int(digits) * scale if digits.isdigit() else None
-
-
-def _sysfs_caches(root: Path) -> dict[str, dict[str, Any]]:
-    caches = {}
-    for index in sorted(root.glob("index*")):
-        try:
-            level = (index / "level").read_text().strip()
-            kind = (index / "type").read_text().strip()
-            size = _size_bytes((index / "size").read_text())
-            shared = (index / "shared_cpu_list").read_text().strip()
-        except OSError:
-            continue
-        if kind == "Instruction" or size is None:
-            continue
-        name = f"L{level}" + ("d" if kind == "Data" else "")
-        caches[name] = {"bytes": size, "shared_cpu_list": shared}
-    return caches
-
-
-def _sysconf_caches() -> dict[str, dict[str, Any]]:
-    caches = {}
-    for name, key in (("L1d", "SC_LEVEL1_DCACHE_SIZE"), ("L2", "SC_LEVEL2_CACHE_SIZE"), ("L3", "SC_LEVEL3_CACHE_SIZE")):
-        try:
-            size = os.sysconf(key)
-        except (ValueError, OSError, AttributeError):
-            continue
-        if size and size > 0:
-            caches[name] = {"bytes": int(size), "shared_cpu_list": None}
-    return caches
-
-
-def cache_sizes(sysfs_root: Path = _SYSFS_CACHE) -> dict[str, Any]:
-    """Data and unified cache sizes of CPU 0: ``{"L1d": {...}, "L2": {...}, "L3": {...}, "source": ...}``.
-
-    Each cache is ``{"bytes": int, "shared_cpu_list": str or None}``; ``source`` is ``"sysfs"``,
-    ``"sysconf"`` or ``"unknown"`` (then no cache entries).
-
-    Examples
-    --------
-    >>> info = cache_sizes()
-    >>> info["source"] in ("sysfs", "sysconf", "unknown")
-    True
-    """
-    caches = _sysfs_caches(sysfs_root) if sysfs_root.is_dir() else {}
-    source = "sysfs"
-    if not caches:
-        caches, source = _sysconf_caches(), "sysconf"
-    if not caches:
-        source = "unknown"
-    return {**caches, "source": source}
 
 
 def blas_info() -> list[dict[str, Any]] | str:

@@ -121,7 +121,9 @@ def run_tasks(tasks: Sequence[Any], work: Callable[[Any, int], None], num_thread
     worker has a stable ``worker_id`` in ``range(workers)``, so it may own scratch buffers and private
     accumulators without locks. The calling thread is worker 0. With one thread, or one task, or when
     called from inside a worker (no nested pools: that could deadlock), everything runs in the calling
-    thread and the BLAS thread count is left alone.
+    thread. BLAS runs one thread per worker in every case, the single-worker one included: tile-sized
+    products are too small to split, and a multi-threaded BLAS spinning next to a busy core made one
+    tile thread 18x slower (measured, ``docs/benchmarks.md``). Nested calls leave the limit to their caller.
 
     If any worker fails or the calling thread is interrupted (``KeyboardInterrupt``), the others stop at
     their next :func:`check_stop`, and the first error is raised once all of them have returned.
@@ -132,9 +134,14 @@ def run_tasks(tasks: Sequence[Any], work: Callable[[Any, int], None], num_thread
         The number of workers used (``worker_id`` ranged over ``range(workers)``).
     """
     workers = min(int(num_threads), len(tasks))
-    if workers <= 1 or getattr(_in_worker, "active", False):
+    if getattr(_in_worker, "active", False):
         for task in tasks:
             work(task, 0)
+        return 1
+    if workers <= 1:
+        with blas_single_thread():
+            for task in tasks:
+                work(task, 0)
         return 1
     counter = itertools.count()  # next() on a count is atomic under the GIL
     stop = threading.Event()

@@ -26,12 +26,15 @@ def layer_norm_forward(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: 
     both in :func:`statistics_dtype` of ``x``.
     """
     xs = x.astype(statistics_dtype(x.dtype), copy=False)  # (..., D)
-    mean = xs.mean(axis=-1, keepdims=True)  # (..., 1)
-    centred = xs - mean  # (..., D)
-    var = np.mean(centred * centred, axis=-1, keepdims=True)  # (..., 1)
-    rstd = 1.0 / np.sqrt(var + eps)  # (..., 1)
-    x_hat = centred * rstd  # (..., D)
-    y = x_hat * gamma.astype(xs.dtype, copy=False) + beta.astype(xs.dtype, copy=False)  # (..., D)
+    d = xs.shape[-1]
+    # every pass after the first writes into the one fresh array it owns (no temporaries of shape (..., D))
+    centred = np.subtract(xs, xs.mean(axis=-1, keepdims=True))  # (..., D)
+    var = np.einsum("...d,...d->...", centred, centred)[..., None] / centred.dtype.type(d)  # (..., 1)
+    rstd = np.sqrt(np.add(var, centred.dtype.type(eps), out=var), out=var)  # (..., 1)
+    np.divide(1.0, rstd, out=rstd)
+    x_hat = np.multiply(centred, rstd, out=centred)  # (..., D)
+    y = np.multiply(x_hat, gamma.astype(xs.dtype, copy=False))  # (..., D)
+    np.add(y, beta.astype(xs.dtype, copy=False), out=y)
     return y.astype(x.dtype, copy=False), x_hat, rstd
 
 
@@ -47,7 +50,10 @@ def layer_norm_backward(grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray,
     flat_g = g.reshape(-1, d)  # (N, D)
     grad_gamma = np.einsum("nd,nd->d", flat_g, x_hat.reshape(-1, d))  # (D,)
     grad_beta = flat_g.sum(axis=0)  # (D,)
-    g_hat = g * gamma.astype(g.dtype, copy=False)  # (..., D)
-    grad_x = rstd * (g_hat - g_hat.mean(axis=-1, keepdims=True)
-                     - x_hat * np.mean(g_hat * x_hat, axis=-1, keepdims=True))  # (..., D)
+    g_hat = np.multiply(g, gamma.astype(g.dtype, copy=False))  # (..., D)
+    mean_g = g_hat.mean(axis=-1, keepdims=True)  # (..., 1)
+    mean_gx = np.einsum("...d,...d->...", g_hat, x_hat)[..., None] / g.dtype.type(d)  # (..., 1)
+    grad_x = np.subtract(g_hat, mean_g, out=g_hat)  # (..., D) in place: g_hat is not read again
+    grad_x -= x_hat * mean_gx
+    grad_x *= rstd
     return grad_x.astype(grad_y.dtype, copy=False), grad_gamma, grad_beta

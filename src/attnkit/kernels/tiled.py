@@ -28,6 +28,7 @@ import numpy as np
 
 from .._validation import unbroadcast
 from ._threads import check_stop, default_num_threads, run_tasks
+from ._tile_sizes import choose_tiles, tile_override
 from .bias import ScoreBias
 from .dropout import keep_mask
 
@@ -36,27 +37,33 @@ __all__ = ["FlashContext", "flash_attention_forward", "flash_attention_backward"
 _LAZY_SHIFT = 16.0  # exp(s - m) may reach e^16 before the shift m is moved (float32-safe)
 
 
-def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1,
-                   split: str = "q") -> tuple[int, int]:
+def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1, split: str = "q", *,
+                   head_dim: int = 64, value_dim: int | None = None, itemsize: int = 4,
+                   l2: int | None = None) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` for ``n_heads`` folded heads (why these sizes: ``docs/kernels.md``).
 
-    ``split`` names the axis the tasks run over ("q" in the forward, "k" in the backward); that block
-    is halved (down to 64) until every thread has at least two tasks.
+    The tile comes from the per-core L2 (``l2`` bytes, default read from the machine) through the cost
+    model of :func:`attnkit.kernels._tile_sizes.choose_tiles`, unless ``ATTNKIT_TILE_Q`` /
+    ``ATTNKIT_TILE_K`` set a length. ``split`` names the axis the tasks run over ("q" in the forward, "k"
+    in the backward); unless set by the environment, that block is halved (down to 64) until every thread
+    has at least two tasks.
 
-    >>> default_blocks(8, 4096, 4096)
+    >>> default_blocks(8, 4096, 4096, l2=512 << 10)
     (256, 256)
-    >>> default_blocks(8, 512, 512, num_threads=2)
+    >>> default_blocks(8, 512, 512, num_threads=2, l2=512 << 10)
     (128, 256)
-    >>> default_blocks(1, 32768, 32768)
-    (512, 512)
+    >>> default_blocks(1, 32768, 32768, l2=1 << 20)
+    (256, 512)
     """
-    block_q = block_k = 256 if n_heads >= 4 else 512
-    if split == "q":
+    env_q, env_k = tile_override()
+    block_q, block_k = choose_tiles(n_heads, head_dim, value_dim, itemsize, l2)
+    if split == "q" and env_q is None:
         while block_q > 64 and -(-seq_q // block_q) < 2 * num_threads:
             block_q //= 2
-    else:
+    elif split != "q" and env_k is None:
         while block_k > 64 and -(-seq_k // block_k) < 2 * num_threads:
             block_k //= 2
+    block_q, block_k = env_q or block_q, env_k or block_k
     return max(1, min(block_q, seq_q)), max(1, min(block_k, seq_k))
 
 
@@ -389,7 +396,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
         Sliding window (requires ``causal``): query i at position ``i' = i + Lk - Lq`` attends key j iff
         ``i' - window < j <= i'``; tiles wholly outside the window are skipped.
     block_q, block_k : int, optional
-        Tile lengths; default from :func:`default_blocks`.
+        Tile lengths; default from :func:`default_blocks` (the machine's L2, or the environment variables
+        ``ATTNKIT_TILE_Q`` / ``ATTNKIT_TILE_K``).
     num_threads : int, optional
         Tile threads; default: the cores this process may run on (CPU affinity). With more than one,
         BLAS runs single-threaded.
@@ -419,7 +427,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *extra)
     drop_lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], *extra)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, num_threads, "q")
+    auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, num_threads, "q", head_dim=d, value_dim=dv,
+                                    itemsize=dtype.itemsize)
     fixed_blocks = (_positive(block_q, "block_q"), _positive(block_k, "block_k"))
     tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, fixed_blocks[0] or auto_q,
                    fixed_blocks[1] or auto_k, window)
@@ -675,7 +684,8 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     seq_k, dtype = ctx.k_aug.shape[-2], ctx.out.dtype
     grad_out = np.asarray(grad_out)
     _check_grad(grad_out, lead + (seq_q, dv))
-    auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, ctx.num_threads, "k")  # tasks: key blocks
+    auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, ctx.num_threads, "k",  # tasks: key blocks
+                                    head_dim=ctx.q.shape[-1], value_dim=dv, itemsize=dtype.itemsize)
     tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, ctx.blocks[0] or auto_q,
                    ctx.blocks[1] or auto_k, ctx.window)
     run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None,
