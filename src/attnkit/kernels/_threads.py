@@ -17,9 +17,10 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["default_num_threads", "blas_single_thread", "run_tasks", "check_stop", "TasksStopped"]
 

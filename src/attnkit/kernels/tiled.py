@@ -187,7 +187,7 @@ def _at_least_2d_right(x: np.ndarray) -> np.ndarray:
     return x.reshape((1,) * (2 - x.ndim) + x.shape) if x.ndim < 2 else x
 
 
-def _live_keys(mask: np.ndarray | None, tiles: "_Tiles"):
+def _live_keys(mask: np.ndarray | None, tiles: _Tiles):
     """Keys at least one query may attend to, shape (..., Lk); None when all are live.
 
     Computed block by block over the queries when a full mask is combined with causal masking, so
