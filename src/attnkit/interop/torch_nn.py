@@ -203,31 +203,43 @@ def encoder_block_state_dict(block: Any) -> dict[str, Any]:
     return state
 
 
+def _stack_from_torch(stack: Any, class_name: str, stack_class: Any, block_kwargs: Any, copy_block: Any):
+    """An attnkit stack of ``stack_class`` with the weights of a ``torch.nn.<class_name>`` (encoder or decoder):
+    the blocks' configuration from ``block_kwargs(layer)`` (every layer alike), weights by ``copy_block``."""
+    _check_type(stack, class_name)
+    kwargs = block_kwargs(stack.layers[0])
+    d_model, num_heads, d_ff = kwargs.pop("d_model"), kwargs.pop("num_heads"), kwargs.pop("d_ff")
+    ours = stack_class(len(stack.layers), d_model, num_heads, d_ff, final_norm=stack.norm is not None,
+                       **kwargs, rng=0).astype(_dtype(stack.layers[0]))
+    for block, layer in zip(ours.layers, stack.layers, strict=True):
+        if block_kwargs(layer) != block_kwargs(stack.layers[0]):
+            raise ValueError(f"torch.nn.{class_name} layers of different configurations are not supported")
+        copy_block(block, layer)
+    if stack.norm is not None:
+        _copy_norm(ours.norm, stack.norm)
+    return ours
+
+
+def _stack_state_dict(stack: Any, block_state_dict: Any) -> dict[str, Any]:
+    """A stack's weights as the state dict of its ``torch.nn`` counterpart (blocks, then the final norm)."""
+    state: dict[str, Any] = {}
+    for i, block in enumerate(stack.layers):
+        state.update(_prefixed(f"layers.{i}.", block_state_dict(block)))
+    if stack.norm is not None:
+        state.update(_tensors(_norm_state("norm", stack.norm)))
+    return state
+
+
 def encoder_from_torch(encoder: Any):
     """An attnkit ``TransformerEncoder`` with the weights of a ``torch.nn.TransformerEncoder``."""
     from ..layers.encoder import TransformerEncoder
-    _check_type(encoder, "TransformerEncoder")
-    kwargs = _encoder_block_kwargs(encoder.layers[0])
-    d_model, num_heads, d_ff = kwargs.pop("d_model"), kwargs.pop("num_heads"), kwargs.pop("d_ff")
-    ours = TransformerEncoder(len(encoder.layers), d_model, num_heads, d_ff, final_norm=encoder.norm is not None,
-                              **kwargs, rng=0).astype(_dtype(encoder.layers[0]))
-    for block, layer in zip(ours.layers, encoder.layers, strict=True):
-        if _encoder_block_kwargs(layer) != _encoder_block_kwargs(encoder.layers[0]):
-            raise ValueError("torch.nn.TransformerEncoder layers of different configurations are not supported")
-        _copy_encoder_block(block, layer)
-    if encoder.norm is not None:
-        _copy_norm(ours.norm, encoder.norm)
-    return ours
+    return _stack_from_torch(encoder, "TransformerEncoder", TransformerEncoder, _encoder_block_kwargs,
+                             _copy_encoder_block)
 
 
 def encoder_state_dict(encoder: Any) -> dict[str, Any]:
     """An encoder's weights as a ``torch.nn.TransformerEncoder`` state dict."""
-    state: dict[str, Any] = {}
-    for i, block in enumerate(encoder.layers):
-        state.update(_prefixed(f"layers.{i}.", encoder_block_state_dict(block)))
-    if encoder.norm is not None:
-        state.update(_tensors(_norm_state("norm", encoder.norm)))
-    return state
+    return _stack_state_dict(encoder, encoder_block_state_dict)
 
 
 # -- decoder ---------------------------------------------------------------------------------------------
@@ -270,28 +282,13 @@ def decoder_block_state_dict(block: Any) -> dict[str, Any]:
 def decoder_from_torch(decoder: Any):
     """An attnkit ``TransformerDecoder`` with the weights of a ``torch.nn.TransformerDecoder``."""
     from ..layers.decoder import TransformerDecoder
-    _check_type(decoder, "TransformerDecoder")
-    kwargs = _decoder_block_kwargs(decoder.layers[0])
-    d_model, num_heads, d_ff = kwargs.pop("d_model"), kwargs.pop("num_heads"), kwargs.pop("d_ff")
-    ours = TransformerDecoder(len(decoder.layers), d_model, num_heads, d_ff, final_norm=decoder.norm is not None,
-                              **kwargs, rng=0).astype(_dtype(decoder.layers[0]))
-    for block, layer in zip(ours.layers, decoder.layers, strict=True):
-        if _decoder_block_kwargs(layer) != _decoder_block_kwargs(decoder.layers[0]):
-            raise ValueError("torch.nn.TransformerDecoder layers of different configurations are not supported")
-        _copy_decoder_block(block, layer)
-    if decoder.norm is not None:
-        _copy_norm(ours.norm, decoder.norm)
-    return ours
+    return _stack_from_torch(decoder, "TransformerDecoder", TransformerDecoder, _decoder_block_kwargs,
+                             _copy_decoder_block)
 
 
 def decoder_state_dict(decoder: Any) -> dict[str, Any]:
     """A decoder's weights as a ``torch.nn.TransformerDecoder`` state dict."""
-    state: dict[str, Any] = {}
-    for i, block in enumerate(decoder.layers):
-        state.update(_prefixed(f"layers.{i}.", decoder_block_state_dict(block)))
-    if decoder.norm is not None:
-        state.update(_tensors(_norm_state("norm", decoder.norm)))
-    return state
+    return _stack_state_dict(decoder, decoder_block_state_dict)
 
 
 # -- encoder-decoder ---------------------------------------------------------------------------------------
