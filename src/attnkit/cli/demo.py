@@ -79,6 +79,15 @@ class _Progress:
             self.bar.close()
 
 
+def _with_progress(args: argparse.Namespace, steps: int, train: Callable[[_Progress], Any]) -> Any:
+    """``train(progress)`` under a progress bar labelled with the task, closed however training ends."""
+    progress = _Progress(steps, f"training ({args.task})", plain=args.no_progress)
+    try:
+        return train(progress)
+    finally:
+        progress.close()
+
+
 def query_labels(ids: Sequence[int], outputs: Sequence[int], tokens: Sequence[str]) -> list[str]:
     """Row labels ``"input -> output"``: what each position reads and what the model writes there."""
     return [f"{tokens[i]}\u2192{tokens[o]}" for i, o in zip(ids, outputs)]
@@ -100,11 +109,7 @@ def _train(args: argparse.Namespace) -> Any:
     if importlib.util.find_spec("threadpoolctl") is None:
         print("note: threadpoolctl is not installed, so BLAS may run several threads on these tiny matrices, "
               "which is slow on a busy machine (pip install 'attnkit[fast]')", file=sys.stderr)
-    progress = _Progress(config.steps, f"training ({args.task})", plain=args.no_progress)
-    try:
-        return demo.train(config, on_step=progress)
-    finally:
-        progress.close()
+    return _with_progress(args, config.steps, lambda progress: demo.train(config, on_step=progress))
 
 
 def _report(result: Any) -> None:
@@ -173,11 +178,7 @@ def run_dates_task(args: argparse.Namespace, out: Path) -> int:
           f"{config.num_heads}-head encoder-decoder Transformer (d_model {config.d_model}, "
           f"{model.num_parameters():,} parameters, float32), {config.steps} steps of Adam, batch "
           f"{config.batch_size}, seed {config.seed}", flush=True)
-    progress = _Progress(config.steps, "training (dates)", plain=args.no_progress)
-    try:
-        result = seq2seq_demo.train(config, on_step=progress)
-    finally:
-        progress.close()
+    result = _with_progress(args, config.steps, lambda progress: seq2seq_demo.train(config, on_step=progress))
     print(f"held-out exact match ({config.eval_size} dates never seen in training): greedy "
           f"{result.greedy_exact_match:.2%}, beam search ({config.num_beams} beams) {result.beam_exact_match:.2%}; "
           f"trained in {result.train_seconds:.1f} s ({config.steps} steps, {result.train_cpu_seconds:.1f} s of CPU), "
@@ -213,11 +214,7 @@ def run_addition_task(args: argparse.Namespace, out: Path) -> int:
           f"model (Llama-style: RMSNorm, SwiGLU, rotary, {cfg.num_heads} query / {cfg.num_kv_heads} key-value heads, "
           f"d_model {cfg.hidden_size}, float32), {config.steps} steps of Adam, batch {config.batch_size}, "
           f"seed {config.seed}", flush=True)
-    progress = _Progress(config.steps, "training (addition)", plain=args.no_progress)
-    try:
-        result = lm_demo.train_addition(config, progress=progress)
-    finally:
-        progress.close()
+    result = _with_progress(args, config.steps, lambda progress: lm_demo.train_addition(config, progress=progress))
     print(f"held-out exact match ({config.eval_size} new sums, greedy decoding with the KV cache): "
           f"{result.accuracy:.2%}; trained in {result.seconds:.1f} s")
     for line in result.examples[:4]:
