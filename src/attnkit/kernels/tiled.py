@@ -19,16 +19,18 @@ tricks that remove overhead, and why the tiles have their sizes: ``docs/kernels.
 """
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from .._validation import unbroadcast
 from ._threads import check_stop, default_num_threads, run_tasks
-from ._tile_sizes import choose_tiles, tile_override
+from ._tile_sizes import choose_heads, choose_tiles, heads_override, tile_override
 from .bias import ScoreBias
 from .dropout import keep_mask
 
@@ -39,14 +41,14 @@ _LAZY_SHIFT = 16.0  # exp(s - m) may reach e^16 before the shift m is moved (flo
 
 def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1, split: str = "q", *,
                    head_dim: int = 64, value_dim: int | None = None, itemsize: int = 4,
-                   l2: int | None = None) -> tuple[int, int]:
+                   l2: int | None = None, head_groups: int = 1) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` for ``n_heads`` folded heads (why these sizes: ``docs/kernels.md``).
 
     The tile comes from the per-core L2 (``l2`` bytes, default read from the machine) through the cost
     model of :func:`attnkit.kernels._tile_sizes.choose_tiles`, unless ``ATTNKIT_TILE_Q`` /
     ``ATTNKIT_TILE_K`` set a length. ``split`` names the axis the tasks run over ("q" in the forward, "k"
     in the backward); unless set by the environment, that block is halved (down to 64) until every thread
-    has at least two tasks.
+    has at least two tasks (a task is one of the ``head_groups`` groups of heads times one block).
 
     >>> default_blocks(8, 4096, 4096, l2=512 << 10)
     (256, 256)
@@ -58,13 +60,75 @@ def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1, s
     env_q, env_k = tile_override()
     block_q, block_k = choose_tiles(n_heads, head_dim, value_dim, itemsize, l2)
     if split == "q" and env_q is None:
-        while block_q > 64 and -(-seq_q // block_q) < 2 * num_threads:
+        while block_q > 64 and head_groups * -(-seq_q // block_q) < 2 * num_threads:
             block_q //= 2
     elif split != "q" and env_k is None:
-        while block_k > 64 and -(-seq_k // block_k) < 2 * num_threads:
+        while block_k > 64 and head_groups * -(-seq_k // block_k) < 2 * num_threads:
             block_k //= 2
     block_q, block_k = env_q or block_q, env_k or block_k
     return max(1, min(block_q, seq_q)), max(1, min(block_k, seq_k))
+
+
+def _splittable_axes(lead: tuple[int, ...], k_shape, v_shape, bias, dropout: bool) -> tuple[bool, ...]:
+    """Leading axes along which heads may go to different tasks.
+
+    A task must write only gradients no other task writes: keys, values and an array bias that are shared
+    along an axis (grouped-query keys, a per-head-shared bias) get the sum over it, so that axis stays in
+    one task. A :class:`ScoreBias` and dropout produce every head's values per tile, so they keep all heads
+    together.
+    """
+    nd = len(lead)
+    if dropout or isinstance(bias, ScoreBias):
+        return (False,) * nd
+    owners = [_padded_lead(k_shape, nd), _padded_lead(v_shape, nd)]
+    if bias is not None:
+        owners.append(_padded_lead(bias.shape, nd))
+    return tuple(n > 1 and all(own[i] == n for own in owners) for i, n in enumerate(lead))
+
+
+def _head_blocks(lead: tuple[int, ...], splittable: tuple[bool, ...], group: int) -> list[tuple[slice, ...]]:
+    """The leading index space cut into boxes of about ``group`` heads, as slices of each leading axis.
+
+    Axes are filled from the last (heads) to the first (batch); an axis that may not be split is taken
+    whole, so a box can hold more than ``group`` heads.
+
+    >>> _head_blocks((2, 4), (True, True), 2)
+    [(slice(0, 1, None), slice(0, 2, None)), (slice(0, 1, None), slice(2, 4, None)), (slice(1, 2, None), slice(0, 2, None)), (slice(1, 2, None), slice(2, 4, None))]
+    >>> len(_head_blocks((2, 4), (True, False), 2))  # the head axis is shared (grouped keys): whole
+    2
+    """
+    chunk, budget = list(lead), max(1, group)
+    for i in reversed(range(len(lead))):
+        if splittable[i] and budget < lead[i]:
+            chunk[i], budget = budget, 1
+        else:
+            budget = max(1, budget // max(1, lead[i]))
+    axes = [[slice(a, min(a + c, n)) for a in range(0, n, c)] for n, c in zip(lead, chunk)]
+    return list(itertools.product(*axes))
+
+
+def _take(arr, heads: tuple[slice, ...], trailing: int):
+    """The part of ``arr`` (leading dims broadcasting to the full leading shape, then ``trailing`` dims)
+    that a box of heads reads; size-1 (broadcast) axes are kept whole. Non-arrays pass through."""
+    if not isinstance(arr, np.ndarray):
+        return arr
+    n = arr.ndim - trailing
+    offset = len(heads) - n
+    return arr[tuple(slice(None) if arr.shape[j] == 1 else heads[offset + j] for j in range(n))]
+
+
+def _tile_plan(lead, splittable, seq_q, seq_k, num_threads, split, head_dim, value_dim, itemsize, fixed):
+    """``(head boxes, block_q, block_k)`` of one call: the tile lengths and how many heads share a tile."""
+    n_heads = math.prod(lead)
+    env_q, env_k = tile_override()
+    base_q, base_k = choose_tiles(n_heads, head_dim, value_dim, itemsize)
+    block_q = min(seq_q, fixed[0] or env_q or base_q) or 1
+    block_k = min(seq_k, fixed[1] or env_k or base_k) or 1
+    group = heads_override() or choose_heads(n_heads, block_q, block_k, head_dim, value_dim, itemsize)
+    boxes = _head_blocks(lead, splittable, group)
+    auto_q, auto_k = default_blocks(n_heads, seq_q, seq_k, num_threads, split, head_dim=head_dim,
+                                    value_dim=value_dim, itemsize=itemsize, head_groups=len(boxes))
+    return boxes, fixed[0] or auto_q, fixed[1] or auto_k
 
 
 @dataclass
@@ -108,6 +172,14 @@ class _Tiles:
         self.block_q, self.block_k = block_q, block_k
         self.q_blocks = [(q0, min(q0 + block_q, seq_q)) for q0 in range(0, seq_q, block_q)]
         self.k_blocks = [(k0, min(k0 + block_k, seq_k)) for k0 in range(0, seq_k, block_k)]
+
+    def select(self, heads: tuple[slice, ...]) -> _Tiles:
+        """The same tiles for a box of heads: its leading shape, and its part of the mask and bias."""
+        sub = copy.copy(self)
+        sub.lead = tuple(len(range(*h.indices(n))) for h, n in zip(heads, self.lead))
+        sub.mask = _take(self.mask, heads, 2)
+        sub.bias = _take(self.bias, heads, 2)
+        return sub
 
     def causal_kind(self, q0, q1, k0, k1):
         """0: tile entirely outside the causal band (skip), 1: entirely visible, 2: partly visible."""
@@ -278,6 +350,9 @@ class _Pass:
     seed: int | None
     drop_lead: tuple[int, ...]
 
+    def select(self, heads: tuple[slice, ...]) -> _Pass:
+        return replace(self, tiles=self.tiles.select(heads))
+
     @property
     def dropout(self) -> bool:
         return self.dropout_p > 0.0
@@ -326,6 +401,12 @@ class _ForwardData:
     kmax: np.ndarray  # (*Kl, nKb) largest key norm of each key block (+inf: no bound)
     out: np.ndarray  # (*lead, Lq, Dv)
     lse: np.ndarray  # (*lead, Lq) float64
+
+    def select(self, heads: tuple[slice, ...]) -> _ForwardData:
+        """Views of the operands a box of heads reads and writes."""
+        return _ForwardData(q=_take(self.q, heads, 2), k_aug=_take(self.k_aug, heads, 2),
+                            v_aug=_take(self.v_aug, heads, 2), kmax=_take(self.kmax, heads, 1),
+                            out=_take(self.out, heads, 2), lse=_take(self.lse, heads, 1))
 
 
 def _augment_block(kb: int, worker: int, k, v, live_k, live_v, tiles, k_aug, v_aug, kmax) -> None:
@@ -427,11 +508,11 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *extra)
     drop_lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], *extra)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, num_threads, "q", head_dim=d, value_dim=dv,
-                                    itemsize=dtype.itemsize)
     fixed_blocks = (_positive(block_q, "block_q"), _positive(block_k, "block_k"))
-    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, fixed_blocks[0] or auto_q,
-                   fixed_blocks[1] or auto_k, window)
+    splittable = _splittable_axes(lead, k.shape, v.shape, bias, dropout_p > 0.0)
+    boxes, tile_q, tile_k = _tile_plan(lead, splittable, seq_q, seq_k, num_threads, "q", d, dv, dtype.itemsize,
+                                       fixed_blocks)
+    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, tile_q, tile_k, window)
     k_aug, v_aug, kmax = _augment_keys(k, v, mask, tiles, dtype, num_threads)
     data = _ForwardData(q=q, k_aug=k_aug, v_aug=v_aug, kmax=kmax, out=np.zeros(lead + (seq_q, dv), dtype),
                         lse=np.full(lead + (seq_q,), np.inf))  # lse float64: backward splits it in two
@@ -441,8 +522,10 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
         order = list(range(len(tiles.q_blocks)))
         if causal:
             order.reverse()  # the last query blocks see the most keys: hand them out first
+        views = [(run.select(box), data.select(box)) for box in boxes]
+        tasks = [(view, qb) for qb in order for view in range(len(views))]
         scratch = [_Scratch(dtype) for _ in range(num_threads)]
-        run_tasks(order, functools.partial(_forward_block, run=run, data=data, scratch=scratch), num_threads)
+        run_tasks(tasks, functools.partial(_forward_block, views=views, scratch=scratch), num_threads)
     ctx = FlashContext(q=q, k_aug=k_aug, v_aug=v_aug, out=data.out, lse=data.lse, scale=scale, lead=lead,
                        q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, out_dtype=out_dtype, mask=mask,
                        causal=causal, bias=bias, dropout_p=float(dropout_p), dropout_seed=dropout_seed,
@@ -482,8 +565,11 @@ def _start_rows(run: _Pass, data: _ForwardData, q0: int, q1: int, scratch: _Scra
     return _Rows(q0=q0, q1=q1, qa=qa, qn=qn, acc=acc, pv=pv, m=m, l_sum=l_sum)
 
 
-def _forward_block(qb: int, worker: int, run: _Pass, data: _ForwardData, scratch: list[_Scratch]) -> None:
-    """Fill the output and log-sum-exp rows of query block ``qb``, one key tile after another."""
+def _forward_block(task: tuple[int, int], worker: int, views: list[tuple[_Pass, _ForwardData]],
+                   scratch: list[_Scratch]) -> None:
+    """Fill the output and log-sum-exp rows of query block ``qb`` of one box of heads, key tile by key tile."""
+    view, qb = task
+    run, data = views[view]
     tiles = run.tiles
     q0, q1 = tiles.q_blocks[qb]
     rows = _start_rows(run, data, q0, q1, scratch[worker])
@@ -582,6 +668,16 @@ class _BackwardData:
     k_axes: tuple[int, ...]  # leading axes along which k is shared (grouped-query): dk sums over them
     v_axes: tuple[int, ...]
     lock: threading.Lock = field(default_factory=threading.Lock)  # ScoreBias.accumulate_grad
+
+    def select(self, heads: tuple[slice, ...]) -> _BackwardData:
+        """Views of the operands and gradient accumulators a box of heads reads and writes."""
+        def part(arr, trailing=2):
+            return _take(arr, heads, trailing)
+
+        return replace(self, q_aug=part(self.q_aug), k_aug=part(self.k_aug), v_aug=part(self.v_aug),
+                       do_aug=part(self.do_aug), lse_hi=part(self.lse_hi, 1), lse_lo=part(self.lse_lo, 1),
+                       dk=part(self.dk), dv=part(self.dv), dq_lanes=[part(a) for a in self.dq_lanes],
+                       dbias_lanes=[part(a) for a in self.dbias_lanes])
 
 
 def _check_grad(grad_out: np.ndarray, out_shape: tuple[int, ...]) -> None:
@@ -684,10 +780,10 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     seq_k, dtype = ctx.k_aug.shape[-2], ctx.out.dtype
     grad_out = np.asarray(grad_out)
     _check_grad(grad_out, lead + (seq_q, dv))
-    auto_q, auto_k = default_blocks(math.prod(lead), seq_q, seq_k, ctx.num_threads, "k",  # tasks: key blocks
-                                    head_dim=ctx.q.shape[-1], value_dim=dv, itemsize=dtype.itemsize)
-    tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, ctx.blocks[0] or auto_q,
-                   ctx.blocks[1] or auto_k, ctx.window)
+    splittable = _splittable_axes(lead, ctx.k_shape, ctx.v_shape, ctx.bias, ctx.dropout_p > 0.0)
+    boxes, tile_q, tile_k = _tile_plan(lead, splittable, seq_q, seq_k, ctx.num_threads, "k",  # tasks: key blocks
+                                       ctx.q.shape[-1], dv, dtype.itemsize, ctx.blocks)
+    tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, tile_q, tile_k, ctx.window)
     run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None,
                 dropout_p=ctx.dropout_p, seed=ctx.dropout_seed, drop_lead=ctx.drop_lead)
     # two lanes per thread: tasks still balance when a core is busy elsewhere; the count depends on
@@ -696,9 +792,10 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     lanes = _lanes(len(tiles.k_blocks), max(1, n_lanes))
     data = _backward_data(grad_out, ctx, run, len(lanes))
     if math.prod(lead) and seq_q and seq_k:
+        views = [(run.select(box), data.select(box)) for box in boxes]
         scratch = [_Scratch(dtype) for _ in range(ctx.num_threads)]
-        step = functools.partial(_backward_lane, run=run, data=data, lanes=lanes, scratch=scratch)
-        run_tasks(list(range(len(lanes))), step, ctx.num_threads)
+        step = functools.partial(_backward_lane, views=views, lanes=lanes, scratch=scratch)
+        run_tasks([(view, lane) for lane in range(len(lanes)) for view in range(len(views))], step, ctx.num_threads)
     dq = data.dq_lanes[0]
     for partial in data.dq_lanes[1:]:  # fixed order: bitwise reproducible
         np.add(dq, partial, out=dq)
@@ -721,9 +818,12 @@ def _reduce_dbias(lanes: list[np.ndarray | None], cast: np.dtype) -> np.ndarray 
     return total.astype(cast, copy=False)
 
 
-def _backward_lane(lane: int, worker: int, run: _Pass, data: _BackwardData, lanes: list[list[int]],
-                   scratch: list[_Scratch]) -> None:
-    """Every tile of the lane's key blocks, key block by key block, query block by query block."""
+def _backward_lane(task: tuple[int, int], worker: int, views: list[tuple[_Pass, _BackwardData]],
+                   lanes: list[list[int]], scratch: list[_Scratch]) -> None:
+    """Every tile of one box of heads in the lane's key blocks, key block by key block, query block by
+    query block (boxes write disjoint parts of every gradient, so the lane's order is all that counts)."""
+    view, lane = task
+    run, data = views[view]
     tiles = run.tiles
     for kb in lanes[lane]:
         k0, k1 = tiles.k_blocks[kb]
