@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from attnkit.kernels import _tile_sizes
 from attnkit.kernels.reference import attention_backward, attention_forward
-from attnkit.kernels.tiled import (_head_blocks, _splittable_axes, flash_attention_backward,
-                                   flash_attention_forward)
+from attnkit.kernels.tiled import _head_blocks, _splittable_axes, flash_attention_backward, flash_attention_forward
 from kernels.test_tiled import RelativeTable
 
 B, H, G, L, D = 2, 3, 2, 21, 8

@@ -92,8 +92,8 @@ def _head_blocks(lead: tuple[int, ...], splittable: tuple[bool, ...], group: int
     Axes are filled from the last (heads) to the first (batch); an axis that may not be split is taken
     whole, so a box can hold more than ``group`` heads.
 
-    >>> _head_blocks((2, 4), (True, True), 2)
-    [(slice(0, 1, None), slice(0, 2, None)), (slice(0, 1, None), slice(2, 4, None)), (slice(1, 2, None), slice(0, 2, None)), (slice(1, 2, None), slice(2, 4, None))]
+    >>> [tuple((c.start, c.stop) for c in box) for box in _head_blocks((2, 4), (True, True), 2)]
+    [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((1, 2), (0, 2)), ((1, 2), (2, 4))]
     >>> len(_head_blocks((2, 4), (True, False), 2))  # the head axis is shared (grouped keys): whole
     2
     """
