@@ -24,6 +24,7 @@ power-of-two pair ``Tq, Tk`` from 32 to 1024, and keeps the cheapest. Environmen
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -88,6 +89,11 @@ def choose_tiles(n_heads: int, head_dim: int = 64, value_dim: int | None = None,
     """
     value_dim = head_dim if value_dim is None else value_dim
     l2 = l2_bytes(sysfs_root) if l2 is None else l2
+    return _best_tiles(n_heads, head_dim, value_dim, itemsize, l2)
+
+
+@functools.lru_cache(maxsize=256)  # asked on every kernel call; ~400 cost evaluations each
+def _best_tiles(n_heads, head_dim, value_dim, itemsize, l2):
     best = min((_cost(g, tq, tk, head_dim, value_dim, itemsize, l2), abs(tq - tk), -tk, tq, tk)
                for g in _head_candidates(n_heads) for tq in _CANDIDATES for tk in _CANDIDATES)
     return best[3], best[4]
@@ -108,8 +114,13 @@ def choose_heads(n_heads: int, block_q: int, block_k: int, head_dim: int = 64, v
     """
     value_dim = head_dim if value_dim is None else value_dim
     l2 = l2_bytes(sysfs_root) if l2 is None else l2
-    return min((_cost(g, block_q, block_k, head_dim, value_dim, itemsize, l2), -g)
-               for g in _head_candidates(n_heads))[1] * -1
+    return _best_heads(n_heads, block_q, block_k, head_dim, value_dim, itemsize, l2)
+
+
+@functools.lru_cache(maxsize=256)
+def _best_heads(n_heads, block_q, block_k, head_dim, value_dim, itemsize, l2):
+    return -min((_cost(g, block_q, block_k, head_dim, value_dim, itemsize, l2), -g)
+                for g in _head_candidates(n_heads))[1]
 
 
 def _env_int(name: str) -> int | None:
