@@ -41,14 +41,14 @@ _LAZY_SHIFT = 16.0  # exp(s - m) may reach e^16 before the shift m is moved (flo
 
 def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1, split: str = "q", *,
                    head_dim: int = 64, value_dim: int | None = None, itemsize: int = 4,
-                   l2: int | None = None, head_groups: int = 1) -> tuple[int, int]:
+                   l2: int | None = None) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` for ``n_heads`` folded heads (why these sizes: ``docs/kernels.md``).
 
     The tile comes from the per-core L2 (``l2`` bytes, default read from the machine) through the cost
     model of :func:`attnkit.kernels._tile_sizes.choose_tiles`, unless ``ATTNKIT_TILE_Q`` /
     ``ATTNKIT_TILE_K`` set a length. ``split`` names the axis the tasks run over ("q" in the forward, "k"
     in the backward); unless set by the environment, that block is halved (down to 64) until every thread
-    has at least two tasks (a task is one of the ``head_groups`` groups of heads times one block).
+    has at least two tasks.
 
     >>> default_blocks(8, 4096, 4096, l2=512 << 10)
     (256, 256)
@@ -57,16 +57,9 @@ def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1, s
     >>> default_blocks(1, 32768, 32768, l2=1 << 20)
     (256, 512)
     """
-    env_q, env_k = tile_override()
-    block_q, block_k = choose_tiles(n_heads, head_dim, value_dim, itemsize, l2)
-    if split == "q" and env_q is None:
-        while block_q > 64 and head_groups * -(-seq_q // block_q) < 2 * num_threads:
-            block_q //= 2
-    elif split != "q" and env_k is None:
-        while block_k > 64 and head_groups * -(-seq_k // block_k) < 2 * num_threads:
-            block_k //= 2
-    block_q, block_k = env_q or block_q, env_k or block_k
-    return max(1, min(block_q, seq_q)), max(1, min(block_k, seq_k))
+    _, block_q, block_k = _tile_plan((n_heads,), (False,), seq_q, seq_k, num_threads, split, head_dim, value_dim,
+                                     itemsize, (None, None), l2)
+    return block_q, block_k
 
 
 def _splittable_axes(lead: tuple[int, ...], k_shape, v_shape, bias, dropout: bool) -> tuple[bool, ...]:
@@ -117,18 +110,29 @@ def _take(arr, heads: tuple[slice, ...], trailing: int):
     return arr[tuple(slice(None) if arr.shape[j] == 1 else heads[offset + j] for j in range(n))]
 
 
-def _tile_plan(lead, splittable, seq_q, seq_k, num_threads, split, head_dim, value_dim, itemsize, fixed):
-    """``(head boxes, block_q, block_k)`` of one call: the tile lengths and how many heads share a tile."""
+def _tile_plan(lead, splittable, seq_q, seq_k, num_threads, split, head_dim, value_dim, itemsize, fixed,
+               l2=None):
+    """``(head boxes, block_q, block_k)`` of one call: the tile lengths and how many heads share a tile.
+
+    Keywords (``fixed``) win over ``ATTNKIT_TILE_*``, which win over the cost model; the block the tasks
+    run over is halved (down to 64) until every thread has two tasks, unless a keyword or the
+    environment set it.
+    """
     n_heads = math.prod(lead)
     env_q, env_k = tile_override()
-    base_q, base_k = choose_tiles(n_heads, head_dim, value_dim, itemsize)
-    block_q = min(seq_q, fixed[0] or env_q or base_q) or 1
-    block_k = min(seq_k, fixed[1] or env_k or base_k) or 1
-    group = heads_override() or choose_heads(n_heads, block_q, block_k, head_dim, value_dim, itemsize)
+    block_q, block_k = choose_tiles(n_heads, head_dim, value_dim, itemsize, l2)
+    set_q, set_k = fixed[0] or env_q, fixed[1] or env_k
+    block_q, block_k = set_q or block_q, set_k or block_k
+    group = heads_override() or choose_heads(n_heads, min(block_q, seq_q) or 1, min(block_k, seq_k) or 1,
+                                             head_dim, value_dim, itemsize, l2)
     boxes = _head_blocks(lead, splittable, group)
-    auto_q, auto_k = default_blocks(n_heads, seq_q, seq_k, num_threads, split, head_dim=head_dim,
-                                    value_dim=value_dim, itemsize=itemsize, head_groups=len(boxes))
-    return boxes, fixed[0] or auto_q, fixed[1] or auto_k
+    if split == "q" and not set_q:
+        while block_q > 64 and len(boxes) * -(-seq_q // block_q) < 2 * num_threads:
+            block_q //= 2
+    elif split != "q" and not set_k:
+        while block_k > 64 and len(boxes) * -(-seq_k // block_k) < 2 * num_threads:
+            block_k //= 2
+    return boxes, max(1, min(block_q, seq_q)), max(1, min(block_k, seq_k))
 
 
 @dataclass
