@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from attnkit.kernels import _tile_sizes
 from attnkit.kernels.reference import attention_backward, attention_forward
 from attnkit.kernels.tiled import _head_blocks, _splittable_axes, flash_attention_backward, flash_attention_forward
-from kernels.test_tiled import RelativeTable
+from kernels.test_tiled import RelativeTable, _run
 
 B, H, G, L, D = 2, 3, 2, 21, 8
 
@@ -44,16 +44,6 @@ def _case(kind, rng):
     return q, k, v, grad, kw
 
 
-def _run(fwd, bwd, q, k, v, grad, kw):
-    kw = dict(kw)
-    if isinstance(kw.get("bias"), RelativeTable):
-        kw["bias"] = RelativeTable(kw["bias"].table.copy())
-    out, _, ctx = fwd(q, k, v, **kw)
-    grads = bwd(grad, ctx)
-    table = [kw["bias"].grad] if isinstance(kw.get("bias"), RelativeTable) else []
-    return [out, *(g for g in grads if g is not None), *table]
-
-
 KINDS = ["plain", "grouped", "head bias", "shared bias", "broadcast query", "head mask", "window", "score bias",
          "dropout"]
 
@@ -68,12 +58,12 @@ def test_boxes_of_heads_give_the_reference_results(monkeypatch, kind, heads, thr
     def fwd(*args, **more):
         return flash_attention_forward(*args, block_q=8, block_k=6, num_threads=threads, **more)
 
-    mine = _run(fwd, flash_attention_backward, q, k, v, grad, kw)
-    ref = _run(attention_forward, attention_backward, q, k, v, grad, kw)
-    assert len(mine) == len(ref)
-    for a, b in zip(mine, ref, strict=True):
-        assert a.shape == b.shape
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
+    mine = _run(fwd, flash_attention_backward, q, k, v, grad, **kw)
+    ref = _run(attention_forward, attention_backward, q, k, v, grad, **kw)
+    assert mine.keys() == ref.keys()
+    for name in ref:
+        assert mine[name].shape == ref[name].shape, name
+        np.testing.assert_allclose(mine[name], ref[name], rtol=0, atol=1e-11, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["plain", "grouped", "shared bias"])
@@ -83,10 +73,11 @@ def test_boxes_are_bitwise_reproducible_across_threaded_runs(monkeypatch, kind):
     kw = {name: (val.astype(np.float32) if isinstance(val, np.ndarray) else val) for name, val in kw.items()}
     monkeypatch.setenv("ATTNKIT_TILE_HEADS", "1")
     runs = [_run(lambda *a, **m: flash_attention_forward(*a, block_q=8, block_k=6, num_threads=2, **m),
-                 flash_attention_backward, q, k, v, grad, kw) for _ in range(3)]
+                 flash_attention_backward, q, k, v, grad, **kw) for _ in range(3)]
     for other in runs[1:]:
-        for a, b in zip(runs[0], other, strict=True):
-            assert a.tobytes() == b.tobytes()
+        assert other.keys() == runs[0].keys()
+        for name in other:
+            assert other[name].tobytes() == runs[0][name].tobytes(), name
 
 
 def test_splittable_axes_follow_the_gradients():
