@@ -185,8 +185,22 @@ class CausalLM(Module):
         self._saved = None if cache is not None else h
         return (logits, weights) if output_attentions else logits
 
-    def _hidden(self, ids, mask, positions, cache, weights: list | None = None) -> np.ndarray:
-        """The final-norm hidden states (B, L, D); each layer's weights are appended to ``weights`` if given."""
+    def layer_outputs(self, input_ids: Any, attention_mask: Any = None, *,
+                      position_ids: Any = None) -> list[np.ndarray]:
+        """Every block's output hidden state before the final norm: a list of ``num_layers`` arrays (B, L, D).
+
+        The last one, through ``norm`` and the head, gives :meth:`forward`'s logits. The arrays are the
+        caller's (the logit lens reads them).
+        """
+        ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, None)
+        states: list[np.ndarray] = []
+        self._hidden(ids, mask, positions, None, states=states)
+        return states
+
+    def _hidden(self, ids, mask, positions, cache, weights: list | None = None,
+                states: list | None = None) -> np.ndarray:
+        """The final-norm hidden states (B, L, D); each layer's weights are appended to ``weights`` if given,
+        each layer's output (a copy) to ``states`` if given."""
         h = self.embed(ids)  # (B, L, D)
         if self.rotary is None:
             h = h + self.pos_embed(positions)  # (B, L, D)
@@ -201,10 +215,17 @@ class CausalLM(Module):
                 h, layer_weights = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache,
                                          output_attentions=True)  # (B, L, D), (B, Hq, L, S)
                 weights.append(layer_weights)
+            if states is not None:
+                states.append(h.copy())
         return self.norm(h)  # (B, L, D)
 
-    def backward(self, grad_logits: Any) -> None:
-        """Add every parameter's gradient of ``sum(grad_logits * logits)`` into the grads; returns None."""
+    def backward(self, grad_logits: Any) -> np.ndarray:
+        """Add every parameter's gradient of ``sum(grad_logits * logits)`` into the grads.
+
+        Returns the gradient with respect to the input embeddings (B, L, D): the token embeddings, plus the
+        learned position embeddings where the model has them (both get the same gradient). Input
+        attributions (:mod:`attnkit.explain`) are built on it.
+        """
         if self._saved is None:
             raise RuntimeError("CausalLM.backward needs a forward without a cache just before it")
         h = self._saved
@@ -220,6 +241,7 @@ class CausalLM(Module):
         self.embed.backward(grad_h)
         if self.rotary is None:
             self.pos_embed.backward(grad_h)
+        return grad_h
 
     def generate(self, *args: Any, **kwargs: Any):
         """Decode new tokens with the cache: see :func:`attnkit.generation.generate` (same arguments)."""

@@ -1,0 +1,12 @@
+"""Explaining a prediction: which input tokens made the model say it, how attention moves information through
+the layers, and what each layer would predict.
+
+- :func:`gradient_x_input`, :func:`saliency`: input attributions from attnkit's own exact backward.
+- :func:`attention_rollout`: Abnar and Zuidema's rollout of the attention weights over the layers.
+- :func:`logit_lens`: every block's output read through the final norm and the output head.
+"""
+from .attribution import gradient_x_input, saliency
+from .logit_lens import LogitLens, logit_lens
+from .rollout import attention_rollout
+
+__all__ = ["LogitLens", "attention_rollout", "gradient_x_input", "logit_lens", "saliency"]
