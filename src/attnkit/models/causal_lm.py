@@ -107,6 +107,8 @@ class CausalLM(Module):
         if not config.tie_word_embeddings:
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen)
             self.head.weight = 0.02 * self.head.weight
+        # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
+        self.generation_config: dict[str, Any] = {}
         self._saved: np.ndarray | None = None
 
     def extra_repr(self) -> str:
