@@ -8,10 +8,10 @@ import shutil
 
 import numpy as np
 import pytest
-from hf_models import EOS, VOCAB, left_padded_batch, saved_model
 
 from attnkit.generation import apply_repetition_penalty, banned_ngram_tokens
 from attnkit.pretrained import load_causal_lm, load_tokenizer
+from hf_models import EOS, VOCAB, left_padded_batch, saved_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
