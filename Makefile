@@ -22,11 +22,14 @@ $(STAMP_DEMO): $(BIN)/python pyproject.toml
 
 venv: $(STAMP_TEST)
 
-# Lint and the strict docs build first (seconds), then every test; pytest's summary stays the last line. Where
-# Chromium is installed the browser tests must run: ATTNKIT_REQUIRE_BROWSER turns their skip into a failure.
+# Lint and the strict docs build first (seconds), then the tests marked concurrency (threads, signals, fork,
+# kills) 5 times in a row (about 20 s: a rare interleaving fails here rather than at random), then every test;
+# pytest's summary of that full run stays the last line. Where Chromium is installed the browser tests must
+# run: ATTNKIT_REQUIRE_BROWSER turns their skip into a failure.
 test: $(STAMP_TEST) chromium
 	$(BIN)/ruff check src tests benchmarks
 	$(MAKE) --no-print-directory docs
+	$(BIN)/python -m pytest -q -m concurrency --count 5 tests
 	if [ -x "$(CHROMIUM)" ]; then export ATTNKIT_REQUIRE_BROWSER=1; fi; $(BIN)/python -m pytest
 
 # The explorer's browser tests (tests/viz) drive the system Chromium. Install it where we can (root with

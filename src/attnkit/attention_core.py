@@ -87,8 +87,9 @@ def compute_attention_scores(Q: np.ndarray, K: np.ndarray, scale: bool = True) -
 
     Examples
     --------
-    >>> Q = np.random.randn(2, 4, 64)  # batch=2, seq=4, d_k=64
-    >>> K = np.random.randn(2, 4, 64)
+    >>> rng = np.random.default_rng(0)
+    >>> Q = rng.standard_normal((2, 4, 64))  # batch=2, seq=4, d_k=64
+    >>> K = rng.standard_normal((2, 4, 64))
     >>> scores = compute_attention_scores(Q, K)
     >>> scores.shape
     (2, 4, 4)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
-           "generate", "generate_stream"]
+           "apply_repetition_penalty", "banned_ngram_tokens", "generate", "generate_stream"]
 
 FILTER_VALUE = -np.inf
 
@@ -223,6 +223,57 @@ def sample_tokens(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.minimum((cdf <= u).sum(axis=-1), array.shape[-1] - 1).astype(np.int64)  # (B,)
 
 
+# -- logits processors (applied before the warpers, greedy or sampled) -------------------------------------
+def apply_repetition_penalty(logits: np.ndarray, sequences: np.ndarray, penalty: float) -> np.ndarray:
+    """Hugging Face's repetition penalty: the logit of every token already in a row is divided by ``penalty``
+    where positive and multiplied by it where negative (``penalty > 1`` discourages repeats).
+
+    Every id of ``sequences`` counts, the prompt (and its padding) included, as in Hugging Face.
+
+    Shapes
+    ------
+    logits : (B, V) float, sequences : (B, S) int -> (B, V), same dtype (a new array).
+
+    Examples
+    --------
+    >>> apply_repetition_penalty(np.array([[2.0, -2.0, 1.0]]), np.array([[0, 1]]), 2.0)
+    array([[ 1., -4.,  1.]])
+    """
+    seen = np.zeros(logits.shape, dtype=bool)  # (B, V)
+    np.put_along_axis(seen, sequences, True, axis=-1)
+    penalised = np.where(logits < 0, logits * penalty, logits / penalty)  # (B, V)
+    return np.where(seen, penalised, logits).astype(logits.dtype, copy=False)
+
+
+def banned_ngram_tokens(sequences: np.ndarray, n: int) -> np.ndarray:
+    """Which next tokens would repeat an n-gram already in each row (Hugging Face's ``no_repeat_ngram_size``).
+
+    Shapes
+    ------
+    sequences : (B, S) int -> (B, V') bool with V' = ``sequences.max() + 1``: True = banned.
+
+    Examples
+    --------
+    >>> banned_ngram_tokens(np.array([[1, 2, 3, 1, 2]]), 3).nonzero()[1].tolist()
+    [3]
+    """
+    batch, length = sequences.shape
+    banned = np.zeros((batch, int(sequences.max()) + 1), dtype=bool)  # (B, V')
+    if length + 1 < n or length < n:
+        return banned
+    windows = np.lib.stride_tricks.sliding_window_view(sequences, n, axis=1)  # (B, S - n + 1, n)
+    tail = sequences[:, length - n + 1:]  # (B, n - 1): the n-gram the next token would complete
+    match = (windows[:, :, :-1] == tail[:, None, :]).all(axis=-1)  # (B, S - n + 1)
+    rows, starts = np.nonzero(match)
+    banned[rows, windows[rows, starts, -1]] = True
+    return banned
+
+
+def _ends_with_stop(text: str, before: str, stops: Sequence[str]) -> bool:
+    """A stop string occurs in ``text`` and ends inside its last token (``text[len(before):]``)."""
+    return any(text.find(stop, max(0, len(before) - len(stop) + 1)) >= 0 for stop in stops)
+
+
 # -- decoding ----------------------------------------------------------------------------------------------
 def _config_value(model: Any, name: str) -> Any:
     return getattr(getattr(model, "config", None), name, None)
@@ -272,9 +323,55 @@ def _rng(seed: Any) -> np.random.Generator:
     return np.random.default_rng(int(seed))
 
 
-def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
-                    do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float | None = None, min_p: float | None = None, seed: Any = None,
+# generation_config.json keys generate reads when the argument is not given (explicit arguments win).
+_CONFIG_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None,
+                    "min_p": None, "repetition_penalty": None, "no_repeat_ngram_size": None, "min_new_tokens": None,
+                    "stop_strings": None, "num_return_sequences": 1, "eos_token_id": None, "pad_token_id": None}
+
+
+def _resolve(model: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """Each option: the argument if given, else ``model.generation_config``'s value, else the default."""
+    config = getattr(model, "generation_config", None) or {}
+    return {name: given[name] if given[name] is not None else config.get(name, default)
+            for name, default in _CONFIG_DEFAULTS.items()}
+
+
+def _check_options(o: dict[str, Any], tokenizer: Any) -> None:
+    def non_negative_int(name: str) -> None:
+        value = o[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+    for name in ("max_new_tokens", "no_repeat_ngram_size", "min_new_tokens"):
+        non_negative_int(name)
+    if not isinstance(o["do_sample"], (bool, np.bool_)):
+        raise TypeError(f"do_sample must be True or False, got {o['do_sample']!r}")
+    penalty = o["repetition_penalty"]
+    if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating))
+                                or not math.isfinite(penalty) or penalty <= 0):
+        raise ValueError(f"repetition_penalty must be a positive finite number, got {penalty!r}")
+    count = o["num_return_sequences"]
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise ValueError(f"num_return_sequences must be a positive integer, got {count!r}")
+    if count > 1 and not o["do_sample"]:
+        raise ValueError(f"num_return_sequences={count} needs do_sample=True: greedy decoding returns the same "
+                         f"sequence every time")
+    stops = o["stop_strings"]
+    if stops is not None:
+        stops = [stops] if isinstance(stops, str) else stops
+        if not isinstance(stops, Sequence) or not stops or not all(isinstance(t, str) and t for t in stops):
+            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {o['stop_strings']!r}")
+        if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError("stop_strings needs tokenizer= (the model's tokenizer, to read the generated text)")
+        o["stop_strings"] = list(stops)
+
+
+def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+                    do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                    top_p: float | None = None, min_p: float | None = None,
+                    repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
+                    min_new_tokens: int | None = None, stop_strings: str | Sequence[str] | None = None,
+                    tokenizer: Any = None, num_return_sequences: int | None = None, seed: Any = None,
                     eos_token_id: Any = None, pad_token_id: int | None = None) -> Iterator[np.ndarray]:
     """Generate token by token: an iterator over each step's new tokens, one per row.
 
@@ -283,7 +380,8 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, m
 
     Shapes
     ------
-    Yields (B,) int64 per step: row b's new token, or ``pad_token_id`` once row b has produced an eos.
+    Yields (B * num_return_sequences,) int64 per step: row b's new token, or ``pad_token_id`` once row b has
+    produced an eos or a stop string.
 
     Examples
     --------
@@ -294,48 +392,84 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, m
     >>> len(steps), steps[0].shape, steps[0].dtype
     (4, (1,), dtype('int64'))
     """
+    o = _resolve(model, dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                             no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+                             stop_strings=stop_strings, num_return_sequences=num_return_sequences,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id))
     ids, mask = _check_prompt(model, input_ids, attention_mask)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-    if not isinstance(do_sample, (bool, np.bool_)):
-        raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
+    _check_options(o, tokenizer)
     # Checked even when greedy, so a typo is never silently ignored.
-    warp_logits(np.zeros(1), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    warp_logits(np.zeros(1), temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"])
     rng = _rng(seed)
-    eos = _token_set(_config_value(model, "eos_token_id") if eos_token_id is None else eos_token_id,
+    eos = _token_set(_config_value(model, "eos_token_id") if o["eos_token_id"] is None else o["eos_token_id"],
                      "eos_token_id")
-    if pad_token_id is None:
-        pad_token_id = _config_value(model, "pad_token_id")
-    if pad_token_id is None and eos:
-        pad_token_id = eos[0]  # as Hugging Face: pad finished rows with the (first) eos
-    if pad_token_id is not None:
-        pad_token_id = _token_set(pad_token_id, "pad_token_id")[0]
+    pad = o["pad_token_id"]
+    if pad is None:
+        pad = _config_value(model, "pad_token_id")
+    if pad is None and eos:
+        pad = eos[0]  # as Hugging Face: pad finished rows with the (first) eos
+    if pad is not None:
+        pad = _token_set(pad, "pad_token_id")[0]
+    max_new = int(o["max_new_tokens"])
     limit = _config_value(model, "max_position_embeddings")
-    if _config_value(model, "position") == "learned" and limit is not None \
-            and ids.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+    if _config_value(model, "position") == "learned" and limit is not None and ids.shape[1] + max_new > limit:
+        raise ValueError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens ({max_new}) exceeds the "
                          f"model's {limit} learned positions")
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p) if do_sample else None
-    return _decode(model, ids, mask, int(max_new_tokens), sampling, rng, np.array(eos, dtype=np.int64),
-                   pad_token_id)
+    if o["num_return_sequences"] > 1:  # each prompt row repeated, as Hugging Face's repeat_interleave
+        ids = np.repeat(ids, o["num_return_sequences"], axis=0)  # (B * n, L)
+        mask = np.repeat(mask, o["num_return_sequences"], axis=0)  # (B * n, L)
+    sampling = dict(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"]) \
+        if o["do_sample"] else None
+    processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
+                      min_new_tokens=o["min_new_tokens"], stop_strings=o["stop_strings"], tokenizer=tokenizer)
+    return _decode(model, ids, mask, max_new, sampling, processing, rng, np.array(eos, dtype=np.int64), pad)
+
+
+def _process(logits: np.ndarray, sequences: np.ndarray, step: int, eos: np.ndarray, *,
+             repetition_penalty: float | None, no_repeat_ngram_size: int | None, min_new_tokens: int | None,
+             **_: Any) -> np.ndarray:
+    """Hugging Face's logits processors in its order: repetition penalty, no-repeat n-grams, min new tokens."""
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, sequences, repetition_penalty)
+    if no_repeat_ngram_size:
+        banned = banned_ngram_tokens(sequences, no_repeat_ngram_size)  # (B, V')
+        width = min(banned.shape[1], logits.shape[1])
+        logits = logits.copy()
+        logits[:, :width][banned[:, :width]] = FILTER_VALUE
+    if min_new_tokens and step < min_new_tokens and eos.size:
+        logits = logits.copy()
+        logits[:, eos] = FILTER_VALUE
+    return logits
 
 
 def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, sampling: dict | None,
-            rng: np.random.Generator, eos: np.ndarray, pad_token_id: int | None) -> Iterator[np.ndarray]:
+            processing: dict, rng: np.random.Generator, eos: np.ndarray, pad_token_id: int | None
+            ) -> Iterator[np.ndarray]:
     if max_new_tokens == 0:
         return
     batch, length = ids.shape
     cache = model.new_cache(batch, max_length=length + max_new_tokens)
     logits = model.forward(ids, mask, cache=cache)[:, -1, :]  # (B, V): prefill once
+    sequences = ids  # (B, L + step): what the processors and stop strings read
+    stops, tokenizer = processing["stop_strings"], processing["tokenizer"]
+    stop_window = max(len(t) for t in stops) + 1 if stops else 0  # tokens enough to hold a stop string
     done = np.zeros(batch, dtype=bool)  # (B,)
     for step in range(max_new_tokens):
+        logits = _process(logits.astype(np.float32, copy=False), sequences, step, eos, **processing)  # (B, V)
         if sampling is None:
             tokens = np.argmax(logits, axis=-1).astype(np.int64)  # (B,)
         else:
             tokens = sample_tokens(warp_logits(logits, **sampling), rng)  # (B,)
         if pad_token_id is not None:
             tokens = np.where(done, pad_token_id, tokens)  # (B,)
-        done |= np.isin(tokens, eos)
+        sequences = np.concatenate([sequences, tokens[:, None]], axis=1)  # (B, L + step + 1)
+        finished = np.isin(tokens, eos)  # (B,)
+        if stops:
+            for b in np.flatnonzero(~done & ~finished):  # a decoding step: one short decode per open row
+                window = sequences[b, -stop_window:].tolist()
+                finished[b] = _ends_with_stop(tokenizer.decode(window), tokenizer.decode(window[:-1]), stops)
+        done |= finished
         yield tokens
         if done.all() or step == max_new_tokens - 1:
             return
@@ -343,11 +477,18 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
         logits = model.forward(tokens[:, None], mask, cache=cache)[:, -1, :]  # (B, V)
 
 
-def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tokens: int = 20,
-             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, min_p: float | None = None, seed: Any = None,
-             eos_token_id: Any = None, pad_token_id: int | None = None) -> np.ndarray:
+def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+             do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
+             no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
+             stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
+             num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
+             pad_token_id: int | None = None) -> np.ndarray:
     """Continue each prompt row by up to ``max_new_tokens`` tokens, greedily or by sampling.
+
+    Arguments have Hugging Face's names and meanings. Each one left as None takes the value of the model's
+    ``generation_config`` (the folder's ``generation_config.json``, read by the pretrained loader), else the
+    default shown.
 
     Parameters
     ----------
@@ -360,7 +501,8 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
         ``True``/1 = real token; padding must be on the left. Default: every token real.
     max_new_tokens : int, default 20
     do_sample : bool, default False
-        False: argmax (the warpers are checked but not applied); True: sample from the warped logits.
+        False: argmax of the processed logits (the warpers are checked but not applied); True: sample from
+        the warped logits.
     temperature : float, default 1.0
     top_k : int, optional
         Keep the k most likely tokens (0 or None: no filter).
@@ -368,6 +510,21 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
         Nucleus filter (1 or None: no filter).
     min_p : float in [0, 1], optional
         Keep tokens at least ``min_p`` times as likely as the most likely one.
+    repetition_penalty : float > 0, optional
+        Divide positive (multiply negative) logits of every token already in the row, prompt included
+        (1 or None: off).
+    no_repeat_ngram_size : int, optional
+        Never produce an n-gram of this size that the row already holds (0 or None: off).
+    min_new_tokens : int, optional
+        The eos tokens are banned until this many tokens are generated.
+    stop_strings : str or list of str, optional
+        A row is done once its text ends in one of them (the stop string ends inside the last token, as in
+        Hugging Face). Needs ``tokenizer``.
+    tokenizer : Tokenizer, optional
+        Anything with ``decode(ids)``, e.g. :func:`attnkit.pretrained.load_tokenizer`'s; for ``stop_strings``.
+    num_return_sequences : int, default 1
+        Sampled continuations per prompt row (needs ``do_sample``); the rows of the output are
+        ``n`` consecutive continuations of prompt 0, then of prompt 1, ...
     seed : int or numpy.random.Generator, optional
         The same seed gives the same samples.
     eos_token_id : int or sequence of int, optional
@@ -377,7 +534,7 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
 
     Returns
     -------
-    int64 array (B, L + T)
+    int64 array (B * num_return_sequences, L + T)
         The prompt followed by the T <= ``max_new_tokens`` generated tokens (T is smaller when every row
         finished early).
 
@@ -388,7 +545,7 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
 
     Shapes
     ------
-    input_ids (B, L), attention_mask (B, L) -> (B, L + T).
+    input_ids (B, L), attention_mask (B, L) -> (B * num_return_sequences, L + T).
 
     Examples
     --------
@@ -399,12 +556,19 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
     >>> out.shape, bool((out == generate(lm, [[1, 2, 3]], max_new_tokens=5, do_sample=True, top_k=4,
     ...                                   seed=0)).all())
     ((1, 8), True)
+    >>> generate(lm, [[1, 2, 3]], max_new_tokens=6, no_repeat_ngram_size=1)[0, 3:].tolist()  # no id repeats
+    [15, 11, 7, 4, 9, 13]
     """
     stream = generate_stream(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                              do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                             min_p=min_p, seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-    prompt = np.asarray(input_ids).astype(np.int64)  # (B, L)
+                             min_p=min_p, repetition_penalty=repetition_penalty,
+                             no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+                             stop_strings=stop_strings, tokenizer=tokenizer,
+                             num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
+                             pad_token_id=pad_token_id)
+    copies = _resolve(model, dict.fromkeys(_CONFIG_DEFAULTS) | {"num_return_sequences": num_return_sequences})
+    prompt = np.repeat(np.asarray(input_ids).astype(np.int64), copies["num_return_sequences"], axis=0)  # (B*n, L)
     steps = list(stream)
     if not steps:
         return prompt.copy()
-    return np.concatenate([prompt, np.stack(steps, axis=1)], axis=1)  # (B, L + T)
+    return np.concatenate([prompt, np.stack(steps, axis=1)], axis=1)  # (B * n, L + T)

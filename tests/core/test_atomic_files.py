@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -189,17 +188,22 @@ def test_demo_pair_survives_a_failure_while_writing_the_config(tmp_path, monkeyp
 
 # -- SIGKILL in the middle of a large save ------------------------------------------------------------------
 KILLED = """
-    import sys, time
+    import sys
     from numpy.lib import format as npy_format
     from attnkit.core import ModuleList
     from attnkit.layers import Projection
     write_array = npy_format.write_array
+    written = []
 
-    def slow_write_array(*args, **kwargs):  # a slow disk: the parent kills us while the temp file grows
-        write_array(*args, **kwargs)
-        time.sleep(0.2)
+    def pausing_write_array(fp, *args, **kwargs):  # the parent kills us while the temp file holds part of it
+        write_array(fp, *args, **kwargs)
+        written.append(None)
+        if len(written) == 3:
+            fp.flush()
+            print("partial", flush=True)
+            sys.stdin.readline()  # wait for the SIGKILL (the parent never writes)
 
-    npy_format.write_array = slow_write_array
+    npy_format.write_array = pausing_write_array
     model = ModuleList([Projection(512, 1024, rng=100 + i) for i in range(8)])  # 32 MB
     print("saving", flush=True)
     model.save(sys.argv[1])
@@ -211,28 +215,27 @@ def big_model(seed: int) -> ModuleList:
     return ModuleList([Projection(512, 1024, rng=seed + i) for i in range(8)])
 
 
+@pytest.mark.concurrency
 def test_sigkill_during_a_large_save_leaves_the_previous_file_loadable(tmp_path):
     path = tmp_path / "model.npz"
     big_model(0).save(path)
     before = path.read_bytes()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED), str(path)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:  # wait until the temporary file holds part of the archive
-            partial = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p.stat().st_size > 4 << 20]
-            if partial or child.poll() is not None:
-                break
-            time.sleep(0.01)
-        assert child.poll() is None, f"the child ended before it could be killed: {child.communicate()}"
-        assert partial, "no temporary file appeared"
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # the child says when it is in the middle of the save, and waits there: no race with its speed
+        lines = [child.stdout.readline(), child.stdout.readline()]
+        assert lines == ["saving\n", "partial\n"], (lines, child.poll())
+        partial = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p.stat().st_size > 4 << 20]
+        assert child.poll() is None, "the child ended before it could be killed"
+        assert partial, f"no partial temporary file: {sorted(p.name for p in tmp_path.iterdir())}"
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=TIMEOUT)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
+        child.stdin.close()
         child.stdout.close()
         child.stderr.close()
     assert child.returncode == -signal.SIGKILL

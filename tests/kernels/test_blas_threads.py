@@ -7,6 +7,8 @@ threadpoolctl = pytest.importorskip("threadpoolctl")
 
 from attnkit.kernels import _threads  # noqa: E402
 
+pytestmark = pytest.mark.concurrency
+
 
 def _blas_threads() -> list[int]:
     return [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]

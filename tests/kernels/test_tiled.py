@@ -277,6 +277,7 @@ def test_nan_in_padded_keys_does_not_leak():
             np.testing.assert_allclose(dirty[name], clean[name], rtol=0, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.concurrency
 def test_threads_agree_with_one_thread():
     rng = np.random.default_rng(17)
     q, k, v, grad = _inputs(rng, (2, 4), 300, 260, d=32, dv=32)

@@ -8,6 +8,7 @@ cache stores keys by column (slot); rotary positions are applied before the keys
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -107,6 +108,8 @@ class CausalLM(Module):
         if not config.tie_word_embeddings:
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen)
             self.head.weight = 0.02 * self.head.weight
+        # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
+        self.generation_config: dict[str, Any] = {}
         self._saved: np.ndarray | None = None
 
     def extra_repr(self) -> str:
@@ -243,8 +246,48 @@ class CausalLM(Module):
             self.pos_embed.backward(grad_h)
         return grad_h
 
-    def generate(self, *args: Any, **kwargs: Any):
-        """Decode new tokens with the cache: see :func:`attnkit.generation.generate` (same arguments)."""
+    def generate(self, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
+                 no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
+                 stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
+                 num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
+                 pad_token_id: int | None = None) -> np.ndarray:
+        """Decode new tokens with the KV cache, with Hugging Face's argument names and meanings.
+
+        Every argument left as None takes :attr:`generation_config`'s value (the folder's
+        ``generation_config.json``), else the default of :func:`attnkit.generation.generate`, which documents
+        each argument and which this calls.
+
+        Parameters
+        ----------
+        input_ids : int array (B, L)
+            Left-padded prompts.
+        attention_mask : bool or 0/1 array (B, L), optional
+            1 = real token.
+        max_new_tokens, do_sample, temperature, top_k, top_p, min_p : optional
+            Length and sampling (warpers in Hugging Face's order: temperature, top-k, top-p, min-p).
+        repetition_penalty, no_repeat_ngram_size, min_new_tokens : optional
+            Logits processors, applied before the warpers (greedy too).
+        stop_strings : str or list of str, optional
+            End a row when its text ends in one of them; needs ``tokenizer``.
+        tokenizer : Tokenizer, optional
+        num_return_sequences : int, optional
+            Sampled continuations per prompt.
+        seed : int or numpy.random.Generator, optional
+        eos_token_id : int or sequence of int, optional
+        pad_token_id : int, optional
+
+        Returns
+        -------
+        int64 array (B * num_return_sequences, L + T)
+            Prompts followed by the T <= ``max_new_tokens`` new tokens; pad after a row's end.
+        """
         from ..generation import generate
 
-        return generate(self, *args, **kwargs)
+        return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                        min_new_tokens=min_new_tokens, stop_strings=stop_strings, tokenizer=tokenizer,
+                        num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
+                        pad_token_id=pad_token_id)

@@ -14,8 +14,9 @@ import numpy as np
 
 from .checkpoint import check_model_matches, load_tensors_into, read_checkpoint_index, validate_checkpoint
 from .hf_config import decoder_config_from_hf
+from .tokenizer import load_tokenizer, read_generation_config
 
-__all__ = ["load_causal_lm", "read_decoder_config"]
+__all__ = ["load", "load_causal_lm", "read_decoder_config"]
 
 _DTYPES = (np.float16, np.float32, np.float64)
 
@@ -59,7 +60,8 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     Returns
     -------
     CausalLM
-        In eval mode; ``lm.config`` is its :class:`~attnkit.models.DecoderConfig`.
+        In eval mode; ``lm.config`` is its :class:`~attnkit.models.DecoderConfig`, ``lm.generation_config``
+        the folder's ``generation_config.json`` (a dict, empty without one): the defaults of ``lm.generate``.
 
     Raises
     ------
@@ -102,6 +104,7 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     config = read_decoder_config(folder)
     index = read_checkpoint_index(folder)
     stored = validate_checkpoint(index, config)
+    generation = read_generation_config(folder)
 
     from ..models import CausalLM
 
@@ -109,4 +112,25 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     params = dict(model.named_parameters())
     check_model_matches(params, stored)
     load_tensors_into(params, index, stored)
+    model.generation_config = generation
     return model.eval()
+
+
+def load(folder: str | Path, dtype: Any = np.float32):
+    """A Hugging Face causal LM folder as ``(model, tokenizer)``: :func:`load_causal_lm` and
+    :func:`~attnkit.pretrained.load_tokenizer` of the same folder.
+
+    The tokenizer is read first, so a folder without a usable ``tokenizer.json`` fails before any weight is
+    read. Raises what those two functions raise.
+
+    Examples
+    --------
+    With a chat model's folder (not run here: no such folder ships with attnkit)::
+
+        model, tokenizer = load("SmolLM2-135M-Instruct")
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+        out = model.generate([prompt["input_ids"]], max_new_tokens=32)
+        print(tokenizer.decode(out[0, len(prompt["input_ids"]):], skip_special_tokens=True))
+    """
+    tokenizer = load_tokenizer(folder)
+    return load_causal_lm(folder, dtype=dtype), tokenizer
