@@ -48,7 +48,8 @@ def test_a_command_added_to_commands_is_registered(monkeypatch, capsys):
     assert main(["hello", "--times", "4"]) == 2
     assert_one_line_error(capsys.readouterr().err, "attnkit hello: error: argument --times: must be at most 3")
     assert main([]) == 2
-    assert_one_line_error(capsys.readouterr().err, "choose a command: demo, attention, explain, bench, embed, generate, hello")
+    assert_one_line_error(capsys.readouterr().err,
+                          "choose a command: demo, attention, explain, bench, embed, generate, hello")
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["attention"], ["explain"], ["bench"], ["embed"], ["generate"]])
