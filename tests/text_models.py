@@ -76,3 +76,24 @@ def write_chat_tokenizer(folder: Path, chat_template: str = CHATML, *, template_
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
         (folder / "chat_template.jinja").unlink()
     return tok
+
+
+def write_chat_model(folder: Path, seed: int = 0):
+    """A tiny random Llama whose vocabulary is :func:`write_chat_tokenizer`'s, saved with its tokenizer and a
+    ChatML template in ``folder``; returns (hf_model, hf_tokenizer)."""
+    import transformers
+
+    import torch
+
+    tok = write_chat_tokenizer(folder)
+    config = transformers.LlamaConfig(vocab_size=tok.backend_tokenizer.get_vocab_size(), hidden_size=32,
+                                      intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128, bos_token_id=3,
+                                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # larger weights than the 0.02 init, so the logits differ clearly between tokens
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder)
+    return model, tok

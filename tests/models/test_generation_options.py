@@ -109,33 +109,25 @@ def test_num_return_sequences_samples_with_transformers_frequencies(pair):
 
 
 def test_stop_strings_end_rows_as_transformers_does(tmp_path):
-    from text_models import write_chat_tokenizer
+    from text_models import write_chat_model
 
-    hf_tok = write_chat_tokenizer(tmp_path)
-    config = transformers.LlamaConfig(vocab_size=hf_tok.backend_tokenizer.get_vocab_size(), hidden_size=32,
-                                      intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=3,
-                                      eos_token_id=2)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    hf.save_pretrained(tmp_path)
+    hf, hf_tok = write_chat_model(tmp_path)
     lm, tok = load_causal_lm(tmp_path), load_tokenizer(tmp_path)
     ids = np.array([tok.encode("Hello world, how")[-3:], tok.encode("The quick brown")[-3:]], dtype=np.int64)
     mask = np.ones(ids.shape, dtype=bool)
-    plain = lm.generate(ids, mask, max_new_tokens=16, eos_token_id=2, pad_token_id=0)
+    plain = lm.generate(ids, mask, max_new_tokens=16, eos_token_id=hf.config.eos_token_id, pad_token_id=0)
     texts = [tok.decode(row[ids.shape[1]:]) for row in plain]
     # Stop strings taken from what each row writes (its first two-letter ASCII piece after the first few
     # characters), so both rows stop early.
     stops = [next(t[i:i + 2] for i in range(3, len(t) - 1) if t[i:i + 2].isascii() and t[i:i + 2].isalpha())
              for t in texts]
     with torch.no_grad():
-        expected = hf.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
+        expected = hf.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.ones_like(torch.from_numpy(ids)),
                                max_new_tokens=16, do_sample=False, stop_strings=stops, tokenizer=hf_tok,
-                               eos_token_id=2, pad_token_id=0, top_k=None, top_p=None, temperature=None).numpy()
-    got = lm.generate(ids, mask, max_new_tokens=16, eos_token_id=2, pad_token_id=0, stop_strings=stops, tokenizer=tok)
+                               eos_token_id=hf.config.eos_token_id, pad_token_id=0, top_k=None, top_p=None,
+                               temperature=None).numpy()
+    got = lm.generate(ids, mask, max_new_tokens=16, eos_token_id=hf.config.eos_token_id, pad_token_id=0,
+                      stop_strings=stops, tokenizer=tok)
     np.testing.assert_array_equal(got, expected)
     assert got.shape[1] < plain.shape[1]
 

@@ -8,6 +8,7 @@ Commands::
     attnkit bench      time attnkit's attention kernels against naive NumPy and PyTorch
     attnkit embed      sentence embeddings with all-MiniLM-L6-v2 (the ``pretrained`` extra)
     attnkit generate   continue a prompt with a Hugging Face GPT-2/Llama/Mistral/Qwen2 folder (``pretrained`` extra)
+    attnkit chat       chat with a Hugging Face chat model folder, replies streamed (``pretrained`` extra)
 
 Layout: ``_common.py`` holds what every command shares (:class:`UsageError`, the argument types
 ``bounded_int`` / ``positive_int`` / ``non_negative_int`` / ``positive_float``, ``output_folder`` /
@@ -29,12 +30,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import attention, bench, demo, embed, explain, generate
+from . import attention, bench, chat, demo, embed, explain, generate
 from ._common import PROG, Parser, UsageError, check_argv_text, run_command
 
 __all__ = ["main", "build_parser", "UsageError", "COMMANDS"]
 
-COMMANDS = (demo, attention, explain, bench, embed, generate)
+COMMANDS = (demo, attention, explain, bench, embed, generate, chat)
 
 
 def build_parser() -> argparse.ArgumentParser:
