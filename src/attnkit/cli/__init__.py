@@ -4,6 +4,7 @@ Commands::
 
     attnkit demo       train a small Transformer on a synthetic task; write its attention, curve and model
     attnkit attention  draw the attention heatmaps of a saved demo model (or of --model minilm) for an input
+    attnkit explain    explain a causal LM's next-token prediction in one offline HTML page
     attnkit bench      time attnkit's attention kernels against naive NumPy and PyTorch
     attnkit embed      sentence embeddings with all-MiniLM-L6-v2 (the ``pretrained`` extra)
     attnkit generate   continue a prompt with a Hugging Face GPT-2/Llama/Mistral/Qwen2 folder (``pretrained`` extra)
@@ -29,12 +30,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import attention, bench, chat, demo, embed, generate
+from . import attention, bench, chat, demo, embed, explain, generate
 from ._common import PROG, Parser, UsageError, check_argv_text, run_command
 
 __all__ = ["main", "build_parser", "UsageError", "COMMANDS"]
 
-COMMANDS = (demo, attention, bench, embed, generate, chat)
+COMMANDS = (demo, attention, explain, bench, embed, generate, chat)
 
 
 def build_parser() -> argparse.ArgumentParser:

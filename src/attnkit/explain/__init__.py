@@ -4,9 +4,12 @@ the layers, and what each layer would predict.
 - :func:`gradient_x_input`, :func:`saliency`: input attributions from attnkit's own exact backward.
 - :func:`attention_rollout`: Abnar and Zuidema's rollout of the attention weights over the layers.
 - :func:`logit_lens`: every block's output read through the final norm and the output head.
+- :func:`explain_html`: all of it, with the attention of every head, in one offline HTML page.
 """
 from .attribution import gradient_x_input, saliency
 from .logit_lens import LogitLens, logit_lens
+from .page import encode_attention, explain_html
 from .rollout import attention_rollout
 
-__all__ = ["LogitLens", "attention_rollout", "gradient_x_input", "logit_lens", "saliency"]
+__all__ = ["LogitLens", "attention_rollout", "encode_attention", "explain_html", "gradient_x_input", "logit_lens",
+           "saliency"]

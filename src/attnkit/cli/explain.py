@@ -1,0 +1,76 @@
+"""``attnkit explain``: one offline HTML page that explains a causal LM's next-token prediction for a prompt."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._common import UsageError, bounded_int, output_file, printable
+
+__all__ = ["NAME", "add_parser", "run"]
+
+NAME = "explain"
+PROG = f"attnkit {NAME}"
+HTML_SUFFIXES = (".html", ".htm")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``attnkit explain`` and its arguments."""
+    p = subparsers.add_parser(
+        NAME, help="explain a causal LM's next-token prediction in one HTML page",
+        description="Load a Hugging Face causal-LM folder (config.json with model_type gpt2, llama, mistral or\n"
+                    "qwen2, and model.safetensors), run it on a prompt and write one self-contained HTML page:\n"
+                    "which prompt tokens made the model predict each of its top next tokens (gradient x input\n"
+                    "and saliency from attnkit's exact backward; pick the output token in the page), the logit\n"
+                    "lens, the attention rollout and the attention of every head. The page needs no network.",
+        epilog="examples:\n  attnkit explain ./tiny-llama --prompt \"The capital of France is\" --html paris.html\n"
+               "  attnkit explain ./gpt2 --ids 464,3797,3332 --html cat.html --candidates 8",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", metavar="DIR", help="a Hugging Face causal-LM folder")
+    p.add_argument("--prompt", metavar="TEXT", default=None, help="the prompt text (needs the folder's tokenizer.json)")
+    p.add_argument("--ids", metavar="IDS", default=None, help="the prompt's token ids, comma-separated")
+    p.add_argument("--html", metavar="FILE", required=True, help="the page to write (.html)")
+    p.add_argument("--candidates", type=bounded_int(1, 50), default=5,
+                   help="how many of the most likely next tokens to explain (default 5)")
+    p.add_argument("--top-k", type=bounded_int(1, 20), default=5, help="tokens per logit-lens cell (default 5)")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the folder, the prompt and the output file, then write the page and say what it holds."""
+    from ..explain import explain_html
+    from .attention import is_causal_lm_folder
+    from .generate import load_model, load_tokenizer, prompt_ids
+
+    if not is_causal_lm_folder(args.model_dir):
+        raise UsageError(f"{printable(repr(args.model_dir))} is not a Hugging Face causal-LM folder (config.json with "
+                         f"model_type gpt2, llama, mistral or qwen2); for MiniLM and the demo models use "
+                         f"'attnkit attention --html'", PROG)
+    if (args.prompt is None) == (args.ids is None):
+        raise UsageError("give the prompt once: --prompt TEXT or --ids 1,2,3", PROG)
+    page = output_file(args.html, HTML_SUFFIXES)
+    tokenizer = load_tokenizer(args.model_dir, needed=args.prompt is not None, prog=PROG)
+    model = load_model(args.model_dir, prog=PROG)
+    ids = prompt_ids(args, tokenizer, model.config, prog=PROG)
+    if args.candidates > model.config.vocab_size or args.top_k > model.config.vocab_size:
+        raise UsageError(f"--candidates and --top-k must be at most the vocabulary size "
+                         f"{model.config.vocab_size}", PROG)
+
+    def piece(token: int) -> str:
+        text = tokenizer.id_to_token(token) if tokenizer is not None else None
+        return str(token) if text is None else text
+
+    name = printable(Path(args.model_dir).name or args.model_dir)
+    said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
+    data = explain_html(model, np.array(ids, dtype=np.int64), page, token_text=piece, candidates=args.candidates,
+                        top_k=args.top_k, title=f"{name}: {said}")
+    best = data["candidates"][0]
+    print(f"model: {name} ({model.config.family}, {model.config.num_layers} layers, {model.config.num_heads} heads); "
+          f"{len(ids)} tokens")
+    print(f"next token: {printable(repr(best['text']))} ({best['prob']:.1%}); explained the top "
+          f"{len(data['candidates'])}")
+    print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
+    return 0
