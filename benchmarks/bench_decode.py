@@ -7,7 +7,7 @@ greedy tokens of the first run are equal).
 Measured, each in the same run for both:
 
 * decode tokens/s: prompt of 16 tokens, 48 new tokens, greedy, batch 1 and 8 (attnkit: prefill into a
-  :class:`~attnkit.cache.KVCache` then one token per step; HF: ``model.generate(do_sample=False)``);
+  :class:`~attnkit.decoding.cache.KVCache` then one token per step; HF: ``model.generate(do_sample=False)``);
 * prefill: one forward of 1024 tokens, batch 1 (attnkit: into a cache, as generation would; HF: forward with
   ``use_cache=True``);
 * the memory of the attnkit cache after the prefill.
@@ -100,7 +100,7 @@ def build(args):
 
 
 def greedy(model: CausalLM, ids: np.ndarray, new: int) -> np.ndarray:
-    """Prefill into a cache, then one greedy token per step (what attnkit.generation does, minus warpers)."""
+    """Prefill into a cache, then one greedy token per step (what attnkit.decoding.sampling does, minus warpers)."""
     cache = model.new_cache(ids.shape[0], max_length=ids.shape[1] + new)
     logits = model(ids, cache=cache)[:, -1]  # (B, V)
     out = [ids]

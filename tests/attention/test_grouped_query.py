@@ -6,7 +6,7 @@ import pytest
 
 import torch
 from attnkit.attention.grouped_query import GroupedQueryAttention
-from attnkit.cache import KVCache
+from attnkit.decoding.cache import KVCache
 from attnkit.layers.rotary import RotaryEmbedding
 from decoder_cases import copy_attention, hf_config, tiny_config
 

@@ -151,7 +151,7 @@ def test_unreadable_paths_are_one_line(small_demo, tmp_path, capsys, monkeypatch
 
 
 def test_a_loaded_model_predicts_as_the_trained_one(small_demo):
-    from attnkit import demo
+    from attnkit.demos import encoder as demo
 
     model, meta = demo.load_model(small_demo)
     ids = np.array([[1, 2, 3]])

@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the demo draws with the viz extra: pip install 'attnkit[viz]'")
 
-from attnkit import demo  # noqa: E402
 from attnkit.cli import build_parser, main  # noqa: E402
 from attnkit.cli import demo as demo_command  # noqa: E402
+from attnkit.demos import encoder as demo  # noqa: E402
 from attnkit.models import TokenTagger  # noqa: E402
 from attnkit.viz import attention_figsize  # noqa: E402
 from cli_helpers import assert_image, run_attnkit  # noqa: E402

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from attnkit import seq2seq_demo
 from attnkit.cli import main
+from attnkit.demos import dates as seq2seq_demo
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 from attnkit.cli import main  # noqa: E402
-from attnkit.generation import generate  # noqa: E402
+from attnkit.decoding.sampling import generate  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import VOCAB, edit_config, saved_model, write_word_tokenizer  # noqa: E402
 

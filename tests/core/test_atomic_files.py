@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnkit import demo
 from attnkit import io as attnkit_io
 from attnkit.core import Module, ModuleList
+from attnkit.demos import encoder as demo
 from attnkit.io import atomic_write, atomic_write_files, save_arrays
 from attnkit.layers import Projection
 from attnkit.optim import Adam
@@ -66,7 +66,7 @@ SIZE_LIMITED = """
             from attnkit.optim import Adam
             Adam(Projection(100, 200, rng=1), lr=0.5).save(path)
         else:
-            from attnkit import demo
+            from attnkit.demos import encoder as demo
             config = demo.DemoConfig(steps=1, batch_size=4, eval_size=4, eval_points=1, seed=1)
             demo.save_model(demo.train(config), path)
     except OSError as exc:

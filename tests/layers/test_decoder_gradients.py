@@ -119,7 +119,7 @@ def test_decoder_block_rejects_bad_inputs():
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("cross_attention", ["dot", "additive"])
 def test_incremental_decode_equals_full_forward(norm_first, cross_attention):
-    from attnkit.cache import KVCache
+    from attnkit.decoding.cache import KVCache
     rng = make_rng(6, norm_first, len(cross_attention))
     dec = TransformerDecoder(2, D, H, F, norm_first=norm_first, final_norm=True, attention_bias=True,
                              cross_attention=cross_attention, rng=rng)

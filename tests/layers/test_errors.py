@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attnkit.attention import MultiHeadAttention
+from attnkit.demos.tasks import make_batch, token_names
 from attnkit.layers import (
     Dropout,
     Embedding,
@@ -20,7 +21,6 @@ from attnkit.layers import (
 )
 from attnkit.losses import softmax_cross_entropy
 from attnkit.models import TokenTagger
-from attnkit.tasks import make_batch, token_names
 
 
 @pytest.mark.parametrize("call,exc,match", [

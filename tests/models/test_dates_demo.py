@@ -4,7 +4,8 @@ import datetime as dt
 import numpy as np
 import pytest
 
-from attnkit import date_task, seq2seq_demo
+from attnkit.demos import date_data as date_task
+from attnkit.demos import dates as seq2seq_demo
 
 MARCH_3_1998 = {
     "ordinal_of": "3rd of March 1998", "the_ordinal_of": "the 3rd of march, 1998", "mon_d_yy": "Mar 3, '98",

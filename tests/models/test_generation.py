@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from attnkit.generation import (
+from attnkit.decoding.sampling import (
     generate,
     generate_stream,
     min_p_filter,

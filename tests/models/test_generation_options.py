@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from attnkit.generation import apply_repetition_penalty, banned_ngram_tokens
+from attnkit.decoding.sampling import apply_repetition_penalty, banned_ngram_tokens
 from attnkit.pretrained import load_causal_lm, load_tokenizer
 from hf_models import EOS, VOCAB, left_padded_batch, saved_model
 

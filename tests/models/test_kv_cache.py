@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnkit.cache import KVCache
+from attnkit.decoding.cache import KVCache
 
 from helpers import make_rng, randn
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkit.lm_demo import (
+from attnkit.demos.addition import (
     EOS,
     AdditionConfig,
     decode_answer,

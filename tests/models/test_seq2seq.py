@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from attnkit.beam_search import beam_search
+from attnkit.decoding.beam_search import beam_search
 from attnkit.models import Seq2SeqTransformer
 
 from helpers import assert_gradient, make_rng, numerical_gradient

@@ -1,11 +1,11 @@
-"""attnkit.tasks: batches are reproducible from a seed, have the documented shapes and dtypes, and their
+"""attnkit.demos.tasks: batches are reproducible from a seed, have the documented shapes and dtypes, and their
 targets are what each task says (checked against independent per-row constructions)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from attnkit.tasks import TASKS, make_batch, token_names
+from attnkit.demos.tasks import TASKS, make_batch, token_names
 
 
 @pytest.mark.parametrize("task", TASKS)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from attnkit.demos.tasks import make_batch
 from attnkit.kernels._threads import blas_single_thread
 from attnkit.models import TokenTagger, token_accuracy, train_step
 from attnkit.optim import Adam, AdamW
-from attnkit.tasks import make_batch
 
 SEQ_LEN, DIGITS, BATCH = 8, 10, 64
 

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-from attnkit.generation import generate  # noqa: E402
+from attnkit.decoding.sampling import generate  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import EOS, FAMILY_MODELS, hf_greedy, hf_logits, left_padded_batch, saved_model  # noqa: E402
 
@@ -139,7 +139,7 @@ def test_no_torch_or_transformers_imported_at_runtime(hf_root, tmp_path):
     folder, _ = saved_model("llama_mqa", hf_root)
     code = ("import sys, numpy as np; from attnkit.pretrained import load_causal_lm; "
             f"lm = load_causal_lm({str(folder)!r}); "
-            "from attnkit.generation import generate; generate(lm, np.array([[1, 2]]), max_new_tokens=2); "
+            "from attnkit.decoding.sampling import generate; generate(lm, np.array([[1, 2]]), max_new_tokens=2); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -151,7 +151,7 @@ def test_no_torch_or_transformers_imported_at_runtime(hf_root, tmp_path):
 def test_warp_logits_equals_the_processor_list_hf_generate_builds(settings, hf_root):
     from transformers import GenerationConfig
 
-    from attnkit.generation import warp_logits
+    from attnkit.decoding.sampling import warp_logits
 
     _, hf = loaded("llama_gqa", hf_root)
     full = {"temperature": 1.0, "top_k": None, "top_p": None, "min_p": None, **settings}

@@ -24,7 +24,7 @@ def demo_folder(tmp_path_factory):
 
 
 def test_demo_writes_the_explorer_next_to_its_pictures(demo_folder):
-    from attnkit import demo
+    from attnkit.demos import encoder as demo
 
     model, meta = demo.load_model(demo_folder)
     data = _embedded(demo_folder / "attention.html")
@@ -36,7 +36,7 @@ def test_demo_writes_the_explorer_next_to_its_pictures(demo_folder):
 
 
 def test_attention_html_only_writes_no_picture(demo_folder, tmp_path, monkeypatch, capsys):
-    from attnkit import demo
+    from attnkit.demos import encoder as demo
 
     monkeypatch.chdir(tmp_path)
     assert main(["attention", "--model", str(demo_folder), "--input", "3 1 4 1 5 9 2 6 5 3", "--html", "s.html"]) == 0

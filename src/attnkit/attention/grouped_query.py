@@ -33,7 +33,7 @@ class GroupedQueryAttention(Module):
         Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention_bias``,
         ``output_bias``, ``rope_interleaved`` and the window of this layer (``config.window_of(layer_index)``).
     layer_index : int
-        Which layer this is (its window, and its entry in a :class:`~attnkit.cache.KVCache`).
+        Which layer this is (its window, and its entry in a :class:`~attnkit.decoding.cache.KVCache`).
     rng : numpy.random.Generator or int, optional
         Source of the ``N(0, 0.02^2)`` initial weights (biases start at zero).
 
@@ -48,7 +48,7 @@ class GroupedQueryAttention(Module):
     rotary : ``(cos, sin)`` each (B, L, R) from :class:`~attnkit.layers.rotary.RotaryEmbedding`, or None
     (no rotary, e.g. GPT-2's learned positions).
     attention_mask : (B, S) bool/0-1, ``True`` = real token, over the cache slots (past + new); None = all real.
-    cache : :class:`~attnkit.cache.KVCache`, optional. With a cache the new keys/values are appended and the
+    cache : :class:`~attnkit.decoding.cache.KVCache`, optional. With a cache the new keys/values are appended and the
     queries attend to every kept slot; the cached path is for inference (no :meth:`backward`).
 
     Examples

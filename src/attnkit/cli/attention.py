@@ -106,7 +106,7 @@ def _check_index(name: str, value: int | None, count: int) -> None:
 
 # -- a demo model ----------------------------------------------------------------------------------------
 def _load_demo_model(path: str) -> tuple[Any, dict]:
-    from .. import demo
+    from ..demos import encoder as demo
 
     shown = printable(repr(path))
     try:
@@ -119,7 +119,7 @@ def _load_demo_model(path: str) -> tuple[Any, dict]:
 
 
 def _demo_attention(args: argparse.Namespace, text: str, output: Path | None, html: Path | None) -> int:
-    from .. import demo
+    from ..demos import encoder as demo
     from .demo import query_labels
 
     model, meta = _load_demo_model(args.model)

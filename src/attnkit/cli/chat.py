@@ -102,7 +102,7 @@ def terminal_safe(text: str) -> str:
 
 
 def _reply(model: Any, tokenizer: Any, messages: list[dict], args: argparse.Namespace, out: TextIO) -> None:
-    from ..generation import generate_stream
+    from ..decoding.sampling import generate_stream
 
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     max_new = args.max_new_tokens

@@ -98,7 +98,7 @@ def _words(ids: Sequence[int], tokens: Sequence[str]) -> str:
 
 
 def _train(args: argparse.Namespace) -> Any:
-    from .. import demo
+    from ..demos import encoder as demo
 
     config = _task_config(demo.DemoConfig, args, task=args.task, seq_len=args.seq_len)
     model = demo.build_model(config)
@@ -113,7 +113,7 @@ def _train(args: argparse.Namespace) -> Any:
 
 
 def _report(result: Any) -> None:
-    from .. import tasks
+    from ..demos import tasks
 
     config, tokens = result.config, tasks.token_names(result.config.num_digits)
     ex, pred, want = result.example, result.example_prediction, result.example_target
@@ -125,7 +125,8 @@ def _report(result: Any) -> None:
 
 
 def _draw(result: Any, out: Path) -> None:
-    from .. import demo, tasks
+    from ..demos import encoder as demo
+    from ..demos import tasks
     from ..viz import plot_attention, plot_training_curve
 
     config, tokens = result.config, tasks.token_names(result.config.num_digits)
@@ -149,7 +150,8 @@ def _draw(result: Any, out: Path) -> None:
 
 def run_tagging_task(args: argparse.Namespace, out: Path) -> int:
     """Train a :class:`~attnkit.models.TokenTagger` on ``args.task``; write pictures and the model to ``out``."""
-    from .. import demo, tasks
+    from ..demos import encoder as demo
+    from ..demos import tasks
 
     result = _train(args)
     _report(result)
@@ -169,7 +171,7 @@ def run_tagging_task(args: argparse.Namespace, out: Path) -> int:
 def run_dates_task(args: argparse.Namespace, out: Path) -> int:
     """Train a :class:`~attnkit.models.Seq2SeqTransformer` to write dates as ISO; write the cross-attention
     alignment picture, the training curve and the model to ``out``."""
-    from .. import seq2seq_demo
+    from ..demos import dates as seq2seq_demo
     from ..viz import plot_attention, plot_training_curve
 
     config = _task_config(seq2seq_demo.DatesConfig, args)
@@ -204,7 +206,7 @@ def run_dates_task(args: argparse.Namespace, out: Path) -> int:
 def run_addition_task(args: argparse.Namespace, out: Path) -> int:
     """Train a Llama-style :class:`~attnkit.models.CausalLM` to add two numbers; decode held-out sums with the
     KV cache; write the training curve and the model to ``out``."""
-    from .. import lm_demo
+    from ..demos import addition as lm_demo
     from ..io import atomic_write
     from ..viz import plot_training_curve
 
@@ -241,9 +243,9 @@ DEMO_TASKS: dict[str, DemoTask] = {
 # -- the command -----------------------------------------------------------------------------------------
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit demo`` and its arguments."""
-    from ..demo import DemoConfig
-    from ..lm_demo import AdditionConfig
-    from ..seq2seq_demo import DatesConfig
+    from ..demos.addition import AdditionConfig
+    from ..demos.dates import DatesConfig
+    from ..demos.encoder import DemoConfig
 
     d = DemoConfig()
     p = subparsers.add_parser(

@@ -134,7 +134,7 @@ def _shown(text: str) -> str:
 
 def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     """Generate from ``args`` and stream the text (or the ids, without a tokenizer) to ``stdout``."""
-    from ..generation import generate_stream
+    from ..decoding.sampling import generate_stream
 
     out = sys.stdout if stdout is None else stdout
     if not Path(args.model_dir).is_dir():

@@ -7,7 +7,7 @@ Dh = D // H head features, F ``d_ff``.
 Besides ``forward``/``backward`` (training), a block can decode incrementally for generation:
 :meth:`TransformerDecoderBlock.project_memory` computes the cross-attention keys and values of the memory
 once, and :meth:`TransformerDecoderBlock.decode` runs new target positions against a
-:class:`attnkit.cache.KVCache` holding the self-attention keys and values of the earlier ones. That path
+:class:`attnkit.decoding.cache.KVCache` holding the self-attention keys and values of the earlier ones. That path
 keeps no backward cache worth using and is checked against the full forward by the tests.
 """
 from __future__ import annotations
@@ -227,7 +227,7 @@ class TransformerDecoderBlock(Module):
         ----------
         x : ndarray (B, Ln, D)
             The block's input at the next Ln positions.
-        cache : attnkit.cache.KVCache
+        cache : attnkit.decoding.cache.KVCache
             Its ``layer`` slot receives this block's self-attention keys/values of the new positions.
         layer : int
         memory_kv : tuple of ndarray

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_bool_mask
-from ..cache import KVCache
 from ..core.module import Module, ModuleList
+from ..decoding.cache import KVCache
 from ..init import as_generator
 from ..kernels._threads import blas_single_thread
 from ..layers._common import check_grad_output
@@ -128,7 +128,7 @@ class CausalLM(Module):
         return self.embed.weight.dtype
 
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
-        """An empty :class:`~attnkit.cache.KVCache` for this model (ring buffers for sliding layers)."""
+        """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers)."""
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
                        windows=[c.window_of(i) for i in range(c.num_layers)])
@@ -256,7 +256,7 @@ class CausalLM(Module):
         """Decode new tokens with the KV cache, with Hugging Face's argument names and meanings.
 
         Every argument left as None takes :attr:`generation_config`'s value (the folder's
-        ``generation_config.json``), else the default of :func:`attnkit.generation.generate`, which documents
+        ``generation_config.json``), else the default of :func:`attnkit.decoding.sampling.generate`, which documents
         each argument and which this calls.
 
         Parameters
@@ -283,7 +283,7 @@ class CausalLM(Module):
         int64 array (B * num_return_sequences, L + T)
             Prompts followed by the T <= ``max_new_tokens`` new tokens; pad after a row's end.
         """
-        from ..generation import generate
+        from ..decoding.sampling import generate
 
         return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

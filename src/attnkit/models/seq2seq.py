@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_positive_int
-from ..beam_search import beam_search, greedy_search
-from ..cache import KVCache
 from ..core.module import Module
+from ..decoding.beam_search import beam_search, greedy_search
+from ..decoding.cache import KVCache
 from ..init import as_generator
 from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
 
@@ -184,7 +184,7 @@ class Seq2SeqTransformer(Module):
         """Decode a target for every source row: greedy (``num_beams=1``) or beam search.
 
         The encoder runs once; every decoder block's cross-attention keys/values of the memory are
-        projected once, and its self-attention keys/values are kept in a :class:`~attnkit.cache.KVCache`, so
+        projected once, and its self-attention keys/values are kept in a :class:`~attnkit.decoding.cache.KVCache`, so
         each step costs one position. Runs in eval mode (no dropout) and restores the previous mode.
 
         Parameters

@@ -1,6 +1,6 @@
 """Small complete models built from :mod:`attnkit.layers`, and helpers to train and score them.
 
-:class:`TokenTagger` classifies every token of a sequence (the :mod:`attnkit.tasks` problems, tagging,
+:class:`TokenTagger` classifies every token of a sequence (the :mod:`attnkit.demos.tasks` problems, tagging,
 per-token labels). Dimension letters: B batch, L sequence length, V vocabulary, C classes, D ``d_model``,
 H heads.
 """
@@ -59,7 +59,7 @@ class TokenTagger(Module):
 
     Examples
     --------
-    >>> from attnkit.tasks import make_batch
+    >>> from attnkit.demos.tasks import make_batch
     >>> model = TokenTagger(vocab_size=10, num_classes=10, max_length=8, d_model=16, num_heads=2, rng=0)
     >>> ids, targets = make_batch("reverse", 4, 6, rng=0)
     >>> logits, weights = model(ids, need_weights=True)
@@ -128,7 +128,7 @@ def train_step(model: TokenTagger, optimizer: Optimizer, ids: Any, targets: Any,
     Examples
     --------
     >>> from attnkit.optim import Adam
-    >>> from attnkit.tasks import make_batch
+    >>> from attnkit.demos.tasks import make_batch
     >>> model = TokenTagger(10, 10, 8, d_model=16, num_heads=2, rng=0)
     >>> ids, targets = make_batch("reverse", 8, 6, rng=0)
     >>> opt = Adam(model, lr=1e-2)

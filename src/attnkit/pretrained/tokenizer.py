@@ -361,7 +361,7 @@ class Tokenizer:
 
         Parameters
         ----------
-        tokens : iterable of int (or of (1,) arrays, as :func:`attnkit.generation.generate_stream` yields)
+        tokens : iterable of int (or of (1,) arrays, as :func:`attnkit.decoding.sampling.generate_stream` yields)
         skip_special_tokens : bool, default False
 
         Examples

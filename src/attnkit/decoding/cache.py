@@ -1,0 +1,253 @@
+"""Per-layer keys and values of a decoder, kept between decoding steps.
+
+Dimension letters: B batch rows, Hkv key/value heads, S slots, Lnew new tokens, Dh features per head,
+W sliding window.
+
+A *slot* is the column of a token in the model's ``attention_mask`` (pad columns included): slot ``s`` holds
+the key and value computed for the ``s``-th input column. The slot is not the rotary position: a left-padded
+row starts its positions at its first real token while its slots start at 0, so the cache never needs to know
+about positions, and the attention layer masks keys by looking up ``attention_mask[:, slots]``.
+
+Three storage kinds, chosen per layer:
+
+- growing (``max_length=None``, full-attention layer): capacity doubles when full;
+- fixed (``max_length=N``): allocated once for N slots; writing past N is an error;
+- ring buffer (the layer's window W is set): only the last W slots are kept, slot ``s`` lives at index
+  ``s % W``; a layer with window W never reads older keys, so the memory stays O(W) however long the text.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["CachedKV", "KVCache"]
+
+
+class CachedKV(NamedTuple):
+    """What one layer's attention reads after :meth:`KVCache.update`.
+
+    keys, values : (B, Hkv, S, Dh), the kept past slots followed by the new ones, in slot order
+    slots : (S,) int64, the slot (attention-mask column) of every returned key
+    """
+
+    keys: np.ndarray
+    values: np.ndarray
+    slots: np.ndarray
+
+
+def _check_positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class KVCache:
+    """Keys and values of every layer of a decoder for incremental decoding.
+
+    Parameters
+    ----------
+    num_layers : int
+    batch_size : int
+        B, rows decoded together.
+    num_kv_heads : int
+        Hkv.
+    head_dim : int
+        Dh.
+    dtype : numpy dtype, default float32
+        Storage dtype; new keys/values are cast to it.
+    max_length : int, optional
+        Fixed size: every full-attention layer allocates ``max_length`` slots up front and writing more is a
+        ``ValueError``. ``None`` grows the storage as needed.
+    windows : sequence of (int or None), optional
+        Per-layer sliding window W; a layer with W keeps a ring buffer of its last W slots.
+
+    Shapes
+    ------
+    ``update(layer, k_new, v_new)`` takes ``(B, Hkv, Lnew, Dh)`` and returns a :class:`CachedKV` with keys and
+    values ``(B, Hkv, S, Dh)`` and slots ``(S,)``. For a full layer S = ``length`` after the update; for a
+    window-W layer S = min(W, past) + Lnew (the kept past slots plus every new one, since the first new
+    queries still need keys older than the last W). The returned arrays may be views of the storage: read
+    them before the next ``update`` of that layer.
+
+    Examples
+    --------
+    >>> cache = KVCache(num_layers=2, batch_size=1, num_kv_heads=1, head_dim=2, windows=[None, 2])
+    >>> k = np.ones((1, 1, 3, 2), dtype=np.float32)
+    >>> cache.update(0, k, k).slots, cache.update(1, k, k).slots
+    (array([0, 1, 2]), array([0, 1, 2]))
+    >>> cache.length
+    3
+    >>> step = np.ones((1, 1, 1, 2), dtype=np.float32)
+    >>> cache.update(0, step, step).slots, cache.update(1, step, step).slots
+    (array([0, 1, 2, 3]), array([1, 2, 3]))
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+                 dtype=np.float32, *, max_length: int | None = None, windows=None) -> None:
+        self.num_layers = _check_positive(num_layers, "num_layers")
+        self.batch_size = _check_positive(batch_size, "batch_size")
+        self.num_kv_heads = _check_positive(num_kv_heads, "num_kv_heads")
+        self.head_dim = _check_positive(head_dim, "head_dim")
+        self.dtype = np.dtype(dtype)
+        if self.dtype.kind != "f":
+            raise TypeError(f"dtype must be a floating dtype, got {self.dtype}")
+        self.max_length = None if max_length is None else _check_positive(max_length, "max_length")
+        windows = [None] * self.num_layers if windows is None else list(windows)
+        if len(windows) != self.num_layers:
+            raise ValueError(f"windows has {len(windows)} entries but num_layers is {self.num_layers}")
+        self.windows = [None if w is None else _check_positive(w, f"windows[{i}]") for i, w in enumerate(windows)]
+        self._lengths = [0] * self.num_layers
+        self._keys = [self._empty(self._initial_capacity(i)) for i in range(self.num_layers)]
+        self._values = [self._empty(self._initial_capacity(i)) for i in range(self.num_layers)]
+
+    # ------------------------------------------------------------------------------------------------
+    def _initial_capacity(self, layer: int) -> int:
+        window = self.windows[layer]
+        if window is not None:
+            return window if self.max_length is None else min(window, self.max_length)
+        return 0 if self.max_length is None else self.max_length
+
+    def _empty(self, slots: int, rows: int | None = None) -> np.ndarray:
+        rows = self.batch_size if rows is None else rows
+        return np.zeros((rows, self.num_kv_heads, slots, self.head_dim), dtype=self.dtype)  # (B, Hkv, S, Dh)
+
+    def _check_layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an integer in [0, {self.num_layers}), got {layer!r}")
+        return int(layer)
+
+    def _check_new(self, array, name: str) -> np.ndarray:
+        array = np.asarray(array)
+        expected = (self.batch_size, self.num_kv_heads, "Lnew", self.head_dim)
+        if (array.ndim != 4 or array.shape[0] != self.batch_size or array.shape[1] != self.num_kv_heads
+                or array.shape[3] != self.head_dim):
+            raise ValueError(f"{name} must have shape {expected}, got {array.shape}")
+        if array.dtype.kind != "f":
+            raise TypeError(f"{name} must be a floating array, got dtype {array.dtype}")
+        return array
+
+    # ------------------------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Slots filled in every layer (pad slots included): the attention-mask columns seen so far."""
+        return min(self._lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key and value storage of all layers."""
+        return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
+
+    def update(self, layer: int, k_new: np.ndarray, v_new: np.ndarray) -> CachedKV:
+        """Append ``Lnew`` slots to ``layer`` and return the keys/values its attention must read.
+
+        Parameters
+        ----------
+        layer : int
+        k_new, v_new : (B, Hkv, Lnew, Dh)
+
+        Returns
+        -------
+        CachedKV
+            ``keys``, ``values`` (B, Hkv, S, Dh) in slot order and ``slots`` (S,).
+        """
+        layer = self._check_layer(layer)
+        k_new = self._check_new(k_new, "k_new")
+        v_new = self._check_new(v_new, "v_new")
+        if k_new.shape != v_new.shape:
+            raise ValueError(f"k_new and v_new must have the same shape, got {k_new.shape} and {v_new.shape}")
+        past, new = self._lengths[layer], k_new.shape[2]
+        end = past + new
+        if self.max_length is not None and end > self.max_length:
+            raise ValueError(f"the cache holds max_length={self.max_length} slots but layer {layer} would "
+                             f"reach {end} ({past} filled + {new} new)")
+        if self.windows[layer] is not None:
+            return self._update_ring(layer, k_new, v_new)
+        if end > self._keys[layer].shape[2]:
+            self._grow(layer, max(end, 2 * self._keys[layer].shape[2]))
+        self._keys[layer][:, :, past:end] = k_new
+        self._values[layer][:, :, past:end] = v_new
+        self._lengths[layer] = end
+        return CachedKV(self._keys[layer][:, :, :end], self._values[layer][:, :, :end],
+                        np.arange(end, dtype=np.int64))
+
+    def _grow(self, layer: int, capacity: int) -> None:
+        for store in (self._keys, self._values):
+            bigger = self._empty(capacity)  # (B, Hkv, capacity, Dh)
+            bigger[:, :, :self._lengths[layer]] = store[layer][:, :, :self._lengths[layer]]
+            store[layer] = bigger
+
+    def _kept_slots(self, layer: int) -> np.ndarray:
+        """Slots still held by a ring-buffer layer, oldest first."""
+        length, capacity = self._lengths[layer], self._keys[layer].shape[2]
+        return np.arange(max(0, length - capacity), length, dtype=np.int64)
+
+    def _update_ring(self, layer: int, k_new: np.ndarray, v_new: np.ndarray) -> CachedKV:
+        kept = self._kept_slots(layer)  # (Skept,)
+        capacity = self._keys[layer].shape[2]
+        new = k_new.shape[2]
+        slots = np.concatenate([kept, np.arange(self._lengths[layer], self._lengths[layer] + new)])  # (S,)
+        ring_index = kept % capacity
+        keys = np.concatenate([self._keys[layer][:, :, ring_index], k_new.astype(self.dtype, copy=False)],
+                              axis=2)  # (B, Hkv, S, Dh)
+        values = np.concatenate([self._values[layer][:, :, ring_index], v_new.astype(self.dtype, copy=False)],
+                                axis=2)  # (B, Hkv, S, Dh)
+        # Only the last `capacity` slots survive; older ones would be overwritten in the same write anyway.
+        last = slots[-capacity:]
+        self._keys[layer][:, :, last % capacity] = keys[:, :, -capacity:]
+        self._values[layer][:, :, last % capacity] = values[:, :, -capacity:]
+        self._lengths[layer] += new
+        return CachedKV(keys, values, slots)
+
+    # ------------------------------------------------------------------------------------------------
+    def crop(self, length: int) -> None:
+        """Forget every slot from ``length`` on (e.g. rejected draft tokens).
+
+        A ring-buffer layer that has already overwritten slots cannot go back (the keys it would need are
+        gone): that is a ``ValueError``.
+        """
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.length:
+            raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
+        for layer in range(self.num_layers):
+            capacity = self._keys[layer].shape[2]
+            if (self.windows[layer] is not None and self._lengths[layer] > capacity
+                    and length < self._lengths[layer]):
+                raise ValueError(f"layer {layer} keeps a ring buffer of {capacity} slots and has overwritten "
+                                 f"slots before {self._lengths[layer] - capacity}; it cannot be cropped to {length}")
+        self._lengths = [int(length)] * self.num_layers
+
+    def reorder(self, index) -> None:
+        """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows).
+
+        Parameters
+        ----------
+        index : (B',) int
+        """
+        index = np.asarray(index)
+        if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
+            raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
+                             f"and dtype {index.dtype}")
+        if index.min() < -self.batch_size or index.max() >= self.batch_size:
+            raise ValueError(f"index must hold rows in [0, {self.batch_size}), got {index.min()}..{index.max()}")
+        self._keys = [k[index] for k in self._keys]  # (B', Hkv, S, Dh)
+        self._values = [v[index] for v in self._values]  # (B', Hkv, S, Dh)
+        self.batch_size = int(index.size)
+
+    def select(self, rows) -> None:
+        """Keep only ``rows`` (a boolean (B,) mask or distinct integer indices), e.g. rows still decoding."""
+        rows = np.asarray(rows)
+        if rows.dtype == bool:
+            if rows.shape != (self.batch_size,):
+                raise ValueError(f"a boolean rows mask must have shape ({self.batch_size},), got {rows.shape}")
+            rows = np.flatnonzero(rows)
+        elif rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise ValueError(f"rows must be a boolean mask or 1-D integer indices, got shape {rows.shape} "
+                             f"and dtype {rows.dtype}")
+        if len(np.unique(rows)) != rows.size:
+            raise ValueError("rows must not repeat (use reorder to duplicate rows)")
+        self.reorder(rows)
+
+    def __repr__(self) -> str:
+        return (f"KVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, length={self.length}, "
+                f"max_length={self.max_length}, windows={self.windows})")

@@ -1,0 +1,574 @@
+"""Text generation for causal language models: logits warpers, greedy and sampled decoding, streaming.
+
+Decoding follows Hugging Face's ``generate`` (``do_sample`` with ``num_beams=1``): the prompt runs through the
+model once (prefill) into a :class:`~attnkit.decoding.cache.KVCache`, then each step feeds the one new token per row.
+With ``do_sample=True`` the last logits pass through the warpers in Hugging Face's order, each only when it
+changes something: temperature (``!= 1``), top-k (``> 0``), top-p (``< 1``), min-p (any value), and the next
+token is drawn from the softmax of what is left. Without sampling the next token is the argmax of the raw
+logits. A row that produced an end-of-sequence token is done: every later token of it is ``pad_token_id``;
+generation stops when every row is done or after ``max_new_tokens`` steps.
+
+Dimension letters: B rows, L prompt length (left padding included), V vocabulary, T new tokens.
+
+The warpers are pure functions of a logits array (..., V); filtered entries become ``-inf`` (Hugging Face's
+``filter_value``), so a softmax gives them probability zero.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
+           "apply_repetition_penalty", "banned_ngram_tokens", "generate", "generate_stream"]
+
+FILTER_VALUE = -np.inf
+
+
+def _check_logits(logits: Any) -> np.ndarray:
+    array = np.asarray(logits)
+    if array.dtype.kind != "f" or array.ndim < 1 or array.shape[-1] == 0:
+        raise ValueError(f"logits must be a floating array (..., V) with V >= 1, got dtype {array.dtype} and shape "
+                         f"{array.shape}")
+    return array
+
+
+def _check_min_keep(min_tokens_to_keep: Any) -> int:
+    if isinstance(min_tokens_to_keep, bool) or not isinstance(min_tokens_to_keep, (int, np.integer)) \
+            or min_tokens_to_keep < 1:
+        raise ValueError(f"min_tokens_to_keep must be a positive integer, got {min_tokens_to_keep!r}")
+    return int(min_tokens_to_keep)
+
+
+def _check_unit(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _check_temperature(temperature: Any) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(temperature) or temperature <= 0:
+        hint = " (for greedy decoding use do_sample=False)" if temperature == 0 else ""
+        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}{hint}")
+    return float(temperature)
+
+
+def _check_top_k(top_k: Any) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer (0 = no top-k filter) or None, got {top_k!r}")
+    return int(top_k)
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)  # (..., V); -inf entries stay -inf
+    e = np.exp(shifted)  # (..., V)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def temperature_warp(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """Divide the logits by ``temperature`` (< 1 sharpens, > 1 flattens the distribution).
+
+    Shapes
+    ------
+    logits : (..., V) float -> (..., V), same dtype.
+
+    Examples
+    --------
+    >>> temperature_warp(np.array([2.0, 1.0]), 0.5)
+    array([4., 2.])
+    """
+    array = _check_logits(logits)
+    return array / np.asarray(_check_temperature(temperature), dtype=array.dtype)
+
+
+def top_k_filter(logits: np.ndarray, top_k: int, *, min_tokens_to_keep: int = 1) -> np.ndarray:
+    """Keep the ``max(top_k, min_tokens_to_keep)`` largest logits of each row, set the rest to ``-inf``.
+
+    As Hugging Face's ``TopKLogitsWarper``: an entry is removed when it is smaller than the k-th largest, so
+    entries tied with the k-th largest all stay. ``top_k`` larger than V keeps everything.
+
+    Shapes
+    ------
+    logits : (..., V) float -> (..., V), same dtype (a new array).
+
+    Examples
+    --------
+    >>> top_k_filter(np.array([1.0, 3.0, 2.0, 3.0]), 2)
+    array([-inf,   3.,  -inf,   3.])
+    """
+    array = _check_logits(logits)
+    k = _check_top_k(top_k)
+    if k == 0:
+        raise ValueError("top_k must be positive for top_k_filter (0 means 'no filter' only in generate)")
+    k = min(max(k, _check_min_keep(min_tokens_to_keep)), array.shape[-1])
+    kth = -np.partition(-array, k - 1, axis=-1)[..., k - 1:k]  # (..., 1), the k-th largest
+    return np.where(array < kth, FILTER_VALUE, array).astype(array.dtype, copy=False)
+
+
+def top_p_filter(logits: np.ndarray, top_p: float, *, min_tokens_to_keep: int = 1) -> np.ndarray:
+    """Nucleus filter: keep the smallest set of most probable tokens whose probabilities add up to ``top_p``.
+
+    As Hugging Face's ``TopPLogitsWarper``: sort ascending, remove the tokens whose cumulative probability
+    (from the least probable) is ``<= 1 - top_p``, never the ``min_tokens_to_keep`` most probable.
+
+    Shapes
+    ------
+    logits : (..., V) float -> (..., V), same dtype (a new array).
+
+    Examples
+    --------
+    >>> top_p_filter(np.log(np.array([0.5, 0.3, 0.15, 0.05])), 0.7)
+    array([-0.69314718, -1.2039728 ,        -inf,        -inf])
+    """
+    array = _check_logits(logits)
+    p = _check_unit(top_p, "top_p")
+    keep = _check_min_keep(min_tokens_to_keep)
+    order = np.argsort(array, axis=-1, kind="stable")  # (..., V) ascending
+    sorted_logits = np.take_along_axis(array, order, axis=-1)  # (..., V)
+    cumulative = np.cumsum(_softmax(sorted_logits), axis=-1)  # (..., V)
+    remove_sorted = cumulative <= (1.0 - p)  # (..., V)
+    remove_sorted[..., -keep:] = False
+    remove = np.empty_like(remove_sorted)
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)  # back to vocabulary order
+    return np.where(remove, FILTER_VALUE, array).astype(array.dtype, copy=False)
+
+
+def min_p_filter(logits: np.ndarray, min_p: float, *, min_tokens_to_keep: int = 1) -> np.ndarray:
+    """Keep the tokens whose probability is at least ``min_p`` times the most probable token's.
+
+    As Hugging Face's ``MinPLogitsWarper`` (the ``min_tokens_to_keep`` most probable always stay).
+
+    Shapes
+    ------
+    logits : (..., V) float -> (..., V), same dtype (a new array).
+
+    Examples
+    --------
+    >>> min_p_filter(np.log(np.array([0.5, 0.3, 0.15, 0.05])), 0.2)
+    array([-0.69314718, -1.2039728 , -1.89711998,        -inf])
+    """
+    array = _check_logits(logits)
+    threshold = _check_unit(min_p, "min_p")
+    keep = min(_check_min_keep(min_tokens_to_keep), array.shape[-1])
+    probs = _softmax(array)  # (..., V)
+    remove = probs < threshold * probs.max(axis=-1, keepdims=True)  # (..., V)
+    top = np.argpartition(-probs, keep - 1, axis=-1)[..., :keep]  # (..., keep), the most probable
+    np.put_along_axis(remove, top, False, axis=-1)
+    return np.where(remove, FILTER_VALUE, array).astype(array.dtype, copy=False)
+
+
+def warp_logits(logits: np.ndarray, *, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, min_p: float | None = None) -> np.ndarray:
+    """Apply the sampling warpers in Hugging Face's order, each only where it changes something.
+
+    Temperature (when ``!= 1``), then top-k (when not None and ``> 0``), then top-p (when not None and ``< 1``),
+    then min-p (when not None). This is what ``generate(do_sample=True, ...)`` samples from.
+
+    Shapes
+    ------
+    logits : (..., V) float -> (..., V), same dtype (a new array).
+
+    Examples
+    --------
+    >>> warp_logits(np.array([1.0, 2.0, 3.0]), temperature=0.5, top_k=2)
+    array([-inf,   4.,   6.])
+    """
+    array = _check_logits(logits)
+    temperature = _check_temperature(temperature)
+    if top_k is not None:
+        _check_top_k(top_k)
+    if top_p is not None:
+        _check_unit(top_p, "top_p")
+    if min_p is not None:
+        _check_unit(min_p, "min_p")
+    out = array.copy()
+    if temperature != 1.0:
+        out = temperature_warp(out, temperature)
+    if top_k is not None and top_k > 0:
+        out = top_k_filter(out, top_k)
+    if top_p is not None and top_p < 1.0:
+        out = top_p_filter(out, top_p)
+    if min_p is not None:
+        out = min_p_filter(out, min_p)
+    return out
+
+
+def sample_tokens(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Draw one token per row from ``softmax(logits)`` by inverse-CDF sampling with one uniform per row.
+
+    Tokens of probability zero (``-inf`` logits) are never drawn.
+
+    Shapes
+    ------
+    logits : (B, V) float -> (B,) int64.
+
+    Examples
+    --------
+    >>> sample_tokens(np.array([[-np.inf, 0.0, -np.inf]]), np.random.default_rng(0))
+    array([1])
+    """
+    array = _check_logits(logits)
+    if array.ndim != 2:
+        raise ValueError(f"logits must be (B, V), got shape {array.shape}")
+    probs = _softmax(array.astype(np.float64))  # (B, V)
+    cdf = np.cumsum(probs, axis=-1)  # (B, V)
+    cdf /= cdf[:, -1:]
+    u = rng.random(array.shape[0])[:, None]  # (B, 1), in [0, 1)
+    # The first index whose cdf exceeds u; a zero-probability token repeats its left neighbour's cdf, so it is
+    # skipped.
+    return np.minimum((cdf <= u).sum(axis=-1), array.shape[-1] - 1).astype(np.int64)  # (B,)
+
+
+# -- logits processors (applied before the warpers, greedy or sampled) -------------------------------------
+def apply_repetition_penalty(logits: np.ndarray, sequences: np.ndarray, penalty: float) -> np.ndarray:
+    """Hugging Face's repetition penalty: the logit of every token already in a row is divided by ``penalty``
+    where positive and multiplied by it where negative (``penalty > 1`` discourages repeats).
+
+    Every id of ``sequences`` counts, the prompt (and its padding) included, as in Hugging Face.
+
+    Shapes
+    ------
+    logits : (B, V) float, sequences : (B, S) int -> (B, V), same dtype (a new array).
+
+    Examples
+    --------
+    >>> apply_repetition_penalty(np.array([[2.0, -2.0, 1.0]]), np.array([[0, 1]]), 2.0)
+    array([[ 1., -4.,  1.]])
+    """
+    seen = np.zeros(logits.shape, dtype=bool)  # (B, V)
+    np.put_along_axis(seen, sequences, True, axis=-1)
+    penalised = np.where(logits < 0, logits * penalty, logits / penalty)  # (B, V)
+    return np.where(seen, penalised, logits).astype(logits.dtype, copy=False)
+
+
+def banned_ngram_tokens(sequences: np.ndarray, n: int) -> np.ndarray:
+    """Which next tokens would repeat an n-gram already in each row (Hugging Face's ``no_repeat_ngram_size``).
+
+    Shapes
+    ------
+    sequences : (B, S) int -> (B, V') bool with V' = ``sequences.max() + 1``: True = banned.
+
+    Examples
+    --------
+    >>> banned_ngram_tokens(np.array([[1, 2, 3, 1, 2]]), 3).nonzero()[1].tolist()
+    [3]
+    """
+    batch, length = sequences.shape
+    banned = np.zeros((batch, int(sequences.max()) + 1), dtype=bool)  # (B, V')
+    if length + 1 < n or length < n:
+        return banned
+    windows = np.lib.stride_tricks.sliding_window_view(sequences, n, axis=1)  # (B, S - n + 1, n)
+    tail = sequences[:, length - n + 1:]  # (B, n - 1): the n-gram the next token would complete
+    match = (windows[:, :, :-1] == tail[:, None, :]).all(axis=-1)  # (B, S - n + 1)
+    rows, starts = np.nonzero(match)
+    banned[rows, windows[rows, starts, -1]] = True
+    return banned
+
+
+def _ends_with_stop(text: str, before: str, stops: Sequence[str]) -> bool:
+    """A stop string occurs in ``text`` and ends inside its last token (``text[len(before):]``)."""
+    return any(text.find(stop, max(0, len(before) - len(stop) + 1)) >= 0 for stop in stops)
+
+
+# -- decoding ----------------------------------------------------------------------------------------------
+def _config_value(model: Any, name: str) -> Any:
+    return getattr(getattr(model, "config", None), name, None)
+
+
+def _token_set(value: Any, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
+    if not isinstance(items, (Sequence, np.ndarray)) or isinstance(items, str) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in items):
+        raise ValueError(f"{name} must be a non-negative integer, a sequence of them, or None, got {value!r}")
+    return tuple(int(t) for t in items)
+
+
+def _check_prompt(model: Any, input_ids: Any, attention_mask: Any) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0 or (ids.dtype.kind not in "iu" and ids.size):
+        raise ValueError(f"input_ids must be a non-empty integer array (B, L), got dtype {ids.dtype} and shape "
+                         f"{ids.shape}")
+    vocab = _config_value(model, "vocab_size")
+    if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}), got values in [{ids.min()}, {ids.max()}]")
+    if attention_mask is None:
+        return ids.astype(np.int64), np.ones(ids.shape, dtype=bool)
+    mask = np.asarray(attention_mask)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {ids.shape}, got {mask.shape}")
+    if mask.dtype != bool:
+        if mask.dtype.kind not in "iu" or not np.isin(mask, (0, 1)).all():
+            raise ValueError("attention_mask must be boolean or hold only 0 and 1 (1 = real token)")
+        mask = mask.astype(bool)
+    if not mask[:, -1].all():
+        rows = np.flatnonzero(~mask[:, -1]).tolist()
+        raise ValueError(f"attention_mask must be left-padded (the last column real in every row) for "
+                         f"generation; rows {rows} end with padding")
+    return ids.astype(np.int64), mask
+
+
+def _rng(seed: Any) -> np.random.Generator:
+    if isinstance(seed, np.random.Generator):
+        return seed
+    if seed is None:
+        return np.random.default_rng()
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, a numpy Generator or None, got {seed!r}")
+    return np.random.default_rng(int(seed))
+
+
+# generation_config.json keys generate reads when the argument is not given (explicit arguments win).
+_CONFIG_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None,
+                    "min_p": None, "repetition_penalty": None, "no_repeat_ngram_size": None, "min_new_tokens": None,
+                    "stop_strings": None, "num_return_sequences": 1, "eos_token_id": None, "pad_token_id": None}
+
+
+def _resolve(model: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """Each option: the argument if given, else ``model.generation_config``'s value, else the default."""
+    config = getattr(model, "generation_config", None) or {}
+    return {name: given[name] if given[name] is not None else config.get(name, default)
+            for name, default in _CONFIG_DEFAULTS.items()}
+
+
+def _check_options(o: dict[str, Any], tokenizer: Any) -> None:
+    def non_negative_int(name: str) -> None:
+        value = o[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+    for name in ("max_new_tokens", "no_repeat_ngram_size", "min_new_tokens"):
+        non_negative_int(name)
+    if not isinstance(o["do_sample"], (bool, np.bool_)):
+        raise TypeError(f"do_sample must be True or False, got {o['do_sample']!r}")
+    penalty = o["repetition_penalty"]
+    if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating))
+                                or not math.isfinite(penalty) or penalty <= 0):
+        raise ValueError(f"repetition_penalty must be a positive finite number, got {penalty!r}")
+    count = o["num_return_sequences"]
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise ValueError(f"num_return_sequences must be a positive integer, got {count!r}")
+    if count > 1 and not o["do_sample"]:
+        raise ValueError(f"num_return_sequences={count} needs do_sample=True: greedy decoding returns the same "
+                         f"sequence every time")
+    stops = o["stop_strings"]
+    if stops is not None:
+        stops = [stops] if isinstance(stops, str) else stops
+        if not isinstance(stops, Sequence) or not stops or not all(isinstance(t, str) and t for t in stops):
+            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {o['stop_strings']!r}")
+        if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError("stop_strings needs tokenizer= (the model's tokenizer, to read the generated text)")
+        o["stop_strings"] = list(stops)
+
+
+def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+                    do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                    top_p: float | None = None, min_p: float | None = None,
+                    repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
+                    min_new_tokens: int | None = None, stop_strings: str | Sequence[str] | None = None,
+                    tokenizer: Any = None, num_return_sequences: int | None = None, seed: Any = None,
+                    eos_token_id: Any = None, pad_token_id: int | None = None) -> Iterator[np.ndarray]:
+    """Generate token by token: an iterator over each step's new tokens, one per row.
+
+    Takes the arguments of :func:`generate` and checks them all before returning (the iterator itself does
+    no checking). It yields at most ``max_new_tokens`` arrays and stops early once every row is done.
+
+    Shapes
+    ------
+    Yields (B * num_return_sequences,) int64 per step: row b's new token, or ``pad_token_id`` once row b has
+    produced an eos or a stop string.
+
+    Examples
+    --------
+    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+    ...                             num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
+    >>> steps = list(generate_stream(lm, [[1, 2, 3]], max_new_tokens=4))
+    >>> len(steps), steps[0].shape, steps[0].dtype
+    (4, (1,), dtype('int64'))
+    """
+    o = _resolve(model, dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                             no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+                             stop_strings=stop_strings, num_return_sequences=num_return_sequences,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id))
+    ids, mask = _check_prompt(model, input_ids, attention_mask)
+    _check_options(o, tokenizer)
+    # Checked even when greedy, so a typo is never silently ignored.
+    warp_logits(np.zeros(1), temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"])
+    rng = _rng(seed)
+    eos = _token_set(_config_value(model, "eos_token_id") if o["eos_token_id"] is None else o["eos_token_id"],
+                     "eos_token_id")
+    pad = o["pad_token_id"]
+    if pad is None:
+        pad = _config_value(model, "pad_token_id")
+    if pad is None and eos:
+        pad = eos[0]  # as Hugging Face: pad finished rows with the (first) eos
+    if pad is not None:
+        pad = _token_set(pad, "pad_token_id")[0]
+    max_new = int(o["max_new_tokens"])
+    limit = _config_value(model, "max_position_embeddings")
+    if _config_value(model, "position") == "learned" and limit is not None and ids.shape[1] + max_new > limit:
+        raise ValueError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens ({max_new}) exceeds the "
+                         f"model's {limit} learned positions")
+    if o["num_return_sequences"] > 1:  # each prompt row repeated, as Hugging Face's repeat_interleave
+        ids = np.repeat(ids, o["num_return_sequences"], axis=0)  # (B * n, L)
+        mask = np.repeat(mask, o["num_return_sequences"], axis=0)  # (B * n, L)
+    sampling = dict(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"]) \
+        if o["do_sample"] else None
+    processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
+                      min_new_tokens=o["min_new_tokens"], stop_strings=o["stop_strings"], tokenizer=tokenizer)
+    return _decode(model, ids, mask, max_new, sampling, processing, rng, np.array(eos, dtype=np.int64), pad)
+
+
+def _process(logits: np.ndarray, sequences: np.ndarray, step: int, eos: np.ndarray, *,
+             repetition_penalty: float | None, no_repeat_ngram_size: int | None, min_new_tokens: int | None,
+             **_: Any) -> np.ndarray:
+    """Hugging Face's logits processors in its order: repetition penalty, no-repeat n-grams, min new tokens."""
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, sequences, repetition_penalty)
+    if no_repeat_ngram_size:
+        banned = banned_ngram_tokens(sequences, no_repeat_ngram_size)  # (B, V')
+        width = min(banned.shape[1], logits.shape[1])
+        logits = logits.copy()
+        logits[:, :width][banned[:, :width]] = FILTER_VALUE
+    if min_new_tokens and step < min_new_tokens and eos.size:
+        logits = logits.copy()
+        logits[:, eos] = FILTER_VALUE
+    return logits
+
+
+def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, sampling: dict | None,
+            processing: dict, rng: np.random.Generator, eos: np.ndarray, pad_token_id: int | None
+            ) -> Iterator[np.ndarray]:
+    if max_new_tokens == 0:
+        return
+    batch, length = ids.shape
+    cache = model.new_cache(batch, max_length=length + max_new_tokens)
+    logits = model.forward(ids, mask, cache=cache)[:, -1, :]  # (B, V): prefill once
+    sequences = ids  # (B, L + step): what the processors and stop strings read
+    stops, tokenizer = processing["stop_strings"], processing["tokenizer"]
+    stop_window = max(len(t) for t in stops) + 1 if stops else 0  # tokens enough to hold a stop string
+    done = np.zeros(batch, dtype=bool)  # (B,)
+    for step in range(max_new_tokens):
+        logits = _process(logits.astype(np.float32, copy=False), sequences, step, eos, **processing)  # (B, V)
+        if sampling is None:
+            tokens = np.argmax(logits, axis=-1).astype(np.int64)  # (B,)
+        else:
+            tokens = sample_tokens(warp_logits(logits, **sampling), rng)  # (B,)
+        if pad_token_id is not None:
+            tokens = np.where(done, pad_token_id, tokens)  # (B,)
+        sequences = np.concatenate([sequences, tokens[:, None]], axis=1)  # (B, L + step + 1)
+        finished = np.isin(tokens, eos)  # (B,)
+        if stops:
+            for b in np.flatnonzero(~done & ~finished):  # a decoding step: one short decode per open row
+                window = sequences[b, -stop_window:].tolist()
+                finished[b] = _ends_with_stop(tokenizer.decode(window), tokenizer.decode(window[:-1]), stops)
+        done |= finished
+        yield tokens
+        if done.all() or step == max_new_tokens - 1:
+            return
+        mask = np.concatenate([mask, np.ones((batch, 1), dtype=bool)], axis=1)  # (B, L + step + 1)
+        logits = model.forward(tokens[:, None], mask, cache=cache)[:, -1, :]  # (B, V)
+
+
+def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+             do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
+             no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
+             stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
+             num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
+             pad_token_id: int | None = None) -> np.ndarray:
+    """Continue each prompt row by up to ``max_new_tokens`` tokens, greedily or by sampling.
+
+    Arguments have Hugging Face's names and meanings. Each one left as None takes the value of the model's
+    ``generation_config`` (the folder's ``generation_config.json``, read by the pretrained loader), else the
+    default shown.
+
+    Parameters
+    ----------
+    model : CausalLM
+        Anything with ``forward(input_ids, attention_mask, cache=)`` -> logits (B, L, V) and
+        ``new_cache(batch_size, max_length=)``; its ``config`` supplies defaults for the special tokens.
+    input_ids : int array (B, L)
+        Prompts, left-padded to a common length.
+    attention_mask : bool or 0/1 array (B, L), optional
+        ``True``/1 = real token; padding must be on the left. Default: every token real.
+    max_new_tokens : int, default 20
+    do_sample : bool, default False
+        False: argmax of the processed logits (the warpers are checked but not applied); True: sample from
+        the warped logits.
+    temperature : float, default 1.0
+    top_k : int, optional
+        Keep the k most likely tokens (0 or None: no filter).
+    top_p : float in [0, 1], optional
+        Nucleus filter (1 or None: no filter).
+    min_p : float in [0, 1], optional
+        Keep tokens at least ``min_p`` times as likely as the most likely one.
+    repetition_penalty : float > 0, optional
+        Divide positive (multiply negative) logits of every token already in the row, prompt included
+        (1 or None: off).
+    no_repeat_ngram_size : int, optional
+        Never produce an n-gram of this size that the row already holds (0 or None: off).
+    min_new_tokens : int, optional
+        The eos tokens are banned until this many tokens are generated.
+    stop_strings : str or list of str, optional
+        A row is done once its text ends in one of them (the stop string ends inside the last token, as in
+        Hugging Face). Needs ``tokenizer``.
+    tokenizer : Tokenizer, optional
+        Anything with ``decode(ids)``, e.g. :func:`attnkit.pretrained.load_tokenizer`'s; for ``stop_strings``.
+    num_return_sequences : int, default 1
+        Sampled continuations per prompt row (needs ``do_sample``); the rows of the output are
+        ``n`` consecutive continuations of prompt 0, then of prompt 1, ...
+    seed : int or numpy.random.Generator, optional
+        The same seed gives the same samples.
+    eos_token_id : int or sequence of int, optional
+        Tokens that end a row; default ``model.config.eos_token_id``; an empty sequence never stops early.
+    pad_token_id : int, optional
+        What a finished row produces; default ``model.config.pad_token_id``, else the first eos.
+
+    Returns
+    -------
+    int64 array (B * num_return_sequences, L + T)
+        The prompt followed by the T <= ``max_new_tokens`` generated tokens (T is smaller when every row
+        finished early).
+
+    Raises
+    ------
+    ValueError, TypeError
+        Any argument out of range or of the wrong type, naming it.
+
+    Shapes
+    ------
+    input_ids (B, L), attention_mask (B, L) -> (B * num_return_sequences, L + T).
+
+    Examples
+    --------
+    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+    ...                             num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
+    >>> out = generate(lm, [[1, 2, 3]], max_new_tokens=5, do_sample=True, top_k=4, seed=0)
+    >>> out.shape, bool((out == generate(lm, [[1, 2, 3]], max_new_tokens=5, do_sample=True, top_k=4,
+    ...                                   seed=0)).all())
+    ((1, 8), True)
+    >>> generate(lm, [[1, 2, 3]], max_new_tokens=6, no_repeat_ngram_size=1)[0, 3:].tolist()  # no id repeats
+    [15, 11, 7, 4, 9, 13]
+    """
+    stream = generate_stream(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p, repetition_penalty=repetition_penalty,
+                             no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+                             stop_strings=stop_strings, tokenizer=tokenizer,
+                             num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
+                             pad_token_id=pad_token_id)
+    copies = _resolve(model, dict.fromkeys(_CONFIG_DEFAULTS) | {"num_return_sequences": num_return_sequences})
+    prompt = np.repeat(np.asarray(input_ids).astype(np.int64), copies["num_return_sequences"], axis=0)  # (B*n, L)
+    steps = list(stream)
+    if not steps:
+        return prompt.copy()
+    return np.concatenate([prompt, np.stack(steps, axis=1)], axis=1)  # (B * n, L + T)
