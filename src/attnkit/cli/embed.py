@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -37,7 +38,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     f"{MAX_TOKENS} tokens (about 200 English words) of a sentence and silently ignores the "
                     f"rest, as sentence-transformers does; attnkit embed says which sentences were cut "
                     f"(the 'truncated' list of --json).")
-    p.add_argument("text", nargs="+", metavar="TEXT", help="the sentences to embed")
+    p.add_argument("text", nargs="*", metavar="TEXT",
+                   help="the sentences to embed (none: read them from --input, or from stdin, one per line)")
+    p.add_argument("--input", "-i", metavar="FILE", default=None,
+                   help="read the sentences from FILE, one per line (- for stdin); blank lines are skipped")
+    p.add_argument("--output", "-o", metavar="X.npy", default=None,
+                   help="write the embeddings (N, D) float32 to this .npy file (written atomically) instead of "
+                        "printing them")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--similarity", action="store_true",
                       help="print the cosine-similarity matrix (the default for two or more sentences)")
@@ -66,15 +73,56 @@ def load_encoder(model_dir: str | None, prog: str = PROG) -> Any:
         raise UsageError(f"cannot load the model {where}: {printable(message, 300)}", prog) from None
 
 
-def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
+def _sentences(args: argparse.Namespace, stdin: TextIO) -> list[str]:
+    """The sentences of the command line, else of ``--input`` (a file or ``-``), else of a piped stdin."""
+    if args.text and args.input is not None:
+        raise UsageError("give sentences as arguments or with --input, not both", PROG)
+    if args.text:
+        return list(args.text)
+    if args.input is None and stdin.isatty():
+        raise UsageError("no sentences: give them as arguments, with --input FILE, or on stdin", PROG)
+    if args.input in (None, "-"):
+        lines = stdin.read().splitlines()
+    else:
+        path = Path(args.input)
+        if not path.is_file():
+            raise UsageError(f"--input {printable(repr(args.input))} is not a file", PROG)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"--input {printable(repr(args.input))} is not UTF-8 text: {exc.reason}", PROG) from None
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise UsageError("no sentences: the input holds only blank lines", PROG)
+    return texts
+
+
+def _output_path(path: str) -> Path:
+    dest = Path(path)
+    if dest.suffix != ".npy":
+        raise UsageError(f"--output must be a .npy file, got {printable(repr(path))}", PROG)
+    if not dest.parent.is_dir():
+        raise UsageError(f"--output {printable(repr(path))}: the folder {printable(str(dest.parent))} does not "
+                         f"exist", PROG)
+    return dest
+
+
+def run(args: argparse.Namespace, stdout: TextIO | None = None, stdin: TextIO | None = None) -> int:
     """Embed ``args.text`` and print the similarities or the embeddings (text or JSON) to ``stdout``.
 
     Embeddings are L2-normalised, so the similarity matrix is their Gram matrix.
     """
     out = sys.stdout if stdout is None else stdout
-    texts = list(args.text)
+    texts = _sentences(args, sys.stdin if stdin is None else stdin)
+    output = _output_path(args.output) if args.output is not None else None
     encoder = load_encoder(args.model_dir)
     emb = encoder.encode(texts, batch_size=args.batch_size)  # (N, D)
+    if output is not None:
+        from ..io import atomic_write
+
+        atomic_write(output, lambda f: np.save(f, emb, allow_pickle=False))
+        print(f"wrote {emb.shape[0]} embeddings of {emb.shape[1]} dims to {printable(str(output))}", file=out)
+        return 0
     truncated = np.flatnonzero(encoder.tokenize(texts).truncated).tolist()
     show_similarity = args.similarity or (not args.embeddings and len(texts) > 1)
     model = MODEL_NAME if args.model_dir is None else str(args.model_dir)

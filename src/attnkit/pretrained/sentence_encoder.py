@@ -215,8 +215,10 @@ class SentenceEncoder:
                             output_hidden_states=True)
         return np.stack(states), batch  # (num_layers + 1, B, L, D)
 
-    def encode(self, sentences: str | Sequence[str], batch_size: int = 32, normalize: bool | None = None) -> np.ndarray:
-        """Sentence embeddings.
+    def encode(self, sentences: str | Sequence[str], batch_size: int = 32, show_progress_bar: bool | None = None,
+               convert_to_numpy: bool = True, normalize_embeddings: bool = False,
+               normalize: bool | None = None) -> np.ndarray | list[np.ndarray]:
+        """Sentence embeddings, with sentence-transformers' arguments and meanings.
 
         Sentences are sorted by length and cut into batches of ``batch_size`` (less padding, as
         sentence-transformers does); the result is in the input order.
@@ -230,13 +232,21 @@ class SentenceEncoder:
         ----------
         sentences : str or sequence of str
         batch_size : int, default 32
+        show_progress_bar : bool, optional
+            A tqdm bar over the batches (needs the ``progress`` extra); default off.
+        convert_to_numpy : bool, default True
+            True: one (N, D) array; False: a list of N (D,) arrays (sentence-transformers returns tensors).
+        normalize_embeddings : bool, default False
+            L2-normalise the output, on top of what the model's pipeline does (as sentence-transformers:
+            a pipeline ending in ``Normalize``, like all-MiniLM-L6-v2's, is normalised either way).
         normalize : bool, optional
-            L2-normalise the embeddings; default the model's pipeline (True for all-MiniLM-L6-v2), so
-            the dot product of two embeddings is their cosine similarity.
+            Override the pipeline's own normalisation (False gives the raw mean-pooled vectors of a
+            normalising pipeline); default the pipeline's.
 
         Returns
         -------
-        ndarray (N, D), or (D,) for a single string; in the model's dtype.
+        ndarray (N, D), or (D,) for a single string (a list of (D,) arrays without ``convert_to_numpy``);
+        in the model's dtype.
         """
         single = isinstance(sentences, str)
         texts = _as_sentences(sentences)
@@ -245,18 +255,57 @@ class SentenceEncoder:
         normalize = self.normalize if normalize is None else bool(normalize)
         out = np.zeros((len(texts), self.dim), dtype=self.dtype)  # (N, D)
         order = np.argsort([-len(t) for t in texts], kind="stable")  # longest first, by characters as ST
-        for start in range(0, len(texts), batch_size):
+        starts = range(0, len(texts), batch_size)
+        if show_progress_bar:
+            tqdm = import_extra("tqdm", "show a progress bar")
+            starts = tqdm.tqdm(starts, desc="Batches", unit="batch")
+        for start in starts:
             rows = order[start:start + batch_size]
             batch = self.tokenize([texts[i] for i in rows])
             hidden = self.model(batch.input_ids, batch.attention_mask, batch.token_type_ids)  # (B, L, D)
             pooled = mean_pool(hidden, batch.attention_mask)  # (B, D)
-            out[rows] = l2_normalize(pooled) if normalize else pooled
+            out[rows] = l2_normalize(pooled) if normalize or normalize_embeddings else pooled
+        if not convert_to_numpy:
+            return [row for row in out]
         return out[0] if single else out
 
-    def similarity(self, sentences: Sequence[str], batch_size: int = 32) -> np.ndarray:
-        """Cosine similarity matrix (N, N) between ``sentences``."""
-        emb = self.encode(list(_as_sentences(sentences)), batch_size=batch_size, normalize=True)  # (N, D)
-        return emb @ emb.T  # (N, N)
+    def similarity(self, a: Any, b: Any = None, batch_size: int = 32) -> np.ndarray:
+        """Cosine similarities between two sets of embeddings, as sentence-transformers' ``model.similarity``.
+
+        Parameters
+        ----------
+        a : array (N, D) or (D,), or sentences
+            Embeddings (from :meth:`encode`); strings are encoded first.
+        b : array (M, D) or (D,), or sentences, optional
+            Default ``a``.
+
+        Returns
+        -------
+        ndarray (N, M), float
+            ``cos(a_i, b_j)``, in [-1, 1].
+
+        Examples
+        --------
+        >>> enc = load_minilm()
+        >>> emb = enc.encode(["A man is eating food.", "A man eats.", "The sky is blue."])
+        >>> sim = enc.similarity(emb, emb)
+        >>> sim.shape, bool(sim[0, 1] > sim[0, 2])
+        ((3, 3), True)
+        """
+        first = self._embeddings(a, "a", batch_size)  # (N, D)
+        second = first if b is None else self._embeddings(b, "b", batch_size)  # (M, D)
+        if first.shape[1] != second.shape[1]:
+            raise ValueError(f"a and b must have the same embedding size, got {first.shape} and {second.shape}")
+        return l2_normalize(first) @ l2_normalize(second).T  # (N, M)
+
+    def _embeddings(self, value: Any, name: str, batch_size: int) -> np.ndarray:
+        if isinstance(value, str) or (isinstance(value, Sequence) and value and all(isinstance(v, str) for v in value)):
+            return np.atleast_2d(self.encode(value, batch_size=batch_size))
+        array = np.atleast_2d(np.asarray(value))
+        if array.ndim != 2 or array.dtype.kind not in "fiu" or array.shape[0] == 0:
+            raise ValueError(f"{name} must be embeddings (N, D) or (D,), or sentences, got {array.dtype} array of "
+                             f"shape {array.shape}")
+        return array if array.dtype.kind == "f" else array.astype(np.float64)
 
     def attention(self, sentence: str, layer: int, head: int | None = None) -> tuple[list[str], np.ndarray]:
         """The attention weights of one sentence at encoder block ``layer`` (0-based).
