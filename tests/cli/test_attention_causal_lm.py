@@ -119,3 +119,29 @@ def test_bad_folders_and_prompts_exit_2(folders, tmp_path, capsys):
                      "give the input once")
     _one_line_exit_2(["attention", str(llama), "--html", page], capsys, "--prompt TEXT or --ids")
     assert not (tmp_path / "x.html").exists()
+
+
+def test_picture_of_a_deep_model_draws_one_layer_and_says_how_to_draw_others(folders, tmp_path, capsys,
+                                                                             monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib import image
+
+    from attnkit.cli import attention
+
+    _, mistral = folders
+    assert main(["attention", str(mistral), "--ids", "3,4,5", "-o", str(tmp_path / "all.png")]) == 0
+    assert "note: drew layer 0" not in capsys.readouterr().out
+    monkeypatch.setattr(attention, "_MAX_LAYERS_DRAWN", 1)
+    assert main(["attention", str(mistral), "--ids", "3,4,5", "-o", str(tmp_path / "one.png")]) == 0
+    assert "note: drew layer 0 of 2; pass --layer I to draw another" in capsys.readouterr().out
+    assert image.imread(tmp_path / "one.png").shape[0] < image.imread(tmp_path / "all.png").shape[0]
+
+
+def test_a_large_page_is_a_sentence_not_a_python_warning(folders, tmp_path, capsys, monkeypatch):
+    from attnkit import viz
+
+    _, mistral = folders
+    monkeypatch.setattr(viz, "HTML_SIZE_WARNING_BYTES", 100)
+    assert main(["attention", str(mistral), "--ids", "3,4,5", "--html", str(tmp_path / "big.html")]) == 0
+    captured = capsys.readouterr()
+    assert "note: the page is large and opens slowly" in captured.out and "Warning" not in captured.err

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from .._display import readable_token
 from ._common import UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure
 
 __all__ = ["NAME", "add_parser", "run", "write_explorer", "PRETRAINED_MODELS", "is_causal_lm_folder"]
@@ -19,6 +20,7 @@ PRETRAINED_MODELS = ("minilm",)
 HTML_SUFFIXES = (".html", ".htm")
 _MAX_INDEX = 100_000  # layers and heads
 _DEFAULT_MODEL = "attnkit-demo"
+_MAX_LAYERS_DRAWN = 4  # -o on a deeper causal LM draws layer 0 unless --layer says which
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -165,10 +167,17 @@ def _demo_attention(args: argparse.Namespace, text: str, output: Path | None, ht
 def write_explorer(tokens: list[str], weights: Any, path: Path, title: str, layer_names: list[str],
                    head_names: list[str]) -> None:
     """Write the interactive explorer page of (N, H, L, L) ``weights`` and say so."""
+    import warnings
+
     from ..viz import attention_html
 
-    attention_html(tokens, weights, path, title=title, layer_names=layer_names, head_names=head_names)
-    print(f"wrote {printable(path)} (interactive: open it in a browser)")
+    with warnings.catch_warnings(record=True) as caught:  # the terminal gets one sentence, not a Python warning
+        warnings.simplefilter("always")
+        attention_html(tokens, weights, path, title=title, layer_names=layer_names, head_names=head_names)
+    size = Path(path).stat().st_size / 1e6
+    print(f"wrote {printable(path)} ({size:.1f} MB; interactive: open it in a browser)")
+    if caught:
+        print("note: the page is large and opens slowly; --layer I and --head J make it smaller")
 
 
 # -- all-MiniLM-L6-v2 ------------------------------------------------------------------------------------
@@ -232,7 +241,8 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
     heads = range(config.num_heads) if args.head is None else [args.head]
     weights = np.stack([per_layer[i][0] for i in layers])[:, list(heads)]  # (N', H', L, L)
     pieces = [tokenizer.id_to_token(i) if tokenizer is not None else None for i in ids]
-    tokens = [printable(str(i) if piece is None else piece) for i, piece in zip(ids, pieces, strict=True)]
+    tokens = [printable(str(i) if piece is None else readable_token(piece)) for i, piece in zip(ids, pieces,
+                                                                                                strict=True)]
     name = printable(Path(lm_dir).name or lm_dir)
     said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
     layer_names, head_names = [f"layer {i}" for i in layers], [f"head {j}" for j in heads]
@@ -241,7 +251,12 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
     if output is not None:
         from ..viz import plot_attention
 
-        fig = plot_attention(weights, tokens, tokens, layer_names=layer_names, head_names=head_names,
+        drawn, drawn_layers = weights, layer_names
+        if args.layer is None and len(layer_names) > _MAX_LAYERS_DRAWN:  # one picture of every head of 30 layers
+            drawn, drawn_layers = weights[:1], layer_names[:1]  # is thousands of pixels high: draw layer 0
+            print(f"note: drew layer 0 of {len(layer_names)}; pass --layer I to draw another (or --html FILE "
+                  f"for every layer in one page)")
+        fig = plot_attention(drawn, tokens, tokens, layer_names=drawn_layers, head_names=head_names,
                              title=f"{name}: {said}")
         save_figure(fig, output)
         print(f"wrote {printable(output)}")
