@@ -81,7 +81,7 @@ def test_task_choices_and_help_come_from_the_task_table(monkeypatch, tmp_path, c
 
 
 def test_every_synthetic_task_is_a_demo_task():
-    from attnkit import tasks
+    from attnkit.demos import tasks
 
     assert set(tasks.TASKS) <= set(demo_command.DEMO_TASKS)
 
