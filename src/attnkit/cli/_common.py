@@ -21,7 +21,8 @@ from typing import Any
 
 from ..io import atomic_write
 
-__all__ = ["PROG", "UsageError", "Parser", "bounded_int", "positive_int", "non_negative_int", "positive_float",
+__all__ = ["PROG", "query_labels", "write_explorer",
+           "UsageError", "Parser", "bounded_int", "positive_int", "non_negative_int", "positive_float",
            "output_folder", "output_file", "printable", "check_argv_text", "require_matplotlib", "save_figure",
            "run_command", "IMAGE_SUFFIXES"]
 
@@ -222,3 +223,24 @@ def _internal_error(prog: str, exc: BaseException) -> int:
     _say(prog, f"internal error: {type(exc).__name__}: {printable(exc, 300)} "
                f"(run with ATTNKIT_TRACEBACK=1 for the traceback and please report it)")
     return 1
+
+
+def query_labels(ids: Sequence[int], outputs: Sequence[int], tokens: Sequence[str]) -> list[str]:
+    """Row labels ``"input -> output"``: what each position reads and what the model writes there."""
+    return [f"{tokens[i]}\u2192{tokens[o]}" for i, o in zip(ids, outputs)]
+
+
+def write_explorer(tokens: list[str], weights: object, path: Path, title: str, layer_names: list[str],
+                   head_names: list[str]) -> None:
+    """Write the interactive explorer page of (N, H, L, L) ``weights`` and say so."""
+    import warnings
+
+    from ..viz import attention_html
+
+    with warnings.catch_warnings(record=True) as caught:  # the terminal gets one sentence, not a Python warning
+        warnings.simplefilter("always")
+        attention_html(tokens, weights, path, title=title, layer_names=layer_names, head_names=head_names)
+    size = Path(path).stat().st_size / 1e6
+    print(f"wrote {printable(path)} ({size:.1f} MB; interactive: open it in a browser)")
+    if caught:
+        print("note: the page is large and opens slowly; --layer I and --head J make it smaller")

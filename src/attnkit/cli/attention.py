@@ -10,7 +10,16 @@ from typing import Any
 import numpy as np
 
 from .._display import readable_token
-from ._common import UsageError, bounded_int, output_file, printable, require_matplotlib, save_figure
+from ._common import (
+    UsageError,
+    bounded_int,
+    output_file,
+    printable,
+    query_labels,
+    require_matplotlib,
+    save_figure,
+    write_explorer,
+)
 
 __all__ = ["NAME", "add_parser", "run", "write_explorer", "PRETRAINED_MODELS", "is_causal_lm_folder"]
 
@@ -122,8 +131,6 @@ def _load_demo_model(path: str) -> tuple[Any, dict]:
 
 def _demo_attention(args: argparse.Namespace, text: str, output: Path | None, html: Path | None) -> int:
     from ..demos import encoder as demo
-    from .demo import query_labels
-
     model, meta = _load_demo_model(args.model)
     tokens = meta["tokens"]
     try:
@@ -162,22 +169,6 @@ def _demo_attention(args: argparse.Namespace, text: str, output: Path | None, ht
         write_explorer(words, weights, html, f"{printable(meta['task'])}: {said} \u2192 "
                                              f"{' '.join(tokens[t] for t in pred)}", layer_names, head_names)
     return 0
-
-
-def write_explorer(tokens: list[str], weights: Any, path: Path, title: str, layer_names: list[str],
-                   head_names: list[str]) -> None:
-    """Write the interactive explorer page of (N, H, L, L) ``weights`` and say so."""
-    import warnings
-
-    from ..viz import attention_html
-
-    with warnings.catch_warnings(record=True) as caught:  # the terminal gets one sentence, not a Python warning
-        warnings.simplefilter("always")
-        attention_html(tokens, weights, path, title=title, layer_names=layer_names, head_names=head_names)
-    size = Path(path).stat().st_size / 1e6
-    print(f"wrote {printable(path)} ({size:.1f} MB; interactive: open it in a browser)")
-    if caught:
-        print("note: the page is large and opens slowly; --layer I and --head J make it smaller")
 
 
 # -- all-MiniLM-L6-v2 ------------------------------------------------------------------------------------

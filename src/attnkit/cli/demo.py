@@ -16,7 +16,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ._common import bounded_int, output_folder, positive_float, printable, require_matplotlib, save_figure
+from ._common import (
+    bounded_int,
+    output_folder,
+    positive_float,
+    printable,
+    query_labels,
+    require_matplotlib,
+    save_figure,
+    write_explorer,
+)
 
 __all__ = ["NAME", "DEMO_TASKS", "DemoTask", "add_parser", "run"]
 
@@ -88,11 +97,6 @@ def _with_progress(args: argparse.Namespace, steps: int, train: Callable[[_Progr
         progress.close()
 
 
-def query_labels(ids: Sequence[int], outputs: Sequence[int], tokens: Sequence[str]) -> list[str]:
-    """Row labels ``"input -> output"``: what each position reads and what the model writes there."""
-    return [f"{tokens[i]}\u2192{tokens[o]}" for i, o in zip(ids, outputs)]
-
-
 def _words(ids: Sequence[int], tokens: Sequence[str]) -> str:
     return printable(" ".join(tokens[t] for t in ids))
 
@@ -141,8 +145,6 @@ def _draw(result: Any, out: Path) -> None:
                               title=f"attnkit demo: {config.task}, held-out token accuracy "
                                     f"{result.heldout_accuracy:.2%}")
     save_figure(fig, out / "loss.png")
-    from .attention import write_explorer
-
     write_explorer([tokens[t] for t in ex], weights, out / "attention.html",
                    f"{config.task}: {_words(ex, tokens)} \u2192 {_words(pred, tokens)}",
                    [f"layer {i}" for i in range(config.num_layers)], [f"head {j}" for j in range(config.num_heads)])
