@@ -29,8 +29,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-import attnkit.kernels.tiled as _tiled
-from attnkit.kernels import _threads
+import attnkit
 from attnkit.models import CausalLM, DecoderConfig
 
 
@@ -54,14 +53,12 @@ def thread_limit(n: int):
 
     import torch
 
-    old_torch, old = torch.get_num_threads(), (_tiled.default_num_threads, _threads.default_num_threads)
+    old_torch = torch.get_num_threads()
     torch.set_num_threads(n)
-    _tiled.default_num_threads = _threads.default_num_threads = lambda: n
     try:
-        with threadpool_limits(limits=n, user_api="blas"):
+        with threadpool_limits(limits=n, user_api="blas"), attnkit.num_threads(n):
             yield
     finally:
-        _tiled.default_num_threads, _threads.default_num_threads = old
         torch.set_num_threads(old_torch)
 
 

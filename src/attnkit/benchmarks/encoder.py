@@ -16,7 +16,7 @@ prints the largest differences.
 
 Threads: "n threads" means ``torch.set_num_threads(n)``, NumPy's BLAS limited to ``n`` threads
 (threadpoolctl) and attnkit's own thread pool (tiled attention, chunked float32 GELU) run with ``n``
-threads (its default is every core, so the script overrides ``default_num_threads`` for the run).
+threads (its default is every core, so the script sets :func:`attnkit.num_threads` for the run).
 
 Timing: best of ``--repeats`` steps after ``--warmup`` untimed ones, attnkit and torch alternating step by
 step so that a change in machine load hits both alike; the best step's forward / backward / optimizer
@@ -44,8 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels import _threads
-from ..kernels import tiled as _tiled
+from ..kernels._threads import num_threads
 from ..layers import TransformerEncoder
 from ..optim import Adam
 from ._support import blas_limit, import_torch, torch_missing_line, write_json
@@ -82,14 +81,11 @@ def thread_limit(n: int):
     import torch
 
     old_torch = torch.get_num_threads()
-    old_defaults = _tiled.default_num_threads, _threads.default_num_threads
     torch.set_num_threads(n)
-    _tiled.default_num_threads = _threads.default_num_threads = lambda: n  # tiles; chunked float32 GELU
     try:
-        with blas_limit(n):
+        with blas_limit(n), num_threads(n):  # attnkit's tiles and chunked float32 GELU
             yield
     finally:
-        _tiled.default_num_threads, _threads.default_num_threads = old_defaults
         torch.set_num_threads(old_torch)
 
 

@@ -68,18 +68,15 @@ def make_sentences(n: int, seed: int = 0) -> list[str]:
 @contextmanager
 def _threads(torch, n: int):
     """torch, NumPy's BLAS and attnkit's own pools all at ``n`` threads."""
-    from ..kernels import _threads as pool
-    from ..kernels import tiled
+    from ..kernels._threads import num_threads
 
-    old = torch.get_num_threads(), pool.default_num_threads, tiled.default_num_threads
+    old_torch = torch.get_num_threads()
     torch.set_num_threads(n)
-    pool.default_num_threads = tiled.default_num_threads = lambda: n
     try:
-        with blas_limit(n):
+        with blas_limit(n), num_threads(n):
             yield
     finally:
-        torch.set_num_threads(old[0])
-        pool.default_num_threads, tiled.default_num_threads = old[1], old[2]
+        torch.set_num_threads(old_torch)
 
 
 def _time_both(run_attnkit, run_torch, repeats: int) -> dict[str, list[float]]:

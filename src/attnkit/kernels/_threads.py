@@ -22,24 +22,74 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["default_num_threads", "blas_single_thread", "run_tasks", "check_stop", "TasksStopped"]
+__all__ = ["set_num_threads", "get_num_threads", "num_threads",
+           "default_num_threads", "blas_single_thread", "run_tasks", "check_stop", "TasksStopped"]
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 _in_worker = threading.local()  # .active: inside a worker loop; .stop: the running call's stop event
 _controller: Any = None  # threadpoolctl.ThreadpoolController, False if unavailable, None before first use
+_num_threads: int | None = None  # set by set_num_threads; None: every core this process may run on
 
 
 class TasksStopped(Exception):
     """Raised inside a worker whose call was stopped (the caller sees the original error instead)."""
 
 
+def set_num_threads(n: int | None) -> None:
+    """Set how many threads the kernels use when a call does not say (``None``: every available core).
+
+    Parameters
+    ----------
+    n : int or None
+        A positive thread count, or ``None`` to go back to the cores this process may run on.
+
+    Examples
+    --------
+    >>> import attnkit
+    >>> attnkit.set_num_threads(1); attnkit.get_num_threads()
+    1
+    >>> attnkit.set_num_threads(None)
+    """
+    global _num_threads
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n must be a positive int or None, got {n!r}")
+    _num_threads = n
+
+
+def get_num_threads() -> int:
+    """The number of threads the kernels use when a call does not say (see :func:`set_num_threads`)."""
+    return default_num_threads()
+
+
+@contextmanager
+def num_threads(n: int | None):
+    """Use ``n`` kernel threads inside a ``with`` block, then restore the previous setting.
+
+    Examples
+    --------
+    >>> import attnkit
+    >>> with attnkit.num_threads(2):
+    ...     attnkit.get_num_threads()
+    2
+    """
+    previous = _num_threads
+    set_num_threads(n)
+    try:
+        yield
+    finally:
+        set_num_threads(previous)
+
+
 def default_num_threads() -> int:
-    """The number of tile threads used when the caller does not say: the cores this process may run on.
+    """The number of tile threads used when the caller does not say: :func:`set_num_threads`'s value, or
+    else the cores this process may run on.
 
     ``os.sched_getaffinity`` where the platform has it (containers and ``taskset`` restrict it), else
     ``os.cpu_count()``.
     """
+    if _num_threads is not None:
+        return _num_threads
     if hasattr(os, "sched_getaffinity"):
         try:
             return max(1, len(os.sched_getaffinity(0)))
