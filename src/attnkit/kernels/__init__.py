@@ -7,8 +7,10 @@ Two implementations behind one interface:
 * :mod:`~attnkit.kernels.tiled` (FlashAttention-style online softmax, recomputing backward, threads) never
   allocates anything of size ``Lq x Lk``; it is used whenever the weights are not needed.
 
-:func:`attention_forward` picks one by ``need_weights``; :func:`attention_backward` follows the context
-the forward returned. Both accept the same masks, causal flag, biases (arrays or :class:`ScoreBias`) and
+:func:`attention_forward` runs the one named by ``kernel`` (see :mod:`~attnkit.kernels.registry`;
+``"auto"`` is the reference kernel when the weights are asked for, the tiled one otherwise);
+:func:`attention_backward` follows the context the forward returned. Both accept the same masks, causal
+flag, biases (arrays or :class:`ScoreBias`) and
 counter-based dropout, and agree within floating-point rounding.
 """
 from __future__ import annotations
@@ -16,18 +18,26 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference, tiled
+from ._threads import get_num_threads, num_threads, set_num_threads
 from .bias import ScoreBias
 from .reference import causal_mask, masked_softmax
+from .registry import ATTENTION_KERNELS, kernel_for_context, resolve_kernel
 
-__all__ = ["ScoreBias", "attention_forward", "attention_backward", "causal_mask", "masked_softmax",
+__all__ = ["ATTENTION_KERNELS", "ScoreBias", "attention_forward", "set_num_threads", "get_num_threads",
+           "num_threads", "attention_backward", "causal_mask", "masked_softmax",
            "reference", "tiled"]
 
 
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
                       causal: bool = False, scale: float | None = None,
                       bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
-                      dropout_seed: int | None = None, need_weights: bool = True, window: int | None = None):
-    """Softmax attention ``dropout(softmax(scale * q k^T + bias, masked)) v`` by the fitting kernel.
+                      dropout_seed: int | None = None, need_weights: bool = True, window: int | None = None,
+                      kernel: str = "auto"):
+    """Softmax attention ``dropout(softmax(scale * q k^T + bias, masked)) v`` by the named kernel.
+
+    ``kernel``: ``"auto"`` (the default) runs ``"reference"`` when ``need_weights`` is true and ``"tiled"``
+    otherwise; ``"reference"``, ``"tiled"`` or any name in :data:`ATTENTION_KERNELS` runs that kernel
+    (``"tiled"`` with ``need_weights=True`` is a ``ValueError``: it never forms the weights).
 
     Shapes
     ------
@@ -42,19 +52,14 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     Returns
     -------
     out : (..., Lq, Dv)
-    weights : (..., Lq, Lk) softmax weights before dropout (reference kernel), or None (tiled kernel)
+    weights : (..., Lq, Lk) softmax weights before dropout (kernels that form them), or None
     ctx : the context :func:`attention_backward` needs
     """
     kwargs = dict(mask=mask, causal=causal, scale=scale, bias=bias, dropout_p=dropout_p, dropout_seed=dropout_seed,
                   window=window)
-    if need_weights:
-        return reference.attention_forward(q, k, v, **kwargs)
-    out, _, ctx = tiled.flash_attention_forward(q, k, v, **kwargs)
-    return out, None, ctx
+    return resolve_kernel(kernel, need_weights).forward(q, k, v, **kwargs)
 
 
 def attention_backward(grad_out: np.ndarray, ctx):
     """Gradients ``(dq, dk, dv, dbias)`` of :func:`attention_forward`, by the kernel that ran the forward."""
-    if isinstance(ctx, tiled.FlashContext):
-        return tiled.flash_attention_backward(grad_out, ctx)
-    return reference.attention_backward(grad_out, ctx)
+    return kernel_for_context(ctx).backward(grad_out, ctx)

@@ -1,0 +1,85 @@
+"""The attention kernels by name: one table, one signature, one rule for ``kernel="auto"``.
+
+Every entry computes ``dropout(softmax(scale * q k^T + bias, masked)) v`` and its exact gradients:
+
+``forward(q, k, v, *, mask, causal, scale, bias, dropout_p, dropout_seed, window) -> (out, weights, ctx)``
+    ``weights`` is the (..., Lq, Lk) softmax before dropout, or ``None`` for a kernel that never forms it.
+``backward(grad_out, ctx) -> (dq, dk, dv, dbias)``
+    ``ctx`` is what that kernel's forward returned (an instance of its ``context_type``).
+
+===============  ==========================================================================================
+name             kernel
+===============  ==========================================================================================
+``"reference"``  :mod:`~attnkit.kernels.reference`: materialises the scores; returns the weights; the yardstick
+``"tiled"``      :mod:`~attnkit.kernels.tiled`: online softmax over tiles, threads, nothing of size Lq x Lk
+===============  ==========================================================================================
+
+``kernel="auto"`` runs ``"reference"`` when the weights are asked for (``need_weights=True``) and ``"tiled"``
+otherwise. A new kernel joins with :func:`register_attention_kernel`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from . import reference, tiled
+
+__all__ = ["AttentionKernel", "ATTENTION_KERNELS", "register_attention_kernel", "resolve_kernel",
+           "kernel_for_context"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """One attention implementation: its forward, its backward, and the context type its forward returns."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+    context_type: type
+    returns_weights: bool
+
+
+def _tiled_forward(q, k, v, **kwargs):
+    out, _, ctx = tiled.flash_attention_forward(q, k, v, **kwargs)
+    return out, None, ctx
+
+
+ATTENTION_KERNELS: dict[str, AttentionKernel] = {}
+
+
+def register_attention_kernel(kernel: AttentionKernel) -> None:
+    """Add ``kernel`` to :data:`ATTENTION_KERNELS` under its name (a name may be registered once)."""
+    if kernel.name == "auto" or kernel.name in ATTENTION_KERNELS:
+        raise ValueError(f"an attention kernel named {kernel.name!r} is already registered")
+    ATTENTION_KERNELS[kernel.name] = kernel
+
+
+register_attention_kernel(AttentionKernel("reference", reference.attention_forward, reference.attention_backward,
+                                          reference.AttentionContext, returns_weights=True))
+register_attention_kernel(AttentionKernel("tiled", _tiled_forward, tiled.flash_attention_backward,
+                                          tiled.FlashContext, returns_weights=False))
+
+
+def resolve_kernel(kernel: str, need_weights: bool) -> AttentionKernel:
+    """The kernel that runs for ``kernel`` ("auto" or a registered name) when weights are or are not needed.
+
+    >>> resolve_kernel("auto", need_weights=True).name, resolve_kernel("auto", need_weights=False).name
+    ('reference', 'tiled')
+    """
+    if kernel == "auto":
+        return ATTENTION_KERNELS["reference" if need_weights else "tiled"]
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"kernel must be 'auto' or one of {sorted(ATTENTION_KERNELS)}, got {kernel!r}")
+    chosen = ATTENTION_KERNELS[kernel]
+    if need_weights and not chosen.returns_weights:
+        raise ValueError(f"kernel {kernel!r} does not form the attention weights; pass need_weights=False "
+                         "or kernel='reference'")
+    return chosen
+
+
+def kernel_for_context(ctx) -> AttentionKernel:
+    """The registered kernel whose forward returned ``ctx``."""
+    for entry in ATTENTION_KERNELS.values():
+        if isinstance(ctx, entry.context_type):
+            return entry
+    raise TypeError(f"ctx must come from a registered attention kernel's forward, got {type(ctx).__name__}")
