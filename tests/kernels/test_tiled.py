@@ -21,12 +21,24 @@ LENGTH_PAIRS = [(1, 1), (7, 7), (63, 64), (64, 64), (65, 63), (1, 65), (65, 7), 
 
 
 class RelativeTable(ScoreBias):
-    """A learnable per-head table of relative-position biases: ``bias[h, i, j] = table[h, j - i]``."""
+    """A learnable per-head table of relative-position biases: ``bias[h, i, j] = table[h, j - i]``.
+
+    The threaded kernel hands over tile gradients in a scheduling-dependent order. Summing float32 partials
+    in that order would make the table's gradient differ in its last bits from run to run, so each tile's
+    partial is kept with its corner and :attr:`grad` adds them in an order fixed by corner and content.
+    """
 
     def __init__(self, table: np.ndarray):
         self.table = table  # (H, 2 R + 1)
-        self.grad = np.zeros_like(table)
         self.radius = (table.shape[1] - 1) // 2
+        self._partials: list[tuple[int, int, bytes, np.ndarray]] = []
+
+    @property
+    def grad(self) -> np.ndarray:
+        total = np.zeros_like(self.table)
+        for *_, partial in sorted(self._partials, key=lambda entry: entry[:3]):
+            total += partial
+        return total
 
     def _index(self, q_idx, k_idx, seq_q, seq_k):
         rel = k_idx[None, :] - q_idx[:, None] - (seq_k - seq_q)  # (Tq, Tk), 0 on the causal diagonal
@@ -39,7 +51,9 @@ class RelativeTable(ScoreBias):
         g = grad_tile.reshape((-1,) + grad_tile.shape[-3:]).sum(axis=0)  # (H, Tq, Tk)
         idx = self._index(q_idx, k_idx, seq_q, seq_k)  # (Tq, Tk)
         heads = np.arange(self.table.shape[0])[:, None, None]  # (H, 1, 1)
-        np.add.at(self.grad, (heads, idx[None]), g)
+        partial = np.zeros_like(self.table)
+        np.add.at(partial, (heads, idx[None]), g)
+        self._partials.append((int(q_idx[0]), int(k_idx[0]), partial.tobytes(), partial))
 
 
 def _blocks(seq_q, seq_k):
