@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +224,9 @@ def test_sigkill_during_a_large_save_leaves_the_previous_file_loadable(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED), str(path)], env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A child stuck before its handshake would block readline forever; the watchdog turns that into EOF.
+    watchdog = threading.Timer(TIMEOUT, child.kill)
+    watchdog.start()
     try:  # the child says when it is in the middle of the save, and waits there: no race with its speed
         lines = [child.stdout.readline(), child.stdout.readline()]
         assert lines == ["saving\n", "partial\n"], (lines, child.poll())
@@ -232,6 +236,7 @@ def test_sigkill_during_a_large_save_leaves_the_previous_file_loadable(tmp_path)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=TIMEOUT)
     finally:
+        watchdog.cancel()
         if child.poll() is None:
             child.kill()
             child.wait()
