@@ -13,13 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask
+from .._validation import as_bool_mask, check_features, check_grad_output
 from ..core.module import Module
 from ..init import as_generator
 from ..kernels import attention_backward, attention_forward
 from ..kernels import rotary as _rotary
 from ..kernels.linear import linear, linear_backward
-from ..layers._common import check_features, check_grad_output
 
 __all__ = ["GroupedQueryAttention"]
 

@@ -8,10 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_positive_int
+from .._validation import check_grad_output, check_positive_int
 from ..core.module import Module
 from ..init import as_generator
-from ._common import check_grad_output
 
 __all__ = ["Embedding"]
 

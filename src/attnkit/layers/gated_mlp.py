@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from .._validation import check_features, check_grad_output
 from ..core.module import Module
 from ..init import as_generator
 from ..kernels import gated_mlp as _gated
 from ..kernels.activations import ACTIVATIONS
-from ._common import check_features, check_grad_output
 
 __all__ = ["GatedMLP"]
 

@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask
+from .._validation import as_bool_mask, check_grad_output
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
 from ..init import as_generator
 from ..kernels._threads import blas_single_thread
-from ..layers._common import check_grad_output
 from ..layers.embedding import Embedding
 from ..layers.lm_block import LMBlock, make_norm
 from ..layers.rotary import RotaryEmbedding
