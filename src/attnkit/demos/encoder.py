@@ -33,7 +33,7 @@ import numpy as np
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
 from ..models import TokenTagger
-from ..optim import Adam, clip_grad_norm
+from ..optim import Adam, clip_grad_norm, warmup_cosine
 from . import tasks as _tasks
 
 __all__ = ["DemoConfig", "TrainResult", "build_model", "train", "learning_rate", "save_model", "load_model",
@@ -123,9 +123,7 @@ def learning_rate(step: int, config: DemoConfig) -> float:
     >>> [round(learning_rate(s, c), 3) for s in (0, 9, 99)]
     [0.1, 1.0, 0.1]
     """
-    warm = min(1.0, (step + 1) / max(config.warmup, 1))
-    progress = step / max(config.steps - 1, 1)
-    return config.lr * warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return warmup_cosine(step, peak=config.lr, warmup=config.warmup, total=config.steps, floor=0.1)
 
 
 def _evaluate(model: TokenTagger, ids: np.ndarray, targets: np.ndarray) -> tuple[float, float, np.ndarray]:

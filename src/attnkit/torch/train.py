@@ -15,9 +15,10 @@ seeded by ``(seed, t)``; rank r of K takes rows ``r*B/K .. (r+1)*B/K``. Each ran
 rows and DDP averages the gradients over ranks, so K processes compute the gradient of the same global batch
 as one process (equal up to the order of the reductions) and end with the same weights.
 
-Optimiser: AdamW (betas 0.9, 0.95), linear warmup over ``--warmup`` steps then cosine decay to zero, global
-gradient-norm clipping at ``--grad-clip`` (0 = off). ``--dtype bfloat16`` keeps float32 weights and runs the
-forward under bfloat16 autocast; float32 and float64 train in that dtype.
+Optimiser: AdamW (betas 0.9, 0.95), linear warmup over ``--warmup`` steps times a cosine decay to zero
+(``attnkit.optim.warmup_cosine``), global gradient-norm clipping at ``--grad-clip`` (0 = off). ``--dtype
+bfloat16`` keeps float32 weights and runs the forward under bfloat16 autocast; float32 and float64 train in
+that dtype.
 
 Output: ``DIR/config.json`` and ``DIR/model.safetensors`` under Hugging Face names (the inverse of attnkit's
 checkpoint map), loadable by :func:`attnkit.pretrained.load_causal_lm` and by ``transformers``;
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 import torch
 
 from ..io import atomic_write
+from ..optim.schedules import warmup_cosine
 from ..pretrained.checkpoint import SINGLE_FILE, checkpoint_tensors
 from ..pretrained.hf_config import decoder_config_from_hf
 from .models import CausalLM
@@ -128,17 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def learning_rate(step: int, *, peak: float, warmup: int, total: int) -> float:
-    """Learning rate of 0-based ``step``: linear warmup to ``peak`` over ``warmup`` steps, then cosine to 0.
+    """Learning rate of 0-based ``step``: :func:`attnkit.optim.warmup_cosine` decaying to 0.
 
     Examples
     --------
     >>> [round(learning_rate(s, peak=1.0, warmup=2, total=6), 3) for s in range(6)]
-    [0.5, 1.0, 1.0, 0.854, 0.5, 0.146]
+    [0.5, 0.905, 0.655, 0.345, 0.095, 0.0]
     """
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine(step, peak=peak, warmup=warmup, total=total)
 
 
 def batch_windows(tokens: np.ndarray, *, seed: int, step: int, global_batch: int, seq_len: int, rank: int = 0,
