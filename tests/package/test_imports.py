@@ -140,3 +140,16 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [])
     assert cycles == []
+
+
+def test_test_modules_do_not_import_each_other():
+    """Shared cases live in helper modules (tests/helpers.py, tests/*_cases.py); a test module importing
+    another would run that module's tests' setup twice and tie unrelated files together."""
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    offenders = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [(str(path.relative_to(tests)), n) for n in names if n.split(".")[-1].startswith("test_")]
+    assert offenders == []
