@@ -94,19 +94,16 @@ class CausalLM(Module):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
         self.config = config
         gen = as_generator(rng)
-        self.embed = Embedding(config.vocab_size, config.hidden_size, rng=gen)
-        self.embed.weight = 0.02 * self.embed.weight
+        self.embed = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
         if config.position == "learned":
-            self.pos_embed = Embedding(config.max_position_embeddings, config.hidden_size, rng=gen)
-            self.pos_embed.weight = 0.01 * self.pos_embed.weight
+            self.pos_embed = Embedding(config.max_position_embeddings, config.hidden_size, rng=gen, std=0.01)
             self.rotary = None
         else:
             self.rotary = RotaryEmbedding(config)
         self.layers = ModuleList([LMBlock(config, i, rng=gen) for i in range(config.num_layers)])
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
-            self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen)
-            self.head.weight = 0.02 * self.head.weight
+            self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config: dict[str, Any] = {}
         self._saved: np.ndarray | None = None

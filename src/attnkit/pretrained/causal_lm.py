@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..init import empty_init
 from .checkpoint import check_model_matches, load_tensors_into, read_checkpoint_index, validate_checkpoint
 from .hf_config import decoder_config_from_hf
 from .tokenizer import load_tokenizer, read_generation_config
@@ -108,7 +109,8 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
 
     from ..models import CausalLM
 
-    model = CausalLM(config, rng=0).astype(dtype)
+    with empty_init(dtype):  # every parameter is overwritten below: no random weights, no float64 detour
+        model = CausalLM(config)
     params = dict(model.named_parameters())
     check_model_matches(params, stored)
     load_tensors_into(params, index, stored)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..init import empty_init
 from ._extra import default_model_dir, import_extra
 from .bert import BertConfig, BertEncoder, bert_state_dict
 
@@ -514,7 +515,8 @@ def load_sentence_encoder(model_dir: str | Path, dtype: Any = np.float32,
     weights = model_dir / "model.safetensors"
     _check_checkpoint(config, _checkpoint_shapes(weights, safetensors), weights)
 
-    model = BertEncoder(config, rng=0).astype(dtype)
+    with empty_init(dtype):  # load_state_dict(strict=True) overwrites every parameter
+        model = BertEncoder(config)
     tensors = safetensors_numpy.load_file(str(weights))
     model.load_state_dict(bert_state_dict(tensors, config.num_hidden_layers), strict=True)
     return SentenceEncoder(model, tokenizer, max_seq_length, normalize=normalize, model_dir=model_dir)
