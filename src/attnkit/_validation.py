@@ -18,6 +18,7 @@ __all__ = [
     "check_ndim",
     "check_mask",
     "check_positive_int",
+    "check_real",
     "unbroadcast",
     "check_qkv",
     "as_bool_mask",
@@ -65,6 +66,19 @@ def check_positive_int(value: Any, name: str, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {value}")
     return int(value)
+
+
+def check_real(value: Any, name: str) -> float:
+    """``value`` as a finite Python float: TypeError for a non-number (bools included), ValueError for NaN/inf."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # a Python int beyond float's range
+        raise ValueError(f"{name} must be a finite number, got an integer of {len(str(abs(value)))} digits") from None
+    if not np.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return number
 
 
 def check_mask(mask: Any, name: str, target_shape: tuple[int, ...], target_desc: str = "scores") -> np.ndarray | None:

@@ -64,7 +64,14 @@ def _check_top_k(top_k: Any) -> int:
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)  # (..., V); -inf entries stay -inf
+    """Softmax over the last axis that also takes the limit of a vanishing temperature: a row whose largest
+    logit overflowed to +inf gets equal probabilities on its +inf entries (not ``inf - inf = NaN``)."""
+    top = logits.max(axis=-1, keepdims=True)  # (..., 1)
+    overflowed = np.isposinf(top)  # (..., 1)
+    if overflowed.any():
+        logits = np.where(overflowed, np.where(np.isposinf(logits), 0.0, -np.inf), logits)  # (..., V)
+        top = np.where(overflowed, 0.0, top)  # (..., 1)
+    shifted = logits - top  # (..., V); -inf entries stay -inf
     e = np.exp(shifted)  # (..., V)
     return e / e.sum(axis=-1, keepdims=True)
 
@@ -82,7 +89,18 @@ def temperature_warp(logits: np.ndarray, temperature: float) -> np.ndarray:
     array([4., 2.])
     """
     array = _check_logits(logits)
-    return array / np.asarray(_check_temperature(temperature), dtype=array.dtype)
+    temperature = _check_temperature(temperature)
+    wide = array.astype(np.float64)  # (..., V): a temperature below the dtype's smallest number stays non-zero
+    with np.errstate(over="ignore"):
+        out = (wide / temperature).astype(array.dtype)  # (..., V)
+        overflowed = (np.isinf(out) & np.isfinite(array)).any(axis=-1)  # (...)
+        if overflowed.any():
+            # A tiny temperature overflows the scaled logits. Shifting a row by its maximum first changes no
+            # probability and keeps the limit: the largest logits stay 0, the others go to -inf.
+            top = np.where(np.isfinite(wide), wide, -np.inf).max(axis=-1, keepdims=True)  # (..., 1)
+            shifted = ((wide - top) / temperature).astype(array.dtype)  # (..., V)
+            out = np.where(overflowed[..., None], shifted, out)  # (..., V)
+    return out
 
 
 def top_k_filter(logits: np.ndarray, top_k: int, *, min_tokens_to_keep: int = 1) -> np.ndarray:
@@ -214,6 +232,9 @@ def sample_tokens(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     array = _check_logits(logits)
     if array.ndim != 2:
         raise ValueError(f"logits must be (B, V), got shape {array.shape}")
+    if np.isnan(array).any():
+        rows = np.flatnonzero(np.isnan(array).any(axis=-1)).tolist()
+        raise ValueError(f"logits must not be NaN (rows {rows[:5]}): the model produced non-finite scores")
     probs = _softmax(array.astype(np.float64))  # (B, V)
     cdf = np.cumsum(probs, axis=-1)  # (B, V)
     cdf /= cdf[:, -1:]
