@@ -3,7 +3,7 @@ token ids out of range. Each gives a correct result or a ValueError/TypeError na
 import numpy as np
 import pytest
 
-from attnkit.decoding.sampling import sample_tokens, warp_logits
+from attnkit.decoding.sampling import generate_stream, sample_tokens, warp_logits
 from attnkit.models import CausalLM, DecoderConfig, Seq2SeqTransformer
 
 
@@ -65,3 +65,40 @@ def test_an_extreme_finite_length_penalty_still_decodes(s2s, penalty):
     out = s2s.generate(src, bos_token_id=1, eos_token_id=2, max_new_tokens=5, num_beams=3, length_penalty=penalty)
     assert out.dtype == np.int64 and out.shape[0] == 2 and 2 <= out.shape[1] <= 6
     assert (out[:, 0] == 1).all() and ((out >= 0) & (out < 12)).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(pad_token_id=32), r"pad_token_id must be a token id in \[0, 32\), got 32"),
+    (dict(pad_token_id=[]), r"pad_token_id must be a token id, got \[\]"),
+    (dict(pad_token_id=[1, 2]), r"pad_token_id must be a token id, got \[1, 2\]"),
+    (dict(pad_token_id=-1), r"pad_token_id must be a token id in \[0, 32\), got -1"),
+    (dict(eos_token_id=10**30), r"eos_token_id must be a token id in \[0, 32\), got 10{30}"),
+    (dict(eos_token_id=[3, 40]), r"eos_token_id must be a token id in \[0, 32\), got 40"),
+    (dict(eos_token_id="2"), r"eos_token_id must be a token id or a sequence of them, got '2'"),
+    (dict(eos_token_id=[[1]]), r"eos_token_id must be a token id or a sequence of them, got \[\[1\]\]"),
+    (dict(max_new_tokens=2**31), r"max_new_tokens must be at most 2147483647, got 2147483648"),
+])
+def test_token_ids_and_lengths_are_checked_before_decoding(lm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lm.generate(np.array([[1, 2, 3]]), **{"max_new_tokens": 3, **kwargs})
+
+
+def test_a_0d_array_is_one_token_id(lm):
+    ids = np.array([[1, 2, 3]])
+    given_as_arrays = lm.generate(ids, max_new_tokens=4, eos_token_id=np.array(7), pad_token_id=np.int64(0))
+    np.testing.assert_array_equal(given_as_arrays, lm.generate(ids, max_new_tokens=4, eos_token_id=7, pad_token_id=0))
+
+
+def test_a_huge_max_new_tokens_reserves_no_memory_up_front(lm):
+    import tracemalloc
+
+    ids = np.array([[1, 2, 3]])
+    tracemalloc.start()
+    try:
+        steps = generate_stream(lm, ids, max_new_tokens=2**31 - 1)
+        first = [next(steps) for _ in range(3)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [t.shape for t in first] == [(1,)] * 3
+    assert peak < 5e6  # a cache sized for 2**31 tokens would be terabytes
