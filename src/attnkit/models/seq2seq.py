@@ -205,7 +205,7 @@ class Seq2SeqTransformer(Module):
 
         Returns
         -------
-        ids : int64 (B, 1 + n), bos first; n <= N is the longest row.
+        ids : int64 (B, 1 + n), bos first; n <= N is the longest row (``(0, 1)`` for an empty batch).
         """
         src_ids = _check_ids(src_ids, "src_ids", self.src_vocab_size, self.max_length)
         src_pad = _check_padding(src_key_padding_mask, "src_key_padding_mask", src_ids.shape)
@@ -219,6 +219,8 @@ class Seq2SeqTransformer(Module):
             raise ValueError(f"max_new_tokens = {max_new_tokens} exceeds the model's max_length = {self.max_length}")
         num_beams = check_positive_int(num_beams, "num_beams")
         length_penalty = check_real(length_penalty, "length_penalty")
+        if src_ids.shape[0] == 0:  # no rows: nothing to decode, only the bos column
+            return np.full((0, 1), bos_token_id, dtype=np.int64)
         was_training = self.training
         self.eval()
         try:
