@@ -29,6 +29,7 @@ np.float32(6.0)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import stat
@@ -43,7 +44,8 @@ from typing import IO, Any
 import numpy as np
 from numpy.lib import format as npy_format
 
-__all__ = ["atomic_write", "atomic_write_files", "save_arrays", "write_arrays", "ArrayHeader", "ArrayArchive"]
+__all__ = ["atomic_write", "atomic_write_files", "save_arrays", "write_arrays", "ArrayHeader", "ArrayArchive",
+           "read_json"]
 
 NPY_SUFFIX = ".npy"
 # Deflate cannot shrink data by more than about 1032:1; a member claiming more is not a real deflate stream.
@@ -479,3 +481,56 @@ class ArrayArchive:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------------------------------------
+# JSON files
+# --------------------------------------------------------------------------------------------------------
+MAX_JSON_BYTES = 1 << 28  # 256 MiB: far above any config or tokenizer file, far below a memory problem
+
+
+def read_json(path: str | os.PathLike, *, expect: type | None = dict) -> Any:
+    """The value of a UTF-8 JSON file, every way it can be wrong reported as one ``ValueError`` naming it.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file. A missing file raises ``FileNotFoundError`` (``OSError`` for other reading failures).
+    expect : type or None, default dict
+        The type the top-level value must have (``dict`` for a JSON object, ``list`` for an array); None
+        accepts any value.
+
+    Raises
+    ------
+    ValueError
+        Not UTF-8, not JSON, nested too deeply for the parser, larger than 256 MiB, or not of type ``expect``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "config.json"
+    >>> _ = path.write_text('{"hidden_size": 16}')
+    >>> read_json(path)
+    {'hidden_size': 16}
+    >>> _ = path.write_text("[" * 100000)
+    >>> read_json(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: ...config.json is not valid JSON: nested too deeply
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path} is not a JSON file attnkit reads: {size:,} bytes, the limit is {MAX_JSON_BYTES:,}")
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON: nested too deeply") from None
+    if expect is not None and not isinstance(value, expect):
+        wanted = {dict: "a JSON object", list: "a JSON array"}.get(expect, expect.__name__)
+        raise ValueError(f"{path} must hold {wanted}, got {type(value).__name__}")
+    return value
+

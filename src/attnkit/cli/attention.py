@@ -3,13 +3,13 @@ causal-LM folder (GPT-2, Llama, Mistral, Qwen2), for an input."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .._display import readable_token
+from ..io import read_json
 from ._common import (
     UsageError,
     bounded_int,
@@ -79,8 +79,8 @@ def is_causal_lm_folder(path: str) -> bool:
 
     config = Path(path) / "config.json"
     try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):  # no file, not JSON, or JSON that is not an object
+        model_type = read_json(config).get("model_type")
+    except (OSError, ValueError):  # no file, not JSON, or JSON that is not an object
         return False
     return model_type in SUPPORTED_MODEL_TYPES
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..io import read_json
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
 from ..models import TokenTagger
@@ -343,11 +344,7 @@ def load_model(path: str | Path) -> tuple[TokenTagger, dict[str, Any]]:
     for p in (model_path, config_path):
         if not p.is_file():
             raise FileNotFoundError(f"no such file: {p}")
-    try:
-        meta = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
-    meta = _check_meta(meta, config_path)
+    meta = _check_meta(read_json(config_path, expect=None), config_path)
     needed, stored = _minimum_parameters(meta["model"]), _stored_values(model_path)
     if needed > stored:
         raise ValueError(f"{config_path} describes a model of at least {needed:,} parameters, but {model_path} "

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..io import read_json
 from ..models.config import DecoderConfig
 from ._extra import import_extra
 
@@ -210,11 +211,10 @@ class CheckpointIndex:
 def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}") \
-                from None
+        raw = read_json(index)
+        if "weight_map" not in raw:
+            raise ValueError(f"{index} is not a safetensors index: it has no 'weight_map'")
+        weight_map = raw["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                        for k, v in weight_map.items()):
             raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 import torch
 
-from ..io import atomic_write
+from ..io import atomic_write, read_json
 from ..optim.schedules import warmup_cosine
 from ..pretrained.checkpoint import SINGLE_FILE, checkpoint_tensors
 from ..pretrained.hf_config import decoder_config_from_hf
@@ -166,13 +166,11 @@ def batch_windows(tokens: np.ndarray, *, seed: int, step: int, global_batch: int
 # -- checking the arguments ------------------------------------------------------------------------------
 def _read_config(path: Path) -> tuple[dict, Any]:
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_json(path)
     except OSError as exc:
         raise UsageError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--config: {path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"--config: {path} must hold a JSON object, got {type(raw).__name__}")
+    except ValueError as exc:
+        raise UsageError(f"--config: {exc}") from None
     try:
         return raw, decoder_config_from_hf(raw)
     except (ValueError, TypeError) as exc:
