@@ -54,3 +54,24 @@ def test_a_nested_tokenizer_config_is_one_error(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("[" * 100_000)
     with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON: nested too deeply"):
         load_tokenizer(tmp_path)
+
+
+def test_a_claimed_depth_beyond_the_checkpoint_costs_nothing(tmp_path):
+    import tracemalloc
+
+    from hf_models import saved_model
+
+    folder, _ = saved_model("llama_gqa", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 1_000_000
+    (folder / "config.json").write_text(json.dumps(config))
+    from attnkit.pretrained import load_causal_lm
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="num_hidden_layers = 1000000 cannot match a checkpoint of 35 tensors"):
+            load_causal_lm(folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20e6  # (building a map of a million layers took 4.7 GB)

@@ -225,7 +225,7 @@ class Module:
         ValueError
             A value whose shape differs from its parameter's, or two keys naming the same parameter.
         TypeError
-            A value that is not a real floating array.
+            ``state`` not a mapping, a key not a string, or a value that is not a real floating array.
 
         Examples
         --------
@@ -240,6 +240,12 @@ class Module:
         >>> layer.norm.gamma
         array([2., 3.])
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping of parameter name to array (as state_dict() returns), got "
+                            f"{type(state).__name__}")
+        if not all(isinstance(key, str) for key in state):
+            bad = next(key for key in state if not isinstance(key, str))
+            raise TypeError(f"state's keys must be parameter names (str), got {type(bad).__name__} {bad!r}")
         values = {key: np.asarray(state[key]) for key in state}  # each entry read once
         plan = self._check_state({key: (v.shape, v.dtype) for key, v in values.items()}, strict)
         own = dict(self.named_parameters())

@@ -284,6 +284,10 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
     ValueError
         A missing or unexpected tensor, a wrong shape or an unsupported dtype, naming the tensor.
     """
+    if config.num_layers > len(index.tensors):
+        # Every layer needs tensors of its own: refuse before building a map (or a model) for the claimed depth.
+        raise ValueError(f"{index.folder}: the config's num_hidden_layers = {config.num_layers} cannot match a "
+                         f"checkpoint of {len(index.tensors)} tensors")
     maps, prefix = checkpoint_map(config)
     names = [n for n in index.tensors if not n.endswith(_IGNORED_SUFFIXES)]
     # A *ForCausalLM checkpoint prefixes the base model's names; a bare base model (GPT2Model) does not.
