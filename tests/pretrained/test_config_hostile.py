@@ -1,11 +1,14 @@
 """Config values that pass a first look but used to crash later or raise the wrong type, and JSON files that
 are not what they claim: each is one ValueError naming the key or the file, before any model is built."""
 import json
+import shutil
+import tracemalloc
 
 import pytest
 
 from attnkit.io import read_json
-from attnkit.pretrained import decoder_config_from_hf, load_tokenizer, read_decoder_config
+from attnkit.pretrained import decoder_config_from_hf, load_causal_lm, load_tokenizer, read_decoder_config
+from hf_models import saved_model
 
 BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -57,16 +60,10 @@ def test_a_nested_tokenizer_config_is_one_error(tmp_path):
 
 
 def test_a_claimed_depth_beyond_the_checkpoint_costs_nothing(tmp_path):
-    import tracemalloc
-
-    from hf_models import saved_model
-
-    folder, _ = saved_model("llama_gqa", tmp_path)
+    folder = shutil.copytree(saved_model("llama_gqa", tmp_path)[0], tmp_path / "deep")  # the shared one stays
     config = json.loads((folder / "config.json").read_text())
     config["num_hidden_layers"] = 1_000_000
     (folder / "config.json").write_text(json.dumps(config))
-    from attnkit.pretrained import load_causal_lm
-
     tracemalloc.start()
     try:
         with pytest.raises(ValueError, match="num_hidden_layers = 1000000 cannot match a checkpoint of 35 tensors"):
