@@ -30,6 +30,7 @@ from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
 from ..models import CausalLM, DecoderConfig
 from ..optim import Adam, clip_grad_norm, warmup_cosine
+from .training import check_loss
 
 __all__ = [
     "AdditionConfig",
@@ -172,6 +173,7 @@ def _train(config: AdditionConfig, progress) -> AdditionResult:
         ids, targets, _, _ = make_batch(rng, config.batch_size, config.digits)
         logits = model(ids)  # (B, L, V)
         loss, grad = softmax_cross_entropy(logits, targets, ignore_index=_IGNORE)
+        loss = check_loss(loss, step + 1, config.lr)
         optimizer.zero_grad()
         model.backward(grad)
         clip_grad_norm(model, 1.0)

@@ -29,6 +29,7 @@ from ..losses import softmax_cross_entropy
 from ..models import Seq2SeqTransformer
 from ..optim import Adam, clip_grad_norm, warmup_cosine
 from . import date_data as date_task
+from .training import check_loss
 
 __all__ = ["DatesConfig", "DatesResult", "build_model", "train", "normalise", "alignment", "save_model",
            "MODEL_FILE", "CONFIG_FILE"]
@@ -131,6 +132,7 @@ def train(config: DatesConfig, on_step: Callable[[int, float, float], None] | No
             model.zero_grad()
             logits = model(src, tgt[:, :-1], mask)  # (B, 11, V)
             loss, grad = softmax_cross_entropy(logits, tgt[:, 1:])
+            loss = check_loss(loss, step, config.lr)
             model.backward(grad)
             clip_grad_norm(model, config.max_grad_norm)
             optimizer.lr = _learning_rate(step - 1, config)

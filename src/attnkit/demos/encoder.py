@@ -36,6 +36,7 @@ from ..losses import softmax_cross_entropy
 from ..models import TokenTagger
 from ..optim import Adam, clip_grad_norm, warmup_cosine
 from . import tasks as _tasks
+from .training import check_loss
 
 __all__ = ["DemoConfig", "TrainResult", "build_model", "train", "learning_rate", "save_model", "load_model",
            "attention_maps", "parse_sequence", "MODEL_FILE", "CONFIG_FILE"]
@@ -180,6 +181,7 @@ def train(config: DemoConfig, on_step: Callable[[int, float, float], None] | Non
             model.zero_grad()
             logits = model(ids)  # (B, L, C)
             loss, grad = softmax_cross_entropy(logits, targets)
+            loss = check_loss(loss, step, config.lr)
             model.backward(grad)
             clip_grad_norm(model, config.max_grad_norm)
             optimizer.lr = learning_rate(step - 1, config)
