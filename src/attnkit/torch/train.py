@@ -23,9 +23,9 @@ that dtype.
 Output: ``DIR/config.json`` and ``DIR/model.safetensors`` under Hugging Face names (the inverse of attnkit's
 checkpoint map), loadable by :func:`attnkit.pretrained.load_causal_lm` and by ``transformers``;
 ``DIR/checkpoint.pt`` (model, optimiser, step) every ``--checkpoint-every`` steps and at the end, for
-``--resume``; a fresh run refuses an ``--out`` that holds one unless ``--overwrite`` is given, and ``--out`` must
-be writable before training starts. Every file is written atomically. Rank 0 logs one line per step (``--quiet``: none). Bad
-arguments: one line on stderr and exit status 2.
+``--resume``; a fresh run refuses an ``--out`` that holds one unless ``--overwrite`` is given, and ``--out``
+must be writable before training starts. Every file is written atomically. Rank 0 logs one line per step
+(``--quiet``: none). Bad arguments: one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
