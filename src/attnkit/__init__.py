@@ -5,7 +5,7 @@ to nothing gets zero weights, zero output and zero gradient, never NaN.
 """
 __version__ = "0.2.0"
 
-from . import attention_core, core, init, kernels, layers, multi_head, positional, transformer_block
+from . import attention_core, core, init, interop, kernels, layers, multi_head, positional, transformer_block
 from .attention import (
                         AdditiveAttention,
                         Attention,
@@ -23,7 +23,7 @@ from .transformer_block import TransformerEncoderBlock
 
 __all__ = [
     "__version__",
-    "attention_core", "core", "init", "kernels", "layers", "multi_head", "positional", "transformer_block",
+    "attention_core", "core", "init", "interop", "kernels", "layers", "multi_head", "positional", "transformer_block",
     "BaseAttention", "Module", "MultiHeadAttention", "ScaledDotProductAttention", "TransformerEncoderBlock",
     "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention",
     "additive_attention", "scaled_dot_product_attention",

@@ -12,10 +12,13 @@ import numpy as np
 
 __all__ = [
     "as_float_array",
+    "check_features",
+    "check_grad_output",
     "common_float_dtype",
     "check_ndim",
     "check_mask",
     "check_positive_int",
+    "check_real",
     "unbroadcast",
     "check_qkv",
     "as_bool_mask",
@@ -63,6 +66,19 @@ def check_positive_int(value: Any, name: str, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {value}")
     return int(value)
+
+
+def check_real(value: Any, name: str) -> float:
+    """``value`` as a finite Python float: TypeError for a non-number (bools included), ValueError for NaN/inf."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # a Python int beyond float's range
+        raise ValueError(f"{name} must be a finite number, got an integer of {len(str(abs(value)))} digits") from None
+    if not np.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return number
 
 
 def check_mask(mask: Any, name: str, target_shape: tuple[int, ...], target_desc: str = "scores") -> np.ndarray | None:
@@ -215,3 +231,21 @@ def check_finite(x: np.ndarray, name: str) -> np.ndarray:
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{name} must be finite, got NaN or inf (shape {np.shape(x)})")
     return x
+
+
+def check_features(x: Any, name: str, features: int, owner: str, feature_name: str) -> np.ndarray:
+    """``x`` as a float array of at least 1 dim whose last axis has ``features`` entries."""
+    x = as_float_array(x, name)
+    check_ndim(x, name, min_ndim=1, expected=f"at least 1-D (..., {feature_name}={features})")
+    if x.shape[-1] != features:
+        raise ValueError(f"{owner}: {name} has {x.shape[-1]} features, expected {feature_name} = {features} "
+                         f"(got shape {x.shape})")
+    return x
+
+
+def check_grad_output(grad_output: Any, expected_shape: tuple[int, ...], dtype: np.dtype, owner: str) -> np.ndarray:
+    """``grad_output`` as an array of the forward output's shape, in the forward's compute dtype."""
+    g = as_float_array(grad_output, "grad_output")
+    if g.shape != tuple(expected_shape):
+        raise ValueError(f"{owner}: grad_output has shape {g.shape}, expected the output shape {tuple(expected_shape)}")
+    return g.astype(dtype, copy=False)

@@ -9,9 +9,54 @@ writes). attnkit stores weights for ``x @ W``, so a weight is (In, Out), the tra
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 
-__all__ = ["as_generator", "xavier_uniform", "uniform_fan_in", "normal"]
+__all__ = ["as_generator", "xavier_uniform", "uniform_fan_in", "normal", "empty_init", "empty_init_dtype"]
+
+_STATE = threading.local()  # one setting per thread: a loader in one thread leaves models built elsewhere alone
+
+
+@contextlib.contextmanager
+def empty_init(dtype: Any = np.float32) -> Iterator[None]:
+    """Build modules with uninitialised parameters of ``dtype``: for loaders that overwrite every weight.
+
+    Inside the block the initialisers here return ``np.empty`` arrays of ``dtype`` and
+    :meth:`attnkit.core.Module.register_parameter` allocates each parameter once, in ``dtype``, without
+    copying: no random numbers are drawn and no float64 array is made, so building a model costs its
+    weights' memory and no more. The parameters hold garbage until the caller fills them (like
+    ``torch.nn.utils.skip_init``).
+
+    Parameters
+    ----------
+    dtype : numpy float dtype, default float32
+
+    Examples
+    --------
+    >>> from attnkit.layers import Projection
+    >>> with empty_init(np.float16):
+    ...     proj = Projection(1024, 1024, rng=0)
+    >>> proj.W.dtype, proj.W.shape
+    (dtype('float16'), (1024, 1024))
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    previous = getattr(_STATE, "dtype", None)
+    _STATE.dtype = dtype
+    try:
+        yield
+    finally:
+        _STATE.dtype = previous
+
+
+def empty_init_dtype() -> np.dtype | None:
+    """The dtype of an active :func:`empty_init` block in this thread, else None."""
+    return getattr(_STATE, "dtype", None)
 
 RandomSource = np.random.Generator | int | None
 
@@ -46,6 +91,8 @@ def xavier_uniform(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.nd
     >>> w.shape, bool(np.abs(w).max() <= 1.0)
     ((4, 2), True)
     """
+    if (empty := empty_init_dtype()) is not None:
+        return np.empty((fan_in, fan_out), empty)
     limit = np.sqrt(6.0 / (fan_in + fan_out))
     return rng.uniform(-limit, limit, size=(fan_in, fan_out))  # (In, Out)
 
@@ -58,6 +105,8 @@ def uniform_fan_in(rng: np.random.Generator, fan_in: int, shape: tuple[int, ...]
     >>> bool(np.abs(uniform_fan_in(np.random.default_rng(0), 4, 3)).max() <= 0.5)
     True
     """
+    if (empty := empty_init_dtype()) is not None:
+        return np.empty(shape, empty)
     limit = 1.0 / np.sqrt(fan_in)
     return rng.uniform(-limit, limit, size=shape)
 
@@ -70,4 +119,6 @@ def normal(rng: np.random.Generator, shape: tuple[int, ...] | int, std: float = 
     >>> normal(np.random.default_rng(0), (16, 8), std=0.02).shape
     (16, 8)
     """
+    if (empty := empty_init_dtype()) is not None:
+        return np.empty(shape, empty)
     return rng.normal(0.0, std, size=shape)

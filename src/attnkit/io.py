@@ -5,7 +5,8 @@ files that belong together): the bytes go to a temporary file in the destination
 ``fsync``-ed, and only then does ``os.replace`` put the file in place. A write that fails (disk full, a
 file-size limit, an exception in the middle, Ctrl-C) removes its temporary file and leaves the previous
 file untouched; a process killed mid-write leaves the previous file too (plus, at worst, one hidden
-``.<name>.*.tmp`` file beside it).
+``.<name>.<pid>.*.tmp`` file beside it, which the next write to the same path removes once that process is
+gone). Only regular files are replaced: a path naming a FIFO, a device or a socket is refused.
 
 Arrays are stored as ``.npz`` archives (a zip of ``.npy`` members, readable by ``np.load``), written by
 :func:`save_arrays`. :class:`ArrayArchive` opens one and reads every member's ``.npy`` header (name,
@@ -28,8 +29,10 @@ np.float32(6.0)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import stat
 import tempfile
 import threading
 import zipfile
@@ -41,7 +44,8 @@ from typing import IO, Any
 import numpy as np
 from numpy.lib import format as npy_format
 
-__all__ = ["atomic_write", "atomic_write_files", "save_arrays", "write_arrays", "ArrayHeader", "ArrayArchive"]
+__all__ = ["atomic_write", "atomic_write_files", "save_arrays", "write_arrays", "ArrayHeader", "ArrayArchive",
+           "read_json"]
 
 NPY_SUFFIX = ".npy"
 # Deflate cannot shrink data by more than about 1032:1; a member claiming more is not a real deflate stream.
@@ -63,11 +67,24 @@ def _destination(path: Any, name: str = "path") -> Path:
         raise TypeError(f"{name} must be a str or os.PathLike file path, got {type(path).__name__}")
     dest = Path(path)
     if dest.is_symlink():
-        dest = dest.resolve()
+        try:
+            dest = dest.resolve(strict=False)
+        except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+            raise ValueError(f"{name} {str(path)!r} is a symbolic link that cannot be resolved: {exc}") from None
     if dest.is_dir():
         raise IsADirectoryError(f"{name} {str(dest)!r} is a folder, expected a file path")
     if not dest.parent.is_dir():
         raise FileNotFoundError(f"cannot write {str(dest)!r}: folder {str(dest.parent)!r} does not exist")
+    try:
+        mode = os.stat(dest).st_mode
+    except FileNotFoundError:
+        return dest
+    if not stat.S_ISREG(mode):
+        # Replacing a FIFO or a device node with a regular file would break whatever uses it (as root,
+        # /dev/null itself): write only over regular files.
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise ValueError(f"{name} {str(dest)!r} is {kind}, not a regular file: attnkit only replaces regular files")
     return dest
 
 
@@ -101,9 +118,46 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
+# Bytes of the destination's name kept in a temporary's name: with the dot, the pid, mkstemp's 8 random
+# characters and ".tmp", the name stays within the 255 bytes file systems allow.
+_NAME_BYTES = 200
+
+
+def _temporary_prefix(dest: Path) -> str:
+    """``.<name>.`` with ``name`` cut to at most ``_NAME_BYTES`` bytes (a cut character stays bytes, which the
+    file system takes as they are)."""
+    return "." + os.fsdecode(os.fsencode(dest.name)[:_NAME_BYTES]) + "."
+
+
+def _remove_orphans(dest: Path) -> None:
+    """Remove temporaries of ``dest`` left by writers that were killed (their process no longer exists)."""
+    prefix = _temporary_prefix(dest)
+    try:
+        names = os.listdir(dest.parent)
+    except OSError:
+        return
+    for entry in names:
+        if not (entry.startswith(prefix) and entry.endswith(".tmp")):
+            continue
+        pid = entry[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_exists(int(pid)):
+            _remove_quietly(os.path.join(dest.parent, entry))
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but belongs to someone else
+        return True
+    return True
+
+
 def _write_temporary(dest: Path, write: Writer) -> str:
     """Write a complete, fsync-ed temporary file beside ``dest``; returns its path (removed on failure)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    _remove_orphans(dest)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_temporary_prefix(dest)}{os.getpid()}.", suffix=".tmp", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -427,3 +481,56 @@ class ArrayArchive:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------------------------------------
+# JSON files
+# --------------------------------------------------------------------------------------------------------
+MAX_JSON_BYTES = 1 << 28  # 256 MiB: far above any config or tokenizer file, far below a memory problem
+
+
+def read_json(path: str | os.PathLike, *, expect: type | None = dict) -> Any:
+    """The value of a UTF-8 JSON file, every way it can be wrong reported as one ``ValueError`` naming it.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file. A missing file raises ``FileNotFoundError`` (``OSError`` for other reading failures).
+    expect : type or None, default dict
+        The type the top-level value must have (``dict`` for a JSON object, ``list`` for an array); None
+        accepts any value.
+
+    Raises
+    ------
+    ValueError
+        Not UTF-8, not JSON, nested too deeply for the parser, larger than 256 MiB, or not of type ``expect``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "config.json"
+    >>> _ = path.write_text('{"hidden_size": 16}')
+    >>> read_json(path)
+    {'hidden_size': 16}
+    >>> _ = path.write_text("[" * 100000)
+    >>> read_json(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: ...config.json is not valid JSON: nested too deeply
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path} is not a JSON file attnkit reads: {size:,} bytes, the limit is {MAX_JSON_BYTES:,}")
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON: nested too deeply") from None
+    if expect is not None and not isinstance(value, expect):
+        wanted = {dict: "a JSON object", list: "a JSON array"}.get(expect, expect.__name__)
+        raise ValueError(f"{path} must hold {wanted}, got {type(value).__name__}")
+    return value
+

@@ -138,14 +138,14 @@ def test_unreadable_paths_are_one_line(small_demo, tmp_path, capsys, monkeypatch
     assert main(["attention", "--model", long_name, "--input", "1 2", "-o", str(tmp_path / "a.png")]) == 2
     assert_one_line_error(capsys.readouterr().err, "cannot load the model")
     folder = _copy(small_demo, tmp_path)
-    real_read_text = type(folder).read_text
+    real_read_bytes = type(folder).read_bytes
 
     def refuse(self, *args, **kwargs):
         if self.name == "model.json":
             raise PermissionError(13, "Permission denied", str(self))
-        return real_read_text(self, *args, **kwargs)
+        return real_read_bytes(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(folder), "read_text", refuse)
+    monkeypatch.setattr(type(folder), "read_bytes", refuse)
     assert main(["attention", "--model", str(folder), "--input", "1 2", "-o", str(tmp_path / "a.png")]) == 2
     assert_one_line_error(capsys.readouterr().err, "cannot load the model", "Permission denied")
 

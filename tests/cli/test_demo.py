@@ -12,7 +12,7 @@ from attnkit.cli import demo as demo_command  # noqa: E402
 from attnkit.demos import encoder as demo  # noqa: E402
 from attnkit.models import TokenTagger  # noqa: E402
 from attnkit.viz import attention_figsize  # noqa: E402
-from cli_helpers import assert_image, run_attnkit  # noqa: E402
+from cli_helpers import assert_image, assert_one_line_error, run_attnkit  # noqa: E402
 
 
 def test_demo_writes_pictures_and_a_loadable_model(small_demo):
@@ -94,3 +94,15 @@ def test_default_demo_reaches_95_percent(tmp_path, capsys):
     assert meta["training"]["steps"] == demo.DemoConfig().steps
     assert meta["heldout_token_accuracy"] >= 0.95, meta
     assert "held-out accuracy: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("task", ["sort", "addition", "dates"])
+def test_a_learning_rate_that_diverges_is_one_line_and_saves_nothing(task, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["demo", "--task", task, "--lr", "1e30", "--steps", "6", "--out", str(out), "--no-progress"]) == 2
+    last = capsys.readouterr().err.splitlines(keepends=True)[-1]  # after the plain progress lines
+    if task == "addition":  # its configuration bounds lr itself
+        assert_one_line_error(last, "lr must be in (0, 1), got 1e+30 (from --steps, --lr)")
+    else:
+        assert_one_line_error(last, "training diverged at step", "with learning rate 1e+30", "(--lr)")
+    assert not any(out.glob("model*")) and not any(out.glob("*.png"))

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +224,9 @@ def test_sigkill_during_a_large_save_leaves_the_previous_file_loadable(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED), str(path)], env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A child stuck before its handshake would block readline forever; the watchdog turns that into EOF.
+    watchdog = threading.Timer(TIMEOUT, child.kill)
+    watchdog.start()
     try:  # the child says when it is in the middle of the save, and waits there: no race with its speed
         lines = [child.stdout.readline(), child.stdout.readline()]
         assert lines == ["saving\n", "partial\n"], (lines, child.poll())
@@ -232,6 +236,7 @@ def test_sigkill_during_a_large_save_leaves_the_previous_file_loadable(tmp_path)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=TIMEOUT)
     finally:
+        watchdog.cancel()
         if child.poll() is None:
             child.kill()
             child.wait()
@@ -292,3 +297,61 @@ def test_module_save_is_an_npz_that_numpy_reads(tmp_path):
     model.save(path)
     with np.load(path, allow_pickle=False) as archive:
         assert archive.files == ["W"] and np.array_equal(archive["W"], model.W)
+
+
+# -- what a path may name ------------------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_is_refused_and_left_in_place(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"path '.*pipe' is a FIFO, not a regular file"):
+        atomic_write(fifo, lambda f: f.write(b"x"))
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and temporaries(tmp_path) == []
+
+
+def _null_device(folder):
+    """A character device like /dev/null made in ``folder`` (never the real one: a regression would replace it)."""
+    node = folder / "null"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except (AttributeError, PermissionError, OSError) as exc:
+        pytest.skip(f"cannot make a device node here ({exc}); root in a container with CAP_MKNOD can")
+    return node
+
+
+def test_a_device_is_refused_and_left_in_place(tmp_path):
+    device = _null_device(tmp_path)
+    with pytest.raises(ValueError, match=r"path '.*null' is a character device, not a regular file"):
+        atomic_write(device, lambda f: f.write(b"x"))
+    link = tmp_path / "link"
+    link.symlink_to(device)  # through a link too
+    with pytest.raises(ValueError, match="is a character device"):
+        atomic_write(link, lambda f: f.write(b"x"))
+    assert stat.S_ISCHR(os.lstat(device).st_mode) and temporaries(tmp_path) == []
+
+
+def test_a_symlink_loop_is_a_clear_error(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ValueError, match=r"path '.*a' is a symbolic link that cannot be resolved"):
+        atomic_write(tmp_path / "a", lambda f: f.write(b"x"))
+
+
+def test_a_name_of_250_bytes_is_written(tmp_path):
+    path = tmp_path / ("é" * 100 + "x" * 50)  # 250 bytes in UTF-8: its temporary's name must stay within 255
+    assert len(os.fsencode(path.name)) == 250
+    atomic_write(path, lambda f: f.write(b"long"))
+    assert path.read_bytes() == b"long" and temporaries(tmp_path) == []
+
+
+def test_temporaries_of_killed_writers_are_removed_by_the_next_write(tmp_path):
+    path = tmp_path / "model.npz"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f".model.npz.{int(gone.stdout)}.abcd1234.tmp"  # its writer has exited
+    alive = tmp_path / f".model.npz.{os.getppid()}.efgh5678.tmp"  # a live process may still be writing this one
+    other = tmp_path / f".other.npz.{int(gone.stdout)}.ijkl9012.tmp"  # another file's: not ours to remove
+    for p in (orphan, alive, other):
+        p.write_bytes(b"partial")
+    atomic_write(path, lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"new"
+    assert temporaries(tmp_path) == sorted([alive.name, other.name])

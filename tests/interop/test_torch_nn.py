@@ -8,9 +8,18 @@ import numpy as np
 import pytest
 
 import torch
+from attnkit import interop
 from attnkit.attention import MultiHeadAttention
+from attnkit.core.converters import torch_converters
 from attnkit.interop import torch_nn
-from attnkit.layers import Transformer, TransformerDecoder, TransformerDecoderBlock
+from attnkit.layers import (
+    LayerNorm,
+    Transformer,
+    TransformerDecoder,
+    TransformerDecoderBlock,
+    TransformerEncoder,
+    TransformerEncoderBlock,
+)
 
 from helpers import make_rng, max_rel_diff, randn
 
@@ -217,3 +226,59 @@ def test_encoder_layer_and_stack_parity_batch_second(norm_first):
         assert sorted(state) == sorted(theirs.state_dict())
         for name, value in theirs.state_dict().items():
             assert torch.equal(state[name], value), name
+
+
+# -- one pair of entry points: from_torch / to_torch ------------------------------------------------------
+def _round_trip_modules():
+    return [
+        MultiHeadAttention(D, H, bias=True, rng=1),
+        MultiHeadAttention(D, H, kdim=5, vdim=7, rng=2),
+        TransformerEncoderBlock(D, H, F, norm_first=False, activation="gelu", attention_bias=True, rng=3),
+        TransformerEncoderBlock(D, H, F, activation="gelu_tanh", rng=4),  # no attention bias: torch gets zeros
+        TransformerEncoder(2, D, H, F, attention_bias=True, rng=5),
+        TransformerDecoderBlock(D, H, F, attention_bias=True, rng=6),
+        TransformerDecoder(2, D, H, F, norm_first=False, attention_bias=True, rng=7),
+        Transformer(D, H, 2, 1, F, attention_bias=True, rng=8),
+    ]
+
+
+def _run_both(ours, theirs, rng):
+    """Forward of an attnkit module and of its torch.nn counterpart (eval mode) on the same inputs."""
+    src, tgt = randn(rng, B, LS, D), randn(rng, B, LT, D)
+    # Gradients stay enabled: torch's inference fast path for encoder layers runs exact GELU even when the
+    # layer was built with the tanh approximation, which is not the computation the module describes.
+    theirs.eval()
+    if isinstance(ours, MultiHeadAttention):
+        args = (tgt, randn(rng, B, LS, ours.kdim), randn(rng, B, LS, ours.vdim))
+        return ours(*args)[0], theirs(*map(torch.from_numpy, args), need_weights=False)[0].detach().numpy()
+    if isinstance(ours, Transformer):
+        args = (src, tgt)
+    elif isinstance(ours, (TransformerDecoderBlock, TransformerDecoder)):
+        args = (tgt, src)
+    else:
+        args = (src,)
+    mine = ours(*args)
+    return (mine[0] if isinstance(mine, tuple) else mine), theirs(*map(torch.from_numpy, args)).detach().numpy()
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_to_torch_builds_the_same_computation_and_from_torch_inverts_it(index):
+    ours = _round_trip_modules()[index]
+    theirs = interop.to_torch(ours)
+    assert type(theirs).__module__.startswith("torch.nn")
+    assert next(theirs.parameters()).dtype == torch.float64
+    mine, other = _run_both(ours, theirs, make_rng(20, index))
+    _assert_close(mine, other, FORWARD_TOL, type(ours).__name__)
+    back = interop.from_torch(theirs)
+    assert type(back) is type(ours)
+    again, _ = _run_both(back, theirs, make_rng(20, index))
+    _assert_close(again, mine, FORWARD_TOL, f"{type(ours).__name__} after the round trip")
+
+
+def test_entry_points_refuse_what_has_no_counterpart():
+    with pytest.raises(TypeError, match=r"module must be one of torch\.nn\.MultiheadAttention.*got torch.*Linear"):
+        interop.from_torch(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="LayerNorm has no torch.nn counterpart registered"):
+        interop.to_torch(LayerNorm(4))
+    assert set(torch_converters()) == {MultiHeadAttention, TransformerEncoderBlock, TransformerEncoder,
+                                       TransformerDecoderBlock, TransformerDecoder, Transformer}

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from attnkit.kernels import _tile_sizes
 from attnkit.kernels.reference import attention_backward, attention_forward
 from attnkit.kernels.tiled import _head_blocks, _splittable_axes, flash_attention_backward, flash_attention_forward
-from kernels.test_tiled import RelativeTable, _run
+
+from kernel_cases import RelativeTable, run_attention
 
 B, H, G, L, D = 2, 3, 2, 21, 8
 
@@ -58,8 +59,8 @@ def test_boxes_of_heads_give_the_reference_results(monkeypatch, kind, heads, thr
     def fwd(*args, **more):
         return flash_attention_forward(*args, block_q=8, block_k=6, num_threads=threads, **more)
 
-    mine = _run(fwd, flash_attention_backward, q, k, v, grad, **kw)
-    ref = _run(attention_forward, attention_backward, q, k, v, grad, **kw)
+    mine = run_attention(fwd, flash_attention_backward, q, k, v, grad, **kw)
+    ref = run_attention(attention_forward, attention_backward, q, k, v, grad, **kw)
     assert mine.keys() == ref.keys()
     for name in ref:
         assert mine[name].shape == ref[name].shape, name
@@ -72,7 +73,7 @@ def test_boxes_are_bitwise_reproducible_across_threaded_runs(monkeypatch, kind):
     q, k, v, grad = (x.astype(np.float32) for x in (q, k, v, grad))
     kw = {name: (val.astype(np.float32) if isinstance(val, np.ndarray) else val) for name, val in kw.items()}
     monkeypatch.setenv("ATTNKIT_TILE_HEADS", "1")
-    runs = [_run(lambda *a, **m: flash_attention_forward(*a, block_q=8, block_k=6, num_threads=2, **m),
+    runs = [run_attention(lambda *a, **m: flash_attention_forward(*a, block_q=8, block_k=6, num_threads=2, **m),
                  flash_attention_backward, q, k, v, grad, **kw) for _ in range(3)]
     for other in runs[1:]:
         assert other.keys() == runs[0].keys()

@@ -89,6 +89,10 @@ def test_keyboard_interrupt_stops_a_long_call_within_a_few_tiles():
         from attnkit.kernels.bias import ScoreBias
         from attnkit.kernels.tiled import flash_attention_forward
 
+        # A process started in the background by a non-interactive shell (nohup, `cmd &` in CI scripts)
+        # inherits SIGINT as ignored, and Python then installs no KeyboardInterrupt handler: restore it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
         LQ, LK, BLOCK = 128, 131072, 64
         TOTAL = -(-LQ // BLOCK) * -(-LK // BLOCK)  # key tiles in the tile plan of one (batch, head)
 

@@ -12,34 +12,13 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from attnkit.kernels.bias import ScoreBias
 from attnkit.kernels.reference import attention_backward, attention_forward, causal_mask
 from attnkit.kernels.tiled import default_blocks, flash_attention_backward, flash_attention_forward
 
+from kernel_cases import RelativeTable, run_attention
+
 LENGTH_PAIRS = [(1, 1), (7, 7), (63, 64), (64, 64), (65, 63), (1, 65), (65, 7), (7, 1000), (1000, 65),
                 (1000, 1000)]
-
-
-class RelativeTable(ScoreBias):
-    """A learnable per-head table of relative-position biases: ``bias[h, i, j] = table[h, j - i]``."""
-
-    def __init__(self, table: np.ndarray):
-        self.table = table  # (H, 2 R + 1)
-        self.grad = np.zeros_like(table)
-        self.radius = (table.shape[1] - 1) // 2
-
-    def _index(self, q_idx, k_idx, seq_q, seq_k):
-        rel = k_idx[None, :] - q_idx[:, None] - (seq_k - seq_q)  # (Tq, Tk), 0 on the causal diagonal
-        return np.clip(rel, -self.radius, self.radius) + self.radius  # (Tq, Tk)
-
-    def tile(self, q_idx, k_idx, seq_q, seq_k):
-        return self.table[:, self._index(q_idx, k_idx, seq_q, seq_k)]  # (H, Tq, Tk)
-
-    def accumulate_grad(self, q_idx, k_idx, seq_q, seq_k, grad_tile):
-        g = grad_tile.reshape((-1,) + grad_tile.shape[-3:]).sum(axis=0)  # (H, Tq, Tk)
-        idx = self._index(q_idx, k_idx, seq_q, seq_k)  # (Tq, Tk)
-        heads = np.arange(self.table.shape[0])[:, None, None]  # (H, 1, 1)
-        np.add.at(self.grad, (heads, idx[None]), g)
 
 
 def _blocks(seq_q, seq_k):
@@ -47,27 +26,13 @@ def _blocks(seq_q, seq_k):
     return (16, 24) if max(seq_q, seq_k) < 200 else (96, 160)
 
 
-def _run(fn_fwd, fn_bwd, q, k, v, grad, bias=None, **kw):
-    """Forward and backward; returns a dict of outputs and gradients (ScoreBias grads included)."""
-    if isinstance(bias, RelativeTable):
-        bias = RelativeTable(bias.table.copy())
-    out, _, ctx = fn_fwd(q, k, v, bias=bias, **kw)
-    dq, dk, dv, dbias = fn_bwd(grad, ctx)
-    res = {"out": out, "dq": dq, "dk": dk, "dv": dv}
-    if dbias is not None:
-        res["dbias"] = dbias
-    if isinstance(bias, RelativeTable):
-        res["dtable"] = bias.grad
-    return res
-
-
 def _ref(q, k, v, grad, **kw):
-    return _run(attention_forward, attention_backward, q, k, v, grad, **kw)
+    return run_attention(attention_forward, attention_backward, q, k, v, grad, **kw)
 
 
 def _tiled(q, k, v, grad, block_q=None, block_k=None, num_threads=2, **kw):
     fwd = functools.partial(flash_attention_forward, block_q=block_q, block_k=block_k, num_threads=num_threads)
-    return _run(fwd, flash_attention_backward, q, k, v, grad, **kw)
+    return run_attention(fwd, flash_attention_backward, q, k, v, grad, **kw)
 
 
 def _cast_bias(bias, dtype):

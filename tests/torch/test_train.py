@@ -185,3 +185,58 @@ def test_every_family_round_trips_through_the_hugging_face_folder(family, run_fi
         theirs = hf(torch.from_numpy(ids)).logits.numpy()
     rel = float(np.abs(lm(ids) - theirs).max() / np.abs(theirs).max())
     assert rel <= 1e-6, rel
+
+
+def _one_line(err: str, *fragments: str) -> None:
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_an_unwritable_out_is_refused_before_training(run_files, tmp_path, capsys):
+    config, data = run_files
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert train.main(_args(config, data, blocker / "run")) == 2
+    _one_line(capsys.readouterr().err, "--out: cannot write to")
+
+
+def test_a_fresh_run_does_not_overwrite_an_earlier_one(run_files, tmp_path, capsys):
+    config, data = run_files
+    out = tmp_path / "run"
+    assert train.main(_args(config, data, out, 2, "--quiet")) == 0
+    before = (out / "model.safetensors").read_bytes()
+    assert train.main(_args(config, data, out, 2, "--quiet", "--seed", "8")) == 2
+    _one_line(capsys.readouterr().err, "already holds a run (checkpoint.pt, model.safetensors, config.json)",
+              "--resume", "--overwrite")
+    assert (out / "model.safetensors").read_bytes() == before
+    assert train.main(_args(config, data, out, 2, "--quiet", "--overwrite", "--seed", "8")) == 0
+    assert (out / "model.safetensors").read_bytes() != before
+
+
+def test_resume_refuses_a_checkpoint_beyond_steps_or_damaged(run_files, tmp_path, capsys):
+    config, data = run_files
+    out = tmp_path / "run"
+    assert train.main(_args(config, data, out, 3, "--quiet")) == 0
+    checkpoint = (out / "checkpoint.pt").read_bytes()
+    assert train.main(_args(config, data, out, 2, "--quiet", "--resume")) == 2
+    _one_line(capsys.readouterr().err, "is at step 3, beyond --steps 2")
+    assert (out / "checkpoint.pt").read_bytes() == checkpoint  # not rewritten with a wrong step
+    (out / "checkpoint.pt").write_bytes(checkpoint[: len(checkpoint) // 2])
+    assert train.main(_args(config, data, out, 4, "--quiet", "--resume")) == 2
+    _one_line(capsys.readouterr().err, "--resume:", "is not a checkpoint this trainer wrote")
+
+
+def test_absurd_batch_and_ctrl_c_are_one_line(run_files, tmp_path, capsys, monkeypatch):
+    config, data = run_files
+    args = _args(config, data, tmp_path / "run")
+    args[args.index("--global-batch") + 1] = str(10**9)
+    assert train.main(args) == 2
+    _one_line(capsys.readouterr().err, "--global-batch 1000000000 exceeds the 2992 distinct windows")
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_train", interrupted)
+    assert train.main(_args(config, data, tmp_path / "run2")) == 130
+    _one_line(capsys.readouterr().err, "interrupted")

@@ -61,7 +61,11 @@ def check_parity(module, args, kwargs=None, *, seed=0):
     embedded = []
     hook = None
     if hasattr(twin, "embed") and not any(isinstance(a, np.ndarray) and a.dtype.kind == "f" for a in args):
-        hook = twin.embed.register_forward_hook(lambda _m, _i, out: (out.retain_grad(), embedded.append(out)))
+        def keep(_module, _inputs, out):
+            out.retain_grad()
+            embedded.append(out)
+
+        hook = twin.embed.register_forward_hook(keep)
     tout = _first(twin(*targs, **tkwargs))
     (tout * torch.from_numpy(grad_out)).sum().backward()
     if hook is not None:

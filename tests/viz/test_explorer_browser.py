@@ -59,7 +59,12 @@ def test_page_loads_nothing_from_the_network_and_logs_no_errors(watched_page, tm
 def test_the_network_watch_sees_and_blocks_a_request(watched_page):
     """The watch behind the no-network test does catch a page that reaches out."""
     watched_page.page.set_content('<img src="http://192.0.2.1/pixel.png" alt="">')
-    watched_page.page.wait_for_timeout(200)
+    # set_content returns after the load event, by which the image request has been routed (and aborted);
+    # the poll only guards against a slow event delivery, it is not a timing assumption
+    for _ in range(200):
+        if watched_page.blocked:
+            break
+        watched_page.page.wait_for_timeout(50)
     assert watched_page.blocked == ["http://192.0.2.1/pixel.png"]
 
 

@@ -13,13 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask
+from .._validation import as_bool_mask, check_features, check_grad_output
 from ..core.module import Module
-from ..init import as_generator
+from ..init import as_generator, normal
 from ..kernels import attention_backward, attention_forward
 from ..kernels import rotary as _rotary
 from ..kernels.linear import linear, linear_backward
-from ..layers._common import check_features, check_grad_output
 
 __all__ = ["GroupedQueryAttention"]
 
@@ -77,7 +76,7 @@ class GroupedQueryAttention(Module):
         d, q_width, kv_width = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for name, shape in (("W_Q", (d, q_width)), ("W_K", (d, kv_width)), ("W_V", (d, kv_width)),
                             ("W_O", (q_width, d))):
-            self.register_parameter(name, 0.02 * gen.standard_normal(shape))
+            self.register_parameter(name, normal(gen, shape, std=0.02))
         if config.attention_bias:
             for name, size in (("b_Q", q_width), ("b_K", kv_width), ("b_V", kv_width)):
                 self.register_parameter(name, np.zeros(size))

@@ -17,6 +17,7 @@ from .._validation import (
     common_float_dtype,
 )
 from ..core.base_attention import BaseAttention
+from ..core.converters import torch_converter
 from ..core.module import Module
 from ..init import as_generator, xavier_uniform
 from ..kernels.heads import merge_heads, split_heads
@@ -237,10 +238,8 @@ class MultiHeadAttention(Module):
     @classmethod
     def from_torch(cls, module) -> MultiHeadAttention:
         """The same attention as a ``torch.nn.MultiheadAttention`` (see :mod:`attnkit.interop.torch_nn`)."""
-        from ..interop import torch_nn
-        return torch_nn.mha_from_torch(module)
+        return torch_converter(cls).from_torch(module)
 
     def to_torch_state_dict(self) -> dict:
         """These weights as a ``torch.nn.MultiheadAttention`` state dict (torch tensors)."""
-        from ..interop import torch_nn
-        return torch_nn.mha_state_dict(self)
+        return torch_converter(type(self)).state_dict(self)

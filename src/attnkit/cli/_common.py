@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from ..io import atomic_write
 __all__ = ["PROG", "query_labels", "write_explorer",
            "UsageError", "Parser", "bounded_int", "positive_int", "non_negative_int", "positive_float",
            "output_folder", "output_file", "printable", "check_argv_text", "require_matplotlib", "save_figure",
-           "run_command", "IMAGE_SUFFIXES"]
+           "run_command", "IMAGE_SUFFIXES", "json_text"]
 
 PROG = "attnkit"
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -80,6 +81,23 @@ def printable(text: Any, limit: int | None = None) -> str:
     if limit is not None and len(text) > limit:
         text = text[:limit] + "..."
     return _UNSAFE.sub(_escape, text)
+
+
+# What JSON leaves raw but a terminal acts on: DEL and C1 controls, line/paragraph separators, bidirectional
+# overrides and isolates, lone surrogates (json escapes C0 itself).
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def json_text(record: Any) -> str:
+    r"""``record`` as one line of JSON, readable (non-ASCII text kept) but with every character a terminal
+    would act on written as a ``\uXXXX`` escape (still the same JSON value).
+
+    Examples
+    --------
+    >>> print(json_text({"text": "a" + chr(0x202E) + "b" + chr(0x85) + " é"}))
+    {"text": "a\u202eb\u0085 é"}
+    """
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(record, ensure_ascii=False))
 
 
 def check_argv_text(argv: Sequence[str]) -> None:

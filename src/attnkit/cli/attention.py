@@ -3,13 +3,13 @@ causal-LM folder (GPT-2, Llama, Mistral, Qwen2), for an input."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .._display import readable_token
+from ..io import read_json
 from ._common import (
     UsageError,
     bounded_int,
@@ -79,8 +79,8 @@ def is_causal_lm_folder(path: str) -> bool:
 
     config = Path(path) / "config.json"
     try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):  # no file, not JSON, or JSON that is not an object
+        model_type = read_json(config).get("model_type")
+    except (OSError, ValueError):  # no file, not JSON, or JSON that is not an object
         return False
     return model_type in SUPPORTED_MODEL_TYPES
 
@@ -227,10 +227,16 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
     _check_index("layer", args.layer, config.num_layers)
     _check_index("head", args.head, config.num_heads)
 
-    _, per_layer = model(np.array([ids], dtype=np.int64), output_attentions=True)  # N x (1, H, L, L)
-    layers = range(config.num_layers) if args.layer is None else [args.layer]
+    if args.layer is not None:
+        layers = [args.layer]
+    elif html is None and config.num_layers > _MAX_LAYERS_DRAWN:  # only layer 0 will be drawn: compute only it
+        layers = [0]
+    else:
+        layers = list(range(config.num_layers))
     heads = range(config.num_heads) if args.head is None else [args.head]
-    weights = np.stack([per_layer[i][0] for i in layers])[:, list(heads)]  # (N', H', L, L)
+    # Only the chosen layers' weights, and no layer past the last of them, are computed.
+    per_layer = model.attention_weights(np.array([ids], dtype=np.int64), layers=layers)  # N' x (1, H, L, L)
+    weights = np.stack([w[0] for w in per_layer])[:, list(heads)]  # (N', H', L, L)
     pieces = [tokenizer.id_to_token(i) if tokenizer is not None else None for i in ids]
     tokens = [printable(str(i) if piece is None else readable_token(piece)) for i, piece in zip(ids, pieces,
                                                                                                 strict=True)]
@@ -243,9 +249,9 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
         from ..viz import plot_attention
 
         drawn, drawn_layers = weights, layer_names
-        if args.layer is None and len(layer_names) > _MAX_LAYERS_DRAWN:  # one picture of every head of 30 layers
-            drawn, drawn_layers = weights[:1], layer_names[:1]  # is thousands of pixels high: draw layer 0
-            print(f"note: drew layer 0 of {len(layer_names)}; pass --layer I to draw another (or --html FILE "
+        if args.layer is None and config.num_layers > _MAX_LAYERS_DRAWN:  # every head of 30 layers in one
+            drawn, drawn_layers = weights[:1], layer_names[:1]  # picture is thousands of pixels high: layer 0
+            print(f"note: drew layer 0 of {config.num_layers}; pass --layer I to draw another (or --html FILE "
                   f"for every layer in one page)")
         fig = plot_attention(drawn, tokens, tokens, layer_names=drawn_layers, head_names=head_names,
                              title=f"{name}: {said}")

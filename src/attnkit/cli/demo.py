@@ -12,11 +12,13 @@ import dataclasses
 import importlib.util
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ._common import (
+    UsageError,
     bounded_int,
     output_folder,
     positive_float,
@@ -46,7 +48,11 @@ def _task_config(config_class: Any, args: argparse.Namespace, **fixed: Any) -> A
     """A task's configuration: its own defaults, overridden by ``--steps``, ``--batch-size`` and ``--lr`` where
     the command line gives them (each task has its own defaults, so the options default to None)."""
     given = {name: getattr(args, name) for name in ("steps", "batch_size", "lr") if getattr(args, name) is not None}
-    return config_class(seed=args.seed, **fixed, **given)
+    try:
+        return config_class(seed=args.seed, **fixed, **given)
+    except (TypeError, ValueError) as exc:  # a value this task refuses: the message names the field
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise UsageError(f"{exc} (from {flags})" if flags else str(exc)) from None
 
 
 # -- the token-tagging tasks (sort, reverse, copy_offset) ------------------------------------------------
@@ -90,9 +96,16 @@ class _Progress:
 
 def _with_progress(args: argparse.Namespace, steps: int, train: Callable[[_Progress], Any]) -> Any:
     """``train(progress)`` under a progress bar labelled with the task, closed however training ends."""
+    from ..demos.training import TrainingDiverged
+
     progress = _Progress(steps, f"training ({args.task})", plain=args.no_progress)
     try:
-        return train(progress)
+        # Overflow warnings of a diverging run would precede the one line that says what happened.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return train(progress)
+    except TrainingDiverged as exc:  # a bad --lr: one line, exit 2, nothing saved
+        raise UsageError(f"{exc} (--lr)") from None
     finally:
         progress.close()
 

@@ -9,15 +9,13 @@
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from ._common import UsageError, bounded_int, printable
+from ._common import UsageError, bounded_int, json_text, printable
 
 __all__ = ["NAME", "MODEL_NAME", "add_parser", "run", "load_encoder"]
 
@@ -26,7 +24,6 @@ PROG = f"attnkit {NAME}"
 MODEL_NAME = "all-MiniLM-L6-v2"
 MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length (sentence_bert_config.json)
 # JSON escapes C0 controls itself; these it leaves raw, and a terminal would act on them.
-_JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -133,8 +130,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stdin: TextIO | 
             record["similarity"] = np.round((emb @ emb.T).astype(np.float64), 6).tolist()  # (N, N)
         else:
             record["embeddings"] = emb.astype(np.float64).tolist()  # (N, D)
-        text = json.dumps(record, ensure_ascii=False)
-        out.write(_JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n")
+        out.write(json_text(record) + "\n")
         return 0
     _print_text(out, texts, emb, truncated, encoder.max_seq_length, printable(model), show_similarity)
     return 0

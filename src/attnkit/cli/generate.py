@@ -13,14 +13,13 @@ token or after ``--max-new-tokens``. Text is printed as it is produced; ``--json
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from ._common import UsageError, non_negative_int, positive_float, positive_int, printable
+from ._common import UsageError, json_text, non_negative_int, positive_float, positive_int, printable
 
 __all__ = ["NAME", "add_parser", "run", "load_model", "load_tokenizer", "parse_ids", "prompt_ids"]
 
@@ -175,6 +174,6 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         record = {"ids": prompt + new, "new_ids": new, "text": text,
                   "new_text": None if text is None else text[len(prompt_text):],
                   "stopped_at_eos": bool(new) and new[-1] in eos}
-        json.dump(record, out, ensure_ascii=False)
+        out.write(json_text(record))
     out.write("\n")
     return 0

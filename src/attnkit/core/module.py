@@ -5,19 +5,81 @@ there, never inferred from the first input), and a gradient of the same name and
 ``self.grads``. ``forward`` caches what ``backward`` needs; ``backward`` consumes the cache, returns the
 gradient of the inputs and *adds* the parameter gradients into ``self.grads`` (so shared weights work),
 which stay until :meth:`zero_grad`.
+
+Gradient buffers are created when first read (as zeros), like torch's ``.grad`` that stays ``None`` until a
+backward writes it: a model used only for inference holds its weights and nothing else.
+:meth:`Module.zero_grad` zeroes the buffers that exist, and ``zero_grad(set_to_none=True)`` frees them.
 """
 from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 
+from ..init import empty_init_dtype
 from ..io import ArrayArchive, save_arrays
 
-__all__ = ["Module", "ModuleList"]
+__all__ = ["Module", "ModuleList", "GradientBuffers"]
+
+
+class GradientBuffers(MutableMapping):
+    """A module's parameter gradients by name, each created as zeros of its parameter's shape and dtype when
+    first read.
+
+    Every registered parameter is a key (``len``, iteration and ``in`` see them all), but only the buffers
+    that were read or written hold memory (:meth:`allocated`). Deleting a name frees its buffer; reading it
+    again gives fresh zeros.
+
+    Examples
+    --------
+    >>> from attnkit.layers import Projection
+    >>> proj = Projection(3, 2, rng=0)
+    >>> sorted(proj.grads), proj.grads.allocated()
+    (['W', 'b'], [])
+    >>> proj.grads["W"].shape, proj.grads.allocated()
+    ((3, 2), ['W'])
+    """
+
+    __slots__ = ("_parameters", "_buffers")
+
+    def __init__(self, parameters: Mapping[str, np.ndarray]) -> None:
+        self._parameters = parameters
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        buffer = self._buffers.get(name)
+        if buffer is None:
+            buffer = self._buffers[name] = np.zeros_like(self._parameters[name])
+        return buffer
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        if name not in self._parameters:
+            raise KeyError(f"no parameter {name!r}: gradients exist only for registered parameters")
+        self._buffers[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self._parameters:
+            raise KeyError(name)
+        self._buffers.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parameters)
+
+    def __len__(self) -> int:
+        return len(self._parameters)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._parameters
+
+    def allocated(self) -> list[str]:
+        """Names whose buffers exist (in registration order)."""
+        return [name for name in self._parameters if name in self._buffers]
+
+    def __repr__(self) -> str:
+        return f"GradientBuffers(parameters={list(self._parameters)}, allocated={self.allocated()})"
 
 
 class Module:
@@ -25,8 +87,8 @@ class Module:
 
     Attributes
     ----------
-    grads : dict of str to ndarray
-        Gradient of each of this module's own parameters (same names and shapes).
+    grads : GradientBuffers
+        Gradient of each of this module's own parameters (same names and shapes), created when first read.
     training : bool
         Training mode (dropout active); set with :meth:`train` / :meth:`eval`.
     """
@@ -34,17 +96,21 @@ class Module:
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
-        object.__setattr__(self, "grads", {})
+        object.__setattr__(self, "grads", GradientBuffers(self._parameters))
         object.__setattr__(self, "training", True)
 
     # -- registration -------------------------------------------------------------------------------
     def register_parameter(self, name: str, value: np.ndarray) -> None:
-        """Register ``value`` as parameter ``name`` (an attribute too) with a zero gradient."""
+        """Register ``value`` as parameter ``name`` (an attribute too); its gradient starts at zero when read."""
         if "." in name:
             raise ValueError(f"parameter name {name!r} must not contain '.'")
-        arr = np.array(value, dtype=np.result_type(np.asarray(value).dtype, np.float32), copy=True)
+        empty = empty_init_dtype()
+        if empty is not None:  # a loader fills it: allocate once, in the target dtype, copy nothing
+            arr = np.empty(np.shape(value), empty)
+        else:
+            arr = np.array(value, dtype=np.result_type(np.asarray(value).dtype, np.float32), copy=True)
         self._parameters[name] = arr
-        self.grads[name] = np.zeros_like(arr)
+        del self.grads[name]  # a re-registered name starts from a zero gradient
 
     def __setattr__(self, name: str, value: Any) -> None:
         params = self.__dict__.get("_parameters")
@@ -96,10 +162,20 @@ class Module:
         return int(sum(p.size for p in self.parameters()))
 
     # -- state ---------------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        """Set every gradient of this module and its children to zero."""
-        for _, g in self.named_gradients():
-            g.fill(0)
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero every existing gradient buffer of this module and its children (none is created).
+
+        Parameters
+        ----------
+        set_to_none : bool, default False
+            Free the buffers instead; the next read or backward creates them again as zeros.
+        """
+        for _, mod in self.named_modules():
+            for name in mod.grads.allocated():
+                if set_to_none:
+                    del mod.grads[name]
+                else:
+                    mod.grads[name].fill(0)
 
     def train(self, mode: bool = True) -> Module:
         """Set training mode (dropout on) for this module and its children; returns self."""
@@ -119,6 +195,7 @@ class Module:
         for _, mod in self.named_modules():
             for name in mod._parameters:
                 mod._parameters[name] = mod._parameters[name].astype(dtype)
+            for name in mod.grads.allocated():
                 mod.grads[name] = mod.grads[name].astype(dtype)
         return self
 
@@ -148,7 +225,7 @@ class Module:
         ValueError
             A value whose shape differs from its parameter's, or two keys naming the same parameter.
         TypeError
-            A value that is not a real floating array.
+            ``state`` not a mapping, a key not a string, or a value that is not a real floating array.
 
         Examples
         --------
@@ -163,6 +240,12 @@ class Module:
         >>> layer.norm.gamma
         array([2., 3.])
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping of parameter name to array (as state_dict() returns), got "
+                            f"{type(state).__name__}")
+        if not all(isinstance(key, str) for key in state):
+            bad = next(key for key in state if not isinstance(key, str))
+            raise TypeError(f"state's keys must be parameter names (str), got {type(bad).__name__} {bad!r}")
         values = {key: np.asarray(state[key]) for key in state}  # each entry read once
         plan = self._check_state({key: (v.shape, v.dtype) for key, v in values.items()}, strict)
         own = dict(self.named_parameters())

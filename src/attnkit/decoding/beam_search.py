@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .._validation import check_real
+
 __all__ = ["DecodingState", "greedy_search", "beam_search"]
 
 
@@ -65,6 +67,19 @@ def greedy_search(state: Any, batch_size: int, *, bos_token_id: int, eos_token_i
     return _finish(generated, lengths, bos_token_id, pad_token_id)
 
 
+def _normalised(sums: np.ndarray, length: int, length_penalty: float) -> np.ndarray:
+    """``sums / length ** length_penalty`` in float64 for any finite penalty: an overflowing or vanishing
+    ``length ** length_penalty`` ranks hypotheses by the sign of their sums, never raises, and keeps ``-inf``
+    (an impossible hypothesis) at ``-inf``."""
+    with np.errstate(over="ignore", under="ignore"):
+        scale = np.power(np.float64(length), -length_penalty)  # 0 when length ** lp overflows
+        if scale == 0.0:
+            scale = np.float64(np.finfo(np.float64).tiny)  # keeps the sign order of the sums
+        if np.isinf(scale):
+            scale = np.float64(np.finfo(np.float64).max)
+        return np.where(np.isneginf(sums), -np.inf, sums * scale)
+
+
 def beam_search(state: Any, batch_size: int, *, num_beams: int, bos_token_id: int, eos_token_id: int,
                 max_new_tokens: int, length_penalty: float = 1.0, pad_token_id: int = 0) -> np.ndarray:
     """Beam search with length-normalised scores (see the module docstring); ``state`` has B rows on entry.
@@ -73,6 +88,7 @@ def beam_search(state: Any, batch_size: int, *, num_beams: int, bos_token_id: in
     -------
     ids : int64 (B, 1 + n), starting with bos, the best hypothesis of each row, pad after its eos.
     """
+    length_penalty = check_real(length_penalty, "length_penalty")
     b, k, n_max = batch_size, num_beams, max_new_tokens
     state.reorder(np.repeat(np.arange(b), k))  # K copies of each row
     scores = np.full((b, k), -np.inf)  # (B, K): summed log-probs of the open hypotheses
@@ -99,14 +115,14 @@ def beam_search(state: Any, batch_size: int, *, num_beams: int, bos_token_id: in
         log_probs = state.step(tokens, t).astype(np.float64).reshape(b, k, -1)  # (B, K, V)
         vocab = log_probs.shape[-1]
         candidates = scores[..., None] + log_probs  # (B, K, V)
-        ended = candidates[..., eos_token_id] / length ** length_penalty  # (B, K)
+        ended = _normalised(candidates[..., eos_token_id], length, length_penalty)  # (B, K)
         beam = ended.argmax(axis=1)  # (B,)
         offer(ended[rows, beam], beam, np.full(b, eos_token_id), length)
         candidates[..., eos_token_id] = -np.inf
         flat = candidates.reshape(b, k * vocab)  # (B, K*V)
         if length == n_max:  # open hypotheses end here, scored like finished ones
             pick = flat.argmax(axis=1)  # (B,)
-            offer(flat[rows, pick] / length ** length_penalty, pick // vocab, pick % vocab, length)
+            offer(_normalised(flat[rows, pick], length, length_penalty), pick // vocab, pick % vocab, length)
             break
         top = np.argsort(-flat, axis=1, kind="stable")[:, :k]  # (B, K)
         beam, token = top // vocab, top % vocab  # (B, K) each
@@ -117,6 +133,6 @@ def beam_search(state: Any, batch_size: int, *, num_beams: int, bos_token_id: in
         tokens = token.reshape(-1)  # (B*K,)
         # An open sum only falls; its best final score divides it by N ** lp (lp > 0) or (length + 1) ** lp.
         final_length = n_max if length_penalty > 0 else length + 1
-        if np.all(best_score >= scores.max(axis=1) / final_length ** length_penalty):
+        if np.all(best_score >= _normalised(scores.max(axis=1), final_length, length_penalty)):
             break
     return _finish(best, best_length, bos_token_id, pad_token_id)

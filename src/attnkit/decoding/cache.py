@@ -11,7 +11,7 @@ about positions, and the attention layer masks keys by looking up ``attention_ma
 Three storage kinds, chosen per layer:
 
 - growing (``max_length=None``, full-attention layer): capacity doubles when full;
-- fixed (``max_length=N``): allocated once for N slots; writing past N is an error;
+- bounded (``max_length=N``): grows the same way but never beyond N slots; writing past N is an error;
 - ring buffer (the layer's window W is set): only the last W slots are kept, slot ``s`` lives at index
   ``s % W``; a layer with window W never reads older keys, so the memory stays O(W) however long the text.
 """
@@ -22,6 +22,9 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["CachedKV", "KVCache"]
+
+
+_FIRST_SLOTS = 256  # slots a full-attention layer starts with (before its first doubling)
 
 
 class CachedKV(NamedTuple):
@@ -57,8 +60,8 @@ class KVCache:
     dtype : numpy dtype, default float32
         Storage dtype; new keys/values are cast to it.
     max_length : int, optional
-        Fixed size: every full-attention layer allocates ``max_length`` slots up front and writing more is a
-        ``ValueError``. ``None`` grows the storage as needed.
+        Bound: a full-attention layer grows (doubling, from 256 slots) up to ``max_length`` slots and writing
+        more is a ``ValueError``; memory follows what is written, not the bound. ``None``: no bound.
     windows : sequence of (int or None), optional
         Per-layer sliding window W; a layer with W keeps a ring buffer of its last W slots.
 
@@ -106,7 +109,9 @@ class KVCache:
         window = self.windows[layer]
         if window is not None:
             return window if self.max_length is None else min(window, self.max_length)
-        return 0 if self.max_length is None else self.max_length
+        # max_length is a bound, not an allocation: a generous max_new_tokens must not reserve memory for
+        # tokens that may never come. Slots double as they fill (amortised copies), up to max_length.
+        return 0 if self.max_length is None else min(self.max_length, _FIRST_SLOTS)
 
     def _empty(self, slots: int, rows: int | None = None) -> np.ndarray:
         rows = self.batch_size if rows is None else rows
@@ -164,7 +169,8 @@ class KVCache:
         if self.windows[layer] is not None:
             return self._update_ring(layer, k_new, v_new)
         if end > self._keys[layer].shape[2]:
-            self._grow(layer, max(end, 2 * self._keys[layer].shape[2]))
+            capacity = max(end, 2 * self._keys[layer].shape[2])
+            self._grow(layer, capacity if self.max_length is None else min(capacity, self.max_length))
         self._keys[layer][:, :, past:end] = k_new
         self._values[layer][:, :, past:end] = v_new
         self._lengths[layer] = end

@@ -27,6 +27,11 @@ __all__ = ["temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "
 FILTER_VALUE = -np.inf
 
 
+# Longest generation accepted (the CLI's bound too): positions and slot counts stay far inside int64, and
+# a request beyond it cannot finish anyway. The cache grows with what is generated, not with this bound.
+MAX_NEW_TOKENS = 2**31 - 1
+
+
 def _check_logits(logits: Any) -> np.ndarray:
     array = np.asarray(logits)
     if array.dtype.kind != "f" or array.ndim < 1 or array.shape[-1] == 0:
@@ -64,7 +69,14 @@ def _check_top_k(top_k: Any) -> int:
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)  # (..., V); -inf entries stay -inf
+    """Softmax over the last axis that also takes the limit of a vanishing temperature: a row whose largest
+    logit overflowed to +inf gets equal probabilities on its +inf entries (not ``inf - inf = NaN``)."""
+    top = logits.max(axis=-1, keepdims=True)  # (..., 1)
+    overflowed = np.isposinf(top)  # (..., 1)
+    if overflowed.any():
+        logits = np.where(overflowed, np.where(np.isposinf(logits), 0.0, -np.inf), logits)  # (..., V)
+        top = np.where(overflowed, 0.0, top)  # (..., 1)
+    shifted = logits - top  # (..., V); -inf entries stay -inf
     e = np.exp(shifted)  # (..., V)
     return e / e.sum(axis=-1, keepdims=True)
 
@@ -82,7 +94,18 @@ def temperature_warp(logits: np.ndarray, temperature: float) -> np.ndarray:
     array([4., 2.])
     """
     array = _check_logits(logits)
-    return array / np.asarray(_check_temperature(temperature), dtype=array.dtype)
+    temperature = _check_temperature(temperature)
+    wide = array.astype(np.float64)  # (..., V): a temperature below the dtype's smallest number stays non-zero
+    with np.errstate(over="ignore"):
+        out = (wide / temperature).astype(array.dtype)  # (..., V)
+        overflowed = (np.isinf(out) & np.isfinite(array)).any(axis=-1)  # (...)
+        if overflowed.any():
+            # A tiny temperature overflows the scaled logits. Shifting a row by its maximum first changes no
+            # probability and keeps the limit: the largest logits stay 0, the others go to -inf.
+            top = np.where(np.isfinite(wide), wide, -np.inf).max(axis=-1, keepdims=True)  # (..., 1)
+            shifted = ((wide - top) / temperature).astype(array.dtype)  # (..., V)
+            out = np.where(overflowed[..., None], shifted, out)  # (..., V)
+    return out
 
 
 def top_k_filter(logits: np.ndarray, top_k: int, *, min_tokens_to_keep: int = 1) -> np.ndarray:
@@ -214,6 +237,9 @@ def sample_tokens(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     array = _check_logits(logits)
     if array.ndim != 2:
         raise ValueError(f"logits must be (B, V), got shape {array.shape}")
+    if np.isnan(array).any():
+        rows = np.flatnonzero(np.isnan(array).any(axis=-1)).tolist()
+        raise ValueError(f"logits must not be NaN (rows {rows[:5]}): the model produced non-finite scores")
     probs = _softmax(array.astype(np.float64))  # (B, V)
     cdf = np.cumsum(probs, axis=-1)  # (B, V)
     cdf /= cdf[:, -1:]
@@ -279,13 +305,23 @@ def _config_value(model: Any, name: str) -> Any:
     return getattr(getattr(model, "config", None), name, None)
 
 
-def _token_set(value: Any, name: str) -> tuple[int, ...]:
+def _token_set(value: Any, name: str, vocab: int | None, *, single: bool = False) -> tuple[int, ...]:
+    """Token ids given as one id or a sequence of ids (``single``: exactly one), each in [0, vocab); an empty
+    sequence means none (``eos_token_id=[]`` turns stopping at eos off)."""
     if value is None:
         return ()
-    items = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
-    if not isinstance(items, (Sequence, np.ndarray)) or isinstance(items, str) or not all(
-            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in items):
-        raise ValueError(f"{name} must be a non-negative integer, a sequence of them, or None, got {value!r}")
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]  # a 0-d array is one id
+    one = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    items = [value] if one else value
+    expected = "a token id" if single else "a token id or a sequence of them"
+    if (not isinstance(items, (Sequence, np.ndarray)) or isinstance(items, (str, bytes)) or (single and not one)
+            or not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in items)):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    bound = "" if vocab is None else f", {vocab}"
+    bad = [int(t) for t in items if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise ValueError(f"{name} must be a token id in [0{bound}), got {bad[0]}")
     return tuple(int(t) for t in items)
 
 
@@ -402,16 +438,19 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, m
     # Checked even when greedy, so a typo is never silently ignored.
     warp_logits(np.zeros(1), temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"])
     rng = _rng(seed)
+    vocab = _config_value(model, "vocab_size")
     eos = _token_set(_config_value(model, "eos_token_id") if o["eos_token_id"] is None else o["eos_token_id"],
-                     "eos_token_id")
+                     "eos_token_id", vocab)
     pad = o["pad_token_id"]
     if pad is None:
         pad = _config_value(model, "pad_token_id")
     if pad is None and eos:
         pad = eos[0]  # as Hugging Face: pad finished rows with the (first) eos
     if pad is not None:
-        pad = _token_set(pad, "pad_token_id")[0]
+        pad = _token_set(pad, "pad_token_id", vocab, single=True)[0]
     max_new = int(o["max_new_tokens"])
+    if max_new > MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS}, got {max_new}")
     limit = _config_value(model, "max_position_embeddings")
     if _config_value(model, "position") == "learned" and limit is not None and ids.shape[1] + max_new > limit:
         raise ValueError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens ({max_new}) exceeds the "

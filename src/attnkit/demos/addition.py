@@ -29,7 +29,8 @@ import numpy as np
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
 from ..models import CausalLM, DecoderConfig
-from ..optim import Adam, clip_grad_norm
+from ..optim import Adam, clip_grad_norm, warmup_cosine
+from .training import check_loss
 
 __all__ = [
     "AdditionConfig",
@@ -168,11 +169,11 @@ def _train(config: AdditionConfig, progress) -> AdditionResult:
     optimizer = Adam(model, lr=config.lr)
     losses, start = [], time.perf_counter()
     for step in range(config.steps):
-        lr_scale = min(1.0, (step + 1) / 100) * (0.5 * (1 + np.cos(np.pi * step / config.steps)))
-        optimizer.lr = config.lr * max(lr_scale, 0.02)
+        optimizer.lr = warmup_cosine(step, peak=config.lr, warmup=100, total=config.steps, floor=0.02)
         ids, targets, _, _ = make_batch(rng, config.batch_size, config.digits)
         logits = model(ids)  # (B, L, V)
         loss, grad = softmax_cross_entropy(logits, targets, ignore_index=_IGNORE)
+        loss = check_loss(loss, step + 1, config.lr)
         optimizer.zero_grad()
         model.backward(grad)
         clip_grad_norm(model, 1.0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,8 +27,9 @@ from ..io import atomic_write_files, write_arrays
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
 from ..models import Seq2SeqTransformer
-from ..optim import Adam, clip_grad_norm
+from ..optim import Adam, clip_grad_norm, warmup_cosine
 from . import date_data as date_task
+from .training import check_loss
 
 __all__ = ["DatesConfig", "DatesResult", "build_model", "train", "normalise", "alignment", "save_model",
            "MODEL_FILE", "CONFIG_FILE"]
@@ -85,9 +85,7 @@ def build_model(config: DatesConfig) -> Seq2SeqTransformer:
 
 
 def _learning_rate(step: int, config: DatesConfig) -> float:
-    warm = min(1.0, (step + 1) / max(config.warmup, 1))
-    progress = step / max(config.steps - 1, 1)
-    return config.lr * warm * (0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return warmup_cosine(step, peak=config.lr, warmup=config.warmup, total=config.steps, floor=0.05)
 
 
 def normalise(model: Seq2SeqTransformer, sources: list[str], *, num_beams: int = 1, batch_size: int = 250) -> list[str]:
@@ -134,6 +132,7 @@ def train(config: DatesConfig, on_step: Callable[[int, float, float], None] | No
             model.zero_grad()
             logits = model(src, tgt[:, :-1], mask)  # (B, 11, V)
             loss, grad = softmax_cross_entropy(logits, tgt[:, 1:])
+            loss = check_loss(loss, step, config.lr)
             model.backward(grad)
             clip_grad_norm(model, config.max_grad_norm)
             optimizer.lr = _learning_rate(step - 1, config)

@@ -30,11 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from ..io import read_json
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
 from ..models import TokenTagger
-from ..optim import Adam, clip_grad_norm
+from ..optim import Adam, clip_grad_norm, warmup_cosine
 from . import tasks as _tasks
+from .training import check_loss
 
 __all__ = ["DemoConfig", "TrainResult", "build_model", "train", "learning_rate", "save_model", "load_model",
            "attention_maps", "parse_sequence", "MODEL_FILE", "CONFIG_FILE"]
@@ -123,9 +125,7 @@ def learning_rate(step: int, config: DemoConfig) -> float:
     >>> [round(learning_rate(s, c), 3) for s in (0, 9, 99)]
     [0.1, 1.0, 0.1]
     """
-    warm = min(1.0, (step + 1) / max(config.warmup, 1))
-    progress = step / max(config.steps - 1, 1)
-    return config.lr * warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return warmup_cosine(step, peak=config.lr, warmup=config.warmup, total=config.steps, floor=0.1)
 
 
 def _evaluate(model: TokenTagger, ids: np.ndarray, targets: np.ndarray) -> tuple[float, float, np.ndarray]:
@@ -181,6 +181,7 @@ def train(config: DemoConfig, on_step: Callable[[int, float, float], None] | Non
             model.zero_grad()
             logits = model(ids)  # (B, L, C)
             loss, grad = softmax_cross_entropy(logits, targets)
+            loss = check_loss(loss, step, config.lr)
             model.backward(grad)
             clip_grad_norm(model, config.max_grad_norm)
             optimizer.lr = learning_rate(step - 1, config)
@@ -345,11 +346,7 @@ def load_model(path: str | Path) -> tuple[TokenTagger, dict[str, Any]]:
     for p in (model_path, config_path):
         if not p.is_file():
             raise FileNotFoundError(f"no such file: {p}")
-    try:
-        meta = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
-    meta = _check_meta(meta, config_path)
+    meta = _check_meta(read_json(config_path, expect=None), config_path)
     needed, stored = _minimum_parameters(meta["model"]), _stored_values(model_path)
     if needed > stored:
         raise ValueError(f"{config_path} describes a model of at least {needed:,} parameters, but {model_path} "

@@ -24,13 +24,19 @@ import numpy as np
 from ..attention.additive import AdditiveAttention
 from ..attention.multi_head_attention import MultiHeadAttention
 from ..attention.scaled_dot_product import ScaledDotProductAttention
+from ..core.converters import TorchConverter, register_torch_converter, torch_converter, torch_converters
+from ..layers.decoder import TransformerDecoder, TransformerDecoderBlock
+from ..layers.encoder import TransformerEncoder
+from ..layers.encoder_block import TransformerEncoderBlock
 from ..layers.feed_forward import FeedForward
 from ..layers.layer_norm import LayerNorm
+from ..layers.transformer import Transformer
 
-__all__ = ["require_torch", "mha_from_torch", "mha_state_dict", "encoder_block_from_torch",
-           "encoder_block_state_dict", "encoder_from_torch", "encoder_state_dict", "decoder_block_from_torch",
-           "decoder_block_state_dict", "decoder_from_torch", "decoder_state_dict", "transformer_from_torch",
-           "transformer_state_dict"]
+__all__ = ["require_torch", "from_torch", "to_torch", "mha_from_torch", "mha_state_dict", "mha_to_torch",
+           "encoder_block_from_torch", "encoder_block_state_dict", "encoder_block_to_torch", "encoder_from_torch",
+           "encoder_state_dict", "encoder_to_torch", "decoder_block_from_torch", "decoder_block_state_dict",
+           "decoder_block_to_torch", "decoder_from_torch", "decoder_state_dict", "decoder_to_torch",
+           "transformer_from_torch", "transformer_state_dict", "transformer_to_torch"]
 
 
 def require_torch():
@@ -187,7 +193,6 @@ def _copy_encoder_block(block: Any, layer: Any) -> None:
 
 def encoder_block_from_torch(layer: Any):
     """An attnkit ``TransformerEncoderBlock`` with the weights of a ``torch.nn.TransformerEncoderLayer``."""
-    from ..layers.encoder_block import TransformerEncoderBlock
     kwargs = _encoder_block_kwargs(layer)
     d_model, num_heads, d_ff = kwargs.pop("d_model"), kwargs.pop("num_heads"), kwargs.pop("d_ff")
     block = TransformerEncoderBlock(d_model, num_heads, d_ff, **kwargs, rng=0).astype(_dtype(layer))
@@ -232,7 +237,6 @@ def _stack_state_dict(stack: Any, block_state_dict: Any) -> dict[str, Any]:
 
 def encoder_from_torch(encoder: Any):
     """An attnkit ``TransformerEncoder`` with the weights of a ``torch.nn.TransformerEncoder``."""
-    from ..layers.encoder import TransformerEncoder
     return _stack_from_torch(encoder, "TransformerEncoder", TransformerEncoder, _encoder_block_kwargs,
                              _copy_encoder_block)
 
@@ -260,7 +264,6 @@ def _copy_decoder_block(block: Any, layer: Any) -> None:
 
 def decoder_block_from_torch(layer: Any):
     """An attnkit ``TransformerDecoderBlock`` with the weights of a ``torch.nn.TransformerDecoderLayer``."""
-    from ..layers.decoder import TransformerDecoderBlock
     kwargs = _decoder_block_kwargs(layer)
     d_model, num_heads, d_ff = kwargs.pop("d_model"), kwargs.pop("num_heads"), kwargs.pop("d_ff")
     block = TransformerDecoderBlock(d_model, num_heads, d_ff, **kwargs, rng=0).astype(_dtype(layer))
@@ -281,7 +284,6 @@ def decoder_block_state_dict(block: Any) -> dict[str, Any]:
 
 def decoder_from_torch(decoder: Any):
     """An attnkit ``TransformerDecoder`` with the weights of a ``torch.nn.TransformerDecoder``."""
-    from ..layers.decoder import TransformerDecoder
     return _stack_from_torch(decoder, "TransformerDecoder", TransformerDecoder, _decoder_block_kwargs,
                              _copy_decoder_block)
 
@@ -294,7 +296,6 @@ def decoder_state_dict(decoder: Any) -> dict[str, Any]:
 # -- encoder-decoder ---------------------------------------------------------------------------------------
 def transformer_from_torch(model: Any):
     """An attnkit ``Transformer`` with the weights of a ``torch.nn.Transformer`` (both stacks' final norms)."""
-    from ..layers.transformer import Transformer
     _check_type(model, "Transformer")
     enc = _encoder_block_kwargs(model.encoder.layers[0])
     dec = _decoder_block_kwargs(model.decoder.layers[0])
@@ -314,3 +315,182 @@ def transformer_state_dict(model: Any) -> dict[str, Any]:
     """A Transformer's weights as a ``torch.nn.Transformer`` state dict."""
     return {**_prefixed("encoder.", encoder_state_dict(model.encoder)),
             **_prefixed("decoder.", decoder_state_dict(model.decoder))}
+
+
+# -- attnkit to torch.nn: new modules ----------------------------------------------------------------------
+def _torch_dtype(array: np.ndarray) -> Any:
+    return require_torch().from_numpy(np.zeros(0, array.dtype)).dtype
+
+
+def _torch_activation(name: str) -> Any:
+    if name in ("relu", "gelu"):
+        return name
+    if name == "gelu_tanh":
+        return require_torch().nn.GELU(approximate="tanh")
+    raise ValueError(f"activation {name!r} has no torch.nn Transformer counterpart (relu, gelu and gelu_tanh do)")
+
+
+def _loaded(module: Any, state: dict[str, Any]) -> Any:
+    module.load_state_dict(state, strict=True)
+    return module
+
+
+def _attention_dropout(mha: MultiHeadAttention) -> float:
+    return float(getattr(mha.attention, "dropout", 0.0))
+
+
+def _biased_mha_state(mha: MultiHeadAttention) -> dict[str, Any]:
+    """``mha``'s state dict with zero biases where it has none: torch's Transformer layers always have them."""
+    state = mha_state_dict(mha)
+    if not mha.bias:
+        torch = require_torch()
+        dtype = _torch_dtype(mha.W_O)
+        state["in_proj_bias"] = torch.zeros(3 * mha.embed_dim, dtype=dtype)
+        state["out_proj.bias"] = torch.zeros(mha.embed_dim, dtype=dtype)
+    return state
+
+
+def mha_to_torch(mha: MultiHeadAttention) -> Any:
+    """A new batch-first ``torch.nn.MultiheadAttention`` computing what ``mha`` computes (its dtype)."""
+    state = mha_state_dict(mha)
+    m = require_torch().nn.MultiheadAttention(mha.embed_dim, mha.num_heads, dropout=_attention_dropout(mha),
+                                              bias=mha.bias, kdim=mha.kdim, vdim=mha.vdim, batch_first=True,
+                                              dtype=_torch_dtype(mha.W_O))
+    return _loaded(m, state)
+
+
+def _block_state(block: Any, attentions: dict[str, MultiHeadAttention], norms: tuple[str, ...]) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for name, mha in attentions.items():
+        state.update(_prefixed(f"{name}.", _biased_mha_state(mha)))
+    norm_state: dict[str, np.ndarray] = {}
+    for name in norms:
+        norm_state.update(_norm_state(name, getattr(block, name)))
+    state.update(_tensors({**_ffn_state(block.ffn), **norm_state}))
+    return state
+
+
+def _new_encoder_layer(block: TransformerEncoderBlock) -> Any:
+    return require_torch().nn.TransformerEncoderLayer(
+        block.d_model, block.num_heads, block.d_ff, dropout=0.0, activation=_torch_activation(block.activation),
+        layer_norm_eps=block.eps, batch_first=True, norm_first=block.norm_first, dtype=_torch_dtype(block.W1))
+
+
+def encoder_block_to_torch(block: TransformerEncoderBlock) -> Any:
+    """A new batch-first ``torch.nn.TransformerEncoderLayer`` with ``block``'s configuration and weights.
+
+    An attnkit block without attention biases becomes a torch layer whose attention biases are zero.
+    """
+    return _loaded(_new_encoder_layer(block), _block_state(block, {"self_attn": block.attention}, ("norm1", "norm2")))
+
+
+def _new_decoder_layer(block: TransformerDecoderBlock) -> Any:
+    if isinstance(block.cross_attention.attention, AdditiveAttention):
+        raise ValueError("a decoder block with additive cross-attention has no torch.nn counterpart")
+    return require_torch().nn.TransformerDecoderLayer(
+        block.d_model, block.num_heads, block.d_ff, dropout=block.dropout1.p,
+        activation=_torch_activation(block.activation), layer_norm_eps=block.eps, batch_first=True,
+        norm_first=block.norm_first, dtype=_torch_dtype(block.ffn.W1))
+
+
+def _decoder_block_torch_state(block: TransformerDecoderBlock) -> dict[str, Any]:
+    attentions = {"self_attn": block.self_attention, "multihead_attn": block.cross_attention}
+    return _block_state(block, attentions, ("norm1", "norm2", "norm3"))
+
+
+def decoder_block_to_torch(block: TransformerDecoderBlock) -> Any:
+    """A new batch-first ``torch.nn.TransformerDecoderLayer`` with ``block``'s configuration and weights."""
+    return _loaded(_new_decoder_layer(block), _decoder_block_torch_state(block))
+
+
+def _stack_torch_state(stack: Any, block_state: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for i, block in enumerate(stack.layers):
+        state.update(_prefixed(f"layers.{i}.", block_state(block)))
+    if stack.norm is not None:
+        state.update(_tensors(_norm_state("norm", stack.norm)))
+    return state
+
+
+def _final_norm(stack: Any) -> Any:
+    if stack.norm is None:
+        return None
+    return require_torch().nn.LayerNorm(stack.d_model, eps=stack.norm.eps, dtype=_torch_dtype(stack.norm.gamma))
+
+
+def _encoder_torch_state(encoder: TransformerEncoder) -> dict[str, Any]:
+    return _stack_torch_state(encoder, lambda b: _block_state(b, {"self_attn": b.attention}, ("norm1", "norm2")))
+
+
+def encoder_to_torch(encoder: TransformerEncoder) -> Any:
+    """A new batch-first ``torch.nn.TransformerEncoder`` with ``encoder``'s configuration and weights."""
+    stack = require_torch().nn.TransformerEncoder(_new_encoder_layer(encoder.layers[0]), len(encoder.layers),
+                                                  norm=_final_norm(encoder), enable_nested_tensor=False)
+    return _loaded(stack, _encoder_torch_state(encoder))
+
+
+def decoder_to_torch(decoder: TransformerDecoder) -> Any:
+    """A new batch-first ``torch.nn.TransformerDecoder`` with ``decoder``'s configuration and weights."""
+    stack = require_torch().nn.TransformerDecoder(_new_decoder_layer(decoder.layers[0]), len(decoder.layers),
+                                                  norm=_final_norm(decoder))
+    return _loaded(stack, _stack_torch_state(decoder, _decoder_block_torch_state))
+
+
+def transformer_to_torch(model: Transformer) -> Any:
+    """A new batch-first ``torch.nn.Transformer`` with ``model``'s configuration and weights."""
+    first = model.decoder.layers[0]
+    # torch.nn.Transformer re-initialises every matrix it holds, custom stacks included: load after building.
+    ours = require_torch().nn.Transformer(first.d_model, first.num_heads,
+                                          custom_encoder=encoder_to_torch(model.encoder),
+                                          custom_decoder=decoder_to_torch(model.decoder), batch_first=True,
+                                          norm_first=first.norm_first, dtype=_torch_dtype(first.ffn.W1))
+    state = {**_prefixed("encoder.", _encoder_torch_state(model.encoder)),
+             **_prefixed("decoder.", _stack_torch_state(model.decoder, _decoder_block_torch_state))}
+    return _loaded(ours, state)
+
+
+# -- one pair of entry points ------------------------------------------------------------------------------
+for _cls, _converter in (
+        (MultiHeadAttention, TorchConverter("MultiheadAttention", mha_from_torch, mha_state_dict, mha_to_torch)),
+        (TransformerEncoderBlock, TorchConverter("TransformerEncoderLayer", encoder_block_from_torch,
+                                                 encoder_block_state_dict, encoder_block_to_torch)),
+        (TransformerEncoder, TorchConverter("TransformerEncoder", encoder_from_torch, encoder_state_dict,
+                                            encoder_to_torch)),
+        (TransformerDecoderBlock, TorchConverter("TransformerDecoderLayer", decoder_block_from_torch,
+                                                 decoder_block_state_dict, decoder_block_to_torch)),
+        (TransformerDecoder, TorchConverter("TransformerDecoder", decoder_from_torch, decoder_state_dict,
+                                            decoder_to_torch)),
+        (Transformer, TorchConverter("Transformer", transformer_from_torch, transformer_state_dict,
+                                     transformer_to_torch))):
+    register_torch_converter(_cls, _converter)
+
+
+def from_torch(module: Any) -> Any:
+    """The attnkit module computing what the ``torch.nn`` ``module`` computes, with its weights.
+
+    Accepts ``MultiheadAttention``, ``TransformerEncoderLayer``, ``TransformerEncoder``,
+    ``TransformerDecoderLayer``, ``TransformerDecoder`` and ``Transformer``.
+
+    Raises
+    ------
+    TypeError
+        If ``module`` is none of those.
+    """
+    torch = require_torch()
+    for converter in torch_converters().values():
+        if type(module) is getattr(torch.nn, converter.torch_class):
+            return converter.from_torch(module)
+    names = ", ".join(f"torch.nn.{c.torch_class}" for c in torch_converters().values())
+    raise TypeError(f"module must be one of {names}, got {type(module).__module__}.{type(module).__name__}")
+
+
+def to_torch(module: Any) -> Any:
+    """A new batch-first ``torch.nn`` module with ``module``'s configuration and weights (the inverse of
+    :func:`from_torch`).
+
+    Raises
+    ------
+    TypeError
+        If ``module``'s class has no ``torch.nn`` counterpart.
+    """
+    return torch_converter(type(module)).to_torch(module)

@@ -91,6 +91,17 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
+def _gelu_tanh_inner(pre: np.ndarray) -> np.ndarray:
+    """``sqrt(2 / pi) * (x + 0.044715 x^3)``, the cube as two products: ``pre**3`` on a float array goes
+    through NumPy's general ``power`` (about 70x slower than ``pre * pre * pre`` on float32)."""
+    inner = pre * pre  # (...) like pre
+    inner *= pre
+    inner *= 0.044715
+    inner += pre
+    inner *= _SQRT_2_OVER_PI
+    return inner
+
+
 def activation_forward(pre: np.ndarray, name: str) -> np.ndarray:
     """Apply activation ``name`` to ``pre`` (result in ``pre``'s dtype)."""
     if name == "relu":
@@ -101,8 +112,7 @@ def activation_forward(pre: np.ndarray, name: str) -> np.ndarray:
         cdf = 0.5 * (1.0 + erf(pre * 0.7071067811865476))
         return (pre * cdf).astype(pre.dtype, copy=False)
     if name == "gelu_tanh":
-        inner = _SQRT_2_OVER_PI * (pre + 0.044715 * pre**3)
-        return 0.5 * pre * (1.0 + np.tanh(inner))
+        return 0.5 * pre * (1.0 + np.tanh(_gelu_tanh_inner(pre)))
     if name == "silu":
         return pre * _sigmoid(pre)
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
@@ -124,8 +134,7 @@ def activation_backward(grad: np.ndarray, pre: np.ndarray, post: np.ndarray, nam
         pdf = np.exp(-0.5 * x * x) * 0.3989422804014327
         return (grad * (cdf + x * pdf)).astype(grad.dtype, copy=False)
     if name == "gelu_tanh":
-        inner = _SQRT_2_OVER_PI * (pre + 0.044715 * pre**3)
-        t = np.tanh(inner)
+        t = np.tanh(_gelu_tanh_inner(pre))
         d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * pre * pre)
         return grad * (0.5 * (1.0 + t) + 0.5 * pre * (1.0 - t * t) * d_inner)
     if name == "silu":

@@ -96,7 +96,8 @@ def _head_blocks(lead: tuple[int, ...], splittable: tuple[bool, ...], group: int
             chunk[i], budget = budget, 1
         else:
             budget = max(1, budget // max(1, lead[i]))
-    axes = [[slice(a, min(a + c, n)) for a in range(0, n, c)] for n, c in zip(lead, chunk)]
+    # an empty axis (a batch of 0) has no boxes: step 1 over range(0) keeps range() away from a zero step
+    axes = [[slice(a, min(a + c, n)) for a in range(0, n, max(1, c))] for n, c in zip(lead, chunk)]
     return list(itertools.product(*axes))
 
 

@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_float_array, check_ndim, check_positive_int
+from .._validation import as_float_array, check_grad_output, check_ndim, check_positive_int
 from ..attention.additive import AdditiveAttention
 from ..attention.multi_head_attention import MultiHeadAttention
+from ..core.converters import torch_converter
 from ..core.module import Module, ModuleList
 from ..init import as_generator
 from ..kernels.activations import ACTIVATIONS
 from ..kernels.heads import merge_heads, split_heads
 from ..kernels.linear import linear
-from ._common import check_grad_output
 from .dropout import Dropout
 from .feed_forward import FeedForward
 from .layer_norm import LayerNorm
@@ -262,13 +262,11 @@ class TransformerDecoderBlock(Module):
     @classmethod
     def from_torch(cls, module: Any) -> TransformerDecoderBlock:
         """A block with the weights of a ``torch.nn.TransformerDecoderLayer`` (see :mod:`attnkit.interop.torch_nn`)."""
-        from ..interop import torch_nn
-        return torch_nn.decoder_block_from_torch(module)
+        return torch_converter(cls).from_torch(module)
 
     def to_torch_state_dict(self) -> dict[str, Any]:
         """This block's weights as a ``torch.nn.TransformerDecoderLayer`` state dict (torch tensors)."""
-        from ..interop import torch_nn
-        return torch_nn.decoder_block_state_dict(self)
+        return torch_converter(type(self)).state_dict(self)
 
 
 class TransformerDecoder(Module):
@@ -371,10 +369,8 @@ class TransformerDecoder(Module):
     @classmethod
     def from_torch(cls, module: Any) -> TransformerDecoder:
         """A decoder with the weights of a ``torch.nn.TransformerDecoder`` (see :mod:`attnkit.interop.torch_nn`)."""
-        from ..interop import torch_nn
-        return torch_nn.decoder_from_torch(module)
+        return torch_converter(cls).from_torch(module)
 
     def to_torch_state_dict(self) -> dict[str, Any]:
         """This decoder's weights as a ``torch.nn.TransformerDecoder`` state dict (torch tensors)."""
-        from ..interop import torch_nn
-        return torch_nn.decoder_state_dict(self)
+        return torch_converter(type(self)).state_dict(self)

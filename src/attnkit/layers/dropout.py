@@ -10,11 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_float_array
+from .._validation import as_float_array, check_grad_output
 from ..core.module import Module
 from ..init import as_generator
 from ..kernels.dropout import keep_mask
-from ._common import check_grad_output
 
 __all__ = ["Dropout"]
 

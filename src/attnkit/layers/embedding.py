@@ -8,10 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_positive_int
+from .._validation import check_grad_output, check_positive_int
 from ..core.module import Module
-from ..init import as_generator
-from ._common import check_grad_output
+from ..init import as_generator, normal
 
 __all__ = ["Embedding"]
 
@@ -28,7 +27,9 @@ class Embedding(Module):
     padding_idx : int, optional
         An id whose row starts at zero and never receives a gradient (as in torch).
     rng : numpy.random.Generator or int, optional
-        Source of the ``N(0, 1)`` initial table (torch's initialisation).
+        Source of the ``N(0, std^2)`` initial table.
+    std : float, default 1.0
+        Standard deviation of the initial table (1 as torch; 0.02 as GPT-2 and Llama).
 
     Attributes
     ----------
@@ -52,7 +53,7 @@ class Embedding(Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: int | None = None,
-                 rng: np.random.Generator | int | None = None) -> None:
+                 rng: np.random.Generator | int | None = None, std: float = 1.0) -> None:
         super().__init__()
         self.num_embeddings = check_positive_int(num_embeddings, "num_embeddings")
         self.embedding_dim = check_positive_int(embedding_dim, "embedding_dim")
@@ -62,7 +63,7 @@ class Embedding(Module):
                 raise ValueError(f"padding_idx = {padding_idx} is out of range for num_embeddings = "
                                  f"{self.num_embeddings}")
         self.padding_idx = padding_idx
-        table = as_generator(rng).standard_normal((self.num_embeddings, self.embedding_dim))  # (V, D)
+        table = normal(as_generator(rng), (self.num_embeddings, self.embedding_dim), std=std)  # (V, D)
         if padding_idx is not None:
             table[padding_idx] = 0.0
         self.register_parameter("weight", table)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_positive_int
+from ..core.converters import torch_converter
 from ..core.module import Module, ModuleList
 from ..init import as_generator
 from .encoder_block import TransformerEncoderBlock
@@ -165,10 +166,8 @@ class TransformerEncoder(Module):
     @classmethod
     def from_torch(cls, module: Any) -> TransformerEncoder:
         """The same computation as a ``torch.nn.TransformerEncoder`` (see :mod:`attnkit.interop.torch_nn`)."""
-        from ..interop import torch_nn
-        return torch_nn.encoder_from_torch(module)
+        return torch_converter(cls).from_torch(module)
 
     def to_torch_state_dict(self) -> dict[str, Any]:
         """These weights as a ``torch.nn.TransformerEncoder`` state dict (torch tensors)."""
-        from ..interop import torch_nn
-        return torch_nn.encoder_state_dict(self)
+        return torch_converter(type(self)).state_dict(self)

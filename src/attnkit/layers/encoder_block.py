@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_float_array, check_ndim, check_positive_int
+from .._validation import as_float_array, check_features, check_grad_output, check_ndim, check_positive_int
 from ..attention.multi_head_attention import MultiHeadAttention
+from ..core.converters import torch_converter
 from ..core.module import Module
 from ..init import as_generator
-from ._common import check_features, check_grad_output
 from .feed_forward import FeedForward
 from .layer_norm import LayerNorm
 
@@ -214,10 +214,8 @@ class TransformerEncoderBlock(Module):
     @classmethod
     def from_torch(cls, module: Any) -> TransformerEncoderBlock:
         """The same computation as a ``torch.nn.TransformerEncoderLayer`` (see :mod:`attnkit.interop.torch_nn`)."""
-        from ..interop import torch_nn
-        return torch_nn.encoder_block_from_torch(module)
+        return torch_converter(cls).from_torch(module)
 
     def to_torch_state_dict(self) -> dict[str, Any]:
         """These weights as a ``torch.nn.TransformerEncoderLayer`` state dict (torch tensors)."""
-        from ..interop import torch_nn
-        return torch_nn.encoder_block_state_dict(self)
+        return torch_converter(type(self)).state_dict(self)

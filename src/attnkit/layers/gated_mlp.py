@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from .._validation import check_features, check_grad_output
 from ..core.module import Module
-from ..init import as_generator
+from ..init import as_generator, normal
 from ..kernels import gated_mlp as _gated
 from ..kernels.activations import ACTIVATIONS
-from ._common import check_features, check_grad_output
 
 __all__ = ["GatedMLP"]
 
@@ -60,7 +60,7 @@ class GatedMLP(Module):
         gen = as_generator(rng)
         d, f = self.hidden_size, self.intermediate_size
         for name, shape in zip(_NAMES, ((d, f), (d, f), (f, d))):
-            self.register_parameter(name, 0.02 * gen.standard_normal(shape))
+            self.register_parameter(name, normal(gen, shape, std=0.02))
         if self.bias:
             for name, size in zip(_BIASES, (f, f, d)):
                 self.register_parameter(name, np.zeros(size))

@@ -8,10 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_eps, check_positive_int
+from .._validation import check_eps, check_features, check_grad_output, check_positive_int
 from ..core.module import Module
 from ..kernels import norm as _norm
-from ._common import check_features, check_grad_output
 
 __all__ = ["LayerNorm"]
 

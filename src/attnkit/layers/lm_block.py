@@ -10,7 +10,7 @@ import numpy as np
 
 from ..attention.grouped_query import GroupedQueryAttention
 from ..core.module import Module
-from ..init import as_generator
+from ..init import as_generator, normal
 from .feed_forward import FeedForward
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
@@ -67,7 +67,7 @@ class LMBlock(Module):
         else:
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=gen)
             for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
-                setattr(self.mlp, name, 0.02 * gen.standard_normal(self.mlp._parameters[name].shape))
+                setattr(self.mlp, name, normal(gen, self.mlp._parameters[name].shape, std=0.02))
 
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
                 output_attentions: bool = False):

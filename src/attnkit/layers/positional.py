@@ -9,11 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_ndim, check_positive_int
+from .._validation import check_features, check_grad_output, check_ndim, check_positive_int
 from ..core.module import Module
 from ..init import as_generator
 from ..positional import add_positional_encoding, learned_positional_encoding, sinusoidal_encoding
-from ._common import check_features, check_grad_output
 
 __all__ = ["SinusoidalPositionalEncoding", "LearnedPositionalEmbedding"]
 

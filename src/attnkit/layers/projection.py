@@ -8,11 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_positive_int
+from .._validation import check_features, check_grad_output, check_positive_int
 from ..core.module import Module
 from ..init import as_generator, xavier_uniform
 from ..kernels.linear import linear, linear_backward
-from ._common import check_features, check_grad_output
 
 __all__ = ["Projection"]
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.converters import torch_converter
 from ..core.module import Module
 from ..init import as_generator
 from .decoder import TransformerDecoder
@@ -91,10 +92,8 @@ class Transformer(Module):
     @classmethod
     def from_torch(cls, module: Any) -> Transformer:
         """A Transformer with the weights of a ``torch.nn.Transformer`` (see :mod:`attnkit.interop.torch_nn`)."""
-        from ..interop import torch_nn
-        return torch_nn.transformer_from_torch(module)
+        return torch_converter(cls).from_torch(module)
 
     def to_torch_state_dict(self) -> dict[str, Any]:
         """This model's weights as a ``torch.nn.Transformer`` state dict (torch tensors)."""
-        from ..interop import torch_nn
-        return torch_nn.transformer_state_dict(self)
+        return torch_converter(type(self)).state_dict(self)

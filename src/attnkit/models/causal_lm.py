@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask
+from .._validation import as_bool_mask, check_grad_output
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
 from ..init import as_generator
 from ..kernels._threads import blas_single_thread
-from ..layers._common import check_grad_output
 from ..layers.embedding import Embedding
 from ..layers.lm_block import LMBlock, make_norm
 from ..layers.rotary import RotaryEmbedding
@@ -95,19 +94,16 @@ class CausalLM(Module):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
         self.config = config
         gen = as_generator(rng)
-        self.embed = Embedding(config.vocab_size, config.hidden_size, rng=gen)
-        self.embed.weight = 0.02 * self.embed.weight
+        self.embed = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
         if config.position == "learned":
-            self.pos_embed = Embedding(config.max_position_embeddings, config.hidden_size, rng=gen)
-            self.pos_embed.weight = 0.01 * self.pos_embed.weight
+            self.pos_embed = Embedding(config.max_position_embeddings, config.hidden_size, rng=gen, std=0.01)
             self.rotary = None
         else:
             self.rotary = RotaryEmbedding(config)
         self.layers = ModuleList([LMBlock(config, i, rng=gen) for i in range(config.num_layers)])
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
-            self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen)
-            self.head.weight = 0.02 * self.head.weight
+            self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config: dict[str, Any] = {}
         self._saved: np.ndarray | None = None
@@ -200,10 +196,42 @@ class CausalLM(Module):
         self._hidden(ids, mask, positions, None, states=states)
         return states
 
+    def attention_weights(self, input_ids: Any, attention_mask: Any = None, *, layers: Sequence[int] | None = None,
+                          position_ids: Any = None) -> list[np.ndarray]:
+        """The attention weights of the chosen layers: a list of (B, Hq, L, L) arrays, in the order of ``layers``.
+
+        Only the chosen layers compute weights (the others take the tiled kernel), and no layer after the last
+        chosen one runs: the weights of layer 0 of a 30-layer model cost one layer's scores, not thirty.
+
+        Parameters
+        ----------
+        input_ids, attention_mask, position_ids
+            As :meth:`forward`.
+        layers : sequence of int, optional
+            Layer indices in ``[0, num_layers)``; default every layer.
+
+        Returns
+        -------
+        list of ndarray, each (B, Hq, L, L), the caller's.
+        """
+        n = self.config.num_layers
+        chosen = list(range(n)) if layers is None else list(layers)
+        if not chosen or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < n
+                                 for i in chosen):
+            raise ValueError(f"layers must be a non-empty sequence of layer indices in [0, {n}), got {layers!r}")
+        ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, None)
+        found: list[np.ndarray] = []
+        wanted = sorted(set(int(i) for i in chosen))
+        self._hidden(ids, mask, positions, None, found, weight_layers=set(wanted), last_layer=wanted[-1])
+        by_layer = dict(zip(wanted, found, strict=True))
+        return [by_layer[int(i)] for i in chosen]
+
     def _hidden(self, ids, mask, positions, cache, weights: list | None = None,
-                states: list | None = None) -> np.ndarray:
-        """The final-norm hidden states (B, L, D); each layer's weights are appended to ``weights`` if given,
-        each layer's output (a copy) to ``states`` if given."""
+                states: list | None = None, *, weight_layers: set | None = None,
+                last_layer: int | None = None) -> np.ndarray:
+        """The final-norm hidden states (B, L, D); the weights of each layer (of ``weight_layers`` only, if
+        given) are appended to ``weights`` if given, each layer's output (a copy) to ``states`` if given. With
+        ``last_layer`` the blocks after it do not run (and the result is that block's output, not normed)."""
         h = self.embed(ids)  # (B, L, D)
         if self.rotary is None:
             h = h + self.pos_embed(positions)  # (B, L, D)
@@ -211,8 +239,8 @@ class CausalLM(Module):
         else:
             rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
         layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
-        for layer in self.layers:
-            if weights is None:
+        for index, layer in enumerate(self.layers):
+            if weights is None or (weight_layers is not None and index not in weight_layers):
                 h = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
             else:
                 h, layer_weights = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache,
@@ -220,6 +248,8 @@ class CausalLM(Module):
                 weights.append(layer_weights)
             if states is not None:
                 states.append(h.copy())
+            if index == last_layer:
+                return h
         return self.norm(h)  # (B, L, D)
 
     def backward(self, grad_logits: Any) -> np.ndarray:

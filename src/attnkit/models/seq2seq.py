@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_positive_int
+from .._validation import check_positive_int, check_real
 from ..core.module import Module
 from ..decoding.beam_search import beam_search, greedy_search
 from ..decoding.cache import KVCache
@@ -205,7 +205,7 @@ class Seq2SeqTransformer(Module):
 
         Returns
         -------
-        ids : int64 (B, 1 + n), bos first; n <= N is the longest row.
+        ids : int64 (B, 1 + n), bos first; n <= N is the longest row (``(0, 1)`` for an empty batch).
         """
         src_ids = _check_ids(src_ids, "src_ids", self.src_vocab_size, self.max_length)
         src_pad = _check_padding(src_key_padding_mask, "src_key_padding_mask", src_ids.shape)
@@ -218,8 +218,9 @@ class Seq2SeqTransformer(Module):
         if max_new_tokens > self.max_length:
             raise ValueError(f"max_new_tokens = {max_new_tokens} exceeds the model's max_length = {self.max_length}")
         num_beams = check_positive_int(num_beams, "num_beams")
-        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float, np.floating)):
-            raise TypeError(f"length_penalty must be a number, got {length_penalty!r}")
+        length_penalty = check_real(length_penalty, "length_penalty")
+        if src_ids.shape[0] == 0:  # no rows: nothing to decode, only the bos column
+            return np.full((0, 1), bos_token_id, dtype=np.int64)
         was_training = self.training
         self.eval()
         try:
@@ -230,7 +231,7 @@ class Seq2SeqTransformer(Module):
                           pad_token_id=pad_token_id)
             if num_beams == 1:
                 return greedy_search(state, src_ids.shape[0], **common)
-            return beam_search(state, src_ids.shape[0], num_beams=num_beams, length_penalty=float(length_penalty),
+            return beam_search(state, src_ids.shape[0], num_beams=num_beams, length_penalty=length_penalty,
                                **common)
         finally:
             self.train(was_training)

@@ -1,4 +1,5 @@
-"""Optimizers over a :class:`attnkit.core.Module`'s parameters (updated in place) and gradient clipping.
+"""Optimizers over a :class:`attnkit.core.Module`'s parameters (updated in place), gradient clipping, and the
+learning-rate schedule the demos and the trainer share.
 
 Typical step::
 
@@ -11,6 +12,7 @@ Typical step::
 from .adam import Adam, AdamW
 from .clip import clip_grad_norm
 from .optimizer import Optimizer
+from .schedules import warmup_cosine
 from .sgd import SGD
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm", "warmup_cosine"]

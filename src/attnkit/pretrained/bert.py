@@ -14,7 +14,6 @@ Weight layout: Hugging Face ``nn.Linear`` stores (out, in) and computes ``x @ W.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from ..core.module import Module, ModuleList
 from ..init import as_generator
+from ..io import read_json
 from ..layers.embedding import Embedding
 from ..layers.encoder import _backward_blocks
 from ..layers.encoder_block import TransformerEncoderBlock
@@ -75,7 +75,7 @@ class BertConfig:
             position embeddings, an unknown activation).
         """
         path = Path(path)
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_json(path)
         if raw.get("model_type", "bert") != "bert":
             raise ValueError(f"{path} describes a {raw.get('model_type')!r} model, expected 'bert'")
         if raw.get("position_embedding_type", "absolute") != "absolute":

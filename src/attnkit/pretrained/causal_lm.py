@@ -6,12 +6,13 @@ Needs ``safetensors`` (the ``pretrained`` extra); never imports torch or transfo
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..init import empty_init
+from ..io import read_json
 from .checkpoint import check_model_matches, load_tensors_into, read_checkpoint_index, validate_checkpoint
 from .hf_config import decoder_config_from_hf
 from .tokenizer import load_tokenizer, read_generation_config
@@ -37,13 +38,7 @@ def read_decoder_config(folder: str | Path):
     file = folder / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(raw).__name__}")
-    return decoder_config_from_hf(raw)
+    return decoder_config_from_hf(read_json(file))
 
 
 def load_causal_lm(path: str | Path, dtype: Any = np.float32):
@@ -108,7 +103,8 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
 
     from ..models import CausalLM
 
-    model = CausalLM(config, rng=0).astype(dtype)
+    with empty_init(dtype):  # every parameter is overwritten below: no random weights, no float64 detour
+        model = CausalLM(config)
     params = dict(model.named_parameters())
     check_model_matches(params, stored)
     load_tensors_into(params, index, stored)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..io import read_json
 from ..models.config import DecoderConfig
 from ._extra import import_extra
 
@@ -189,11 +190,14 @@ def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
 # -- reading the files -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorHeader:
-    """What a safetensors header says about one tensor."""
+    """What a safetensors header says about one tensor: its file, dtype, shape, and where its bytes lie
+    (``offset`` from the start of the file, ``nbytes`` long)."""
 
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -207,11 +211,10 @@ class CheckpointIndex:
 def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}") \
-                from None
+        raw = read_json(index)
+        if "weight_map" not in raw:
+            raise ValueError(f"{index} is not a safetensors index: it has no 'weight_map'")
+        weight_map = raw["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                        for k, v in weight_map.items()):
             raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
@@ -244,15 +247,20 @@ def read_checkpoint_index(folder: str | Path) -> CheckpointIndex:
     for shard in shards:
         try:
             with safetensors.safe_open(str(shard), framework="numpy") as handle:
-                for name in handle.keys():
-                    piece = handle.get_slice(name)
-                    if name in tensors:
-                        raise ValueError(f"tensor {name!r} is in both {tensors[name].file.name} and {shard.name}")
-                    tensors[name] = TensorHeader(shard, piece.get_dtype(), tuple(int(n) for n in piece.get_shape()))
-        except ValueError:
-            raise
+                names = list(handle.keys())
+                pieces = {name: handle.get_slice(name) for name in names}
         except Exception as exc:  # safetensors raises its own error types for a corrupt header
             raise ValueError(f"{shard} is not a readable safetensors file: {exc}") from None
+        # safetensors has checked the header (offsets inside the file, no overlaps); its byte ranges let the
+        # loader read each tensor straight into place without mapping the whole file.
+        data_start, ranges = _data_ranges(shard)
+        for name in names:
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} is in both {tensors[name].file.name} and {shard.name}")
+            begin, end = ranges[name]
+            tensors[name] = TensorHeader(shard, pieces[name].get_dtype(),
+                                         tuple(int(n) for n in pieces[name].get_shape()), data_start + begin,
+                                         end - begin)
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors or tensors[name].file.name != file:
@@ -276,6 +284,10 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
     ValueError
         A missing or unexpected tensor, a wrong shape or an unsupported dtype, naming the tensor.
     """
+    if config.num_layers > len(index.tensors):
+        # Every layer needs tensors of its own: refuse before building a map (or a model) for the claimed depth.
+        raise ValueError(f"{index.folder}: the config's num_hidden_layers = {config.num_layers} cannot match a "
+                         f"checkpoint of {len(index.tensors)} tensors")
     maps, prefix = checkpoint_map(config)
     names = [n for n in index.tensors if not n.endswith(_IGNORED_SUFFIXES)]
     # A *ForCausalLM checkpoint prefixes the base model's names; a bare base model (GPT2Model) does not.
@@ -306,35 +318,62 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
     return stored
 
 
-def _bf16_tensor(header: TensorHeader, name: str) -> np.ndarray:
-    """A BF16 tensor as float32 (NumPy has no bfloat16: read its bytes, which are float32's top half)."""
-    with open(header.file, "rb") as fh:
+def _data_ranges(file: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Where the data of a (validated) safetensors file starts, and each tensor's byte range within it."""
+    with open(file, "rb") as fh:
         (size,) = struct.unpack("<Q", fh.read(8))
-        meta = json.loads(fh.read(size))[name]
-        start, end = meta["data_offsets"]
-        fh.seek(8 + size + start)
-        raw = np.frombuffer(fh.read(end - start), dtype="<u2")  # (N,)
-    if raw.size != int(np.prod(header.shape)):
-        raise ValueError(f"{header.file}: tensor {name!r} holds {raw.size} values, its shape says {header.shape}")
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(header.shape)
+        meta = json.loads(fh.read(size))
+    ranges = {name: (int(entry["data_offsets"][0]), int(entry["data_offsets"][1]))
+              for name, entry in meta.items() if name != "__metadata__"}
+    return 8 + size, ranges
+
+
+_NUMPY_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+def _read_into(fh: Any, header: TensorHeader, target: np.ndarray, name: str) -> None:
+    """Fill the C-contiguous ``target`` with the tensor's bytes (``target`` has the stored dtype and size)."""
+    fh.seek(header.offset)
+    got = fh.readinto(memoryview(target).cast("B"))
+    if got != header.nbytes:
+        raise ValueError(f"{header.file}: tensor {name!r} should hold {header.nbytes} bytes, the file gave {got}")
+
+
+def _read_tensor(fh: Any, header: TensorHeader, name: str) -> np.ndarray:
+    """One tensor as a new array (BF16 widened to float32: NumPy has no bfloat16, and a BF16 value is the top
+    half of the float32 with the same bits)."""
+    stored = _NUMPY_DTYPES[header.dtype]
+    if int(np.prod(header.shape)) * stored.itemsize != header.nbytes:
+        raise ValueError(f"{header.file}: tensor {name!r} holds {header.nbytes} bytes, its shape {header.shape} "
+                         f"and dtype {header.dtype} say {int(np.prod(header.shape)) * stored.itemsize}")
+    array = np.empty(header.shape, stored)
+    _read_into(fh, header, array, name)
+    if header.dtype == "BF16":
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array
 
 
 def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, stored: dict[str, TensorMap]) -> None:
     """Read each validated tensor and copy it, converted, into ``params`` (attnkit name -> array, in place).
 
-    One tensor is held at a time besides the model, whatever the checkpoint's dtype.
+    The files are read with plain reads, never mapped: a tensor whose layout and dtype equal its parameter's
+    is read straight into the parameter, any other goes through one temporary of its own size. So loading
+    costs the model's memory plus at most the largest converted tensor.
     """
-    safetensors = import_extra("safetensors", "read safetensors checkpoints")
     by_file: dict[Path, list[str]] = {}
     for name in stored:
         by_file.setdefault(index.tensors[name].file, []).append(name)
     for file, names in by_file.items():
-        with safetensors.safe_open(str(file), framework="numpy") as handle:
+        with open(file, "rb") as fh:
             for name in names:
-                header = index.tensors[name]
-                array = _bf16_tensor(header, name) if header.dtype == "BF16" else handle.get_tensor(name)
-                for target, value in stored[name].convert(array).items():
-                    np.copyto(params[target], value, casting="unsafe")
+                header, mapping = index.tensors[name], stored[name]
+                target = params[mapping.targets[0]]
+                if (mapping.layout == "copy" and _NUMPY_DTYPES[header.dtype] == target.dtype
+                        and target.flags.c_contiguous and target.nbytes == header.nbytes):
+                    _read_into(fh, header, target, name)
+                    continue
+                for target_name, value in mapping.convert(_read_tensor(fh, header, name)).items():
+                    np.copyto(params[target_name], value, casting="unsafe")
 
 
 def expected_parameter_shapes(stored: dict[str, TensorMap]) -> dict[str, tuple[int, ...]]:

@@ -102,7 +102,7 @@ class _Reader:
 
     def activation(self, key: str, default: Any = _MISSING) -> str:
         value = self.raw(key, default)
-        if value not in _ACTIVATIONS:
+        if not isinstance(value, str) or value not in _ACTIVATIONS:
             raise self._fail(key, f"one of {', '.join(sorted(_ACTIVATIONS))}", value)
         return _ACTIVATIONS[value]
 
@@ -285,7 +285,7 @@ def _rope(read: _Reader, max_positions: int) -> tuple[float, dict | None, float]
     params = dict(params)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if kind not in _ROPE_REQUIRED:
+    if not isinstance(kind, str) or kind not in _ROPE_REQUIRED:
         raise ValueError(f"{family} config: {key}['rope_type'] {kind!r} is not supported; expected one of "
                          f"{', '.join(_ROPE_REQUIRED)}")
     theta_value = params.pop("rope_theta", _MISSING)
@@ -308,6 +308,13 @@ def _rope(read: _Reader, max_positions: int) -> tuple[float, dict | None, float]
     for name in _ROPE_OPTIONAL[kind]:
         if params.get(name) is not None:
             normalised[name] = where.bool(name) if name == "truncate" else where.float(name)
+    if kind == "yarn" and theta <= 1.0:
+        # YaRN places its correction range by log(theta): a base of 1 or less has no such range.
+        raise ValueError(f"{family} config: rope_theta must be greater than 1 for rope_type 'yarn', got {theta!r}")
+    if kind == "llama3" and not normalised["low_freq_factor"] < normalised["high_freq_factor"]:
+        raise ValueError(f"{family} config: {key}['low_freq_factor'] ({normalised['low_freq_factor']}) must be "
+                         f"smaller than ['high_freq_factor'] ({normalised['high_freq_factor']}): llama3 scaling "
+                         f"blends between them")
     # Hugging Face ignores the pre-scaling length for linear and dynamic scaling; so does attnkit.
     unknown = sorted(set(params) - set(normalised) - {"original_max_position_embeddings"})
     if unknown:

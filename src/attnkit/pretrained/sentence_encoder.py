@@ -11,7 +11,6 @@ size (384), H heads.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ..init import empty_init
+from ..io import read_json
 from ._extra import default_model_dir, import_extra
 from .bert import BertConfig, BertEncoder, bert_state_dict
 
@@ -337,15 +338,8 @@ class SentenceEncoder:
         return batch.tokens[0], (weights if head is None else weights[head])
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-
-
 def _pipeline_modules(modules_file: Path) -> list[dict]:
-    modules = _read_json(modules_file)
+    modules = read_json(modules_file, expect=None)
     if not isinstance(modules, list) or not all(
             isinstance(m, dict) and isinstance(m.get("type"), str) and isinstance(m.get("path", ""), str)
             for m in modules):
@@ -368,7 +362,7 @@ def _check_pipeline(model_dir: Path) -> bool:
                          f"and optionally Normalize")
     pooling_file = model_dir / modules[1].get("path", "") / "config.json"
     if pooling_file.is_file():
-        pooling = _read_json(pooling_file)
+        pooling = read_json(pooling_file, expect=None)
         if not isinstance(pooling, dict):
             raise ValueError(f"{pooling_file}: expected a JSON object")
         modes = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode") and v is True)
@@ -387,7 +381,7 @@ def _is_int(value: Any) -> bool:
 
 def _read_config(path: Path) -> BertConfig:
     """``config.json`` as a :class:`BertConfig`, every field checked (types, ranges) before anything is built."""
-    raw = _read_json(path)
+    raw = read_json(path, expect=None)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     try:
@@ -451,7 +445,7 @@ def _max_seq_length(model_dir: Path, tokenizer: Any, config: BertConfig) -> int:
     st_config = model_dir / "sentence_bert_config.json"
     value: Any = None
     if st_config.is_file():
-        settings = _read_json(st_config)
+        settings = read_json(st_config, expect=None)
         value = settings.get("max_seq_length") if isinstance(settings, dict) else None
     if value is None and tokenizer.truncation is not None:
         value = tokenizer.truncation.get("max_length")
@@ -514,7 +508,8 @@ def load_sentence_encoder(model_dir: str | Path, dtype: Any = np.float32,
     weights = model_dir / "model.safetensors"
     _check_checkpoint(config, _checkpoint_shapes(weights, safetensors), weights)
 
-    model = BertEncoder(config, rng=0).astype(dtype)
+    with empty_init(dtype):  # load_state_dict(strict=True) overwrites every parameter
+        model = BertEncoder(config)
     tensors = safetensors_numpy.load_file(str(weights))
     model.load_state_dict(bert_state_dict(tensors, config.num_hidden_layers), strict=True)
     return SentenceEncoder(model, tokenizer, max_seq_length, normalize=normalize, model_dir=model_dir)

@@ -21,22 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from ..io import read_json
 from ._extra import import_extra
 
 __all__ = ["Tokenizer", "load_tokenizer", "read_generation_config", "SPECIAL_TOKEN_NAMES"]
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _JINJA_MIN = (3, 1, 6)  # older jinja2 releases have known sandbox escapes (templates are untrusted code)
-
-
-def _read_json(file: Path) -> dict:
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(raw).__name__}")
-    return raw
 
 
 def _token_text(value: Any, where: str) -> str | None:
@@ -57,7 +48,7 @@ def read_generation_config(folder: str | Path) -> dict:
         The file is not a JSON object.
     """
     file = Path(folder) / "generation_config.json"
-    return _read_json(file) if file.is_file() else {}
+    return read_json(file) if file.is_file() else {}
 
 
 def _compile_template(source: str) -> Any:
@@ -394,7 +385,7 @@ class Tokenizer:
 def _special_tokens(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
     tokens: dict[str, str] = {}
     map_file = folder / "special_tokens_map.json"
-    sources = [(_read_json(map_file), map_file.name)] if map_file.is_file() else []
+    sources = [(read_json(map_file), map_file.name)] if map_file.is_file() else []
     sources.append((config, "tokenizer_config.json"))  # tokenizer_config.json wins, as transformers reads it
     for source, where in sources:
         for name in SPECIAL_TOKEN_NAMES:
@@ -465,7 +456,7 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     backend.no_padding()
     backend.no_truncation()
     config_file = folder / "tokenizer_config.json"
-    config = _read_json(config_file) if config_file.is_file() else {}
+    config = read_json(config_file) if config_file.is_file() else {}
     special = _special_tokens(folder, config)
     eos = read_generation_config(folder).get("eos_token_id")
     if eos is None and special.get("eos_token") is not None:

@@ -15,15 +15,17 @@ seeded by ``(seed, t)``; rank r of K takes rows ``r*B/K .. (r+1)*B/K``. Each ran
 rows and DDP averages the gradients over ranks, so K processes compute the gradient of the same global batch
 as one process (equal up to the order of the reductions) and end with the same weights.
 
-Optimiser: AdamW (betas 0.9, 0.95), linear warmup over ``--warmup`` steps then cosine decay to zero, global
-gradient-norm clipping at ``--grad-clip`` (0 = off). ``--dtype bfloat16`` keeps float32 weights and runs the
-forward under bfloat16 autocast; float32 and float64 train in that dtype.
+Optimiser: AdamW (betas 0.9, 0.95), linear warmup over ``--warmup`` steps times a cosine decay to zero
+(``attnkit.optim.warmup_cosine``), global gradient-norm clipping at ``--grad-clip`` (0 = off). ``--dtype
+bfloat16`` keeps float32 weights and runs the forward under bfloat16 autocast; float32 and float64 train in
+that dtype.
 
 Output: ``DIR/config.json`` and ``DIR/model.safetensors`` under Hugging Face names (the inverse of attnkit's
 checkpoint map), loadable by :func:`attnkit.pretrained.load_causal_lm` and by ``transformers``;
 ``DIR/checkpoint.pt`` (model, optimiser, step) every ``--checkpoint-every`` steps and at the end, for
-``--resume``. Every file is written atomically. Rank 0 logs one line per step (``--quiet``: none). Bad
-arguments: one line on stderr and exit status 2.
+``--resume``; a fresh run refuses an ``--out`` that holds one unless ``--overwrite`` is given, and ``--out``
+must be writable before training starts. Every file is written atomically. Rank 0 logs one line per step
+(``--quiet``: none). Bad arguments: one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -43,7 +46,8 @@ import torch.nn.functional as F
 
 import torch
 
-from ..io import atomic_write
+from ..io import atomic_write, read_json
+from ..optim.schedules import warmup_cosine
 from ..pretrained.checkpoint import SINGLE_FILE, checkpoint_tensors
 from ..pretrained.hf_config import decoder_config_from_hf
 from .models import CausalLM
@@ -123,22 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=_non_negative_int, default=0,
                    help="write DIR/checkpoint.pt every N steps (0 = only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a DIR that holds a run (its checkpoint and weights are removed first)")
     p.add_argument("--quiet", action="store_true", help="no log lines (e.g. when called from Python)")
     return p
 
 
 def learning_rate(step: int, *, peak: float, warmup: int, total: int) -> float:
-    """Learning rate of 0-based ``step``: linear warmup to ``peak`` over ``warmup`` steps, then cosine to 0.
+    """Learning rate of 0-based ``step``: :func:`attnkit.optim.warmup_cosine` decaying to 0.
 
     Examples
     --------
     >>> [round(learning_rate(s, peak=1.0, warmup=2, total=6), 3) for s in range(6)]
-    [0.5, 1.0, 1.0, 0.854, 0.5, 0.146]
+    [0.5, 0.905, 0.655, 0.345, 0.095, 0.0]
     """
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine(step, peak=peak, warmup=warmup, total=total)
 
 
 def batch_windows(tokens: np.ndarray, *, seed: int, step: int, global_batch: int, seq_len: int, rank: int = 0,
@@ -167,13 +170,11 @@ def batch_windows(tokens: np.ndarray, *, seed: int, step: int, global_batch: int
 # -- checking the arguments ------------------------------------------------------------------------------
 def _read_config(path: Path) -> tuple[dict, Any]:
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_json(path)
     except OSError as exc:
         raise UsageError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--config: {path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"--config: {path} must hold a JSON object, got {type(raw).__name__}")
+    except ValueError as exc:
+        raise UsageError(f"--config: {exc}") from None
     try:
         return raw, decoder_config_from_hf(raw)
     except (ValueError, TypeError) as exc:
@@ -207,9 +208,35 @@ def _check(args: argparse.Namespace, world_size: int) -> tuple[dict, Any, np.nda
         raise UsageError(f"--warmup {args.warmup} exceeds --steps {args.steps}")
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out: {args.out} exists and is not a folder")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if args.resume and not (args.out / CHECKPOINT).is_file():
         raise UsageError(f"--resume: {args.out / CHECKPOINT} does not exist")
-    return raw, config, _read_tokens(args.data, config.vocab_size, args.seq_len)
+    held = _run_files(args.out)
+    if held and not (args.resume or args.overwrite):
+        raise UsageError(f"--out: {args.out} already holds a run ({', '.join(p.name for p in held)}): pass --resume "
+                         f"to continue it, --overwrite to start afresh, or another folder")
+    _check_writable(args.out)  # before training, not after it
+    tokens = _read_tokens(args.data, config.vocab_size, args.seq_len)
+    windows = tokens.shape[0] - args.seq_len
+    if args.global_batch > windows:
+        raise UsageError(f"--global-batch {args.global_batch} exceeds the {windows} distinct windows of --seq-len "
+                         f"{args.seq_len} in --data")
+    return raw, config, tokens
+
+
+def _run_files(out: Path) -> list[Path]:
+    """The files of an earlier run in ``out`` (what a fresh run would overwrite or leave stale)."""
+    return [out / name for name in (CHECKPOINT, SINGLE_FILE, "config.json") if (out / name).exists()]
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write to {out}: {exc.strerror or exc}") from None
 
 
 # -- files -----------------------------------------------------------------------------------------------
@@ -232,12 +259,24 @@ def _save_hf_folder(out: Path, model: CausalLM, raw: dict, dtype_name: str) -> N
 def _resume(args: argparse.Namespace, raw: dict, model: CausalLM, optimizer: torch.optim.Optimizer,
             device: torch.device) -> int:
     """Load the checkpoint of ``--out`` into the model and optimizer; returns the step to continue from."""
-    state = torch.load(args.out / CHECKPOINT, map_location=device, weights_only=True)
-    if state["config"] != raw:
-        raise UsageError(f"--resume: {args.out / CHECKPOINT} was trained with a different --config")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    path = args.out / CHECKPOINT
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        config, step = state["config"], int(state["step"])
+    except Exception as exc:  # torch raises many types for a damaged file (EOFError, RuntimeError, pickle errors)
+        raise UsageError(f"--resume: {path} is not a checkpoint this trainer wrote: {type(exc).__name__}: "
+                         f"{str(exc)[:200]}") from None
+    if config != raw:
+        raise UsageError(f"--resume: {path} was trained with a different --config")
+    if step > args.steps:
+        raise UsageError(f"--resume: {path} is at step {step}, beyond --steps {args.steps}")
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except Exception as exc:
+        raise UsageError(f"--resume: {path} does not fit this model: {type(exc).__name__}: {str(exc)[:200]}") \
+            from None
+    return step
 
 
 def _clip(model: CausalLM, max_norm: float) -> float:
@@ -322,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
+        if args.overwrite:
+            for stale in _run_files(args.out):
+                stale.unlink()
     if world_size > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
         dist.barrier()
@@ -331,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if rank == 0:
+            print(f"{PROG}: interrupted (the last checkpoint in {args.out} is intact)", file=sys.stderr)
+        return 130
     finally:
         if world_size > 1:
             dist.destroy_process_group()

@@ -1,0 +1,179 @@
+"""Benchmark: decoding and prefill of real model shapes, attnkit vs Hugging Face ``transformers`` (torch CPU).
+
+For each family (``gpt2``: GPT-2 small's shape, 124M parameters; ``llama``: SmolLM-135M's shape, 30 layers,
+GQA), a random ``transformers`` model is saved with ``save_pretrained`` and loaded by attnkit's own loader, so
+both run the same float32 weights. Measured in one run, alternating the two:
+
+* decode tokens/s: a 16-token prompt, ``--new`` greedy tokens, batch 1 and 8 (``generate`` on both sides, the
+  greedy tokens compared);
+* prefill: one forward of ``--prefill`` tokens, batch 1, into a cache;
+* the machine's GEMV bandwidth: the best of ``y = W @ x`` on a float32 matrix larger than the last-level
+  cache, and the fraction of it that batch-1 decoding reaches (the weights a token reads times tokens/s).
+
+Targets (issue text): prefill at most 0.8x ``transformers``' time; decode at least 1.5x its speed at batch 1 and
+1.2x at batch 8; batch-1 decoding at least 75% of the GEMV bandwidth.
+
+Usage::
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m attnkit.benchmarks.decode --threads 2
+    python -m attnkit.benchmarks.decode --families llama --new 16 --prefill 256   # quicker
+
+Needs torch, transformers and safetensors.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._support import blas_limit, import_torch, torch_missing_line
+from .machine import describe, machine_info
+
+__all__ = ["main", "parse_args", "run", "gemv_bandwidth", "FAMILIES"]
+
+# transformers config class and keyword arguments of each family's shape
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("GPT2Config", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "llama": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                  tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5)),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's command line."""
+    p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.decode", description=__doc__.split("\n")[0])
+    p.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=sorted(FAMILIES))
+    p.add_argument("--threads", type=int, default=2, help="torch, BLAS and attnkit threads (default 2)")
+    p.add_argument("--new", type=int, default=32, help="greedy tokens per decode run (default 32)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prefill", type=int, default=1024, help="prefill length (default 1024)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, best kept (default 2)")
+    return p.parse_args(argv)
+
+
+@contextmanager
+def _threads(torch: Any, n: int):
+    import attnkit
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with blas_limit(n), attnkit.num_threads(n):
+            yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def gemv_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes per second NumPy's float32 matrix-vector product streams from memory (best of ``repeats``)."""
+    rows = megabytes * 2**20 // (4 * 4096)
+    w = np.random.default_rng(0).standard_normal((rows, 4096), dtype=np.float32)  # (R, 4096)
+    x = np.ones(4096, np.float32)
+    w @ x  # warm the pages
+    best = min(_timed(lambda: w @ x) for _ in range(repeats))
+    return w.nbytes / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _best(fn, repeats: int):
+    times, first = [], None
+    for i in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+        first = result if i == 0 else first
+    return min(times), first
+
+
+def _weights_read_per_token(lm: Any) -> int:
+    """Bytes of weights one decoded token reads: every matrix, but only one row of an input-only table."""
+    total = sum(p.nbytes for p in lm.parameters())
+    if not lm.config.tie_word_embeddings:
+        total -= lm.embed.weight.nbytes  # the head is separate: the table gives one row
+    if lm.rotary is None:
+        total -= lm.pos_embed.weight.nbytes
+    return total
+
+
+def _build(family: str, folder: Path, torch: Any):
+    import transformers
+
+    from ..pretrained import load_causal_lm
+
+    config_class, kwargs = FAMILIES[family]
+    torch.manual_seed(0)
+    hf_config = getattr(transformers, config_class)(**kwargs)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    hf.save_pretrained(folder)
+    return load_causal_lm(folder), hf
+
+
+def _family(family: str, args: argparse.Namespace, torch: Any, bandwidth: float) -> dict[str, float]:
+    """One family's rows of the table (printed) and figures (returned)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, hf = _build(family, Path(tmp), torch)
+    rng = np.random.default_rng(0)
+    vocab = ours.config.vocab_size
+    row: dict[str, float] = {}
+    for batch in args.batches:
+        ids = rng.integers(0, vocab, size=(batch, 16))  # (B, 16)
+        tids = torch.from_numpy(ids)
+        t_ours, mine = _best(lambda ids=ids: ours.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
+                                                           eos_token_id=[]), args.repeats)
+        t_hf, theirs = _best(lambda t=tids: hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=args.new,
+                                                        min_new_tokens=args.new, do_sample=False, pad_token_id=0),
+                             args.repeats)
+        same = float(np.mean(mine[:, 16:] == theirs.numpy()[:, 16:]))
+        tokens = batch * args.new
+        row[f"decode_b{batch}_attnkit"], row[f"decode_b{batch}_hf"] = tokens / t_ours, tokens / t_hf
+        print(f"{family} decode batch {batch}: attnkit {tokens / t_ours:7.1f} tok/s, transformers "
+              f"{tokens / t_hf:7.1f} tok/s, speed ratio {t_hf / t_ours:.2f}x (greedy tokens equal: {same:.0%})")
+        if batch == 1:
+            per_token = _weights_read_per_token(ours)
+            row["gemv_fraction"] = per_token * tokens / t_ours / bandwidth
+            print(f"{family} batch-1 decoding reads {per_token / 2**20:.0f} MiB of weights per token: "
+                  f"{row['gemv_fraction']:.0%} of the GEMV bandwidth")
+    ids = rng.integers(0, vocab, size=(1, args.prefill))  # (1, P)
+    tids = torch.from_numpy(ids)
+    t_ours, _ = _best(lambda: ours(ids, cache=ours.new_cache(1, max_length=args.prefill)), args.repeats)
+    t_hf, _ = _best(lambda: hf(tids, use_cache=True), args.repeats)
+    row["prefill_attnkit_s"], row["prefill_hf_s"] = t_ours, t_hf
+    print(f"{family} prefill {args.prefill}: attnkit {t_ours * 1e3:.0f} ms, transformers {t_hf * 1e3:.0f} ms, "
+          f"time ratio {t_ours / t_hf:.2f}x")
+    return row
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure every family; prints the table and returns the figures."""
+    torch = import_torch()
+    if torch is None:
+        print(torch_missing_line("no comparison with transformers"))
+        return {}
+    for line in describe(machine_info(), threads=args.threads):
+        print(line)
+    with _threads(torch, args.threads), torch.inference_mode():
+        bandwidth = gemv_bandwidth()
+        print(f"GEMV bandwidth (float32, 256 MiB matrix): {bandwidth / 1e9:.1f} GB/s")
+        return {family: _family(family, args, torch, bandwidth) for family in args.families}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m attnkit.benchmarks.decode``."""
+    return 0 if run(parse_args(argv)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The decode benchmark runs end to end (on tiny shapes here) and reports every figure it promises."""
+import pytest
+
+pytest.importorskip("transformers")
+from attnkit.benchmarks import decode  # noqa: E402
+
+
+def test_tiny_run_reports_decode_prefill_and_bandwidth(monkeypatch, capsys):
+    monkeypatch.setattr(decode, "FAMILIES", {"llama": ("LlamaConfig", dict(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, tie_word_embeddings=False, max_position_embeddings=64))})
+    monkeypatch.setattr(decode, "gemv_bandwidth", lambda: 1e10)
+    figures = decode.run(decode.parse_args(["--families", "llama", "--new", "3", "--prefill", "8", "--repeats",
+                                            "1", "--threads", "1"]))
+    row = figures["llama"]
+    assert set(row) == {"decode_b1_attnkit", "decode_b1_hf", "decode_b8_attnkit", "decode_b8_hf", "gemv_fraction",
+                        "prefill_attnkit_s", "prefill_hf_s"}
+    assert all(v > 0 for v in row.values())
+    out = capsys.readouterr().out
+    assert "greedy tokens equal: 100%" in out and "of the GEMV bandwidth" in out
+
+
+def test_gemv_bandwidth_is_bytes_per_second():
+    assert 1e8 < decode.gemv_bandwidth(megabytes=8, repeats=2) < 1e13
