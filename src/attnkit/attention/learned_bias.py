@@ -12,12 +12,12 @@ Relative positions use bottom-right alignment, like the causal mask: query i sit
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from .._validation import check_positive_int
+from ..flex.modifiers import alibi_slopes, t5_relative_position_bucket
 from ..kernels.bias import ScoreBias
 from .scaled_dot_product import ScaledDotProductAttention
 
@@ -27,73 +27,6 @@ __all__ = ["LearnedBiasAttention", "T5RelativeBias", "ALiBiBias", "t5_relative_p
 def _query_positions(q_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
     """Key-axis positions of queries ``q_idx``: bottom-right aligned, ``i + Lk - Lq``."""
     return np.asarray(q_idx, dtype=np.int64) + (seq_k - seq_q)  # (Tq,)
-
-
-def t5_relative_position_bucket(relative_position: np.ndarray, bidirectional: bool = True,
-                                num_buckets: int = 32, max_distance: int = 128) -> np.ndarray:
-    """T5's bucket of each relative position ``key_position - query_position``.
-
-    Half of the buckets (per direction when ``bidirectional``) hold the exact distances ``0 .. max_exact - 1``
-    (``max_exact = n // 2``, n the buckets per direction); the other half cover distances up to
-    ``max_distance`` on a log scale, and every larger distance falls in the last bucket. Bidirectional:
-    keys after the query (positive relative position) use buckets ``n .. 2n - 1``. Unidirectional: keys
-    after the query share bucket 0 with distance 0. The log is taken in float32, as in Mesh TensorFlow and
-    HuggingFace's ``T5Attention._relative_position_bucket``, so that the buckets are the same.
-
-    Parameters
-    ----------
-    relative_position : ndarray of int, any shape
-    bidirectional : bool
-    num_buckets : int
-    max_distance : int
-
-    Returns
-    -------
-    ndarray of int64, the shape of ``relative_position``, values in ``[0, num_buckets)``
-
-    Examples
-    --------
-    >>> t5_relative_position_bucket(np.array([-200, -20, -3, 0, 3, 20, 200]))
-    array([15, 10,  3,  0, 19, 26, 31])
-    >>> t5_relative_position_bucket(np.array([-200, -20, -3, 0, 3]), bidirectional=False)
-    array([31, 17,  3,  0,  0])
-    """
-    rel = np.asarray(relative_position, dtype=np.int64)
-    buckets = np.zeros(rel.shape, dtype=np.int64)
-    if bidirectional:
-        num_buckets //= 2
-        buckets += (rel > 0) * num_buckets
-        dist = np.abs(rel)
-    else:
-        dist = -np.minimum(rel, 0)
-    max_exact = num_buckets // 2
-    is_small = dist < max_exact
-    # float32 like the reference; distances below max_exact are replaced by max_exact to keep log() finite.
-    ratio = np.maximum(dist, max_exact).astype(np.float32) / np.float32(max_exact)
-    log_pos = (np.log(ratio) / np.float32(math.log(max_distance / max_exact))
-               * np.float32(num_buckets - max_exact))
-    if_large = np.minimum(max_exact + log_pos.astype(np.int64), num_buckets - 1)
-    return buckets + np.where(is_small, dist, if_large)
-
-
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi's head slopes: ``2^(-8 (h + 1) / H)`` for a power-of-two H; the paper's interpolation otherwise.
-
-    For other H, with ``P = 2^floor(log2 H)``: the P slopes of P heads, then every other slope of 2P heads
-    (``2^(-4 (2m + 1) / P)``, m = 0, 1, ...) until there are H.
-
-    Examples
-    --------
-    >>> alibi_slopes(4)
-    array([0.25      , 0.0625    , 0.015625  , 0.00390625])
-    >>> alibi_slopes(3)
-    array([0.0625    , 0.00390625, 0.25      ])
-    """
-    num_heads = check_positive_int(num_heads, "num_heads")
-    closest = 2 ** int(math.floor(math.log2(num_heads)))
-    base = np.exp2(-8.0 / closest * np.arange(1, closest + 1))  # (P,)
-    extra = np.exp2(-4.0 / closest * (2 * np.arange(num_heads - closest) + 1))  # (H - P,)
-    return np.concatenate([base, extra])  # (H,)
 
 
 def _per_head(grad_tile: np.ndarray, num_heads: int, owner: str) -> np.ndarray:

@@ -1,0 +1,191 @@
+"""Mask modifiers ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True: attend) and the :class:`BlockMask`.
+
+Index arguments are broadcastable integer arrays as for score modifiers; a mask modifier returns a boolean
+array broadcastable to (B, H, Tq, Tk).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from .._validation import check_positive_int
+
+__all__ = ["causal_mask", "sliding_window_mask", "chunked_mask", "document_mask", "prefix_lm_mask",
+           "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask",
+           "EMPTY", "PARTIAL", "FULL"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    """``kv_idx <= q_idx`` (top-left aligned, as torch's FlexAttention examples)."""
+    return np.asarray(kv_idx) <= np.asarray(q_idx)
+
+
+def sliding_window_mask(window: int) -> Callable:
+    """Causal window of ``window`` keys: ``q_idx - window < kv_idx <= q_idx``."""
+    window = check_positive_int(window, "window")
+
+    def mask(b, h, q_idx, kv_idx):
+        q, k = np.asarray(q_idx), np.asarray(kv_idx)
+        return (k <= q) & (k > q - window)
+    return mask
+
+
+def chunked_mask(chunk: int) -> Callable:
+    """Causal attention inside chunks of ``chunk`` positions: ``q_idx // C == kv_idx // C`` and causal."""
+    chunk = check_positive_int(chunk, "chunk")
+
+    def mask(b, h, q_idx, kv_idx):
+        q, k = np.asarray(q_idx), np.asarray(kv_idx)
+        return (q // chunk == k // chunk) & (k <= q)
+    return mask
+
+
+def _per_batch(values, name: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim == 1:
+        arr = arr[None]  # (1, L)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must have shape (L,) or (B, L), got shape {arr.shape}")
+    return arr
+
+
+def document_mask(document_ids) -> Callable:
+    """Attend only within a document: ``ids[b, q_idx] == ids[b, kv_idx]``; ``document_ids`` (L,) or (B, L)."""
+    ids = _per_batch(document_ids, "document_ids")
+
+    def mask(b, h, q_idx, kv_idx):
+        row = b if ids.shape[0] > 1 else 0
+        return ids[row, np.asarray(q_idx)] == ids[row, np.asarray(kv_idx)]
+    return mask
+
+
+def prefix_lm_mask(prefix_length) -> Callable:
+    """Bidirectional over the first ``prefix_length`` keys, causal after: ``kv_idx < P or kv_idx <= q_idx``.
+
+    ``prefix_length`` is an int or one int per batch row, shape (B,).
+    """
+    prefix = np.asarray(prefix_length)
+    if prefix.ndim > 1 or not np.issubdtype(prefix.dtype, np.integer):
+        raise ValueError(f"prefix_length must be an int or ints of shape (B,), got {prefix_length!r}")
+
+    def mask(b, h, q_idx, kv_idx):
+        p = prefix[np.asarray(b)] if prefix.ndim == 1 else prefix
+        return (np.asarray(kv_idx) < p) | (np.asarray(kv_idx) <= np.asarray(q_idx))
+    return mask
+
+
+def padding_mask(attention_mask) -> Callable:
+    """Keys kept where ``attention_mask[b, kv_idx]`` is nonzero; ``attention_mask`` (B, Lk) or (Lk,)."""
+    keep = _per_batch(attention_mask, "attention_mask").astype(bool)
+
+    def mask(b, h, q_idx, kv_idx):
+        return keep[b if keep.shape[0] > 1 else 0, np.asarray(kv_idx)]
+    return mask
+
+
+def and_masks(*masks) -> Callable:
+    """Intersection of mask modifiers (all must allow)."""
+    def mask(b, h, q_idx, kv_idx):
+        out = np.asarray(True)
+        for m in masks:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+    return mask
+
+
+def or_masks(*masks) -> Callable:
+    """Union of mask modifiers (any may allow)."""
+    def mask(b, h, q_idx, kv_idx):
+        out = np.asarray(False)
+        for m in masks:
+            out = out | m(b, h, q_idx, kv_idx)
+        return out
+    return mask
+
+
+def _indices(B, H, rows, cols):
+    b = np.arange(B).reshape(B, 1, 1, 1)
+    h = np.arange(H).reshape(1, H, 1, 1)
+    return b, h, np.asarray(rows).reshape(1, 1, -1, 1), np.asarray(cols).reshape(1, 1, 1, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """Which tiles of the score matrix are empty, partial or full, per ``(b, h)``.
+
+    Attributes
+    ----------
+    kinds : ndarray of int8, shape (B', H', nQ, nK)
+        :data:`EMPTY` (0, skipped), :data:`PARTIAL` (1, ``mask_mod`` applied) or :data:`FULL` (2, no mask);
+        ``B'``/``H'`` are 1 when built with ``B``/``H`` ``None`` (broadcast over batch/heads).
+    mask_mod : callable
+    q_len, kv_len, block_q, block_k : int
+    """
+
+    kinds: np.ndarray
+    mask_mod: Callable
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B', H', Q_LEN, KV_LEN)."""
+        return (*self.kinds.shape[:2], self.q_len, self.kv_len)
+
+    def to_dense(self) -> np.ndarray:
+        """The full boolean mask, shape (B', H', Q_LEN, KV_LEN) (for inspection: it is Lq x Lk)."""
+        B, H = self.kinds.shape[:2]
+        idx = _indices(B, H, np.arange(self.q_len), np.arange(self.kv_len))
+        return np.broadcast_to(self.mask_mod(*idx), self.shape).copy()  # (B', H', Lq, Lk)
+
+    def tile_mask(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
+        """``mask_mod`` on one tile, shape broadcastable to (B', H', q1 - q0, k1 - k0)."""
+        B, H = self.kinds.shape[:2]
+        return np.asarray(self.mask_mod(*_indices(B, H, np.arange(q0, q1), np.arange(k0, k1))))
+
+
+def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      block_size: int | tuple[int, int] = 128) -> BlockMask:
+    """Classify every ``block_size`` tile of ``mask_mod`` as empty, partial or full.
+
+    ``mask_mod`` is evaluated on row bands of tiles (one band of ``block_q`` query rows at a time, all key
+    tiles at once), so memory stays ``block_q x KV_LEN`` per (b, h).
+
+    Parameters
+    ----------
+    mask_mod : callable ``(b, h, q_idx, kv_idx) -> bool array``
+    B, H : int or None
+        Batch and head counts; ``None`` evaluates once and broadcasts.
+    Q_LEN, KV_LEN : int
+    block_size : int or (int, int)
+        Tile height and width.
+
+    Returns
+    -------
+    BlockMask with ``kinds`` of shape (B or 1, H or 1, ceil(Q_LEN / bq), ceil(KV_LEN / bk))
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    bq, bk = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    bq, bk = check_positive_int(bq, "block_size"), check_positive_int(bk, "block_size")
+    Q_LEN, KV_LEN = check_positive_int(Q_LEN, "Q_LEN"), check_positive_int(KV_LEN, "KV_LEN")
+    nb = 1 if B is None else check_positive_int(B, "B")
+    nh = 1 if H is None else check_positive_int(H, "H")
+    nq, nk = -(-Q_LEN // bq), -(-KV_LEN // bk)
+    kinds = np.empty((nb, nh, nq, nk), dtype=np.int8)
+    pad_k = nk * bk - KV_LEN
+    for i in range(nq):
+        q0, q1 = i * bq, min(Q_LEN, (i + 1) * bq)
+        band = np.broadcast_to(mask_mod(*_indices(nb, nh, np.arange(q0, q1), np.arange(KV_LEN))),
+                               (nb, nh, q1 - q0, KV_LEN))  # (B', H', Tq, Lk)
+        counts = band.sum(axis=2, dtype=np.int64)  # (B', H', Lk)
+        counts = np.pad(counts, ((0, 0), (0, 0), (0, pad_k))).reshape(nb, nh, nk, bk).sum(axis=-1)  # (B', H', nK)
+        sizes = (q1 - q0) * np.minimum(bk, KV_LEN - np.arange(nk) * bk)  # (nK,)
+        kinds[:, :, i] = np.where(counts == 0, EMPTY, np.where(counts == sizes, FULL, PARTIAL))
+    return BlockMask(kinds, mask_mod, Q_LEN, KV_LEN, bq, bk)

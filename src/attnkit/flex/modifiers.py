@@ -1,0 +1,309 @@
+"""Score modifiers: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` with an exact backward.
+
+The index arguments are broadcastable integer arrays (``b`` of shape (B, 1, 1, 1), ``h`` (1, H, 1, 1),
+``q_idx`` (1, 1, Tq, 1), ``kv_idx`` (1, 1, 1, Tk), Tq/Tk the positions of the tile being computed), so a
+modifier is vectorised NumPy. A :class:`ScoreMod` keeps learnable arrays in ``.params`` and adds their
+gradients into ``.grads`` (same keys) on every :meth:`ScoreMod.backward`; the caller zeroes them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._validation import check_positive_int
+
+__all__ = ["ScoreMod", "softcap", "alibi", "alibi_slopes", "relative_position_bias", "additive_bias",
+           "compose", "t5_relative_position_bucket", "as_score_mod"]
+
+
+class ScoreMod:
+    """Base class of a score modifier with a backward.
+
+    Subclasses implement :meth:`forward` and :meth:`backward`; learnable arrays live in ``self.params`` and
+    their gradients in ``self.grads`` (zero-initialised, same shapes, accumulated into).
+    """
+
+    def __init__(self):
+        self.params: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray] = {}
+
+    def _add_param(self, name: str, value: np.ndarray) -> None:
+        self.params[name] = value
+        self.grads[name] = np.zeros_like(value)
+
+    def zero_grad(self) -> None:
+        """Set every gradient in ``.grads`` to zero."""
+        for g in self.grads.values():
+            g[...] = 0
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        """Modified scores, shape of ``score`` (B, H, Tq, Tk)."""
+        raise NotImplementedError
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        """Gradient with respect to the input ``score`` given ``grad`` of the output; adds into ``.grads``."""
+        raise NotImplementedError
+
+    __call__ = forward
+
+
+class _Forward(ScoreMod):
+    """A plain function used as a score modifier: forward only."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        raise TypeError(f"score_mod {getattr(self.fn, '__name__', self.fn)!r} is a plain function and has no "
+                        "backward; subclass attnkit.flex.ScoreMod with forward and backward to train through it")
+
+
+def as_score_mod(score_mod) -> ScoreMod | None:
+    """``score_mod`` as a :class:`ScoreMod` (a plain callable becomes a forward-only one), or ``None``."""
+    if score_mod is None or isinstance(score_mod, ScoreMod):
+        return score_mod
+    if not callable(score_mod):
+        raise TypeError(f"score_mod must be a ScoreMod, a callable or None, got {type(score_mod).__name__}")
+    return _Forward(score_mod)
+
+
+class _Softcap(ScoreMod):
+    def __init__(self, cap: float):
+        super().__init__()
+        if not (isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"softcap: cap must be a positive finite number, got {cap!r}")
+        self.cap = float(cap)
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return self.cap * np.tanh(score / self.cap)
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        t = np.tanh(score / self.cap)
+        return grad * (1 - t * t)
+
+
+def softcap(cap: float) -> ScoreMod:
+    """``cap * tanh(score / cap)`` (Gemma 2, Grok): scores squashed into ``(-cap, cap)``.
+
+    Examples
+    --------
+    >>> float(softcap(2.0).forward(np.array(100.0), 0, 0, 0, 0))
+    2.0
+    """
+    return _Softcap(cap)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's head slopes: ``2^(-8 (h + 1) / H)`` for a power-of-two H; the paper's interpolation otherwise.
+
+    For other H, with ``P = 2^floor(log2 H)``: the P slopes of P heads, then every other slope of 2P heads
+    (``2^(-4 (2m + 1) / P)``, m = 0, 1, ...) until there are H.
+
+    Returns
+    -------
+    ndarray of float64, shape (H,)
+
+    Examples
+    --------
+    >>> alibi_slopes(4)
+    array([0.25      , 0.0625    , 0.015625  , 0.00390625])
+    >>> alibi_slopes(3)
+    array([0.0625    , 0.00390625, 0.25      ])
+    """
+    num_heads = check_positive_int(num_heads, "num_heads")
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    base = np.exp2(-8.0 / closest * np.arange(1, closest + 1))  # (P,)
+    extra = np.exp2(-4.0 / closest * (2 * np.arange(num_heads - closest) + 1))  # (H - P,)
+    return np.concatenate([base, extra])  # (H,)
+
+
+class _Alibi(ScoreMod):
+    def __init__(self, slopes):
+        super().__init__()
+        slopes = np.array(slopes, dtype=np.float64)
+        if slopes.ndim != 1:
+            raise ValueError(f"alibi: slopes must be one value per head, shape (H,), got shape {slopes.shape}")
+        self._add_param("slopes", slopes)
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        dist = (np.asarray(kv_idx) - np.asarray(q_idx)).astype(score.dtype)  # (1, 1, Tq, Tk)
+        return score + self.params["slopes"].astype(score.dtype)[h] * dist
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        dist = np.broadcast_to(np.asarray(kv_idx) - np.asarray(q_idx), (1, 1, *grad.shape[-2:]))[0, 0]  # (Tq, Tk)
+        per_head = np.einsum("bhqk,qk->h", grad, dist.astype(grad.dtype))  # (H,)
+        np.add.at(self.grads["slopes"], np.asarray(h).reshape(-1), per_head)
+        return grad
+
+
+def alibi(slopes) -> ScoreMod:
+    """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)``; the slopes (shape (H,)) are learnable.
+
+    Use :func:`alibi_slopes` for the paper's values.
+    """
+    return _Alibi(slopes)
+
+
+def t5_relative_position_bucket(relative_position: np.ndarray, bidirectional: bool = True,
+                                num_buckets: int = 32, max_distance: int = 128) -> np.ndarray:
+    """T5's bucket of each relative position ``key_position - query_position``.
+
+    Half of the buckets (per direction when ``bidirectional``) hold the exact distances ``0 .. max_exact - 1``
+    (``max_exact = n // 2``, n the buckets per direction); the other half cover distances up to
+    ``max_distance`` on a log scale, and every larger distance falls in the last bucket. Bidirectional:
+    keys after the query (positive relative position) use buckets ``n .. 2n - 1``. Unidirectional: keys
+    after the query share bucket 0 with distance 0. The log is taken in float32, as in Mesh TensorFlow and
+    HuggingFace's ``T5Attention._relative_position_bucket``, so that the buckets are the same.
+
+    Parameters
+    ----------
+    relative_position : ndarray of int, any shape
+    bidirectional : bool
+    num_buckets : int
+    max_distance : int
+
+    Returns
+    -------
+    ndarray of int64, the shape of ``relative_position``, values in ``[0, num_buckets)``
+
+    Examples
+    --------
+    >>> t5_relative_position_bucket(np.array([-200, -20, -3, 0, 3, 20, 200]))
+    array([15, 10,  3,  0, 19, 26, 31])
+    >>> t5_relative_position_bucket(np.array([-200, -20, -3, 0, 3]), bidirectional=False)
+    array([31, 17,  3,  0,  0])
+    """
+    rel = np.asarray(relative_position, dtype=np.int64)
+    buckets = np.zeros(rel.shape, dtype=np.int64)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (rel > 0) * num_buckets
+        dist = np.abs(rel)
+    else:
+        dist = -np.minimum(rel, 0)
+    max_exact = num_buckets // 2
+    is_small = dist < max_exact
+    # float32 like the reference; distances below max_exact are replaced by max_exact to keep log() finite.
+    ratio = np.maximum(dist, max_exact).astype(np.float32) / np.float32(max_exact)
+    log_pos = (np.log(ratio) / np.float32(math.log(max_distance / max_exact))
+               * np.float32(num_buckets - max_exact))
+    if_large = np.minimum(max_exact + log_pos.astype(np.int64), num_buckets - 1)
+    return buckets + np.where(is_small, dist, if_large)
+
+
+
+class _RelativePositionBias(ScoreMod):
+    def __init__(self, num_heads, num_buckets, max_distance, bidirectional, table, seed):
+        super().__init__()
+        self.num_heads = check_positive_int(num_heads, "num_heads")
+        self.num_buckets = check_positive_int(num_buckets, "num_buckets")
+        self.max_distance = check_positive_int(max_distance, "max_distance")
+        self.bidirectional = bool(bidirectional)
+        if table is None:
+            table = np.random.default_rng(seed).normal(0.0, 0.02, size=(self.num_buckets, self.num_heads))
+        table = np.array(table, dtype=np.float64)
+        if table.shape != (self.num_buckets, self.num_heads):
+            raise ValueError(f"relative_position_bias: table must have shape (num_buckets, num_heads) = "
+                             f"{(self.num_buckets, self.num_heads)}, got {table.shape}")
+        self._add_param("table", table)
+
+    def _buckets(self, q_idx, kv_idx):
+        rel = np.asarray(kv_idx) - np.asarray(q_idx)  # (1, 1, Tq, Tk)
+        return t5_relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        buckets = self._buckets(q_idx, kv_idx)  # (1, 1, Tq, Tk)
+        return score + self.params["table"].astype(score.dtype)[buckets, h]  # (B, H, Tq, Tk)
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        buckets = np.broadcast_to(self._buckets(q_idx, kv_idx), grad.shape)  # (B, H, Tq, Tk)
+        heads = np.broadcast_to(np.asarray(h), grad.shape)  # (B, H, Tq, Tk)
+        np.add.at(self.grads["table"], (buckets, heads), grad)
+        return grad
+
+
+def relative_position_bias(num_heads: int, num_buckets: int = 32, max_distance: int = 128,
+                           bidirectional: bool = True, *, table=None, seed: int = 0) -> ScoreMod:
+    """T5's relative-position bias: ``score + table[bucket(kv_idx - q_idx), h]``, a learnable table.
+
+    Parameters
+    ----------
+    num_heads, num_buckets, max_distance, bidirectional
+        As in T5 (:func:`t5_relative_position_bucket`).
+    table : array, shape (num_buckets, num_heads), optional
+        Initial table (copied); default normal(0, 0.02) from ``seed``.
+    """
+    return _RelativePositionBias(num_heads, num_buckets, max_distance, bidirectional, table, seed)
+
+
+def _index(arr_dim: int, idx):
+    return idx if arr_dim > 1 else 0
+
+
+class _AdditiveBias(ScoreMod):
+    def __init__(self, bias):
+        super().__init__()
+        bias = np.array(bias, dtype=np.float64)
+        if bias.ndim > 4:
+            raise ValueError(f"additive_bias: the bias must broadcast to (B, H, Lq, Lk), got shape {bias.shape}")
+        self._add_param("bias", bias.reshape((1,) * (4 - bias.ndim) + bias.shape))
+
+    def _where(self, b, h, q_idx, kv_idx):
+        shape = self.params["bias"].shape
+        return tuple(_index(n, i) for n, i in zip(shape, (b, h, q_idx, kv_idx)))
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score + self.params["bias"].astype(score.dtype)[self._where(b, h, q_idx, kv_idx)]
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        shape = self.params["bias"].shape
+        summed = grad.sum(axis=tuple(a for a in range(4) if shape[a] == 1), keepdims=True)
+        where = tuple(np.broadcast_to(w, summed.shape) if not isinstance(w, int) else w
+                      for w in self._where(b, h, q_idx, kv_idx))
+        np.add.at(self.grads["bias"], where, summed)
+        return grad
+
+
+def additive_bias(bias) -> ScoreMod:
+    """``score + bias[b, h, q_idx, kv_idx]`` with a learnable ``bias`` broadcastable to (B, H, Lq, Lk).
+
+    Size-1 axes broadcast (their gradient is summed); the array is copied.
+    """
+    return _AdditiveBias(bias)
+
+
+class _Compose(ScoreMod):
+    def __init__(self, mods):
+        super().__init__()
+        self.mods = [as_score_mod(m) for m in mods]
+        for i, m in enumerate(self.mods):
+            for name, value in m.params.items():
+                self.params[f"{i}.{name}"] = value
+                self.grads[f"{i}.{name}"] = m.grads[name]
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        for m in self.mods:
+            score = m.forward(score, b, h, q_idx, kv_idx)
+        return score
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        inputs = []
+        for m in self.mods:
+            inputs.append(score)
+            score = m.forward(score, b, h, q_idx, kv_idx)
+        for m, s in zip(reversed(self.mods), reversed(inputs)):
+            grad = m.backward(grad, s, b, h, q_idx, kv_idx)
+        return grad
+
+
+def compose(*mods) -> ScoreMod:
+    """Apply ``mods`` in order (``compose(f, g)(s) = g(f(s))``); ``.params``/``.grads`` keyed ``"i.name"``.
+
+    The keys share the arrays of the parts: updating ``compose(...).params`` updates the parts.
+    """
+    return _Compose(mods)

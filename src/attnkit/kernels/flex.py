@@ -1,0 +1,153 @@
+"""Attention with score/mask modifiers and sinks: reference (whole score matrix) and tiled (tile skipping).
+
+``out = softmax([mod(scale * q k^T) masked, sink]) v`` where ``sink`` is an optional per-head logit that
+joins every row's softmax and carries no value. Dimension letters: B batch, H query heads, Lq/Lk lengths,
+Tq/Tk tile lengths, D/Dv features. K/V arrive already expanded to H heads (the checked API expands GQA).
+
+``score_mod`` has ``forward(s, b, h, q_idx, kv_idx)`` and ``backward(g, s, b, h, q_idx, kv_idx)``;
+``mask_tile(q0, q1, k0, k1)`` returns a boolean array broadcastable to (B, H, Tq, Tk); ``kinds`` (B', H',
+nQ, nK) marks tiles empty (0), partial (1) or full (2) and is reduced over (b, h): a tile is skipped when
+empty for every (b, h) and left unmasked when full for every (b, h).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["FlexContext", "flex_forward", "flex_backward"]
+
+
+@dataclasses.dataclass
+class FlexContext:
+    """What the backward needs: inputs, output, log-sum-exp (B, H, Lq) and the description."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    out: np.ndarray
+    lse: np.ndarray
+    scale: float
+    score_mod: object
+    mask_tile: object
+    kinds: np.ndarray | None
+    block_q: int
+    block_k: int
+    sinks: np.ndarray | None
+    tiled: bool
+
+
+def _idx(B, H, q0, q1, k0, k1):
+    return (np.arange(B).reshape(B, 1, 1, 1), np.arange(H).reshape(1, H, 1, 1),
+            np.arange(q0, q1).reshape(1, 1, -1, 1), np.arange(k0, k1).reshape(1, 1, 1, -1))
+
+
+def _plan(kinds, nq, nk):
+    """Per tile: 0 skip, 1 mask, 2 no mask (kinds reduced over batch and heads)."""
+    if kinds is None:
+        return np.full((nq, nk), 2, dtype=np.int8)
+    flat = kinds.reshape(-1, nq, nk)  # (B'H', nQ, nK)
+    return np.where((flat == 0).all(axis=0), 0, np.where((flat == 2).all(axis=0), 2, 1)).astype(np.int8)
+
+
+def _scores(q, k, scale, score_mod, mask_tile, kind, q0, q1, k0, k1):
+    """Modified, masked scores of one tile (B, H, Tq, Tk), the raw scores and the keep mask (or None)."""
+    B, H = q.shape[:2]
+    raw = scale * (q[:, :, q0:q1] @ k[:, :, k0:k1].swapaxes(-1, -2))  # (B, H, Tq, Tk)
+    idx = _idx(B, H, q0, q1, k0, k1)
+    s = raw if score_mod is None else score_mod.forward(raw, *idx)
+    keep = None
+    if kind == 1:
+        keep = np.broadcast_to(mask_tile(q0, q1, k0, k1), s.shape)  # (B, H, Tq, Tk)
+        s = np.where(keep, s, -np.inf)
+    return s, raw, keep, idx
+
+
+def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, block_q=None, block_k=None,
+                 sinks=None, tiled=False):
+    """Forward pass; returns ``(out (B, H, Lq, Dv), lse (B, H, Lq), weights or None, ctx)``.
+
+    The reference path (``tiled=False``) uses one tile covering everything and returns the weights
+    (B, H, Lq, Lk); the tiled path visits ``block_q x block_k`` tiles with an online softmax.
+    """
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    bq, bk = (min(block_q or 128, Lq), min(block_k or 128, Lk)) if tiled else (Lq, Lk)
+    nq, nk = -(-Lq // bq), -(-Lk // bk)
+    if tiled and kinds is not None:
+        plan = _plan(kinds, nq, nk)
+    else:
+        plan = np.full((nq, nk), 1 if mask_tile is not None else 2, dtype=np.int8)
+    dtype = q.dtype
+    sink = None if sinks is None else sinks.astype(dtype).reshape(1, H, 1)  # (1, H, 1)
+    out = np.zeros((B, H, Lq, v.shape[-1]), dtype=dtype)
+    lse = np.empty((B, H, Lq), dtype=dtype)
+    weights = None
+    for i in range(nq):
+        q0, q1 = i * bq, min(Lq, (i + 1) * bq)
+        m = np.full((B, H, q1 - q0), -np.inf, dtype=dtype) if sink is None else \
+            np.broadcast_to(sink, (B, H, q1 - q0)).copy()  # (B, H, Tq)
+        denom = np.zeros_like(m) if sink is None else np.ones_like(m)  # (B, H, Tq)
+        acc = np.zeros((B, H, q1 - q0, v.shape[-1]), dtype=dtype)  # (B, H, Tq, Dv)
+        for j in range(nk):
+            if plan[i, j] == 0:
+                continue
+            k0, k1 = j * bk, min(Lk, (j + 1) * bk)
+            s, _, _, _ = _scores(q, k, scale, score_mod, mask_tile, plan[i, j], q0, q1, k0, k1)
+            m_new = np.maximum(m, s.max(axis=-1))  # (B, H, Tq)
+            safe = np.where(np.isfinite(m_new), m_new, 0)  # (B, H, Tq)
+            p = np.exp(s - safe[..., None])  # (B, H, Tq, Tk)
+            alpha = np.exp(m - safe)  # (B, H, Tq)
+            denom = denom * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + p @ v[:, :, k0:k1]  # (B, H, Tq, Dv)
+            m = m_new
+        live = denom > 0
+        safe_m = np.where(np.isfinite(m), m, 0)
+        out[:, :, q0:q1] = np.where(live[..., None], acc / np.where(live, denom, 1)[..., None], 0)
+        lse[:, :, q0:q1] = np.where(live, safe_m + np.log(np.where(live, denom, 1)), -np.inf)
+    if not tiled:
+        s, _, _, _ = _scores(q, k, scale, score_mod, mask_tile, plan[0, 0] if plan.size else 2, 0, Lq, 0, Lk)
+        weights = np.exp(s - np.where(np.isfinite(lse), lse, 0)[..., None])  # (B, H, Lq, Lk)
+        weights[~np.isfinite(lse)] = 0
+    ctx = FlexContext(q, k, v, out, lse, scale, score_mod, mask_tile, kinds, bq, bk, sinks, tiled)
+    return out, lse, weights, ctx
+
+
+def flex_backward(grad_out, ctx: FlexContext):
+    """Returns ``(dq, dk, dv, dsinks or None)``; modifier parameter gradients go into ``score_mod.grads``."""
+    q, k, v = ctx.q, ctx.k, ctx.v
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    bq, bk = ctx.block_q, ctx.block_k
+    nq, nk = -(-Lq // bq), -(-Lk // bk)
+    if ctx.tiled and ctx.kinds is not None:
+        plan = _plan(ctx.kinds, nq, nk)
+    else:
+        plan = np.full((nq, nk), 1 if ctx.mask_tile is not None else 2, dtype=np.int8)
+    grad_out = grad_out.astype(q.dtype, copy=False)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    delta = (grad_out * ctx.out).sum(axis=-1)  # (B, H, Lq)
+    lse = np.where(np.isfinite(ctx.lse), ctx.lse, np.inf)  # dead rows: every probability exp(-inf) = 0
+    for i in range(nq):
+        q0, q1 = i * bq, min(Lq, (i + 1) * bq)
+        g_i, d_i, l_i = grad_out[:, :, q0:q1], delta[:, :, q0:q1, None], lse[:, :, q0:q1, None]
+        for j in range(nk):
+            if plan[i, j] == 0:
+                continue
+            k0, k1 = j * bk, min(Lk, (j + 1) * bk)
+            s, raw, keep, idx = _scores(q, k, ctx.scale, ctx.score_mod, ctx.mask_tile, plan[i, j], q0, q1, k0, k1)
+            p = np.exp(s - l_i)  # (B, H, Tq, Tk)
+            dv[:, :, k0:k1] += p.swapaxes(-1, -2) @ g_i  # (B, H, Tk, Dv)
+            ds = p * (g_i @ v[:, :, k0:k1].swapaxes(-1, -2) - d_i)  # (B, H, Tq, Tk)
+            if ctx.score_mod is not None:
+                ds = ctx.score_mod.backward(ds, raw, *idx)
+                if keep is not None:
+                    ds = np.where(keep, ds, 0)
+            ds = ds * ctx.scale
+            dq[:, :, q0:q1] += ds @ k[:, :, k0:k1]  # (B, H, Tq, D)
+            dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q[:, :, q0:q1]  # (B, H, Tk, D)
+    dsinks = None
+    if ctx.sinks is not None:
+        p_sink = np.exp(ctx.sinks.astype(q.dtype).reshape(1, H, 1) - lse)  # (B, H, Lq)
+        dsinks = -(p_sink * delta).sum(axis=(0, 2))  # (H,)
+    return dq, dk, dv, dsinks
