@@ -26,7 +26,7 @@ HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "rel
 
 
 def hf_config(cfg: DecoderConfig):
-    """The Hugging Face config of the same architecture (llama, mistral, qwen2 or gpt2)."""
+    """The Hugging Face config of the same architecture (llama, mistral, qwen2, qwen3 or gpt2)."""
     import transformers
 
     if cfg.family == "gpt2":
@@ -52,6 +52,10 @@ def hf_config(cfg: DecoderConfig):
         return transformers.Qwen2Config(sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types),
                                         use_sliding_window=cfg.sliding_window is not None,
                                         max_window_layers=cfg.num_layers, **common)
+    if cfg.family == "qwen3":
+        return transformers.Qwen3Config(attention_bias=cfg.attention_bias, sliding_window=cfg.sliding_window,
+                                        layer_types=list(cfg.layer_types),
+                                        use_sliding_window=cfg.sliding_window is not None, **common)
     raise ValueError(cfg.family)
 
 
@@ -112,6 +116,9 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
             out[hf + f"self_attn.{proj}.weight"] = _t(p[pre + f"attention.W_{name}"])
             if pre + f"attention.b_{name}" in p:
                 out[hf + f"self_attn.{proj}.bias"] = _t(p[pre + f"attention.b_{name}"], False)
+        for norm in ("q_norm", "k_norm"):
+            if pre + f"attention.{norm}" in p:
+                out[hf + f"self_attn.{norm}.weight"] = _t(p[pre + f"attention.{norm}"], False)
         for name, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             out[hf + f"mlp.{proj}.weight"] = _t(p[pre + f"mlp.W_{name}"])
             if pre + f"mlp.b_{name}" in p:

@@ -54,10 +54,16 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                               layer_types=["sliding_attention", "full_attention",
                                                            "sliding_attention"]), {}),
     "llama_sharded": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2), {"max_shard_size": "20KB"}),
+    # head_dim 12 is not hidden_size / heads = 8: Qwen3 sizes its heads explicitly
+    "qwen3": ("Qwen3Config", dict(_COMMON, num_key_value_heads=2, head_dim=12), {}),
+    "qwen3_window": ("Qwen3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=8,
+                                         attention_bias=True, use_sliding_window=True, sliding_window=3,
+                                         max_window_layers=1, tie_word_embeddings=True), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
-                 "llama_llama3", "mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_sharded")
+                 "llama_llama3", "mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_sharded", "qwen3",
+                 "qwen3_window")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

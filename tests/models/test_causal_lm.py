@@ -25,6 +25,8 @@ FAMILY_CASES = {
                                "layer_types": ("sliding_attention", "full_attention")},
     "gpt2": {"family": "gpt2"},
     "gpt2_untied": {"family": "gpt2", "tie_word_embeddings": False},
+    "qwen3_window": {"family": "qwen3", "qk_norm": True, "attention_bias": True, "output_bias": True,
+                     "sliding_window": 2, "layer_types": ("full_attention", "sliding_attention")},
 }
 
 
@@ -48,7 +50,7 @@ def _left_padded(rng, vocab, lengths, total):
     return ids, mask
 
 
-@pytest.mark.parametrize("case", ["llama_gqa", "gpt2", "mistral_window", "llama_bias_gelu"])
+@pytest.mark.parametrize("case", ["llama_gqa", "gpt2", "mistral_window", "llama_bias_gelu", "qwen3_window"])
 def test_whole_model_gradients_by_finite_differences(case):
     rng = make_rng(len(case))
     lm = _model(case, rng, scale=0.3, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=6,
@@ -136,6 +138,8 @@ def _name_map(lm):
         pre, hf = f"layers.{i}.", f"model.layers.{i}."
         out[pre + "attn_norm.gamma"] = (hf + "input_layernorm.weight", False)
         out[pre + "mlp_norm.gamma"] = (hf + "post_attention_layernorm.weight", False)
+        for norm in ("q_norm", "k_norm"):
+            out[pre + f"attention.{norm}"] = (hf + f"self_attn.{norm}.weight", False)
         for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj"), ("O", "o_proj")):
             out[pre + f"attention.W_{name}"] = (hf + f"self_attn.{proj}.weight", True)
             out[pre + f"attention.b_{name}"] = (hf + f"self_attn.{proj}.bias", False)

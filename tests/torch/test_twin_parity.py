@@ -231,6 +231,7 @@ FAMILIES = {
     "mistral": dict(family="mistral", sliding_window=2, layer_types=("sliding_attention",) * 2),
     "qwen2": dict(family="qwen2", attention_bias=True, sliding_window=3,
                   layer_types=("full_attention", "sliding_attention")),
+    "qwen3": dict(family="qwen3", qk_norm=True, sliding_window=3, layer_types=("sliding_attention", "full_attention")),
 }
 
 

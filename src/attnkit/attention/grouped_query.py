@@ -19,6 +19,7 @@ from ..init import as_generator, normal
 from ..kernels import attention_backward, attention_forward
 from ..kernels import rotary as _rotary
 from ..kernels.linear import linear, linear_backward
+from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["GroupedQueryAttention"]
 
@@ -82,6 +83,10 @@ class GroupedQueryAttention(Module):
                 self.register_parameter(name, np.zeros(size))
         if config.output_bias:
             self.register_parameter("b_O", np.zeros(d))
+        self.qk_norm, self.norm_eps = bool(config.qk_norm), config.norm_eps
+        if self.qk_norm:
+            self.register_parameter("q_norm", np.ones(self.head_dim))
+            self.register_parameter("k_norm", np.ones(self.head_dim))
         self._cache: tuple | None = None
 
     def extra_repr(self) -> str:
@@ -120,6 +125,11 @@ class GroupedQueryAttention(Module):
             raise ValueError(f"GroupedQueryAttention: x must be (B, L, D), got shape {x.shape}")
         b, length, _ = x.shape
         q, k, v = self._project(x)  # (B, Hq, L, Dh), (B, Hkv, L, Dh), (B, Hkv, L, Dh)
+        normed = None
+        if self.qk_norm:
+            q, q_hat, q_rstd = rms_norm_forward(q, self._parameters["q_norm"], self.norm_eps)  # (B, Hq, L, Dh)
+            k, k_hat, k_rstd = rms_norm_forward(k, self._parameters["k_norm"], self.norm_eps)  # (B, Hkv, L, Dh)
+            normed = (q_hat, q_rstd, k_hat, k_rstd)
         if rotary is not None:
             cos, sin = rotary
             q = _rotary.rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
@@ -143,7 +153,7 @@ class GroupedQueryAttention(Module):
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
-        self._cache = None if cache is not None else (x, merged, ctx, rotary)
+        self._cache = None if cache is not None else (x, merged, ctx, rotary, normed)
         if not output_attentions:
             return y
         # The reference kernel returns its own copy of the weights (backward reads ctx's), so this is the caller's.
@@ -153,7 +163,7 @@ class GroupedQueryAttention(Module):
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""
         if self._cache is None:
             raise RuntimeError("GroupedQueryAttention.backward needs a forward without a cache just before it")
-        x, merged, ctx, rotary = self._cache
+        x, merged, ctx, rotary, normed = self._cache
         b, length, _ = x.shape
         g = check_grad_output(grad_output, x.shape, x.dtype, "GroupedQueryAttention")
         p = self._parameters
@@ -168,6 +178,12 @@ class GroupedQueryAttention(Module):
             cos, sin = rotary
             dq = _rotary.rotary_backward(dq, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             dk = _rotary.rotary_backward(dk, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
+        if normed is not None:
+            q_hat, q_rstd, k_hat, k_rstd = normed
+            dq, grad_q_norm = rms_norm_backward(dq, q_hat, q_rstd, p["q_norm"])  # (B, Hq, L, Dh), (Dh,)
+            dk, grad_k_norm = rms_norm_backward(dk, k_hat, k_rstd, p["k_norm"])  # (B, Hkv, L, Dh), (Dh,)
+            self.grads["q_norm"] += grad_q_norm
+            self.grads["k_norm"] += grad_k_norm
         grad_x = np.zeros_like(x)
         for name, d in (("Q", dq), ("K", dk), ("V", dv)):
             flat = d.transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, H*Dh)

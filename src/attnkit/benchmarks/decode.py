@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels._threads import num_threads
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe, machine_info
 
@@ -61,12 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @contextmanager
 def _threads(torch: Any, n: int):
-    import attnkit
-
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
-        with blas_limit(n), attnkit.num_threads(n):
+        with blas_limit(n), num_threads(n):
             yield
     finally:
         torch.set_num_threads(old)

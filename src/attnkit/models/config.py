@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["DecoderConfig", "FAMILIES", "ROPE_TYPES"]
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -36,7 +36,7 @@ class DecoderConfig:
 
     Parameters
     ----------
-    family : {"gpt2", "llama", "mistral", "qwen2"}
+    family : {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
         The checkpoint family (decides the parameter names of a Hugging Face folder, nothing else).
     vocab_size : int
         V, the number of token ids.
@@ -78,6 +78,9 @@ class DecoderConfig:
         Bias on the attention output projection.
     mlp_bias : bool
         Biases in the MLP (gated MLPs; a plain MLP always has them).
+    qk_norm : bool
+        RMS-normalise each head's query and key over its Dh features, with learned weights (``q_norm``,
+        ``k_norm``, one per feature, shared by the heads), before the rotary embedding (Qwen3).
     tie_word_embeddings : bool
         The output head reuses the token embedding matrix.
     sliding_window : int, optional
@@ -118,6 +121,7 @@ class DecoderConfig:
     attention_bias: bool = False
     output_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())

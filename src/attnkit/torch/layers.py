@@ -91,10 +91,15 @@ class RMSNorm(TwinModule):
         self.normalized_shape, self.eps = source.normalized_shape, source.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)
-        xc = x.to(compute)
-        x_hat = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., D)
-        return self.gamma.to(x.dtype) * x_hat.to(x.dtype)  # (..., D)
+        return _rms(x, self.gamma, self.eps)  # (..., D)
+
+
+def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """``gamma * x / sqrt(mean(x^2) + eps)`` over the last axis, normalised in float32 at least."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xc = x.to(compute)
+    x_hat = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., D)
+    return gamma.to(x.dtype) * x_hat.to(x.dtype)  # (..., D)
 
 
 class FeedForward(TwinModule):

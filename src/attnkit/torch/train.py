@@ -58,7 +58,7 @@ PROG = "python -m attnkit.torch.train"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # The transformers class of each family's causal LM, written into config.json's "architectures".
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CHECKPOINT = "checkpoint.pt"
 
 
