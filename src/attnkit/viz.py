@@ -13,6 +13,7 @@ Dimension letters: H heads, N layers, Lq query length (rows), Lk key length (col
 """
 from __future__ import annotations
 
+import base64
 import html
 import importlib.resources
 import json
@@ -21,6 +22,7 @@ import os
 import re
 import sys
 import warnings
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,8 @@ import numpy as np
 
 from .io import atomic_write
 
-__all__ = ["HTML_SIZE_WARNING_BYTES", "VIZ_INSTALL_HINT", "attention_figsize", "attention_html", "plot_attention",
-           "plot_training_curve"]
+__all__ = ["HTML_SIZE_WARNING_BYTES", "VIZ_INSTALL_HINT", "attention_figsize", "attention_html", "encode_attention",
+           "fit_attention", "plot_attention", "plot_training_curve"]
 
 VIZ_INSTALL_HINT = "pip install 'attnkit[viz]'"
 
@@ -38,7 +40,8 @@ _CELL_INCHES = 0.32  # side of one attention cell in the picture
 _MIN_PANEL_INCHES = 2.4  # no heatmap smaller than this, however short the sequence
 _MAX_TICK_LABELS = 40  # label every token up to this length, every k-th beyond
 _MAX_COLUMNS_ONE_LAYER = 4  # the heads of one layer wrap into rows of this many
-HTML_SIZE_WARNING_BYTES = 5_000_000  # attention_html warns above this: browsers get slow to open such pages
+HTML_SIZE_WARNING_BYTES = 5_000_000  # pages are kept under this (browsers get slow to open bigger ones)
+_MAX_BITS, _MIN_BITS = 8, 3  # bits per stored weight: 8 unless the page would exceed its budget
 _PROBABILITY_SLACK = 1e-4  # rounding room around [0, 1] for weights computed in float32
 
 
@@ -316,8 +319,69 @@ def plot_training_curve(loss: Any, accuracy: Any = None, *, steps: Any = None, e
 
 
 # -- the interactive explorer page -------------------------------------------------------------------------
-def _explorer_weights(weights: Any) -> np.ndarray:
-    """Check the explorer's weights: real, finite, in [0, 1], square; returned as (N, H, L, L) float64."""
+def encode_attention(weights: Any, bits: int = _MAX_BITS) -> dict:
+    """Attention weights as a page stores them: ``bits`` per weight relative to its row's maximum, deflated.
+
+    Row ``r`` of the weights (the last axis) is stored as the integers ``q = round(w / s * (2**bits - 1))``
+    with ``s`` its maximum (a float32), so a decoded weight ``q * s / (2**bits - 1)`` is within
+    ``s / (2 * (2**bits - 1))`` of the original: ``s / 510`` at 8 bits. A causal model's upper triangle and the
+    near-zero weights of peaked heads cost almost nothing once deflated (zlib); the pages decode the data
+    with the browser's own ``DecompressionStream``.
+
+    Parameters
+    ----------
+    weights : array_like (..., Lq, Lk)
+        Non-negative weights, e.g. (N, H, Lq, Lk) attention probabilities.
+    bits : int, default 8
+        From 3 to 8.
+
+    Returns
+    -------
+    dict
+        ``{"bits": bits, "shape": list, "q": base64 of the deflated uint8 codes (C order),
+        "scale": base64 of the little-endian float32 row maxima (shape[:-1])}``.
+
+    Examples
+    --------
+    >>> enc = encode_attention(np.array([[[[1.0, 0.0], [0.25, 0.75]]]]))
+    >>> q = zlib.decompress(base64.b64decode(enc["q"]))
+    >>> enc["bits"], list(q), np.frombuffer(base64.b64decode(enc["scale"]), np.float32).tolist()
+    (8, [255, 0, 85, 255], [1.0, 0.75])
+    """
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not _MIN_BITS <= bits <= _MAX_BITS:
+        raise ValueError(f"bits must be an int from {_MIN_BITS} to {_MAX_BITS}, got {bits!r}")
+    w = np.asarray(weights, dtype=np.float64)  # (..., Lq, Lk)
+    if w.ndim < 2 or w.size == 0 or not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(f"weights must be a non-empty finite non-negative array (..., Lq, Lk), got shape {w.shape}")
+    levels = (1 << int(bits)) - 1
+    scale = w.max(axis=-1).astype("<f4")  # (..., Lq): the row maxima the page multiplies by
+    safe = np.where(scale > 0, scale, 1).astype(np.float64)[..., None]  # (..., Lq, 1)
+    q = np.rint(np.clip(w / safe, 0.0, 1.0) * levels).astype(np.uint8)  # (..., Lq, Lk)
+    return {"bits": int(bits), "shape": list(w.shape),
+            "q": base64.b64encode(zlib.compress(q.tobytes(), 6)).decode("ascii"),
+            "scale": base64.b64encode(scale.tobytes()).decode("ascii")}
+
+
+def fit_attention(weights: Any, max_bytes: int) -> dict:
+    """:func:`encode_attention` with the most bits (8 down to 3) whose encoding takes at most ``max_bytes``.
+
+    Returns the 3-bit encoding when even that is larger (the caller decides whether to warn).
+
+    Examples
+    --------
+    >>> w = np.random.default_rng(0).random((4, 64, 64))
+    >>> fit_attention(w, 10**6)["bits"], fit_attention(w, 12_000)["bits"] < 8
+    (8, True)
+    """
+    for bits in range(_MAX_BITS, _MIN_BITS - 1, -1):
+        encoded = encode_attention(weights, bits)
+        if len(encoded["q"]) + len(encoded["scale"]) <= max_bytes:
+            break
+    return encoded
+
+
+def _explorer_weights(weights: Any, square: bool) -> np.ndarray:
+    """Check the explorer's weights: real, finite, in [0, 1]; returned as (N, H, Lq, Lk) float64."""
     w = np.asarray(weights)
     if w.dtype.kind not in "fiub":
         raise TypeError(f"weights must be a real numeric array, got dtype {w.dtype} (shape {w.shape})")
@@ -325,10 +389,10 @@ def _explorer_weights(weights: Any) -> np.ndarray:
         raise ValueError(f"weights must be (L, L), (heads, L, L) or (layers, heads, L, L), got shape {w.shape}")
     if 0 in w.shape:
         raise ValueError(f"weights must not be empty, got shape {w.shape}")
-    if w.shape[-1] != w.shape[-2]:
+    if square and w.shape[-1] != w.shape[-2]:
         raise ValueError(f"weights must be self-attention with as many keys as queries (..., L, L), got shape "
-                         f"{w.shape}")
-    w = w.reshape((1,) * (4 - w.ndim) + w.shape).astype(np.float64)  # (N, H, L, L)
+                         f"{w.shape} (pass query_tokens for cross-attention)")
+    w = w.reshape((1,) * (4 - w.ndim) + w.shape).astype(np.float64)  # (N, H, Lq, Lk)
     if not np.isfinite(w).all():
         raise ValueError(f"weights must be finite, got {int(np.size(w) - np.isfinite(w).sum())} NaN or infinite values")
     low, high = float(w.min()), float(w.max())
@@ -345,23 +409,30 @@ def _script_json(value: Any) -> str:
 
 def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike, *,
                    title: str = "attnkit attention explorer", layer_names: Sequence[Any] | None = None,
-                   head_names: Sequence[Any] | None = None, decimals: int = 4) -> Path:
+                   head_names: Sequence[Any] | None = None, raw_tokens: Sequence[Any] | None = None,
+                   query_tokens: Sequence[Any] | None = None, raw_query_tokens: Sequence[Any] | None = None,
+                   max_bytes: int | None = None) -> Path:
     """Write an interactive attention explorer: one self-contained HTML file that needs no network.
 
-    The page shows the tokens, a heat map and a line view of one head, a layer and a head control, and
-    small pictures of every head of the chosen layer (click one to select it). Hovering, clicking or
-    tabbing to a token highlights where it attends and what attends to it; arrow keys move between tokens,
-    ``[`` and ``]`` switch heads, ``{`` and ``}`` switch layers. Script, style and data are inline, so the
-    file opens from disk, from an e-mail or from a static web server alike. The page's script exposes the
-    data as ``window.attnkitData = {tokens: [...], attention: [layer][head][query][key]}``.
+    The page shows the tokens, a heat map and a line view of one head with a colour scale (auto: 0 to the
+    head's maximum, 0..1, or log) and its legend, a layer and a head control, and a thumbnail of every head
+    of every layer (click one to select it). Hovering, clicking or tabbing to a token highlights where it
+    attends and what attends to it, and shows the raw token; arrow keys move between tokens, ``[`` and ``]``
+    switch heads, ``{`` and ``}`` switch layers. Long sequences stay readable: the heat map's axis labels
+    thin out and beyond 48 tokens the line view draws the selected token's lines only (up to 1,024 tokens
+    and more). Script, style and data are inline, so the file opens from disk, from an e-mail or from a
+    static web server alike. Once decoded, the page's script exposes the data as ``window.attnkitData =
+    {tokens, raw_tokens, query_tokens, bits, attention: [layer][head][query][key]}``.
 
     Parameters
     ----------
-    tokens : sequence of L tokens
-        The labels of the positions (anything ``str`` accepts). They are shown as text, never read as HTML.
-    weights : array_like, shape (L, L), (H, L, L) or (N, H, L, L)
-        Self-attention probabilities of one example, e.g. ``weights[0]`` of a ``MultiHeadAttention`` call,
-        or every layer's stacked. Row ``i`` is what query ``i`` attends to. Values must lie in [0, 1].
+    tokens : sequence of Lk tokens
+        The labels of the positions (of the keys, for cross-attention); anything ``str`` accepts. They are
+        shown as text, never read as HTML.
+    weights : array_like, shape (Lq, Lk), (H, Lq, Lk) or (N, H, Lq, Lk)
+        Attention probabilities of one example, e.g. ``weights[0]`` of a ``MultiHeadAttention`` call,
+        or every layer's stacked. Row ``i`` is what query ``i`` attends to. Values must lie in [0, 1];
+        ``Lq == Lk`` unless ``query_tokens`` is given.
     path : str or os.PathLike
         The HTML file to write (its folder must exist). Written atomically: a temporary file in the same
         folder, then ``os.replace``.
@@ -369,8 +440,15 @@ def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike,
         The page's heading and window title (shown as text).
     layer_names, head_names : sequence of str, optional
         Names of the N layers and H heads in the controls (default ``"layer i"``, ``"head j"``).
-    decimals : int, default 4
-        Weights are rounded to this many decimals in the file, which keeps it small (1 to 6).
+    raw_tokens : sequence of Lk str, optional
+        The raw tokenizer pieces, shown on hover (default: ``tokens``).
+    query_tokens, raw_query_tokens : sequence of Lq str, optional
+        Cross-attention: the labels of the queries (rows), e.g. a decoder's tokens reading an encoder's.
+    max_bytes : int, optional
+        The page's budget, default :data:`HTML_SIZE_WARNING_BYTES` (5 MB). Weights are stored with 8 bits
+        each relative to their row's maximum (see :func:`encode_attention`: a decoded weight is within
+        ``row max / 510`` of the original); when that would exceed the budget they get fewer bits, down to
+        3 (``row max / 14``). ``window.attnkitData.bits`` says which.
 
     Returns
     -------
@@ -382,19 +460,20 @@ def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike,
     TypeError
         ``tokens`` is a string, or ``weights`` is not numeric.
     ValueError
-        ``weights`` of another rank, not square, empty, not finite or outside [0, 1]; as many tokens or
-        names as the weights need; ``decimals`` out of range.
+        ``weights`` of another rank, not square (without ``query_tokens``), empty, not finite or outside
+        [0, 1]; as many tokens or names as the weights need; ``max_bytes`` not a positive int.
 
     Warns
     -----
     UserWarning
-        When the page would exceed :data:`HTML_SIZE_WARNING_BYTES` (5 MB); it is still written. Fewer
-        layers, heads or tokens, or fewer ``decimals``, make it smaller.
+        When the page exceeds ``max_bytes`` even with 3 bits per weight; it is still written. Fewer layers,
+        heads or tokens make it smaller.
 
     Shapes
     ------
-    N layers, H heads, L tokens; the page holds ``N * H * L * L`` weights, so its size grows as ``L ** 2``
-    (about 7 bytes per weight at 4 decimals: 6 layers x 12 heads x 64 tokens is 2 MB).
+    N layers, H heads, Lq queries, Lk keys. At 8 bits, deflated, a weight takes from almost nothing (zeros,
+    a causal mask's upper triangle) to 1.4 bytes (noise): 30 layers x 9 heads x 256 tokens of a randomly
+    initialised decoder fit in 4.8 MB at 4 bits, six MiniLM layers x 12 heads x 254 tokens in 2.8 MB at 8.
 
     Examples
     --------
@@ -410,30 +489,44 @@ def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike,
     ...
     ValueError: tokens has 2 tokens, but the weights have 3 positions
     """
-    w = _explorer_weights(weights)  # (N, H, L, L)
-    n_layers, n_heads, length, _ = w.shape
-    labels = _check_tokens(tokens, length, "tokens", "positions")
+    w = _explorer_weights(weights, square=query_tokens is None)  # (N, H, Lq, Lk)
+    n_layers, n_heads, seq_q, seq_k = w.shape
+    labels = _check_tokens(tokens, seq_k, "tokens", "positions" if query_tokens is None else "keys (columns)")
     if labels is None:
         raise TypeError("tokens must be a sequence of L tokens, got None")
-    layer_labels = _check_names(layer_names, n_layers, "layer_names", "layer")
-    head_labels = _check_names(head_names, n_heads, "head_names", "head")
-    if isinstance(decimals, bool) or not isinstance(decimals, (int, np.integer)) or not 1 <= decimals <= 6:
-        raise ValueError(f"decimals must be an integer from 1 to 6, got {decimals!r}")
+    raw = _check_tokens(raw_tokens, seq_k, "raw_tokens", "keys") or labels
+    data: dict[str, Any] = {"tokens": labels, "raw_tokens": raw}
+    if query_tokens is not None:
+        q_labels = _check_tokens(query_tokens, seq_q, "query_tokens", "queries (rows)")
+        data["query_tokens"] = q_labels
+        data["raw_query_tokens"] = _check_tokens(raw_query_tokens, seq_q, "raw_query_tokens", "queries") or q_labels
+    elif raw_query_tokens is not None:
+        raise ValueError("raw_query_tokens needs query_tokens (cross-attention); for self-attention pass raw_tokens")
+    data["layer_names"] = _check_names(layer_names, n_layers, "layer_names", "layer")
+    data["head_names"] = _check_names(head_names, n_heads, "head_names", "head")
+    if max_bytes is None:
+        max_bytes = HTML_SIZE_WARNING_BYTES  # read at call time, so it can be changed
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
     if target.is_dir():
         raise ValueError(f"path must be a file name, got the folder {str(path)!r}")
 
-    data = {"tokens": labels, "attention": np.round(w, int(decimals)).tolist(),  # [N][H][L][L]
-            "layer_names": layer_labels, "head_names": head_labels}
     template = importlib.resources.files("attnkit").joinpath("templates/attention_explorer.html")
-    values = {"TITLE": html.escape(str(title)), "DATA": _script_json(data)}
-    page = re.sub(r"\{\{(TITLE|DATA)\}\}", lambda m: values[m.group(1)], template.read_text(encoding="utf-8"))
+    text = template.read_text(encoding="utf-8")
+
+    def render(attention: dict) -> str:
+        values = {"TITLE": html.escape(str(title)), "DATA": _script_json(dict(data, attention=attention))}
+        return re.sub(r"\{\{(TITLE|DATA)\}\}", lambda m: values[m.group(1)], text)
+
+    rest = len(render({"bits": 8, "shape": list(w.shape), "q": "", "scale": ""}).encode("utf-8"))
+    page = render(fit_attention(w, max(0, int(max_bytes) - rest)))
     size = len(page.encode("utf-8"))
-    if size > HTML_SIZE_WARNING_BYTES:
+    if size > max_bytes:
         warnings.warn(f"the attention page {str(target)!r} is {size / 1e6:.1f} MB ({n_layers} layers x {n_heads} "
-                      f"heads x {length} x {length} weights); browsers open such pages slowly: pass fewer layers, "
-                      f"heads or tokens, or decimals=3", UserWarning, stacklevel=2)
+                      f"heads x {seq_q} x {seq_k} weights at 3 bits each), over max_bytes={max_bytes}; browsers "
+                      f"open such pages slowly: pass fewer layers, heads or tokens", UserWarning, stacklevel=2)
     atomic_write(target, lambda f: f.write(page.encode("utf-8")))
     return target

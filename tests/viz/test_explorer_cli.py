@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attnkit.cli import main
+from page_data import assert_page_weights
 
 
 def _embedded(path) -> dict:
@@ -30,8 +31,8 @@ def test_demo_writes_the_explorer_next_to_its_pictures(demo_folder):
     data = _embedded(demo_folder / "attention.html")
     ids = np.array([meta["tokens"].index(t) for t in data["tokens"]])
     want = demo.attention_maps(model, ids)  # (N, H, L, L)
-    assert np.array(data["attention"]).shape == want.shape == (2, 4, 10, 10)
-    assert np.max(np.abs(np.array(data["attention"]) - want)) <= 0.5e-4 + 1e-6
+    assert want.shape == (2, 4, 10, 10)
+    assert_page_weights(data["attention"], want)
     assert (demo_folder / "attention.png").is_file()
 
 
@@ -46,7 +47,7 @@ def test_attention_html_only_writes_no_picture(demo_folder, tmp_path, monkeypatc
     assert data["tokens"] == "3 1 4 1 5 9 2 6 5 3".split()
     model, meta = demo.load_model(demo_folder)
     want = demo.attention_maps(model, demo.parse_sequence("3 1 4 1 5 9 2 6 5 3", meta["tokens"], model.max_length))
-    np.testing.assert_allclose(np.array(data["attention"]), want, atol=0.5e-4 + 1e-6, rtol=0)
+    assert_page_weights(data["attention"], want)
 
 
 def test_attention_html_with_a_picture_and_one_head(demo_folder, tmp_path):
@@ -54,7 +55,7 @@ def test_attention_html_with_a_picture_and_one_head(demo_folder, tmp_path):
     assert main(["attention", "--model", str(demo_folder), "--input", "9 8 7", "--layer", "1", "--head", "2",
                  "--html", str(html), "-o", str(png)]) == 0
     data = _embedded(html)
-    assert np.array(data["attention"]).shape == (1, 1, 3, 3)
+    assert data["attention"]["shape"] == [1, 1, 3, 3]
     assert data["layer_names"] == ["layer 1"] and data["head_names"] == ["head 2"]
     assert png.stat().st_size > 0
 
@@ -76,6 +77,6 @@ def test_minilm_html_holds_every_layer_and_head(tmp_path):
     encoder = load_minilm()
     tokens, layer2 = encoder.attention(sentence, 2)
     assert data["tokens"] == tokens
-    got = np.array(data["attention"])  # (6, 12, L, L)
-    assert got.shape == (6, 12, len(tokens), len(tokens))
-    np.testing.assert_allclose(got[2], layer2, atol=0.5e-4 + 1e-6, rtol=0)
+    assert data["attention"]["shape"] == [6, 12, len(tokens), len(tokens)]
+    assert_page_weights(dict(data["attention"]), np.stack([encoder.attention(sentence, i)[1] for i in range(6)]))
+    assert data["attention"]["bits"] == 8

@@ -249,16 +249,29 @@ def query_labels(ids: Sequence[int], outputs: Sequence[int], tokens: Sequence[st
 
 
 def write_explorer(tokens: list[str], weights: object, path: Path, title: str, layer_names: list[str],
-                   head_names: list[str]) -> None:
-    """Write the interactive explorer page of (N, H, L, L) ``weights`` and say so."""
+                   head_names: list[str], **kwargs: object) -> None:
+    """Write the interactive explorer page of (N, H, Lq, Lk) ``weights`` and say so (``kwargs`` go to
+    ``attention_html``: ``raw_tokens``, ``query_tokens``...)."""
     import warnings
 
     from ..viz import attention_html
 
     with warnings.catch_warnings(record=True) as caught:  # the terminal gets one sentence, not a Python warning
         warnings.simplefilter("always")
-        attention_html(tokens, weights, path, title=title, layer_names=layer_names, head_names=head_names)
+        attention_html(tokens, weights, path, title=title, layer_names=layer_names, head_names=head_names,
+                       **kwargs)
     size = Path(path).stat().st_size / 1e6
-    print(f"wrote {printable(path)} ({size:.1f} MB; interactive: open it in a browser)")
+    bits = _page_bits(Path(path))
+    detail = "" if bits in (None, 8) else f", {bits} bits per weight to stay under 5 MB"
+    print(f"wrote {printable(path)} ({size:.1f} MB{detail}; interactive: open it in a browser)")
     if caught:
         print("note: the page is large and opens slowly; --layer I and --head J make it smaller")
+
+
+def _page_bits(path: Path) -> int | None:
+    """The bits per attention weight a page stored (the number follows ``"bits":`` in its data)."""
+    import re
+
+    with open(path, encoding="utf-8") as f:
+        match = re.search(r'"attention":\{"bits":(\d)', f.read())
+    return int(match.group(1)) if match else None

@@ -258,5 +258,6 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
         save_figure(fig, output)
         print(f"wrote {printable(output)}")
     if html is not None:
-        write_explorer(tokens, weights, html, f"{name}: {said}", layer_names, head_names)
+        raw = [printable(str(i) if piece is None else piece) for i, piece in zip(ids, pieces, strict=True)]
+        write_explorer(tokens, weights, html, f"{name}: {said}", layer_names, head_names, raw_tokens=raw)
     return 0

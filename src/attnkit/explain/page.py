@@ -5,56 +5,36 @@ The page shows, for a prompt: which input tokens made the model say each of its 
 one head's attention with a colour scale and its legend, and a thumbnail of every head of every layer.
 Script, style and data are inline; the page requests nothing from the network.
 
-Attention weights are stored with 8 bits per weight relative to their row's maximum (a float32 per row),
-deflated (zlib) and decoded in the page with the browser's own ``DecompressionStream``: a causal model's upper
-triangle and the near-zero weights of peaked heads cost almost nothing.
+Attention weights are stored as :func:`attnkit.viz.encode_attention` stores them: 8 bits per weight relative
+to their row's maximum (fewer, down to 3, when the page would exceed its budget), deflated and decoded in the
+page with the browser's own ``DecompressionStream``.
 
 Shapes: N layers, H heads, L tokens, K top_k.
 """
 from __future__ import annotations
 
-import base64
 import html
 import importlib.resources
 import json
 import os
 import re
-import zlib
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import viz
 from .._display import readable_token
 from ..io import atomic_write
+from ..viz import encode_attention, fit_attention
 from ._inputs import as_id_batch
 from .attribution import embedding_gradient
 from .logit_lens import logit_lens
 from .rollout import attention_rollout
 
 __all__ = ["encode_attention", "explain_html"]
-
-
-def encode_attention(weights: np.ndarray) -> dict[str, str]:
-    """8-bit rows: ``{"q": base64 of zlib-deflated uint8 (N*H*L*L), "scale": base64 float32 (N*H*L)}``.
-
-    Weight ``[l, h, i, j]`` is ``q[...] * scale[l, h, i] / 255``; the error is at most half a step of the
-    row's maximum over 255.
-
-    Examples
-    --------
-    >>> enc = encode_attention(np.array([[[[1.0, 0.0], [0.25, 0.75]]]]))
-    >>> q = zlib.decompress(base64.b64decode(enc["q"]))
-    >>> list(q), np.frombuffer(base64.b64decode(enc["scale"]), np.float32).tolist()
-    ([255, 0, 85, 255], [1.0, 0.75])
-    """
-    w = np.asarray(weights, dtype=np.float64)  # (N, H, L, L)
-    scale = w.max(axis=-1)  # (N, H, L)
-    safe = np.where(scale > 0, scale, 1.0)[..., None]  # (N, H, L, 1)
-    q = np.rint(np.clip(w / safe, 0.0, 1.0) * 255).astype(np.uint8)  # (N, H, L, L)
-    return {"q": base64.b64encode(zlib.compress(q.tobytes(), 9)).decode("ascii"),
-            "scale": base64.b64encode(scale.astype("<f4").tobytes()).decode("ascii")}
 
 
 def _script_json(value: Any) -> str:
@@ -67,7 +47,8 @@ def _rounded(values: np.ndarray, decimals: int = 6) -> list:
 
 
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
-                 candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction") -> dict:
+                 candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction",
+                 max_bytes: int | None = None) -> dict:
     """Explain ``lm``'s next-token prediction after ``ids`` in one offline HTML page.
 
     Parameters
@@ -86,13 +67,17 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         Tokens per cell of the logit lens (its tooltips).
     title : str
         The page's heading (shown as text).
+    max_bytes : int, optional
+        The page's budget, default 5 MB: the attention weights get 8 bits each relative to their row's maximum, fewer
+        (down to 3) when the page would exceed it (see :func:`attnkit.viz.encode_attention`); a warning
+        says when even that is too big.
 
     Returns
     -------
     dict
         The data the page holds (``tokens``, ``raw_tokens``, ``rollout`` (L, L), ``candidates`` with their
-        ``gradient_x_input`` and ``saliency`` (L,), ``lens``), decoded attention excepted: what the page shows
-        is exactly this.
+        ``gradient_x_input`` and ``saliency`` (L,), ``lens`` and ``vocab``, the readable text of the token ids
+        it shows) and ``bits``, the bits per stored attention weight: what the page shows is exactly this.
 
     Examples
     --------
@@ -112,6 +97,10 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     for name, value in (("candidates", candidates), ("top_k", top_k)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= vocab:
             raise ValueError(f"{name} must be an int in [1, {vocab}] (the vocabulary size), got {value!r}")
+    if max_bytes is None:
+        max_bytes = viz.HTML_SIZE_WARNING_BYTES  # read at call time, so it can be changed
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
@@ -134,12 +123,23 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
             "rollout": _rounded(attention_rollout(weights)), "candidates": chosen,
-            "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4),
-                     "tokens": [[[readable_token(piece(t)) for t in cell] for cell in row]
-                                for row in lens.token_ids]}}
+            "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
+            # each id's text once: N x L x K cells repeat few distinct tokens
+            "vocab": {str(t): readable_token(piece(t)) for t in np.unique(lens.token_ids).tolist()}}
     template = importlib.resources.files("attnkit").joinpath("templates/explain_page.html").read_text(encoding="utf-8")
-    values = {"TITLE": html.escape(str(title)), "TOPK": str(int(top_k)),
-              "DATA": _script_json(dict(data, attention=encode_attention(weights)))}
-    page = re.sub(r"\{\{(TITLE|TOPK|DATA)\}\}", lambda m: values[m.group(1)], template)
-    atomic_write(target, lambda f: f.write(page.encode("utf-8")))
+
+    def render(attention: dict) -> str:
+        values = {"TITLE": html.escape(str(title)), "TOPK": str(int(top_k)),
+                  "DATA": _script_json(dict(data, attention=attention))}
+        return re.sub(r"\{\{(TITLE|TOPK|DATA)\}\}", lambda m: values[m.group(1)], template)
+
+    rest = len(render(dict(encode_attention(weights[:1, :1, :1]), q="", scale="")).encode("utf-8"))
+    attention = fit_attention(weights, max(0, int(max_bytes) - rest))
+    page = render(attention).encode("utf-8")
+    if len(page) > max_bytes:
+        warnings.warn(f"the explain page {str(target)!r} is {len(page) / 1e6:.1f} MB, over max_bytes={max_bytes} "
+                      f"even with 3 bits per attention weight: a shorter prompt makes it smaller", UserWarning,
+                      stacklevel=2)
+    atomic_write(target, lambda f: f.write(page))
+    data["bits"] = attention["bits"]
     return data
