@@ -1,8 +1,9 @@
 """The architecture of a decoder-only language model, as one frozen dataclass passed down to every layer.
 
 One :class:`DecoderConfig` describes the GPT-2, Llama, Mistral, Qwen2/3, OLMo 2, SmolLM3 and GPT-NeoX families:
-which norm and where, which MLP, which positions, how many key/value heads, which layers use a sliding window. It holds architecture only (no
-weights, no tokenizer) and is validated when it is made, so a layer can trust what it reads.
+which norm and where, which MLP, which positions, how many key/value heads, which layers use a sliding window.
+It holds architecture only (no weights, no tokenizer) and is validated when it is made, so a layer can trust
+what it reads.
 """
 from __future__ import annotations
 
