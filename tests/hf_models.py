@@ -59,11 +59,35 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
     "qwen3_window": ("Qwen3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=8,
                                          attention_bias=True, use_sliding_window=True, sliding_window=3,
                                          max_window_layers=1, tie_word_embeddings=True), {}),
+    # OLMo 2: RMSNorm over the whole q/k projections, post-norms only
+    "olmo2": ("Olmo2Config", dict(_COMMON, num_key_value_heads=2), {}),
+    "olmo2_bias_mqa": ("Olmo2Config", dict(_COMMON, num_key_value_heads=1, attention_bias=True,
+                                           tie_word_embeddings=True, rope_parameters={"rope_type": "linear",
+                                                                                      "factor": 2.0,
+                                                                                      "rope_theta": 500.0}), {}),
+    # SmolLM3: every second layer without rotary; with a window on a NoPE layer
+    "smollm3": ("SmolLM3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2,
+                                      tie_word_embeddings=False, pad_token_id=None), {}),
+    "smollm3_window": ("SmolLM3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, mlp_bias=True,
+                                             attention_bias=True, use_sliding_window=True, sliding_window=3,
+                                             no_rope_layers=[1, 0, 1], pad_token_id=None), {}),
+    # GPT-NeoX: a quarter (then a half) of each head rotated, parallel (then sequential) residual
+    "gpt_neox": ("GPTNeoXConfig", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=64, bos_token_id=1,
+                                       eos_token_id=EOS), {}),
+    "gpt_neox_sequential": ("GPTNeoXConfig", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                  max_position_embeddings=64, bos_token_id=1, eos_token_id=EOS,
+                                                  use_parallel_residual=False, attention_bias=False,
+                                                  hidden_act="gelu_new", tie_word_embeddings=True,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 300.0,
+                                                                   "partial_rotary_factor": 0.5}), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_sharded", "qwen3",
-                 "qwen3_window")
+                 "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
+                 "gpt_neox_sequential")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

@@ -84,9 +84,12 @@ class GroupedQueryAttention(Module):
         if config.output_bias:
             self.register_parameter("b_O", np.zeros(d))
         self.qk_norm, self.norm_eps = bool(config.qk_norm), config.norm_eps
+        self.qk_norm_scope = config.qk_norm_scope
+        self.uses_rotary = config.rotary_of(layer_index)
         if self.qk_norm:
-            self.register_parameter("q_norm", np.ones(self.head_dim))
-            self.register_parameter("k_norm", np.ones(self.head_dim))
+            whole = self.qk_norm_scope == "projection"
+            self.register_parameter("q_norm", np.ones(q_width if whole else self.head_dim))
+            self.register_parameter("k_norm", np.ones(kv_width if whole else self.head_dim))
         self._cache: tuple | None = None
 
     def extra_repr(self) -> str:
@@ -99,11 +102,23 @@ class GroupedQueryAttention(Module):
         return flat.reshape(b, length, heads, self.head_dim).transpose(0, 2, 1, 3)  # (B, H, L, Dh)
 
     def _project(self, x: np.ndarray):
+        """Query, key and value heads of ``x``, queries and keys normalised when ``qk_norm``; and what the
+        norms' backward needs (None without them)."""
         p = self._parameters
-        q = self._heads(linear(x, p["W_Q"], p.get("b_Q")), self.num_heads)  # (B, Hq, L, Dh)
-        k = self._heads(linear(x, p["W_K"], p.get("b_K")), self.num_kv_heads)  # (B, Hkv, L, Dh)
+        q = linear(x, p["W_Q"], p.get("b_Q"))  # (B, L, Hq*Dh)
+        k = linear(x, p["W_K"], p.get("b_K"))  # (B, L, Hkv*Dh)
         v = self._heads(linear(x, p["W_V"], p.get("b_V")), self.num_kv_heads)  # (B, Hkv, L, Dh)
-        return q, k, v
+        normed = None
+        if self.qk_norm and self.qk_norm_scope == "projection":
+            q, q_hat, q_rstd = rms_norm_forward(q, p["q_norm"], self.norm_eps)  # (B, L, Hq*Dh)
+            k, k_hat, k_rstd = rms_norm_forward(k, p["k_norm"], self.norm_eps)  # (B, L, Hkv*Dh)
+            normed = (q_hat, q_rstd, k_hat, k_rstd)
+        q, k = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads)  # (B, H, L, Dh)
+        if self.qk_norm and self.qk_norm_scope == "head":
+            q, q_hat, q_rstd = rms_norm_forward(q, p["q_norm"], self.norm_eps)  # (B, Hq, L, Dh)
+            k, k_hat, k_rstd = rms_norm_forward(k, p["k_norm"], self.norm_eps)  # (B, Hkv, L, Dh)
+            normed = (q_hat, q_rstd, k_hat, k_rstd)
+        return q, k, v, normed
 
     def _check_mask(self, attention_mask, batch: int, seq_k: int) -> np.ndarray | None:
         mask = as_bool_mask(attention_mask, "attention_mask", allow_int=True)
@@ -124,12 +139,9 @@ class GroupedQueryAttention(Module):
         if x.ndim != 3:
             raise ValueError(f"GroupedQueryAttention: x must be (B, L, D), got shape {x.shape}")
         b, length, _ = x.shape
-        q, k, v = self._project(x)  # (B, Hq, L, Dh), (B, Hkv, L, Dh), (B, Hkv, L, Dh)
-        normed = None
-        if self.qk_norm:
-            q, q_hat, q_rstd = rms_norm_forward(q, self._parameters["q_norm"], self.norm_eps)  # (B, Hq, L, Dh)
-            k, k_hat, k_rstd = rms_norm_forward(k, self._parameters["k_norm"], self.norm_eps)  # (B, Hkv, L, Dh)
-            normed = (q_hat, q_rstd, k_hat, k_rstd)
+        q, k, v, normed = self._project(x)  # (B, Hq, L, Dh), (B, Hkv, L, Dh), (B, Hkv, L, Dh)
+        if not self.uses_rotary:  # a NoPE layer of a rotary model
+            rotary = None
         if rotary is not None:
             cos, sin = rotary
             q = _rotary.rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
@@ -178,19 +190,27 @@ class GroupedQueryAttention(Module):
             cos, sin = rotary
             dq = _rotary.rotary_backward(dq, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             dk = _rotary.rotary_backward(dk, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
-        if normed is not None:
-            q_hat, q_rstd, k_hat, k_rstd = normed
-            dq, grad_q_norm = rms_norm_backward(dq, q_hat, q_rstd, p["q_norm"])  # (B, Hq, L, Dh), (Dh,)
-            dk, grad_k_norm = rms_norm_backward(dk, k_hat, k_rstd, p["k_norm"])  # (B, Hkv, L, Dh), (Dh,)
-            self.grads["q_norm"] += grad_q_norm
-            self.grads["k_norm"] += grad_k_norm
+        if normed is not None and self.qk_norm_scope == "head":
+            dq, dk = self._norm_backward(dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
+        dq, dk, dv = (d.transpose(0, 2, 1, 3).reshape(b, length, -1) for d in (dq, dk, dv))  # (B, L, H*Dh)
+        if normed is not None and self.qk_norm_scope == "projection":
+            dq, dk = self._norm_backward(dq, dk, normed)  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
         grad_x = np.zeros_like(x)
-        for name, d in (("Q", dq), ("K", dk), ("V", dv)):
-            flat = d.transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, H*Dh)
+        for name, flat in (("Q", dq), ("K", dk), ("V", dv)):
             gx, grad_w, grad_b = linear_backward(flat, x, p[f"W_{name}"], f"b_{name}" in p)  # (B, L, D)
             self._accumulate(name, grad_w, grad_b)
             grad_x += gx
         return grad_x
+
+    def _norm_backward(self, dq: np.ndarray, dk: np.ndarray, normed: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """Input gradients of the query and key norms (in the layout they ran in); weights' into ``grads``."""
+        q_hat, q_rstd, k_hat, k_rstd = normed
+        p = self._parameters
+        dq, grad_q_norm = rms_norm_backward(dq, q_hat, q_rstd, p["q_norm"])
+        dk, grad_k_norm = rms_norm_backward(dk, k_hat, k_rstd, p["k_norm"])
+        self.grads["q_norm"] += grad_q_norm
+        self.grads["k_norm"] += grad_k_norm
+        return dq, dk
 
     def _accumulate(self, name: str, grad_w: np.ndarray, grad_b: np.ndarray | None) -> None:
         self.grads[f"W_{name}"] += grad_w

@@ -27,7 +27,14 @@ def make_norm(config) -> Module:
 
 
 class LMBlock(Module):
-    """``x = x + attention(attn_norm(x)); x = x + mlp(mlp_norm(x))``.
+    """One decoder layer: ``x = x + attention(attn_norm(x)); x = x + mlp(mlp_norm(x))`` and its variants.
+
+    The config's switches decide which norms exist and how the residuals join:
+
+    * ``pre_norm`` (default): ``attn_norm`` and ``mlp_norm`` on each branch's input;
+    * ``post_norm``: ``attn_post_norm`` and ``mlp_post_norm`` on each branch's output, before the add
+      (OLMo 2: post-norms only; Gemma: both);
+    * ``parallel_residual``: ``y = x + attention(attn_norm(x)) + mlp(mlp_norm(x))`` (GPT-NeoX).
 
     Parameters
     ----------
@@ -39,7 +46,8 @@ class LMBlock(Module):
 
     Attributes
     ----------
-    attn_norm, attention (:class:`~attnkit.attention.grouped_query.GroupedQueryAttention`), mlp_norm, mlp.
+    attention (:class:`~attnkit.attention.grouped_query.GroupedQueryAttention`), mlp; attn_norm, mlp_norm
+    with ``pre_norm``; attn_post_norm, mlp_post_norm with ``post_norm``.
 
     Shapes
     ------
@@ -59,15 +67,31 @@ class LMBlock(Module):
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         gen = as_generator(rng)
-        self.attn_norm = make_norm(config)
+        self.pre_norm, self.post_norm = config.pre_norm, config.post_norm
+        self.parallel_residual = config.parallel_residual
+        if self.pre_norm:
+            self.attn_norm = make_norm(config)
         self.attention = GroupedQueryAttention(config, layer_index, rng=gen)
-        self.mlp_norm = make_norm(config)
+        if self.post_norm:
+            self.attn_post_norm = make_norm(config)
+        if self.pre_norm:
+            self.mlp_norm = make_norm(config)
         if config.mlp == "gated":
             self.mlp = GatedMLP(config, rng=gen)
         else:
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=gen)
             for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
                 setattr(self.mlp, name, normal(gen, self.mlp._parameters[name].shape, std=0.02))
+        if self.post_norm:
+            self.mlp_post_norm = make_norm(config)
+
+    def _mlp_branch(self, x: np.ndarray) -> np.ndarray:
+        h = self.mlp(self.mlp_norm(x) if self.pre_norm else x)  # (B, L, D)
+        return self.mlp_post_norm(h) if self.post_norm else h
+
+    def _mlp_branch_backward(self, g: np.ndarray) -> np.ndarray:
+        g = self.mlp.backward(self.mlp_post_norm.backward(g) if self.post_norm else g)  # (B, L, D)
+        return self.mlp_norm.backward(g) if self.pre_norm else g
 
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
                 output_attentions: bool = False):
@@ -76,17 +100,26 @@ class LMBlock(Module):
         With ``output_attentions=True`` the result is ``(y, weights)``, weights (B, Hq, L, S) from the
         attention (see :meth:`GroupedQueryAttention.forward`).
         """
-        attended = self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask, cache=cache,
-                                  output_attentions=output_attentions)
+        attended = self.attention(self.attn_norm(x) if self.pre_norm else x, rotary=rotary,
+                                  attention_mask=attention_mask, cache=cache, output_attentions=output_attentions)
         weights = None
         if output_attentions:
             attended, weights = attended
-        x = x + attended
-        y = x + self.mlp(self.mlp_norm(x))
+        if self.post_norm:
+            attended = self.attn_post_norm(attended)  # (B, L, D)
+        if self.parallel_residual:
+            y = x + attended + self._mlp_branch(x)  # (B, L, D)
+        else:
+            x = x + attended
+            y = x + self._mlp_branch(x)  # (B, L, D)
         return (y, weights) if output_attentions else y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """The forward read backwards: each residual branch adds its sublayers' input gradient."""
         g = np.asarray(grad_output)
-        g = g + self.mlp_norm.backward(self.mlp.backward(g))
-        return g + self.attn_norm.backward(self.attention.backward(g))
+        g_mlp = self._mlp_branch_backward(g)
+        if not self.parallel_residual:
+            g = g + g_mlp
+        g_attn = self.attention.backward(self.attn_post_norm.backward(g) if self.post_norm else g)
+        g = g + (self.attn_norm.backward(g_attn) if self.pre_norm else g_attn)
+        return g + g_mlp if self.parallel_residual else g

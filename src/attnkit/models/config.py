@@ -1,8 +1,9 @@
 """The architecture of a decoder-only language model, as one frozen dataclass passed down to every layer.
 
-One :class:`DecoderConfig` describes the GPT-2, Llama, Mistral and Qwen2 families: which norm, which MLP,
-which positions, how many key/value heads, which layers use a sliding window. It holds architecture only (no
-weights, no tokenizer) and is validated when it is made, so a layer can trust what it reads.
+One :class:`DecoderConfig` describes the GPT-2, Llama, Mistral, Qwen2/3, OLMo 2, SmolLM3 and GPT-NeoX families:
+which norm and where, which MLP, which positions, how many key/value heads, which layers use a sliding window.
+It holds architecture only (no weights, no tokenizer) and is validated when it is made, so a layer can trust
+what it reads.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any
 
 __all__ = ["DecoderConfig", "FAMILIES", "ROPE_TYPES"]
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+_QK_NORM_SCOPES = ("head", "projection")
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -36,7 +38,7 @@ class DecoderConfig:
 
     Parameters
     ----------
-    family : {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
+    family : {"gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox"}
         The checkpoint family (decides the parameter names of a Hugging Face folder, nothing else).
     vocab_size : int
         V, the number of token ids.
@@ -79,8 +81,20 @@ class DecoderConfig:
     mlp_bias : bool
         Biases in the MLP (gated MLPs; a plain MLP always has them).
     qk_norm : bool
-        RMS-normalise each head's query and key over its Dh features, with learned weights (``q_norm``,
-        ``k_norm``, one per feature, shared by the heads), before the rotary embedding (Qwen3).
+        RMS-normalise queries and keys with learned weights (``q_norm``, ``k_norm``) before the rotary
+        embedding.
+    qk_norm_scope : {"head", "projection"}
+        ``head``: over each head's Dh features, one weight per feature shared by the heads (Qwen3);
+        ``projection``: over the whole projection, Hq*Dh (queries) and Hkv*Dh (keys) weights (OLMo 2).
+    pre_norm : bool
+        Normalise the input of the attention and of the MLP (``attn_norm``, ``mlp_norm``).
+    post_norm : bool
+        Normalise the output of the attention and of the MLP before the residual add (``attn_post_norm``,
+        ``mlp_post_norm``; OLMo 2 has only these).
+    parallel_residual : bool
+        ``x + attention(attn_norm(x)) + mlp(mlp_norm(x))``: both branches read the block's input (GPT-NeoX).
+    no_rope_layers : tuple of int
+        Indices of layers whose attention has no rotary embedding (SmolLM3's NoPE layers).
     tie_word_embeddings : bool
         The output head reuses the token embedding matrix.
     sliding_window : int, optional
@@ -122,6 +136,11 @@ class DecoderConfig:
     output_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    pre_norm: bool = True
+    post_norm: bool = False
+    parallel_residual: bool = False
+    no_rope_layers: tuple[int, ...] = field(default=())
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())
@@ -140,7 +159,8 @@ class DecoderConfig:
         for name, value, allowed in (("norm", self.norm, ("layernorm", "rmsnorm")),
                                      ("activation", self.activation, _ACTIVATIONS),
                                      ("mlp", self.mlp, ("gated", "plain")),
-                                     ("position", self.position, ("rotary", "learned"))):
+                                     ("position", self.position, ("rotary", "learned")),
+                                     ("qk_norm_scope", self.qk_norm_scope, _QK_NORM_SCOPES)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         _finite_positive(self.norm_eps, "norm_eps")
@@ -168,6 +188,13 @@ class DecoderConfig:
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
         object.__setattr__(self, "layer_types", types)
+        nope = tuple(self.no_rope_layers)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in nope) \
+                or len(set(nope)) != len(nope):
+            raise ValueError(f"no_rope_layers must hold distinct layer indices in [0, {self.num_layers}), got {nope}")
+        if nope and self.position != "rotary":
+            raise ValueError("no_rope_layers needs position='rotary'")
+        object.__setattr__(self, "no_rope_layers", tuple(sorted(nope)))
 
     @property
     def num_groups(self) -> int:
@@ -178,6 +205,10 @@ class DecoderConfig:
     def rope_type(self) -> str:
         """The rotary frequency scaling in use (``"default"`` when none)."""
         return "default" if self.rope_scaling is None else self.rope_scaling.get("rope_type", "default")
+
+    def rotary_of(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates its queries and keys."""
+        return self.position == "rotary" and layer not in self.no_rope_layers
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window W of layer ``layer``, or None for a full-attention layer."""

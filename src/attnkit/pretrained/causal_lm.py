@@ -1,4 +1,4 @@
-"""Load a Hugging Face decoder folder (GPT-2, Llama, Mistral, Qwen2) as an attnkit :class:`CausalLM`.
+"""Load a Hugging Face decoder folder (any of ``supported_model_types()``) as an attnkit :class:`CausalLM`.
 
 ``config.json`` becomes a :class:`~attnkit.models.DecoderConfig` (:mod:`.hf_config`), the safetensors headers
 are checked against it (:mod:`.checkpoint`), and only then is the model built and each tensor read into it.

@@ -29,7 +29,7 @@ from ._extra import import_extra
 __all__ = ["TensorMap", "checkpoint_map", "checkpoint_tensors",
            "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
            "validate_checkpoint", "expected_parameter_shapes", "check_model_matches", "load_tensors_into",
-           "SINGLE_FILE", "INDEX_FILE"]
+           "SINGLE_FILE", "INDEX_FILE", "HEAD_NAMES"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,8 +38,12 @@ INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
 
+# The output head's name, outside the base model's prefix (GPT-NeoX calls it embed_out).
+HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
+
 # Buffers some checkpoints carry that are not weights: GPT-2's causal mask and old rotary frequency tables.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
+                     ".rotary_emb.inv_freq")
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,20 @@ class TensorMap:
         Its shape in the checkpoint.
     targets : tuple of str
         attnkit parameter names (three for a fused ``c_attn``, else one).
-    layout : {"copy", "transpose", "split"}
-        ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis.
+    layout : {"copy", "transpose", "split", "head_split", "head_split_transpose"}
+        ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis;
+        ``head_split``: a first axis laid out (heads, parts, Dh), each part gathered over the heads (GPT-NeoX's
+        fused ``query_key_value``: every head's q, k, v rows together); ``head_split_transpose``: that, then
+        each part transposed.
+    heads : int
+        The number of heads of a ``head_split`` layout (0 otherwise).
     """
 
     source: str
     shape: tuple[int, ...]
     targets: tuple[str, ...]
     layout: str
+    heads: int = 0
 
     def target_shapes(self) -> dict[str, tuple[int, ...]]:
         """attnkit parameter name -> the shape it receives."""
@@ -70,6 +80,9 @@ class TensorMap:
         if self.layout == "split":
             part = self.shape[:-1] + (self.shape[-1] // len(self.targets),)
             return {t: part for t in self.targets}
+        if self.layout.startswith("head_split"):
+            part = (self.shape[0] // len(self.targets),) + self.shape[1:]
+            return {t: part[::-1] if self.layout.endswith("transpose") else part for t in self.targets}
         return {self.targets[0]: self.shape}
 
     def convert(self, array: np.ndarray) -> dict[str, np.ndarray]:
@@ -78,6 +91,11 @@ class TensorMap:
             return {self.targets[0]: array.T}
         if self.layout == "split":
             return dict(zip(self.targets, np.split(array, len(self.targets), axis=-1)))
+        if self.layout.startswith("head_split"):
+            n = len(self.targets)
+            grouped = array.reshape(self.heads, n, -1, *array.shape[1:])  # (H, parts, Dh, ...)
+            parts = [grouped[:, j].reshape(-1, *array.shape[1:]) for j in range(n)]  # (H*Dh, ...) each
+            return dict(zip(self.targets, (p.T for p in parts) if self.layout.endswith("transpose") else parts))
         return {self.targets[0]: array}
 
     def gather(self, params: dict[str, Any]) -> Any:
@@ -87,6 +105,11 @@ class TensorMap:
             return np.ascontiguousarray(parts[0].T)
         if self.layout == "split":
             return np.concatenate(parts, axis=-1)
+        if self.layout.startswith("head_split"):
+            if self.layout.endswith("transpose"):
+                parts = [p.T for p in parts]  # (H*Dh, In) each
+            grouped = [p.reshape(self.heads, -1, *p.shape[1:]) for p in parts]  # (H, Dh, ...) each
+            return np.ascontiguousarray(np.stack(grouped, axis=1).reshape(self.shape))  # (H*parts*Dh, ...)
         return np.ascontiguousarray(parts[0])
 
 
@@ -106,7 +129,7 @@ def checkpoint_tensors(config: DecoderConfig, params: dict[str, Any]) -> dict[st
     ((4, 12), False)
     """
     maps, prefix = checkpoint_map(config)
-    return {(m.source if m.source == "lm_head.weight" else prefix + m.source): m.gather(params) for m in maps}
+    return {(m.source if m.source in HEAD_NAMES else prefix + m.source): m.gather(params) for m in maps}
 
 
 def checkpoint_map(config: DecoderConfig) -> tuple[list[TensorMap], str]:
@@ -129,7 +152,11 @@ def checkpoint_map(config: DecoderConfig) -> tuple[list[TensorMap], str]:
     >>> prefix, [(m.source, m.shape, m.targets[0], m.layout) for m in maps if "k_proj" in m.source][0]
     ('model.', ('layers.0.self_attn.k_proj.weight', (8, 16), 'layers.0.attention.W_K', 'transpose'))
     """
-    return (_gpt2_map(config), "transformer.") if config.family == "gpt2" else (_rotary_map(config), "model.")
+    if config.family == "gpt2":
+        return _gpt2_map(config), "transformer."
+    if config.family == "gpt_neox":
+        return _gpt_neox_map(config), "gpt_neox."
+    return _rotary_map(config), "model."
 
 
 def _gpt2_map(cfg: DecoderConfig) -> list[TensorMap]:
@@ -167,26 +194,67 @@ def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
     for i in range(cfg.num_layers):
         hf, ak = f"layers.{i}.", f"layers.{i}."
         attn, mlp = ak + "attention.", ak + "mlp."
-        maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy")]
+        if cfg.pre_norm:
+            maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
         for proj, width, name in (("q_proj", q, "Q"), ("k_proj", kv, "K"), ("v_proj", kv, "V")):
             maps.append(TensorMap(f"{hf}self_attn.{proj}.weight", (width, d), (attn + "W_" + name,), "transpose"))
             if cfg.attention_bias:
                 maps.append(TensorMap(f"{hf}self_attn.{proj}.bias", (width,), (attn + "b_" + name,), "copy"))
         if cfg.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                maps.append(TensorMap(f"{hf}self_attn.{norm}.weight", (cfg.head_dim,), (attn + norm,), "copy"))
+            whole = cfg.qk_norm_scope == "projection"
+            for norm, width in (("q_norm", q), ("k_norm", kv)):
+                maps.append(TensorMap(f"{hf}self_attn.{norm}.weight", (width if whole else cfg.head_dim,),
+                                      (attn + norm,), "copy"))
         maps.append(TensorMap(hf + "self_attn.o_proj.weight", (d, q), (attn + "W_O",), "transpose"))
         if cfg.output_bias:
             maps.append(TensorMap(hf + "self_attn.o_proj.bias", (d,), (attn + "b_O",), "copy"))
-        maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
+        # Llama's "post_attention_layernorm" is the MLP's input norm; OLMo 2's is the attention's output norm.
+        if cfg.pre_norm:
+            maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
+        else:
+            maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "attn_post_norm.gamma",),
+                                  "copy"))
         for proj, shape, name, width in (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
                                          ("down_proj", (d, f), "down", d)):
             maps.append(TensorMap(f"{hf}mlp.{proj}.weight", shape, (mlp + "W_" + name,), "transpose"))
             if cfg.mlp_bias:
                 maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (mlp + "b_" + name,), "copy"))
+        if cfg.post_norm:
+            maps.append(TensorMap(hf + "post_feedforward_layernorm.weight", (d,), (ak + "mlp_post_norm.gamma",),
+                                  "copy"))
     maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
     if not cfg.tie_word_embeddings:
         maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
+    return maps
+
+
+def _gpt_neox_map(cfg: DecoderConfig) -> list[TensorMap]:
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    maps = [TensorMap("embed_in.weight", (v, d), ("embed.weight",), "copy")]
+    for i in range(cfg.num_layers):
+        hf, ak = f"layers.{i}.", f"layers.{i}."
+        attn = ak + "attention."
+        qkv = (attn + "W_Q", attn + "W_K", attn + "W_V")
+        maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
+                 TensorMap(hf + "input_layernorm.bias", (d,), (ak + "attn_norm.beta",), "copy"),
+                 TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"),
+                 TensorMap(hf + "post_attention_layernorm.bias", (d,), (ak + "mlp_norm.beta",), "copy"),
+                 TensorMap(hf + "attention.query_key_value.weight", (3 * d, d), qkv, "head_split_transpose",
+                           cfg.num_heads)]
+        if cfg.attention_bias:
+            maps.append(TensorMap(hf + "attention.query_key_value.bias", (3 * d,),
+                                  (attn + "b_Q", attn + "b_K", attn + "b_V"), "head_split", cfg.num_heads))
+        maps.append(TensorMap(hf + "attention.dense.weight", (d, d), (attn + "W_O",), "transpose"))
+        if cfg.output_bias:
+            maps.append(TensorMap(hf + "attention.dense.bias", (d,), (attn + "b_O",), "copy"))
+        maps += [TensorMap(hf + "mlp.dense_h_to_4h.weight", (f, d), (ak + "mlp.W1",), "transpose"),
+                 TensorMap(hf + "mlp.dense_h_to_4h.bias", (f,), (ak + "mlp.b1",), "copy"),
+                 TensorMap(hf + "mlp.dense_4h_to_h.weight", (d, f), (ak + "mlp.W2",), "transpose"),
+                 TensorMap(hf + "mlp.dense_4h_to_h.bias", (d,), (ak + "mlp.b2",), "copy")]
+    maps += [TensorMap("final_layer_norm.weight", (d,), ("norm.gamma",), "copy"),
+             TensorMap("final_layer_norm.bias", (d,), ("norm.beta",), "copy")]
+    if not cfg.tie_word_embeddings:
+        maps.append(TensorMap("embed_out.weight", (v, d), ("head.weight",), "copy"))
     return maps
 
 
@@ -297,14 +365,16 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
     prefixed = any(n.startswith(prefix) for n in names)
     stored: dict[str, TensorMap] = {}
     for m in maps:
-        name = m.source if (m.source == "lm_head.weight" or not prefixed) else prefix + m.source
+        name = m.source if (m.source in HEAD_NAMES or not prefixed) else prefix + m.source
+        if name in HEAD_NAMES and name not in index.tensors:  # the head under its other name
+            name = next((n for n in HEAD_NAMES if n in index.tensors), name)
         stored[name] = m
     missing = [n for n in stored if n not in index.tensors]
     if missing:
         raise ValueError(f"{index.folder}: the checkpoint has no tensor {missing[0]!r}"
                          + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
                          + f" needed by this {config.family} config")
-    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    ignorable = set(HEAD_NAMES) if config.tie_word_embeddings else set()
     unexpected = [n for n in names if n not in stored and n not in ignorable]
     if unexpected:
         raise ValueError(f"{index.folder}: unexpected tensor {unexpected[0]!r}"

@@ -22,7 +22,7 @@ from ..models.config import DecoderConfig
 
 __all__ = ["decoder_config_from_hf", "supported_model_types", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox")
 
 _MISSING = object()
 
@@ -51,7 +51,47 @@ _FAMILY_DEFAULTS = {
     "qwen3": {"max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": None,
               "eos_token_id": None, "num_key_value_heads": 32, "sliding_window": 4096,
               "use_sliding_window": False, "max_window_layers": 28, "head_dim": 128},
+    "olmo2": {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": None,
+              "eos_token_id": 50279, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
+    "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "bos_token_id": 128000,
+                "eos_token_id": 128001, "num_key_value_heads": 4, "sliding_window": None},
 }
+
+# Keys every save_pretrained config carries that say nothing about the computation (bookkeeping, training-only
+# settings, defaults of generate); the families checked strictly accept them beside their own keys.
+_BOOKKEEPING = frozenset((
+    "model_type", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype", "use_cache",
+    "initializer_range", "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
+    "is_encoder_decoder", "problem_type", "id2label", "label2id", "tokenizer_class", "pad_token_id",
+    "bos_token_id", "eos_token_id", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+    "classifier_dropout", "is_decoder", "tie_word_embeddings", "use_return_dict", "pretraining_tp",
+    "max_window_layers", "torchscript", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+    "finetuning_task", "tf_legacy_loss", "pruned_heads", "cross_attention_hidden_size", "add_cross_attention",
+    "tie_encoder_decoder", "quantization_config"))
+
+# The keys of each strictly checked family that attnkit reads (with the rope keys read by _rope).
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+              "original_max_position_embeddings")
+_COMMON_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps") + _ROPE_KEYS
+_FAMILY_KEYS = {
+    "olmo2": _COMMON_KEYS + ("attention_bias",),
+    "smollm3": _COMMON_KEYS + ("attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
+                               "layer_types", "no_rope_layers", "no_rope_layer_interval"),
+    "gpt_neox": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "hidden_act", "max_position_embeddings", "layer_norm_eps", "use_parallel_residual",
+                 "attention_bias", "rotary_pct", "rotary_emb_base") + _ROPE_KEYS,
+}
+
+
+def _refuse_unknown_keys(config: dict, family: str) -> None:
+    """A key this family's reader does not understand is refused by name rather than ignored."""
+    allowed = _BOOKKEEPING.union(_FAMILY_KEYS[family])
+    unknown = sorted(k for k in config if k not in allowed)
+    if unknown:
+        raise ValueError(f"{family} config: key {unknown[0]!r} is not understood by attnkit"
+                         + (f" (nor {unknown[1:]})" if len(unknown) > 1 else "")
+                         + "; refusing to load rather than ignore it")
 
 
 class _Reader:
@@ -117,7 +157,7 @@ def supported_model_types() -> list[str]:
     Examples
     --------
     >>> supported_model_types()
-    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3']
+    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'gpt_neox']
     """
     return list(SUPPORTED_MODEL_TYPES)
 
@@ -170,8 +210,14 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
     if family not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {family!r} is not supported; attnkit loads "
                          + ", ".join(SUPPORTED_MODEL_TYPES))
+    if family in _FAMILY_KEYS:
+        _refuse_unknown_keys(config, family)
     read = _Reader(config, family)
-    return _gpt2(read) if family == "gpt2" else _rotary_family(read)
+    if family == "gpt2":
+        return _gpt2(read)
+    if family == "gpt_neox":
+        return _gpt_neox(read)
+    return _rotary_family(read)
 
 
 def _gpt2(read: _Reader) -> DecoderConfig:
@@ -219,6 +265,9 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
                          f"({heads})")
     max_positions = read.int("max_position_embeddings", defaults["max_position_embeddings"])
     theta, scaling, partial = _rope(read, max_positions)
+    extra: dict[str, Any] = {}
+    if family == "olmo2":  # RMSNorm of the whole q and k projections; norms after each branch, none before
+        extra.update(qk_norm=True, qk_norm_scope="projection", pre_norm=False, post_norm=True)
     if family == "llama":
         qkv_bias = output_bias = read.bool("attention_bias", False)
         mlp_bias = read.bool("mlp_bias", False)
@@ -230,22 +279,118 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
     elif family == "qwen2":
         qkv_bias, output_bias, mlp_bias = True, False, False
         window, layer_types = _qwen2_windows(read, layers)
-    else:  # qwen3: the bias switch covers the output projection too
+    elif family == "qwen3":  # the bias switch covers the output projection too
         qkv_bias = output_bias = read.bool("attention_bias", False)
         mlp_bias = False
         window, layer_types = _qwen2_windows(read, layers)
+    elif family == "olmo2":
+        qkv_bias = output_bias = read.bool("attention_bias", False)
+        mlp_bias = False
+        window, layer_types = None, ()
+    else:  # smollm3
+        qkv_bias = output_bias = read.bool("attention_bias", False)
+        mlp_bias = read.bool("mlp_bias", False)
+        nope = _smollm3_nope_layers(read, layers)
+        window, layer_types = _smollm3_windows(read, layers, nope)
+        extra["no_rope_layers"] = nope
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
-        norm="rmsnorm", norm_eps=read.float("rms_norm_eps", 1e-6),
+        norm="rmsnorm", norm_eps=read.float("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
         activation=read.activation("hidden_act", "silu"), mlp="gated", position="rotary",
         rope_theta=theta, rope_scaling=scaling, rope_interleaved=False, partial_rotary_factor=partial,
-        attention_bias=qkv_bias, output_bias=output_bias, mlp_bias=mlp_bias, qk_norm=family == "qwen3",
+        attention_bias=qkv_bias, output_bias=output_bias, mlp_bias=mlp_bias,
+        qk_norm=extra.pop("qk_norm", family == "qwen3"),
         tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),
         sliding_window=window, layer_types=layer_types,
         bos_token_id=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
+        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        **extra,
+    )
+
+
+def _layer_types(read: _Reader, layers: int, window: int | None) -> tuple[str, ...] | None:
+    """The checked ``layer_types`` list as a tuple, or None when the config has none."""
+    given = read.raw("layer_types", None)
+    if given is None:
+        return None
+    if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
+        raise ValueError(f"{read.family} config: 'layer_types' must be a list of strings, got {given!r}")
+    if len(given) != layers:
+        raise ValueError(f"{read.family} config: 'layer_types' has {len(given)} entries but num_hidden_layers is "
+                         f"{layers}")
+    bad = sorted(set(given) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise ValueError(f"{read.family} config: 'layer_types' may hold only full_attention and sliding_attention, "
+                         f"got {bad}")
+    if "sliding_attention" in given and window is None:
+        raise ValueError(f"{read.family} config: 'layer_types' has sliding_attention layers but there is no window "
+                         "(use_sliding_window is false or sliding_window is null)")
+    return tuple(given)
+
+
+def _smollm3_nope_layers(read: _Reader, layers: int) -> tuple[int, ...]:
+    """The layers without rotary: ``no_rope_layers[i] == 0`` (1 = rotary), or by default every
+    ``no_rope_layer_interval``-th layer (the 4th, 8th, ...), as in Hugging Face's ``SmolLM3Config``."""
+    flags = read.raw("no_rope_layers", None)
+    if flags is None:
+        interval = read.int("no_rope_layer_interval", 4)
+        return tuple(i for i in range(layers) if (i + 1) % interval == 0)
+    if not isinstance(flags, list) or len(flags) != layers or not all(f in (0, 1) and not isinstance(f, float)
+                                                                      for f in flags):
+        raise ValueError(f"smollm3 config: 'no_rope_layers' must be a list of {layers} entries 0 or 1 (1 = the "
+                         f"layer uses rotary), got {flags!r}")
+    return tuple(i for i, f in enumerate(flags) if not f)
+
+
+def _smollm3_windows(read: _Reader, layers: int, nope: tuple[int, ...]) -> tuple[int | None, tuple[str, ...]]:
+    """SmolLM3's window: only with ``use_sliding_window``; ``layer_types`` says where, else the NoPE layers."""
+    use = read.bool("use_sliding_window", False)
+    window = read.int("sliding_window", None, optional=True) if use else None
+    types = _layer_types(read, layers, window if use else 0)
+    if types is None:
+        types = tuple("sliding_attention" if window is not None and i in nope else "full_attention"
+                      for i in range(layers))
+    if window is None:  # Hugging Face slides no layer without the switch, whatever layer_types says
+        types = ("full_attention",) * layers
+    return (window if "sliding_attention" in types else None), types
+
+
+def _gpt_neox(read: _Reader) -> DecoderConfig:
+    """GPT-NeoX (Pythia): LayerNorm, partial rotary, plain GELU MLP with biases, a fused head-interleaved
+    ``query_key_value`` and, by default, the parallel residual."""
+    hidden = read.int("hidden_size")
+    heads = read.int("num_attention_heads")
+    if hidden % heads:
+        raise ValueError(f"gpt_neox config: hidden_size ({hidden}) must be a multiple of num_attention_heads "
+                         f"({heads})")
+    max_positions = read.int("max_position_embeddings", 2048)
+    # Older folders name the rotary base and fraction rotary_emb_base and rotary_pct (default 0.25).
+    legacy = dict(read.config)
+    params = legacy.get("rope_scaling") or legacy.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"gpt_neox config: 'rope_parameters' must be a dict or null, got {params!r}")
+    params = dict(params)
+    if "rotary_emb_base" in legacy:
+        params.setdefault("rope_theta", legacy["rotary_emb_base"])
+    params.setdefault("partial_rotary_factor", legacy.get("rotary_pct", 0.25))
+    legacy["rope_parameters" if not legacy.get("rope_scaling") else "rope_scaling"] = params
+    theta, scaling, partial = _rope(_Reader(legacy, "gpt_neox"), max_positions)
+    bias = read.bool("attention_bias", True)
+    return DecoderConfig(
+        family="gpt_neox", vocab_size=read.int("vocab_size"), hidden_size=hidden,
+        num_layers=read.int("num_hidden_layers"), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        norm="layernorm", norm_eps=read.float("layer_norm_eps", 1e-5),
+        activation=read.activation("hidden_act", "gelu"), mlp="plain", position="rotary",
+        rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
+        attention_bias=bias, output_bias=bias, mlp_bias=True,
+        parallel_residual=read.bool("use_parallel_residual", True),
+        tie_word_embeddings=read.bool("tie_word_embeddings", False),
+        bos_token_id=read.token_ids("bos_token_id", 0, many=False),
+        eos_token_id=read.token_ids("eos_token_id", 2, many=True),
         pad_token_id=read.token_ids("pad_token_id", None, many=False),
     )
 
@@ -258,22 +403,9 @@ def _qwen2_windows(read: _Reader, layers: int) -> tuple[int | None, tuple[str, .
     """
     use = read.bool("use_sliding_window", False)
     window = read.int("sliding_window", 4096, optional=True) if use else None
-    given = read.raw("layer_types", None)
+    given = _layer_types(read, layers, window)
     if given is not None:
-        if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
-            raise ValueError(f"{read.family} config: 'layer_types' must be a list of strings, got {given!r}")
-        if len(given) != layers:
-            raise ValueError(f"{read.family} config: 'layer_types' has {len(given)} entries but num_hidden_layers is "
-                             f"{layers}")
-        allowed = {"full_attention", "sliding_attention"}
-        bad = sorted(set(given) - allowed)
-        if bad:
-            raise ValueError(f"{read.family} config: 'layer_types' may hold only full_attention and sliding_attention, "
-                             f"got {bad}")
-        if "sliding_attention" in given and window is None:
-            raise ValueError(f"{read.family} config: 'layer_types' has sliding_attention layers but there is no window "
-                             "(use_sliding_window is false or sliding_window is null)")
-        return (window if "sliding_attention" in given else None), tuple(given)
+        return (window if "sliding_attention" in given else None), given
     if window is None:
         return None, ()
     first = read.raw("max_window_layers", 28)

@@ -1,0 +1,70 @@
+"""The newer Hugging Face families (OLMo 2, SmolLM3, GPT-NeoX, ...) loaded from tiny random save_pretrained
+folders: float32 gradients of every parameter against torch autograd through the transformers model (each
+HF gradient brought to attnkit's layout by the loader's own tensor map), unknown config keys refused by name,
+``supported_model_types``. Logits and greedy parity are in test_causal_lm.py (FAMILY_MODELS)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from attnkit.pretrained import load_causal_lm, supported_model_types  # noqa: E402
+from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E402
+from hf_models import edit_config, left_padded_batch, positions_from_mask, saved_model  # noqa: E402
+
+NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential")
+GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
+
+
+@pytest.fixture(scope="module")
+def hf_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf_families")
+
+
+@pytest.mark.parametrize("name", NEW_FAMILY_MODELS)
+def test_gradients_match_hf_autograd(name, hf_root):
+    folder, hf = saved_model(name, hf_root)
+    lm = load_causal_lm(folder)
+    ids, mask = left_padded_batch(np.random.default_rng(5), (6, 3))
+    g = np.random.default_rng(6).standard_normal((2, 6, lm.config.vocab_size)).astype(np.float32)
+    g[~mask] = 0
+    lm.zero_grad()
+    lm(ids, mask)
+    lm.backward(g)
+    hf.zero_grad()
+    out = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask.astype(np.int64)),
+             position_ids=torch.from_numpy(positions_from_mask(mask)))
+    (out.logits * torch.from_numpy(g)).sum().backward()
+    theirs_by_name = {n: p.grad.double().numpy() for n, p in hf.named_parameters() if p.grad is not None}
+    maps, prefix = checkpoint_map(lm.config)
+    ours = dict(lm.named_gradients())
+    checked = 0
+    for m in maps:
+        # transformers names every head lm_head in memory (it renames GPT-NeoX's embed_out on load and save)
+        hf_name = "lm_head.weight" if m.source in HEAD_NAMES else prefix + m.source
+        if hf_name not in theirs_by_name:  # a tied head is the embedding's parameter in torch
+            continue
+        for target, expected in m.convert(theirs_by_name[hf_name]).items():
+            scale = np.max(np.abs(expected))
+            if target.endswith("b_K") and not lm.config.rotary_of(int(target.split(".")[1])):
+                # Without rotary a key bias adds one constant to a query's scores, which softmax ignores: both
+                # gradients are rounding noise, measured against the key weights' gradient.
+                scale = np.max(np.abs(ours[target[:-3] + "W_K"]))
+            err = np.max(np.abs(ours[target] - expected)) / max(scale, 1e-30)
+            assert err <= GRAD_TOL, (target, err)
+            checked += 1
+    assert checked == len(ours)
+
+
+@pytest.mark.parametrize("name, key", [("olmo2", "use_sliding_window"), ("smollm3", "qk_layernorm"),
+                                       ("gpt_neox", "num_key_value_heads")])
+def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
+    folder, _ = saved_model(name, hf_root)
+    with pytest.raises(ValueError, match=f"{key!r} is not understood"):
+        load_causal_lm(edit_config(folder, tmp_path / "edited", **{key: True}))
+
+
+def test_supported_model_types_lists_the_new_families():
+    assert {"qwen3", "olmo2", "smollm3", "gpt_neox"} <= set(supported_model_types())
