@@ -82,12 +82,29 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                   hidden_act="gelu_new", tie_word_embeddings=True,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 300.0,
                                                                    "partial_rotary_factor": 0.5}), {}),
+    # Gemma 2: soft-capped scores and logits, alternating sliding/full layers, (1 + w) norms, scaled embeddings
+    "gemma2": ("Gemma2Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=12,
+                                    query_pre_attn_scalar=16, sliding_window=3, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=3.0, pad_token_id=0), {}),
+    "gemma2_mqa_untied": ("Gemma2Config", dict(_COMMON, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+                                               sliding_window=4, attention_bias=True, tie_word_embeddings=False,
+                                               final_logit_softcapping=None, pad_token_id=0), {}),
+    # Gemma 3: q/k norms, a rotary base per layer type (linear scaling on the full layers), no soft-caps
+    "gemma3_text": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                             query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,
+                                             layer_types=["sliding_attention", "sliding_attention",
+                                                          "full_attention", "sliding_attention"],
+                                             rope_parameters={"full_attention": {"rope_type": "linear",
+                                                                                 "factor": 2.0,
+                                                                                 "rope_theta": 1000.0},
+                                                              "sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 50.0}}), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_sharded", "qwen3",
                  "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
-                 "gpt_neox_sequential")
+                 "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

@@ -1,4 +1,4 @@
-"""The decoder switches of the newer families (OLMo 2, SmolLM3, GPT-NeoX, ...): exact float64 gradients by
+"""The decoder switches of the newer families (OLMo 2, SmolLM3, GPT-NeoX, Gemma): exact float64 gradients by
 finite differences of every parameter and of the input, a cached decode equal to the full forward, a padded
 row equal to the row alone. Their parity with transformers is in tests/pretrained/test_families.py."""
 from __future__ import annotations
@@ -20,6 +20,13 @@ VARIANTS = {
     # GPT-NeoX: LayerNorm, plain MLP, partial rotary, parallel residual
     "gpt_neox": dict(family="gpt_neox", norm="layernorm", mlp="plain", activation="gelu", parallel_residual=True,
                      partial_rotary_factor=0.5, attention_bias=True, output_bias=True, mlp_bias=True),
+    # Gemma 2: soft-capped scores and logits, (1 + w) norms before and after each branch, scaled embeddings
+    "gemma2": dict(family="gemma2", norm_offset=1.0, post_norm=True, embedding_scale=2.5, attention_scale=0.3,
+                   attn_logit_softcap=1.5, final_logit_softcap=2.0, activation="gelu_tanh", sliding_window=2,
+                   layer_types=("sliding_attention", "full_attention")),
+    # Gemma 3: (1 + w) per-head q/k norms and a rotary base of its own on the sliding layers
+    "gemma3_text": dict(family="gemma3_text", norm_offset=1.0, post_norm=True, qk_norm=True, embedding_scale=1.5,
+                        sliding_rope_theta=7.0, sliding_window=2, layer_types=("sliding_attention", "full_attention")),
 }
 
 
@@ -29,7 +36,7 @@ def _model(name, rng, **extra):
     lm = CausalLM(DecoderConfig(**{**base, **VARIANTS[name], **extra}), rng=rng).astype(np.float64)
     for pname, p in lm.named_parameters():  # larger weights than the init so that every path matters
         if pname.endswith(("gamma", "q_norm", "k_norm")):
-            p[...] = 1.0 + 0.3 * rng.standard_normal(p.shape)
+            p[...] = 1.0 - lm.config.norm_offset + 0.3 * rng.standard_normal(p.shape)
         else:
             p[...] = 0.4 * rng.standard_normal(p.shape)
     return lm
@@ -91,6 +98,10 @@ def test_switches_are_checked():
         DecoderConfig(**base, no_rope_layers=(2,))
     with pytest.raises(ValueError, match="no_rope_layers"):
         DecoderConfig(**base, no_rope_layers=(0,), position="learned")
+    with pytest.raises(ValueError, match="attn_logit_softcap"):
+        DecoderConfig(**base, attn_logit_softcap=0.0)
+    with pytest.raises(ValueError, match="sliding_rope_theta"):
+        DecoderConfig(**base, sliding_rope_scaling={"rope_type": "linear", "factor": 2.0})
     names = dict(CausalLM(DecoderConfig(**base, pre_norm=False, post_norm=True), rng=0).named_parameters())
     assert "layers.0.attn_post_norm.gamma" in names and "layers.0.mlp_post_norm.gamma" in names
     assert "layers.0.attn_norm.gamma" not in names

@@ -15,6 +15,8 @@ import numpy as np
 
 from .._validation import as_bool_mask, check_features, check_grad_output
 from ..core.module import Module
+from ..flex import create_block_mask, flex_attention, flex_attention_backward, softcap
+from ..flex.attention import FlexAttentionContext
 from ..init import as_generator, normal
 from ..kernels import attention_backward, attention_forward
 from ..kernels import rotary as _rotary
@@ -22,6 +24,21 @@ from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["GroupedQueryAttention"]
+
+
+def decoder_mask_mod(key_mask: np.ndarray | None, offset: int, window: int | None):
+    """The ``mask_mod`` of a decoder layer for :func:`attnkit.flex.create_block_mask`: query i (at position
+    ``i + offset`` among the S keys, the new tokens being the last ones) attends key j iff ``j <= i + offset``,
+    ``j > i + offset - W`` with a window, and the key is real (``key_mask`` (B, S), None = all)."""
+
+    def mask(b, h, q_idx, kv_idx):
+        at = q_idx + offset
+        keep = kv_idx <= at
+        if window is not None:
+            keep = keep & (kv_idx > at - window)
+        return keep if key_mask is None else keep & key_mask[b, kv_idx]
+
+    return mask
 
 
 class GroupedQueryAttention(Module):
@@ -83,7 +100,10 @@ class GroupedQueryAttention(Module):
                 self.register_parameter(name, np.zeros(size))
         if config.output_bias:
             self.register_parameter("b_O", np.zeros(d))
-        self.qk_norm, self.norm_eps = bool(config.qk_norm), config.norm_eps
+        self.qk_norm, self.norm_eps, self.norm_offset = bool(config.qk_norm), config.norm_eps, config.norm_offset
+        self.scale = config.attention_scale  # None: head_dim ** -0.5
+        # Soft-capped scores go through flex attention (its score modifier has the exact gradient).
+        self.score_mod = None if config.attn_logit_softcap is None else softcap(config.attn_logit_softcap)
         self.qk_norm_scope = config.qk_norm_scope
         self.uses_rotary = config.rotary_of(layer_index)
         if self.qk_norm:
@@ -110,15 +130,20 @@ class GroupedQueryAttention(Module):
         v = self._heads(linear(x, p["W_V"], p.get("b_V")), self.num_kv_heads)  # (B, Hkv, L, Dh)
         normed = None
         if self.qk_norm and self.qk_norm_scope == "projection":
-            q, q_hat, q_rstd = rms_norm_forward(q, p["q_norm"], self.norm_eps)  # (B, L, Hq*Dh)
-            k, k_hat, k_rstd = rms_norm_forward(k, p["k_norm"], self.norm_eps)  # (B, L, Hkv*Dh)
+            q, q_hat, q_rstd = rms_norm_forward(q, self._gain("q_norm"), self.norm_eps)  # (B, L, Hq*Dh)
+            k, k_hat, k_rstd = rms_norm_forward(k, self._gain("k_norm"), self.norm_eps)  # (B, L, Hkv*Dh)
             normed = (q_hat, q_rstd, k_hat, k_rstd)
         q, k = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads)  # (B, H, L, Dh)
         if self.qk_norm and self.qk_norm_scope == "head":
-            q, q_hat, q_rstd = rms_norm_forward(q, p["q_norm"], self.norm_eps)  # (B, Hq, L, Dh)
-            k, k_hat, k_rstd = rms_norm_forward(k, p["k_norm"], self.norm_eps)  # (B, Hkv, L, Dh)
+            q, q_hat, q_rstd = rms_norm_forward(q, self._gain("q_norm"), self.norm_eps)  # (B, Hq, L, Dh)
+            k, k_hat, k_rstd = rms_norm_forward(k, self._gain("k_norm"), self.norm_eps)  # (B, Hkv, L, Dh)
             normed = (q_hat, q_rstd, k_hat, k_rstd)
         return q, k, v, normed
+
+    def _gain(self, name: str) -> np.ndarray:
+        """A q/k norm's weight plus the config's ``norm_offset`` (Gemma's ``1 + weight``)."""
+        weight = self._parameters[name]
+        return weight + weight.dtype.type(self.norm_offset) if self.norm_offset else weight
 
     def _check_mask(self, attention_mask, batch: int, seq_k: int) -> np.ndarray | None:
         mask = as_bool_mask(attention_mask, "attention_mask", allow_int=True)
@@ -154,14 +179,17 @@ class GroupedQueryAttention(Module):
             key_mask = None if key_mask is None else key_mask[:, kept.slots]  # (B, S)
         else:
             key_mask = self._check_mask(attention_mask, b, length)
-        qg = q.reshape(b, self.num_kv_heads, self.num_groups, length, self.head_dim)  # (B, Hkv, G, L, Dh)
-        mask = None if key_mask is None else key_mask[:, None, None, None, :]  # (B, 1, 1, 1, S)
-        # The cache returns consecutive slots ending at the new tokens, so the kernel's bottom-right aligned
-        # causal window applies to cached steps as well. One decoding step (L = 1) is a single row of scores:
-        # the reference kernel is cheapest there; longer inputs take the tiled kernel (no L x S scores).
-        out, weights, ctx = attention_forward(qg, k[:, :, None], v[:, :, None], mask=mask, causal=True,
-                                        window=self.window,
-                                        need_weights=output_attentions or length == 1)  # (B, Hkv, G, L, Dh)
+        if self.score_mod is not None:
+            out, weights, ctx = self._flex(q, k, v, key_mask, output_attentions)  # (B, Hq, L, Dh)
+        else:
+            qg = q.reshape(b, self.num_kv_heads, self.num_groups, length, self.head_dim)  # (B, Hkv, G, L, Dh)
+            mask = None if key_mask is None else key_mask[:, None, None, None, :]  # (B, 1, 1, 1, S)
+            # The cache returns consecutive slots ending at the new tokens, so the kernel's bottom-right aligned
+            # causal window applies to cached steps as well. One decoding step (L = 1) is a single row of scores:
+            # the reference kernel is cheapest there; longer inputs take the tiled kernel (no L x S scores).
+            out, weights, ctx = attention_forward(qg, k[:, :, None], v[:, :, None], mask=mask, causal=True,
+                                                  window=self.window, scale=self.scale,
+                                                  need_weights=output_attentions or length == 1)  # (B, Hkv, G, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
@@ -170,6 +198,19 @@ class GroupedQueryAttention(Module):
             return y
         # The reference kernel returns its own copy of the weights (backward reads ctx's), so this is the caller's.
         return y, weights.reshape(b, self.num_heads, length, weights.shape[-1])  # (B, Hq, L, S)
+
+    def _flex(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None, need_weights: bool):
+        """Causal (windowed, padded) attention through :func:`attnkit.flex.flex_attention` with the layer's score
+        modifier: ``(out (B, Hq, L, Dh), weights (B, Hq, L, S) or None, ctx)``."""
+        b, _, length, _ = q.shape
+        seq_k = k.shape[2]
+        block_mask = create_block_mask(decoder_mask_mod(key_mask, seq_k - length, self.window),
+                                       None if key_mask is None else b, None, length, seq_k)
+        kernel = "reference" if need_weights or length == 1 else "tiled"
+        out, ctx = flex_attention(q, k, v, self.score_mod, block_mask, scale=self.scale, enable_gqa=True,
+                                  kernel=kernel)  # (B, Hq, L, Dh)
+        weights = None if ctx.weights is None or not need_weights else ctx.weights.copy()  # (B, Hq, L, S)
+        return out, weights, ctx
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""
@@ -181,11 +222,15 @@ class GroupedQueryAttention(Module):
         p = self._parameters
         grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
         self._accumulate("O", grad_w, grad_b)
-        grad_out = grad_merged.reshape(b, length, self.num_kv_heads, self.num_groups, self.head_dim)
-        grad_out = grad_out.transpose(0, 2, 3, 1, 4)  # (B, Hkv, G, L, Dh)
-        dq, dk, dv, _ = attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, Hkv, G|1, L, Dh)
-        dq = dq.reshape(b, self.num_heads, length, self.head_dim)  # (B, Hq, L, Dh)
-        dk, dv = dk[:, :, 0], dv[:, :, 0]  # (B, Hkv, L, Dh)
+        if isinstance(ctx, FlexAttentionContext):
+            grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+            dq, dk, dv = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)[:3]  # (B, H, L, Dh)
+        else:
+            grad_out = grad_merged.reshape(b, length, self.num_kv_heads, self.num_groups, self.head_dim)
+            grad_out = grad_out.transpose(0, 2, 3, 1, 4)  # (B, Hkv, G, L, Dh)
+            dq, dk, dv, _ = attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, Hkv, G|1, L, Dh)
+            dq = dq.reshape(b, self.num_heads, length, self.head_dim)  # (B, Hq, L, Dh)
+            dk, dv = dk[:, :, 0], dv[:, :, 0]  # (B, Hkv, L, Dh)
         if rotary is not None:
             cos, sin = rotary
             dq = _rotary.rotary_backward(dq, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
@@ -205,9 +250,8 @@ class GroupedQueryAttention(Module):
     def _norm_backward(self, dq: np.ndarray, dk: np.ndarray, normed: tuple) -> tuple[np.ndarray, np.ndarray]:
         """Input gradients of the query and key norms (in the layout they ran in); weights' into ``grads``."""
         q_hat, q_rstd, k_hat, k_rstd = normed
-        p = self._parameters
-        dq, grad_q_norm = rms_norm_backward(dq, q_hat, q_rstd, p["q_norm"])
-        dk, grad_k_norm = rms_norm_backward(dk, k_hat, k_rstd, p["k_norm"])
+        dq, grad_q_norm = rms_norm_backward(dq, q_hat, q_rstd, self._gain("q_norm"))
+        dk, grad_k_norm = rms_norm_backward(dk, k_hat, k_rstd, self._gain("k_norm"))
         self.grads["q_norm"] += grad_q_norm
         self.grads["k_norm"] += grad_k_norm
         return dq, dk

@@ -22,7 +22,7 @@ __all__ = ["LMBlock", "make_norm"]
 def make_norm(config) -> Module:
     """The norm the config names: :class:`RMSNorm` or :class:`LayerNorm` over ``hidden_size``."""
     if config.norm == "rmsnorm":
-        return RMSNorm(config.hidden_size, eps=config.norm_eps)
+        return RMSNorm(config.hidden_size, eps=config.norm_eps, offset=config.norm_offset)
     return LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 

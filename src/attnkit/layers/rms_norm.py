@@ -16,7 +16,7 @@ __all__ = ["RMSNorm"]
 
 
 class RMSNorm(Module):
-    """``y = gamma * x / sqrt(mean(x^2) + eps)`` over the last axis (no centring, no shift).
+    """``y = (offset + gamma) * x / sqrt(mean(x^2) + eps)`` over the last axis (no centring, no shift).
 
     Parameters
     ----------
@@ -24,6 +24,9 @@ class RMSNorm(Module):
         Size D of the normalised (last) axis.
     eps : float, default 1e-6
         Added to the mean square.
+    offset : float, default 0.0
+        Added to the gain: Gemma stores ``gamma - 1`` (its RMSNorm multiplies by ``1 + weight``), so its
+        norms have ``offset=1.0`` and load the checkpoint's weights unchanged.
 
     Attributes
     ----------
@@ -42,22 +45,30 @@ class RMSNorm(Module):
     array([[0., 0.]])
     """
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-6) -> None:
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
         self.normalized_shape = check_positive_int(normalized_shape, "normalized_shape")
         if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not eps >= 0:
             raise ValueError(f"eps must be a non-negative number, got {eps!r}")
         self.eps = float(eps)
+        if isinstance(offset, bool) or not isinstance(offset, (int, float, np.floating)) or not np.isfinite(offset):
+            raise ValueError(f"offset must be a finite number, got {offset!r}")
+        self.offset = float(offset)
         self.register_parameter("gamma", np.ones(self.normalized_shape))
         self._cache: tuple[np.ndarray, np.ndarray, np.dtype] | None = None
 
     def extra_repr(self) -> str:
-        return f"normalized_shape={self.normalized_shape}, eps={self.eps}"
+        return f"normalized_shape={self.normalized_shape}, eps={self.eps}" + (f", offset={self.offset}" if self.offset
+                                                                              else "")
+
+    def _gain(self) -> np.ndarray:
+        gamma = self._parameters["gamma"]
+        return gamma + gamma.dtype.type(self.offset) if self.offset else gamma  # (D,)
 
     def forward(self, x: Any) -> np.ndarray:
         """Normalise ``x`` (..., D); caches the normalised input and ``1 / rms`` for :meth:`backward`."""
         x = check_features(x, "x", self.normalized_shape, "RMSNorm", "normalized_shape")
-        y, x_hat, rstd = _rms.rms_norm_forward(x, self._parameters["gamma"], self.eps)  # (..., D), (..., 1)
+        y, x_hat, rstd = _rms.rms_norm_forward(x, self._gain(), self.eps)  # (..., D), (..., 1)
         self._cache = (x_hat, rstd, x.dtype)
         return y
 
@@ -67,6 +78,6 @@ class RMSNorm(Module):
             raise RuntimeError("RMSNorm.backward called before forward")
         x_hat, rstd, dtype = self._cache
         g = check_grad_output(grad_output, x_hat.shape, dtype, "RMSNorm")
-        grad_x, grad_gamma = _rms.rms_norm_backward(g, x_hat, rstd, self._parameters["gamma"])
+        grad_x, grad_gamma = _rms.rms_norm_backward(g, x_hat, rstd, self._gain())
         self.grads["gamma"] += grad_gamma
         return grad_x

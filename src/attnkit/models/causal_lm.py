@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,11 @@ class CausalLM(Module):
             self.rotary = None
         else:
             self.rotary = RotaryEmbedding(config)
+        # Gemma 3's sliding layers rotate with a base (and scaling) of their own.
+        self.sliding_rotary = None
+        if config.position == "rotary" and config.sliding_rope_theta is not None:
+            self.sliding_rotary = RotaryEmbedding(replace(config, rope_theta=config.sliding_rope_theta,
+                                                          rope_scaling=config.sliding_rope_scaling))
         self.layers = ModuleList([LMBlock(config, i, rng=gen) for i in range(config.num_layers)])
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
@@ -181,7 +187,12 @@ class CausalLM(Module):
         # The (V, D) head is large enough for every BLAS thread to help, even for one token.
         weight = self.head_weight.astype(h.dtype, copy=False)
         logits = (h.reshape(-1, h.shape[-1]) @ weight.T).reshape(*h.shape[:-1], weight.shape[0])  # (B, L, V)
-        self._saved = None if cache is not None else h
+        capped = None
+        if self.config.final_logit_softcap is not None:
+            cap = h.dtype.type(self.config.final_logit_softcap)
+            capped = np.tanh(logits / cap)  # (B, L, V)
+            logits = capped * cap
+        self._saved = None if cache is not None else (h, capped)
         return (logits, weights) if output_attentions else logits
 
     def layer_outputs(self, input_ids: Any, attention_mask: Any = None, *,
@@ -233,17 +244,23 @@ class CausalLM(Module):
         given) are appended to ``weights`` if given, each layer's output (a copy) to ``states`` if given. With
         ``last_layer`` the blocks after it do not run (and the result is that block's output, not normed)."""
         h = self.embed(ids)  # (B, L, D)
+        if self.config.embedding_scale != 1.0:
+            h = h * h.dtype.type(self.config.embedding_scale)  # (B, L, D)
+        sliding = None
         if self.rotary is None:
             h = h + self.pos_embed(positions)  # (B, L, D)
             rotary = None
         else:
             rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
+            if self.sliding_rotary is not None:
+                sliding = self.sliding_rotary(positions, dtype=h.dtype)  # (B, L, R) each
         layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
         for index, layer in enumerate(self.layers):
+            layer_rotary = rotary if sliding is None or self.config.window_of(index) is None else sliding
             if weights is None or (weight_layers is not None and index not in weight_layers):
-                h = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
+                h = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
             else:
-                h, layer_weights = layer(h, rotary=rotary, attention_mask=layer_mask, cache=cache,
+                h, layer_weights = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache,
                                          output_attentions=True)  # (B, L, D), (B, Hq, L, S)
                 weights.append(layer_weights)
             if states is not None:
@@ -261,8 +278,10 @@ class CausalLM(Module):
         """
         if self._saved is None:
             raise RuntimeError("CausalLM.backward needs a forward without a cache just before it")
-        h = self._saved
+        h, capped = self._saved
         g = check_grad_output(grad_logits, h.shape[:-1] + (self.config.vocab_size,), h.dtype, "CausalLM")
+        if capped is not None:
+            g = g * (1 - capped * capped)  # (B, L, V): d(C tanh(z / C)) / dz
         flat_g = g.reshape(-1, g.shape[-1])  # (B*L, V)
         weight = self.head_weight.astype(h.dtype, copy=False)
         owner = self.embed if self.config.tie_word_embeddings else self.head
@@ -271,6 +290,8 @@ class CausalLM(Module):
         grad_h = self.norm.backward(grad_h)
         for layer in reversed(list(self.layers)):
             grad_h = layer.backward(grad_h)  # (B, L, D)
+        if self.config.embedding_scale != 1.0:
+            grad_h = grad_h * grad_h.dtype.type(self.config.embedding_scale)  # (B, L, D)
         self.embed.backward(grad_h)
         if self.rotary is None:
             self.pos_embed.backward(grad_h)

@@ -1,9 +1,9 @@
 """The architecture of a decoder-only language model, as one frozen dataclass passed down to every layer.
 
-One :class:`DecoderConfig` describes the GPT-2, Llama, Mistral, Qwen2/3, OLMo 2, SmolLM3 and GPT-NeoX families:
-which norm and where, which MLP, which positions, how many key/value heads, which layers use a sliding window.
-It holds architecture only (no weights, no tokenizer) and is validated when it is made, so a layer can trust
-what it reads.
+One :class:`DecoderConfig` describes the GPT-2, Llama, Mistral, Qwen2/3, OLMo 2, SmolLM3, GPT-NeoX and Gemma 2/3
+families: which norm and where, which MLP, which positions, how many key/value heads, which layers use a sliding
+window. It holds architecture only (no weights, no tokenizer) and is validated when it is made, so a layer can
+trust what it reads.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["DecoderConfig", "FAMILIES", "ROPE_TYPES"]
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -38,7 +38,7 @@ class DecoderConfig:
 
     Parameters
     ----------
-    family : {"gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox"}
+    family : {"gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text"}
         The checkpoint family (decides the parameter names of a Hugging Face folder, nothing else).
     vocab_size : int
         V, the number of token ids.
@@ -95,6 +95,20 @@ class DecoderConfig:
         ``x + attention(attn_norm(x)) + mlp(mlp_norm(x))``: both branches read the block's input (GPT-NeoX).
     no_rope_layers : tuple of int
         Indices of layers whose attention has no rotary embedding (SmolLM3's NoPE layers).
+    norm_offset : float
+        Added to every RMSNorm gain (Gemma's ``1 + weight``: 1.0).
+    embedding_scale : float
+        The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32).
+    attention_scale : float, optional
+        The factor of ``q k^T`` (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+    attn_logit_softcap : float, optional
+        C: attention scores become ``C * tanh(scores / C)`` before the mask and softmax (Gemma 2).
+    final_logit_softcap : float, optional
+        C: the output logits become ``C * tanh(logits / C)`` (Gemma 2).
+    sliding_rope_theta : float, optional
+        The rotary base of the sliding-window layers when it differs from ``rope_theta`` (Gemma 3);
+        ``sliding_rope_scaling`` (a normalised scaling dict or None) goes with it.
+    sliding_rope_scaling : dict, optional
     tie_word_embeddings : bool
         The output head reuses the token embedding matrix.
     sliding_window : int, optional
@@ -141,6 +155,13 @@ class DecoderConfig:
     post_norm: bool = False
     parallel_residual: bool = False
     no_rope_layers: tuple[int, ...] = field(default=())
+    norm_offset: float = 0.0
+    embedding_scale: float = 1.0
+    attention_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())
@@ -171,12 +192,24 @@ class DecoderConfig:
         if self.position == "rotary" and int(self.head_dim * factor) % 2:
             raise ValueError(f"the rotated features per head (head_dim * partial_rotary_factor = "
                              f"{self.head_dim * factor:g}) must be even")
-        if self.rope_scaling is not None:
-            if not isinstance(self.rope_scaling, dict):
-                raise TypeError(f"rope_scaling must be a dict or None, got {type(self.rope_scaling).__name__}")
-            kind = self.rope_scaling.get("rope_type", "default")
+        for name in ("rope_scaling", "sliding_rope_scaling"):
+            scaling = getattr(self, name)
+            if scaling is None:
+                continue
+            if not isinstance(scaling, dict):
+                raise TypeError(f"{name} must be a dict or None, got {type(scaling).__name__}")
+            kind = scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
-                raise ValueError(f"rope_scaling['rope_type'] must be one of {', '.join(ROPE_TYPES)}, got {kind!r}")
+                raise ValueError(f"{name}['rope_type'] must be one of {', '.join(ROPE_TYPES)}, got {kind!r}")
+        if isinstance(self.norm_offset, bool) or not isinstance(self.norm_offset, (int, float)) \
+                or not math.isfinite(self.norm_offset):
+            raise ValueError(f"norm_offset must be a finite number, got {self.norm_offset!r}")
+        _finite_positive(self.embedding_scale, "embedding_scale")
+        for name in ("attention_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_rope_theta"):
+            if getattr(self, name) is not None:
+                _finite_positive(getattr(self, name), name)
+        if self.sliding_rope_scaling is not None and self.sliding_rope_theta is None:
+            raise ValueError("sliding_rope_scaling needs sliding_rope_theta")
         if self.sliding_window is not None:
             _positive_int(self.sliding_window, "sliding_window")
         types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers

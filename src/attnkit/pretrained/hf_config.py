@@ -18,11 +18,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from ..models.config import DecoderConfig
 
 __all__ = ["decoder_config_from_hf", "supported_model_types", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2",
+                         "gemma3_text")
 
 _MISSING = object()
 
@@ -78,6 +81,13 @@ _FAMILY_KEYS = {
     "olmo2": _COMMON_KEYS + ("attention_bias",),
     "smollm3": _COMMON_KEYS + ("attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
                                "layer_types", "no_rope_layers", "no_rope_layer_interval"),
+    "gemma2": _COMMON_KEYS + ("attention_bias", "hidden_activation", "query_pre_attn_scalar", "sliding_window",
+                              "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                              "use_bidirectional_attention"),
+    "gemma3_text": _COMMON_KEYS + ("attention_bias", "hidden_activation", "query_pre_attn_scalar", "sliding_window",
+                                   "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                                   "use_bidirectional_attention", "sliding_window_pattern", "_sliding_window_pattern",
+                                   "rope_local_base_freq"),
     "gpt_neox": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "hidden_act", "max_position_embeddings", "layer_norm_eps", "use_parallel_residual",
                  "attention_bias", "rotary_pct", "rotary_emb_base") + _ROPE_KEYS,
@@ -157,7 +167,7 @@ def supported_model_types() -> list[str]:
     Examples
     --------
     >>> supported_model_types()
-    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'gpt_neox']
+    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'gpt_neox', 'gemma2', 'gemma3_text']
     """
     return list(SUPPORTED_MODEL_TYPES)
 
@@ -217,6 +227,8 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
         return _gpt2(read)
     if family == "gpt_neox":
         return _gpt_neox(read)
+    if family in ("gemma2", "gemma3_text"):
+        return _gemma(read)
     return _rotary_family(read)
 
 
@@ -356,6 +368,82 @@ def _smollm3_windows(read: _Reader, layers: int, nope: tuple[int, ...]) -> tuple
     if window is None:  # Hugging Face slides no layer without the switch, whatever layer_types says
         types = ("full_attention",) * layers
     return (window if "sliding_attention" in types else None), types
+
+
+def _gemma(read: _Reader) -> DecoderConfig:
+    """Gemma 2 and Gemma 3 (text): RMSNorm with ``1 + weight``, norms before and after each branch, embeddings
+    scaled by ``sqrt(hidden_size)``, scores scaled by ``query_pre_attn_scalar ** -0.5``, optional soft-caps,
+    sliding and full layers; Gemma 3 adds per-head q/k norms and a rotary base per layer type."""
+    family = read.family
+    three = family == "gemma3_text"
+    hidden = read.int("hidden_size")
+    heads = read.int("num_attention_heads")
+    layers = read.int("num_hidden_layers")
+    kv_heads = read.int("num_key_value_heads", None, optional=True) or heads
+    if heads % kv_heads:
+        raise ValueError(f"{family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+                         f"({heads})")
+    if read.raw("use_bidirectional_attention", None):
+        raise ValueError(f"{family} config: use_bidirectional_attention=true (an encoder) is not supported")
+    max_positions = read.int("max_position_embeddings", 131072 if three else 8192)
+    window = read.int("sliding_window", 4096, optional=True)
+    types = _layer_types(read, layers, window)
+    if types is None:
+        every = read.int("sliding_window_pattern", read.raw("_sliding_window_pattern", 6)) if three else 2
+        types = tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers))
+    if "sliding_attention" not in types:
+        window = None
+    elif window is None:
+        raise ValueError(f"{family} config: layer_types has sliding_attention layers but sliding_window is null")
+    sliding_theta, sliding_scaling = None, None
+    params = read.raw("rope_parameters", None)
+    if three and isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"gemma3_text config: 'rope_parameters' has layer types attnkit does not know: {unknown}")
+        per_type = {}
+        for kind, default_theta in (("full_attention", 1000000.0), ("sliding_attention", 10000.0)):
+            sub = dict(params.get(kind) or {})
+            sub.setdefault("rope_theta", default_theta)
+            per_type[kind] = _rope(_Reader({"rope_parameters": sub,
+                                            "max_position_embeddings": max_positions}, f"{family} {kind}"),
+                                   max_positions)
+        (theta, scaling, partial), (sliding_theta, sliding_scaling, _) = (per_type["full_attention"],
+                                                                         per_type["sliding_attention"])
+    else:
+        theta, scaling, partial = _rope(_Reader({**read.config, "rope_theta": read.raw(
+            "rope_theta", 1000000.0 if three else 10000.0)}, family), max_positions)
+        if three:
+            sliding_theta = read.float("rope_local_base_freq", 10000.0)
+    head_dim = read.int("head_dim", 256)
+    bias = read.bool("attention_bias", False)
+    act = read.raw("hidden_activation", None)
+    activation = read.activation("hidden_activation") if act is not None else read.activation("hidden_act",
+                                                                                              "gelu_pytorch_tanh")
+    softcaps = {}
+    for key, name in (("attn_logit_softcapping", "attn_logit_softcap"),
+                      ("final_logit_softcapping", "final_logit_softcap")):
+        default = None if three else (50.0 if key.startswith("attn") else 30.0)
+        value = read.raw(key, default)
+        softcaps[name] = None if value is None else read.float(key)
+    return DecoderConfig(
+        family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        norm="rmsnorm", norm_eps=read.float("rms_norm_eps", 1e-6), norm_offset=1.0,
+        activation=activation, mlp="gated", position="rotary",
+        rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
+        sliding_rope_theta=sliding_theta, sliding_rope_scaling=sliding_scaling,
+        attention_bias=bias, output_bias=bias, qk_norm=three, pre_norm=True, post_norm=True,
+        # Hugging Face multiplies by a float32 tensor of sqrt(hidden_size), in every dtype
+        embedding_scale=float(np.float32(math.sqrt(hidden))),
+        attention_scale=read.float("query_pre_attn_scalar", 256) ** -0.5, **softcaps,
+        tie_word_embeddings=read.bool("tie_word_embeddings", True),
+        sliding_window=window, layer_types=types,
+        bos_token_id=read.token_ids("bos_token_id", 2, many=False),
+        eos_token_id=read.token_ids("eos_token_id", 1, many=True),
+        pad_token_id=read.token_ids("pad_token_id", 0, many=False),
+    )
 
 
 def _gpt_neox(read: _Reader) -> DecoderConfig:
