@@ -1,4 +1,5 @@
-"""``attnkit explain``: one offline HTML page that explains a causal LM's next-token prediction for a prompt."""
+"""``attnkit explain``: one offline HTML page that explains a causal LM's next-token prediction for a prompt, or
+why a sentence encoder (all-MiniLM-L6-v2 or a sentence-transformers folder) finds two sentences similar."""
 from __future__ import annotations
 
 import argparse
@@ -19,16 +20,26 @@ HTML_SUFFIXES = (".html", ".htm")
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit explain`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help="explain a causal LM's next-token prediction in one HTML page",
+        NAME, help="explain a causal LM's next-token prediction, or a sentence similarity, in one HTML page",
         description="Load a Hugging Face causal-LM folder (config.json with model_type gpt2, llama, mistral or\n"
                     "qwen2, and model.safetensors), run it on a prompt and write one self-contained HTML page:\n"
                     "which prompt tokens made the model predict each of its top next tokens (gradient x input\n"
                     "and saliency from attnkit's exact backward; pick the output token in the page), the logit\n"
-                    "lens, the attention rollout and the attention of every head. The page needs no network.",
+                    "lens, the attention rollout and the attention of every head. The page needs no network.\n\n"
+                    "With a sentence encoder (--model minilm, or a sentence-transformers folder) an encoder\n"
+                    "predicts no token: the page explains the cosine similarity of --prompt and --compare\n"
+                    "(which tokens of each sentence raise or lower it), with the first sentence's attention.",
         epilog="examples:\n  attnkit explain ./tiny-llama --prompt \"The capital of France is\" --html paris.html\n"
-               "  attnkit explain ./gpt2 --ids 464,3797,3332 --html cat.html --candidates 8",
+               "  attnkit explain ./gpt2 --ids 464,3797,3332 --html cat.html --candidates 8\n"
+               "  attnkit explain --model minilm --prompt \"A man is eating food.\" --compare \"Someone eats "
+               "bread.\" --html food.html",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", metavar="DIR", help="a Hugging Face causal-LM folder")
+    p.add_argument("model_dir", metavar="DIR", nargs="?", default=None,
+                   help="a Hugging Face causal-LM folder, or a sentence-transformers folder")
+    p.add_argument("--model", metavar="NAME", default=None,
+                   help="'minilm' (all-MiniLM-L6-v2, installed with the pretrained extra), or a folder as DIR")
+    p.add_argument("--compare", metavar="TEXT", default=None,
+                   help="sentence encoders: the second sentence, whose similarity to --prompt is explained")
     p.add_argument("--prompt", metavar="TEXT", default=None, help="the prompt text (needs the folder's tokenizer.json)")
     p.add_argument("--ids", metavar="IDS", default=None, help="the prompt's token ids, comma-separated")
     p.add_argument("--html", metavar="FILE", required=True, help="the page to write (.html)")
@@ -45,10 +56,20 @@ def run(args: argparse.Namespace) -> int:
     from .attention import is_causal_lm_folder
     from .generate import load_model, load_tokenizer, prompt_ids
 
+    if args.model is not None and args.model_dir is not None:
+        raise UsageError("name the model once: DIR or --model", PROG)
+    args.model_dir = args.model if args.model is not None else args.model_dir
+    if args.model_dir is None:
+        raise UsageError("no model: give a folder (DIR) or --model minilm", PROG)
+    if args.model_dir == "minilm" or (Path(args.model_dir) / "modules.json").is_file():
+        return _run_encoder(args)
+    if args.compare is not None:
+        raise UsageError("--compare is for sentence encoders (--model minilm or a sentence-transformers folder); "
+                         "a causal LM explains its next token", PROG)
     if not is_causal_lm_folder(args.model_dir):
         raise UsageError(f"{printable(repr(args.model_dir))} is not a Hugging Face causal-LM folder (config.json with "
-                         f"model_type gpt2, llama, mistral or qwen2); for MiniLM and the demo models use "
-                         f"'attnkit attention --html'", PROG)
+                         f"model_type gpt2, llama, mistral or qwen2) nor a sentence-transformers folder "
+                         f"(modules.json); for the demo models use 'attnkit attention --html'", PROG)
     if (args.prompt is None) == (args.ids is None):
         raise UsageError("give the prompt once: --prompt TEXT or --ids 1,2,3", PROG)
     page = output_file(args.html, HTML_SUFFIXES)
@@ -72,5 +93,27 @@ def run(args: argparse.Namespace) -> int:
           f"{len(ids)} tokens")
     print(f"next token: {printable(repr(best['text']))} ({best['prob']:.1%}); explained the top "
           f"{len(data['candidates'])}")
+    print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
+    return 0
+
+
+def _run_encoder(args: argparse.Namespace) -> int:
+    """The similarity page of a sentence encoder: ``--prompt`` and ``--compare`` are its two sentences."""
+    from ..explain import explain_similarity_html
+    from .embed import MODEL_NAME, load_encoder
+
+    if args.ids is not None:
+        raise UsageError("a sentence encoder reads text: give --prompt TEXT and --compare TEXT, not --ids", PROG)
+    if args.prompt is None or args.compare is None:
+        raise UsageError("a sentence encoder is explained through a similarity: give --prompt TEXT and "
+                         "--compare TEXT (the sentence it is compared with)", PROG)
+    page = output_file(args.html, HTML_SUFFIXES)
+    encoder = load_encoder(None if args.model_dir == "minilm" else args.model_dir, PROG)
+    name = MODEL_NAME if args.model_dir == "minilm" else printable(Path(args.model_dir).name or args.model_dir)
+    data = explain_similarity_html(encoder, args.prompt, args.compare, page,
+                                   title=f"{name}: {printable(args.prompt, 60)} ~ {printable(args.compare, 60)}")
+    print(f"model: {name} (sentence encoder, {encoder.num_layers} layers, {encoder.num_heads} heads); "
+          f"{len(data['tokens'])} and {len(data['candidates'][1]['tokens'])} tokens")
+    print(f"cosine similarity: {data['similarity']:.4f}; explained both sentences' tokens")
     print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
     return 0

@@ -34,7 +34,7 @@ from .attribution import embedding_gradient
 from .logit_lens import logit_lens
 from .rollout import attention_rollout
 
-__all__ = ["encode_attention", "explain_html"]
+__all__ = ["encode_attention", "explain_html", "explain_similarity_html"]
 
 
 def _script_json(value: Any) -> str:
@@ -126,6 +126,11 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
             "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
             # each id's text once: N x L x K cells repeat few distinct tokens
             "vocab": {str(t): readable_token(piece(t)) for t in np.unique(lens.token_ids).tolist()}}
+    return _write_page(data, weights, target, title, top_k, max_bytes)
+
+
+def _write_page(data: dict, weights: np.ndarray, target: Path, title: str, top_k: int, max_bytes: int) -> dict:
+    """Fill the template with ``data`` and the (N, H, L, L) ``weights`` fitted to ``max_bytes``; write it."""
     template = importlib.resources.files("attnkit").joinpath("templates/explain_page.html").read_text(encoding="utf-8")
 
     def render(attention: dict) -> str:
@@ -138,8 +143,72 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     page = render(attention).encode("utf-8")
     if len(page) > max_bytes:
         warnings.warn(f"the explain page {str(target)!r} is {len(page) / 1e6:.1f} MB, over max_bytes={max_bytes} "
-                      f"even with 3 bits per attention weight: a shorter prompt makes it smaller", UserWarning,
-                      stacklevel=2)
+                      f"even with 3 bits per attention weight: a shorter text makes it smaller", UserWarning,
+                      stacklevel=3)
     atomic_write(target, lambda f: f.write(page))
     data["bits"] = attention["bits"]
     return data
+
+
+def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.PathLike, *,
+                            title: str = "attnkit: explain a similarity", max_bytes: int | None = None) -> dict:
+    """Explain why a sentence encoder finds two sentences similar, in one offline HTML page.
+
+    The page shows, for each of the two sentences, which of its tokens raise or lower the cosine similarity
+    of the two embeddings (:func:`similarity_attribution`: gradient x input and saliency, the other sentence
+    held fixed; a picker switches between the sentences), then ``sentence``'s attention rollout, the
+    attention of each head with a colour scale, and a thumbnail of every head of every layer. An encoder
+    has no output head, so there is no logit lens.
+
+    Parameters
+    ----------
+    encoder : SentenceEncoder
+        E.g. :func:`attnkit.pretrained.load_minilm` (its gradient buffers are used and left at zero).
+    sentence, other : str
+        The two sentences; the attention shown is ``sentence``'s.
+    path : str or os.PathLike
+        The HTML file to write (atomically; its folder must exist).
+    title : str
+        The page's heading (shown as text).
+    max_bytes : int, optional
+        The page's budget, default 5 MB (see :func:`explain_html`).
+
+    Returns
+    -------
+    dict
+        The data the page holds: ``similarity``, ``tokens`` and ``raw_tokens`` of ``sentence``,
+        ``rollout`` (L, L), ``candidates`` (one per sentence, with its ``tokens``, ``gradient_x_input`` and
+        ``saliency``) and ``bits``.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> from attnkit.pretrained import load_minilm
+    >>> page = pathlib.Path(tempfile.mkdtemp()) / "similar.html"
+    >>> data = explain_similarity_html(load_minilm(), "A man eats.", "Someone is eating.", page)
+    >>> len(data["candidates"]), data["tokens"][:2], data["similarity"] > 0.5
+    (2, ['[CLS]', 'a'], True)
+    """
+    from .similarity import encoder_attention, similarity_attribution
+
+    if max_bytes is None:
+        max_bytes = viz.HTML_SIZE_WARNING_BYTES
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
+    chosen = []
+    for label, text, against in (("A", sentence, other), ("B", other, sentence)):
+        found = similarity_attribution(encoder, text, against)
+        chosen.append({"text": f"sentence {label}: {text}", "raw": text, "prob": None,
+                       "tokens": [readable_token(t) for t in found.tokens], "raw_tokens": list(found.tokens),
+                       "gradient_x_input": _rounded(found.gradient_x_input), "saliency": _rounded(found.saliency)})
+    tokens, weights = encoder_attention(encoder, sentence)  # (N, H, L, L)
+    data = {"kind": "similarity", "similarity": round(float(found.similarity), 6),
+            "tokens": [readable_token(t) for t in tokens], "raw_tokens": list(tokens),
+            "num_layers": weights.shape[0], "num_heads": weights.shape[1],
+            "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
+            "head_names": [f"head {j}" for j in range(weights.shape[1])],
+            "rollout": _rounded(attention_rollout(weights)), "candidates": chosen, "lens": None, "vocab": {}}
+    return _write_page(data, weights, target, title, 0, int(max_bytes))

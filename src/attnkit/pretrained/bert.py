@@ -130,7 +130,8 @@ class BertEncoder(Module):
     >>> out = model(ids, attention_mask=ids > 0)
     >>> out.shape
     (2, 4, 8)
-    >>> model.backward(np.ones_like(out))  # adds every parameter's gradient; ids have none
+    >>> model.backward(np.ones_like(out)).shape  # adds every parameter's gradient; returns the embeddings'
+    (2, 4, 8)
     >>> model.blocks[0].attention.grads["W_Q"].shape
     (8, 8)
     """
@@ -237,18 +238,19 @@ class BertEncoder(Module):
         _, weights = attention(h, h, h, key_padding_mask=kpm, need_weights=True)  # (B, H, L, L)
         return weights
 
-    def backward(self, grad_output: Any) -> None:
+    def backward(self, grad_output: Any) -> np.ndarray:
         """Backpropagate the gradient of the last hidden state (B, L, D) of the last :meth:`forward`.
 
-        Adds every parameter's gradient into the ``grads`` of the layers; returns ``None`` (token ids
-        have no gradient).
+        Adds every parameter's gradient into the ``grads`` of the layers and returns the gradient with
+        respect to the looked-up token embeddings ``word_embeddings.weight[input_ids]``, (B, L, D) (token ids
+        themselves have none): what input attributions are made of.
         """
         g = _backward_blocks(self.blocks, grad_output)  # (B, L, D)
         g = self.embedding_norm.backward(g)  # (B, L, D)
         self.word_embeddings.backward(g)
         self.token_type_embeddings.backward(g)
         self.position_embeddings.backward(g.sum(axis=0, keepdims=True))  # (1, L, D): positions are shared
-        return None
+        return g
 
 
 def bert_state_dict(tensors: Mapping[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
