@@ -212,6 +212,19 @@ def run_dates_task(args: argparse.Namespace, out: Path) -> int:
     save_figure(plot_training_curve(result.losses, title="attnkit demo: dates, training loss"), out / "loss.png")
     model_path, config_path = seq2seq_demo.save_model(result, out)
     print(f"wrote {printable(out / 'alignment.png')} (output characters against source characters)")
+    maps = seq2seq_demo.attention_maps(result.model, source)
+    src_shown = [printable(t) for t in maps.source_tokens]
+    reads = [printable(t) for t in maps.decoder_tokens]
+    writes = [f"{r}\u2192{printable(w)}" for r, w in zip(reads, maps.output_tokens, strict=True)]
+    layers = [f"layer {i}" for i in range(maps.cross.shape[0])]
+    heads = [f"head {j}" for j in range(maps.cross.shape[1])]
+    said = f"{printable(source)} \u2192 {printable(''.join(maps.output_tokens[:-1]))}"
+    write_explorer(src_shown, maps.cross, out / "cross_attention.html", f"cross-attention: {said}", layers, heads,
+                   query_tokens=writes)
+    write_explorer(reads, maps.decoder, out / "decoder_attention.html", f"decoder self-attention: {said}", layers,
+                   heads)
+    write_explorer(src_shown, maps.encoder, out / "encoder_attention.html", f"encoder self-attention: {said}",
+                   [f"layer {i}" for i in range(maps.encoder.shape[0])], heads)
     print(f"wrote {printable(out / 'loss.png')} (training loss)")
     print(f"wrote {printable(model_path)} and {printable(config_path)}")
     return 0

@@ -165,6 +165,44 @@ def alignment(model: Seq2SeqTransformer, source: str) -> tuple[np.ndarray, list[
     return weights[-1, 0].mean(axis=0), out_tokens, list(source)  # (n, Ls)
 
 
+@dataclasses.dataclass
+class AttentionMaps:
+    """Every attention of the encoder-decoder on one source and its greedy output.
+
+    ``encoder`` (N_enc, H, Ls, Ls): the encoder's self-attention over the source characters;
+    ``decoder`` (N_dec, H, Lt, Lt): the decoder's causal self-attention over its input (``<bos>`` and the
+    output but its last token); ``cross`` (N_dec, H, Lt, Ls): each decoder position reading the source.
+    ``source_tokens`` (Ls), ``decoder_tokens`` (Lt, what the decoder reads) and ``output_tokens`` (Lt, what
+    it writes at each position)."""
+
+    encoder: np.ndarray
+    decoder: np.ndarray
+    cross: np.ndarray
+    source_tokens: list[str]
+    decoder_tokens: list[str]
+    output_tokens: list[str]
+
+
+def attention_maps(model: Seq2SeqTransformer, source: str) -> AttentionMaps:
+    """The encoder, decoder and cross-attention weights of every block and head for ``source`` and the model's
+    greedy output (what the explorer pages show)."""
+    src, mask = date_task.encode_batch([source])  # (1, Ls) each
+    ids = model.generate(src, mask, bos_token_id=date_task.BOS, eos_token_id=date_task.EOS,
+                         max_new_tokens=date_task.TARGET_LENGTH - 1, pad_token_id=date_task.PAD)  # (1, 1 + n)
+    pad = None if mask.all() else mask  # (1, Ls); True = real character
+    memory, encoder_w = model.transformer.encoder(model.src_positional(model.src_embedding(src)),
+                                                  key_padding_mask=pad, need_weights=True)  # (1, Ls, D)
+    h = model.tgt_positional(model.tgt_embedding(ids[:, :-1]))  # (1, Lt, D)
+    decoder_w, cross_w = [], []
+    for block in model.transformer.decoder.layers:
+        h, self_w, cross = block(h, memory, None, None, None, pad, True, True)  # (1, Lt, D)
+        decoder_w.append(self_w[0])
+        cross_w.append(cross[0])
+    vocab = date_task.TARGET_VOCAB.tokens
+    return AttentionMaps(np.stack([w[0] for w in encoder_w]), np.stack(decoder_w), np.stack(cross_w),
+                         list(source), [vocab[t] for t in ids[0, :-1]], [vocab[t] for t in ids[0, 1:]])
+
+
 def save_model(result: DatesResult, folder: str | Path) -> tuple[Path, Path]:
     """Write ``model.npz`` and ``model.json`` into ``folder`` (each atomically); returns the two paths."""
     folder = Path(folder)
