@@ -2,7 +2,8 @@
 the layers, and what each layer would predict.
 
 - :func:`gradient_x_input`, :func:`saliency`: input attributions from attnkit's own exact backward.
-- :func:`attention_rollout`: Abnar and Zuidema's rollout of the attention weights over the layers.
+- :func:`attention_rollout`: Abnar and Zuidema's rollout of the attention weights over the layers;
+  :func:`attention_flow` their maximum flow through the same graph (for short sequences).
 - :func:`similarity_attribution`: the same for a sentence encoder, whose target is two sentences' cosine
   similarity.
 - :func:`logit_lens`: every block's output read through the final norm and the output head.
@@ -10,10 +11,12 @@ the layers, and what each layer would predict.
   :func:`explain_similarity_html` the same for a sentence encoder and two sentences.
 """
 from .attribution import gradient_x_input, saliency
+from .flow import attention_flow
 from .logit_lens import LogitLens, logit_lens
 from .page import encode_attention, explain_html, explain_similarity_html
 from .rollout import attention_rollout
 from .similarity import SimilarityAttribution, similarity_attribution
 
-__all__ = ["LogitLens", "SimilarityAttribution", "attention_rollout", "encode_attention", "explain_html",
-           "explain_similarity_html", "gradient_x_input", "logit_lens", "saliency", "similarity_attribution"]
+__all__ = ["LogitLens", "SimilarityAttribution", "attention_flow", "attention_rollout", "encode_attention",
+           "explain_html", "explain_similarity_html", "gradient_x_input", "logit_lens", "saliency",
+           "similarity_attribution"]

@@ -27,6 +27,16 @@ def _as_weights(weights: Any) -> np.ndarray:
     return arr
 
 
+def mixed_attention(arr: np.ndarray, residual: bool) -> np.ndarray:
+    """Per layer ``mean over heads``, with ``residual`` ``0.5 * A + 0.5 * I``, rows renormalised (rows that are
+    all zero stay zero): (N, H, L, L) -> (N, L, L), what rollout and flow compose."""
+    mixed = arr.mean(axis=1)  # (N, L, L)
+    if residual:
+        mixed = 0.5 * mixed + 0.5 * np.eye(arr.shape[-1], dtype=arr.dtype)  # (N, L, L)
+    totals = mixed.sum(axis=-1, keepdims=True)  # (N, L, 1)
+    return np.divide(mixed, totals, out=np.zeros_like(mixed), where=totals > 0)  # (N, L, L)
+
+
 def attention_rollout(weights: Any, residual: bool = True) -> np.ndarray:
     """Attention rollout over the layers.
 
@@ -56,12 +66,7 @@ def attention_rollout(weights: Any, residual: bool = True) -> np.ndarray:
     ((3, 3), True, 1.0)
     """
     arr = _as_weights(weights)
-    length = arr.shape[-1]
-    mixed = arr.mean(axis=1)  # (N, L, L)
-    if residual:
-        mixed = 0.5 * mixed + 0.5 * np.eye(length, dtype=arr.dtype)  # (N, L, L)
-    totals = mixed.sum(axis=-1, keepdims=True)  # (N, L, 1)
-    mixed = np.divide(mixed, totals, out=np.zeros_like(mixed), where=totals > 0)  # (N, L, L)
+    mixed = mixed_attention(arr, residual)  # (N, L, L)
     rollout = mixed[0]  # (L, L)
     for layer in mixed[1:]:
         rollout = layer @ rollout  # (L, L)
