@@ -55,6 +55,7 @@ docs: $(STAMP_TEST)
 # Redraw docs/explorer.png (the explorer on all-MiniLM-L6-v2) after changing the page.
 docs-screenshot: $(STAMP_TEST) chromium
 	$(BIN)/python docs/tools/explorer_screenshot.py docs/explorer.png
+	$(BIN)/python docs/tools/explain_screenshot.py docs/explain-minilm.png
 
 # make demo DEMO_ARGS="--task reverse --steps 400" passes options on (see .venv/bin/attnkit demo --help).
 demo: $(STAMP_DEMO)
