@@ -134,3 +134,24 @@ def test_a_30_layer_9_head_256_token_page_stays_under_5_mb(tmp_path):
     top = weights.max(-1, keepdims=True)
     assert (np.abs(decoded - weights) <= top / (2 * ((1 << bits) - 1)) + top * 2.0**-23).all()
     print(f"explain page 30x9x256: {page.stat().st_size / 1e6:.2f} MB at {bits} bits")
+
+
+def test_the_addition_demo_is_explained_from_its_folder(tmp_path, capsys):
+    from attnkit.demos import addition
+
+    out = tmp_path / "add"
+    assert main(["demo", "--task", "addition", "--steps", "3", "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    page = tmp_path / "add.html"
+    assert main(["explain", str(out), "--prompt", "07+35=", "--html", str(page), "--candidates", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "addition demo" in printed and f"wrote {page}" in printed
+    lm = addition.load_model(out)
+    ids = addition.parse_prompt("07+35=")
+    data = _embedded(page)
+    assert data["raw_tokens"] == list("07+35=")
+    for c in data["candidates"]:
+        np.testing.assert_allclose(c["gradient_x_input"], gradient_x_input(lm, ids, target_token=c["id"]), atol=1e-6)
+        assert c["raw"] == addition.TOKENS[c["id"]]
+    assert main(["explain", str(out), "--prompt", "7+x=", "--html", str(page)]) == 2
+    assert "digits, '+' and '='" in capsys.readouterr().err

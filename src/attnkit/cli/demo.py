@@ -254,6 +254,7 @@ def run_addition_task(args: argparse.Namespace, out: Path) -> int:
     atomic_write(out / "config.json", lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=2).encode()))
     print(f"wrote {printable(out / 'loss.png')} (training loss)")
     print(f"wrote {printable(out / 'model.npz')} and {printable(out / 'config.json')} (the DecoderConfig)")
+    print(f"explain an answer with: attnkit explain {printable(out)} --prompt \"07+35=\" --html add.html")
     return 0
 
 

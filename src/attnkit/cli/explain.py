@@ -32,7 +32,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog="examples:\n  attnkit explain ./tiny-llama --prompt \"The capital of France is\" --html paris.html\n"
                "  attnkit explain ./gpt2 --ids 464,3797,3332 --html cat.html --candidates 8\n"
                "  attnkit explain --model minilm --prompt \"A man is eating food.\" --compare \"Someone eats "
-               "bread.\" --html food.html",
+               "bread.\" --html food.html\n"
+               "  attnkit explain ./add --prompt \"07+35=\" --html add.html   (a folder of 'attnkit demo --task "
+               "addition')",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", metavar="DIR", nargs="?", default=None,
                    help="a Hugging Face causal-LM folder, or a sentence-transformers folder")
@@ -63,13 +65,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no model: give a folder (DIR) or --model minilm", PROG)
     if args.model_dir == "minilm" or (Path(args.model_dir) / "modules.json").is_file():
         return _run_encoder(args)
+    from ..demos import addition
+
+    if addition.is_addition_folder(args.model_dir):
+        return _run_addition(args)
     if args.compare is not None:
         raise UsageError("--compare is for sentence encoders (--model minilm or a sentence-transformers folder); "
                          "a causal LM explains its next token", PROG)
     if not is_causal_lm_folder(args.model_dir):
         raise UsageError(f"{printable(repr(args.model_dir))} is not a Hugging Face causal-LM folder (config.json with "
                          f"model_type gpt2, llama, mistral or qwen2) nor a sentence-transformers folder "
-                         f"(modules.json); for the demo models use 'attnkit attention --html'", PROG)
+                         f"(modules.json) nor an 'attnkit demo --task addition' folder; for the other demo models use "
+                         f"'attnkit attention --html'", PROG)
     if (args.prompt is None) == (args.ids is None):
         raise UsageError("give the prompt once: --prompt TEXT or --ids 1,2,3", PROG)
     page = output_file(args.html, HTML_SUFFIXES)
@@ -115,5 +122,33 @@ def _run_encoder(args: argparse.Namespace) -> int:
     print(f"model: {name} (sentence encoder, {encoder.num_layers} layers, {encoder.num_heads} heads); "
           f"{len(data['tokens'])} and {len(data['candidates'][1]['tokens'])} tokens")
     print(f"cosine similarity: {data['similarity']:.4f}; explained both sentences' tokens")
+    print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
+    return 0
+
+
+def _run_addition(args: argparse.Namespace) -> int:
+    """The addition demo's language model: ``--prompt "07+35="`` and the page of its next (answer) token."""
+    from ..demos import addition
+    from ..explain import explain_html
+
+    if (args.prompt is None) == (args.ids is None):
+        raise UsageError("give the prompt once: --prompt \"07+35=\" or --ids 0,7,10,3,5,11", PROG)
+    page = output_file(args.html, HTML_SUFFIXES)
+    try:
+        model = addition.load_model(args.model_dir)
+        ids = addition.parse_prompt(args.prompt) if args.prompt is not None else \
+            np.array([int(t) for t in args.ids.split(",")], dtype=np.int64)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UsageError(printable(exc, 300), PROG) from None
+    if ids.min() < 0 or ids.max() >= addition.VOCAB or len(ids) > model.config.max_position_embeddings:
+        raise UsageError(f"the prompt must be at most {model.config.max_position_embeddings} ids in "
+                         f"[0, {addition.VOCAB})", PROG)
+    candidates = min(args.candidates, addition.VOCAB)
+    data = explain_html(model, ids, page, token_text=lambda i: addition.TOKENS[i], candidates=candidates,
+                        top_k=min(args.top_k, addition.VOCAB),
+                        title=f"addition demo: {''.join(addition.TOKENS[i] for i in ids)}")
+    best = data["candidates"][0]
+    print(f"model: addition demo ({model.config.num_layers} layers, {model.config.num_heads} heads); {len(ids)} tokens")
+    print(f"next token: {printable(repr(best['text']))} ({best['prob']:.1%}); explained the top {candidates}")
     print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
     return 0

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 
+from ..io import read_json
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
 from ..models import CausalLM, DecoderConfig
@@ -37,6 +39,9 @@ __all__ = [
     "AdditionResult",
     "decode_answer",
     "encode",
+    "is_addition_folder",
+    "load_model",
+    "parse_prompt",
     "greedy_answers",
     "make_batch",
     "train_addition",
@@ -44,6 +49,7 @@ __all__ = [
 
 PLUS, EQUALS, EOS = 10, 11, 12
 VOCAB = 13
+TOKENS = (*"0123456789", "+", "=", "<eos>")  # the text of each id
 _IGNORE = -100
 
 
@@ -193,3 +199,50 @@ if __name__ == "__main__":  # a quick look without the CLI: python -m attnkit.de
     result = train_addition(progress=lambda step, loss: step % 100 or print(f"step {step:5d}  loss {loss:.4f}"))
     print(f"trained {len(result.losses)} steps in {result.seconds:.1f} s; held-out exact match {result.accuracy:.1%}")
     print("\n".join(result.examples))
+
+
+def is_addition_folder(path: str | Path) -> bool:
+    """Whether ``path`` holds what ``attnkit demo --task addition`` writes: ``model.npz`` and the
+    ``DecoderConfig`` of a 13-token vocabulary as ``config.json``."""
+    folder = Path(path)
+    try:
+        config = read_json(folder / "config.json")
+    except (OSError, ValueError):
+        return False
+    return (folder / "model.npz").is_file() and isinstance(config, dict) and config.get("vocab_size") == VOCAB \
+        and "family" in config
+
+
+def load_model(path: str | Path) -> CausalLM:
+    """The model ``attnkit demo --task addition`` saved in the folder ``path``.
+
+    Raises
+    ------
+    ValueError
+        The folder is not one (see :func:`is_addition_folder`), or its files do not match.
+    """
+    folder = Path(path)
+    if not is_addition_folder(folder):
+        raise ValueError(f"{str(folder)!r} is not a folder written by 'attnkit demo --task addition' (model.npz "
+                         f"and config.json with a {VOCAB}-token vocabulary)")
+    fields = read_json(folder / "config.json")
+    known = {f.name for f in dataclasses.fields(DecoderConfig)}
+    config = DecoderConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items() if k in known})
+    model = CausalLM(config, rng=0)
+    model.load(folder / "model.npz")
+    return model
+
+
+def parse_prompt(text: str) -> np.ndarray:
+    """Token ids of a prompt written with the task's characters, e.g. ``"07+35="`` (spaces ignored).
+
+    Examples
+    --------
+    >>> parse_prompt("07+35=").tolist()
+    [0, 7, 10, 3, 5, 11]
+    """
+    chars = [c for c in str(text) if not c.isspace()]
+    unknown = sorted({c for c in chars if c not in TOKENS[:EOS]})
+    if not chars or unknown:
+        raise ValueError(f"the prompt must be digits, '+' and '=' (like \"07+35=\"), got {text!r}")
+    return np.array([TOKENS.index(c) for c in chars], dtype=np.int64)
