@@ -13,7 +13,13 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.cli import main  # noqa: E402
-from attnkit.explain import attention_rollout, gradient_x_input, logit_lens, saliency  # noqa: E402
+from attnkit.explain import (  # noqa: E402
+    attention_flow,
+    attention_rollout,
+    gradient_x_input,
+    logit_lens,
+    saliency,
+)
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import saved_model  # noqa: E402
 
@@ -52,6 +58,7 @@ def test_page_data_equals_the_library(written):
     _, per_layer = lm(ids[None], output_attentions=True)
     weights = np.stack([w[0] for w in per_layer])  # (N, H, L, L)
     np.testing.assert_allclose(data["rollout"], attention_rollout(weights), atol=1e-6)
+    np.testing.assert_allclose(data["flow"], attention_flow(weights), atol=1e-6)  # 8 tokens: short enough
     q = np.frombuffer(zlib.decompress(base64.b64decode(data["attention"]["q"])), np.uint8).reshape(weights.shape)
     scale = np.frombuffer(base64.b64decode(data["attention"]["scale"]), "<f4").reshape(weights.shape[:-1])
     assert data["attention"]["bits"] == 8 and data["attention"]["shape"] == list(weights.shape)
@@ -94,6 +101,13 @@ def test_in_chromium_no_requests_no_errors_and_the_picker_changes_the_view(writt
     assert page.locator("[data-testid=thumbs] canvas").count() == lm.config.num_layers * lm.config.num_heads
     page.locator("[data-testid=thumbs] canvas").nth(lm.config.num_heads + 3).click()
     assert page.input_value("[data-testid=layer]") == "1" and page.input_value("[data-testid=head]") == "3"
+    # Rollout and attention flow shade the prompt by the last position's row.
+    chips = page.locator("[data-testid=rollout-tokens] .tok")
+    rollout_row = [float(chips.nth(i).get_attribute("data-score")) for i in range(chips.count())]
+    np.testing.assert_allclose(rollout_row, attention_rollout(np.stack([w[0] for w in per_layer]))[-1], atol=1e-6)
+    page.select_option("[data-testid=measure]", "flow")
+    flow_row = [float(chips.nth(i).get_attribute("data-score")) for i in range(chips.count())]
+    np.testing.assert_allclose(flow_row, attention_flow(np.stack([w[0] for w in per_layer]))[-1], atol=1e-6)
     page.select_option("[data-testid=scale]", "log")
     assert "(log)" in page.locator("[data-testid=legend]").inner_text()
     assert page.locator("[data-testid=lens] tr").count() == lm.config.num_layers + 1
@@ -123,6 +137,7 @@ def test_a_30_layer_9_head_256_token_page_stays_under_5_mb(tmp_path):
     ids = np.random.default_rng(0).integers(0, 96, 256)
     page = tmp_path / "big.html"
     data = explain_html(lm, ids, page)
+    assert data["flow"] is None  # 256 tokens: L * L maximum flows would take minutes
     assert page.stat().st_size <= 5_000_000, f"{page.stat().st_size / 1e6:.2f} MB"
     bits = data["bits"]
     enc = _embedded(page)["attention"]

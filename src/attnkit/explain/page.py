@@ -31,6 +31,7 @@ from ..io import atomic_write
 from ..viz import encode_attention, fit_attention
 from ._inputs import as_id_batch
 from .attribution import embedding_gradient
+from .flow import attention_flow
 from .logit_lens import logit_lens
 from .rollout import attention_rollout
 
@@ -75,7 +76,8 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     Returns
     -------
     dict
-        The data the page holds (``tokens``, ``raw_tokens``, ``rollout`` (L, L), ``candidates`` with their
+        The data the page holds (``tokens``, ``raw_tokens``, ``rollout`` (L, L), ``flow`` (L, L; up to 24
+        tokens, else None: :func:`attention_flow` costs L * L maximum flows), ``candidates`` with their
         ``gradient_x_input`` and ``saliency`` (L,), ``lens`` and ``vocab``, the readable text of the token ids
         it shows) and ``bits``, the bits per stored attention weight: what the page shows is exactly this.
 
@@ -122,11 +124,19 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
             "num_layers": weights.shape[0], "num_heads": weights.shape[1],
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
-            "rollout": _rounded(attention_rollout(weights)), "candidates": chosen,
+            "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
             "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
             # each id's text once: N x L x K cells repeat few distinct tokens
             "vocab": {str(t): readable_token(piece(t)) for t in np.unique(lens.token_ids).tolist()}}
     return _write_page(data, weights, target, title, top_k, max_bytes)
+
+
+FLOW_MAX_TOKENS = 24  # the pages add attention flow up to this length (L * L max-flows: seconds, not minutes)
+
+
+def _flow(weights: np.ndarray) -> list | None:
+    """Attention flow (L, L) for short prompts, else None (see :func:`attention_flow` for the cost)."""
+    return _rounded(attention_flow(weights)) if weights.shape[-1] <= FLOW_MAX_TOKENS else None
 
 
 def _write_page(data: dict, weights: np.ndarray, target: Path, title: str, top_k: int, max_bytes: int) -> dict:
@@ -177,8 +187,8 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
     -------
     dict
         The data the page holds: ``similarity``, ``tokens`` and ``raw_tokens`` of ``sentence``,
-        ``rollout`` (L, L), ``candidates`` (one per sentence, with its ``tokens``, ``gradient_x_input`` and
-        ``saliency``) and ``bits``.
+        ``rollout`` and ``flow`` (L, L; flow up to 24 tokens), ``candidates`` (one per sentence, with its
+        ``tokens``, ``gradient_x_input`` and ``saliency``) and ``bits``.
 
     Examples
     --------
@@ -210,5 +220,6 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
             "num_layers": weights.shape[0], "num_heads": weights.shape[1],
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
-            "rollout": _rounded(attention_rollout(weights)), "candidates": chosen, "lens": None, "vocab": {}}
+            "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
+            "lens": None, "vocab": {}}
     return _write_page(data, weights, target, title, 0, int(max_bytes))
