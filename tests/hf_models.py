@@ -99,12 +99,24 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                                                  "rope_theta": 1000.0},
                                                               "sliding_attention": {"rope_type": "default",
                                                                                     "rope_theta": 50.0}}), {}),
+    # Phi-3: fused qkv_proj and gate_up_proj; longrope (short factors up to 8 positions, long past); partial rotary
+    "phi3": ("Phi3Config", dict(_COMMON, num_key_value_heads=2, pad_token_id=None), {}),
+    "phi3_longrope": ("Phi3Config", dict(_COMMON, num_key_value_heads=1, pad_token_id=None,
+                                         original_max_position_embeddings=8,
+                                         rope_parameters={"rope_type": "longrope", "rope_theta": 1000.0,
+                                                          "short_factor": [1.0, 1.3, 2.0, 3.5],
+                                                          "long_factor": [1.5, 2.5, 4.0, 9.0]}), {}),
+    "phi3_partial_window": ("Phi3Config", dict(_COMMON, num_key_value_heads=4, pad_token_id=None, sliding_window=4,
+                                               tie_word_embeddings=True,
+                                               rope_parameters={"rope_type": "default", "rope_theta": 300.0,
+                                                                "partial_rotary_factor": 0.5}), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_sharded", "qwen3",
                  "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
-                 "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text")
+                 "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text",
+                 "phi3", "phi3_longrope", "phi3_partial_window")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

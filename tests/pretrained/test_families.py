@@ -1,4 +1,4 @@
-"""The newer Hugging Face families (OLMo 2, SmolLM3, GPT-NeoX, Gemma) loaded from tiny random save_pretrained
+"""The newer Hugging Face families (OLMo 2, SmolLM3, GPT-NeoX, Gemma, Phi-3) loaded from tiny random save_pretrained
 folders: float32 gradients of every parameter against torch autograd through the transformers model (each
 HF gradient brought to attnkit's layout by the loader's own tensor map), unknown config keys refused by name,
 ``supported_model_types``. Logits and greedy parity are in test_causal_lm.py (FAMILY_MODELS)."""
@@ -15,7 +15,7 @@ from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E4
 from hf_models import edit_config, left_padded_batch, positions_from_mask, saved_model  # noqa: E402
 
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
-                     "gemma2_mqa_untied", "gemma3_text")
+                     "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -60,7 +60,8 @@ def test_gradients_match_hf_autograd(name, hf_root):
 
 
 @pytest.mark.parametrize("name, key", [("olmo2", "use_sliding_window"), ("smollm3", "qk_layernorm"),
-                                       ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode")])
+                                       ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode"),
+                                       ("phi3", "attention_bias")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -68,4 +69,4 @@ def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
 
 
 def test_supported_model_types_lists_the_new_families():
-    assert {"qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text"} <= set(supported_model_types())
+    assert {"qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text", "phi3"} <= set(supported_model_types())

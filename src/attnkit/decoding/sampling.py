@@ -494,6 +494,7 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
     stops, tokenizer = processing["stop_strings"], processing["tokenizer"]
     stop_window = max(len(t) for t in stops) + 1 if stops else 0  # tokens enough to hold a stop string
     done = np.zeros(batch, dtype=bool)  # (B,)
+    switch = getattr(model, "rotary_switch_length", None)
     for step in range(max_new_tokens):
         logits = _process(logits.astype(np.float32, copy=False), sequences, step, eos, **processing)  # (B, V)
         if sampling is None:
@@ -513,7 +514,12 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
         if done.all() or step == max_new_tokens - 1:
             return
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=bool)], axis=1)  # (B, L + step + 1)
-        logits = model.forward(tokens[:, None], mask, cache=cache)[:, -1, :]  # (B, V)
+        if switch is not None and sequences.shape[1] > switch >= cache.length:
+            # the rotation of every cached key changes here: run the whole sequence again, once
+            cache = model.new_cache(batch, max_length=length + max_new_tokens)
+            logits = model.forward(sequences, mask, cache=cache)[:, -1, :]  # (B, V)
+        else:
+            logits = model.forward(tokens[:, None], mask, cache=cache)[:, -1, :]  # (B, V)
 
 
 def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,

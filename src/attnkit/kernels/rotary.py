@@ -17,7 +17,9 @@ is antisymmetric, so the gradient is ``grad * cos - turn(grad * sin)``. Features
 Frequency scalings (Hugging Face ``rope_type``): ``default``; ``linear`` (positions divided by ``factor``);
 ``dynamic`` (NTK: the base grows with the sequence length once it passes ``max_position_embeddings``);
 ``yarn`` (a ramp between interpolated and original frequencies, plus an attention factor multiplying cos and
-sin); ``llama3`` (low frequencies divided by ``factor``, high ones kept, a smooth blend between).
+sin); ``llama3`` (low frequencies divided by ``factor``, high ones kept, a smooth blend between);
+``longrope`` (Phi-3: one divisor per frequency, ``short_factor`` up to ``original_max_position_embeddings`` and
+``long_factor`` past it, and an attention factor).
 Frequencies and angles are computed in float64 and cast once at the end.
 """
 from __future__ import annotations
@@ -79,6 +81,18 @@ def _llama3(rotary_dim: int, theta: float, scaling: dict):
     return np.where(medium, blended, scaled), 1.0
 
 
+def _longrope(rotary_dim: int, theta: float, scaling: dict, max_position_embeddings: int, seq_len: int | None):
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    divisors = scaling["long_factor"] if seq_len and seq_len > original else scaling["short_factor"]
+    return _base_inv_freq(rotary_dim, theta) / np.asarray(divisors, dtype=np.float64), float(attention_factor)
+
+
 def rotary_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None, *,
                        max_position_embeddings: int = 2048, seq_len: int | None = None):
     """Inverse frequencies and the cos/sin multiplier of one rotary configuration.
@@ -94,7 +108,7 @@ def rotary_frequencies(rotary_dim: int, theta: float, scaling: dict | None = Non
     max_position_embeddings : int
         The model's context (``dynamic`` scales past it; ``yarn`` derives ``factor`` from it when missing).
     seq_len : int, optional
-        ``dynamic`` only: the length being processed (the largest position + 1).
+        ``dynamic`` and ``longrope`` only: the length being processed (the largest position + 1).
 
     Returns
     -------
@@ -115,6 +129,8 @@ def rotary_frequencies(rotary_dim: int, theta: float, scaling: dict | None = Non
         return _yarn(rotary_dim, theta, scaling, max_position_embeddings)
     if kind == "llama3":
         return _llama3(rotary_dim, theta, scaling)
+    if kind == "longrope":
+        return _longrope(rotary_dim, theta, scaling, max_position_embeddings, seq_len)
     raise ValueError(f"unknown rope_type {kind!r}")
 
 

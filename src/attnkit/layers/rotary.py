@@ -52,7 +52,8 @@ class RotaryEmbedding(Module):
         self.max_position_embeddings = config.max_position_embeddings
         self.inv_freq, self.attention_factor = _rotary.rotary_frequencies(
             self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings)
-        self.dynamic = config.rope_type == "dynamic"
+        # dynamic and longrope frequencies depend on the longest position of the call
+        self.dynamic = config.rope_type in ("dynamic", "longrope")
 
     def extra_repr(self) -> str:
         kind = "default" if self.scaling is None else self.scaling.get("rope_type", "default")

@@ -129,6 +129,18 @@ class CausalLM(Module):
         """The parameters' dtype (and so the logits' and the cache's)."""
         return self.embed.weight.dtype
 
+    @property
+    def rotary_switch_length(self) -> int | None:
+        """The sequence length past which every rotary frequency changes (Phi-3's ``longrope``), else None.
+
+        Keys cached at or below it hold the short-factor rotation, so generation runs the whole sequence again
+        once, when it first grows past this length (as ``transformers`` does).
+        """
+        scaling = self.config.rope_scaling
+        if self.config.position != "rotary" or scaling is None or scaling.get("rope_type") != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
         """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers)."""
         c = self.config

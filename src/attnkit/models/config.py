@@ -13,8 +13,9 @@ from typing import Any
 
 __all__ = ["DecoderConfig", "FAMILIES", "ROPE_TYPES"]
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text")
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text",
+            "phi3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _QK_NORM_SCOPES = ("head", "projection")
@@ -38,8 +39,9 @@ class DecoderConfig:
 
     Parameters
     ----------
-    family : {"gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text"}
-        The checkpoint family (decides the parameter names of a Hugging Face folder, nothing else).
+    family : str
+        One of :data:`FAMILIES`: the checkpoint family (decides the parameter names of a Hugging Face folder,
+        nothing else).
     vocab_size : int
         V, the number of token ids.
     hidden_size : int
@@ -68,7 +70,8 @@ class DecoderConfig:
         The rotary base.
     rope_scaling : dict, optional
         Frequency scaling, normalised to Hugging Face's keys with ``"rope_type"`` one of
-        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"`` (``None`` = ``"default"``).
+        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"``, ``"longrope"`` (``None`` =
+        ``"default"``).
     rope_interleaved : bool
         Rotate pairs ``(x0, x1), (x2, x3), ...`` (interleaved) instead of ``(x_i, x_{i + Dh/2})`` (half-split,
         the layout of Hugging Face checkpoints).
@@ -201,6 +204,13 @@ class DecoderConfig:
             kind = scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 raise ValueError(f"{name}['rope_type'] must be one of {', '.join(ROPE_TYPES)}, got {kind!r}")
+            if kind == "longrope" and self.position == "rotary":
+                half = int(self.head_dim * factor) // 2
+                for key in ("short_factor", "long_factor"):
+                    if len(scaling.get(key, ())) != half:
+                        raise ValueError(f"{name}[{key!r}] must hold one divisor per rotated feature pair "
+                                         f"(head_dim * partial_rotary_factor / 2 = {half}), got "
+                                         f"{len(scaling.get(key, ()))}")
         if isinstance(self.norm_offset, bool) or not isinstance(self.norm_offset, (int, float)) \
                 or not math.isfinite(self.norm_offset):
             raise ValueError(f"norm_offset must be a finite number, got {self.norm_offset!r}")

@@ -58,13 +58,16 @@ class TensorMap:
         Its shape in the checkpoint.
     targets : tuple of str
         attnkit parameter names (three for a fused ``c_attn``, else one).
-    layout : {"copy", "transpose", "split", "head_split", "head_split_transpose"}
+    layout : {"copy", "transpose", "split", "head_split", "head_split_transpose", "row_split_transpose"}
         ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis;
         ``head_split``: a first axis laid out (heads, parts, Dh), each part gathered over the heads (GPT-NeoX's
         fused ``query_key_value``: every head's q, k, v rows together); ``head_split_transpose``: that, then
         each part transposed.
     heads : int
         The number of heads of a ``head_split`` layout (0 otherwise).
+    sizes : tuple of int
+        ``row_split_transpose``: the first axis cut into parts of these sizes, each transposed (Phi-3's fused
+        ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)).
     """
 
     source: str
@@ -72,6 +75,7 @@ class TensorMap:
     targets: tuple[str, ...]
     layout: str
     heads: int = 0
+    sizes: tuple[int, ...] = ()
 
     def target_shapes(self) -> dict[str, tuple[int, ...]]:
         """attnkit parameter name -> the shape it receives."""
@@ -80,6 +84,8 @@ class TensorMap:
         if self.layout == "split":
             part = self.shape[:-1] + (self.shape[-1] // len(self.targets),)
             return {t: part for t in self.targets}
+        if self.layout == "row_split_transpose":
+            return {t: self.shape[1:][::-1] + (n,) for t, n in zip(self.targets, self.sizes)}
         if self.layout.startswith("head_split"):
             part = (self.shape[0] // len(self.targets),) + self.shape[1:]
             return {t: part[::-1] if self.layout.endswith("transpose") else part for t in self.targets}
@@ -91,6 +97,9 @@ class TensorMap:
             return {self.targets[0]: array.T}
         if self.layout == "split":
             return dict(zip(self.targets, np.split(array, len(self.targets), axis=-1)))
+        if self.layout == "row_split_transpose":
+            parts = np.split(array, np.cumsum(self.sizes)[:-1], axis=0)  # (size, In) each
+            return {t: p.T for t, p in zip(self.targets, parts)}
         if self.layout.startswith("head_split"):
             n = len(self.targets)
             grouped = array.reshape(self.heads, n, -1, *array.shape[1:])  # (H, parts, Dh, ...)
@@ -105,6 +114,8 @@ class TensorMap:
             return np.ascontiguousarray(parts[0].T)
         if self.layout == "split":
             return np.concatenate(parts, axis=-1)
+        if self.layout == "row_split_transpose":
+            return np.ascontiguousarray(np.concatenate([p.T for p in parts], axis=0))  # (sum(sizes), In)
         if self.layout.startswith("head_split"):
             if self.layout.endswith("transpose"):
                 parts = [p.T for p in parts]  # (H*Dh, In) each
@@ -196,7 +207,11 @@ def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
         attn, mlp = ak + "attention.", ak + "mlp."
         if cfg.pre_norm:
             maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
-        for proj, width, name in (("q_proj", q, "Q"), ("k_proj", kv, "K"), ("v_proj", kv, "V")):
+        fused = cfg.family == "phi3"
+        if fused:
+            maps.append(TensorMap(hf + "self_attn.qkv_proj.weight", (q + 2 * kv, d),
+                                  (attn + "W_Q", attn + "W_K", attn + "W_V"), "row_split_transpose", sizes=(q, kv, kv)))
+        for proj, width, name in (() if fused else (("q_proj", q, "Q"), ("k_proj", kv, "K"), ("v_proj", kv, "V"))):
             maps.append(TensorMap(f"{hf}self_attn.{proj}.weight", (width, d), (attn + "W_" + name,), "transpose"))
             if cfg.attention_bias:
                 maps.append(TensorMap(f"{hf}self_attn.{proj}.bias", (width,), (attn + "b_" + name,), "copy"))
@@ -216,8 +231,12 @@ def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
         if cfg.pre_norm:
             name = "pre_feedforward_layernorm" if cfg.post_norm else "post_attention_layernorm"
             maps.append(TensorMap(f"{hf}{name}.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
-        for proj, shape, name, width in (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
-                                         ("down_proj", (d, f), "down", d)):
+        if fused:
+            maps.append(TensorMap(hf + "mlp.gate_up_proj.weight", (2 * f, d), (mlp + "W_gate", mlp + "W_up"),
+                                  "row_split_transpose", sizes=(f, f)))
+        for proj, shape, name, width in ((("down_proj", (d, f), "down", d),) if fused else
+                                         (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
+                                          ("down_proj", (d, f), "down", d))):
             maps.append(TensorMap(f"{hf}mlp.{proj}.weight", shape, (mlp + "W_" + name,), "transpose"))
             if cfg.mlp_bias:
                 maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (mlp + "b_" + name,), "copy"))

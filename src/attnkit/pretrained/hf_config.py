@@ -25,7 +25,7 @@ from ..models.config import DecoderConfig
 __all__ = ["decoder_config_from_hf", "supported_model_types", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2",
-                         "gemma3_text")
+                         "gemma3_text", "phi3")
 
 _MISSING = object()
 
@@ -37,10 +37,11 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "ge
 # The numbers each scaling needs (beyond rope_type), and the optional ones attnkit's rotary understands.
 _ROPE_REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
                   "yarn": ("factor", "original_max_position_embeddings"),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                  "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
 _ROPE_OPTIONAL = {"default": (), "linear": (), "dynamic": (),
                   "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
-                  "llama3": ()}
+                  "llama3": (), "longrope": ("factor", "attention_factor")}
 
 # Per-family defaults where Hugging Face's config classes differ.
 _FAMILY_DEFAULTS = {
@@ -56,6 +57,8 @@ _FAMILY_DEFAULTS = {
               "use_sliding_window": False, "max_window_layers": 28, "head_dim": 128},
     "olmo2": {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": None,
               "eos_token_id": 50279, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
+    "phi3": {"max_position_embeddings": 4096, "tie_word_embeddings": False, "bos_token_id": 1,
+             "eos_token_id": 32000, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "bos_token_id": 128000,
                 "eos_token_id": 128001, "num_key_value_heads": 4, "sliding_window": None},
 }
@@ -81,6 +84,7 @@ _FAMILY_KEYS = {
     "olmo2": _COMMON_KEYS + ("attention_bias",),
     "smollm3": _COMMON_KEYS + ("attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
                                "layer_types", "no_rope_layers", "no_rope_layer_interval"),
+    "phi3": _COMMON_KEYS + ("sliding_window",),
     "gemma2": _COMMON_KEYS + ("attention_bias", "hidden_activation", "query_pre_attn_scalar", "sliding_window",
                               "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
                               "use_bidirectional_attention"),
@@ -167,7 +171,7 @@ def supported_model_types() -> list[str]:
     Examples
     --------
     >>> supported_model_types()
-    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'gpt_neox', 'gemma2', 'gemma3_text']
+    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'gpt_neox', 'gemma2', 'gemma3_text', 'phi3']
     """
     return list(SUPPORTED_MODEL_TYPES)
 
@@ -299,6 +303,10 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
         qkv_bias = output_bias = read.bool("attention_bias", False)
         mlp_bias = False
         window, layer_types = None, ()
+    elif family == "phi3":  # fused qkv_proj and gate_up_proj (the loader splits them), a window on every layer
+        qkv_bias = output_bias = mlp_bias = False
+        window = read.int("sliding_window", None, optional=True)
+        layer_types = ("sliding_attention",) * layers if window is not None else ()
     else:  # smollm3
         qkv_bias = output_bias = read.bool("attention_bias", False)
         mlp_bias = read.bool("mlp_bias", False)
@@ -503,6 +511,15 @@ def _qwen2_windows(read: _Reader, layers: int) -> tuple[int | None, tuple[str, .
     return (window if "sliding_attention" in types else None), types
 
 
+def _divisors(read: _Reader, key: str) -> tuple[float, ...]:
+    """longrope's per-frequency divisors: a non-empty list of finite positive numbers."""
+    value = read.raw(key)
+    if not isinstance(value, list) or not value or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in value):
+        raise read._fail(key, "a non-empty list of finite positive numbers", value)
+    return tuple(float(v) for v in value)
+
+
 def _rope(read: _Reader, max_positions: int) -> tuple[float, dict | None, float]:
     """(theta, normalised scaling or None, partial rotary factor) from either config style.
 
@@ -524,6 +541,8 @@ def _rope(read: _Reader, max_positions: int) -> tuple[float, dict | None, float]
     params = dict(params)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if family == "phi3" and kind in ("su", "yarn"):  # Phi-3's older names of longrope, as Phi3Config reads them
+        kind = "longrope"
     if not isinstance(kind, str) or kind not in _ROPE_REQUIRED:
         raise ValueError(f"{family} config: {key}['rope_type'] {kind!r} is not supported; expected one of "
                          f"{', '.join(_ROPE_REQUIRED)}")
@@ -536,14 +555,17 @@ def _rope(read: _Reader, max_positions: int) -> tuple[float, dict | None, float]
     partial = _Reader({"partial_rotary_factor": partial_value}, family).float("partial_rotary_factor")
     if kind == "default":
         return theta, None, partial
-    if kind in ("yarn", "llama3"):
+    if kind in ("yarn", "llama3", "longrope"):
         # Hugging Face fills the pre-scaling length in from the top level (or the context length itself).
         params.setdefault("original_max_position_embeddings",
                           read.raw("original_max_position_embeddings", max_positions))
     where = _Reader(params, f"{family} config: {key}")
     normalised: dict[str, Any] = {"rope_type": kind}
     for name in _ROPE_REQUIRED[kind]:
-        normalised[name] = where.int(name) if name == "original_max_position_embeddings" else where.float(name)
+        if name in ("short_factor", "long_factor"):
+            normalised[name] = _divisors(where, name)
+        else:
+            normalised[name] = where.int(name) if name == "original_max_position_embeddings" else where.float(name)
     for name in _ROPE_OPTIONAL[kind]:
         if params.get(name) is not None:
             normalised[name] = where.bool(name) if name == "truncate" else where.float(name)
