@@ -8,12 +8,17 @@ Tq/Tk tile lengths, D/Dv features. K/V arrive already expanded to H heads (the c
 ``mask_tile(q0, q1, k0, k1)`` returns a boolean array broadcastable to (B, H, Tq, Tk); ``kinds`` (B', H',
 nQ, nK) marks tiles empty (0), partial (1) or full (2) and is reduced over (b, h): a tile is skipped when
 empty for every (b, h) and left unmasked when full for every (b, h).
+
+A NaN or inf in K or V at a key a query may not see never reaches that query: masked probabilities are
+exactly 0, and on masked tiles that hold such a key, ``0 * NaN`` is kept at 0 (forward and backward).
 """
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+
+from ._masked_product import nonfinite_rows, zero_safe_matmul
 
 __all__ = ["FlexContext", "flex_forward", "flex_backward"]
 
@@ -50,6 +55,11 @@ def _plan(kinds, nq, nk):
     return np.where((flat == 0).all(axis=0), 0, np.where((flat == 2).all(axis=0), 2, 1)).astype(np.int8)
 
 
+def _masked_bad(bad: np.ndarray | None, keep, k0: int, k1: int) -> bool:
+    """True when a masked tile holds a key row with a NaN or inf (``bad`` (Lk,) or None)."""
+    return keep is not None and bad is not None and bool(bad[k0:k1].any())
+
+
 def _scores(q, k, scale, score_mod, mask_tile, kind, q0, q1, k0, k1):
     """Modified, masked scores of one tile (B, H, Tq, Tk), the raw scores and the keep mask (or None)."""
     B, H = q.shape[:2]
@@ -83,6 +93,7 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
     out = np.zeros((B, H, Lq, v.shape[-1]), dtype=dtype)
     lse = np.empty((B, H, Lq), dtype=dtype)
     weights = None
+    bad_v = nonfinite_rows(v)  # (Lk,) or None
     for i in range(nq):
         q0, q1 = i * bq, min(Lq, (i + 1) * bq)
         m = np.full((B, H, q1 - q0), -np.inf, dtype=dtype) if sink is None else \
@@ -93,13 +104,14 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
             if plan[i, j] == 0:
                 continue
             k0, k1 = j * bk, min(Lk, (j + 1) * bk)
-            s, _, _, _ = _scores(q, k, scale, score_mod, mask_tile, plan[i, j], q0, q1, k0, k1)
+            s, _, keep, _ = _scores(q, k, scale, score_mod, mask_tile, plan[i, j], q0, q1, k0, k1)
             m_new = np.maximum(m, s.max(axis=-1))  # (B, H, Tq)
             safe = np.where(np.isfinite(m_new), m_new, 0)  # (B, H, Tq)
             p = np.exp(s - safe[..., None])  # (B, H, Tq, Tk)
             alpha = np.exp(m - safe)  # (B, H, Tq)
             denom = denom * alpha + p.sum(axis=-1)
-            acc = acc * alpha[..., None] + p @ v[:, :, k0:k1]  # (B, H, Tq, Dv)
+            product = zero_safe_matmul if _masked_bad(bad_v, keep, k0, k1) else np.matmul
+            acc = acc * alpha[..., None] + product(p, v[:, :, k0:k1])  # (B, H, Tq, Dv)
             m = m_new
         live = denom > 0
         safe_m = np.where(np.isfinite(m), m, 0)
@@ -128,6 +140,7 @@ def flex_backward(grad_out, ctx: FlexContext):
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     delta = (grad_out * ctx.out).sum(axis=-1)  # (B, H, Lq)
     lse = np.where(np.isfinite(ctx.lse), ctx.lse, np.inf)  # dead rows: every probability exp(-inf) = 0
+    bad_k, bad_v = nonfinite_rows(k), nonfinite_rows(v)  # (Lk,) or None each
     for i in range(nq):
         q0, q1 = i * bq, min(Lq, (i + 1) * bq)
         g_i, d_i, l_i = grad_out[:, :, q0:q1], delta[:, :, q0:q1, None], lse[:, :, q0:q1, None]
@@ -139,12 +152,18 @@ def flex_backward(grad_out, ctx: FlexContext):
             p = np.exp(s - l_i)  # (B, H, Tq, Tk)
             dv[:, :, k0:k1] += p.swapaxes(-1, -2) @ g_i  # (B, H, Tk, Dv)
             ds = p * (g_i @ v[:, :, k0:k1].swapaxes(-1, -2) - d_i)  # (B, H, Tq, Tk)
+            masked_bad_k = _masked_bad(bad_k, keep, k0, k1)
+            if _masked_bad(bad_v, keep, k0, k1):
+                ds = np.where(keep, ds, 0)  # masked: p = 0, but g . v is NaN where v is
             if ctx.score_mod is not None:
+                if masked_bad_k:
+                    raw = np.where(keep, raw, 0)  # a modifier's gradient must not read masked NaN scores
                 ds = ctx.score_mod.backward(ds, raw, *idx)
                 if keep is not None:
                     ds = np.where(keep, ds, 0)
             ds = ds * ctx.scale
-            dq[:, :, q0:q1] += ds @ k[:, :, k0:k1]  # (B, H, Tq, D)
+            product = zero_safe_matmul if masked_bad_k else np.matmul
+            dq[:, :, q0:q1] += product(ds, k[:, :, k0:k1])  # (B, H, Tq, D)
             dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q[:, :, q0:q1]  # (B, H, Tk, D)
     dsinks = None
     if ctx.sinks is not None:
