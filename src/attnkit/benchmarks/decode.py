@@ -1,7 +1,8 @@
 """Benchmark: decoding and prefill of real model shapes, attnkit vs Hugging Face ``transformers`` (torch CPU).
 
-For each family (``gpt2``: GPT-2 small's shape, 124M parameters; ``llama``: SmolLM-135M's shape, 30 layers,
-GQA), a random ``transformers`` model is saved with ``save_pretrained`` and loaded by attnkit's own loader, so
+For each family (``gpt2``: GPT-2 small's shape, 124M parameters; every other family: SmolLM-135M's shape, 30
+layers, GQA, with the family's own parts: q/k norms, post-norms, soft-caps, sinks, experts...), a random
+``transformers`` model is saved with ``save_pretrained`` and loaded by attnkit's own loader, so
 both run the same float32 weights. Measured in one run, alternating the two:
 
 * decode tokens/s: a 16-token prompt, ``--new`` greedy tokens, batch 1 and 8 (``generate`` on both sides, the
@@ -36,22 +37,39 @@ from ..kernels._threads import num_threads
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe, machine_info
 
-__all__ = ["main", "parse_args", "run", "gemv_bandwidth", "FAMILIES"]
+__all__ = ["main", "parse_args", "run", "summary", "gemv_bandwidth", "FAMILIES"]
+
+# One shape for every rotary family (SmolLM-135M's: 30 layers, width 576, 9 query and 3 key/value heads), so the
+# ratios compare what each family adds rather than model sizes; GPT-2 keeps GPT-2 small's own shape.
+_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+              num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5,
+              tie_word_embeddings=True)
 
 # transformers config class and keyword arguments of each family's shape
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("GPT2Config", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-    "llama": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                                  tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5)),
+    "llama": ("LlamaConfig", dict(_SHAPE)),
+    "mistral": ("MistralConfig", dict(_SHAPE, sliding_window=512)),
+    "qwen2": ("Qwen2Config", dict(_SHAPE)),
+    "qwen3": ("Qwen3Config", dict(_SHAPE, head_dim=64)),
+    "olmo2": ("Olmo2Config", dict(_SHAPE)),
+    "smollm3": ("SmolLM3Config", dict(_SHAPE)),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=576, intermediate_size=2304, num_hidden_layers=30,
+                                       num_attention_heads=9, vocab_size=49152, max_position_embeddings=2048)),
+    "gemma2": ("Gemma2Config", dict(_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
+    "gemma3_text": ("Gemma3TextConfig", dict(_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
+    "phi3": ("Phi3Config", dict(_SHAPE, pad_token_id=0)),
+    # eight experts of width 768, two per token: the same active MLP width as the others
+    "gpt_oss": ("GptOssConfig", dict(_SHAPE, head_dim=64, intermediate_size=768, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=128)),
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line."""
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.decode", description=__doc__.split("\n")[0])
-    p.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=sorted(FAMILIES))
+    p.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     p.add_argument("--threads", type=int, default=2, help="torch, BLAS and attnkit threads (default 2)")
     p.add_argument("--new", type=int, default=32, help="greedy tokens per decode run (default 32)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -166,7 +184,24 @@ def run(args: argparse.Namespace) -> dict:
     with _threads(torch, args.threads), torch.inference_mode():
         bandwidth = gemv_bandwidth()
         print(f"GEMV bandwidth (float32, 256 MiB matrix): {bandwidth / 1e9:.1f} GB/s")
-        return {family: _family(family, args, torch, bandwidth) for family in args.families}
+        figures = {family: _family(family, args, torch, bandwidth) for family in args.families}
+    for line in summary(figures):
+        print(line)
+    return figures
+
+
+def summary(figures: dict[str, dict[str, float]]) -> list[str]:
+    """A Markdown table of the ratios per family: decode speed (attnkit / transformers, higher is better),
+    prefill time (attnkit / transformers, lower is better) and the GEMV bandwidth fraction."""
+    batches = sorted({int(k[8:-8]) for row in figures.values() for k in row if k.endswith("_attnkit")
+                      and k.startswith("decode_b")})
+    head = ["family", *(f"decode b{b} speed" for b in batches), "prefill time", "batch-1 GEMV fraction"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for family, row in figures.items():
+        cells = [family, *(f"{row[f'decode_b{b}_attnkit'] / row[f'decode_b{b}_hf']:.2f}x" for b in batches),
+                 f"{row['prefill_attnkit_s'] / row['prefill_hf_s']:.2f}x", f"{row.get('gemv_fraction', 0):.0%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
