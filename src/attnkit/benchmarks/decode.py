@@ -43,7 +43,7 @@ __all__ = ["main", "parse_args", "run", "summary", "gemv_bandwidth", "FAMILIES"]
 # ratios compare what each family adds rather than model sizes; GPT-2 keeps GPT-2 small's own shape.
 _SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
               num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5,
-              tie_word_embeddings=True)
+              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 # transformers config class and keyword arguments of each family's shape
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -56,10 +56,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo2": ("Olmo2Config", dict(_SHAPE)),
     "smollm3": ("SmolLM3Config", dict(_SHAPE)),
     "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=576, intermediate_size=2304, num_hidden_layers=30,
-                                       num_attention_heads=9, vocab_size=49152, max_position_embeddings=2048)),
+                                       num_attention_heads=9, vocab_size=49152, max_position_embeddings=2048,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     "gemma2": ("Gemma2Config", dict(_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
     "gemma3_text": ("Gemma3TextConfig", dict(_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
-    "phi3": ("Phi3Config", dict(_SHAPE, pad_token_id=0)),
+    "phi3": ("Phi3Config", dict(_SHAPE)),
     # eight experts of width 768, two per token: the same active MLP width as the others
     "gpt_oss": ("GptOssConfig", dict(_SHAPE, head_dim=64, intermediate_size=768, num_local_experts=8,
                                      num_experts_per_tok=2, sliding_window=128)),
@@ -130,6 +131,9 @@ def _build(family: str, folder: Path, torch: Any):
 
     from ..pretrained import load_causal_lm
 
+    # the benchmark's output is its table: no progress bars or config notices from transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     config_class, kwargs = FAMILIES[family]
     torch.manual_seed(0)
     hf_config = getattr(transformers, config_class)(**kwargs)
