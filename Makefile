@@ -52,10 +52,11 @@ chromium:
 docs: $(STAMP_TEST)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir site
 
-# Redraw docs/explorer.png (the explorer on all-MiniLM-L6-v2) after changing the page.
+# Redraw docs/explorer.png (the explorer on all-MiniLM-L6-v2) and the other pictures after changing them.
 docs-screenshot: $(STAMP_TEST) chromium
 	$(BIN)/python docs/tools/explorer_screenshot.py docs/explorer.png
 	$(BIN)/python docs/tools/explain_screenshot.py docs/explain-minilm.png
+	$(BIN)/python docs/tools/flex_pictures.py docs/flex-block-mask.png
 
 # make demo DEMO_ARGS="--task reverse --steps 400" passes options on (see .venv/bin/attnkit demo --help).
 demo: $(STAMP_DEMO)

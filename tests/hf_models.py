@@ -110,13 +110,29 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                tie_word_embeddings=True,
                                                rope_parameters={"rope_type": "default", "rope_theta": 300.0,
                                                                 "partial_rotary_factor": 0.5}), {}),
+    # gpt-oss: learned sinks, biases, alternating sliding/full layers, YaRN, a top-2-of-4 mixture of experts
+    "gpt_oss": ("GptOssConfig", dict(_COMMON, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=4,
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 16}), {}),
+    # widths that are multiples of MXFP4's 32-value blocks (the MXFP4 loading test)
+    "gpt_oss_wide": ("GptOssConfig", dict(_COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                                          num_local_experts=3, num_experts_per_tok=2, sliding_window=4), {}),
+    # YaRN's truncated ramp, three layers, top-3 of 5 and a SwiGLU limit low enough that the clamps act
+    "gpt_oss_clamped": ("GptOssConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=8,
+                                             num_local_experts=5, num_experts_per_tok=3, sliding_window=3,
+                                             swiglu_limit=0.3, swiglu_alpha=1.2, tie_word_embeddings=True,
+                                             rope_parameters={"rope_type": "yarn", "factor": 8.0,
+                                                              "rope_theta": 500.0, "truncate": True,
+                                                              "original_max_position_embeddings": 8}), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_sharded", "qwen3",
                  "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text",
-                 "phi3", "phi3_longrope", "phi3_partial_window")
+                 "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

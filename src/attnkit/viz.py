@@ -1,9 +1,11 @@
 """Pictures of attention weights and training curves, and an interactive attention explorer page.
 
-`plot_attention` and `plot_training_curve` draw with matplotlib (imported only when a plot is
-drawn; install it with ``pip install 'attnkit[viz]'``) and return a `matplotlib.figure.Figure`, so
-the same call shows inline in a notebook and saves to a file from a script (``fig.savefig("attention.png")``).
-On a machine without a display the non-interactive Agg backend is chosen, unless ``MPLBACKEND`` says otherwise.
+`plot_attention`, `plot_training_curve`, and `plot_block_mask` / `plot_score_mod` (how an
+:mod:`attnkit.flex` variant looks: its tiles, and its scores before and after the modifier) draw with
+matplotlib (imported only when a plot is drawn; install it with ``pip install 'attnkit[viz]'``) and return a
+`matplotlib.figure.Figure`, so the same call shows inline in a notebook and saves to a file from a script
+(``fig.savefig("attention.png")``). On a machine without a display the non-interactive Agg backend is chosen,
+unless ``MPLBACKEND`` says otherwise.
 
 `attention_html` needs nothing but NumPy: it writes one self-contained HTML page (script, style and
 data inline; it loads nothing from the network) in which a browser picks a layer and a head, hovers tokens
@@ -32,7 +34,7 @@ import numpy as np
 from .io import atomic_write
 
 __all__ = ["HTML_SIZE_WARNING_BYTES", "VIZ_INSTALL_HINT", "attention_figsize", "attention_html", "encode_attention",
-           "fit_attention", "plot_attention", "plot_training_curve"]
+           "fit_attention", "plot_attention", "plot_block_mask", "plot_score_mod", "plot_training_curve"]
 
 VIZ_INSTALL_HINT = "pip install 'attnkit[viz]'"
 
@@ -530,3 +532,161 @@ def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike,
                       f"open such pages slowly: pass fewer layers, heads or tokens", UserWarning, stacklevel=2)
     atomic_write(target, lambda f: f.write(page.encode("utf-8")))
     return target
+
+
+_TILE_COLOURS = ("#f2f2f2", "#f4b183", "#c55a11", "#2f5597")  # skipped tile, masked / kept in a partial tile, full
+_DENSE_LIMIT = 4_000_000  # cells drawn one by one up to this many, tiles only beyond
+
+
+def plot_block_mask(block_mask: Any, *, batch: int = 0, head: int = 0, ax: Any = None, title: str | None = None):
+    """Draw a :class:`~attnkit.flex.BlockMask`: which tiles the tiled kernel skips, masks or runs unmasked.
+
+    Up to 4 million cells, every cell is drawn: skipped tiles pale grey, cells of partial tiles light (masked)
+    or dark orange (attended), full tiles blue; beyond that, one colour per tile. Tile borders are drawn when
+    the tiles are at least a few pixels wide.
+
+    Parameters
+    ----------
+    block_mask : attnkit.flex.BlockMask
+    batch, head : int
+        Which (b, h) to draw (0 when the mask was built for all batches / heads at once).
+    ax : matplotlib Axes, optional
+        Draw into this axes instead of a new figure.
+    title : str, optional
+        Default: the share of tiles skipped, partial and full.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        ``fig.axes[0].images[0].get_array()`` holds the drawn codes: 0 skipped, 1 masked cell of a partial
+        tile, 2 attended cell of a partial tile, 3 full tile; shape (Lq, Lk) or, beyond the cell limit,
+        (nQ, nK) with 1 for partial tiles.
+
+    Examples
+    --------
+    >>> from attnkit.flex import create_block_mask, sliding_window_mask
+    >>> bm = create_block_mask(sliding_window_mask(3), None, None, 8, 8, block_size=4)
+    >>> fig = plot_block_mask(bm)
+    >>> fig.axes[0].images[0].get_array()[:, :4].astype(int).tolist()[:4]
+    [[2, 1, 1, 1], [2, 2, 1, 1], [2, 2, 2, 1], [1, 2, 2, 2]]
+    """
+    from .flex.masks import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be an attnkit.flex.BlockMask, got {type(block_mask).__name__}")
+    kinds_all = block_mask.kinds
+    b = _check_index(batch, kinds_all.shape[0], "batch")
+    h = _check_index(head, kinds_all.shape[1], "head")
+    kinds = kinds_all[b, h]  # (nQ, nK)
+    lq, lk, bq, bk = block_mask.q_len, block_mask.kv_len, block_mask.block_q, block_mask.block_k
+    if lq * lk <= _DENSE_LIMIT:
+        tile_kind = np.repeat(np.repeat(kinds, bq, axis=0), bk, axis=1)[:lq, :lk]  # (Lq, Lk)
+        allowed = np.broadcast_to(block_mask.tile_mask(0, lq, 0, lk), (*kinds_all.shape[:2], lq, lk))[b, h]
+        codes = np.where(tile_kind == 0, 0, np.where(tile_kind == 2, 3, np.where(allowed, 2, 1)))  # (Lq, Lk)
+        extent = (-0.5, lk - 0.5, lq - 0.5, -0.5)
+    else:
+        codes = np.where(kinds == 2, 3, kinds)  # (nQ, nK)
+        extent = (-0.5, kinds.shape[1] * bk - 0.5, kinds.shape[0] * bq - 0.5, -0.5)
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(6, 6 * min(2.0, max(0.5, lq / lk))),
+                                                                  layout="constrained")
+    ax.imshow(codes.astype(float), cmap=ListedColormap(_TILE_COLOURS), vmin=0, vmax=3, extent=extent,
+              interpolation="nearest", aspect="auto")
+    n_q, n_k = kinds.shape
+    if n_q <= 64 and n_k <= 64:  # tile borders, while they stay visible
+        for i in range(1, n_q):
+            ax.axhline(i * bq - 0.5, color="white", linewidth=0.6)
+        for j in range(1, n_k):
+            ax.axvline(j * bk - 0.5, color="white", linewidth=0.6)
+    ax.set_xlim(-0.5, lk - 0.5)
+    ax.set_ylim(lq - 0.5, -0.5)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    shares = [float(np.mean(kinds == kind)) for kind in (0, 1, 2)]
+    ax.set_title(title if title is not None else
+                 f"{lq} x {lk}, tiles {bq} x {bk}: {shares[0]:.0%} skipped, {shares[1]:.0%} partial, "
+                 f"{shares[2]:.0%} full", fontsize=10)
+    ax.legend(handles=[Patch(color=c, label=t) for c, t in zip(_TILE_COLOURS, (
+        "skipped tile", "masked (partial tile)", "attended (partial tile)", "full tile"))],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, framealpha=0.9)
+    return fig
+
+
+def _check_index(value: Any, size: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if size == 1:  # built for every batch / head at once
+        return 0
+    if not 0 <= value < size:
+        raise ValueError(f"{name} must be in [0, {size}), got {value}")
+    return int(value)
+
+
+def plot_score_mod(score_mod: Any, q: Any, k: Any, *, mask_mod: Any = None, batch: int = 0, head: int = 0,
+                   scale: float | None = None, ax: Any = None):
+    """Scores of one head before and after a score modifier (and the mask), side by side.
+
+    Parameters
+    ----------
+    score_mod : ScoreMod or callable ``(score, b, h, q_idx, kv_idx) -> score``
+    q : array_like (B, H, Lq, D)
+    k : array_like (B, H, Lk, D)
+        Keys with the query heads' count (expand grouped K/V first).
+    mask_mod : callable ``(b, h, q_idx, kv_idx) -> bool``, optional
+        Masked cells are left blank in the right panel.
+    batch, head : int
+    scale : float, optional
+        Default ``D ** -0.5``.
+    ax : sequence of two matplotlib Axes, optional
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        ``fig.axes[0]`` the raw scores ``scale * q k^T``, ``fig.axes[1]`` the modified (masked: NaN) ones,
+        each with its colour bar.
+
+    Examples
+    --------
+    >>> from attnkit.flex import softcap
+    >>> q = np.linspace(-3, 3, 8).reshape(1, 1, 4, 2); k = q.copy()
+    >>> fig = plot_score_mod(softcap(1.0), q, k)
+    >>> float(np.nanmax(fig.axes[1].images[0].get_array())) < 1.0 < float(fig.axes[0].images[0].get_array().max())
+    True
+    """
+    q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+    if q.ndim != 4 or k.ndim != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q must be (B, H, Lq, D) and k (B, H, Lk, D) with the same B, H and D, got {q.shape} "
+                         f"and {k.shape}")
+    b = _check_index(batch, q.shape[0], "batch")
+    h = _check_index(head, q.shape[1], "head")
+    lq, lk = q.shape[2], k.shape[2]
+    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
+    raw = scale * (q[b, h] @ k[b, h].T)  # (Lq, Lk)
+    idx = (np.full((1, 1, 1, 1), b), np.full((1, 1, 1, 1), h), np.arange(lq).reshape(1, 1, -1, 1),
+           np.arange(lk).reshape(1, 1, 1, -1))
+    forward = getattr(score_mod, "forward", score_mod)
+    if not callable(forward):
+        raise TypeError(f"score_mod must be a ScoreMod or a callable, got {type(score_mod).__name__}")
+    modified = np.broadcast_to(forward(raw[None, None], *idx), (1, 1, lq, lk))[0, 0].astype(np.float64)  # (Lq, Lk)
+    if mask_mod is not None:
+        keep = np.broadcast_to(mask_mod(*idx), (1, 1, lq, lk))[0, 0]  # (Lq, Lk)
+        modified = np.where(keep, modified, np.nan)
+    plt = _pyplot()
+    if ax is None:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4.5 * min(2.0, max(0.5, lq / lk))), layout="constrained")
+    else:
+        axes = list(ax)
+        if len(axes) != 2:
+            raise ValueError(f"ax must hold two Axes (before, after), got {len(axes)}")
+        fig = axes[0].figure
+    for a, values, name in ((axes[0], raw, "scores"), (axes[1], modified, "after the modifier"
+                                                        + (" and mask" if mask_mod is not None else ""))):
+        image = a.imshow(values, cmap="viridis", aspect="auto", interpolation="nearest")
+        a.set_title(name, fontsize=10)
+        a.set_xlabel("key")
+        a.set_ylabel("query")
+        fig.colorbar(image, ax=a)
+    return fig

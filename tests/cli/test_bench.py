@@ -45,3 +45,25 @@ def test_bench_does_not_read_the_source_tree():
 
     source = "".join(Path(m.__file__).read_text(encoding="utf-8") for m in (command, bench_module))
     assert "spec_from_file_location" not in source and "parents[" not in source
+
+
+def test_bench_decode_times_the_chosen_families_and_writes_their_figures(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from attnkit.benchmarks import decode
+
+    tiny = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=40, max_position_embeddings=64)
+    monkeypatch.setattr(decode, "FAMILIES", {"llama": ("LlamaConfig", tiny),
+                                             "gpt_oss": ("GptOssConfig", dict(tiny, head_dim=8, num_local_experts=3,
+                                                                              num_experts_per_tok=2,
+                                                                              sliding_window=4))})
+    monkeypatch.setattr(decode, "gemv_bandwidth", lambda: 1e10)
+    assert main(["bench", "decode", "--families", "llama", "gpt_oss", "--new", "3", "--batches", "1", "2",
+                 "--prefill", "8", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| family | decode b1 speed | decode b2 speed | prefill time | batch-1 GEMV fraction |" in out
+    assert "| gpt_oss |" in out and "greedy tokens equal: 100%" in out
+    figures = json.loads((tmp_path / "decode-benchmark.json").read_text())
+    assert set(figures) == {"llama", "gpt_oss"}
+    assert all(figures[f]["decode_b2_attnkit"] > 0 and figures[f]["prefill_hf_s"] > 0 for f in figures)

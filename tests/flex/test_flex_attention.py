@@ -191,3 +191,38 @@ def test_bad_inputs_name_the_argument():
         F.flex_attention(q, k, v, enable_gqa=True, sinks=np.zeros(3))
     with pytest.raises(ValueError, match="kernel"):
         F.flex_attention(q, k, v, enable_gqa=True, kernel="fast")
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+@pytest.mark.parametrize("lq, lk", [(5, 23), (23, 23), (30, 12)])
+@pytest.mark.parametrize("kernel", ["reference", "tiled"])
+def test_causal_lower_right_matches_torch_and_attnkit_causal(lq, lk, kernel):
+    """New tokens after a cache: queries aligned at the bottom-right corner, as torch's causal_lower_right and
+    attnkit's own ``causal=True``; queries with no key left (Lq > Lk) give zeros there too."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from attnkit.kernels import attention_forward
+
+    q, k, v = _inputs(Hq=2, Hkv=2, Lq=lq, Lk=lk)
+    bm = F.create_block_mask(F.causal_lower_right(lq, lk), None, None, lq, lk, block_size=8)
+    out, _ = F.flex_attention(q, k, v, None, bm, kernel=kernel)
+    own, _, _ = attention_forward(q, k, v, causal=True)
+    np.testing.assert_allclose(out, own, rtol=1e-12, atol=1e-14)
+    with torch.no_grad():
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *[torch.as_tensor(x) for x in (q, k, v)], attn_mask=causal_lower_right(lq, lk)).numpy()
+    live = np.arange(lq) + lk - lq >= 0  # torch gives NaN rows where no key is left
+    np.testing.assert_allclose(out[:, :, live], expected[:, :, live], rtol=1e-10, atol=1e-12)
+    assert np.all(out[:, :, ~live] == 0)
+
+
+def test_sliding_window_offset_aligns_the_window_at_the_bottom_right():
+    from attnkit.kernels import attention_forward
+
+    q, k, v = _inputs(Hq=2, Hkv=2, Lq=6, Lk=29)
+    bm = F.create_block_mask(F.sliding_window_mask(4, offset=29 - 6), None, None, 6, 29, block_size=8)
+    out, _ = F.flex_attention(q, k, v, None, bm, kernel="tiled")
+    own, _, _ = attention_forward(q, k, v, causal=True, window=4)
+    np.testing.assert_allclose(out, own, rtol=1e-12, atol=1e-14)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        F.sliding_window_mask(4, offset=1.5)

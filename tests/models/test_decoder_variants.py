@@ -27,6 +27,10 @@ VARIANTS = {
     # Gemma 3: (1 + w) per-head q/k norms and a rotary base of its own on the sliding layers
     "gemma3_text": dict(family="gemma3_text", norm_offset=1.0, post_norm=True, qk_norm=True, embedding_scale=1.5,
                         sliding_rope_theta=7.0, sliding_window=2, layer_types=("sliding_attention", "full_attention")),
+    # gpt-oss: learned sinks, biases, a top-2-of-3 mixture of clamped-SwiGLU experts (limit low enough to clamp)
+    "gpt_oss": dict(family="gpt_oss", attention_sinks=True, attention_bias=True, output_bias=True, mlp="experts",
+                    num_experts=3, num_experts_per_tok=2, swiglu_limit=0.6, sliding_window=2,
+                    layer_types=("sliding_attention", "full_attention")),
 }
 
 

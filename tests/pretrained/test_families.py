@@ -1,8 +1,11 @@
-"""The newer Hugging Face families (OLMo 2, SmolLM3, GPT-NeoX, Gemma, Phi-3) loaded from tiny random save_pretrained
-folders: float32 gradients of every parameter against torch autograd through the transformers model (each
-HF gradient brought to attnkit's layout by the loader's own tensor map), unknown config keys refused by name,
-``supported_model_types``. Logits and greedy parity are in test_causal_lm.py (FAMILY_MODELS)."""
+"""The newer Hugging Face families (OLMo 2, SmolLM3, GPT-NeoX, Gemma, Phi-3, gpt-oss) loaded from tiny random
+save_pretrained folders: float32 gradients of every parameter against torch autograd through the transformers
+model (each HF gradient brought to attnkit's layout by the loader's own tensor map), unknown config keys refused
+by name, ``supported_model_types``, gpt-oss's MXFP4 experts. Logits and greedy parity are in
+test_causal_lm.py (FAMILY_MODELS)."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -15,7 +18,8 @@ from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E4
 from hf_models import edit_config, left_padded_batch, positions_from_mask, saved_model  # noqa: E402
 
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
-                     "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window")
+                     "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
+                     "gpt_oss", "gpt_oss_clamped")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -61,7 +65,7 @@ def test_gradients_match_hf_autograd(name, hf_root):
 
 @pytest.mark.parametrize("name, key", [("olmo2", "use_sliding_window"), ("smollm3", "qk_layernorm"),
                                        ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode"),
-                                       ("phi3", "attention_bias")])
+                                       ("phi3", "attention_bias"), ("gpt_oss", "num_experts")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -69,4 +73,54 @@ def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
 
 
 def test_supported_model_types_lists_the_new_families():
-    assert {"qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text", "phi3"} <= set(supported_model_types())
+    families = {"qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text", "phi3", "gpt_oss"}
+    assert families <= set(supported_model_types())
+
+
+def _mxfp4_pair(rng, experts, rows, cols):
+    """Random MXFP4 blocks (E, R, C / 32, 16) and scales (E, R, C / 32) of weights about 2^-4 .. 2^-2."""
+    blocks = rng.integers(0, 256, size=(experts, rows, cols // 32, 16), dtype=np.uint8)
+    scales = rng.integers(127 - 6, 127 - 3, size=(experts, rows, cols // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
+    """gpt-oss is published with MXFP4 experts: a folder holding blocks and scales (and a quantization_config)
+    loads into the same logits as transformers' float model with its own dequantization of those bytes."""
+    from safetensors.numpy import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from hf_models import build_hf_model, hf_logits
+
+    hf = build_hf_model("gpt_oss_wide")
+    cfg = hf.config
+    e, d, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    rng = np.random.default_rng(9)
+    tensors = {name: p.detach().numpy().copy() for name, p in hf.state_dict().items()}
+    for i in range(cfg.num_hidden_layers):
+        base = f"model.layers.{i}.mlp.experts."
+        for name, rows, cols in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
+            blocks, scales = _mxfp4_pair(rng, e, rows, cols)
+            weight = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                dtype=torch.float32)  # (E, C, R) as transformers multiplies
+            with torch.no_grad():
+                getattr(hf.model.layers[i].mlp.experts, name).copy_(weight)
+            del tensors[base + name]
+            tensors[base + name + "_blocks"], tensors[base + name + "_scales"] = blocks, scales
+    folder = tmp_path / "gpt_oss_mxfp4"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = cfg.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    lm = load_causal_lm(folder)
+    ids, mask = left_padded_batch(np.random.default_rng(4), (6, 3))
+    ours, theirs = lm(ids, mask), hf_logits(hf, ids, mask)
+    err = np.max(np.abs(ours[mask] - theirs[mask])) / np.max(np.abs(theirs[mask]))
+    assert err < 2e-6, err
+
+
+def test_a_quantization_other_than_gpt_oss_mxfp4_is_refused(hf_root, tmp_path):
+    folder, _ = saved_model("llama_gqa", hf_root)
+    with pytest.raises(ValueError, match="quantization_config.*'gptq'"):
+        load_causal_lm(edit_config(folder, tmp_path / "q", quantization_config={"quant_method": "gptq"}))

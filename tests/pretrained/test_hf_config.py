@@ -127,7 +127,7 @@ def test_qwen2_explicit_layer_types_win_over_max_window_layers():
     ({"model_type": "llama", **SMALL, "hidden_act": "mish"}, ["'hidden_act'", "mish"]),
     ({"model_type": "llama", **SMALL, "tie_word_embeddings": "yes"}, ["'tie_word_embeddings'"]),
     ({"model_type": "llama", **SMALL, "eos_token_id": [2, "x"]}, ["'eos_token_id'"]),
-    ({"model_type": "llama", **SMALL, "rope_scaling": {"type": "longrope", "factor": 2.0}}, ["longrope"]),
+    ({"model_type": "llama", **SMALL, "rope_scaling": {"type": "mrope", "factor": 2.0}}, ["mrope"]),
     ({"model_type": "llama", **SMALL, "rope_scaling": {"rope_type": "linear"}}, ["'factor'", "missing"]),
     ({"model_type": "llama", **SMALL, "rope_scaling": {"rope_type": "linear", "factor": "2"}}, ["'factor'"]),
     ({"model_type": "llama", **SMALL, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),

@@ -57,7 +57,8 @@ class GroupedQueryAttention(Module):
     Attributes
     ----------
     W_Q : (D, Hq*Dh), W_K : (D, Hkv*Dh), W_V : (D, Hkv*Dh), W_O : (Hq*Dh, D), stored for ``x @ W``;
-    b_Q, b_K, b_V with ``attention_bias``; b_O with ``output_bias``. ``grads`` with the same names.
+    b_Q, b_K, b_V with ``attention_bias``; b_O with ``output_bias``; sinks (Hq,) with ``attention_sinks``.
+    ``grads`` with the same names.
 
     Shapes
     ------
@@ -102,8 +103,11 @@ class GroupedQueryAttention(Module):
             self.register_parameter("b_O", np.zeros(d))
         self.qk_norm, self.norm_eps, self.norm_offset = bool(config.qk_norm), config.norm_eps, config.norm_offset
         self.scale = config.attention_scale  # None: head_dim ** -0.5
-        # Soft-capped scores go through flex attention (its score modifier has the exact gradient).
+        # Soft-capped scores and sinks go through flex attention (exact gradients of both).
         self.score_mod = None if config.attn_logit_softcap is None else softcap(config.attn_logit_softcap)
+        self.has_sinks = bool(config.attention_sinks)
+        if self.has_sinks:
+            self.register_parameter("sinks", normal(gen, (self.num_heads,), std=0.02))
         self.qk_norm_scope = config.qk_norm_scope
         self.uses_rotary = config.rotary_of(layer_index)
         if self.qk_norm:
@@ -179,7 +183,7 @@ class GroupedQueryAttention(Module):
             key_mask = None if key_mask is None else key_mask[:, kept.slots]  # (B, S)
         else:
             key_mask = self._check_mask(attention_mask, b, length)
-        if self.score_mod is not None:
+        if self.score_mod is not None or self.has_sinks:
             out, weights, ctx = self._flex(q, k, v, key_mask, output_attentions)  # (B, Hq, L, Dh)
         else:
             qg = q.reshape(b, self.num_kv_heads, self.num_groups, length, self.head_dim)  # (B, Hkv, G, L, Dh)
@@ -208,7 +212,7 @@ class GroupedQueryAttention(Module):
                                        None if key_mask is None else b, None, length, seq_k)
         kernel = "reference" if need_weights or length == 1 else "tiled"
         out, ctx = flex_attention(q, k, v, self.score_mod, block_mask, scale=self.scale, enable_gqa=True,
-                                  kernel=kernel)  # (B, Hq, L, Dh)
+                                  sinks=self._parameters.get("sinks"), kernel=kernel)  # (B, Hq, L, Dh)
         weights = None if ctx.weights is None or not need_weights else ctx.weights.copy()  # (B, Hq, L, S)
         return out, weights, ctx
 
@@ -224,7 +228,9 @@ class GroupedQueryAttention(Module):
         self._accumulate("O", grad_w, grad_b)
         if isinstance(ctx, FlexAttentionContext):
             grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-            dq, dk, dv = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)[:3]  # (B, H, L, Dh)
+            dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
+            if self.has_sinks:
+                self.grads["sinks"] += dsinks[0]
         else:
             grad_out = grad_merged.reshape(b, length, self.num_kv_heads, self.num_groups, self.head_dim)
             grad_out = grad_out.transpose(0, 2, 3, 1, 4)  # (B, Hkv, G, L, Dh)

@@ -1,7 +1,8 @@
 """Benchmark: decoding and prefill of real model shapes, attnkit vs Hugging Face ``transformers`` (torch CPU).
 
-For each family (``gpt2``: GPT-2 small's shape, 124M parameters; ``llama``: SmolLM-135M's shape, 30 layers,
-GQA), a random ``transformers`` model is saved with ``save_pretrained`` and loaded by attnkit's own loader, so
+For each family (``gpt2``: GPT-2 small's shape, 124M parameters; every other family: SmolLM-135M's shape, 30
+layers, GQA, with the family's own parts: q/k norms, post-norms, soft-caps, sinks, experts...), a random
+``transformers`` model is saved with ``save_pretrained`` and loaded by attnkit's own loader, so
 both run the same float32 weights. Measured in one run, alternating the two:
 
 * decode tokens/s: a 16-token prompt, ``--new`` greedy tokens, batch 1 and 8 (``generate`` on both sides, the
@@ -36,22 +37,40 @@ from ..kernels._threads import num_threads
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe, machine_info
 
-__all__ = ["main", "parse_args", "run", "gemv_bandwidth", "FAMILIES"]
+__all__ = ["main", "parse_args", "run", "summary", "gemv_bandwidth", "FAMILIES"]
+
+# One shape for every rotary family (SmolLM-135M's: 30 layers, width 576, 9 query and 3 key/value heads), so the
+# ratios compare what each family adds rather than model sizes; GPT-2 keeps GPT-2 small's own shape.
+_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+              num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5,
+              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 # transformers config class and keyword arguments of each family's shape
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("GPT2Config", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-    "llama": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                                  tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5)),
+    "llama": ("LlamaConfig", dict(_SHAPE)),
+    "mistral": ("MistralConfig", dict(_SHAPE, sliding_window=512)),
+    "qwen2": ("Qwen2Config", dict(_SHAPE)),
+    "qwen3": ("Qwen3Config", dict(_SHAPE, head_dim=64)),
+    "olmo2": ("Olmo2Config", dict(_SHAPE)),
+    "smollm3": ("SmolLM3Config", dict(_SHAPE)),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=576, intermediate_size=2304, num_hidden_layers=30,
+                                       num_attention_heads=9, vocab_size=49152, max_position_embeddings=2048,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    "gemma2": ("Gemma2Config", dict(_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
+    "gemma3_text": ("Gemma3TextConfig", dict(_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
+    "phi3": ("Phi3Config", dict(_SHAPE)),
+    # eight experts of width 768, two per token: the same active MLP width as the others
+    "gpt_oss": ("GptOssConfig", dict(_SHAPE, head_dim=64, intermediate_size=768, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=128)),
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line."""
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.decode", description=__doc__.split("\n")[0])
-    p.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=sorted(FAMILIES))
+    p.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     p.add_argument("--threads", type=int, default=2, help="torch, BLAS and attnkit threads (default 2)")
     p.add_argument("--new", type=int, default=32, help="greedy tokens per decode run (default 32)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -104,6 +123,12 @@ def _weights_read_per_token(lm: Any) -> int:
         total -= lm.embed.weight.nbytes  # the head is separate: the table gives one row
     if lm.rotary is None:
         total -= lm.pos_embed.weight.nbytes
+    config = lm.config
+    if config.mlp == "experts":  # a token reads only its k experts of E
+        unused = 1 - config.num_experts_per_tok / config.num_experts
+        for layer in lm.layers:
+            total -= int(unused * sum(getattr(layer.mlp, name).nbytes
+                                      for name in ("W_gate", "W_up", "W_down", "b_gate", "b_up", "b_down")))
     return total
 
 
@@ -112,6 +137,9 @@ def _build(family: str, folder: Path, torch: Any):
 
     from ..pretrained import load_causal_lm
 
+    # the benchmark's output is its table: no progress bars or config notices from transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     config_class, kwargs = FAMILIES[family]
     torch.manual_seed(0)
     hf_config = getattr(transformers, config_class)(**kwargs)
@@ -166,7 +194,24 @@ def run(args: argparse.Namespace) -> dict:
     with _threads(torch, args.threads), torch.inference_mode():
         bandwidth = gemv_bandwidth()
         print(f"GEMV bandwidth (float32, 256 MiB matrix): {bandwidth / 1e9:.1f} GB/s")
-        return {family: _family(family, args, torch, bandwidth) for family in args.families}
+        figures = {family: _family(family, args, torch, bandwidth) for family in args.families}
+    for line in summary(figures):
+        print(line)
+    return figures
+
+
+def summary(figures: dict[str, dict[str, float]]) -> list[str]:
+    """A Markdown table of the ratios per family: decode speed (attnkit / transformers, higher is better),
+    prefill time (attnkit / transformers, lower is better) and the GEMV bandwidth fraction."""
+    batches = sorted({int(k[8:-8]) for row in figures.values() for k in row if k.endswith("_attnkit")
+                      and k.startswith("decode_b")})
+    head = ["family", *(f"decode b{b} speed" for b in batches), "prefill time", "batch-1 GEMV fraction"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for family, row in figures.items():
+        cells = [family, *(f"{row[f'decode_b{b}_attnkit'] / row[f'decode_b{b}_hf']:.2f}x" for b in batches),
+                 f"{row['prefill_attnkit_s'] / row['prefill_hf_s']:.2f}x", f"{row.get('gemv_fraction', 0):.0%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

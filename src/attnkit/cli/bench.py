@@ -1,11 +1,21 @@
-"""``attnkit bench``: time attnkit's attention kernels against naive NumPy and PyTorch (:mod:`attnkit.benchmarks`)."""
+"""``attnkit bench [NAME]``: time attnkit against naive NumPy, PyTorch and ``transformers`` (:mod:`attnkit.benchmarks`).
+
+``attention`` (the default) times the attention kernels; ``decode`` times every decoder family's generation and
+prefill against ``transformers``.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 from typing import Any
 
-from ._common import bounded_int, output_folder
+from ..benchmarks.decode import FAMILIES as _FAMILIES
+from ..io import atomic_write
+from ._common import UsageError, bounded_int, output_folder
+
+_DECODE_FAMILIES = tuple(_FAMILIES)
 
 __all__ = ["NAME", "add_parser", "run"]
 
@@ -15,14 +25,20 @@ NAME = "bench"
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit bench`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help="time the attention kernels against naive NumPy and PyTorch",
-        description="Run the attention benchmark (attnkit.benchmarks.attention): attnkit's tiled and reference "
+        NAME, help="time the attention kernels (or every model family's decoding) against PyTorch",
+        description="attnkit bench [attention]: the attention benchmark (attnkit.benchmarks.attention): "
+                    "attnkit's tiled and reference "
                     "kernels, a naive NumPy version and PyTorch (skipped, with a line saying so, when torch is "
                     "not installed), forward and forward+backward, causal and not, float32. Prints where it ran "
                     "(CPU, caches, BLAS and its kernel, threads), the table, and writes "
                     "OUT/attention-benchmark.json (and .png with matplotlib). Run it with "
                     "'env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE' where those are set. The encoder and MiniLM "
-                    "benchmarks: python -m attnkit.benchmarks.encoder / .minilm.")
+                    "benchmarks: python -m attnkit.benchmarks.encoder / .minilm. "
+                    "attnkit bench decode: every decoder family's greedy decoding (tokens/s at each --batches) and "
+                    "prefill against transformers in the same run, with the share of the GEMV bandwidth "
+                    "(attnkit.benchmarks.decode; needs torch and transformers).")
+    p.add_argument("name", nargs="?", default="attention", choices=("attention", "decode"),
+                   help="which benchmark (default attention)")
     p.add_argument("--sizes", type=bounded_int(1, 1 << 20), nargs="+", default=[256, 512, 1024, 2048],
                    help="sequence lengths L (default 256 512 1024 2048)")
     p.add_argument("--repeats", type=bounded_int(1, 10_000), default=3,
@@ -34,12 +50,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--memory-check", action="store_true",
                    help="also measure the tiled kernel's memory at L = 32768 (slow)")
     p.add_argument("--out", default="attnkit-bench", help="output folder (default attnkit-bench)")
+    decode_options = p.add_argument_group("decode")
+    decode_options.add_argument("--families", nargs="+", choices=_DECODE_FAMILIES, default=None,
+                                help="families to time (default: all)")
+    decode_options.add_argument("--new", type=bounded_int(1, 100_000), default=32,
+                                help="greedy tokens per decode run (default 32)")
+    decode_options.add_argument("--batches", type=bounded_int(1, 4096), nargs="+", default=[1, 8],
+                                help="decode batch sizes (default 1 8)")
+    decode_options.add_argument("--prefill", type=bounded_int(1, 1 << 20), default=1024,
+                                help="prefill length (default 1024)")
     p.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     """Translate the options into the benchmark's own and run it."""
+    if args.name == "decode":
+        return _run_decode(args)
     from ..benchmarks import attention
 
     out = output_folder(args.out)
@@ -54,4 +81,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         argv += ["--plot", str(out / "attention-benchmark.png")]
     attention.run(attention.parse_args(argv))
+    return 0
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from ..benchmarks import decode
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        raise UsageError("attnkit bench decode compares with transformers: pip install torch transformers")
+    argv = ["--new", str(args.new), "--batches", *map(str, args.batches), "--prefill", str(args.prefill),
+            "--repeats", str(args.repeats), "--threads", str((args.threads or [os.cpu_count() or 1])[0])]
+    if args.families:
+        argv += ["--families", *args.families]
+    figures = decode.run(decode.parse_args(argv))
+    out = output_folder(args.out)
+    text = (json.dumps(figures, indent=2) + "\n").encode()
+    atomic_write(out / "decode-benchmark.json", lambda f: f.write(text))
     return 0

@@ -9,6 +9,7 @@ from .attention import FlexAttentionContext, flex_attention, flex_attention_back
 from .masks import (
                     BlockMask,
                     and_masks,
+                    causal_lower_right,
                     causal_mask,
                     chunked_mask,
                     create_block_mask,
@@ -31,5 +32,5 @@ from .modifiers import (
 
 __all__ = ["flex_attention", "flex_attention_backward", "FlexAttentionContext", "ScoreMod", "softcap", "alibi",
            "alibi_slopes", "relative_position_bias", "additive_bias", "compose", "t5_relative_position_bucket",
-           "causal_mask", "sliding_window_mask", "chunked_mask", "document_mask", "prefix_lm_mask",
-           "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask"]
+           "causal_mask", "causal_lower_right", "sliding_window_mask", "chunked_mask", "document_mask",
+           "prefix_lm_mask", "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask"]

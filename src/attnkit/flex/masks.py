@@ -12,8 +12,8 @@ import numpy as np
 
 from .._validation import check_positive_int
 
-__all__ = ["causal_mask", "sliding_window_mask", "chunked_mask", "document_mask", "prefix_lm_mask",
-           "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask",
+__all__ = ["causal_mask", "causal_lower_right", "sliding_window_mask", "chunked_mask", "document_mask",
+           "prefix_lm_mask", "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask",
            "EMPTY", "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -24,12 +24,38 @@ def causal_mask(b, h, q_idx, kv_idx):
     return np.asarray(kv_idx) <= np.asarray(q_idx)
 
 
-def sliding_window_mask(window: int) -> Callable:
-    """Causal window of ``window`` keys: ``q_idx - window < kv_idx <= q_idx``."""
-    window = check_positive_int(window, "window")
+def causal_lower_right(q_len: int, kv_len: int) -> Callable:
+    """Causal attention aligned at the bottom-right corner: query i sees keys ``kv_idx <= i + kv_len - q_len``.
+
+    The queries are the last ``q_len`` of the ``kv_len`` positions, as when new tokens attend to a cache (torch's
+    ``causal_lower_right``, attnkit's ``causal=True`` for Lq != Lk). With ``q_len == kv_len`` this is
+    :func:`causal_mask`; a query with no key left (``q_len > kv_len``) gets a zero output.
+
+    Examples
+    --------
+    >>> causal_lower_right(2, 4)(0, 0, np.arange(2)[:, None], np.arange(4)[None]).astype(int).tolist()
+    [[1, 1, 1, 0], [1, 1, 1, 1]]
+    """
+    q_len, kv_len = check_positive_int(q_len, "q_len"), check_positive_int(kv_len, "kv_len")
+    offset = kv_len - q_len
 
     def mask(b, h, q_idx, kv_idx):
-        q, k = np.asarray(q_idx), np.asarray(kv_idx)
+        return np.asarray(kv_idx) <= np.asarray(q_idx) + offset
+    return mask
+
+
+def sliding_window_mask(window: int, *, offset: int = 0) -> Callable:
+    """Causal window of ``window`` keys: ``q + offset - window < kv_idx <= q + offset`` for query ``q``.
+
+    ``offset`` = ``kv_len - q_len`` aligns the window at the bottom-right corner (new tokens after a cache).
+    """
+    window = check_positive_int(window, "window")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    offset = int(offset)
+
+    def mask(b, h, q_idx, kv_idx):
+        q, k = np.asarray(q_idx) + offset, np.asarray(kv_idx)
         return (k <= q) & (k > q - window)
     return mask
 

@@ -79,12 +79,20 @@ class _Softcap(ScoreMod):
             raise ValueError(f"softcap: cap must be a positive finite number, got {cap!r}")
         self.cap = float(cap)
 
+    # One new array per call, the rest in place: the kernel calls these on every tile.
     def forward(self, score, b, h, q_idx, kv_idx):
-        return self.cap * np.tanh(score / self.cap)
+        out = np.divide(score, self.cap)
+        np.tanh(out, out=out)
+        out *= self.cap
+        return out
 
     def backward(self, grad, score, b, h, q_idx, kv_idx):
-        t = np.tanh(score / self.cap)
-        return grad * (1 - t * t)
+        t = np.divide(score, self.cap)
+        np.tanh(t, out=t)
+        np.multiply(t, t, out=t)
+        np.subtract(1, t, out=t)
+        t *= grad
+        return t
 
 
 def softcap(cap: float) -> ScoreMod:

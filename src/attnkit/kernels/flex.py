@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 
 from ._masked_product import nonfinite_rows, zero_safe_matmul
+from ._threads import check_stop, default_num_threads, run_tasks
 
 __all__ = ["FlexContext", "flex_forward", "flex_backward"]
 
@@ -63,7 +64,8 @@ def _masked_bad(bad: np.ndarray | None, keep, k0: int, k1: int) -> bool:
 def _scores(q, k, scale, score_mod, mask_tile, kind, q0, q1, k0, k1):
     """Modified, masked scores of one tile (B, H, Tq, Tk), the raw scores and the keep mask (or None)."""
     B, H = q.shape[:2]
-    raw = scale * (q[:, :, q0:q1] @ k[:, :, k0:k1].swapaxes(-1, -2))  # (B, H, Tq, Tk)
+    raw = q[:, :, q0:q1] @ k[:, :, k0:k1].swapaxes(-1, -2)  # (B, H, Tq, Tk)
+    raw *= raw.dtype.type(scale)
     idx = _idx(B, H, q0, q1, k0, k1)
     s = raw if score_mod is None else score_mod.forward(raw, *idx)
     keep = None
@@ -74,27 +76,26 @@ def _scores(q, k, scale, score_mod, mask_tile, kind, q0, q1, k0, k1):
 
 
 def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, block_q=None, block_k=None,
-                 sinks=None, tiled=False):
+                 sinks=None, tiled=False, num_threads=None):
     """Forward pass; returns ``(out (B, H, Lq, Dv), lse (B, H, Lq), weights or None, ctx)``.
 
     The reference path (``tiled=False``) uses one tile covering everything and returns the weights
-    (B, H, Lq, Lk); the tiled path visits ``block_q x block_k`` tiles with an online softmax.
+    (B, H, Lq, Lk); the tiled path visits ``block_q x block_k`` tiles with an online softmax, one band of
+    query rows per task over ``num_threads`` threads (default: attnkit's setting). Bands write disjoint rows,
+    so the result does not depend on the thread count.
     """
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     bq, bk = (min(block_q or 128, Lq), min(block_k or 128, Lk)) if tiled else (Lq, Lk)
     nq, nk = -(-Lq // bq), -(-Lk // bk)
-    if tiled and kinds is not None:
-        plan = _plan(kinds, nq, nk)
-    else:
-        plan = np.full((nq, nk), 1 if mask_tile is not None else 2, dtype=np.int8)
+    plan = _tile_plan(tiled, kinds, mask_tile, nq, nk)
     dtype = q.dtype
     sink = None if sinks is None else sinks.astype(dtype).reshape(1, H, 1)  # (1, H, 1)
     out = np.zeros((B, H, Lq, v.shape[-1]), dtype=dtype)
     lse = np.empty((B, H, Lq), dtype=dtype)
-    weights = None
     bad_v = nonfinite_rows(v)  # (Lk,) or None
-    for i in range(nq):
+
+    def band(i: int, worker: int) -> None:
         q0, q1 = i * bq, min(Lq, (i + 1) * bq)
         m = np.full((B, H, q1 - q0), -np.inf, dtype=dtype) if sink is None else \
             np.broadcast_to(sink, (B, H, q1 - q0)).copy()  # (B, H, Tq)
@@ -103,20 +104,32 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
         for j in range(nk):
             if plan[i, j] == 0:
                 continue
+            check_stop()
             k0, k1 = j * bk, min(Lk, (j + 1) * bk)
             s, _, keep, _ = _scores(q, k, scale, score_mod, mask_tile, plan[i, j], q0, q1, k0, k1)
+            if not s.flags.writeable:  # a modifier may return a read-only view
+                s = s.copy()
             m_new = np.maximum(m, s.max(axis=-1))  # (B, H, Tq)
             safe = np.where(np.isfinite(m_new), m_new, 0)  # (B, H, Tq)
-            p = np.exp(s - safe[..., None])  # (B, H, Tq, Tk)
+            s -= safe[..., None]
+            p = np.exp(s, out=s)  # (B, H, Tq, Tk), in place: the tile's scores are not needed again
             alpha = np.exp(m - safe)  # (B, H, Tq)
             denom = denom * alpha + p.sum(axis=-1)
+            acc *= alpha[..., None]
             product = zero_safe_matmul if _masked_bad(bad_v, keep, k0, k1) else np.matmul
-            acc = acc * alpha[..., None] + product(p, v[:, :, k0:k1])  # (B, H, Tq, Dv)
+            acc += product(p, v[:, :, k0:k1])  # (B, H, Tq, Dv)
             m = m_new
         live = denom > 0
         safe_m = np.where(np.isfinite(m), m, 0)
         out[:, :, q0:q1] = np.where(live[..., None], acc / np.where(live, denom, 1)[..., None], 0)
         lse[:, :, q0:q1] = np.where(live, safe_m + np.log(np.where(live, denom, 1)), -np.inf)
+
+    if nq == 1:  # one band (the reference path, short inputs): BLAS keeps its own threads
+        band(0, 0)
+    else:  # the largest bands (most tiles to visit) first, for load balance
+        order = sorted(range(nq), key=lambda i: -int(np.count_nonzero(plan[i])))
+        run_tasks(order, band, num_threads or default_num_threads())
+    weights = None
     if not tiled:
         s, _, _, _ = _scores(q, k, scale, score_mod, mask_tile, plan[0, 0] if plan.size else 2, 0, Lq, 0, Lk)
         weights = np.exp(s - np.where(np.isfinite(lse), lse, 0)[..., None])  # (B, H, Lq, Lk)
@@ -125,46 +138,76 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
     return out, lse, weights, ctx
 
 
-def flex_backward(grad_out, ctx: FlexContext):
-    """Returns ``(dq, dk, dv, dsinks or None)``; modifier parameter gradients go into ``score_mod.grads``."""
+def _tile_plan(tiled, kinds, mask_tile, nq, nk):
+    if tiled and kinds is not None:
+        return _plan(kinds, nq, nk)
+    return np.full((nq, nk), 1 if mask_tile is not None else 2, dtype=np.int8)
+
+
+def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
+    """Returns ``(dq, dk, dv, dsinks or None)``; modifier parameter gradients go into ``score_mod.grads``.
+
+    Tasks own key bands (their dk, dv rows are theirs alone); with T tasks, task t takes the key bands
+    ``j = t, t + T, ...`` and keeps its own partial dq, and the partials are added in task order, so the bits
+    depend on the thread count but not on scheduling. A score modifier with parameters (whose ``.grads`` every
+    tile adds into) runs on one thread.
+    """
     q, k, v = ctx.q, ctx.k, ctx.v
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     bq, bk = ctx.block_q, ctx.block_k
     nq, nk = -(-Lq // bq), -(-Lk // bk)
-    if ctx.tiled and ctx.kinds is not None:
-        plan = _plan(ctx.kinds, nq, nk)
-    else:
-        plan = np.full((nq, nk), 1 if ctx.mask_tile is not None else 2, dtype=np.int8)
+    plan = _tile_plan(ctx.tiled, ctx.kinds, ctx.mask_tile, nq, nk)
     grad_out = grad_out.astype(q.dtype, copy=False)
-    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
     delta = (grad_out * ctx.out).sum(axis=-1)  # (B, H, Lq)
     lse = np.where(np.isfinite(ctx.lse), ctx.lse, np.inf)  # dead rows: every probability exp(-inf) = 0
     bad_k, bad_v = nonfinite_rows(k), nonfinite_rows(v)  # (Lk,) or None each
-    for i in range(nq):
-        q0, q1 = i * bq, min(Lq, (i + 1) * bq)
-        g_i, d_i, l_i = grad_out[:, :, q0:q1], delta[:, :, q0:q1, None], lse[:, :, q0:q1, None]
-        for j in range(nk):
-            if plan[i, j] == 0:
-                continue
+    threads = num_threads or default_num_threads()
+    if ctx.score_mod is not None and getattr(ctx.score_mod, "params", None):
+        threads = 1
+    tasks = min(threads, nk)
+    partial_dq = [np.zeros_like(q) for _ in range(tasks)]
+
+    def key_bands(t: int, worker: int) -> None:
+        dq = partial_dq[t]
+        for j in range(t, nk, tasks):
             k0, k1 = j * bk, min(Lk, (j + 1) * bk)
-            s, raw, keep, idx = _scores(q, k, ctx.scale, ctx.score_mod, ctx.mask_tile, plan[i, j], q0, q1, k0, k1)
-            p = np.exp(s - l_i)  # (B, H, Tq, Tk)
-            dv[:, :, k0:k1] += p.swapaxes(-1, -2) @ g_i  # (B, H, Tk, Dv)
-            ds = p * (g_i @ v[:, :, k0:k1].swapaxes(-1, -2) - d_i)  # (B, H, Tq, Tk)
-            masked_bad_k = _masked_bad(bad_k, keep, k0, k1)
-            if _masked_bad(bad_v, keep, k0, k1):
-                ds = np.where(keep, ds, 0)  # masked: p = 0, but g . v is NaN where v is
-            if ctx.score_mod is not None:
-                if masked_bad_k:
-                    raw = np.where(keep, raw, 0)  # a modifier's gradient must not read masked NaN scores
-                ds = ctx.score_mod.backward(ds, raw, *idx)
-                if keep is not None:
-                    ds = np.where(keep, ds, 0)
-            ds = ds * ctx.scale
-            product = zero_safe_matmul if masked_bad_k else np.matmul
-            dq[:, :, q0:q1] += product(ds, k[:, :, k0:k1])  # (B, H, Tq, D)
-            dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q[:, :, q0:q1]  # (B, H, Tk, D)
+            for i in range(nq):
+                if plan[i, j] == 0:
+                    continue
+                check_stop()
+                q0, q1 = i * bq, min(Lq, (i + 1) * bq)
+                g_i, d_i, l_i = grad_out[:, :, q0:q1], delta[:, :, q0:q1, None], lse[:, :, q0:q1, None]
+                s, raw, keep, idx = _scores(q, k, ctx.scale, ctx.score_mod, ctx.mask_tile, plan[i, j],
+                                            q0, q1, k0, k1)
+                if ctx.score_mod is not None and np.may_share_memory(s, raw):
+                    s = s.copy()  # the modifier's backward reads the raw scores
+                s -= l_i
+                p = np.exp(s, out=s)  # (B, H, Tq, Tk)
+                dv[:, :, k0:k1] += p.swapaxes(-1, -2) @ g_i  # (B, H, Tk, Dv)
+                ds = p * (g_i @ v[:, :, k0:k1].swapaxes(-1, -2) - d_i)  # (B, H, Tq, Tk)
+                masked_bad_k = _masked_bad(bad_k, keep, k0, k1)
+                if _masked_bad(bad_v, keep, k0, k1):
+                    ds = np.where(keep, ds, 0)  # masked: p = 0, but g . v is NaN where v is
+                if ctx.score_mod is not None:
+                    if masked_bad_k:
+                        raw = np.where(keep, raw, 0)  # a modifier's gradient must not read masked NaN scores
+                    ds = ctx.score_mod.backward(ds, raw, *idx)
+                    if keep is not None:
+                        ds = np.where(keep, ds, 0)
+                ds *= ctx.scale
+                product = zero_safe_matmul if masked_bad_k else np.matmul
+                dq[:, :, q0:q1] += product(ds, k[:, :, k0:k1])  # (B, H, Tq, D)
+                dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q[:, :, q0:q1]  # (B, H, Tk, D)
+
+    if tasks == 1:
+        key_bands(0, 0)
+    else:
+        run_tasks(list(range(tasks)), key_bands, tasks)
+    dq = partial_dq[0]
+    for more in partial_dq[1:]:
+        dq += more
     dsinks = None
     if ctx.sinks is not None:
         p_sink = np.exp(ctx.sinks.astype(q.dtype).reshape(1, H, 1) - lse)  # (B, H, Lq)

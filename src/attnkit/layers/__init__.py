@@ -7,8 +7,8 @@
   and the :class:`TransformerEncoder` stack;
 - :class:`TransformerDecoderBlock` (self-attention, cross-attention, feed-forward), the
   :class:`TransformerDecoder` stack and the encoder-decoder :class:`Transformer`;
-- the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`RotaryEmbedding` and
-  :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`).
+- the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`MixtureOfExperts`,
+  :class:`RotaryEmbedding` and :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`).
 
 Every layer's ``forward`` caches what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
@@ -18,6 +18,7 @@ from .dropout import Dropout
 from .embedding import Embedding
 from .encoder import TransformerEncoder
 from .encoder_block import TransformerEncoderBlock
+from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
@@ -33,5 +34,5 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "RotaryEmbedding", "LMBlock",
+    "RMSNorm", "GatedMLP", "MixtureOfExperts", "RotaryEmbedding", "LMBlock",
 ]

@@ -11,6 +11,7 @@ import numpy as np
 from ..attention.grouped_query import GroupedQueryAttention
 from ..core.module import Module
 from ..init import as_generator, normal
+from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
@@ -39,8 +40,9 @@ class LMBlock(Module):
     Parameters
     ----------
     config : DecoderConfig
-        ``norm`` picks RMSNorm or LayerNorm, ``mlp`` picks :class:`GatedMLP` or the plain
-        :class:`FeedForward` (GPT-2), ``window_of(layer_index)`` the attention's sliding window.
+        ``norm`` picks RMSNorm or LayerNorm, ``mlp`` picks :class:`GatedMLP`, the plain
+        :class:`FeedForward` (GPT-2) or :class:`MixtureOfExperts` (gpt-oss), ``window_of(layer_index)``
+        the attention's sliding window.
     layer_index : int
     rng : numpy.random.Generator or int, optional
 
@@ -78,6 +80,8 @@ class LMBlock(Module):
             self.mlp_norm = make_norm(config)
         if config.mlp == "gated":
             self.mlp = GatedMLP(config, rng=gen)
+        elif config.mlp == "experts":
+            self.mlp = MixtureOfExperts(config, rng=gen)
         else:
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=gen)
             for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default

@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["DecoderConfig", "FAMILIES", "ROPE_TYPES"]
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text",
-            "phi3")
+            "phi3", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -62,8 +62,9 @@ class DecoderConfig:
     norm : {"layernorm", "rmsnorm"}
     norm_eps : float
     activation : {"silu", "gelu", "gelu_tanh", "relu"}
-    mlp : {"gated", "plain"}
-        ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for silu); ``plain``: ``act(x W1 + b1) W2 + b2``.
+    mlp : {"gated", "plain", "experts"}
+        ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for silu); ``plain``: ``act(x W1 + b1) W2 + b2``;
+        ``experts``: a routed mixture of clamped-SwiGLU experts (see ``num_experts``).
     position : {"rotary", "learned"}
         Rotary embeddings on queries and keys, or a learned absolute position table added to the input.
     rope_theta : float
@@ -112,6 +113,16 @@ class DecoderConfig:
         The rotary base of the sliding-window layers when it differs from ``rope_theta`` (Gemma 3);
         ``sliding_rope_scaling`` (a normalised scaling dict or None) goes with it.
     sliding_rope_scaling : dict, optional
+    attention_sinks : bool
+        Every query head has a learned sink logit ``sinks`` (Hq,) that joins its softmax and takes weight from
+        the keys without contributing a value (gpt-oss).
+    num_experts : int
+        E > 0 with ``mlp="experts"``: the mixture-of-experts MLP's experts (gpt-oss); 0 otherwise.
+    num_experts_per_tok : int
+        k <= E: the experts a router picks per token (softmax over their k router logits).
+    swiglu_alpha, swiglu_limit : float
+        The experts' clamped SwiGLU: ``gate`` clamped above at ``limit``, ``up`` to ``[-limit, limit]``,
+        ``(up + 1) * gate * sigmoid(alpha * gate)`` (gpt-oss: 1.702 and 7.0).
     tie_word_embeddings : bool
         The output head reuses the token embedding matrix.
     sliding_window : int, optional
@@ -165,6 +176,11 @@ class DecoderConfig:
     final_logit_softcap: float | None = None
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict | None = None
+    attention_sinks: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())
@@ -182,7 +198,7 @@ class DecoderConfig:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         for name, value, allowed in (("norm", self.norm, ("layernorm", "rmsnorm")),
                                      ("activation", self.activation, _ACTIVATIONS),
-                                     ("mlp", self.mlp, ("gated", "plain")),
+                                     ("mlp", self.mlp, ("gated", "plain", "experts")),
                                      ("position", self.position, ("rotary", "learned")),
                                      ("qk_norm_scope", self.qk_norm_scope, _QK_NORM_SCOPES)):
             if value not in allowed:
@@ -220,6 +236,16 @@ class DecoderConfig:
                 _finite_positive(getattr(self, name), name)
         if self.sliding_rope_scaling is not None and self.sliding_rope_theta is None:
             raise ValueError("sliding_rope_scaling needs sliding_rope_theta")
+        if self.mlp == "experts":
+            _positive_int(self.num_experts, "num_experts")
+            _positive_int(self.num_experts_per_tok, "num_experts_per_tok")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most num_experts "
+                                 f"({self.num_experts})")
+            _finite_positive(self.swiglu_alpha, "swiglu_alpha")
+            _finite_positive(self.swiglu_limit, "swiglu_limit")
+        elif self.num_experts or self.num_experts_per_tok:
+            raise ValueError(f"num_experts and num_experts_per_tok need mlp='experts', got mlp={self.mlp!r}")
         if self.sliding_window is not None:
             _positive_int(self.sliding_window, "sliding_window")
         types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers

@@ -25,6 +25,7 @@ import numpy as np
 from ..io import read_json
 from ..models.config import DecoderConfig
 from ._extra import import_extra
+from .mxfp4 import dequantize_mxfp4
 
 __all__ = ["TensorMap", "checkpoint_map", "checkpoint_tensors",
            "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
@@ -40,6 +41,9 @@ _NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
 
 # The output head's name, outside the base model's prefix (GPT-NeoX calls it embed_out).
 HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
+
+# The name that marks a checkpoint whose experts are MXFP4 blocks (gpt-oss as published).
+_MXFP4_MARK = "experts.gate_up_proj_blocks"
 
 # Buffers some checkpoints carry that are not weights: GPT-2's causal mask and old rotary frequency tables.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
@@ -58,13 +62,19 @@ class TensorMap:
         Its shape in the checkpoint.
     targets : tuple of str
         attnkit parameter names (three for a fused ``c_attn``, else one).
-    layout : {"copy", "transpose", "split", "head_split", "head_split_transpose", "row_split_transpose"}
+    layout : {"copy", "transpose", "split", "head_split", "head_split_transpose", "row_split_transpose",
+              "interleaved_split"}
         ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis;
         ``head_split``: a first axis laid out (heads, parts, Dh), each part gathered over the heads (GPT-NeoX's
         fused ``query_key_value``: every head's q, k, v rows together); ``head_split_transpose``: that, then
         each part transposed.
     heads : int
         The number of heads of a ``head_split`` layout (0 otherwise).
+        ``interleaved_split``: the last axis alternates the parts (gpt-oss's ``gate_up_proj``: gate, up, gate,
+        up, ...), each part gathered with a stride.
+    scales : str
+        Set when ``source`` holds MXFP4 blocks (gpt-oss's quantized experts): the name of their scales tensor;
+        ``shape`` and ``layout`` then describe the dequantized array.
     sizes : tuple of int
         ``row_split_transpose``: the first axis cut into parts of these sizes, each transposed (Phi-3's fused
         ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)).
@@ -76,6 +86,16 @@ class TensorMap:
     layout: str
     heads: int = 0
     sizes: tuple[int, ...] = ()
+    scales: str = ""
+
+    @property
+    def stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint name -> shape on disk: ``source`` alone, or an MXFP4 pair (``scales`` set): ``source`` the
+        blocks (E, R, C / 32, 16) and ``scales`` (E, R, C / 32) of the logical (E, C, R) ``shape``."""
+        if not self.scales:
+            return {self.source: self.shape}
+        e, c, r = self.shape
+        return {self.source: (e, r, c // 32, 16), self.scales: (e, r, c // 32)}
 
     def target_shapes(self) -> dict[str, tuple[int, ...]]:
         """attnkit parameter name -> the shape it receives."""
@@ -86,6 +106,9 @@ class TensorMap:
             return {t: part for t in self.targets}
         if self.layout == "row_split_transpose":
             return {t: self.shape[1:][::-1] + (n,) for t, n in zip(self.targets, self.sizes)}
+        if self.layout == "interleaved_split":
+            part = self.shape[:-1] + (self.shape[-1] // len(self.targets),)
+            return {t: part for t in self.targets}
         if self.layout.startswith("head_split"):
             part = (self.shape[0] // len(self.targets),) + self.shape[1:]
             return {t: part[::-1] if self.layout.endswith("transpose") else part for t in self.targets}
@@ -100,6 +123,9 @@ class TensorMap:
         if self.layout == "row_split_transpose":
             parts = np.split(array, np.cumsum(self.sizes)[:-1], axis=0)  # (size, In) each
             return {t: p.T for t, p in zip(self.targets, parts)}
+        if self.layout == "interleaved_split":
+            n = len(self.targets)
+            return {t: np.ascontiguousarray(array[..., i::n]) for i, t in enumerate(self.targets)}  # (..., F) each
         if self.layout.startswith("head_split"):
             n = len(self.targets)
             grouped = array.reshape(self.heads, n, -1, *array.shape[1:])  # (H, parts, Dh, ...)
@@ -116,6 +142,8 @@ class TensorMap:
             return np.concatenate(parts, axis=-1)
         if self.layout == "row_split_transpose":
             return np.ascontiguousarray(np.concatenate([p.T for p in parts], axis=0))  # (sum(sizes), In)
+        if self.layout == "interleaved_split":
+            return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # (..., n*F), parts alternating
         if self.layout.startswith("head_split"):
             if self.layout.endswith("transpose"):
                 parts = [p.T for p in parts]  # (H*Dh, In) each
@@ -143,8 +171,10 @@ def checkpoint_tensors(config: DecoderConfig, params: dict[str, Any]) -> dict[st
     return {(m.source if m.source in HEAD_NAMES else prefix + m.source): m.gather(params) for m in maps}
 
 
-def checkpoint_map(config: DecoderConfig) -> tuple[list[TensorMap], str]:
+def checkpoint_map(config: DecoderConfig, *, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """Every tensor a Hugging Face checkpoint of ``config``'s family holds, with its attnkit destination.
+
+    ``mxfp4=True``: the experts' matrices are MXFP4 blocks and scales, as gpt-oss is published.
 
     Returns
     -------
@@ -167,7 +197,9 @@ def checkpoint_map(config: DecoderConfig) -> tuple[list[TensorMap], str]:
         return _gpt2_map(config), "transformer."
     if config.family == "gpt_neox":
         return _gpt_neox_map(config), "gpt_neox."
-    return _rotary_map(config), "model."
+    if mxfp4 and config.mlp != "experts":
+        raise ValueError(f"MXFP4 tensors are read only for mixture-of-experts models (gpt-oss), not {config.family}")
+    return _rotary_map(config, mxfp4), "model."
 
 
 def _gpt2_map(cfg: DecoderConfig) -> list[TensorMap]:
@@ -198,8 +230,8 @@ def _gpt2_map(cfg: DecoderConfig) -> list[TensorMap]:
     return maps
 
 
-def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+def _rotary_map(cfg: DecoderConfig, mxfp4: bool) -> list[TensorMap]:
+    d, v = cfg.hidden_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
     for i in range(cfg.num_layers):
@@ -231,15 +263,10 @@ def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
         if cfg.pre_norm:
             name = "pre_feedforward_layernorm" if cfg.post_norm else "post_attention_layernorm"
             maps.append(TensorMap(f"{hf}{name}.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
-        if fused:
-            maps.append(TensorMap(hf + "mlp.gate_up_proj.weight", (2 * f, d), (mlp + "W_gate", mlp + "W_up"),
-                                  "row_split_transpose", sizes=(f, f)))
-        for proj, shape, name, width in ((("down_proj", (d, f), "down", d),) if fused else
-                                         (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
-                                          ("down_proj", (d, f), "down", d))):
-            maps.append(TensorMap(f"{hf}mlp.{proj}.weight", shape, (mlp + "W_" + name,), "transpose"))
-            if cfg.mlp_bias:
-                maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (mlp + "b_" + name,), "copy"))
+        if cfg.attention_sinks:
+            maps.append(TensorMap(hf + "self_attn.sinks", (cfg.num_heads,), (attn + "sinks",), "copy"))
+        maps += (_experts_map(cfg, hf + "mlp.", mlp, mxfp4) if cfg.mlp == "experts"
+                 else _gated_mlp_map(cfg, hf, mlp, fused))
         if cfg.post_norm:
             maps.append(TensorMap(hf + "post_feedforward_layernorm.weight", (d,), (ak + "mlp_post_norm.gamma",),
                                   "copy"))
@@ -247,6 +274,41 @@ def _rotary_map(cfg: DecoderConfig) -> list[TensorMap]:
     if not cfg.tie_word_embeddings:
         maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
     return maps
+
+
+def _gated_mlp_map(cfg: DecoderConfig, hf: str, ak: str, fused: bool) -> list[TensorMap]:
+    """A gated MLP's projections: separate ``gate_proj`` / ``up_proj``, or Phi-3's fused ``gate_up_proj``."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    maps = []
+    projections = [("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f)]
+    if fused:
+        maps.append(TensorMap(hf + "mlp.gate_up_proj.weight", (2 * f, d), (ak + "W_gate", ak + "W_up"),
+                              "row_split_transpose", sizes=(f, f)))
+        projections = []
+    for proj, shape, name, width in projections + [("down_proj", (d, f), "down", d)]:
+        maps.append(TensorMap(f"{hf}mlp.{proj}.weight", shape, (ak + "W_" + name,), "transpose"))
+        if cfg.mlp_bias:
+            maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (ak + "b_" + name,), "copy"))
+    return maps
+
+
+def _experts_map(cfg: DecoderConfig, hf: str, ak: str, mxfp4: bool) -> list[TensorMap]:
+    """gpt-oss's router and experts: ``gate_up_proj`` (E, D, 2F) alternates gate and up columns; with ``mxfp4``
+    the two expert matrices are stored as MXFP4 blocks and scales."""
+    d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+
+    def matrix(name: str, shape: tuple[int, ...], targets: tuple[str, ...], layout: str) -> TensorMap:
+        if mxfp4:
+            return TensorMap(f"{hf}experts.{name}_blocks", shape, targets, layout, scales=f"{hf}experts.{name}_scales")
+        return TensorMap(f"{hf}experts.{name}", shape, targets, layout)
+
+    return [TensorMap(hf + "router.weight", (e, d), (ak + "W_router",), "transpose"),
+            TensorMap(hf + "router.bias", (e,), (ak + "b_router",), "copy"),
+            matrix("gate_up_proj", (e, d, 2 * f), (ak + "W_gate", ak + "W_up"), "interleaved_split"),
+            TensorMap(hf + "experts.gate_up_proj_bias", (e, 2 * f), (ak + "b_gate", ak + "b_up"),
+                      "interleaved_split"),
+            matrix("down_proj", (e, f, d), (ak + "W_down",), "copy"),
+            TensorMap(hf + "experts.down_proj_bias", (e, d), (ak + "b_down",), "copy")]
 
 
 def _gpt_neox_map(cfg: DecoderConfig) -> list[TensorMap]:
@@ -380,7 +442,8 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
         # Every layer needs tensors of its own: refuse before building a map (or a model) for the claimed depth.
         raise ValueError(f"{index.folder}: the config's num_hidden_layers = {config.num_layers} cannot match a "
                          f"checkpoint of {len(index.tensors)} tensors")
-    maps, prefix = checkpoint_map(config)
+    mxfp4 = any(n.endswith(_MXFP4_MARK) for n in index.tensors)
+    maps, prefix = checkpoint_map(config, mxfp4=mxfp4)
     names = [n for n in index.tensors if not n.endswith(_IGNORED_SUFFIXES)]
     # A *ForCausalLM checkpoint prefixes the base model's names; a bare base model (GPT2Model) does not.
     prefixed = any(n.startswith(prefix) for n in names)
@@ -390,19 +453,28 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
         if name in HEAD_NAMES and name not in index.tensors:  # the head under its other name
             name = next((n for n in HEAD_NAMES if n in index.tensors), name)
         stored[name] = m
-    missing = [n for n in stored if n not in index.tensors]
+    companions = {(prefix if prefixed else "") + m.scales: m for m in maps if m.scales}
+    missing = [n for n in list(stored) + list(companions) if n not in index.tensors]
     if missing:
         raise ValueError(f"{index.folder}: the checkpoint has no tensor {missing[0]!r}"
                          + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
                          + f" needed by this {config.family} config")
     ignorable = set(HEAD_NAMES) if config.tie_word_embeddings else set()
-    unexpected = [n for n in names if n not in stored and n not in ignorable]
+    unexpected = [n for n in names if n not in stored and n not in companions and n not in ignorable]
     if unexpected:
         raise ValueError(f"{index.folder}: unexpected tensor {unexpected[0]!r}"
                          + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                          + f" for this {config.family} config")
     for name, m in stored.items():
         header = index.tensors[name]
+        if m.scales:
+            scales_name = name[:-len(m.source)] + m.scales
+            for part, shape in zip((name, scales_name), m.stored_shapes.values()):
+                part_header = index.tensors[part]
+                if part_header.dtype != "U8" or part_header.shape != shape:
+                    raise ValueError(f"{part_header.file}: MXFP4 tensor {part!r} is {part_header.dtype} of shape "
+                                     f"{part_header.shape}; the config implies U8 of shape {shape}")
+            continue
         if header.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"{header.file}: tensor {name!r} has dtype {header.dtype}; attnkit reads "
                              f"{', '.join(_FLOAT_DTYPES)}")
@@ -422,7 +494,8 @@ def _data_ranges(file: Path) -> tuple[int, dict[str, tuple[int, int]]]:
     return 8 + size, ranges
 
 
-_NUMPY_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_NUMPY_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+                 "U8": np.dtype("u1")}
 
 
 def _read_into(fh: Any, header: TensorHeader, target: np.ndarray, name: str) -> None:
@@ -461,6 +534,9 @@ def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, sto
         with open(file, "rb") as fh:
             for name in names:
                 header, mapping = index.tensors[name], stored[name]
+                if mapping.scales:
+                    _load_mxfp4(fh, index, name, mapping, params)
+                    continue
                 target = params[mapping.targets[0]]
                 if (mapping.layout == "copy" and _NUMPY_DTYPES[header.dtype] == target.dtype
                         and target.flags.c_contiguous and target.nbytes == header.nbytes):
@@ -468,6 +544,20 @@ def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, sto
                     continue
                 for target_name, value in mapping.convert(_read_tensor(fh, header, name)).items():
                     np.copyto(params[target_name], value, casting="unsafe")
+
+
+def _load_mxfp4(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap, params: dict[str, np.ndarray]
+                ) -> None:
+    """Dequantize an MXFP4 expert matrix one expert at a time (a temporary of one expert's size) into place."""
+    blocks = _read_tensor(fh, index.tensors[name], name)  # (E, R, C / 32, 16)
+    scales_name = name[:-len(mapping.source)] + mapping.scales
+    scales_header = index.tensors[scales_name]
+    with open(scales_header.file, "rb") as sfh:
+        scales = _read_tensor(sfh, scales_header, scales_name)  # (E, R, C / 32)
+    for expert in range(blocks.shape[0]):  # one expert's matrix at a time bounds the float temporary
+        values = dequantize_mxfp4(blocks[expert], scales[expert]).T  # (C, R)
+        for target_name, value in mapping.convert(values[None]).items():
+            np.copyto(params[target_name][expert], value[0], casting="unsafe")
 
 
 def expected_parameter_shapes(stored: dict[str, TensorMap]) -> dict[str, tuple[int, ...]]:

@@ -25,7 +25,7 @@ from ..models.config import DecoderConfig
 __all__ = ["decoder_config_from_hf", "supported_model_types", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2",
-                         "gemma3_text", "phi3")
+                         "gemma3_text", "phi3", "gpt_oss")
 
 _MISSING = object()
 
@@ -59,6 +59,9 @@ _FAMILY_DEFAULTS = {
               "eos_token_id": 50279, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
     "phi3": {"max_position_embeddings": 4096, "tie_word_embeddings": False, "bos_token_id": 1,
              "eos_token_id": 32000, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
+    "gpt_oss": {"max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": None,
+                "eos_token_id": None, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+                "rms_norm_eps": 1e-5},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True, "bos_token_id": 128000,
                 "eos_token_id": 128001, "num_key_value_heads": 4, "sliding_window": None},
 }
@@ -85,6 +88,10 @@ _FAMILY_KEYS = {
     "smollm3": _COMMON_KEYS + ("attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
                                "layer_types", "no_rope_layers", "no_rope_layer_interval"),
     "phi3": _COMMON_KEYS + ("sliding_window",),
+    # experts_per_token and initial_context_length are the names of OpenAI's own format, kept in its folders
+    "gpt_oss": _COMMON_KEYS + ("attention_bias", "sliding_window", "layer_types", "num_local_experts",
+                               "num_experts_per_tok", "experts_per_token", "swiglu_alpha", "swiglu_limit",
+                               "router_aux_loss_coef", "output_router_logits", "initial_context_length"),
     "gemma2": _COMMON_KEYS + ("attention_bias", "hidden_activation", "query_pre_attn_scalar", "sliding_window",
                               "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
                               "use_bidirectional_attention"),
@@ -226,6 +233,12 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
                          + ", ".join(SUPPORTED_MODEL_TYPES))
     if family in _FAMILY_KEYS:
         _refuse_unknown_keys(config, family)
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        if not (family == "gpt_oss" and method == "mxfp4"):
+            raise ValueError(f"{family} config: 'quantization_config' with quant_method {method!r} is not supported; "
+                             "attnkit reads float checkpoints and gpt-oss's MXFP4 experts")
     read = _Reader(config, family)
     if family == "gpt2":
         return _gpt2(read)
@@ -264,6 +277,12 @@ def _gpt2(read: _Reader) -> DecoderConfig:
 
 def _rotary_family(read: _Reader) -> DecoderConfig:
     family = read.family
+    if family == "gpt_oss":  # GptOssConfig's rotary defaults: base 150000, YaRN x32 from 4096 positions
+        config = {"rope_theta": 150000.0, **read.config}
+        if not config.get("rope_scaling") and config.get("rope_parameters") is None:
+            config["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096}
+        read = _Reader(config, family)
     defaults = _FAMILY_DEFAULTS[family]
     hidden = read.int("hidden_size")
     heads = read.int("num_attention_heads")
@@ -303,6 +322,15 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
         qkv_bias = output_bias = read.bool("attention_bias", False)
         mlp_bias = False
         window, layer_types = None, ()
+    elif family == "gpt_oss":  # sinks, biases on every projection, a routed mixture of experts
+        qkv_bias = output_bias = read.bool("attention_bias", True)
+        mlp_bias = False
+        window = read.int("sliding_window", defaults["sliding_window"], optional=True)
+        types = _layer_types(read, layers, window)
+        if types is None:  # gpt-oss alternates sliding and full layers, sliding first
+            types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        window, layer_types = (window if "sliding_attention" in types else None), types
+        extra.update(_gpt_oss_experts(read))
     elif family == "phi3":  # fused qkv_proj and gate_up_proj (the loader splits them), a window on every layer
         qkv_bias = output_bias = mlp_bias = False
         window = read.int("sliding_window", None, optional=True)
@@ -318,7 +346,7 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
         norm="rmsnorm", norm_eps=read.float("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
-        activation=read.activation("hidden_act", "silu"), mlp="gated", position="rotary",
+        activation=read.activation("hidden_act", "silu"), mlp=extra.pop("mlp", "gated"), position="rotary",
         rope_theta=theta, rope_scaling=scaling, rope_interleaved=False, partial_rotary_factor=partial,
         attention_bias=qkv_bias, output_bias=output_bias, mlp_bias=mlp_bias,
         qk_norm=extra.pop("qk_norm", family == "qwen3"),
@@ -509,6 +537,20 @@ def _qwen2_windows(read: _Reader, layers: int) -> tuple[int | None, tuple[str, .
         raise ValueError(f"{read.family} config: 'max_window_layers' must be a non-negative integer, got {first!r}")
     types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
     return (window if "sliding_attention" in types else None), types
+
+
+def _gpt_oss_experts(read: _Reader) -> dict[str, Any]:
+    """gpt-oss's sinks and mixture-of-experts settings as DecoderConfig arguments."""
+    experts = read.int("num_local_experts", 128)
+    top_k = read.int("num_experts_per_tok", 4)
+    legacy = read.raw("experts_per_token", None)
+    if legacy is not None and legacy != top_k:
+        raise ValueError(f"gpt_oss config: 'experts_per_token' ({legacy!r}) disagrees with 'num_experts_per_tok' "
+                         f"({top_k})")
+    if top_k > experts:
+        raise ValueError(f"gpt_oss config: 'num_experts_per_tok' ({top_k}) exceeds 'num_local_experts' ({experts})")
+    return dict(attention_sinks=True, mlp="experts", num_experts=experts, num_experts_per_tok=top_k,
+                swiglu_alpha=read.float("swiglu_alpha", 1.702), swiglu_limit=read.float("swiglu_limit", 7.0))
 
 
 def _divisors(read: _Reader, key: str) -> tuple[float, ...]:
