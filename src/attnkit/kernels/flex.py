@@ -8,6 +8,9 @@ Tq/Tk tile lengths, D/Dv features. K/V arrive already expanded to H heads (the c
 ``mask_tile(q0, q1, k0, k1)`` returns a boolean array broadcastable to (B, H, Tq, Tk); ``kinds`` (B', H',
 nQ, nK) marks tiles empty (0), partial (1) or full (2) and is reduced over (b, h): a tile is skipped when
 empty for every (b, h) and left unmasked when full for every (b, h).
+
+A NaN or inf in K or V at a key a query may not see never reaches that query: masked probabilities are
+exactly 0, and on masked tiles that hold such a key, ``0 * NaN`` is kept at 0 (forward and backward).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from ._masked_product import nonfinite_rows, zero_safe_matmul
 from ._threads import check_stop, default_num_threads, run_tasks
 
 __all__ = ["FlexContext", "flex_forward", "flex_backward"]
@@ -52,6 +56,11 @@ def _plan(kinds, nq, nk):
     return np.where((flat == 0).all(axis=0), 0, np.where((flat == 2).all(axis=0), 2, 1)).astype(np.int8)
 
 
+def _masked_bad(bad: np.ndarray | None, keep, k0: int, k1: int) -> bool:
+    """True when a masked tile holds a key row with a NaN or inf (``bad`` (Lk,) or None)."""
+    return keep is not None and bad is not None and bool(bad[k0:k1].any())
+
+
 def _scores(q, k, scale, score_mod, mask_tile, kind, q0, q1, k0, k1):
     """Modified, masked scores of one tile (B, H, Tq, Tk), the raw scores and the keep mask (or None)."""
     B, H = q.shape[:2]
@@ -84,6 +93,7 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
     sink = None if sinks is None else sinks.astype(dtype).reshape(1, H, 1)  # (1, H, 1)
     out = np.zeros((B, H, Lq, v.shape[-1]), dtype=dtype)
     lse = np.empty((B, H, Lq), dtype=dtype)
+    bad_v = nonfinite_rows(v)  # (Lk,) or None
 
     def band(i: int, worker: int) -> None:
         q0, q1 = i * bq, min(Lq, (i + 1) * bq)
@@ -96,7 +106,7 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
                 continue
             check_stop()
             k0, k1 = j * bk, min(Lk, (j + 1) * bk)
-            s, _, _, _ = _scores(q, k, scale, score_mod, mask_tile, plan[i, j], q0, q1, k0, k1)
+            s, _, keep, _ = _scores(q, k, scale, score_mod, mask_tile, plan[i, j], q0, q1, k0, k1)
             if not s.flags.writeable:  # a modifier may return a read-only view
                 s = s.copy()
             m_new = np.maximum(m, s.max(axis=-1))  # (B, H, Tq)
@@ -106,7 +116,8 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
             alpha = np.exp(m - safe)  # (B, H, Tq)
             denom = denom * alpha + p.sum(axis=-1)
             acc *= alpha[..., None]
-            acc += p @ v[:, :, k0:k1]  # (B, H, Tq, Dv)
+            product = zero_safe_matmul if _masked_bad(bad_v, keep, k0, k1) else np.matmul
+            acc += product(p, v[:, :, k0:k1])  # (B, H, Tq, Dv)
             m = m_new
         live = denom > 0
         safe_m = np.where(np.isfinite(m), m, 0)
@@ -151,6 +162,7 @@ def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
     dk, dv = np.zeros_like(k), np.zeros_like(v)
     delta = (grad_out * ctx.out).sum(axis=-1)  # (B, H, Lq)
     lse = np.where(np.isfinite(ctx.lse), ctx.lse, np.inf)  # dead rows: every probability exp(-inf) = 0
+    bad_k, bad_v = nonfinite_rows(k), nonfinite_rows(v)  # (Lk,) or None each
     threads = num_threads or default_num_threads()
     if ctx.score_mod is not None and getattr(ctx.score_mod, "params", None):
         threads = 1
@@ -175,12 +187,18 @@ def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
                 p = np.exp(s, out=s)  # (B, H, Tq, Tk)
                 dv[:, :, k0:k1] += p.swapaxes(-1, -2) @ g_i  # (B, H, Tk, Dv)
                 ds = p * (g_i @ v[:, :, k0:k1].swapaxes(-1, -2) - d_i)  # (B, H, Tq, Tk)
+                masked_bad_k = _masked_bad(bad_k, keep, k0, k1)
+                if _masked_bad(bad_v, keep, k0, k1):
+                    ds = np.where(keep, ds, 0)  # masked: p = 0, but g . v is NaN where v is
                 if ctx.score_mod is not None:
+                    if masked_bad_k:
+                        raw = np.where(keep, raw, 0)  # a modifier's gradient must not read masked NaN scores
                     ds = ctx.score_mod.backward(ds, raw, *idx)
                     if keep is not None:
                         ds = np.where(keep, ds, 0)
                 ds *= ctx.scale
-                dq[:, :, q0:q1] += ds @ k[:, :, k0:k1]  # (B, H, Tq, D)
+                product = zero_safe_matmul if masked_bad_k else np.matmul
+                dq[:, :, q0:q1] += product(ds, k[:, :, k0:k1])  # (B, H, Tq, D)
                 dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q[:, :, q0:q1]  # (B, H, Tk, D)
 
     if tasks == 1:

@@ -14,6 +14,8 @@ A sliding window ``W`` (with causal masking) lets query i, at bottom-right-align
 Masked softmax semantics: entries whose mask is False get weight exactly 0; a row whose mask allows no
 key gets all-zero weights, hence zero output and zero gradient, never NaN. A row is "fully masked"
 because of the mask, never because of its values: finite logits of -1e5 still get a proper softmax.
+A NaN or inf at a key a query may not see never reaches that query (``0 * NaN`` is kept at 0 where a
+weight is masked), forward and backward.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._validation import unbroadcast
+from ._masked_product import nonfinite_rows, zero_safe_matmul
 from .bias import ScoreBias
 from .dropout import keep_mask
 
@@ -236,9 +239,14 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
         keep = keep_mask(dropout_seed, dropout_p, weights.shape[:-2], np.arange(seq_q), np.arange(seq_k),
                          seq_q, seq_k)  # (..., Lq, Lk)
         keep_scaled = (keep * (1.0 / (1.0 - dropout_p))).astype(weights.dtype)
-        out = (weights * keep_scaled) @ v_safe  # (..., Lq, Dv)
+        dropped = weights * keep_scaled  # (..., Lq, Lk)
     else:
-        out = weights @ v_safe  # (..., Lq, Dv)
+        dropped = weights
+    if mask is not None and nonfinite_rows(v_safe) is not None:
+        # a NaN or inf value a masked query may not see must not reach it through 0 * NaN
+        out = zero_safe_matmul(dropped, v_safe)  # (..., Lq, Dv)
+    else:
+        out = dropped @ v_safe  # (..., Lq, Dv)
     ctx = AttentionContext(q=q, k=k_safe, v=v_safe, weights=weights, scale=scale, q_shape=q.shape,
                            k_shape=k.shape, v_shape=v.shape, keep_scaled=keep_scaled, bias=bias)
     return out, weights.copy(), ctx  # a copy: the caller may edit its weights, the backward reads ctx's
@@ -259,8 +267,11 @@ def attention_backward_arrays(grad_out: np.ndarray, q: np.ndarray, k: np.ndarray
     dw = grad_out @ v.swapaxes(-1, -2)  # (..., Lq, Lk)
     if keep_scaled is not None:
         dw = dw * keep_scaled
+    if nonfinite_rows(v) is not None:
+        # exact: a zero weight's dW never counts, and a masked entry must not turn 0 * NaN into NaN
+        dw = np.where(weights != 0, dw, 0)  # (..., Lq, Lk)
     ds = softmax_backward(dw, weights)  # (..., Lq, Lk)
-    dq = (ds @ k) * scale  # (..., Lq, D)
+    dq = (zero_safe_matmul(ds, k) if nonfinite_rows(k) is not None else ds @ k) * scale  # (..., Lq, D)
     dk = (ds.swapaxes(-1, -2) @ q) * scale  # (..., Lk, D)
     return dq, dk, dv, ds
 

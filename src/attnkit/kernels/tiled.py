@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .._validation import unbroadcast
+from ._masked_product import zero_safe_matmul
 from ._threads import check_stop, default_num_threads, run_tasks
 from ._tile_sizes import choose_heads, choose_tiles, heads_override, tile_override
 from .bias import ScoreBias
@@ -163,6 +164,8 @@ class FlashContext:
     blocks: tuple[int | None, int | None]  # the caller's block_q, block_k (None: default per pass)
     num_threads: int
     window: int | None = None
+    bad_k: np.ndarray | None = None  # (Lk,) keys holding a NaN or inf in some head; None: all finite
+    bad_v: np.ndarray | None = None  # (Lk,) the same for values
 
 
 class _Tiles:
@@ -406,16 +409,22 @@ class _ForwardData:
     kmax: np.ndarray  # (*Kl, nKb) largest key norm of each key block (+inf: no bound)
     out: np.ndarray  # (*lead, Lq, Dv)
     lse: np.ndarray  # (*lead, Lq) float64
+    bad_v: np.ndarray | None = None  # (Lk,) values holding a NaN or inf; None: all finite
 
     def select(self, heads: tuple[slice, ...]) -> _ForwardData:
         """Views of the operands a box of heads reads and writes."""
         return _ForwardData(q=_take(self.q, heads, 2), k_aug=_take(self.k_aug, heads, 2),
                             v_aug=_take(self.v_aug, heads, 2), kmax=_take(self.kmax, heads, 1),
-                            out=_take(self.out, heads, 2), lse=_take(self.lse, heads, 1))
+                            out=_take(self.out, heads, 2), lse=_take(self.lse, heads, 1), bad_v=self.bad_v)
 
 
-def _augment_block(kb: int, worker: int, k, v, live_k, live_v, tiles, k_aug, v_aug, kmax) -> None:
-    """Copy one key block into the augmented layout, zero its dead keys, take its largest key norm."""
+def _augment_block(kb: int, worker: int, k, v, live_k, live_v, tiles, k_aug, v_aug, kmax, bad_k, bad_v) -> None:
+    """Copy one key block into the augmented layout, zero its dead keys, take its largest key norm.
+
+    Keys or values holding a NaN or inf are marked in ``bad_k`` / ``bad_v`` (Lk,); such keys are left out
+    of the norm bound, so that a value a query may not see cannot change how that query's row is shifted
+    (their scores are NaN or infinite wherever they are seen, whatever the shift).
+    """
     k0, k1 = tiles.k_blocks[kb]
     d, dv = k.shape[-1], v.shape[-1]
     k_aug[..., k0:k1, :d] = k[..., k0:k1, :]
@@ -426,7 +435,15 @@ def _augment_block(kb: int, worker: int, k, v, live_k, live_v, tiles, k_aug, v_a
         np.copyto(k_aug[..., k0:k1, :d], 0, where=~live_k[..., k0:k1, None])  # (..., Tk, D)
         np.copyto(v_aug[..., k0:k1, :dv], 0, where=~live_v[..., k0:k1, None])  # (..., Tk, Dv)
     block = k_aug[..., k0:k1, :d]  # (*Kl, Tk, D)
-    kmax[..., kb] = np.sqrt(np.einsum("...ld,...ld->...l", block, block).max(axis=-1))  # (*Kl,)
+    norms = np.einsum("...ld,...ld->...l", block, block)  # (*Kl, Tk)
+    finite_k = np.isfinite(block).all(axis=-1)  # (*Kl, Tk)
+    finite_v = np.isfinite(v_aug[..., k0:k1, :dv]).all(axis=-1)  # (*Vl, Tk)
+    if not finite_k.all():
+        norms = np.where(finite_k, norms, 0)  # (*Kl, Tk)
+        bad_k[k0:k1] = ~finite_k.reshape(-1, k1 - k0).all(axis=0)  # (Tk,)
+    if not finite_v.all():
+        bad_v[k0:k1] = ~finite_v.reshape(-1, k1 - k0).all(axis=0)  # (Tk,)
+    kmax[..., kb] = np.sqrt(norms.max(axis=-1))  # (*Kl,)
 
 
 def _augment_keys(k, v, mask, tiles, dtype, num_threads):
@@ -440,12 +457,13 @@ def _augment_keys(k, v, mask, tiles, dtype, num_threads):
     k_aug = np.empty(k_lead + (seq_k, d + 2), dtype)  # (*Kl, Lk, D+2)
     v_aug = np.empty(v_lead + (seq_k, dv + 2), dtype)  # (*Vl, Lk, Dv+2)
     kmax = np.empty(k_lead + (len(tiles.k_blocks),))  # (*Kl, nKb)
+    bad_k, bad_v = np.zeros(seq_k, bool), np.zeros(seq_k, bool)  # (Lk,) each
     step = functools.partial(_augment_block, k=k, v=v, live_k=live_k, live_v=live_v, tiles=tiles,
-                             k_aug=k_aug, v_aug=v_aug, kmax=kmax)
+                             k_aug=k_aug, v_aug=v_aug, kmax=kmax, bad_k=bad_k, bad_v=bad_v)
     run_tasks(list(range(len(tiles.k_blocks))), step, num_threads)  # copies in parallel too
-    if not np.isfinite(kmax).all():  # non-finite keys: no bound, every tile takes its max
+    if not np.isfinite(kmax).all():  # finite keys whose squared norm overflows: no bound, every tile takes its max
         kmax[...] = np.inf
-    return k_aug, v_aug, kmax
+    return k_aug, v_aug, kmax, (bad_k if bad_k.any() else None), (bad_v if bad_v.any() else None)
 
 
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
@@ -518,9 +536,9 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     boxes, tile_q, tile_k = _tile_plan(lead, splittable, seq_q, seq_k, num_threads, "q", d, dv, dtype.itemsize,
                                        fixed_blocks)
     tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, tile_q, tile_k, window)
-    k_aug, v_aug, kmax = _augment_keys(k, v, mask, tiles, dtype, num_threads)
+    k_aug, v_aug, kmax, bad_k, bad_v = _augment_keys(k, v, mask, tiles, dtype, num_threads)
     data = _ForwardData(q=q, k_aug=k_aug, v_aug=v_aug, kmax=kmax, out=np.zeros(lead + (seq_q, dv), dtype),
-                        lse=np.full(lead + (seq_q,), np.inf))  # lse float64: backward splits it in two
+                        lse=np.full(lead + (seq_q,), np.inf), bad_v=bad_v)  # lse float64: backward splits it
     run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(scale), fold=bias is None,
                 dropout_p=float(dropout_p), seed=dropout_seed, drop_lead=drop_lead)
     if math.prod(lead) and seq_q and seq_k:
@@ -534,7 +552,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     ctx = FlashContext(q=q, k_aug=k_aug, v_aug=v_aug, out=data.out, lse=data.lse, scale=scale, lead=lead,
                        q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, out_dtype=out_dtype, mask=mask,
                        causal=causal, bias=bias, dropout_p=float(dropout_p), dropout_seed=dropout_seed,
-                       drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads, window=window)
+                       drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads, window=window,
+                       bad_k=bad_k, bad_v=bad_v)
     # copies: the caller may edit what it gets back, the backward reads ctx.out and ctx.lse
     return data.out.astype(out_dtype, copy=True), data.lse.astype(out_dtype, copy=True), ctx
 
@@ -562,6 +581,10 @@ def _start_rows(run: _Pass, data: _ForwardData, q0: int, q1: int, scratch: _Scra
     np.multiply(data.q[..., q0:q1, :], run.scale, out=qa[..., :d])
     qa[..., d] = 0
     qn = np.sqrt(np.einsum("...ld,...ld->...l", qa[..., :d], qa[..., :d])) if run.fold else None  # (*lead, Tq)
+    if qn is not None and not np.isfinite(qn).all():
+        # a query holding NaN or inf has non-finite scores whatever its shift: leave it out of the block's
+        # bound, so that it cannot change how the other rows are shifted (and so their rounding)
+        qn[~np.isfinite(qa[..., :d]).all(axis=-1)] = 0
     acc = scratch.get("acc", lead + (tq, dv + 1))  # (*lead, Tq, Dv+1)
     acc[...] = 0
     pv = scratch.get("pv", lead + (tq, dv + 1))  # (*lead, Tq, Dv+1)
@@ -606,10 +629,13 @@ def _forward_tile(run: _Pass, data: _ForwardData, rows: _Rows, kb: int, blocked,
         rows.l_sum += s.sum(axis=-1)
         np.multiply(s, run.keep(rows.q0, rows.q1, k0, k1), out=s)
     dv = data.out.shape[-1]
+    # a masked entry's p is exactly 0; where it meets a NaN or inf value, 0 * NaN must stay 0
+    product = zero_safe_matmul if (blocked is not None and data.bad_v is not None
+                                   and data.bad_v[k0:k1].any()) else np.matmul
     if rows.first and alpha is None and not run.dropout:
-        np.matmul(s, data.v_aug[..., k0:k1, :dv + 1], out=rows.acc)  # (*lead, Tq, Dv+1)
+        product(s, data.v_aug[..., k0:k1, :dv + 1], out=rows.acc)  # (*lead, Tq, Dv+1)
     else:
-        np.matmul(s, data.v_aug[..., k0:k1, :dv + 1], out=rows.pv)  # (*lead, Tq, Dv+1)
+        product(s, data.v_aug[..., k0:k1, :dv + 1], out=rows.pv)  # (*lead, Tq, Dv+1)
         np.add(rows.acc, rows.pv, out=rows.acc)
     rows.first = False
 
@@ -672,6 +698,8 @@ class _BackwardData:
     dbias_lanes: list[np.ndarray | None]  # per lane if lanes share bias entries, else one shared array
     k_axes: tuple[int, ...]  # leading axes along which k is shared (grouped-query): dk sums over them
     v_axes: tuple[int, ...]
+    bad_k: np.ndarray | None = None  # (Lk,) keys holding a NaN or inf; None: all finite
+    bad_v: np.ndarray | None = None  # (Lk,) values holding a NaN or inf
     lock: threading.Lock = field(default_factory=threading.Lock)  # ScoreBias.accumulate_grad
 
     def select(self, heads: tuple[slice, ...]) -> _BackwardData:
@@ -761,7 +789,7 @@ def _backward_data(grad_out, ctx: FlashContext, run: _Pass, n_lanes: int) -> _Ba
         dk=np.zeros(k_lead + ctx.k_aug.shape[-2:-1] + (d,), run.dtype),
         dv=np.zeros(v_lead + ctx.v_aug.shape[-2:-1] + (ctx.v_aug.shape[-1] - 2,), run.dtype),
         dq_lanes=[np.zeros(lead + (seq_q, d), run.dtype) for _ in range(n_lanes)], dbias_lanes=dbias_lanes,
-        k_axes=_group_axes(lead, k_lead), v_axes=_group_axes(lead, v_lead))
+        k_axes=_group_axes(lead, k_lead), v_axes=_group_axes(lead, v_lead), bad_k=ctx.bad_k, bad_v=ctx.bad_v)
 
 
 def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
@@ -877,13 +905,14 @@ def _score_grads(run: _Pass, data: _BackwardData, box, p: np.ndarray, scratch: _
 
 
 def _add_product(target: np.ndarray, a: np.ndarray, b: np.ndarray, axes: tuple[int, ...],
-                 scratch: _Scratch, name: str) -> None:
+                 scratch: _Scratch, name: str, zero_safe: bool = False) -> None:
     """``target += a @ b``, summed over the leading ``axes`` where the target is shared (grouped k/v).
 
-    ``a`` has the full leading shape (a score tile), ``b`` one that broadcasts to it.
+    ``a`` has the full leading shape (a score tile), ``b`` one that broadcasts to it. ``zero_safe``: zeros
+    of ``a`` (masked entries) contribute 0 even against NaN or inf in ``b``.
     """
     product = scratch.get(name, a.shape[:-1] + b.shape[-1:])  # (*lead, rows of a, columns of b)
-    np.matmul(a, b, out=product)
+    (zero_safe_matmul if zero_safe else np.matmul)(a, b, out=product)
     if axes:
         product = product.sum(axis=axes, keepdims=True)
     np.add(target, product, out=target)
@@ -895,11 +924,14 @@ def _backward_tile(run: _Pass, data: _BackwardData, lane: int, box, blocked, scr
     d, dv = data.dk.shape[-1], data.dv.shape[-1]
     p = _probabilities(run, data, box, blocked, scratch)  # (*lead, Tq, Tk)
     ds = _score_grads(run, data, box, p, scratch)  # (*lead, Tq, Tk); p is now the dropped weights
+    bad_k = blocked is not None and data.bad_k is not None and data.bad_k[k0:k1].any()
+    if blocked is not None and data.bad_v is not None and data.bad_v[k0:k1].any():
+        np.copyto(ds, 0, where=blocked)  # masked: p = 0, but dP = dO . v is NaN where v is
     _add_product(data.dv[..., k0:k1, :], p.swapaxes(-1, -2), data.do_aug[..., q0:q1, :dv], data.v_axes,
                  scratch, "kv")  # (*Vl, Tk, Dv)
     if run.tiles.bias is not None:
         _bias_grad(run.tiles, data, lane, ds, box)
-    _add_product(data.dq_lanes[lane][..., q0:q1, :], ds, data.k_aug[..., k0:k1, :d], (), scratch, "q")
+    _add_product(data.dq_lanes[lane][..., q0:q1, :], ds, data.k_aug[..., k0:k1, :d], (), scratch, "q", bad_k)
     _add_product(data.dk[..., k0:k1, :], ds.swapaxes(-1, -2), data.q_aug[..., q0:q1, :d], data.k_axes,
                  scratch, "kv")  # (*Kl, Tk, D); q_aug holds the scaled q
 
