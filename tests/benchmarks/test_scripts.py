@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
-MODULES = ("attention", "encoder", "minilm")
+MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp")
 
 
 def _run(args, tmp_path, block_torch=False):
@@ -49,7 +49,7 @@ def test_encoder_benchmark_runs_a_tiny_model_against_torch(capsys):
     assert "# machine: " in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["bench_attention", "bench_encoder", "bench_minilm"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py")))
 def test_scripts_are_thin_callers(name):
     source = (ROOT / "benchmarks" / f"{name}.py").read_text()
     tree = ast.parse(source)
@@ -65,3 +65,10 @@ def test_no_benchmark_function_is_over_60_lines(name):
             body = node.body[1:] if ast.get_docstring(node) else node.body
             lines = body[-1].end_lineno - body[0].lineno + 1
             assert lines <= 60, f"{name}.{node.name}: {lines} lines"
+
+
+def test_ddp_benchmark_without_torch_says_so_in_one_line(tmp_path):
+    proc = _run([ROOT / "benchmarks" / "bench_ddp.py"], tmp_path, block_torch=True)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum("torch is not installed" in line for line in lines) == 1 and lines[0].startswith("# machine: ")

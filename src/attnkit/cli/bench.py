@@ -1,7 +1,8 @@
 """``attnkit bench [NAME]``: time attnkit against naive NumPy, PyTorch and ``transformers`` (:mod:`attnkit.benchmarks`).
 
 ``attention`` (the default) times the attention kernels; ``decode`` times every decoder family's generation and
-prefill against ``transformers``.
+prefill against ``transformers``; ``window`` a sliding window against full causal attention (and PyTorch's
+masked band).
 """
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "benchmarks: python -m attnkit.benchmarks.encoder / .minilm. "
                     "attnkit bench decode: every decoder family's greedy decoding (tokens/s at each --batches) and "
                     "prefill against transformers in the same run, with the share of the GEMV bandwidth "
-                    "(attnkit.benchmarks.decode; needs torch and transformers).")
-    p.add_argument("name", nargs="?", default="attention", choices=("attention", "decode"),
+                    "(attnkit.benchmarks.decode; needs torch and transformers). "
+                    "attnkit bench window: a sliding window (--window, at --length) against full causal attention "
+                    "in the tiled kernel, forward and backward, and PyTorch with the band as a mask.")
+    p.add_argument("name", nargs="?", default="attention", choices=("attention", "decode", "window"),
                    help="which benchmark (default attention)")
     p.add_argument("--sizes", type=bounded_int(1, 1 << 20), nargs="+", default=[256, 512, 1024, 2048],
                    help="sequence lengths L (default 256 512 1024 2048)")
@@ -59,6 +62,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                 help="decode batch sizes (default 1 8)")
     decode_options.add_argument("--prefill", type=bounded_int(1, 1 << 20), default=1024,
                                 help="prefill length (default 1024)")
+    window_options = p.add_argument_group("window")
+    window_options.add_argument("--length", type=bounded_int(1, 1 << 20), default=8192,
+                                help="sequence length (default 8192)")
+    window_options.add_argument("--window", type=bounded_int(1, 1 << 20), default=256,
+                                help="window size (default 256)")
     p.set_defaults(run=run)
     return p
 
@@ -67,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     """Translate the options into the benchmark's own and run it."""
     if args.name == "decode":
         return _run_decode(args)
+    if args.name == "window":
+        return _run_window(args)
     from ..benchmarks import attention
 
     out = output_folder(args.out)
@@ -97,4 +107,16 @@ def _run_decode(args: argparse.Namespace) -> int:
     out = output_folder(args.out)
     text = (json.dumps(figures, indent=2) + "\n").encode()
     atomic_write(out / "decode-benchmark.json", lambda f: f.write(text))
+    return 0
+
+
+def _run_window(args: argparse.Namespace) -> int:
+    from ..benchmarks import window
+
+    argv = ["--length", str(args.length), "--window", str(args.window), "--heads", str(args.heads),
+            "--dim", str(args.dim), "--repeats", str(args.repeats),
+            "--threads", str((args.threads or [os.cpu_count() or 1])[0])]
+    figures = window.run(window.parse_args(argv))
+    text = (json.dumps(figures, indent=2) + "\n").encode()
+    atomic_write(output_folder(args.out) / "window-benchmark.json", lambda f: f.write(text))
     return 0
