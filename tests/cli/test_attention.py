@@ -156,3 +156,57 @@ def test_a_loaded_model_predicts_as_the_trained_one(small_demo):
     model, meta = demo.load_model(small_demo)
     ids = np.array([[1, 2, 3]])
     assert model.predict(ids).shape == (1, 3) and meta["format"] == "attnkit-demo-model"
+
+
+def _header_only_archive(path, shapes, dtype="<f4"):
+    """An .npz whose members are .npy headers declaring ``shapes`` and holding no data (deflated)."""
+    import zipfile
+
+    from numpy.lib import format as npy_format
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, shape in shapes.items():
+            with archive.open(f"{name}.npy", "w") as member:
+                npy_format.write_array_header_1_0(member, {"descr": dtype, "fortran_order": False, "shape": shape})
+
+
+def test_a_tiny_tampered_folder_is_refused_before_the_model_is_built(small_demo, tmp_path):
+    """model.json widened to d_model 512 and a header-only model.npz claiming the matching shapes: about
+    6 KB on disk. The headers are claims the archive cannot back, refused before any model is built."""
+    import tracemalloc
+
+    from attnkit.demos import encoder as demo
+    from attnkit.models import TokenTagger
+
+    folder = _copy(small_demo, tmp_path)
+    _edit_json(folder, lambda meta: meta["model"].update(d_model=512, num_heads=4))
+    arch = json.loads((folder / "model.json").read_text())["model"]
+    shapes = {name: value.shape for name, value in TokenTagger(**arch, rng=0).state_dict().items()}
+    _header_only_archive(folder / "model.npz", shapes)
+    assert (folder / "model.npz").stat().st_size < 8192
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="not a complete .npz archive|does not match"):
+            demo.load_model(folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2**20, peak  # on 0.2's code: 20 MB traced (the claimed model was built before the error)
+
+
+def test_stored_entries_are_checked_against_the_configuration(small_demo, tmp_path):
+    from attnkit.demos import encoder as demo
+
+    folder = _copy(small_demo, tmp_path)
+    with np.load(folder / "model.npz") as stored:
+        arrays = dict(stored)
+    name = next(iter(arrays))
+    np.savez(folder / "model.npz", **{**arrays, name: arrays[name].astype(np.int32)})
+    with pytest.raises(ValueError, match=f"entry '{name}' is .* int32, the model needs"):
+        demo.load_model(folder)
+    np.savez(folder / "model.npz", **{k: v for k, v in arrays.items() if k != name})
+    with pytest.raises(ValueError, match=f"missing entries \\['{name}'\\]"):
+        demo.load_model(folder)
+    _edit_json(folder, lambda meta: meta["model"].update(num_layers=10**6))
+    with pytest.raises(ValueError, match="parameters, but"):
+        demo.load_model(folder)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..io import read_json
+from ..io import ArrayArchive, ArrayHeader, read_json
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
 from ..models import TokenTagger
@@ -291,21 +291,57 @@ def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
     return meta
 
 
-def _stored_values(model_path: Path) -> int:
-    """How many numbers the ``.npz`` archive holds, from its array headers (no array is read)."""
-    total = 0
+def _stored_headers(model_path: Path) -> dict[str, ArrayHeader]:
+    """Every entry's header in the ``.npz`` archive, checked against the sizes the zip records (no array
+    is read): a header's shape is a claim, and an archive whose data could not hold it is refused."""
     try:
-        with zipfile.ZipFile(model_path) as archive:
-            for info in archive.infolist():
-                with archive.open(info) as member:
-                    version = np.lib.format.read_magic(member)
-                    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                        np.lib.format.read_array_header_2_0
-                    shape, _, _ = read(member)
-                    total += math.prod(shape)
+        with ArrayArchive(model_path) as archive:
+            return dict(archive.headers)
     except (zipfile.BadZipFile, ValueError, EOFError) as exc:
         raise ValueError(f"{model_path} is not a complete .npz archive of arrays: {exc}") from None
-    return total
+
+
+# Probe sizes: distinct primes, so every axis of the probe's parameters names the size it stands for.
+_PROBE = {"vocab_size": 31, "num_classes": 37, "max_length": 41, "d_model": 43, "d_ff": 47}
+
+
+def _expected_shapes(arch: dict[str, Any], where: Path, entries: int) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes a TokenTagger of ``arch`` has, from a probe of the same depth and layout with
+    small sizes (the real model is not built). ``entries`` (the archive's count) bounds the depth first."""
+    layers = arch.get("num_layers", 2)
+    if layers > entries:
+        raise ValueError(f"{where}: model.num_layers {layers} is more than the {entries} arrays the weights hold")
+    sizes = {**{name: arch[name] for name in ("vocab_size", "num_classes", "max_length", "d_model")},
+             "d_ff": arch.get("d_ff") or 4 * arch.get("d_model", 64)}
+    probe = TokenTagger(_PROBE["vocab_size"], _PROBE["num_classes"], _PROBE["max_length"], d_model=_PROBE["d_model"],
+                        num_heads=1, num_layers=layers, d_ff=_PROBE["d_ff"],
+                        positional=arch.get("positional", "sinusoidal"), rng=0)
+    by_prime = {prime: sizes[name] for name, prime in _PROBE.items()}
+
+    def real(axis: int) -> int:
+        prime = next(p for p in by_prime if axis % p == 0)
+        return axis // prime * by_prime[prime]
+
+    return {name: tuple(real(axis) for axis in value.shape) for name, value in probe.state_dict().items()}
+
+
+def _check_stored(headers: dict[str, ArrayHeader], arch: dict[str, Any], model_path: Path,
+                  config_path: Path) -> None:
+    """Refuse, before the model is built, weights whose entries, shapes or dtypes do not fit ``arch``."""
+    needed, stored = _minimum_parameters(arch), sum(h.size for h in headers.values())
+    if needed > stored:
+        raise ValueError(f"{config_path} describes a model of at least {needed:,} parameters, but {model_path} "
+                         f"holds {stored:,} numbers")
+    expected = _expected_shapes(arch, config_path, len(headers))
+    missing, unknown = sorted(set(expected) - set(headers)), sorted(set(headers) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"{model_path} does not match {config_path}: missing entries {missing[:5]}, unknown "
+                         f"entries {unknown[:5]}")
+    for name, shape in expected.items():
+        header = headers[name]
+        if header.shape != shape or header.dtype.kind != "f":
+            raise ValueError(f"{model_path} does not match {config_path}: entry {name!r} is {header.shape} "
+                             f"{header.dtype}, the model needs {shape} floating point")
 
 
 def _minimum_parameters(arch: dict[str, Any]) -> int:
@@ -319,9 +355,10 @@ def _minimum_parameters(arch: dict[str, Any]) -> int:
 def load_model(path: str | Path) -> tuple[TokenTagger, dict[str, Any]]:
     """Rebuild a model saved by :func:`save_model`.
 
-    ``model.json`` is checked field by field, and the sizes it claims against the array headers of
-    ``model.npz``, before the model is built: a tampered or truncated folder raises ``ValueError``
-    instead of allocating what it claims.
+    ``model.json`` is checked field by field, and every entry of ``model.npz`` (name, shape, dtype, read
+    from its header by :class:`attnkit.io.ArrayArchive`, which checks each header's claim against the
+    sizes the zip records) against the shapes the configuration implies, before the model is built: a
+    tampered or truncated folder raises ``ValueError`` instead of allocating what it claims.
 
     Parameters
     ----------
@@ -347,10 +384,7 @@ def load_model(path: str | Path) -> tuple[TokenTagger, dict[str, Any]]:
         if not p.is_file():
             raise FileNotFoundError(f"no such file: {p}")
     meta = _check_meta(read_json(config_path, expect=None), config_path)
-    needed, stored = _minimum_parameters(meta["model"]), _stored_values(model_path)
-    if needed > stored:
-        raise ValueError(f"{config_path} describes a model of at least {needed:,} parameters, but {model_path} "
-                         f"holds {stored:,} numbers")
+    _check_stored(_stored_headers(model_path), meta["model"], model_path, config_path)
     model = TokenTagger(**meta["model"], rng=0).astype(np.dtype(meta.get("dtype", "float32")))
     try:
         model.load(model_path)
