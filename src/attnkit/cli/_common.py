@@ -1,5 +1,6 @@
-"""What every ``attnkit`` command shares: the parser class, the argument types, the checks of output paths,
-the escaping of untrusted text, and the one error handler that turns failures into exit codes.
+"""What every ``attnkit`` command shares: the parser class, the argument types and the escaping of untrusted
+text (defined in :mod:`attnkit._arguments`, which the torchrun trainer uses too), the checks of output paths,
+JSON output, and the one error handler that turns failures into exit codes.
 
 Exit codes (:func:`run_command`): 0 success; 1 a missing optional dependency (the message names the install
 command) or an internal error; 2 a bad command line or bad input files, reported as one line on stderr,
@@ -8,10 +9,8 @@ internal error instead of its one line.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
-import math
 import os
 import re
 import sys
@@ -20,69 +19,31 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._arguments import (
+    _SHOWN_CHARS,
+    Parser,
+    UsageError,
+    bounded_int,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    printable,
+)
 from ..io import atomic_write
 
 __all__ = ["PROG", "query_labels", "write_explorer",
            "UsageError", "Parser", "bounded_int", "positive_int", "non_negative_int", "positive_float",
+           "non_negative_float",
            "output_folder", "output_file", "printable", "check_argv_text", "require_matplotlib", "save_figure",
            "run_command", "IMAGE_SUFFIXES", "json_text"]
 
 PROG = "attnkit"
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 _DPI = 100  # pictures are exactly figsize * 100 pixels
-_SHOWN_CHARS = 40  # longest piece of user text quoted back in a message
 _MESSAGE_CHARS = 500  # longest error message (a 5000-character path is cut)
-_INTEGER = re.compile("[+-]?[0-9]+")
-
-# C0/C1 control characters, DEL, lone surrogates and the bidirectional overrides ("Trojan source"):
-# a terminal would act on them, so text from files and arguments shows them as escapes.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
-class UsageError(Exception):
-    """A bad command line or input file: :func:`run_command` prints ``"<prog>: error: <message>"`` and returns 2."""
-
-    def __init__(self, message: str, prog: str = PROG) -> None:
-        super().__init__(message)
-        self.prog = prog
-
-
-class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors raise :class:`UsageError` instead of printing usage and exiting."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise UsageError(message, self.prog)
-
 
 # -- untrusted text --------------------------------------------------------------------------------------
-def _escape(match: re.Match) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def printable(text: Any, limit: int | None = None) -> str:
-    """``text`` with control characters, lone surrogates and bidi overrides escaped (``\\x1b``, ``\\u202e``).
-
-    Parameters
-    ----------
-    text : any
-        Converted with ``str``.
-    limit : int, optional
-        Cut to this many characters (before escaping), marking the cut with ``...``.
-
-    Examples
-    --------
-    >>> printable("red\\x1b[31m")
-    'red\\\\x1b[31m'
-    >>> printable("a" * 50, limit=5)
-    'aaaaa...'
-    """
-    text = str(text)
-    if limit is not None and len(text) > limit:
-        text = text[:limit] + "..."
-    return _UNSAFE.sub(_escape, text)
-
-
 # What JSON leaves raw but a terminal acts on: DEL and C1 controls, line/paragraph separators, bidirectional
 # overrides and isolates, lone surrogates (json escapes C0 itself).
 _JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
@@ -110,52 +71,6 @@ def check_argv_text(argv: Sequence[str]) -> None:
             shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")  # bytes as \xff
             shown = printable(shown, _SHOWN_CHARS)
             raise UsageError(f"argument {position} ({shown}) is not valid UTF-8 text") from None
-
-
-# -- argument types --------------------------------------------------------------------------------------
-def bounded_int(low: int, high: int, what: str | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in ``[low, high]`` (``what`` names it in messages).
-
-    Examples
-    --------
-    >>> bounded_int(1, 10)("7")
-    7
-    """
-    what = what or ("a positive integer" if low == 1 else "a non-negative integer" if low == 0 else "an integer")
-
-    def parse(text: str) -> int:
-        text = text.strip()
-        if not _INTEGER.fullmatch(text):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {printable(repr(text), _SHOWN_CHARS)}")
-        if len(text.lstrip("+-0")) > 30:  # absurdly long: refused before int() reads it
-            text = text.lstrip("+")
-            problem = f"must be {what}" if text.startswith("-") else f"must be at most {high}"
-            raise argparse.ArgumentTypeError(f"{problem}, got a {len(text.lstrip('-'))}-digit number")
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
-        if value > high:
-            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
-        return value
-
-    parse.__name__ = what  # argparse names the type in "invalid <name> value" messages
-    return parse
-
-
-positive_int = bounded_int(1, 2**31 - 1)
-non_negative_int = bounded_int(0, 2**31 - 1)
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number above zero."""
-    try:
-        value = float(text)
-    except ValueError:
-        shown = printable(repr(text), _SHOWN_CHARS)
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {shown}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {printable(text, _SHOWN_CHARS)}")
-    return value
 
 
 # -- output paths ----------------------------------------------------------------------------------------

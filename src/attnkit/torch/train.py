@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -46,13 +45,14 @@ import torch.nn.functional as F
 
 import torch
 
+from .._arguments import Parser, UsageError, non_negative_float, non_negative_int, positive_float, positive_int
 from ..io import atomic_write, read_json
 from ..optim.schedules import warmup_cosine
 from ..pretrained.checkpoint import SINGLE_FILE, checkpoint_tensors
 from ..pretrained.hf_config import decoder_config_from_hf
 from .models import CausalLM
 
-__all__ = ["main", "build_parser", "batch_windows", "learning_rate", "ARCHITECTURES"]
+__all__ = ["main", "build_parser", "batch_windows", "learning_rate", "ARCHITECTURES", "UsageError"]
 
 PROG = "python -m attnkit.torch.train"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -62,69 +62,23 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistra
 CHECKPOINT = "checkpoint.pt"
 
 
-class UsageError(Exception):
-    """A bad argument: reported as one line on stderr, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print the usage and exit itself
-        raise UsageError(message)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's argument parser (errors raise :class:`UsageError` instead of exiting)."""
-    p = _Parser(prog=PROG, description="Data-parallel training of an attnkit causal LM twin (launch with torchrun).")
+    p = Parser(prog=PROG, description="Data-parallel training of an attnkit causal LM twin (launch with torchrun).")
     p.add_argument("--config", required=True, type=Path, help="Hugging Face config.json (gpt2/llama/mistral/qwen2)")
     p.add_argument("--data", required=True, type=Path, help="1-D integer token array (.npy)")
-    p.add_argument("--steps", required=True, type=_positive_int, help="optimiser steps in total")
-    p.add_argument("--global-batch", required=True, type=_positive_int,
+    p.add_argument("--steps", required=True, type=positive_int, help="optimiser steps in total")
+    p.add_argument("--global-batch", required=True, type=positive_int,
                    help="sequences per step over all processes (a multiple of the process count)")
-    p.add_argument("--seq-len", required=True, type=_positive_int, help="tokens per sequence")
-    p.add_argument("--lr", required=True, type=_positive_float, help="peak learning rate")
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="initial weights and batch sampling")
+    p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence")
+    p.add_argument("--lr", required=True, type=positive_float, help="peak learning rate")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="initial weights and batch sampling")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--out", required=True, type=Path, help="output folder (Hugging Face layout)")
-    p.add_argument("--warmup", type=_non_negative_int, default=0, help="linear warmup steps")
-    p.add_argument("--grad-clip", type=_non_negative_float, default=1.0, help="max global gradient norm (0 = off)")
-    p.add_argument("--weight-decay", type=_non_negative_float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--checkpoint-every", type=_non_negative_int, default=0,
+    p.add_argument("--warmup", type=non_negative_int, default=0, help="linear warmup steps")
+    p.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max global gradient norm (0 = off)")
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=0,
                    help="write DIR/checkpoint.pt every N steps (0 = only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     p.add_argument("--overwrite", action="store_true",
