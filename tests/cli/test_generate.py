@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ pytest.importorskip("tokenizers")
 from attnkit.cli import main  # noqa: E402
 from attnkit.decoding.sampling import generate  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
+from cli_helpers import SRC  # noqa: E402
 from hf_models import VOCAB, edit_config, saved_model, write_word_tokenizer  # noqa: E402
 
 
@@ -125,3 +127,30 @@ def test_real_process_streams_and_fails_cleanly(model_dirs, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "attnkit", "generate", str(tmp_path), "--ids", "1"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no config.json" in bad.stderr
+
+
+def _attnkit_process(args, **kwargs):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    env.pop("ATTNKIT_TRACEBACK", None)
+    return subprocess.Popen([sys.executable, "-m", "attnkit", *args], env=env, stderr=subprocess.PIPE, **kwargs)
+
+
+@pytest.mark.parametrize("json_output", [False, True])
+def test_a_reader_that_leaves_ends_the_command_quietly(model_dirs, json_output):
+    """``attnkit generate ... | head -c0``: the pipe is closed before anything is written; exit 141 (128 +
+    SIGPIPE, as a Unix tool that SIGPIPE ends), nothing on stderr."""
+    llama, _ = model_dirs
+    args = ["generate", str(llama), "--prompt", "w3 w4", "--max-new-tokens", "30"] + (["--json"] if json_output else [])
+    with _attnkit_process(args, stdout=subprocess.PIPE) as proc:
+        proc.stdout.close()  # the reader is gone before the first write
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=300) == 141 and err == ""
+
+
+def test_a_closed_stdout_is_taken_as_dev_null(model_dirs):
+    """``attnkit generate ... >&-``: no error, no traceback, exit 0."""
+    llama, _ = model_dirs
+    with _attnkit_process(["generate", str(llama), "--prompt", "w3 w4", "--max-new-tokens", "5"],
+                          stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1)) as proc:
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=300) == 0 and err == ""

@@ -166,6 +166,8 @@ def test_error_handler_exit_codes(capsys, monkeypatch):
     assert_one_line_error(capsys.readouterr().err, "not enough memory")
     assert run_command(raises(KeyboardInterrupt())) == 130
     capsys.readouterr()
+    assert run_command(raises(BrokenPipeError(32, "Broken pipe"))) == 141  # the reader left: quietly
+    assert capsys.readouterr() == ("", "")
     monkeypatch.delenv("ATTNKIT_TRACEBACK", raising=False)
     assert run_command(raises(RuntimeError("boom\x1b[2J"))) == 1
     assert_one_line_error(capsys.readouterr().err, "internal error: RuntimeError: boom\\x1b[2J", "ATTNKIT_TRACEBACK=1")

@@ -4,7 +4,9 @@ JSON output, and the one error handler that turns failures into exit codes.
 
 Exit codes (:func:`run_command`): 0 success; 1 a missing optional dependency (the message names the install
 command) or an internal error; 2 a bad command line or bad input files, reported as one line on stderr,
-never a traceback; 130 interrupted. ``ATTNKIT_TRACEBACK=1`` in the environment shows the traceback of an
+never a traceback; 130 interrupted; 141 (128 + SIGPIPE, as a Unix tool killed by it) when the reader of stdout
+went away (``attnkit generate ... | head -c1``), quietly. A stdout closed before the start (``>&-``) takes
+the output as ``/dev/null`` would. ``ATTNKIT_TRACEBACK=1`` in the environment shows the traceback of an
 internal error instead of its one line.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -124,10 +127,35 @@ def _say(prog: str, message: Any) -> None:
     print(f"{printable(prog, _SHOWN_CHARS)}: error: {printable(message, _MESSAGE_CHARS)}", file=sys.stderr, flush=True)
 
 
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141: what a shell reports for a tool that SIGPIPE ended
+
+
+def _discard_stdout() -> None:
+    """Point file descriptor 1 at ``/dev/null`` so that the interpreter's final flush of what is still
+    buffered cannot raise a second ``BrokenPipeError`` (Python's recommended handling of SIGPIPE)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a capture in tests): nothing to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def run_command(run: Callable[[], int], prog: str = PROG) -> int:
     """Call ``run()`` and turn what it raises into one line on stderr and an exit code (see module doc)."""
+    closed = sys.stdout is None  # started with stdout closed: print() already drops what it is given
+    if closed:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - closed below
     try:
-        return int(run() or 0)
+        code = int(run() or 0)
+        sys.stdout.flush()  # inside the handler: a reader that left shows here, not at exit
+        return code
+    except BrokenPipeError:  # the reader of stdout went away: nothing is wrong, stop quietly
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except UsageError as exc:
         _say(exc.prog, exc)
         return 2
@@ -148,6 +176,10 @@ def run_command(run: Callable[[], int], prog: str = PROG) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - the command line shows no tracebacks
         return _internal_error(prog, exc)
+    finally:
+        if closed:
+            sys.stdout.close()
+            sys.stdout = None
 
 
 def _internal_error(prog: str, exc: BaseException) -> int:
