@@ -102,3 +102,42 @@ def test_a_huge_max_new_tokens_reserves_no_memory_up_front(lm):
         tracemalloc.stop()
     assert [t.shape for t in first] == [(1,)] * 3
     assert peak < 5e6  # a cache sized for 2**31 tokens would be terabytes
+
+
+@pytest.mark.parametrize("beams,error,match", [
+    (1025, ValueError, "num_beams must be at most 1024"),
+    (10**12, ValueError, "num_beams must be at most 1024"),
+    (0, ValueError, "num_beams must be positive"),
+    ("3", TypeError, "num_beams must be an integer"),
+    (2.0, TypeError, "num_beams must be an integer"),
+])
+def test_num_beams_is_bounded_naming_the_argument(s2s, beams, error, match):
+    from attnkit.decoding.beam_search import beam_search
+
+    with pytest.raises(error, match=match):
+        s2s.generate(np.array([[3, 4, 5]]), bos_token_id=1, eos_token_id=2, max_new_tokens=4, num_beams=beams)
+
+    class NeverStepped:
+        def reorder(self, index):
+            raise AssertionError("the state must not be touched before num_beams is checked")
+
+    with pytest.raises(error, match=match):
+        beam_search(NeverStepped(), 1, num_beams=beams, bos_token_id=1, eos_token_id=2, max_new_tokens=4)
+
+
+def test_beams_that_cannot_change_the_result_are_not_allocated(s2s):
+    """With 12 tokens and 2 new ones at most 11 prefixes are ever open: 1024 beams decode as 11 do, and the
+    state holds 11 rows per source row, not 1024."""
+    import tracemalloc
+
+    src = np.array([[3, 4, 5], [6, 7, 8]])
+    kwargs = dict(bos_token_id=1, eos_token_id=2, max_new_tokens=2)
+    exact = s2s.generate(src, num_beams=11, **kwargs)
+    tracemalloc.start()
+    try:
+        most = s2s.generate(src, num_beams=1024, **kwargs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(most, exact)
+    assert peak < 2 * 2**20, peak

@@ -21,9 +21,35 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._validation import check_real
+from .._validation import check_positive_int, check_real
 
-__all__ = ["DecodingState", "greedy_search", "beam_search"]
+__all__ = ["DecodingState", "greedy_search", "beam_search", "MAX_NUM_BEAMS", "check_num_beams", "useful_beams"]
+
+MAX_NUM_BEAMS = 1024  # every beam is a decoder row with its own cache: B * K rows are decoded each step
+
+
+def check_num_beams(num_beams: Any) -> int:
+    """``num_beams`` as an int in ``[1, MAX_NUM_BEAMS]``; ``TypeError``/``ValueError`` naming it otherwise."""
+    value = check_positive_int(num_beams, "num_beams")
+    if value > MAX_NUM_BEAMS:
+        raise ValueError(f"num_beams must be at most {MAX_NUM_BEAMS} (each beam decodes a row of its own), "
+                         f"got {value}")
+    return value
+
+
+def useful_beams(num_beams: int, vocab_size: int, max_new_tokens: int) -> int:
+    """The beams that can change the result: at most ``(V - 1) ** (N - 1)`` prefixes are ever open, and with
+    that many beams nothing is pruned (the search is exact), so more beams only cost memory.
+
+    >>> useful_beams(1024, 12, 2), useful_beams(4, 12, 5), useful_beams(5, 2, 9)
+    (11, 4, 1)
+    """
+    open_prefixes, base = 1, max(1, vocab_size - 1)
+    for _ in range(max_new_tokens - 1):
+        if open_prefixes >= num_beams or base == 1:
+            break
+        open_prefixes *= base
+    return min(num_beams, open_prefixes)
 
 
 class DecodingState(Protocol):
@@ -84,12 +110,14 @@ def beam_search(state: Any, batch_size: int, *, num_beams: int, bos_token_id: in
                 max_new_tokens: int, length_penalty: float = 1.0, pad_token_id: int = 0) -> np.ndarray:
     """Beam search with length-normalised scores (see the module docstring); ``state`` has B rows on entry.
 
+    ``num_beams`` K must be in ``[1, MAX_NUM_BEAMS]`` (``ValueError`` naming it).
+
     Returns
     -------
     ids : int64 (B, 1 + n), starting with bos, the best hypothesis of each row, pad after its eos.
     """
     length_penalty = check_real(length_penalty, "length_penalty")
-    b, k, n_max = batch_size, num_beams, max_new_tokens
+    b, k, n_max = batch_size, check_num_beams(num_beams), max_new_tokens
     state.reorder(np.repeat(np.arange(b), k))  # K copies of each row
     scores = np.full((b, k), -np.inf)  # (B, K): summed log-probs of the open hypotheses
     scores[:, 0] = 0.0  # the K copies start identical: open only one of them

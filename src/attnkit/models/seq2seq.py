@@ -12,7 +12,7 @@ import numpy as np
 
 from .._validation import check_positive_int, check_real
 from ..core.module import Module
-from ..decoding.beam_search import beam_search, greedy_search
+from ..decoding.beam_search import beam_search, check_num_beams, greedy_search, useful_beams
 from ..decoding.cache import KVCache
 from ..init import as_generator
 from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
@@ -197,7 +197,9 @@ class Seq2SeqTransformer(Module):
         max_new_tokens : int
             N, most tokens generated after bos (eos included).
         num_beams : int, default 1
-            K; 1 is greedy decoding.
+            K in ``[1, MAX_NUM_BEAMS]`` (1024); 1 is greedy decoding. Beams beyond the
+            ``(V - 1) ** (N - 1)`` prefixes that can ever be open are not allocated (they cannot change the
+            result: the search is already exact).
         length_penalty : float, default 1.0
             Beam search ranks hypotheses by ``sum(log p) / n ** length_penalty`` (n generated tokens).
         pad_token_id : int, default 0
@@ -217,7 +219,7 @@ class Seq2SeqTransformer(Module):
         max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
         if max_new_tokens > self.max_length:
             raise ValueError(f"max_new_tokens = {max_new_tokens} exceeds the model's max_length = {self.max_length}")
-        num_beams = check_positive_int(num_beams, "num_beams")
+        num_beams = check_num_beams(num_beams)
         length_penalty = check_real(length_penalty, "length_penalty")
         if src_ids.shape[0] == 0:  # no rows: nothing to decode, only the bos column
             return np.full((0, 1), bos_token_id, dtype=np.int64)
@@ -231,7 +233,8 @@ class Seq2SeqTransformer(Module):
                           pad_token_id=pad_token_id)
             if num_beams == 1:
                 return greedy_search(state, src_ids.shape[0], **common)
-            return beam_search(state, src_ids.shape[0], num_beams=num_beams, length_penalty=length_penalty,
+            beams = useful_beams(num_beams, self.tgt_vocab_size, max_new_tokens)  # the rest change nothing
+            return beam_search(state, src_ids.shape[0], num_beams=beams, length_penalty=length_penalty,
                                **common)
         finally:
             self.train(was_training)
