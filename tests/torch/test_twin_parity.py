@@ -232,13 +232,42 @@ FAMILIES = {
     "qwen2": dict(family="qwen2", attention_bias=True, sliding_window=3,
                   layer_types=("full_attention", "sliding_attention")),
     "qwen3": dict(family="qwen3", qk_norm=True, sliding_window=3, layer_types=("sliding_attention", "full_attention")),
+    "olmo2": dict(family="olmo2", qk_norm=True, qk_norm_scope="projection", pre_norm=False, post_norm=True,
+                  attention_bias=True, output_bias=True),
+    "smollm3": dict(family="smollm3", no_rope_layers=(1,), sliding_window=2,
+                    layer_types=("full_attention", "sliding_attention"), mlp_bias=True),
+    "gpt_neox": dict(family="gpt_neox", norm="layernorm", mlp="plain", activation="gelu", parallel_residual=True,
+                     partial_rotary_factor=0.5, attention_bias=True, output_bias=True, mlp_bias=True,
+                     num_kv_heads=4),
+    "gemma2": dict(family="gemma2", norm_offset=1.0, post_norm=True, embedding_scale=2.5, attention_scale=0.3,
+                   attn_logit_softcap=1.5, final_logit_softcap=2.0, activation="gelu_tanh", sliding_window=2,
+                   layer_types=("sliding_attention", "full_attention")),
+    "gemma3_text": dict(family="gemma3_text", norm_offset=1.0, post_norm=True, qk_norm=True, embedding_scale=1.5,
+                        sliding_rope_theta=7.0, sliding_window=2, layer_types=("sliding_attention", "full_attention")),
+    "phi3": dict(family="phi3", max_position_embeddings=32, partial_rotary_factor=0.5, head_dim=8,
+                 rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4,
+                               "short_factor": (1.0, 2.0), "long_factor": (3.0, 5.0)}),
+    "gpt_oss": dict(family="gpt_oss", attention_sinks=True, attention_bias=True, output_bias=True, mlp="experts",
+                    num_experts=3, num_experts_per_tok=2, swiglu_limit=0.6, sliding_window=2,
+                    layer_types=("sliding_attention", "full_attention")),
 }
+
+
+def _larger_weights(lm, seed=4):
+    """Weights large enough that soft-caps, clamps, sinks and norms all act (the 0.02 init leaves them idle)."""
+    rng = np.random.default_rng(seed)
+    for name, p in lm.named_parameters():
+        if name.endswith(("gamma", "q_norm", "k_norm")):
+            p[...] = 1.0 - lm.config.norm_offset + 0.3 * rng.standard_normal(p.shape)
+        else:
+            p[...] = 0.4 * rng.standard_normal(p.shape)
+    return lm
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("padded", [False, True])
 def test_causal_lm(family, padded):
-    lm = CausalLM(_config(**FAMILIES[family]), rng=0)
+    lm = _larger_weights(CausalLM(_config(**FAMILIES[family]), rng=0))
     ids = np.random.default_rng(2).integers(0, 13, size=(2, 6))
     mask = left_padding(2, 6, [6, 3]) if padded else None
     check_parity(lm, [ids], dict(attention_mask=mask))

@@ -461,7 +461,7 @@ def _gemma(read: _Reader) -> DecoderConfig:
                       ("final_logit_softcapping", "final_logit_softcap")):
         default = None if three else (50.0 if key.startswith("attn") else 30.0)
         value = read.raw(key, default)
-        softcaps[name] = None if value is None else read.float(key)
+        softcaps[name] = None if value is None else read.float(key, default)
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,

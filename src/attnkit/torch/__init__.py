@@ -40,6 +40,7 @@ from .layers import (
     FeedForward,
     GatedMLP,
     LayerNorm,
+    MixtureOfExperts,
     Projection,
     RMSNorm,
     RotaryEmbedding,
@@ -49,8 +50,8 @@ from .models import CausalLM, Seq2SeqTransformer
 
 __all__ = [
     "from_numpy", "to_numpy",
-    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Embedding", "Projection", "Dropout",
-    "SinusoidalPositionalEncoding", "RotaryEmbedding",
+    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "Embedding", "Projection",
+    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
     "Transformer", "LMBlock", "CausalLM", "Seq2SeqTransformer",

@@ -16,7 +16,7 @@ import torch
 from ..attention.grouped_query import GroupedQueryAttention as _GroupedQueryAttention
 from ..attention.multi_head_attention import MultiHeadAttention as _MultiHeadAttention
 from ..attention.scaled_dot_product import ScaledDotProductAttention as _ScaledDotProductAttention
-from ._twin import TwinModule, as_tensor, attend
+from ._twin import TwinModule, as_tensor, attend, causal_band
 from .layers import _linear, _rms, rotary_apply
 
 __all__ = ["ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention"]
@@ -150,18 +150,28 @@ class GroupedQueryAttention(TwinModule):
 
     def setup(self, source) -> None:
         for name in ("layer_index", "hidden_size", "head_dim", "num_heads", "num_kv_heads", "window", "interleaved",
-                     "qk_norm", "norm_eps"):
+                     "qk_norm", "qk_norm_scope", "norm_eps", "norm_offset", "scale", "uses_rotary", "has_sinks"):
             setattr(self, name, getattr(source, name))
+        self.softcap = None if source.score_mod is None else source.score_mod.cap
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        weight = getattr(self, name)
+        return _rms(x, weight + self.norm_offset if self.norm_offset else weight, self.norm_eps)
 
     def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None, cache=None) -> torch.Tensor:
         if cache is not None:
             raise ValueError("GroupedQueryAttention (torch twin) has no KV cache; decode with attnkit's CausalLM "
                              "(attnkit.torch.to_numpy) or transformers")
-        q = _split(_linear(x, self.W_Q, getattr(self, "b_Q", None)), self.num_heads)  # (B, Hq, L, Dh)
-        k = _split(_linear(x, self.W_K, getattr(self, "b_K", None)), self.num_kv_heads)  # (B, Hkv, L, Dh)
+        q = _linear(x, self.W_Q, getattr(self, "b_Q", None))  # (B, L, Hq*Dh)
+        k = _linear(x, self.W_K, getattr(self, "b_K", None))  # (B, L, Hkv*Dh)
         v = _split(_linear(x, self.W_V, getattr(self, "b_V", None)), self.num_kv_heads)  # (B, Hkv, L, Dh)
-        if self.qk_norm:  # per head, over Dh, before the rotation (Qwen3)
-            q, k = _rms(q, self.q_norm, self.norm_eps), _rms(k, self.k_norm, self.norm_eps)  # as above
+        if self.qk_norm and self.qk_norm_scope == "projection":  # over the whole projection (OLMo 2)
+            q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")  # as above
+        q, k = _split(q, self.num_heads), _split(k, self.num_kv_heads)  # (B, H, L, Dh)
+        if self.qk_norm and self.qk_norm_scope == "head":  # per head, over Dh, before the rotation (Qwen3)
+            q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")  # as above
+        if not self.uses_rotary:  # a NoPE layer of a rotary model
+            rotary = None
         if rotary is not None:
             cos, sin = rotary
             q = rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
@@ -172,5 +182,41 @@ class GroupedQueryAttention(TwinModule):
                 raise ValueError(f"GroupedQueryAttention: attention_mask must have shape (B, L) = "
                                  f"{tuple(x.shape[:2])}, got {tuple(mask.shape)}")
             mask = mask[:, None, None, :]  # (B, 1, 1, S)
-        out = attend(q, k, v, mask, causal=True, window=self.window)  # (B, Hq, L, Dh)
+        if self.softcap is None and not self.has_sinks:
+            out = attend(q, k, v, mask, causal=True, window=self.window, scale=self.scale)  # (B, Hq, L, Dh)
+        else:
+            out = _scored_attention(q, k, v, mask, self.window, self.scale, self.softcap,
+                                    getattr(self, "sinks", None))  # (B, Hq, L, Dh)
         return _linear(_merge(out), self.W_O, getattr(self, "b_O", None))  # (B, L, D)
+
+
+def _scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      window: int | None, scale: float | None, softcap: float | None,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention with explicit scores, for what SDPA cannot express: soft-capped scores
+    ``C tanh(s / C)`` (before the mask) and per-head sink logits joining each row's softmax.
+
+    Shapes
+    ------
+    q (B, Hq, L, Dh), k/v (B, Hkv, L, Dh), mask (B, 1, 1, L) bool or None, sinks (Hq,) -> (B, Hq, L, Dh).
+    A query with nothing to attend (and no sink) gets zeros, as in attnkit.
+    """
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, Hq, L, Dh)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, Hq, L, L)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed = causal_band(q.shape[-2], k.shape[-2], window, q.device)  # (L, L)
+    if mask is not None:
+        allowed = allowed & mask  # (B, 1, L, L)
+    allowed = allowed.expand_as(scores)  # (B, Hq, L, L)
+    alive = allowed.any(dim=-1, keepdim=True)  # (B, Hq, L, 1)
+    # dead rows get finite scores (their output is replaced by zeros below), so nothing turns into NaN
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~alive, 0.0)  # (B, Hq, L, L)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, Hq, L, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # (B, Hq, L, L)
+    else:
+        weights = torch.softmax(scores, dim=-1)  # (B, Hq, L, L)
+    out = weights @ v  # (B, Hq, L, Dh)
+    return torch.where(alive, out, torch.zeros((), dtype=out.dtype))  # (B, Hq, L, Dh)

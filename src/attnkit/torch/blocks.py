@@ -178,7 +178,8 @@ class Transformer(TwinModule):
 
 
 class LMBlock(TwinModule):
-    """Twin of :class:`attnkit.layers.lm_block.LMBlock`: ``x + attention(attn_norm(x))``, then ``+ mlp(mlp_norm(x))``.
+    """Twin of :class:`attnkit.layers.lm_block.LMBlock`: ``x + attention(attn_norm(x))``, then ``+ mlp(mlp_norm(x))``,
+    with the same switches (norms after the branches, no norms before them, the parallel residual).
 
     Shapes
     ------
@@ -195,6 +196,20 @@ class LMBlock(TwinModule):
 
     numpy_class = _LMBlock
 
+    def setup(self, source) -> None:
+        self.pre_norm, self.post_norm = source.pre_norm, source.post_norm
+        self.parallel_residual = source.parallel_residual
+
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mlp(self.mlp_norm(x) if self.pre_norm else x)  # (B, L, D)
+        return self.mlp_post_norm(h) if self.post_norm else h
+
     def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None) -> torch.Tensor:
-        x = x + self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask)  # (B, L, D)
-        return x + self.mlp(self.mlp_norm(x))  # (B, L, D)
+        attended = self.attention(self.attn_norm(x) if self.pre_norm else x, rotary=rotary,
+                                  attention_mask=attention_mask)  # (B, L, D)
+        if self.post_norm:
+            attended = self.attn_post_norm(attended)  # (B, L, D)
+        if self.parallel_residual:
+            return x + attended + self._mlp_branch(x)  # (B, L, D)
+        x = x + attended
+        return x + self._mlp_branch(x)  # (B, L, D)

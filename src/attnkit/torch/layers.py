@@ -17,12 +17,13 @@ import torch
 
 from .. import layers as _layers
 from ..kernels import rotary as _rotary
+from ..layers.experts import MixtureOfExperts as _MixtureOfExperts
 from ..layers.gated_mlp import GatedMLP as _GatedMLP
 from ..layers.rms_norm import RMSNorm as _RMSNorm
 from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
 from ._twin import TwinModule, as_tensor
 
-__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Embedding", "Projection", "Dropout",
+__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "Embedding", "Projection", "Dropout",
            "SinusoidalPositionalEncoding", "RotaryEmbedding", "activation"]
 
 
@@ -70,7 +71,7 @@ class LayerNorm(TwinModule):
 
 
 class RMSNorm(TwinModule):
-    """Twin of :class:`attnkit.layers.rms_norm.RMSNorm`: ``gamma * x / sqrt(mean(x^2) + eps)``.
+    """Twin of :class:`attnkit.layers.rms_norm.RMSNorm`: ``(offset + gamma) * x / sqrt(mean(x^2) + eps)``.
 
     Half-precision inputs are normalised in float32 and cast back before the gain, as attnkit (and Hugging
     Face's Llama) do.
@@ -88,10 +89,10 @@ class RMSNorm(TwinModule):
     numpy_class = _RMSNorm
 
     def setup(self, source) -> None:
-        self.normalized_shape, self.eps = source.normalized_shape, source.eps
+        self.normalized_shape, self.eps, self.offset = source.normalized_shape, source.eps, source.offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms(x, self.gamma, self.eps)  # (..., D)
+        return _rms(x, self.gamma + self.offset if self.offset else self.gamma, self.eps)  # (..., D)
 
 
 def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,6 +152,49 @@ class GatedMLP(TwinModule):
         b = (self.b_gate, self.b_up, self.b_down) if self.bias else (None, None, None)
         gate = activation(_linear(x, self.W_gate, b[0]), self.activation)  # (..., F)
         return _linear(gate * _linear(x, self.W_up, b[1]), self.W_down, b[2])  # (..., D)
+
+
+class MixtureOfExperts(TwinModule):
+    """Twin of :class:`attnkit.layers.experts.MixtureOfExperts`: top-k routing, a softmax over the chosen
+    logits, clamped-SwiGLU experts, each run over the tokens routed to it.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="gpt_oss", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="experts", num_experts=3,
+    ...                     num_experts_per_tok=2)
+    >>> MixtureOfExperts(cfg, rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
+    torch.Size([2, 3, 4])
+    """
+
+    numpy_class = _MixtureOfExperts
+
+    def setup(self, source) -> None:
+        self.num_experts, self.top_k = source.num_experts, source.top_k
+        self.alpha, self.limit = source.alpha, source.limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        logits = flat @ self.W_router + self.b_router  # (N, E)
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)  # (N, k) each, largest first
+        weights = torch.softmax(top, dim=-1)  # (N, k)
+        y = torch.zeros_like(flat)  # (N, D)
+        for expert in range(self.num_experts):  # each expert over its own tokens
+            tokens, slot = torch.where(chosen == expert)  # (n,) each
+            if tokens.numel() == 0:
+                continue
+            xe = flat[tokens]  # (n, D)
+            gate = (xe @ self.W_gate[expert] + self.b_gate[expert]).clamp(max=self.limit)  # (n, F)
+            up = (xe @ self.W_up[expert] + self.b_up[expert]).clamp(-self.limit, self.limit)  # (n, F)
+            hidden = (up + 1) * gate * torch.sigmoid(self.alpha * gate)  # (n, F)
+            out = hidden @ self.W_down[expert] + self.b_down[expert]  # (n, D)
+            y = y.index_add(0, tokens, out * weights[tokens, slot, None])  # (N, D)
+        return y.reshape(x.shape)
 
 
 class Embedding(TwinModule):

@@ -64,6 +64,7 @@ class CausalLM(TwinModule):
 
     def setup(self, source) -> None:
         self.config = source.config
+        self.has_sliding_rotary = source.sliding_rotary is not None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -87,17 +88,27 @@ class CausalLM(TwinModule):
             positions = positions_from_mask(mask, length)  # (B, L)
         else:
             positions = torch.arange(length, device=device).expand(b, length)  # (B, L)
+        config = self.config
         h = self.embed(ids)  # (B, L, D)
-        rotary = None
-        if self.config.position == "learned":
+        if config.embedding_scale != 1.0:
+            h = h * torch.tensor(config.embedding_scale, dtype=h.dtype)  # (B, L, D), rounded as attnkit does
+        rotary = sliding = None
+        if config.position == "learned":
             h = h + self.pos_embed(positions)  # (B, L, D)
         else:
             rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
+            if self.has_sliding_rotary:
+                sliding = self.sliding_rotary(positions, dtype=h.dtype)  # (B, L, R) each
         layer_mask = None if mask is None or bool(mask.all()) else mask  # no padding: the fused causal kernel
-        for layer in self.layers:
-            h = layer(h, rotary=rotary, attention_mask=layer_mask)  # (B, L, D)
+        for index, layer in enumerate(self.layers):
+            layer_rotary = rotary if sliding is None or config.window_of(index) is None else sliding
+            h = layer(h, rotary=layer_rotary, attention_mask=layer_mask)  # (B, L, D)
         h = self.norm(h)  # (B, L, D)
-        return h @ self.head_weight.to(h.dtype).T  # (B, L, V)
+        logits = h @ self.head_weight.to(h.dtype).T  # (B, L, V)
+        if config.final_logit_softcap is not None:
+            cap = torch.tensor(config.final_logit_softcap, dtype=logits.dtype)
+            logits = torch.tanh(logits / cap) * cap  # (B, L, V)
+        return logits
 
 
 class Seq2SeqTransformer(TwinModule):
