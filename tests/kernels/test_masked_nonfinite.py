@@ -98,6 +98,8 @@ def test_flex_attention_keeps_masked_non_finite_keys_out(kernel, mod, where):
     out_bad, dq_bad = run(*_poison(k, v, where, np.nan))
     np.testing.assert_array_equal(out_bad[..., :KEY, :], out[..., :KEY, :])
     np.testing.assert_array_equal(dq_bad[..., :KEY, :], dq[..., :KEY, :])
+    head = (1, 2) if where == "k" else (0, 1)
+    assert np.isnan(out_bad[head][KEY:]).any()  # the rows that see the NaN are NaN, not zero
 
 
 def test_zero_safe_matmul_keeps_zero_weights_at_zero_and_propagates_the_rest():
