@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnkit.flex as F
 from attnkit.kernels._masked_product import zero_safe_matmul
@@ -145,3 +147,36 @@ def test_additive_attention_keeps_masked_non_finite_keys_out(masking, where):
     out_bad, dq_bad = run(*_poison(k, v, where, np.nan))
     np.testing.assert_array_equal(out_bad[..., blind, :], out[..., blind, :])
     np.testing.assert_array_equal(dq_bad[..., blind, :], dq[..., blind, :])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), length=st.integers(2, 9), block=st.integers(1, 5),
+       value=st.sampled_from([np.nan, np.inf, -np.inf]), where=st.sampled_from(["k", "v", "kv"]))
+def test_any_masked_non_finite_key_is_invisible_on_both_kernels(seed, length, block, value, where):
+    """Random per-query masks, key positions, lengths and tiles: the queries that cannot see the poisoned key
+    get the same bits as with a finite value there, forward and query gradient, on both kernels."""
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (rng.standard_normal((2, length, 3)) for _ in range(4))
+    mask = rng.random((length, length)) < 0.5
+    key = int(rng.integers(length))
+    blind = np.flatnonzero(~mask[:, key])
+    k_bad, v_bad = k.copy(), v.copy()
+    if "k" in where:
+        k_bad[int(rng.integers(2)), key, int(rng.integers(3))] = value
+    if "v" in where:
+        v_bad[int(rng.integers(2)), key, int(rng.integers(3))] = value
+    for run in (lambda k, v: _reference(q, k, v, g, mask), lambda k, v: _tiled(q, k, v, g, mask, block)):
+        out, dq = run(k, v)
+        out_bad, dq_bad = run(k_bad, v_bad)
+        np.testing.assert_array_equal(out_bad[..., blind, :], out[..., blind, :])
+        np.testing.assert_array_equal(dq_bad[..., blind, :], dq[..., blind, :])
+
+
+def _reference(q, k, v, g, mask):
+    out, _, ctx = attention_forward(q, k, v, mask=mask)
+    return out, attention_backward(g, ctx)[0]
+
+
+def _tiled(q, k, v, g, mask, block):
+    out, _, ctx = flash_attention_forward(q, k, v, mask=mask, block_q=block, block_k=block, num_threads=1)
+    return out, flash_attention_backward(g, ctx)[0]
