@@ -98,6 +98,8 @@ def test_flex_attention_keeps_masked_non_finite_keys_out(kernel, mod, where):
     out_bad, dq_bad = run(*_poison(k, v, where, np.nan))
     np.testing.assert_array_equal(out_bad[..., :KEY, :], out[..., :KEY, :])
     np.testing.assert_array_equal(dq_bad[..., :KEY, :], dq[..., :KEY, :])
+    head = (1, 2) if where == "k" else (0, 1)
+    assert np.isnan(out_bad[head][KEY:]).any()  # the rows that see the NaN are NaN, not zero
 
 
 def test_zero_safe_matmul_keeps_zero_weights_at_zero_and_propagates_the_rest():
@@ -122,3 +124,24 @@ def test_a_cached_decode_equals_the_full_forward_with_nan_in_a_later_hidden_stat
     np.testing.assert_array_equal(full[:, :4], before[:, :4])  # positions before the NaN: as if it were finite
     np.testing.assert_allclose(full[:, :4], steps, rtol=1e-12, atol=1e-12)
     assert np.isnan(full[:, 4:]).all()
+
+
+@pytest.mark.parametrize("where", ["k", "v", "kv"])
+@pytest.mark.parametrize("masking", ["causal", "per-query"])
+def test_additive_attention_keeps_masked_non_finite_keys_out(masking, where):
+    from attnkit.kernels.reference import additive_backward, additive_forward
+
+    q, k, v, g = _inputs(np.float64)
+    rng = np.random.default_rng(2)
+    w_q, w_k, w_v = rng.standard_normal((D, 5)), rng.standard_normal((D, 5)), rng.standard_normal(5)
+    mask = np.tril(np.ones((L, L), bool)) if masking == "causal" else _per_query_mask()
+    blind = np.flatnonzero(~mask[:, KEY])
+
+    def run(k, v):
+        out, weights, hidden = additive_forward(q, k, v, w_q, w_k, w_v, mask)
+        return out, additive_backward(g, q, k, v, w_q, w_k, w_v, weights, hidden)[0]
+
+    out, dq = run(k, v)
+    out_bad, dq_bad = run(*_poison(k, v, where, np.nan))
+    np.testing.assert_array_equal(out_bad[..., blind, :], out[..., blind, :])
+    np.testing.assert_array_equal(dq_bad[..., blind, :], dq[..., blind, :])

@@ -78,3 +78,12 @@ def test_short_demo_run_learns_and_saves(tmp_path):
     loaded.load(model_path)
     np.testing.assert_array_equal(loaded.head.W, result.model.head.W)
     assert "heldout_exact_match" in config_path.read_text()
+
+
+def test_a_beam_count_beyond_the_bound_is_refused_before_training():
+    steps = []
+    config = seq2seq_demo.DatesConfig(steps=5, batch_size=4, d_model=8, num_heads=2, num_layers=1, d_ff=8,
+                                      eval_size=4, num_beams=10**6)
+    with pytest.raises(ValueError, match="num_beams must be at most 1024"):
+        seq2seq_demo.train(config, on_step=lambda *args: steps.append(args))
+    assert steps == []

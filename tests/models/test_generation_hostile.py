@@ -141,3 +141,15 @@ def test_beams_that_cannot_change_the_result_are_not_allocated(s2s):
         tracemalloc.stop()
     np.testing.assert_array_equal(most, exact)
     assert peak < 2 * 2**20, peak
+
+
+def test_editing_what_generate_stream_yields_does_not_change_what_it_generates(lm):
+    """Each step's array is the caller's own: the model reads its own copy of the tokens it feeds back."""
+    ids = np.array([[1, 5, 9, 2], [3, 3, 7, 30]])
+    kept = [step.copy() for step in generate_stream(lm, ids, max_new_tokens=6, do_sample=False)]
+    edited = []
+    for step in generate_stream(lm, ids, max_new_tokens=6, do_sample=False):
+        edited.append(step.copy())
+        step[:] = 0  # a caller reusing the array (as a buffer, say)
+    np.testing.assert_array_equal(np.stack(edited), np.stack(kept))
+    assert len({id(step) for step in kept}) == len(kept)

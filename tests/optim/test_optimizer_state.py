@@ -135,6 +135,13 @@ ADAM_BAD_STATES = {
     "buffer_shape": (set_buffer("b", "exp_avg_sq", np.zeros(4)), ValueError, "'exp_avg_sq' of 'b' has shape"),
     "buffer_integer": (set_buffer("b", "exp_avg_sq", np.zeros(3, dtype=np.int64)), TypeError, "'exp_avg_sq' of 'b'"),
     "buffer_strings": (set_buffer("b", "exp_avg", np.array(["a", "b", "c"])), TypeError, "'exp_avg' of 'b'"),
+    # a mean of squares that is negative or not finite turns the parameters into NaN at the next step
+    "second_moment_negative": (set_buffer("b", "exp_avg_sq", np.array([0.1, -1e-12, 0.2])), ValueError,
+                               "'exp_avg_sq' of 'b' must be finite and non-negative.*such as -1e-12"),
+    "second_moment_nan": (set_buffer("b", "exp_avg_sq", np.array([0.1, NAN, 0.2])), ValueError,
+                          "'exp_avg_sq' of 'b' must be finite and non-negative"),
+    "second_moment_inf": (set_buffer("b", "exp_avg_sq", np.array([INF, 0.0, 0.2])), ValueError,
+                          "'exp_avg_sq' of 'b' must be finite and non-negative"),
 }
 
 
@@ -245,6 +252,7 @@ def saved_adam_entries(step_count=3):
     (lambda e: e.update({"state/extra.W/exp_avg": np.zeros((4, 3))}), KeyError, "state/extra.W/exp_avg"),
     (lambda e: e.pop("state/b/exp_avg_sq"), KeyError, "state of 'b' must have buffers"),
     (lambda e: e.pop("hyperparameters/eps"), KeyError, "hyperparameters of Adam"),
+    (lambda e: e.update({"state/W/exp_avg_sq": -np.ones((4, 3))}), ValueError, "'exp_avg_sq' of 'W' must be finite"),
 ])
 def test_load_refuses_bad_files_and_changes_nothing(tmp_path, edit, error, match):
     entries = saved_adam_entries()

@@ -537,7 +537,7 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
                 window = sequences[b, -stop_window:].tolist()
                 finished[b] = _ends_with_stop(tokenizer.decode(window), tokenizer.decode(window[:-1]), stops)
         done |= finished
-        yield tokens
+        yield tokens.copy()  # the caller's own array: editing it must not change what the model reads next
         if done.all() or step == max_new_tokens - 1:
             return
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=bool)], axis=1)  # (B, L + step + 1)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..decoding.beam_search import check_num_beams
 from ..io import atomic_write_files, write_arrays
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
@@ -120,6 +121,7 @@ def train(config: DatesConfig, on_step: Callable[[int, float, float], None] | No
 
     ``on_step(step, loss, token_accuracy)`` is called after every step (step counts from 1).
     """
+    check_num_beams(config.num_beams)  # before training, not after it: the run would be lost
     start, cpu_start = time.perf_counter(), time.process_time()
     model = build_model(config)
     optimizer = Adam(model, lr=config.lr, betas=(0.9, 0.98))

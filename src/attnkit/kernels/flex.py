@@ -119,7 +119,7 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
             product = zero_safe_matmul if _masked_bad(bad_v, keep, k0, k1) else np.matmul
             acc += product(p, v[:, :, k0:k1])  # (B, H, Tq, Dv)
             m = m_new
-        live = denom > 0
+        live = denom != 0  # a row that saw a NaN has a NaN sum: it stays NaN, as in the other kernels
         safe_m = np.where(np.isfinite(m), m, 0)
         out[:, :, q0:q1] = np.where(live[..., None], acc / np.where(live, denom, 1)[..., None], 0)
         lse[:, :, q0:q1] = np.where(live, safe_m + np.log(np.where(live, denom, 1)), -np.inf)
@@ -132,8 +132,9 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
     weights = None
     if not tiled:
         s, _, _, _ = _scores(q, k, scale, score_mod, mask_tile, plan[0, 0] if plan.size else 2, 0, Lq, 0, Lk)
-        weights = np.exp(s - np.where(np.isfinite(lse), lse, 0)[..., None])  # (B, H, Lq, Lk)
-        weights[~np.isfinite(lse)] = 0
+        dead = np.isneginf(lse)  # (B, H, Lq) rows that may attend to nothing
+        weights = np.exp(s - np.where(dead, 0, lse)[..., None])  # (B, H, Lq, Lk)
+        weights[dead] = 0
     ctx = FlexContext(q, k, v, out, lse, scale, score_mod, mask_tile, kinds, bq, bk, sinks, tiled)
     return out, lse, weights, ctx
 
@@ -161,7 +162,7 @@ def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
     grad_out = grad_out.astype(q.dtype, copy=False)
     dk, dv = np.zeros_like(k), np.zeros_like(v)
     delta = (grad_out * ctx.out).sum(axis=-1)  # (B, H, Lq)
-    lse = np.where(np.isfinite(ctx.lse), ctx.lse, np.inf)  # dead rows: every probability exp(-inf) = 0
+    lse = np.where(np.isneginf(ctx.lse), np.inf, ctx.lse)  # dead rows: every probability exp(-inf) = 0
     bad_k, bad_v = nonfinite_rows(k), nonfinite_rows(v)  # (Lk,) or None each
     threads = num_threads or default_num_threads()
     if ctx.score_mod is not None and getattr(ctx.score_mod, "params", None):

@@ -312,6 +312,8 @@ def additive_forward(q, k, v, w_q, w_k, w_v, mask=None):
     hidden = np.tanh(hq[..., :, None, :] + hk[..., None, :, :])  # (..., Lq, Lk, A)
     scores = hidden @ w_v  # (..., Lq, Lk)
     weights = masked_softmax(scores, mask)  # (..., Lq, Lk)
+    if mask is not None and nonfinite_rows(v_safe) is not None:
+        return zero_safe_matmul(weights, v_safe), weights, hidden  # (..., Lq, Dv); 0 * NaN stays 0
     return weights @ v_safe, weights, hidden  # (..., Lq, Dv)
 
 
@@ -326,9 +328,15 @@ def additive_backward(grad_out, q, k, v, w_q, w_k, w_v, weights, hidden):
     v_safe = zero_dead_keys(v, live)  # (..., Lk, Dv)
     k_safe = zero_dead_keys(k, live)  # (..., Lk, Dk)
     dv = unbroadcast(weights.swapaxes(-1, -2) @ grad_out, v.shape)  # (..., Lk, Dv)
-    ds = softmax_backward(grad_out @ v_safe.swapaxes(-1, -2), weights)  # (..., Lq, Lk)
+    dw = grad_out @ v_safe.swapaxes(-1, -2)  # (..., Lq, Lk)
+    if nonfinite_rows(v_safe) is not None:
+        dw = np.where(weights != 0, dw, 0)  # exact: a zero weight's dW never counts, and 0 * NaN must not
+    ds = softmax_backward(dw, weights)  # (..., Lq, Lk)
     dw_v = np.einsum("...qka,...qk->...a", hidden, ds).reshape(-1, hidden.shape[-1]).sum(axis=0)  # (A,)
     dpre = ds[..., None] * w_v * (1.0 - hidden * hidden)  # (..., Lq, Lk, A)
+    if nonfinite_rows(k_safe) is not None:
+        # a masked pair's tanh feature is NaN where its key is: its zero score gradient must stay zero
+        dpre = np.where((weights != 0)[..., None], dpre, 0)  # (..., Lq, Lk, A)
     dhq = dpre.sum(axis=-2)  # (..., Lq, A), broadcast leading dims
     dhk = dpre.sum(axis=-3)  # (..., Lk, A)
     q_b = np.broadcast_to(q, dhq.shape[:-1] + q.shape[-1:])  # (..., Lq, Dq)

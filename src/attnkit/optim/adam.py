@@ -63,6 +63,18 @@ class Adam(Optimizer):
                 "eps": check_hyper(values["eps"], "eps", low_inclusive=False),
                 "weight_decay": check_hyper(values["weight_decay"], "weight_decay")}
 
+    @classmethod
+    def check_buffer(cls, slot: str, name: str, value: np.ndarray) -> None:
+        """``exp_avg_sq`` is a running mean of squares: a negative or non-finite entry makes ``sqrt`` NaN and
+        turns the parameter into NaN at the next step, so such a state is refused."""
+        if slot != "exp_avg_sq":
+            return
+        bad = ~(np.isfinite(value) & (value >= 0))  # NaN compares False: caught as well
+        if bad.any():
+            first = value.reshape(-1)[np.flatnonzero(bad.reshape(-1))[0]]
+            raise ValueError(f"buffer 'exp_avg_sq' of {name!r} must be finite and non-negative (a mean of squared "
+                             f"gradients), got {int(bad.sum())} entries that are not, such as {float(first)!r}")
+
     def _update(self, p, g, state) -> None:
         beta1, beta2 = self.betas
         if self.weight_decay:

@@ -126,6 +126,12 @@ class Optimizer:
                 "state": {name: {slot: buf.copy() for slot, buf in slots.items()}
                           for name, slots in self.state.items()}}
 
+    @classmethod
+    def check_buffer(cls, slot: str, name: str, value: np.ndarray) -> None:
+        """Refuse buffer values this optimizer cannot continue from (``ValueError`` naming the buffer and its
+        parameter); the base class accepts any values. Called by :meth:`load_state_dict` before anything
+        changes."""
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, all or nothing: everything is checked before anything changes.
 
@@ -138,8 +144,8 @@ class Optimizer:
         KeyError
             Missing or unknown top-level keys, hyperparameter names, parameter names or buffer names (naming them).
         ValueError
-            A hyperparameter out of range or not finite, a negative step count, or a buffer whose shape differs
-            from its parameter's.
+            A hyperparameter out of range or not finite, a negative step count, a buffer whose shape differs
+            from its parameter's, or buffer values the optimizer refuses (:meth:`check_buffer`).
         TypeError
             A hyperparameter or step count of the wrong type, or a buffer that is not a real floating array.
 
@@ -190,6 +196,7 @@ class Optimizer:
                 if value.dtype.kind != "f":
                     raise TypeError(f"buffer {slot!r} of {name!r} has dtype {value.dtype}, expected a real "
                                     "floating dtype")
+                self.check_buffer(slot, name, value)
                 current = self.state.get(name, {}).get(slot)
                 new_state[name][slot] = np.array(value, dtype=p.dtype if current is None else current.dtype)
         # everything is checked: apply (nothing below can fail)
