@@ -154,3 +154,20 @@ def test_a_closed_stdout_is_taken_as_dev_null(model_dirs):
                           stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1)) as proc:
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=300) == 0 and err == ""
+
+
+def test_beam_search_option_prints_the_best_beam(model_dirs, capsys):
+    llama, _ = model_dirs
+    assert main(["generate", str(llama), "--prompt", "w10 w11", "--max-new-tokens", "6", "--num-beams", "3",
+                 "--length-penalty", "0.5", "--early-stopping", "never", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    lm = load_causal_lm(llama)
+    best = generate(lm, np.array([[10, 11]]), max_new_tokens=6, num_beams=3, length_penalty=0.5,
+                    early_stopping="never")[0].tolist()
+    eos = lm.config.eos_token_id
+    cut = next((i + 1 for i, t in enumerate(best[2:], 2) if t == eos), len(best))
+    assert record["ids"] == best[:cut] and record["text"] == " ".join(f"w{i}" for i in best[:cut])
+    assert main(["generate", str(llama), "--prompt", "w10 w11", "--num-beams", "2", "--seed", "1"]) == 2
+    assert "--num-beams cannot be combined with sampling options (--seed)" in capsys.readouterr().err
+    assert main(["generate", str(llama), "--prompt", "w10", "--num-beams", "2", "--length-penalty", "nan"]) == 2
+    assert "finite number" in capsys.readouterr().err

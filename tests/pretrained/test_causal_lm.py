@@ -164,3 +164,51 @@ def test_warp_logits_equals_the_processor_list_hf_generate_builds(settings, hf_r
     ours = warp_logits(logits, **settings)
     np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(theirs))
     np.testing.assert_allclose(ours[np.isfinite(ours)], theirs[np.isfinite(theirs)], rtol=1e-6)
+
+
+BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, length_penalty=0.5, early_stopping=True, num_return_sequences=2),
+                 dict(num_beams=2, length_penalty=2.0, early_stopping="never", num_return_sequences=2),
+                 dict(num_beams=3, num_return_sequences=3, repetition_penalty=1.3, no_repeat_ngram_size=2,
+                      min_new_tokens=3)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_mixed", "mistral_window", "gemma2", "phi3_longrope",
+                                  "gpt_oss"])
+@pytest.mark.parametrize("setting", range(len(BEAM_SETTINGS)))
+def test_beam_search_equals_transformers(name, setting, hf_root):
+    """Sequences equal to transformers' generate(num_beams=...) token for token, on a left-padded batch, with
+    an eos list that ends some hypotheses early (a token the model often picks), so finished beams, padding
+    after eos and the early-stopping rules all take part."""
+    lm, hf = loaded(name, hf_root)
+    ids, mask = left_padded_batch(np.random.default_rng(1), (5, 3))
+    often = int(np.bincount(generate(lm, ids, mask, max_new_tokens=8, eos_token_id=[])[:, 5:].ravel()).argmax())
+    options = dict(BEAM_SETTINGS[setting], max_new_tokens=8, eos_token_id=[EOS, often], pad_token_id=0)
+    ours = generate(lm, ids, mask, **options)
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                             do_sample=False, top_k=None, top_p=None, temperature=None, **options).numpy()
+    np.testing.assert_array_equal(ours, theirs)
+    assert ours.shape[0] == 2 * options.get("num_return_sequences", 1)
+
+
+def test_beam_search_reaches_eos_in_these_settings(hf_root):
+    lm, _ = loaded("llama_gqa", hf_root)
+    ids, mask = left_padded_batch(np.random.default_rng(1), (5, 3))
+    often = int(np.bincount(generate(lm, ids, mask, max_new_tokens=8, eos_token_id=[])[:, 5:].ravel()).argmax())
+    out = generate(lm, ids, mask, max_new_tokens=8, num_beams=4, num_return_sequences=4, eos_token_id=[often],
+                   pad_token_id=0)
+    assert np.any(out[:, 5:] == often)  # some hypotheses finished on the eos
+
+
+def test_beam_search_arguments_are_checked(hf_root):
+    lm, _ = loaded("llama_gqa", hf_root)
+    ids = np.array([[3, 4, 5]])
+    for options, message in ((dict(num_beams=2, do_sample=True), "beam sampling"),
+                             (dict(num_beams=2, num_return_sequences=3), "at most num_beams"),
+                             (dict(num_beams=2, early_stopping="sometimes"), "early_stopping"),
+                             (dict(num_beams=2, length_penalty=float("nan")), "length_penalty"),
+                             (dict(num_beams=0), "num_beams")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            generate(lm, ids, max_new_tokens=3, **options)
+    one = generate(lm, ids, max_new_tokens=5, num_beams=1, eos_token_id=[])
+    np.testing.assert_array_equal(one, generate(lm, ids, max_new_tokens=5, eos_token_id=[]))

@@ -13,13 +13,15 @@ token or after ``--max-new-tokens``. Text is printed as it is produced; ``--json
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from ._common import UsageError, json_text, non_negative_int, positive_float, positive_int, printable
+from ..decoding.beam_search import MAX_NUM_BEAMS
+from ._common import UsageError, bounded_int, json_text, non_negative_int, positive_float, positive_int, printable
 
 __all__ = ["NAME", "add_parser", "run", "load_model", "load_tokenizer", "parse_ids", "prompt_ids"]
 
@@ -39,6 +41,19 @@ def _unit_float(text: str) -> float:
 
 
 _unit_float.__name__ = "number in [0, 1]"
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {printable(repr(text), 40)}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {printable(text, 40)}")
+    return value
+
+
+_finite_float.__name__ = "finite number"
 
 
 def parse_ids(text: str, prog: str = PROG) -> list[int]:
@@ -76,6 +91,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=_unit_float, default=None,
                    help="drop tokens less likely than this fraction of the likeliest, in [0, 1]")
     p.add_argument("--seed", type=non_negative_int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--num-beams", type=bounded_int(1, MAX_NUM_BEAMS), default=1,
+                   help="beam search with this many beams (default 1: greedy or sampling); printed at the end, "
+                        "not streamed")
+    p.add_argument("--length-penalty", type=_finite_float, default=1.0,
+                   help="beam search: a hypothesis scores sum(log p) / new_tokens ** this (default 1)")
+    p.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
+                   help="beam search: stop when every beam has finished (true), when no open beam can win at "
+                        "its current length (false, default) or at the longest length (never)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
     p.set_defaults(run=run)
     return p
@@ -146,8 +169,14 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     if config.position == "learned":  # a learned position table cannot go past its last row
         max_new = min(max_new, config.max_position_embeddings - len(prompt))
     sampling = {name: getattr(args, name) for name in _SAMPLING_OPTIONS if getattr(args, name) is not None}
-    stream = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
-                             do_sample=bool(sampling), **sampling)
+    if args.num_beams > 1:
+        if sampling:
+            raise UsageError(f"--num-beams cannot be combined with sampling options "
+                             f"(--{next(iter(sampling)).replace('_', '-')})", PROG)
+        stream = _beam_tokens(model, prompt, max_new, args)
+    else:
+        stream = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
+                                 do_sample=bool(sampling), **sampling)
     new: list[int] = []
     shown = ""
     prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
@@ -177,3 +206,16 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         out.write(json_text(record))
     out.write("\n")
     return 0
+
+
+def _beam_tokens(model: Any, prompt: list[int], max_new: int, args: argparse.Namespace) -> list[np.ndarray]:
+    """The best beam's new tokens, one (1,) array per token as the stream gives them, up to its eos."""
+    from ..decoding.sampling import generate
+
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+    out = generate(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new, num_beams=args.num_beams,
+                   length_penalty=args.length_penalty, early_stopping=early)[0, len(prompt):]  # (T,)
+    eos = model.config.eos_token_id
+    eos = set(eos if isinstance(eos, tuple) else () if eos is None else (eos,))
+    ends = [i for i, token in enumerate(out.tolist()) if token in eos]
+    return [out[i:i + 1] for i in range(ends[0] + 1 if ends else out.size)]

@@ -23,7 +23,8 @@ import numpy as np
 
 from .._validation import check_positive_int, check_real
 
-__all__ = ["DecodingState", "greedy_search", "beam_search", "MAX_NUM_BEAMS", "check_num_beams", "useful_beams"]
+__all__ = ["DecodingState", "greedy_search", "beam_search", "lm_beam_search", "MAX_NUM_BEAMS", "check_num_beams",
+           "useful_beams"]
 
 MAX_NUM_BEAMS = 1024  # every beam is a decoder row with its own cache: B * K rows are decoded each step
 
@@ -164,3 +165,131 @@ def beam_search(state: Any, batch_size: int, *, num_beams: int, bos_token_id: in
         if np.all(best_score >= _normalised(scores.max(axis=1), final_length, length_penalty)):
             break
     return _finish(best, best_length, bos_token_id, pad_token_id)
+
+
+_FINISHED_PENALTY = np.float32(-1.0e9)  # added to a score to rule a candidate out, as transformers does
+
+
+def _top(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest entries of each row, largest first (ties: the lower index first)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[:, :k]  # (B, k)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)  # (R, V)
+    with np.errstate(divide="ignore"):  # a row whose other entries are all -inf has log(1) = 0 at its max
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: int, max_new_tokens: int,
+                   eos: np.ndarray, pad_token_id: int | None, length_penalty: float = 1.0,
+                   early_stopping: bool | str = False, num_return_sequences: int = 1,
+                   process: Any = None) -> np.ndarray:
+    """Beam search for a decoder-only LM, step for step as ``transformers``' ``generate(num_beams=K)``.
+
+    Each step takes the ``max(2, 1 + len(eos)) * K`` best continuations of all K beams by summed float32
+    log-probability; continuations that end (an eos, or the length limit) among the K best are offered to the
+    finished hypotheses, scored ``sum / new_tokens ** length_penalty``, and the K best unfinished ones continue
+    (the KV cache rows reordered to follow them). The search stops when no open beam can beat the worst
+    finished one (``early_stopping=False``: at the current length; ``"never"``: at the longest length when
+    ``length_penalty > 0``), when every batch row has K finished hypotheses and ``early_stopping=True``, or at
+    ``max_new_tokens``.
+
+    Parameters
+    ----------
+    model : CausalLM
+        ``forward(ids, mask, cache=)`` and ``new_cache(rows, max_length=)``; ``rotary_switch_length`` honoured.
+    ids, mask : (B, L) int64 and bool
+        Left-padded prompts.
+    num_beams : int
+        K >= 2.
+    max_new_tokens : int
+    eos : int array (E,)
+        End-of-sequence ids (empty: only the length ends a hypothesis).
+    pad_token_id : int or None
+        Fills the columns after a hypothesis's eos (``transformers``: the pad id if nonzero, else the first
+        eos id).
+    length_penalty : float
+    early_stopping : bool or "never"
+    num_return_sequences : int
+        The best n <= K finished hypotheses of each row, best first.
+    process : callable ``(log_probs (R, V), sequences (R, t), step) -> log_probs``, optional
+        The logits processors (repetition penalty, n-gram blocking, min new tokens), applied to the
+        log-probabilities as ``transformers`` does in beam search.
+
+    Returns
+    -------
+    int64 array (B * num_return_sequences, L + T)
+        Prompts and the chosen continuations, T the longest of them.
+    """
+    b, length = ids.shape
+    k, total = num_beams, length + max_new_tokens
+    keep = max(2, 1 + eos.size) * k  # candidates kept per step, so that K unfinished ones always remain
+    first_k = np.arange(keep) < k  # (keep,): only the K best candidates may finish
+    fill = (pad_token_id if pad_token_id else int(eos[0])) if eos.size else -1
+    rows = np.arange(b)[:, None]  # (B, 1)
+    running = np.full((b, k, total), fill, dtype=np.int64)  # (B, K, L + N)
+    running[:, :, :length] = ids[:, None]
+    sequences = running.copy()  # (B, K, L + N): the finished hypotheses
+    running_scores = np.zeros((b, k), dtype=np.float32)  # (B, K)
+    running_scores[:, 1:] = _FINISHED_PENALTY  # the K copies start identical: open one of them
+    scores = np.full((b, k), _FINISHED_PENALTY, dtype=np.float32)  # (B, K): finished scores
+    finished = np.zeros((b, k), dtype=bool)  # (B, K)
+    improvable = np.ones((b, 1), dtype=bool)  # (B, 1)
+    running_origin = np.full((b, k, max_new_tokens), -1, dtype=np.int64)  # (B, K, N): beam of each step
+    origin = running_origin.copy()
+    flat_mask = np.repeat(mask, k, axis=0)  # (B*K, L)
+    cache = model.new_cache(b * k, max_length=total)
+    logits = model.forward(np.repeat(ids, k, axis=0), flat_mask, cache=cache)[:, -1, :]  # (B*K, V)
+    switch = getattr(model, "rotary_switch_length", None)
+    cur = length
+    while True:
+        log_probs = _log_softmax(logits.astype(np.float32))  # (B*K, V)
+        if process is not None:
+            log_probs = process(log_probs, running[:, :, :cur].reshape(b * k, cur), cur - length)
+        vocab = log_probs.shape[-1]
+        summed = (log_probs.reshape(b, k, vocab) + running_scores[:, :, None]).reshape(b, k * vocab)  # (B, K*V)
+        top = _top(summed, keep)  # (B, keep)
+        top_scores = np.take_along_axis(summed, top, axis=1)  # (B, keep)
+        beam, token = top // vocab, top % vocab  # (B, keep) each
+        top_sequences = running[rows, beam]  # (B, keep, L + N)
+        top_sequences[:, :, cur] = token
+        top_origin = running_origin[rows, beam]  # (B, keep, N)
+        top_origin[:, :, cur - length] = beam + rows * k
+        ends = np.isin(token, eos) | (cur + 1 >= total)  # (B, keep)
+        # the K best unfinished continuations run on
+        open_scores = top_scores + ends.astype(np.float32) * _FINISHED_PENALTY  # (B, keep)
+        pick = _top(open_scores, k)  # (B, K)
+        running, running_origin = top_sequences[rows, pick], top_origin[rows, pick]
+        running_scores = np.take_along_axis(open_scores, pick, axis=1)  # (B, K)
+        # the K best of the finished so far and those just finished among the K best candidates
+        just = ends & first_k[None, :]  # (B, keep)
+        offered = top_scores / np.float32((cur + 1 - length) ** length_penalty)  # (B, keep)
+        full = finished.all(axis=-1, keepdims=True) & (early_stopping is True)  # (B, 1)
+        for ruled_out in (full, ~improvable, ~just):
+            offered = offered + ruled_out.astype(np.float32) * _FINISHED_PENALTY
+        merged = np.concatenate([scores, offered], axis=1)  # (B, K + keep)
+        best = _top(merged, k)  # (B, K)
+        sequences = np.concatenate([sequences, top_sequences], axis=1)[rows, best]  # (B, K, L + N)
+        origin = np.concatenate([origin, top_origin], axis=1)[rows, best]  # (B, K, N)
+        finished = np.concatenate([finished, just], axis=1)[rows, best]  # (B, K)
+        scores = np.take_along_axis(merged, best, axis=1)  # (B, K)
+        cache.reorder(running_origin[:, :, cur - length].reshape(-1))
+        cur += 1
+        hypothetical = total - length if early_stopping == "never" and length_penalty > 0 else cur - length
+        best_open = running_scores[:, :1] / np.float32(hypothetical ** length_penalty)  # (B, 1)
+        worst_finished = np.where(finished, scores.min(axis=1, keepdims=True), np.float32(-1.0e9))  # (B, K)
+        improvable &= np.any(best_open > worst_finished, axis=-1, keepdims=True)
+        if not improvable.any() or (finished.all() and early_stopping is True) or ends.all():
+            break
+        flat_mask = np.concatenate([flat_mask, np.ones((b * k, 1), dtype=bool)], axis=1)  # (B*K, cur)
+        if switch is not None and cur > switch >= cache.length:
+            # the rotation of every cached key changes here: run the whole sequences again, once
+            cache = model.new_cache(b * k, max_length=total)
+            logits = model.forward(running[:, :, :cur].reshape(b * k, cur), flat_mask, cache=cache)[:, -1, :]
+        else:
+            logits = model.forward(running[:, :, cur - 1].reshape(-1, 1), flat_mask, cache=cache)[:, -1, :]
+    n = num_return_sequences
+    chosen, chosen_origin = sequences[:, :n].reshape(b * n, total), origin[:, :n].reshape(b * n, -1)
+    generated = int((chosen_origin >= 0).sum(axis=1).max())
+    return chosen[:, :length + generated].copy()  # (B*n, L + T)

@@ -21,6 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from .._validation import check_real
+from .beam_search import check_num_beams, lm_beam_search
+
 __all__ = ["temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
            "apply_repetition_penalty", "banned_ngram_tokens", "generate", "generate_stream"]
 
@@ -362,7 +365,8 @@ def _rng(seed: Any) -> np.random.Generator:
 # generation_config.json keys generate reads when the argument is not given (explicit arguments win).
 _CONFIG_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None,
                     "min_p": None, "repetition_penalty": None, "no_repeat_ngram_size": None, "min_new_tokens": None,
-                    "stop_strings": None, "num_return_sequences": 1, "eos_token_id": None, "pad_token_id": None}
+                    "stop_strings": None, "num_return_sequences": 1, "eos_token_id": None, "pad_token_id": None,
+                    "num_beams": 1, "length_penalty": 1.0, "early_stopping": False}
 
 
 def _resolve(model: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -386,10 +390,22 @@ def _check_options(o: dict[str, Any], tokenizer: Any) -> None:
     if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating))
                                 or not math.isfinite(penalty) or penalty <= 0):
         raise ValueError(f"repetition_penalty must be a positive finite number, got {penalty!r}")
+    beams = o["num_beams"] = check_num_beams(o["num_beams"])
+    o["length_penalty"] = check_real(o["length_penalty"], "length_penalty")
+    if o["early_stopping"] not in (True, False, "never") or isinstance(o["early_stopping"], (int, float)) \
+            and not isinstance(o["early_stopping"], bool):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {o['early_stopping']!r}")
     count = o["num_return_sequences"]
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         raise ValueError(f"num_return_sequences must be a positive integer, got {count!r}")
-    if count > 1 and not o["do_sample"]:
+    if beams > 1:
+        if o["do_sample"]:
+            raise ValueError("num_beams > 1 with do_sample=True (beam sampling) is not supported; use one of them")
+        if count > beams:
+            raise ValueError(f"num_return_sequences ({count}) must be at most num_beams ({beams})")
+        if o["stop_strings"] is not None:
+            raise ValueError("stop_strings is not supported with num_beams > 1 (beam search ends on eos tokens)")
+    elif count > 1 and not o["do_sample"]:
         raise ValueError(f"num_return_sequences={count} needs do_sample=True: greedy decoding returns the same "
                          f"sequence every time")
     stops = o["stop_strings"]
@@ -402,37 +418,10 @@ def _check_options(o: dict[str, Any], tokenizer: Any) -> None:
         o["stop_strings"] = list(stops)
 
 
-def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
-                    do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
-                    top_p: float | None = None, min_p: float | None = None,
-                    repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
-                    min_new_tokens: int | None = None, stop_strings: str | Sequence[str] | None = None,
-                    tokenizer: Any = None, num_return_sequences: int | None = None, seed: Any = None,
-                    eos_token_id: Any = None, pad_token_id: int | None = None) -> Iterator[np.ndarray]:
-    """Generate token by token: an iterator over each step's new tokens, one per row.
-
-    Takes the arguments of :func:`generate` and checks them all before returning (the iterator itself does
-    no checking). It yields at most ``max_new_tokens`` arrays and stops early once every row is done.
-
-    Shapes
-    ------
-    Yields (B * num_return_sequences,) int64 per step: row b's new token, or ``pad_token_id`` once row b has
-    produced an eos or a stop string.
-
-    Examples
-    --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
-    >>> lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
-    ...                             num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
-    >>> steps = list(generate_stream(lm, [[1, 2, 3]], max_new_tokens=4))
-    >>> len(steps), steps[0].shape, steps[0].dtype
-    (4, (1,), dtype('int64'))
-    """
-    o = _resolve(model, dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                             no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
-                             stop_strings=stop_strings, num_return_sequences=num_return_sequences,
-                             eos_token_id=eos_token_id, pad_token_id=pad_token_id))
+def _setup(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any], tokenizer: Any, seed: Any):
+    """Every option resolved (argument, else ``generation_config``, else default) and checked, and the
+    prompt: ``(options, ids (B, L), mask (B, L), eos ids (E,), pad id or None, max_new_tokens, rng)``."""
+    o = _resolve(model, given)
     ids, mask = _check_prompt(model, input_ids, attention_mask)
     _check_options(o, tokenizer)
     # Checked even when greedy, so a typo is never silently ignored.
@@ -455,6 +444,44 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, m
     if _config_value(model, "position") == "learned" and limit is not None and ids.shape[1] + max_new > limit:
         raise ValueError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens ({max_new}) exceeds the "
                          f"model's {limit} learned positions")
+    return o, ids, mask, np.array(eos, dtype=np.int64), pad, max_new, rng
+
+
+def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+                    do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                    top_p: float | None = None, min_p: float | None = None,
+                    repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
+                    min_new_tokens: int | None = None, stop_strings: str | Sequence[str] | None = None,
+                    tokenizer: Any = None, num_return_sequences: int | None = None, seed: Any = None,
+                    eos_token_id: Any = None, pad_token_id: int | None = None) -> Iterator[np.ndarray]:
+    """Generate token by token: an iterator over each step's new tokens, one per row.
+
+    Takes the arguments of :func:`generate` and checks them all before returning (the iterator itself does
+    no checking). It yields at most ``max_new_tokens`` arrays and stops early once every row is done. It
+    decodes greedily or by sampling, never by beam search (beams settle their tokens only at the end), so a
+    ``num_beams`` in ``generation_config`` is not used here.
+
+    Shapes
+    ------
+    Yields (B * num_return_sequences,) int64 per step: row b's new token, or ``pad_token_id`` once row b has
+    produced an eos or a stop string.
+
+    Examples
+    --------
+    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+    ...                             num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
+    >>> steps = list(generate_stream(lm, [[1, 2, 3]], max_new_tokens=4))
+    >>> len(steps), steps[0].shape, steps[0].dtype
+    (4, (1,), dtype('int64'))
+    """
+    o, ids, mask, eos, pad, max_new, rng = _setup(
+        model, input_ids, attention_mask, dict(
+            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+            min_new_tokens=min_new_tokens, stop_strings=stop_strings, num_return_sequences=num_return_sequences,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, num_beams=1, length_penalty=None,
+            early_stopping=None), tokenizer, seed)
     if o["num_return_sequences"] > 1:  # each prompt row repeated, as Hugging Face's repeat_interleave
         ids = np.repeat(ids, o["num_return_sequences"], axis=0)  # (B * n, L)
         mask = np.repeat(mask, o["num_return_sequences"], axis=0)  # (B * n, L)
@@ -462,7 +489,7 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, m
         if o["do_sample"] else None
     processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
                       min_new_tokens=o["min_new_tokens"], stop_strings=o["stop_strings"], tokenizer=tokenizer)
-    return _decode(model, ids, mask, max_new, sampling, processing, rng, np.array(eos, dtype=np.int64), pad)
+    return _decode(model, ids, mask, max_new, sampling, processing, rng, eos, pad)
 
 
 def _process(logits: np.ndarray, sequences: np.ndarray, step: int, eos: np.ndarray, *,
@@ -528,8 +555,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
              no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
              stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
              num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
-             pad_token_id: int | None = None) -> np.ndarray:
-    """Continue each prompt row by up to ``max_new_tokens`` tokens, greedily or by sampling.
+             pad_token_id: int | None = None, num_beams: int | None = None, length_penalty: float | None = None,
+             early_stopping: bool | str | None = None) -> np.ndarray:
+    """Continue each prompt row by up to ``max_new_tokens`` tokens, greedily, by sampling or by beam search.
 
     Arguments have Hugging Face's names and meanings. Each one left as None takes the value of the model's
     ``generation_config`` (the folder's ``generation_config.json``, read by the pretrained loader), else the
@@ -568,14 +596,25 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
     tokenizer : Tokenizer, optional
         Anything with ``decode(ids)``, e.g. :func:`attnkit.pretrained.load_tokenizer`'s; for ``stop_strings``.
     num_return_sequences : int, default 1
-        Sampled continuations per prompt row (needs ``do_sample``); the rows of the output are
-        ``n`` consecutive continuations of prompt 0, then of prompt 1, ...
+        Sampled continuations per prompt row (needs ``do_sample``), or with beam search the ``n <= num_beams``
+        best finished hypotheses, best first; the rows of the output are ``n`` consecutive continuations of
+        prompt 0, then of prompt 1, ...
     seed : int or numpy.random.Generator, optional
         The same seed gives the same samples.
     eos_token_id : int or sequence of int, optional
         Tokens that end a row; default ``model.config.eos_token_id``; an empty sequence never stops early.
     pad_token_id : int, optional
         What a finished row produces; default ``model.config.pad_token_id``, else the first eos.
+    num_beams : int, default 1
+        Above 1: beam search as ``transformers`` runs it (:func:`attnkit.decoding.beam_search.lm_beam_search`),
+        with the logits processors applied to the log-probabilities; not with ``do_sample`` or
+        ``stop_strings``.
+    length_penalty : float, default 1.0
+        A finished hypothesis scores ``sum of log-probabilities / new_tokens ** length_penalty``.
+    early_stopping : {False, True, "never"}, default False
+        ``True``: stop once every row has ``num_beams`` finished hypotheses; ``False``: once no open beam can
+        beat the worst finished one at its current length; ``"never"``: only when that holds at the longest
+        length (with ``length_penalty > 0``), which makes the search exact up to pruning.
 
     Returns
     -------
@@ -604,6 +643,13 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
     >>> generate(lm, [[1, 2, 3]], max_new_tokens=6, no_repeat_ngram_size=1)[0, 3:].tolist()  # no id repeats
     [15, 11, 7, 4, 9, 13]
     """
+    given = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                 top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                 no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens, stop_strings=stop_strings,
+                 num_return_sequences=num_return_sequences, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                 num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
+    if _resolve(model, given)["num_beams"] not in (None, 1):  # checked (and refused if wrong) by _setup
+        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed)
     stream = generate_stream(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                              do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p, repetition_penalty=repetition_penalty,
@@ -617,3 +663,19 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
     if not steps:
         return prompt.copy()
     return np.concatenate([prompt, np.stack(steps, axis=1)], axis=1)  # (B * n, L + T)
+
+
+def _beam_generate(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any], tokenizer: Any,
+                   seed: Any) -> np.ndarray:
+    o, ids, mask, eos, pad, max_new, _ = _setup(model, input_ids, attention_mask, given, tokenizer, seed)
+    if max_new == 0:
+        return ids.copy()
+    processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
+                      min_new_tokens=o["min_new_tokens"])
+
+    def process(log_probs: np.ndarray, sequences: np.ndarray, step: int) -> np.ndarray:
+        return _process(log_probs, sequences, step, eos, **processing)
+
+    return lm_beam_search(model, ids, mask, num_beams=o["num_beams"], max_new_tokens=max_new, eos=eos,
+                          pad_token_id=pad, length_penalty=o["length_penalty"], early_stopping=o["early_stopping"],
+                          num_return_sequences=o["num_return_sequences"], process=process)

@@ -315,7 +315,8 @@ class CausalLM(Module):
                  no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
                  stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
                  num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
-                 pad_token_id: int | None = None) -> np.ndarray:
+                 pad_token_id: int | None = None, num_beams: int | None = None, length_penalty: float | None = None,
+                 early_stopping: bool | str | None = None) -> np.ndarray:
         """Decode new tokens with the KV cache, with Hugging Face's argument names and meanings.
 
         Every argument left as None takes :attr:`generation_config`'s value (the folder's
@@ -336,10 +337,12 @@ class CausalLM(Module):
             End a row when its text ends in one of them; needs ``tokenizer``.
         tokenizer : Tokenizer, optional
         num_return_sequences : int, optional
-            Sampled continuations per prompt.
+            Sampled continuations per prompt, or the best finished beams.
         seed : int or numpy.random.Generator, optional
         eos_token_id : int or sequence of int, optional
         pad_token_id : int, optional
+        num_beams, length_penalty, early_stopping : optional
+            Beam search with Hugging Face's meanings (``num_beams > 1``).
 
         Returns
         -------
@@ -353,4 +356,5 @@ class CausalLM(Module):
                         repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                         min_new_tokens=min_new_tokens, stop_strings=stop_strings, tokenizer=tokenizer,
                         num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
-                        pad_token_id=pad_token_id)
+                        pad_token_id=pad_token_id, num_beams=num_beams, length_penalty=length_penalty,
+                        early_stopping=early_stopping)
