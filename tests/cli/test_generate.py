@@ -171,3 +171,11 @@ def test_beam_search_option_prints_the_best_beam(model_dirs, capsys):
     assert "--num-beams cannot be combined with sampling options (--seed)" in capsys.readouterr().err
     assert main(["generate", str(llama), "--prompt", "w10", "--num-beams", "2", "--length-penalty", "nan"]) == 2
     assert "finite number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("beams", ["1025", "1" + "0" * 30])
+def test_num_beams_beyond_the_bound_is_one_line(model_dirs, capsys, beams):
+    llama, _ = model_dirs
+    assert main(["generate", str(llama), "--prompt", "w10 w11", "--num-beams", beams]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--num-beams" in err and "1024" in err, err

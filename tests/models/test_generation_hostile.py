@@ -153,3 +153,9 @@ def test_editing_what_generate_stream_yields_does_not_change_what_it_generates(l
         step[:] = 0  # a caller reusing the array (as a buffer, say)
     np.testing.assert_array_equal(np.stack(edited), np.stack(kept))
     assert len({id(step) for step in kept}) == len(kept)
+
+
+@pytest.mark.parametrize("beams", [1025, 10**12])
+def test_a_decoder_lm_bounds_num_beams_too(lm, beams):
+    with pytest.raises(ValueError, match="num_beams must be at most 1024"):
+        lm.generate(np.array([[1, 5, 9]]), max_new_tokens=3, num_beams=beams)
