@@ -60,7 +60,8 @@ def _check_unit(value: Any, name: str) -> float:
 def _check_temperature(temperature: Any) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
             or not math.isfinite(temperature) or temperature <= 0:
-        hint = " (for greedy decoding use do_sample=False)" if temperature == 0 else ""
+        hint = " (for greedy decoding use do_sample=False)" if isinstance(temperature, (int, float)) \
+            and temperature == 0 else ""
         raise ValueError(f"temperature must be a finite positive number, got {temperature!r}{hint}")
     return float(temperature)
 
@@ -270,7 +271,9 @@ def apply_repetition_penalty(logits: np.ndarray, sequences: np.ndarray, penalty:
     """
     seen = np.zeros(logits.shape, dtype=bool)  # (B, V)
     np.put_along_axis(seen, sequences, True, axis=-1)
-    penalised = np.where(logits < 0, logits * penalty, logits / penalty)  # (B, V)
+    # an extreme (but finite, positive) penalty saturates the repeated logits at +-inf, as in transformers
+    with np.errstate(over="ignore", divide="ignore"):
+        penalised = np.where(logits < 0, logits * penalty, logits / penalty)  # (B, V)
     return np.where(seen, penalised, logits).astype(logits.dtype, copy=False)
 
 
@@ -648,8 +651,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
                  no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens, stop_strings=stop_strings,
                  num_return_sequences=num_return_sequences, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                  num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
-    if _resolve(model, given)["num_beams"] not in (None, 1):  # checked (and refused if wrong) by _setup
-        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed)
+    beams = _resolve(model, given)["num_beams"]
+    if not (beams is None or isinstance(beams, (int, np.integer)) and not isinstance(beams, bool) and beams == 1):
+        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed)  # _setup checks beams
     stream = generate_stream(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                              do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p, repetition_penalty=repetition_penalty,

@@ -21,9 +21,13 @@ _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _QK_NORM_SCOPES = ("head", "projection")
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+_MAX_SIZE = 2**31 - 1  # no real model comes near it; beyond it a size could only allocate without end
+_MAX_LAYERS = 2**20  # one (tiny) entry per layer is built before a checkpoint is read
+
+
+def _positive_int(value: Any, name: str, maximum: int = _MAX_SIZE) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= maximum:
+        raise ValueError(f"{name} must be a positive integer up to {maximum}, got {value!r}")
     return value
 
 
@@ -193,7 +197,7 @@ class DecoderConfig:
             raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
-            _positive_int(getattr(self, name), name)
+            _positive_int(getattr(self, name), name, _MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         for name, value, allowed in (("norm", self.norm, ("layernorm", "rmsnorm")),

@@ -28,6 +28,7 @@ SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", 
                          "gemma3_text", "phi3", "gpt_oss")
 
 _MISSING = object()
+_MAX_SIZE = 2**31 - 1
 
 # Hugging Face activation names -> DecoderConfig.activation. gelu_new, gelu_fast and gelu_pytorch_tanh are
 # the same tanh approximation written three ways.
@@ -136,8 +137,9 @@ class _Reader:
         value = self.raw(key, default)
         if value is None and optional:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise self._fail(key, "a positive integer" + (" or null" if optional else ""), value)
+        # No size of a real model comes near 2**31; a larger one could only allocate without end.
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_SIZE:
+            raise self._fail(key, f"a positive integer up to {_MAX_SIZE}" + (" or null" if optional else ""), value)
         return value
 
     def float(self, key: str, default: Any = _MISSING) -> float:
