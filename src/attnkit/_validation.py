@@ -6,6 +6,7 @@ traceback from deep inside a kernel. Checks raise explicitly (never ``assert``, 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ __all__ = [
     "check_features",
     "check_grad_output",
     "common_float_dtype",
+    "returns_input_precision",
     "check_ndim",
     "check_mask",
     "check_positive_int",
@@ -48,6 +50,34 @@ def as_float_array(x: Any, name: str) -> np.ndarray:
 def common_float_dtype(*arrays: np.ndarray) -> np.dtype:
     """The dtype every computation on ``arrays`` runs in: float32 only if all are float32 (or narrower)."""
     return np.result_type(*[a.dtype for a in arrays], np.float32)
+
+
+def _narrow_floats(result: Any, dtype: np.dtype) -> Any:
+    if isinstance(result, np.ndarray) and result.dtype.kind == "f" and result.dtype.itemsize > dtype.itemsize:
+        return result.astype(dtype)
+    if isinstance(result, tuple):
+        return tuple(_narrow_floats(r, dtype) for r in result)
+    if isinstance(result, list):
+        return [_narrow_floats(r, dtype) for r in result]
+    if isinstance(result, dict):
+        return {key: _narrow_floats(value, dtype) for key, value in result.items()}
+    return result
+
+
+def returns_input_precision(fn):
+    """Decorate a public function that computes in :func:`common_float_dtype` (float32 at least) so that it
+    returns what its float inputs were: with only float16 arrays in, every float array it returns is float16
+    (float32 and float64 inputs already come back unchanged). Lists, ints and bools in are left alone.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        floats = [a.dtype for a in (*args, *kwargs.values()) if isinstance(a, np.ndarray) and a.dtype.kind == "f"]
+        result = fn(*args, **kwargs)
+        if floats and np.result_type(*floats) == np.float16:
+            return _narrow_floats(result, np.dtype(np.float16))
+        return result
+
+    return wrapper
 
 
 def check_ndim(x: np.ndarray, name: str, ndim: int | None = None, min_ndim: int | None = None,

@@ -9,14 +9,22 @@ broadcast against the scores ``(..., Lq, Lk)`` by numpy's rules. Note this is th
 ``torch.nn.functional.scaled_dot_product_attention``. A query whose mask allows no key gets all-zero
 weights, a zero output and zero gradients, never NaN.
 
-dtype: float32 in gives float32 out, float64 gives float64, integers are promoted to float64; mixed
-float32/float64 arguments compute in float64. No argument is modified in place.
+dtype: float32 in gives float32 out, float64 gives float64, integers are promoted to float64; float16 is
+computed in float32 and returned as float16; mixed arguments follow the widest (float32/float64 compute in
+float64). No argument is modified in place.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._validation import as_float_array, check_mask, check_ndim, common_float_dtype, unbroadcast
+from ._validation import (
+    as_float_array,
+    check_mask,
+    check_ndim,
+    common_float_dtype,
+    returns_input_precision,
+    unbroadcast,
+)
 from .kernels import reference as _ref
 
 __all__ = [
@@ -69,6 +77,7 @@ def _check_qkv(Q, K, V=None, same_features: bool = True):
     return Q, K, V, lead + (Q.shape[-2], K.shape[-2])
 
 
+@returns_input_precision
 def compute_attention_scores(Q: np.ndarray, K: np.ndarray, scale: bool = True) -> np.ndarray:
     """Compute attention scores between queries and keys: ``Q K^T / sqrt(d_k)``.
 
@@ -128,6 +137,7 @@ def apply_attention_mask(scores: np.ndarray, mask: np.ndarray, mask_value: float
     return np.where(mask, scores, np.asarray(mask_value, dtype=scores.dtype))
 
 
+@returns_input_precision
 def attention_weights(scores: np.ndarray, axis: int = -1) -> np.ndarray:
     """Convert scores to attention weights with a numerically stable softmax.
 
@@ -153,6 +163,7 @@ def attention_weights(scores: np.ndarray, axis: int = -1) -> np.ndarray:
     return np.moveaxis(_ref.masked_softmax(moved), -1, axis)
 
 
+@returns_input_precision
 def attention_weights_backward(grad_weights: np.ndarray, weights: np.ndarray, axis: int = -1) -> np.ndarray:
     """Backward of :func:`attention_weights`: the gradient of the scores.
 
@@ -187,6 +198,7 @@ def _check_axis(axis, arr: np.ndarray) -> int:
     return int(axis)
 
 
+@returns_input_precision
 def scaled_dot_product_attention(Q: np.ndarray, K: np.ndarray, V: np.ndarray,
                                  mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention: ``softmax(Q K^T / sqrt(d_k)) V``.
@@ -224,6 +236,7 @@ def scaled_dot_product_attention(Q: np.ndarray, K: np.ndarray, V: np.ndarray,
     return out, weights
 
 
+@returns_input_precision
 def scaled_dot_product_attention_backward(grad_output: np.ndarray, Q: np.ndarray, K: np.ndarray,
                                           V: np.ndarray, weights: np.ndarray
                                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -285,6 +298,7 @@ def _check_additive(Q, K, V, W_q, W_k, v):
     return (*cast, score_shape)
 
 
+@returns_input_precision
 def additive_attention(Q: np.ndarray, K: np.ndarray, V: np.ndarray, W_q: np.ndarray, W_k: np.ndarray,
                        v: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Bahdanau-style additive attention: ``score(q, k) = v^T tanh(q W_q + k W_k)`` (no scaling).
@@ -325,6 +339,7 @@ def additive_attention(Q: np.ndarray, K: np.ndarray, V: np.ndarray, W_q: np.ndar
     return out, weights
 
 
+@returns_input_precision
 def additive_attention_backward(grad_output: np.ndarray, Q: np.ndarray, K: np.ndarray, V: np.ndarray,
                                 W_q: np.ndarray, W_k: np.ndarray, v: np.ndarray, weights: np.ndarray
                                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:

@@ -17,6 +17,7 @@ from ._validation import (
     check_ndim,
     check_positive_int,
     common_float_dtype,
+    returns_input_precision,
 )
 from .attention.multi_head_attention import MultiHeadAttention
 from .kernels import heads as _heads
@@ -76,6 +77,7 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
     return _heads.merge_heads(x)
 
 
+@returns_input_precision
 def multi_head_attention_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, W_Q: np.ndarray, W_K: np.ndarray,
                                  W_V: np.ndarray, W_O: np.ndarray, num_heads: int,
                                  mask: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
@@ -147,6 +149,7 @@ def multi_head_attention_forward(Q: np.ndarray, K: np.ndarray, V: np.ndarray, W_
     return output, cache
 
 
+@returns_input_precision
 def multi_head_attention_backward(grad_output: np.ndarray, cache: dict
                                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
     """Multi-head attention backward pass.

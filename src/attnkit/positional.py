@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validation import as_float_array, check_ndim, check_positive_int
+from ._validation import as_float_array, check_ndim, check_positive_int, returns_input_precision
 from .init import as_generator, normal
 from .kernels.reference import causal_mask
 
@@ -50,6 +50,7 @@ def sinusoidal_encoding(max_length: int, d_model: int) -> np.ndarray:
     return pe
 
 
+@returns_input_precision
 def add_positional_encoding(x: np.ndarray, pe: np.ndarray) -> np.ndarray:
     """Add positional encodings to embeddings: ``x + pe[:seq_len]``.
 

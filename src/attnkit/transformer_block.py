@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validation import as_float_array, check_eps, check_ndim, common_float_dtype
+from ._validation import as_float_array, check_eps, check_ndim, common_float_dtype, returns_input_precision
 from .kernels import ffn as _ffn
 from .kernels import norm as _norm
 from .layers.encoder import stack_encoder_blocks
@@ -31,6 +31,7 @@ def _check_norm_args(x, gamma, name_x="x"):
     return x, gamma
 
 
+@returns_input_precision
 def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """Layer normalisation over the last axis: ``gamma * (x - mean) / sqrt(var + eps) + beta``.
 
@@ -63,6 +64,7 @@ def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 
     return y
 
 
+@returns_input_precision
 def layer_norm_backward(grad_output: np.ndarray, x: np.ndarray, gamma: np.ndarray,
                         eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Backward of :func:`layer_norm`.
@@ -116,6 +118,7 @@ def _check_ffn_args(x, W1, b1, W2, b2=None):
     return tuple(a.astype(dtype, copy=False) for a in arrays)
 
 
+@returns_input_precision
 def feed_forward(x: np.ndarray, W1: np.ndarray, b1: np.ndarray, W2: np.ndarray, b2: np.ndarray) -> np.ndarray:
     """Position-wise feed-forward network: ``ReLU(x @ W1 + b1) @ W2 + b2``.
 
@@ -141,6 +144,7 @@ def feed_forward(x: np.ndarray, W1: np.ndarray, b1: np.ndarray, W2: np.ndarray, 
     return y
 
 
+@returns_input_precision
 def feed_forward_backward(grad_output: np.ndarray, x: np.ndarray, W1: np.ndarray, b1: np.ndarray,
                           W2: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Backward of :func:`feed_forward` (recomputes the hidden layer from ``x``; ``b2`` is not needed).

@@ -9,7 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, as_float_array, check_mask, check_positive_int, check_qkv
+from .._validation import (
+    as_bool_mask,
+    as_float_array,
+    check_mask,
+    check_positive_int,
+    check_qkv,
+    returns_input_precision,
+)
 from ..core.base_attention import BaseAttention
 from ..init import as_generator, uniform_fan_in, xavier_uniform
 from ..kernels import reference as _ref
@@ -76,6 +83,7 @@ class AdditiveAttention(BaseAttention):
     def extra_repr(self) -> str:
         return f"d_q={self.d_q}, d_k={self.d_k}, d_attn={self.d_attn}"
 
+    @returns_input_precision
     def forward(self, q: Any, k: Any, v: Any, mask: Any = None, *, is_causal: bool = False,
                 need_weights: bool = True):
         """Attend; returns ``(output (..., Lq, Dv), weights (..., Lq, Lk) or None)``."""
@@ -94,6 +102,7 @@ class AdditiveAttention(BaseAttention):
         self._cache = (q, k, v, w_q, w_k, w_v, weights, hidden, out.shape)
         return out, (weights.copy() if need_weights else None)  # backward reads the cached weights
 
+    @returns_input_precision
     def backward(self, grad_output: Any):
         """Return ``(grad_q, grad_k, grad_v)`` and add the gradients of ``W_q``, ``W_k``, ``v``."""
         if self._cache is None:

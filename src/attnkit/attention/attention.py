@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._aliases import alias_property
-from .._validation import as_bool_mask, check_mask, check_qkv
+from .._validation import as_bool_mask, check_mask, check_qkv, returns_input_precision
 from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["Attention"]
@@ -86,6 +86,7 @@ class Attention(ScaledDotProductAttention):
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, future_mask={self.is_causal}, scale={self.scale}"
 
+    @returns_input_precision
     def forward(self, q: Any, k: Any, v: Any, mask: Any = None, *, is_causal: bool = False,
                 need_weights: bool = True):
         """Attend; returns ``(output (B, Lq, Dv), weights (B, Lq, Lk) or None)``. See the class docstring."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._validation import returns_input_precision
 from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["CausalAttention"]
@@ -46,6 +47,7 @@ class CausalAttention(ScaledDotProductAttention):
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, scale={self.scale}"
 
+    @returns_input_precision
     def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
                 is_causal: bool = False, need_weights: bool = True):
         """Attend with the causal mask (AND ``mask``); see the class docstring for shapes."""

@@ -15,6 +15,7 @@ from .._validation import (
     check_ndim,
     check_positive_int,
     common_float_dtype,
+    returns_input_precision,
 )
 from ..core.base_attention import BaseAttention
 from ..core.converters import torch_converter
@@ -130,6 +131,7 @@ class MultiHeadAttention(Module):
     def _b(self, name: str) -> np.ndarray | None:
         return self._parameters[name] if self.bias else None
 
+    @returns_input_precision
     def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, attn_mask: np.ndarray | None = None,
                 key_padding_mask: np.ndarray | None = None, need_weights: bool = True, is_causal: bool = False,
                 *, mask: np.ndarray | None = None):
@@ -179,6 +181,7 @@ class MultiHeadAttention(Module):
         self._cache = (query, key, value, merged, kpm)
         return out, weights
 
+    @returns_input_precision
     def backward(self, grad_output: np.ndarray):
         """Backpropagate ``grad_output`` (B, Lq, E) through the last forward.
 

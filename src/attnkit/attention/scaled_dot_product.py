@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels as _kernels
-from .._validation import as_bool_mask, as_float_array, check_mask, check_qkv
+from .._validation import as_bool_mask, as_float_array, check_mask, check_qkv, returns_input_precision
 from ..core.base_attention import BaseAttention
 from ..init import as_generator
 
@@ -57,6 +57,7 @@ class ScaledDotProductAttention(BaseAttention):
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, scale={self.scale}, is_causal={self.is_causal}"
 
+    @returns_input_precision
     def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
                 is_causal: bool = False, need_weights: bool = True):
         """Attend; see the class docstring for shapes. Caches the kernel context for :meth:`backward`.
@@ -90,6 +91,7 @@ class ScaledDotProductAttention(BaseAttention):
         # gets copies, so editing them cannot change the gradients.
         return out.copy(), (None if weights is None else weights.copy())
 
+    @returns_input_precision
     def backward(self, grad_output: np.ndarray):
         """Return ``(grad_q, grad_k, grad_v)`` for the last forward (a bias's parameters get theirs too)."""
         if self._ctx is None:
