@@ -81,13 +81,13 @@ class _Softcap(ScoreMod):
 
     # One new array per call, the rest in place: the kernel calls these on every tile.
     def forward(self, score, b, h, q_idx, kv_idx):
-        out = np.divide(score, self.cap)
+        out = np.asarray(np.divide(score, self.cap))  # an array even for a 0-d score
         np.tanh(out, out=out)
         out *= self.cap
         return out
 
     def backward(self, grad, score, b, h, q_idx, kv_idx):
-        t = np.divide(score, self.cap)
+        t = np.asarray(np.divide(score, self.cap))
         np.tanh(t, out=t)
         np.multiply(t, t, out=t)
         np.subtract(1, t, out=t)

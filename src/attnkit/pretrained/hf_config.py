@@ -179,8 +179,9 @@ def supported_model_types() -> list[str]:
 
     Examples
     --------
-    >>> supported_model_types()
-    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'gpt_neox', 'gemma2', 'gemma3_text', 'phi3']
+    >>> supported_model_types()  # doctest: +NORMALIZE_WHITESPACE
+    ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'gpt_neox', 'gemma2', 'gemma3_text', 'phi3',
+     'gpt_oss']
     """
     return list(SUPPORTED_MODEL_TYPES)
 
