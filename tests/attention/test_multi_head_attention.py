@@ -290,3 +290,23 @@ def test_head_must_be_a_base_attention():
     with pytest.raises(TypeError, match="BaseAttention"):
         MultiHeadAttention(8, 2, attention=torch.nn.MultiheadAttention(8, 2))
     MultiHeadAttention(8, 2, attention=ScaledDotProductAttention())  # accepted
+
+
+def test_attending_to_projected_keys_equals_the_forward():
+    """project_kv + attend_kv (what the decoder's cache path uses) is the forward, split where a cache sits."""
+    rng = np.random.default_rng(7)
+    mha = MultiHeadAttention(8, 2, kdim=6, vdim=5, bias=True, rng=0)
+    for _, p in mha.named_parameters():
+        p[...] = rng.normal(size=p.shape)
+    query, key, value = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 7, 6)), rng.normal(size=(2, 7, 5))
+    mask = rng.random((2, 1, 3, 7)) < 0.7
+    expected, expected_weights = mha(query, key, value, mask=mask)
+    keys, values = mha.project_kv(key, value)
+    assert keys.shape == (2, 2, 7, 4) and values.shape == (2, 2, 7, 4)
+    out, weights = mha.attend_kv(query, keys, values, mask, need_weights=True)
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(weights, expected_weights, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="before forward"):
+        mha.backward(np.ones_like(out))  # the cached path keeps nothing for a backward
+    with pytest.raises(ValueError, match="key has 5 features, expected 6"):
+        mha.project_kv(value, value)

@@ -5,6 +5,8 @@ Ek/Ev key/value input features (kdim/vdim, default E).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .._aliases import alias_property, resolve
@@ -131,6 +133,38 @@ class MultiHeadAttention(Module):
     def _b(self, name: str) -> np.ndarray | None:
         return self._parameters[name] if self.bias else None
 
+    def _heads(self, which: str, x: np.ndarray) -> np.ndarray:
+        """Projection ``W_<which>`` of ``x`` (B, L, E), split into heads (B, H, L, Dh)."""
+        return split_heads(linear(x, self._parameters["W_" + which], self._b("b_" + which)), self.num_heads)
+
+    def project_kv(self, key: Any, value: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Key and value heads of ``key``/``value`` (B, L, Ek/Ev) (``value`` defaults to ``key``), each
+        (B, H, L, Dh): what a decoder keeps in its :class:`~attnkit.decoding.cache.KVCache` or computes once
+        for cross-attention. Inference only: nothing is kept for :meth:`backward`."""
+        key = as_float_array(key, "key")
+        value = key if value is None else as_float_array(value, "value")
+        for name, x, dim in (("key", key, self.kdim), ("value", value, self.vdim)):
+            check_ndim(x, name, ndim=3, expected=f"3-D (batch, seq, {dim})")
+            if x.shape[-1] != dim:
+                raise ValueError(f"{name} has {x.shape[-1]} features, expected {dim} (got shape {x.shape})")
+        return self._heads("K", key), self._heads("V", value)
+
+    def attend_kv(self, query: Any, keys: np.ndarray, values: np.ndarray, mask: Any = None, *,
+                  need_weights: bool = False):
+        """Attend from ``query`` (B, Lq, E) to key/value heads already projected by :meth:`project_kv`
+        (B, H, Lk, Dh) — a cache's, or a memory's computed once.
+
+        ``mask`` is boolean, broadcastable to (B, H, Lq, Lk), ``True`` = may attend. Returns ``(output
+        (B, Lq, E), weights (B, H, Lq, Lk) or None)``. Inference only: :meth:`backward` is not available after.
+        """
+        query = as_float_array(query, "query")
+        check_ndim(query, "query", ndim=3, expected=f"3-D (batch, seq, {self.embed_dim})")
+        q = self._heads("Q", query)  # (B, H, Lq, Dh)
+        heads, weights = self.attention.forward(q, keys.astype(q.dtype, copy=False), values.astype(q.dtype, copy=False),
+                                                mask, need_weights=need_weights)  # (B, H, Lq, Dh)
+        self._cache = None
+        return linear(merge_heads(heads), self.W_O, self._b("b_O")), weights  # (B, Lq, E)
+
     @returns_input_precision
     def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, attn_mask: np.ndarray | None = None,
                 key_padding_mask: np.ndarray | None = None, need_weights: bool = True, is_causal: bool = False,
@@ -171,9 +205,7 @@ class MultiHeadAttention(Module):
             # Padding garbage (NaN/Inf) must not reach any output or gradient: zero it before projecting.
             key = np.where(kpm[..., None], key, 0).astype(key.dtype, copy=False)  # (B, Lk, Ek)
             value = np.where(kpm[..., None], value, 0).astype(value.dtype, copy=False)  # (B, Lk, Ev)
-        q = split_heads(linear(query, self.W_Q, self._b("b_Q")), self.num_heads)  # (B, H, Lq, Dh)
-        k = split_heads(linear(key, self.W_K, self._b("b_K")), self.num_heads)  # (B, H, Lk, Dh)
-        v = split_heads(linear(value, self.W_V, self._b("b_V")), self.num_heads)  # (B, H, Lk, Dh)
+        q, k, v = self._heads("Q", query), self._heads("K", key), self._heads("V", value)  # (B, H, L, Dh) each
         heads, weights = self.attention.forward(q, k, v, head_mask, is_causal=is_causal,
                                                 need_weights=need_weights)  # (B, H, Lq, Dh)
         merged = merge_heads(heads)  # (B, Lq, E)

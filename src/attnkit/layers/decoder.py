@@ -23,8 +23,6 @@ from ..core.converters import torch_converter
 from ..core.module import Module, ModuleList
 from ..init import as_generator
 from ..kernels.activations import ACTIVATIONS
-from ..kernels.heads import merge_heads, split_heads
-from ..kernels.linear import linear
 from .dropout import Dropout
 from .feed_forward import FeedForward
 from .layer_norm import LayerNorm
@@ -40,24 +38,6 @@ def _check_sequence(x: Any, name: str, d_model: int) -> np.ndarray:
     if x.shape[-1] != d_model:
         raise ValueError(f"{name} has {x.shape[-1]} features, expected d_model = {d_model} (got shape {x.shape})")
     return x
-
-
-def _bias(mha: MultiHeadAttention, name: str) -> np.ndarray | None:
-    return getattr(mha, name) if mha.bias else None
-
-
-def _project(mha: MultiHeadAttention, which: str, x: np.ndarray) -> np.ndarray:
-    """Heads of projection ``W_<which>`` of ``x`` (B, L, D) -> (B, H, L, Dh) (inference path)."""
-    return split_heads(linear(x, getattr(mha, "W_" + which), _bias(mha, "b_" + which)), mha.num_heads)  # (B, H, L, Dh)
-
-
-def _attend_projected(mha: MultiHeadAttention, query: np.ndarray, k: np.ndarray, v: np.ndarray,
-                      mask: np.ndarray | None, need_weights: bool):
-    """``mha`` from already projected keys/values (B, H, Lk, Dh): returns ``(out (B, Lq, D), weights)``."""
-    q = _project(mha, "Q", query)  # (B, H, Lq, Dh)
-    heads, weights = mha.attention.forward(q, k.astype(q.dtype, copy=False), v.astype(q.dtype, copy=False),
-                                           mask, need_weights=need_weights)  # (B, H, Lq, Dh)
-    return linear(merge_heads(heads), mha.W_O, _bias(mha, "b_O")), weights  # (B, Lq, D)
 
 
 class TransformerDecoderBlock(Module):
@@ -217,7 +197,7 @@ class TransformerDecoderBlock(Module):
     def project_memory(self, memory: Any) -> tuple[np.ndarray, np.ndarray]:
         """Cross-attention keys and values of ``memory`` (B, Ls, D), each (B, H, Ls, Dh), for :meth:`decode`."""
         memory = _check_sequence(memory, "memory", self.d_model)
-        return _project(self.cross_attention, "K", memory), _project(self.cross_attention, "V", memory)
+        return self.cross_attention.project_kv(memory)
 
     def decode(self, x: Any, cache: Any, layer: int, memory_kv: tuple[np.ndarray, np.ndarray],
                memory_mask: np.ndarray | None = None, need_weights: bool = False):
@@ -244,12 +224,12 @@ class TransformerDecoderBlock(Module):
         x = _check_sequence(x, "x", self.d_model)
         sa_mha, ca_mha = self.self_attention, self.cross_attention
         h = self.norm1(x) if self.norm_first else x  # (B, Ln, D)
-        keys, values, slots = cache.update(layer, _project(sa_mha, "K", h), _project(sa_mha, "V", h))
+        keys, values, slots = cache.update(layer, *sa_mha.project_kv(h))
         causal = slots[None, :] <= slots[-x.shape[1]:, None]  # (Ln, Lpast + Ln): the new keys are the last slots
-        sa, _ = _attend_projected(sa_mha, h, keys, values, causal, need_weights=False)  # (B, Ln, D)
+        sa, _ = sa_mha.attend_kv(h, keys, values, causal)  # (B, Ln, D)
         h1 = x + sa if self.norm_first else self.norm1(x + sa)  # (B, Ln, D)
-        ca, weights = _attend_projected(ca_mha, self.norm2(h1) if self.norm_first else h1, *memory_kv,
-                                        memory_mask, need_weights)  # (B, Ln, D)
+        ca, weights = ca_mha.attend_kv(self.norm2(h1) if self.norm_first else h1, *memory_kv, memory_mask,
+                                       need_weights=need_weights)  # (B, Ln, D)
         if self.norm_first:
             h2 = h1 + ca  # (B, Ln, D)
             out = h2 + self.ffn(self.norm3(h2))  # (B, Ln, D)
