@@ -78,7 +78,7 @@ class AdditiveAttention(BaseAttention):
         self.register_parameter("W_q", xavier_uniform(gen, self.d_q, self.d_attn))
         self.register_parameter("W_k", xavier_uniform(gen, self.d_k, self.d_attn))
         self.register_parameter("v", uniform_fan_in(gen, self.d_attn, self.d_attn))
-        self._cache = None
+        self.save_for_backward()
 
     def extra_repr(self) -> str:
         return f"d_q={self.d_q}, d_k={self.d_k}, d_attn={self.d_attn}"
@@ -99,15 +99,15 @@ class AdditiveAttention(BaseAttention):
         mask = self.combine_masks(mask, is_causal, seq_q, seq_k)
         w_q, w_k, w_v = (self._parameters[n].astype(q.dtype, copy=False) for n in ("W_q", "W_k", "v"))
         out, weights, hidden = _ref.additive_forward(q, k, v, w_q, w_k, w_v, mask)  # (..., Lq, Dv), (..., Lq, Lk)
-        self._cache = (q, k, v, w_q, w_k, w_v, weights, hidden, out.shape)
+        self.save_for_backward(q, k, v, w_q, w_k, w_v, weights, hidden, out.shape)
         return out, (weights.copy() if need_weights else None)  # backward reads the cached weights
 
     @returns_input_precision
     def backward(self, grad_output: Any):
         """Return ``(grad_q, grad_k, grad_v)`` and add the gradients of ``W_q``, ``W_k``, ``v``."""
-        if self._cache is None:
+        if self.saved_tensors is None:
             raise RuntimeError("AdditiveAttention.backward called before forward")
-        q, k, v, w_q, w_k, w_v, weights, hidden, expected = self._cache
+        q, k, v, w_q, w_k, w_v, weights, hidden, expected = self.saved_tensors
         g = as_float_array(grad_output, "grad_output")
         if g.shape != expected:
             raise ValueError(f"grad_output has shape {g.shape}, expected the output shape {expected}")

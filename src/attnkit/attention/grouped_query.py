@@ -114,7 +114,6 @@ class GroupedQueryAttention(Module):
             whole = self.qk_norm_scope == "projection"
             self.register_parameter("q_norm", np.ones(q_width if whole else self.head_dim))
             self.register_parameter("k_norm", np.ones(kv_width if whole else self.head_dim))
-        self._cache: tuple | None = None
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
@@ -197,7 +196,10 @@ class GroupedQueryAttention(Module):
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
-        self._cache = None if cache is not None else (x, merged, ctx, rotary, normed)
+        if cache is None:  # the cached path is inference: it keeps nothing
+            self.save_for_backward(x, merged, ctx, rotary, normed)
+        else:
+            self.save_for_backward()
         if not output_attentions:
             return y
         # The reference kernel returns its own copy of the weights (backward reads ctx's), so this is the caller's.
@@ -218,9 +220,9 @@ class GroupedQueryAttention(Module):
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""
-        if self._cache is None:
+        if self.saved_tensors is None:
             raise RuntimeError("GroupedQueryAttention.backward needs a forward without a cache just before it")
-        x, merged, ctx, rotary, normed = self._cache
+        x, merged, ctx, rotary, normed = self.saved_tensors
         b, length, _ = x.shape
         g = check_grad_output(grad_output, x.shape, x.dtype, "GroupedQueryAttention")
         p = self._parameters

@@ -113,7 +113,7 @@ class MultiHeadAttention(Module):
         if self.bias:
             for name in ("b_Q", "b_K", "b_V", "b_O"):
                 self.register_parameter(name, np.zeros(embed_dim))
-        self._cache = None
+        self.save_for_backward()
 
     d_model = alias_property("MultiHeadAttention", "d_model")
     head_dim = alias_property("MultiHeadAttention", "head_dim")
@@ -162,7 +162,7 @@ class MultiHeadAttention(Module):
         q = self._heads("Q", query)  # (B, H, Lq, Dh)
         heads, weights = self.attention.forward(q, keys.astype(q.dtype, copy=False), values.astype(q.dtype, copy=False),
                                                 mask, need_weights=need_weights)  # (B, H, Lq, Dh)
-        self._cache = None
+        self.save_for_backward()
         return linear(merge_heads(heads), self.W_O, self._b("b_O")), weights  # (B, Lq, E)
 
     @returns_input_precision
@@ -210,7 +210,7 @@ class MultiHeadAttention(Module):
                                                 need_weights=need_weights)  # (B, H, Lq, Dh)
         merged = merge_heads(heads)  # (B, Lq, E)
         out = linear(merged, self.W_O, self._b("b_O"))  # (B, Lq, E)
-        self._cache = (query, key, value, merged, kpm)
+        self.save_for_backward(query, key, value, merged, kpm)
         return out, weights
 
     @returns_input_precision
@@ -220,9 +220,9 @@ class MultiHeadAttention(Module):
         Returns ``(grad_query (B, Lq, E), grad_key (B, Lk, Ek), grad_value (B, Lk, Ev))`` and adds the
         parameter gradients into ``self.grads`` (the head adds its own into ``self.attention.grads``).
         """
-        if self._cache is None:
+        if self.saved_tensors is None:
             raise RuntimeError("MultiHeadAttention.backward called before forward")
-        query, key, value, merged, kpm = self._cache
+        query, key, value, merged, kpm = self.saved_tensors
         grad_output = as_float_array(grad_output, "grad_output")
         if grad_output.shape != merged.shape:
             raise ValueError(f"grad_output has shape {grad_output.shape}, expected the output shape {merged.shape}")

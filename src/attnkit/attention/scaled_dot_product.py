@@ -51,8 +51,6 @@ class ScaledDotProductAttention(BaseAttention):
         self.scale = None if scale is None else float(scale)
         self.is_causal = bool(is_causal)
         self._rng = as_generator(seed)  # draws one dropout seed per forward
-        self._ctx = None
-        self._out_shape = None
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, scale={self.scale}, is_causal={self.is_causal}"
@@ -83,10 +81,10 @@ class ScaledDotProductAttention(BaseAttention):
         """Run the kernel on checked inputs (subclasses add their ``bias`` here) and cache its context."""
         p = self.dropout if self.training else 0.0
         seed = int(self._rng.integers(2**63)) if p > 0 else None
-        out, weights, self._ctx = _kernels.attention_forward(
+        out, weights, ctx = _kernels.attention_forward(
             q, k, v, mask=mask, causal=self.is_causal or is_causal, scale=self.scale, bias=bias, dropout_p=p,
             dropout_seed=seed, need_weights=need_weights)  # (..., Lq, Dv), (..., Lq, Lk) or None
-        self._out_shape = out.shape
+        self.save_for_backward(ctx, out.shape)
         # The kernel's context holds the weights (reference) or the output (tiled) for backward: the caller
         # gets copies, so editing them cannot change the gradients.
         return out.copy(), (None if weights is None else weights.copy())
@@ -94,10 +92,11 @@ class ScaledDotProductAttention(BaseAttention):
     @returns_input_precision
     def backward(self, grad_output: np.ndarray):
         """Return ``(grad_q, grad_k, grad_v)`` for the last forward (a bias's parameters get theirs too)."""
-        if self._ctx is None:
+        if self.saved_tensors is None:
             raise RuntimeError(f"{type(self).__name__}.backward called before forward")
+        ctx, out_shape = self.saved_tensors
         g = as_float_array(grad_output, "grad_output")
-        if g.shape != self._out_shape:
-            raise ValueError(f"grad_output has shape {g.shape}, expected the output shape {self._out_shape}")
-        dq, dk, dv, _ = _kernels.attention_backward(g.astype(self._ctx.q.dtype, copy=False), self._ctx)
+        if g.shape != out_shape:
+            raise ValueError(f"grad_output has shape {g.shape}, expected the output shape {out_shape}")
+        dq, dk, dv, _ = _kernels.attention_backward(g.astype(ctx.q.dtype, copy=False), ctx)
         return dq, dk, dv

@@ -35,12 +35,12 @@ class BaseAttention(Module):
     ...     def forward(self, q, k, v, mask=None, *, is_causal=False, need_weights=True):
     ...         nq = q / np.linalg.norm(q, axis=-1, keepdims=True)
     ...         nk = k / np.linalg.norm(k, axis=-1, keepdims=True)
-    ...         out, w, self._ctx = ref.attention_forward(nq, nk, v, mask=mask, causal=is_causal, scale=5.0)
-    ...         self._norms = (q, k, nq, nk)
+    ...         out, w, ctx = ref.attention_forward(nq, nk, v, mask=mask, causal=is_causal, scale=5.0)
+    ...         self.save_for_backward(ctx, q, k, nq, nk)
     ...         return out, w
     ...     def backward(self, grad_output):
-    ...         dnq, dnk, dv, _ = ref.attention_backward(grad_output, self._ctx)
-    ...         q, k, nq, nk = self._norms
+    ...         ctx, q, k, nq, nk = self.saved_tensors
+    ...         dnq, dnk, dv, _ = ref.attention_backward(grad_output, ctx)
     ...         def unit_grad(x, n, d):  # gradient through x -> x / |x|
     ...             return (d - n * (d * n).sum(-1, keepdims=True)) / np.linalg.norm(x, axis=-1, keepdims=True)
     ...         return unit_grad(q, nq, dnq), unit_grad(k, nk, dnk), dv

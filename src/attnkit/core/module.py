@@ -91,6 +91,9 @@ class Module:
         Gradient of each of this module's own parameters (same names and shapes), created when first read.
     training : bool
         Training mode (dropout active); set with :meth:`train` / :meth:`eval`.
+    saved_tensors : tuple or None
+        What the last forward kept for :meth:`backward` (:meth:`save_for_backward`); the one place a module
+        keeps it, so copies and the PyTorch twin drop it without knowing the module.
     """
 
     def __init__(self) -> None:
@@ -98,6 +101,17 @@ class Module:
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "grads", GradientBuffers(self._parameters))
         object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_saved_tensors", None)
+
+    def save_for_backward(self, *values: Any) -> None:
+        """Keep ``values`` for :meth:`backward`, replacing what the last forward kept; with no values keep
+        nothing (an inference-only forward, e.g. with a KV cache)."""
+        object.__setattr__(self, "_saved_tensors", values or None)
+
+    @property
+    def saved_tensors(self) -> tuple | None:
+        """What the last forward kept for :meth:`backward`, or None."""
+        return self.__dict__.get("_saved_tensors")
 
     # -- registration -------------------------------------------------------------------------------
     def register_parameter(self, name: str, value: np.ndarray) -> None:

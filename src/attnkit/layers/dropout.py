@@ -51,7 +51,6 @@ class Dropout(Module):
             raise ValueError(f"p must be a probability in [0, 1), got {p!r}")
         self.p = float(p)
         self._rng = as_generator(seed)  # draws one mask seed per forward
-        self._keep_scaled: np.ndarray | None = None
         self._shape: tuple[int, ...] | None = None
         self._dtype: np.dtype | None = None
 
@@ -63,18 +62,19 @@ class Dropout(Module):
         x = as_float_array(x, "x")
         self._shape, self._dtype = x.shape, x.dtype
         if not self.training or self.p == 0.0:
-            self._keep_scaled = None
+            self.save_for_backward()
             return x
         seed = int(self._rng.integers(2**63))
         rows = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim else 1
         cols = x.shape[-1] if x.ndim else 1
         keep = keep_mask(seed, self.p, (), np.arange(rows), np.arange(cols), rows, cols)  # (N, C)
-        self._keep_scaled = (keep * (1.0 / (1.0 - self.p))).astype(x.dtype).reshape(x.shape)  # (...)
-        return x * self._keep_scaled
+        keep_scaled = (keep * (1.0 / (1.0 - self.p))).astype(x.dtype).reshape(x.shape)  # (...)
+        self.save_for_backward(keep_scaled)
+        return x * keep_scaled
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Return ``grad_output`` times the forward's scaled keep-mask (the identity when nothing was dropped)."""
         if self._shape is None:
             raise RuntimeError("Dropout.backward called before forward")
         g = check_grad_output(grad_output, self._shape, self._dtype, "Dropout")
-        return g if self._keep_scaled is None else g * self._keep_scaled
+        return g if self.saved_tensors is None else g * self.saved_tensors[0]

@@ -67,7 +67,6 @@ class Embedding(Module):
         if padding_idx is not None:
             table[padding_idx] = 0.0
         self.register_parameter("weight", table)
-        self._ids: np.ndarray | None = None
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
@@ -81,16 +80,17 @@ class Embedding(Module):
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise ValueError(f"Embedding: ids must lie in [0, num_embeddings={self.num_embeddings}), got min "
                              f"{ids.min()} and max {ids.max()} (ids shape {ids.shape})")
-        self._ids = ids
+        self.save_for_backward(ids)
         return self._parameters["weight"][ids]  # (..., D)
 
     def backward(self, grad_output: Any) -> None:
         """Scatter-add ``grad_output`` (..., D) into ``grads["weight"]`` row by id; returns ``None``."""
-        if self._ids is None:
+        if self.saved_tensors is None:
             raise RuntimeError("Embedding.backward called before forward")
         weight_grad = self.grads["weight"]
-        g = check_grad_output(grad_output, self._ids.shape + (self.embedding_dim,), weight_grad.dtype, "Embedding")
-        flat_ids = self._ids.reshape(-1)  # (N,)
+        (ids,) = self.saved_tensors
+        g = check_grad_output(grad_output, ids.shape + (self.embedding_dim,), weight_grad.dtype, "Embedding")
+        flat_ids = ids.reshape(-1)  # (N,)
         flat_g = g.reshape(-1, self.embedding_dim)  # (N, D)
         if self.padding_idx is not None:
             flat_g = np.where((flat_ids == self.padding_idx)[:, None], 0, flat_g)  # (N, D)

@@ -135,7 +135,6 @@ class TransformerEncoderBlock(Module):
         self.ffn = ffn
         self.d_model, self.num_heads, self.d_ff = d_model, self.attention.num_heads, self.ffn.d_ff
         self.activation, self.eps = self.ffn.activation, self.norm1.eps
-        self._padding: np.ndarray | None = None
         self._shape: tuple[int, ...] | None = None
         self._dtype: np.dtype | None = None
 
@@ -185,8 +184,8 @@ class TransformerEncoderBlock(Module):
             g_h = g_s2 + self.ffn.backward(g_s2)  # (B, L, D)
             g_s1 = self.norm1.backward(g_h)  # gradient of x + attention(x)
             grad_x = g_s1 + self._attention_backward(g_s1)  # (B, L, D)
-        if self._padding is not None:
-            grad_x = np.where(self._padding, 0, grad_x).astype(grad_x.dtype, copy=False)  # (B, L, D)
+        if self.saved_tensors is not None:  # the padded entries that held NaN or inf
+            grad_x = np.where(self.saved_tensors[0], 0, grad_x).astype(grad_x.dtype, copy=False)  # (B, L, D)
         return grad_x
 
     def _attention_backward(self, g: np.ndarray) -> np.ndarray:
@@ -200,7 +199,7 @@ class TransformerEncoderBlock(Module):
         the projections, where one NaN would spread into every parameter gradient. Finite padding is kept
         as it is, so padded positions compute what other libraries compute for them.
         """
-        self._padding = None
+        self.save_for_backward()
         kpm = None if key_padding_mask is None else np.asarray(key_padding_mask)
         if kpm is None or kpm.dtype != np.bool_ or kpm.shape != x.shape[:2]:
             return x  # no padding, or a mask the attention refuses with a message naming it
@@ -208,7 +207,7 @@ class TransformerEncoderBlock(Module):
         bad = pad & ~np.isfinite(x)  # (B, L, D)
         if not bad.any():
             return x
-        self._padding = bad
+        self.save_for_backward(bad)
         return np.where(bad, 0, x).astype(x.dtype, copy=False)  # (B, L, D)
 
     @classmethod

@@ -66,7 +66,6 @@ class MixtureOfExperts(Module):
             self.register_parameter(name, normal(gen, shape, std=0.02))
         for name, shape in (("b_gate", (e, f)), ("b_up", (e, f)), ("b_down", (e, d))):
             self.register_parameter(name, np.zeros(shape))
-        self._cache: tuple | None = None
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -89,14 +88,14 @@ class MixtureOfExperts(Module):
         chosen, weights = _experts.route(flat, p["W_router"], p["b_router"], self.top_k)  # (N, k)
         y, saved = _experts.experts_forward(flat, chosen, weights, p["W_gate"], p["W_up"], p["W_down"],
                                             p["b_gate"], p["b_up"], p["b_down"], self.alpha, self.limit)  # (N, D)
-        self._cache = (x.shape, flat, chosen, weights, saved)
+        self.save_for_backward(x.shape, flat, chosen, weights, saved)
         return y.reshape(x.shape)
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (..., D)."""
-        if self._cache is None:
+        if self.saved_tensors is None:
             raise RuntimeError("MixtureOfExperts.backward called before forward")
-        shape, flat, chosen, weights, saved = self._cache
+        shape, flat, chosen, weights, saved = self.saved_tensors
         g = check_grad_output(grad_output, shape, flat.dtype, "MixtureOfExperts").reshape(flat.shape)  # (N, D)
         p = self._parameters
         grad_x, grad_weights, grads = _experts.experts_backward(g, flat, weights, p["W_gate"], p["W_up"],

@@ -62,7 +62,6 @@ class FeedForward(Module):
         self.register_parameter("b1", np.zeros(self.d_ff))
         self.register_parameter("W2", xavier_uniform(gen, self.d_ff, self.d_model))
         self.register_parameter("b2", np.zeros(self.d_model))
-        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation!r}"
@@ -73,14 +72,14 @@ class FeedForward(Module):
         p = self._parameters
         y, pre, hidden = _ffn.feed_forward_forward(x, p["W1"], p["b1"], p["W2"], p["b2"],
                                                    self.activation)  # (..., D), (..., F), (..., F)
-        self._cache = (x, pre, hidden)
+        self.save_for_backward(x, pre, hidden)
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradients of W1, b1, W2, b2 into ``self.grads``; return ``grad_x`` (..., D)."""
-        if self._cache is None:
+        if self.saved_tensors is None:
             raise RuntimeError("FeedForward.backward called before forward")
-        x, pre, hidden = self._cache
+        x, pre, hidden = self.saved_tensors
         g = check_grad_output(grad_output, x.shape, x.dtype, "FeedForward")
         p = self._parameters
         grad_x, grads = _ffn.feed_forward_backward(g, x, p["W1"], p["W2"], pre, hidden, self.activation)

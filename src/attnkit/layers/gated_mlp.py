@@ -64,7 +64,6 @@ class GatedMLP(Module):
         if self.bias:
             for name, size in zip(_BIASES, (f, f, d)):
                 self.register_parameter(name, np.zeros(size))
-        self._cache: tuple | None = None
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -77,14 +76,14 @@ class GatedMLP(Module):
         biases = [p.get(name) for name in _BIASES]
         y, saved = _gated.gated_mlp_forward(x, p["W_gate"], p["W_up"], p["W_down"], *biases,
                                             activation=self.activation)  # (..., D)
-        self._cache = (x, saved)
+        self.save_for_backward(x, saved)
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (..., D)."""
-        if self._cache is None:
+        if self.saved_tensors is None:
             raise RuntimeError("GatedMLP.backward called before forward")
-        x, saved = self._cache
+        x, saved = self.saved_tensors
         g = check_grad_output(grad_output, x.shape, x.dtype, "GatedMLP")
         p = self._parameters
         grad_x, grads = _gated.gated_mlp_backward(g, x, p["W_gate"], p["W_up"], p["W_down"], saved,

@@ -58,7 +58,6 @@ class LayerNorm(Module):
         self.eps = check_eps(eps)
         self.register_parameter("gamma", np.ones(self.normalized_shape))
         self.register_parameter("beta", np.zeros(self.normalized_shape))
-        self._cache: tuple[np.ndarray, np.ndarray, np.dtype] | None = None
 
     def extra_repr(self) -> str:
         return f"normalized_shape={self.normalized_shape}, eps={self.eps}"
@@ -68,14 +67,14 @@ class LayerNorm(Module):
         x = check_features(x, "x", self.normalized_shape, "LayerNorm", "normalized_shape")
         y, x_hat, rstd = _norm.layer_norm_forward(x, self._parameters["gamma"], self._parameters["beta"],
                                                   self.eps)  # (..., D), (..., D), (..., 1)
-        self._cache = (x_hat, rstd, x.dtype)
+        self.save_for_backward(x_hat, rstd, x.dtype)
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradients of ``gamma`` and ``beta`` into ``self.grads``; return ``grad_x`` (..., D)."""
-        if self._cache is None:
+        if self.saved_tensors is None:
             raise RuntimeError("LayerNorm.backward called before forward")
-        x_hat, rstd, dtype = self._cache
+        x_hat, rstd, dtype = self.saved_tensors
         g = check_grad_output(grad_output, x_hat.shape, dtype, "LayerNorm")
         grad_x, grad_gamma, grad_beta = _norm.layer_norm_backward(g, x_hat, rstd, self._parameters["gamma"])
         self.grads["gamma"] += grad_gamma

@@ -64,7 +64,6 @@ class Projection(Module):
         self.register_parameter("W", xavier_uniform(as_generator(rng), self.in_features, self.out_features))
         if self.bias:
             self.register_parameter("b", np.zeros(self.out_features))
-        self._x: np.ndarray | None = None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"
@@ -72,14 +71,14 @@ class Projection(Module):
     def forward(self, x: Any) -> np.ndarray:
         """Return ``x @ W + b`` (..., Out); caches ``x`` for :meth:`backward`."""
         x = check_features(x, "x", self.in_features, "Projection", "in_features")
-        self._x = x
+        self.save_for_backward(x)
         return linear(x, self._parameters["W"], self._parameters.get("b"))  # (..., Out)
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradients of ``W`` (and ``b``) into ``self.grads``; return ``grad_x`` (..., In)."""
-        if self._x is None:
+        if self.saved_tensors is None:
             raise RuntimeError("Projection.backward called before forward")
-        x = self._x
+        (x,) = self.saved_tensors
         g = check_grad_output(grad_output, x.shape[:-1] + (self.out_features,), x.dtype, "Projection")
         grad_x, grad_w, grad_b = linear_backward(g, x, self._parameters["W"], need_bias=self.bias)  # (..., In)
         self.grads["W"] += grad_w

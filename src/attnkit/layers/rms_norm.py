@@ -55,7 +55,6 @@ class RMSNorm(Module):
             raise ValueError(f"offset must be a finite number, got {offset!r}")
         self.offset = float(offset)
         self.register_parameter("gamma", np.ones(self.normalized_shape))
-        self._cache: tuple[np.ndarray, np.ndarray, np.dtype] | None = None
 
     def extra_repr(self) -> str:
         return f"normalized_shape={self.normalized_shape}, eps={self.eps}" + (f", offset={self.offset}" if self.offset
@@ -69,14 +68,14 @@ class RMSNorm(Module):
         """Normalise ``x`` (..., D); caches the normalised input and ``1 / rms`` for :meth:`backward`."""
         x = check_features(x, "x", self.normalized_shape, "RMSNorm", "normalized_shape")
         y, x_hat, rstd = _rms.rms_norm_forward(x, self._gain(), self.eps)  # (..., D), (..., 1)
-        self._cache = (x_hat, rstd, x.dtype)
+        self.save_for_backward(x_hat, rstd, x.dtype)
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradient of ``gamma`` into ``self.grads``; return ``grad_x`` (..., D)."""
-        if self._cache is None:
+        if self.saved_tensors is None:
             raise RuntimeError("RMSNorm.backward called before forward")
-        x_hat, rstd, dtype = self._cache
+        x_hat, rstd, dtype = self.saved_tensors
         g = check_grad_output(grad_output, x_hat.shape, dtype, "RMSNorm")
         grad_x, grad_gamma = _rms.rms_norm_backward(g, x_hat, rstd, self._gain())
         self.grads["gamma"] += grad_gamma

@@ -112,7 +112,6 @@ class CausalLM(Module):
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config: dict[str, Any] = {}
-        self._saved: np.ndarray | None = None
 
     def extra_repr(self) -> str:
         c = self.config
@@ -204,7 +203,10 @@ class CausalLM(Module):
             cap = h.dtype.type(self.config.final_logit_softcap)
             capped = np.tanh(logits / cap)  # (B, L, V)
             logits = capped * cap
-        self._saved = None if cache is not None else (h, capped)
+        if cache is None:  # the cached path is inference: it keeps nothing
+            self.save_for_backward(h, capped)
+        else:
+            self.save_for_backward()
         return (logits, weights) if output_attentions else logits
 
     def layer_outputs(self, input_ids: Any, attention_mask: Any = None, *,
@@ -288,9 +290,9 @@ class CausalLM(Module):
         learned position embeddings where the model has them (both get the same gradient). Input
         attributions (:mod:`attnkit.explain`) are built on it.
         """
-        if self._saved is None:
+        if self.saved_tensors is None:
             raise RuntimeError("CausalLM.backward needs a forward without a cache just before it")
-        h, capped = self._saved
+        h, capped = self.saved_tensors
         g = check_grad_output(grad_logits, h.shape[:-1] + (self.config.vocab_size,), h.dtype, "CausalLM")
         if capped is not None:
             g = g * (1 - capped * capped)  # (B, L, V): d(C tanh(z / C)) / dz

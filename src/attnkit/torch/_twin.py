@@ -25,9 +25,6 @@ __all__ = ["TwinModule", "TwinModuleList", "twin_of", "from_numpy", "to_numpy", 
 # attnkit class -> its twin class, filled by every twin class as it is defined.
 TWINS: dict[type, type] = {}
 
-# Attributes of attnkit modules that hold what the last forward left for backward: a skeleton drops them.
-_FORWARD_CACHES = ("_cache", "_saved", "_x", "_ids", "_ctx", "_padding", "_keep_scaled")
-
 
 def _skeleton(module: Module) -> Module:
     """A parameter-free copy of ``module`` (hyperparameters and buffers kept, parameters and caches dropped)."""
@@ -39,9 +36,7 @@ def _skeleton(module: Module) -> Module:
     object.__setattr__(copy, "_modules", children)
     for name, child in children.items():
         object.__setattr__(copy, name, child)
-    for name in _FORWARD_CACHES:
-        if name in copy.__dict__:
-            object.__setattr__(copy, name, None)
+    object.__setattr__(copy, "_saved_tensors", None)  # what the last forward kept for backward (Module's one place)
     return copy
 
 
