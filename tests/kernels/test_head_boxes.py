@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from attnkit.kernels import _tile_sizes
 from attnkit.kernels.reference import attention_backward, attention_forward
-from attnkit.kernels.tiled import _head_blocks, _splittable_axes, flash_attention_backward, flash_attention_forward
+from attnkit.kernels.tiled import flash_attention_backward, flash_attention_forward
+from attnkit.kernels.tiled.plan import _head_blocks, _splittable_axes
 
 from kernel_cases import RelativeTable, run_attention
 
@@ -136,7 +137,7 @@ def test_default_choice_splits_a_bert_batch_into_boxes(monkeypatch):
     """Without overrides, 64 heads of L = 512, D = 32 run 4 to a tile on a 512 KiB L2."""
     seen = []
     real = _head_blocks
-    monkeypatch.setattr("attnkit.kernels.tiled._head_blocks",
+    monkeypatch.setattr("attnkit.kernels.tiled.plan._head_blocks",
                         lambda *a: seen.append(a) or real(*a))
     monkeypatch.setattr(_tile_sizes, "l2_bytes", lambda root: 512 << 10)
     q = np.zeros((8, 8, 512, 32), np.float32)

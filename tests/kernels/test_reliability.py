@@ -287,7 +287,7 @@ def test_identical_calls_give_identical_bits_whatever_the_scheduling(monkeypatch
         for _ in range(3):
             for a, b in zip(first, _grads(q, k, v, grad, bias, threads)):
                 np.testing.assert_array_equal(a, b)
-        real_run_tasks = tiled.run_tasks
+        real_run_tasks = tiled.backward.run_tasks
 
         def reversed_tasks(tasks, work, num_threads):
             """Every task in one thread, last first, worker ids dealt round-robin: another schedule."""
@@ -296,12 +296,12 @@ def test_identical_calls_give_identical_bits_whatever_the_scheduling(monkeypatch
                 work(task, i % workers)
             return workers
 
-        monkeypatch.setattr(tiled, "run_tasks", reversed_tasks)
+        monkeypatch.setattr(tiled.backward, "run_tasks", reversed_tasks)
         try:
             for a, b in zip(first, _grads(q, k, v, grad, bias, threads)):
                 np.testing.assert_array_equal(a, b)
         finally:
-            monkeypatch.setattr(tiled, "run_tasks", real_run_tasks)
+            monkeypatch.setattr(tiled.backward, "run_tasks", real_run_tasks)
 
 
 def test_default_thread_count_follows_cpu_affinity(monkeypatch):

@@ -95,7 +95,7 @@ def test_keywords_override_the_environment(monkeypatch):
         seen.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("attnkit.kernels.tiled.choose_tiles", spy)
+    monkeypatch.setattr("attnkit.kernels.tiled.plan.choose_tiles", spy)
     rng = np.random.default_rng(1)
     q = rng.standard_normal((2, 10, 4))
     out = flash_attention_forward(q, q, q, block_q=5, block_k=5)[0]
@@ -129,7 +129,7 @@ def test_any_tile_sizes_give_the_reference_results(tile_q, tile_k, seq_q, seq_k,
 def test_machine_chosen_tiles_give_the_reference_results_in_float32(tmp_path, monkeypatch, l2_kib):
     root = _fake_sysfs(tmp_path / "cache", f"{l2_kib}K")
     monkeypatch.setattr(_tile_sizes, "SYSFS_CACHE", root)
-    monkeypatch.setattr("attnkit.kernels.tiled.choose_tiles",
+    monkeypatch.setattr("attnkit.kernels.tiled.plan.choose_tiles",
                         lambda *a, **kw: _tile_sizes.choose_tiles(*a, **kw, sysfs_root=root))
     rng = np.random.default_rng(l2_kib)
     q, k, v, grad = (rng.standard_normal((1, 2, 600, 16)).astype(np.float32) for _ in range(4))

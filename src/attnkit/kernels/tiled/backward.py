@@ -1,0 +1,291 @@
+"""The tiled backward: probabilities recomputed tile by tile (FlashAttention-2), key blocks in lanes so that
+every partial gradient is summed in an order fixed by the plan."""
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..._validation import unbroadcast
+from .._masked_product import zero_safe_matmul
+from .._threads import check_stop, run_tasks
+from ..bias import ScoreBias
+from .plan import (
+    FlashContext,
+    _group_axes,
+    _Pass,
+    _Scratch,
+    _splittable_axes,
+    _take,
+    _tile,
+    _tile_plan,
+    _Tiles,
+)
+
+
+@dataclass
+class _BackwardData:
+    """The backward's operands (augmented so that matmuls fold in the row constants) and gradients."""
+
+    q_aug: np.ndarray  # (*lead, Lq, D+2) [q * scale, -lse_hi, -lse_lo] (folded) or [q * scale, 0, 0]
+    k_aug: np.ndarray  # (*Kl, Lk, D+2)
+    v_aug: np.ndarray  # (*Vl, Lk, Dv+2)
+    do_aug: np.ndarray  # (*lead, Lq, Dv+2) [dO, -D_hi, -D_lo], D = rowsum(dO * O)
+    lse_hi: np.ndarray  # (*lead, Lq) compute dtype; 0 for fully masked rows (every entry is masked)
+    lse_lo: np.ndarray  # (*lead, Lq) the rest of the float64 lse
+    dk: np.ndarray  # (*Kl, Lk, D)
+    dv: np.ndarray  # (*Vl, Lk, Dv)
+    dq_lanes: list[np.ndarray]  # one (*lead, Lq, D) per lane, summed in lane order at the end
+    dbias_lanes: list[np.ndarray | None]  # per lane if lanes share bias entries, else one shared array
+    k_axes: tuple[int, ...]  # leading axes along which k is shared (grouped-query): dk sums over them
+    v_axes: tuple[int, ...]
+    bad_k: np.ndarray | None = None  # (Lk,) keys holding a NaN or inf; None: all finite
+    bad_v: np.ndarray | None = None  # (Lk,) values holding a NaN or inf
+    lock: threading.Lock = field(default_factory=threading.Lock)  # ScoreBias.accumulate_grad
+
+    def select(self, heads: tuple[slice, ...]) -> _BackwardData:
+        """Views of the operands and gradient accumulators a box of heads reads and writes."""
+        def part(arr, trailing=2):
+            return _take(arr, heads, trailing)
+
+        return replace(self, q_aug=part(self.q_aug), k_aug=part(self.k_aug), v_aug=part(self.v_aug),
+                       do_aug=part(self.do_aug), lse_hi=part(self.lse_hi, 1), lse_lo=part(self.lse_lo, 1),
+                       dk=part(self.dk), dv=part(self.dv), dq_lanes=[part(a) for a in self.dq_lanes],
+                       dbias_lanes=[part(a) for a in self.dbias_lanes])
+
+
+def _check_grad(grad_out: np.ndarray, out_shape: tuple[int, ...]) -> None:
+    try:
+        fits = np.broadcast_shapes(grad_out.shape, out_shape) == out_shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"grad_out of shape {grad_out.shape} does not broadcast to the output shape "
+                         f"{out_shape}")
+
+
+def _split(x: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` (float64) as ``hi + lo`` in ``dtype``, to twice the working precision; inf -> (0, 0)."""
+    finite = np.isfinite(x)
+    hi = np.where(finite, x, 0).astype(dtype)
+    lo = np.where(finite, x - hi, 0).astype(dtype)
+    return hi, lo
+
+
+def _augment_backward(grad_out: np.ndarray, ctx: FlashContext, dtype: np.dtype, fold: bool):
+    """``do_aug``, ``q_aug`` and the split log-sum-exp of the backward (see :class:`_BackwardData`).
+
+    One matmul then gives ``s - lse`` (folded) as accurately as the forward's ``s - m``, and another
+    ``dP - D``. Fully masked rows get a zero in place of ``-lse = -inf``: all their entries are masked
+    anyway, and an infinity inside BLAS raises spurious invalid-value warnings.
+    """
+    lead, (seq_q, dv), d = ctx.lead, ctx.out.shape[-2:], ctx.q.shape[-1]
+    do_aug = np.empty(lead + (seq_q, dv + 2), dtype)  # (*lead, Lq, Dv+2)
+    do_aug[..., :dv] = grad_out
+    d_row = np.einsum("...ld,...ld->...l", do_aug[..., :dv], ctx.out, dtype=np.float64)  # (*lead, Lq)
+    d_hi, d_lo = _split(d_row, dtype)
+    np.negative(d_hi, out=do_aug[..., dv])
+    np.negative(d_lo, out=do_aug[..., dv + 1])
+    q_aug = np.empty(lead + (seq_q, d + 2), dtype)  # (*lead, Lq, D+2)
+    np.multiply(ctx.q, dtype.type(ctx.scale), out=q_aug[..., :d])
+    lse_hi, lse_lo = _split(ctx.lse, dtype)  # (*lead, Lq) each
+    if fold:
+        np.negative(lse_hi, out=q_aug[..., d])
+        np.negative(lse_lo, out=q_aug[..., d + 1])
+    else:
+        q_aug[..., d:] = 0
+    return do_aug, q_aug, lse_hi, lse_lo
+
+
+def _lanes(n_blocks: int, workers: int) -> list[list[int]]:
+    """Key blocks dealt to ``workers`` lanes in snake order (0..W-1, W-1..0, ...).
+
+    (``workers`` here is the number of lanes, a function of the thread count only.)
+
+    A lane's key blocks run in order in one task and accumulate dQ into the lane's own buffer; the
+    buffers are summed in lane order, so the result does not depend on thread scheduling. The snake
+    balances causal work, where early key blocks meet the most queries.
+    """
+    lanes: list[list[int]] = [[] for _ in range(workers)]
+    for i in range(n_blocks):
+        turn, pos = divmod(i, workers)
+        lanes[pos if turn % 2 == 0 else workers - 1 - pos].append(i)
+    return lanes
+
+
+def _backward_data(grad_out, ctx: FlashContext, run: _Pass, n_lanes: int) -> _BackwardData:
+    """Allocate the backward's operands and gradient accumulators."""
+    lead, seq_q, d = ctx.lead, ctx.out.shape[-2], ctx.q.shape[-1]
+    do_aug, q_aug, lse_hi, lse_lo = _augment_backward(grad_out, ctx, run.dtype, run.fold)
+    k_lead, v_lead = ctx.k_aug.shape[:-2], ctx.v_aug.shape[:-2]
+    bias = ctx.bias
+    if isinstance(bias, np.ndarray) and bias.shape[-1] == 1:  # key blocks share entries: one per lane
+        dbias_lanes = [np.zeros(bias.shape, run.dtype) for _ in range(n_lanes)]
+    elif isinstance(bias, np.ndarray):  # key blocks write disjoint columns
+        dbias_lanes = [np.zeros(bias.shape, run.dtype)] * n_lanes
+    else:
+        dbias_lanes = [None] * n_lanes
+    return _BackwardData(
+        q_aug=q_aug, k_aug=ctx.k_aug, v_aug=ctx.v_aug, do_aug=do_aug, lse_hi=lse_hi, lse_lo=lse_lo,
+        dk=np.zeros(k_lead + ctx.k_aug.shape[-2:-1] + (d,), run.dtype),
+        dv=np.zeros(v_lead + ctx.v_aug.shape[-2:-1] + (ctx.v_aug.shape[-1] - 2,), run.dtype),
+        dq_lanes=[np.zeros(lead + (seq_q, d), run.dtype) for _ in range(n_lanes)], dbias_lanes=dbias_lanes,
+        k_axes=_group_axes(lead, k_lead), v_axes=_group_axes(lead, v_lead), bad_k=ctx.bad_k, bad_v=ctx.bad_v)
+
+
+def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
+    """Gradients of :func:`flash_attention_forward`'s output, by tile-wise recomputation.
+
+    Deterministic: identical calls give bitwise identical gradients, whatever the thread scheduling
+    (dQ partial sums are reduced in a fixed order; see ``docs/kernels.md``). A :class:`ScoreBias`'s
+    ``accumulate_grad`` is called once per tile, in an order that may vary between threaded runs.
+
+    Shapes
+    ------
+    grad_out : (..., Lq, Dv), broadcastable to the forward output.
+
+    Returns
+    -------
+    dq, dk, dv : ndarrays shaped like the forward's q, k, v (broadcast dims summed: grouped-query keys
+        and values get the sum over their group)
+    dbias : ndarray shaped like an array ``bias``, else None (a ScoreBias gets ``accumulate_grad`` per tile)
+    """
+    lead, (seq_q, dv) = ctx.lead, ctx.out.shape[-2:]
+    seq_k, dtype = ctx.k_aug.shape[-2], ctx.out.dtype
+    grad_out = np.asarray(grad_out)
+    _check_grad(grad_out, lead + (seq_q, dv))
+    splittable = _splittable_axes(lead, ctx.k_shape, ctx.v_shape, ctx.bias, ctx.dropout_p > 0.0)
+    boxes, tile_q, tile_k = _tile_plan(lead, splittable, seq_q, seq_k, ctx.num_threads, "k",  # tasks: key blocks
+                                       ctx.q.shape[-1], dv, dtype.itemsize, ctx.blocks)
+    tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, tile_q, tile_k, ctx.window)
+    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None,
+                dropout_p=ctx.dropout_p, seed=ctx.dropout_seed, drop_lead=ctx.drop_lead)
+    # two lanes per thread: tasks still balance when a core is busy elsewhere; the count depends on
+    # num_threads only, never on scheduling, so the reduction order is fixed
+    n_lanes = 1 if ctx.num_threads == 1 else min(2 * ctx.num_threads, len(tiles.k_blocks))
+    lanes = _lanes(len(tiles.k_blocks), max(1, n_lanes))
+    data = _backward_data(grad_out, ctx, run, len(lanes))
+    if math.prod(lead) and seq_q and seq_k:
+        views = [(run.select(box), data.select(box)) for box in boxes]
+        scratch = [_Scratch(dtype) for _ in range(ctx.num_threads)]
+        step = functools.partial(_backward_lane, views=views, lanes=lanes, scratch=scratch)
+        run_tasks([(view, lane) for lane in range(len(lanes)) for view in range(len(views))], step, ctx.num_threads)
+    dq = data.dq_lanes[0]
+    for partial in data.dq_lanes[1:]:  # fixed order: bitwise reproducible
+        np.add(dq, partial, out=dq)
+    np.multiply(dq, run.scale, out=dq)
+    cast = ctx.out_dtype
+    dq = unbroadcast(dq, ctx.q_shape).astype(cast, copy=False)
+    dk = unbroadcast(data.dk, ctx.k_shape).astype(cast, copy=False)
+    dv_ = unbroadcast(data.dv, ctx.v_shape).astype(cast, copy=False)
+    return dq, dk, dv_, _reduce_dbias(data.dbias_lanes, cast)
+
+
+def _reduce_dbias(lanes: list[np.ndarray | None], cast: np.dtype) -> np.ndarray | None:
+    """The array bias's gradient: the lanes' partial sums added in lane order (or the one shared array)."""
+    if lanes[0] is None:
+        return None
+    total = lanes[0]
+    for part in lanes[1:]:
+        if part is not total:
+            np.add(total, part, out=total)
+    return total.astype(cast, copy=False)
+
+
+def _backward_lane(task: tuple[int, int], worker: int, views: list[tuple[_Pass, _BackwardData]],
+                   lanes: list[list[int]], scratch: list[_Scratch]) -> None:
+    """Every tile of one box of heads in the lane's key blocks, key block by key block, query block by
+    query block (boxes write disjoint parts of every gradient, so the lane's order is all that counts)."""
+    view, lane = task
+    run, data = views[view]
+    tiles = run.tiles
+    for kb in lanes[lane]:
+        k0, k1 = tiles.k_blocks[kb]
+        for qb in tiles.q_range(k0, k1):
+            check_stop()
+            q0, q1 = tiles.q_blocks[qb]
+            skip, blocked = tiles.blocked(q0, q1, k0, k1)
+            if not skip:
+                _backward_tile(run, data, lane, (q0, q1, k0, k1), blocked, scratch[worker])
+
+
+def _probabilities(run: _Pass, data: _BackwardData, box, blocked, scratch: _Scratch) -> np.ndarray:
+    """The tile's softmax probabilities before dropout, recomputed from q, k and the log-sum-exp."""
+    q0, q1, k0, k1 = box
+    p = scratch.get("p", run.tiles.lead + (q1 - q0, k1 - k0))  # (*lead, Tq, Tk)
+    np.matmul(data.q_aug[..., q0:q1, :], data.k_aug[..., k0:k1, :].swapaxes(-1, -2), out=p)  # s - lse or s
+    if not run.fold:
+        np.add(p, run.tiles.bias_tile(q0, q1, k0, k1), out=p)
+        np.subtract(p, data.lse_hi[..., q0:q1, None], out=p)
+        if run.dtype == np.float32:
+            np.subtract(p, data.lse_lo[..., q0:q1, None], out=p)
+    if blocked is not None:
+        np.copyto(p, -np.inf, where=blocked)
+    return np.exp(p, out=p)
+
+
+def _score_grads(run: _Pass, data: _BackwardData, box, p: np.ndarray, scratch: _Scratch) -> np.ndarray:
+    """``dS = P (dP - D)`` of the tile; with dropout, ``p`` becomes the dropped, rescaled weights."""
+    q0, q1, k0, k1 = box
+    dv = data.dv.shape[-1]
+    ds = scratch.get("ds", p.shape)  # (*lead, Tq, Tk)
+    if not run.dropout:
+        np.matmul(data.do_aug[..., q0:q1, :], data.v_aug[..., k0:k1, :].swapaxes(-1, -2), out=ds)  # dP - D
+        return np.multiply(ds, p, out=ds)
+    keep = run.keep(q0, q1, k0, k1)  # (*drop_lead, Tq, Tk)
+    keep_scale = run.dtype.type(1.0 / (1.0 - run.dropout_p))
+    np.matmul(data.do_aug[..., q0:q1, :dv], data.v_aug[..., k0:k1, :dv].swapaxes(-1, -2), out=ds)  # dO.v
+    np.multiply(ds, keep, out=ds)
+    np.multiply(ds, keep_scale, out=ds)  # dP, the gradient of the weights before dropout
+    np.add(ds, data.do_aug[..., q0:q1, dv:dv + 1], out=ds)  # dP - D (the columns hold -D)
+    np.add(ds, data.do_aug[..., q0:q1, dv + 1:], out=ds)
+    np.multiply(ds, p, out=ds)
+    np.multiply(p, keep, out=p)
+    np.multiply(p, keep_scale, out=p)
+    return ds
+
+
+def _add_product(target: np.ndarray, a: np.ndarray, b: np.ndarray, axes: tuple[int, ...],
+                 scratch: _Scratch, name: str, zero_safe: bool = False) -> None:
+    """``target += a @ b``, summed over the leading ``axes`` where the target is shared (grouped k/v).
+
+    ``a`` has the full leading shape (a score tile), ``b`` one that broadcasts to it. ``zero_safe``: zeros
+    of ``a`` (masked entries) contribute 0 even against NaN or inf in ``b``.
+    """
+    product = scratch.get(name, a.shape[:-1] + b.shape[-1:])  # (*lead, rows of a, columns of b)
+    (zero_safe_matmul if zero_safe else np.matmul)(a, b, out=product)
+    if axes:
+        product = product.sum(axis=axes, keepdims=True)
+    np.add(target, product, out=target)
+
+
+def _backward_tile(run: _Pass, data: _BackwardData, lane: int, box, blocked, scratch: _Scratch) -> None:
+    """One tile's contribution to dV, dK (the key block's own rows), dQ (the lane's buffer) and the bias."""
+    q0, q1, k0, k1 = box
+    d, dv = data.dk.shape[-1], data.dv.shape[-1]
+    p = _probabilities(run, data, box, blocked, scratch)  # (*lead, Tq, Tk)
+    ds = _score_grads(run, data, box, p, scratch)  # (*lead, Tq, Tk); p is now the dropped weights
+    bad_k = blocked is not None and data.bad_k is not None and data.bad_k[k0:k1].any()
+    if blocked is not None and data.bad_v is not None and data.bad_v[k0:k1].any():
+        np.copyto(ds, 0, where=blocked)  # masked: p = 0, but dP = dO . v is NaN where v is
+    _add_product(data.dv[..., k0:k1, :], p.swapaxes(-1, -2), data.do_aug[..., q0:q1, :dv], data.v_axes,
+                 scratch, "kv")  # (*Vl, Tk, Dv)
+    if run.tiles.bias is not None:
+        _bias_grad(run.tiles, data, lane, ds, box)
+    _add_product(data.dq_lanes[lane][..., q0:q1, :], ds, data.k_aug[..., k0:k1, :d], (), scratch, "q", bad_k)
+    _add_product(data.dk[..., k0:k1, :], ds.swapaxes(-1, -2), data.q_aug[..., q0:q1, :d], data.k_axes,
+                 scratch, "kv")  # (*Kl, Tk, D); q_aug holds the scaled q
+
+
+def _bias_grad(tiles: _Tiles, data: _BackwardData, lane: int, ds: np.ndarray, box) -> None:
+    """Hand the score gradient of one tile to the bias: a ScoreBias's hook, or the lane's array tile."""
+    q0, q1, k0, k1 = box
+    if isinstance(tiles.bias, ScoreBias):
+        with data.lock:  # accumulate_grad updates shared parameter gradients
+            tiles.bias.accumulate_grad(np.arange(q0, q1), np.arange(k0, k1), tiles.seq_q, tiles.seq_k, ds)
+        return
+    target = _tile(data.dbias_lanes[lane], q0, q1, k0, k1)  # (..., Tq|1, Tk|1) view into the lane's dbias
+    target += unbroadcast(ds, target.shape)
