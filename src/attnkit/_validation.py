@@ -23,6 +23,7 @@ __all__ = [
     "check_real",
     "unbroadcast",
     "check_qkv",
+    "check_qkv_shapes",
     "as_bool_mask",
     "check_mha_mask",
     "check_head_size",
@@ -89,12 +90,24 @@ def check_ndim(x: np.ndarray, name: str, ndim: int | None = None, min_ndim: int 
         raise ValueError(f"{name} must be {want}, got shape {x.shape}")
 
 
-def check_positive_int(value: Any, name: str, allow_zero: bool = False) -> int:
-    """Return ``value`` as an int, raising ``TypeError``/``ValueError`` for non-integers and bad signs."""
+def check_positive_int(value: Any, name: str, allow_zero: bool = False, *, maximum: int | None = None) -> int:
+    """``value`` as a Python int: the one check of a size, count or length argument.
+
+    ``TypeError`` for anything that is not an integer (bools included: ``True`` is not a size),
+    ``ValueError`` below 1 (below 0 with ``allow_zero``) or above ``maximum``.
+
+    >>> check_positive_int(np.int64(3), "num_heads")
+    3
+    >>> check_positive_int(0, "num_heads")
+    Traceback (most recent call last):
+    ValueError: num_heads must be positive, got 0
+    """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
     return int(value)
 
 
@@ -154,50 +167,85 @@ def unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return grad
 
 
-def check_qkv(q: Any, k: Any, v: Any, owner: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
-    """Convert and check the ``(q, k, v)`` of an attention head.
+def check_qkv(q: Any, k: Any, v: Any = None, owner: str = "", *, names: tuple[str, str, str] = ("q", "k", "v"),
+              same_features: bool = False, same_rank: bool = True,
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[int, ...]]:
+    """Convert and check the queries, keys and (optionally) values of an attention call: the one q/k/v check.
 
     Converts to floating arrays of one common dtype (ints become float64; the caller's arrays are never
     modified) and checks the ranks, that keys and values have the same length and that the leading dims
-    broadcast. Feature sizes are the caller's business (dot-product and additive heads differ).
+    broadcast.
 
     Parameters
     ----------
-    q, k, v : array_like, shapes (..., Lq, Dq), (..., Lk, Dk), (..., Lk, Dv)
+    q, k, v : array_like, shapes (..., Lq, Dq), (..., Lk, Dk), (..., Lk, Dv); ``v`` may be None
     owner : str
-        Name of the calling head, used in error messages.
+        Name of the caller, prefixed to error messages ("" for none).
+    names : tuple of str
+        How the caller's signature spells the three arguments (``("Q", "K", "V")`` in the functional API).
+    same_features : bool
+        Require ``Dq == Dk`` (dot-product scores; additive heads project each side and need not).
+    same_rank : bool
+        Require one rank for all three (the heads); the functional API broadcasts leading dims freely.
 
     Returns
     -------
-    q, k, v : ndarrays of the common float dtype
+    q, k, v : ndarrays of the common float dtype (``v`` None when not given)
     lead : tuple of int
-        The broadcast leading shape ``...`` of the scores (..., Lq, Lk).
+        The broadcast leading shape ``...`` of all given arrays (of the output (..., Lq, Dv)).
 
     Raises
     ------
     TypeError
         Non-numeric input.
     ValueError
-        Fewer than 2 dims, different ranks, Lk of k and v differ, leading dims that do not broadcast.
+        Fewer than 2 dims, different ranks, Dq != Dk, Lk of k and v differ, leading dims that do not broadcast.
+
+    >>> q, k, v, lead = check_qkv(np.ones((2, 3, 4)), np.ones((2, 5, 4)), np.ones((2, 5, 6), np.float32))
+    >>> q.dtype, lead
+    (dtype('float64'), (2,))
+    >>> check_qkv(np.ones((3, 4)), np.ones((5, 2)), None, "Attention", same_features=True)
+    Traceback (most recent call last):
+    ValueError: Attention: q has 4 features but k has 2; they must match (q: (3, 4), k: (5, 2))
     """
-    q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    given = [(n, as_float_array(x, n)) for n, x in zip(names, (q, k, v)) if x is not None]
+    lead = check_qkv_shapes(*(x for _, x in given), owner=owner, names=names, same_features=same_features,
+                            same_rank=same_rank)
+    dtype = common_float_dtype(*(x for _, x in given))
+    q, k = (x.astype(dtype, copy=False) for _, x in given[:2])
+    v = None if v is None else given[2][1].astype(dtype, copy=False)
+    return q, k, v, lead
+
+
+def check_qkv_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray | None = None, *, owner: str = "",
+                     names: tuple[str, str, str] = ("q", "k", "v"), same_features: bool = False,
+                     same_rank: bool = True) -> tuple[int, ...]:
+    """The shape rules of :func:`check_qkv` on arrays that are already arrays (no conversion): for the kernels,
+    which keep their inputs' dtypes. Returns the broadcast leading shape."""
+    prefix = f"{owner}: " if owner else ""
+    given = [(n, x) for n, x in zip(names, (q, k, v)) if x is not None]
+    listed = ", ".join(n for n, _ in given[:-1]) + f" and {given[-1][0]}"  # "q, k and v"
+    for name, x in given:
         if x.ndim < 2:
-            raise ValueError(f"{owner}: {name} must be at least 2-D (..., seq, features), got shape {x.shape}")
-    if not q.ndim == k.ndim == v.ndim:
-        raise ValueError(f"{owner}: q, k and v must have the same number of dimensions, got shapes "
-                         f"q: {q.shape}, k: {k.shape}, v: {v.shape}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"{owner}: k has length {k.shape[-2]} but v has length {v.shape[-2]} "
-                         f"(k: {k.shape}, v: {v.shape})")
+            raise ValueError(f"{prefix}{name} must be at least 2-D (..., seq, features), got shape {x.shape}")
+    shapes = ", ".join(f"{n}: {x.shape}" for n, x in given)
+    if same_rank and len({x.ndim for _, x in given}) > 1:
+        raise ValueError(f"{prefix}{listed} must have the same number of dimensions, "
+                         f"got shapes {shapes}")
+    (nq, q), (nk, k) = given[:2]
+    if same_features and q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{prefix}{nq} has {q.shape[-1]} features but {nk} has {k.shape[-1]}; they must match "
+                         f"({nq}: {q.shape}, {nk}: {k.shape})")
+    if v is not None:
+        nv = names[2]
+        if k.shape[-2] != v.shape[-2]:
+            raise ValueError(f"{prefix}{nk} has length {k.shape[-2]} but {nv} has length {v.shape[-2]} "
+                             f"({nk}: {k.shape}, {nv}: {v.shape})")
     try:
-        lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        return tuple(np.broadcast_shapes(*(x.shape[:-2] for _, x in given)))
     except ValueError:
-        raise ValueError(f"{owner}: the leading (batch/head) dims of q, k and v do not broadcast "
-                         f"(q: {q.shape}, k: {k.shape}, v: {v.shape})") from None
-    dtype = common_float_dtype(q, k, v)
-    q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
-    return q, k, v, tuple(lead)
+        raise ValueError(f"{prefix}the leading (batch/head) dims of {listed} do not "
+                         f"broadcast ({shapes})") from None
 
 
 def as_bool_mask(mask: Any, name: str = "mask", allow_int: bool = False) -> np.ndarray | None:

@@ -21,6 +21,7 @@ from ._validation import (
     as_float_array,
     check_mask,
     check_ndim,
+    check_qkv,
     common_float_dtype,
     returns_input_precision,
     unbroadcast,
@@ -39,41 +40,13 @@ __all__ = [
 ]
 
 
-def _leading_shape(*named: tuple[str, np.ndarray]) -> tuple[int, ...]:
-    """Broadcast the leading (batch) dims of several (..., L, F) arrays, naming them on failure."""
-    try:
-        return np.broadcast_shapes(*[a.shape[:-2] for _, a in named])
-    except ValueError:
-        shapes = ", ".join(f"{n}: {a.shape}" for n, a in named)
-        raise ValueError(f"leading (batch) dimensions of {', '.join(n for n, _ in named)} do not broadcast "
-                         f"({shapes})") from None
-
-
 def _check_qkv(Q, K, V=None, same_features: bool = True):
-    """Convert and check query/key/value arrays; returns them in a common float dtype and the score shape.
+    """The functional API's Q, K (and V) checked and in one float dtype, with the score shape (..., Lq, Lk).
 
     ``same_features=False`` lets Q and K differ in features (additive attention projects each).
     """
-    Q = as_float_array(Q, "Q")
-    K = as_float_array(K, "K")
-    check_ndim(Q, "Q", min_ndim=2, expected="at least 2-D (..., seq_q, d_q)")
-    check_ndim(K, "K", min_ndim=2, expected="at least 2-D (..., seq_k, d_k)")
-    if same_features and Q.shape[-1] != K.shape[-1]:
-        raise ValueError(f"K has {K.shape[-1]} features but Q has {Q.shape[-1]}; they must match "
-                         f"(Q: {Q.shape}, K: {K.shape})")
-    arrays = [("Q", Q), ("K", K)]
-    if V is not None:
-        V = as_float_array(V, "V")
-        check_ndim(V, "V", min_ndim=2, expected="at least 2-D (..., seq_k, d_v)")
-        if V.shape[-2] != K.shape[-2]:
-            raise ValueError(f"V has length {V.shape[-2]} but K has length {K.shape[-2]}; they must match "
-                             f"(K: {K.shape}, V: {V.shape})")
-        arrays.append(("V", V))
-    _leading_shape(*arrays)
-    lead = _leading_shape(*arrays[:2])  # the scores broadcast Q against K only
-    dtype = common_float_dtype(*(a for _, a in arrays))
-    Q, K = Q.astype(dtype, copy=False), K.astype(dtype, copy=False)
-    V = None if V is None else V.astype(dtype, copy=False)
+    Q, K, V, _ = check_qkv(Q, K, V, names=("Q", "K", "V"), same_features=same_features, same_rank=False)
+    lead = np.broadcast_shapes(Q.shape[:-2], K.shape[:-2])  # the scores broadcast Q against K only
     return Q, K, V, lead + (Q.shape[-2], K.shape[-2])
 
 

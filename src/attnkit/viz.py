@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ._validation import check_positive_int
 from .io import atomic_write
 
 __all__ = ["HTML_SIZE_WARNING_BYTES", "VIZ_INSTALL_HINT", "attention_figsize", "attention_html", "encode_attention",
@@ -508,8 +509,7 @@ def attention_html(tokens: Sequence[Any], weights: Any, path: str | os.PathLike,
     data["head_names"] = _check_names(head_names, n_heads, "head_names", "head")
     if max_bytes is None:
         max_bytes = HTML_SIZE_WARNING_BYTES  # read at call time, so it can be changed
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes <= 0:
-        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    max_bytes = check_positive_int(max_bytes, "max_bytes")
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")

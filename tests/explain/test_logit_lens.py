@@ -48,6 +48,7 @@ def test_batch_and_errors():
     assert lens.probs.shape == (2, 2, 3, 13)
     np.testing.assert_allclose(lens.probs.sum(-1), 1, atol=1e-5)
     np.testing.assert_array_equal(logit_lens(lm, batch[1], top_k=13).token_ids, lens.token_ids[1])
-    for bad in (0, 14, 2.0, True):
-        with pytest.raises(ValueError, match="top_k must be an int"):
+    for bad, error, message in ((0, ValueError, "positive, got 0"), (14, ValueError, "at most 13, got 14"),
+                                (2.0, TypeError, "an integer, got float"), (True, TypeError, "an integer, got bool")):
+        with pytest.raises(error, match=f"top_k must be {message}"):
             logit_lens(lm, batch, top_k=bad)

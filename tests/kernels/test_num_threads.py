@@ -25,9 +25,12 @@ def test_context_restores_after_an_error():
     assert _threads._num_threads is None
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
-def test_bad_counts_are_refused(bad):
-    with pytest.raises(ValueError, match="positive int or None"):
+@pytest.mark.parametrize("bad, error, message", [(0, ValueError, "positive, got 0"), (-1, ValueError, "positive"),
+                                                 (1.5, TypeError, "an integer, got float"),
+                                                 (True, TypeError, "an integer, got bool"),
+                                                 ("2", TypeError, "an integer, got str")])
+def test_bad_counts_are_refused(bad, error, message):
+    with pytest.raises(error, match=f"n must be {message}"):
         attnkit.set_num_threads(bad)
 
 

@@ -272,13 +272,13 @@ def test_inputs_untouched_and_dtypes_kept():
 
 def test_bad_arguments_are_reported():
     q = np.zeros((2, 5, 8))
-    with pytest.raises(ValueError, match="key has 4 features but query has 8"):
+    with pytest.raises(ValueError, match="query has 8 features but key has 4"):
         flash_attention_forward(q, np.zeros((2, 6, 4)), np.zeros((2, 6, 3)))
-    with pytest.raises(ValueError, match="value has 7 positions but key has 6"):
+    with pytest.raises(ValueError, match="key has length 6 but value has length 7"):
         flash_attention_forward(q, np.zeros((2, 6, 8)), np.zeros((2, 7, 3)))
     with pytest.raises(ValueError, match="dropout_seed is required"):
         flash_attention_forward(q, q, q, dropout_p=0.1)
-    with pytest.raises(ValueError, match="block_q must be a positive integer"):
+    with pytest.raises(ValueError, match="block_q must be positive, got 0"):
         flash_attention_forward(q, q, q, block_q=0)
     with pytest.raises(TypeError, match="mask must be boolean"):
         flash_attention_forward(q, q, q, mask=np.ones((5, 5)))

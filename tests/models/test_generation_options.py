@@ -132,16 +132,16 @@ def test_stop_strings_end_rows_as_transformers_does(tmp_path):
     assert got.shape[1] < plain.shape[1]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(repetition_penalty=0.0), "repetition_penalty must be a positive"),
-    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size must be a non-negative"),
-    (dict(min_new_tokens=1.5), "min_new_tokens must be a non-negative"),
-    (dict(num_return_sequences=2), "needs do_sample=True"),
-    (dict(num_return_sequences=0, do_sample=True), "num_return_sequences must be a positive"),
-    (dict(stop_strings=["x"]), "stop_strings needs tokenizer"),
-    (dict(stop_strings=[""], tokenizer=object()), "stop_strings must be"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be a positive"),
+    (dict(no_repeat_ngram_size=-1), ValueError, "no_repeat_ngram_size must be non-negative, got -1"),
+    (dict(min_new_tokens=1.5), TypeError, "min_new_tokens must be an integer, got float"),
+    (dict(num_return_sequences=2), ValueError, "needs do_sample=True"),
+    (dict(num_return_sequences=0, do_sample=True), ValueError, "num_return_sequences must be positive, got 0"),
+    (dict(stop_strings=["x"]), ValueError, "stop_strings needs tokenizer"),
+    (dict(stop_strings=[""], tokenizer=object()), ValueError, "stop_strings must be"),
 ])
-def test_option_errors_name_the_argument(pair, kwargs, match):
+def test_option_errors_name_the_argument(pair, kwargs, error, match):
     lm, _ = pair
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         lm.generate(np.array([[1, 2]]), **kwargs)

@@ -194,7 +194,7 @@ def test_bad_tokens_names_path_and_decimals_are_refused(tmp_path):
         attention_html(["a", "b"], w, tmp_path / "a.html", layer_names=["only"])
     with pytest.raises(ValueError, match="head_names has 2 names, but the weights have 3"):
         attention_html(["a", "b"], w, tmp_path / "a.html", head_names=["x", "y"])
-    with pytest.raises(ValueError, match="max_bytes must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="max_bytes must be positive, got 0"):
         attention_html(["a", "b"], w, tmp_path / "a.html", max_bytes=0)
     with pytest.raises(ValueError, match="raw_tokens has 1 tokens, but the weights have 2 keys"):
         attention_html(["a", "b"], w, tmp_path / "a.html", raw_tokens=["x"])

@@ -68,10 +68,7 @@ class ScaledDotProductAttention(BaseAttention):
 
     def _check_inputs(self, q, k, v, mask):
         """Checked ``(q, k, v, lead, mask)``: a common float dtype, d_q == d_k, a boolean broadcastable mask."""
-        q, k, v, lead = check_qkv(q, k, v, type(self).__name__)
-        if q.shape[-1] != k.shape[-1]:
-            raise ValueError(f"{type(self).__name__}: q has {q.shape[-1]} features but k has {k.shape[-1]} "
-                             f"(q: {q.shape}, k: {k.shape})")
+        q, k, v, lead = check_qkv(q, k, v, type(self).__name__, same_features=True)
         mask = check_mask(as_bool_mask(mask, "mask"), "mask", lead + (q.shape[-2], k.shape[-2]),
                           "(..., seq_q, seq_k) scores")
         return q, k, v, lead, mask

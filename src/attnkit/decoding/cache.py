@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._validation import check_positive_int
+
 __all__ = ["CachedKV", "KVCache"]
 
 
@@ -37,12 +39,6 @@ class CachedKV(NamedTuple):
     keys: np.ndarray
     values: np.ndarray
     slots: np.ndarray
-
-
-def _check_positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 class KVCache:
@@ -88,18 +84,18 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  dtype=np.float32, *, max_length: int | None = None, windows=None) -> None:
-        self.num_layers = _check_positive(num_layers, "num_layers")
-        self.batch_size = _check_positive(batch_size, "batch_size")
-        self.num_kv_heads = _check_positive(num_kv_heads, "num_kv_heads")
-        self.head_dim = _check_positive(head_dim, "head_dim")
+        self.num_layers = check_positive_int(num_layers, "num_layers")
+        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = check_positive_int(head_dim, "head_dim")
         self.dtype = np.dtype(dtype)
         if self.dtype.kind != "f":
             raise TypeError(f"dtype must be a floating dtype, got {self.dtype}")
-        self.max_length = None if max_length is None else _check_positive(max_length, "max_length")
+        self.max_length = None if max_length is None else check_positive_int(max_length, "max_length")
         windows = [None] * self.num_layers if windows is None else list(windows)
         if len(windows) != self.num_layers:
             raise ValueError(f"windows has {len(windows)} entries but num_layers is {self.num_layers}")
-        self.windows = [None if w is None else _check_positive(w, f"windows[{i}]") for i, w in enumerate(windows)]
+        self.windows = [None if w is None else check_positive_int(w, f"windows[{i}]") for i, w in enumerate(windows)]
         self._lengths = [0] * self.num_layers
         self._keys = [self._empty(self._initial_capacity(i)) for i in range(self.num_layers)]
         self._values = [self._empty(self._initial_capacity(i)) for i in range(self.num_layers)]

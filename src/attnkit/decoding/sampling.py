@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_real
+from .._validation import check_positive_int, check_real
 from .beam_search import check_num_beams, lm_beam_search
 
 __all__ = ["temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
@@ -44,10 +44,7 @@ def _check_logits(logits: Any) -> np.ndarray:
 
 
 def _check_min_keep(min_tokens_to_keep: Any) -> int:
-    if isinstance(min_tokens_to_keep, bool) or not isinstance(min_tokens_to_keep, (int, np.integer)) \
-            or min_tokens_to_keep < 1:
-        raise ValueError(f"min_tokens_to_keep must be a positive integer, got {min_tokens_to_keep!r}")
-    return int(min_tokens_to_keep)
+    return check_positive_int(min_tokens_to_keep, "min_tokens_to_keep")
 
 
 def _check_unit(value: Any, name: str) -> float:
@@ -67,9 +64,7 @@ def _check_temperature(temperature: Any) -> float:
 
 
 def _check_top_k(top_k: Any) -> int:
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k must be a non-negative integer (0 = no top-k filter) or None, got {top_k!r}")
-    return int(top_k)
+    return check_positive_int(top_k, "top_k", allow_zero=True)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -380,13 +375,9 @@ def _resolve(model: Any, given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_options(o: dict[str, Any], tokenizer: Any) -> None:
-    def non_negative_int(name: str) -> None:
-        value = o[name]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-
     for name in ("max_new_tokens", "no_repeat_ngram_size", "min_new_tokens"):
-        non_negative_int(name)
+        if o[name] is not None:
+            o[name] = check_positive_int(o[name], name, allow_zero=True)
     if not isinstance(o["do_sample"], (bool, np.bool_)):
         raise TypeError(f"do_sample must be True or False, got {o['do_sample']!r}")
     penalty = o["repetition_penalty"]
@@ -398,9 +389,7 @@ def _check_options(o: dict[str, Any], tokenizer: Any) -> None:
     if o["early_stopping"] not in (True, False, "never") or isinstance(o["early_stopping"], (int, float)) \
             and not isinstance(o["early_stopping"], bool):
         raise ValueError(f"early_stopping must be True, False or 'never', got {o['early_stopping']!r}")
-    count = o["num_return_sequences"]
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
-        raise ValueError(f"num_return_sequences must be a positive integer, got {count!r}")
+    count = o["num_return_sequences"] = check_positive_int(o["num_return_sequences"], "num_return_sequences")
     if beams > 1:
         if o["do_sample"]:
             raise ValueError("num_beams > 1 with do_sample=True (beam sampling) is not supported; use one of them")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._validation import check_positive_int
 from ..io import read_json
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
@@ -72,9 +73,7 @@ class AdditionConfig:
     def __post_init__(self) -> None:
         for name in ("digits", "steps", "batch_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "eval_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(getattr(self, name), name)
         if not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr!r}")
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validation import check_positive_int
 from ..io import ArrayArchive, ArrayHeader, read_json
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
@@ -75,11 +76,8 @@ class DemoConfig:
             raise ValueError(f"task must be one of {', '.join(_tasks.TASKS)}, got {self.task!r}")
         for name in ("seq_len", "num_digits", "steps", "batch_size", "d_model", "num_heads", "num_layers",
                      "d_ff", "eval_size", "eval_points"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            check_positive_int(getattr(self, name), name)
+        check_positive_int(self.seed, "seed", allow_zero=True)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.d_model % self.num_heads:
@@ -242,8 +240,12 @@ _MODEL_FIELDS = ("vocab_size", "num_classes", "max_length", "d_model", "num_head
 _MAX_LENGTH = 1 << 16  # the sinusoidal table (max_length, d_model) is built, not loaded: bound it
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _positive_int(value: Any, name: str, where: Path, maximum: int | None = None) -> int:
+    """A size read from ``model.json``: the library's check, its message prefixed with the file."""
+    try:
+        return check_positive_int(value, name, maximum=maximum)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _check_architecture(arch: Any, where: Path) -> dict[str, Any]:
@@ -255,8 +257,8 @@ def _check_architecture(arch: Any, where: Path) -> dict[str, Any]:
     if unknown or missing:
         raise ValueError(f"{where}: \"model\" has unknown keys {unknown} or lacks {missing}")
     for name in _MODEL_FIELDS:
-        if name in arch and not (name == "d_ff" and arch[name] is None) and not _positive_int(arch[name]):
-            raise ValueError(f"{where}: model.{name} must be a positive integer, got {arch[name]!r}")
+        if name in arch and not (name == "d_ff" and arch[name] is None):
+            _positive_int(arch[name], f"model.{name}", where)
     if arch.get("d_model", 64) % arch.get("num_heads", 4):
         raise ValueError(f"{where}: model.d_model {arch.get('d_model', 64)} is not divisible by model.num_heads "
                          f"{arch.get('num_heads', 4)}")
@@ -280,9 +282,7 @@ def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
                          f"{arch['num_classes']}")
     if not isinstance(meta.get("task"), str):
         raise ValueError(f"{where}: \"task\" must be a string, got {meta.get('task')!r}")
-    if not _positive_int(meta.get("seq_len")) or meta["seq_len"] > arch["max_length"]:
-        raise ValueError(f"{where}: \"seq_len\" must be an integer in [1, {arch['max_length']}], got "
-                         f"{meta.get('seq_len')!r}")
+    _positive_int(meta.get("seq_len"), "\"seq_len\"", where, maximum=arch["max_length"])
     accuracy = meta.get("heldout_token_accuracy", 0.0)
     if isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)):
         raise ValueError(f"{where}: \"heldout_token_accuracy\" must be a number, got {accuracy!r}")

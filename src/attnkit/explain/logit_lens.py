@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._validation import check_positive_int
 from ._inputs import as_id_batch
 
 
@@ -51,8 +52,7 @@ def logit_lens(lm, ids: Any, top_k: int = 5) -> LogitLens:
     True
     """
     vocab = lm.config.vocab_size
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= vocab:
-        raise ValueError(f"top_k must be an int in [1, {vocab}] (the vocabulary size), got {top_k!r}")
+    top_k = check_positive_int(top_k, "top_k", maximum=vocab)
     batch, single = as_id_batch(ids, vocab)
     states = lm.layer_outputs(batch)  # N x (B, L, D)
     weight = lm.head_weight

@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import viz
 from .._display import readable_token
+from .._validation import check_positive_int
 from ..io import atomic_write
 from ..viz import encode_attention, fit_attention
 from ._inputs import as_id_batch
@@ -97,12 +98,10 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         raise ValueError(f"ids must be one sequence (L,), got shape {np.shape(ids)}")
     vocab = lm.config.vocab_size
     for name, value in (("candidates", candidates), ("top_k", top_k)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= vocab:
-            raise ValueError(f"{name} must be an int in [1, {vocab}] (the vocabulary size), got {value!r}")
+        check_positive_int(value, name, maximum=vocab)
     if max_bytes is None:
         max_bytes = viz.HTML_SIZE_WARNING_BYTES  # read at call time, so it can be changed
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes <= 0:
-        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    max_bytes = check_positive_int(max_bytes, "max_bytes")
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
@@ -203,8 +202,7 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
 
     if max_bytes is None:
         max_bytes = viz.HTML_SIZE_WARNING_BYTES
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes <= 0:
-        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    max_bytes = check_positive_int(max_bytes, "max_bytes")
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")

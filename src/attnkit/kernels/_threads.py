@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+from .._validation import check_positive_int
+
 __all__ = ["set_num_threads", "get_num_threads", "num_threads",
            "default_num_threads", "blas_single_thread", "run_tasks", "check_stop", "TasksStopped"]
 
@@ -52,9 +54,7 @@ def set_num_threads(n: int | None) -> None:
     >>> attnkit.set_num_threads(None)
     """
     global _num_threads
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"n must be a positive int or None, got {n!r}")
-    _num_threads = n
+    _num_threads = None if n is None else check_positive_int(n, "n")
 
 
 def get_num_threads() -> int:

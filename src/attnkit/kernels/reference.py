@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validation import unbroadcast
+from .._validation import check_positive_int, unbroadcast
 from ._masked_product import nonfinite_rows, zero_safe_matmul
 from .bias import ScoreBias
 from .dropout import keep_mask
@@ -165,9 +165,8 @@ def combine_causal(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int
     """
     if window is not None and not causal:
         raise ValueError(f"window={window} requires causal=True")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
-                               or window < 1):
-        raise ValueError(f"window must be a positive integer number of keys, got {window!r}")
+    if window is not None:
+        window = check_positive_int(window, "window")
     if causal:
         c = causal_mask(seq_q, seq_k) if window is None else window_mask(seq_q, seq_k, window)  # (Lq, Lk)
         return c if mask is None else (mask & c)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._validation import check_positive_int
+
 __all__ = ["DecoderConfig", "FAMILIES", "ROPE_TYPES"]
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text",
@@ -23,12 +25,6 @@ _QK_NORM_SCOPES = ("head", "projection")
 
 _MAX_SIZE = 2**31 - 1  # no real model comes near it; beyond it a size could only allocate without end
 _MAX_LAYERS = 2**20  # one (tiny) entry per layer is built before a checkpoint is read
-
-
-def _positive_int(value: Any, name: str, maximum: int = _MAX_SIZE) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= maximum:
-        raise ValueError(f"{name} must be a positive integer up to {maximum}, got {value!r}")
-    return value
 
 
 def _finite_positive(value: Any, name: str) -> float:
@@ -197,7 +193,7 @@ class DecoderConfig:
             raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
-            _positive_int(getattr(self, name), name, _MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
+            check_positive_int(getattr(self, name), name, maximum=_MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         for name, value, allowed in (("norm", self.norm, ("layernorm", "rmsnorm")),
@@ -241,8 +237,8 @@ class DecoderConfig:
         if self.sliding_rope_scaling is not None and self.sliding_rope_theta is None:
             raise ValueError("sliding_rope_scaling needs sliding_rope_theta")
         if self.mlp == "experts":
-            _positive_int(self.num_experts, "num_experts")
-            _positive_int(self.num_experts_per_tok, "num_experts_per_tok")
+            check_positive_int(self.num_experts, "num_experts")
+            check_positive_int(self.num_experts_per_tok, "num_experts_per_tok")
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most num_experts "
                                  f"({self.num_experts})")
@@ -251,7 +247,7 @@ class DecoderConfig:
         elif self.num_experts or self.num_experts_per_tok:
             raise ValueError(f"num_experts and num_experts_per_tok need mlp='experts', got mlp={self.mlp!r}")
         if self.sliding_window is not None:
-            _positive_int(self.sliding_window, "sliding_window")
+            check_positive_int(self.sliding_window, "sliding_window")
         types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers
         if len(types) != self.num_layers:
             raise ValueError(f"layer_types has {len(types)} entries but num_layers is {self.num_layers}")

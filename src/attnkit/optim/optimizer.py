@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validation import check_positive_int
 from ..core.module import Module
 from ..io import ArrayArchive, save_arrays
 
@@ -41,11 +42,7 @@ def check_step_count(value: Any, name: str = "step_count") -> int:
     """``value`` as a non-negative Python int (bools and floats refused)."""
     if isinstance(value, np.ndarray) and value.shape == ():
         value = value[()]
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a non-negative integer, got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
+    return check_positive_int(value, name, allow_zero=True)
 
 
 class Optimizer:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..._validation import check_positive_int, check_qkv_shapes
 from .._threads import default_num_threads, run_tasks
 from .._tile_sizes import choose_heads, choose_tiles, heads_override, tile_override
 from ..bias import ScoreBias
@@ -270,24 +271,9 @@ def _live_keys(mask: np.ndarray | None, tiles: _Tiles):
     return np.broadcast_to(live, live.shape[:-1] + (seq_k,))  # a per-query mask has a size-1 key axis
 
 
-def _check(q, k, v):
-    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
-        raise ValueError(f"query, key and value must be at least 2-D (..., L, D), got shapes "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"key has {k.shape[-1]} features but query has {q.shape[-1]} "
-                         f"(query: {q.shape}, key: {k.shape})")
-    if v.shape[-2] != k.shape[-2]:
-        raise ValueError(f"value has {v.shape[-2]} positions but key has {k.shape[-2]} "
-                         f"(key: {k.shape}, value: {v.shape})")
-
-
 def _positive(value, name):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    """``value`` as an int, or None when not given (the kernel then picks its own)."""
+    return None if value is None else check_positive_int(value, name)
 
 
 def _padded_lead(shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
@@ -355,7 +341,7 @@ class _Pass:
 def _normalise(q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num_threads):
     """Check the arguments; return the arrays, dtypes, mask, bias, window and thread count to use."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    _check(q, k, v)
+    check_qkv_shapes(q, k, v, names=("query", "key", "value"), same_features=True, same_rank=False)
     out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
     if out_dtype.kind != "f":
         out_dtype = np.dtype(np.float64)
