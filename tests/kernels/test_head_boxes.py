@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from attnkit.kernels import _tile_sizes
 from attnkit.kernels.reference import attention_backward, attention_forward
 from attnkit.kernels.tiled import flash_attention_backward, flash_attention_forward
-from attnkit.kernels.tiled.plan import _head_blocks, _splittable_axes
+from attnkit.kernels.tiled.plan import _head_boxes, _splittable_axes
 
 from kernel_cases import RelativeTable, run_attention
 
@@ -99,7 +99,7 @@ def test_splittable_axes_follow_the_gradients():
 def test_boxes_cover_every_head_once(lead, group, data):
     lead = tuple(lead)
     splittable = tuple(data.draw(st.lists(st.booleans(), min_size=len(lead), max_size=len(lead))))
-    boxes = _head_blocks(lead, splittable, group)
+    boxes = _head_boxes(lead, splittable, group)
     seen = np.zeros(lead, int)
     for box in boxes:
         seen[box] += 1
@@ -136,8 +136,8 @@ def test_bad_heads_variable_names_itself(monkeypatch, value):
 def test_default_choice_splits_a_bert_batch_into_boxes(monkeypatch):
     """Without overrides, 64 heads of L = 512, D = 32 run 4 to a tile on a 512 KiB L2."""
     seen = []
-    real = _head_blocks
-    monkeypatch.setattr("attnkit.kernels.tiled.plan._head_blocks",
+    real = _head_boxes
+    monkeypatch.setattr("attnkit.kernels.tiled.plan._head_boxes",
                         lambda *a: seen.append(a) or real(*a))
     monkeypatch.setattr(_tile_sizes, "l2_bytes", lambda root: 512 << 10)
     q = np.zeros((8, 8, 512, 32), np.float32)
@@ -147,7 +147,7 @@ def test_default_choice_splits_a_bert_batch_into_boxes(monkeypatch):
 
 
 def test_every_box_layout_is_a_product_of_cuts():
-    boxes = _head_blocks((3, 5), (True, True), 2)
+    boxes = _head_boxes((3, 5), (True, True), 2)
     rows = sorted({box[0].indices(3)[:2] for box in boxes})
     cols = sorted({box[1].indices(5)[:2] for box in boxes})
     assert rows == [(0, 1), (1, 2), (2, 3)] and cols == [(0, 2), (2, 4), (4, 5)]

@@ -17,6 +17,7 @@ from .plan import (
     FlashContext,
     _group_axes,
     _Pass,
+    _PlanRequest,
     _Scratch,
     _splittable_axes,
     _take,
@@ -82,13 +83,13 @@ def _augment_backward(grad_out: np.ndarray, ctx: FlashContext, dtype: np.dtype, 
     ``dP - D``. Fully masked rows get a zero in place of ``-lse = -inf``: all their entries are masked
     anyway, and an infinity inside BLAS raises spurious invalid-value warnings.
     """
-    lead, (seq_q, dv), d = ctx.lead, ctx.out.shape[-2:], ctx.q.shape[-1]
-    do_aug = np.empty(lead + (seq_q, dv + 2), dtype)  # (*lead, Lq, Dv+2)
-    do_aug[..., :dv] = grad_out
-    d_row = np.einsum("...ld,...ld->...l", do_aug[..., :dv], ctx.out, dtype=np.float64)  # (*lead, Lq)
+    lead, (seq_q, value_dim), d = ctx.lead, ctx.out.shape[-2:], ctx.q.shape[-1]
+    do_aug = np.empty(lead + (seq_q, value_dim + 2), dtype)  # (*lead, Lq, Dv+2)
+    do_aug[..., :value_dim] = grad_out
+    d_row = np.einsum("...ld,...ld->...l", do_aug[..., :value_dim], ctx.out, dtype=np.float64)  # (*lead, Lq)
     d_hi, d_lo = _split(d_row, dtype)
-    np.negative(d_hi, out=do_aug[..., dv])
-    np.negative(d_lo, out=do_aug[..., dv + 1])
+    np.negative(d_hi, out=do_aug[..., value_dim])
+    np.negative(d_lo, out=do_aug[..., value_dim + 1])
     q_aug = np.empty(lead + (seq_q, d + 2), dtype)  # (*lead, Lq, D+2)
     np.multiply(ctx.q, dtype.type(ctx.scale), out=q_aug[..., :d])
     lse_hi, lse_lo = _split(ctx.lse, dtype)  # (*lead, Lq) each
@@ -153,14 +154,15 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
         and values get the sum over their group)
     dbias : ndarray shaped like an array ``bias``, else None (a ScoreBias gets ``accumulate_grad`` per tile)
     """
-    lead, (seq_q, dv) = ctx.lead, ctx.out.shape[-2:]
+    lead, (seq_q, value_dim) = ctx.lead, ctx.out.shape[-2:]
     seq_k, dtype = ctx.k_aug.shape[-2], ctx.out.dtype
     grad_out = np.asarray(grad_out)
-    _check_grad(grad_out, lead + (seq_q, dv))
-    splittable = _splittable_axes(lead, ctx.k_shape, ctx.v_shape, ctx.bias, ctx.dropout_p > 0.0)
-    boxes, tile_q, tile_k = _tile_plan(lead, splittable, seq_q, seq_k, ctx.num_threads, "k",  # tasks: key blocks
-                                       ctx.q.shape[-1], dv, dtype.itemsize, ctx.blocks)
-    tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, tile_q, tile_k, ctx.window)
+    _check_grad(grad_out, lead + (seq_q, value_dim))
+    plan = _tile_plan(_PlanRequest(
+        lead=lead, splittable=_splittable_axes(lead, ctx.k_shape, ctx.v_shape, ctx.bias, ctx.dropout_p > 0.0),
+        seq_q=seq_q, seq_k=seq_k, head_dim=ctx.q.shape[-1], value_dim=value_dim, itemsize=dtype.itemsize,
+        num_threads=ctx.num_threads, split="k", fixed=ctx.blocks))  # tasks: key blocks
+    tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, plan.block_q, plan.block_k, ctx.window)
     run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None,
                 dropout_p=ctx.dropout_p, seed=ctx.dropout_seed, drop_lead=ctx.drop_lead)
     # two lanes per thread: tasks still balance when a core is busy elsewhere; the count depends on
@@ -169,7 +171,7 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     lanes = _lanes(len(tiles.k_blocks), max(1, n_lanes))
     data = _backward_data(grad_out, ctx, run, len(lanes))
     if math.prod(lead) and seq_q and seq_k:
-        views = [(run.select(box), data.select(box)) for box in boxes]
+        views = [(run.select(box), data.select(box)) for box in plan.boxes]
         scratch = [_Scratch(dtype) for _ in range(ctx.num_threads)]
         step = functools.partial(_backward_lane, views=views, lanes=lanes, scratch=scratch)
         run_tasks([(view, lane) for lane in range(len(lanes)) for view in range(len(views))], step, ctx.num_threads)
@@ -180,8 +182,8 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     cast = ctx.out_dtype
     dq = unbroadcast(dq, ctx.q_shape).astype(cast, copy=False)
     dk = unbroadcast(data.dk, ctx.k_shape).astype(cast, copy=False)
-    dv_ = unbroadcast(data.dv, ctx.v_shape).astype(cast, copy=False)
-    return dq, dk, dv_, _reduce_dbias(data.dbias_lanes, cast)
+    dv = unbroadcast(data.dv, ctx.v_shape).astype(cast, copy=False)
+    return dq, dk, dv, _reduce_dbias(data.dbias_lanes, cast)
 
 
 def _reduce_dbias(lanes: list[np.ndarray | None], cast: np.dtype) -> np.ndarray | None:
@@ -212,9 +214,9 @@ def _backward_lane(task: tuple[int, int], worker: int, views: list[tuple[_Pass, 
                 _backward_tile(run, data, lane, (q0, q1, k0, k1), blocked, scratch[worker])
 
 
-def _probabilities(run: _Pass, data: _BackwardData, box, blocked, scratch: _Scratch) -> np.ndarray:
+def _probabilities(run: _Pass, data: _BackwardData, tile, blocked, scratch: _Scratch) -> np.ndarray:
     """The tile's softmax probabilities before dropout, recomputed from q, k and the log-sum-exp."""
-    q0, q1, k0, k1 = box
+    q0, q1, k0, k1 = tile
     p = scratch.get("p", run.tiles.lead + (q1 - q0, k1 - k0))  # (*lead, Tq, Tk)
     np.matmul(data.q_aug[..., q0:q1, :], data.k_aug[..., k0:k1, :].swapaxes(-1, -2), out=p)  # s - lse or s
     if not run.fold:
@@ -227,21 +229,21 @@ def _probabilities(run: _Pass, data: _BackwardData, box, blocked, scratch: _Scra
     return np.exp(p, out=p)
 
 
-def _score_grads(run: _Pass, data: _BackwardData, box, p: np.ndarray, scratch: _Scratch) -> np.ndarray:
+def _score_grads(run: _Pass, data: _BackwardData, tile, p: np.ndarray, scratch: _Scratch) -> np.ndarray:
     """``dS = P (dP - D)`` of the tile; with dropout, ``p`` becomes the dropped, rescaled weights."""
-    q0, q1, k0, k1 = box
-    dv = data.dv.shape[-1]
+    q0, q1, k0, k1 = tile
+    value_dim = data.dv.shape[-1]
     ds = scratch.get("ds", p.shape)  # (*lead, Tq, Tk)
     if not run.dropout:
         np.matmul(data.do_aug[..., q0:q1, :], data.v_aug[..., k0:k1, :].swapaxes(-1, -2), out=ds)  # dP - D
         return np.multiply(ds, p, out=ds)
     keep = run.keep(q0, q1, k0, k1)  # (*drop_lead, Tq, Tk)
     keep_scale = run.dtype.type(1.0 / (1.0 - run.dropout_p))
-    np.matmul(data.do_aug[..., q0:q1, :dv], data.v_aug[..., k0:k1, :dv].swapaxes(-1, -2), out=ds)  # dO.v
+    np.matmul(data.do_aug[..., q0:q1, :value_dim], data.v_aug[..., k0:k1, :value_dim].swapaxes(-1, -2), out=ds)  # dO.v
     np.multiply(ds, keep, out=ds)
     np.multiply(ds, keep_scale, out=ds)  # dP, the gradient of the weights before dropout
-    np.add(ds, data.do_aug[..., q0:q1, dv:dv + 1], out=ds)  # dP - D (the columns hold -D)
-    np.add(ds, data.do_aug[..., q0:q1, dv + 1:], out=ds)
+    np.add(ds, data.do_aug[..., q0:q1, value_dim:value_dim + 1], out=ds)  # dP - D (the columns hold -D)
+    np.add(ds, data.do_aug[..., q0:q1, value_dim + 1:], out=ds)
     np.multiply(ds, p, out=ds)
     np.multiply(p, keep, out=p)
     np.multiply(p, keep_scale, out=p)
@@ -262,27 +264,27 @@ def _add_product(target: np.ndarray, a: np.ndarray, b: np.ndarray, axes: tuple[i
     np.add(target, product, out=target)
 
 
-def _backward_tile(run: _Pass, data: _BackwardData, lane: int, box, blocked, scratch: _Scratch) -> None:
+def _backward_tile(run: _Pass, data: _BackwardData, lane: int, tile, blocked, scratch: _Scratch) -> None:
     """One tile's contribution to dV, dK (the key block's own rows), dQ (the lane's buffer) and the bias."""
-    q0, q1, k0, k1 = box
-    d, dv = data.dk.shape[-1], data.dv.shape[-1]
-    p = _probabilities(run, data, box, blocked, scratch)  # (*lead, Tq, Tk)
-    ds = _score_grads(run, data, box, p, scratch)  # (*lead, Tq, Tk); p is now the dropped weights
+    q0, q1, k0, k1 = tile
+    d, value_dim = data.dk.shape[-1], data.dv.shape[-1]
+    p = _probabilities(run, data, tile, blocked, scratch)  # (*lead, Tq, Tk)
+    ds = _score_grads(run, data, tile, p, scratch)  # (*lead, Tq, Tk); p is now the dropped weights
     bad_k = blocked is not None and data.bad_k is not None and data.bad_k[k0:k1].any()
     if blocked is not None and data.bad_v is not None and data.bad_v[k0:k1].any():
         np.copyto(ds, 0, where=blocked)  # masked: p = 0, but dP = dO . v is NaN where v is
-    _add_product(data.dv[..., k0:k1, :], p.swapaxes(-1, -2), data.do_aug[..., q0:q1, :dv], data.v_axes,
+    _add_product(data.dv[..., k0:k1, :], p.swapaxes(-1, -2), data.do_aug[..., q0:q1, :value_dim], data.v_axes,
                  scratch, "kv")  # (*Vl, Tk, Dv)
     if run.tiles.bias is not None:
-        _bias_grad(run.tiles, data, lane, ds, box)
+        _bias_grad(run.tiles, data, lane, ds, tile)
     _add_product(data.dq_lanes[lane][..., q0:q1, :], ds, data.k_aug[..., k0:k1, :d], (), scratch, "q", bad_k)
     _add_product(data.dk[..., k0:k1, :], ds.swapaxes(-1, -2), data.q_aug[..., q0:q1, :d], data.k_axes,
                  scratch, "kv")  # (*Kl, Tk, D); q_aug holds the scaled q
 
 
-def _bias_grad(tiles: _Tiles, data: _BackwardData, lane: int, ds: np.ndarray, box) -> None:
+def _bias_grad(tiles: _Tiles, data: _BackwardData, lane: int, ds: np.ndarray, tile) -> None:
     """Hand the score gradient of one tile to the bias: a ScoreBias's hook, or the lane's array tile."""
-    q0, q1, k0, k1 = box
+    q0, q1, k0, k1 = tile
     if isinstance(tiles.bias, ScoreBias):
         with data.lock:  # accumulate_grad updates shared parameter gradients
             tiles.bias.accumulate_grad(np.arange(q0, q1), np.arange(k0, k1), tiles.seq_q, tiles.seq_k, ds)

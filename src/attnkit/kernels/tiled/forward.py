@@ -17,6 +17,7 @@ from .plan import (
     _ForwardData,
     _normalise,
     _Pass,
+    _PlanRequest,
     _positive,
     _Scratch,
     _splittable_axes,
@@ -82,39 +83,40 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     >>> bool(np.allclose(out, attention_forward(q, k, v, causal=True)[0]))
     True
     """
-    q, k, v, out_dtype, dtype, mask, bias, window, num_threads = _normalise(
-        q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num_threads)
+    args = _normalise(q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num_threads)
+    q, k, v, dtype, num_threads = args.q, args.k, args.v, args.dtype, args.num_threads
     seq_q, d = q.shape[-2:]
-    seq_k, dv = v.shape[-2:]
-    extra = [m.shape[:-2] for m in (mask, bias) if isinstance(m, np.ndarray)]
+    seq_k, value_dim = v.shape[-2:]
+    extra = [m.shape[:-2] for m in (args.mask, args.bias) if isinstance(m, np.ndarray)]
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *extra)
     drop_lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], *extra)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     fixed_blocks = (_positive(block_q, "block_q"), _positive(block_k, "block_k"))
-    splittable = _splittable_axes(lead, k.shape, v.shape, bias, dropout_p > 0.0)
-    boxes, tile_q, tile_k = _tile_plan(lead, splittable, seq_q, seq_k, num_threads, "q", d, dv, dtype.itemsize,
-                                       fixed_blocks)
-    tiles = _Tiles(lead, seq_q, seq_k, mask, causal, bias, tile_q, tile_k, window)
-    k_aug, v_aug, kmax, bad_k, bad_v = _augment_keys(k, v, mask, tiles, dtype, num_threads)
-    data = _ForwardData(q=q, k_aug=k_aug, v_aug=v_aug, kmax=kmax, out=np.zeros(lead + (seq_q, dv), dtype),
+    plan = _tile_plan(_PlanRequest(
+        lead=lead, splittable=_splittable_axes(lead, k.shape, v.shape, args.bias, dropout_p > 0.0),
+        seq_q=seq_q, seq_k=seq_k, head_dim=d, value_dim=value_dim, itemsize=dtype.itemsize,
+        num_threads=num_threads, split="q", fixed=fixed_blocks))
+    tiles = _Tiles(lead, seq_q, seq_k, args.mask, causal, args.bias, plan.block_q, plan.block_k, args.window)
+    k_aug, v_aug, kmax, bad_k, bad_v = _augment_keys(k, v, args.mask, tiles, dtype, num_threads)
+    data = _ForwardData(q=q, k_aug=k_aug, v_aug=v_aug, kmax=kmax, out=np.zeros(lead + (seq_q, value_dim), dtype),
                         lse=np.full(lead + (seq_q,), np.inf), bad_v=bad_v)  # lse float64: backward splits it
-    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(scale), fold=bias is None,
+    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(scale), fold=args.bias is None,
                 dropout_p=float(dropout_p), seed=dropout_seed, drop_lead=drop_lead)
     if math.prod(lead) and seq_q and seq_k:
         order = list(range(len(tiles.q_blocks)))
         if causal:
             order.reverse()  # the last query blocks see the most keys: hand them out first
-        views = [(run.select(box), data.select(box)) for box in boxes]
+        views = [(run.select(box), data.select(box)) for box in plan.boxes]
         tasks = [(view, qb) for qb in order for view in range(len(views))]
         scratch = [_Scratch(dtype) for _ in range(num_threads)]
         run_tasks(tasks, functools.partial(_forward_block, views=views, scratch=scratch), num_threads)
     ctx = FlashContext(q=q, k_aug=k_aug, v_aug=v_aug, out=data.out, lse=data.lse, scale=scale, lead=lead,
-                       q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, out_dtype=out_dtype, mask=mask,
-                       causal=causal, bias=bias, dropout_p=float(dropout_p), dropout_seed=dropout_seed,
-                       drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads, window=window,
+                       q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, out_dtype=args.out_dtype, mask=args.mask,
+                       causal=causal, bias=args.bias, dropout_p=float(dropout_p), dropout_seed=dropout_seed,
+                       drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads, window=args.window,
                        bad_k=bad_k, bad_v=bad_v)
     # copies: the caller may edit what it gets back, the backward reads ctx.out and ctx.lse
-    return data.out.astype(out_dtype, copy=True), data.lse.astype(out_dtype, copy=True), ctx
+    return data.out.astype(args.out_dtype, copy=True), data.lse.astype(args.out_dtype, copy=True), ctx
 
 
 @dataclass
@@ -135,7 +137,7 @@ class _Rows:
 def _start_rows(run: _Pass, data: _ForwardData, q0: int, q1: int, scratch: _Scratch) -> _Rows:
     """Scaled queries and zeroed accumulators of query block ``[q0, q1)``."""
     lead, tq = run.tiles.lead, q1 - q0
-    d, dv = data.q.shape[-1], data.out.shape[-1]
+    d, value_dim = data.q.shape[-1], data.out.shape[-1]
     qa = scratch.get("qa", lead + (tq, d + 1))  # (*lead, Tq, D+1)
     np.multiply(data.q[..., q0:q1, :], run.scale, out=qa[..., :d])
     qa[..., d] = 0
@@ -144,11 +146,11 @@ def _start_rows(run: _Pass, data: _ForwardData, q0: int, q1: int, scratch: _Scra
         # a query holding NaN or inf has non-finite scores whatever its shift: leave it out of the block's
         # bound, so that it cannot change how the other rows are shifted (and so their rounding)
         qn[~np.isfinite(qa[..., :d]).all(axis=-1)] = 0
-    acc = scratch.get("acc", lead + (tq, dv + 1))  # (*lead, Tq, Dv+1)
+    acc = scratch.get("acc", lead + (tq, value_dim + 1))  # (*lead, Tq, Dv+1)
     acc[...] = 0
-    pv = scratch.get("pv", lead + (tq, dv + 1))  # (*lead, Tq, Dv+1)
+    pv = scratch.get("pv", lead + (tq, value_dim + 1))  # (*lead, Tq, Dv+1)
     m = np.zeros(lead + (tq,), run.dtype)  # (*lead, Tq)
-    l_sum = np.zeros(lead + (tq,), run.dtype) if run.dropout else acc[..., dv]  # (*lead, Tq)
+    l_sum = np.zeros(lead + (tq,), run.dtype) if run.dropout else acc[..., value_dim]  # (*lead, Tq)
     return _Rows(q0=q0, q1=q1, qa=qa, qn=qn, acc=acc, pv=pv, m=m, l_sum=l_sum)
 
 
@@ -187,14 +189,14 @@ def _forward_tile(run: _Pass, data: _ForwardData, rows: _Rows, kb: int, blocked,
     if run.dropout:
         rows.l_sum += s.sum(axis=-1)
         np.multiply(s, run.keep(rows.q0, rows.q1, k0, k1), out=s)
-    dv = data.out.shape[-1]
+    value_dim = data.out.shape[-1]
     # a masked entry's p is exactly 0; where it meets a NaN or inf value, 0 * NaN must stay 0
     product = zero_safe_matmul if (blocked is not None and data.bad_v is not None
                                    and data.bad_v[k0:k1].any()) else np.matmul
     if rows.first and alpha is None and not run.dropout:
-        product(s, data.v_aug[..., k0:k1, :dv + 1], out=rows.acc)  # (*lead, Tq, Dv+1)
+        product(s, data.v_aug[..., k0:k1, :value_dim + 1], out=rows.acc)  # (*lead, Tq, Dv+1)
     else:
-        product(s, data.v_aug[..., k0:k1, :dv + 1], out=rows.pv)  # (*lead, Tq, Dv+1)
+        product(s, data.v_aug[..., k0:k1, :value_dim + 1], out=rows.pv)  # (*lead, Tq, Dv+1)
         np.add(rows.acc, rows.pv, out=rows.acc)
     rows.first = False
 
@@ -229,10 +231,10 @@ def _shift_rows(run: _Pass, rows: _Rows, s: np.ndarray, kmax: np.ndarray) -> np.
 
 def _finish_rows(run: _Pass, data: _ForwardData, rows: _Rows) -> None:
     """Normalise the accumulated rows into the output; store each row's log-sum-exp."""
-    dv = data.out.shape[-1]
+    value_dim = data.out.shape[-1]
     ok = rows.l_sum > 0  # (*lead, Tq) rows that attend to at least one key
     norm = np.divide(1.0 if not run.dropout else 1.0 / (1.0 - run.dropout_p), rows.l_sum, where=ok,
                      out=np.zeros(rows.l_sum.shape, run.dtype))  # (*lead, Tq)
-    np.multiply(rows.acc[..., :dv], norm[..., None], out=data.out[..., rows.q0:rows.q1, :])
+    np.multiply(rows.acc[..., :value_dim], norm[..., None], out=data.out[..., rows.q0:rows.q1, :])
     log_l = np.log(rows.l_sum.astype(np.float64), where=ok, out=np.zeros(rows.l_sum.shape))  # (*lead, Tq)
     data.lse[..., rows.q0:rows.q1] = np.where(ok, rows.m + log_l, np.inf)

@@ -3,6 +3,7 @@ context forward leaves for backward (:class:`FlashContext`), operand checks and 
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import itertools
 import math
@@ -37,9 +38,10 @@ def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1, s
     >>> default_blocks(1, 32768, 32768, l2=1 << 20)
     (256, 512)
     """
-    _, block_q, block_k = _tile_plan((n_heads,), (False,), seq_q, seq_k, num_threads, split, head_dim, value_dim,
-                                     itemsize, (None, None), l2)
-    return block_q, block_k
+    plan = _tile_plan(_PlanRequest(lead=(n_heads,), splittable=(False,), seq_q=seq_q, seq_k=seq_k,
+                                   head_dim=head_dim, value_dim=value_dim, itemsize=itemsize,
+                                   num_threads=num_threads, split=split, l2=l2))
+    return plan.block_q, plan.block_k
 
 
 def _splittable_axes(lead: tuple[int, ...], k_shape, v_shape, bias, dropout: bool) -> tuple[bool, ...]:
@@ -59,15 +61,15 @@ def _splittable_axes(lead: tuple[int, ...], k_shape, v_shape, bias, dropout: boo
     return tuple(n > 1 and all(own[i] == n for own in owners) for i, n in enumerate(lead))
 
 
-def _head_blocks(lead: tuple[int, ...], splittable: tuple[bool, ...], group: int) -> list[tuple[slice, ...]]:
+def _head_boxes(lead: tuple[int, ...], splittable: tuple[bool, ...], group: int) -> list[tuple[slice, ...]]:
     """The leading index space cut into boxes of about ``group`` heads, as slices of each leading axis.
 
     Axes are filled from the last (heads) to the first (batch); an axis that may not be split is taken
     whole, so a box can hold more than ``group`` heads.
 
-    >>> [tuple((c.start, c.stop) for c in box) for box in _head_blocks((2, 4), (True, True), 2)]
+    >>> [tuple((c.start, c.stop) for c in box) for box in _head_boxes((2, 4), (True, True), 2)]
     [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((1, 2), (0, 2)), ((1, 2), (2, 4))]
-    >>> len(_head_blocks((2, 4), (True, False), 2))  # the head axis is shared (grouped keys): whole
+    >>> len(_head_boxes((2, 4), (True, False), 2))  # the head axis is shared (grouped keys): whole
     2
     """
     chunk, budget = list(lead), max(1, group)
@@ -91,29 +93,55 @@ def _take(arr, heads: tuple[slice, ...], trailing: int):
     return arr[tuple(slice(None) if arr.shape[j] == 1 else heads[offset + j] for j in range(n))]
 
 
-def _tile_plan(lead, splittable, seq_q, seq_k, num_threads, split, head_dim, value_dim, itemsize, fixed,
-               l2=None):
-    """``(head boxes, block_q, block_k)`` of one call: the tile lengths and how many heads share a tile.
+@dataclass(frozen=True)
+class _PlanRequest:
+    """Everything the tile plan of one call depends on."""
+
+    lead: tuple[int, ...]  # broadcast leading (batch/head) shape
+    splittable: tuple[bool, ...]  # per leading axis: may its heads go to different tasks
+    seq_q: int
+    seq_k: int
+    head_dim: int  # D
+    value_dim: int | None  # Dv (None: D)
+    itemsize: int  # bytes per element of the compute dtype
+    num_threads: int = 1
+    split: str = "q"  # the axis the tasks run over: "q" (forward) or "k" (backward)
+    fixed: tuple[int | None, int | None] = (None, None)  # the caller's block_q, block_k
+    l2: int | None = None  # per-core L2 bytes (None: read from the machine)
+
+
+@dataclass(frozen=True)
+class _TilePlan:
+    """How one call is cut: boxes of heads that share a tile, and the tile lengths."""
+
+    boxes: list[tuple[slice, ...]]
+    block_q: int
+    block_k: int
+
+
+def _tile_plan(request: _PlanRequest) -> _TilePlan:
+    """The tile lengths of one call and how many heads share a tile.
 
     Keywords (``fixed``) win over ``ATTNKIT_TILE_*``, which win over the cost model; the block the tasks
     run over is halved (down to 64) until every thread has two tasks, unless a keyword or the
     environment set it.
     """
-    n_heads = math.prod(lead)
+    r = request
+    n_heads = math.prod(r.lead)
     env_q, env_k = tile_override()
-    block_q, block_k = choose_tiles(n_heads, head_dim, value_dim, itemsize, l2)
-    set_q, set_k = fixed[0] or env_q, fixed[1] or env_k
+    block_q, block_k = choose_tiles(n_heads, r.head_dim, r.value_dim, r.itemsize, r.l2)
+    set_q, set_k = r.fixed[0] or env_q, r.fixed[1] or env_k
     block_q, block_k = set_q or block_q, set_k or block_k
-    group = heads_override() or choose_heads(n_heads, min(block_q, seq_q) or 1, min(block_k, seq_k) or 1,
-                                             head_dim, value_dim, itemsize, l2)
-    boxes = _head_blocks(lead, splittable, group)
-    if split == "q" and not set_q:
-        while block_q > 64 and len(boxes) * -(-seq_q // block_q) < 2 * num_threads:
+    group = heads_override() or choose_heads(n_heads, min(block_q, r.seq_q) or 1, min(block_k, r.seq_k) or 1,
+                                             r.head_dim, r.value_dim, r.itemsize, r.l2)
+    boxes = _head_boxes(r.lead, r.splittable, group)
+    if r.split == "q" and not set_q:
+        while block_q > 64 and len(boxes) * -(-r.seq_q // block_q) < 2 * r.num_threads:
             block_q //= 2
-    elif split != "q" and not set_k:
-        while block_k > 64 and len(boxes) * -(-seq_k // block_k) < 2 * num_threads:
+    elif r.split != "q" and not set_k:
+        while block_k > 64 and len(boxes) * -(-r.seq_k // block_k) < 2 * r.num_threads:
             block_k //= 2
-    return boxes, max(1, min(block_q, seq_q)), max(1, min(block_k, seq_k))
+    return _TilePlan(boxes, max(1, min(block_q, r.seq_q)), max(1, min(block_k, r.seq_k)))
 
 
 @dataclass
@@ -147,6 +175,14 @@ class FlashContext:
     bad_v: np.ndarray | None = None  # (Lk,) the same for values
 
 
+class TileKind(enum.Enum):
+    """A tile against the causal band: no entry visible (skipped), every entry visible (no mask), or some."""
+
+    EMPTY = "empty"
+    FULL = "full"
+    PARTIAL = "partial"
+
+
 class _Tiles:
     """Tile geometry and per-tile masks/biases, shared by forward and backward."""
 
@@ -168,18 +204,18 @@ class _Tiles:
         sub.bias = _take(self.bias, heads, 2)
         return sub
 
-    def causal_kind(self, q0, q1, k0, k1):
-        """0: tile entirely outside the causal band (skip), 1: entirely visible, 2: partly visible."""
+    def band_kind(self, q0, q1, k0, k1) -> TileKind:
+        """Where a tile lies against the causal band (and window): outside it, inside it, or across its edge."""
         if not self.causal:
-            return 1
+            return TileKind.FULL
         top, bottom = q0 + self.offset, q1 - 1 + self.offset  # positions of the first and last query
         if k0 > bottom:
-            return 0
+            return TileKind.EMPTY
         if self.window is None:
-            return 1 if k1 - 1 <= top else 2
+            return TileKind.FULL if k1 - 1 <= top else TileKind.PARTIAL
         if k1 - 1 <= top - self.window:
-            return 0
-        return 1 if k1 - 1 <= top and k0 > bottom - self.window else 2
+            return TileKind.EMPTY
+        return TileKind.FULL if k1 - 1 <= top and k0 > bottom - self.window else TileKind.PARTIAL
 
     def k_range(self, q0, q1):
         """Key blocks a query block may see (causal: up to the last visible key; window: from the first)."""
@@ -213,10 +249,10 @@ class _Tiles:
 
         ``blocked`` is a boolean array broadcastable to the score tile ``(*lead, Tq, Tk)``.
         """
-        kind = self.causal_kind(q0, q1, k0, k1)
-        if kind == 0:
+        kind = self.band_kind(q0, q1, k0, k1)
+        if kind is TileKind.EMPTY:
             return True, None
-        allowed = self.band(q0, q1, k0, k1) if kind == 2 else None  # (Tq, Tk)
+        allowed = self.band(q0, q1, k0, k1) if kind is TileKind.PARTIAL else None  # (Tq, Tk)
         if self.mask is not None:
             mt = _tile(self.mask, q0, q1, k0, k1)  # (..., Tq|1, Tk|1)
             allowed = mt if allowed is None else (mt & allowed)
@@ -338,8 +374,23 @@ class _Pass:
 # ----------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------
-def _normalise(q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num_threads):
-    """Check the arguments; return the arrays, dtypes, mask, bias, window and thread count to use."""
+@dataclass
+class _Operands:
+    """The forward's arguments, checked: arrays, dtypes and settings as the tile steps use them."""
+
+    q: np.ndarray  # (..., Lq, D)
+    k: np.ndarray  # (..., Lk, D)
+    v: np.ndarray  # (..., Lk, Dv)
+    out_dtype: np.dtype  # what the caller gets back
+    dtype: np.dtype  # compute dtype, float32 or float64
+    mask: np.ndarray | None  # bool, at least 2-D
+    bias: np.ndarray | ScoreBias | None  # an array bias at least 2-D
+    window: int | None
+    num_threads: int
+
+
+def _normalise(q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num_threads) -> _Operands:
+    """Check the arguments and put them in the form the tile steps read."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     check_qkv_shapes(q, k, v, names=("query", "key", "value"), same_features=True, same_rank=False)
     out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
@@ -360,7 +411,8 @@ def _normalise(q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num
             raise TypeError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
     if bias is not None and not isinstance(bias, ScoreBias):
         bias = _at_least_2d_right(np.asarray(bias))
-    return q, k, v, out_dtype, dtype, mask, bias, window, num_threads
+    return _Operands(q=q, k=k, v=v, out_dtype=out_dtype, dtype=dtype, mask=mask, bias=bias, window=window,
+                     num_threads=num_threads)
 
 
 @dataclass
