@@ -16,6 +16,7 @@ import pytest
 
 import torch
 from attnkit.attention import MultiHeadAttention, ScaledDotProductAttention
+from attnkit.decoding.cache import CrossAttentionCache, KVCache
 from attnkit.kernels.reference import causal_mask
 from attnkit.layers import TransformerEncoder
 from attnkit.models import TokenTagger
@@ -292,21 +293,39 @@ def test_head_must_be_a_base_attention():
     MultiHeadAttention(8, 2, attention=ScaledDotProductAttention())  # accepted
 
 
-def test_attending_to_projected_keys_equals_the_forward():
-    """project_kv + attend_kv (what the decoder's cache path uses) is the forward, split where a cache sits."""
+def test_cross_attention_through_a_cache_equals_the_forward():
+    """The memory is projected on the first call and read from the cache after: the same output and weights."""
     rng = np.random.default_rng(7)
-    mha = MultiHeadAttention(8, 2, kdim=6, vdim=5, bias=True, rng=0)
+    mha = MultiHeadAttention(8, 2, kdim=6, vdim=5, bias=True, rng=0, layer_index=1)
     for _, p in mha.named_parameters():
         p[...] = rng.normal(size=p.shape)
     query, key, value = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 7, 6)), rng.normal(size=(2, 7, 5))
     mask = rng.random((2, 1, 3, 7)) < 0.7
     expected, expected_weights = mha(query, key, value, mask=mask)
-    keys, values = mha.project_kv(key, value)
-    assert keys.shape == (2, 2, 7, 4) and values.shape == (2, 2, 7, 4)
-    out, weights = mha.attend_kv(query, keys, values, mask, need_weights=True)
-    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(weights, expected_weights, rtol=1e-12, atol=1e-12)
+    cache = CrossAttentionCache(num_layers=2)
+    for _ in range(2):  # the first call projects the memory, the second reads it
+        out, weights = mha(query, key, value, mask=mask, cache=cache)
+        np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(weights, expected_weights, rtol=1e-12, atol=1e-12)
+    assert cache.stored(0) is None and cache.stored(1).keys.shape == (2, 2, 7, 4)
     with pytest.raises(RuntimeError, match="before forward"):
         mha.backward(np.ones_like(out))  # the cached path keeps nothing for a backward
     with pytest.raises(ValueError, match="key has 5 features, expected 6"):
-        mha.project_kv(value, value)
+        mha(query, value, value, cache=CrossAttentionCache(num_layers=2))
+
+
+def test_self_attention_through_a_cache_equals_the_causal_forward():
+    """New positions appended to a KVCache step by step give the rows of one causal forward, padding included."""
+    rng = np.random.default_rng(8)
+    mha = MultiHeadAttention(8, 2, bias=True, rng=0)
+    x = rng.normal(size=(2, 5, 8))
+    padding = np.array([[True] * 5, [False, True, True, True, True]])  # row 1 starts with a pad slot
+    expected, expected_weights = mha(x, x, x, key_padding_mask=padding, is_causal=True)
+    cache = KVCache(1, 2, 2, 4, np.float64)
+    pieces = [mha(x[:, :2], x[:, :2], x[:, :2], key_padding_mask=padding[:, :2], is_causal=True, cache=cache)]
+    pieces += [mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], key_padding_mask=padding[:, :t + 1], is_causal=True,
+                   cache=cache) for t in (2, 3, 4)]
+    np.testing.assert_allclose(np.concatenate([out for out, _ in pieces], axis=1), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(pieces[-1][1], expected_weights[:, :, -1:], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        mha(x[:, :1], x[:, :1], x[:, :1], key_padding_mask=padding[:, :1], cache=cache)  # 6 cached keys now

@@ -119,20 +119,28 @@ def test_decoder_block_rejects_bad_inputs():
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("cross_attention", ["dot", "additive"])
 def test_incremental_decode_equals_full_forward(norm_first, cross_attention):
-    from attnkit.decoding.cache import KVCache
+    from attnkit.decoding.cache import EncoderDecoderCache, KVCache
     rng = make_rng(6, norm_first, len(cross_attention))
     dec = TransformerDecoder(2, D, H, F, norm_first=norm_first, final_norm=True, attention_bias=True,
                              cross_attention=cross_attention, rng=rng)
     x, memory = randn(rng, B, 5, D), randn(rng, B, LS, D)
     mem_pad = _padding([4, 2], LS)
-    full = dec(x, memory, memory_key_padding_mask=mem_pad, tgt_is_causal=True)
-    cache = KVCache(2, B, H, D // H, np.float64)
-    memory_kv = dec.project_memory(memory)
-    mask = mem_pad[:, None, None, :]
-    pieces = [dec.decode(x[:, :3], cache, memory_kv, mask)]  # a 3-position chunk, then one position at a time
-    pieces += [dec.decode(x[:, t:t + 1], cache, memory_kv, mask) for t in (3, 4)]
-    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=1e-12, atol=1e-12)
+    full, full_cross = dec(x, memory, memory_key_padding_mask=mem_pad, tgt_is_causal=True, need_weights=True)
+    cache = EncoderDecoderCache(KVCache(2, B, H, D // H, np.float64))
+
+    def step(chunk):
+        return dec(chunk, memory, memory_key_padding_mask=mem_pad, tgt_is_causal=True, need_weights=True, cache=cache)
+
+    pieces = [step(x[:, :3])]  # a 3-position chunk, then one position at a time
+    pieces += [step(x[:, t:t + 1]) for t in (3, 4)]
+    np.testing.assert_allclose(np.concatenate([out for out, _ in pieces], axis=1), full, rtol=1e-12, atol=1e-12)
+    for layer in range(2):  # the cross-attention weights of every step are rows of the full ones
+        cross = np.concatenate([weights[layer] for _, weights in pieces], axis=2)  # (B, H, Lt, Ls)
+        np.testing.assert_allclose(cross, full_cross[layer], rtol=1e-12, atol=1e-12)
     assert cache.length == 5
+    assert cache.cross_attention.stored(1).keys.shape == (B, H, LS, D // H)  # projected on the first step only
+    with pytest.raises(RuntimeError, match="a cached forward keeps nothing"):
+        dec.layers[0].backward(np.ones((B, 1, D)))  # the cached path keeps nothing for a backward
 
 
 def test_decoder_block_backward_checks_the_gradient_shape():

@@ -55,6 +55,8 @@ class MultiHeadAttention(Module):
     rng : numpy.random.Generator or int, optional
         Source of the Glorot-uniform initial weights (biases start at zero) and of the default head's
         dropout seed.
+    layer_index : int, default 0
+        This module's entry in a decoding cache (see ``cache`` in :meth:`forward`).
 
     Attributes
     ----------
@@ -83,7 +85,7 @@ class MultiHeadAttention(Module):
     def __init__(self, embed_dim: int | None = None, num_heads: int | None = None,
                  attention: BaseAttention | None = None, dropout: float = 0.0, bias: bool = False,
                  kdim: int | None = None, vdim: int | None = None, *, d_model: int | None = None,
-                 rng: np.random.Generator | int | None = None) -> None:
+                 rng: np.random.Generator | int | None = None, layer_index: int = 0) -> None:
         super().__init__()
         embed_dim = resolve("MultiHeadAttention", "embed_dim", embed_dim, "d_model", d_model)
         if embed_dim is None or num_heads is None:
@@ -108,6 +110,7 @@ class MultiHeadAttention(Module):
         self.kdim, self.vdim = kdim, vdim
         self.bias = bool(bias)
         self.attention = attention
+        self.layer_index = check_positive_int(layer_index, "layer_index", allow_zero=True)
         for name, fan_in in (("W_Q", embed_dim), ("W_K", kdim), ("W_V", vdim), ("W_O", embed_dim)):
             self.register_parameter(name, xavier_uniform(gen, fan_in, embed_dim))
         if self.bias:
@@ -137,38 +140,10 @@ class MultiHeadAttention(Module):
         """Projection ``W_<which>`` of ``x`` (B, L, E), split into heads (B, H, L, Dh)."""
         return split_heads(linear(x, self._parameters["W_" + which], self._b("b_" + which)), self.num_heads)
 
-    def project_kv(self, key: Any, value: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """Key and value heads of ``key``/``value`` (B, L, Ek/Ev) (``value`` defaults to ``key``), each
-        (B, H, L, Dh): what a decoder keeps in its :class:`~attnkit.decoding.cache.KVCache` or computes once
-        for cross-attention. Inference only: nothing is kept for :meth:`backward`."""
-        key = as_float_array(key, "key")
-        value = key if value is None else as_float_array(value, "value")
-        for name, x, dim in (("key", key, self.kdim), ("value", value, self.vdim)):
-            check_ndim(x, name, ndim=3, expected=f"3-D (batch, seq, {dim})")
-            if x.shape[-1] != dim:
-                raise ValueError(f"{name} has {x.shape[-1]} features, expected {dim} (got shape {x.shape})")
-        return self._heads("K", key), self._heads("V", value)
-
-    def attend_kv(self, query: Any, keys: np.ndarray, values: np.ndarray, mask: Any = None, *,
-                  need_weights: bool = False):
-        """Attend from ``query`` (B, Lq, E) to key/value heads already projected by :meth:`project_kv`
-        (B, H, Lk, Dh) — a cache's, or a memory's computed once.
-
-        ``mask`` is boolean, broadcastable to (B, H, Lq, Lk), ``True`` = may attend. Returns ``(output
-        (B, Lq, E), weights (B, H, Lq, Lk) or None)``. Inference only: :meth:`backward` is not available after.
-        """
-        query = as_float_array(query, "query")
-        check_ndim(query, "query", ndim=3, expected=f"3-D (batch, seq, {self.embed_dim})")
-        q = self._heads("Q", query)  # (B, H, Lq, Dh)
-        heads, weights = self.attention.forward(q, keys.astype(q.dtype, copy=False), values.astype(q.dtype, copy=False),
-                                                mask, need_weights=need_weights)  # (B, H, Lq, Dh)
-        self.save_for_backward()
-        return linear(merge_heads(heads), self.W_O, self._b("b_O")), weights  # (B, Lq, E)
-
     @returns_input_precision
     def forward(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, attn_mask: np.ndarray | None = None,
                 key_padding_mask: np.ndarray | None = None, need_weights: bool = True, is_causal: bool = False,
-                *, mask: np.ndarray | None = None):
+                *, mask: np.ndarray | None = None, cache: Any = None):
         """Attend from ``query`` to ``key``/``value``.
 
         Parameters
@@ -186,6 +161,14 @@ class MultiHeadAttention(Module):
             Return the per-head weights; with ``False`` returns ``None`` for them.
         is_causal : bool, default False
             Add the bottom-right-aligned causal mask (query i sees keys ``j <= i + Lk - Lq``).
+        cache : optional
+            Inference only (no :meth:`backward` after): a decoding cache that keeps keys and values between
+            steps, under ``layer_index``. With a :class:`~attnkit.decoding.cache.KVCache` (self-attention),
+            ``key``/``value`` are the new positions' inputs, their keys and values are appended, and the
+            queries attend to every slot the cache returns (``is_causal``: to the slots up to their own). With a
+            :class:`~attnkit.decoding.cache.CrossAttentionCache`, the memory given as ``key``/``value`` is
+            projected on the first call only. Masks then cover the keys the cache returns (S of them):
+            ``attn_mask`` broadcastable to (B, H, Lq, S), ``key_padding_mask`` (B, S).
 
         Returns
         -------
@@ -194,6 +177,9 @@ class MultiHeadAttention(Module):
             Queries that may attend to no key get zero weights and a zero head output.
         """
         attn_mask = resolve("MultiHeadAttention.forward", "attn_mask", attn_mask, "mask", mask)
+        if cache is not None:
+            return self._forward_cached(query, key, value, attn_mask, key_padding_mask, need_weights, is_causal,
+                                        cache)
         query, key, value, kpm = self._check_inputs(query, key, value, key_padding_mask)
         batch, seq_q, _ = query.shape
         seq_k = key.shape[1]
@@ -212,6 +198,32 @@ class MultiHeadAttention(Module):
         out = linear(merged, self.W_O, self._b("b_O"))  # (B, Lq, E)
         self.save_for_backward(query, key, value, merged, kpm)
         return out, weights
+
+    def _forward_cached(self, query, key, value, attn_mask, key_padding_mask, need_weights, is_causal, cache):
+        """:meth:`forward` through a decoding cache: project only what the cache does not hold yet."""
+        query, key, value, _ = self._check_inputs(query, key, value, None)
+        batch, seq_q, _ = query.shape
+        kept = cache.stored(self.layer_index)
+        if kept is None:
+            kept = cache.update(self.layer_index, self._heads("K", key), self._heads("V", value))
+        keys, values, slots = kept  # (B, H, S, Dh), (B, H, S, Dh), (S,)
+        seq_k = keys.shape[-2]
+        head_mask = check_mha_mask(attn_mask, "attn_mask", batch, self.num_heads, seq_q, seq_k)
+        if key_padding_mask is not None:
+            kpm = np.asarray(key_padding_mask)
+            if kpm.dtype != np.bool_ or kpm.shape != (batch, seq_k):
+                raise ValueError(f"key_padding_mask must be a boolean (batch, cached keys) = {(batch, seq_k)} array "
+                                 f"(True = real token), got shape {kpm.shape} and dtype {kpm.dtype}")
+            pad = kpm[:, None, None, :]  # (B, 1, 1, S)
+            head_mask = pad if head_mask is None else (head_mask & pad)
+        if is_causal:
+            causal = slots[None, :] <= slots[-seq_q:, None]  # (Lq, S): the queries are the newest slots
+            head_mask = causal if head_mask is None else (head_mask & causal)
+        q = self._heads("Q", query)  # (B, H, Lq, Dh)
+        heads, weights = self.attention.forward(q, keys.astype(q.dtype, copy=False), values.astype(q.dtype, copy=False),
+                                                head_mask, need_weights=need_weights)  # (B, H, Lq, Dh)
+        self.save_for_backward()  # the cached path is inference: nothing for backward
+        return linear(merge_heads(heads), self.W_O, self._b("b_O")), weights  # (B, Lq, E)
 
     @returns_input_precision
     def backward(self, grad_output: np.ndarray):

@@ -14,16 +14,21 @@ Three storage kinds, chosen per layer:
 - bounded (``max_length=N``): grows the same way but never beyond N slots; writing past N is an error;
 - ring buffer (the layer's window W is set): only the last W slots are kept, slot ``s`` lives at index
   ``s % W``; a layer with window W never reads older keys, so the memory stays O(W) however long the text.
+
+Every cache speaks to an attention module through two calls, so one cached-attention path serves the
+decoder-only LMs and the encoder-decoder alike: ``stored(layer)`` hands back keys and values the module
+must use as they are (a memory projected once for cross-attention), or ``None``, in which case the module
+projects its new keys and values and calls ``update(layer, k_new, v_new)``. Both return a :class:`CachedKV`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._validation import check_positive_int
 
-__all__ = ["CachedKV", "KVCache"]
+__all__ = ["CachedKV", "KVCache", "CrossAttentionCache", "EncoderDecoderCache"]
 
 
 _FIRST_SLOTS = 256  # slots a full-attention layer starts with (before its first doubling)
@@ -114,9 +119,7 @@ class KVCache:
         return np.zeros((rows, self.num_kv_heads, slots, self.head_dim), dtype=self.dtype)  # (B, Hkv, S, Dh)
 
     def _check_layer(self, layer) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be an integer in [0, {self.num_layers}), got {layer!r}")
-        return int(layer)
+        return _check_layer(layer, self.num_layers)
 
     def _check_new(self, array, name: str) -> np.ndarray:
         array = np.asarray(array)
@@ -138,6 +141,11 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by the key and value storage of all layers."""
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
+
+    def stored(self, layer: int) -> None:
+        """Always ``None``: a self-attention cache takes the new positions' keys and values every step."""
+        self._check_layer(layer)
+        return None
 
     def update(self, layer: int, k_new: np.ndarray, v_new: np.ndarray) -> CachedKV:
         """Append ``Lnew`` slots to ``layer`` and return the keys/values its attention must read.
@@ -225,31 +233,167 @@ class KVCache:
         ----------
         index : (B',) int
         """
-        index = np.asarray(index)
-        if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
-            raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
-                             f"and dtype {index.dtype}")
-        if index.min() < -self.batch_size or index.max() >= self.batch_size:
-            raise ValueError(f"index must hold rows in [0, {self.batch_size}), got {index.min()}..{index.max()}")
+        index = _check_index(index, self.batch_size)
         self._keys = [k[index] for k in self._keys]  # (B', Hkv, S, Dh)
         self._values = [v[index] for v in self._values]  # (B', Hkv, S, Dh)
         self.batch_size = int(index.size)
 
     def select(self, rows) -> None:
         """Keep only ``rows`` (a boolean (B,) mask or distinct integer indices), e.g. rows still decoding."""
-        rows = np.asarray(rows)
-        if rows.dtype == bool:
-            if rows.shape != (self.batch_size,):
-                raise ValueError(f"a boolean rows mask must have shape ({self.batch_size},), got {rows.shape}")
-            rows = np.flatnonzero(rows)
-        elif rows.ndim != 1 or rows.dtype.kind not in "iu":
-            raise ValueError(f"rows must be a boolean mask or 1-D integer indices, got shape {rows.shape} "
-                             f"and dtype {rows.dtype}")
-        if len(np.unique(rows)) != rows.size:
-            raise ValueError("rows must not repeat (use reorder to duplicate rows)")
-        self.reorder(rows)
+        self.reorder(_check_rows(rows, self.batch_size))
 
     def __repr__(self) -> str:
         return (f"KVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, length={self.length}, "
                 f"max_length={self.max_length}, windows={self.windows})")
+
+
+def _check_layer(layer: Any, num_layers: int) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
+        raise ValueError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+    return int(layer)
+
+
+def _check_rows(rows: Any, batch_size: int) -> np.ndarray:
+    """``rows`` as distinct integer indices into a batch of ``batch_size`` (a boolean mask is converted)."""
+    rows = np.asarray(rows)
+    if rows.dtype == bool:
+        if rows.shape != (batch_size,):
+            raise ValueError(f"a boolean rows mask must have shape ({batch_size},), got {rows.shape}")
+        rows = np.flatnonzero(rows)
+    elif rows.ndim != 1 or rows.dtype.kind not in "iu":
+        raise ValueError(f"rows must be a boolean mask or 1-D integer indices, got shape {rows.shape} "
+                         f"and dtype {rows.dtype}")
+    if len(np.unique(rows)) != rows.size:
+        raise ValueError("rows must not repeat (use reorder to duplicate rows)")
+    return rows
+
+
+def _check_index(index: Any, batch_size: int) -> np.ndarray:
+    """``index`` as a non-empty 1-D integer array of rows in ``[0, batch_size)`` (rows may repeat)."""
+    index = np.asarray(index)
+    if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
+        raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
+                         f"and dtype {index.dtype}")
+    if index.min() < -batch_size or index.max() >= batch_size:
+        raise ValueError(f"index must hold rows in [0, {batch_size}), got {index.min()}..{index.max()}")
+    return index
+
+
+class CrossAttentionCache:
+    """Each decoder layer's cross-attention keys and values of the encoder memory, projected once.
+
+    The first :meth:`update` of a layer stores what the attention module projected from the memory; from
+    then on :meth:`stored` hands it back and the module projects nothing. Beam search reorders rows like a
+    :class:`KVCache`.
+
+    Parameters
+    ----------
+    num_layers : int
+
+    Shapes
+    ------
+    ``update(layer, k, v)`` takes the memory's keys and values ``(B, H, Ls, Dh)`` and returns them as a
+    :class:`CachedKV` with slots ``arange(Ls)``.
+
+    Examples
+    --------
+    >>> cache = CrossAttentionCache(num_layers=2)
+    >>> cache.stored(0) is None
+    True
+    >>> memory_kv = np.ones((1, 2, 5, 4))
+    >>> cache.update(0, memory_kv, memory_kv).slots
+    array([0, 1, 2, 3, 4])
+    >>> cache.stored(0).keys.shape
+    (1, 2, 5, 4)
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = check_positive_int(num_layers, "num_layers")
+        self._stored: list[CachedKV | None] = [None] * self.num_layers
+
+    def _check_layer(self, layer) -> int:
+        return _check_layer(layer, self.num_layers)
+
+    def stored(self, layer: int) -> CachedKV | None:
+        """The layer's memory keys and values, or ``None`` before its first :meth:`update`."""
+        return self._stored[self._check_layer(layer)]
+
+    def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> CachedKV:
+        """Store the memory's keys and values ``(B, H, Ls, Dh)`` of ``layer`` (once: a second call is an error)."""
+        layer = self._check_layer(layer)
+        if self._stored[layer] is not None:
+            raise ValueError(f"layer {layer} already holds the memory's keys and values")
+        k, v = np.asarray(k), np.asarray(v)
+        if k.ndim != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"k and v must be (B, H, Ls, Dh) arrays of one batch, head count and length, got "
+                             f"{k.shape} and {v.shape}")
+        self._stored[layer] = CachedKV(k, v, np.arange(k.shape[2], dtype=np.int64))
+        return self._stored[layer]
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows held (``None`` before any layer is stored)."""
+        kept = next((c for c in self._stored if c is not None), None)
+        return None if kept is None else kept.keys.shape[0]
+
+    def reorder(self, index) -> None:
+        """Make row ``r`` a copy of row ``index[r]`` in every stored layer (rows may repeat)."""
+        if self.batch_size is None:
+            return
+        index = _check_index(index, self.batch_size)
+        self._stored = [None if c is None else CachedKV(c.keys[index], c.values[index], c.slots)
+                        for c in self._stored]  # (B', H, Ls, Dh) each
+
+    def select(self, rows) -> None:
+        """Keep only ``rows`` (a boolean (B,) mask or distinct integer indices)."""
+        if self.batch_size is not None:
+            self.reorder(_check_rows(rows, self.batch_size))
+
+    def __repr__(self) -> str:
+        done = sum(c is not None for c in self._stored)
+        return f"CrossAttentionCache(num_layers={self.num_layers}, stored={done})"
+
+
+class EncoderDecoderCache:
+    """What an encoder-decoder keeps between decoding steps: its decoder's self-attention :class:`KVCache`
+    and the :class:`CrossAttentionCache` of the memory (the names and split of Hugging Face's class).
+
+    A decoder block hands ``self_attention`` to its self-attention module and ``cross_attention`` to its
+    cross-attention module; :meth:`reorder` and :meth:`select` act on both.
+
+    Parameters
+    ----------
+    self_attention : KVCache
+    cross_attention : CrossAttentionCache, optional
+        Default: an empty one with the self-attention cache's layer count.
+    """
+
+    def __init__(self, self_attention: KVCache, cross_attention: CrossAttentionCache | None = None) -> None:
+        if not isinstance(self_attention, KVCache):
+            raise TypeError(f"self_attention must be a KVCache, got {type(self_attention).__name__}")
+        if cross_attention is None:
+            cross_attention = CrossAttentionCache(self_attention.num_layers)
+        if not isinstance(cross_attention, CrossAttentionCache):
+            raise TypeError(f"cross_attention must be a CrossAttentionCache, got {type(cross_attention).__name__}")
+        if cross_attention.num_layers != self_attention.num_layers:
+            raise ValueError(f"the caches have {self_attention.num_layers} and {cross_attention.num_layers} layers")
+        self.self_attention, self.cross_attention = self_attention, cross_attention
+
+    @property
+    def length(self) -> int:
+        """Target positions decoded so far."""
+        return self.self_attention.length
+
+    def reorder(self, index) -> None:
+        """Make row ``r`` a copy of row ``index[r]`` in both caches (beam search)."""
+        self.self_attention.reorder(index)
+        self.cross_attention.reorder(index)
+
+    def select(self, rows) -> None:
+        """Keep only ``rows`` in both caches."""
+        self.self_attention.select(rows)
+        self.cross_attention.select(rows)
+
+    def __repr__(self) -> str:
+        return f"EncoderDecoderCache({self.self_attention!r}, {self.cross_attention!r})"

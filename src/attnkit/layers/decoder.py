@@ -4,11 +4,11 @@ network, and the stack of them.
 Dimension letters: B batch, Lt target length, Ls memory (source) length, D ``d_model``, H heads,
 Dh = D // H head features, F ``d_ff``.
 
-Besides ``forward``/``backward`` (training), a block can decode incrementally for generation:
-:meth:`TransformerDecoderBlock.project_memory` computes the cross-attention keys and values of the memory
-once, and :meth:`TransformerDecoderBlock.decode` runs new target positions against a
-:class:`attnkit.decoding.cache.KVCache` holding the self-attention keys and values of the earlier ones. That path
-keeps no backward cache worth using and is checked against the full forward by the tests.
+Besides ``forward``/``backward`` (training), ``forward(..., cache=...)`` decodes incrementally for generation,
+the way the decoder-only LM blocks do: with an :class:`attnkit.decoding.cache.EncoderDecoderCache`, each
+attention module keeps its own keys and values under its ``layer_index`` (the self-attention appends the new
+target positions, the cross-attention projects the memory on the first step only). That path is inference
+(no backward) and is checked against the full forward by the tests.
 """
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ class TransformerDecoderBlock(Module):
         ``v . tanh(q W_q + k W_k)`` (:class:`~attnkit.attention.AdditiveAttention`, hidden size Dh).
     rng : numpy.random.Generator or int, optional
         Source of the initial weights and dropout seeds.
+    layer_index : int, default 0
+        The block's entry in a decoding cache (:class:`TransformerDecoder` numbers its blocks).
 
     Attributes
     ----------
@@ -102,7 +104,7 @@ class TransformerDecoderBlock(Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *, dropout: float = 0.0,
                  activation: str = "relu", norm_first: bool = True, eps: float = 1e-6,
                  attention_bias: bool = False, cross_attention: str = "dot",
-                 rng: np.random.Generator | int | None = None) -> None:
+                 rng: np.random.Generator | int | None = None, layer_index: int = 0) -> None:
         super().__init__()
         self.d_model = check_positive_int(d_model, "d_model")
         if activation not in ACTIVATIONS:
@@ -112,23 +114,23 @@ class TransformerDecoderBlock(Module):
         gen = as_generator(rng)
         self.norm_first = bool(norm_first)
         self.cross_attention_kind = cross_attention
-        self.self_attention = MultiHeadAttention(d_model, num_heads, dropout=dropout, bias=attention_bias, rng=gen)
+        self.self_attention = MultiHeadAttention(d_model, num_heads, dropout=dropout, bias=attention_bias, rng=gen,
+                                                 layer_index=layer_index)
         self.num_heads, head_dim = self.self_attention.num_heads, self.self_attention.head_dim
+        self.layer_index = self.self_attention.layer_index
         if cross_attention == "additive":
             head = AdditiveAttention(head_dim, head_dim, head_dim, rng=gen)
-            self.cross_attention = MultiHeadAttention(d_model, num_heads, attention=head, bias=attention_bias, rng=gen)
+            self.cross_attention = MultiHeadAttention(d_model, num_heads, attention=head, bias=attention_bias, rng=gen,
+                                                      layer_index=layer_index)
         else:
             self.cross_attention = MultiHeadAttention(d_model, num_heads, dropout=dropout, bias=attention_bias,
-                                                      rng=gen)
+                                                      rng=gen, layer_index=layer_index)
         self.ffn = FeedForward(d_model, d_ff, activation, rng=gen)
         self.d_ff, self.activation = self.ffn.d_ff, activation
         self.norm1, self.norm2, self.norm3 = (LayerNorm(d_model, eps) for _ in range(3))
         self.eps = self.norm1.eps
         self.dropout1, self.dropout2, self.dropout3 = (Dropout(dropout, seed=int(gen.integers(2**63)))
                                                        for _ in range(3))
-        self._memory_shape: tuple[int, ...] | None = None
-        self._shape: tuple[int, ...] | None = None
-        self._dtype: np.dtype | None = None
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, d_ff={self.d_ff}, norm_first={self.norm_first}, "
@@ -137,24 +139,34 @@ class TransformerDecoderBlock(Module):
     # -- training path -----------------------------------------------------------------------------
     def forward(self, x: Any, memory: Any, tgt_mask: Any = None, memory_mask: Any = None,
                 tgt_key_padding_mask: Any = None, memory_key_padding_mask: Any = None,
-                tgt_is_causal: bool = False, need_weights: bool = False):
+                tgt_is_causal: bool = False, need_weights: bool = False, *, cache: Any = None):
         """Decode ``x`` (B, Lt, D) against ``memory`` (B, Ls, D); returns (B, Lt, D).
 
         With ``need_weights=True`` returns ``(output, self_weights (B, H, Lt, Lt), cross_weights (B, H, Lt, Ls))``.
+        With an :class:`~attnkit.decoding.cache.EncoderDecoderCache` (inference: no :meth:`backward`), ``x`` holds
+        the next positions after those in the cache; target masks then cover the cached slots (see
+        :meth:`MultiHeadAttention.forward`), and the self-attention weights are (B, H, Lt, S).
         """
         x = _check_sequence(x, "x", self.d_model)
         memory = _check_sequence(memory, "memory", self.d_model)
         if memory.shape[0] != x.shape[0]:
             raise ValueError(f"memory has batch size {memory.shape[0]} but x has {x.shape[0]} "
                              f"(x: {x.shape}, memory: {memory.shape})")
-        self._memory_shape, self._shape, self._dtype = memory.shape, x.shape, x.dtype
+        if cache is None:
+            self.save_for_backward(x.shape, x.dtype)
+        else:
+            self.save_for_backward()  # the cached path is inference
+        self_cache = None if cache is None else cache.self_attention
+        cross_cache = None if cache is None else cache.cross_attention
 
         def self_block(h):
-            out, w = self.self_attention(h, h, h, tgt_mask, tgt_key_padding_mask, need_weights, tgt_is_causal)
+            out, w = self.self_attention(h, h, h, tgt_mask, tgt_key_padding_mask, need_weights, tgt_is_causal,
+                                         cache=self_cache)
             return self.dropout1(out), w  # (B, Lt, D)
 
         def cross_block(h):
-            out, w = self.cross_attention(h, memory, memory, memory_mask, memory_key_padding_mask, need_weights)
+            out, w = self.cross_attention(h, memory, memory, memory_mask, memory_key_padding_mask, need_weights,
+                                          cache=cross_cache)
             return self.dropout2(out), w  # (B, Lt, D)
 
         if self.norm_first:
@@ -173,9 +185,11 @@ class TransformerDecoderBlock(Module):
 
     def backward(self, grad_output: Any) -> tuple[np.ndarray, np.ndarray]:
         """Backpropagate (B, Lt, D) ``grad_output``; returns ``(grad_x (B, Lt, D), grad_memory (B, Ls, D))``."""
-        if self._memory_shape is None:
-            raise RuntimeError("TransformerDecoderBlock.backward called before forward")
-        g = check_grad_output(grad_output, self._shape, self._dtype, "TransformerDecoderBlock")  # (B, Lt, D)
+        if self.saved_tensors is None:
+            raise RuntimeError("TransformerDecoderBlock.backward called before forward (a cached forward keeps nothing "
+                               "for it)")
+        shape, dtype = self.saved_tensors
+        g = check_grad_output(grad_output, shape, dtype, "TransformerDecoderBlock")  # (B, Lt, D)
         if self.norm_first:
             g_h2 = g + self.norm3.backward(self.ffn.backward(self.dropout3.backward(g)))
             dq, dk, dv = self.cross_attention.backward(self.dropout2.backward(g_h2))
@@ -192,51 +206,6 @@ class TransformerDecoderBlock(Module):
             sq, sk, sv = self.self_attention.backward(self.dropout1.backward(g_s1))
             grad_x = g_s1 + sq + sk + sv
         return grad_x, dk + dv
-
-    # -- generation path ---------------------------------------------------------------------------
-    def project_memory(self, memory: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Cross-attention keys and values of ``memory`` (B, Ls, D), each (B, H, Ls, Dh), for :meth:`decode`."""
-        memory = _check_sequence(memory, "memory", self.d_model)
-        return self.cross_attention.project_kv(memory)
-
-    def decode(self, x: Any, cache: Any, layer: int, memory_kv: tuple[np.ndarray, np.ndarray],
-               memory_mask: np.ndarray | None = None, need_weights: bool = False):
-        """Run new target positions ``x`` (B, Ln, D) after the ones already in ``cache`` (inference only).
-
-        Parameters
-        ----------
-        x : ndarray (B, Ln, D)
-            The block's input at the next Ln positions.
-        cache : attnkit.decoding.cache.KVCache
-            Its ``layer`` slot receives this block's self-attention keys/values of the new positions.
-        layer : int
-        memory_kv : tuple of ndarray
-            ``project_memory(memory)``.
-        memory_mask : bool, broadcastable to (B, H, Ln, Ls), optional
-            ``True`` = may attend (e.g. ``memory_key_padding_mask[:, None, None, :]``).
-        need_weights : bool
-            Also return the cross-attention weights (B, H, Ln, Ls).
-
-        Returns
-        -------
-        out : (B, Ln, D), and with ``need_weights`` the cross-attention weights.
-        """
-        x = _check_sequence(x, "x", self.d_model)
-        sa_mha, ca_mha = self.self_attention, self.cross_attention
-        h = self.norm1(x) if self.norm_first else x  # (B, Ln, D)
-        keys, values, slots = cache.update(layer, *sa_mha.project_kv(h))
-        causal = slots[None, :] <= slots[-x.shape[1]:, None]  # (Ln, Lpast + Ln): the new keys are the last slots
-        sa, _ = sa_mha.attend_kv(h, keys, values, causal)  # (B, Ln, D)
-        h1 = x + sa if self.norm_first else self.norm1(x + sa)  # (B, Ln, D)
-        ca, weights = ca_mha.attend_kv(self.norm2(h1) if self.norm_first else h1, *memory_kv, memory_mask,
-                                       need_weights=need_weights)  # (B, Ln, D)
-        if self.norm_first:
-            h2 = h1 + ca  # (B, Ln, D)
-            out = h2 + self.ffn(self.norm3(h2))  # (B, Ln, D)
-        else:
-            h2 = self.norm2(h1 + ca)  # (B, Ln, D)
-            out = self.norm3(h2 + self.ffn(h2))  # (B, Ln, D)
-        return (out, weights) if need_weights else out
 
     # -- torch.nn bridge ---------------------------------------------------------------------------
     @classmethod
@@ -291,8 +260,8 @@ class TransformerDecoder(Module):
         self.layers = ModuleList([
             TransformerDecoderBlock(d_model, num_heads, d_ff, dropout=dropout, activation=activation,
                                     norm_first=norm_first, eps=eps, attention_bias=attention_bias,
-                                    cross_attention=cross_attention, rng=gen)
-            for _ in range(self.num_layers)])
+                                    cross_attention=cross_attention, rng=gen, layer_index=i)
+            for i in range(self.num_layers)])
         first = self.layers[0]
         self.d_model, self.num_heads, self.norm_first = first.d_model, first.num_heads, first.norm_first
         self.final_norm = self.norm_first if final_norm is None else bool(final_norm)
@@ -303,12 +272,16 @@ class TransformerDecoder(Module):
 
     def forward(self, x: Any, memory: Any, tgt_mask: Any = None, memory_mask: Any = None,
                 tgt_key_padding_mask: Any = None, memory_key_padding_mask: Any = None,
-                tgt_is_causal: bool = False, need_weights: bool = False):
-        """Decode ``x`` with every block; with ``need_weights`` also return the per-block cross-attention weights."""
+                tgt_is_causal: bool = False, need_weights: bool = False, *, cache: Any = None):
+        """Decode ``x`` with every block; with ``need_weights`` also return the per-block cross-attention weights.
+
+        ``cache``: an :class:`~attnkit.decoding.cache.EncoderDecoderCache` with a layer per block, for
+        incremental decoding (see :meth:`TransformerDecoderBlock.forward`).
+        """
         cross = []
         for block in self.layers:
             x = block(x, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
-                      tgt_is_causal, need_weights)  # (B, Lt, D)
+                      tgt_is_causal, need_weights, cache=cache)  # (B, Lt, D)
             if need_weights:
                 x, _, cross_w = x
                 cross.append(cross_w)
@@ -324,27 +297,6 @@ class TransformerDecoder(Module):
             g, gm = block.backward(g)  # (B, Lt, D), (B, Ls, D)
             grad_memory = gm if grad_memory is None else grad_memory + gm
         return g, grad_memory
-
-    def decode(self, x: Any, cache: Any, memory_kv: list[tuple[np.ndarray, np.ndarray]],
-               memory_mask: np.ndarray | None = None, need_weights: bool = False):
-        """Incremental :meth:`TransformerDecoderBlock.decode` through every block and the final norm.
-
-        ``memory_kv`` is :meth:`project_memory`'s list. With ``need_weights`` also returns the list of
-        per-block cross-attention weights (B, H, Ln, Ls).
-        """
-        weights = []
-        for i, block in enumerate(self.layers):
-            x = block.decode(x, cache, i, memory_kv[i], memory_mask, need_weights)  # (B, Ln, D)
-            if need_weights:
-                x, w = x
-                weights.append(w)
-        if self.norm is not None:
-            x = self.norm(x)  # (B, Ln, D)
-        return (x, weights) if need_weights else x
-
-    def project_memory(self, memory: Any) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Every block's cross-attention keys and values of ``memory``, computed once per generation."""
-        return [block.project_memory(memory) for block in self.layers]
 
     @classmethod
     def from_torch(cls, module: Any) -> TransformerDecoder:

@@ -13,7 +13,7 @@ import numpy as np
 from .._validation import check_positive_int, check_real
 from ..core.module import Module
 from ..decoding.beam_search import beam_search, check_num_beams, greedy_search, useful_beams
-from ..decoding.cache import KVCache
+from ..decoding.cache import EncoderDecoderCache, KVCache
 from ..init import as_generator
 from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
 
@@ -48,31 +48,29 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class _DecodingState:
-    """Per-row decoding state of a :class:`Seq2SeqTransformer`: the self-attention cache of the decoder, the
-    cross-attention keys/values of the memory (computed once) and the memory padding mask."""
+    """Per-row decoding state of a :class:`Seq2SeqTransformer`: the memory, its padding mask and the
+    decoder's :class:`EncoderDecoderCache` (self-attention keys/values, and the memory's projected once)."""
 
     def __init__(self, model: Seq2SeqTransformer, memory: np.ndarray, memory_mask: np.ndarray | None,
                  max_new_tokens: int) -> None:
-        decoder = model.transformer.decoder
         self.model = model
-        self.memory_kv = decoder.project_memory(memory)  # [((B, H, Ls, Dh), (B, H, Ls, Dh))] per block
-        self.memory_mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, Ls)
-        self.cache = KVCache(decoder.num_layers, memory.shape[0], decoder.num_heads,
-                             decoder.d_model // decoder.num_heads, memory.dtype, max_length=max_new_tokens)
+        self.memory, self.memory_mask = memory, memory_mask  # (B, Ls, D), (B, Ls) or None
+        self.cache = model.new_cache(memory.shape[0], max_new_tokens, memory.dtype)
 
     def step(self, tokens: np.ndarray, t: int) -> np.ndarray:
         """Log-probabilities (R, V) of the token after ``tokens`` (R,) at target position ``t``."""
         model = self.model
         x = model.tgt_embedding.weight[tokens] + model.tgt_positional.encodings[t]  # (R, D)
-        h = model.transformer.decoder.decode(x[:, None, :].astype(self.cache.dtype, copy=False), self.cache,
-                                             self.memory_kv, self.memory_mask)  # (R, 1, D)
+        h = model.transformer.decoder(x[:, None, :].astype(self.memory.dtype, copy=False), self.memory,
+                                      memory_key_padding_mask=self.memory_mask, tgt_is_causal=True,
+                                      cache=self.cache)  # (R, 1, D)
         return _log_softmax(model.head(h[:, 0]))  # (R, V)
 
     def reorder(self, index: np.ndarray) -> None:
         self.cache.reorder(index)
-        self.memory_kv = [(k[index], v[index]) for k, v in self.memory_kv]  # (R', H, Ls, Dh) each
+        self.memory = self.memory[index]  # (R', Ls, D)
         if self.memory_mask is not None:
-            self.memory_mask = self.memory_mask[index]  # (R', 1, 1, Ls)
+            self.memory_mask = self.memory_mask[index]  # (R', Ls)
 
 
 class Seq2SeqTransformer(Module):
@@ -178,13 +176,22 @@ class Seq2SeqTransformer(Module):
                                               need_weights=True)
         return np.stack(weights)  # (N_dec, B, H, Lt, Ls)
 
+    def new_cache(self, batch_size: int, max_length: int | None = None, dtype: Any = None) -> EncoderDecoderCache:
+        """An empty :class:`~attnkit.decoding.cache.EncoderDecoderCache` for this model's decoder: a
+        ``max_length``-slot self-attention :class:`~attnkit.decoding.cache.KVCache` per block (``dtype``:
+        the parameters' by default) and room for each block's projected memory."""
+        decoder = self.transformer.decoder
+        dtype = self.head.W.dtype if dtype is None else dtype
+        return EncoderDecoderCache(KVCache(decoder.num_layers, batch_size, decoder.num_heads,
+                                           decoder.d_model // decoder.num_heads, dtype, max_length=max_length))
+
     def generate(self, src_ids: Any, src_key_padding_mask: Any = None, *, bos_token_id: int, eos_token_id: int,
                  max_new_tokens: int, num_beams: int = 1, length_penalty: float = 1.0,
                  pad_token_id: int = 0) -> np.ndarray:
         """Decode a target for every source row: greedy (``num_beams=1``) or beam search.
 
         The encoder runs once; every decoder block's cross-attention keys/values of the memory are
-        projected once, and its self-attention keys/values are kept in a :class:`~attnkit.decoding.cache.KVCache`, so
+        projected once and its self-attention keys/values are kept, both in a :meth:`new_cache`, so
         each step costs one position. Runs in eval mode (no dropout) and restores the previous mode.
 
         Parameters
