@@ -19,7 +19,7 @@ from attnkit.attention import MultiHeadAttention, ScaledDotProductAttention
 from attnkit.decoding.cache import CrossAttentionCache, KVCache
 from attnkit.kernels.reference import causal_mask
 from attnkit.layers import TransformerEncoder
-from attnkit.models import TokenTagger
+from attnkit.models import TokenTagger, TokenTaggerConfig
 from attnkit.multi_head import MultiHeadAttention as MultiHeadAttentionFromMultiHead
 
 from helpers import TORCH_DTYPE, assert_close_rel, group_scale, make_rng, randn, to_numpy, to_torch
@@ -232,7 +232,7 @@ def test_padded_keys_never_influence_outputs_or_gradients(garbage, bias):
 def test_padded_tokens_never_influence_real_positions_of_a_model():
     """Whatever ids sit in padded positions, real positions' logits and every gradient are the same."""
     rng = make_rng(7)
-    model = TokenTagger(10, 10, 8, d_model=8, num_heads=2, rng=0)
+    model = TokenTagger(TokenTaggerConfig(10, 10, 8, d_model=8, num_heads=2), rng=0)
     ids = rng.integers(0, 10, size=(3, 8))
     kpm = np.arange(8)[None, :] < np.array([[8], [5], [2]])
     G = randn(rng, 3, 8, 10) * kpm[..., None]  # the loss ignores padded positions

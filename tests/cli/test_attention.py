@@ -176,12 +176,12 @@ def test_a_tiny_tampered_folder_is_refused_before_the_model_is_built(small_demo,
     import tracemalloc
 
     from attnkit.demos import encoder as demo
-    from attnkit.models import TokenTagger
+    from attnkit.models import TokenTagger, TokenTaggerConfig
 
     folder = _copy(small_demo, tmp_path)
     _edit_json(folder, lambda meta: meta["model"].update(d_model=512, num_heads=4))
     arch = json.loads((folder / "model.json").read_text())["model"]
-    shapes = {name: value.shape for name, value in TokenTagger(**arch, rng=0).state_dict().items()}
+    shapes = {name: value.shape for name, value in TokenTagger(TokenTaggerConfig(**arch), rng=0).state_dict().items()}
     _header_only_archive(folder / "model.npz", shapes)
     assert (folder / "model.npz").stat().st_size < 8192
     tracemalloc.start()

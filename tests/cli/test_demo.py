@@ -10,7 +10,7 @@ pytest.importorskip("matplotlib", reason="the demo draws with the viz extra: pip
 from attnkit.cli import build_parser, main  # noqa: E402
 from attnkit.cli import demo as demo_command  # noqa: E402
 from attnkit.demos import encoder as demo  # noqa: E402
-from attnkit.models import TokenTagger  # noqa: E402
+from attnkit.models import TokenTagger, TokenTaggerConfig  # noqa: E402
 from attnkit.viz import attention_figsize  # noqa: E402
 from cli_helpers import assert_image, assert_one_line_error, run_attnkit  # noqa: E402
 
@@ -20,7 +20,7 @@ def test_demo_writes_pictures_and_a_loadable_model(small_demo):
     assert_image(small_demo / "loss.png", (10.0, 3.6))
     meta = json.loads((small_demo / "model.json").read_text())
     assert meta["task"] == "sort" and meta["seq_len"] == 10 and meta["training"]["steps"] == 30
-    model = TokenTagger(**meta["model"])  # rebuilt from the JSON alone, then Module.load
+    model = TokenTagger(TokenTaggerConfig(**meta["model"]))  # rebuilt from the JSON alone, then Module.load
     model.load(small_demo / "model.npz")
     loaded, _ = demo.load_model(small_demo)
     loaded_npz, _ = demo.load_model(small_demo / "model.npz")

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from attnkit.layers import Embedding, LayerNorm, Projection, TransformerEncoder
-from attnkit.models import TokenTagger
+from attnkit.models import TokenTagger, TokenTaggerConfig
 
 from helpers import make_rng
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_model_round_trip_through_a_file_is_bitwise(tmp_path, dtype):
-    a = TokenTagger(10, 10, 8, d_model=16, num_heads=4, positional="learned", rng=0).astype(dtype)
-    b = TokenTagger(10, 10, 8, d_model=16, num_heads=4, positional="learned", rng=1).astype(dtype)
+    a = TokenTagger(TokenTaggerConfig(10, 10, 8, d_model=16, num_heads=4, positional="learned"), rng=0).astype(dtype)
+    b = TokenTagger(TokenTaggerConfig(10, 10, 8, d_model=16, num_heads=4, positional="learned"), rng=1).astype(dtype)
     ids = make_rng(1).integers(0, 10, size=(3, 8))
     assert not np.array_equal(a(ids), b(ids))
     path = tmp_path / "model.npz"
@@ -82,7 +82,7 @@ def test_load_refuses_entries_that_are_not_real_floats(value):
 
 
 def test_state_dict_names_of_the_model():
-    model = TokenTagger(10, 7, 8, d_model=8, num_heads=2, num_layers=1, rng=0)
+    model = TokenTagger(TokenTaggerConfig(10, 7, 8, d_model=8, num_heads=2, num_layers=1), rng=0)
     names = list(model.state_dict())
     assert names[0] == "embedding.weight" and names[-2:] == ["head.W", "head.b"]
     assert "encoder.layers.0.attention.W_Q" in names and "encoder.norm.gamma" in names

@@ -6,7 +6,7 @@ import pytest
 from attnkit.attention import MultiHeadAttention
 from attnkit.kernels.reference import attention_backward, attention_forward
 from attnkit.kernels.tiled import flash_attention_backward, flash_attention_forward
-from attnkit.models import Seq2SeqTransformer, TokenTagger
+from attnkit.models import Seq2SeqConfig, Seq2SeqTransformer, TokenTagger, TokenTaggerConfig
 
 KERNELS = {"reference": (attention_forward, attention_backward),
            "tiled": (lambda *a, **k: flash_attention_forward(*a, num_threads=2, **k), flash_attention_backward)}
@@ -33,10 +33,10 @@ def test_modules_take_an_empty_batch():
     out, _ = mha(x, x, x, need_weights=False)
     assert out.shape == (0, 3, 8)
     assert [g.shape for g in mha.backward(np.zeros_like(out))] == [(0, 3, 8)] * 3
-    tagger = TokenTagger(10, 4, 8, d_model=8, num_heads=2, num_layers=1, rng=0)
+    tagger = TokenTagger(TokenTaggerConfig(10, 4, 8, d_model=8, num_heads=2, num_layers=1), rng=0)
     assert tagger(np.zeros((0, 5), np.int64)).shape == (0, 5, 4)
-    s2s = Seq2SeqTransformer(12, 12, 16, 2, num_encoder_layers=1, num_decoder_layers=1, d_ff=24, max_length=16,
-                             rng=0)
+    s2s = Seq2SeqTransformer(Seq2SeqConfig(12, 12, 16, 2, num_encoder_layers=1, num_decoder_layers=1, d_ff=24,
+                                           max_length=16), rng=0)
     for beams in (1, 3):
         out = s2s.generate(np.zeros((0, 3), np.int64), bos_token_id=1, eos_token_id=2, max_new_tokens=4,
                            num_beams=beams)

@@ -20,7 +20,9 @@ from attnkit.layers import (
     TransformerEncoder,
 )
 from attnkit.losses import softmax_cross_entropy
-from attnkit.models import TokenTagger
+from attnkit.models import TokenTagger, TokenTaggerConfig
+
+SMALL_TAGGER = TokenTaggerConfig(5, 3, 4, d_model=4, num_heads=2)
 
 
 @pytest.mark.parametrize("call,exc,match", [
@@ -35,8 +37,8 @@ from attnkit.models import TokenTagger
      ValueError, "key_padding_mask has shape"),
     (lambda: TransformerEncoder(1, 4, 2, rng=0)(np.ones((1, 3, 4)), mask=np.ones((1, 3, 3), bool)),
      ValueError, "ambiguous"),
-    (lambda: TokenTagger(5, 3, 4, d_model=4, num_heads=2, rng=0)(np.zeros(4, int)), ValueError, "ids must be 2-D"),
-    (lambda: TokenTagger(5, 3, 4, d_model=4, num_heads=2, rng=0)(np.zeros((1, 6), int)), ValueError,
+    (lambda: TokenTagger(SMALL_TAGGER, rng=0)(np.zeros(4, int)), ValueError, "ids must be 2-D"),
+    (lambda: TokenTagger(SMALL_TAGGER, rng=0)(np.zeros((1, 6), int)), ValueError,
      "exceeds max_length"),
 ])
 def test_wrong_shapes(call, exc, match):
@@ -92,7 +94,7 @@ def test_backward_before_forward(layer):
     (lambda: Embedding(4, 2, padding_idx=4), ValueError, "padding_idx = 4 is out of range"),
     (lambda: TransformerEncoder(0, 4, 2), ValueError, "num_layers must be positive"),
     (lambda: TransformerEncoder(1, 6, 4), ValueError, "not divisible by num_heads"),
-    (lambda: TokenTagger(5, 3, 4, positional="rotary"), ValueError, "positional must be"),
+    (lambda: TokenTagger(TokenTaggerConfig(5, 3, 4, positional="rotary")), ValueError, "positional must be"),
     (lambda: MultiHeadAttention(4, 2, attention="sdpa"), TypeError, "attention must be a BaseAttention"),
 ])
 def test_bad_constructor_arguments(call, exc, match):

@@ -23,7 +23,7 @@ from attnkit.layers import (
     TransformerEncoderBlock,
 )
 from attnkit.losses import softmax_cross_entropy
-from attnkit.models import TokenTagger
+from attnkit.models import TokenTagger, TokenTaggerConfig
 
 from helpers import FD_TOL, numerical_gradient, randn, relative_error
 
@@ -170,8 +170,8 @@ def test_softmax_cross_entropy_all_ignored_is_zero():
 
 
 def test_token_tagger_gradients_end_to_end(rng):
-    model = TokenTagger(vocab_size=5, num_classes=4, max_length=6, d_model=8, num_heads=2, num_layers=2, d_ff=8,
-                        positional="learned", rng=6)
+    model = TokenTagger(TokenTaggerConfig(vocab_size=5, num_classes=4, max_length=6, d_model=8, num_heads=2,
+                                          num_layers=2, d_ff=8, positional="learned"), rng=6)
     ids = rng.integers(0, 5, size=(2, 4))
     targets = rng.integers(0, 4, size=(2, 4))
     kpm = np.array([[True] * 4, [True, True, True, False]])
@@ -266,7 +266,7 @@ def test_encoder_final_norm_defaults(rng):
 
 
 def test_model_need_weights_and_predict(rng):
-    model = TokenTagger(10, 10, 8, d_model=8, num_heads=2, rng=0)
+    model = TokenTagger(TokenTaggerConfig(10, 10, 8, d_model=8, num_heads=2), rng=0)
     ids = rng.integers(0, 10, size=(3, 5))
     logits, weights = model(ids, need_weights=True)
     np.testing.assert_allclose(logits, model(ids), rtol=1e-12, atol=1e-12)  # reference vs tiled kernel

@@ -10,7 +10,7 @@ import pytest
 
 from attnkit.attention import MultiHeadAttention, PhysicsGuidedAttention, ScaledDotProductAttention
 from attnkit.layers import Dropout, LayerNorm, TransformerEncoder, TransformerEncoderBlock
-from attnkit.models import TokenTagger
+from attnkit.models import TokenTagger, TokenTaggerConfig
 from attnkit.multi_head import multi_head_attention_forward, split_heads
 from attnkit.simple import multi_head_attention
 from attnkit.transformer_block import layer_norm
@@ -107,7 +107,7 @@ def test_editing_token_tagger_results_leaves_gradients_unchanged():
     G = randn(make_rng(35), 3, 6, 10)
     results = []
     for vandalise in (False, True):
-        model = TokenTagger(10, 10, 8, d_model=8, num_heads=2, rng=0)
+        model = TokenTagger(TokenTaggerConfig(10, 10, 8, d_model=8, num_heads=2), rng=0)
         logits, weights = model(ids, need_weights=True)
         if vandalise:
             _vandalise(logits, *weights)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from attnkit.decoding.sampling import generate_stream, sample_tokens, warp_logits
-from attnkit.models import CausalLM, DecoderConfig, Seq2SeqTransformer
+from attnkit.models import CausalLM, DecoderConfig, Seq2SeqConfig, Seq2SeqTransformer
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ def test_nan_logits_are_refused_rather_than_sampled_as_token_zero():
 
 @pytest.fixture(scope="module")
 def s2s():
-    return Seq2SeqTransformer(12, 12, 16, 2, num_encoder_layers=1, num_decoder_layers=1, d_ff=24, max_length=16,
-                              rng=0)
+    return Seq2SeqTransformer(Seq2SeqConfig(12, 12, 16, 2, num_encoder_layers=1, num_decoder_layers=1, d_ff=24,
+                                            max_length=16), rng=0)
 
 
 @pytest.mark.parametrize("penalty,error,match", [

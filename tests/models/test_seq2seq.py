@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from attnkit.decoding.beam_search import beam_search
-from attnkit.models import Seq2SeqTransformer
+from attnkit.models import Seq2SeqConfig, Seq2SeqTransformer
 
 from helpers import assert_gradient, make_rng, numerical_gradient
 
@@ -13,8 +13,9 @@ PAD, BOS, EOS = 0, 1, 2
 
 
 def _model(vocab=7, cross_attention="dot", seed=0, d_model=8):
-    model = Seq2SeqTransformer(9, vocab, d_model=d_model, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
-                               d_ff=12, max_length=12, rng=seed, cross_attention=cross_attention)
+    model = Seq2SeqTransformer(Seq2SeqConfig(9, vocab, d_model=d_model, num_heads=2, num_encoder_layers=2,
+                                             num_decoder_layers=2, d_ff=12, max_length=12,
+                                             cross_attention=cross_attention), rng=seed)
     head = model.head
     head.W = 3.0 * head.W  # peakier next-token distributions: hypotheses end at different lengths
     return model
@@ -44,8 +45,8 @@ def _uncached_greedy(model, src, pad, max_new_tokens):
 
 def test_gradients_match_finite_differences():
     rng = make_rng(1)
-    model = Seq2SeqTransformer(6, 5, d_model=4, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=6,
-                               max_length=8, rng=rng)
+    model = Seq2SeqTransformer(Seq2SeqConfig(6, 5, d_model=4, num_heads=2, num_encoder_layers=1,
+                                             num_decoder_layers=1, d_ff=6, max_length=8), rng=rng)
     src, pad = _source(rng, [5, 3], length=5)
     src = np.where(pad, src % 6, PAD)
     tgt = rng.integers(0, 5, size=(2, 4))

@@ -14,7 +14,7 @@ import pytest
 
 from attnkit.demos.tasks import make_batch
 from attnkit.kernels._threads import blas_single_thread
-from attnkit.models import TokenTagger, token_accuracy, train_step
+from attnkit.models import TokenTagger, TokenTaggerConfig, token_accuracy, train_step
 from attnkit.optim import Adam, AdamW
 
 SEQ_LEN, DIGITS, BATCH = 8, 10, 64
@@ -37,7 +37,7 @@ def train(task: str, model: TokenTagger, optimizer, steps: int, seed: int, base_
 
 @pytest.fixture(scope="module")
 def sorter():
-    model = TokenTagger(DIGITS, DIGITS, SEQ_LEN, d_model=64, num_heads=4, num_layers=2, d_ff=128,
+    model = TokenTagger(TokenTaggerConfig(DIGITS, DIGITS, SEQ_LEN, d_model=64, num_heads=4, num_layers=2, d_ff=128),
                         rng=0).astype(np.float32)
     losses = train("sort", model, Adam(model, lr=3e-3), steps=600, seed=100, base_lr=3e-3)
     return model, losses
@@ -57,7 +57,7 @@ def test_trained_model_round_trips_through_a_file_bit_for_bit(sorter, tmp_path):
     model, _ = sorter
     path = tmp_path / "sorter.npz"
     model.save(path)
-    fresh = TokenTagger(DIGITS, DIGITS, SEQ_LEN, d_model=64, num_heads=4, num_layers=2, d_ff=128,
+    fresh = TokenTagger(TokenTaggerConfig(DIGITS, DIGITS, SEQ_LEN, d_model=64, num_heads=4, num_layers=2, d_ff=128),
                         rng=123).astype(np.float32)
     ids, _ = make_batch("sort", 64, SEQ_LEN, DIGITS, rng=5)
     assert not np.array_equal(fresh(ids), model(ids))
@@ -69,8 +69,9 @@ def test_trained_model_round_trips_through_a_file_bit_for_bit(sorter, tmp_path):
 
 
 def test_post_norm_gelu_encoder_with_learned_positions_learns_to_reverse():
-    model = TokenTagger(DIGITS, DIGITS, SEQ_LEN, d_model=64, num_heads=4, num_layers=2, d_ff=128, norm_first=False,
-                        activation="gelu", positional="learned", rng=1).astype(np.float32)
+    model = TokenTagger(TokenTaggerConfig(DIGITS, DIGITS, SEQ_LEN, d_model=64, num_heads=4, num_layers=2, d_ff=128,
+                                          norm_first=False, activation="gelu", positional="learned"),
+                        rng=1).astype(np.float32)
     train("reverse", model, AdamW(model, lr=3e-3, weight_decay=0.01), steps=300, seed=200, base_lr=3e-3)
     ids, targets = make_batch("reverse", 2000, SEQ_LEN, DIGITS, rng=998)
     accuracy = token_accuracy(model, ids, targets)

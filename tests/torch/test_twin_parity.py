@@ -14,7 +14,7 @@ from attnkit.layers.gated_mlp import GatedMLP
 from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
 from attnkit.layers.rotary import RotaryEmbedding
-from attnkit.models import CausalLM, DecoderConfig, Seq2SeqTransformer
+from attnkit.models import CausalLM, DecoderConfig, Seq2SeqConfig, Seq2SeqTransformer
 from attnkit.torch import from_numpy, to_numpy
 
 from helpers import group_scale, max_rel_diff
@@ -274,8 +274,8 @@ def test_causal_lm(family, padded):
 
 
 def test_seq2seq_transformer():
-    model = Seq2SeqTransformer(9, 7, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=2,
-                               max_length=12, rng=0)
+    model = Seq2SeqTransformer(Seq2SeqConfig(9, 7, d_model=8, num_heads=2, num_encoder_layers=1,
+                                             num_decoder_layers=2, max_length=12), rng=0)
     src = np.random.default_rng(2).integers(0, 9, size=(2, 6))
     tgt = np.random.default_rng(3).integers(0, 7, size=(2, 4))
     check_parity(model, [src, tgt], dict(src_key_padding_mask=np.array([[True] * 6, [True] * 4 + [False] * 2])))

@@ -27,7 +27,7 @@ from ..decoding.beam_search import check_num_beams
 from ..io import atomic_write_files, write_arrays
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
-from ..models import Seq2SeqTransformer
+from ..models import Seq2SeqConfig, Seq2SeqTransformer
 from ..optim import Adam, clip_grad_norm, warmup_cosine
 from . import date_data as date_task
 from .training import check_loss
@@ -82,7 +82,8 @@ class DatesResult:
 
 def build_model(config: DatesConfig) -> Seq2SeqTransformer:
     """A fresh float32 model for ``config`` (weights from ``config.seed``)."""
-    return Seq2SeqTransformer(**config.model_kwargs(), rng=np.random.default_rng([config.seed, 1])).astype(np.float32)
+    model = Seq2SeqTransformer(Seq2SeqConfig(**config.model_kwargs()), rng=np.random.default_rng([config.seed, 1]))
+    return model.astype(np.float32)
 
 
 def _learning_rate(step: int, config: DatesConfig) -> float:

@@ -34,7 +34,7 @@ from .._validation import check_positive_int
 from ..io import ArrayArchive, ArrayHeader, read_json
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
-from ..models import TokenTagger
+from ..models import TokenTagger, TokenTaggerConfig
 from ..optim import Adam, clip_grad_norm, warmup_cosine
 from . import tasks as _tasks
 from .training import check_loss
@@ -140,7 +140,8 @@ def _evaluate(model: TokenTagger, ids: np.ndarray, targets: np.ndarray) -> tuple
 
 def build_model(config: DemoConfig) -> TokenTagger:
     """A fresh float32 :class:`TokenTagger` for ``config`` (weights from ``config.seed``)."""
-    return TokenTagger(**config.model_kwargs(), rng=np.random.default_rng([config.seed, 1])).astype(np.float32)
+    model = TokenTagger(TokenTaggerConfig(**config.model_kwargs()), rng=np.random.default_rng([config.seed, 1]))
+    return model.astype(np.float32)
 
 
 def train(config: DemoConfig, on_step: Callable[[int, float, float], None] | None = None) -> TrainResult:
@@ -313,9 +314,10 @@ def _expected_shapes(arch: dict[str, Any], where: Path, entries: int) -> dict[st
         raise ValueError(f"{where}: model.num_layers {layers} is more than the {entries} arrays the weights hold")
     sizes = {**{name: arch[name] for name in ("vocab_size", "num_classes", "max_length", "d_model")},
              "d_ff": arch.get("d_ff") or 4 * arch.get("d_model", 64)}
-    probe = TokenTagger(_PROBE["vocab_size"], _PROBE["num_classes"], _PROBE["max_length"], d_model=_PROBE["d_model"],
-                        num_heads=1, num_layers=layers, d_ff=_PROBE["d_ff"],
-                        positional=arch.get("positional", "sinusoidal"), rng=0)
+    probe = TokenTagger(TokenTaggerConfig(_PROBE["vocab_size"], _PROBE["num_classes"], _PROBE["max_length"],
+                                          d_model=_PROBE["d_model"], num_heads=1, num_layers=layers,
+                                          d_ff=_PROBE["d_ff"], positional=arch.get("positional", "sinusoidal")),
+                        rng=0)
     by_prime = {prime: sizes[name] for name, prime in _PROBE.items()}
 
     def real(axis: int) -> int:
@@ -385,7 +387,7 @@ def load_model(path: str | Path) -> tuple[TokenTagger, dict[str, Any]]:
             raise FileNotFoundError(f"no such file: {p}")
     meta = _check_meta(read_json(config_path, expect=None), config_path)
     _check_stored(_stored_headers(model_path), meta["model"], model_path, config_path)
-    model = TokenTagger(**meta["model"], rng=0).astype(np.dtype(meta.get("dtype", "float32")))
+    model = TokenTagger(TokenTaggerConfig(**meta["model"]), rng=0).astype(np.dtype(meta.get("dtype", "float32")))
     try:
         model.load(model_path)
     except (KeyError, ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile) as exc:

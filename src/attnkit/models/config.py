@@ -1,4 +1,7 @@
-"""The architecture of a decoder-only language model, as one frozen dataclass passed down to every layer.
+"""Model architectures as frozen dataclasses: every model is built as ``Model(config, rng=...)``.
+
+:class:`Seq2SeqConfig` and :class:`TokenTaggerConfig` describe the encoder-decoder and the token classifier;
+the rest of this module is the decoder-only language model's, passed down to every layer.
 
 One :class:`DecoderConfig` describes the GPT-2, Llama, Mistral, Qwen2/3, OLMo 2, SmolLM3, GPT-NeoX and Gemma 2/3
 families: which norm and where, which MLP, which positions, how many key/value heads, which layers use a sliding
@@ -13,7 +16,7 @@ from typing import Any
 
 from .._validation import check_positive_int
 
-__all__ = ["DecoderConfig", "FAMILIES", "ROPE_TYPES"]
+__all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "FAMILIES", "ROPE_TYPES"]
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text",
             "phi3", "gpt_oss")
@@ -282,3 +285,118 @@ class DecoderConfig:
     def window_of(self, layer: int) -> int | None:
         """The sliding window W of layer ``layer``, or None for a full-attention layer."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+
+_ENCODER_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+_CROSS_ATTENTION = ("dot", "additive")
+_POSITIONAL = ("sinusoidal", "learned")
+
+
+def _check_choice(value: Any, name: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _check_dropout(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"dropout must be a number in [0, 1), got {value!r}")
+
+
+@dataclass(frozen=True)
+class Seq2SeqConfig:
+    """Architecture of a :class:`~attnkit.models.Seq2SeqTransformer` (pre-norm encoder-decoder).
+
+    Parameters
+    ----------
+    src_vocab_size, tgt_vocab_size : int
+    d_model : int
+    num_heads : int
+        Must divide ``d_model``.
+    num_encoder_layers, num_decoder_layers : int
+    d_ff : int, optional
+        Feed-forward hidden size (default ``4 * d_model``).
+    max_length : int, default 256
+        Longest source and target sequence.
+    cross_attention : {"dot", "additive"}, default "dot"
+        Scaled dot-product cross-attention heads, or Bahdanau's additive ones.
+    dropout : float, default 0.0
+        Dropout of the decoder blocks (training mode only).
+    activation : {"relu", "gelu", "gelu_tanh"}, default "relu"
+
+    Examples
+    --------
+    >>> Seq2SeqConfig(20, 20, d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1).max_length
+    256
+    """
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int
+    num_heads: int
+    num_encoder_layers: int
+    num_decoder_layers: int
+    d_ff: int | None = None
+    max_length: int = 256
+    cross_attention: str = "dot"
+    dropout: float = 0.0
+    activation: str = "relu"
+
+    def __post_init__(self) -> None:
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "num_encoder_layers",
+                     "num_decoder_layers", "max_length"):
+            check_positive_int(getattr(self, name), name, maximum=_MAX_SIZE)
+        if self.d_ff is not None:
+            check_positive_int(self.d_ff, "d_ff", maximum=_MAX_SIZE)
+        _check_choice(self.cross_attention, "cross_attention", _CROSS_ATTENTION)
+        _check_choice(self.activation, "activation", _ENCODER_ACTIVATIONS)
+        _check_dropout(self.dropout)
+
+
+@dataclass(frozen=True)
+class TokenTaggerConfig:
+    """Architecture of a :class:`~attnkit.models.TokenTagger` (encoder-only per-token classifier).
+
+    Parameters
+    ----------
+    vocab_size : int
+        V, number of input token ids.
+    num_classes : int
+        C, number of output classes per token.
+    max_length : int
+        Longest sequence accepted.
+    d_model : int, default 64
+    num_heads : int, default 4
+    num_layers : int, default 2
+    d_ff : int, optional
+        Feed-forward hidden size (default ``4 * d_model``).
+    norm_first : bool, default True
+        Pre-norm blocks (with a final LayerNorm) or post-norm blocks.
+    activation : {"relu", "gelu", "gelu_tanh"}, default "relu"
+    positional : {"sinusoidal", "learned"}, default "sinusoidal"
+
+    Examples
+    --------
+    >>> TokenTaggerConfig(vocab_size=10, num_classes=10, max_length=8).d_model
+    64
+    """
+
+    vocab_size: int
+    num_classes: int
+    max_length: int
+    d_model: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    d_ff: int | None = None
+    norm_first: bool = True
+    activation: str = "relu"
+    positional: str = "sinusoidal"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_classes", "max_length", "d_model", "num_heads", "num_layers"):
+            check_positive_int(getattr(self, name), name, maximum=_MAX_SIZE)
+        if self.d_ff is not None:
+            check_positive_int(self.d_ff, "d_ff", maximum=_MAX_SIZE)
+        if not isinstance(self.norm_first, bool):
+            raise TypeError(f"norm_first must be True or False, got {self.norm_first!r}")
+        _check_choice(self.activation, "activation", _ENCODER_ACTIVATIONS)
+        _check_choice(self.positional, "positional", _POSITIONAL)

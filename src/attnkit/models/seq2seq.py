@@ -16,6 +16,7 @@ from ..decoding.beam_search import beam_search, check_num_beams, greedy_search, 
 from ..decoding.cache import EncoderDecoderCache, KVCache
 from ..init import as_generator
 from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
+from .config import Seq2SeqConfig
 
 __all__ = ["Seq2SeqTransformer"]
 
@@ -81,21 +82,10 @@ class Seq2SeqTransformer(Module):
 
     Parameters
     ----------
-    src_vocab_size, tgt_vocab_size : int
-    d_model : int
-    num_heads : int
-    num_encoder_layers, num_decoder_layers : int
-    d_ff : int, optional
-        Feed-forward hidden size (default ``4 * d_model``).
-    max_length : int, default 256
-        Longest source and target sequence.
+    config : Seq2SeqConfig
+        Vocabularies, sizes, layer counts, the cross-attention head, dropout and activation.
     rng : numpy.random.Generator or int, optional
         Source of every initial weight.
-    cross_attention : {"dot", "additive"}, default "dot"
-        Scaled dot-product cross-attention heads, or Bahdanau's additive ones.
-    dropout : float, default 0.0
-        Dropout of the decoder blocks (training mode only).
-    activation : {"relu", "gelu", "gelu_tanh"}, default "relu"
 
     Attributes
     ----------
@@ -109,8 +99,9 @@ class Seq2SeqTransformer(Module):
 
     Examples
     --------
-    >>> model = Seq2SeqTransformer(7, 6, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-    ...                            max_length=10, rng=0)
+    >>> config = Seq2SeqConfig(7, 6, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+    ...                        max_length=10)
+    >>> model = Seq2SeqTransformer(config, rng=0)
     >>> src, tgt = np.array([[3, 4, 5, 6]]), np.array([[1, 3, 4]])
     >>> model(src, tgt).shape
     (1, 3, 6)
@@ -118,23 +109,21 @@ class Seq2SeqTransformer(Module):
     True
     """
 
-    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int, num_heads: int,
-                 num_encoder_layers: int, num_decoder_layers: int, d_ff: int | None = None, max_length: int = 256,
-                 rng: np.random.Generator | int | None = None, cross_attention: str = "dot", *,
-                 dropout: float = 0.0, activation: str = "relu") -> None:
+    def __init__(self, config: Seq2SeqConfig, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
+        if not isinstance(config, Seq2SeqConfig):
+            raise TypeError(f"config must be a Seq2SeqConfig, got {type(config).__name__}")
+        self.config = c = config
         gen = as_generator(rng)
-        self.src_vocab_size = check_positive_int(src_vocab_size, "src_vocab_size")
-        self.tgt_vocab_size = check_positive_int(tgt_vocab_size, "tgt_vocab_size")
-        self.max_length = check_positive_int(max_length, "max_length")
-        self.src_embedding = Embedding(src_vocab_size, d_model, rng=gen)
-        self.tgt_embedding = Embedding(tgt_vocab_size, d_model, rng=gen)
-        self.src_positional = SinusoidalPositionalEncoding(max_length, d_model)
-        self.tgt_positional = SinusoidalPositionalEncoding(max_length, d_model)
-        self.transformer = Transformer(d_model, num_heads, num_encoder_layers, num_decoder_layers, d_ff,
-                                       dropout=dropout, activation=activation, norm_first=True,
-                                       cross_attention=cross_attention, rng=gen)
-        self.head = Projection(d_model, tgt_vocab_size, rng=gen)
+        self.src_vocab_size, self.tgt_vocab_size, self.max_length = c.src_vocab_size, c.tgt_vocab_size, c.max_length
+        self.src_embedding = Embedding(c.src_vocab_size, c.d_model, rng=gen)
+        self.tgt_embedding = Embedding(c.tgt_vocab_size, c.d_model, rng=gen)
+        self.src_positional = SinusoidalPositionalEncoding(c.max_length, c.d_model)
+        self.tgt_positional = SinusoidalPositionalEncoding(c.max_length, c.d_model)
+        self.transformer = Transformer(c.d_model, c.num_heads, c.num_encoder_layers, c.num_decoder_layers, c.d_ff,
+                                       dropout=c.dropout, activation=c.activation, norm_first=True,
+                                       cross_attention=c.cross_attention, rng=gen)
+        self.head = Projection(c.d_model, c.tgt_vocab_size, rng=gen)
 
     def extra_repr(self) -> str:
         return (f"src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}, "

@@ -16,6 +16,7 @@ from ..layers import Embedding, LearnedPositionalEmbedding, Projection, Sinusoid
 from ..losses import softmax_cross_entropy
 from ..optim.clip import clip_grad_norm
 from ..optim.optimizer import Optimizer
+from .config import TokenTaggerConfig
 
 __all__ = ["TokenTagger", "train_step", "token_accuracy"]
 
@@ -27,21 +28,8 @@ class TokenTagger(Module):
 
     Parameters
     ----------
-    vocab_size : int
-        V, number of input token ids.
-    num_classes : int
-        C, number of output classes per token.
-    max_length : int
-        Longest sequence accepted.
-    d_model : int, default 64
-    num_heads : int, default 4
-    num_layers : int, default 2
-    d_ff : int, optional
-        Feed-forward hidden size (default ``4 * d_model``).
-    norm_first : bool, default True
-        Pre-norm blocks (with a final LayerNorm) or post-norm blocks.
-    activation : {"relu", "gelu", "gelu_tanh"}, default "relu"
-    positional : {"sinusoidal", "learned"}, default "sinusoidal"
+    config : TokenTaggerConfig
+        The sizes (V tokens, C classes, D, heads, layers), block layout and positions.
     rng : numpy.random.Generator or int, optional
         Source of every initial weight.
 
@@ -60,7 +48,8 @@ class TokenTagger(Module):
     Examples
     --------
     >>> from attnkit.demos.tasks import make_batch
-    >>> model = TokenTagger(vocab_size=10, num_classes=10, max_length=8, d_model=16, num_heads=2, rng=0)
+    >>> model = TokenTagger(TokenTaggerConfig(vocab_size=10, num_classes=10, max_length=8, d_model=16, num_heads=2),
+    ...                     rng=0)
     >>> ids, targets = make_batch("reverse", 4, 6, rng=0)
     >>> logits, weights = model(ids, need_weights=True)
     >>> logits.shape, len(weights), weights[0].shape
@@ -71,26 +60,25 @@ class TokenTagger(Module):
     True
     """
 
-    def __init__(self, vocab_size: int, num_classes: int, max_length: int, d_model: int = 64, num_heads: int = 4,
-                 num_layers: int = 2, d_ff: int | None = None, *, norm_first: bool = True,
-                 activation: str = "relu", positional: str = "sinusoidal",
-                 rng: np.random.Generator | int | None = None) -> None:
+    def __init__(self, config: TokenTaggerConfig, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
+        if not isinstance(config, TokenTaggerConfig):
+            raise TypeError(f"config must be a TokenTaggerConfig, got {type(config).__name__}")
+        self.config = c = config
         gen = as_generator(rng)
-        self.embedding = Embedding(vocab_size, d_model, rng=gen)
+        d_model = c.d_model
+        self.embedding = Embedding(c.vocab_size, d_model, rng=gen)
         # BERT/GPT-2 scale, the same as the learned position table: with torch's N(0, 1) token vectors a
         # learned position signal of 0.02 is swamped and position-driven tasks fail to break symmetry.
         self.embedding.weight = TOKEN_INIT_STD * self.embedding.weight
-        if positional == "sinusoidal":
-            self.positional = SinusoidalPositionalEncoding(max_length, d_model)
-        elif positional == "learned":
-            self.positional = LearnedPositionalEmbedding(max_length, d_model, rng=gen)
+        if c.positional == "sinusoidal":
+            self.positional = SinusoidalPositionalEncoding(c.max_length, d_model)
         else:
-            raise ValueError(f"positional must be 'sinusoidal' or 'learned', got {positional!r}")
-        self.encoder = TransformerEncoder(num_layers, d_model, num_heads, d_ff, norm_first=norm_first,
-                                          activation=activation, rng=gen)
-        self.head = Projection(d_model, num_classes, rng=gen)
-        self.vocab_size, self.num_classes, self.max_length = vocab_size, num_classes, max_length
+            self.positional = LearnedPositionalEmbedding(c.max_length, d_model, rng=gen)
+        self.encoder = TransformerEncoder(c.num_layers, d_model, c.num_heads, c.d_ff, norm_first=c.norm_first,
+                                          activation=c.activation, rng=gen)
+        self.head = Projection(d_model, c.num_classes, rng=gen)
+        self.vocab_size, self.num_classes, self.max_length = c.vocab_size, c.num_classes, c.max_length
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, num_classes={self.num_classes}, max_length={self.max_length}"
@@ -129,7 +117,7 @@ def train_step(model: TokenTagger, optimizer: Optimizer, ids: Any, targets: Any,
     --------
     >>> from attnkit.optim import Adam
     >>> from attnkit.demos.tasks import make_batch
-    >>> model = TokenTagger(10, 10, 8, d_model=16, num_heads=2, rng=0)
+    >>> model = TokenTagger(TokenTaggerConfig(10, 10, 8, d_model=16, num_heads=2), rng=0)
     >>> ids, targets = make_batch("reverse", 8, 6, rng=0)
     >>> opt = Adam(model, lr=1e-2)
     >>> first = train_step(model, opt, ids, targets)

@@ -122,8 +122,10 @@ class Seq2SeqTransformer(TwinModule):
 
     Examples
     --------
-    >>> model = Seq2SeqTransformer(7, 6, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-    ...                            max_length=10, rng=0)
+    >>> from attnkit.models import Seq2SeqConfig
+    >>> config = Seq2SeqConfig(7, 6, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+    ...                        max_length=10)
+    >>> model = Seq2SeqTransformer(config, rng=0)
     >>> model(torch.tensor([[3, 4, 5, 6]]), torch.tensor([[1, 3, 4]])).shape
     torch.Size([1, 3, 6])
     """

@@ -1,0 +1,61 @@
+"""Every model is built as ``Model(config, rng=...)`` from a frozen, validated config dataclass."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from attnkit.models import (
+    CausalLM,
+    DecoderConfig,
+    Seq2SeqConfig,
+    Seq2SeqTransformer,
+    TokenTagger,
+    TokenTaggerConfig,
+)
+
+TAGGER = TokenTaggerConfig(vocab_size=7, num_classes=3, max_length=6, d_model=8, num_heads=2, num_layers=1)
+SEQ2SEQ = Seq2SeqConfig(9, 7, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=2, d_ff=12,
+                        max_length=10)
+DECODER = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                        head_dim=4, intermediate_size=12)
+
+
+@pytest.mark.parametrize("model_class, config", [(TokenTagger, TAGGER), (Seq2SeqTransformer, SEQ2SEQ),
+                                                 (CausalLM, DECODER)])
+def test_models_take_one_config_and_keep_it(model_class, config):
+    model = model_class(config, rng=0)
+    assert model.config is config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_heads = 1  # a model's config cannot drift from the model it built
+    with pytest.raises(TypeError, match=f"config must be a {type(config).__name__}, got int"):
+        model_class(7, rng=0)
+    twin = model_class(config, rng=0)
+    for (name, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)  # the config and the seed decide every weight
+
+
+def test_the_config_sizes_decide_the_shapes():
+    model = Seq2SeqTransformer(SEQ2SEQ, rng=0)
+    assert model.transformer.decoder.num_layers == 2 and len(model.transformer.encoder.layers) == 1
+    assert model.src_embedding.weight.shape == (9, 8) and model.head.W.shape == (8, 7)
+    assert model.transformer.decoder.layers[0].ffn.d_ff == 12
+    tagger = TokenTagger(dataclasses.replace(TAGGER, positional="learned", norm_first=False), rng=0)
+    assert tagger.positional.weight.shape == (6, 8) and not tagger.encoder.layers[0].norm_first
+    assert tagger(np.zeros((2, 5), int)).shape == (2, 5, 3)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: dataclasses.replace(TAGGER, vocab_size=0), ValueError, "vocab_size must be positive, got 0"),
+    (lambda: dataclasses.replace(TAGGER, d_model=8.0), TypeError, "d_model must be an integer, got float"),
+    (lambda: dataclasses.replace(TAGGER, d_ff=-3), ValueError, "d_ff must be positive, got -3"),
+    (lambda: dataclasses.replace(TAGGER, norm_first="yes"), TypeError, "norm_first must be True or False"),
+    (lambda: dataclasses.replace(TAGGER, activation="swish"), ValueError, "activation must be one of"),
+    (lambda: dataclasses.replace(TAGGER, positional="rotary"), ValueError, "positional must be one of"),
+    (lambda: dataclasses.replace(SEQ2SEQ, num_decoder_layers=True), TypeError, "num_decoder_layers must be an integer"),
+    (lambda: dataclasses.replace(SEQ2SEQ, cross_attention="luong"), ValueError, "cross_attention must be one of"),
+    (lambda: dataclasses.replace(SEQ2SEQ, dropout=1.0), ValueError, r"dropout must be a number in \[0, 1\)"),
+    (lambda: dataclasses.replace(SEQ2SEQ, max_length=2**40), ValueError, "max_length must be at most"),
+])
+def test_configs_are_checked_when_made(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
