@@ -319,7 +319,7 @@ def additive_attention_backward(grad_output: np.ndarray, Q: np.ndarray, K: np.nd
     """Backward of :func:`additive_attention`.
 
     This stateless form recomputes the ``(..., seq_q, seq_k, d_attn)`` tanh features from its inputs;
-    :class:`attnkit.attention.AdditiveAttention` caches them instead.
+    :class:`attnkit.attention.AdditiveAttention` saves them instead.
 
     Parameters
     ----------

@@ -23,7 +23,7 @@ def _open(watch, tmp_path, tokens=TOKENS, weights=None, **kwargs):
     weights = _weights(2, 3, len(tokens), len(tokens)) if weights is None else weights
     path = attention_html(tokens, weights, tmp_path / "attention.html", **kwargs)
     watch.page.goto(path.resolve().as_uri())
-    watch.page.wait_for_function("window.attnkitData !== undefined", timeout=20_000)
+    watch.page.wait_for_function("() => window.attnkitData !== undefined", timeout=20_000)
     return weights
 
 
@@ -273,7 +273,7 @@ def test_a_30_layer_9_head_256_token_page_opens_and_decodes(watched_page, tmp_pa
     path = attention_html([f"t{i}" for i in range(256)], weights, tmp_path / "big.html")
     assert path.stat().st_size <= 5_000_000
     page.goto(path.resolve().as_uri())
-    page.wait_for_function("window.attnkitData !== undefined", timeout=60_000)
+    page.wait_for_function("() => window.attnkitData !== undefined", timeout=60_000)
     bits = page.evaluate("window.attnkitData.bits")
     for layer, head in ((0, 0), (17, 4), (29, 8)):
         shown = np.array(page.evaluate(f"window.attnkitExplorer.weights({layer}, {head})"))

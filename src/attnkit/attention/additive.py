@@ -29,7 +29,7 @@ class AdditiveAttention(BaseAttention):
 
     ``weights = softmax_j(v . tanh(q_i W_q + k_j W_k))`` (no scaling), ``output = weights @ values``.
     Queries and keys may have different sizes. Memory is ``O(Lq * Lk * A)`` per leading index: every
-    query-key pair gets its own tanh features, which forward caches for backward.
+    query-key pair gets its own tanh features, which forward saves for backward.
 
     Parameters
     ----------

@@ -157,7 +157,7 @@ class GroupedQueryAttention(Module):
 
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
                 output_attentions: bool = False):
-        """Attend every new token to itself and the tokens before it; caches what :meth:`backward` needs.
+        """Attend every new token to itself and the tokens before it; saves what :meth:`backward` needs.
 
         With ``output_attentions=True`` the reference kernel computes the scores and the result is
         ``(y, weights)``: weights (B, Hq, L, S), query head ``h * G + g`` (member g of key/value head h's

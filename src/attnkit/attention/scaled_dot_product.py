@@ -58,7 +58,7 @@ class ScaledDotProductAttention(BaseAttention):
     @returns_input_precision
     def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
                 is_causal: bool = False, need_weights: bool = True):
-        """Attend; see the class docstring for shapes. Caches the kernel context for :meth:`backward`.
+        """Attend; see the class docstring for shapes. Saves the kernel context for :meth:`backward`.
 
         With ``need_weights=False`` the tiled kernel runs (no ``Lq x Lk`` array is allocated) and the
         weights come back as ``None``.
@@ -75,7 +75,7 @@ class ScaledDotProductAttention(BaseAttention):
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, is_causal: bool,
                 bias, need_weights: bool):
-        """Run the kernel on checked inputs (subclasses add their ``bias`` here) and cache its context."""
+        """Run the kernel on checked inputs (subclasses add their ``bias`` here) and save its context for backward."""
         p = self.dropout if self.training else 0.0
         seed = int(self._rng.integers(2**63)) if p > 0 else None
         out, weights, ctx = _kernels.attention_forward(

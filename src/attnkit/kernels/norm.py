@@ -39,7 +39,7 @@ def layer_norm_forward(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: 
 
 
 def layer_norm_backward(grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, gamma: np.ndarray):
-    """Gradients of :func:`layer_norm_forward` from its cached ``x_hat`` and ``rstd``.
+    """Gradients of :func:`layer_norm_forward` from the ``x_hat`` and ``rstd`` its forward returned.
 
     Returns
     -------

@@ -32,7 +32,7 @@ def rms_norm_forward(x: np.ndarray, gamma: np.ndarray, eps: float):
 
 
 def rms_norm_backward(grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, gamma: np.ndarray):
-    """Gradients of :func:`rms_norm_forward` from its cached ``x_hat`` and ``rstd``.
+    """Gradients of :func:`rms_norm_forward` from the ``x_hat`` and ``rstd`` its forward returned.
 
     Returns
     -------

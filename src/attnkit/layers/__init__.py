@@ -10,7 +10,7 @@
 - the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`MixtureOfExperts`,
   :class:`RotaryEmbedding` and :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`).
 
-Every layer's ``forward`` caches what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
+Every layer's ``forward`` saves what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
 """
 from .decoder import TransformerDecoder, TransformerDecoderBlock

@@ -58,7 +58,7 @@ class Dropout(Module):
         return f"p={self.p}"
 
     def forward(self, x: Any) -> np.ndarray:
-        """Drop entries of ``x`` (training mode and ``p > 0`` only); caches the scaled keep-mask."""
+        """Drop entries of ``x`` (training mode and ``p > 0`` only); saves the scaled keep-mask."""
         x = as_float_array(x, "x")
         self._shape, self._dtype = x.shape, x.dtype
         if not self.training or self.p == 0.0:

@@ -73,7 +73,7 @@ class Embedding(Module):
                 f"padding_idx={self.padding_idx}")
 
     def forward(self, ids: Any) -> np.ndarray:
-        """Look up every id; returns (..., D). Caches the ids for :meth:`backward`."""
+        """Look up every id; returns (..., D). Saves the ids for :meth:`backward`."""
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"Embedding: ids must be an integer array, got dtype {ids.dtype} with shape {ids.shape}")

@@ -80,7 +80,7 @@ class MixtureOfExperts(Module):
         return chosen.reshape(*x.shape[:-1], self.top_k), weights.reshape(*x.shape[:-1], self.top_k)
 
     def forward(self, x: Any) -> np.ndarray:
-        """The routed experts' weighted output for every position of ``x`` (..., D); caches what backward
+        """The routed experts' weighted output for every position of ``x`` (..., D); saves what backward
         needs."""
         x = check_features(x, "x", self.hidden_size, "MixtureOfExperts", "hidden_size")
         flat = x.reshape(-1, self.hidden_size)  # (N, D)

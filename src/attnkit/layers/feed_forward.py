@@ -67,7 +67,7 @@ class FeedForward(Module):
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation!r}"
 
     def forward(self, x: Any) -> np.ndarray:
-        """Apply the network to every position of ``x`` (..., D); caches what :meth:`backward` needs."""
+        """Apply the network to every position of ``x`` (..., D); saves what :meth:`backward` needs."""
         x = check_features(x, "x", self.d_model, "FeedForward", "d_model")
         p = self._parameters
         y, pre, hidden = _ffn.feed_forward_forward(x, p["W1"], p["b1"], p["W2"], p["b2"],

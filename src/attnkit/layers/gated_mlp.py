@@ -70,7 +70,7 @@ class GatedMLP(Module):
                 f"activation={self.activation!r}, bias={self.bias}")
 
     def forward(self, x: Any) -> np.ndarray:
-        """Apply the MLP to every position of ``x`` (..., D); caches what :meth:`backward` needs."""
+        """Apply the MLP to every position of ``x`` (..., D); saves what :meth:`backward` needs."""
         x = check_features(x, "x", self.hidden_size, "GatedMLP", "hidden_size")
         p = self._parameters
         biases = [p.get(name) for name in _BIASES]

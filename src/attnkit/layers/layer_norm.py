@@ -63,7 +63,7 @@ class LayerNorm(Module):
         return f"normalized_shape={self.normalized_shape}, eps={self.eps}"
 
     def forward(self, x: Any) -> np.ndarray:
-        """Normalise ``x`` (..., D); caches the normalised input and ``1 / std`` for :meth:`backward`."""
+        """Normalise ``x`` (..., D); saves the normalised input and ``1 / std`` for :meth:`backward`."""
         x = check_features(x, "x", self.normalized_shape, "LayerNorm", "normalized_shape")
         y, x_hat, rstd = _norm.layer_norm_forward(x, self._parameters["gamma"], self._parameters["beta"],
                                                   self.eps)  # (..., D), (..., D), (..., 1)

@@ -99,7 +99,7 @@ class LMBlock(Module):
 
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
                 output_attentions: bool = False):
-        """The block's output (B, L, D); each sublayer caches what its backward needs.
+        """The block's output (B, L, D); each sublayer saves what its backward needs.
 
         With ``output_attentions=True`` the result is ``(y, weights)``, weights (B, Hq, L, S) from the
         attention (see :meth:`GroupedQueryAttention.forward`).

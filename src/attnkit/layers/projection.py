@@ -69,7 +69,7 @@ class Projection(Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"
 
     def forward(self, x: Any) -> np.ndarray:
-        """Return ``x @ W + b`` (..., Out); caches ``x`` for :meth:`backward`."""
+        """Return ``x @ W + b`` (..., Out); saves ``x`` for :meth:`backward`."""
         x = check_features(x, "x", self.in_features, "Projection", "in_features")
         self.save_for_backward(x)
         return linear(x, self._parameters["W"], self._parameters.get("b"))  # (..., Out)

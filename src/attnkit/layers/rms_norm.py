@@ -65,7 +65,7 @@ class RMSNorm(Module):
         return gamma + gamma.dtype.type(self.offset) if self.offset else gamma  # (D,)
 
     def forward(self, x: Any) -> np.ndarray:
-        """Normalise ``x`` (..., D); caches the normalised input and ``1 / rms`` for :meth:`backward`."""
+        """Normalise ``x`` (..., D); saves the normalised input and ``1 / rms`` for :meth:`backward`."""
         x = check_features(x, "x", self.normalized_shape, "RMSNorm", "normalized_shape")
         y, x_hat, rstd = _rms.rms_norm_forward(x, self._gain(), self.eps)  # (..., D), (..., 1)
         self.save_for_backward(x_hat, rstd, x.dtype)

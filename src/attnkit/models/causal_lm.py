@@ -185,7 +185,7 @@ class CausalLM(Module):
                 cache: KVCache | None = None, output_attentions: bool = False):
         """Logits (B, L, V) of the next token after every position; with a cache, only the new tokens are fed.
 
-        The uncached forward caches what :meth:`backward` needs; a cached forward (inference) does not.
+        The uncached forward saves what :meth:`backward` needs; a cached forward (inference) does not.
         With ``output_attentions=True`` every layer's scores come from the reference kernel and the result
         is ``(logits, weights)``: weights a list of ``num_layers`` arrays (B, Hq, L, S) (S = L without a cache;
         with one, the slots the layer keeps), query head ``h`` in row ``h``, arrays the caller owns; backward

@@ -27,7 +27,7 @@ TWINS: dict[type, type] = {}
 
 
 def _skeleton(module: Module) -> Module:
-    """A parameter-free copy of ``module`` (hyperparameters and buffers kept, parameters and caches dropped)."""
+    """A parameter-free copy of ``module`` (hyperparameters and buffers kept, parameters and saved tensors dropped)."""
     copy = object.__new__(type(module))
     copy.__dict__.update(module.__dict__)
     object.__setattr__(copy, "_parameters", {name: None for name in module._parameters})
