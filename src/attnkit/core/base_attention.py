@@ -23,8 +23,9 @@ __all__ = ["BaseAttention"]
 class BaseAttention(Module):
     """Abstract attention head.
 
-    Subclasses implement :meth:`forward` (saving what backward needs with ``save_for_backward``) and :meth:`backward` (returning the
-    input gradients and adding their own parameters' gradients into ``self.grads``).
+    Subclasses implement :meth:`forward` (saving what backward needs with ``save_for_backward``) and
+    :meth:`backward` (returning the input gradients and adding their own parameters' gradients into
+    ``self.grads``).
 
     Examples
     --------
