@@ -224,3 +224,50 @@ def test_learned_positions_past_the_table_are_refused():
     lm = CausalLM(tiny_config("gpt2", max_position_embeddings=4), rng=0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         lm(np.zeros((1, 5), dtype=np.int64))
+
+
+@pytest.mark.parametrize("case", ["llama_mqa_tied", "gpt2_untied"])
+def test_logits_to_keep_is_the_last_rows_and_their_exact_gradient(case):
+    rng = make_rng(31, len(case))
+    lm = _model(case, rng, scale=0.3)
+    ids, mask = _left_padded(rng, 23, [5, 3], 5)
+    full = lm(ids, mask)  # (2, 5, V)
+    g = randn(rng, 2, 2, 23)
+    lm.zero_grad()
+    grad_full = lm.backward(np.concatenate([np.zeros((2, 3, 23)), g], axis=1))  # (2, 5, D)
+    grads_full = {name: value.copy() for name, value in lm.grads.items()}
+    lm.zero_grad()
+    kept = lm(ids, mask, logits_to_keep=2)  # (2, 2, V)
+    np.testing.assert_allclose(kept, full[:, -2:], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lm.backward(g), grad_full, rtol=1e-12, atol=1e-12)
+    for name, value in lm.grads.items():
+        np.testing.assert_allclose(value, grads_full[name], rtol=1e-12, atol=1e-12, err_msg=name)
+    np.testing.assert_array_equal(lm(ids, mask, logits_to_keep=9), full)  # more than L keeps every row
+    with pytest.raises(ValueError, match="logits_to_keep must be non-negative"):
+        lm(ids, mask, logits_to_keep=-1)
+    with pytest.raises(TypeError, match="logits_to_keep must be an integer"):
+        lm(ids, mask, logits_to_keep=1.0)
+
+
+def test_generation_computes_one_row_of_logits_per_step():
+    """The prompt's prefill asks the head for its last position only; the tokens are those of full logits."""
+    rng = make_rng(32)
+    lm = _model("llama_gqa", rng, scale=0.3)
+    shapes = []
+
+    class Spy(CausalLM):
+        def forward(self, *args, **kwargs):
+            logits = super().forward(*args, **kwargs)
+            shapes.append(logits.shape)
+            return logits
+
+    spy = Spy(lm.config)
+    spy.load_state_dict(lm.state_dict())
+    ids, mask = _left_padded(rng, 23, [6, 4], 6)
+    out = spy.generate(ids, mask, max_new_tokens=4)
+    assert shapes == [(2, 1, 23)] * 4
+    history = ids  # greedy by hand, full logits every step: the same tokens
+    for _ in range(4):
+        step_mask = np.concatenate([mask, np.ones((2, history.shape[1] - 6), bool)], axis=1)
+        history = np.concatenate([history, lm(history, step_mask)[:, -1].argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(out, history)

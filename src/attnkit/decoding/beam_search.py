@@ -17,6 +17,8 @@ Dimension letters: B batch, K ``num_beams``, V vocabulary, N ``max_new_tokens``.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,7 +26,7 @@ import numpy as np
 from .._validation import check_positive_int, check_real
 
 __all__ = ["DecodingState", "greedy_search", "beam_search", "lm_beam_search", "MAX_NUM_BEAMS", "check_num_beams",
-           "useful_beams"]
+           "useful_beams", "next_token_logits"]
 
 MAX_NUM_BEAMS = 1024  # every beam is a decoder row with its own cache: B * K rows are decoded each step
 
@@ -175,6 +177,29 @@ def _top(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, axis=-1, kind="stable")[:, :k]  # (B, k)
 
 
+@functools.lru_cache(maxsize=64)
+def _keeps_logits(model_type: type) -> bool:
+    """Whether ``model_type.forward`` takes ``logits_to_keep`` (by name, or through ``**kwargs``, as a
+    subclass that wraps :meth:`CausalLM.forward` does)."""
+    forward = getattr(model_type, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # None, a builtin or a callable without a signature
+        return False
+    return any(p.name == "logits_to_keep" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def next_token_logits(model: Any, ids: np.ndarray, mask: np.ndarray, cache: Any) -> np.ndarray:
+    """The logits (R, V) of the token after the last position of ``ids`` (R, L), through ``cache``.
+
+    A model whose ``forward`` takes ``logits_to_keep`` (``transformers``' name; :class:`~attnkit.models.CausalLM`
+    does) computes that one row of logits only, not L of them: what a long prompt's prefill costs in the head.
+    """
+    if _keeps_logits(type(model)):
+        return model.forward(ids, mask, cache=cache, logits_to_keep=1)[:, -1, :]  # (R, V)
+    return model.forward(ids, mask, cache=cache)[:, -1, :]  # (R, V)
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=-1, keepdims=True)  # (R, V)
     with np.errstate(divide="ignore"):  # a row whose other entries are all -inf has log(1) = 0 at its max
@@ -240,7 +265,7 @@ def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: 
     origin = running_origin.copy()
     flat_mask = np.repeat(mask, k, axis=0)  # (B*K, L)
     cache = model.new_cache(b * k, max_length=total)
-    logits = model.forward(np.repeat(ids, k, axis=0), flat_mask, cache=cache)[:, -1, :]  # (B*K, V)
+    logits = next_token_logits(model, np.repeat(ids, k, axis=0), flat_mask, cache)  # (B*K, V)
     switch = getattr(model, "rotary_switch_length", None)
     cur = length
     while True:
@@ -286,9 +311,9 @@ def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: 
         if switch is not None and cur > switch >= cache.length:
             # the rotation of every cached key changes here: run the whole sequences again, once
             cache = model.new_cache(b * k, max_length=total)
-            logits = model.forward(running[:, :, :cur].reshape(b * k, cur), flat_mask, cache=cache)[:, -1, :]
+            logits = next_token_logits(model, running[:, :, :cur].reshape(b * k, cur), flat_mask, cache)
         else:
-            logits = model.forward(running[:, :, cur - 1].reshape(-1, 1), flat_mask, cache=cache)[:, -1, :]
+            logits = next_token_logits(model, running[:, :, cur - 1].reshape(-1, 1), flat_mask, cache)
     n = num_return_sequences
     chosen, chosen_origin = sequences[:, :n].reshape(b * n, total), origin[:, :n].reshape(b * n, -1)
     generated = int((chosen_origin >= 0).sum(axis=1).max())

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_positive_int, check_real
-from .beam_search import check_num_beams, lm_beam_search
+from .beam_search import check_num_beams, lm_beam_search, next_token_logits
 
 __all__ = ["temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
            "apply_repetition_penalty", "banned_ngram_tokens", "generate", "generate_stream"]
@@ -508,7 +508,7 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
         return
     batch, length = ids.shape
     cache = model.new_cache(batch, max_length=length + max_new_tokens)
-    logits = model.forward(ids, mask, cache=cache)[:, -1, :]  # (B, V): prefill once
+    logits = next_token_logits(model, ids, mask, cache)  # (B, V): prefill once
     sequences = ids  # (B, L + step): what the processors and stop strings read
     stops, tokenizer = processing["stop_strings"], processing["tokenizer"]
     stop_window = max(len(t) for t in stops) + 1 if stops else 0  # tokens enough to hold a stop string
@@ -536,9 +536,9 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
         if switch is not None and sequences.shape[1] > switch >= cache.length:
             # the rotation of every cached key changes here: run the whole sequence again, once
             cache = model.new_cache(batch, max_length=length + max_new_tokens)
-            logits = model.forward(sequences, mask, cache=cache)[:, -1, :]  # (B, V)
+            logits = next_token_logits(model, sequences, mask, cache)  # (B, V)
         else:
-            logits = model.forward(tokens[:, None], mask, cache=cache)[:, -1, :]  # (B, V)
+            logits = next_token_logits(model, tokens[:, None], mask, cache)  # (B, V)
 
 
 def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,

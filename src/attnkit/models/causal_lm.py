@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, check_grad_output
+from .._validation import as_bool_mask, check_grad_output, check_positive_int
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
 from ..init import as_generator
@@ -184,8 +184,12 @@ class CausalLM(Module):
         return ids, mask, positions
 
     def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
-                cache: KVCache | None = None, output_attentions: bool = False):
+                cache: KVCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0):
         """Logits (B, L, V) of the next token after every position; with a cache, only the new tokens are fed.
+
+        ``logits_to_keep=n`` (``transformers``' name) computes the logits of the last n positions only,
+        (B, min(n, L), V); 0 keeps all. Generation asks for 1: a 1024-token prompt then costs one row of the
+        (V, D) head instead of 1024.
 
         The uncached forward saves what :meth:`backward` needs; a cached forward (inference) does not.
         With ``output_attentions=True`` every layer's scores come from the reference kernel and the result
@@ -194,9 +198,13 @@ class CausalLM(Module):
         is unchanged.
         """
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
+        keep = check_positive_int(logits_to_keep, "logits_to_keep", allow_zero=True)
         weights: list[np.ndarray] = []
         with blas_single_thread() if ids.size <= _SINGLE_THREAD_TOKENS else nullcontext():
             h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None)  # (B, L, D)
+        length = h.shape[1]
+        if keep:
+            h = h[:, -keep:]  # (B, min(keep, L), D)
         # The (V, D) head is large enough for every BLAS thread to help, even for one token.
         weight = self.head_weight.astype(h.dtype, copy=False)
         logits = (h.reshape(-1, h.shape[-1]) @ weight.T).reshape(*h.shape[:-1], weight.shape[0])  # (B, L, V)
@@ -206,7 +214,7 @@ class CausalLM(Module):
             capped = np.tanh(logits / cap)  # (B, L, V)
             logits = capped * cap
         if cache is None:  # the cached path is inference: it keeps nothing
-            self.save_for_backward(h, capped)
+            self.save_for_backward(h, capped, length)
         else:
             self.save_for_backward()
         return (logits, weights) if output_attentions else logits
@@ -294,7 +302,7 @@ class CausalLM(Module):
         """
         if self.saved_tensors is None:
             raise RuntimeError("CausalLM.backward needs a forward without a cache just before it")
-        h, capped = self.saved_tensors
+        h, capped, length = self.saved_tensors  # h: the positions whose logits were kept
         g = check_grad_output(grad_logits, h.shape[:-1] + (self.config.vocab_size,), h.dtype, "CausalLM")
         if capped is not None:
             g = g * (1 - capped * capped)  # (B, L, V): d(C tanh(z / C)) / dz
@@ -302,7 +310,10 @@ class CausalLM(Module):
         weight = self.head_weight.astype(h.dtype, copy=False)
         owner = self.embed if self.config.tie_word_embeddings else self.head
         owner.grads["weight"] += flat_g.T @ h.reshape(-1, h.shape[-1])  # (V, D)
-        grad_h = (flat_g @ weight).reshape(h.shape)  # (B, L, D)
+        grad_h = (flat_g @ weight).reshape(h.shape)  # (B, kept, D)
+        if h.shape[1] != length:  # positions without logits get no gradient from the head
+            grad_h = np.concatenate([np.zeros((h.shape[0], length - h.shape[1], h.shape[2]), grad_h.dtype), grad_h],
+                                    axis=1)  # (B, L, D)
         grad_h = self.norm.backward(grad_h)
         for layer in reversed(list(self.layers)):
             grad_h = layer.backward(grad_h)  # (B, L, D)
