@@ -6,12 +6,12 @@ The model side is a :class:`DecodingState`-like object with two methods:
   the log-probabilities of the next token (rows keep their own cache);
 - ``reorder(index (R',))``: row ``r`` of the state becomes a copy of row ``index[r]`` (rows may repeat).
 
-Beam search scores every finished hypothesis as ``(sum of the log-probabilities of its generated tokens, eos
-included) / (number of generated tokens) ** length_penalty``; hypotheses still open after
-``max_new_tokens`` are scored the same way, and the best score wins. Open hypotheses are pruned to the
-``num_beams`` best by their summed log-probability; with ``num_beams`` at least the number of open prefixes
-(``(V - 1) ** (max_new_tokens - 1)``) nothing is pruned and the search is exact. A row stops early only when
-no open hypothesis can still beat its best finished one (their sums can only fall as tokens are added).
+There is one beam search, :func:`transformers_beam_search`, step for step as ``transformers``' own: decoder-only
+LMs reach it through :func:`lm_beam_search` (their KV cache), encoder-decoders through :func:`beam_search`
+(their decoding state). A finished hypothesis scores ``(sum of the log-probabilities of its generated tokens,
+eos included) / (number of generated tokens) ** length_penalty``. With ``early_stopping="never"`` and enough
+beams that nothing is pruned (at most ``(V - 1) ** (max_new_tokens - 1)`` prefixes are ever open), the search
+is exact.
 
 Dimension letters: B batch, K ``num_beams``, V vocabulary, N ``max_new_tokens``.
 """
@@ -25,8 +25,8 @@ import numpy as np
 
 from .._validation import check_positive_int, check_real
 
-__all__ = ["DecodingState", "greedy_search", "beam_search", "lm_beam_search", "MAX_NUM_BEAMS", "check_num_beams",
-           "useful_beams", "next_token_logits"]
+__all__ = ["DecodingState", "greedy_search", "beam_search", "lm_beam_search", "transformers_beam_search",
+           "MAX_NUM_BEAMS", "check_num_beams", "useful_beams", "next_token_logits"]
 
 MAX_NUM_BEAMS = 1024  # every beam is a decoder row with its own cache: B * K rows are decoded each step
 
@@ -96,77 +96,41 @@ def greedy_search(state: Any, batch_size: int, *, bos_token_id: int, eos_token_i
     return _finish(generated, lengths, bos_token_id, pad_token_id)
 
 
-def _normalised(sums: np.ndarray, length: int, length_penalty: float) -> np.ndarray:
-    """``sums / length ** length_penalty`` in float64 for any finite penalty: an overflowing or vanishing
-    ``length ** length_penalty`` ranks hypotheses by the sign of their sums, never raises, and keeps ``-inf``
-    (an impossible hypothesis) at ``-inf``."""
+_MIN_DIVISOR = 1e-6  # a summed log-probability (|sum| < 1e3) divided by it stays above the -1e9 sentinel
+
+
+def _length_divisor(new_tokens: int, length_penalty: float) -> np.float32:
+    """``new_tokens ** length_penalty`` as ``transformers`` divides by it (a float32 of the float64 power).
+
+    Kept within ``[1e-6, float32 max]`` so that any finite penalty decodes without overflow or a warning: a
+    very negative penalty would otherwise push real hypotheses below the -1e9 that marks empty slots
+    (``transformers`` raises ``OverflowError`` or returns those slots); in the clamped range the ranking is by
+    the sums, and below it (``length_penalty < -6 / log10(new_tokens)``) it may differ from ``transformers``.
+    """
     with np.errstate(over="ignore", under="ignore"):
-        scale = np.power(np.float64(length), -length_penalty)  # 0 when length ** lp overflows
-        if scale == 0.0:
-            scale = np.float64(np.finfo(np.float64).tiny)  # keeps the sign order of the sums
-        if np.isinf(scale):
-            scale = np.float64(np.finfo(np.float64).max)
-        return np.where(np.isneginf(sums), -np.inf, sums * scale)
+        power = np.power(np.float64(new_tokens), np.float64(length_penalty))
+    return np.float32(np.clip(power, _MIN_DIVISOR, np.finfo(np.float32).max))
 
 
 def beam_search(state: Any, batch_size: int, *, num_beams: int, bos_token_id: int, eos_token_id: int,
-                max_new_tokens: int, length_penalty: float = 1.0, pad_token_id: int = 0) -> np.ndarray:
-    """Beam search with length-normalised scores (see the module docstring); ``state`` has B rows on entry.
+                max_new_tokens: int, length_penalty: float = 1.0, pad_token_id: int = 0,
+                early_stopping: bool | str = "never") -> np.ndarray:
+    """Beam search over a :class:`DecodingState` (an encoder-decoder's): :func:`transformers_beam_search`
+    with a bos prompt; ``state`` has B rows on entry and ``batch_size * num_beams`` after.
 
-    ``num_beams`` K must be in ``[1, MAX_NUM_BEAMS]`` (``ValueError`` naming it).
+    ``num_beams`` K must be in ``[1, MAX_NUM_BEAMS]`` (``ValueError`` naming it). ``early_stopping="never"``
+    (the default here) makes the search exact when nothing is pruned (see :func:`useful_beams`).
 
     Returns
     -------
     ids : int64 (B, 1 + n), starting with bos, the best hypothesis of each row, pad after its eos.
     """
     length_penalty = check_real(length_penalty, "length_penalty")
-    b, k, n_max = batch_size, check_num_beams(num_beams), max_new_tokens
-    state.reorder(np.repeat(np.arange(b), k))  # K copies of each row
-    scores = np.full((b, k), -np.inf)  # (B, K): summed log-probs of the open hypotheses
-    scores[:, 0] = 0.0  # the K copies start identical: open only one of them
-    prefixes = np.zeros((b, k, 0), dtype=np.int64)  # (B, K, t)
-    best_score = np.full(b, -np.inf)  # (B,)
-    best = np.full((b, n_max), pad_token_id, dtype=np.int64)  # (B, N)
-    best_length = np.zeros(b, dtype=np.int64)  # (B,)
-    rows = np.arange(b)
-    tokens = np.full(b * k, bos_token_id, dtype=np.int64)  # (B*K,)
-
-    def offer(candidate_scores, beam, token, length):
-        """Keep, per row, the finished hypothesis ``prefixes[beam] + token`` if it beats the best so far."""
-        better = candidate_scores > best_score  # (B,)
-        if better.any():
-            best_score[better] = candidate_scores[better]
-            best[better, :length - 1] = prefixes[rows[better], beam[better]]
-            best[better, length - 1] = token[better]
-            best[better, length:] = pad_token_id
-            best_length[better] = length
-
-    for t in range(n_max):
-        length = t + 1  # generated tokens of every hypothesis extended at this step
-        log_probs = state.step(tokens, t).astype(np.float64).reshape(b, k, -1)  # (B, K, V)
-        vocab = log_probs.shape[-1]
-        candidates = scores[..., None] + log_probs  # (B, K, V)
-        ended = _normalised(candidates[..., eos_token_id], length, length_penalty)  # (B, K)
-        beam = ended.argmax(axis=1)  # (B,)
-        offer(ended[rows, beam], beam, np.full(b, eos_token_id), length)
-        candidates[..., eos_token_id] = -np.inf
-        flat = candidates.reshape(b, k * vocab)  # (B, K*V)
-        if length == n_max:  # open hypotheses end here, scored like finished ones
-            pick = flat.argmax(axis=1)  # (B,)
-            offer(_normalised(flat[rows, pick], length, length_penalty), pick // vocab, pick % vocab, length)
-            break
-        top = np.argsort(-flat, axis=1, kind="stable")[:, :k]  # (B, K)
-        beam, token = top // vocab, top % vocab  # (B, K) each
-        scores = np.take_along_axis(flat, top, axis=1)  # (B, K)
-        prefixes = np.concatenate([np.take_along_axis(prefixes, beam[..., None], axis=1), token[..., None]],
-                                  axis=2)  # (B, K, t + 1)
-        state.reorder((rows[:, None] * k + beam).reshape(-1))
-        tokens = token.reshape(-1)  # (B*K,)
-        # An open sum only falls; its best final score divides it by N ** lp (lp > 0) or (length + 1) ** lp.
-        final_length = n_max if length_penalty > 0 else length + 1
-        if np.all(best_score >= _normalised(scores.max(axis=1), final_length, length_penalty)):
-            break
-    return _finish(best, best_length, bos_token_id, pad_token_id)
+    k = check_num_beams(num_beams)
+    prompts = np.full((batch_size, 1), bos_token_id, dtype=np.int64)  # (B, 1)
+    return transformers_beam_search(_StateBeams(state, batch_size, k), prompts, num_beams=k,
+                                    max_new_tokens=max_new_tokens, eos=np.array([eos_token_id]), fill=pad_token_id,
+                                    length_penalty=length_penalty, early_stopping=early_stopping)
 
 
 _FINISHED_PENALTY = np.float32(-1.0e9)  # added to a score to rule a candidate out, as transformers does
@@ -206,19 +170,53 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
         return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+class _LMBeams:
+    """The decoder-only LM side of :func:`transformers_beam_search`: one KV cache of B*K rows, the prompts'
+    padding mask, and ``rotary_switch_length``'s one re-prefill."""
+
+    def __init__(self, model: Any, mask: np.ndarray, num_beams: int, total: int) -> None:
+        self.model, self.total = model, total
+        self.mask = np.repeat(mask, num_beams, axis=0)  # (B*K, L)
+        self.cache = model.new_cache(self.mask.shape[0], max_length=total)
+        self.switch = getattr(model, "rotary_switch_length", None)
+
+    def start(self, prompts: np.ndarray) -> np.ndarray:
+        return next_token_logits(self.model, prompts, self.mask, self.cache)  # (B*K, V)
+
+    def advance(self, index: np.ndarray, sequences: np.ndarray) -> np.ndarray:
+        self.cache.reorder(index)
+        rows, cur = sequences.shape
+        self.mask = np.concatenate([self.mask, np.ones((rows, 1), dtype=bool)], axis=1)  # (B*K, cur)
+        if self.switch is not None and cur > self.switch >= self.cache.length:
+            # the rotation of every cached key changes here: run the whole sequences again, once
+            self.cache = self.model.new_cache(rows, max_length=self.total)
+            return next_token_logits(self.model, sequences, self.mask, self.cache)  # (B*K, V)
+        return next_token_logits(self.model, sequences[:, -1:], self.mask, self.cache)  # (B*K, V)
+
+
+class _StateBeams:
+    """A :class:`DecodingState` (``step``/``reorder``, e.g. an encoder-decoder's) as the model side of
+    :func:`transformers_beam_search`."""
+
+    def __init__(self, state: Any, batch_size: int, num_beams: int) -> None:
+        self.state = state
+        state.reorder(np.repeat(np.arange(batch_size), num_beams))  # K copies of each row
+
+    def start(self, prompts: np.ndarray) -> np.ndarray:
+        return self.state.step(prompts[:, -1], prompts.shape[1] - 1)  # (B*K, V)
+
+    def advance(self, index: np.ndarray, sequences: np.ndarray) -> np.ndarray:
+        self.state.reorder(index)
+        return self.state.step(sequences[:, -1], sequences.shape[1] - 1)  # (B*K, V)
+
+
 def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: int, max_new_tokens: int,
                    eos: np.ndarray, pad_token_id: int | None, length_penalty: float = 1.0,
                    early_stopping: bool | str = False, num_return_sequences: int = 1,
                    process: Any = None) -> np.ndarray:
     """Beam search for a decoder-only LM, step for step as ``transformers``' ``generate(num_beams=K)``.
 
-    Each step takes the ``max(2, 1 + len(eos)) * K`` best continuations of all K beams by summed float32
-    log-probability; continuations that end (an eos, or the length limit) among the K best are offered to the
-    finished hypotheses, scored ``sum / new_tokens ** length_penalty``, and the K best unfinished ones continue
-    (the KV cache rows reordered to follow them). The search stops when no open beam can beat the worst
-    finished one (``early_stopping=False``: at the current length; ``"never"``: at the longest length when
-    ``length_penalty > 0``), when every batch row has K finished hypotheses and ``early_stopping=True``, or at
-    ``max_new_tokens``.
+    :func:`transformers_beam_search` driving the model's KV cache.
 
     Parameters
     ----------
@@ -226,14 +224,53 @@ def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: 
         ``forward(ids, mask, cache=)`` and ``new_cache(rows, max_length=)``; ``rotary_switch_length`` honoured.
     ids, mask : (B, L) int64 and bool
         Left-padded prompts.
-    num_beams : int
-        K >= 2.
-    max_new_tokens : int
-    eos : int array (E,)
-        End-of-sequence ids (empty: only the length ends a hypothesis).
+    num_beams, max_new_tokens, eos, length_penalty, early_stopping, num_return_sequences, process
+        As :func:`transformers_beam_search`.
     pad_token_id : int or None
         Fills the columns after a hypothesis's eos (``transformers``: the pad id if nonzero, else the first
         eos id).
+
+    Returns
+    -------
+    int64 array (B * num_return_sequences, L + T)
+        Prompts and the chosen continuations, T the longest of them.
+    """
+    fill = (pad_token_id if pad_token_id else int(eos[0])) if eos.size else -1
+    beams = _LMBeams(model, mask, num_beams, ids.shape[1] + max_new_tokens)
+    return transformers_beam_search(beams, ids, num_beams=num_beams, max_new_tokens=max_new_tokens, eos=eos,
+                                    fill=fill, length_penalty=length_penalty, early_stopping=early_stopping,
+                                    num_return_sequences=num_return_sequences, process=process)
+
+
+def transformers_beam_search(beams: Any, prompts: np.ndarray, *, num_beams: int, max_new_tokens: int,
+                             eos: np.ndarray, fill: int, length_penalty: float = 1.0,
+                             early_stopping: bool | str = False, num_return_sequences: int = 1,
+                             process: Any = None) -> np.ndarray:
+    """The one beam search, step for step as ``transformers``' ``generate(num_beams=K)``.
+
+    Each step takes the ``max(2, 1 + len(eos)) * K`` best continuations of all K beams by summed float32
+    log-probability; continuations that end (an eos, or the length limit) among the K best are offered to the
+    finished hypotheses, scored ``sum / new_tokens ** length_penalty``, and the K best unfinished ones continue
+    (the model's rows reordered to follow them). The search stops when no open beam can beat the worst
+    finished one (``early_stopping=False``: at the current length; ``"never"``: at the longest length when
+    ``length_penalty > 0``, which makes the search exact up to pruning), when every batch row has K finished
+    hypotheses and ``early_stopping=True``, or at ``max_new_tokens``.
+
+    Parameters
+    ----------
+    beams
+        The model side: ``start(prompts (B*K, L)) -> logits (B*K, V)`` and ``advance(index (B*K,),
+        sequences (B*K, cur)) -> logits``, which makes row r a copy of row ``index[r]`` and feeds the last
+        column (a decoder-only LM's KV cache, or an encoder-decoder's decoding state).
+    prompts : (B, L) int64
+        What every hypothesis starts with (an LM's prompt, an encoder-decoder's bos).
+    num_beams : int
+        K.
+    max_new_tokens : int
+    eos : int array (E,)
+        End-of-sequence ids (empty: only the length ends a hypothesis).
+    fill : int
+        Fills the columns after a hypothesis's eos.
     length_penalty : float
     early_stopping : bool or "never"
     num_return_sequences : int
@@ -247,14 +284,13 @@ def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: 
     int64 array (B * num_return_sequences, L + T)
         Prompts and the chosen continuations, T the longest of them.
     """
-    b, length = ids.shape
+    b, length = prompts.shape
     k, total = num_beams, length + max_new_tokens
     keep = max(2, 1 + eos.size) * k  # candidates kept per step, so that K unfinished ones always remain
     first_k = np.arange(keep) < k  # (keep,): only the K best candidates may finish
-    fill = (pad_token_id if pad_token_id else int(eos[0])) if eos.size else -1
     rows = np.arange(b)[:, None]  # (B, 1)
     running = np.full((b, k, total), fill, dtype=np.int64)  # (B, K, L + N)
-    running[:, :, :length] = ids[:, None]
+    running[:, :, :length] = prompts[:, None]
     sequences = running.copy()  # (B, K, L + N): the finished hypotheses
     running_scores = np.zeros((b, k), dtype=np.float32)  # (B, K)
     running_scores[:, 1:] = _FINISHED_PENALTY  # the K copies start identical: open one of them
@@ -263,10 +299,7 @@ def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: 
     improvable = np.ones((b, 1), dtype=bool)  # (B, 1)
     running_origin = np.full((b, k, max_new_tokens), -1, dtype=np.int64)  # (B, K, N): beam of each step
     origin = running_origin.copy()
-    flat_mask = np.repeat(mask, k, axis=0)  # (B*K, L)
-    cache = model.new_cache(b * k, max_length=total)
-    logits = next_token_logits(model, np.repeat(ids, k, axis=0), flat_mask, cache)  # (B*K, V)
-    switch = getattr(model, "rotary_switch_length", None)
+    logits = beams.start(np.repeat(prompts, k, axis=0))  # (B*K, V)
     cur = length
     while True:
         log_probs = _log_softmax(logits.astype(np.float32))  # (B*K, V)
@@ -289,7 +322,8 @@ def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: 
         running_scores = np.take_along_axis(open_scores, pick, axis=1)  # (B, K)
         # the K best of the finished so far and those just finished among the K best candidates
         just = ends & first_k[None, :]  # (B, keep)
-        offered = top_scores / np.float32((cur + 1 - length) ** length_penalty)  # (B, keep)
+        with np.errstate(under="ignore"):  # a huge divisor makes a score 0: still a score
+            offered = top_scores / _length_divisor(cur + 1 - length, length_penalty)  # (B, keep)
         full = finished.all(axis=-1, keepdims=True) & (early_stopping is True)  # (B, 1)
         for ruled_out in (full, ~improvable, ~just):
             offered = offered + ruled_out.astype(np.float32) * _FINISHED_PENALTY
@@ -299,21 +333,16 @@ def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: 
         origin = np.concatenate([origin, top_origin], axis=1)[rows, best]  # (B, K, N)
         finished = np.concatenate([finished, just], axis=1)[rows, best]  # (B, K)
         scores = np.take_along_axis(merged, best, axis=1)  # (B, K)
-        cache.reorder(running_origin[:, :, cur - length].reshape(-1))
+        index = running_origin[:, :, cur - length].reshape(-1)  # (B*K,): the row each open beam came from
         cur += 1
         hypothetical = total - length if early_stopping == "never" and length_penalty > 0 else cur - length
-        best_open = running_scores[:, :1] / np.float32(hypothetical ** length_penalty)  # (B, 1)
+        with np.errstate(under="ignore"):
+            best_open = running_scores[:, :1] / _length_divisor(hypothetical, length_penalty)  # (B, 1)
         worst_finished = np.where(finished, scores.min(axis=1, keepdims=True), np.float32(-1.0e9))  # (B, K)
         improvable &= np.any(best_open > worst_finished, axis=-1, keepdims=True)
         if not improvable.any() or (finished.all() and early_stopping is True) or ends.all():
             break
-        flat_mask = np.concatenate([flat_mask, np.ones((b * k, 1), dtype=bool)], axis=1)  # (B*K, cur)
-        if switch is not None and cur > switch >= cache.length:
-            # the rotation of every cached key changes here: run the whole sequences again, once
-            cache = model.new_cache(b * k, max_length=total)
-            logits = next_token_logits(model, running[:, :, :cur].reshape(b * k, cur), flat_mask, cache)
-        else:
-            logits = next_token_logits(model, running[:, :, cur - 1].reshape(-1, 1), flat_mask, cache)
+        logits = beams.advance(index, running[:, :, :cur].reshape(b * k, cur))  # (B*K, V)
     n = num_return_sequences
     chosen, chosen_origin = sequences[:, :n].reshape(b * n, total), origin[:, :n].reshape(b * n, -1)
     generated = int((chosen_origin >= 0).sum(axis=1).max())
