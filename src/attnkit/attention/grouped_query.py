@@ -15,7 +15,7 @@ import numpy as np
 
 from .._validation import as_bool_mask, check_features, check_grad_output
 from ..core.module import Module
-from ..flex import create_block_mask, flex_attention, flex_attention_backward, softcap
+from ..flex import create_block_mask, flex_attention, flex_attention_backward
 from ..flex.attention import FlexAttentionContext
 from ..init import as_generator, normal
 from ..kernels import attention_backward, attention_forward
@@ -103,8 +103,8 @@ class GroupedQueryAttention(Module):
             self.register_parameter("b_O", np.zeros(d))
         self.qk_norm, self.norm_eps, self.norm_offset = bool(config.qk_norm), config.norm_eps, config.norm_offset
         self.scale = config.attention_scale  # None: head_dim ** -0.5
-        # Soft-capped scores and sinks go through flex attention (exact gradients of both).
-        self.score_mod = None if config.attn_logit_softcap is None else softcap(config.attn_logit_softcap)
+        # The layer's score modifier (Gemma 2's soft-cap) and sinks go through flex attention (exact gradients).
+        self.score_mod = config.score_mod_of(layer_index)
         self.has_sinks = bool(config.attention_sinks)
         if self.has_sinks:
             self.register_parameter("sinks", normal(gen, (self.num_heads,), std=0.02))

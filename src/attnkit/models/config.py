@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._validation import check_positive_int
+from ..flex.modifiers import ScoreMod, softcap
 
 __all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "FAMILIES", "ROPE_TYPES"]
 
@@ -285,6 +286,18 @@ class DecoderConfig:
     def window_of(self, layer: int) -> int | None:
         """The sliding window W of layer ``layer``, or None for a full-attention layer."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def score_mod_of(self, layer: int) -> ScoreMod | None:
+        """The :mod:`attnkit.flex` score modifier of layer ``layer``'s attention, or None for plain scores.
+
+        Every layer of a family is modified alike today (Gemma 2's soft-capping); the attention layer asks
+        here, so a family whose layers differ is a change to this method, not a new flag on the layer.
+
+        >>> DecoderConfig(family="gemma2", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+        ...               head_dim=4, intermediate_size=8, attn_logit_softcap=50.0).score_mod_of(0).cap
+        50.0
+        """
+        return None if self.attn_logit_softcap is None else softcap(self.attn_logit_softcap)
 
 
 _ENCODER_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
