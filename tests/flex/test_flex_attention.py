@@ -226,3 +226,23 @@ def test_sliding_window_offset_aligns_the_window_at_the_bottom_right():
     np.testing.assert_allclose(out, own, rtol=1e-12, atol=1e-14)
     with pytest.raises(TypeError, match="offset must be an int"):
         F.sliding_window_mask(4, offset=1.5)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "tiled"])
+def test_grouped_keys_are_read_in_place_and_equal_repeated_keys(kernel):
+    """Grouped-query K/V stay (B, Hkv, Lk, D) in the context (no copy per query head) and give what the same
+    keys repeated per query head give, gradients summed over each group."""
+    q, k, v = _inputs(Hq=6, Hkv=2, Lq=21, Lk=21, seed=12)
+    bm = F.create_block_mask(F.causal_mask, None, None, 21, 21, block_size=(8, 8))
+    mod = F.softcap(2.0)
+    out, ctx = F.flex_attention(q, k, v, mod, bm, enable_gqa=True, kernel=kernel)
+    assert ctx.kernel_ctx.k.shape == k.shape and ctx.kernel_ctx.v.shape == v.shape
+    rep_k, rep_v = np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1)  # (2, 6, 21, *)
+    expected, rep_ctx = F.flex_attention(q, rep_k, rep_v, mod, bm, kernel=kernel)
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+    g = np.random.default_rng(13).normal(size=out.shape)
+    dq, dk, dv = F.flex_attention_backward(g, ctx)
+    rq, rk, rv = F.flex_attention_backward(g, rep_ctx)
+    np.testing.assert_allclose(dq, rq, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dk, rk.reshape(2, 2, 3, 21, 8).sum(axis=2), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dv, rv.reshape(2, 2, 3, 21, 6).sum(axis=2), rtol=1e-12, atol=1e-12)

@@ -90,13 +90,11 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         if sinks.shape != (Hq,):
             raise ValueError(f"sinks must have shape (Hq,) = ({Hq},), got {sinks.shape}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    group = Hq // Hkv
-    k_x = np.repeat(k, group, axis=1) if group > 1 else k  # (B, Hq, Lk, D)
-    v_x = np.repeat(v, group, axis=1) if group > 1 else v  # (B, Hq, Lk, Dv)
+    group = Hq // Hkv  # the kernel reads each key/value head for its G query heads, without copies
     mod = as_score_mod(score_mod)
     tiled = kernel != "reference"
     out, lse, weights, kctx = flex_forward(
-        q.astype(dtype, copy=False), k_x.astype(dtype, copy=False), v_x.astype(dtype, copy=False),
+        q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False),
         scale=scale, score_mod=mod, mask_tile=None if block_mask is None else block_mask.tile_mask,
         kinds=None if block_mask is None else block_mask.kinds,
         block_q=None if block_mask is None else block_mask.block_q,
@@ -127,11 +125,7 @@ def flex_attention_backward(grad_out, ctx: FlexAttentionContext):
     _check("grad_out", grad_out)
     if grad_out.shape != kctx.out.shape:
         raise ValueError(f"grad_out must have shape {kctx.out.shape}, got {grad_out.shape}")
-    dq, dk, dv, dsinks = flex_backward(grad_out, kctx)
-    if ctx.group > 1:
-        B, H, Lk = dk.shape[:3]
-        dk = dk.reshape(B, H // ctx.group, ctx.group, Lk, -1).sum(axis=2)  # (B, Hkv, Lk, D)
-        dv = dv.reshape(B, H // ctx.group, ctx.group, Lk, -1).sum(axis=2)  # (B, Hkv, Lk, Dv)
+    dq, dk, dv, dsinks = flex_backward(grad_out, kctx)  # dk, dv (B, Hkv, Lk, *): summed over each group
     if dsinks is None:
         return dq, dk, dv
     ctx.sinks_grad = dsinks

@@ -1,8 +1,10 @@
 """Attention with score/mask modifiers and sinks: reference (whole score matrix) and tiled (tile skipping).
 
 ``out = softmax([mod(scale * q k^T) masked, sink]) v`` where ``sink`` is an optional per-head logit that
-joins every row's softmax and carries no value. Dimension letters: B batch, H query heads, Lq/Lk lengths,
-Tq/Tk tile lengths, D/Dv features. K/V arrive already expanded to H heads (the checked API expands GQA).
+joins every row's softmax and carries no value. Dimension letters: B batch, H query heads, Hkv key/value
+heads (grouped-query attention: each serves G = H / Hkv query heads, which read it without a copy: the G
+query rows of a key/value head are stacked into one (G*Tq)-row product), Lq/Lk lengths, Tq/Tk tile
+lengths, D/Dv features.
 
 ``score_mod`` has ``forward(s, b, h, q_idx, kv_idx)`` and ``backward(g, s, b, h, q_idx, kv_idx)``;
 ``mask_tile(q0, q1, k0, k1)`` returns a boolean array broadcastable to (B, H, Tq, Tk); ``kinds`` (B', H',
@@ -28,9 +30,9 @@ __all__ = ["FlexContext", "flex_forward", "flex_backward"]
 class FlexContext:
     """What the backward needs: inputs, output, log-sum-exp (B, H, Lq) and the description."""
 
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
+    q: np.ndarray  # (B, H, Lq, D)
+    k: np.ndarray  # (B, Hkv, Lk, D)
+    v: np.ndarray  # (B, Hkv, Lk, Dv)
     out: np.ndarray
     lse: np.ndarray
     scale: float
@@ -41,6 +43,18 @@ class FlexContext:
     block_k: int
     sinks: np.ndarray | None
     tiled: bool
+
+
+def _stack(x: np.ndarray, kv_heads: int) -> np.ndarray:
+    """(B, H, T, F) -> (B, Hkv, G*T, F): each key/value head's G query heads as one block of rows."""
+    b, h, t, f = x.shape
+    return x.reshape(b, kv_heads, (h // kv_heads) * t, f)
+
+
+def _unstack(x: np.ndarray, heads: int) -> np.ndarray:
+    """(B, Hkv, G*T, F) -> (B, H, T, F), the inverse of :func:`_stack`."""
+    b, _, gt, f = x.shape
+    return x.reshape(b, heads, gt * x.shape[1] // heads, f)
 
 
 def _idx(B, H, q0, q1, k0, k1):
@@ -64,7 +78,7 @@ def _masked_bad(bad: np.ndarray | None, keep, k0: int, k1: int) -> bool:
 def _scores(q, k, scale, score_mod, mask_tile, kind, q0, q1, k0, k1):
     """Modified, masked scores of one tile (B, H, Tq, Tk), the raw scores and the keep mask (or None)."""
     B, H = q.shape[:2]
-    raw = q[:, :, q0:q1] @ k[:, :, k0:k1].swapaxes(-1, -2)  # (B, H, Tq, Tk)
+    raw = _unstack(_stack(q[:, :, q0:q1], k.shape[1]) @ k[:, :, k0:k1].swapaxes(-1, -2), H)  # (B, H, Tq, Tk)
     raw *= raw.dtype.type(scale)
     idx = _idx(B, H, q0, q1, k0, k1)
     s = raw if score_mod is None else score_mod.forward(raw, *idx)
@@ -117,7 +131,7 @@ def flex_forward(q, k, v, *, scale, score_mod=None, mask_tile=None, kinds=None, 
             denom = denom * alpha + p.sum(axis=-1)
             acc *= alpha[..., None]
             product = zero_safe_matmul if _masked_bad(bad_v, keep, k0, k1) else np.matmul
-            acc += product(p, v[:, :, k0:k1])  # (B, H, Tq, Dv)
+            acc += _unstack(product(_stack(p, v.shape[1]), v[:, :, k0:k1]), H)  # (B, H, Tq, Dv)
             m = m_new
         live = denom != 0  # a row that saw a NaN has a NaN sum: it stays NaN, as in the other kernels
         safe_m = np.where(np.isfinite(m), m, 0)
@@ -155,7 +169,7 @@ def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
     """
     q, k, v = ctx.q, ctx.k, ctx.v
     B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
+    hkv, Lk = k.shape[1], k.shape[2]
     bq, bk = ctx.block_q, ctx.block_k
     nq, nk = -(-Lq // bq), -(-Lk // bk)
     plan = _tile_plan(ctx.tiled, ctx.kinds, ctx.mask_tile, nq, nk)
@@ -186,8 +200,9 @@ def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
                     s = s.copy()  # the modifier's backward reads the raw scores
                 s -= l_i
                 p = np.exp(s, out=s)  # (B, H, Tq, Tk)
-                dv[:, :, k0:k1] += p.swapaxes(-1, -2) @ g_i  # (B, H, Tk, Dv)
-                ds = p * (g_i @ v[:, :, k0:k1].swapaxes(-1, -2) - d_i)  # (B, H, Tq, Tk)
+                g_stacked = _stack(g_i, hkv)  # (B, Hkv, G*Tq, Dv)
+                dv[:, :, k0:k1] += _stack(p, hkv).swapaxes(-1, -2) @ g_stacked  # (B, Hkv, Tk, Dv): summed over G
+                ds = p * (_unstack(g_stacked @ v[:, :, k0:k1].swapaxes(-1, -2), H) - d_i)  # (B, H, Tq, Tk)
                 masked_bad_k = _masked_bad(bad_k, keep, k0, k1)
                 if _masked_bad(bad_v, keep, k0, k1):
                     ds = np.where(keep, ds, 0)  # masked: p = 0, but g . v is NaN where v is
@@ -199,8 +214,9 @@ def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
                         ds = np.where(keep, ds, 0)
                 ds *= ctx.scale
                 product = zero_safe_matmul if masked_bad_k else np.matmul
-                dq[:, :, q0:q1] += product(ds, k[:, :, k0:k1])  # (B, H, Tq, D)
-                dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q[:, :, q0:q1]  # (B, H, Tk, D)
+                ds_stacked = _stack(ds, hkv)  # (B, Hkv, G*Tq, Tk)
+                dq[:, :, q0:q1] += _unstack(product(ds_stacked, k[:, :, k0:k1]), H)  # (B, H, Tq, D)
+                dk[:, :, k0:k1] += ds_stacked.swapaxes(-1, -2) @ _stack(q[:, :, q0:q1], hkv)  # (B, Hkv, Tk, D)
 
     if tasks == 1:
         key_bands(0, 0)
