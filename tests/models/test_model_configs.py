@@ -44,6 +44,14 @@ def test_the_config_sizes_decide_the_shapes():
     assert tagger(np.zeros((2, 5), int)).shape == (2, 5, 3)
 
 
+def test_the_configs_accept_every_activation_the_layers_have():
+    """The configs name the layers' own choices: SiLU feed-forward blocks build, as they did before the configs."""
+    tagger = TokenTagger(dataclasses.replace(TAGGER, activation="silu"), rng=0)
+    assert tagger.encoder.layers[0].ffn.activation == "silu"
+    model = Seq2SeqTransformer(dataclasses.replace(SEQ2SEQ, activation="silu", cross_attention="additive"), rng=0)
+    assert model.transformer.decoder.layers[0].activation == "silu"
+
+
 @pytest.mark.parametrize("make, error, match", [
     (lambda: dataclasses.replace(TAGGER, vocab_size=0), ValueError, "vocab_size must be positive, got 0"),
     (lambda: dataclasses.replace(TAGGER, d_model=8.0), TypeError, "d_model must be an integer, got float"),

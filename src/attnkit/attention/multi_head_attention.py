@@ -30,6 +30,18 @@ from .scaled_dot_product import ScaledDotProductAttention
 __all__ = ["MultiHeadAttention"]
 
 
+def _check_padding(key_padding_mask: Any, shape: tuple[int, int], expected: str) -> np.ndarray | None:
+    """``key_padding_mask`` as a boolean array of ``shape`` (``True`` = real token), or None."""
+    if key_padding_mask is None:
+        return None
+    kpm = np.asarray(key_padding_mask)
+    if kpm.dtype != np.bool_:
+        raise TypeError(f"key_padding_mask must be boolean (True = real token), got dtype {kpm.dtype}")
+    if kpm.shape != tuple(shape):
+        raise ValueError(f"key_padding_mask has shape {kpm.shape}, expected {expected} = {tuple(shape)}")
+    return kpm
+
+
 class MultiHeadAttention(Module):
     """Multi-head attention: ``Concat(head_1, ..., head_H) W_O`` with ``head_i = Attention(q W_Q^i, k W_K^i, v W_V^i)``.
 
@@ -209,11 +221,8 @@ class MultiHeadAttention(Module):
         keys, values, slots = kept  # (B, H, S, Dh), (B, H, S, Dh), (S,)
         seq_k = keys.shape[-2]
         head_mask = check_mha_mask(attn_mask, "attn_mask", batch, self.num_heads, seq_q, seq_k)
-        if key_padding_mask is not None:
-            kpm = np.asarray(key_padding_mask)
-            if kpm.dtype != np.bool_ or kpm.shape != (batch, seq_k):
-                raise ValueError(f"key_padding_mask must be a boolean (batch, cached keys) = {(batch, seq_k)} array "
-                                 f"(True = real token), got shape {kpm.shape} and dtype {kpm.dtype}")
+        kpm = _check_padding(key_padding_mask, (batch, seq_k), "(batch, cached keys)")
+        if kpm is not None:
             pad = kpm[:, None, None, :]  # (B, 1, 1, S)
             head_mask = pad if head_mask is None else (head_mask & pad)
         if is_causal:
@@ -275,14 +284,7 @@ class MultiHeadAttention(Module):
                              f"(key: {key.shape}, value: {value.shape})")
         dtype = common_float_dtype(query, key, value)
         query, key, value = (a.astype(dtype, copy=False) for a in (query, key, value))
-        kpm = None
-        if key_padding_mask is not None:
-            kpm = np.asarray(key_padding_mask)
-            if kpm.dtype != np.bool_:
-                raise TypeError(f"key_padding_mask must be boolean (True = real token), got dtype {kpm.dtype}")
-            if kpm.shape != key.shape[:2]:
-                raise ValueError(f"key_padding_mask has shape {kpm.shape}, expected (batch, seq_k) = {key.shape[:2]}")
-        return query, key, value, kpm
+        return query, key, value, _check_padding(key_padding_mask, key.shape[:2], "(batch, seq_k)")
 
     @classmethod
     def from_torch(cls, module) -> MultiHeadAttention:

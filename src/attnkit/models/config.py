@@ -16,6 +16,8 @@ from typing import Any
 
 from .._validation import check_positive_int
 from ..flex.modifiers import ScoreMod, softcap
+from ..kernels.activations import ACTIVATIONS
+from ..layers.decoder import CROSS_ATTENTION_KINDS
 
 __all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "FAMILIES", "ROPE_TYPES"]
 
@@ -23,7 +25,6 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "g
             "phi3", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _QK_NORM_SCOPES = ("head", "projection")
 
 
@@ -201,7 +202,7 @@ class DecoderConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         for name, value, allowed in (("norm", self.norm, ("layernorm", "rmsnorm")),
-                                     ("activation", self.activation, _ACTIVATIONS),
+                                     ("activation", self.activation, ACTIVATIONS),
                                      ("mlp", self.mlp, ("gated", "plain", "experts")),
                                      ("position", self.position, ("rotary", "learned")),
                                      ("qk_norm_scope", self.qk_norm_scope, _QK_NORM_SCOPES)):
@@ -300,8 +301,6 @@ class DecoderConfig:
         return None if self.attn_logit_softcap is None else softcap(self.attn_logit_softcap)
 
 
-_ENCODER_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-_CROSS_ATTENTION = ("dot", "additive")
 _POSITIONAL = ("sinusoidal", "learned")
 
 
@@ -334,7 +333,7 @@ class Seq2SeqConfig:
         Scaled dot-product cross-attention heads, or Bahdanau's additive ones.
     dropout : float, default 0.0
         Dropout of the decoder blocks (training mode only).
-    activation : {"relu", "gelu", "gelu_tanh"}, default "relu"
+    activation : {"relu", "gelu", "gelu_tanh", "silu"}, default "relu"
 
     Examples
     --------
@@ -360,8 +359,8 @@ class Seq2SeqConfig:
             check_positive_int(getattr(self, name), name, maximum=_MAX_SIZE)
         if self.d_ff is not None:
             check_positive_int(self.d_ff, "d_ff", maximum=_MAX_SIZE)
-        _check_choice(self.cross_attention, "cross_attention", _CROSS_ATTENTION)
-        _check_choice(self.activation, "activation", _ENCODER_ACTIVATIONS)
+        _check_choice(self.cross_attention, "cross_attention", CROSS_ATTENTION_KINDS)
+        _check_choice(self.activation, "activation", ACTIVATIONS)
         _check_dropout(self.dropout)
 
 
@@ -384,7 +383,7 @@ class TokenTaggerConfig:
         Feed-forward hidden size (default ``4 * d_model``).
     norm_first : bool, default True
         Pre-norm blocks (with a final LayerNorm) or post-norm blocks.
-    activation : {"relu", "gelu", "gelu_tanh"}, default "relu"
+    activation : {"relu", "gelu", "gelu_tanh", "silu"}, default "relu"
     positional : {"sinusoidal", "learned"}, default "sinusoidal"
 
     Examples
@@ -411,5 +410,5 @@ class TokenTaggerConfig:
             check_positive_int(self.d_ff, "d_ff", maximum=_MAX_SIZE)
         if not isinstance(self.norm_first, bool):
             raise TypeError(f"norm_first must be True or False, got {self.norm_first!r}")
-        _check_choice(self.activation, "activation", _ENCODER_ACTIVATIONS)
+        _check_choice(self.activation, "activation", ACTIVATIONS)
         _check_choice(self.positional, "positional", _POSITIONAL)
