@@ -3,9 +3,11 @@
 Dimension letters: B batch, L new tokens, S keys (past + new), D ``hidden_size``, Hq query heads, Hkv key/value
 heads, G = Hq / Hkv queries per key/value head, Dh ``head_dim``, R rotated features.
 
-Grouped-query attention shares each key/value head among G query heads. The queries are reshaped to
-``(B, Hkv, G, L, Dh)`` and the keys/values kept at ``(B, Hkv, 1, S, Dh)``: the kernel broadcasts them over
-the group and sums their gradients over it, so repeated K/V are never materialised.
+Grouped-query attention shares each key/value head among G query heads. The layer's attention is one
+:func:`attnkit.flex.flex_attention` call: its causal (or sliding-window) and padding mask, its score modifier
+(Gemma 2's soft-cap) and its sinks (gpt-oss) describe the variant, and flex attention picks the kernel (the
+tiled FlashAttention kernel for a plain causal layer). Either kernel reads each key/value head for its G
+query heads and sums their gradients over the group, so repeated K/V are never materialised.
 """
 from __future__ import annotations
 
@@ -15,30 +17,21 @@ import numpy as np
 
 from .._validation import as_bool_mask, check_features, check_grad_output
 from ..core.module import Module
-from ..flex import create_block_mask, flex_attention, flex_attention_backward
-from ..flex.attention import FlexAttentionContext
+from ..flex import (
+    and_masks,
+    causal_lower_right,
+    create_block_mask,
+    flex_attention,
+    flex_attention_backward,
+    padding_mask,
+    sliding_window_mask,
+)
 from ..init import as_generator, normal
-from ..kernels import attention_backward, attention_forward
 from ..kernels import rotary as _rotary
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["GroupedQueryAttention"]
-
-
-def decoder_mask_mod(key_mask: np.ndarray | None, offset: int, window: int | None):
-    """The ``mask_mod`` of a decoder layer for :func:`attnkit.flex.create_block_mask`: query i (at position
-    ``i + offset`` among the S keys, the new tokens being the last ones) attends key j iff ``j <= i + offset``,
-    ``j > i + offset - W`` with a window, and the key is real (``key_mask`` (B, S), None = all)."""
-
-    def mask(b, h, q_idx, kv_idx):
-        at = q_idx + offset
-        keep = kv_idx <= at
-        if window is not None:
-            keep = keep & (kv_idx > at - window)
-        return keep if key_mask is None else keep & key_mask[b, kv_idx]
-
-    return mask
 
 
 class GroupedQueryAttention(Module):
@@ -182,17 +175,7 @@ class GroupedQueryAttention(Module):
             key_mask = None if key_mask is None else key_mask[:, kept.slots]  # (B, S)
         else:
             key_mask = self._check_mask(attention_mask, b, length)
-        if self.score_mod is not None or self.has_sinks:
-            out, weights, ctx = self._flex(q, k, v, key_mask, output_attentions)  # (B, Hq, L, Dh)
-        else:
-            qg = q.reshape(b, self.num_kv_heads, self.num_groups, length, self.head_dim)  # (B, Hkv, G, L, Dh)
-            mask = None if key_mask is None else key_mask[:, None, None, None, :]  # (B, 1, 1, 1, S)
-            # The cache returns consecutive slots ending at the new tokens, so the kernel's bottom-right aligned
-            # causal window applies to cached steps as well. One decoding step (L = 1) is a single row of scores:
-            # the reference kernel is cheapest there; longer inputs take the tiled kernel (no L x S scores).
-            out, weights, ctx = attention_forward(qg, k[:, :, None], v[:, :, None], mask=mask, causal=True,
-                                                  window=self.window, scale=self.scale,
-                                                  need_weights=output_attentions or length == 1)  # (B, Hkv, G, L, Dh)
+        out, weights, ctx = self._attend(q, k, v, key_mask, output_attentions)  # (B, Hq, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
@@ -205,13 +188,22 @@ class GroupedQueryAttention(Module):
         # The reference kernel returns its own copy of the weights (backward reads ctx's), so this is the caller's.
         return y, weights.reshape(b, self.num_heads, length, weights.shape[-1])  # (B, Hq, L, S)
 
-    def _flex(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None, need_weights: bool):
-        """Causal (windowed, padded) attention through :func:`attnkit.flex.flex_attention` with the layer's score
-        modifier: ``(out (B, Hq, L, Dh), weights (B, Hq, L, S) or None, ctx)``."""
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None,
+                need_weights: bool):
+        """Causal (windowed, padded) attention with the layer's score modifier and sinks, through
+        :func:`attnkit.flex.flex_attention`: ``(out (B, Hq, L, Dh), weights (B, Hq, L, S) or None, ctx)``.
+
+        The cache returns consecutive slots ending at the new tokens, so the mask's bottom-right causal
+        alignment holds for cached steps too. A plain causal layer runs on the tiled FlashAttention kernel; one
+        decoding step (L = 1) is a single row of scores, cheapest on the reference kernel.
+        """
         b, _, length, _ = q.shape
         seq_k = k.shape[2]
-        block_mask = create_block_mask(decoder_mask_mod(key_mask, seq_k - length, self.window),
-                                       None if key_mask is None else b, None, length, seq_k)
+        mask = sliding_window_mask(self.window, offset=seq_k - length) if self.window else \
+            causal_lower_right(length, seq_k)
+        if key_mask is not None:
+            mask = and_masks(mask, padding_mask(key_mask))
+        block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
         kernel = "reference" if need_weights or length == 1 else "tiled"
         out, ctx = flex_attention(q, k, v, self.score_mod, block_mask, scale=self.scale, enable_gqa=True,
                                   sinks=self._parameters.get("sinks"), kernel=kernel)  # (B, Hq, L, Dh)
@@ -228,17 +220,10 @@ class GroupedQueryAttention(Module):
         p = self._parameters
         grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
         self._accumulate("O", grad_w, grad_b)
-        if isinstance(ctx, FlexAttentionContext):
-            grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-            dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
-            if self.has_sinks:
-                self.grads["sinks"] += dsinks[0]
-        else:
-            grad_out = grad_merged.reshape(b, length, self.num_kv_heads, self.num_groups, self.head_dim)
-            grad_out = grad_out.transpose(0, 2, 3, 1, 4)  # (B, Hkv, G, L, Dh)
-            dq, dk, dv, _ = attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, Hkv, G|1, L, Dh)
-            dq = dq.reshape(b, self.num_heads, length, self.head_dim)  # (B, Hq, L, Dh)
-            dk, dv = dk[:, :, 0], dv[:, :, 0]  # (B, Hkv, L, Dh)
+        grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
+        if self.has_sinks:
+            self.grads["sinks"] += dsinks[0]
         if rotary is not None:
             cos, sin = rotary
             dq = _rotary.rotary_backward(dq, cos, sin, self.interleaved)  # (B, Hq, L, Dh)

@@ -5,27 +5,38 @@ import math
 
 import numpy as np
 
+from ..kernels import attention_backward, attention_forward
+from ..kernels.bias import ScoreBias
 from ..kernels.flex import FlexContext, flex_backward, flex_forward
-from .masks import BlockMask
+from .masks import BlockMask, KernelMask
 from .modifiers import as_score_mod
 
-__all__ = ["flex_attention", "flex_attention_backward", "FlexAttentionContext"]
+__all__ = ["flex_attention", "flex_attention_backward", "FlexAttentionContext", "FLEX_KERNELS"]
+
+FLEX_KERNELS = ("auto", "reference", "tiled", "flex-reference", "flex-tiled")
 
 
 class FlexAttentionContext:
     """What :func:`flex_attention_backward` needs. After the backward, ``sinks_grad`` (H,) holds the sinks'
-    gradient (``None`` without sinks); the same array is also returned as the fourth value."""
+    gradient (``None`` without sinks); the same array is also returned as the fourth value.
 
-    def __init__(self, kernel_ctx: FlexContext, group: int, q_dtype, weights):
+    ``kernel`` names the kernel that ran: ``"flex-reference"`` or ``"flex-tiled"`` (attnkit.kernels.flex), or
+    ``"reference"`` or ``"tiled"`` (the attention kernels of :mod:`attnkit.kernels.registry`, which take a
+    description made of a :class:`~attnkit.flex.KernelMask` and a positional bias directly).
+    """
+
+    def __init__(self, kernel_ctx, kernel: str, group: int, q_dtype, weights, out_shape):
         self.kernel_ctx = kernel_ctx
+        self.kernel = kernel
         self.group = group
         self.dtype = q_dtype
         self.weights = weights
+        self.out_shape = out_shape
         self.sinks_grad = None
 
 
 def _check(name, x, ndim=4):
-    if not isinstance(x, np.ndarray) or x.ndim != ndim or not np.issubdtype(x.dtype, np.floating):
+    if not isinstance(x, np.ndarray) or x.ndim != ndim or x.dtype.kind != "f":
         got = f"shape {x.shape} dtype {x.dtype}" if isinstance(x, np.ndarray) else type(x).__name__
         raise ValueError(f"{name} must be a floating ndarray with {ndim} dims, got {got}")
 
@@ -43,8 +54,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     q : ndarray, shape (B, Hq, Lq, D)
     k : ndarray, shape (B, Hkv, Lk, D)
     v : ndarray, shape (B, Hkv, Lk, Dv)
-    score_mod : ScoreMod or callable ``(score, b, h, q_idx, kv_idx) -> score``, optional
-        A plain callable works forward only.
+    score_mod : ScoreMod, ScoreBias or callable ``(score, b, h, q_idx, kv_idx) -> score``, optional
+        A plain callable works forward only. A :class:`~attnkit.kernels.bias.ScoreBias` (T5, ALiBi and
+        physics-prior biases of the attention heads) places query i at key position ``i + Lk - Lq``.
     block_mask : BlockMask, optional
         From :func:`create_block_mask` with ``Q_LEN == Lq`` and ``KV_LEN == Lk``.
     scale : float, optional
@@ -54,10 +66,15 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         Allow ``Hkv`` dividing ``Hq`` (query head h reads K/V head ``h // (Hq / Hkv)``).
     return_lse : bool
         Also return the log-sum-exp (B, Hq, Lq) (including the sink).
-    kernel : {"auto", "reference", "tiled"}
+    kernel : {"auto", "reference", "tiled", "flex-reference", "flex-tiled"}
         ``"reference"`` materialises the scores (``ctx.weights`` holds the (B, Hq, Lq, Lk) softmax);
-        ``"tiled"`` visits the block mask's tiles, skipping empty ones and masking only partial ones.
-        ``"auto"`` is ``"tiled"``.
+        ``"tiled"`` never does: it visits tiles with an online softmax. ``"auto"`` is ``"tiled"``.
+        A description the attention kernels take as arguments (no sinks, no lse, a mask with a
+        :class:`~attnkit.flex.KernelMask`: causal at the bottom-right corner, windowed or padded; a
+        :class:`~attnkit.kernels.bias.ScoreBias` or no score modifier) runs on them (the tiled FlashAttention
+        kernel, or the reference kernel); any other on the flex kernels, which evaluate the modifiers tile
+        by tile, skip the block mask's empty tiles and mask only its partial ones. ``"flex-reference"`` and
+        ``"flex-tiled"`` run the flex kernels whatever the description (to check one against the other).
 
     Returns
     -------
@@ -75,13 +92,13 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     Hkv = k.shape[1]
     if Hkv != Hq and not (enable_gqa and Hq % Hkv == 0):
         raise ValueError(f"k has {Hkv} heads and q {Hq}: pass enable_gqa=True with Hq a multiple of Hkv")
-    if kernel not in ("auto", "reference", "tiled"):
-        raise ValueError(f"kernel must be 'auto', 'reference' or 'tiled', got {kernel!r}")
+    if kernel not in FLEX_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, FLEX_KERNELS))}, got {kernel!r}")
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a BlockMask from create_block_mask, got "
                             f"{type(block_mask).__name__}")
-        bb, bh = block_mask.kinds.shape[:2]
+        bb, bh = block_mask.batch, block_mask.heads
         if (block_mask.q_len, block_mask.kv_len) != (Lq, k.shape[2]) or bb not in (1, B) or bh not in (1, Hq):
             raise ValueError(f"block_mask of shape {block_mask.shape} does not fit q {q.shape} and k {k.shape}")
     dtype = np.result_type(q.dtype, k.dtype, v.dtype)
@@ -89,19 +106,66 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         sinks = np.asarray(sinks)
         if sinks.shape != (Hq,):
             raise ValueError(f"sinks must have shape (Hq,) = ({Hq},), got {sinks.shape}")
+    if score_mod is not None and not isinstance(score_mod, ScoreBias):
+        score_mod = as_score_mod(score_mod)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    group = Hq // Hkv  # the kernel reads each key/value head for its G query heads, without copies
-    mod = as_score_mod(score_mod)
-    tiled = kernel != "reference"
+    group = Hq // Hkv  # the kernels read each key/value head for its G query heads, without copies
+    described = None
+    if not kernel.startswith("flex-"):
+        described = _kernel_terms(block_mask, score_mod, sinks, return_lse, Lq, k.shape[2], group)
+    if described is not None:
+        return _on_attention_kernel(q, k, v, described, score_mod, scale, group, kernel == "reference")
+    mod = as_score_mod(score_mod, Lq, k.shape[2])
+    tiled = not kernel.endswith("reference")
     out, lse, weights, kctx = flex_forward(
         q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False),
         scale=scale, score_mod=mod, mask_tile=None if block_mask is None else block_mask.tile_mask,
-        kinds=None if block_mask is None else block_mask.kinds,
+        kinds=None if block_mask is None or not tiled else block_mask.kinds,
         block_q=None if block_mask is None else block_mask.block_q,
         block_k=None if block_mask is None else block_mask.block_k, sinks=sinks, tiled=tiled)
-    ctx = FlexAttentionContext(kctx, group, dtype, weights)
+    ctx = FlexAttentionContext(kctx, "flex-tiled" if tiled else "flex-reference", group, dtype, weights, out.shape)
     if return_lse:
         return out, lse.copy(), ctx
+    return out, ctx
+
+
+def _kernel_terms(block_mask, score_mod, sinks, return_lse: bool, q_len: int, kv_len: int,
+                  group: int) -> KernelMask | None:
+    """The description in the attention kernels' terms, or None when only the flex kernels can run it.
+
+    Those kernels take a causal (bottom-right), windowed and key-padded mask and a positional bias
+    (:class:`~attnkit.kernels.bias.ScoreBias`, per query head: not with grouped heads); no sinks, no lse.
+    """
+    if sinks is not None or return_lse:
+        return None
+    if score_mod is not None and not (isinstance(score_mod, ScoreBias) and group == 1):
+        return None
+    if block_mask is None:
+        return KernelMask()
+    described = block_mask.kernel_mask
+    if described is None or (described.offset is not None and described.offset != kv_len - q_len):
+        return None
+    return described
+
+
+def _on_attention_kernel(q, k, v, described: KernelMask, bias, scale: float, group: int, need_weights: bool):
+    """Run a description the attention kernels take: the reference kernel (weights) or the tiled one."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if group > 1:  # (B, Hkv, G, L, D) against (B, Hkv, 1, S, D): the kernels broadcast K/V over the group
+        q, k, v = q.reshape(B, Hkv, group, Lq, D), k[:, :, None], v[:, :, None]
+    mask = None
+    if described.key_mask is not None:
+        rows = described.key_mask.shape[0]
+        mask = described.key_mask.reshape(rows, *(1,) * (q.ndim - 2), Lk)  # (B', 1, [1,] 1, Lk)
+    out, weights, kctx = attention_forward(
+        q, k, v, mask=mask, causal=described.offset is not None, window=described.window, scale=scale,
+        bias=bias, need_weights=need_weights, kernel="reference" if need_weights else "tiled")
+    out = out.reshape(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
+    if weights is not None:
+        weights = weights.reshape(B, Hq, Lq, Lk)  # (B, Hq, Lq, Lk)
+    ctx = FlexAttentionContext(kctx, "reference" if need_weights else "tiled", group, out.dtype, weights,
+                               out.shape)
     return out, ctx
 
 
@@ -123,8 +187,16 @@ def flex_attention_backward(grad_out, ctx: FlexAttentionContext):
         raise TypeError(f"ctx must be the context flex_attention returned, got {type(ctx).__name__}")
     kctx = ctx.kernel_ctx
     _check("grad_out", grad_out)
-    if grad_out.shape != kctx.out.shape:
-        raise ValueError(f"grad_out must have shape {kctx.out.shape}, got {grad_out.shape}")
+    if grad_out.shape != ctx.out_shape:
+        raise ValueError(f"grad_out must have shape {ctx.out_shape}, got {grad_out.shape}")
+    if not isinstance(kctx, FlexContext):
+        B, Hq, Lq, Dv = ctx.out_shape
+        if ctx.group > 1:
+            grad_out = grad_out.reshape(B, Hq // ctx.group, ctx.group, Lq, Dv)  # (B, Hkv, G, Lq, Dv)
+        dq, dk, dv, _ = attention_backward(grad_out, kctx)
+        if ctx.group > 1:
+            dq, dk, dv = dq.reshape(B, Hq, Lq, -1), dk[:, :, 0], dv[:, :, 0]  # (B, Hq, Lq, D), (B, Hkv, Lk, *)
+        return dq, dk, dv
     dq, dk, dv, dsinks = flex_backward(grad_out, kctx)  # dk, dv (B, Hkv, Lk, *): summed over each group
     if dsinks is None:
         return dq, dk, dv

@@ -2,6 +2,12 @@
 
 Index arguments are broadcastable integer arrays as for score modifiers; a mask modifier returns a boolean
 array broadcastable to (B, H, Tq, Tk).
+
+The built-in causal, sliding-window and padding masks (and their :func:`and_masks`) also carry a
+:class:`KernelMask`: the same mask in the arguments of attnkit's attention kernels (``causal``, ``window``,
+a key mask). :func:`flex_attention` hands such a description to the tiled FlashAttention kernel, which
+needs neither the mask function nor a block classification, so the common variants cost what they cost
+without modifiers.
 """
 from __future__ import annotations
 
@@ -12,16 +18,56 @@ import numpy as np
 
 from .._validation import check_positive_int
 
-__all__ = ["causal_mask", "causal_lower_right", "sliding_window_mask", "chunked_mask", "document_mask",
+__all__ = ["KernelMask", "causal_mask", "causal_lower_right", "sliding_window_mask", "chunked_mask", "document_mask",
            "prefix_lm_mask", "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask",
            "EMPTY", "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelMask:
+    """A mask in the attention kernels' own terms: query i sees key j iff all of
+
+    - ``j <= i + offset`` (``offset`` None: no causal limit),
+    - ``j > i + offset - window`` (``window`` None: no window; requires an ``offset``),
+    - ``key_mask[b, j]`` (``key_mask`` (B', Lk) bool, B' 1 or B; None: every key).
+
+    The kernels align causal masks at the bottom-right corner, so they take it when
+    ``offset == kv_len - q_len``.
+    """
+
+    offset: int | None = None
+    window: int | None = None
+    key_mask: np.ndarray | None = None
+
+    def __and__(self, other: KernelMask) -> KernelMask | None:
+        """Both masks at once, or None when the kernels cannot say it (two different causal offsets)."""
+        if None not in (self.offset, other.offset) and self.offset != other.offset:
+            return None
+        offset = self.offset if other.offset is None else other.offset
+        windows = [w for w in (self.window, other.window) if w is not None]
+        keys = [m for m in (self.key_mask, other.key_mask) if m is not None]
+        key_mask = keys[0] if len(keys) == 1 else (np.logical_and(*keys) if keys else None)
+        return KernelMask(offset, min(windows) if windows else None, key_mask)
+
+
+def _describe(mask: Callable, kernel_mask: KernelMask | None) -> Callable:
+    mask.kernel_mask = kernel_mask
+    return mask
+
+
+def kernel_mask_of(mask_mod) -> KernelMask | None:
+    """The :class:`KernelMask` a mask modifier carries, or None (a mask only its function can say)."""
+    return getattr(mask_mod, "kernel_mask", None)
+
+
 def causal_mask(b, h, q_idx, kv_idx):
     """``kv_idx <= q_idx`` (top-left aligned, as torch's FlexAttention examples)."""
     return np.asarray(kv_idx) <= np.asarray(q_idx)
+
+
+causal_mask.kernel_mask = KernelMask(offset=0)
 
 
 def causal_lower_right(q_len: int, kv_len: int) -> Callable:
@@ -41,7 +87,7 @@ def causal_lower_right(q_len: int, kv_len: int) -> Callable:
 
     def mask(b, h, q_idx, kv_idx):
         return np.asarray(kv_idx) <= np.asarray(q_idx) + offset
-    return mask
+    return _describe(mask, KernelMask(offset=offset))
 
 
 def sliding_window_mask(window: int, *, offset: int = 0) -> Callable:
@@ -57,7 +103,7 @@ def sliding_window_mask(window: int, *, offset: int = 0) -> Callable:
     def mask(b, h, q_idx, kv_idx):
         q, k = np.asarray(q_idx) + offset, np.asarray(kv_idx)
         return (k <= q) & (k > q - window)
-    return mask
+    return _describe(mask, KernelMask(offset=offset, window=window))
 
 
 def chunked_mask(chunk: int) -> Callable:
@@ -110,7 +156,7 @@ def padding_mask(attention_mask) -> Callable:
 
     def mask(b, h, q_idx, kv_idx):
         return keep[b if keep.shape[0] > 1 else 0, np.asarray(kv_idx)]
-    return mask
+    return _describe(mask, KernelMask(key_mask=keep))
 
 
 def and_masks(*masks) -> Callable:
@@ -120,7 +166,14 @@ def and_masks(*masks) -> Callable:
         for m in masks:
             out = out & m(b, h, q_idx, kv_idx)
         return out
-    return mask
+
+    described = [kernel_mask_of(m) for m in masks]
+    combined = None
+    if masks and None not in described:
+        combined = described[0]
+        for part in described[1:]:
+            combined = None if combined is None else combined & part
+    return _describe(mask, combined)
 
 
 def or_masks(*masks) -> Callable:
@@ -139,7 +192,6 @@ def _indices(B, H, rows, cols):
     return b, h, np.asarray(rows).reshape(1, 1, -1, 1), np.asarray(cols).reshape(1, 1, 1, -1)
 
 
-@dataclasses.dataclass(frozen=True)
 class BlockMask:
     """Which tiles of the score matrix are empty, partial or full, per ``(b, h)``.
 
@@ -147,33 +199,63 @@ class BlockMask:
     ----------
     kinds : ndarray of int8, shape (B', H', nQ, nK)
         :data:`EMPTY` (0, skipped), :data:`PARTIAL` (1, ``mask_mod`` applied) or :data:`FULL` (2, no mask);
-        ``B'``/``H'`` are 1 when built with ``B``/``H`` ``None`` (broadcast over batch/heads).
+        ``B'``/``H'`` are 1 when built with ``B``/``H`` ``None`` (broadcast over batch/heads). A mask with a
+        :class:`KernelMask` is classified the first time ``kinds`` is read (the tiled FlashAttention kernel
+        never reads it).
     mask_mod : callable
+    kernel_mask : KernelMask or None
     q_len, kv_len, block_q, block_k : int
     """
 
-    kinds: np.ndarray
-    mask_mod: Callable
-    q_len: int
-    kv_len: int
-    block_q: int
-    block_k: int
+    def __init__(self, mask_mod: Callable, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
+                 block_k: int, kinds: np.ndarray | None = None, kernel_mask: KernelMask | None = None) -> None:
+        if kinds is None and kernel_mask is None:
+            raise ValueError("a BlockMask needs its tile kinds or a KernelMask to classify them from")
+        self.mask_mod, self.batch, self.heads = mask_mod, batch, heads
+        self.q_len, self.kv_len, self.block_q, self.block_k = q_len, kv_len, block_q, block_k
+        self.kernel_mask = kernel_mask
+        self._kinds = kinds
+
+    @property
+    def kinds(self) -> np.ndarray:
+        if self._kinds is None:
+            self._kinds = _classify(self.mask_mod, self.batch, self.heads, self.q_len, self.kv_len,
+                                    self.block_q, self.block_k)
+        return self._kinds
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """(B', H', Q_LEN, KV_LEN)."""
-        return (*self.kinds.shape[:2], self.q_len, self.kv_len)
+        return (self.batch, self.heads, self.q_len, self.kv_len)
+
+    def __repr__(self) -> str:
+        return (f"BlockMask(shape={self.shape}, block_size=({self.block_q}, {self.block_k}), "
+                f"kernel_mask={self.kernel_mask})")
 
     def to_dense(self) -> np.ndarray:
         """The full boolean mask, shape (B', H', Q_LEN, KV_LEN) (for inspection: it is Lq x Lk)."""
-        B, H = self.kinds.shape[:2]
-        idx = _indices(B, H, np.arange(self.q_len), np.arange(self.kv_len))
+        idx = _indices(self.batch, self.heads, np.arange(self.q_len), np.arange(self.kv_len))
         return np.broadcast_to(self.mask_mod(*idx), self.shape).copy()  # (B', H', Lq, Lk)
 
     def tile_mask(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
         """``mask_mod`` on one tile, shape broadcastable to (B', H', q1 - q0, k1 - k0)."""
-        B, H = self.kinds.shape[:2]
-        return np.asarray(self.mask_mod(*_indices(B, H, np.arange(q0, q1), np.arange(k0, k1))))
+        return np.asarray(self.mask_mod(*_indices(self.batch, self.heads, np.arange(q0, q1), np.arange(k0, k1))))
+
+
+def _classify(mask_mod: Callable, nb: int, nh: int, q_len: int, kv_len: int, bq: int, bk: int) -> np.ndarray:
+    """Tile kinds (B', H', nQ, nK), evaluating ``mask_mod`` one band of ``bq`` query rows at a time."""
+    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    kinds = np.empty((nb, nh, nq, nk), dtype=np.int8)
+    pad_k = nk * bk - kv_len
+    for i in range(nq):
+        q0, q1 = i * bq, min(q_len, (i + 1) * bq)
+        band = np.broadcast_to(mask_mod(*_indices(nb, nh, np.arange(q0, q1), np.arange(kv_len))),
+                               (nb, nh, q1 - q0, kv_len))  # (B', H', Tq, Lk)
+        counts = band.sum(axis=2, dtype=np.int64)  # (B', H', Lk)
+        counts = np.pad(counts, ((0, 0), (0, 0), (0, pad_k))).reshape(nb, nh, nk, bk).sum(axis=-1)  # (B', H', nK)
+        sizes = (q1 - q0) * np.minimum(bk, kv_len - np.arange(nk) * bk)  # (nK,)
+        kinds[:, :, i] = np.where(counts == 0, EMPTY, np.where(counts == sizes, FULL, PARTIAL))
+    return kinds
 
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
@@ -181,7 +263,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     """Classify every ``block_size`` tile of ``mask_mod`` as empty, partial or full.
 
     ``mask_mod`` is evaluated on row bands of tiles (one band of ``block_q`` query rows at a time, all key
-    tiles at once), so memory stays ``block_q x KV_LEN`` per (b, h).
+    tiles at once), so memory stays ``block_q x KV_LEN`` per (b, h). A built-in mask that carries a
+    :class:`KernelMask` is classified only when ``kinds`` is first read.
 
     Parameters
     ----------
@@ -203,15 +286,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     Q_LEN, KV_LEN = check_positive_int(Q_LEN, "Q_LEN"), check_positive_int(KV_LEN, "KV_LEN")
     nb = 1 if B is None else check_positive_int(B, "B")
     nh = 1 if H is None else check_positive_int(H, "H")
-    nq, nk = -(-Q_LEN // bq), -(-KV_LEN // bk)
-    kinds = np.empty((nb, nh, nq, nk), dtype=np.int8)
-    pad_k = nk * bk - KV_LEN
-    for i in range(nq):
-        q0, q1 = i * bq, min(Q_LEN, (i + 1) * bq)
-        band = np.broadcast_to(mask_mod(*_indices(nb, nh, np.arange(q0, q1), np.arange(KV_LEN))),
-                               (nb, nh, q1 - q0, KV_LEN))  # (B', H', Tq, Lk)
-        counts = band.sum(axis=2, dtype=np.int64)  # (B', H', Lk)
-        counts = np.pad(counts, ((0, 0), (0, 0), (0, pad_k))).reshape(nb, nh, nk, bk).sum(axis=-1)  # (B', H', nK)
-        sizes = (q1 - q0) * np.minimum(bk, KV_LEN - np.arange(nk) * bk)  # (nK,)
-        kinds[:, :, i] = np.where(counts == 0, EMPTY, np.where(counts == sizes, FULL, PARTIAL))
-    return BlockMask(kinds, mask_mod, Q_LEN, KV_LEN, bq, bk)
+    described = kernel_mask_of(mask_mod)
+    if described is not None and described.key_mask is not None and described.key_mask.shape != (nb, KV_LEN):
+        described = None  # a key mask of another shape is read only where mask_mod reads it
+    kinds = None if described is not None else _classify(mask_mod, nb, nh, Q_LEN, KV_LEN, bq, bk)
+    return BlockMask(mask_mod, nb, nh, Q_LEN, KV_LEN, bq, bk, kinds, described)

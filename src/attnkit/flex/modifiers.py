@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from .._validation import check_positive_int
+from ..kernels.bias import ScoreBias
 
 __all__ = ["ScoreMod", "softcap", "alibi", "alibi_slopes", "relative_position_bias", "additive_bias",
            "compose", "t5_relative_position_bucket", "as_score_mod"]
@@ -31,6 +32,12 @@ class ScoreMod:
     def _add_param(self, name: str, value: np.ndarray) -> None:
         self.params[name] = value
         self.grads[name] = np.zeros_like(value)
+
+    @property
+    def accumulates(self) -> bool:
+        """True when :meth:`backward` adds into gradients that every tile shares (the kernels then run the
+        backward's tiles on one thread, in a fixed order)."""
+        return bool(self.params)
 
     def zero_grad(self) -> None:
         """Set every gradient in ``.grads`` to zero."""
@@ -63,10 +70,39 @@ class _Forward(ScoreMod):
                         "backward; subclass attnkit.flex.ScoreMod with forward and backward to train through it")
 
 
-def as_score_mod(score_mod) -> ScoreMod | None:
-    """``score_mod`` as a :class:`ScoreMod` (a plain callable becomes a forward-only one), or ``None``."""
+class _PositionalBias(ScoreMod):
+    """A :class:`~attnkit.kernels.bias.ScoreBias` (an additive bias of query and key positions, for
+    sequences of lengths ``seq_q``, ``seq_k``) as a score modifier."""
+
+    def __init__(self, bias: ScoreBias, seq_q: int, seq_k: int):
+        super().__init__()
+        self.bias, self.seq_q, self.seq_k = bias, seq_q, seq_k
+
+    @property
+    def accumulates(self) -> bool:
+        return True
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        tile = self.bias.tile(np.ravel(q_idx), np.ravel(kv_idx), self.seq_q, self.seq_k)  # (H, Tq, Tk)
+        return score + tile.astype(score.dtype, copy=False)
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        self.bias.accumulate_grad(np.ravel(q_idx), np.ravel(kv_idx), self.seq_q, self.seq_k, grad)
+        return grad
+
+
+def as_score_mod(score_mod, seq_q: int | None = None, seq_k: int | None = None) -> ScoreMod | None:
+    """``score_mod`` as a :class:`ScoreMod` (a plain callable becomes a forward-only one), or ``None``.
+
+    A :class:`~attnkit.kernels.bias.ScoreBias` (the heads' positional biases: T5, ALiBi, physics priors)
+    needs the sequence lengths, ``seq_q`` and ``seq_k``, to place its queries at the bottom-right corner.
+    """
     if score_mod is None or isinstance(score_mod, ScoreMod):
         return score_mod
+    if isinstance(score_mod, ScoreBias):
+        if seq_q is None or seq_k is None:
+            raise ValueError(f"a {type(score_mod).__name__} needs the sequence lengths to act as a score modifier")
+        return _PositionalBias(score_mod, seq_q, seq_k)
     if not callable(score_mod):
         raise TypeError(f"score_mod must be a ScoreMod, a callable or None, got {type(score_mod).__name__}")
     return _Forward(score_mod)

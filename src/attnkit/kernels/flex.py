@@ -164,8 +164,8 @@ def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
 
     Tasks own key bands (their dk, dv rows are theirs alone); with T tasks, task t takes the key bands
     ``j = t, t + T, ...`` and keeps its own partial dq, and the partials are added in task order, so the bits
-    depend on the thread count but not on scheduling. A score modifier with parameters (whose ``.grads`` every
-    tile adds into) runs on one thread.
+    depend on the thread count but not on scheduling. A score modifier that ``accumulates`` (parameters whose
+    ``.grads`` every tile adds into) runs on one thread.
     """
     q, k, v = ctx.q, ctx.k, ctx.v
     B, H, Lq, _ = q.shape
@@ -179,7 +179,7 @@ def flex_backward(grad_out, ctx: FlexContext, num_threads=None):
     lse = np.where(np.isneginf(ctx.lse), np.inf, ctx.lse)  # dead rows: every probability exp(-inf) = 0
     bad_k, bad_v = nonfinite_rows(k), nonfinite_rows(v)  # (Lk,) or None each
     threads = num_threads or default_num_threads()
-    if ctx.score_mod is not None and getattr(ctx.score_mod, "params", None):
+    if ctx.score_mod is not None and getattr(ctx.score_mod, "accumulates", False):
         threads = 1
     tasks = min(threads, nk)
     partial_dq = [np.zeros_like(q) for _ in range(tasks)]
