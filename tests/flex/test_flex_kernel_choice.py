@@ -1,12 +1,15 @@
 """Which kernel runs a flex description, and that every kernel gives the same answer for it.
 
-Causal (bottom-right), windowed and padded masks and the heads' positional biases run on the attention
-kernels (``reference``/``tiled``); anything else on the flex kernels. ``flex-reference``/``flex-tiled``
-force the flex kernels, so the two implementations can be compared on the same description.
+``tiled`` runs every description; a described mask (causal at the bottom-right corner, window, padding)
+becomes its arguments, any other block mask is read tile by tile. ``reference`` runs a described mask with
+no modifier (or a positional bias) on the reference attention kernel, anything else on the flex reference
+kernel. Wrapping a built-in mask in a plain function hides its description, which sends the same mask down
+the other path.
 """
 import numpy as np
 import pytest
 
+import attnkit
 import attnkit.flex as F
 from attnkit.attention import LearnedBiasAttention
 from attnkit.attention.physics_guided import PhysicsPriorBias
@@ -19,8 +22,6 @@ def _qkv(B=2, Hq=6, Hkv=3, Lq=19, Lk=19, D=4, Dv=5, seed=0):
 
 
 def _mask(name, lq, lk, key_mask):
-    if name == "none":
-        return None
     if name == "causal":
         return F.causal_lower_right(lq, lk)
     if name == "window":
@@ -30,39 +31,51 @@ def _mask(name, lq, lk, key_mask):
     return F.and_masks(F.padding_mask(key_mask), F.sliding_window_mask(6, offset=lk - lq))
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal", "window", "padded causal", "padded window"])
+def _hidden(mask):
+    """The same mask as a plain function: no KernelMask."""
+    return lambda b, h, q_idx, kv_idx: mask(b, h, q_idx, kv_idx)
+
+
+def _run(q, k, v, g, score_mod, bm, kernel, sinks=None, return_lse=False):
+    out, *lse, ctx = F.flex_attention(q, k, v, score_mod, bm, enable_gqa=True, kernel=kernel, sinks=sinks,
+                                      return_lse=return_lse)
+    return ctx.kernel, (out, *lse, *F.flex_attention_backward(g, ctx))
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "window", "padded causal", "padded window"])
 @pytest.mark.parametrize("lq, lk", [(19, 19), (7, 23), (1, 30)])
-@pytest.mark.parametrize("need_weights", [False, True])
-def test_attention_kernels_and_flex_kernels_agree(mask_name, lq, lk, need_weights):
+@pytest.mark.parametrize("with_softcap", [False, True])
+def test_a_mask_gives_the_same_answer_described_or_not_on_every_kernel(mask_name, lq, lk, with_softcap):
     q, k, v, g = _qkv(Lq=lq, Lk=lk, seed=lq + lk)
     key_mask = np.arange(2 * lk).reshape(2, lk) % 7 != 3
     mask = _mask(mask_name, lq, lk, key_mask)
-    bm = None if mask is None else F.create_block_mask(mask, 2, None, lq, lk, block_size=(4, 8))
-    kernel, flex = ("reference", "flex-reference") if need_weights else ("tiled", "flex-tiled")
-    out, ctx = F.flex_attention(q, k, v, None, bm, enable_gqa=True, kernel=kernel)
-    ref, ref_ctx = F.flex_attention(q, k, v, None, bm, enable_gqa=True, kernel=flex)
-    assert (ctx.kernel, ref_ctx.kernel) == (kernel, flex)
-    np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
-    if need_weights:
-        np.testing.assert_allclose(ctx.weights, ref_ctx.weights, rtol=1e-10, atol=1e-12)
-    for got, want in zip(F.flex_attention_backward(g, ctx), F.flex_attention_backward(g, ref_ctx)):
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
+    mod = F.softcap(1.5) if with_softcap else None
+    described = F.create_block_mask(mask, 2, None, lq, lk, block_size=(4, 8))
+    hidden = F.create_block_mask(_hidden(mask), 2, None, lq, lk, block_size=(4, 8))
+    runs = {}
+    for name, bm in (("described", described), ("hidden", hidden)):
+        for kernel in ("tiled", "reference"):
+            runs[name, kernel] = _run(q, k, v, g, mod, bm, kernel)
+    assert runs["described", "tiled"][0] == runs["hidden", "tiled"][0] == "tiled"
+    assert runs["hidden", "reference"][0] == "flex-reference"
+    assert runs["described", "reference"][0] == ("flex-reference" if with_softcap else "reference")
+    want = runs["hidden", "reference"][1]
+    for key, (_, got) in runs.items():
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11, err_msg=str(key))
 
 
-def test_a_description_the_attention_kernels_cannot_take_runs_on_flex():
-    q, k, v, _ = _qkv(Lq=9, Lk=13)
-    top_left = F.create_block_mask(F.causal_mask, None, None, 9, 13)  # not the bottom-right causal mask
-    cases = [(None, top_left, None), (F.softcap(2.0), None, None), (None, None, np.zeros(6)),
-             (None, F.create_block_mask(F.document_mask(np.arange(13) // 4), None, None, 9, 13), None)]
-    for score_mod, bm, sinks in cases:
-        _, ctx = F.flex_attention(q, k, v, score_mod, bm, sinks=sinks, enable_gqa=True)
-        assert ctx.kernel == "flex-tiled"
-    dense = np.arange(13)[None, :] <= np.arange(9)[:, None]  # (Lq, Lk) top-left
-    out, _ = F.flex_attention(q, k, v, None, top_left, enable_gqa=True)
-    kk, vv = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)  # (B, Hq, Lk, *)
-    s = np.where(dense, q @ kk.swapaxes(-1, -2) / 2.0, -np.inf)  # (B, Hq, Lq, Lk)
-    w = np.exp(s - s.max(-1, keepdims=True))
-    np.testing.assert_allclose(out, (w / w.sum(-1, keepdims=True)) @ vv, rtol=1e-12)
+def test_a_grouped_query_block_mask_with_sinks_and_a_softcap_runs_tiled_on_any_thread_count():
+    q, k, v, g = _qkv(Lq=37, Lk=37, seed=3)
+    bm = F.create_block_mask(F.document_mask(np.arange(37) // 10), None, None, 37, 37, block_size=8)
+    sinks = np.linspace(-1, 1, 6)
+    _, want = _run(q, k, v, g, F.softcap(2.0), bm, "reference", sinks, return_lse=True)
+    for threads in (1, 2, 2):
+        with attnkit.num_threads(threads):
+            kernel, got = _run(q, k, v, g, F.softcap(2.0), bm, "tiled", sinks, return_lse=True)
+        assert kernel == "tiled" and len(got) == 6  # out, lse, dq, dk, dv, dsinks
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
 def test_and_masks_with_two_causal_offsets_is_left_to_its_function():
@@ -100,17 +113,20 @@ def test_a_learned_bias_head_is_flex_attention_with_its_bias(mode, bidirectional
     grads = head.backward(g)
     name = "rel_bias" if mode == "t5" else "slopes"
     head_grad = head.grads[name].copy()
-    bm = F.create_block_mask(F.causal_lower_right(lq, lk), None, None, lq, lk, block_size=4)
-    for kernel in ("tiled", "flex-tiled", "flex-reference"):
-        head.zero_grad()
-        flex_out, ctx = F.flex_attention(q, k, v, head.score_bias(), bm, kernel=kernel)
-        np.testing.assert_allclose(flex_out, out, rtol=1e-10, atol=1e-12)
-        for got, want in zip(F.flex_attention_backward(g, ctx), grads):
-            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
-        np.testing.assert_allclose(head.grads[name], head_grad, rtol=1e-9, atol=1e-11)
+    causal = F.causal_lower_right(lq, lk)
+    for mask in (causal, _hidden(causal)):
+        bm = F.create_block_mask(mask, None, None, lq, lk, block_size=4)
+        for kernel in ("tiled", "reference"):
+            head.zero_grad()
+            flex_out, ctx = F.flex_attention(q, k, v, head.score_bias(), bm, kernel=kernel)
+            np.testing.assert_allclose(flex_out, out, rtol=1e-10, atol=1e-12)
+            for got, want in zip(F.flex_attention_backward(g, ctx), grads):
+                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
+            np.testing.assert_allclose(head.grads[name], head_grad, rtol=1e-9, atol=1e-11)
 
 
-def test_a_physics_prior_is_a_flex_modifier_with_exact_gradients_next_to_sinks():
+@pytest.mark.parametrize("kernel", ["tiled", "reference"])
+def test_a_physics_prior_is_a_flex_modifier_with_exact_gradients_next_to_sinks(kernel):
     q, k, v, g = _qkv(B=1, Hq=2, Hkv=2, Lq=6, Lk=9, seed=7)
     sinks = np.array([0.3, -0.2])
     strength = np.array([0.7, -0.4])
@@ -120,9 +136,8 @@ def test_a_physics_prior_is_a_flex_modifier_with_exact_gradients_next_to_sinks()
         bias = PhysicsPriorBias("gaussian", strength, length_scale=float(np.exp(log_scale)),
                                 grad_strength=grad_s, grad_log_length_scale=grad_l)
         bm = F.create_block_mask(F.causal_lower_right(6, 9), None, None, 6, 9, block_size=4)
-        out, ctx = F.flex_attention(q, k, v, bias, bm, sinks=sinks, kernel="tiled")
+        out, ctx = F.flex_attention(q, k, v, bias, bm, sinks=sinks, kernel=kernel)
         F.flex_attention_backward(g, ctx)
-        assert ctx.kernel == "flex-tiled"  # sinks: only the flex kernels have them
         return float((out * g).sum()), grad_s, grad_l
 
     _, grad_s, grad_l = loss(strength, np.log(1.5))

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for line in describe(machine_info()):
         print(line)
-    print(f"# kernel: attnkit.flex tiled, block {args.block}, float32, B=1, H={args.heads}, D={args.dim}, forward")
+    print(f"# kernel: attnkit.flex_attention(kernel='tiled') (the tiled FlashAttention kernel), block "
+          f"{args.block}, float32, B=1, H={args.heads}, D={args.dim}, forward")
     rng = np.random.default_rng(0)
 
     def qkv(L):

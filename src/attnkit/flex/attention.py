@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from ..kernels import attention_backward, attention_forward
+from ..kernels import attention_backward, attention_forward, tiled
 from ..kernels.bias import ScoreBias
 from ..kernels.flex import FlexContext, flex_backward, flex_forward
 from .masks import BlockMask, KernelMask
@@ -13,16 +13,16 @@ from .modifiers import as_score_mod
 
 __all__ = ["flex_attention", "flex_attention_backward", "FlexAttentionContext", "FLEX_KERNELS"]
 
-FLEX_KERNELS = ("auto", "reference", "tiled", "flex-reference", "flex-tiled")
+FLEX_KERNELS = ("auto", "reference", "tiled")
 
 
 class FlexAttentionContext:
     """What :func:`flex_attention_backward` needs. After the backward, ``sinks_grad`` (H,) holds the sinks'
     gradient (``None`` without sinks); the same array is also returned as the fourth value.
 
-    ``kernel`` names the kernel that ran: ``"flex-reference"`` or ``"flex-tiled"`` (attnkit.kernels.flex), or
-    ``"reference"`` or ``"tiled"`` (the attention kernels of :mod:`attnkit.kernels.registry`, which take a
-    description made of a :class:`~attnkit.flex.KernelMask` and a positional bias directly).
+    ``kernel`` names the kernel that ran: ``"tiled"`` (:mod:`attnkit.kernels.tiled`, every description),
+    ``"reference"`` (:mod:`attnkit.kernels.reference`, a :class:`~attnkit.flex.KernelMask` and a positional
+    bias) or ``"flex-reference"`` (:mod:`attnkit.kernels.flex`, every other description, weights formed).
     """
 
     def __init__(self, kernel_ctx, kernel: str, group: int, q_dtype, weights, out_shape):
@@ -66,15 +66,14 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         Allow ``Hkv`` dividing ``Hq`` (query head h reads K/V head ``h // (Hq / Hkv)``).
     return_lse : bool
         Also return the log-sum-exp (B, Hq, Lq) (including the sink).
-    kernel : {"auto", "reference", "tiled", "flex-reference", "flex-tiled"}
-        ``"reference"`` materialises the scores (``ctx.weights`` holds the (B, Hq, Lq, Lk) softmax);
-        ``"tiled"`` never does: it visits tiles with an online softmax. ``"auto"`` is ``"tiled"``.
-        A description the attention kernels take as arguments (no sinks, no lse, a mask with a
-        :class:`~attnkit.flex.KernelMask`: causal at the bottom-right corner, windowed or padded; a
-        :class:`~attnkit.kernels.bias.ScoreBias` or no score modifier) runs on them (the tiled FlashAttention
-        kernel, or the reference kernel); any other on the flex kernels, which evaluate the modifiers tile
-        by tile, skip the block mask's empty tiles and mask only its partial ones. ``"flex-reference"`` and
-        ``"flex-tiled"`` run the flex kernels whatever the description (to check one against the other).
+    kernel : {"auto", "reference", "tiled"}
+        ``"tiled"`` (and ``"auto"``): attnkit's tiled FlashAttention kernel, which never forms the
+        ``Lq x Lk`` scores. A mask with a :class:`~attnkit.flex.KernelMask` (causal at the bottom-right
+        corner, windowed, padded) becomes its own arguments; any other block mask is read tile by tile
+        (empty tiles skipped, ``mask_mod`` called on partial tiles only); a score modifier runs on each
+        tile's scores. ``"reference"`` forms the scores (``ctx.weights`` holds the (B, Hq, Lq, Lk)
+        softmax): on the reference attention kernel for a described mask with no modifier (or a positional
+        bias), otherwise on the flex reference kernel.
 
     Returns
     -------
@@ -110,36 +109,19 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         score_mod = as_score_mod(score_mod)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     group = Hq // Hkv  # the kernels read each key/value head for its G query heads, without copies
-    described = None
-    if not kernel.startswith("flex-"):
-        described = _kernel_terms(block_mask, score_mod, sinks, return_lse, Lq, k.shape[2], group)
-    if described is not None:
-        return _on_attention_kernel(q, k, v, described, score_mod, scale, group, kernel == "reference")
-    mod = as_score_mod(score_mod, Lq, k.shape[2])
-    tiled = not kernel.endswith("reference")
-    out, lse, weights, kctx = flex_forward(
-        q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False),
-        scale=scale, score_mod=mod, mask_tile=None if block_mask is None else block_mask.tile_mask,
-        kinds=None if block_mask is None or not tiled else block_mask.kinds,
-        block_q=None if block_mask is None else block_mask.block_q,
-        block_k=None if block_mask is None else block_mask.block_k, sinks=sinks, tiled=tiled)
-    ctx = FlexAttentionContext(kctx, "flex-tiled" if tiled else "flex-reference", group, dtype, weights, out.shape)
-    if return_lse:
-        return out, lse.copy(), ctx
-    return out, ctx
+    Lk = k.shape[2]
+    described = _kernel_mask(block_mask, Lq, Lk)
+    if kernel != "reference":
+        return _on_tiled_kernel(q, k, v, score_mod, block_mask, described, scale, sinks, group, return_lse)
+    if sinks is None and not return_lse and described is not None and (
+            score_mod is None or (isinstance(score_mod, ScoreBias) and group == 1)):
+        return _on_reference_kernel(q, k, v, described, score_mod, scale, group)
+    return _on_flex_reference_kernel(q, k, v, score_mod, block_mask, scale, sinks, dtype, group, return_lse)
 
 
-def _kernel_terms(block_mask, score_mod, sinks, return_lse: bool, q_len: int, kv_len: int,
-                  group: int) -> KernelMask | None:
-    """The description in the attention kernels' terms, or None when only the flex kernels can run it.
-
-    Those kernels take a causal (bottom-right), windowed and key-padded mask and a positional bias
-    (:class:`~attnkit.kernels.bias.ScoreBias`, per query head: not with grouped heads); no sinks, no lse.
-    """
-    if sinks is not None or return_lse:
-        return None
-    if score_mod is not None and not (isinstance(score_mod, ScoreBias) and group == 1):
-        return None
+def _kernel_mask(block_mask: BlockMask | None, q_len: int, kv_len: int) -> KernelMask | None:
+    """The block mask in the attention kernels' arguments (causal at the bottom-right corner, a window, a
+    key mask), or None when only its function can say it."""
     if block_mask is None:
         return KernelMask()
     described = block_mask.kernel_mask
@@ -148,24 +130,70 @@ def _kernel_terms(block_mask, score_mod, sinks, return_lse: bool, q_len: int, kv
     return described
 
 
-def _on_attention_kernel(q, k, v, described: KernelMask, bias, scale: float, group: int, need_weights: bool):
-    """Run a description the attention kernels take: the reference kernel (weights) or the tiled one."""
-    B, Hq, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if group > 1:  # (B, Hkv, G, L, D) against (B, Hkv, 1, S, D): the kernels broadcast K/V over the group
-        q, k, v = q.reshape(B, Hkv, group, Lq, D), k[:, :, None], v[:, :, None]
-    mask = None
-    if described.key_mask is not None:
-        rows = described.key_mask.shape[0]
-        mask = described.key_mask.reshape(rows, *(1,) * (q.ndim - 2), Lk)  # (B', 1, [1,] 1, Lk)
+def _grouped(q, k, v, group: int):
+    """(B, Hkv, G, L, D) queries against (B, Hkv, 1, S, D) keys and values: the kernels broadcast K/V over
+    each group instead of repeating them."""
+    if group == 1:
+        return q, k, v
+    B, _, Lq, D = q.shape
+    return q.reshape(B, k.shape[1], group, Lq, D), k[:, :, None], v[:, :, None]
+
+
+def _key_mask(described: KernelMask, ndim: int):
+    """The description's key mask (B', Lk) as a kernel mask (B', 1, [1,] 1, Lk), or None."""
+    if described.key_mask is None:
+        return None
+    rows, length = described.key_mask.shape
+    return described.key_mask.reshape(rows, *(1,) * (ndim - 2), length)
+
+
+def _on_reference_kernel(q, k, v, described: KernelMask, bias, scale: float, group: int):
+    """The reference attention kernel (the weights are formed): a causal/window/padding description with no
+    score modifier or a positional bias."""
+    B, Hq, Lq, _ = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    qg, kg, vg = _grouped(q, k, v, group)
     out, weights, kctx = attention_forward(
-        q, k, v, mask=mask, causal=described.offset is not None, window=described.window, scale=scale,
-        bias=bias, need_weights=need_weights, kernel="reference" if need_weights else "tiled")
+        qg, kg, vg, mask=_key_mask(described, qg.ndim), causal=described.offset is not None,
+        window=described.window, scale=scale, bias=bias, need_weights=True, kernel="reference")
     out = out.reshape(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
-    if weights is not None:
-        weights = weights.reshape(B, Hq, Lq, Lk)  # (B, Hq, Lq, Lk)
-    ctx = FlexAttentionContext(kctx, "reference" if need_weights else "tiled", group, out.dtype, weights,
-                               out.shape)
+    weights = weights.reshape(B, Hq, Lq, Lk)  # (B, Hq, Lq, Lk)
+    return out, FlexAttentionContext(kctx, "reference", group, out.dtype, weights, out.shape)
+
+
+def _on_tiled_kernel(q, k, v, score_mod, block_mask, described, scale: float, sinks, group: int,
+                     return_lse: bool):
+    """The tiled FlashAttention kernel: a described mask as its own arguments, any other block mask tile by
+    tile; a positional bias per query head as its bias, any other modifier on each tile's scores."""
+    B, Hq, Lq, _ = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    qg, kg, vg = _grouped(q, k, v, group)
+    bias = score_mod if isinstance(score_mod, ScoreBias) and group == 1 else None
+    mod = None if bias is not None else as_score_mod(score_mod, Lq, Lk)
+    masks = dict(block_mask=block_mask) if described is None else dict(
+        mask=_key_mask(described, qg.ndim), causal=described.offset is not None, window=described.window)
+    out, lse, kctx = tiled.flash_attention_forward(qg, kg, vg, scale=scale, bias=bias, score_mod=mod,
+                                                   sinks=sinks, **masks)
+    out = out.reshape(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
+    ctx = FlexAttentionContext(kctx, "tiled", group, out.dtype, None, out.shape)
+    if not return_lse:
+        return out, ctx
+    lse = lse.reshape(B, Hq, Lq)  # (B, Hq, Lq)
+    lse[np.isposinf(lse)] = -np.inf  # a row with nothing to attend to: exp(lse) = 0
+    return out, lse, ctx
+
+
+def _on_flex_reference_kernel(q, k, v, score_mod, block_mask, scale: float, sinks, dtype, group: int,
+                              return_lse: bool):
+    """The flex reference kernel: any description on the whole score matrix, the weights formed."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    out, lse, weights, kctx = flex_forward(
+        q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), scale=scale,
+        score_mod=as_score_mod(score_mod, Lq, Lk),
+        mask=None if block_mask is None else block_mask.tile_mask(0, Lq, 0, Lk), sinks=sinks)
+    ctx = FlexAttentionContext(kctx, "flex-reference", group, dtype, weights, out.shape)
+    if return_lse:
+        return out, lse.copy(), ctx
     return out, ctx
 
 
@@ -196,8 +224,9 @@ def flex_attention_backward(grad_out, ctx: FlexAttentionContext):
         dq, dk, dv, _ = attention_backward(grad_out, kctx)
         if ctx.group > 1:
             dq, dk, dv = dq.reshape(B, Hq, Lq, -1), dk[:, :, 0], dv[:, :, 0]  # (B, Hq, Lq, D), (B, Hkv, Lk, *)
-        return dq, dk, dv
-    dq, dk, dv, dsinks = flex_backward(grad_out, kctx)  # dk, dv (B, Hkv, Lk, *): summed over each group
+        dsinks = getattr(kctx, "sinks_grad", None)
+    else:
+        dq, dk, dv, dsinks = flex_backward(grad_out, kctx)  # dk, dv (B, Hkv, Lk, *): summed over each group
     if dsinks is None:
         return dq, dk, dv
     ctx.sinks_grad = dsinks

@@ -158,23 +158,30 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     seq_k, dtype = ctx.k_aug.shape[-2], ctx.out.dtype
     grad_out = np.asarray(grad_out)
     _check_grad(grad_out, lead + (seq_q, value_dim))
+    # a score modifier that adds into shared parameter gradients takes its tiles in one fixed order
+    threads = 1 if getattr(ctx.score_mod, "accumulates", False) else ctx.num_threads
+    whole = ctx.score_mod is not None or ctx.block_mask is not None
     plan = _tile_plan(_PlanRequest(
-        lead=lead, splittable=_splittable_axes(lead, ctx.k_shape, ctx.v_shape, ctx.bias, ctx.dropout_p > 0.0),
+        lead=lead, splittable=_splittable_axes(lead, ctx.k_shape, ctx.v_shape, ctx.bias, ctx.dropout_p > 0.0,
+                                               whole),
         seq_q=seq_q, seq_k=seq_k, head_dim=ctx.q.shape[-1], value_dim=value_dim, itemsize=dtype.itemsize,
-        num_threads=ctx.num_threads, split="k", fixed=ctx.blocks))  # tasks: key blocks
-    tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, plan.block_q, plan.block_k, ctx.window)
-    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None,
+        num_threads=threads, split="k", fixed=ctx.blocks, window=ctx.window))  # tasks: key blocks
+    tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, plan.block_q, plan.block_k, ctx.window,
+                   ctx.score_mod, ctx.block_mask)
+    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None and ctx.score_mod is None,
                 dropout_p=ctx.dropout_p, seed=ctx.dropout_seed, drop_lead=ctx.drop_lead)
     # two lanes per thread: tasks still balance when a core is busy elsewhere; the count depends on
     # num_threads only, never on scheduling, so the reduction order is fixed
-    n_lanes = 1 if ctx.num_threads == 1 else min(2 * ctx.num_threads, len(tiles.k_blocks))
+    n_lanes = 1 if threads == 1 else min(2 * threads, len(tiles.k_blocks))
     lanes = _lanes(len(tiles.k_blocks), max(1, n_lanes))
     data = _backward_data(grad_out, ctx, run, len(lanes))
     if math.prod(lead) and seq_q and seq_k:
         views = [(run.select(box), data.select(box)) for box in plan.boxes]
-        scratch = [_Scratch(dtype) for _ in range(ctx.num_threads)]
+        scratch = [_Scratch(dtype) for _ in range(threads)]
         step = functools.partial(_backward_lane, views=views, lanes=lanes, scratch=scratch)
-        run_tasks([(view, lane) for lane in range(len(lanes)) for view in range(len(views))], step, ctx.num_threads)
+        run_tasks([(view, lane) for lane in range(len(lanes)) for view in range(len(views))], step, threads)
+    if ctx.sinks is not None:
+        ctx.sinks_grad = _sinks_grad(ctx, data.do_aug[..., value_dim:])
     dq = data.dq_lanes[0]
     for partial in data.dq_lanes[1:]:  # fixed order: bitwise reproducible
         np.add(dq, partial, out=dq)
@@ -184,6 +191,16 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     dk = unbroadcast(data.dk, ctx.k_shape).astype(cast, copy=False)
     dv = unbroadcast(data.dv, ctx.v_shape).astype(cast, copy=False)
     return dq, dk, dv, _reduce_dbias(data.dbias_lanes, cast)
+
+
+def _sinks_grad(ctx: FlashContext, minus_d: np.ndarray) -> np.ndarray:
+    """``d loss / d sink[h] = -sum over rows of p_sink D``, with ``p_sink = exp(sink - lse)`` and ``D`` the
+    row's ``dO . O`` (``minus_d`` (*lead, Lq, 2) holds ``-D`` split in two)."""
+    lead = ctx.lead
+    sink = ctx.sinks.astype(np.float64).reshape((1,) + lead[1:] + (1,))  # (1, *heads, 1)
+    d_row = -minus_d.astype(np.float64).sum(axis=-1)  # (*lead, Lq)
+    grad = -(np.exp(sink - ctx.lse) * d_row).sum(axis=(0, -1))  # (*heads,)
+    return grad.reshape(-1).astype(ctx.out_dtype)  # (H,)
 
 
 def _reduce_dbias(lanes: list[np.ndarray | None], cast: np.dtype) -> np.ndarray | None:
@@ -220,7 +237,11 @@ def _probabilities(run: _Pass, data: _BackwardData, tile, blocked, scratch: _Scr
     p = scratch.get("p", run.tiles.lead + (q1 - q0, k1 - k0))  # (*lead, Tq, Tk)
     np.matmul(data.q_aug[..., q0:q1, :], data.k_aug[..., k0:k1, :].swapaxes(-1, -2), out=p)  # s - lse or s
     if not run.fold:
-        np.add(p, run.tiles.bias_tile(q0, q1, k0, k1), out=p)
+        if run.tiles.bias is not None:
+            np.add(p, run.tiles.bias_tile(q0, q1, k0, k1), out=p)
+        if run.tiles.score_mod is not None:
+            np.copyto(scratch.get("raw", p.shape), p)  # the modifier's backward reads its input scores
+            p = run.tiles.modify(p, q0, q1, k0, k1)
         np.subtract(p, data.lse_hi[..., q0:q1, None], out=p)
         if run.dtype == np.float32:
             np.subtract(p, data.lse_lo[..., q0:q1, None], out=p)
@@ -275,11 +296,24 @@ def _backward_tile(run: _Pass, data: _BackwardData, lane: int, tile, blocked, sc
         np.copyto(ds, 0, where=blocked)  # masked: p = 0, but dP = dO . v is NaN where v is
     _add_product(data.dv[..., k0:k1, :], p.swapaxes(-1, -2), data.do_aug[..., q0:q1, :value_dim], data.v_axes,
                  scratch, "kv")  # (*Vl, Tk, Dv)
+    if run.tiles.score_mod is not None:
+        ds = _modifier_grad(run.tiles, ds, scratch.get("raw", ds.shape), tile, blocked, bad_k)
     if run.tiles.bias is not None:
         _bias_grad(run.tiles, data, lane, ds, tile)
     _add_product(data.dq_lanes[lane][..., q0:q1, :], ds, data.k_aug[..., k0:k1, :d], (), scratch, "q", bad_k)
     _add_product(data.dk[..., k0:k1, :], ds.swapaxes(-1, -2), data.q_aug[..., q0:q1, :d], data.k_axes,
                  scratch, "kv")  # (*Kl, Tk, D); q_aug holds the scaled q
+
+
+def _modifier_grad(tiles: _Tiles, ds: np.ndarray, raw: np.ndarray, tile, blocked, bad_k: bool) -> np.ndarray:
+    """The score gradient through the score modifier (whose own parameters get theirs), masked entries 0."""
+    if bad_k:
+        np.copyto(raw, 0, where=blocked)  # the modifier must not read a masked NaN score
+    grad = tiles.score_mod.backward(tiles.to_heads(ds), tiles.to_heads(raw), *tiles.score_index(*tile))
+    grad = np.reshape(grad, ds.shape)  # (*lead, Tq, Tk)
+    if blocked is not None:
+        grad = np.where(blocked, 0, grad)
+    return grad
 
 
 def _bias_grad(tiles: _Tiles, data: _BackwardData, lane: int, ds: np.ndarray, tile) -> None:

@@ -31,7 +31,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
                             bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
                             dropout_seed: int | None = None, block_q: int | None = None,
                             block_k: int | None = None, num_threads: int | None = None,
-                            window: int | None = None):
+                            window: int | None = None, score_mod=None, block_mask=None,
+                            sinks: np.ndarray | None = None):
     """Tiled softmax attention ``dropout(softmax(scale * q @ k.T + bias, masked)) @ v``.
 
     Shapes
@@ -61,7 +62,15 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
         ``i' - window < j <= i'``; tiles wholly outside the window are skipped.
     block_q, block_k : int, optional
         Tile lengths; default from :func:`default_blocks` (the machine's L2, or the environment variables
-        ``ATTNKIT_TILE_Q`` / ``ATTNKIT_TILE_K``).
+        ``ATTNKIT_TILE_Q`` / ``ATTNKIT_TILE_K``); a ``block_mask``'s own with one.
+    score_mod, block_mask, sinks : optional
+        The terms of :func:`attnkit.flex.flex_attention`, for leading shapes (B, H) or, grouped-query,
+        (B, Hkv, G) with H = Hkv * G. ``score_mod`` has ``forward(s, b, h, q_idx, kv_idx)`` and
+        ``backward(grad, s, b, h, q_idx, kv_idx)`` over (B, H, Tq, Tk) tiles of the scaled scores (and an
+        ``accumulates`` flag: its backward then runs on one thread); ``block_mask`` has ``kinds``
+        (B', H', nQ, nK: 0 empty, skipped; 1 partial, ``tile_mask(q0, q1, k0, k1)`` asked; 2 full),
+        ``block_q`` and ``block_k``; ``sinks`` (H,) are per-head logits that join every row's softmax and
+        carry no value (``lse`` includes them).
     num_threads : int, optional
         Tile threads; default: the cores this process may run on (CPU affinity). With more than one,
         BLAS runs single-threaded.
@@ -91,16 +100,20 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *extra)
     drop_lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], *extra)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if block_mask is not None:
+        block_q, block_k = block_mask.block_q, block_mask.block_k
     fixed_blocks = (_positive(block_q, "block_q"), _positive(block_k, "block_k"))
+    whole = score_mod is not None or block_mask is not None
     plan = _tile_plan(_PlanRequest(
-        lead=lead, splittable=_splittable_axes(lead, k.shape, v.shape, args.bias, dropout_p > 0.0),
+        lead=lead, splittable=_splittable_axes(lead, k.shape, v.shape, args.bias, dropout_p > 0.0, whole),
         seq_q=seq_q, seq_k=seq_k, head_dim=d, value_dim=value_dim, itemsize=dtype.itemsize,
-        num_threads=num_threads, split="q", fixed=fixed_blocks))
-    tiles = _Tiles(lead, seq_q, seq_k, args.mask, causal, args.bias, plan.block_q, plan.block_k, args.window)
+        num_threads=num_threads, split="q", fixed=fixed_blocks, window=args.window))
+    tiles = _Tiles(lead, seq_q, seq_k, args.mask, causal, args.bias, plan.block_q, plan.block_k, args.window,
+                   score_mod, block_mask)
     k_aug, v_aug, kmax, bad_k, bad_v = _augment_keys(k, v, args.mask, tiles, dtype, num_threads)
     data = _ForwardData(q=q, k_aug=k_aug, v_aug=v_aug, kmax=kmax, out=np.zeros(lead + (seq_q, value_dim), dtype),
                         lse=np.full(lead + (seq_q,), np.inf), bad_v=bad_v)  # lse float64: backward splits it
-    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(scale), fold=args.bias is None,
+    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(scale), fold=args.bias is None and score_mod is None,
                 dropout_p=float(dropout_p), seed=dropout_seed, drop_lead=drop_lead)
     if math.prod(lead) and seq_q and seq_k:
         order = list(range(len(tiles.q_blocks)))
@@ -110,13 +123,28 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
         tasks = [(view, qb) for qb in order for view in range(len(views))]
         scratch = [_Scratch(dtype) for _ in range(num_threads)]
         run_tasks(tasks, functools.partial(_forward_block, views=views, scratch=scratch), num_threads)
+    if sinks is not None:
+        _add_sinks(data, np.asarray(sinks, dtype=np.float64).reshape((1,) + lead[1:] + (1,)))  # (1, *heads, 1)
     ctx = FlashContext(q=q, k_aug=k_aug, v_aug=v_aug, out=data.out, lse=data.lse, scale=scale, lead=lead,
                        q_shape=q.shape, k_shape=k.shape, v_shape=v.shape, out_dtype=args.out_dtype, mask=args.mask,
                        causal=causal, bias=args.bias, dropout_p=float(dropout_p), dropout_seed=dropout_seed,
                        drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads, window=args.window,
-                       bad_k=bad_k, bad_v=bad_v)
+                       bad_k=bad_k, bad_v=bad_v, score_mod=score_mod, block_mask=block_mask,
+                       sinks=None if sinks is None else np.array(sinks))
     # copies: the caller may edit what it gets back, the backward reads ctx.out and ctx.lse
     return data.out.astype(args.out_dtype, copy=True), data.lse.astype(args.out_dtype, copy=True), ctx
+
+
+def _add_sinks(data: _ForwardData, sink: np.ndarray) -> None:
+    """Let each row's softmax include its head's sink logit: a virtual key of value zero.
+
+    With ``Z = exp(lse)`` over the real keys, the sink rescales the output by ``Z / (Z + exp(sink))`` and the
+    log-sum-exp becomes ``logaddexp(lse, sink)``; a row with no key left keeps a zero output.
+    """
+    lse = np.where(np.isposinf(data.lse), -np.inf, data.lse)  # (*lead, Lq) float64; no key: -inf
+    total = np.logaddexp(lse, sink)  # (*lead, Lq)
+    data.out *= np.exp(lse - total)[..., None].astype(data.out.dtype)  # (*lead, Lq, Dv)
+    data.lse[...] = total
 
 
 @dataclass
@@ -176,8 +204,10 @@ def _forward_tile(run: _Pass, data: _ForwardData, rows: _Rows, kb: int, blocked,
     d = data.q.shape[-1]
     s = scratch.get("s", run.tiles.lead + (rows.q1 - rows.q0, k1 - k0))  # (*lead, Tq, Tk)
     np.matmul(rows.qa, data.k_aug[..., k0:k1, :d + 1].swapaxes(-1, -2), out=s)  # scale q.k (- m if folded)
-    if not run.fold:
+    if run.tiles.bias is not None:
         np.add(s, run.tiles.bias_tile(rows.q0, rows.q1, k0, k1), out=s)
+    if run.tiles.score_mod is not None:
+        s = run.tiles.modify(s, rows.q0, rows.q1, k0, k1)
     if blocked is not None:
         np.copyto(s, -np.inf, where=blocked)
     alpha = _shift_rows(run, rows, s, data.kmax[..., kb, None])

@@ -44,16 +44,17 @@ def default_blocks(n_heads: int, seq_q: int, seq_k: int, num_threads: int = 1, s
     return plan.block_q, plan.block_k
 
 
-def _splittable_axes(lead: tuple[int, ...], k_shape, v_shape, bias, dropout: bool) -> tuple[bool, ...]:
+def _splittable_axes(lead: tuple[int, ...], k_shape, v_shape, bias, dropout: bool,
+                     whole: bool = False) -> tuple[bool, ...]:
     """Leading axes along which heads may go to different tasks.
 
     A task must write only gradients no other task writes: keys, values and an array bias that are shared
     along an axis (grouped-query keys, a per-head-shared bias) get the sum over it, so that axis stays in
-    one task. A :class:`ScoreBias` and dropout produce every head's values per tile, so they keep all heads
-    together.
+    one task. A :class:`ScoreBias`, a score modifier, a block mask (``whole``) and dropout produce every
+    head's values per tile, so they keep all heads together.
     """
     nd = len(lead)
-    if dropout or isinstance(bias, ScoreBias):
+    if dropout or whole or isinstance(bias, ScoreBias):
         return (False,) * nd
     owners = [_padded_lead(k_shape, nd), _padded_lead(v_shape, nd)]
     if bias is not None:
@@ -107,6 +108,7 @@ class _PlanRequest:
     num_threads: int = 1
     split: str = "q"  # the axis the tasks run over: "q" (forward) or "k" (backward)
     fixed: tuple[int | None, int | None] = (None, None)  # the caller's block_q, block_k
+    window: int | None = None  # a sliding window: key tiles much wider than it are mostly skipped work
     l2: int | None = None  # per-core L2 bytes (None: read from the machine)
 
 
@@ -122,8 +124,9 @@ class _TilePlan:
 def _tile_plan(request: _PlanRequest) -> _TilePlan:
     """The tile lengths of one call and how many heads share a tile.
 
-    Keywords (``fixed``) win over ``ATTNKIT_TILE_*``, which win over the cost model; the block the tasks
-    run over is halved (down to 64) until every thread has two tasks, unless a keyword or the
+    Keywords (``fixed``) win over ``ATTNKIT_TILE_*``, which win over the cost model; with a sliding window
+    the model's key tile is at most the window rounded up to a power of two (at least 64); the block the
+    tasks run over is halved (down to 64) until every thread has two tasks, unless a keyword or the
     environment set it.
     """
     r = request
@@ -131,6 +134,8 @@ def _tile_plan(request: _PlanRequest) -> _TilePlan:
     env_q, env_k = tile_override()
     block_q, block_k = choose_tiles(n_heads, r.head_dim, r.value_dim, r.itemsize, r.l2)
     set_q, set_k = r.fixed[0] or env_q, r.fixed[1] or env_k
+    if r.window is not None:  # each query tile sees about W keys: wider key tiles compute masked entries
+        block_k = min(block_k, max(64, 1 << (r.window - 1).bit_length()))
     block_q, block_k = set_q or block_q, set_k or block_k
     group = heads_override() or choose_heads(n_heads, min(block_q, r.seq_q) or 1, min(block_k, r.seq_k) or 1,
                                              r.head_dim, r.value_dim, r.itemsize, r.l2)
@@ -173,6 +178,10 @@ class FlashContext:
     window: int | None = None
     bad_k: np.ndarray | None = None  # (Lk,) keys holding a NaN or inf in some head; None: all finite
     bad_v: np.ndarray | None = None  # (Lk,) the same for values
+    score_mod: object = None  # a score modifier (forward/backward over (B, H, Tq, Tk) tiles), or None
+    block_mask: object = None  # kinds (B', H', nQ, nK) and tile_mask(q0, q1, k0, k1), or None
+    sinks: np.ndarray | None = None  # (H,) per query head, or None
+    sinks_grad: np.ndarray | None = None  # (H,), set by the backward when there are sinks
 
 
 class TileKind(enum.Enum):
@@ -186,7 +195,8 @@ class TileKind(enum.Enum):
 class _Tiles:
     """Tile geometry and per-tile masks/biases, shared by forward and backward."""
 
-    def __init__(self, lead, seq_q, seq_k, mask, causal, bias, block_q, block_k, window=None):
+    def __init__(self, lead, seq_q, seq_k, mask, causal, bias, block_q, block_k, window=None, score_mod=None,
+                 block_mask=None):
         self.lead = lead
         self.seq_q, self.seq_k = seq_q, seq_k
         self.offset = seq_k - seq_q  # query i sees key j iff j <= i + offset (causal)
@@ -195,6 +205,10 @@ class _Tiles:
         self.block_q, self.block_k = block_q, block_k
         self.q_blocks = [(q0, min(q0 + block_q, seq_q)) for q0 in range(0, seq_q, block_q)]
         self.k_blocks = [(k0, min(k0 + block_k, seq_k)) for k0 in range(0, seq_k, block_k)]
+        # Score modifiers and block masks see tiles as (B, H, Tq, Tk): lead is (B, H) or (B, Hkv, G), and
+        # they keep every head in one box, so a tile holds all of them.
+        self.score_mod, self.block_mask = score_mod, block_mask
+        self.block_plan = None if block_mask is None else _reduce_kinds(block_mask.kinds)  # (nQ, nK)
 
     def select(self, heads: tuple[slice, ...]) -> _Tiles:
         """The same tiles for a box of heads: its leading shape, and its part of the mask and bias."""
@@ -224,7 +238,11 @@ class _Tiles:
             last = min(self.seq_k, q1 + self.offset)
             if self.window is not None:
                 first = q0 + self.offset - self.window + 1
-        return [kb for kb, (k0, k1) in enumerate(self.k_blocks) if k0 < last and k1 > first]
+        blocks = [kb for kb, (k0, k1) in enumerate(self.k_blocks) if k0 < last and k1 > first]
+        if self.block_plan is not None:
+            row = self.block_plan[q0 // self.block_q]  # (nK,)
+            blocks = [kb for kb in blocks if row[kb]]
+        return blocks
 
     def q_range(self, k0, k1):
         """Query blocks that may see a key block (causal: from the first query seeing key k0)."""
@@ -233,7 +251,11 @@ class _Tiles:
             first = k0 - self.offset
             if self.window is not None:
                 end = k1 - 1 - self.offset + self.window  # queries i < end see key k1 - 1
-        return [qb for qb, (q0, q1) in enumerate(self.q_blocks) if q1 - 1 >= first and q0 < end]
+        blocks = [qb for qb, (q0, q1) in enumerate(self.q_blocks) if q1 - 1 >= first and q0 < end]
+        if self.block_plan is not None:
+            column = self.block_plan[:, k0 // self.block_k]  # (nQ,)
+            blocks = [qb for qb in blocks if column[qb]]
+        return blocks
 
     def band(self, q0, q1, k0, k1):
         """(Tq, Tk) bool: the causal (and window) band of a tile."""
@@ -252,9 +274,17 @@ class _Tiles:
         kind = self.band_kind(q0, q1, k0, k1)
         if kind is TileKind.EMPTY:
             return True, None
+        block_kind = TileKind.FULL
+        if self.block_plan is not None:
+            block_kind = _BLOCK_KINDS[self.block_plan[q0 // self.block_q, k0 // self.block_k]]
+            if block_kind is TileKind.EMPTY:
+                return True, None
         allowed = self.band(q0, q1, k0, k1) if kind is TileKind.PARTIAL else None  # (Tq, Tk)
         if self.mask is not None:
             mt = _tile(self.mask, q0, q1, k0, k1)  # (..., Tq|1, Tk|1)
+            allowed = mt if allowed is None else (mt & allowed)
+        if block_kind is TileKind.PARTIAL:
+            mt = self.from_heads(np.asarray(self.block_mask.tile_mask(q0, q1, k0, k1)))  # (B'|1, *H'|1, Tq, Tk)
             allowed = mt if allowed is None else (mt & allowed)
         if allowed is None:
             return False, None
@@ -264,10 +294,46 @@ class _Tiles:
             return False, None
         return False, ~allowed
 
+    def to_heads(self, tile: np.ndarray) -> np.ndarray:
+        """A (*lead, Tq, Tk) tile as (B, H, Tq, Tk), the shape score modifiers see (a view)."""
+        return tile.reshape(tile.shape[0], -1, *tile.shape[-2:]) if tile.ndim != 4 else tile
+
+    def from_heads(self, tile: np.ndarray) -> np.ndarray:
+        """A (B|1, H|1, Tq, Tk) tile shaped to broadcast against (*lead, Tq, Tk)."""
+        if len(self.lead) == 2:
+            return tile
+        heads = self.lead[1:] if tile.shape[1] != 1 else (1,) * (len(self.lead) - 1)
+        return tile.reshape(tile.shape[0], *heads, *tile.shape[-2:])
+
+    def score_index(self, q0, q1, k0, k1):
+        """``(b, h, q_idx, kv_idx)`` of a tile, broadcastable integer arrays against (B, H, Tq, Tk)."""
+        n_batch, n_heads = self.lead[0], math.prod(self.lead[1:])
+        return (np.arange(n_batch).reshape(-1, 1, 1, 1), np.arange(n_heads).reshape(1, -1, 1, 1),
+                np.arange(q0, q1).reshape(1, 1, -1, 1), np.arange(k0, k1).reshape(1, 1, 1, -1))
+
+    def modify(self, s: np.ndarray, q0, q1, k0, k1) -> np.ndarray:
+        """The score modifier applied to the tile ``s`` (*lead, Tq, Tk): the modifier's own array when it is
+        writeable and of the tile's shape (no copy back into ``s``), else ``s`` overwritten."""
+        changed = np.reshape(self.score_mod.forward(self.to_heads(s), *self.score_index(q0, q1, k0, k1)), s.shape)
+        if changed.flags.writeable and changed.dtype == s.dtype:
+            return changed
+        np.copyto(s, changed)
+        return s
+
     def bias_tile(self, q0, q1, k0, k1):
         if isinstance(self.bias, ScoreBias):
             return self.bias.tile(np.arange(q0, q1), np.arange(k0, k1), self.seq_q, self.seq_k)
         return _tile(self.bias, q0, q1, k0, k1)
+
+
+_BLOCK_KINDS = (TileKind.EMPTY, TileKind.PARTIAL, TileKind.FULL)  # a block mask's 0, 1, 2
+
+
+def _reduce_kinds(kinds: np.ndarray) -> np.ndarray:
+    """A block mask's kinds (B', H', nQ, nK) for the tiles all heads share: empty where every (b, h) is
+    empty, full where every one is full, partial otherwise; (nQ, nK) int8."""
+    flat = kinds.reshape(-1, *kinds.shape[-2:])  # (B'H', nQ, nK)
+    return np.where((flat == 0).all(axis=0), 0, np.where((flat == 2).all(axis=0), 2, 1)).astype(np.int8)
 
 
 def _tile(arr: np.ndarray, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
