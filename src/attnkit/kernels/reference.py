@@ -167,6 +167,8 @@ def combine_causal(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int
         raise ValueError(f"window={window} requires causal=True")
     if window is not None:
         window = check_positive_int(window, "window")
+    if causal and seq_q == 1 and seq_k >= 1 and (window is None or window >= seq_k):
+        return mask  # one query at the last position sees every key (a decoding step): nothing to mask
     if causal:
         c = causal_mask(seq_q, seq_k) if window is None else window_mask(seq_q, seq_k, window)  # (Lq, Lk)
         return c if mask is None else (mask & c)

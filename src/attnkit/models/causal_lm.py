@@ -19,7 +19,7 @@ from .._validation import as_bool_mask, check_grad_output, check_positive_int
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
 from ..init import as_generator
-from ..kernels._threads import blas_single_thread
+from ..kernels._threads import one_row_blas
 from ..layers.embedding import Embedding
 from ..layers.lm_block import LMBlock, make_norm
 from ..layers.rotary import RotaryEmbedding
@@ -27,13 +27,13 @@ from .config import DecoderConfig
 
 __all__ = ["CausalLM", "positions_from_mask"]
 
-# A call of this many tokens (B * L: a batch-1 decoding step) is a matrix-vector product whose cost is reading
-# the weights; a second BLAS thread can only add wake-up cost there (measured on a GPT-2 MLP weight (768, 3072)
-# at one row: 0.23 ms on one OpenBLAS thread, 0.60 ms on two, on an Intel server). From two rows on, OpenBLAS
-# runs a small-M GEMM that is bound by arithmetic, not memory, and two threads pay: a (576, 1536) weight at 8
-# rows took 276 us on one thread and 164 us on two (AMD EPYC, SkylakeX kernel), and batch-8 decoding of a
-# SmolLM-135M shape went from 58-68 to 74-75 tokens/s. The output head always threads (see forward).
-_SINGLE_THREAD_TOKENS = 1
+# A call of this many tokens (B * L: a batch-1 decoding step) is a chain of matrix-vector products whose cost is
+# reading the weights; whether a second BLAS thread helps there depends on the machine, which
+# kernels._threads.one_row_blas measures once. From two rows on, OpenBLAS runs a small-M GEMM that is bound by
+# arithmetic, not memory, and two threads pay: a (576, 1536) weight at 8 rows took 276 us on one thread and
+# 164 us on two (AMD EPYC, SkylakeX kernel), and batch-8 decoding of a SmolLM-135M shape went from 58-68 to
+# 74-75 tokens/s. The output head always threads (see forward).
+_ONE_ROW_TOKENS = 1
 
 
 def positions_from_mask(attention_mask: np.ndarray, length: int) -> np.ndarray:
@@ -200,7 +200,7 @@ class CausalLM(Module):
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
         keep = check_positive_int(logits_to_keep, "logits_to_keep", allow_zero=True)
         weights: list[np.ndarray] = []
-        with blas_single_thread() if ids.size <= _SINGLE_THREAD_TOKENS else nullcontext():
+        with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else nullcontext():
             h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None)  # (B, L, D)
         length = h.shape[1]
         if keep:
