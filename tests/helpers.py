@@ -52,20 +52,19 @@ def randn(rng: np.random.Generator, *shape: int, dtype=np.float64, scale: float 
 def numerical_gradient(f, x: np.ndarray, eps: float = FD_EPS) -> np.ndarray:
     """Central finite-difference gradient of the scalar ``f()`` with respect to ``x`` (perturbed in place).
 
-    ``x`` must be a float64 array that ``f`` reads; it is restored exactly after each probe.
+    ``x`` must be a float64 array that ``f`` reads (a view, such as a fused parameter, is probed in place too);
+    it is restored exactly after each probe.
     """
     assert x.dtype == np.float64, "finite differences are run in float64 only"
-    grad = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), grad.reshape(-1)
-    assert np.shares_memory(flat, x), "x must be contiguous so that probes reach f"
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
+    grad = np.zeros(x.shape)
+    for i in np.ndindex(x.shape):
+        old = x[i]
+        x[i] = old + eps
         f_plus = float(f())
-        flat[i] = old - eps
+        x[i] = old - eps
         f_minus = float(f())
-        flat[i] = old
-        gflat[i] = (f_plus - f_minus) / (2.0 * eps)
+        x[i] = old
+        grad[i] = (f_plus - f_minus) / (2.0 * eps)
     return grad
 
 

@@ -94,6 +94,10 @@ class GroupedQueryAttention(Module):
                 self.register_parameter(name, np.zeros(size))
         if config.output_bias:
             self.register_parameter("b_O", np.zeros(d))
+        # the three projections side by side: one product makes q, k and v (one read per decoding step)
+        self.fuse_parameters("W_QKV", ("W_Q", "W_K", "W_V"))
+        if config.attention_bias:
+            self.fuse_parameters("b_QKV", ("b_Q", "b_K", "b_V"))
         self.qk_norm, self.norm_eps, self.norm_offset = bool(config.qk_norm), config.norm_eps, config.norm_offset
         self.scale = config.attention_scale  # None: head_dim ** -0.5
         # The layer's score modifier (Gemma 2's soft-cap) and sinks go through flex attention (exact gradients).
@@ -121,9 +125,16 @@ class GroupedQueryAttention(Module):
         """Query, key and value heads of ``x``, queries and keys normalised when ``qk_norm``; and what the
         norms' backward needs (None without them)."""
         p = self._parameters
-        q = linear(x, p["W_Q"], p.get("b_Q"))  # (B, L, Hq*Dh)
-        k = linear(x, p["W_K"], p.get("b_K"))  # (B, L, Hkv*Dh)
-        v = self._heads(linear(x, p["W_V"], p.get("b_V")), self.num_kv_heads)  # (B, Hkv, L, Dh)
+        fused, fused_bias = self.fused_parameter("W_QKV"), self.fused_parameter("b_QKV")
+        if fused is not None and ("b_Q" not in p or fused_bias is not None):
+            qkv = linear(x, fused, fused_bias)  # (B, L, (Hq + 2 Hkv)*Dh)
+            q_width, kv_width = p["W_Q"].shape[1], p["W_K"].shape[1]
+            q, k = qkv[..., :q_width], qkv[..., q_width:q_width + kv_width]  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
+            v = self._heads(qkv[..., q_width + kv_width:], self.num_kv_heads)  # (B, Hkv, L, Dh)
+        else:
+            q = linear(x, p["W_Q"], p.get("b_Q"))  # (B, L, Hq*Dh)
+            k = linear(x, p["W_K"], p.get("b_K"))  # (B, L, Hkv*Dh)
+            v = self._heads(linear(x, p["W_V"], p.get("b_V")), self.num_kv_heads)  # (B, Hkv, L, Dh)
         normed = None
         if self.qk_norm and self.qk_norm_scope == "projection":
             q, q_hat, q_rstd = rms_norm_forward(q, self._gain("q_norm"), self.norm_eps)  # (B, L, Hq*Dh)

@@ -10,11 +10,20 @@ from .linear import linear, linear_backward
 __all__ = ["gated_mlp_backward", "gated_mlp_forward"]
 
 
-def gated_mlp_forward(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu"):
-    """Returns ``y (..., D)`` and ``(gate_pre, gate, up, hidden)`` (each (..., F)), what backward needs."""
-    gate_pre = linear(x, w_gate, b_gate)  # (..., F)
+def gated_mlp_forward(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu",
+                      w_gate_up=None, b_gate_up=None):
+    """Returns ``y (..., D)`` and ``(gate_pre, gate, up, hidden)`` (each (..., F)), what backward needs.
+
+    ``w_gate_up`` (D, 2F) = ``[w_gate w_up]`` (and ``b_gate_up`` (2F,) with biases), when the caller keeps them
+    side by side, computes both branches in one product: one read of the weights in a decoding step.
+    """
+    if w_gate_up is not None:
+        both = linear(x, w_gate_up, b_gate_up)  # (..., 2F)
+        gate_pre, up = both[..., :w_gate.shape[-1]], both[..., w_gate.shape[-1]:]  # (..., F) each
+    else:
+        gate_pre = linear(x, w_gate, b_gate)  # (..., F)
+        up = linear(x, w_up, b_up)  # (..., F)
     gate = activation_forward(gate_pre, activation)  # (..., F)
-    up = linear(x, w_up, b_up)  # (..., F)
     hidden = gate * up  # (..., F)
     return linear(hidden, w_down, b_down), (gate_pre, gate, up, hidden)  # (..., D)
 

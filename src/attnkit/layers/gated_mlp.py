@@ -64,6 +64,10 @@ class GatedMLP(Module):
         if self.bias:
             for name, size in zip(_BIASES, (f, f, d)):
                 self.register_parameter(name, np.zeros(size))
+        # gate and up side by side: one product computes both branches (one read of them per decoding step)
+        self.fuse_parameters("W_gate_up", ("W_gate", "W_up"))
+        if self.bias:
+            self.fuse_parameters("b_gate_up", ("b_gate", "b_up"))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -74,8 +78,12 @@ class GatedMLP(Module):
         x = check_features(x, "x", self.hidden_size, "GatedMLP", "hidden_size")
         p = self._parameters
         biases = [p.get(name) for name in _BIASES]
+        fused, fused_bias = self.fused_parameter("W_gate_up"), self.fused_parameter("b_gate_up")
+        if self.bias and fused_bias is None:
+            fused = None
         y, saved = _gated.gated_mlp_forward(x, p["W_gate"], p["W_up"], p["W_down"], *biases,
-                                            activation=self.activation)  # (..., D)
+                                            activation=self.activation, w_gate_up=fused,
+                                            b_gate_up=fused_bias)  # (..., D)
         self.save_for_backward(x, saved)
         return y
 
