@@ -125,9 +125,9 @@ class GroupedQueryAttention(Module):
         """Query, key and value heads of ``x``, queries and keys normalised when ``qk_norm``; and what the
         norms' backward needs (None without them)."""
         p = self._parameters
-        fused, fused_bias = self.fused_parameter("W_QKV"), self.fused_parameter("b_QKV")
-        if fused is not None and ("b_Q" not in p or fused_bias is not None):
-            qkv = linear(x, fused, fused_bias)  # (B, L, (Hq + 2 Hkv)*Dh)
+        fused = self.fused_weight_and_bias("W_QKV", "b_QKV")
+        if fused is not None:
+            qkv = linear(x, *fused)  # (B, L, (Hq + 2 Hkv)*Dh)
             q_width, kv_width = p["W_Q"].shape[1], p["W_K"].shape[1]
             q, k = qkv[..., :q_width], qkv[..., q_width:q_width + kv_width]  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
             v = self._heads(qkv[..., q_width + kv_width:], self.num_kv_heads)  # (B, Hkv, L, Dh)

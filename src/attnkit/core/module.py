@@ -163,6 +163,17 @@ class Module:
             return buffer
         return None
 
+    def fused_weight_and_bias(self, weights: str, biases: str) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """``(fused weights, fused biases)`` of a fused linear map, biases None when the group was never made;
+        None when either group no longer holds (the caller then uses the parameters one by one)."""
+        weight = self.fused_parameter(weights)
+        if weight is None:
+            return None
+        if biases not in self._fused:
+            return weight, None
+        bias = self.fused_parameter(biases)
+        return None if bias is None else (weight, bias)
+
     def __setattr__(self, name: str, value: Any) -> None:
         params = self.__dict__.get("_parameters")
         if params is None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .._validation import check_positive_int
+from ..kernels.flex import score_index
 
 __all__ = ["KernelMask", "causal_mask", "causal_lower_right", "sliding_window_mask", "chunked_mask", "document_mask",
            "prefix_lm_mask", "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask",
@@ -186,12 +187,6 @@ def or_masks(*masks) -> Callable:
     return mask
 
 
-def _indices(B, H, rows, cols):
-    b = np.arange(B).reshape(B, 1, 1, 1)
-    h = np.arange(H).reshape(1, H, 1, 1)
-    return b, h, np.asarray(rows).reshape(1, 1, -1, 1), np.asarray(cols).reshape(1, 1, 1, -1)
-
-
 class BlockMask:
     """Which tiles of the score matrix are empty, partial or full, per ``(b, h)``.
 
@@ -234,12 +229,12 @@ class BlockMask:
 
     def to_dense(self) -> np.ndarray:
         """The full boolean mask, shape (B', H', Q_LEN, KV_LEN) (for inspection: it is Lq x Lk)."""
-        idx = _indices(self.batch, self.heads, np.arange(self.q_len), np.arange(self.kv_len))
+        idx = score_index(self.batch, self.heads, 0, self.q_len, 0, self.kv_len)
         return np.broadcast_to(self.mask_mod(*idx), self.shape).copy()  # (B', H', Lq, Lk)
 
     def tile_mask(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
         """``mask_mod`` on one tile, shape broadcastable to (B', H', q1 - q0, k1 - k0)."""
-        return np.asarray(self.mask_mod(*_indices(self.batch, self.heads, np.arange(q0, q1), np.arange(k0, k1))))
+        return np.asarray(self.mask_mod(*score_index(self.batch, self.heads, q0, q1, k0, k1)))
 
 
 def _classify(mask_mod: Callable, nb: int, nh: int, q_len: int, kv_len: int, bq: int, bk: int) -> np.ndarray:
@@ -249,7 +244,7 @@ def _classify(mask_mod: Callable, nb: int, nh: int, q_len: int, kv_len: int, bq:
     pad_k = nk * bk - kv_len
     for i in range(nq):
         q0, q1 = i * bq, min(q_len, (i + 1) * bq)
-        band = np.broadcast_to(mask_mod(*_indices(nb, nh, np.arange(q0, q1), np.arange(kv_len))),
+        band = np.broadcast_to(mask_mod(*score_index(nb, nh, q0, q1, 0, kv_len)),
                                (nb, nh, q1 - q0, kv_len))  # (B', H', Tq, Lk)
         counts = band.sum(axis=2, dtype=np.int64)  # (B', H', Lk)
         counts = np.pad(counts, ((0, 0), (0, 0), (0, pad_k))).reshape(nb, nh, nk, bk).sum(axis=-1)  # (B', H', nK)

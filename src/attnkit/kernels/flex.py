@@ -20,7 +20,7 @@ import numpy as np
 
 from ._masked_product import nonfinite_rows, zero_safe_matmul
 
-__all__ = ["FlexContext", "flex_forward", "flex_backward"]
+__all__ = ["FlexContext", "flex_forward", "flex_backward", "score_index"]
 
 
 @dataclasses.dataclass
@@ -51,10 +51,11 @@ def _unstack(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(b, heads, gt * x.shape[1] // heads, f)
 
 
-def _index(B: int, H: int, Lq: int, Lk: int):
-    """``(b, h, q_idx, kv_idx)`` broadcastable against (B, H, Lq, Lk)."""
-    return (np.arange(B).reshape(B, 1, 1, 1), np.arange(H).reshape(1, H, 1, 1),
-            np.arange(Lq).reshape(1, 1, -1, 1), np.arange(Lk).reshape(1, 1, 1, -1))
+def score_index(batch: int, heads: int, q0: int, q1: int, k0: int, k1: int):
+    """``(b, h, q_idx, kv_idx)`` of the score tile ``[q0:q1, k0:k1]``: integer arrays broadcastable against
+    (B, H, Tq, Tk), what score and mask modifiers are called with."""
+    return (np.arange(batch).reshape(-1, 1, 1, 1), np.arange(heads).reshape(1, -1, 1, 1),
+            np.arange(q0, q1).reshape(1, 1, -1, 1), np.arange(k0, k1).reshape(1, 1, 1, -1))
 
 
 def _masked_bad(bad: np.ndarray | None, mask) -> bool:
@@ -67,7 +68,7 @@ def _scores(q, k, scale, score_mod, mask):
     B, H, Lq = q.shape[:3]
     raw = _unstack(_stack(q, k.shape[1]) @ k.swapaxes(-1, -2), H)  # (B, H, Lq, Lk)
     raw *= raw.dtype.type(scale)
-    s = raw if score_mod is None else score_mod.forward(raw, *_index(B, H, Lq, k.shape[2]))
+    s = raw if score_mod is None else score_mod.forward(raw, *score_index(B, H, 0, Lq, 0, k.shape[2]))
     keep = None if mask is None else np.broadcast_to(mask, s.shape)  # (B, H, Lq, Lk)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
@@ -122,7 +123,7 @@ def flex_backward(grad_out, ctx: FlexContext):
         _, raw, _ = _scores(q, k, ctx.scale, None, None)  # (B, H, Lq, Lk)
         if _masked_bad(bad_k, keep):
             raw = np.where(keep, raw, 0)  # a modifier's gradient must not read masked NaN scores
-        ds = ctx.score_mod.backward(ds, raw, *_index(B, H, Lq, Lk))
+        ds = ctx.score_mod.backward(ds, raw, *score_index(B, H, 0, Lq, 0, Lk))
         if keep is not None:
             ds = np.where(keep, ds, 0)
     ds = ds * ctx.scale

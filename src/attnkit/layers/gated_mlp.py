@@ -78,12 +78,10 @@ class GatedMLP(Module):
         x = check_features(x, "x", self.hidden_size, "GatedMLP", "hidden_size")
         p = self._parameters
         biases = [p.get(name) for name in _BIASES]
-        fused, fused_bias = self.fused_parameter("W_gate_up"), self.fused_parameter("b_gate_up")
-        if self.bias and fused_bias is None:
-            fused = None
+        w_gate_up, b_gate_up = self.fused_weight_and_bias("W_gate_up", "b_gate_up") or (None, None)
         y, saved = _gated.gated_mlp_forward(x, p["W_gate"], p["W_up"], p["W_down"], *biases,
-                                            activation=self.activation, w_gate_up=fused,
-                                            b_gate_up=fused_bias)  # (..., D)
+                                            activation=self.activation, w_gate_up=w_gate_up,
+                                            b_gate_up=b_gate_up)  # (..., D)
         self.save_for_backward(x, saved)
         return y
 

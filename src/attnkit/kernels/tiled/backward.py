@@ -168,7 +168,7 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
         num_threads=threads, split="k", fixed=ctx.blocks, window=ctx.window))  # tasks: key blocks
     tiles = _Tiles(lead, seq_q, seq_k, ctx.mask, ctx.causal, ctx.bias, plan.block_q, plan.block_k, ctx.window,
                    ctx.score_mod, ctx.block_mask)
-    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale), fold=ctx.bias is None and ctx.score_mod is None,
+    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(ctx.scale),
                 dropout_p=ctx.dropout_p, seed=ctx.dropout_seed, drop_lead=ctx.drop_lead)
     # one lane per thread, each with its own dQ buffer: a second lane per thread (to rebalance when a core is
     # busy elsewhere) cost more than it saved, as its buffer's fresh pages fault in while the other thread

@@ -113,7 +113,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     k_aug, v_aug, kmax, bad_k, bad_v = _augment_keys(k, v, args.mask, tiles, dtype, num_threads)
     data = _ForwardData(q=q, k_aug=k_aug, v_aug=v_aug, kmax=kmax, out=np.zeros(lead + (seq_q, value_dim), dtype),
                         lse=np.full(lead + (seq_q,), np.inf), bad_v=bad_v)  # lse float64: backward splits it
-    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(scale), fold=args.bias is None and score_mod is None,
+    run = _Pass(tiles=tiles, dtype=dtype, scale=dtype.type(scale),
                 dropout_p=float(dropout_p), seed=dropout_seed, drop_lead=drop_lead)
     if math.prod(lead) and seq_q and seq_k:
         order = list(range(len(tiles.q_blocks)))

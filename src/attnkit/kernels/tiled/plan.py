@@ -16,6 +16,7 @@ from .._threads import default_num_threads, run_tasks
 from .._tile_sizes import choose_heads, choose_tiles, heads_override, tile_override
 from ..bias import ScoreBias
 from ..dropout import keep_mask
+from ..flex import score_index
 
 _LAZY_SHIFT = 16.0  # exp(s - m) may reach e^16 before the shift m is moved (float32-safe)
 
@@ -307,9 +308,7 @@ class _Tiles:
 
     def score_index(self, q0, q1, k0, k1):
         """``(b, h, q_idx, kv_idx)`` of a tile, broadcastable integer arrays against (B, H, Tq, Tk)."""
-        n_batch, n_heads = self.lead[0], math.prod(self.lead[1:])
-        return (np.arange(n_batch).reshape(-1, 1, 1, 1), np.arange(n_heads).reshape(1, -1, 1, 1),
-                np.arange(q0, q1).reshape(1, 1, -1, 1), np.arange(k0, k1).reshape(1, 1, 1, -1))
+        return score_index(self.lead[0], math.prod(self.lead[1:]), q0, q1, k0, k1)
 
     def modify(self, s: np.ndarray, q0, q1, k0, k1) -> np.ndarray:
         """The score modifier applied to the tile ``s`` (*lead, Tq, Tk): the modifier's own array when it is
@@ -419,13 +418,17 @@ class _Pass:
     tiles: _Tiles
     dtype: np.dtype  # compute dtype, float32 or float64
     scale: np.floating  # in the compute dtype: a float64 scalar would upcast float32 tiles
-    fold: bool  # no additive bias: the row shift rides in the score matmul (docs/kernels.md)
     dropout_p: float
     seed: int | None
     drop_lead: tuple[int, ...]
 
     def select(self, heads: tuple[slice, ...]) -> _Pass:
         return replace(self, tiles=self.tiles.select(heads))
+
+    @property
+    def fold(self) -> bool:
+        """No bias and no score modifier: the row shift rides in the score matmul (docs/kernels.md)."""
+        return self.tiles.bias is None and self.tiles.score_mod is None
 
     @property
     def dropout(self) -> bool:
