@@ -52,7 +52,9 @@ class GradientBuffers(MutableMapping):
     def __getitem__(self, name: str) -> np.ndarray:
         buffer = self._buffers.get(name)
         if buffer is None:
-            buffer = self._buffers[name] = np.zeros_like(self._parameters[name])
+            param = self._parameters[name]
+            # C order whatever the parameter's layout: backward kernels write rows (an embedding's scatter-add)
+            buffer = self._buffers[name] = np.zeros(param.shape, param.dtype)
         return buffer
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
@@ -152,6 +154,26 @@ class Module:
             views.append(view)
             start += param.shape[-1]
         self._fused[group] = (buffer, tuple(names), tuple(views))
+
+    def store_column_major(self, name: str) -> None:
+        """Keep the 2-D parameter ``name`` in column-major (Fortran) order: same shape and values, but its
+        transpose is the contiguous array.
+
+        ``x @ W.T`` with ``W`` (Out, In) then reads ``W.T`` (In, Out) row by row, the layout in which a
+        one-row product (a decoding step's language-model head) streams fastest: on a 2-core AMD EPYC with
+        OpenBLAS, a (49152, 576) head took 3.1 ms this way against 4.2 ms row-major. Everything else
+        (names, shapes, gradients, which stay C-ordered, state dicts, loaders that copy in, :meth:`astype`)
+        is unchanged.
+        """
+        param = self._parameters[name]
+        if param.ndim != 2:
+            raise ValueError(f"only a 2-D parameter can be stored column-major, {name!r} has shape {param.shape}")
+        if param.flags.f_contiguous:
+            return
+        if empty_init_dtype() is not None:  # a loader fills it: nothing worth copying yet
+            self._parameters[name] = np.empty(param.shape, param.dtype, order="F")
+        else:
+            self._parameters[name] = np.asfortranarray(param)
 
     def fused_parameter(self, group: str) -> np.ndarray | None:
         """The array made by :meth:`fuse_parameters` for ``group`` while its parameters are still its views."""

@@ -112,6 +112,9 @@ class CausalLM(Module):
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
+        # A decoding step's head product is one row against the (V, D) head: stored column-major, its
+        # transpose (D, V) is the contiguous array, which a matrix-vector product streams fastest.
+        (self.embed if config.tie_word_embeddings else self.head).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config: dict[str, Any] = {}
 
