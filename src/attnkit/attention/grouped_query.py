@@ -210,11 +210,14 @@ class GroupedQueryAttention(Module):
         """
         b, _, length, _ = q.shape
         seq_k = k.shape[2]
-        mask = sliding_window_mask(self.window, offset=seq_k - length) if self.window else \
-            causal_lower_right(length, seq_k)
-        if key_mask is not None:
-            mask = and_masks(mask, padding_mask(key_mask))
-        block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
+        if length == 1 and key_mask is None and (not self.window or self.window >= seq_k):
+            block_mask = None  # one query after every key it may see (a decoding step): nothing to hide
+        else:
+            mask = sliding_window_mask(self.window, offset=seq_k - length) if self.window else \
+                causal_lower_right(length, seq_k)
+            if key_mask is not None:
+                mask = and_masks(mask, padding_mask(key_mask))
+            block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
         kernel = "reference" if need_weights or length == 1 else "tiled"
         out, ctx = flex_attention(q, k, v, self.score_mod, block_mask, scale=self.scale, enable_gqa=True,
                                   sinks=self._parameters.get("sinks"), kernel=kernel)  # (B, Hq, L, Dh)
