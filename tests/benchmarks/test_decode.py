@@ -9,7 +9,7 @@ def test_tiny_run_reports_decode_prefill_and_bandwidth(monkeypatch, capsys):
     monkeypatch.setattr(decode, "FAMILIES", {"llama": ("LlamaConfig", dict(
         hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=64, tie_word_embeddings=False, max_position_embeddings=64))})
-    monkeypatch.setattr(decode, "gemv_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(decode, "gemv_bandwidth", lambda **_: 1e10)
     figures = decode.run(decode.parse_args(["--families", "llama", "--new", "3", "--prefill", "8", "--repeats",
                                             "1", "--threads", "1"]))
     row = figures["llama"]
@@ -22,3 +22,15 @@ def test_tiny_run_reports_decode_prefill_and_bandwidth(monkeypatch, capsys):
 
 def test_gemv_bandwidth_is_bytes_per_second():
     assert 1e8 < decode.gemv_bandwidth(megabytes=8, repeats=2) < 1e13
+
+
+def test_a_run_must_leave_at_least_one_decoding_step(capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--new", "1"])
+    assert "must be at least 2, got 1" in capsys.readouterr().err
+
+
+def test_gemv_bandwidth_sustained_for_a_time_keeps_multiplying_that_long():
+    start = decode.time.perf_counter()
+    assert 1e8 < decode.gemv_bandwidth(megabytes=8, seconds=0.05) < 1e13
+    assert decode.time.perf_counter() - start >= 0.05

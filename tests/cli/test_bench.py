@@ -58,7 +58,7 @@ def test_bench_decode_times_the_chosen_families_and_writes_their_figures(tmp_pat
                                              "gpt_oss": ("GptOssConfig", dict(tiny, head_dim=8, num_local_experts=3,
                                                                               num_experts_per_tok=2,
                                                                               sliding_window=4))})
-    monkeypatch.setattr(decode, "gemv_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(decode, "gemv_bandwidth", lambda **_: 1e10)
     assert main(["bench", "decode", "--families", "llama", "gpt_oss", "--new", "3", "--batches", "1", "2",
                  "--prefill", "8", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

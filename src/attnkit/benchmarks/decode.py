@@ -9,7 +9,11 @@ both run the same float32 weights. Measured in one run, alternating the two:
   greedy tokens compared);
 * prefill: one forward of ``--prefill`` tokens, batch 1, into a cache;
 * the machine's GEMV bandwidth: the best of ``y = W @ x`` on a float32 matrix larger than the last-level
-  cache, and the fraction of it that batch-1 decoding reaches (the weights a token reads times tokens/s).
+  cache, and the fraction of it that batch-1 decoding reaches: the weights a token reads times the decoding
+  steps' rate (a run of ``--new`` tokens less a run of one, so the prompt's forward is not counted as
+  decoding), against the GEMV bandwidth sustained for as long as those steps took, right after them (on a
+  shared machine a single product's bandwidth moves by a third within minutes; side by side and over the
+  same length of time, both figures see the same conditions).
 
 Targets (issue text): prefill at most 0.8x ``transformers``' time; decode at least 1.5x its speed at batch 1 and
 1.2x at batch 8; batch-1 decoding at least 75% of the GEMV bandwidth.
@@ -72,11 +76,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.decode", description=__doc__.split("\n")[0])
     p.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     p.add_argument("--threads", type=int, default=2, help="torch, BLAS and attnkit threads (default 2)")
-    p.add_argument("--new", type=int, default=32, help="greedy tokens per decode run (default 32)")
+    p.add_argument("--new", type=_at_least_two, default=32, help="greedy tokens per decode run (default 32)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prefill", type=int, default=1024, help="prefill length (default 1024)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, best kept (default 2)")
     return p.parse_args(argv)
+
+
+def _at_least_two(text: str) -> int:
+    # one token is the prompt's forward alone: the decoding steps' rate needs a second
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
+    return value
 
 
 @contextmanager
@@ -90,14 +102,21 @@ def _threads(torch: Any, n: int):
         torch.set_num_threads(old)
 
 
-def gemv_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
-    """Bytes per second NumPy's float32 matrix-vector product streams from memory (best of ``repeats``)."""
+def gemv_bandwidth(megabytes: int = 256, repeats: int = 10, *, seconds: float | None = None) -> float:
+    """Bytes per second NumPy's float32 matrix-vector product streams from memory: the best of ``repeats``
+    products, or with ``seconds``, the average over back-to-back products for that long (comparable with a
+    run of that length; a single product can catch a moment when the machine's other tenants are quiet)."""
     rows = megabytes * 2**20 // (4 * 4096)
-    w = np.random.default_rng(0).standard_normal((rows, 4096), dtype=np.float32)  # (R, 4096)
+    w = np.full((rows, 4096), 0.5, dtype=np.float32)  # (R, 4096): the values do not change the traffic
     x = np.ones(4096, np.float32)
     w @ x  # warm the pages
-    best = min(_timed(lambda: w @ x) for _ in range(repeats))
-    return w.nbytes / best
+    if seconds is None:
+        return w.nbytes / min(_timed(lambda: w @ x) for _ in range(repeats))
+    count, start = 0, time.perf_counter()
+    while count == 0 or time.perf_counter() - start < seconds:
+        w @ x
+        count += 1
+    return count * w.nbytes / (time.perf_counter() - start)
 
 
 def _timed(fn) -> float:
@@ -114,6 +133,20 @@ def _best(fn, repeats: int):
         times.append(time.perf_counter() - start)
         first = result if i == 0 else first
     return min(times), first
+
+
+def _decoding_rate(lm: Any, ids: np.ndarray, new: int, repeats: int) -> tuple[float, float]:
+    """``(steps per second, GEMV bytes per second)``: the decoding steps alone (a ``new``-token run less a
+    one-token run), and the GEMV bandwidth sustained for as long as those steps took, measured right after
+    them; the best of each over at least three such pairs."""
+    rates, bandwidths = [], []
+    for _ in range(max(repeats, 3)):
+        one = _timed(lambda: lm.generate(ids, max_new_tokens=1, min_new_tokens=1, eos_token_id=[]))
+        every = _timed(lambda: lm.generate(ids, max_new_tokens=new, min_new_tokens=new, eos_token_id=[]))
+        steps = max(every - one, 1e-9)
+        rates.append((new - 1) / steps)
+        bandwidths.append(gemv_bandwidth(seconds=steps))
+    return max(rates), max(bandwidths)
 
 
 def _weights_read_per_token(lm: Any) -> int:
@@ -170,9 +203,11 @@ def _family(family: str, args: argparse.Namespace, torch: Any, bandwidth: float)
               f"{tokens / t_hf:7.1f} tok/s, speed ratio {t_hf / t_ours:.2f}x (greedy tokens equal: {same:.0%})")
         if batch == 1:
             per_token = _weights_read_per_token(ours)
-            row["gemv_fraction"] = per_token * tokens / t_ours / bandwidth
-            print(f"{family} batch-1 decoding reads {per_token / 2**20:.0f} MiB of weights per token: "
-                  f"{row['gemv_fraction']:.0%} of the GEMV bandwidth")
+            rate, beside = _decoding_rate(ours, ids, args.new, args.repeats)
+            row["gemv_fraction"] = per_token * rate / beside
+            print(f"{family} batch-1 decoding steps read {per_token / 2**20:.0f} MiB of weights per token at "
+                  f"{per_token * rate / 1e9:.1f} GB/s: {row['gemv_fraction']:.0%} of the GEMV bandwidth sustained "
+                  f"beside them ({beside / 1e9:.1f} GB/s)")
     ids = rng.integers(0, vocab, size=(1, args.prefill))  # (1, P)
     tids = torch.from_numpy(ids)
     t_ours, _ = _best(lambda: ours(ids, cache=ours.new_cache(1, max_length=args.prefill)), args.repeats)
