@@ -93,11 +93,13 @@ def masked_softmax(scores: np.ndarray, mask: np.ndarray | None = None) -> np.nda
     if mask is not None:
         # A row with no allowed key has max -inf; any finite shift keeps exp() at 0 there instead of NaN.
         row_max = np.where(np.isneginf(row_max), 0.0, row_max)
-    e = np.exp(scores - row_max)  # (..., Lq, Lk)
+    e = scores - row_max  # (..., Lq, Lk), a fresh array: exp and the division work in it
+    np.exp(e, out=e)
     denom = e.sum(axis=-1, keepdims=True)  # (..., Lq, 1)
     if mask is not None:
         denom = np.where(denom == 0, 1.0, denom)
-    return e / denom
+    e /= denom
+    return e
 
 
 def softmax_backward(grad_weights: np.ndarray, weights: np.ndarray) -> np.ndarray:
