@@ -13,7 +13,7 @@ both run the same float32 weights. Measured in one run, alternating the two:
   steps' rate (a run of ``--new`` tokens less a run of one, so the prompt's forward is not counted as
   decoding), against the GEMV bandwidth sustained for as long as those steps took, right after them (on a
   shared machine a single product's bandwidth moves by a third within minutes; side by side and over the
-  same length of time, both figures see the same conditions).
+  same length of time, both figures see the same conditions); the median of at least three such pairs.
 
 Targets (issue text): prefill at most 0.8x ``transformers``' time; decode at least 1.5x its speed at batch 1 and
 1.2x at batch 8; batch-1 decoding at least 75% of the GEMV bandwidth.
@@ -135,18 +135,20 @@ def _best(fn, repeats: int):
     return min(times), first
 
 
-def _decoding_rate(lm: Any, ids: np.ndarray, new: int, repeats: int) -> tuple[float, float]:
-    """``(steps per second, GEMV bytes per second)``: the decoding steps alone (a ``new``-token run less a
-    one-token run), and the GEMV bandwidth sustained for as long as those steps took, measured right after
-    them; the best of each over at least three such pairs."""
-    rates, bandwidths = [], []
+def _decoding_fraction(lm: Any, ids: np.ndarray, new: int, repeats: int) -> tuple[float, float, float]:
+    """``(fraction, decoding bytes per second, GEMV bytes per second)`` of the median of at least three pairs
+    of measurements: the decoding steps alone (a ``new``-token run less a one-token run) and, right after
+    them, the GEMV bandwidth sustained for as long as those steps took. Each fraction compares figures taken
+    side by side; the median pair is the one reported."""
+    per_token = _weights_read_per_token(lm)
+    pairs = []
     for _ in range(max(repeats, 3)):
         one = _timed(lambda: lm.generate(ids, max_new_tokens=1, min_new_tokens=1, eos_token_id=[]))
         every = _timed(lambda: lm.generate(ids, max_new_tokens=new, min_new_tokens=new, eos_token_id=[]))
         steps = max(every - one, 1e-9)
-        rates.append((new - 1) / steps)
-        bandwidths.append(gemv_bandwidth(seconds=steps))
-    return max(rates), max(bandwidths)
+        rate, bandwidth = per_token * (new - 1) / steps, gemv_bandwidth(seconds=steps)
+        pairs.append((rate / bandwidth, rate, bandwidth))
+    return sorted(pairs)[len(pairs) // 2]
 
 
 def _weights_read_per_token(lm: Any) -> int:
@@ -202,12 +204,10 @@ def _family(family: str, args: argparse.Namespace, torch: Any, bandwidth: float)
         print(f"{family} decode batch {batch}: attnkit {tokens / t_ours:7.1f} tok/s, transformers "
               f"{tokens / t_hf:7.1f} tok/s, speed ratio {t_hf / t_ours:.2f}x (greedy tokens equal: {same:.0%})")
         if batch == 1:
-            per_token = _weights_read_per_token(ours)
-            rate, beside = _decoding_rate(ours, ids, args.new, args.repeats)
-            row["gemv_fraction"] = per_token * rate / beside
-            print(f"{family} batch-1 decoding steps read {per_token / 2**20:.0f} MiB of weights per token at "
-                  f"{per_token * rate / 1e9:.1f} GB/s: {row['gemv_fraction']:.0%} of the GEMV bandwidth sustained "
-                  f"beside them ({beside / 1e9:.1f} GB/s)")
+            row["gemv_fraction"], rate, beside = _decoding_fraction(ours, ids, args.new, args.repeats)
+            print(f"{family} batch-1 decoding steps read {_weights_read_per_token(ours) / 2**20:.0f} MiB of weights "
+                  f"per token at {rate / 1e9:.1f} GB/s: {row['gemv_fraction']:.0%} of the GEMV bandwidth sustained "
+                  f"beside them ({beside / 1e9:.1f} GB/s; median of the pairs)")
     ids = rng.integers(0, vocab, size=(1, args.prefill))  # (1, P)
     tids = torch.from_numpy(ids)
     t_ours, _ = _best(lambda: ours(ids, cache=ours.new_cache(1, max_length=args.prefill)), args.repeats)
