@@ -135,12 +135,12 @@ def _best(fn, repeats: int):
     return min(times), first
 
 
-def _decoding_fraction(lm: Any, ids: np.ndarray, new: int, repeats: int) -> tuple[float, float, float]:
+def _decoding_fraction(lm: Any, ids: np.ndarray, new: int, repeats: int,
+                       per_token: int) -> tuple[float, float, float]:
     """``(fraction, decoding bytes per second, GEMV bytes per second)`` of the median of at least three pairs
-    of measurements: the decoding steps alone (a ``new``-token run less a one-token run) and, right after
-    them, the GEMV bandwidth sustained for as long as those steps took. Each fraction compares figures taken
-    side by side; the median pair is the one reported."""
-    per_token = _weights_read_per_token(lm)
+    of measurements: the decoding steps alone (a ``new``-token run less a one-token run, each step reading
+    ``per_token`` bytes of weights) and, right after them, the GEMV bandwidth sustained for as long as those
+    steps took. Each fraction compares figures taken side by side; the median pair is the one reported."""
     pairs = []
     for _ in range(max(repeats, 3)):
         one = _timed(lambda: lm.generate(ids, max_new_tokens=1, min_new_tokens=1, eos_token_id=[]))
@@ -183,7 +183,7 @@ def _build(family: str, folder: Path, torch: Any):
     return load_causal_lm(folder), hf
 
 
-def _family(family: str, args: argparse.Namespace, torch: Any, bandwidth: float) -> dict[str, float]:
+def _family(family: str, args: argparse.Namespace, torch: Any) -> dict[str, float]:
     """One family's rows of the table (printed) and figures (returned)."""
     with tempfile.TemporaryDirectory() as tmp:
         ours, hf = _build(family, Path(tmp), torch)
@@ -204,8 +204,9 @@ def _family(family: str, args: argparse.Namespace, torch: Any, bandwidth: float)
         print(f"{family} decode batch {batch}: attnkit {tokens / t_ours:7.1f} tok/s, transformers "
               f"{tokens / t_hf:7.1f} tok/s, speed ratio {t_hf / t_ours:.2f}x (greedy tokens equal: {same:.0%})")
         if batch == 1:
-            row["gemv_fraction"], rate, beside = _decoding_fraction(ours, ids, args.new, args.repeats)
-            print(f"{family} batch-1 decoding steps read {_weights_read_per_token(ours) / 2**20:.0f} MiB of weights "
+            per_token = _weights_read_per_token(ours)
+            row["gemv_fraction"], rate, beside = _decoding_fraction(ours, ids, args.new, args.repeats, per_token)
+            print(f"{family} batch-1 decoding steps read {per_token / 2**20:.0f} MiB of weights "
                   f"per token at {rate / 1e9:.1f} GB/s: {row['gemv_fraction']:.0%} of the GEMV bandwidth sustained "
                   f"beside them ({beside / 1e9:.1f} GB/s; median of the pairs)")
     ids = rng.integers(0, vocab, size=(1, args.prefill))  # (1, P)
@@ -227,9 +228,8 @@ def run(args: argparse.Namespace) -> dict:
     for line in describe(machine_info(), threads=args.threads):
         print(line)
     with _threads(torch, args.threads), torch.inference_mode():
-        bandwidth = gemv_bandwidth()
-        print(f"GEMV bandwidth (float32, 256 MiB matrix): {bandwidth / 1e9:.1f} GB/s")
-        figures = {family: _family(family, args, torch, bandwidth) for family in args.families}
+        print(f"GEMV bandwidth (float32, 256 MiB matrix): {gemv_bandwidth() / 1e9:.1f} GB/s")
+        figures = {family: _family(family, args, torch) for family in args.families}
     for line in summary(figures):
         print(line)
     return figures
