@@ -100,7 +100,7 @@ class Module:
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
-        object.__setattr__(self, "_fused", {})  # group name -> (buffer, the parameter views made of it)
+        object.__setattr__(self, "_fused", {})  # group name -> (buffer, parameter names, their views of it)
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "grads", GradientBuffers(self._parameters))
         object.__setattr__(self, "training", True)
