@@ -1,7 +1,6 @@
 """A Hugging Face ``config.json`` (as a dict) read into a :class:`~attnkit.models.DecoderConfig`.
 
-Five families are understood, keyed by ``model_type``: ``gpt2``, ``llama``, ``mistral``, ``qwen2`` and ``qwen3``
-(Qwen2's layout plus a per-head RMSNorm of queries and keys, an explicit ``head_dim`` and no default biases). Their
+The families of :data:`SUPPORTED_MODEL_TYPES` are understood, keyed by ``model_type``. Their
 keys differ (GPT-2 says ``n_embd``, the others ``hidden_size``), their defaults differ (Mistral has 8 key/value
 heads and a 4096-token window unless told otherwise, GPT-2 ties its head) and rotary settings come in two
 styles: the older ``rope_theta`` + ``rope_scaling`` (with ``"type"`` or ``"rope_type"``) and the newer
@@ -67,24 +66,55 @@ _FAMILY_DEFAULTS = {
                 "eos_token_id": 128001, "num_key_value_heads": 4, "sliding_window": None},
 }
 
-# Keys every save_pretrained config carries that say nothing about the computation (bookkeeping, training-only
-# settings, defaults of generate); the families checked strictly accept them beside their own keys.
-_BOOKKEEPING = frozenset((
-    "model_type", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype", "use_cache",
-    "initializer_range", "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
-    "is_encoder_decoder", "problem_type", "id2label", "label2id", "tokenizer_class", "pad_token_id",
-    "bos_token_id", "eos_token_id", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
-    "classifier_dropout", "is_decoder", "tie_word_embeddings", "use_return_dict", "pretraining_tp",
-    "max_window_layers", "torchscript", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
-    "finetuning_task", "tf_legacy_loss", "pruned_heads", "cross_attention_hidden_size", "add_cross_attention",
-    "tie_encoder_decoder", "quantization_config"))
+# The key policy, one for every family: a key that can change the computation must be one the family's reader
+# understands, or the folder is refused naming it; metadata is accepted. Metadata is a key starting with "_"
+# (transformers' private bookkeeping, e.g. _name_or_path), any "*_token_id" (special ids; the ones that matter
+# are read and checked), and the generic keys of transformers' PretrainedConfig and of the 4.x releases that
+# wrote generation defaults into config.json: saving, labels, training-only settings (dropout, initialisation)
+# and generate's defaults, none of which changes a forward pass.
+_GENERIC_KEYS = frozenset((
+    # saving and identity
+    "model_type", "transformers_version", "architectures", "dtype", "torch_dtype", "use_bfloat16", "torchscript",
+    "tokenizer_class", "prefix", "task_specific_params", "finetuning_task", "is_encoder_decoder", "is_decoder",
+    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder", "pruned_heads",
+    "chunk_size_feed_forward", "tf_legacy_loss", "quantization_config",
+    # outputs and labels
+    "output_hidden_states", "output_attentions", "output_scores", "return_dict", "use_return_dict",
+    "return_dict_in_generate", "problem_type", "id2label", "label2id", "num_labels",
+    # training only
+    "use_cache", "initializer_range", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+    "attn_pdrop", "classifier_dropout", "pretraining_tp", "gradient_checkpointing",
+    # generate's defaults as 4.x wrote them into config.json (attnkit reads generation_config.json)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    # the tensors decide: a tied head is a checkpoint without lm_head.weight
+    "tie_word_embeddings"))
 
-# The keys of each strictly checked family that attnkit reads (with the rope keys read by _rope).
+
+def _is_metadata_key(key: str) -> bool:
+    """Whether a ``config.json`` key is metadata, accepted by every family whether read or not (see above)."""
+    return key.startswith("_") or key.endswith("_token_id") or key in _GENERIC_KEYS
+
+
+# The keys each family's reader understands beyond metadata (the rope keys are read by _rope).
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
               "original_max_position_embeddings")
 _COMMON_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps") + _ROPE_KEYS
+_QWEN_WINDOW_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 _FAMILY_KEYS = {
+    # summary_* size the sequence-summary head of GPT2DoubleHeadsModel, which a causal LM does not have;
+    # reorder_and_upcast_attn computes the same scores in float32, which attnkit's float32 does anyway
+    "gpt2": ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_ctx", "n_inner", "activation_function",
+             "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+             "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+             "summary_first_dropout"),
+    "llama": _COMMON_KEYS + ("attention_bias", "mlp_bias"),
+    "mistral": _COMMON_KEYS + ("sliding_window",),
+    "qwen2": _COMMON_KEYS + _QWEN_WINDOW_KEYS,
+    "qwen3": _COMMON_KEYS + _QWEN_WINDOW_KEYS + ("attention_bias",),
     "olmo2": _COMMON_KEYS + ("attention_bias",),
     "smollm3": _COMMON_KEYS + ("attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
                                "layer_types", "no_rope_layers", "no_rope_layer_interval"),
@@ -98,8 +128,7 @@ _FAMILY_KEYS = {
                               "use_bidirectional_attention"),
     "gemma3_text": _COMMON_KEYS + ("attention_bias", "hidden_activation", "query_pre_attn_scalar", "sliding_window",
                                    "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
-                                   "use_bidirectional_attention", "sliding_window_pattern", "_sliding_window_pattern",
-                                   "rope_local_base_freq"),
+                                   "use_bidirectional_attention", "sliding_window_pattern", "rope_local_base_freq"),
     "gpt_neox": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "hidden_act", "max_position_embeddings", "layer_norm_eps", "use_parallel_residual",
                  "attention_bias", "rotary_pct", "rotary_emb_base") + _ROPE_KEYS,
@@ -107,13 +136,14 @@ _FAMILY_KEYS = {
 
 
 def _refuse_unknown_keys(config: dict, family: str) -> None:
-    """A key this family's reader does not understand is refused by name rather than ignored."""
-    allowed = _BOOKKEEPING.union(_FAMILY_KEYS[family])
-    unknown = sorted(k for k in config if k not in allowed)
+    """A key that is neither metadata nor read by this family's reader is refused by name rather than ignored."""
+    understood = _FAMILY_KEYS[family]
+    unknown = sorted(k for k in config if not (_is_metadata_key(k) or k in understood))
     if unknown:
         raise ValueError(f"{family} config: key {unknown[0]!r} is not understood by attnkit"
                          + (f" (nor {unknown[1:]})" if len(unknown) > 1 else "")
-                         + "; refusing to load rather than ignore it")
+                         + "; refusing to load rather than ignore it (metadata keys are accepted: see "
+                         "docs/reliability.md)")
 
 
 class _Reader:
@@ -192,7 +222,9 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
     Parameters
     ----------
     config : dict
-        The parsed ``config.json``; ``model_type`` must be ``"gpt2"``, ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        The parsed ``config.json``; ``model_type`` must be one of :data:`SUPPORTED_MODEL_TYPES`. A key that is
+        neither metadata (``_``-prefixed, ``*_token_id``, transformers' generic ``PretrainedConfig`` keys) nor
+        read by the family's reader is refused by name.
 
     Returns
     -------
@@ -234,8 +266,7 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
     if family not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {family!r} is not supported; attnkit loads "
                          + ", ".join(SUPPORTED_MODEL_TYPES))
-    if family in _FAMILY_KEYS:
-        _refuse_unknown_keys(config, family)
+    _refuse_unknown_keys(config, family)
     quantization = config.get("quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
