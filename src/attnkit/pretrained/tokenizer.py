@@ -3,9 +3,8 @@
 :func:`load_tokenizer` reads ``tokenizer.json`` with the ``tokenizers`` library, the special tokens from
 ``tokenizer_config.json`` / ``special_tokens_map.json`` (and the end-of-sequence ids of
 ``generation_config.json``), and the chat template from ``chat_template.jinja`` or ``tokenizer_config.json``.
-Chat templates are rendered the way ``transformers`` renders them: a sandboxed, immutable jinja2 environment
-with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that does not
-escape HTML, and the globals ``raise_exception``, ``strftime_now``, ``dict`` and ``namespace``; the special
+Chat templates are rendered the way ``transformers`` renders them, in a sandbox with a time and size budget
+(:mod:`.chat_template`); the special
 tokens (``bos_token``, ``eos_token``, ...) are template variables, and the rendered text is tokenized without
 adding special tokens. Needs the ``pretrained`` extra (``tokenizers``; ``jinja2`` for chat templates).
 
@@ -13,9 +12,7 @@ Dimension letters: B batch, L padded length.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +20,11 @@ import numpy as np
 
 from ..io import read_json
 from ._extra import import_extra
+from .chat_template import compile_chat_template, render_chat_template
 
 __all__ = ["Tokenizer", "load_tokenizer", "read_generation_config", "SPECIAL_TOKEN_NAMES"]
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_JINJA_MIN = (3, 1, 6)  # older jinja2 releases have known sandbox escapes (templates are untrusted code)
 
 
 def _token_text(value: Any, where: str) -> str | None:
@@ -49,67 +46,6 @@ def read_generation_config(folder: str | Path) -> dict:
     """
     file = Path(folder) / "generation_config.json"
     return read_json(file) if file.is_file() else {}
-
-
-def _compile_template(source: str) -> Any:
-    jinja2 = import_extra("jinja2", "render chat templates")
-    ext = import_extra("jinja2.ext", "render chat templates")
-    sandbox = import_extra("jinja2.sandbox", "render chat templates")
-
-    version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
-    if version < _JINJA_MIN:
-        raise ImportError(f"chat templates need jinja2>=3.1.6 (older releases have sandbox escapes), found "
-                          f"{jinja2.__version__}")
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        # jinja2's own tojson escapes <, >, & and ' for HTML; chat templates want the plain JSON.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        """``namespace()`` that refuses underscore names (no reaching CPython internals through it)."""
-
-        def __init__(*args: Any, **kwargs: Any) -> None:
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}")
-
-    class TemplateDict:
-        """``dict(...)`` and ``dict.fromkeys`` without exposing the ``dict`` type itself."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> dict:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-            return dict.fromkeys(*args, **kwargs)
-
-    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env.from_string(source)
 
 
 def _plain(value: Any) -> Any:
@@ -326,14 +262,14 @@ class Tokenizer:
                 if not isinstance(message, Mapping):
                     raise TypeError(f"chat messages must be dicts, got {message!r:.80}")
         if source not in self._compiled:
-            self._compiled[source] = _compile_template(source)
+            self._compiled[source] = compile_chat_template(source)
         template = self._compiled[source]
         variables = _plain({**self.special_tokens, **template_kwargs})
-        rendered = [template.render(messages=_plain([{k: v for k, v in m.items() if v is not None} for m in chat]),
-                                    tools=_plain(None if tools is None else list(tools)),
-                                    documents=_plain(None if documents is None else list(documents)),
-                                    add_generation_prompt=add_generation_prompt, **variables)
-                    for chat in conversations]
+        rendered = [render_chat_template(
+            template, messages=_plain([{k: v for k, v in m.items() if v is not None} for m in chat]),
+            tools=_plain(None if tools is None else list(tools)),
+            documents=_plain(None if documents is None else list(documents)),
+            add_generation_prompt=add_generation_prompt, **variables) for chat in conversations]
         if not tokenize:
             return rendered if batched else rendered[0]
         ids = [self.encode(text, add_special_tokens=False) for text in rendered]
