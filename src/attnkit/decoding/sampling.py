@@ -297,8 +297,11 @@ def banned_ngram_tokens(sequences: np.ndarray, n: int) -> np.ndarray:
 
 
 def _ends_with_stop(text: str, before: str, stops: Sequence[str]) -> bool:
-    """A stop string occurs in ``text`` and ends inside its last token (``text[len(before):]``)."""
-    return any(text.find(stop, max(0, len(before) - len(stop) + 1)) >= 0 for stop in stops)
+    """A stop string occurs in ``text`` and ends inside what its last token added to ``before`` (the same
+    tokens less the last). ``before`` may end in replacement characters for the first bytes of a character that
+    the last token completes: those are not text it had, so the search starts before them."""
+    settled = len(before.rstrip("\ufffd"))
+    return any(text.find(stop, max(0, settled - len(stop) + 1)) >= 0 for stop in stops)
 
 
 # -- decoding ----------------------------------------------------------------------------------------------
@@ -511,7 +514,9 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
     logits = next_token_logits(model, ids, mask, cache)  # (B, V): prefill once
     sequences = ids  # (B, L + step): what the processors and stop strings read
     stops, tokenizer = processing["stop_strings"], processing["tokenizer"]
-    stop_window = max(len(t) for t in stops) + 1 if stops else 0  # tokens enough to hold a stop string
+    # Tokens enough to hold a stop string: a token adds at least one byte, so its UTF-8 length in tokens (a
+    # character may be split over several), and one more whose text is only the context before it.
+    stop_window = max(len(t.encode("utf-8")) for t in stops) + 1 if stops else 0
     done = np.zeros(batch, dtype=bool)  # (B,)
     switch = getattr(model, "rotary_switch_length", None)
     for step in range(max_new_tokens):
