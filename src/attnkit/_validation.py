@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "as_array",
     "as_float_array",
     "check_features",
     "check_grad_output",
@@ -30,6 +31,24 @@ __all__ = [
     "check_eps",
     "check_finite",
 ]
+
+
+def as_array(x: Any, name: str) -> np.ndarray:
+    """``np.asarray(x)``, with a ragged nesting (rows of different lengths) reported naming ``name``.
+
+    Raises
+    ------
+    ValueError
+        If ``x`` is a nested sequence whose rows differ in length.
+    """
+    try:
+        return np.asarray(x)
+    except ValueError as exc:
+        if "inhomogeneous" not in str(exc):
+            raise
+        lengths = sorted({len(row) for row in x if hasattr(row, "__len__")}) if hasattr(x, "__iter__") else []
+        raise ValueError(f"{name} must be a rectangular array: its rows have different lengths {lengths} (pad "
+                         f"them to one length and pass attention_mask)") from None
 
 
 def as_float_array(x: Any, name: str) -> np.ndarray:

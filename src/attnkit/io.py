@@ -489,6 +489,35 @@ class ArrayArchive:
 MAX_JSON_BYTES = 1 << 28  # 256 MiB: far above any config or tokenizer file, far below a memory problem
 
 
+def read_text(path: str | os.PathLike) -> str:
+    """The text of a UTF-8 file (a chat template, say), every way it can be wrong one ``ValueError`` naming it.
+
+    Raises
+    ------
+    ValueError
+        Not UTF-8, or larger than 256 MiB.
+    FileNotFoundError, OSError
+        A missing or unreadable file.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "chat_template.jinja"
+    >>> _ = path.write_bytes(b"{{ 'caf\\xe9' }}")
+    >>> read_text(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: ...chat_template.jinja is not UTF-8 text: invalid continuation byte at byte 7
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path} is not a text file attnkit reads: {size:,} bytes, the limit is {MAX_JSON_BYTES:,}")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+
+
 def read_json(path: str | os.PathLike, *, expect: type | None = dict) -> Any:
     """The value of a UTF-8 JSON file, every way it can be wrong reported as one ``ValueError`` naming it.
 

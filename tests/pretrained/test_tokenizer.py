@@ -135,13 +135,11 @@ def test_bad_folders_are_clear_errors(tmp_path):
 
 
 def test_load_returns_the_model_and_its_tokenizer(tmp_path):
-    import shutil
-
     from attnkit.pretrained import load
-    from hf_models import saved_model
+    from text_models import write_chat_model
 
-    folder = shutil.copytree(saved_model("llama_gqa", tmp_path / "model")[0], tmp_path / "copy")
-    write_chat_tokenizer(folder)
+    folder = tmp_path / "chat"
+    write_chat_model(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2], "temperature": 0.7}))
     model, tok = load(folder)
     assert model.generation_config == {"eos_token_id": [1, 2], "temperature": 0.7}

@@ -16,15 +16,17 @@ The warpers are pure functions of a logits array (..., V); filtered entries beco
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from .._validation import check_positive_int, check_real
+from .._validation import as_array, check_positive_int, check_real
 from .beam_search import check_num_beams, lm_beam_search, next_token_logits
 
-__all__ = ["temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
+__all__ = ["check_generation_config",
+           "temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
            "apply_repetition_penalty", "banned_ngram_tokens", "generate", "generate_stream"]
 
 FILTER_VALUE = -np.inf
@@ -330,7 +332,7 @@ def _token_set(value: Any, name: str, vocab: int | None, *, single: bool = False
 
 
 def _check_prompt(model: Any, input_ids: Any, attention_mask: Any) -> tuple[np.ndarray, np.ndarray]:
-    ids = np.asarray(input_ids)
+    ids = as_array(input_ids, "input_ids")
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0 or (ids.dtype.kind not in "iu" and ids.size):
         raise ValueError(f"input_ids must be a non-empty integer array (B, L), got dtype {ids.dtype} and shape "
                          f"{ids.shape}")
@@ -377,7 +379,34 @@ def _resolve(model: Any, given: dict[str, Any]) -> dict[str, Any]:
             for name, default in _CONFIG_DEFAULTS.items()}
 
 
-def _check_options(o: dict[str, Any], tokenizer: Any) -> None:
+def check_generation_config(config: Mapping[str, Any], vocab_size: int | None = None) -> None:
+    """Check the defaults a model folder's ``generation_config.json`` gives :func:`generate`, as ``generate``
+    checks its arguments, so that a folder whose defaults would be refused is refused when it loads.
+
+    ``stop_strings`` is checked as text only (the tokenizer that reads them comes with the call).
+
+    Parameters
+    ----------
+    config : dict
+        The parsed ``generation_config.json``; keys ``generate`` does not read are ignored, as in transformers.
+    vocab_size : int, optional
+        The model's vocabulary, to check ``eos_token_id`` and ``pad_token_id`` against.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Naming the key and what it held (e.g. ``temperature must be a positive number, got -1``).
+    """
+    o = _resolve(SimpleNamespace(generation_config=dict(config)), dict.fromkeys(_CONFIG_DEFAULTS))
+    _check_options(o, tokenizer=None, tokenizer_given_later=True)
+    warp_logits(np.zeros(1), temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"])
+    _token_set(o["eos_token_id"], "eos_token_id", vocab_size)
+    _token_set(o["pad_token_id"], "pad_token_id", vocab_size, single=True)
+    if int(o["max_new_tokens"]) > MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS}, got {o['max_new_tokens']}")
+
+
+def _check_options(o: dict[str, Any], tokenizer: Any, tokenizer_given_later: bool = False) -> None:
     for name in ("max_new_tokens", "no_repeat_ngram_size", "min_new_tokens"):
         if o[name] is not None:
             o[name] = check_positive_int(o[name], name, allow_zero=True)
@@ -408,7 +437,7 @@ def _check_options(o: dict[str, Any], tokenizer: Any) -> None:
         stops = [stops] if isinstance(stops, str) else stops
         if not isinstance(stops, Sequence) or not stops or not all(isinstance(t, str) and t for t in stops):
             raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {o['stop_strings']!r}")
-        if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+        if not tokenizer_given_later and (tokenizer is None or not callable(getattr(tokenizer, "decode", None))):
             raise ValueError("stop_strings needs tokenizer= (the model's tokenizer, to read the generated text)")
         o["stop_strings"] = list(stops)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, check_grad_output, check_positive_int
+from .._validation import as_array, as_bool_mask, check_grad_output, check_positive_int
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
 from ..init import as_generator
@@ -153,7 +153,7 @@ class CausalLM(Module):
 
     # ------------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, attention_mask, position_ids, cache):
-        ids = np.asarray(input_ids)
+        ids = as_array(input_ids, "input_ids")
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be a 2-D integer array (B, L), got shape {ids.shape} and dtype "
                              f"{ids.dtype}")

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..decoding.sampling import check_generation_config
 from ..init import empty_init
 from ..io import read_json
 from .checkpoint import check_model_matches, load_tensors_into, read_checkpoint_index, validate_checkpoint
@@ -65,7 +66,8 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
         No such folder, no ``config.json``, no safetensors file.
     ValueError
         A config attnkit does not load, or a checkpoint that does not match it: a missing or unexpected
-        tensor, a wrong shape or dtype (each named). Raised before any tensor is read.
+        tensor, a wrong shape or dtype (each named); a ``generation_config.json`` whose defaults ``generate``
+        would refuse (naming the file and key). Raised before any tensor is read.
     TypeError
         ``dtype`` is not float16, float32 or float64.
     ImportError
@@ -101,6 +103,10 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     index = read_checkpoint_index(folder)
     stored = validate_checkpoint(index, config)
     generation = read_generation_config(folder)
+    try:
+        check_generation_config(generation, config.vocab_size)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{folder / 'generation_config.json'}: {exc}") from None
 
     from ..models import CausalLM
 
@@ -130,4 +136,24 @@ def load(folder: str | Path, dtype: Any = np.float32):
         print(tokenizer.decode(out[0, len(prompt["input_ids"]):], skip_special_tokens=True))
     """
     tokenizer = load_tokenizer(folder)
+    check_tokenizer_fits(tokenizer, read_decoder_config(folder), Path(folder))
     return load_causal_lm(folder, dtype=dtype), tokenizer
+
+
+def check_tokenizer_fits(tokenizer: Any, config: Any, folder: Path) -> None:
+    """Refuse a tokenizer that can produce ids the model has no embedding for: a vocabulary larger than the
+    model's, or end-of-sequence ids (``generation_config.json``'s, which need not be tokens of it) past it.
+
+    Raises
+    ------
+    ValueError
+        Naming the file, the count or id, and the model's ``vocab_size``.
+    """
+    vocab = config.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"{folder / 'tokenizer.json'} has {tokenizer.vocab_size} tokens, more than the model's "
+                         f"vocabulary of {vocab} (config.json's vocab_size): ids past {vocab - 1} have no embedding")
+    past = [token for token in tokenizer.eos_token_ids if token >= vocab]
+    if past:
+        raise ValueError(f"{folder}: the tokenizer's eos_token_id {past[0]} is past the model's vocabulary of "
+                         f"{vocab} (config.json's vocab_size)")

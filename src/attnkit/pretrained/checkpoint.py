@@ -364,6 +364,10 @@ class CheckpointIndex:
 
 def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    for path in (index, single):
+        if path.exists() and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file (a FIFO, a device or a socket)"
+            raise ValueError(f"{path} is {kind}; attnkit reads weights from regular files")
     if index.is_file():
         raw = read_json(index)
         if "weight_map" not in raw:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..io import read_json
+from ..io import read_json, read_text
 from ._extra import import_extra
 from .chat_template import compile_chat_template, render_chat_template
 
@@ -126,6 +126,25 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of ``token``, or None when it is not in the vocabulary."""
         return self.backend.token_to_id(token)
+
+    def id_to_token(self, id: int) -> str | None:  # noqa: A002 - the name tokenizers and transformers use
+        """The token of ``id`` (as ``tokenizers.Tokenizer.id_to_token``), or None when it is not in the
+        vocabulary.
+
+        Examples
+        --------
+        >>> from attnkit.pretrained import default_model_dir
+        >>> tok = load_tokenizer(default_model_dir())
+        >>> tok.id_to_token(tok.token_to_id("hello")), tok.id_to_token(10**9)
+        ('hello', None)
+        """
+        if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
+            raise TypeError(f"id must be an int, got {type(id).__name__}")
+        return self.backend.id_to_token(int(id)) if 0 <= id < 2**32 else None
+
+    def convert_ids_to_tokens(self, ids: Iterable[int] | np.ndarray) -> list[str | None]:
+        """The token of each id (``transformers``' name for a batch of :meth:`id_to_token`)."""
+        return [self.id_to_token(int(i)) for i in np.asarray(ids).reshape(-1)]
 
     def _special_id(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
@@ -346,11 +365,11 @@ def _chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
         raise ValueError(f"tokenizer_config.json's chat_template must be a string or a list, got {raw!r:.80}")
     file = folder / "chat_template.jinja"
     if file.is_file():  # the file takes precedence over the config's copy, as in transformers
-        templates["default"] = file.read_text(encoding="utf-8")
+        templates["default"] = read_text(file)
     extra = folder / "additional_chat_templates"
     if extra.is_dir():
         for path in sorted(extra.glob("*.jinja")):
-            templates[path.stem] = path.read_text(encoding="utf-8")
+            templates[path.stem] = read_text(path)
     return templates
 
 
