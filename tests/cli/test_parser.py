@@ -109,7 +109,7 @@ BAD_COMMAND_LINES = {
     "embed batch size": (["embed", "hello", "--batch-size", "0"], "positive integer"),
     "embed missing input": (["embed", "--input", "{tmp}/none.txt"], "is not a file"),
     "embed text and input": (["embed", "hi", "--input", "{file}"], "not both"),
-    "embed output not npy": (["embed", "hi", "--output", "{tmp}/x.txt"], "must be a .npy file"),
+    "embed output not npy": (["embed", "hi", "--output", "{tmp}/x.txt"], "--output must end in one of .npy"),
     "control characters": (["demo", "--task", "\x1b[2J\x07"], "invalid choice: '\\x1b[2J\\x07'"),
     "control characters in an unknown option": (["demo", "--x\x1b]0;pwned\x07"], "unrecognized arguments: --x\\x1b"),
     "C1 control and bidi override": (["bench", "--sizes", "\x9b\u202e1"], "\\x9b\\u202e1"),

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .._arguments import (
     _SHOWN_CHARS,
@@ -38,7 +38,8 @@ from ..io import atomic_write
 __all__ = ["PROG", "query_labels", "write_explorer",
            "UsageError", "Parser", "bounded_int", "positive_int", "non_negative_int", "positive_float",
            "non_negative_float",
-           "output_folder", "output_file", "printable", "check_argv_text", "require_matplotlib", "save_figure",
+           "output_folder", "output_file", "printable", "check_argv_text", "check_utf8", "tolerant_input",
+           "require_matplotlib", "save_figure",
            "run_command", "IMAGE_SUFFIXES", "json_text"]
 
 PROG = "attnkit"
@@ -64,6 +65,27 @@ def json_text(record: Any) -> str:
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(record, ensure_ascii=False))
 
 
+def check_utf8(text: str, what: str, prog: str = PROG) -> str:
+    """``text`` itself, or a :class:`UsageError` of ``prog`` when it holds bytes that are not UTF-8 (Python hands
+    such bytes over as lone surrogates: from ``sys.argv``, and from a stream read with ``surrogateescape``).
+
+    Examples
+    --------
+    >>> check_utf8("caf\u00e9", "the message")
+    'caf\u00e9'
+    >>> check_utf8("a" + chr(0xDCFF), "the message")
+    Traceback (most recent call last):
+    attnkit._arguments.UsageError: the message is not UTF-8 text: byte 0xff at character 2
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(text[exc.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"the lone surrogate U+{bad:04X}"
+        raise UsageError(f"{what} is not UTF-8 text: {byte} at character {exc.start + 1}", prog) from None
+    return text
+
+
 def check_argv_text(argv: Sequence[str]) -> None:
     """Raise :class:`UsageError` for an argument that is not valid UTF-8 (Python hands such bytes over as
     lone surrogates, which cannot be printed or written back)."""
@@ -74,6 +96,19 @@ def check_argv_text(argv: Sequence[str]) -> None:
             shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")  # bytes as \xff
             shown = printable(shown, _SHOWN_CHARS)
             raise UsageError(f"argument {position} ({shown}) is not valid UTF-8 text") from None
+
+
+def tolerant_input(stream: TextIO) -> TextIO:
+    """``stream`` set to hand bytes that are not UTF-8 over as lone surrogates instead of raising in the middle
+    of a read, so that :func:`check_utf8` can name them (streams that cannot be reconfigured are kept as they
+    are)."""
+    reconfigure = getattr(stream, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="surrogateescape")
+        except (ValueError, OSError):
+            pass
+    return stream
 
 
 # -- output paths ----------------------------------------------------------------------------------------
@@ -90,13 +125,20 @@ def output_folder(path: str | Path) -> Path:
     return folder
 
 
-def output_file(path: str | Path, suffixes: Sequence[str] = IMAGE_SUFFIXES) -> Path:
-    """Check that a file with one of ``suffixes`` can be written at ``path`` (its folder is created if needed)."""
+def output_file(path: str | Path, suffixes: Sequence[str] = IMAGE_SUFFIXES, prog: str = PROG,
+                option: str = "the output file") -> Path:
+    """Check that a file with one of ``suffixes`` can be written at ``path``: the one rule of every command's
+    output paths. Missing folders are created; a path that exists must be a regular file (it is replaced
+    atomically), not a folder, a FIFO, a device or a socket."""
     file = Path(path)
+    shown = printable(repr(str(file)))
     if file.suffix.lower() not in suffixes:
-        raise UsageError(f"the output file must end in one of {', '.join(suffixes)}, got {printable(repr(str(file)))}")
+        raise UsageError(f"{option} must end in one of {', '.join(suffixes)}, got {shown}", prog)
     if file.is_dir():
-        raise UsageError(f"the output file {printable(repr(str(file)))} is a folder")
+        raise UsageError(f"{option} {shown} is a folder", prog)
+    if file.exists() and not file.is_file():
+        raise UsageError(f"{option} {shown} exists and is not a regular file (a FIFO, a device or a socket); "
+                         f"attnkit writes files by replacing them, which would not reach its reader", prog)
     output_folder(file.parent)
     return file
 

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ._common import UsageError, non_negative_int, positive_int, printable
+from ._common import UsageError, check_utf8, non_negative_int, positive_int, printable, tolerant_input
 
 __all__ = ["NAME", "add_parser", "run", "terminal_safe"]
 
@@ -101,23 +101,40 @@ def terminal_safe(text: str) -> str:
     return "\n".join("\t".join(printable(cell) for cell in line.split("\t")) for line in text.split("\n"))
 
 
-def _reply(model: Any, tokenizer: Any, messages: list[dict], args: argparse.Namespace, out: TextIO) -> None:
-    from ..decoding.sampling import generate_stream
+def _say(message: str) -> None:
+    """A message about this turn on stderr; the chat goes on."""
+    print(f"{PROG}: {printable(message, 500)}", file=sys.stderr, flush=True)
 
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-    max_new = args.max_new_tokens
-    config = model.config
-    if config.position == "learned":
-        max_new = min(max_new, config.max_position_embeddings - len(ids))
+
+def _reply(model: Any, tokenizer: Any, messages: list[dict], args: argparse.Namespace, out: TextIO) -> None:
+    """Answer the last message, streaming the reply. A turn that cannot be answered (the template refuses the
+    conversation, renders nothing, or the conversation fills the context) is said on stderr and the user's
+    message is dropped. Ctrl-C stops the reply: what was shown so far is kept as the assistant's message (it is
+    what the user saw), or, when nothing was shown, the user's message is dropped too."""
+    from ..decoding.sampling import generate_stream
+    from ..pretrained import ChatTemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    except ChatTemplateError as exc:
+        _say(f"{exc}; the message was not sent")
+        messages.pop()
+        return
+    if not ids:
+        _say("the chat template rendered nothing for this conversation; the message was not sent")
+        messages.pop()
+        return
+    context = model.config.max_position_embeddings
+    max_new = min(args.max_new_tokens, context - len(ids))
     if max_new <= 0:
-        print(f"{PROG}: the conversation fills the model's context of {config.max_position_embeddings} "
-              f"tokens: /reset to start again", file=sys.stderr, flush=True)
+        _say(f"the conversation ({len(ids)} tokens) fills the model's context of {context} tokens; the message "
+             f"was not sent: /reset to start again")
         messages.pop()
         return
     eos = list(tokenizer.eos_token_ids) or None
     start = time.perf_counter()
     steps = generate_stream(model, np.array([ids], dtype=np.int64), max_new_tokens=max_new, eos_token_id=eos,
-                            **_sampling(args))
+                            tokenizer=tokenizer, **_sampling(args))
     count = 0
 
     def tokens():
@@ -127,22 +144,42 @@ def _reply(model: Any, tokenizer: Any, messages: list[dict], args: argparse.Name
             yield step
 
     pieces = []
-    for piece in tokenizer.stream_decode(tokens(), skip_special_tokens=True):
-        pieces.append(piece)
-        out.write(terminal_safe(piece))
-        out.flush()
+    try:
+        for piece in tokenizer.stream_decode(tokens(), skip_special_tokens=True):
+            pieces.append(piece)
+            out.write(terminal_safe(piece))
+            out.flush()
+    except KeyboardInterrupt:
+        steps.close()
+        out.write("\n[stopped]" if pieces else "[stopped]")
+        if not pieces:
+            messages.pop()
     out.write("\n")
     out.flush()
-    messages.append({"role": "assistant", "content": "".join(pieces)})
+    if pieces:
+        messages.append({"role": "assistant", "content": "".join(pieces)})
     if args.verbose:
         seconds = time.perf_counter() - start
         print(f"[{count} tokens, {count / max(seconds, 1e-9):.1f} tokens/s, prompt {len(ids)} tokens]",
               file=sys.stderr, flush=True)
 
 
+def _read_message(src: TextIO, out: TextIO, interactive: bool) -> str | None:
+    """The next line typed, or None at the end of the session (end of input, or Ctrl-C at the prompt)."""
+    try:  # the prompt too: Ctrl-C as soon as it shows may arrive before the read begins
+        if interactive:
+            out.write("> ")
+            out.flush()
+        line = src.readline()
+    except KeyboardInterrupt:
+        out.write("\n")
+        return None
+    return line.rstrip("\n") if line else None
+
+
 def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     """Load the folder, then read a message per line and stream each reply."""
-    src = sys.stdin if stdin is None else stdin
+    src = tolerant_input(sys.stdin if stdin is None else stdin)
     out = sys.stdout if stdout is None else stdout
     if not Path(args.model_dir).is_dir():
         raise UsageError(f"{printable(repr(args.model_dir))} is not a folder", PROG)
@@ -152,15 +189,16 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     messages = list(system)
     interactive = src.isatty()
     if interactive:
-        out.write("type a message; /reset forgets the conversation, /exit ends it\n")
+        out.write("type a message; /reset forgets the conversation, /exit ends it; Ctrl-C stops a reply\n")
     while True:
-        if interactive:
-            out.write("> ")
-            out.flush()
-        line = src.readline()
-        if not line:  # end of input
+        text = _read_message(src, out, interactive)
+        if text is None:
             return 0
-        text = line.rstrip("\n")
+        try:
+            check_utf8(text, "that line")
+        except UsageError as exc:
+            _say(f"{exc}; type it again")
+            continue
         command = text.strip()
         if command == "/exit":
             return 0
@@ -175,4 +213,9 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
         if not command:
             continue
         messages.append({"role": "user", "content": text})
-        _reply(model, tokenizer, messages, args, out)
+        try:
+            _reply(model, tokenizer, messages, args, out)
+        except KeyboardInterrupt:  # before the reply began (rendering, tokenizing): as if never sent
+            out.write("[stopped]\n")
+            if messages and messages[-1] == {"role": "user", "content": text}:
+                messages.pop()

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ._common import UsageError, bounded_int, json_text, printable
+from ._common import UsageError, bounded_int, check_utf8, json_text, output_file, printable, tolerant_input
 
 __all__ = ["NAME", "MODEL_NAME", "add_parser", "run", "load_encoder"]
 
@@ -79,7 +79,9 @@ def _sentences(args: argparse.Namespace, stdin: TextIO) -> list[str]:
     if args.input is None and stdin.isatty():
         raise UsageError("no sentences: give them as arguments, with --input FILE, or on stdin", PROG)
     if args.input in (None, "-"):
-        lines = stdin.read().splitlines()
+        lines = tolerant_input(stdin).read().splitlines()
+        for number, line in enumerate(lines, 1):
+            check_utf8(line, f"line {number} of stdin", PROG)
     else:
         path = Path(args.input)
         if not path.is_file():
@@ -94,16 +96,6 @@ def _sentences(args: argparse.Namespace, stdin: TextIO) -> list[str]:
     return texts
 
 
-def _output_path(path: str) -> Path:
-    dest = Path(path)
-    if dest.suffix != ".npy":
-        raise UsageError(f"--output must be a .npy file, got {printable(repr(path))}", PROG)
-    if not dest.parent.is_dir():
-        raise UsageError(f"--output {printable(repr(path))}: the folder {printable(str(dest.parent))} does not "
-                         f"exist", PROG)
-    return dest
-
-
 def run(args: argparse.Namespace, stdout: TextIO | None = None, stdin: TextIO | None = None) -> int:
     """Embed ``args.text`` and print the similarities or the embeddings (text or JSON) to ``stdout``.
 
@@ -111,7 +103,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stdin: TextIO | 
     """
     out = sys.stdout if stdout is None else stdout
     texts = _sentences(args, sys.stdin if stdin is None else stdin)
-    output = _output_path(args.output) if args.output is not None else None
+    output = output_file(args.output, (".npy",), PROG, "--output") if args.output is not None else None
     encoder = load_encoder(args.model_dir)
     emb = encoder.encode(texts, batch_size=args.batch_size)  # (N, D)
     if output is not None:

