@@ -6,6 +6,13 @@ tokenizer's ``eos_token``) or ``--max-new-tokens``, and prints the text piece by
 character. ``/reset`` forgets the conversation (keeping ``--system``), ``/exit`` or end of input (Ctrl-D) ends
 it. Sampling follows ``generation_config.json`` unless an option is given; ``--temperature 0`` means greedy, as
 in llama.cpp and ollama. ``--verbose`` reports loading and each reply's tokens per second on stderr.
+
+The chat survives its user. A turn that cannot be answered is said on stderr and the chat goes on, the message
+not sent: a line that is not UTF-8, a chat template that refuses the conversation, fails, renders nothing or goes
+past its time or size budget (:mod:`attnkit.pretrained.chat_template`), a conversation longer than the model's
+context (checked before the prefill). Ctrl-C during a reply stops it and returns to the prompt, keeping what was
+shown as the assistant's message (nothing shown: the message is dropped too); Ctrl-C at the prompt ends the
+session, as end of input does.
 """
 from __future__ import annotations
 
