@@ -20,7 +20,7 @@ import numpy as np
 
 from ._masked_product import nonfinite_rows, zero_safe_matmul
 
-__all__ = ["FlexContext", "flex_forward", "flex_backward", "score_index"]
+__all__ = ["FlexContext", "flex_forward", "flex_backward", "score_index", "checked_scores"]
 
 
 @dataclasses.dataclass
@@ -58,6 +58,31 @@ def score_index(batch: int, heads: int, q0: int, q1: int, k0: int, k1: int):
             np.arange(q0, q1).reshape(1, 1, -1, 1), np.arange(k0, k1).reshape(1, 1, 1, -1))
 
 
+def checked_scores(result, shape: tuple[int, ...], name: str = "score_mod") -> np.ndarray:
+    """What a score modifier's forward (or backward, ``name`` ``"score_mod.backward"``) returned, as an array,
+    checked to be real numbers of the scores' ``shape`` (B, H, Tq, Tk).
+
+    Both kernels call modifiers on arrays of that shape and read the result back element for element: a
+    result of another shape (a transposed tile, a scalar, a row) would otherwise be broadcast or reshaped
+    into scores it does not describe.
+
+    Raises
+    ------
+    TypeError
+        If the result is not real numbers (None, strings, booleans, complex).
+    ValueError
+        If its shape is not ``shape``, naming both.
+    """
+    arr = np.asarray(result)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must return real numbers, got {type(result).__name__} of dtype {arr.dtype}")
+    if arr.shape != tuple(shape):
+        got = f"{arr.shape} (a scalar)" if arr.ndim == 0 else f"{arr.shape}"
+        raise ValueError(f"{name} returned shape {got} for scores of shape {tuple(shape)}: it must return "
+                         "an array of the shape of the scores it was given")
+    return arr
+
+
 def _masked_bad(bad: np.ndarray | None, mask) -> bool:
     """True when a masked entry meets a key row with a NaN or inf (``bad`` (Lk,) or None)."""
     return mask is not None and bad is not None and bool(bad.any())
@@ -68,7 +93,11 @@ def _scores(q, k, scale, score_mod, mask):
     B, H, Lq = q.shape[:3]
     raw = _unstack(_stack(q, k.shape[1]) @ k.swapaxes(-1, -2), H)  # (B, H, Lq, Lk)
     raw *= raw.dtype.type(scale)
-    s = raw if score_mod is None else score_mod.forward(raw, *score_index(B, H, 0, Lq, 0, k.shape[2]))
+    s = raw
+    if score_mod is not None:
+        # the modifier's dtype may be wider than the scores' (a float64 parameter): compute in the scores'
+        s = checked_scores(score_mod.forward(raw, *score_index(B, H, 0, Lq, 0, k.shape[2])), raw.shape)
+        s = s.astype(raw.dtype, copy=False)
     keep = None if mask is None else np.broadcast_to(mask, s.shape)  # (B, H, Lq, Lk)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
@@ -123,7 +152,8 @@ def flex_backward(grad_out, ctx: FlexContext):
         _, raw, _ = _scores(q, k, ctx.scale, None, None)  # (B, H, Lq, Lk)
         if _masked_bad(bad_k, keep):
             raw = np.where(keep, raw, 0)  # a modifier's gradient must not read masked NaN scores
-        ds = ctx.score_mod.backward(ds, raw, *score_index(B, H, 0, Lq, 0, Lk))
+        ds = checked_scores(ctx.score_mod.backward(ds, raw, *score_index(B, H, 0, Lq, 0, Lk)), ds.shape,
+                            "score_mod.backward")
         if keep is not None:
             ds = np.where(keep, ds, 0)
     ds = ds * ctx.scale
