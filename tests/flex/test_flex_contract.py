@@ -73,3 +73,38 @@ def test_a_score_mod_result_of_the_right_shape_still_works_in_any_real_dtype(ker
     out32, _ = F.flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s.astype(np.float32), kernel=kernel)
     assert out32.dtype == np.float64
     np.testing.assert_allclose(out32, F.flex_attention(q, k, v, kernel=kernel)[0], rtol=1e-5)
+
+
+def _partial_block_mask(mask_mod, lq=5, lk=7):
+    """A block mask whose every tile is partial, so that both kernels call ``mask_mod`` on their tiles."""
+    return F.BlockMask(mask_mod, 1, 1, lq, lk, 4, 4, kinds=np.ones((1, 1, 2, 2), np.int8))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [np.int64, np.uint8, np.float64])
+def test_a_mask_mod_that_returns_numbers_is_a_type_error(kernel, dtype):
+    def counted(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 2).astype(dtype)
+
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=rf"mask_mod must return booleans \(True = may attend\), got dtype "
+                                        rf"{np.dtype(dtype)}"):
+        F.create_block_mask(counted, None, None, 5, 7, block_size=4)
+    with pytest.raises(TypeError, match="mask_mod must return booleans"):
+        F.flex_attention(q, k, v, None, _partial_block_mask(counted), kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_mask_mod_result_that_does_not_fit_the_tile_is_refused(kernel):
+    def transposed(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx).swapaxes(-1, -2)
+
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"mask_mod returned shape \(1, 1, 7, 5\), which does not broadcast to "
+                                         r"the mask's tile of shape \(1, 1, 5, 7\)"):
+        F.create_block_mask(transposed, None, None, 5, 7, block_size=8)
+    # the reference kernel asks for the whole (5, 7) mask, the tiled one for tiles of (4, 4) or less: whichever
+    # non-square tile a thread reaches first is named, with its transpose
+    with pytest.raises(ValueError, match=r"mask_mod returned shape \(1, 1, (\d), (\d)\), which does not broadcast "
+                                         r"to the mask's tile of shape \(1, 1, \2, \1\)"):
+        F.flex_attention(q, k, v, None, _partial_block_mask(transposed), kernel=kernel)
