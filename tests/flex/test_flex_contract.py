@@ -108,3 +108,32 @@ def test_a_mask_mod_result_that_does_not_fit_the_tile_is_refused(kernel):
     with pytest.raises(ValueError, match=r"mask_mod returned shape \(1, 1, (\d), (\d)\), which does not broadcast "
                                          r"to the mask's tile of shape \(1, 1, \2, \1\)"):
         F.flex_attention(q, k, v, None, _partial_block_mask(transposed), kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("make, message", [
+    (lambda: F.additive_bias(np.zeros((3, 5, 7))),
+     r"additive_bias: the bias, of shape \(1, 3, 5, 7\) as \(B, H, Lq, Lk\), does not broadcast to the scores "
+     r"of shape \(1, 2, 5, 7\)"),
+    (lambda: F.additive_bias(np.zeros((5, 6))), r"additive_bias: the bias, of shape \(1, 1, 5, 6\)"),
+    (lambda: F.additive_bias(np.zeros((2, 1, 1, 7))), r"additive_bias: the bias, of shape \(2, 1, 1, 7\)"),
+    (lambda: F.additive_bias(np.zeros((1, 2, 9, 7))), r"additive_bias: the bias, of shape \(1, 2, 9, 7\)"),
+    (lambda: F.compose(F.softcap(2.0), F.additive_bias(np.zeros(8))), r"additive_bias: the bias"),
+    (lambda: F.alibi(F.alibi_slopes(3)), r"alibi: 3 slopes for scores of 2 heads"),
+    (lambda: F.relative_position_bias(4), r"relative_position_bias: a table of 4 heads for scores of 2 heads"),
+])
+def test_a_modifier_whose_parameters_do_not_fit_the_scores_is_refused(kernel, make, message):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=message):
+        F.flex_attention(q, k, v, make(), kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape", [(), (7,), (5, 1), (2, 5, 7), (1, 2, 1, 7)])
+def test_a_bias_that_broadcasts_is_still_added(kernel, shape):
+    q, k, v = _qkv()
+    bias = np.random.default_rng(1).normal(size=shape)
+    got, _ = F.flex_attention(q, k, v, F.additive_bias(bias), kernel=kernel)
+    want, _ = F.flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s + np.broadcast_to(bias, s.shape),
+                               kernel=kernel)
+    np.testing.assert_allclose(got, want, rtol=1e-12)

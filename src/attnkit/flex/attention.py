@@ -107,6 +107,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
             raise ValueError(f"sinks must have shape (Hq,) = ({Hq},), got {sinks.shape}")
     if score_mod is not None and not isinstance(score_mod, ScoreBias):
         score_mod = as_score_mod(score_mod)
+        score_mod.check_shape((B, Hq, Lq, k.shape[2]))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     group = Hq // Hkv  # the kernels read each key/value head for its G query heads, without copies
     Lk = k.shape[2]
