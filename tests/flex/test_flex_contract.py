@@ -137,3 +137,110 @@ def test_a_bias_that_broadcasts_is_still_added(kernel, shape):
     want, _ = F.flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s + np.broadcast_to(bias, s.shape),
                                kernel=kernel)
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def _run(q, k, v, g, mod=None, sinks=None, kernel="tiled", block_mask=None):
+    """``(out, lse, dq, dk, dv[, dsinks])`` of one flex call."""
+    out, lse, ctx = F.flex_attention(q, k, v, mod, block_mask, sinks=sinks, return_lse=True, kernel=kernel)
+    return (out, lse, *F.flex_attention_backward(g, ctx))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("with_mod", [False, True])
+def test_no_keys_with_sinks_puts_all_the_mass_on_the_sink(kernel, with_mod):
+    q, k, v = _qkv(Lk=0)
+    g = np.random.default_rng(1).normal(size=(1, 2, 5, 3))
+    sinks = np.array([-0.5, 2.0])
+    out, lse, dq, dk, dv, dsinks = _run(q, k, v, g, F.alibi(np.ones(2)) if with_mod else None, sinks, kernel)
+    assert (out.shape, dq.shape, dk.shape, dv.shape, dsinks.shape) == ((1, 2, 5, 3), (1, 2, 5, 4), (1, 2, 0, 4),
+                                                                      (1, 2, 0, 3), (2,))
+    assert not out.any() and not dq.any() and not dsinks.any()
+    np.testing.assert_array_equal(lse, np.broadcast_to(sinks[:, None], (1, 2, 5)))
+    out, lse, *_ = _run(q, k, v, g, kernel=kernel)  # no sink: every row fully masked
+    assert not out.any() and np.isneginf(lse).all()
+
+
+def _uniform(v, sinks=None):
+    """The output and log-sum-exp of all-zero scores: each of the Lk keys (and the sink) weighs the same."""
+    lk = v.shape[2]
+    total = lk + (0 if sinks is None else np.exp(sinks)[:, None])  # (H, 1) or a number
+    out = v.sum(axis=2, keepdims=True) / np.reshape(total, (-1, 1, 1))  # (B, H, 1, Dv)
+    return out, np.log(total)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dv_size", [3, 0])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_no_features_make_every_score_zero(kernel, dv_size, with_sinks):
+    q, k, v = _qkv(D=0, Dv=dv_size)
+    sinks = np.array([-0.5, 2.0]) if with_sinks else None
+    g = np.random.default_rng(1).normal(size=(1, 2, 5, dv_size))
+    out, lse, dq, dk, dv, *dsinks = _run(q, k, v, g, sinks=sinks, kernel=kernel)
+    want_out, want_lse = _uniform(v, sinks)
+    np.testing.assert_allclose(out, np.broadcast_to(want_out, (1, 2, 5, dv_size)), rtol=1e-12)
+    np.testing.assert_allclose(lse, np.broadcast_to(want_lse, (1, 2, 5)), rtol=1e-12)
+    assert (dq.shape, dk.shape) == ((1, 2, 5, 0), (1, 2, 7, 0))
+    weight = 1.0 / (7 + (0 if sinks is None else np.exp(sinks)))  # each key's weight, per head or one
+    np.testing.assert_allclose(dv, np.broadcast_to(g.sum(axis=2, keepdims=True) * np.reshape(weight, (-1, 1, 1)),
+                                                   dv.shape), rtol=1e-12)
+    if with_sinks and dv_size == 0:
+        assert not dsinks[0].any()  # nothing to carry: the output does not depend on the sink
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_no_features_gradients_match_finite_differences(kernel):
+    from helpers import assert_gradient
+
+    q, k, v = _qkv(D=0)
+    slopes, sinks = np.array([0.3, -0.7]), np.array([-0.5, 2.0])
+    mod = F.alibi(slopes)
+    g = np.random.default_rng(1).normal(size=(1, 2, 5, 3))
+
+    def loss():
+        mod.params["slopes"][...] = slopes
+        out, _ = F.flex_attention(q, k, v, mod, sinks=sinks, kernel=kernel)
+        return (out * g).sum()
+
+    out, ctx = F.flex_attention(q, k, v, mod, sinks=sinks, kernel=kernel)
+    mod.zero_grad()
+    _, _, dv, dsinks = F.flex_attention_backward(g, ctx)
+    assert_gradient(loss, v, dv, "v")
+    assert_gradient(loss, sinks, dsinks, "sinks")
+    assert_gradient(loss, slopes, mod.grads["slopes"].copy(), "slopes")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape", [(0, 2, 5, 7), (1, 0, 5, 7), (1, 2, 0, 7)])
+def test_empty_batch_heads_or_queries_give_empty_results_with_sinks(kernel, shape):
+    B, H, Lq, Lk = shape
+    q, k, v = _qkv(B, H, Lq, Lk)
+    out, lse, dq, dk, dv, dsinks = _run(q, k, v, np.zeros((B, H, Lq, 3)), sinks=np.zeros(H), kernel=kernel)
+    assert (out.shape, lse.shape, dq.shape, dsinks.shape) == ((B, H, Lq, 3), (B, H, Lq), q.shape, (H,))
+    assert (dk.shape, dv.shape) == (k.shape, v.shape) and not dk.any() and not dv.any()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scale, error, message", [
+    (float("nan"), ValueError, r"scale must be a finite number, got nan"),
+    (float("inf"), ValueError, r"scale must be a finite number, got inf"),
+    (-np.inf, ValueError, r"scale must be a finite number, got -inf"),
+    (10 ** 400, ValueError, r"scale must be a finite number, got an integer of 401 digits"),
+    ("0.5", TypeError, r"scale must be a number, got str '0.5'"),
+    (True, TypeError, r"scale must be a number, got bool True"),
+    (np.bool_(False), TypeError, r"scale must be a number, got bool"),
+    (np.array([0.5]), TypeError, r"scale must be a number, got ndarray"),
+    ([0.5], TypeError, r"scale must be a number, got list"),
+], ids=["nan", "inf", "-inf", "10**400", "str", "bool", "numpy bool", "array", "list"])
+def test_a_scale_that_is_not_a_finite_number_is_refused(kernel, scale, error, message):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=message):
+        F.flex_attention(q, k, v, kernel=kernel, scale=scale)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scale", [0, 0.0, -0.25, 2, np.float32(0.5), np.int64(3)])
+def test_any_finite_scale_still_scales_the_scores(kernel, scale):
+    q, k, v = _qkv()
+    got, _ = F.flex_attention(q, k, v, kernel=kernel, scale=scale)
+    want, _ = F.flex_attention(q * float(scale), k, v, kernel=kernel, scale=1.0)
+    np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from .._validation import check_real
 from ..kernels import attention_backward, attention_forward, tiled
 from ..kernels.bias import ScoreBias
 from ..kernels.flex import FlexContext, flex_backward, flex_forward
@@ -47,7 +48,10 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
 
     ``out = softmax([mask(score_mod(scale * q k^T)), sinks[h]]) v``: masked scores are removed, ``sinks``
     (optional) is a per-head logit that joins each row's softmax and contributes no value. Fully masked rows
-    (without sinks) give zeros and ``lse = -inf``.
+    (without sinks) give zeros and ``lse = -inf``; with sinks all their mass goes to the sink, so they give
+    zeros and ``lse = sinks[h]``. No keys (Lk = 0) is a fully masked row. No features (D = 0) makes every
+    score 0 (a uniform average of the values before ``score_mod``); empty batch, head, query or value axes
+    give empty results.
 
     Parameters
     ----------
@@ -60,7 +64,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     block_mask : BlockMask, optional
         From :func:`create_block_mask` with ``Q_LEN == Lq`` and ``KV_LEN == Lk``.
     scale : float, optional
-        Default ``1 / sqrt(D)``.
+        A finite real number (``TypeError`` for a string or a bool, ``ValueError`` for NaN or inf). Default
+        ``1 / sqrt(D)`` (1 when D = 0).
     sinks : ndarray, shape (Hq,), optional
     enable_gqa : bool
         Allow ``Hkv`` dividing ``Hq`` (query head h reads K/V head ``h // (Hq / Hkv)``).
@@ -89,7 +94,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         raise ValueError(f"k and v must have shapes (B, Hkv, Lk, D) and (B, Hkv, Lk, Dv) matching q {q.shape}; "
                          f"got k {k.shape}, v {v.shape}")
     Hkv = k.shape[1]
-    if Hkv != Hq and not (enable_gqa and Hq % Hkv == 0):
+    if Hkv != Hq and not (enable_gqa and Hkv and Hq % Hkv == 0):
         raise ValueError(f"k has {Hkv} heads and q {Hq}: pass enable_gqa=True with Hq a multiple of Hkv")
     if kernel not in FLEX_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, FLEX_KERNELS))}, got {kernel!r}")
@@ -108,8 +113,11 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     if score_mod is not None and not isinstance(score_mod, ScoreBias):
         score_mod = as_score_mod(score_mod)
         score_mod.check_shape((B, Hq, Lq, k.shape[2]))
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    group = Hq // Hkv  # the kernels read each key/value head for its G query heads, without copies
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D else 1.0  # no features: every score is 0 whatever the scale
+    else:
+        scale = check_real(scale, "scale")
+    group = Hq // Hkv if Hkv else 1  # the kernels read each key/value head for its G query heads, without copies
     Lk = k.shape[2]
     described = _kernel_mask(block_mask, Lq, Lk)
     if kernel != "reference":
