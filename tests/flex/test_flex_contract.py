@@ -244,3 +244,107 @@ def test_any_finite_scale_still_scales_the_scores(kernel, scale):
     got, _ = F.flex_attention(q, k, v, kernel=kernel, scale=scale)
     want, _ = F.flex_attention(q * float(scale), k, v, kernel=kernel, scale=1.0)
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("sinks", [["0.5", "1"], [True, False], [None, None]])
+def test_sinks_that_are_not_real_numbers_are_a_type_error(kernel, sinks):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="sinks must be real numbers, one per query head, got dtype"):
+        F.flex_attention(q, k, v, sinks=np.array(sinks), kernel=kernel)
+
+
+F16, F32, F64 = np.float16, np.float32, np.float64
+TOL = {np.dtype(F16): 2e-2, np.dtype(F32): 1e-5, np.dtype(F64): 1e-12}
+
+
+def _variant(name, lq, lk):
+    """``(score_mod, block_mask, sinks)`` of a variant that takes each route of ``kernel="reference"``."""
+    from attnkit.attention import LearnedBiasAttention
+
+    hidden = F.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + lk - lq, None, None, lq, lk, 4)
+    return {
+        "none": (None, None, None),  # the reference attention kernel
+        "causal": (None, F.create_block_mask(F.causal_lower_right(lq, lk), None, None, lq, lk, 4), None),
+        "positional bias": (LearnedBiasAttention(num_heads=2, mode="alibi").score_bias(), None, None),
+        "mask function": (None, hidden, None),  # the flex reference kernel
+        "softcap": (F.softcap(3.0), hidden, None),
+        "sinks": (None, None, np.array([0.5, -1.0])),
+    }[name]
+
+
+def _all_results(q, k, v, g, variant, kernel):
+    """Every array a forward and backward give but the weights: out, [lse,] dq, dk, dv, [dsinks]; and the
+    weights (None on the tiled kernel)."""
+    mod, bm, sinks = variant
+    out, *lse, ctx = F.flex_attention(q, k, v, mod, bm, sinks=sinks, kernel=kernel, return_lse=sinks is not None)
+    return [out, *lse, *F.flex_attention_backward(g, ctx)], ctx.weights
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", ["none", "causal", "positional bias", "mask function", "softcap", "sinks"])
+@pytest.mark.parametrize("dtypes", [(F32, F64, F32), (F32, F64, F64), (F64, F32, F32), (F32, F32, F64),
+                                    (F16, F32, F16), (F16, F16, F32), (F16, F16, F16), (F32, F32, F32)],
+                         ids=lambda d: "-".join(np.dtype(t).name for t in d))
+def test_every_result_has_the_result_type_of_q_k_v_on_every_kernel(kernel, name, dtypes):
+    q, k, v = _qkv(Lq=6, Lk=9, seed=3)
+    g = np.random.default_rng(4).normal(size=(1, 2, 6, 3))
+    variant = _variant(name, 6, 9)
+    q, k, v = (x.astype(t) for x, t in zip((q, k, v), dtypes))
+    dtype = np.result_type(*dtypes)
+    want, _ = _all_results(*(x.astype(F64) for x in (q, k, v)), g, variant, "reference")  # the same inputs
+    got, weights = _all_results(q, k, v, g.astype(dtype), variant, kernel)
+    assert len(got) == len(want) and (weights is None or weights.dtype == dtype)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == dtype, f"result {i} of {kernel}/{name} is {a.dtype}, expected {dtype}"
+        np.testing.assert_allclose(a.astype(F64), b, rtol=0, atol=TOL[dtype] * 4 * max(1.0, np.abs(b).max()),
+                                   err_msg=f"result {i}")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gradients_keep_the_result_type_whatever_grad_out_is(kernel):
+    q, k, v = _qkv(dtype=F32)
+    out, ctx = F.flex_attention(q, k, v, F.softcap(3.0), kernel=kernel)
+    grads = F.flex_attention_backward(np.ones(out.shape, F64), ctx)
+    assert [x.dtype for x in grads] == [np.dtype(F32)] * 3
+
+
+def _float16_beyond_65504(seed=0):
+    """float16 q (1, 2, 5, 64) and k (1, 2, 7, 64) of entries +-40 whose dot products reach 102400, beyond
+    float16's 65504: key j is query j % 5 with 6 j of its signs flipped (1600 (64 - 12 j) with that query)."""
+    rng = np.random.default_rng(seed)
+    q = 40 * np.sign(rng.normal(size=(1, 2, 5, 64)))
+    k = q[:, :, np.arange(7) % 5].copy()  # (1, 2, 7, 64)
+    for j in range(7):
+        k[:, :, j, :6 * j] *= -1
+    return q.astype(F16), k.astype(F16), rng.normal(size=(1, 2, 7, 3)).astype(F16)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", ["none", "causal", "mask function", "softcap", "sinks"])
+def test_float16_scores_beyond_its_range_are_computed_in_float32(kernel, name):
+    # the raw products q.k reach 102400; scaled by 1e-4 the scores are within [-10, 10]
+    q, k, v = _float16_beyond_65504()
+    g = np.random.default_rng(1).normal(size=(1, 2, 5, 3))
+    mod, bm, sinks = _variant(name, 5, 7)
+
+    def results(q, k, v, g):
+        out, ctx = F.flex_attention(q, k, v, mod, bm, sinks=sinks, kernel=kernel, scale=1e-4)
+        return [out, *F.flex_attention_backward(g, ctx)]
+
+    want = results(*(x.astype(F64) for x in (q, k, v, g)))
+    got = results(q, k, v, g.astype(F16))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == F16 and np.isfinite(a).all(), f"result {i}"
+        np.testing.assert_allclose(a.astype(F64), b, rtol=0, atol=2e-2 * np.abs(b).max(), err_msg=f"result {i}")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_float16_log_sum_exp_beyond_its_range_is_inf_without_a_warning(kernel):
+    # key 0 equals every query: its score, 40 * 40 * 64 = 102400, is beyond float16's range
+    q, k, v = _float16_beyond_65504()
+    q[...] = 40
+    k[:, :, 0] = 40
+    out, lse, _ = F.flex_attention(q, k, v, sinks=np.zeros(2), scale=1.0, kernel=kernel, return_lse=True)
+    assert lse.dtype == F16 and np.isposinf(lse).all()
+    np.testing.assert_array_equal(out, np.broadcast_to(v[:, :, :1], out.shape))  # all the weight on key 0
