@@ -1,8 +1,9 @@
 """What ``flex_attention`` takes and gives, the same on the reference and the tiled kernel.
 
-A modifier's result of the wrong shape or kind, a bias that does not fit the scores, a scale that is not a
-finite number: a ValueError or TypeError naming the argument, on both kernels. Empty feature and key axes:
-results of the right shape. One dtype rule for every kernel.
+A score or mask modifier's result of the wrong shape or kind, modifier parameters that do not fit the
+scores, a scale that is not a finite number, sinks that are not numbers: a ValueError or TypeError naming
+the argument, on both kernels. Empty key, feature, head, batch and query axes: correct results of the right
+shape. One dtype rule for every kernel: the result type of q, k and v, float16 computed in float32.
 """
 import numpy as np
 import pytest
@@ -36,12 +37,12 @@ def test_a_score_mod_result_of_another_shape_is_refused_naming_both_shapes(kerne
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("result", [None, "1.0", True])
+@pytest.mark.parametrize("result", [lambda s: None, lambda s: "1.0", lambda s: s > 0],
+                         ids=["None", "str", "booleans"])
 def test_a_score_mod_that_returns_no_numbers_is_a_type_error(kernel, result):
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="score_mod must return real numbers"):
-        F.flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: result if result is not True else s > 0,
-                         kernel=kernel)
+        F.flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: result(s), kernel=kernel)
 
 
 class _TransposedGradient(F.ScoreMod):
