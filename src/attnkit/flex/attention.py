@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from .._validation import check_real
 from ..kernels import attention_backward, attention_forward, tiled
 from ..kernels.bias import ScoreBias
 from ..kernels.flex import FlexContext, flex_backward, flex_forward
@@ -25,11 +26,11 @@ class FlexAttentionContext:
     bias) or ``"flex-reference"`` (:mod:`attnkit.kernels.flex`, every other description, weights formed).
     """
 
-    def __init__(self, kernel_ctx, kernel: str, group: int, q_dtype, weights, out_shape):
+    def __init__(self, kernel_ctx, kernel: str, group: int, dtype, weights, out_shape):
         self.kernel_ctx = kernel_ctx
         self.kernel = kernel
         self.group = group
-        self.dtype = q_dtype
+        self.dtype = dtype  # of every result, forward and backward
         self.weights = weights
         self.out_shape = out_shape
         self.sinks_grad = None
@@ -47,7 +48,16 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
 
     ``out = softmax([mask(score_mod(scale * q k^T)), sinks[h]]) v``: masked scores are removed, ``sinks``
     (optional) is a per-head logit that joins each row's softmax and contributes no value. Fully masked rows
-    (without sinks) give zeros and ``lse = -inf``.
+    (without sinks) give zeros and ``lse = -inf``; with sinks all their mass goes to the sink, so they give
+    zeros and ``lse = sinks[h]``. No keys (Lk = 0) is a fully masked row. No features (D = 0) makes every
+    score 0 (a uniform average of the values before ``score_mod``); empty batch, head, query or value axes
+    give empty results.
+
+    One dtype rule on every kernel: ``out``, ``lse``, ``ctx.weights`` and every gradient of
+    :func:`flex_attention_backward` have ``np.result_type(q, k, v)`` (a float32 q with a float64 k gives
+    float64). float16 inputs are computed in float32 (float16 scores and their exponentials overflow at
+    65504) and the results rounded to float16 once, as the rest of attnkit does; float32 computes in
+    float32, float64 in float64. A log-sum-exp beyond float16's range is returned as ``inf``.
 
     Parameters
     ----------
@@ -60,8 +70,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     block_mask : BlockMask, optional
         From :func:`create_block_mask` with ``Q_LEN == Lq`` and ``KV_LEN == Lk``.
     scale : float, optional
-        Default ``1 / sqrt(D)``.
-    sinks : ndarray, shape (Hq,), optional
+        A finite real number (``TypeError`` for a string or a bool, ``ValueError`` for NaN or inf). Default
+        ``1 / sqrt(D)`` (1 when D = 0).
+    sinks : array of real numbers, shape (Hq,), optional
     enable_gqa : bool
         Allow ``Hkv`` dividing ``Hq`` (query head h reads K/V head ``h // (Hq / Hkv)``).
     return_lse : bool
@@ -77,8 +88,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
 
     Returns
     -------
-    out : ndarray, shape (B, Hq, Lq, Dv), dtype of q
-    lse : ndarray, shape (B, Hq, Lq) (only with ``return_lse=True``)
+    out : ndarray, shape (B, Hq, Lq, Dv), dtype ``np.result_type(q, k, v)``
+    lse : ndarray, shape (B, Hq, Lq), the same dtype (only with ``return_lse=True``)
     ctx : FlexAttentionContext
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -89,7 +100,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         raise ValueError(f"k and v must have shapes (B, Hkv, Lk, D) and (B, Hkv, Lk, Dv) matching q {q.shape}; "
                          f"got k {k.shape}, v {v.shape}")
     Hkv = k.shape[1]
-    if Hkv != Hq and not (enable_gqa and Hq % Hkv == 0):
+    if Hkv != Hq and not (enable_gqa and Hkv and Hq % Hkv == 0):
         raise ValueError(f"k has {Hkv} heads and q {Hq}: pass enable_gqa=True with Hq a multiple of Hkv")
     if kernel not in FLEX_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, FLEX_KERNELS))}, got {kernel!r}")
@@ -100,22 +111,31 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         bb, bh = block_mask.batch, block_mask.heads
         if (block_mask.q_len, block_mask.kv_len) != (Lq, k.shape[2]) or bb not in (1, B) or bh not in (1, Hq):
             raise ValueError(f"block_mask of shape {block_mask.shape} does not fit q {q.shape} and k {k.shape}")
-    dtype = np.result_type(q.dtype, k.dtype, v.dtype)
+    dtype = np.result_type(q.dtype, k.dtype, v.dtype)  # of every result, whichever kernel runs
     if sinks is not None:
         sinks = np.asarray(sinks)
+        if sinks.dtype.kind not in "fiu":
+            raise TypeError(f"sinks must be real numbers, one per query head, got dtype {sinks.dtype}")
         if sinks.shape != (Hq,):
             raise ValueError(f"sinks must have shape (Hq,) = ({Hq},), got {sinks.shape}")
     if score_mod is not None and not isinstance(score_mod, ScoreBias):
         score_mod = as_score_mod(score_mod)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    group = Hq // Hkv  # the kernels read each key/value head for its G query heads, without copies
+        score_mod.check_shape((B, Hq, Lq, k.shape[2]))
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D else 1.0  # no features: every score is 0 whatever the scale
+    else:
+        scale = check_real(scale, "scale")
+    group = Hq // Hkv if Hkv else 1  # the kernels read each key/value head for its G query heads, without copies
     Lk = k.shape[2]
     described = _kernel_mask(block_mask, Lq, Lk)
-    if kernel != "reference":
+    if kernel != "reference":  # the tiled kernel computes in the same dtype, by the same rule
         return _on_tiled_kernel(q, k, v, score_mod, block_mask, described, scale, sinks, group, return_lse)
+    # float16 scores and exponentials overflow at 65504: compute in float32 (float64 for wider floats)
+    compute = np.dtype(np.float64) if dtype.itemsize > 4 else np.dtype(np.float32)
+    q, k, v = (x.astype(compute, copy=False) for x in (q, k, v))
     if sinks is None and not return_lse and described is not None and (
             score_mod is None or (isinstance(score_mod, ScoreBias) and group == 1)):
-        return _on_reference_kernel(q, k, v, described, score_mod, scale, group)
+        return _on_reference_kernel(q, k, v, described, score_mod, scale, group, dtype)
     return _on_flex_reference_kernel(q, k, v, score_mod, block_mask, scale, sinks, dtype, group, return_lse)
 
 
@@ -147,7 +167,7 @@ def _key_mask(described: KernelMask, ndim: int):
     return described.key_mask.reshape(rows, *(1,) * (ndim - 2), length)
 
 
-def _on_reference_kernel(q, k, v, described: KernelMask, bias, scale: float, group: int):
+def _on_reference_kernel(q, k, v, described: KernelMask, bias, scale: float, group: int, dtype):
     """The reference attention kernel (the weights are formed): a causal/window/padding description with no
     score modifier or a positional bias."""
     B, Hq, Lq, _ = q.shape
@@ -156,9 +176,9 @@ def _on_reference_kernel(q, k, v, described: KernelMask, bias, scale: float, gro
     out, weights, kctx = attention_forward(
         qg, kg, vg, mask=_key_mask(described, qg.ndim), causal=described.offset is not None,
         window=described.window, scale=scale, bias=bias, need_weights=True, kernel="reference")
-    out = out.reshape(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
-    weights = weights.reshape(B, Hq, Lq, Lk)  # (B, Hq, Lq, Lk)
-    return out, FlexAttentionContext(kctx, "reference", group, out.dtype, weights, out.shape)
+    out = out.reshape(B, Hq, Lq, Dv).astype(dtype, copy=False)  # (B, Hq, Lq, Dv)
+    weights = weights.reshape(B, Hq, Lq, Lk).astype(dtype, copy=False)  # (B, Hq, Lq, Lk)
+    return out, FlexAttentionContext(kctx, "reference", group, dtype, weights, out.shape)
 
 
 def _on_tiled_kernel(q, k, v, score_mod, block_mask, described, scale: float, sinks, group: int,
@@ -172,15 +192,17 @@ def _on_tiled_kernel(q, k, v, score_mod, block_mask, described, scale: float, si
     mod = None if bias is not None else as_score_mod(score_mod, Lq, Lk)
     masks = dict(block_mask=block_mask) if described is None else dict(
         mask=_key_mask(described, qg.ndim), causal=described.offset is not None, window=described.window)
-    out, lse, kctx = tiled.flash_attention_forward(qg, kg, vg, scale=scale, bias=bias, score_mod=mod,
-                                                   sinks=sinks, **masks)
+    out, _, kctx = tiled.flash_attention_forward(qg, kg, vg, scale=scale, bias=bias, score_mod=mod,
+                                                 sinks=sinks, **masks)
     out = out.reshape(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
     ctx = FlexAttentionContext(kctx, "tiled", group, out.dtype, None, out.shape)
     if not return_lse:
         return out, ctx
-    lse = lse.reshape(B, Hq, Lq)  # (B, Hq, Lq)
-    lse[np.isposinf(lse)] = -np.inf  # a row with nothing to attend to: exp(lse) = 0
-    return out, lse, ctx
+    # from the kernel's float64 copy: its +inf marks a row with nothing to attend to (exp(lse) = 0 here),
+    # where a float16 log-sum-exp beyond 65504 is +inf as well
+    lse = np.where(np.isposinf(kctx.lse), -np.inf, kctx.lse).reshape(B, Hq, Lq)  # (B, Hq, Lq)
+    with np.errstate(over="ignore"):  # beyond float16's range: inf
+        return out, lse.astype(out.dtype), ctx
 
 
 def _on_flex_reference_kernel(q, k, v, score_mod, block_mask, scale: float, sinks, dtype, group: int,
@@ -188,13 +210,14 @@ def _on_flex_reference_kernel(q, k, v, score_mod, block_mask, scale: float, sink
     """The flex reference kernel: any description on the whole score matrix, the weights formed."""
     Lq, Lk = q.shape[2], k.shape[2]
     out, lse, weights, kctx = flex_forward(
-        q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), scale=scale,
-        score_mod=as_score_mod(score_mod, Lq, Lk),
+        q, k, v, scale=scale, score_mod=as_score_mod(score_mod, Lq, Lk),
         mask=None if block_mask is None else block_mask.tile_mask(0, Lq, 0, Lk), sinks=sinks)
-    ctx = FlexAttentionContext(kctx, "flex-reference", group, dtype, weights, out.shape)
-    if return_lse:
-        return out, lse.copy(), ctx
-    return out, ctx
+    out = out.astype(dtype, copy=False)
+    ctx = FlexAttentionContext(kctx, "flex-reference", group, dtype, weights.astype(dtype, copy=False), out.shape)
+    if not return_lse:
+        return out, ctx
+    with np.errstate(over="ignore"):  # beyond float16's range: inf, as the tiled kernel gives
+        return out, lse.astype(dtype, copy=True), ctx  # a copy: the backward reads ctx's
 
 
 def flex_attention_backward(grad_out, ctx: FlexAttentionContext):
@@ -207,7 +230,8 @@ def flex_attention_backward(grad_out, ctx: FlexAttentionContext):
 
     Returns
     -------
-    (dq, dk, dv) with the shapes of q, k, v; ``(dq, dk, dv, dsinks)`` with ``dsinks`` (Hq,) when ``sinks``
+    (dq, dk, dv) with the shapes of q, k, v, all in the dtype of the forward's output (whatever
+    ``grad_out``'s); ``(dq, dk, dv, dsinks)`` with ``dsinks`` (Hq,) when ``sinks``
     was given (also left in ``ctx.sinks_grad``). A :class:`ScoreMod`'s parameter gradients are added into its
     ``.grads``.
     """
@@ -221,13 +245,16 @@ def flex_attention_backward(grad_out, ctx: FlexAttentionContext):
         B, Hq, Lq, Dv = ctx.out_shape
         if ctx.group > 1:
             grad_out = grad_out.reshape(B, Hq // ctx.group, ctx.group, Lq, Dv)  # (B, Hkv, G, Lq, Dv)
+        if ctx.kernel == "reference":
+            grad_out = grad_out.astype(kctx.q.dtype, copy=False)  # the dtype the forward computed in
         dq, dk, dv, _ = attention_backward(grad_out, kctx)
         if ctx.group > 1:
             dq, dk, dv = dq.reshape(B, Hq, Lq, -1), dk[:, :, 0], dv[:, :, 0]  # (B, Hq, Lq, D), (B, Hkv, Lk, *)
         dsinks = getattr(kctx, "sinks_grad", None)
     else:
         dq, dk, dv, dsinks = flex_backward(grad_out, kctx)  # dk, dv (B, Hkv, Lk, *): summed over each group
+    dq, dk, dv = (g.astype(ctx.dtype, copy=False) for g in (dq, dk, dv))
     if dsinks is None:
         return dq, dk, dv
-    ctx.sinks_grad = dsinks
+    ctx.sinks_grad = dsinks = dsinks.astype(ctx.dtype, copy=False)
     return dq, dk, dv, dsinks

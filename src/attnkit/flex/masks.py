@@ -229,12 +229,34 @@ class BlockMask:
 
     def to_dense(self) -> np.ndarray:
         """The full boolean mask, shape (B', H', Q_LEN, KV_LEN) (for inspection: it is Lq x Lk)."""
-        idx = score_index(self.batch, self.heads, 0, self.q_len, 0, self.kv_len)
-        return np.broadcast_to(self.mask_mod(*idx), self.shape).copy()  # (B', H', Lq, Lk)
+        allowed = _mask_values(self.mask_mod, self.batch, self.heads, 0, self.q_len, 0, self.kv_len)
+        return np.broadcast_to(allowed, self.shape).copy()  # (B', H', Lq, Lk)
 
     def tile_mask(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
         """``mask_mod`` on one tile, shape broadcastable to (B', H', q1 - q0, k1 - k0)."""
-        return np.asarray(self.mask_mod(*score_index(self.batch, self.heads, q0, q1, k0, k1)))
+        return _mask_values(self.mask_mod, self.batch, self.heads, q0, q1, k0, k1)
+
+
+def _mask_values(mask_mod: Callable, nb: int, nh: int, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
+    """``mask_mod`` on the tile ``[q0:q1, k0:k1]``, checked to be booleans broadcastable to its shape
+    (B', H', Tq, Tk).
+
+    Integers are refused rather than read as truth values: the kernels take a mask's entries as booleans,
+    and a count of 2 in a classification or a cast to bool would each read them differently.
+    """
+    allowed = np.asarray(mask_mod(*score_index(nb, nh, q0, q1, k0, k1)))
+    if allowed.dtype != np.bool_:
+        raise TypeError(f"mask_mod must return booleans (True = may attend), got dtype {allowed.dtype}; "
+                        "compare instead (e.g. kv_idx <= q_idx)")
+    shape = (nb, nh, q1 - q0, k1 - k0)
+    try:
+        fits = np.broadcast_shapes(allowed.shape, shape) == shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"mask_mod returned shape {allowed.shape}, which does not broadcast to the mask's "
+                         f"tile of shape {shape} (B', H', Tq, Tk)")
+    return allowed
 
 
 def _classify(mask_mod: Callable, nb: int, nh: int, q_len: int, kv_len: int, bq: int, bk: int) -> np.ndarray:
@@ -244,7 +266,7 @@ def _classify(mask_mod: Callable, nb: int, nh: int, q_len: int, kv_len: int, bq:
     pad_k = nk * bk - kv_len
     for i in range(nq):
         q0, q1 = i * bq, min(q_len, (i + 1) * bq)
-        band = np.broadcast_to(mask_mod(*score_index(nb, nh, q0, q1, 0, kv_len)),
+        band = np.broadcast_to(_mask_values(mask_mod, nb, nh, q0, q1, 0, kv_len),
                                (nb, nh, q1 - q0, kv_len))  # (B', H', Tq, Lk)
         counts = band.sum(axis=2, dtype=np.int64)  # (B', H', Lk)
         counts = np.pad(counts, ((0, 0), (0, 0), (0, pad_k))).reshape(nb, nh, nk, bk).sum(axis=-1)  # (B', H', nK)

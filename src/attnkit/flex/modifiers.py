@@ -44,6 +44,14 @@ class ScoreMod:
         for g in self.grads.values():
             g[...] = 0
 
+    def check_shape(self, shape: tuple[int, int, int, int]) -> None:
+        """Raise ``ValueError`` if this modifier cannot act on scores of ``shape`` (B, H, Lq, Lk).
+
+        :func:`~attnkit.flex.flex_attention` calls it once before any tile: a modifier sees only tiles, and
+        an array of the wrong size indexed by a tile's positions either fails with NumPy's message or,
+        worse, reads the wrong entries. The default accepts every shape.
+        """
+
     def forward(self, score, b, h, q_idx, kv_idx):
         """Modified scores, shape of ``score`` (B, H, Tq, Tk)."""
         raise NotImplementedError
@@ -174,6 +182,11 @@ class _Alibi(ScoreMod):
             raise ValueError(f"alibi: slopes must be one value per head, shape (H,), got shape {slopes.shape}")
         self._add_param("slopes", slopes)
 
+    def check_shape(self, shape):
+        if self.params["slopes"].shape[0] != shape[1]:
+            raise ValueError(f"alibi: {self.params['slopes'].shape[0]} slopes for scores of {shape[1]} heads "
+                             f"(shape {tuple(shape)}); give one slope per query head")
+
     def forward(self, score, b, h, q_idx, kv_idx):
         dist = (np.asarray(kv_idx) - np.asarray(q_idx)).astype(score.dtype)  # (1, 1, Tq, Tk)
         return score + self.params["slopes"].astype(score.dtype)[h] * dist
@@ -256,6 +269,11 @@ class _RelativePositionBias(ScoreMod):
                              f"{(self.num_buckets, self.num_heads)}, got {table.shape}")
         self._add_param("table", table)
 
+    def check_shape(self, shape):
+        if self.num_heads != shape[1]:
+            raise ValueError(f"relative_position_bias: a table of {self.num_heads} heads for scores of "
+                             f"{shape[1]} heads (shape {tuple(shape)})")
+
     def _buckets(self, q_idx, kv_idx):
         rel = np.asarray(kv_idx) - np.asarray(q_idx)  # (1, 1, Tq, Tk)
         return t5_relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
@@ -297,6 +315,12 @@ class _AdditiveBias(ScoreMod):
             raise ValueError(f"additive_bias: the bias must broadcast to (B, H, Lq, Lk), got shape {bias.shape}")
         self._add_param("bias", bias.reshape((1,) * (4 - bias.ndim) + bias.shape))
 
+    def check_shape(self, shape):
+        bias = self.params["bias"].shape  # (B|1, H|1, Lq|1, Lk|1) when it fits
+        if any(n not in (1, m) for n, m in zip(bias, shape)):
+            raise ValueError(f"additive_bias: the bias, of shape {bias} as (B, H, Lq, Lk), does not broadcast "
+                             f"to the scores of shape {tuple(shape)}")
+
     def _where(self, b, h, q_idx, kv_idx):
         shape = self.params["bias"].shape
         return tuple(_index(n, i) for n, i in zip(shape, (b, h, q_idx, kv_idx)))
@@ -329,6 +353,10 @@ class _Compose(ScoreMod):
             for name, value in m.params.items():
                 self.params[f"{i}.{name}"] = value
                 self.grads[f"{i}.{name}"] = m.grads[name]
+
+    def check_shape(self, shape):
+        for m in self.mods:
+            m.check_shape(shape)
 
     def forward(self, score, b, h, q_idx, kv_idx):
         for m in self.mods:

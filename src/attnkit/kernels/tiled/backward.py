@@ -13,6 +13,7 @@ from ..._validation import unbroadcast
 from .._masked_product import zero_safe_matmul
 from .._threads import check_stop, run_tasks
 from ..bias import ScoreBias
+from ..flex import checked_scores
 from .plan import (
     FlashContext,
     _group_axes,
@@ -311,8 +312,10 @@ def _modifier_grad(tiles: _Tiles, ds: np.ndarray, raw: np.ndarray, tile, blocked
     """The score gradient through the score modifier (whose own parameters get theirs), masked entries 0."""
     if bad_k:
         np.copyto(raw, 0, where=blocked)  # the modifier must not read a masked NaN score
-    grad = tiles.score_mod.backward(tiles.to_heads(ds), tiles.to_heads(raw), *tiles.score_index(*tile))
-    grad = np.reshape(grad, ds.shape)  # (*lead, Tq, Tk)
+    heads = tiles.to_heads(ds)  # (B, H, Tq, Tk)
+    grad = checked_scores(tiles.score_mod.backward(heads, tiles.to_heads(raw), *tiles.score_index(*tile)),
+                          heads.shape, "score_mod.backward")
+    grad = grad.reshape(ds.shape)  # (*lead, Tq, Tk)
     if blocked is not None:
         grad = np.where(blocked, 0, grad)
     return grad

@@ -131,8 +131,11 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
                        drop_lead=drop_lead, blocks=fixed_blocks, num_threads=num_threads, window=args.window,
                        bad_k=bad_k, bad_v=bad_v, score_mod=score_mod, block_mask=block_mask,
                        sinks=None if sinks is None else np.array(sinks))
-    # copies: the caller may edit what it gets back, the backward reads ctx.out and ctx.lse
-    return data.out.astype(args.out_dtype, copy=True), data.lse.astype(args.out_dtype, copy=True), ctx
+    # copies: the caller may edit what it gets back, the backward reads ctx.out and ctx.lse (float64). A
+    # log-sum-exp beyond float16's range (65504) becomes inf without a warning: most callers never read it
+    with np.errstate(over="ignore"):
+        lse = data.lse.astype(args.out_dtype, copy=True)
+    return data.out.astype(args.out_dtype, copy=True), lse, ctx
 
 
 def _add_sinks(data: _ForwardData, sink: np.ndarray) -> None:

@@ -16,7 +16,7 @@ from .._threads import default_num_threads, run_tasks
 from .._tile_sizes import choose_heads, choose_tiles, heads_override, tile_override
 from ..bias import ScoreBias
 from ..dropout import keep_mask
-from ..flex import score_index
+from ..flex import checked_scores, score_index
 
 _LAZY_SHIFT = 16.0  # exp(s - m) may reach e^16 before the shift m is moved (float32-safe)
 
@@ -313,7 +313,9 @@ class _Tiles:
     def modify(self, s: np.ndarray, q0, q1, k0, k1) -> np.ndarray:
         """The score modifier applied to the tile ``s`` (*lead, Tq, Tk): the modifier's own array when it is
         writeable and of the tile's shape (no copy back into ``s``), else ``s`` overwritten."""
-        changed = np.reshape(self.score_mod.forward(self.to_heads(s), *self.score_index(q0, q1, k0, k1)), s.shape)
+        heads = self.to_heads(s)  # (B, H, Tq, Tk)
+        changed = checked_scores(self.score_mod.forward(heads, *self.score_index(q0, q1, k0, k1)), heads.shape)
+        changed = changed.reshape(s.shape)  # (*lead, Tq, Tk)
         if changed.flags.writeable and changed.dtype == s.dtype:
             return changed
         np.copyto(s, changed)
