@@ -25,6 +25,14 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                         "original_max_position_embeddings": 16}),
      r"'low_freq_factor'\] \(1.0\) must be smaller than \['high_freq_factor'\] \(1.0\)"),
+    (dict(rope_scaling=dict(YARN, beta_fast=5e-324)),  # was OverflowError: cannot convert float infinity to integer
+     r"rope_scaling\['beta_fast'\] = 5e-324 puts YaRN's correction range at log\(16 / \(5e-324 \* 2 pi\)\)"),
+    (dict(rope_scaling=dict(YARN, beta_slow=1e308)),  # was ValueError: math domain error
+     r"rope_scaling\['beta_slow'\] = 1e\+308 puts YaRN's correction range at log\(16 / \(1e\+308 \* 2 pi\)\)"),
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [1.0, 1.0],
+                        "original_max_position_embeddings": 1}),  # was ZeroDivisionError
+     r"rope_scaling\['original_max_position_embeddings'\] = 1 leaves longrope's attention factor "
+     r"sqrt\(1 \+ ln\(factor\) / ln\(1\)\) undefined"),
 ])
 def test_values_that_used_to_crash_later_are_refused_up_front(changes, match):
     with pytest.raises(ValueError, match=match):

@@ -623,6 +623,20 @@ def _rope(read: _Reader, max_positions: int, head_dim: int) -> tuple[float, dict
         raise ValueError(f"{family} config: {key}['low_freq_factor'] ({normalised['low_freq_factor']}) must be "
                          f"smaller than ['high_freq_factor'] ({normalised['high_freq_factor']}): llama3 scaling "
                          f"blends between them")
+    if kind == "yarn":
+        original = normalised["original_max_position_embeddings"]
+        for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+            # YaRN's ramp runs between the features whose wavelengths fit beta times into the original context:
+            # log(original / (beta * 2 pi)), which a huge or a subnormal beta takes to log(0) or inf.
+            beta = normalised.get(name, default)
+            if not 0 < original / (beta * 2 * math.pi) < math.inf:
+                raise ValueError(f"{family} config: {key}[{name!r}] = {beta!r} puts YaRN's correction range at "
+                                 f"log({original} / ({beta!r} * 2 pi)), which is not a finite number")
+    if (kind == "longrope" and "attention_factor" not in normalised
+            and normalised["original_max_position_embeddings"] == 1 and normalised.get("factor", max_positions) > 1):
+        raise ValueError(f"{family} config: {key}['original_max_position_embeddings'] = 1 leaves longrope's attention "
+                         f"factor sqrt(1 + ln(factor) / ln(1)) undefined; give ['attention_factor'] or the original "
+                         f"context length")
     # Hugging Face ignores the pre-scaling length for linear and dynamic scaling; so does attnkit.
     unknown = sorted(set(params) - set(normalised) - {"original_max_position_embeddings"})
     if unknown:
