@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -313,6 +314,82 @@ def test_default_thread_count_follows_cpu_affinity(monkeypatch):
         assert _threads.default_num_threads() == 3
         monkeypatch.delattr(os, "sched_getaffinity")
     assert _threads.default_num_threads() == 64
+
+
+def test_default_thread_count_stays_within_the_bound(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4096)
+    if hasattr(os, "sched_getaffinity"):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4096)))
+    assert _threads.default_num_threads() == _threads.MAX_NUM_THREADS == 1024
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: kernels.set_num_threads(10**9), "n must be at most 1024, got 1000000000"),
+    (lambda: kernels.set_num_threads(1025), "n must be at most 1024, got 1025"),
+    (lambda: kernels.num_threads(10**6).__enter__(), "n must be at most 1024, got 1000000"),
+    (lambda: tiled.flash_attention_forward(*(np.zeros((1, 4, 2)),) * 3, num_threads=10**6),
+     "num_threads must be at most 1024, got 1000000"),
+])
+def test_a_thread_count_past_the_bound_is_refused_naming_it(call, match):
+    """set_num_threads(10**9) used to be accepted, and every later call then paid for it (3.3 s for a tiny
+    forward at 10**6: one scratch object per thread). Counts past MAX_NUM_THREADS are refused by name and leave
+    the setting as it was."""
+    kernels.set_num_threads(3)
+    try:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert kernels.get_num_threads() == 3
+    finally:
+        kernels.set_num_threads(None)
+
+
+@pytest.mark.concurrency
+def test_a_tiny_call_at_the_bound_makes_only_what_its_tasks_use(monkeypatch):
+    """At the bound, a call of a few tiles makes one scratch per worker it can use, not one per allowed thread,
+    and starts no thread beyond its tasks; its bits equal those of one thread (a single key block: one lane)."""
+    from attnkit.kernels.tiled import backward, forward, plan
+
+    made = []
+
+    class CountedScratch(plan._Scratch):
+        def __init__(self, dtype):
+            made.append(self)
+            super().__init__(dtype)
+
+    monkeypatch.setattr(forward, "_Scratch", CountedScratch)
+    monkeypatch.setattr(backward, "_Scratch", CountedScratch)
+    rng = np.random.default_rng(0)
+    q, k, v, grad = (rng.standard_normal((1, 2, 8, 4)).astype(np.float32) for _ in range(4))
+
+    def call(threads):
+        out, lse, ctx = tiled.flash_attention_forward(q, k, v, causal=True, num_threads=threads)
+        return (out, *tiled.flash_attention_backward(grad, ctx)[:3])
+
+    want = call(1)
+    made.clear()
+    before = threading.active_count()
+    got = call(_threads.MAX_NUM_THREADS)
+    assert len(made) <= 4  # two heads: at most two workers in each pass (2048 scratches before)
+    assert threading.active_count() <= before + 1
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.concurrency
+def test_calls_of_many_sizes_keep_only_the_threads_of_the_largest():
+    """The helper threads are those of the largest call so far, not one pool per worker count (which kept a
+    pool for every size of call: 1 + 2 + ... + 7 = 28 threads here, and more with every new size)."""
+    def helpers():
+        return [t for t in threading.enumerate() if t.name.startswith("attnkit")]
+
+    largest = max(7, len(helpers()))  # earlier tests of this process may have made a larger call
+    used = [_threads.run_tasks(list(range(tasks)), lambda task, worker: time.sleep(0.02), _threads.MAX_NUM_THREADS)
+            for tasks in (2, 3, 4, 5, 6, 7, 8)]
+    assert used == [2, 3, 4, 5, 6, 7, 8]  # the calling thread and 1 to 7 helpers
+    deadline = time.monotonic() + 10
+    while len(helpers()) > largest and time.monotonic() < deadline:  # a replaced pool's threads leave by themselves
+        time.sleep(0.01)
+    assert len(helpers()) <= largest, [t.name for t in helpers()]
 
 
 # ----------------------------------------------------------------------------------------------------

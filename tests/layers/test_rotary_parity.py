@@ -90,3 +90,27 @@ def test_bad_position_ids():
     ours_cfg, _ = _configs(None)
     with pytest.raises(ValueError, match="position_ids"):
         RotaryEmbedding(ours_cfg)(np.zeros((3,), dtype=np.int64))
+
+
+@pytest.mark.parametrize("scaling, fault", [
+    ({**SCALINGS["yarn_mscale"], "mscale": 1e308}, r"the attention factor: attention factor 1.2\d*e\+307"),
+    ({**SCALINGS["yarn_untruncated"], "attention_factor": 70000.0}, "the attention factor: attention factor 70000.0"),
+    ({**SCALINGS["linear"], "factor": 1e-307}, r"the frequencies: attention factor 1.0, inverse frequencies up to "
+                                               r"1.0\d*e\+307"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7 + [5e-324],
+      "attention_factor": 1.1, "original_max_position_embeddings": 16}, "the frequencies"),
+])
+def test_a_scaling_whose_tables_overflow_is_refused_by_the_layer(scaling, fault):
+    """A DecoderConfig built by hand reaches RotaryEmbedding without the config reader's check: the layer
+    refuses tables that would hold inf or NaN (in float16, the narrowest dtype it makes them in), where the
+    forward used to return them."""
+    cfg, _ = _configs(scaling)
+    with pytest.raises(ValueError, match=rf"RotaryEmbedding: rope_scaling .* makes the cos/sin tables of positions "
+                                         rf"below 64 not finite in float16 \({fault}"):
+        RotaryEmbedding(cfg)
+
+
+def test_the_largest_attention_factor_float16_holds_is_accepted():
+    cfg, _ = _configs({**SCALINGS["yarn_untruncated"], "attention_factor": 65504.0})
+    cos, sin = RotaryEmbedding(cfg)(np.array([[0, 63]]), dtype=np.float16)
+    assert cos[0, 0, 0] == 65504.0 and np.isfinite(cos).all() and np.isfinite(sin).all()

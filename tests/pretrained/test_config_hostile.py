@@ -25,10 +25,59 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                         "original_max_position_embeddings": 16}),
      r"'low_freq_factor'\] \(1.0\) must be smaller than \['high_freq_factor'\] \(1.0\)"),
+    (dict(rope_scaling=dict(YARN, beta_fast=5e-324)),  # was OverflowError: cannot convert float infinity to integer
+     r"rope_scaling\['beta_fast'\] = 5e-324 puts YaRN's correction range at log\(16 / \(5e-324 \* 2 pi\)\)"),
+    (dict(rope_scaling=dict(YARN, beta_slow=1e308)),  # was ValueError: math domain error
+     r"rope_scaling\['beta_slow'\] = 1e\+308 puts YaRN's correction range at log\(16 / \(1e\+308 \* 2 pi\)\)"),
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [1.0, 1.0],
+                        "original_max_position_embeddings": 1}),  # was ZeroDivisionError
+     r"rope_scaling\['original_max_position_embeddings'\] = 1 leaves longrope's attention factor "
+     r"sqrt\(1 \+ ln\(factor\) / ln\(1\)\) undefined"),
 ])
 def test_values_that_used_to_crash_later_are_refused_up_front(changes, match):
     with pytest.raises(ValueError, match=match):
         decoder_config_from_hf({**BASE, **changes})
+
+
+TABLES = r"the rotary cos/sin tables must be finite in float16 \(at most 65504\)"
+
+
+@pytest.mark.parametrize("scaling,match", [
+    (dict(YARN, mscale=1e308, mscale_all_dim=1.0),
+     r"\['mscale'\] = 1e\+308 with \['mscale_all_dim'\] = 1.0 gives an attention factor of 1.2175\d*e\+307"),
+    (dict(YARN, mscale=1e10, mscale_all_dim=1.0), r"\['mscale'\] = 10000000000.0 with \['mscale_all_dim'\] = 1.0 "
+                                                  r"gives an attention factor of 1217511438"),
+    (dict(YARN, factor=1e300, mscale=1e308, mscale_all_dim=1e308),
+     r"\['mscale'\] = 1e\+308 with \['mscale_all_dim'\] = 1e\+308 gives an attention factor of nan"),
+    (dict(YARN, factor=1e300, mscale=1.0, mscale_all_dim=1e308),
+     r"\['mscale'\] = 1.0 with \['mscale_all_dim'\] = 1e\+308 gives an attention factor of 0.0"),
+    (dict(YARN, attention_factor=1e39), r"\['attention_factor'\] = 1e\+39 gives an attention factor of 1e\+39"),
+    (dict(YARN, attention_factor=1e5), r"\['attention_factor'\] = 100000.0 gives an attention factor of 100000.0"),
+    (dict(YARN, factor=5e-324), r"\['factor'\] = 5e-324 gives inverse frequencies up to (inf|nan)"),
+    ({"rope_type": "linear", "factor": 5e-324}, r"\['factor'\] = 5e-324 gives inverse frequencies up to inf"),
+    ({"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [1.0, 5e-324], "attention_factor": 2.0,
+      "original_max_position_embeddings": 16}, r"\['long_factor'\] = \[1.0, 5e-324\] gives inverse frequencies up "
+                                               r"to inf"),
+    ({"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [1.0, 1.0], "attention_factor": 7e4,
+      "original_max_position_embeddings": 16}, r"\['attention_factor'\] = 70000.0 gives an attention factor"),
+])
+def test_rope_scalings_whose_tables_overflow_are_refused_naming_the_key(scaling, match):
+    """Each value is a finite positive number, as the key requires, yet the cos/sin tables built from it were
+    inf or NaN (NaN logits), in float16 and mostly in float32 too. The check computes the tables' extreme rows
+    as the rotary layer does."""
+    config = {**BASE, "head_dim": 4, "rope_scaling": scaling}
+    with pytest.raises(ValueError, match=rf"llama config: rope_scaling{match}.*; {TABLES}"):
+        decoder_config_from_hf(config)
+
+
+def test_rope_scalings_at_the_edge_of_the_tables_load():
+    """The largest attention factor whose tables fit float16 is accepted, and real YaRN settings (DeepSeek's
+    mscale = mscale_all_dim, gpt-oss's defaults) are untouched."""
+    edge = decoder_config_from_hf({**BASE, "rope_scaling": dict(YARN, attention_factor=65504.0)})
+    assert edge.rope_scaling["attention_factor"] == 65504.0
+    deepseek = decoder_config_from_hf({**BASE, "rope_scaling": dict(YARN, factor=40.0, mscale=0.707,
+                                                                    mscale_all_dim=0.707)})
+    assert deepseek.rope_scaling["mscale"] == 0.707
 
 
 @pytest.mark.parametrize("text,match", [

@@ -120,6 +120,78 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
     assert err < 2e-6, err
 
 
+def _quantized_folder(name, hf_root, target, edit=None):
+    """A copy of the saved ``name`` folder with every expert matrix stored as random MXFP4 blocks and scales,
+    as gpt-oss is published; ``edit(tensors)`` may change the tensors before they are written."""
+    from safetensors.numpy import load_file, save_file
+
+    folder, hf = saved_model(name, hf_root)
+    cfg = hf.config
+    e, d, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    tensors = load_file(str(folder / "model.safetensors"))
+    rng = np.random.default_rng(11)
+    for i in range(cfg.num_hidden_layers):
+        base = f"model.layers.{i}.mlp.experts."
+        for matrix, rows, cols in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
+            del tensors[base + matrix]
+            blocks, scales = _mxfp4_pair(rng, e, rows, cols)  # C // 32 blocks, as the header check expects
+            tensors[base + matrix + "_blocks"], tensors[base + matrix + "_scales"] = blocks, scales
+    if edit is not None:
+        edit(tensors)
+    target.mkdir()
+    save_file(tensors, str(target / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("matrix, position", [("down_proj", (2, 5, 0)), ("gate_up_proj", (0, 0, 0))])
+def test_an_mxfp4_nan_scale_is_refused_naming_the_tensor(matrix, position, hf_root, tmp_path):
+    """0xFF is the E8M0 scale's NaN code (OCP MX format): read as an exponent it turned a block into inf and the
+    logits into NaN. It is refused with the tensor and the block named."""
+    name = f"model.layers.1.mlp.experts.{matrix}_scales"
+
+    def nan_scale(tensors):
+        tensors[name][position] = 0xFF
+
+    folder = _quantized_folder("gpt_oss_wide", hf_root, tmp_path / "nan_scale", nan_scale)
+    where = ", ".join(map(str, position))
+    with pytest.raises(ValueError, match=rf"MXFP4 scales {name!r} hold 0xFF \(the NaN code of the E8M0 scale\) "
+                                         rf"at \[{where}\]"):
+        load_causal_lm(folder)
+    assert np.isfinite(load_causal_lm(_quantized_folder("gpt_oss_wide", hf_root, tmp_path / "clean"))(
+        np.array([[3, 4, 5]]))).all()
+
+
+def test_dequantize_mxfp4_refuses_the_nan_scale():
+    from attnkit.pretrained.mxfp4 import dequantize_mxfp4
+
+    blocks = np.full((2, 16), 0x22, np.uint8)  # every code 2 (1.0)
+    assert dequantize_mxfp4(blocks, np.array([127, 0xFE], np.uint8))[[0, 32]].tolist() == [1.0, 2.0 ** 127]
+    with pytest.raises(ValueError, match=r"'scales' hold 0xFF \(the NaN code of the E8M0 scale\) at \[1\]"):
+        dequantize_mxfp4(blocks, np.array([127, 0xFF], np.uint8))
+
+
+def test_an_mxfp4_width_that_is_not_whole_blocks_is_refused_before_reading(hf_root, tmp_path, monkeypatch):
+    """gpt_oss's intermediate_size 48 is the column count of down_proj: 1.5 MXFP4 blocks. The header (C / 32 = 1
+    block) used to pass and NumPy then failed to broadcast 32 columns into 48; now the header check names it and
+    no tensor is read."""
+    import attnkit.pretrained.checkpoint as checkpoint
+
+    folder = _quantized_folder("gpt_oss", hf_root, tmp_path / "ragged")
+
+    def never(*args, **kwargs):
+        raise AssertionError("a tensor was read before the MXFP4 widths were checked")
+
+    monkeypatch.setattr(checkpoint, "_read_tensor", never)
+    monkeypatch.setattr(checkpoint, "_read_into", never)
+    with pytest.raises(ValueError, match=r"MXFP4 tensor 'model.layers.0.mlp.experts.down_proj_blocks' would hold "
+                                         r"48 columns \(its dequantized shape is \(4, 48, 32\)\), not a multiple "
+                                         r"of MXFP4's 32-value blocks"):
+        load_causal_lm(folder)
+
+
 def test_a_quantization_other_than_gpt_oss_mxfp4_is_refused(hf_root, tmp_path):
     folder, _ = saved_model("llama_gqa", hf_root)
     with pytest.raises(ValueError, match="quantization_config.*'gptq'"):

@@ -312,6 +312,42 @@ def test_trained_twin_comes_back_with_its_weights():
     assert np.abs(twin.W2.detach().numpy()).max() > 0
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_module_back_from_its_twin_trains_as_the_original_does(family):
+    """to_numpy gave every module a plain dict of zero gradients, so zero_grad() raised AttributeError ('dict'
+    has no 'allocated') and every buffer was allocated up front. The rebuilt module now starts from Module's
+    own state: the same gradient buffers as a freshly built module (none allocated), its own fused groups (not
+    the source's buffers), and forward, backward, zero_grad and Adam steps equal the original's bit for bit."""
+    from attnkit.core.module import GradientBuffers
+    from attnkit.optim import Adam
+
+    cfg = _config(**FAMILIES[family])
+    original = CausalLM(cfg, rng=3)
+    back = to_numpy(from_numpy(original))
+    fresh = CausalLM(cfg, rng=3)
+    for (name, mod), (_, mod_fresh) in zip(back.named_modules(), fresh.named_modules(), strict=True):
+        assert type(mod.grads) is type(mod_fresh.grads) is GradientBuffers, name
+        assert list(mod.grads) == list(mod_fresh.grads) and mod.grads.allocated() == [], name
+    attention, source = back.layers[0].attention, original.layers[0].attention
+    fused = attention.fused_parameter("W_QKV")
+    assert fused is not None and not np.shares_memory(fused, source.fused_parameter("W_QKV"))
+    ids = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    grad = np.random.default_rng(0).standard_normal((2, 4, cfg.vocab_size))
+    optimizers = [Adam(model, lr=1e-2) for model in (original, back)]
+    for _ in range(3):
+        for model, optimizer in zip((original, back), optimizers):
+            model.zero_grad()
+            model(ids)
+            model.backward(grad)
+            optimizer.step()
+        for (name, a), (_, b) in zip(original.named_gradients(), back.named_gradients(), strict=True):
+            assert np.array_equal(a, b), name
+    for (name, a), (_, b) in zip(original.named_parameters(), back.named_parameters(), strict=True):
+        assert np.array_equal(a, b), name
+    back.zero_grad(set_to_none=True)
+    assert all(mod.grads.allocated() == [] for _, mod in back.named_modules())
+
+
 def test_twin_constructor_matches_attnkit_initial_weights():
     from attnkit.torch import CausalLM as TwinCausalLM
     cfg = _config()

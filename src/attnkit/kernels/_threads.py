@@ -8,7 +8,7 @@ thread per caller: ``t`` tile threads times ``b`` BLAS threads above the core co
 the kernel still runs, merely risking oversubscription if BLAS is itself multi-threaded.
 
 Processes and interrupts: a child made by ``fork()`` inherits the pool's bookkeeping but none of its
-threads, so the pools are forgotten in the child (``os.register_at_fork``) and rebuilt on first use.
+threads, so the pool is forgotten in the child (``os.register_at_fork``) and rebuilt on first use.
 When the calling thread stops (``KeyboardInterrupt``, an error in any task), the other workers are told
 to stop and give up at their next :func:`check_stop` (the kernels call it between tiles).
 """
@@ -18,24 +18,37 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from .._validation import check_positive_int
 
-__all__ = ["set_num_threads", "get_num_threads", "num_threads",
+__all__ = ["MAX_NUM_THREADS", "check_num_threads", "set_num_threads", "get_num_threads", "num_threads",
            "default_num_threads", "blas_single_thread", "one_row_blas", "run_tasks", "check_stop", "TasksStopped"]
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None  # the process's helper threads, sized by the largest call so far
+_pool_size = 0
+_pool_lock = threading.Lock()
 _in_worker = threading.local()  # .active: inside a worker loop; .stop: the running call's stop event
 _controller: Any = None  # threadpoolctl.ThreadpoolController, False if unavailable, None before first use
 _num_threads: int | None = None  # set by set_num_threads; None: every core this process may run on
 
+# The most tile threads a call may use. Every worker is an operating-system thread (with its stack) and a
+# per-call scratch; past the CPUs a process may run on, more of them only time-share those CPUs. 1024 is above
+# the hardware threads of today's largest common servers (2 x 192 cores with SMT: 768) and far below where a
+# count became the cost of every call (10**6 made a tiny forward take 3.3 s).
+MAX_NUM_THREADS = 1024
+
 
 class TasksStopped(Exception):
     """Raised inside a worker whose call was stopped (the caller sees the original error instead)."""
+
+
+def check_num_threads(n: Any, name: str = "n") -> int:
+    """``n`` as a thread count: an integer in [1, :data:`MAX_NUM_THREADS`] (``TypeError`` / ``ValueError``
+    naming ``name`` otherwise). The one check of every thread count the kernels take."""
+    return check_positive_int(n, name, maximum=MAX_NUM_THREADS)
 
 
 def set_num_threads(n: int | None) -> None:
@@ -44,7 +57,22 @@ def set_num_threads(n: int | None) -> None:
     Parameters
     ----------
     n : int or None
-        A positive thread count, or ``None`` to go back to the cores this process may run on.
+        A thread count in [1, :data:`MAX_NUM_THREADS`] (1024), or ``None`` to go back to the cores this
+        process may run on.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``n`` is not an integer, or is outside [1, 1024]; the setting is then unchanged.
+
+    Notes
+    -----
+    A count above the CPUs this process may run on (``os.sched_getaffinity``) is taken as given, not
+    clamped: the tile plan and the backward's lanes, and so the last bits of a gradient, depend on the
+    thread count alone, so one count means one computation on every machine (a run with ``n=8`` on a
+    2-CPU laptop gives the bits of the same run on a 64-core server). The extra threads only time-share the
+    CPUs. A call never starts more threads, nor makes more scratch buffers, than it has tasks: a tiny call
+    costs the same at 1024 as at 1.
 
     Examples
     --------
@@ -54,7 +82,7 @@ def set_num_threads(n: int | None) -> None:
     >>> attnkit.set_num_threads(None)
     """
     global _num_threads
-    _num_threads = None if n is None else check_positive_int(n, "n")
+    _num_threads = None if n is None else check_num_threads(n, "n")
 
 
 def get_num_threads() -> int:
@@ -65,6 +93,8 @@ def get_num_threads() -> int:
 @contextmanager
 def num_threads(n: int | None):
     """Use ``n`` kernel threads inside a ``with`` block, then restore the previous setting.
+
+    ``n`` is checked as by :func:`set_num_threads` (at most :data:`MAX_NUM_THREADS`) before anything changes.
 
     Examples
     --------
@@ -83,7 +113,7 @@ def num_threads(n: int | None):
 
 def default_num_threads() -> int:
     """The number of tile threads used when the caller does not say: :func:`set_num_threads`'s value, or
-    else the cores this process may run on.
+    else the cores this process may run on, at most :data:`MAX_NUM_THREADS`.
 
     ``os.sched_getaffinity`` where the platform has it (containers and ``taskset`` restrict it), else
     ``os.cpu_count()``.
@@ -92,10 +122,10 @@ def default_num_threads() -> int:
         return _num_threads
     if hasattr(os, "sched_getaffinity"):
         try:
-            return max(1, len(os.sched_getaffinity(0)))
+            return min(max(1, len(os.sched_getaffinity(0))), MAX_NUM_THREADS)
         except OSError:
             pass
-    return os.cpu_count() or 1
+    return min(os.cpu_count() or 1, MAX_NUM_THREADS)
 
 
 def check_stop() -> None:
@@ -105,13 +135,22 @@ def check_stop() -> None:
         raise TasksStopped
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A long-lived executor with ``workers`` threads (created once: spawning threads per call costs)."""
-    with _pools_lock:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnkit")
-        return pool
+def _start_helpers(loop: Callable[[int], None], workers: int) -> list[Future]:
+    """Run ``loop(1)`` .. ``loop(workers - 1)`` on the process's pool of helper threads.
+
+    One long-lived pool (spawning threads per call costs), replaced by a larger one when a call needs more
+    helpers than it has: the replaced pool's threads finish what they run and leave. Its threads start as
+    tasks arrive, so the threads alive are those of the largest call so far, whatever the sizes of the others
+    (a pool per worker count kept 1 + 2 + ... threads). Getting the pool and submitting happen under one lock,
+    so a concurrent call cannot shut the pool down in between.
+    """
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < workers - 1:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool, _pool_size = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="attnkit"), workers - 1
+        return [_pool.submit(loop, w) for w in range(1, workers)]
 
 
 _limit_lock = threading.Lock()
@@ -119,18 +158,18 @@ _limit_users = 0
 _limit_handle: Any = None
 
 
-def _forget_pools_after_fork() -> None:
-    """In a forked child: drop the parent's pools (their threads do not exist here) and reset the locks."""
-    global _pools_lock, _limit_lock, _limit_users, _limit_handle
-    _pools.clear()
-    _pools_lock = threading.Lock()
+def _forget_pool_after_fork() -> None:
+    """In a forked child: drop the parent's pool (its threads do not exist here) and reset the locks."""
+    global _pool, _pool_size, _pool_lock, _limit_lock, _limit_users, _limit_handle
+    _pool, _pool_size = None, 0
+    _pool_lock = threading.Lock()
     _limit_lock = threading.Lock()
     _limit_users = 0
     _limit_handle = None
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pools_after_fork)
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 @contextmanager
@@ -271,7 +310,7 @@ def run_tasks(tasks: Sequence[Any], work: Callable[[Any, int], None], num_thread
             _in_worker.active, _in_worker.stop = False, None
 
     with blas_single_thread():
-        futures = [_pool(workers - 1).submit(loop, w) for w in range(1, workers)]
+        futures = _start_helpers(loop, workers)
         try:
             _join(loop, futures)
         except BaseException:  # KeyboardInterrupt while waiting, or the first task error

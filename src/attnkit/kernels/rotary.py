@@ -28,7 +28,12 @@ import math
 
 import numpy as np
 
-__all__ = ["rotary_apply", "rotary_backward", "rotary_cos_sin", "rotary_frequencies", "turn"]
+__all__ = ["rotary_apply", "rotary_backward", "rotary_cos_sin", "rotary_frequencies", "rotary_table_fault",
+           "TABLE_DTYPE", "turn"]
+
+# The narrowest dtype the cos/sin tables are computed in (a model loaded in float16): tables finite in it are
+# finite in every float dtype.
+TABLE_DTYPE = np.dtype(np.float16)
 
 
 def _base_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
@@ -150,6 +155,41 @@ def rotary_cos_sin(position_ids: np.ndarray, inv_freq: np.ndarray, attention_fac
     cos = (np.cos(angles) * attention_factor).astype(dtype)  # (B, L, R)
     sin = (np.sin(angles) * attention_factor).astype(dtype)  # (B, L, R)
     return cos, sin
+
+
+def rotary_table_fault(inv_freq: np.ndarray, attention_factor: float, max_position_embeddings: int,
+                       dtype=TABLE_DTYPE) -> str | None:
+    """What would make the cos/sin tables of positions [0, ``max_position_embeddings``) not finite in ``dtype``.
+
+    The tables are ``cos(p * inv_freq) * attention_factor`` and ``sin(...)``, as :func:`rotary_cos_sin`
+    computes them. Their largest entry is at position 0, where cos is 1 (so it is the attention factor
+    itself), and the angles grow with the position: the rows of the first and the last position decide for
+    every row, and they are computed here exactly as the tables are.
+
+    Returns
+    -------
+    None, ``"frequencies"`` or ``"attention factor"``
+        ``"frequencies"``: some angle ``p * inv_freq`` is not finite (the tables would hold NaN whatever the
+        factor); ``"attention factor"``: the angles are finite, but the factor is not a positive number or its
+        tables overflow ``dtype``.
+
+    Examples
+    --------
+    >>> inv_freq = rotary_frequencies(4, 10000.0)[0]
+    >>> rotary_table_fault(inv_freq, 1.0, 4096), rotary_table_fault(inv_freq, 1e5, 4096)
+    (None, 'attention factor')
+    >>> rotary_table_fault(inv_freq * 1e306, 1.0, 4096)   # finite, but 4095 times it is not
+    'frequencies'
+    """
+    positions = np.array([[0, max(int(max_position_embeddings) - 1, 0)]])  # (1, 2)
+    with np.errstate(all="ignore"):  # an overflow here is the answer, not a warning
+        unit = rotary_cos_sin(positions, np.asarray(inv_freq, np.float64), 1.0, dtype=np.float64)  # (1, 2, R) each
+        tables = rotary_cos_sin(positions, np.asarray(inv_freq, np.float64), attention_factor, dtype=dtype)
+    if not all(np.isfinite(t).all() for t in unit):
+        return "frequencies"
+    if not attention_factor > 0 or not all(np.isfinite(t).all() for t in tables):
+        return "attention factor"
+    return None
 
 
 def turn(x: np.ndarray, interleaved: bool = False) -> np.ndarray:

@@ -28,6 +28,14 @@ class RotaryEmbedding(Module):
     position_ids : (B, L) int, the rotary position of every token (from the attention mask, not the cache
     slot) -> cos, sin : (B, L, R) in ``dtype``, laid out for :func:`attnkit.kernels.rotary.rotary_apply`.
 
+    Raises
+    ------
+    ValueError
+        A scaling whose cos/sin tables, over the positions below ``max_position_embeddings``, would not be
+        finite in float16 (the narrowest dtype they are computed in): an attention factor above 65504, not
+        positive or NaN, or frequencies whose angles overflow (see
+        :func:`attnkit.kernels.rotary.rotary_table_fault`).
+
     Notes
     -----
     ``dynamic`` scaling depends on the longest position in the call (``max(position_ids) + 1``); it is a pure
@@ -50,10 +58,34 @@ class RotaryEmbedding(Module):
         self.scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
         self.interleaved = config.rope_interleaved
         self.max_position_embeddings = config.max_position_embeddings
-        self.inv_freq, self.attention_factor = _rotary.rotary_frequencies(
-            self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings)
+        with np.errstate(all="ignore"):  # overflowing frequencies are refused below, by what they make
+            self.inv_freq, self.attention_factor = _rotary.rotary_frequencies(
+                self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings)
         # dynamic and longrope frequencies depend on the longest position of the call
         self.dynamic = config.rope_type in ("dynamic", "longrope")
+        self._refuse_overflowing_tables()
+
+    def _refuse_overflowing_tables(self) -> None:
+        """Refuse a scaling whose cos/sin tables would hold inf or NaN (and the logits NaN) over the context.
+
+        Every frequency set a call can use is checked: the one built here and, for ``longrope``, the long
+        factors used past ``original_max_position_embeddings``. ``dynamic`` only grows the base, which lowers
+        the frequencies. The tables must be finite in float16, the narrowest dtype :meth:`forward` makes them in.
+        """
+        sets = [(self.inv_freq, self.attention_factor)]
+        if self.scaling is not None and self.scaling.get("rope_type") == "longrope":
+            with np.errstate(all="ignore"):
+                sets.append(_rotary.rotary_frequencies(
+                    self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings,
+                    seq_len=self.scaling["original_max_position_embeddings"] + 1))
+        for inv_freq, factor in sets:
+            fault = _rotary.rotary_table_fault(inv_freq, factor, self.max_position_embeddings)
+            if fault is not None:
+                largest = float(np.max(inv_freq)) if np.size(inv_freq) else 0.0
+                raise ValueError(f"RotaryEmbedding: rope_scaling {self.scaling!r} makes the cos/sin tables of "
+                                 f"positions below {self.max_position_embeddings} not finite in "
+                                 f"{_rotary.TABLE_DTYPE} (the {fault}: attention factor {factor!r}, inverse "
+                                 f"frequencies up to {largest!r})")
 
     def extra_repr(self) -> str:
         kind = "default" if self.scaling is None else self.scaling.get("rope_type", "default")

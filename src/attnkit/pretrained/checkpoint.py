@@ -25,7 +25,7 @@ import numpy as np
 from ..io import read_json
 from ..models.config import DecoderConfig
 from ._extra import import_extra
-from .mxfp4 import dequantize_mxfp4
+from .mxfp4 import check_scales, dequantize_mxfp4
 
 __all__ = ["TensorMap", "checkpoint_map", "checkpoint_tensors",
            "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
@@ -472,6 +472,12 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
     for name, m in stored.items():
         header = index.tensors[name]
         if m.scales:
+            columns = m.shape[1]  # C of the dequantized (E, C, R)
+            if columns % 32:
+                # The header holds C // 32 blocks, so it would match; dequantized, every row is a whole number
+                # of 32-value blocks and could never fill C columns.
+                raise ValueError(f"{header.file}: MXFP4 tensor {name!r} would hold {columns} columns (its "
+                                 f"dequantized shape is {m.shape}), not a multiple of MXFP4's 32-value blocks")
             scales_name = name[:-len(m.source)] + m.scales
             for part, shape in zip((name, scales_name), m.stored_shapes.values()):
                 part_header = index.tensors[part]
@@ -552,14 +558,18 @@ def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, sto
 
 def _load_mxfp4(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap, params: dict[str, np.ndarray]
                 ) -> None:
-    """Dequantize an MXFP4 expert matrix one expert at a time (a temporary of one expert's size) into place."""
-    blocks = _read_tensor(fh, index.tensors[name], name)  # (E, R, C / 32, 16)
+    """Dequantize an MXFP4 expert matrix one expert at a time (a temporary of one expert's size) into place.
+
+    The scales (a sixteenth of the blocks' size) are read and checked first: a NaN scale is refused by name
+    before the blocks are read."""
     scales_name = name[:-len(mapping.source)] + mapping.scales
     scales_header = index.tensors[scales_name]
     with open(scales_header.file, "rb") as sfh:
         scales = _read_tensor(sfh, scales_header, scales_name)  # (E, R, C / 32)
+    check_scales(scales, scales_name)
+    blocks = _read_tensor(fh, index.tensors[name], name)  # (E, R, C / 32, 16)
     for expert in range(blocks.shape[0]):  # one expert's matrix at a time bounds the float temporary
-        values = dequantize_mxfp4(blocks[expert], scales[expert]).T  # (C, R)
+        values = dequantize_mxfp4(blocks[expert], scales[expert], name=scales_name).T  # (C, R)
         for target_name, value in mapping.convert(values[None]).items():
             np.copyto(params[target_name][expert], value[0], casting="unsafe")
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels import rotary as _rotary
 from ..models.config import DecoderConfig
 
 __all__ = ["decoder_config_from_hf", "supported_model_types", "SUPPORTED_MODEL_TYPES"]
@@ -333,7 +334,7 @@ def _rotary_family(read: _Reader) -> DecoderConfig:
         raise ValueError(f"{family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
                          f"({heads})")
     max_positions = read.int("max_position_embeddings", defaults["max_position_embeddings"])
-    theta, scaling, partial = _rope(read, max_positions)
+    theta, scaling, partial = _rope(read, max_positions, head_dim)
     extra: dict[str, Any] = {}
     if family == "olmo2":  # RMSNorm of the whole q and k projections; norms after each branch, none before
         extra.update(qk_norm=True, qk_norm_scope="projection", pre_norm=False, post_norm=True)
@@ -466,6 +467,7 @@ def _gemma(read: _Reader) -> DecoderConfig:
     elif window is None:
         raise ValueError(f"{family} config: layer_types has sliding_attention layers but sliding_window is null")
     sliding_theta, sliding_scaling = None, None
+    head_dim = read.int("head_dim", 256)
     params = read.raw("rope_parameters", None)
     if three and isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
@@ -477,15 +479,14 @@ def _gemma(read: _Reader) -> DecoderConfig:
             sub.setdefault("rope_theta", default_theta)
             per_type[kind] = _rope(_Reader({"rope_parameters": sub,
                                             "max_position_embeddings": max_positions}, f"{family} {kind}"),
-                                   max_positions)
+                                   max_positions, head_dim)
         (theta, scaling, partial), (sliding_theta, sliding_scaling, _) = (per_type["full_attention"],
                                                                          per_type["sliding_attention"])
     else:
         theta, scaling, partial = _rope(_Reader({**read.config, "rope_theta": read.raw(
-            "rope_theta", 1000000.0 if three else 10000.0)}, family), max_positions)
+            "rope_theta", 1000000.0 if three else 10000.0)}, family), max_positions, head_dim)
         if three:
             sliding_theta = read.float("rope_local_base_freq", 10000.0)
-    head_dim = read.int("head_dim", 256)
     bias = read.bool("attention_bias", False)
     act = read.raw("hidden_activation", None)
     activation = read.activation("hidden_activation") if act is not None else read.activation("hidden_act",
@@ -535,7 +536,7 @@ def _gpt_neox(read: _Reader) -> DecoderConfig:
         params.setdefault("rope_theta", legacy["rotary_emb_base"])
     params.setdefault("partial_rotary_factor", legacy.get("rotary_pct", 0.25))
     legacy["rope_parameters" if not legacy.get("rope_scaling") else "rope_scaling"] = params
-    theta, scaling, partial = _rope(_Reader(legacy, "gpt_neox"), max_positions)
+    theta, scaling, partial = _rope(_Reader(legacy, "gpt_neox"), max_positions, hidden // heads)
     bias = read.bool("attention_bias", True)
     return DecoderConfig(
         family="gpt_neox", vocab_size=read.int("vocab_size"), hidden_size=hidden,
@@ -596,11 +597,12 @@ def _divisors(read: _Reader, key: str) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
 
 
-def _rope(read: _Reader, max_positions: int) -> tuple[float, dict | None, float]:
+def _rope(read: _Reader, max_positions: int, head_dim: int) -> tuple[float, dict | None, float]:
     """(theta, normalised scaling or None, partial rotary factor) from either config style.
 
     As in Hugging Face, a non-empty ``rope_scaling`` takes the place of ``rope_parameters``; the theta comes
-    from that dict, else the top-level ``rope_theta``, else 10000.
+    from that dict, else the top-level ``rope_theta``, else 10000. A scaling whose cos/sin tables would not be
+    finite is refused naming its key (:func:`_refuse_overflowing_tables`).
     """
     family = read.family
     scaling = read.raw("rope_scaling", None)
@@ -652,9 +654,70 @@ def _rope(read: _Reader, max_positions: int) -> tuple[float, dict | None, float]
         raise ValueError(f"{family} config: {key}['low_freq_factor'] ({normalised['low_freq_factor']}) must be "
                          f"smaller than ['high_freq_factor'] ({normalised['high_freq_factor']}): llama3 scaling "
                          f"blends between them")
+    if kind == "yarn":
+        original = normalised["original_max_position_embeddings"]
+        for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+            # YaRN's ramp runs between the features whose wavelengths fit beta times into the original context:
+            # log(original / (beta * 2 pi)), which a huge or a subnormal beta takes to log(0) or inf.
+            beta = normalised.get(name, default)
+            if not 0 < original / (beta * 2 * math.pi) < math.inf:
+                raise ValueError(f"{family} config: {key}[{name!r}] = {beta!r} puts YaRN's correction range at "
+                                 f"log({original} / ({beta!r} * 2 pi)), which is not a finite number")
+    if (kind == "longrope" and "attention_factor" not in normalised
+            and normalised["original_max_position_embeddings"] == 1 and normalised.get("factor", max_positions) > 1):
+        raise ValueError(f"{family} config: {key}['original_max_position_embeddings'] = 1 leaves longrope's attention "
+                         f"factor sqrt(1 + ln(factor) / ln(1)) undefined; give ['attention_factor'] or the original "
+                         f"context length")
     # Hugging Face ignores the pre-scaling length for linear and dynamic scaling; so does attnkit.
     unknown = sorted(set(params) - set(normalised) - {"original_max_position_embeddings"})
     if unknown:
         raise ValueError(f"{family} config: {key} has keys attnkit does not implement for rope_type {kind!r}: "
                          f"{unknown}")
+    _refuse_overflowing_tables(f"{family} config: {key}", theta, normalised, int(head_dim * min(partial, 1.0)),
+                               max_positions)
     return theta, normalised, partial
+
+
+def _refuse_overflowing_tables(where: str, theta: float, scaling: dict, rotary_dim: int, max_positions: int) -> None:
+    """Refuse, naming the key, a scaling whose rotary cos/sin tables would hold inf or NaN.
+
+    Every number of a scaling is finite and positive by then, yet the tables ``cos(p * inv_freq) *
+    attention_factor`` could still overflow: YaRN's attention factor ``mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim)`` (with ``mscale(s, m) = 0.1 m ln s + 1``) is 1e307 for ``mscale`` 1e308,
+    inf / inf = NaN or 1 / inf = 0 when both overflow, and a divisor of 5e-324 makes inverse frequencies of
+    inf. The frequencies are computed as the rotary layer computes them, and the tables' extreme rows checked
+    by :func:`attnkit.kernels.rotary.rotary_table_fault`, in float16 (the narrowest dtype a model computes
+    them in). ``dynamic`` is left out: its factor only grows the base, which lowers the frequencies.
+    """
+    kind = scaling["rope_type"]
+    if kind == "dynamic":
+        return
+    sets = [("short_factor" if kind == "longrope" else "factor", None)]
+    if kind == "longrope":  # the long factors serve the positions past the original context
+        sets.append(("long_factor", scaling["original_max_position_embeddings"] + 1))
+    for divisor_key, seq_len in sets:
+        with np.errstate(all="ignore"):  # an overflow is refused below, by the tables it makes
+            inv_freq, factor = _rotary.rotary_frequencies(rotary_dim, theta, scaling, seq_len=seq_len,
+                                                          max_position_embeddings=max_positions)
+        fault = _rotary.rotary_table_fault(inv_freq, factor, max_positions)
+        if fault is None:
+            continue
+        if fault == "frequencies":
+            largest = float(np.max(inv_freq))
+            cause = f"[{divisor_key!r}] = {_plain(scaling[divisor_key])} gives inverse frequencies up to {largest!r}"
+        elif "attention_factor" in scaling:
+            cause = f"['attention_factor'] = {scaling['attention_factor']!r} gives an attention factor of {factor!r}"
+        elif scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            cause = (f"['mscale'] = {scaling['mscale']!r} with ['mscale_all_dim'] = {scaling['mscale_all_dim']!r} "
+                     f"gives an attention factor of {factor!r}")
+        else:
+            cause = f"['factor'] = {scaling['factor']!r} gives an attention factor of {factor!r}"
+        largest_entry = float(np.finfo(_rotary.TABLE_DTYPE).max)
+        raise ValueError(f"{where}{cause}; the rotary cos/sin tables must be finite in {_rotary.TABLE_DTYPE} (at "
+                         f"most {largest_entry:g}) at every position below {max_positions}, and their largest entry "
+                         f"is the attention factor")
+
+
+def _plain(value: Any) -> Any:
+    """A normalised value as the config wrote it (longrope's divisor tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value

@@ -26,17 +26,32 @@ __all__ = ["TwinModule", "TwinModuleList", "twin_of", "from_numpy", "to_numpy", 
 TWINS: dict[type, type] = {}
 
 
+def _fresh_like(template: Module) -> Module:
+    """An instance of ``template``'s class that starts from :meth:`Module.__init__`'s own state, as every module
+    does (an empty parameter table with its gradient buffers, no children, no fused groups, nothing saved for
+    backward), plus the template's other attributes (hyperparameters, buffers). The subclass's ``__init__`` is
+    not run: it would draw weights and needs its constructor arguments."""
+    module = object.__new__(type(template))
+    Module.__init__(module)
+    owned = set(module.__dict__)
+    module.__dict__.update({k: v for k, v in template.__dict__.items() if k not in owned})
+    return module
+
+
 def _skeleton(module: Module) -> Module:
-    """A parameter-free copy of ``module`` (hyperparameters and buffers kept, parameters and saved tensors dropped)."""
-    copy = object.__new__(type(module))
-    copy.__dict__.update(module.__dict__)
-    object.__setattr__(copy, "_parameters", {name: None for name in module._parameters})
-    object.__setattr__(copy, "grads", {})
+    """A parameter-free copy of ``module`` (hyperparameters and buffers kept, parameters and saved tensors dropped).
+
+    Its parameter table holds the names only (values None), and its fused groups the names of their parameters
+    only (no buffer: the source's would stay alive with the twin), for :func:`_rebuild` to fuse them again.
+    """
+    copy = _fresh_like(module)
+    copy._parameters.update({name: None for name in module._parameters})
+    copy._fused.update({group: (None, names, ()) for group, (_, names, _) in module._fused.items()
+                        if module.fused_parameter(group) is not None})
     children = {name: _skeleton(child) for name, child in module._modules.items()}
-    object.__setattr__(copy, "_modules", children)
+    copy._modules.update(children)
     for name, child in children.items():
         object.__setattr__(copy, name, child)
-    object.__setattr__(copy, "_saved_tensors", None)  # what the last forward kept for backward (Module's one place)
     return copy
 
 
@@ -152,13 +167,17 @@ def _to_array(tensor: torch.Tensor, name: str) -> np.ndarray:
 
 def _rebuild(twin: nn.Module, prefix: str) -> Module:
     template = twin._numpy_template
-    module = object.__new__(type(template))
-    module.__dict__.update(template.__dict__)
-    params = {name: _to_array(getattr(twin, name), prefix + name) for name in template._parameters}
-    object.__setattr__(module, "_parameters", params)
-    object.__setattr__(module, "grads", {name: np.zeros_like(a) for name, a in params.items()})
+    module = _fresh_like(template)
+    # Filled into the table Module.__init__ made, which its gradient buffers read: the rebuilt module gets the
+    # same (unallocated) buffers as a module built by its constructor.
+    module._parameters.update({name: _to_array(getattr(twin, name), prefix + name) for name in template._parameters})
+    for group, (_, names, _) in template._fused.items():
+        try:
+            module.fuse_parameters(group, names)
+        except ValueError:  # the twin's parameters no longer share a dtype: used one by one, as after a rebinding
+            pass
     children = {name: _rebuild(getattr(twin, name), f"{prefix}{name}.") for name in template._modules}
-    object.__setattr__(module, "_modules", children)
+    module._modules.update(children)
     for name, child in children.items():
         object.__setattr__(module, name, child)
     object.__setattr__(module, "training", twin.training)

@@ -180,9 +180,10 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     data = _backward_data(grad_out, ctx, run, len(lanes))
     if math.prod(lead) and seq_q and seq_k:
         views = [(run.select(box), data.select(box)) for box in plan.boxes]
-        scratch = [_Scratch(dtype) for _ in range(threads)]
+        tasks = [(view, lane) for lane in range(len(lanes)) for view in range(len(views))]
+        scratch = [_Scratch(dtype) for _ in range(min(threads, len(tasks)))]  # one per worker run_tasks uses
         step = functools.partial(_backward_lane, views=views, lanes=lanes, scratch=scratch)
-        run_tasks([(view, lane) for lane in range(len(lanes)) for view in range(len(views))], step, threads)
+        run_tasks(tasks, step, threads)
     if ctx.sinks is not None:
         ctx.sinks_grad = _sinks_grad(ctx, data.do_aug[..., value_dim:])
     dq = data.dq_lanes[0]

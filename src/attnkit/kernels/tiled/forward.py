@@ -72,8 +72,8 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
         ``block_q`` and ``block_k``; ``sinks`` (H,) are per-head logits that join every row's softmax and
         carry no value (``lse`` includes them).
     num_threads : int, optional
-        Tile threads; default: the cores this process may run on (CPU affinity). With more than one,
-        BLAS runs single-threaded.
+        Tile threads, at most 1024 (see :func:`attnkit.set_num_threads`); default: the cores this process may
+        run on (CPU affinity). With more than one, BLAS runs single-threaded.
 
     Returns
     -------
@@ -121,7 +121,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
             order.reverse()  # the last query blocks see the most keys: hand them out first
         views = [(run.select(box), data.select(box)) for box in plan.boxes]
         tasks = [(view, qb) for qb in order for view in range(len(views))]
-        scratch = [_Scratch(dtype) for _ in range(num_threads)]
+        scratch = [_Scratch(dtype) for _ in range(min(num_threads, len(tasks)))]  # one per worker run_tasks uses
         run_tasks(tasks, functools.partial(_forward_block, views=views, scratch=scratch), num_threads)
     if sinks is not None:
         _add_sinks(data, np.asarray(sinks, dtype=np.float64).reshape((1,) + lead[1:] + (1,)))  # (1, *heads, 1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..._validation import check_positive_int, check_qkv_shapes
-from .._threads import default_num_threads, run_tasks
+from .._threads import check_num_threads, default_num_threads, run_tasks
 from .._tile_sizes import choose_heads, choose_tiles, heads_override, tile_override
 from ..bias import ScoreBias
 from ..dropout import keep_mask
@@ -472,7 +472,7 @@ def _normalise(q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_seed is required when dropout_p > 0")
-    num_threads = _positive(num_threads, "num_threads") or default_num_threads()
+    num_threads = default_num_threads() if num_threads is None else check_num_threads(num_threads, "num_threads")
     window = _positive(window, "window")
     if window is not None and not causal:
         raise ValueError(f"window={window} requires causal=True")
