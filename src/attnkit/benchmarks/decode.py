@@ -38,37 +38,17 @@ from typing import Any
 import numpy as np
 
 from ..kernels._threads import num_threads
+from ..pretrained.families import REGISTRY
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe, machine_info
 
 __all__ = ["main", "parse_args", "run", "summary", "gemv_bandwidth", "FAMILIES"]
 
-# One shape for every rotary family (SmolLM-135M's: 30 layers, width 576, 9 query and 3 key/value heads), so the
-# ratios compare what each family adds rather than model sizes; GPT-2 keeps GPT-2 small's own shape.
-_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-              num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5,
-              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-# transformers config class and keyword arguments of each family's shape
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "gpt2": ("GPT2Config", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
-                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-    "llama": ("LlamaConfig", dict(_SHAPE)),
-    "mistral": ("MistralConfig", dict(_SHAPE, sliding_window=512)),
-    "qwen2": ("Qwen2Config", dict(_SHAPE)),
-    "qwen3": ("Qwen3Config", dict(_SHAPE, head_dim=64)),
-    "olmo2": ("Olmo2Config", dict(_SHAPE)),
-    "smollm3": ("SmolLM3Config", dict(_SHAPE)),
-    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=576, intermediate_size=2304, num_hidden_layers=30,
-                                       num_attention_heads=9, vocab_size=49152, max_position_embeddings=2048,
-                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)),
-    "gemma2": ("Gemma2Config", dict(_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
-    "gemma3_text": ("Gemma3TextConfig", dict(_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512)),
-    "phi3": ("Phi3Config", dict(_SHAPE)),
-    # eight experts of width 768, two per token: the same active MLP width as the others
-    "gpt_oss": ("GptOssConfig", dict(_SHAPE, head_dim=64, intermediate_size=768, num_local_experts=8,
-                                     num_experts_per_tok=2, sliding_window=128)),
-}
+# transformers config class and keyword arguments of each family's benchmark shape, from the families'
+# registry: every rotary family at one shape (SmolLM-135M's), so the ratios compare what each family adds
+# rather than model sizes; GPT-2 keeps GPT-2 small's own shape.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {name: (entry.hf_config_class, dict(entry.benchmark))
+                                                   for name, entry in REGISTRY.items()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

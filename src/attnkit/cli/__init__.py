@@ -7,7 +7,7 @@ Commands::
     attnkit explain    explain a causal LM's next-token prediction in one offline HTML page
     attnkit bench      time attnkit's attention kernels against naive NumPy and PyTorch
     attnkit embed      sentence embeddings with all-MiniLM-L6-v2 (the ``pretrained`` extra)
-    attnkit generate   continue a prompt with a Hugging Face GPT-2/Llama/Mistral/Qwen2 folder (``pretrained`` extra)
+    attnkit generate   continue a prompt with a Hugging Face causal-LM folder (``pretrained`` extra)
     attnkit chat       chat with a Hugging Face chat model folder, replies streamed (``pretrained`` extra)
 
 Layout: ``_common.py`` holds what every command shares (:class:`UsageError`, the argument types

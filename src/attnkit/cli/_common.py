@@ -40,7 +40,7 @@ __all__ = ["PROG", "query_labels", "write_explorer",
            "non_negative_float",
            "output_folder", "output_file", "printable", "check_argv_text", "check_utf8", "tolerant_input",
            "require_matplotlib", "save_figure",
-           "run_command", "IMAGE_SUFFIXES", "json_text"]
+           "run_command", "IMAGE_SUFFIXES", "json_text", "model_types_text"]
 
 PROG = "attnkit"
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -230,6 +230,15 @@ def _internal_error(prog: str, exc: BaseException) -> int:
     _say(prog, f"internal error: {type(exc).__name__}: {printable(exc, 300)} "
                f"(run with ATTNKIT_TRACEBACK=1 for the traceback and please report it)")
     return 1
+
+
+def model_types_text(last: str = "or") -> str:
+    """The model_types attnkit loads, as a phrase for help and messages ("gemma2, ..., qwen3 or smollm3"): read
+    from the families' registry, so the help names every family it loads."""
+    from ..pretrained.families import model_types
+
+    names = model_types()
+    return ", ".join(names[:-1]) + f" {last} " + names[-1]
 
 
 def query_labels(ids: Sequence[int], outputs: Sequence[int], tokens: Sequence[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """``attnkit attention``: draw the attention heatmaps of a saved demo model, of all-MiniLM-L6-v2, or of a Hugging Face
-causal-LM folder (GPT-2, Llama, Mistral, Qwen2), for an input."""
+causal-LM folder (any family of ``attnkit.pretrained.supported_model_types()``), for an input."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ from ..io import read_json
 from ._common import (
     UsageError,
     bounded_int,
+    model_types_text,
     output_file,
     printable,
     query_labels,
@@ -40,8 +41,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "beside it) and draw the attention of every layer and head (or of --layer/--head) for\n"
                     "an input sequence. With --model minilm, draw a head of the pretrained all-MiniLM-L6-v2\n"
                     "over a sentence instead (needs the 'pretrained' extra; sentences are cut at 256 tokens).\n"
-                    "Given a Hugging Face causal-LM folder (config.json with model_type gpt2, llama, mistral\n"
-                    "or qwen2, and model.safetensors) as MODEL_DIR or --model, draw the causal attention of\n"
+                    f"Given a Hugging Face causal-LM folder (config.json with model_type {model_types_text()},\n"
+                    "and model.safetensors) as MODEL_DIR or --model, draw the causal attention of\n"
                     "every layer and head over a prompt: --prompt TEXT (tokenised with the folder's\n"
                     "tokenizer.json) or --ids 1,2,3.",
         epilog="examples:\n  attnkit attention --input \"3 1 4 1 5 9 2 6 5 3\" -o sort.png\n"
@@ -89,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
     """Check the input and the output file, then draw the demo model's, MiniLM's or a causal LM's attention."""
     lm_dir = _causal_lm_dir(args)
     if lm_dir is None and (args.prompt is not None or args.ids is not None):
-        raise UsageError("--prompt and --ids need a Hugging Face causal-LM folder (config.json with model_type "
-                         "gpt2, llama, mistral or qwen2) as MODEL_DIR or --model", PROG)
+        raise UsageError(f"--prompt and --ids need a Hugging Face causal-LM folder (config.json with model_type "
+                         f"{model_types_text()}) as MODEL_DIR or --model", PROG)
     given = [name for name, value in (("TEXT", args.text), ("--input", args.input), ("--prompt", args.prompt),
                                       ("--ids", args.ids)) if value is not None]
     if len(given) > 1:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import UsageError, bounded_int, output_file, printable
+from ._common import UsageError, bounded_int, model_types_text, output_file, printable
 
 __all__ = ["NAME", "add_parser", "run"]
 
@@ -21,8 +21,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit explain`` and its arguments."""
     p = subparsers.add_parser(
         NAME, help="explain a causal LM's next-token prediction, or a sentence similarity, in one HTML page",
-        description="Load a Hugging Face causal-LM folder (config.json with model_type gpt2, llama, mistral or\n"
-                    "qwen2, and model.safetensors), run it on a prompt and write one self-contained HTML page:\n"
+        description=f"Load a Hugging Face causal-LM folder (config.json with model_type {model_types_text()},\n"
+                    "and model.safetensors), run it on a prompt and write one self-contained HTML page:\n"
                     "which prompt tokens made the model predict each of its top next tokens (gradient x input\n"
                     "and saliency from attnkit's exact backward; pick the output token in the page), the logit\n"
                     "lens, the attention rollout and the attention of every head. The page needs no network.\n\n"
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                          "a causal LM explains its next token", PROG)
     if not is_causal_lm_folder(args.model_dir):
         raise UsageError(f"{printable(repr(args.model_dir))} is not a Hugging Face causal-LM folder (config.json with "
-                         f"model_type gpt2, llama, mistral or qwen2) nor a sentence-transformers folder "
+                         f"model_type {model_types_text()}) nor a sentence-transformers folder "
                          f"(modules.json) nor an 'attnkit demo --task addition' folder; for the other demo models use "
                          f"'attnkit attention --html'", PROG)
     if (args.prompt is None) == (args.ids is None):

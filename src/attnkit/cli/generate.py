@@ -1,4 +1,4 @@
-"""``attnkit generate``: continue a prompt with a Hugging Face decoder folder (GPT-2, Llama, Mistral, Qwen2) on attnkit.
+"""``attnkit generate``: continue a prompt with a Hugging Face decoder folder (any supported family) on attnkit.
 
 The prompt is text (``--prompt``, tokenised with the folder's ``tokenizer.json`` through ``tokenizers``) or token
 ids (``--ids 1,2,3``, no tokenizer needed). Decoding is greedy unless a sampling option is given
@@ -21,7 +21,16 @@ from typing import Any, TextIO
 import numpy as np
 
 from ..decoding.beam_search import MAX_NUM_BEAMS
-from ._common import UsageError, bounded_int, json_text, non_negative_int, positive_float, positive_int, printable
+from ._common import (
+    UsageError,
+    bounded_int,
+    json_text,
+    model_types_text,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    printable,
+)
 
 __all__ = ["NAME", "add_parser", "run", "load_model", "load_tokenizer", "parse_ids", "prompt_ids"]
 
@@ -74,10 +83,9 @@ def parse_ids(text: str, prog: str = PROG) -> list[int]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit generate`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help="continue a prompt with a Hugging Face GPT-2/Llama/Mistral/Qwen2 folder (needs the "
-                   "'pretrained' extra)",
+        NAME, help="continue a prompt with a Hugging Face causal-LM folder (needs the 'pretrained' extra)",
         description="Continue a prompt with a Hugging Face decoder folder (config.json + model.safetensors, "
-                    "model_type gpt2, llama, mistral or qwen2) running on attnkit's NumPy layers. Greedy unless "
+                    f"model_type {model_types_text()}) running on attnkit's NumPy layers. Greedy unless "
                     "a sampling option (--temperature, --top-k, --top-p, --min-p, --seed) is given; the warpers "
                     "apply in Hugging Face's order: temperature, top-k, top-p, min-p.")
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a folder written by save_pretrained")

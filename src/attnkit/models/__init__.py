@@ -1,8 +1,8 @@
 """Complete models built from :mod:`attnkit.layers`, their configurations, and helpers to train and score them.
 
 - :class:`TokenTagger`: embedding + encoder + projection, one class per token;
-- :class:`DecoderConfig`: the architecture of a decoder-only language model (GPT-2, Llama, Mistral, Qwen2
-  families), read from a Hugging Face ``config.json`` by :mod:`attnkit.pretrained`;
+- :class:`DecoderConfig`: the architecture of a decoder-only language model, read from a Hugging Face
+  ``config.json`` by :mod:`attnkit.pretrained` (one module per family in :mod:`attnkit.pretrained.families`);
 - :class:`CausalLM`: the decoder-only language model a :class:`DecoderConfig` describes;
 - :class:`Seq2SeqTransformer`: embeddings + encoder-decoder Transformer + head, with greedy and beam search.
 """

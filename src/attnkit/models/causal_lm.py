@@ -1,4 +1,4 @@
-"""``CausalLM``: a decoder-only Transformer language model (GPT-2, Llama, Mistral, Qwen2 families).
+"""``CausalLM``: a decoder-only Transformer language model (every family of :mod:`attnkit.pretrained.families`).
 
 Dimension letters: B batch, L new tokens, P past slots in the cache, V ``vocab_size``, D ``hidden_size``.
 

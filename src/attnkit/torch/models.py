@@ -1,4 +1,4 @@
-"""Twins of attnkit's models: the decoder-only :class:`CausalLM` (GPT-2, Llama, Mistral, Qwen2 families) and
+"""Twins of attnkit's models: the decoder-only :class:`CausalLM` (every family attnkit loads) and
 the encoder-decoder :class:`Seq2SeqTransformer`.
 
 Dimension letters: B batch, L tokens, V vocabulary, D hidden size, Ls/Lt source/target length.

@@ -7,7 +7,7 @@
 
 The backend is chosen from the machine: NCCL with one GPU per process when CUDA is available, gloo on CPU
 processes otherwise; without ``torchrun`` it runs as one plain process. ``CONFIG.json`` is a Hugging Face
-``config.json`` of a family attnkit loads (gpt2, llama, mistral, qwen2), read by
+``config.json`` of a family attnkit loads (any of ``supported_model_types()``), read by
 :func:`attnkit.pretrained.decoder_config_from_hf`.
 
 Data: step t draws B windows of L + 1 tokens from ``TOKENS.npy`` (a 1-D integer array) with a generator
@@ -49,6 +49,7 @@ from .._arguments import Parser, UsageError, non_negative_float, non_negative_in
 from ..io import atomic_write, read_json
 from ..optim.schedules import warmup_cosine
 from ..pretrained.checkpoint import SINGLE_FILE, checkpoint_tensors
+from ..pretrained.families import REGISTRY
 from ..pretrained.hf_config import decoder_config_from_hf
 from .models import CausalLM
 
@@ -57,17 +58,14 @@ __all__ = ["main", "build_parser", "batch_windows", "learning_rate", "ARCHITECTU
 PROG = "python -m attnkit.torch.train"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # The transformers class of each family's causal LM, written into config.json's "architectures".
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+ARCHITECTURES = {name: entry.architecture for name, entry in REGISTRY.items()}
 CHECKPOINT = "checkpoint.pt"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's argument parser (errors raise :class:`UsageError` instead of exiting)."""
     p = Parser(prog=PROG, description="Data-parallel training of an attnkit causal LM twin (launch with torchrun).")
-    p.add_argument("--config", required=True, type=Path, help="Hugging Face config.json (gpt2/llama/mistral/qwen2)")
+    p.add_argument("--config", required=True, type=Path, help="Hugging Face config.json of a family attnkit loads")
     p.add_argument("--data", required=True, type=Path, help="1-D integer token array (.npy)")
     p.add_argument("--steps", required=True, type=positive_int, help="optimiser steps in total")
     p.add_argument("--global-batch", required=True, type=positive_int,

@@ -1,0 +1,134 @@
+"""Gemma 2: Llama, except RMSNorm with ``1 + weight``, norms both before and after the attention and the MLP
+(``pre_feedforward_layernorm`` is the MLP's input norm, ``post_attention_layernorm`` and
+``post_feedforward_layernorm`` the branches' output norms), embeddings scaled by ``sqrt(hidden_size)``, scores
+scaled by ``query_pre_attn_scalar ** -0.5`` and soft-capped (``attn_logit_softcapping``, default 50), logits
+soft-capped (``final_logit_softcapping``, default 30), sliding (4096) and full layers alternating, a GeGLU MLP
+(tanh GELU), a tied head. :func:`gemma_config` also reads Gemma 3 (text), whose module states its differences.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...models.config import DecoderConfig
+from . import Family
+from ._reader import COMMON_KEYS, Reader, read_layer_types, read_rope
+from .llama import BENCHMARK_SHAPE, plain_tensors
+
+__all__ = ["FAMILY", "GEMMA_KEYS", "GemmaRules", "gemma_config"]
+
+GEMMA_KEYS = COMMON_KEYS + ("attention_bias", "hidden_activation", "query_pre_attn_scalar", "sliding_window",
+                            "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                            "use_bidirectional_attention")
+
+
+@dataclass(frozen=True)
+class GemmaRules:
+    """Where Gemma generations differ when their ``config.json`` is read.
+
+    Attributes
+    ----------
+    max_positions : int
+        The default context.
+    full_every : int or None
+        Without ``layer_types``, every this-th layer is full, the others sliding; None: read
+        ``sliding_window_pattern`` (default 6).
+    rope_theta : float
+        The default rotary base (of the full layers).
+    rope_per_layer_type : bool
+        ``rope_parameters`` may be keyed by layer type, and ``rope_local_base_freq`` gives the sliding layers'
+        base.
+    softcaps : (float or None, float or None)
+        The default soft-caps of the scores and of the logits.
+    qk_norm : bool
+        Per-head RMSNorms of queries and keys.
+    """
+
+    max_positions: int = 8192
+    full_every: int | None = 2
+    rope_theta: float = 10000.0
+    rope_per_layer_type: bool = False
+    softcaps: tuple[float | None, float | None] = (50.0, 30.0)
+    qk_norm: bool = False
+
+
+def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfig:
+    """A Gemma ``config.json`` by Gemma 2's rules and ``rules``' differences: RMSNorm with ``1 + weight``, norms
+    before and after each branch, embeddings scaled by ``sqrt(hidden_size)``, scores scaled by
+    ``query_pre_attn_scalar ** -0.5``, optional soft-caps, sliding and full layers."""
+    family = read.family
+    hidden = read.int("hidden_size")
+    heads = read.int("num_attention_heads")
+    layers = read.int("num_hidden_layers")
+    kv_heads = read.int("num_key_value_heads", None, optional=True) or heads
+    if heads % kv_heads:
+        raise ValueError(f"{family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+                         f"({heads})")
+    if read.raw("use_bidirectional_attention", None):
+        raise ValueError(f"{family} config: use_bidirectional_attention=true (an encoder) is not supported")
+    max_positions = read.int("max_position_embeddings", rules.max_positions)
+    window = read.int("sliding_window", 4096, optional=True)
+    types = read_layer_types(read, layers, window)
+    if types is None:
+        every = rules.full_every or read.int("sliding_window_pattern", read.raw("_sliding_window_pattern", 6))
+        types = tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers))
+    if "sliding_attention" not in types:
+        window = None
+    elif window is None:
+        raise ValueError(f"{family} config: layer_types has sliding_attention layers but sliding_window is null")
+    sliding_theta, sliding_scaling = None, None
+    head_dim = read.int("head_dim", 256)
+    params = read.raw("rope_parameters", None)
+    if rules.rope_per_layer_type and isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"{family} config: 'rope_parameters' has layer types attnkit does not know: {unknown}")
+        per_type = {}
+        for kind, default_theta in (("full_attention", rules.rope_theta), ("sliding_attention", 10000.0)):
+            sub = dict(params.get(kind) or {})
+            sub.setdefault("rope_theta", default_theta)
+            per_type[kind] = read_rope(Reader({"rope_parameters": sub,
+                                            "max_position_embeddings": max_positions}, f"{family} {kind}"),
+                                   max_positions, head_dim)
+        (theta, scaling, partial), (sliding_theta, sliding_scaling, _) = (per_type["full_attention"],
+                                                                         per_type["sliding_attention"])
+    else:
+        theta, scaling, partial = read_rope(Reader({**read.config, "rope_theta": read.raw(
+            "rope_theta", rules.rope_theta)}, family), max_positions, head_dim)
+        if rules.rope_per_layer_type:
+            sliding_theta = read.float("rope_local_base_freq", 10000.0)
+    bias = read.bool("attention_bias", False)
+    act = read.raw("hidden_activation", None)
+    activation = read.activation("hidden_activation") if act is not None else read.activation("hidden_act",
+                                                                                              "gelu_pytorch_tanh")
+    softcaps = {}
+    for key, name, default in (("attn_logit_softcapping", "attn_logit_softcap", rules.softcaps[0]),
+                               ("final_logit_softcapping", "final_logit_softcap", rules.softcaps[1])):
+        value = read.raw(key, default)
+        softcaps[name] = None if value is None else read.float(key, default)
+    return DecoderConfig(
+        family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        norm="rmsnorm", norm_eps=read.float("rms_norm_eps", 1e-6), norm_offset=1.0,
+        activation=activation, mlp="gated", position="rotary",
+        rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
+        sliding_rope_theta=sliding_theta, sliding_rope_scaling=sliding_scaling,
+        attention_bias=bias, output_bias=bias, qk_norm=rules.qk_norm, pre_norm=True, post_norm=True,
+        # Hugging Face multiplies by a float32 tensor of sqrt(hidden_size), in every dtype
+        embedding_scale=float(np.float32(math.sqrt(hidden))),
+        attention_scale=read.float("query_pre_attn_scalar", 256) ** -0.5, **softcaps,
+        tie_word_embeddings=read.bool("tie_word_embeddings", True),
+        sliding_window=window, layer_types=types,
+        bos_token_id=read.token_ids("bos_token_id", 2, many=False),
+        eos_token_id=read.token_ids("eos_token_id", 1, many=True),
+        pad_token_id=read.token_ids("pad_token_id", 0, many=False),
+    )
+
+
+FAMILY = Family(
+    model_type="gemma2", keys=frozenset(GEMMA_KEYS), read_config=gemma_config,
+    tensors=plain_tensors, architecture="Gemma2ForCausalLM", hf_config_class="Gemma2Config",
+    benchmark=dict(BENCHMARK_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512))

@@ -1,0 +1,148 @@
+"""Llama: the family every rotary family is stated against.
+
+RMSNorm before attention and before the MLP, rotary positions (default, linear, dynamic, YaRN and llama3
+scalings) on every layer, grouped key/value heads, a gated SiLU MLP, no biases unless ``attention_bias`` (q, k,
+v and o) or ``mlp_bias`` says so, a head of its own unless ``tie_word_embeddings``.
+
+Checkpoint (under ``model.``): ``embed_tokens``; per layer ``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
+``post_attention_layernorm`` (the MLP's input norm), ``mlp.{gate,up,down}_proj``; ``norm``; ``lm_head``.
+
+:func:`rotary_config` and :func:`rotary_tensors` are Llama's rules with the places where other families
+differ left open; the other rotary families call them with their differences.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...models.config import DecoderConfig
+from ..tensor_map import TensorMap
+from . import Family
+from ._reader import COMMON_KEYS, Reader, read_rope
+
+__all__ = ["FAMILY", "BENCHMARK_SHAPE", "rotary_config", "rotary_tensors", "gated_mlp_tensors", "plain_tensors"]
+
+DEFAULTS = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+            "num_key_value_heads": None}
+
+# One shape for every rotary family in the decode benchmark (SmolLM-135M's: 30 layers, width 576, 9 query and
+# 3 key/value heads), so that the ratios compare what each family adds rather than model sizes.
+BENCHMARK_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[Reader, int], dict[str, Any]],
+                  *, rope_aliases: Mapping[str, str] | None = None) -> DecoderConfig:
+    """The DecoderConfig of a Llama-like family: sizes, heads and rotary read by Llama's rules with the family's
+    ``defaults``, and ``fields(read, num_layers)``: the DecoderConfig fields where the family differs (biases,
+    windows and layer types, norms, experts, ...; Llama's own: no biases, no window)."""
+    family = read.family
+    hidden = read.int("hidden_size")
+    heads = read.int("num_attention_heads")
+    layers = read.int("num_hidden_layers")
+    kv_default = defaults["num_key_value_heads"] or heads
+    kv_heads = read.int("num_key_value_heads", kv_default, optional=True) or heads
+    head_dim = read.int("head_dim", defaults.get("head_dim"), optional=True)
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{family} config: hidden_size ({hidden}) must be a multiple of num_attention_heads "
+                             f"({heads}) when head_dim is not given")
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        raise ValueError(f"{family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+                         f"({heads})")
+    max_positions = read.int("max_position_embeddings", defaults["max_position_embeddings"])
+    theta, scaling, partial = read_rope(read, max_positions, head_dim, rope_aliases)
+    settings: dict[str, Any] = dict(attention_bias=False, output_bias=False, mlp_bias=False, sliding_window=None,
+                                    layer_types=())
+    settings.update(fields(read, layers))
+    return DecoderConfig(
+        family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        norm="rmsnorm", norm_eps=read.float("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
+        activation=read.activation("hidden_act", "silu"), position="rotary",
+        rope_theta=theta, rope_scaling=scaling, rope_interleaved=False, partial_rotary_factor=partial,
+        tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),
+        bos_token_id=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
+        eos_token_id=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
+        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        **settings,
+    )
+
+
+def _fields(read: Reader, layers: int) -> dict[str, Any]:
+    bias = read.bool("attention_bias", False)
+    return dict(attention_bias=bias, output_bias=bias, mlp_bias=read.bool("mlp_bias", False))
+
+
+def gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    """A gated MLP's ``gate_proj``, ``up_proj`` and ``down_proj`` (with biases when ``mlp_bias``)."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    maps = []
+    for proj, shape, name, width in (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
+                                     ("down_proj", (d, f), "down", d)):
+        maps.append(TensorMap(f"{hf}mlp.{proj}.weight", shape, (ak + "mlp.W_" + name,), "transpose"))
+        if cfg.mlp_bias:
+            maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (ak + "mlp.b_" + name,), "copy"))
+    return maps
+
+
+def rotary_tensors(cfg: DecoderConfig, mlp: Callable[[DecoderConfig, str, str], list[TensorMap]] = gated_mlp_tensors
+                   ) -> tuple[list[TensorMap], str]:
+    """Llama's checkpoint as ``cfg`` shapes it, and the base prefix ``"model."``: q/k norms when ``cfg.qk_norm``
+    (per head, or over the whole projection), the norms ``cfg.pre_norm`` / ``cfg.post_norm`` place, sinks, and
+    ``mlp(cfg, hf_prefix, attnkit_prefix)``'s tensors for each layer's MLP."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
+    for i in range(cfg.num_layers):
+        hf = ak = f"layers.{i}."
+        attn = ak + "attention."
+        if cfg.pre_norm:
+            maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
+        for proj, width, name in (("q_proj", q, "Q"), ("k_proj", kv, "K"), ("v_proj", kv, "V")):
+            maps.append(TensorMap(f"{hf}self_attn.{proj}.weight", (width, d), (attn + "W_" + name,), "transpose"))
+            if cfg.attention_bias:
+                maps.append(TensorMap(f"{hf}self_attn.{proj}.bias", (width,), (attn + "b_" + name,), "copy"))
+        if cfg.qk_norm:
+            whole = cfg.qk_norm_scope == "projection"
+            for norm, width in (("q_norm", q), ("k_norm", kv)):
+                maps.append(TensorMap(f"{hf}self_attn.{norm}.weight", (width if whole else cfg.head_dim,),
+                                      (attn + norm,), "copy"))
+        maps.append(TensorMap(hf + "self_attn.o_proj.weight", (d, q), (attn + "W_O",), "transpose"))
+        if cfg.output_bias:
+            maps.append(TensorMap(hf + "self_attn.o_proj.bias", (d,), (attn + "b_O",), "copy"))
+        # Llama's "post_attention_layernorm" is the MLP's input norm; OLMo 2's and Gemma's is the attention's
+        # output norm (Gemma names the MLP's input norm "pre_feedforward_layernorm").
+        if cfg.post_norm:
+            maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "attn_post_norm.gamma",),
+                                  "copy"))
+        if cfg.pre_norm:
+            name = "pre_feedforward_layernorm" if cfg.post_norm else "post_attention_layernorm"
+            maps.append(TensorMap(f"{hf}{name}.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
+        if cfg.attention_sinks:
+            maps.append(TensorMap(hf + "self_attn.sinks", (cfg.num_heads,), (attn + "sinks",), "copy"))
+        maps += mlp(cfg, hf, ak)
+        if cfg.post_norm:
+            maps.append(TensorMap(hf + "post_feedforward_layernorm.weight", (d,), (ak + "mlp_post_norm.gamma",),
+                                  "copy"))
+    maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
+    if not cfg.tie_word_embeddings:
+        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
+    return maps, "model."
+
+
+def plain_tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
+    """:func:`rotary_tensors` with the gated MLP: the checkpoint of every family that differs from Llama only
+    in its configuration."""
+    if mxfp4:
+        raise ValueError(f"MXFP4 tensors are read only for mixture-of-experts models (gpt-oss), not {cfg.family}")
+    return rotary_tensors(cfg)
+
+
+FAMILY = Family(
+    model_type="llama", keys=frozenset(COMMON_KEYS + ("attention_bias", "mlp_bias")),
+    read_config=lambda read: rotary_config(read, DEFAULTS, _fields), tensors=plain_tensors,
+    architecture="LlamaForCausalLM", hf_config_class="LlamaConfig", benchmark=dict(BENCHMARK_SHAPE))

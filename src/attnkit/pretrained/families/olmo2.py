@@ -1,0 +1,27 @@
+"""OLMo 2: Llama, except an RMSNorm over the whole q and k projections (not per head), and norms after the
+attention and the MLP instead of before (``post_attention_layernorm`` is the attention's output norm,
+``post_feedforward_layernorm`` the MLP's)."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import Family
+from ._reader import COMMON_KEYS, Reader
+from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
+
+__all__ = ["FAMILY"]
+
+DEFAULTS = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": None,
+            "eos_token_id": 50279, "num_key_value_heads": None, "rms_norm_eps": 1e-5}
+
+
+def _fields(read: Reader, layers: int) -> dict[str, Any]:
+    bias = read.bool("attention_bias", False)
+    return dict(attention_bias=bias, output_bias=bias, qk_norm=True, qk_norm_scope="projection", pre_norm=False,
+                post_norm=True)
+
+
+FAMILY = Family(
+    model_type="olmo2", keys=frozenset(COMMON_KEYS + ("attention_bias",)),
+    read_config=lambda read: rotary_config(read, DEFAULTS, _fields), tensors=plain_tensors,
+    architecture="Olmo2ForCausalLM", hf_config_class="Olmo2Config", benchmark=dict(BENCHMARK_SHAPE))

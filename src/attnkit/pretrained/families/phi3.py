@@ -1,0 +1,56 @@
+"""Phi-3: Llama, except fused projections (``self_attn.qkv_proj`` holds q, k and v; ``mlp.gate_up_proj`` gate
+and up, both split on load), ``longrope`` scaling (short factors up to ``original_max_position_embeddings``,
+long ones past it; "su" and "yarn" are its older names), partial rotary, and a window on every layer when
+``sliding_window`` is set."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...models.config import DecoderConfig
+from ..tensor_map import TensorMap
+from . import Family
+from ._reader import COMMON_KEYS, Reader
+from .llama import BENCHMARK_SHAPE, rotary_config, rotary_tensors
+
+__all__ = ["FAMILY"]
+
+DEFAULTS = {"max_position_embeddings": 4096, "tie_word_embeddings": False, "bos_token_id": 1,
+            "eos_token_id": 32000, "num_key_value_heads": None, "rms_norm_eps": 1e-5}
+_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config reads them
+
+
+def _fields(read: Reader, layers: int) -> dict[str, Any]:
+    window = read.int("sliding_window", None, optional=True)
+    return dict(sliding_window=window, layer_types=("sliding_attention",) * layers if window is not None else ())
+
+
+def _fused_mlp(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return [TensorMap(hf + "mlp.gate_up_proj.weight", (2 * f, d), (ak + "mlp.W_gate", ak + "mlp.W_up"),
+                      "row_split_transpose", sizes=(f, f)),
+            TensorMap(hf + "mlp.down_proj.weight", (d, f), (ak + "mlp.W_down",), "transpose")]
+
+
+def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
+    """Llama's tensors with each layer's q_proj, k_proj and v_proj replaced by one qkv_proj, in q_proj's place."""
+    if mxfp4:
+        raise ValueError("MXFP4 tensors are read only for mixture-of-experts models (gpt-oss), not phi3")
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    maps, prefix = rotary_tensors(cfg, _fused_mlp)
+    fused = []
+    for m in maps:
+        layer, _, rest = m.source.partition(".self_attn.")
+        if rest == "q_proj.weight":
+            attn = m.targets[0][:-len("W_Q")]
+            fused.append(TensorMap(layer + ".self_attn.qkv_proj.weight", (q + 2 * kv, cfg.hidden_size),
+                                   (attn + "W_Q", attn + "W_K", attn + "W_V"), "row_split_transpose",
+                                   sizes=(q, kv, kv)))
+        elif rest not in ("k_proj.weight", "v_proj.weight"):
+            fused.append(m)
+    return fused, prefix
+
+
+FAMILY = Family(
+    model_type="phi3", keys=frozenset(COMMON_KEYS + ("sliding_window",)),
+    read_config=lambda read: rotary_config(read, DEFAULTS, _fields, rope_aliases=_ROPE_ALIASES), tensors=_tensors,
+    architecture="Phi3ForCausalLM", hf_config_class="Phi3Config", benchmark=dict(BENCHMARK_SHAPE))

@@ -1,0 +1,119 @@
+"""One tensor of a Hugging Face checkpoint and where it goes in attnkit's model: :class:`TensorMap`.
+
+A family module (:mod:`attnkit.pretrained.families`) states its checkpoint as a list of these; the checkpoint
+reader (:mod:`attnkit.pretrained.checkpoint`) validates headers and converts tensors with them, and
+:func:`~attnkit.pretrained.checkpoint.checkpoint_tensors` gathers them back for saving.
+
+Weight layouts. attnkit computes ``x @ W`` with W (in, out). Hugging Face ``nn.Linear`` stores (out, in), so
+those weights are transposed. GPT-2's ``Conv1D`` already stores (in, out).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TensorMap"]
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One checkpoint tensor and where it goes.
+
+    Attributes
+    ----------
+    source : str
+        Hugging Face name, without the ``transformer.`` / ``model.`` prefix of the base model.
+    shape : tuple of int
+        Its shape in the checkpoint.
+    targets : tuple of str
+        attnkit parameter names (three for a fused ``c_attn``, else one).
+    layout : {"copy", "transpose", "split", "head_split", "head_split_transpose", "row_split_transpose",
+              "interleaved_split"}
+        ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis;
+        ``head_split``: a first axis laid out (heads, parts, Dh), each part gathered over the heads (GPT-NeoX's
+        fused ``query_key_value``: every head's q, k, v rows together); ``head_split_transpose``: that, then
+        each part transposed.
+    heads : int
+        The number of heads of a ``head_split`` layout (0 otherwise).
+        ``interleaved_split``: the last axis alternates the parts (gpt-oss's ``gate_up_proj``: gate, up, gate,
+        up, ...), each part gathered with a stride.
+    scales : str
+        Set when ``source`` holds MXFP4 blocks (gpt-oss's quantized experts): the name of their scales tensor;
+        ``shape`` and ``layout`` then describe the dequantized array.
+    sizes : tuple of int
+        ``row_split_transpose``: the first axis cut into parts of these sizes, each transposed (Phi-3's fused
+        ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)).
+    """
+
+    source: str
+    shape: tuple[int, ...]
+    targets: tuple[str, ...]
+    layout: str
+    heads: int = 0
+    sizes: tuple[int, ...] = ()
+    scales: str = ""
+
+    @property
+    def stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint name -> shape on disk: ``source`` alone, or an MXFP4 pair (``scales`` set): ``source`` the
+        blocks (E, R, C / 32, 16) and ``scales`` (E, R, C / 32) of the logical (E, C, R) ``shape``."""
+        if not self.scales:
+            return {self.source: self.shape}
+        e, c, r = self.shape
+        return {self.source: (e, r, c // 32, 16), self.scales: (e, r, c // 32)}
+
+    def target_shapes(self) -> dict[str, tuple[int, ...]]:
+        """attnkit parameter name -> the shape it receives."""
+        if self.layout == "transpose":
+            return {self.targets[0]: self.shape[::-1]}
+        if self.layout == "split":
+            part = self.shape[:-1] + (self.shape[-1] // len(self.targets),)
+            return {t: part for t in self.targets}
+        if self.layout == "row_split_transpose":
+            return {t: self.shape[1:][::-1] + (n,) for t, n in zip(self.targets, self.sizes)}
+        if self.layout == "interleaved_split":
+            part = self.shape[:-1] + (self.shape[-1] // len(self.targets),)
+            return {t: part for t in self.targets}
+        if self.layout.startswith("head_split"):
+            part = (self.shape[0] // len(self.targets),) + self.shape[1:]
+            return {t: part[::-1] if self.layout.endswith("transpose") else part for t in self.targets}
+        return {self.targets[0]: self.shape}
+
+    def convert(self, array: np.ndarray) -> dict[str, np.ndarray]:
+        """The attnkit arrays made from the checkpoint array (views where possible)."""
+        if self.layout == "transpose":
+            return {self.targets[0]: array.T}
+        if self.layout == "split":
+            return dict(zip(self.targets, np.split(array, len(self.targets), axis=-1)))
+        if self.layout == "row_split_transpose":
+            parts = np.split(array, np.cumsum(self.sizes)[:-1], axis=0)  # (size, In) each
+            return {t: p.T for t, p in zip(self.targets, parts)}
+        if self.layout == "interleaved_split":
+            n = len(self.targets)
+            return {t: np.ascontiguousarray(array[..., i::n]) for i, t in enumerate(self.targets)}  # (..., F) each
+        if self.layout.startswith("head_split"):
+            n = len(self.targets)
+            grouped = array.reshape(self.heads, n, -1, *array.shape[1:])  # (H, parts, Dh, ...)
+            parts = [grouped[:, j].reshape(-1, *array.shape[1:]) for j in range(n)]  # (H*Dh, ...) each
+            return dict(zip(self.targets, (p.T for p in parts) if self.layout.endswith("transpose") else parts))
+        return {self.targets[0]: array}
+
+    def gather(self, params: dict[str, Any]) -> Any:
+        """The checkpoint array made back from attnkit's parameters (the inverse of :meth:`convert`), contiguous."""
+        parts = [np.asarray(params[t]) for t in self.targets]
+        if self.layout == "transpose":
+            return np.ascontiguousarray(parts[0].T)
+        if self.layout == "split":
+            return np.concatenate(parts, axis=-1)
+        if self.layout == "row_split_transpose":
+            return np.ascontiguousarray(np.concatenate([p.T for p in parts], axis=0))  # (sum(sizes), In)
+        if self.layout == "interleaved_split":
+            return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # (..., n*F), parts alternating
+        if self.layout.startswith("head_split"):
+            if self.layout.endswith("transpose"):
+                parts = [p.T for p in parts]  # (H*Dh, In) each
+            grouped = [p.reshape(self.heads, -1, *p.shape[1:]) for p in parts]  # (H, Dh, ...) each
+            return np.ascontiguousarray(np.stack(grouped, axis=1).reshape(self.shape))  # (H*parts*Dh, ...)
+        return np.ascontiguousarray(parts[0])
