@@ -80,23 +80,24 @@ def compile_chat_template(source: str) -> Any:
         jinja2 is missing or older than 3.1.6.
     """
     jinja2 = import_extra("jinja2", "render chat templates")
-    ext = import_extra("jinja2.ext", "render chat templates")
-    sandbox = import_extra("jinja2.sandbox", "render chat templates")
-    compiler = import_extra("jinja2.compiler", "render chat templates")
-
     version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
     if version < _JINJA_MIN:
         raise ImportError(f"chat templates need jinja2>=3.1.6 (older releases have sandbox escapes), found "
                           f"{jinja2.__version__}")
+    env = _budgeted_environment()
+    env.globals.update(_template_globals(jinja2))
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template has a syntax error on line {exc.lineno}: {exc.message}") from None
+
+
+def _template_globals(jinja2: Any) -> dict[str, Any]:
+    """What transformers gives every chat template: ``raise_exception``, ``strftime_now``, ``dict`` and a
+    ``namespace`` that refuses underscore names."""
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        # jinja2's own tojson escapes <, >, & and ' for HTML; chat templates want the plain JSON.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
 
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
@@ -130,6 +131,23 @@ def compile_chat_template(source: str) -> Any:
         def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
             return dict.fromkeys(*args, **kwargs)
 
+    return {"raise_exception": raise_exception, "strftime_now": strftime_now, "dict": TemplateDict(),
+            "namespace": TemplateNamespace}
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # jinja2's own tojson escapes <, >, & and ' for HTML; chat templates want the plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _budgeted_environment() -> Any:
+    """jinja2's immutable sandbox as transformers configures it, whose sequence operators, calls and filters
+    keep within the size budget."""
+    ext = import_extra("jinja2.ext", "render chat templates")
+    sandbox = import_extra("jinja2.sandbox", "render chat templates")
+    compiler = import_extra("jinja2.compiler", "render chat templates")
+
     class BudgetedCode(compiler.CodeGenerator):
         """``a ~ b`` compiles to a checked join (jinja2 joins it directly, out of the sandbox's reach)."""
 
@@ -141,8 +159,6 @@ def compile_chat_template(source: str) -> Any:
             self.write("))")
 
     class BudgetedSandbox(sandbox.ImmutableSandboxedEnvironment):
-        """The immutable sandbox whose sequence operators, calls and filters keep within the size budget."""
-
         code_generator_class = BudgetedCode
         intercepted_binops = frozenset(("+", "*", "%"))
 
@@ -168,27 +184,22 @@ def compile_chat_template(source: str) -> Any:
             return _check_size(sandbox.ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args,
                                                                           **kwargs), f"the result of {what}")
 
-    def budgeted(name: str, function: Callable) -> Callable:
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            _check_arguments(args[1:], kwargs, f"the filter {name!r}")
-            return _check_size(function(*args, **kwargs), f"the result of the filter {name!r}")
-
-        for attribute in ("jinja_pass_arg",):  # keep jinja2's marks (pass the context, environment, ...)
-            if hasattr(function, attribute):
-                setattr(checked, attribute, getattr(function, attribute))
-        return checked
-
     env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.filters = {name: budgeted(name, function) for name, function in env.filters.items()}
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"chat template has a syntax error on line {exc.lineno}: {exc.message}") from None
+    env.filters["tojson"] = _tojson
+    env.filters = {name: _budgeted_filter(name, function) for name, function in env.filters.items()}
+    return env
+
+
+def _budgeted_filter(name: str, function: Callable) -> Callable:
+    """``function`` (a jinja2 filter) with its integer arguments and its result held to the size budget."""
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        _check_arguments(args[1:], kwargs, f"the filter {name!r}")
+        return _check_size(function(*args, **kwargs), f"the result of the filter {name!r}")
+
+    if hasattr(function, "jinja_pass_arg"):  # keep jinja2's mark (pass the context, environment, ...)
+        checked.jinja_pass_arg = function.jinja_pass_arg
+    return checked
 
 
 def render_chat_template(template: Any, seconds: float = TEMPLATE_SECONDS, **variables: Any) -> str:

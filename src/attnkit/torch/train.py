@@ -53,7 +53,7 @@ from ..pretrained.families import REGISTRY
 from ..pretrained.hf_config import decoder_config_from_hf
 from .models import CausalLM
 
-__all__ = ["main", "build_parser", "batch_windows", "learning_rate", "ARCHITECTURES", "UsageError"]
+__all__ = ["main", "build_parser", "batch_windows", "ARCHITECTURES", "UsageError"]
 
 PROG = "python -m attnkit.torch.train"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -85,17 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start afresh in a DIR that holds a run (its checkpoint and weights are removed first)")
     p.add_argument("--quiet", action="store_true", help="no log lines (e.g. when called from Python)")
     return p
-
-
-def learning_rate(step: int, *, peak: float, warmup: int, total: int) -> float:
-    """Learning rate of 0-based ``step``: :func:`attnkit.optim.warmup_cosine` decaying to 0.
-
-    Examples
-    --------
-    >>> [round(learning_rate(s, peak=1.0, warmup=2, total=6), 3) for s in range(6)]
-    [0.5, 0.905, 0.655, 0.345, 0.095, 0.0]
-    """
-    return warmup_cosine(step, peak=peak, warmup=warmup, total=total)
 
 
 def batch_windows(tokens: np.ndarray, *, seed: int, step: int, global_batch: int, seq_len: int, rank: int = 0,
@@ -260,7 +249,7 @@ def _train(args: argparse.Namespace, raw: dict, config: Any, tokens: np.ndarray,
     tokens_per_step = args.global_batch * args.seq_len
     for step in range(start, args.steps):
         began = time.perf_counter()
-        lr = learning_rate(step, peak=args.lr, warmup=args.warmup, total=args.steps)
+        lr = warmup_cosine(step, peak=args.lr, warmup=args.warmup, total=args.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         windows = torch.from_numpy(batch_windows(tokens, seed=args.seed, step=step, global_batch=args.global_batch,

@@ -225,11 +225,25 @@ def read_rope(read: Reader, max_positions: int, head_dim: int, aliases: Mapping[
     for name in _ROPE_OPTIONAL[kind]:
         if params.get(name) is not None:
             normalised[name] = where.bool(name) if name == "truncate" else where.float(name)
+    _check_scaling(f"{family} config", key, theta, normalised, max_positions)
+    # Hugging Face ignores the pre-scaling length for linear and dynamic scaling; so does attnkit.
+    unknown = sorted(set(params) - set(normalised) - {"original_max_position_embeddings"})
+    if unknown:
+        raise ValueError(f"{family} config: {key} has keys attnkit does not implement for rope_type {kind!r}: "
+                         f"{unknown}")
+    _refuse_overflowing_tables(f"{family} config: {key}", theta, normalised, int(head_dim * min(partial, 1.0)),
+                               max_positions)
+    return theta, normalised, partial
+
+
+def _check_scaling(where: str, key: str, theta: float, normalised: dict, max_positions: int) -> None:
+    """Refuse, naming the key, the numbers a scaling's formulas cannot use although each is in range."""
+    kind = normalised["rope_type"]
     if kind == "yarn" and theta <= 1.0:
         # YaRN places its correction range by log(theta): a base of 1 or less has no such range.
-        raise ValueError(f"{family} config: rope_theta must be greater than 1 for rope_type 'yarn', got {theta!r}")
+        raise ValueError(f"{where}: rope_theta must be greater than 1 for rope_type 'yarn', got {theta!r}")
     if kind == "llama3" and not normalised["low_freq_factor"] < normalised["high_freq_factor"]:
-        raise ValueError(f"{family} config: {key}['low_freq_factor'] ({normalised['low_freq_factor']}) must be "
+        raise ValueError(f"{where}: {key}['low_freq_factor'] ({normalised['low_freq_factor']}) must be "
                          f"smaller than ['high_freq_factor'] ({normalised['high_freq_factor']}): llama3 scaling "
                          f"blends between them")
     if kind == "yarn":
@@ -239,21 +253,13 @@ def read_rope(read: Reader, max_positions: int, head_dim: int, aliases: Mapping[
             # log(original / (beta * 2 pi)), which a huge or a subnormal beta takes to log(0) or inf.
             beta = normalised.get(name, default)
             if not 0 < original / (beta * 2 * math.pi) < math.inf:
-                raise ValueError(f"{family} config: {key}[{name!r}] = {beta!r} puts YaRN's correction range at "
+                raise ValueError(f"{where}: {key}[{name!r}] = {beta!r} puts YaRN's correction range at "
                                  f"log({original} / ({beta!r} * 2 pi)), which is not a finite number")
     if (kind == "longrope" and "attention_factor" not in normalised
             and normalised["original_max_position_embeddings"] == 1 and normalised.get("factor", max_positions) > 1):
-        raise ValueError(f"{family} config: {key}['original_max_position_embeddings'] = 1 leaves longrope's attention "
+        raise ValueError(f"{where}: {key}['original_max_position_embeddings'] = 1 leaves longrope's attention "
                          f"factor sqrt(1 + ln(factor) / ln(1)) undefined; give ['attention_factor'] or the original "
                          f"context length")
-    # Hugging Face ignores the pre-scaling length for linear and dynamic scaling; so does attnkit.
-    unknown = sorted(set(params) - set(normalised) - {"original_max_position_embeddings"})
-    if unknown:
-        raise ValueError(f"{family} config: {key} has keys attnkit does not implement for rope_type {kind!r}: "
-                         f"{unknown}")
-    _refuse_overflowing_tables(f"{family} config: {key}", theta, normalised, int(head_dim * min(partial, 1.0)),
-                               max_positions)
-    return theta, normalised, partial
 
 
 def _refuse_overflowing_tables(where: str, theta: float, scaling: dict, rotary_dim: int, max_positions: int) -> None:

@@ -54,6 +54,34 @@ class GemmaRules:
     qk_norm: bool = False
 
 
+def _gemma_rope(read: Reader, rules: GemmaRules, max_positions: int, head_dim: int
+                ) -> tuple[float, dict | None, float, float | None, dict | None]:
+    """(theta, scaling, partial factor) of the full layers, and the sliding layers' own theta and scaling (None:
+    the same as the full layers')."""
+    family = read.family
+    sliding_theta, sliding_scaling = None, None
+    params = read.raw("rope_parameters", None)
+    if rules.rope_per_layer_type and isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"{family} config: 'rope_parameters' has layer types attnkit does not know: {unknown}")
+        per_type = {}
+        for kind, default_theta in (("full_attention", rules.rope_theta), ("sliding_attention", 10000.0)):
+            sub = dict(params.get(kind) or {})
+            sub.setdefault("rope_theta", default_theta)
+            per_type[kind] = read_rope(Reader({"rope_parameters": sub,
+                                            "max_position_embeddings": max_positions}, f"{family} {kind}"),
+                                   max_positions, head_dim)
+        (theta, scaling, partial), (sliding_theta, sliding_scaling, _) = (per_type["full_attention"],
+                                                                         per_type["sliding_attention"])
+    else:
+        theta, scaling, partial = read_rope(Reader({**read.config, "rope_theta": read.raw(
+            "rope_theta", rules.rope_theta)}, family), max_positions, head_dim)
+        if rules.rope_per_layer_type:
+            sliding_theta = read.float("rope_local_base_freq", 10000.0)
+    return theta, scaling, partial, sliding_theta, sliding_scaling
+
+
 def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfig:
     """A Gemma ``config.json`` by Gemma 2's rules and ``rules``' differences: RMSNorm with ``1 + weight``, norms
     before and after each branch, embeddings scaled by ``sqrt(hidden_size)``, scores scaled by
@@ -78,27 +106,8 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
         window = None
     elif window is None:
         raise ValueError(f"{family} config: layer_types has sliding_attention layers but sliding_window is null")
-    sliding_theta, sliding_scaling = None, None
     head_dim = read.int("head_dim", 256)
-    params = read.raw("rope_parameters", None)
-    if rules.rope_per_layer_type and isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ValueError(f"{family} config: 'rope_parameters' has layer types attnkit does not know: {unknown}")
-        per_type = {}
-        for kind, default_theta in (("full_attention", rules.rope_theta), ("sliding_attention", 10000.0)):
-            sub = dict(params.get(kind) or {})
-            sub.setdefault("rope_theta", default_theta)
-            per_type[kind] = read_rope(Reader({"rope_parameters": sub,
-                                            "max_position_embeddings": max_positions}, f"{family} {kind}"),
-                                   max_positions, head_dim)
-        (theta, scaling, partial), (sliding_theta, sliding_scaling, _) = (per_type["full_attention"],
-                                                                         per_type["sliding_attention"])
-    else:
-        theta, scaling, partial = read_rope(Reader({**read.config, "rope_theta": read.raw(
-            "rope_theta", rules.rope_theta)}, family), max_positions, head_dim)
-        if rules.rope_per_layer_type:
-            sliding_theta = read.float("rope_local_base_freq", 10000.0)
+    theta, scaling, partial, sliding_theta, sliding_scaling = _gemma_rope(read, rules, max_positions, head_dim)
     bias = read.bool("attention_bias", False)
     act = read.raw("hidden_activation", None)
     activation = read.activation("hidden_activation") if act is not None else read.activation("hidden_act",
