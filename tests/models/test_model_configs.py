@@ -67,3 +67,20 @@ def test_the_configs_accept_every_activation_the_layers_have():
 def test_configs_are_checked_when_made(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+LLAMA = dict(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+             intermediate_size=8)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(pre_norm=False, post_norm=False), "pre_norm and post_norm are both False"),
+    (dict(qk_norm_scope="projection"), "qk_norm_scope='projection' needs qk_norm=True"),
+    (dict(family="not a model type"), "family must be a model_type such as 'llama'"),
+])
+def test_a_decoder_no_architecture_has_is_refused(changes, match):
+    from attnkit.models import DecoderConfig
+
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig(**{**LLAMA, **changes})
+    DecoderConfig(**LLAMA)  # the same config without the change is fine

@@ -191,6 +191,13 @@ class DecoderConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_sizes_and_kinds()
+        self._check_rotary()
+        self._check_scales()
+        self._check_experts()
+        self._check_layers()
+
+    def _check_sizes_and_kinds(self) -> None:
         if not isinstance(self.family, str) or not self.family.isidentifier():
             raise ValueError(f"family must be a model_type such as 'llama' (attnkit.pretrained."
                              f"supported_model_types() lists those with checkpoints), got {self.family!r}")
@@ -206,7 +213,13 @@ class DecoderConfig:
                                      ("qk_norm_scope", self.qk_norm_scope, _QK_NORM_SCOPES)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-        _finite_positive(self.norm_eps, "norm_eps")
+        if not (self.pre_norm or self.post_norm):
+            raise ValueError("pre_norm and post_norm are both False: a block needs a norm before or after its "
+                             "branches")
+        if self.qk_norm_scope == "projection" and not self.qk_norm:
+            raise ValueError("qk_norm_scope='projection' needs qk_norm=True")
+
+    def _check_rotary(self) -> None:
         _finite_positive(self.rope_theta, "rope_theta")
         factor = _finite_positive(self.partial_rotary_factor, "partial_rotary_factor")
         if factor > 1.0:
@@ -230,6 +243,9 @@ class DecoderConfig:
                         raise ValueError(f"{name}[{key!r}] must hold one divisor per rotated feature pair "
                                          f"(head_dim * partial_rotary_factor / 2 = {half}), got "
                                          f"{len(scaling.get(key, ()))}")
+
+    def _check_scales(self) -> None:
+        _finite_positive(self.norm_eps, "norm_eps")
         if isinstance(self.norm_offset, bool) or not isinstance(self.norm_offset, (int, float)) \
                 or not math.isfinite(self.norm_offset):
             raise ValueError(f"norm_offset must be a finite number, got {self.norm_offset!r}")
@@ -239,6 +255,8 @@ class DecoderConfig:
                 _finite_positive(getattr(self, name), name)
         if self.sliding_rope_scaling is not None and self.sliding_rope_theta is None:
             raise ValueError("sliding_rope_scaling needs sliding_rope_theta")
+
+    def _check_experts(self) -> None:
         if self.mlp == "experts":
             check_positive_int(self.num_experts, "num_experts")
             check_positive_int(self.num_experts_per_tok, "num_experts_per_tok")
@@ -249,6 +267,8 @@ class DecoderConfig:
             _finite_positive(self.swiglu_limit, "swiglu_limit")
         elif self.num_experts or self.num_experts_per_tok:
             raise ValueError(f"num_experts and num_experts_per_tok need mlp='experts', got mlp={self.mlp!r}")
+
+    def _check_layers(self) -> None:
         if self.sliding_window is not None:
             check_positive_int(self.sliding_window, "sliding_window")
         types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers
