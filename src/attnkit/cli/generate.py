@@ -177,7 +177,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     if config.position == "learned":  # a learned position table cannot go past its last row
         max_new = min(max_new, config.max_position_embeddings - len(prompt))
     sampling = {name: getattr(args, name) for name in _SAMPLING_OPTIONS if getattr(args, name) is not None}
-    if model.generation_config.get("stop_strings") is not None:
+    if model.generation_config.stop_strings is not None:
         if tokenizer is None:
             raise UsageError("the folder's generation_config.json sets stop_strings, which need its tokenizer.json "
                              "to read the text, and there is none", PROG)

@@ -1,6 +1,12 @@
 """Decoding: the key/value cache, sampling (greedy, temperature, top-k/top-p, streaming) and beam search.
 
 - :mod:`attnkit.decoding.cache`: :class:`~attnkit.decoding.cache.KVCache`.
+- :mod:`attnkit.decoding.config`: :class:`~attnkit.decoding.config.GenerationConfig`, generate's options with
+  Hugging Face's names and defaults, validated once.
 - :mod:`attnkit.decoding.sampling`: ``generate``, ``generate_stream`` and the logits warpers.
 - :mod:`attnkit.decoding.beam_search`: greedy and beam search for encoder-decoder models.
 """
+
+from .config import GenerationConfig
+
+__all__ = ["GenerationConfig"]

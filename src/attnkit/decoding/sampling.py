@@ -15,15 +15,16 @@ The warpers are pure functions of a logits array (..., V); filtered entries beco
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from .._validation import as_array, check_positive_int, check_real
-from .beam_search import check_num_beams, lm_beam_search, next_token_logits
+from .._validation import as_array, check_positive_int
+from .beam_search import lm_beam_search, next_token_logits
+from .config import GenerationConfig
 
 __all__ = ["check_generation_config",
            "temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
@@ -34,7 +35,6 @@ FILTER_VALUE = -np.inf
 
 # Longest generation accepted (the CLI's bound too): positions and slot counts stay far inside int64, and
 # a request beyond it cannot finish anyway. The cache grows with what is generated, not with this bound.
-MAX_NEW_TOKENS = 2**31 - 1
 
 
 def _check_logits(logits: Any) -> np.ndarray:
@@ -365,91 +365,52 @@ def _rng(seed: Any) -> np.random.Generator:
     return np.random.default_rng(int(seed))
 
 
-# generation_config.json keys generate reads when the argument is not given (explicit arguments win).
-_CONFIG_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None,
-                    "min_p": None, "repetition_penalty": None, "no_repeat_ngram_size": None, "min_new_tokens": None,
-                    "stop_strings": None, "num_return_sequences": 1, "eos_token_id": None, "pad_token_id": None,
-                    "num_beams": 1, "length_penalty": 1.0, "early_stopping": False}
+_OPTIONS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
 
 
-def _resolve(model: Any, given: dict[str, Any]) -> dict[str, Any]:
-    """Each option: the argument if given, else ``model.generation_config``'s value, else the default."""
-    config = getattr(model, "generation_config", None) or {}
-    return {name: given[name] if given[name] is not None else config.get(name, default)
-            for name, default in _CONFIG_DEFAULTS.items()}
+def _resolve(model: Any, given: dict[str, Any], generation_config: GenerationConfig | None = None) -> dict[str, Any]:
+    """Each option: the argument if given, else ``generation_config``'s (default: the model's), as a dict."""
+    base = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    if base is None:
+        base = GenerationConfig()
+    elif isinstance(base, Mapping):
+        base = GenerationConfig.from_dict(base)
+    elif not isinstance(base, GenerationConfig):
+        raise TypeError(f"generation_config must be a GenerationConfig, got {type(base).__name__}")
+    options = dataclasses.asdict(base.updated(**{k: v for k, v in given.items() if k in _OPTIONS}))
+    if options["stop_strings"] is not None:
+        options["stop_strings"] = list(options["stop_strings"])
+    return options
 
 
-def check_generation_config(config: Mapping[str, Any], vocab_size: int | None = None) -> None:
-    """Check the defaults a model folder's ``generation_config.json`` gives :func:`generate`, as ``generate``
-    checks its arguments, so that a folder whose defaults would be refused is refused when it loads.
-
-    ``stop_strings`` is checked as text only (the tokenizer that reads them comes with the call).
-
-    Parameters
-    ----------
-    config : dict
-        The parsed ``generation_config.json``; keys ``generate`` does not read are ignored, as in transformers.
-    vocab_size : int, optional
-        The model's vocabulary, to check ``eos_token_id`` and ``pad_token_id`` against.
+def check_generation_config(config: Mapping[str, Any], vocab_size: int | None = None) -> GenerationConfig:
+    """A model folder's ``generation_config.json`` as the :class:`GenerationConfig` it gives :func:`generate`,
+    checked as ``generate`` checks its arguments (and its eos and pad ids against ``vocab_size``), so that a
+    folder whose defaults would be refused is refused when it loads.
 
     Raises
     ------
     ValueError, TypeError
-        Naming the key and what it held (e.g. ``temperature must be a positive number, got -1``).
+        Naming the key and what it held (e.g. ``temperature must be a finite positive number, got -1``).
     """
-    o = _resolve(SimpleNamespace(generation_config=dict(config)), dict.fromkeys(_CONFIG_DEFAULTS))
-    _check_options(o, tokenizer=None, tokenizer_given_later=True)
-    warp_logits(np.zeros(1), temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"])
-    _token_set(o["eos_token_id"], "eos_token_id", vocab_size)
-    _token_set(o["pad_token_id"], "pad_token_id", vocab_size, single=True)
-    if int(o["max_new_tokens"]) > MAX_NEW_TOKENS:
-        raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS}, got {o['max_new_tokens']}")
+    options = GenerationConfig.from_dict(config)
+    _token_set(options.eos_token_id, "eos_token_id", vocab_size)
+    _token_set(options.pad_token_id, "pad_token_id", vocab_size, single=True)
+    return options
 
 
-def _check_options(o: dict[str, Any], tokenizer: Any, tokenizer_given_later: bool = False) -> None:
-    for name in ("max_new_tokens", "no_repeat_ngram_size", "min_new_tokens"):
-        if o[name] is not None:
-            o[name] = check_positive_int(o[name], name, allow_zero=True)
-    if not isinstance(o["do_sample"], (bool, np.bool_)):
-        raise TypeError(f"do_sample must be True or False, got {o['do_sample']!r}")
-    penalty = o["repetition_penalty"]
-    if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating))
-                                or not math.isfinite(penalty) or penalty <= 0):
-        raise ValueError(f"repetition_penalty must be a positive finite number, got {penalty!r}")
-    beams = o["num_beams"] = check_num_beams(o["num_beams"])
-    o["length_penalty"] = check_real(o["length_penalty"], "length_penalty")
-    if o["early_stopping"] not in (True, False, "never") or isinstance(o["early_stopping"], (int, float)) \
-            and not isinstance(o["early_stopping"], bool):
-        raise ValueError(f"early_stopping must be True, False or 'never', got {o['early_stopping']!r}")
-    count = o["num_return_sequences"] = check_positive_int(o["num_return_sequences"], "num_return_sequences")
-    if beams > 1:
-        if o["do_sample"]:
-            raise ValueError("num_beams > 1 with do_sample=True (beam sampling) is not supported; use one of them")
-        if count > beams:
-            raise ValueError(f"num_return_sequences ({count}) must be at most num_beams ({beams})")
-        if o["stop_strings"] is not None:
-            raise ValueError("stop_strings is not supported with num_beams > 1 (beam search ends on eos tokens)")
-    elif count > 1 and not o["do_sample"]:
-        raise ValueError(f"num_return_sequences={count} needs do_sample=True: greedy decoding returns the same "
-                         f"sequence every time")
-    stops = o["stop_strings"]
-    if stops is not None:
-        stops = [stops] if isinstance(stops, str) else stops
-        if not isinstance(stops, Sequence) or not stops or not all(isinstance(t, str) and t for t in stops):
-            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {o['stop_strings']!r}")
-        if not tokenizer_given_later and (tokenizer is None or not callable(getattr(tokenizer, "decode", None))):
-            raise ValueError("stop_strings needs tokenizer= (the model's tokenizer, to read the generated text)")
-        o["stop_strings"] = list(stops)
+def _check_tokenizer(o: dict[str, Any], tokenizer: Any) -> None:
+    if o["stop_strings"] is not None and (tokenizer is None or not callable(getattr(tokenizer, "decode", None))):
+        raise ValueError("stop_strings needs tokenizer= (the model's tokenizer, to read the generated text)")
 
 
-def _setup(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any], tokenizer: Any, seed: Any):
+def _setup(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any], tokenizer: Any, seed: Any,
+           generation_config: GenerationConfig | None = None):
     """Every option resolved (argument, else ``generation_config``, else default) and checked, and the
     prompt: ``(options, ids (B, L), mask (B, L), eos ids (E,), pad id or None, max_new_tokens, rng)``."""
-    o = _resolve(model, given)
+    o = _resolve(model, given, generation_config)
     ids, mask = _check_prompt(model, input_ids, attention_mask)
-    _check_options(o, tokenizer)
-    # Checked even when greedy, so a typo is never silently ignored.
-    warp_logits(np.zeros(1), temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"])
+    _check_tokenizer(o, tokenizer)
     rng = _rng(seed)
     vocab = _config_value(model, "vocab_size")
     eos = _token_set(_config_value(model, "eos_token_id") if o["eos_token_id"] is None else o["eos_token_id"],
@@ -462,8 +423,6 @@ def _setup(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any
     if pad is not None:
         pad = _token_set(pad, "pad_token_id", vocab, single=True)[0]
     max_new = int(o["max_new_tokens"])
-    if max_new > MAX_NEW_TOKENS:
-        raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS}, got {max_new}")
     limit = _config_value(model, "max_position_embeddings")
     if _config_value(model, "position") == "learned" and limit is not None and ids.shape[1] + max_new > limit:
         raise ValueError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens ({max_new}) exceeds the "
@@ -471,7 +430,8 @@ def _setup(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any
     return o, ids, mask, np.array(eos, dtype=np.int64), pad, max_new, rng
 
 
-def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *,
+                    generation_config: GenerationConfig | None = None, max_new_tokens: int | None = None,
                     do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                     top_p: float | None = None, min_p: float | None = None,
                     repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
@@ -505,7 +465,7 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *, m
             min_p=min_p, repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
             min_new_tokens=min_new_tokens, stop_strings=stop_strings, num_return_sequences=num_return_sequences,
             eos_token_id=eos_token_id, pad_token_id=pad_token_id, num_beams=1, length_penalty=None,
-            early_stopping=None), tokenizer, seed)
+            early_stopping=None), tokenizer, seed, generation_config)
     if o["num_return_sequences"] > 1:  # each prompt row repeated, as Hugging Face's repeat_interleave
         ids = np.repeat(ids, o["num_return_sequences"], axis=0)  # (B * n, L)
         mask = np.repeat(mask, o["num_return_sequences"], axis=0)  # (B * n, L)
@@ -575,7 +535,8 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
             logits = next_token_logits(model, tokens[:, None], mask, cache)  # (B, V)
 
 
-def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
+             generation_config: GenerationConfig | None = None, max_new_tokens: int | None = None,
              do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
              no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
@@ -585,9 +546,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
              early_stopping: bool | str | None = None) -> np.ndarray:
     """Continue each prompt row by up to ``max_new_tokens`` tokens, greedily, by sampling or by beam search.
 
-    Arguments have Hugging Face's names and meanings. Each one left as None takes the value of the model's
-    ``generation_config`` (the folder's ``generation_config.json``, read by the pretrained loader), else the
-    default shown.
+    Arguments have Hugging Face's names and meanings. Each one left as None takes the value of
+    ``generation_config`` (by default the model's: the folder's ``generation_config.json``, read by the
+    pretrained loader), else :class:`~attnkit.decoding.config.GenerationConfig`'s default shown.
 
     Parameters
     ----------
@@ -598,6 +559,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
         Prompts, left-padded to a common length.
     attention_mask : bool or 0/1 array (B, L), optional
         ``True``/1 = real token; padding must be on the left. Default: every token real.
+    generation_config : GenerationConfig, optional
+        The defaults the arguments below replace (default: ``model.generation_config``, the folder's
+        ``generation_config.json`` as the pretrained loader read it, else :class:`GenerationConfig`'s defaults).
     max_new_tokens : int, default 20
     do_sample : bool, default False
         False: argmax of the processed logits (the warpers are checked but not applied); True: sample from
@@ -674,17 +638,17 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
                  no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens, stop_strings=stop_strings,
                  num_return_sequences=num_return_sequences, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                  num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
-    beams = _resolve(model, given)["num_beams"]
-    if not (beams is None or isinstance(beams, (int, np.integer)) and not isinstance(beams, bool) and beams == 1):
-        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed)  # _setup checks beams
-    stream = generate_stream(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+    copies = _resolve(model, given, generation_config)
+    if copies["num_beams"] > 1:
+        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed, generation_config)
+    stream = generate_stream(model, input_ids, attention_mask, generation_config=generation_config,
+                             max_new_tokens=max_new_tokens,
                              do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p, repetition_penalty=repetition_penalty,
                              no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
                              stop_strings=stop_strings, tokenizer=tokenizer,
                              num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
                              pad_token_id=pad_token_id)
-    copies = _resolve(model, dict.fromkeys(_CONFIG_DEFAULTS) | {"num_return_sequences": num_return_sequences})
     prompt = np.repeat(np.asarray(input_ids).astype(np.int64), copies["num_return_sequences"], axis=0)  # (B*n, L)
     steps = list(stream)
     if not steps:
@@ -693,8 +657,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *, max_new_
 
 
 def _beam_generate(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any], tokenizer: Any,
-                   seed: Any) -> np.ndarray:
-    o, ids, mask, eos, pad, max_new, _ = _setup(model, input_ids, attention_mask, given, tokenizer, seed)
+                   seed: Any, generation_config: GenerationConfig | None) -> np.ndarray:
+    o, ids, mask, eos, pad, max_new, _ = _setup(model, input_ids, attention_mask, given, tokenizer, seed,
+                                                generation_config)
     if max_new == 0:
         return ids.copy()
     processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],

@@ -18,6 +18,7 @@ import numpy as np
 from .._validation import as_array, as_bool_mask, check_grad_output, check_positive_int
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
+from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
 from ..layers.embedding import Embedding
@@ -116,7 +117,7 @@ class CausalLM(Module):
         # transpose (D, V) is the contiguous array, which a matrix-vector product streams fastest.
         (self.embed if config.tie_word_embeddings else self.head).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
-        self.generation_config: dict[str, Any] = {}
+        self.generation_config = GenerationConfig()
 
     def extra_repr(self) -> str:
         c = self.config
@@ -327,7 +328,8 @@ class CausalLM(Module):
             self.pos_embed.backward(grad_h)
         return grad_h
 
-    def generate(self, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int | None = None,
+    def generate(self, input_ids: Any, attention_mask: Any = None, *, generation_config: GenerationConfig | None = None,
+                 max_new_tokens: int | None = None,
                  do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
                  no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
@@ -369,7 +371,8 @@ class CausalLM(Module):
         """
         from ..decoding.sampling import generate
 
-        return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
+        return generate(self, input_ids, attention_mask, generation_config=generation_config,
+                        max_new_tokens=max_new_tokens, do_sample=do_sample,
                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                         min_new_tokens=min_new_tokens, stop_strings=stop_strings, tokenizer=tokenizer,

@@ -58,7 +58,8 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     -------
     CausalLM
         In eval mode; ``lm.config`` is its :class:`~attnkit.models.DecoderConfig`, ``lm.generation_config``
-        the folder's ``generation_config.json`` (a dict, empty without one): the defaults of ``lm.generate``.
+        the folder's ``generation_config.json`` as a :class:`~attnkit.decoding.config.GenerationConfig` (the
+        defaults without one): the defaults of ``lm.generate``.
 
     Raises
     ------
@@ -102,9 +103,8 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     config = read_decoder_config(folder)
     index = read_checkpoint_index(folder)
     stored = validate_checkpoint(index, config)
-    generation = read_generation_config(folder)
     try:
-        check_generation_config(generation, config.vocab_size)
+        generation = check_generation_config(read_generation_config(folder), config.vocab_size)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{folder / 'generation_config.json'}: {exc}") from None
 

@@ -1,0 +1,166 @@
+"""``GenerationConfig``: the options of :func:`~attnkit.decoding.sampling.generate`, with Hugging Face's names and
+defaults, validated once when made.
+
+A model folder's ``generation_config.json`` becomes one when the folder loads (``model.generation_config``), so a
+folder whose defaults generate would refuse is refused then; a call's own arguments replace its values
+(:meth:`GenerationConfig.updated`), and the result is what the decoding loop reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._validation import check_positive_int, check_real
+from .beam_search import check_num_beams
+
+__all__ = ["GenerationConfig", "MAX_NEW_TOKENS"]
+
+MAX_NEW_TOKENS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How :func:`~attnkit.decoding.sampling.generate` decodes: Hugging Face's option names and defaults.
+
+    Parameters
+    ----------
+    max_new_tokens : int, default 20
+        Tokens to add at most, in [0, 2**31 - 1].
+    do_sample : bool, default False
+        Sample (with the warpers below) instead of taking the likeliest token.
+    temperature, top_k, top_p, min_p
+        The warpers, applied in this order when sampling (checked even when greedy).
+    repetition_penalty, no_repeat_ngram_size, min_new_tokens
+        Logits processors (None: off).
+    stop_strings : str or sequence of str, optional
+        Text that ends a row (needs the tokenizer at the call); kept as a tuple.
+    num_return_sequences : int, default 1
+        Sequences per prompt (more than one needs sampling or beams).
+    eos_token_id : int or sequence of int, optional
+        End-of-sequence ids (None: the model's; checked against the model's vocabulary at the call).
+    pad_token_id : int, optional
+        The id finished rows are padded with (None: the model's, else the first eos).
+    num_beams, length_penalty, early_stopping
+        Beam search (``num_beams > 1``), as transformers' ``generate``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        An option out of range or of the wrong type, or a combination generate cannot run (beam sampling,
+        more sequences than beams, stop strings with beams, several greedy sequences), naming the option.
+
+    Examples
+    --------
+    >>> config = GenerationConfig.from_dict({"temperature": 0.7, "do_sample": True, "transformers_version": "5"})
+    >>> config.temperature, config.updated(max_new_tokens=5, temperature=None).max_new_tokens
+    (0.7, 5)
+    >>> GenerationConfig(temperature=-1.0)
+    Traceback (most recent call last):
+    ValueError: temperature must be a finite positive number, got -1.0
+    """
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    min_new_tokens: int | None = None
+    stop_strings: str | Sequence[str] | None = None
+    num_return_sequences: int = 1
+    eos_token_id: int | Sequence[int] | None = None
+    pad_token_id: int | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_processors()
+        self._check_beams()
+        from .sampling import warp_logits  # the warpers' own checks, so a typo is refused even when greedy
+
+        warp_logits(np.zeros(1), temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_counts(self) -> None:
+        for name in ("max_new_tokens", "no_repeat_ngram_size", "min_new_tokens"):
+            if getattr(self, name) is not None:
+                self._set(name, check_positive_int(getattr(self, name), name, allow_zero=True))
+        if self.max_new_tokens is None:
+            raise ValueError("max_new_tokens must be an integer, got None")
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS}, got {self.max_new_tokens}")
+        self._set("num_return_sequences", check_positive_int(self.num_return_sequences, "num_return_sequences"))
+        if not isinstance(self.do_sample, (bool, np.bool_)):
+            raise TypeError(f"do_sample must be True or False, got {self.do_sample!r}")
+
+    def _check_processors(self) -> None:
+        penalty = self.repetition_penalty
+        if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating))
+                                    or not math.isfinite(penalty) or penalty <= 0):
+            raise ValueError(f"repetition_penalty must be a positive finite number, got {penalty!r}")
+        stops = self.stop_strings
+        if stops is not None:
+            stops = (stops,) if isinstance(stops, str) else stops
+            if not isinstance(stops, Sequence) or not stops or not all(isinstance(t, str) and t for t in stops):
+                raise ValueError(f"stop_strings must be a non-empty string or a list of them, got "
+                                 f"{self.stop_strings!r}")
+            self._set("stop_strings", tuple(stops))
+
+    def _check_beams(self) -> None:
+        beams = check_num_beams(self.num_beams)
+        self._set("num_beams", beams)
+        self._set("length_penalty", check_real(self.length_penalty, "length_penalty"))
+        early = self.early_stopping
+        if not (isinstance(early, (bool, np.bool_)) or isinstance(early, str) and early == "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {early!r}")
+        count = self.num_return_sequences
+        if beams > 1:
+            if self.do_sample:
+                raise ValueError("num_beams > 1 with do_sample=True (beam sampling) is not supported; use one of "
+                                 "them")
+            if count > beams:
+                raise ValueError(f"num_return_sequences ({count}) must be at most num_beams ({beams})")
+            if self.stop_strings is not None:
+                raise ValueError("stop_strings is not supported with num_beams > 1 (beam search ends on eos tokens)")
+        elif count > 1 and not self.do_sample:
+            raise ValueError(f"num_return_sequences={count} needs do_sample=True: greedy decoding returns the "
+                             f"same sequence every time")
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> GenerationConfig:
+        """The options a parsed ``generation_config.json`` sets; keys generate does not read are ignored, and
+        null values keep the default, as in transformers."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config must be a dict (a parsed generation_config.json), got {type(config).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names and v is not None})
+
+    def updated(self, **options: Any) -> GenerationConfig:
+        """A copy with the options that are not None replaced (a call's arguments over the model's defaults).
+
+        Raises
+        ------
+        TypeError
+            An option that is not a field.
+        """
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown generation options {unknown}; GenerationConfig has {sorted(names)}")
+        given = {k: v for k, v in options.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as a plain dict (tuples as lists), as ``generation_config.json`` writes them."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
