@@ -1,0 +1,82 @@
+"""Hook points: named places in a module's forward (and backward) where a caller may read or replace a value.
+
+A module that has hook points lists their local names in ``hook_points()`` and passes each value through
+:meth:`~attnkit.core.module.Module.hook_point` where it is made (and each gradient through
+:meth:`~attnkit.core.module.Module.hook_backward` where backward reaches it). Without a table (the default) both
+return their argument: the path without hooks is one attribute read per point. :func:`attnkit.explain.hooks`
+installs and removes the tables; this module only holds them.
+
+A replaced forward value is a constant: the gradient that reaches its hook point in backward is reported to the
+backward hooks and then stops there (upstream of it gets zeros), which is the exact gradient of the hooked model.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HookTable"]
+
+Hook = Callable[[np.ndarray, str], Any]
+
+
+class HookTable:
+    """One module's hooks: per local point name, the forward and backward functions (applied in the order they
+    were added) and the full name they are called with; and which points the last forward replaced."""
+
+    __slots__ = ("forward", "backward", "full_names", "replaced")
+
+    def __init__(self) -> None:
+        self.forward: dict[str, list[Hook]] = {}
+        self.backward: dict[str, list[Hook]] = {}
+        self.full_names: dict[str, str] = {}
+        self.replaced: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.forward or self.backward)
+
+    def add(self, direction: str, point: str, full_name: str, fn: Hook) -> None:
+        getattr(self, direction).setdefault(point, []).append(fn)
+        self.full_names[point] = full_name
+
+    def remove(self, direction: str, point: str, fn: Hook) -> None:
+        table = getattr(self, direction)
+        fns = table.get(point, [])
+        for i, added in enumerate(fns):  # by identity: the same function may be added twice
+            if added is fn:
+                del fns[i]
+                break
+        if not fns:
+            table.pop(point, None)
+
+    def apply(self, point: str, value: np.ndarray, direction: str = "forward") -> np.ndarray:
+        """``value`` through the point's hooks; a forward replacement is recorded (and a None return clears the
+        record, so it always describes the last forward)."""
+        fns = getattr(self, direction).get(point)
+        replaced = False
+        for fn in fns or ():
+            # A read-only view: an edit in place would change the model's arrays without being seen as a
+            # replacement (and so without cutting the gradient); the hook returns its new value instead.
+            seen = value.view()
+            seen.flags.writeable = False
+            out = fn(seen, self.full_names[point])
+            if out is not None and out is not seen:
+                value = _checked_replacement(out, value, self.full_names[point])
+                replaced = True
+        if direction == "forward":
+            if replaced:
+                self.replaced.add(point)
+            else:
+                self.replaced.discard(point)
+        return value
+
+
+def _checked_replacement(out: Any, value: np.ndarray, name: str) -> np.ndarray:
+    out = np.asarray(out)
+    if out.shape != value.shape:
+        raise ValueError(f"the hook at {name} returned shape {out.shape}, but the value there has shape "
+                         f"{value.shape}")
+    if out.dtype.kind not in "fiu":
+        raise TypeError(f"the hook at {name} returned an array of dtype {out.dtype}, expected numbers")
+    return out.astype(value.dtype, copy=False)
