@@ -2,8 +2,6 @@
 against torch autograd with the same replacement."""
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
@@ -12,44 +10,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.explain import hook_names, hooks, run_with_cache  # noqa: E402
 from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
-from attnkit.pretrained import load_causal_lm  # noqa: E402
-from hf_models import saved_model  # noqa: E402
+from hf_models import TOL, float64_pair, hf_layers, hf_output_projection  # noqa: E402
 
 IDS = np.array([[5, 17, 3, 60, 42, 9, 77, 21]])
-# transformers keeps three float32 islands in a float64 model: the rotary angles, the eager softmax and the
-# RMSNorms (each casts to float32 and back). Values of order one then differ by a few 1e-7 (measured: at most
-# 4.5e-7, Gemma 2's logits); everything attnkit computes alone (sums of the cache, hooked backward against its
-# own finite differences) is checked at float64 rounding.
-TOL = 2e-6
 
 
 @pytest.fixture(scope="module")
 def hf_root(tmp_path_factory):
     return tmp_path_factory.mktemp("hf_hooks")
-
-
-def pair(name, root):
-    """(attnkit float64 model, transformers float64 copy) of the tiny model ``name``."""
-    folder, hf = saved_model(name, root)
-    return load_causal_lm(folder, dtype=np.float64), copy.deepcopy(hf).double()
-
-
-def hf_layers(hf):
-    return hf.transformer.h if hasattr(hf, "transformer") else (
-        hf.gpt_neox.layers if hasattr(hf, "gpt_neox") else hf.model.layers)
-
-
-def hf_output_projection(layer):
-    """The module whose input is the heads' outputs side by side (B, L, H*Dh)."""
-    for path in ("self_attn.o_proj", "attn.c_proj", "attention.dense"):
-        module = layer
-        try:
-            for part in path.split("."):
-                module = getattr(module, part)
-            return module
-        except AttributeError:
-            continue
-    raise AssertionError(f"no output projection in {type(layer).__name__}")
 
 
 def hf_run(hf, ids, pre_hooks=None, **kwargs):
@@ -65,7 +33,7 @@ def hf_run(hf, ids, pre_hooks=None, **kwargs):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "gemma2", "qwen3", "olmo2", "gpt_neox"])
 def test_cache_equals_hf_hidden_states_and_attentions(name, hf_root):
-    lm, hf = pair(name, hf_root)
+    lm, hf = float64_pair(name, hf_root)
     logits, cache = run_with_cache(lm, IDS)
     inputs = {}
     handles = [hf_output_projection(layer).register_forward_pre_hook(
@@ -94,7 +62,7 @@ def test_cache_equals_hf_hidden_states_and_attentions(name, hf_root):
 
 
 def test_q_k_v_equal_hf_projections(hf_root):
-    lm, hf = pair("llama_gqa", hf_root)
+    lm, hf = float64_pair("llama_gqa", hf_root)
     _, cache = run_with_cache(lm, IDS, names=lambda name: name.startswith("blocks.1.attn.hook_"))
     assert set(cache) == {f"blocks.1.attn.hook_{p}" for p in ("q", "k", "v", "rot_q", "rot_k", "pattern", "z")}
     attn, got = hf_layers(hf)[1].self_attn, {}
@@ -129,7 +97,7 @@ def torch_zero_head(head, head_dim):
 
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2", "gemma2"])
 def test_head_ablation_equals_torch_pre_hook_forward_and_backward(name, hf_root):
-    lm, hf = pair(name, hf_root)
+    lm, hf = float64_pair(name, hf_root)
     layer, head, position, target = 1, 2, -1, 7
     # attnkit: d logit[target] / d (token embeddings) with the head ablated
     grad_logits = np.zeros((1, 1, lm.config.vocab_size))
@@ -156,7 +124,7 @@ def test_head_ablation_equals_torch_pre_hook_forward_and_backward(name, hf_root)
 
 
 def test_steered_residual_is_a_constant_and_hf_agrees(hf_root):
-    lm, hf = pair("llama_gqa", hf_root)
+    lm, hf = float64_pair("llama_gqa", hf_root)
     steer = np.random.default_rng(0).normal(size=lm.config.hidden_size)
     seen = {}
     with hooks(lm, {"blocks.1.hook_resid_pre": lambda x, n: x + steer},

@@ -9,6 +9,8 @@ the layers, and what each layer would predict.
 - :func:`logit_lens`: every block's output read through the final norm and the output head.
 - :func:`run_with_cache`, :func:`hooks`, :func:`hook_names`: activations by TransformerLens's names, read or
   replaced under forward, ``generate`` and the exact backward.
+- :func:`activation_patching`, :func:`attribution_patching`: which layer, position or head carries the
+  difference between a clean and a corrupted prompt, patched or estimated from the exact gradient.
 - :func:`explain_html`: all of it, with the attention of every head, in one offline HTML page;
   :func:`explain_similarity_html` the same for a sentence encoder and two sentences.
 """
@@ -17,9 +19,10 @@ from .flow import attention_flow
 from .hooks import hook_names, hooks, run_with_cache
 from .logit_lens import LogitLens, logit_lens
 from .page import encode_attention, explain_html, explain_similarity_html
+from .patching import activation_patching, attribution_patching
 from .rollout import attention_rollout
 from .similarity import SimilarityAttribution, similarity_attribution
 
-__all__ = ["LogitLens", "SimilarityAttribution", "attention_flow", "attention_rollout", "encode_attention",
-           "explain_html", "explain_similarity_html", "gradient_x_input", "hook_names", "hooks", "logit_lens",
-           "run_with_cache", "saliency", "similarity_attribution"]
+__all__ = ["LogitLens", "SimilarityAttribution", "activation_patching", "attention_flow", "attention_rollout",
+           "attribution_patching", "encode_attention", "explain_html", "explain_similarity_html", "gradient_x_input",
+           "hook_names", "hooks", "logit_lens", "run_with_cache", "saliency", "similarity_attribution"]
