@@ -110,9 +110,12 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
     ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
-    >>> ig = integrated_gradients(lm, [1, 2, 3, 4], target=5, steps=32)
-    >>> ig.attributions.shape, bool(abs(ig.completeness_gap) < 1e-6 * abs(ig.difference))
-    ((4,), True)
+    >>> ig = integrated_gradients(lm, [1, 2, 3, 4], target=5, steps=8)
+    >>> ig.attributions.shape
+    (4,)
+    >>> finer = integrated_gradients(lm, [1, 2, 3, 4], target=5, steps=64)
+    >>> bool(abs(finer.completeness_gap) < abs(ig.completeness_gap) / 100)
+    True
     """
     batch, _ = as_id_batch(input_ids, model.config.vocab_size)
     if batch.shape[0] != 1:
