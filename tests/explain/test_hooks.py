@@ -196,23 +196,31 @@ def test_replaced_pattern_is_a_constant_checked_by_finite_differences(rng):
 
 
 @pytest.mark.parametrize("point", ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_v", "blocks.0.attn.hook_z",
-                                   "blocks.1.hook_mlp_out"])
+                                   "blocks.1.hook_mlp_out", "blocks.0.attn.hook_pattern"])
 def test_hooks_during_generate_equal_an_uncached_loop(point):
     lm = tiny(family="gemma2", attn_logit_softcap=5.0, sliding_window=3,
               layer_types=("sliding_attention", "full_attention"))
     shift = np.linspace(-2.0, 2.0, 8 if point.endswith(("resid_pre", "mlp_out")) else 2)
 
+    lengths = []
+
     def steer(x, name):
+        lengths.append(x.shape[-2] if name.endswith("hook_pattern") else x.shape[1])  # the new positions
+        if name.endswith("hook_pattern"):  # every key the query sees, equally (the window's keys in layer 0)
+            seen = x > 0
+            return seen / seen.sum(-1, keepdims=True)
         return x + shift
 
     prompt = np.array([[3, 1, 4, 1, 5]])
     with hooks(lm, {point: steer}):
         generated = lm.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=[])
+        assert lengths == [5, 1, 1, 1, 1, 1]  # the prompt, then every cached step
         loop = prompt
         for _ in range(6):
             loop = np.concatenate([loop, lm(loop)[:, -1:].argmax(-1)], axis=1)
+        hooked = lm(prompt)
     np.testing.assert_array_equal(generated, loop)
-    assert not np.array_equal(generated, lm.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=[]))
+    assert not np.allclose(hooked, lm(prompt))
 
 
 def test_model_untouched_and_errors():
