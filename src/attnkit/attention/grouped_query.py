@@ -11,11 +11,12 @@ query heads and sums their gradients over the group, so repeated K/V are never m
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from .._validation import as_bool_mask, check_features, check_grad_output
+from ..core.hooks import hook_heads, hook_heads_backward
 from ..core.module import Module
 from ..flex import (
     and_masks,
@@ -28,6 +29,7 @@ from ..flex import (
 )
 from ..init import as_generator, normal
 from ..kernels import rotary as _rotary
+from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
@@ -126,15 +128,6 @@ class GroupedQueryAttention(Module):
         rotated = ("hook_rot_q", "hook_rot_k") if self.uses_rotary else ()
         return ("hook_q", "hook_k", "hook_v", *rotated, "hook_pattern", "hook_z")
 
-    def _hook_heads(self, name: str, heads: np.ndarray) -> np.ndarray:
-        """``heads`` (B, H, L, Dh) through the hooks at ``name``, which see them as (B, L, H, Dh)."""
-        hooked = self.hook_point(name, heads.transpose(0, 2, 1, 3))  # (B, L, H, Dh)
-        return hooked.transpose(0, 2, 1, 3)  # (B, H, L, Dh)
-
-    def _hook_heads_backward(self, name: str, grad: np.ndarray) -> np.ndarray:
-        hooked = self.hook_backward(name, grad.transpose(0, 2, 1, 3))  # (B, L, H, Dh)
-        return hooked.transpose(0, 2, 1, 3)  # (B, H, L, Dh)
-
     # ------------------------------------------------------------------------------------------------
     def _heads(self, flat: np.ndarray, heads: int) -> np.ndarray:
         b, length = flat.shape[:2]
@@ -193,7 +186,7 @@ class GroupedQueryAttention(Module):
         q, k, v, normed = self._project(x)  # (B, Hq, L, Dh), (B, Hkv, L, Dh), (B, Hkv, L, Dh)
         hooked = self._hook_table is not None
         if hooked:
-            q, k, v = (self._hook_heads(name, t) for name, t in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
+            q, k, v = (hook_heads(self, name, t) for name, t in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
         if not self.uses_rotary:  # a NoPE layer of a rotary model
             rotary = None
         if rotary is not None:
@@ -201,7 +194,7 @@ class GroupedQueryAttention(Module):
             q = _rotary.rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             k = _rotary.rotary_apply(k, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
             if hooked:
-                q, k = self._hook_heads("hook_rot_q", q), self._hook_heads("hook_rot_k", k)
+                q, k = hook_heads(self, "hook_rot_q", q), hook_heads(self, "hook_rot_k", k)
         if cache is not None:
             kept = cache.update(self.layer_index, k, v)
             k, v = kept.keys, kept.values  # (B, Hkv, S, Dh)
@@ -253,7 +246,7 @@ class GroupedQueryAttention(Module):
             pattern = ctx.weights.reshape(b, self.num_heads, length, seq_k)  # (B, Hq, L, S)
             hooked = self.hook_point("hook_pattern", pattern)
             if "hook_pattern" in table.replaced:
-                out, ctx = _attend_fixed(hooked, v, self.num_kv_heads)  # (B, Hq, L, Dh)
+                out, ctx = fixed_weights_forward(hooked, v, q.shape)  # (B, Hq, L, Dh)
                 return out, (hooked.copy() if need_weights else None), ctx
         weights = None if ctx.weights is None or not need_weights else ctx.weights.copy()  # (B, Hq, L, S)
         return out, weights, ctx
@@ -273,20 +266,20 @@ class GroupedQueryAttention(Module):
         if hooked:
             grad_out = self.hook_backward("hook_z", grad_out)
         grad_out = grad_out.transpose(0, 2, 1, 3)  # (B, Hq, L, Dh)
-        if isinstance(ctx, _FixedPattern):
-            dq, dk, dv = _attend_fixed_backward(grad_out, ctx)  # (B, H, L, Dh)
+        if isinstance(ctx, FixedWeights):
+            dq, dk, dv = fixed_weights_backward(grad_out, ctx)  # (B, H, L, Dh)
         else:
             dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
             if self.has_sinks:
                 self.grads["sinks"] += dsinks[0]
         if rotary is not None:
             if hooked:
-                dq, dk = self._hook_heads_backward("hook_rot_q", dq), self._hook_heads_backward("hook_rot_k", dk)
+                dq, dk = hook_heads_backward(self, "hook_rot_q", dq), hook_heads_backward(self, "hook_rot_k", dk)
             cos, sin = rotary
             dq = _rotary.rotary_backward(dq, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             dk = _rotary.rotary_backward(dk, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
         if hooked:
-            dq, dk, dv = (self._hook_heads_backward(name, d) for name, d in (("hook_q", dq), ("hook_k", dk),
+            dq, dk, dv = (hook_heads_backward(self, name, d) for name, d in (("hook_q", dq), ("hook_k", dk),
                                                                              ("hook_v", dv)))
         if normed is not None and self.qk_norm_scope == "head":
             dq, dk = self._norm_backward(dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
@@ -314,27 +307,3 @@ class GroupedQueryAttention(Module):
         if grad_b is not None:
             self.grads[f"b_{name}"] += grad_b
 
-
-class _FixedPattern(NamedTuple):
-    """What backward needs when a hook replaced the attention weights: they are a constant, so only the values
-    get a gradient."""
-
-    weights: np.ndarray  # (B, Hkv, G, L, S)
-    v: np.ndarray  # (B, Hkv, S, Dh)
-    q_shape: tuple
-
-
-def _attend_fixed(pattern: np.ndarray, v: np.ndarray, num_kv_heads: int) -> tuple[np.ndarray, _FixedPattern]:
-    """``pattern @ v`` with each key/value head read by its G query heads: ``(out (B, Hq, L, Dh), ctx)``."""
-    b, hq, length, seq_k = pattern.shape
-    weights = pattern.reshape(b, num_kv_heads, hq // num_kv_heads, length, seq_k)  # (B, Hkv, G, L, S)
-    out = weights @ v[:, :, None]  # (B, Hkv, G, L, Dh)
-    return out.reshape(b, hq, length, v.shape[-1]), _FixedPattern(weights, v, (b, hq, length, v.shape[-1]))
-
-
-def _attend_fixed_backward(grad_out: np.ndarray, ctx: _FixedPattern):
-    """``(dq, dk, dv)`` of :func:`_attend_fixed`: zeros for the queries and keys the fixed weights replaced."""
-    b, hkv, group, length, _ = ctx.weights.shape
-    g = grad_out.reshape(b, hkv, group, length, -1)  # (B, Hkv, G, L, Dh)
-    dv = (ctx.weights.swapaxes(-1, -2) @ g).sum(axis=2)  # (B, Hkv, S, Dh)
-    return np.zeros(ctx.q_shape, grad_out.dtype), np.zeros_like(ctx.v), dv

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HookTable"]
+__all__ = ["HookTable", "hook_heads", "hook_heads_backward"]
 
 Hook = Callable[[np.ndarray, str], Any]
 
@@ -80,3 +80,16 @@ def _checked_replacement(out: Any, value: np.ndarray, name: str) -> np.ndarray:
     if out.dtype.kind not in "fiu":
         raise TypeError(f"the hook at {name} returned an array of dtype {out.dtype}, expected numbers")
     return out.astype(value.dtype, copy=False)
+
+
+def hook_heads(module, name: str, heads: np.ndarray) -> np.ndarray:
+    """An attention's ``heads`` (B, H, L, Dh) through ``module``'s hooks at ``name``, which see them in
+    TransformerLens's layout (B, L, H, Dh)."""
+    hooked = module.hook_point(name, heads.transpose(0, 2, 1, 3))  # (B, L, H, Dh)
+    return hooked.transpose(0, 2, 1, 3)  # (B, H, L, Dh)
+
+
+def hook_heads_backward(module, name: str, grad: np.ndarray) -> np.ndarray:
+    """The gradient of :func:`hook_heads`' value (B, H, L, Dh) through the backward hooks at ``name``."""
+    hooked = module.hook_backward(name, grad.transpose(0, 2, 1, 3))  # (B, L, H, Dh)
+    return hooked.transpose(0, 2, 1, 3)  # (B, H, L, Dh)
