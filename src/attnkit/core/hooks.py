@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HookTable", "hook_heads", "hook_heads_backward"]
+__all__ = ["HookTable", "block_hook_points", "hook_heads", "hook_heads_backward"]
 
 Hook = Callable[[np.ndarray, str], Any]
 
@@ -93,3 +93,13 @@ def hook_heads_backward(module, name: str, grad: np.ndarray) -> np.ndarray:
     """The gradient of :func:`hook_heads`' value (B, H, L, Dh) through the backward hooks at ``name``."""
     hooked = module.hook_backward(name, grad.transpose(0, 2, 1, 3))  # (B, L, H, Dh)
     return hooked.transpose(0, 2, 1, 3)  # (B, H, L, Dh)
+
+
+def block_hook_points(index: int, block, attention) -> list[tuple[str, Any, str]]:
+    """Block ``index``'s hook points as ``(full name, module, local name)`` in forward order, with
+    TransformerLens's prefixes: ``blocks.{index}.hook_resid_pre``, then the attention's
+    (``blocks.{index}.attn.hook_q``, ...), then the block's others."""
+    first, *rest = block.hook_points()  # hook_resid_pre comes first
+    return ([(f"blocks.{index}.{first}", block, first)]
+            + [(f"blocks.{index}.attn.{p}", attention, p) for p in attention.hook_points()]
+            + [(f"blocks.{index}.{p}", block, p) for p in rest])

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_array, as_bool_mask, check_grad_output, check_positive_int
+from ..core.hooks import block_hook_points
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
 from ..init import as_generator
@@ -140,10 +141,7 @@ class CausalLM(Module):
         embed, final = self.hook_points()[:-1], self.hook_points()[-1]
         points = [(name, self, name) for name in embed]
         for i, layer in enumerate(self.layers):
-            first, *rest = layer.hook_points()  # hook_resid_pre, then the attention's, then the rest
-            points.append((f"blocks.{i}.{first}", layer, first))
-            points += [(f"blocks.{i}.attn.{p}", layer.attention, p) for p in layer.attention.hook_points()]
-            points += [(f"blocks.{i}.{p}", layer, p) for p in rest]
+            points += block_hook_points(i, layer, layer.attention)
         return points + [(final, self, final)]
 
     @property
