@@ -260,3 +260,26 @@ def test_model_untouched_and_errors():
         _, cache = run_with_cache(lm, ids, names=["hook_embed"])
     np.testing.assert_array_equal(cache["hook_embed"], 1.0)
     assert len(hook_names(lm)) == 1 + 2 * (5 + 7) + 1  # embed, (block + attention) per layer, final norm
+
+
+def test_module_hook_table_is_installed_and_removed():
+    lm = tiny()
+    block = lm.layers[0]
+
+    def double(x, name):
+        return 2 * x
+
+    with pytest.raises(ValueError, match=r"LMBlock has no hook point 'hook_q'; it has \['hook_resid_pre'"):
+        block.add_hook("hook_q", double, full_name="blocks.0.hook_q")
+    with pytest.raises(ValueError, match="direction must be 'forward' or 'backward', got 'up'"):
+        block.add_hook("hook_resid_pre", double, full_name="blocks.0.hook_resid_pre", direction="up")
+    block.add_hook("hook_resid_pre", double, full_name="blocks.0.hook_resid_pre")
+    block.add_hook("hook_resid_pre", double, full_name="blocks.0.hook_resid_pre")  # twice: applied twice
+    x = np.ones((1, 2, 8))
+    assert block.hook_point("hook_resid_pre", x)[0, 0, 0] == 4.0 and block.hook_replaced("hook_resid_pre")
+    np.testing.assert_array_equal(block.hook_backward("hook_resid_pre", x), 0.0)  # a constant has no gradient
+    block.remove_hook("hook_resid_pre", double)
+    assert block.hook_point("hook_resid_pre", x)[0, 0, 0] == 2.0
+    block.remove_hook("hook_resid_pre", double)
+    assert "_hook_table" not in block.__dict__ and not block.hook_replaced("hook_resid_pre")
+    assert block.hook_point("hook_resid_pre", x) is x and block.hook_backward("hook_resid_pre", x) is x

@@ -306,4 +306,3 @@ class GroupedQueryAttention(Module):
         self.grads[f"W_{name}"] += grad_w
         if grad_b is not None:
             self.grads[f"b_{name}"] += grad_b
-

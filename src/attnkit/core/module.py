@@ -129,6 +129,10 @@ class Module:
         grad = table.apply(name, grad, "backward")
         return np.zeros_like(grad) if name in table.replaced else grad
 
+    def hook_replaced(self, name: str) -> bool:
+        """Whether the last forward replaced the value at point ``name`` (a forward hook returned one)."""
+        return self._hook_table is not None and name in self._hook_table.replaced
+
     def add_hook(self, point: str, fn: Hook, *, full_name: str, direction: str = "forward") -> None:
         """Call ``fn(value, full_name)`` at hook point ``point`` (``direction`` "forward" or "backward") until
         :meth:`remove_hook`; a non-None return replaces the value."""

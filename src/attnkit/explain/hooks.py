@@ -117,8 +117,7 @@ def hooks(model, forward: Mapping[str, Callable] | None = None, *,
                 added.append((module, point, fn, direction))
         yield
     finally:
-        replaced = any(module._hook_table is not None and point in module._hook_table.replaced
-                       for module, point, _, direction in added if direction == "forward")
+        replaced = any(module.hook_replaced(point) for module, point, _, direction in added if direction == "forward")
         for module, point, fn, direction in reversed(added):
             module.remove_hook(point, fn, direction)
         if replaced:  # the saved forward state assumed the replacements: a backward now would not be exact

@@ -142,6 +142,12 @@ class TransformerEncoderBlock(Module):
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, d_ff={self.d_ff}, "
                 f"norm_first={self.norm_first}, activation={self.activation!r}, eps={self.eps}")
 
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_resid_pre`` (the input), ``hook_attn_out`` and ``hook_mlp_out`` (each branch's output),
+        ``hook_resid_mid`` (input plus attention, before ``norm1`` in a post-norm block), ``hook_resid_post``
+        (the output, after ``norm2`` in a post-norm block: what the next block reads); all (B, L, D)."""
+        return ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+
     def forward(self, x: Any, mask: Any = None, key_padding_mask: Any = None, is_causal: bool = False,
                 need_weights: bool = False):
         """Encode ``x`` (B, L, D); returns (B, L, D), or ``(output, weights (B, H, L, L))`` with ``need_weights``.
@@ -167,12 +173,6 @@ class TransformerEncoderBlock(Module):
             out = self.norm2(h + self.hook_point("hook_mlp_out", self.ffn(h)))  # (B, L, D)
         out = self.hook_point("hook_resid_post", out)
         return (out, weights) if need_weights else out
-
-    def hook_points(self) -> tuple[str, ...]:
-        """``hook_resid_pre`` (the input), ``hook_attn_out`` and ``hook_mlp_out`` (each branch's output),
-        ``hook_resid_mid`` (input plus attention, before ``norm1`` in a post-norm block), ``hook_resid_post``
-        (the output, after ``norm2`` in a post-norm block: what the next block reads); all (B, L, D)."""
-        return ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Backpropagate (B, L, D) ``grad_output``; returns the gradient of ``x``.
