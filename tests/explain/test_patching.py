@@ -97,25 +97,33 @@ def test_attention_and_mlp_outputs_equal_transformers(hf_root):
                 np.testing.assert_allclose(got[layer, position], want, atol=TOL)
 
 
+# hook -> (the module of a transformers layer, whether the activation is its input ("pre") or output ("post"))
+TORCH_POINTS = {"resid_pre": (lambda layer: layer, "pre"), "z": (hf_output_projection, "pre"),
+                "attn_out": (hf_output_projection, "post"), "mlp_out": (lambda layer: layer.mlp, "post")}
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2"])
 def test_attribution_patching_equals_torch_autograd(name, hf_root):
     lm, hf = float64_pair(name, hf_root)
-    layers = hf_layers(hf)
-    for hook in ("resid_pre", "z"):
+    for hook, (module_of, kind) in TORCH_POINTS.items():
         got = attribution_patching(lm, CLEAN, CORRUPT, ANSWERS, hook=hook)
-        modules = [hf_output_projection(layer) if hook == "z" else layer for layer in layers]
+        modules = [module_of(layer) for layer in hf_layers(hf)]
         values = {}
 
-        def keep(run_name, values=values, modules=modules):
-            def fn(module, args, kwargs):  # a decoder layer may take its input as hidden_states=
-                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        def keep(run_name, values=values, modules=modules, kind=kind):
+            def fn(module, args, kwargs, *output):  # a decoder layer may take its input as hidden_states=
+                if kind == "post":
+                    x = output[0][0] if isinstance(output[0], tuple) else output[0]
+                else:
+                    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
                 if x.requires_grad:
                     x.retain_grad()  # the very tensor of the graph: its gradient counts every path after it
                 values[run_name, modules.index(module)] = x
             return fn
 
         for run_name, ids in (("clean", CLEAN), ("corrupt", CORRUPT)):
-            handles = [m.register_forward_pre_hook(keep(run_name), with_kwargs=True) for m in modules]
+            handles = [m.register_forward_pre_hook(keep(run_name), with_kwargs=True) if kind == "pre" else
+                       m.register_forward_hook(keep(run_name), with_kwargs=True) for m in modules]
             try:
                 out = run(hf, ids)
             finally:
@@ -132,7 +140,7 @@ def test_attribution_patching_equals_torch_autograd(name, hf_root):
                 product = product.sum(-1)
             want.append(product.numpy())
         hf.zero_grad()
-        np.testing.assert_allclose(got, np.stack(want), atol=TOL)
+        np.testing.assert_allclose(got, np.stack(want), atol=TOL, err_msg=hook)
     assert all(not g.any() for _, g in lm.named_gradients())  # gradient buffers left at zero
 
 
