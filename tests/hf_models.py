@@ -10,6 +10,7 @@ family's parity check takes well under a second.
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,37 @@ def write_word_tokenizer(folder: Path) -> Path:
     path = Path(folder) / "tokenizer.json"
     tokenizer.save(str(path))
     return path
+
+
+# -- float64 pairs for the explain tests ------------------------------------------------------------------------
+# transformers keeps three float32 islands in a float64 model: the rotary angles, the eager softmax and the
+# RMSNorms (each casts to float32 and back). Values of order one then differ by a few 1e-7 (measured: at most
+# 4.5e-7, Gemma 2's logits); everything attnkit computes alone (sums of the cache, hooked backward against its
+# own finite differences) is checked at float64 rounding.
+TOL = 2e-6
+
+
+def float64_pair(name: str, root: Path):
+    """(attnkit float64 model, transformers float64 copy) of the tiny model ``name``."""
+    from attnkit.pretrained import load_causal_lm
+
+    folder, hf = saved_model(name, root)
+    return load_causal_lm(folder, dtype=np.float64), copy.deepcopy(hf).double()
+
+
+def hf_layers(hf):
+    return hf.transformer.h if hasattr(hf, "transformer") else (
+        hf.gpt_neox.layers if hasattr(hf, "gpt_neox") else hf.model.layers)
+
+
+def hf_output_projection(layer):
+    """The module whose input is the heads' outputs side by side (B, L, H*Dh)."""
+    for path in ("self_attn.o_proj", "attn.c_proj", "attention.dense"):
+        module = layer
+        try:
+            for part in path.split("."):
+                module = getattr(module, part)
+            return module
+        except AttributeError:
+            continue
+    raise AssertionError(f"no output projection in {type(layer).__name__}")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_bool_mask, check_features, check_grad_output
+from ..core.hooks import hook_heads, hook_heads_backward
 from ..core.module import Module
 from ..flex import (
     and_masks,
@@ -28,6 +29,7 @@ from ..flex import (
 )
 from ..init import as_generator, normal
 from ..kernels import rotary as _rotary
+from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
@@ -116,6 +118,16 @@ class GroupedQueryAttention(Module):
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, window={self.window}, layer_index={self.layer_index}")
 
+    FORWARD_ONLY_HOOKS = ("hook_pattern",)
+
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_q``, ``hook_k``, ``hook_v`` (B, L, H, Dh) after the projections and q/k norms (K and V: the
+        Hkv key/value heads); ``hook_rot_q``, ``hook_rot_k`` after the rotation (rotary layers only);
+        ``hook_pattern`` (B, Hq, L, S) the attention weights (forward hooks only; asking for it runs the
+        reference kernel); ``hook_z`` (B, L, Hq, Dh) each head's output before the output projection."""
+        rotated = ("hook_rot_q", "hook_rot_k") if self.uses_rotary else ()
+        return ("hook_q", "hook_k", "hook_v", *rotated, "hook_pattern", "hook_z")
+
     # ------------------------------------------------------------------------------------------------
     def _heads(self, flat: np.ndarray, heads: int) -> np.ndarray:
         b, length = flat.shape[:2]
@@ -172,12 +184,17 @@ class GroupedQueryAttention(Module):
             raise ValueError(f"GroupedQueryAttention: x must be (B, L, D), got shape {x.shape}")
         b, length, _ = x.shape
         q, k, v, normed = self._project(x)  # (B, Hq, L, Dh), (B, Hkv, L, Dh), (B, Hkv, L, Dh)
+        hooked = self._hook_table is not None
+        if hooked:
+            q, k, v = (hook_heads(self, name, t) for name, t in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
         if not self.uses_rotary:  # a NoPE layer of a rotary model
             rotary = None
         if rotary is not None:
             cos, sin = rotary
             q = _rotary.rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             k = _rotary.rotary_apply(k, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
+            if hooked:
+                q, k = hook_heads(self, "hook_rot_q", q), hook_heads(self, "hook_rot_k", k)
         if cache is not None:
             kept = cache.update(self.layer_index, k, v)
             k, v = kept.keys, kept.values  # (B, Hkv, S, Dh)
@@ -188,6 +205,8 @@ class GroupedQueryAttention(Module):
             key_mask = self._check_mask(attention_mask, b, length)
         out, weights, ctx = self._attend(q, k, v, key_mask, output_attentions)  # (B, Hq, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
+        if hooked:
+            merged = self.hook_point("hook_z", merged)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
         if cache is None:  # the cached path is inference: it keeps nothing
@@ -218,9 +237,17 @@ class GroupedQueryAttention(Module):
             if key_mask is not None:
                 mask = and_masks(mask, padding_mask(key_mask))
             block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
-        kernel = "reference" if need_weights or length == 1 else "tiled"
+        table = self._hook_table
+        pattern_hooked = table is not None and "hook_pattern" in table.forward
+        kernel = "reference" if need_weights or pattern_hooked or length == 1 else "tiled"
         out, ctx = flex_attention(q, k, v, self.score_mod, block_mask, scale=self.scale, enable_gqa=True,
                                   sinks=self._parameters.get("sinks"), kernel=kernel)  # (B, Hq, L, Dh)
+        if pattern_hooked:
+            pattern = ctx.weights.reshape(b, self.num_heads, length, seq_k)  # (B, Hq, L, S)
+            hooked = self.hook_point("hook_pattern", pattern)
+            if "hook_pattern" in table.replaced:
+                out, ctx = fixed_weights_forward(hooked, v, q.shape)  # (B, Hq, L, Dh)
+                return out, (hooked.copy() if need_weights else None), ctx
         weights = None if ctx.weights is None or not need_weights else ctx.weights.copy()  # (B, Hq, L, S)
         return out, weights, ctx
 
@@ -234,14 +261,26 @@ class GroupedQueryAttention(Module):
         p = self._parameters
         grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
         self._accumulate("O", grad_w, grad_b)
-        grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-        dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
-        if self.has_sinks:
-            self.grads["sinks"] += dsinks[0]
+        grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim)  # (B, L, Hq, Dh)
+        hooked = self._hook_table is not None
+        if hooked:
+            grad_out = self.hook_backward("hook_z", grad_out)
+        grad_out = grad_out.transpose(0, 2, 1, 3)  # (B, Hq, L, Dh)
+        if isinstance(ctx, FixedWeights):
+            dq, dk, dv = fixed_weights_backward(grad_out, ctx)  # (B, H, L, Dh)
+        else:
+            dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
+            if self.has_sinks:
+                self.grads["sinks"] += dsinks[0]
         if rotary is not None:
+            if hooked:
+                dq, dk = hook_heads_backward(self, "hook_rot_q", dq), hook_heads_backward(self, "hook_rot_k", dk)
             cos, sin = rotary
             dq = _rotary.rotary_backward(dq, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             dk = _rotary.rotary_backward(dk, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
+        if hooked:
+            dq, dk, dv = (hook_heads_backward(self, name, d) for name, d in (("hook_q", dq), ("hook_k", dk),
+                                                                             ("hook_v", dv)))
         if normed is not None and self.qk_norm_scope == "head":
             dq, dk = self._norm_backward(dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
         dq, dk, dv = (d.transpose(0, 2, 1, 3).reshape(b, length, -1) for d in (dq, dk, dv))  # (B, L, H*Dh)

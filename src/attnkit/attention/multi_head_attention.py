@@ -21,8 +21,10 @@ from .._validation import (
 )
 from ..core.base_attention import BaseAttention
 from ..core.converters import torch_converter
+from ..core.hooks import hook_heads, hook_heads_backward
 from ..core.module import Module
 from ..init import as_generator, xavier_uniform
+from ..kernels.fixed_weights import fixed_weights_backward, fixed_weights_forward
 from ..kernels.heads import merge_heads, split_heads
 from ..kernels.linear import linear, linear_backward
 from .scaled_dot_product import ScaledDotProductAttention
@@ -145,6 +147,38 @@ class MultiHeadAttention(Module):
         """Copy in any subset of the parameters named as in :meth:`get_params` (shapes are checked)."""
         self.load_state_dict(params, strict=False)
 
+    FORWARD_ONLY_HOOKS = ("hook_pattern",)
+
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_q``, ``hook_k``, ``hook_v`` (B, L, H, Dh) after the projections; ``hook_pattern`` (B, H, Lq, Lk)
+        the head's weights (forward hooks only; asking for it makes the head form them); ``hook_z``
+        (B, Lq, H, Dh) each head's output before the output projection."""
+        return ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
+
+    def _attend(self, q, k, v, head_mask, is_causal: bool, need_weights: bool, hook_kv: bool = True):
+        """The head on (B, H, L, Dh) queries, keys and values, through the hooks when there are any:
+        ``(heads (B, H, Lq, Dh), weights or None, the fixed weights' context or None)``. ``hook_kv=False``: the
+        keys and values went through their hooks before they were cached."""
+        table = self._hook_table
+        if table is None:
+            heads, weights = self.attention.forward(q, k, v, head_mask, is_causal=is_causal,
+                                                    need_weights=need_weights)  # (B, H, Lq, Dh)
+            return heads, weights, None
+        q = hook_heads(self, "hook_q", q)
+        if hook_kv:
+            k, v = hook_heads(self, "hook_k", k), hook_heads(self, "hook_v", v)
+        pattern_hooked = "hook_pattern" in table.forward
+        heads, weights = self.attention.forward(q, k, v, head_mask, is_causal=is_causal,
+                                                need_weights=need_weights or pattern_hooked)  # (B, H, Lq, Dh)
+        fixed = None
+        if pattern_hooked:
+            pattern = self.hook_point("hook_pattern", weights)
+            if "hook_pattern" in table.replaced:
+                heads, fixed = fixed_weights_forward(pattern, v, q.shape)  # (B, H, Lq, Dh)
+                weights = pattern.copy()
+        heads = hook_heads(self, "hook_z", heads)
+        return heads, (weights if need_weights else None), fixed
+
     def _b(self, name: str) -> np.ndarray | None:
         return self._parameters[name] if self.bias else None
 
@@ -204,11 +238,10 @@ class MultiHeadAttention(Module):
             key = np.where(kpm[..., None], key, 0).astype(key.dtype, copy=False)  # (B, Lk, Ek)
             value = np.where(kpm[..., None], value, 0).astype(value.dtype, copy=False)  # (B, Lk, Ev)
         q, k, v = self._heads("Q", query), self._heads("K", key), self._heads("V", value)  # (B, H, L, Dh) each
-        heads, weights = self.attention.forward(q, k, v, head_mask, is_causal=is_causal,
-                                                need_weights=need_weights)  # (B, H, Lq, Dh)
+        heads, weights, fixed = self._attend(q, k, v, head_mask, is_causal, need_weights)  # (B, H, Lq, Dh)
         merged = merge_heads(heads)  # (B, Lq, E)
         out = linear(merged, self.W_O, self._b("b_O"))  # (B, Lq, E)
-        self.save_for_backward(query, key, value, merged, kpm)
+        self.save_for_backward(query, key, value, merged, kpm, fixed)
         return out, weights
 
     def _forward_cached(self, query, key, value, attn_mask, key_padding_mask, need_weights, is_causal, cache):
@@ -217,7 +250,10 @@ class MultiHeadAttention(Module):
         batch, seq_q, _ = query.shape
         kept = cache.stored(self.layer_index)
         if kept is None:
-            kept = cache.update(self.layer_index, self._heads("K", key), self._heads("V", value))
+            new_k, new_v = self._heads("K", key), self._heads("V", value)  # (B, H, Lk, Dh)
+            if self._hook_table is not None:  # hooked once, as they enter the cache (the new positions only)
+                new_k, new_v = hook_heads(self, "hook_k", new_k), hook_heads(self, "hook_v", new_v)
+            kept = cache.update(self.layer_index, new_k, new_v)
         keys, values, slots = kept  # (B, H, S, Dh), (B, H, S, Dh), (S,)
         seq_k = keys.shape[-2]
         head_mask = check_mha_mask(attn_mask, "attn_mask", batch, self.num_heads, seq_q, seq_k)
@@ -231,8 +267,8 @@ class MultiHeadAttention(Module):
         q = self._heads("Q", query)  # (B, H, Lq, Dh)
         # One decoding step is one row of scores per head: the reference kernel (asked for by wanting the
         # weights) is cheapest there; longer chunks take the tiled kernel.
-        heads, weights = self.attention.forward(q, keys.astype(q.dtype, copy=False), values.astype(q.dtype, copy=False),
-                                                head_mask, need_weights=need_weights or seq_q == 1)  # (B, H, Lq, Dh)
+        heads, weights, _ = self._attend(q, keys.astype(q.dtype, copy=False), values.astype(q.dtype, copy=False),
+                                         head_mask, False, need_weights or seq_q == 1, hook_kv=False)  # (B, H, Lq, Dh)
         self.save_for_backward()  # the cached path is inference: nothing for backward
         return linear(merge_heads(heads), self.W_O, self._b("b_O")), (weights if need_weights else None)  # (B, Lq, E)
 
@@ -245,13 +281,23 @@ class MultiHeadAttention(Module):
         """
         if self.saved_tensors is None:
             raise RuntimeError("MultiHeadAttention.backward called before forward")
-        query, key, value, merged, kpm = self.saved_tensors
+        query, key, value, merged, kpm, fixed = self.saved_tensors
         grad_output = as_float_array(grad_output, "grad_output")
         if grad_output.shape != merged.shape:
             raise ValueError(f"grad_output has shape {grad_output.shape}, expected the output shape {merged.shape}")
         g = grad_output.astype(merged.dtype, copy=False)
         d_merged = self._accumulate("O", g, merged)  # (B, Lq, E)
-        dq, dk, dv = self.attention.backward(split_heads(d_merged, self.num_heads))  # (B, H, L, Dh) each
+        d_heads = split_heads(d_merged, self.num_heads)  # (B, H, Lq, Dh)
+        hooked = self._hook_table is not None
+        if hooked:
+            d_heads = hook_heads_backward(self, "hook_z", d_heads)
+        if fixed is not None:
+            dq, dk, dv = fixed_weights_backward(d_heads, fixed)  # (B, H, L, Dh) each
+        else:
+            dq, dk, dv = self.attention.backward(d_heads)  # (B, H, L, Dh) each
+        if hooked:
+            dq, dk, dv = (hook_heads_backward(self, name, d) for name, d in (("hook_q", dq), ("hook_k", dk),
+                                                                             ("hook_v", dv)))
         grad_query = self._accumulate("Q", merge_heads(dq), query)  # (B, Lq, E)
         grad_key = self._accumulate("K", merge_heads(dk), key)  # (B, Lk, Ek)
         grad_value = self._accumulate("V", merge_heads(dv), value)  # (B, Lk, Ev)

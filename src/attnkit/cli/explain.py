@@ -31,6 +31,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "(which tokens of each sentence raise or lower it), with the first sentence's attention.",
         epilog="examples:\n  attnkit explain ./tiny-llama --prompt \"The capital of France is\" --html paris.html\n"
                "  attnkit explain ./gpt2 --ids 464,3797,3332 --html cat.html --candidates 8\n"
+               "  attnkit explain ./gpt2 --prompt \"When Mary and John went to the store, John gave a drink to\" "
+               "--corrupt \"When Mary and John went to the store, Mary gave a drink to\" --html ioi.html\n"
                "  attnkit explain --model minilm --prompt \"A man is eating food.\" --compare \"Someone eats "
                "bread.\" --html food.html\n"
                "  attnkit explain ./add --prompt \"07+35=\" --html add.html   (a folder of 'attnkit demo --task "
@@ -44,6 +46,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="sentence encoders: the second sentence, whose similarity to --prompt is explained")
     p.add_argument("--prompt", metavar="TEXT", default=None, help="the prompt text (needs the folder's tokenizer.json)")
     p.add_argument("--ids", metavar="IDS", default=None, help="the prompt's token ids, comma-separated")
+    p.add_argument("--corrupt", metavar="TEXT", default=None,
+                   help="causal LMs: a corrupted prompt of the same length in tokens; the page adds activation "
+                        "patching (which layer, position and head carry the difference)")
+    p.add_argument("--corrupt-ids", metavar="IDS", default=None,
+                   help="the corrupted prompt's token ids, comma-separated")
     p.add_argument("--html", metavar="FILE", required=True, help="the page to write (.html)")
     p.add_argument("--candidates", type=bounded_int(1, 50), default=5,
                    help="how many of the most likely next tokens to explain (default 5)")
@@ -63,11 +70,16 @@ def run(args: argparse.Namespace) -> int:
     args.model_dir = args.model if args.model is not None else args.model_dir
     if args.model_dir is None:
         raise UsageError("no model: give a folder (DIR) or --model minilm", PROG)
+    corrupting = args.corrupt is not None or args.corrupt_ids is not None
     if args.model_dir == "minilm" or (Path(args.model_dir) / "modules.json").is_file():
+        if corrupting:
+            raise UsageError("--corrupt is for causal LMs (activation patching of the next token)", PROG)
         return _run_encoder(args)
     from ..demos import addition
 
     if addition.is_addition_folder(args.model_dir):
+        if corrupting:
+            raise UsageError("--corrupt is for Hugging Face causal-LM folders", PROG)
         return _run_addition(args)
     if args.compare is not None:
         raise UsageError("--compare is for sentence encoders (--model minilm or a sentence-transformers folder); "
@@ -79,10 +91,20 @@ def run(args: argparse.Namespace) -> int:
                          f"'attnkit attention --html'", PROG)
     if (args.prompt is None) == (args.ids is None):
         raise UsageError("give the prompt once: --prompt TEXT or --ids 1,2,3", PROG)
+    if args.corrupt is not None and args.corrupt_ids is not None:
+        raise UsageError("give the corrupted prompt once: --corrupt TEXT or --corrupt-ids 1,2,3", PROG)
     page = output_file(args.html, HTML_SUFFIXES)
-    tokenizer = load_tokenizer(args.model_dir, needed=args.prompt is not None, prog=PROG)
+    tokenizer = load_tokenizer(args.model_dir, needed=args.prompt is not None or args.corrupt is not None, prog=PROG)
     model = load_model(args.model_dir, prog=PROG)
     ids = prompt_ids(args, tokenizer, model.config, prog=PROG)
+    corrupt = None
+    if corrupting:
+        corrupt = prompt_ids(argparse.Namespace(prompt=args.corrupt, ids=args.corrupt_ids), tokenizer, model.config,
+                             prog=PROG)
+        if len(corrupt) != len(ids):
+            raise UsageError(f"the corrupted prompt has {len(corrupt)} tokens but the prompt has {len(ids)}: "
+                             f"activation patching puts back one position at a time, so they must be as long",
+                             PROG)
     if args.candidates > model.config.vocab_size or args.top_k > model.config.vocab_size:
         raise UsageError(f"--candidates and --top-k must be at most the vocabulary size "
                          f"{model.config.vocab_size}", PROG)
@@ -94,12 +116,18 @@ def run(args: argparse.Namespace) -> int:
     name = printable(Path(args.model_dir).name or args.model_dir)
     said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
     data = explain_html(model, np.array(ids, dtype=np.int64), page, token_text=piece, candidates=args.candidates,
-                        top_k=args.top_k, title=f"{name}: {said}")
+                        top_k=args.top_k, title=f"{name}: {said}",
+                        corrupt=None if corrupt is None else np.array(corrupt, dtype=np.int64))
     best = data["candidates"][0]
     print(f"model: {name} ({model.config.family}, {model.config.num_layers} layers, {model.config.num_heads} heads); "
           f"{len(ids)} tokens")
     print(f"next token: {printable(repr(best['text']))} ({best['prob']:.1%}); explained the top "
           f"{len(data['candidates'])}")
+    patching = data["patching"]
+    if patching is not None:
+        print(f"patching: logit[{printable(repr(patching['correct_text']))}] - "
+              f"logit[{printable(repr(patching['incorrect_text']))}] = {patching['clean_metric']:.3f} on the prompt, "
+              f"{patching['corrupt_metric']:.3f} corrupted; patched every layer and position, and every head")
     print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
     return 0
 

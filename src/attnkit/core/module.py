@@ -21,6 +21,7 @@ import numpy as np
 
 from ..init import empty_init_dtype
 from ..io import ArrayArchive, save_arrays
+from .hooks import Hook, HookTable
 
 __all__ = ["Module", "ModuleList", "GradientBuffers"]
 
@@ -105,6 +106,53 @@ class Module:
         object.__setattr__(self, "grads", GradientBuffers(self._parameters))
         object.__setattr__(self, "training", True)
         object.__setattr__(self, "_saved_tensors", None)
+
+    # -- hook points (installed by attnkit.explain.hooks) ----------------------------------------------
+    _hook_table: HookTable | None = None  # the class default: no hooks, nothing to consult
+    FORWARD_ONLY_HOOKS: tuple[str, ...] = ()
+
+    def hook_points(self) -> tuple[str, ...]:
+        """Local names of this module's hook points (see :mod:`attnkit.core.hooks`); none by default."""
+        return ()
+
+    def hook_point(self, name: str, value: np.ndarray) -> np.ndarray:
+        """``value`` through the forward hooks at point ``name``, or ``value`` itself when none are installed."""
+        table = self._hook_table
+        return value if table is None else table.apply(name, value)
+
+    def hook_backward(self, name: str, grad: np.ndarray) -> np.ndarray:
+        """The gradient arriving at point ``name`` through its backward hooks; zeros if the last forward
+        replaced the value there (a replaced value is a constant, so nothing upstream of it gets a gradient)."""
+        table = self._hook_table
+        if table is None:
+            return grad
+        grad = table.apply(name, grad, "backward")
+        return np.zeros_like(grad) if name in table.replaced else grad
+
+    def hook_replaced(self, name: str) -> bool:
+        """Whether the last forward replaced the value at point ``name`` (a forward hook returned one)."""
+        return self._hook_table is not None and name in self._hook_table.replaced
+
+    def add_hook(self, point: str, fn: Hook, *, full_name: str, direction: str = "forward") -> None:
+        """Call ``fn(value, full_name)`` at hook point ``point`` (``direction`` "forward" or "backward") until
+        :meth:`remove_hook`; a non-None return replaces the value."""
+        if point not in self.hook_points():
+            raise ValueError(f"{type(self).__name__} has no hook point {point!r}; it has {list(self.hook_points())}")
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+        if direction == "backward" and point in self.FORWARD_ONLY_HOOKS:
+            raise ValueError(f"{full_name} takes forward hooks only (its gradient is never formed)")
+        if self._hook_table is None:
+            object.__setattr__(self, "_hook_table", HookTable())
+        self._hook_table.add(direction, point, full_name, fn)
+
+    def remove_hook(self, point: str, fn: Hook, direction: str = "forward") -> None:
+        """Undo one :meth:`add_hook`; the module has no table again once its last hook is gone."""
+        table = self._hook_table
+        if table is not None:
+            table.remove(direction, point, fn)
+            if not table:
+                del self.__dict__["_hook_table"]  # back to the class default
 
     def save_for_backward(self, *values: Any) -> None:
         """Keep ``values`` for :meth:`backward`, replacing what the last forward kept; with no values keep

@@ -2,7 +2,8 @@
 
 The page shows, for a prompt: which input tokens made the model say each of its most likely next tokens
 (gradient x input and saliency, with a picker for the output token), the logit lens, the attention rollout,
-one head's attention with a colour scale and its legend, and a thumbnail of every head of every layer.
+one head's attention with a colour scale and its legend, and a thumbnail of every head of every layer; with a
+corrupted prompt, the activation patching of the residual stream and of every head.
 Script, style and data are inline; the page requests nothing from the network.
 
 Attention weights are stored as :func:`attnkit.viz.encode_attention` stores them: 8 bits per weight relative
@@ -50,7 +51,7 @@ def _rounded(values: np.ndarray, decimals: int = 6) -> list:
 
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
                  candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction",
-                 max_bytes: int | None = None) -> dict:
+                 max_bytes: int | None = None, corrupt: Any = None) -> dict:
     """Explain ``lm``'s next-token prediction after ``ids`` in one offline HTML page.
 
     Parameters
@@ -73,6 +74,12 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         The page's budget, default 5 MB: the attention weights get 8 bits each relative to their row's maximum, fewer
         (down to 3) when the page would exceed it (see :func:`attnkit.viz.encode_attention`); a warning
         says when even that is too big.
+    corrupt : array_like of int (L,), optional
+        A corrupted prompt of the same length: the page then adds activation patching
+        (:func:`activation_patching`) of the residual stream per (layer, position) and of each head's output per
+        (layer, head), for the metric ``logit[correct] - logit[incorrect]`` where ``correct`` is the model's top
+        token after ``ids`` and ``incorrect`` its top token after ``corrupt`` (the second after ``ids`` when both
+        are the same).
 
     Returns
     -------
@@ -80,7 +87,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         The data the page holds (``tokens``, ``raw_tokens``, ``rollout`` (L, L), ``flow`` (L, L; up to 24
         tokens, else None: :func:`attention_flow` costs L * L maximum flows), ``candidates`` with their
         ``gradient_x_input`` and ``saliency`` (L,), ``lens`` and ``vocab``, the readable text of the token ids
-        it shows) and ``bits``, the bits per stored attention weight: what the page shows is exactly this.
+        it shows, ``patching``: None without ``corrupt``, else the ``correct`` and ``incorrect`` ids and texts,
+        ``clean_metric``, ``corrupt_metric``, ``corrupt_tokens``, ``resid_pre`` (N, L) and ``z`` (N, H)) and
+        ``bits``, the bits per stored attention weight: what the page shows is exactly this.
 
     Examples
     --------
@@ -106,6 +115,12 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     if not target.parent.is_dir():
         raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
     piece = (lambda i: str(i)) if token_text is None else (lambda i: str(token_text(int(i))))
+    corrupted = None
+    if corrupt is not None:
+        corrupted, corrupt_single = as_id_batch(corrupt, vocab)
+        if not corrupt_single or corrupted.shape != batch.shape:
+            raise ValueError(f"corrupt must be one sequence of the prompt's length {batch.shape[1]}, got shape "
+                             f"{np.shape(corrupt)}")
 
     _, per_layer = lm(batch, output_attentions=True)  # N x (1, H, L, L)
     weights = np.stack([w[0] for w in per_layer])  # (N, H, L, L)
@@ -126,8 +141,28 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
             "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
             "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
             # each id's text once: N x L x K cells repeat few distinct tokens
-            "vocab": {str(t): readable_token(piece(t)) for t in np.unique(lens.token_ids).tolist()}}
+            "vocab": {str(t): readable_token(piece(t)) for t in np.unique(lens.token_ids).tolist()},
+            "patching": None if corrupted is None else _patching(lm, batch, corrupted, piece)}
     return _write_page(data, weights, target, title, top_k, max_bytes)
+
+
+def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, piece: Callable[[int], str]) -> dict:
+    """Activation patching of the residual stream and of each head, for the page (see :func:`explain_html`)."""
+    from .patching import activation_patching
+
+    clean_logits, corrupt_logits = lm(clean)[0, -1], lm(corrupt)[0, -1]  # (V,) each
+    order = np.argsort(-clean_logits, kind="stable")
+    correct, incorrect = int(order[0]), int(np.argmax(corrupt_logits))
+    if incorrect == correct:  # the corruption did not change the top token: compare with the runner-up
+        incorrect = int(order[1])
+    answers = (correct, incorrect)
+    return {"correct": correct, "incorrect": incorrect, "correct_text": readable_token(piece(correct)),
+            "incorrect_text": readable_token(piece(incorrect)),
+            "clean_metric": float(clean_logits[correct] - clean_logits[incorrect]),
+            "corrupt_metric": float(corrupt_logits[correct] - corrupt_logits[incorrect]),
+            "corrupt_tokens": [readable_token(piece(i)) for i in corrupt[0]],
+            "resid_pre": _rounded(activation_patching(lm, clean[0], corrupt[0], answers, hook="resid_pre")),
+            "z": _rounded(activation_patching(lm, clean[0], corrupt[0], answers, hook="z"))}
 
 
 FLOW_MAX_TOKENS = 24  # the pages add attention flow up to this length (L * L max-flows: seconds, not minutes)
@@ -219,5 +254,5 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
             "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
-            "lens": None, "vocab": {}}
+            "lens": None, "vocab": {}, "patching": None}
     return _write_page(data, weights, target, title, 0, int(max_bytes))

@@ -142,6 +142,12 @@ class TransformerEncoderBlock(Module):
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, d_ff={self.d_ff}, "
                 f"norm_first={self.norm_first}, activation={self.activation!r}, eps={self.eps}")
 
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_resid_pre`` (the input), ``hook_attn_out`` and ``hook_mlp_out`` (each branch's output),
+        ``hook_resid_mid`` (input plus attention, before ``norm1`` in a post-norm block), ``hook_resid_post``
+        (the output, after ``norm2`` in a post-norm block: what the next block reads); all (B, L, D)."""
+        return ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+
     def forward(self, x: Any, mask: Any = None, key_padding_mask: Any = None, is_causal: bool = False,
                 need_weights: bool = False):
         """Encode ``x`` (B, L, D); returns (B, L, D), or ``(output, weights (B, H, L, L))`` with ``need_weights``.
@@ -152,19 +158,20 @@ class TransformerEncoderBlock(Module):
         x = as_float_array(x, "x")
         check_ndim(x, "x", ndim=3, expected=f"3-D (batch, seq, d_model={self.d_model})")
         x = check_features(x, "x", self.d_model, "TransformerEncoderBlock", "d_model")
-        x = self._isolate_padding(x, key_padding_mask)  # (B, L, D)
+        x = self.hook_point("hook_resid_pre", self._isolate_padding(x, key_padding_mask))  # (B, L, D)
         self._shape, self._dtype = x.shape, x.dtype
         masks = dict(attn_mask=mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
                      need_weights=need_weights)
         if self.norm_first:
             a = self.norm1(x)  # (B, L, D)
             att, weights = self.attention(a, a, a, **masks)  # (B, L, D), (B, H, L, L) or None
-            h = x + att  # (B, L, D)
-            out = h + self.ffn(self.norm2(h))  # (B, L, D)
+            h = self.hook_point("hook_resid_mid", x + self.hook_point("hook_attn_out", att))  # (B, L, D)
+            out = h + self.hook_point("hook_mlp_out", self.ffn(self.norm2(h)))  # (B, L, D)
         else:
             att, weights = self.attention(x, x, x, **masks)  # (B, L, D), (B, H, L, L) or None
-            h = self.norm1(x + att)  # (B, L, D)
-            out = self.norm2(h + self.ffn(h))  # (B, L, D)
+            h = self.norm1(self.hook_point("hook_resid_mid", x + self.hook_point("hook_attn_out", att)))  # (B, L, D)
+            out = self.norm2(h + self.hook_point("hook_mlp_out", self.ffn(h)))  # (B, L, D)
+        out = self.hook_point("hook_resid_post", out)
         return (out, weights) if need_weights else out
 
     def backward(self, grad_output: Any) -> np.ndarray:
@@ -176,14 +183,18 @@ class TransformerEncoderBlock(Module):
         if self._shape is None:
             raise RuntimeError("TransformerEncoderBlock.backward called before forward")
         g = check_grad_output(grad_output, self._shape, self._dtype, "TransformerEncoderBlock")  # (B, L, D)
+        g = self.hook_backward("hook_resid_post", g)
         if self.norm_first:
-            g_h = g + self.norm2.backward(self.ffn.backward(g))  # (B, L, D)
-            grad_x = g_h + self.norm1.backward(self._attention_backward(g_h))  # (B, L, D)
+            g_mlp = self.hook_backward("hook_mlp_out", g)
+            g_h = self.hook_backward("hook_resid_mid", g + self.norm2.backward(self.ffn.backward(g_mlp)))  # (B, L, D)
+            g_att = self.hook_backward("hook_attn_out", g_h)
+            grad_x = g_h + self.norm1.backward(self._attention_backward(g_att))  # (B, L, D)
         else:
             g_s2 = self.norm2.backward(g)  # gradient of h + ffn(h)
-            g_h = g_s2 + self.ffn.backward(g_s2)  # (B, L, D)
-            g_s1 = self.norm1.backward(g_h)  # gradient of x + attention(x)
-            grad_x = g_s1 + self._attention_backward(g_s1)  # (B, L, D)
+            g_h = g_s2 + self.ffn.backward(self.hook_backward("hook_mlp_out", g_s2))  # (B, L, D)
+            g_s1 = self.hook_backward("hook_resid_mid", self.norm1.backward(g_h))  # gradient of x + attention(x)
+            grad_x = g_s1 + self._attention_backward(self.hook_backward("hook_attn_out", g_s1))  # (B, L, D)
+        grad_x = self.hook_backward("hook_resid_pre", grad_x)
         if self.saved_tensors is not None:  # the padded entries that held NaN or inf
             grad_x = np.where(self.saved_tensors[0], 0, grad_x).astype(grad_x.dtype, copy=False)  # (B, L, D)
         return grad_x

@@ -89,11 +89,20 @@ class LMBlock(Module):
         if self.post_norm:
             self.mlp_post_norm = make_norm(config)
 
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_resid_pre`` (the block's input), ``hook_attn_out`` and ``hook_mlp_out`` (what each branch adds
+        to the residual stream, after its post-norm if any), ``hook_resid_mid`` (the residual between the
+        branches; not with ``parallel_residual``, whose branches both read the input), ``hook_resid_post``
+        (the output); all (B, L, D)."""
+        mid = () if self.parallel_residual else ("hook_resid_mid",)
+        return ("hook_resid_pre", "hook_attn_out", *mid, "hook_mlp_out", "hook_resid_post")
+
     def _mlp_branch(self, x: np.ndarray) -> np.ndarray:
         h = self.mlp(self.mlp_norm(x) if self.pre_norm else x)  # (B, L, D)
-        return self.mlp_post_norm(h) if self.post_norm else h
+        return self.hook_point("hook_mlp_out", self.mlp_post_norm(h) if self.post_norm else h)
 
     def _mlp_branch_backward(self, g: np.ndarray) -> np.ndarray:
+        g = self.hook_backward("hook_mlp_out", g)
         g = self.mlp.backward(self.mlp_post_norm.backward(g) if self.post_norm else g)  # (B, L, D)
         return self.mlp_norm.backward(g) if self.pre_norm else g
 
@@ -104,6 +113,7 @@ class LMBlock(Module):
         With ``output_attentions=True`` the result is ``(y, weights)``, weights (B, Hq, L, S) from the
         attention (see :meth:`GroupedQueryAttention.forward`).
         """
+        x = self.hook_point("hook_resid_pre", x)
         attended = self.attention(self.attn_norm(x) if self.pre_norm else x, rotary=rotary,
                                   attention_mask=attention_mask, cache=cache, output_attentions=output_attentions)
         weights = None
@@ -111,19 +121,22 @@ class LMBlock(Module):
             attended, weights = attended
         if self.post_norm:
             attended = self.attn_post_norm(attended)  # (B, L, D)
+        attended = self.hook_point("hook_attn_out", attended)
         if self.parallel_residual:
             y = x + attended + self._mlp_branch(x)  # (B, L, D)
         else:
-            x = x + attended
+            x = self.hook_point("hook_resid_mid", x + attended)
             y = x + self._mlp_branch(x)  # (B, L, D)
+        y = self.hook_point("hook_resid_post", y)
         return (y, weights) if output_attentions else y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """The forward read backwards: each residual branch adds its sublayers' input gradient."""
-        g = np.asarray(grad_output)
+        g = self.hook_backward("hook_resid_post", np.asarray(grad_output))
         g_mlp = self._mlp_branch_backward(g)
         if not self.parallel_residual:
-            g = g + g_mlp
-        g_attn = self.attention.backward(self.attn_post_norm.backward(g) if self.post_norm else g)
+            g = self.hook_backward("hook_resid_mid", g + g_mlp)
+        g_attended = self.hook_backward("hook_attn_out", g)
+        g_attn = self.attention.backward(self.attn_post_norm.backward(g_attended) if self.post_norm else g_attended)
         g = g + (self.attn_norm.backward(g_attn) if self.pre_norm else g_attn)
-        return g + g_mlp if self.parallel_residual else g
+        return self.hook_backward("hook_resid_pre", g + g_mlp if self.parallel_residual else g)

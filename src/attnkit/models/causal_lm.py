@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_array, as_bool_mask, check_grad_output, check_positive_int
+from ..core.hooks import block_hook_points
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
 from ..decoding.config import GenerationConfig
@@ -123,6 +124,26 @@ class CausalLM(Module):
         c = self.config
         return (f"family={c.family!r}, vocab_size={c.vocab_size}, hidden_size={c.hidden_size}, "
                 f"num_layers={c.num_layers}, num_heads={c.num_heads}, num_kv_heads={c.num_kv_heads}")
+
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_embed`` (B, L, D): the token embeddings times ``embedding_scale``; ``hook_pos_embed`` (B, L, D)
+        the learned position embeddings (models with them); ``ln_final.hook_normalized`` (B, L, D) the final
+        norm's output. The blocks' and attentions' points are in :meth:`named_hook_points`."""
+        learned = ("hook_pos_embed",) if self.rotary is None else ()
+        return ("hook_embed", *learned, "ln_final.hook_normalized")
+
+    def named_hook_points(self) -> list[tuple[str, Module, str]]:
+        """Every hook point as ``(full name, module, local name)``, in the order the forward reaches them.
+
+        Full names are TransformerLens's: this model's points, ``blocks.{i}.`` and block i's
+        (:meth:`LMBlock.hook_points`), ``blocks.{i}.attn.`` and its attention's
+        (:meth:`GroupedQueryAttention.hook_points`). See :func:`attnkit.explain.hooks`.
+        """
+        embed, final = self.hook_points()[:-1], self.hook_points()[-1]
+        points = [(name, self, name) for name in embed]
+        for i, layer in enumerate(self.layers):
+            points += block_hook_points(i, layer, layer.attention)
+        return points + [(final, self, final)]
 
     @property
     def head_weight(self) -> np.ndarray:
@@ -274,9 +295,10 @@ class CausalLM(Module):
         h = self.embed(ids)  # (B, L, D)
         if self.config.embedding_scale != 1.0:
             h = h * h.dtype.type(self.config.embedding_scale)  # (B, L, D)
+        h = self.hook_point("hook_embed", h)
         sliding = None
         if self.rotary is None:
-            h = h + self.pos_embed(positions)  # (B, L, D)
+            h = h + self.hook_point("hook_pos_embed", self.pos_embed(positions))  # (B, L, D)
             rotary = None
         else:
             rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
@@ -295,7 +317,7 @@ class CausalLM(Module):
                 states.append(h.copy())
             if index == last_layer:
                 return h
-        return self.norm(h)  # (B, L, D)
+        return self.hook_point("ln_final.hook_normalized", self.norm(h))  # (B, L, D)
 
     def backward(self, grad_logits: Any) -> np.ndarray:
         """Add every parameter's gradient of ``sum(grad_logits * logits)`` into the grads.
@@ -318,14 +340,15 @@ class CausalLM(Module):
         if h.shape[1] != length:  # positions without logits get no gradient from the head
             grad_h = np.concatenate([np.zeros((h.shape[0], length - h.shape[1], h.shape[2]), grad_h.dtype), grad_h],
                                     axis=1)  # (B, L, D)
-        grad_h = self.norm.backward(grad_h)
+        grad_h = self.norm.backward(self.hook_backward("ln_final.hook_normalized", grad_h))
         for layer in reversed(list(self.layers)):
             grad_h = layer.backward(grad_h)  # (B, L, D)
+        if self.rotary is None:
+            self.pos_embed.backward(self.hook_backward("hook_pos_embed", grad_h))
+        grad_h = self.hook_backward("hook_embed", grad_h)
         if self.config.embedding_scale != 1.0:
             grad_h = grad_h * grad_h.dtype.type(self.config.embedding_scale)  # (B, L, D)
         self.embed.backward(grad_h)
-        if self.rotary is None:
-            self.pos_embed.backward(grad_h)
         return grad_h
 
     def generate(self, input_ids: Any, attention_mask: Any = None, *, generation_config: GenerationConfig | None = None,

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.hooks import block_hook_points
 from ..core.module import Module, ModuleList
 from ..init import as_generator
 from ..io import read_json
@@ -155,6 +156,21 @@ class BertEncoder(Module):
         return (f"layers={c.num_hidden_layers}, hidden={c.hidden_size}, heads={c.num_attention_heads}, "
                 f"intermediate={c.intermediate_size}, vocab={c.vocab_size}")
 
+    # -- hook points (attnkit.explain.hooks) ----------------------------------------------------------
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_embed`` (B, L, D): the word embeddings, before the token-type and position embeddings and the
+        embedding LayerNorm (whose output is ``blocks.0.hook_resid_pre``)."""
+        return ("hook_embed",)
+
+    def named_hook_points(self) -> list[tuple[str, Module, str]]:
+        """Every hook point as ``(full name, module, local name)`` in forward order: ``hook_embed``, then each
+        block's (:meth:`TransformerEncoderBlock.hook_points`) and its attention's
+        (:meth:`MultiHeadAttention.hook_points`) under ``blocks.{i}.`` and ``blocks.{i}.attn.``."""
+        points = [("hook_embed", self, "hook_embed")]
+        for i, block in enumerate(self.blocks):
+            points += block_hook_points(i, block, block.attention)
+        return points
+
     # -- forward -------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, attention_mask, token_type_ids):
         ids = np.asarray(input_ids)
@@ -185,7 +201,8 @@ class BertEncoder(Module):
         """The embedding layer's output, LayerNorm included: (B, L) ids -> (B, L, D)."""
         length = input_ids.shape[1]
         positions = np.arange(length)[None, :]  # (1, L)
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # (B, L, D)
+        x = self.hook_point("hook_embed", self.word_embeddings(input_ids))  # (B, L, D)
+        x = x + self.token_type_embeddings(token_type_ids)  # (B, L, D)
         x = x + self.position_embeddings(positions)  # (B, L, D)
         return self.embedding_norm(x)  # (B, L, D)
 
@@ -247,9 +264,10 @@ class BertEncoder(Module):
         """
         g = _backward_blocks(self.blocks, grad_output)  # (B, L, D)
         g = self.embedding_norm.backward(g)  # (B, L, D)
-        self.word_embeddings.backward(g)
         self.token_type_embeddings.backward(g)
         self.position_embeddings.backward(g.sum(axis=0, keepdims=True))  # (1, L, D): positions are shared
+        g = self.hook_backward("hook_embed", g)
+        self.word_embeddings.backward(g)
         return g
 
 

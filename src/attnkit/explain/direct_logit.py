@@ -1,0 +1,126 @@
+"""Direct logit attribution: what each head, each MLP and the embeddings write into the residual stream,
+read straight through the final norm and the output head as a share of one logit.
+
+The final norm is linear in its input once its scale is fixed, so with the scale taken from the run (frozen)
+every component's share is a dot product, and the shares sum to the logit. Post-norms on the branches (Gemma,
+OLMo 2) are frozen the same way, and Gemma 2's final soft-cap as the ratio ``logit / (logit before the cap)``.
+
+Shapes: B batch, L tokens, N layers, H query heads, Dh head width, D model width.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..kernels.norm import layer_norm_forward
+from ..kernels.rms_norm import rms_norm_forward
+from ..layers.layer_norm import LayerNorm
+from ._inputs import as_id_batch, check_position
+from .hooks import run_with_cache
+
+__all__ = ["direct_logit_attribution"]
+
+
+def _frozen_norm(norm, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``norm(x) = center(x) * scale + shift`` with ``scale`` (..., D) taken at ``x``: ``(scale, shift, center)``;
+    ``center`` is whether the norm subtracts the mean first (LayerNorm)."""
+    if isinstance(norm, LayerNorm):
+        _, _, rstd = layer_norm_forward(x, norm.gamma, norm.beta, norm.eps)  # (..., 1)
+        return (rstd * norm.gamma).astype(x.dtype), norm.beta.astype(x.dtype), True
+    gain = norm.gamma + norm.gamma.dtype.type(norm.offset)
+    _, _, rstd = rms_norm_forward(x, gain, norm.eps)  # (..., 1)
+    return (rstd * gain).astype(x.dtype), np.zeros(x.shape[-1], x.dtype), False
+
+
+def direct_logit_attribution(model, input_ids: Any, target: Any, target_position: int = -1) -> dict[str, Any]:
+    """Each component's share of the logit of ``target`` after ``target_position``, summing to it exactly.
+
+    Parameters
+    ----------
+    model : CausalLM
+    input_ids : array_like of int, (L,) or (B, L)
+    target : int or array_like of int (B,)
+        The output token whose logit is split.
+    target_position : int, default -1
+        The position whose next-token logit is split (negative counts from the end).
+
+    Returns
+    -------
+    dict
+        ``"embed"``: the token embeddings' share (times Gemma's ``embedding_scale``); ``"pos_embed"``: the learned
+        position embeddings' (0 for rotary models); ``"heads"`` (N, H): each head's output through its slice of
+        the output projection (its query, key and value biases are in it); ``"mlp"`` (N,): each MLP's output,
+        its biases included; ``"bias"``: the attention output biases of every layer and the final LayerNorm's
+        shift, which belong to no head; ``"logit"``: the model's logit. Each is a float for one sequence, with a
+        leading (B,) for a batch; ``embed + pos_embed + heads.sum() + mlp.sum() + bias == logit`` to rounding
+        (about 1e-15 relative in float64).
+
+    Notes
+    -----
+    The scale of the final norm (and of post-norms) is the run's own, held fixed: a component's share is what it
+    contributes given the others, not what the logit would be without it (that is :func:`activation_patching`'s
+    question). With LayerNorm each component is centred, as the norm centres their sum.
+
+    Examples
+    --------
+    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
+    >>> parts = direct_logit_attribution(lm, [1, 2, 3], target=4)
+    >>> parts["heads"].shape, parts["mlp"].shape
+    ((2, 2), (2,))
+    >>> total = parts["embed"] + parts["pos_embed"] + parts["heads"].sum() + parts["mlp"].sum() + parts["bias"]
+    >>> bool(abs(total - parts["logit"]) < 1e-12)
+    True
+    """
+    cfg = model.config
+    batch, single = as_id_batch(input_ids, cfg.vocab_size)
+    b = batch.shape[0]
+    position = check_position(target_position, batch.shape[1])
+    targets = np.asarray(target)
+    if targets.dtype.kind not in "iu" or targets.ndim > 1 or (targets.ndim == 1 and targets.shape != (b,)) \
+            or (targets < 0).any() or (targets >= cfg.vocab_size).any():
+        raise ValueError(f"target must be a token id in [0, {cfg.vocab_size}) or one per row ({b},), got {target!r}")
+    targets = np.broadcast_to(targets, (b,))
+    n, heads, dh = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    learned = model.rotary is None
+    final = f"blocks.{n - 1}.hook_resid_post"  # the final norm's input
+    names = ["hook_embed", *(["hook_pos_embed"] if learned else []), final]
+    names += [f"blocks.{i}.{p}" for i in range(n) for p in ("attn.hook_z", "hook_mlp_out")]
+    # the model is causal: the tokens after the explained position change nothing before it
+    logits, cache = run_with_cache(model, batch[:, :position + 1], names=names)
+    at = {name: value[:, -1] for name, value in cache.items()}  # (B, D) or (B, H, Dh)
+
+    scale, shift, center = _frozen_norm(model.norm, at[final])  # (B, D), (D,)
+    direction = model.head_weight[targets].astype(scale.dtype) * scale  # (B, D): d logit / d residual
+    if center:
+        direction = direction - direction.mean(axis=-1, keepdims=True)  # (B, D): center(c) . u == c . center(u)
+    bias = model.head_weight[targets].astype(scale.dtype) @ shift  # (B,)
+
+    head_parts = np.empty((b, n, heads), scale.dtype)
+    mlp_parts = np.empty((b, n), scale.dtype)
+    for i, layer in enumerate(model.layers):
+        attention = layer.attention
+        z = at[f"blocks.{i}.attn.hook_z"]  # (B, H, Dh)
+        w_o = attention.W_O.reshape(heads, dh, cfg.hidden_size)  # (H, Dh, D)
+        per_head = np.einsum("bhk,hkd->bhd", z, w_o)  # (B, H, D)
+        b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(cfg.hidden_size, scale.dtype)
+        if layer.post_norm:  # attention output -> its post-norm, frozen at the output the run made
+            post_scale, _, _ = _frozen_norm(layer.attn_post_norm, per_head.sum(axis=1) + b_o)  # (B, D)
+            per_head = per_head * post_scale[:, None]  # (B, H, D)
+            b_o = b_o * post_scale  # (B, D)
+        head_parts[:, i] = np.einsum("bhd,bd->bh", per_head, direction)  # (B, H)
+        bias = bias + (b_o * direction).sum(axis=-1)  # (B,)
+        mlp_parts[:, i] = (at[f"blocks.{i}.hook_mlp_out"] * direction).sum(axis=-1)  # (B,)
+    parts = {"embed": (at["hook_embed"] * direction).sum(axis=-1),
+             "pos_embed": (at["hook_pos_embed"] * direction).sum(axis=-1) if learned else np.zeros(b, scale.dtype),
+             "heads": head_parts, "mlp": mlp_parts, "bias": bias}
+    logit = logits[np.arange(b), -1, targets]  # (B,)
+    if cfg.final_logit_softcap is not None:  # logit = C tanh(z / C): the parts of z, times the run's logit / z
+        uncapped = sum(part.reshape(b, -1).sum(axis=-1) for part in parts.values())  # (B,): z itself
+        ratio = np.divide(logit, uncapped, out=np.ones_like(logit), where=uncapped != 0)  # (B,)
+        parts = {k: v * ratio.reshape((b,) + (1,) * (v.ndim - 1)) for k, v in parts.items()}
+    parts["logit"] = logit
+    return {k: v[0] for k, v in parts.items()} if single else parts

@@ -1,0 +1,185 @@
+"""Hooks and activation caches with TransformerLens's names, on attnkit's exact forward and backward.
+
+:func:`hooks` runs a model with functions applied to named activations (steering, ablation, patching) under
+forward, ``generate`` and backward; :func:`run_with_cache` keeps the activations asked for; :func:`hook_names`
+lists them. A model lists its hook points with ``named_hook_points()`` (``CausalLM``: ``hook_embed``,
+``blocks.{i}.hook_resid_pre``, ``blocks.{i}.attn.hook_z``, ..., ``ln_final.hook_normalized``).
+
+Shapes: B batch, L tokens, D model width, H query heads (K/V: the key/value heads), Dh head width, S keys.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+__all__ = ["hook_names", "hooks", "run_with_cache"]
+
+
+def _points(model) -> list[tuple[str, Any, str]]:
+    named = getattr(model, "named_hook_points", None)
+    if named is None:
+        raise TypeError(f"model must have named hook points (a CausalLM), got {type(model).__name__}")
+    return named()
+
+
+def hook_names(model) -> list[str]:
+    """Every hook name of ``model``, in the order the forward reaches them.
+
+    Examples
+    --------
+    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    >>> names = hook_names(CausalLM(cfg, rng=0))
+    >>> names[:3], names[-1], len(names)
+    (['hook_embed', 'blocks.0.hook_resid_pre', 'blocks.0.attn.hook_q'], 'ln_final.hook_normalized', 26)
+    """
+    return [name for name, _, _ in _points(model)]
+
+
+def _resolve(model, names: Any, what: str) -> dict[str, tuple[Any, str]]:
+    """``{full name: (module, local point)}`` for the names given; unknown names are refused with the nearest."""
+    table = {name: (module, point) for name, module, point in _points(model)}
+    out = {}
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{what} must name hook points by str, got {type(name).__name__} {name!r}")
+        if name not in table:
+            near = difflib.get_close_matches(name, table, n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else "; see attnkit.explain.hook_names(model)"
+            raise ValueError(f"{what}: {type(model).__name__} has no hook point {name!r}{hint}")
+        out[name] = table[name]
+    return out
+
+
+def _check_hooks(fns: Any, what: str) -> dict[str, Callable]:
+    if fns is None:
+        return {}
+    if not isinstance(fns, Mapping):
+        raise TypeError(f"{what} must be a mapping of hook names to functions, got {type(fns).__name__}")
+    for name, fn in fns.items():
+        if not callable(fn):
+            raise TypeError(f"{what}[{name!r}] must be callable as fn(value, name), got {type(fn).__name__}")
+    return dict(fns)
+
+
+@contextmanager
+def hooks(model, forward: Mapping[str, Callable] | None = None, *,
+          backward: Mapping[str, Callable] | None = None) -> Iterator[None]:
+    """Run ``model`` with ``fn(value, name)`` applied where each named value is made, inside the block.
+
+    A forward hook returns a replacement (same shape) or None to leave the value alone; it sees a read-only
+    view (edit a copy and return it). A backward hook sees the gradient arriving at the point (same layout as
+    the value) and may replace it too. Hooks apply to every forward in the block: plain calls, ``generate``
+    (every decoding step, where a step's value holds only the new positions: a hook that picks positions by
+    index should check the length), and the backward after an uncached forward.
+
+    The backward is exact for the hooked model: a replaced value is a constant, so its gradient stops at the
+    hook point. Run the backward inside the block; leaving a block in which a value was replaced discards the
+    model's saved forward state, so a backward after it raises instead of silently ignoring the replacement.
+    Blocks nest (inner hooks run after outer ones at the same point); the model is as before after the block.
+
+    Parameters
+    ----------
+    model : CausalLM
+    forward : mapping of str to callable, optional
+        Hook name (:func:`hook_names`) to function.
+    backward : mapping of str to callable, optional
+        Hook name to function of the gradient (``blocks.{i}.attn.hook_pattern`` takes forward hooks only).
+
+    Examples
+    --------
+    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    >>> lm = CausalLM(cfg, rng=0)
+    >>> def ablate_head_1(z, name):
+    ...     z = z.copy()
+    ...     z[:, :, 1] = 0.0
+    ...     return z
+    >>> with hooks(lm, {"blocks.0.attn.hook_z": ablate_head_1}):
+    ...     ablated = lm(np.array([[1, 2, 3]]))
+    >>> bool(np.allclose(ablated, lm(np.array([[1, 2, 3]]))))
+    False
+    """
+    fwd, bwd = _check_hooks(forward, "forward"), _check_hooks(backward, "backward")
+    points = {**_resolve(model, fwd, "forward"), **_resolve(model, bwd, "backward")}
+    added: list[tuple[Any, str, Callable, str]] = []
+    try:
+        for direction, fns in (("forward", fwd), ("backward", bwd)):
+            for name, fn in fns.items():
+                module, point = points[name]
+                module.add_hook(point, fn, full_name=name, direction=direction)
+                added.append((module, point, fn, direction))
+        yield
+    finally:
+        replaced = any(module.hook_replaced(point) for module, point, _, direction in added if direction == "forward")
+        for module, point, fn, direction in reversed(added):
+            module.remove_hook(point, fn, direction)
+        if replaced:  # the saved forward state assumed the replacements: a backward now would not be exact
+            for module in {id(module): module for _, module, _ in _points(model)}.values():
+                module.save_for_backward()
+
+
+def run_with_cache(model, input_ids: Any, attention_mask: Any = None,
+                   names: Any = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The logits and the activations at the hook points asked for, from one forward.
+
+    Parameters
+    ----------
+    model : CausalLM
+    input_ids : array_like of int, (L,) or (B, L)
+        One sequence is run as a batch of one (the cache keeps the batch axis).
+    attention_mask : array_like (B, L), optional
+        As the model's forward (``True`` = real token).
+    names : list of str or callable, optional
+        Which hook points to keep: a list of names, or ``predicate(name) -> bool``; default all of them.
+        ``blocks.{i}.attn.hook_pattern`` makes that layer run the reference attention kernel (the weights are
+        formed), so leave it out when it is not needed.
+
+    Returns
+    -------
+    logits : ndarray (B, L, V)
+    cache : dict of str to ndarray
+        The caller's copies, keyed by hook name, in forward order: ``hook_embed``, ``blocks.{i}.hook_resid_pre``
+        / ``hook_resid_mid`` / ``hook_attn_out`` / ``hook_mlp_out`` / ``hook_resid_post`` (B, L, D),
+        ``blocks.{i}.attn.hook_q`` (B, L, H, Dh), ``hook_k`` / ``hook_v`` (B, L, Hkv, Dh), ``hook_rot_q`` /
+        ``hook_rot_k`` (rotary layers), ``hook_pattern`` (B, H, L, L), ``hook_z`` (B, L, H, Dh),
+        ``ln_final.hook_normalized`` (B, L, D).
+
+    Examples
+    --------
+    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    >>> lm = CausalLM(cfg, rng=0)
+    >>> logits, cache = run_with_cache(lm, [1, 2, 3], names=lambda name: name.endswith("hook_pattern"))
+    >>> list(cache), cache["blocks.1.attn.hook_pattern"].shape
+    (['blocks.0.attn.hook_pattern', 'blocks.1.attn.hook_pattern'], (1, 2, 3, 3))
+    """
+    everything = hook_names(model)
+    if names is None:
+        chosen = everything
+    elif callable(names):
+        chosen = [name for name in everything if names(name)]
+    elif isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
+        raise TypeError(f"names must be a list of hook names or a predicate, got {type(names).__name__}")
+    else:
+        chosen = list(_resolve(model, list(names), "names"))
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]  # (1, L)
+    found: dict[str, np.ndarray] = {}
+
+    def keep(value: np.ndarray, name: str) -> None:
+        found[name] = np.array(value)
+
+    with hooks(model, {name: keep for name in chosen}):
+        logits = model(ids, attention_mask)
+    order = {name: i for i, name in enumerate(everything)}
+    cache = {name: found[name] for name in sorted(found, key=order.__getitem__)}
+    return logits, cache
