@@ -14,7 +14,6 @@ and their weights with ``gguf.quants.dequantize`` of the stored blocks. Tokenize
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -148,6 +147,30 @@ def test_dtype_is_the_requested_one(dtype, wide):
     assert {p.dtype for _, p in lm.named_parameters()} == {np.dtype(dtype)}
 
 
+def test_loading_costs_the_weights_plus_one_tensor_in_float32(tmp_path):
+    """Measured with tracemalloc (NumPy reports its allocations; the mapped file is not an allocation)."""
+    import tracemalloc
+
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    path = tmp_path / "q4k.gguf"
+    gm.write_gguf(transformers.LlamaForCausalLM(config).eval(), path, gm.Q.Q4_K)
+    for dtype in (np.float32, np.float16):
+        tracemalloc.start()
+        try:
+            lm = load_causal_lm(path, dtype=dtype)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        weights = sum(p.nbytes for p in lm.parameters())
+        largest = 2048 * 256 * 4  # the embedding (and the head) dequantized to float32, 2 MB
+        assert weights > 4e6 if dtype == np.float32 else weights > 2e6
+        # gguf's dequantizer holds the float32 tensor twice (its row groups, then the joined array); nothing
+        # is model-sized
+        assert peak <= weights + 2.5 * largest + 1e6, (dtype, peak, weights)
+
+
 # -- tokenizers and chat templates --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer_files(root):
@@ -254,8 +277,9 @@ def _raw_file(path, arch="llama", tensors=(), meta=None):
     return path
 
 
-def _with_tensor_type(good_file, path, name, qtype, data):
-    """A copy of ``good_file`` with tensor ``name`` stored as ``data`` of type ``qtype``."""
+def _rewritten(good_file, path, *, replace=None, add=None, drop=None):
+    """A copy of ``good_file`` with tensors replaced or added (name -> (array, raw type or None)), or one dropped."""
+    replace, add = dict(replace or {}), dict(add or {})
     file = read_gguf(good_file)
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, field in gguf.GGUFReader(str(good_file)).fields.items():
@@ -266,11 +290,16 @@ def _with_tensor_type(good_file, path, name, qtype, data):
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, kind, sub_type=sub)
     for tensor_name, tensor in file.tensors.items():
-        if tensor_name == name:
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        if tensor_name == drop:
+            continue
+        if tensor_name in replace:
+            data, qtype = replace[tensor_name]
+            writer.add_tensor(tensor_name, data, raw_shape=None if qtype is None else data.shape, raw_dtype=qtype)
         else:
             values = np.asarray(tensor.data).reshape(tuple(int(n) for n in reversed(tensor.shape)))
             writer.add_tensor(tensor_name, values)
+    for tensor_name, (data, qtype) in add.items():
+        writer.add_tensor(tensor_name, data, raw_shape=None if qtype is None else data.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -302,7 +331,7 @@ def test_an_unsupported_tensor_type_is_refused(qtype, good_file, tmp_path, no_mo
     rows, cols = 48, 32  # blk.0.ffn_up.weight: (F, D), rows of whole blocks of 32
     data = np.zeros((rows, cols // block * size), np.uint8) if qtype.name != "I32" else np.zeros((rows, cols),
                                                                                                  np.int32)
-    path = _with_tensor_type(good_file, tmp_path / "odd.gguf", "blk.0.ffn_up.weight", qtype, data)
+    path = _rewritten(good_file, tmp_path / "odd.gguf", replace={"blk.0.ffn_up.weight": (data, qtype)})
     with pytest.raises(ValueError, match=rf"odd\.gguf: tensor 'blk\.0\.ffn_up\.weight' is of type {qtype.name}, "
                                          r"which attnkit does not dequantize; it reads F32, F16, BF16, Q4_0"):
         load_causal_lm(path)
@@ -317,14 +346,23 @@ def test_a_truncated_file_is_refused(keep, good_file, tmp_path, no_model_built):
         load(path)
 
 
-def test_missing_metadata_and_tensors_are_named(good_file, tmp_path, no_model_built):
+def test_missing_metadata_and_wrong_tensors_are_named(good_file, tmp_path, no_model_built):
     path = _raw_file(tmp_path / "bare.gguf", "llama", [("token_embd.weight", np.zeros((4, 8), np.float32), None)],
                      {"llama.embedding_length": 8})
     with pytest.raises(ValueError, match=r"bare\.gguf: the metadata has no 'llama\.attention\.head_count'"):
         load_causal_lm(path)
-    file = read_gguf(good_file)
-    shutil.copy(good_file, tmp_path / "copy.gguf")
-    assert read_gguf(tmp_path / "copy.gguf").metadata == file.metadata
+    path = _rewritten(good_file, tmp_path / "short.gguf", drop="blk.1.ffn_down.weight")
+    with pytest.raises(ValueError, match=r"short\.gguf: the file has no tensor 'blk\.1\.ffn_down\.weight'"):
+        load_causal_lm(path)
+    extra = {"blk.0.ffn_gate.weight": (np.zeros((40, 32), np.float32), None)}
+    path = _rewritten(good_file, tmp_path / "narrow.gguf", replace=extra)
+    with pytest.raises(ValueError, match=r"narrow\.gguf: tensor 'blk\.0\.ffn_gate\.weight' has shape \(40, 32\), "
+                                         r"but the metadata implies \(48, 32\)"):
+        load_causal_lm(path)
+    extra = {"blk.0.attn_q.bias": (np.zeros(32, np.float32), None)}
+    path = _rewritten(good_file, tmp_path / "biased.gguf", add=extra)
+    with pytest.raises(ValueError, match=r"biased\.gguf: the file has no tensor 'blk\.0\.attn_k\.bias'"):
+        load_causal_lm(path)
 
 
 # -- the command line -----------------------------------------------------------------------------------------
