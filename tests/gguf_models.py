@@ -41,6 +41,24 @@ def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_divisors(params: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for Llama 3's scaling: each frequency's divisor (1, ``factor`` or between)."""
+    freqs = 1.0 / (params["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    context = params["original_max_position_embeddings"]
+    divisors = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / freq
+        if wavelength < context / high:
+            divisors.append(1.0)
+        elif wavelength > context / low:
+            divisors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(divisors, dtype=np.float32)
+
+
 def raw_k_quant_blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """Random K-quant blocks for a float tensor of ``shape``: random bits, float16 scales in [0.002, 0.02]."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -93,6 +111,8 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             writer.add_rope_scaling_factor(params["factor"])
             writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        elif kind == "llama3":  # llama.cpp's LlamaModel: one divisor per frequency, as a tensor
+            writer.add_tensor("rope_freqs.weight", llama3_divisors(params, head_dim))
         elif kind == "longrope" and model_type == "phi3":
             original = cfg.original_max_position_embeddings
             factor = cfg.max_position_embeddings / original

@@ -30,8 +30,8 @@ from text_models import CHATML, CORPUS, LLAMA2, write_chat_tokenizer  # noqa: E4
 
 TOL = 2e-5  # max |ours - theirs| / max |theirs| over the logits
 # hf_models specs llama.cpp reads whole but transformers' GGUF loader does not (see the module docstring).
-FLOAT_ONLY_HF = ("gpt2", "llama_gqa", "llama_yarn", "qwen3", "olmo2", "olmo2_bias_mqa", "phi3_longrope",
-                 "phi3_partial_window")
+FLOAT_ONLY_HF = ("gpt2", "llama_gqa", "llama_yarn", "llama_llama3", "llama_linear", "qwen3", "olmo2",
+                 "olmo2_bias_mqa", "phi3_longrope", "phi3_partial_window")
 TEXTS = [" Héllo wörld, naïve café", "  two leading spaces", "日本語の文章です。", "emoji \U0001f600\U0001f680 €£¥",
          "mixed: Crème brûlée 😀 日本 \n\tnew line", "<|im_start|>user\nhi<|im_end|>", ""]
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
@@ -85,6 +85,13 @@ def test_greedy_tokens_equal_transformers_gguf_generate(name, root):
     ids, mask = left_padded_batch(np.random.default_rng(5), (5, 3))
     ours = lm.generate(ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
     np.testing.assert_array_equal(ours, hf_greedy(theirs, ids, mask, 8, eos_token_id=None, pad_token_id=0))
+
+
+def test_llama3_rope_freqs_become_the_rotary_divisors(root):
+    lm = load_causal_lm(_written(root, "float_llama_llama3", build_hf_model("llama_llama3")))
+    scaling = lm.config.rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["short_factor"] == scaling["long_factor"]
+    assert scaling["attention_factor"] == 1.0 and max(scaling["short_factor"]) == 8.0
 
 
 def test_mistral_is_written_and_read_as_llama(root):
