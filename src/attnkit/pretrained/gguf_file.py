@@ -263,7 +263,12 @@ def _gemma(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
     big = config["num_hidden_layers"] == (62 if three else 46)
     config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if big
                                        else config["head_dim"])
-    config["sliding_window"] = meta.int("attention.sliding_window")
+    layers = config["num_hidden_layers"]
+    if three and not meta.get("attention.sliding_window"):  # llama.cpp: no window, no sliding layer
+        config["sliding_window"] = None
+        config["layer_types"] = ["full_attention"] * layers
+    else:
+        config["sliding_window"] = meta.int("attention.sliding_window")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         config[key] = meta.float(key) if meta.get(key) is not None else None
     if not three:
@@ -277,7 +282,8 @@ def _gemma(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
     config["rope_parameters"] = {"full_attention": full, "sliding_attention": {
         "rope_type": "default", "rope_theta": meta.float("rope.freq_base_swa", 10000.0)}}
     pattern = meta.get("attention.sliding_window_pattern", 6)
-    layers = config["num_hidden_layers"]
+    if "layer_types" in config:
+        return config
     if isinstance(pattern, list):  # one flag per layer: True = sliding
         if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
             raise file.fail(f"metadata gemma3.attention.sliding_window_pattern must be {layers} booleans or a "
