@@ -353,6 +353,38 @@ def test_a_truncated_file_is_refused(keep, good_file, tmp_path, no_model_built):
         load(path)
 
 
+def _patched(data: bytes, after: bytes, skip: int, value: int, width: int) -> bytes:
+    """``data`` with the ``width``-byte little-endian field ``skip`` bytes after the first ``after`` set to
+    ``value``."""
+    at = data.index(after) + len(after) + skip
+    return data[:at] + value.to_bytes(width, "little") + data[at + width:]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("version", r"GGUF version 7 is not read \(attnkit reads versions 2 and 3, little-endian\)"),
+    ("counts", r"is truncated or corrupt \(\d+ bytes\): a header of 1099511627776 metadata entries"),
+    ("array", r"is truncated or corrupt \(\d+ bytes\): metadata 'tokenizer\.ggml\.tokens' runs past the end"),
+    ("type id", r"tensor 'token_embd\.weight' has tensor type id 99, which no GGUF reader knows"),
+    ("dims", r"is corrupt: tensor 'token_embd\.weight' has 9 dimensions"),
+])
+def test_a_corrupt_header_is_refused_by_what_is_wrong(case, message, good_file, tmp_path, no_model_built):
+    data = good_file.read_bytes()
+    if case == "version":
+        data = data[:4] + (7).to_bytes(4, "little") + data[8:]
+    elif case == "counts":
+        data = data[:16] + (1 << 40).to_bytes(8, "little") + data[24:]
+    elif case == "array":  # the token list: key, value type 9, item type 8, then the count
+        data = _patched(data, b"tokenizer.ggml.tokens", 8, 1 << 40, 8)
+    elif case == "type id":  # the first tensor's entry: name, n_dims (4), two dims (16), then the type
+        data = _patched(data, b"token_embd.weight", 20, 99, 4)
+    else:
+        data = _patched(data, b"token_embd.weight", 0, 9, 4)
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=r"corrupt\.gguf.*" + message):
+        load(path)
+
+
 def test_missing_metadata_and_wrong_tensors_are_named(good_file, tmp_path, no_model_built):
     path = _raw_file(tmp_path / "bare.gguf", "llama", [("token_embd.weight", np.zeros((4, 8), np.float32), None)],
                      {"llama.embedding_length": 8})

@@ -26,6 +26,7 @@ Dimension letters: V vocabulary, D hidden size, Hq/Hkv heads, Dh head features, 
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,10 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors
 _GPT2_TRANSPOSED = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
 
 _MAGIC = b"GGUF"
+_VERSIONS = (2, 3)
+# GGUF value types -> byte size (8 = string and 9 = array are variable).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,108 @@ def is_gguf_path(path: str | os.PathLike) -> bool:
     return path.suffix.lower() == ".gguf" and not path.is_dir()
 
 
+class _Header:
+    """A bounds-checked walk over a GGUF header, on the memory-mapped file: every length is checked against the
+    bytes left before it is used, so a truncated or corrupt file fails at the first impossible length instead
+    of reading past the end (or looping over a count no file could hold)."""
+
+    def __init__(self, data: Any, path: Path) -> None:
+        self.data, self.path, self.size, self.at = data, path, len(data), 0
+
+    def truncated(self, what: str) -> ValueError:
+        return ValueError(f"{self.path} is truncated or corrupt ({self.size} bytes): {what} runs past the end of "
+                          f"the file")
+
+    def skip(self, n: int, what: str) -> int:
+        if n < 0 or self.at + n > self.size:
+            raise self.truncated(what)
+        self.at += n
+        return self.at - n
+
+    def take(self, n: int, what: str) -> bytes:
+        begin = self.skip(n, what)
+        return bytes(self.data[begin:self.at])
+
+    def uint(self, n: int, what: str) -> int:
+        return int.from_bytes(self.take(n, what), "little")
+
+    def skip_value(self, kind: int, what: str, depth: int = 0) -> None:
+        if kind in _SCALAR_SIZES:
+            self.skip(_SCALAR_SIZES[kind], what)
+        elif kind == 8:
+            self.skip(self.uint(8, what), what)
+        elif kind == 9 and depth < 2:
+            item, count = self.uint(4, what), self.uint(8, what)
+            if item in _SCALAR_SIZES:  # no walk over the items: their size is known
+                self.skip(count * _SCALAR_SIZES[item], what)
+                return
+            if count > (self.size - self.at) // 8:  # each string or array item holds an 8-byte length
+                raise self.truncated(what)
+            for _ in range(count):
+                self.skip_value(item, what, depth + 1)
+        else:
+            raise ValueError(f"{self.path} is corrupt: {what} has the unknown GGUF value type {kind}")
+
+
+def _check_header(path: Path) -> None:
+    """Walk the header (version, metadata, tensor table) and check every tensor's bytes lie inside the file.
+
+    Raises
+    ------
+    ValueError
+        Naming the file: an unsupported version (or byte order), a length or a tensor running past the end
+        (truncated), an unknown value or tensor type id, a tensor of more than four dimensions.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        header = _Header(data, path)
+        size = header.size
+        header.skip(4, "the magic")
+        version = header.uint(4, "the version")
+        if version not in _VERSIONS:
+            raise ValueError(f"{path}: GGUF version {version} is not read (attnkit reads versions 2 and 3, "
+                             f"little-endian)")
+        tensors, keys = header.uint(8, "the tensor count"), header.uint(8, "the metadata count")
+        if keys > size // 12 or tensors > size // 24:  # the smallest entries take 12 and 24 bytes
+            raise header.truncated(f"a header of {keys} metadata entries and {tensors} tensors")
+        alignment = 32
+        for _ in range(keys):
+            key = header.take(header.uint(8, "a metadata key"), "a metadata key")
+            what = f"metadata {key[:80].decode('utf-8', 'replace')!r}"
+            kind = header.uint(4, what)
+            if key == b"general.alignment" and kind == 4:
+                alignment = header.uint(4, what)
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise ValueError(f"{path} is corrupt: general.alignment = {alignment} is not a power of two")
+                continue
+            header.skip_value(kind, what)
+        table = []
+        for _ in range(tensors):
+            name = header.take(header.uint(8, "a tensor name"), "a tensor name").decode("utf-8", "replace")
+            dims = header.uint(4, f"tensor {name!r}")
+            if not 1 <= dims <= _MAX_DIMS:
+                raise ValueError(f"{path} is corrupt: tensor {name!r} has {dims} dimensions (GGUF allows 1 to 4)")
+            shape = [header.uint(8, f"tensor {name!r}") for _ in range(dims)]
+            type_id = header.uint(4, f"tensor {name!r}")
+            offset = header.uint(8, f"tensor {name!r}")
+            try:
+                kind = GGMLQuantizationType(type_id)
+                block, type_size = GGML_QUANT_SIZES[kind]
+            except (ValueError, KeyError):
+                raise ValueError(f"{path}: tensor {name!r} has tensor type id {type_id}, which no GGUF reader "
+                                 f"knows (attnkit reads {', '.join(GGUF_TENSOR_TYPES)})") from None
+            if shape[0] % block:
+                raise ValueError(f"{path} is corrupt: tensor {name!r} has rows of {shape[0]} values, not whole "
+                                 f"{kind.name} blocks of {block}")
+            table.append((name, offset, math.prod(shape) // block * type_size))
+        start = -(-header.at // alignment) * alignment  # the data begins at the next multiple of the alignment
+    for name, offset, nbytes in table:
+        if start + offset + nbytes > size:
+            raise ValueError(f"{path} is truncated: tensor {name!r} needs bytes up to {start + offset + nbytes}, "
+                             f"the file has {size}")
+
+
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse a GGUF file's header (metadata and tensor table) without reading any tensor data.
 
@@ -121,6 +228,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     if magic != _MAGIC:
         raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not {_MAGIC!r}")
     gguf = import_extra("gguf", "read GGUF files")
+    _check_header(path)
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, KeyError, ... on bad bytes
@@ -131,11 +239,6 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     except Exception as exc:  # noqa: BLE001 - undecodable strings and the like
         raise ValueError(f"{path}: its GGUF metadata cannot be decoded ({type(exc).__name__}: {exc})") from None
     tensors = {t.name: t for t in reader.tensors}
-    for t in reader.tensors:
-        # The reader slices the mapping lazily: a tensor past the end would show up only when read.
-        if t.data_offset + t.n_bytes > size:
-            raise ValueError(f"{path} is truncated: tensor {t.name!r} needs bytes up to {t.data_offset + t.n_bytes}, "
-                             f"the file has {size}")
     parts = metadata.get("split.count", 1)
     if parts != 1:
         raise ValueError(f"{path} is part of a GGUF split in {parts} files; merge them into one first "
