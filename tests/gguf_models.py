@@ -262,7 +262,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, meta: dict) -> None:
     if "scores" in meta:
         writer.add_token_scores(meta["scores"])
     writer.add_token_types(meta["token_type"])
-    for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
+    for key in ("bos_token_id", "eos_token_id", "eot_token_id", "padding_token_id", "unknown_token_id"):
         if key in meta:
             writer.add_uint32(f"tokenizer.ggml.{key}", meta[key])
     for key in ("add_bos_token", "add_eos_token", "add_space_prefix"):

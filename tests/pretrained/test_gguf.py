@@ -94,6 +94,14 @@ def test_llama3_rope_freqs_become_the_rotary_divisors(root):
     assert scaling["attention_factor"] == 1.0 and max(scaling["short_factor"]) == 8.0
 
 
+def test_end_of_turn_ids_end_generation_as_in_llama_cpp(tmp_path):
+    meta = {**gm.plain_vocabulary(96, 1, 95), "eot_token_id": 94}
+    path = tmp_path / "eot.gguf"
+    gm.write_gguf(gm.build_model("llama"), path, tokenizer=meta)
+    lm, tokenizer = load(path)
+    assert lm.config.eos_token_id == (95, 94) and tokenizer.eos_token_ids == (95, 94)
+
+
 def test_mistral_is_written_and_read_as_llama(root):
     path = _written(root, "mistral", gm.build_model("mistral"))
     file = read_gguf(path)

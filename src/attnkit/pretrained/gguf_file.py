@@ -144,7 +144,7 @@ class _Header:
             raise ValueError(f"{self.path} is corrupt: {what} has the unknown GGUF value type {kind}")
 
 
-def _check_header(path: Path) -> None:
+def _check_header(path: Path, gguf: Any) -> None:
     """Walk the header (version, metadata, tensor table) and check every tensor's bytes lie inside the file.
 
     Raises
@@ -153,8 +153,6 @@ def _check_header(path: Path) -> None:
         Naming the file: an unsupported version (or byte order), a length or a tensor running past the end
         (truncated), an unknown value or tensor type id, a tensor of more than four dimensions.
     """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
         header = _Header(data, path)
         size = header.size
@@ -187,8 +185,8 @@ def _check_header(path: Path) -> None:
             type_id = header.uint(4, f"tensor {name!r}")
             offset = header.uint(8, f"tensor {name!r}")
             try:
-                kind = GGMLQuantizationType(type_id)
-                block, type_size = GGML_QUANT_SIZES[kind]
+                kind = gguf.GGMLQuantizationType(type_id)
+                block, type_size = gguf.GGML_QUANT_SIZES[kind]
             except (ValueError, KeyError):
                 raise ValueError(f"{path}: tensor {name!r} has tensor type id {type_id}, which no GGUF reader "
                                  f"knows (attnkit reads {', '.join(GGUF_TENSOR_TYPES)})") from None
@@ -211,9 +209,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     FileNotFoundError
         No such file.
     ValueError
-        Naming the file: not a regular file, not GGUF (no ``GGUF`` magic), a header ``gguf`` cannot parse
-        (a truncated or corrupt file), tensor data running past the end of the file (truncated), a file split
-        in parts, or an architecture attnkit does not load.
+        Naming the file: not a regular file, not GGUF (no ``GGUF`` magic), a version other than 2 and 3, a
+        header whose lengths run past the end of the file or tensor data that does (truncated), an unknown value
+        or tensor type id, a file split in parts, or an architecture attnkit does not load. The header is
+        walked with every length checked before ``gguf`` parses it.
     ImportError
         ``gguf`` is not installed (naming ``pip install 'attnkit[pretrained]'``).
     """
@@ -228,7 +227,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     if magic != _MAGIC:
         raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not {_MAGIC!r}")
     gguf = import_extra("gguf", "read GGUF files")
-    _check_header(path)
+    _check_header(path, gguf)
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, KeyError, ... on bad bytes
@@ -287,12 +286,20 @@ def _vocab_size(file: GGUFFile, meta: _Meta) -> int:
 
 
 def _special_ids(file: GGUFFile) -> dict[str, Any]:
-    ids = {}
-    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("padding_token_id", "pad_token_id")):
+    """bos, pad and the end-of-sequence ids: ``eos_token_id`` and the end-of-turn ids llama.cpp also stops at
+    (``eot_token_id``, ``eom_token_id``), so ``generate`` stops where llama.cpp does."""
+    ids: dict[str, Any] = {}
+    for key, name in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):
         value = file.metadata.get(f"tokenizer.ggml.{key}")
         if value is not None:
             ids[name] = value
+    eos = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = file.metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and value not in eos:
+            eos.append(value)
+    if eos:
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return ids
 
 
