@@ -557,21 +557,23 @@ def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entrie
                            config: DecoderConfig) -> None:
     """Dequantize each validated tensor alone (float32), undo llama.cpp's change, copy it into ``params``.
 
-    The file stays memory-mapped: an F32 tensor is read in place, any other is one float32 temporary of its own
-    size, so loading costs the model's memory plus at most the largest tensor in float32.
+    The file stays memory-mapped: an F32 tensor is read in place; any other is dequantized by ``gguf`` into
+    float32 temporaries of its own size (about two at once), so loading costs the model's memory plus about
+    twice the largest tensor in float32, never a second copy of the model.
     """
     gguf = import_extra("gguf", "read GGUF files")
     for name, entry in entries.items():
         tensor = file.tensors[name]
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(_stored_shape(tensor))
+        stored = _stored_shape(tensor)  # NumPy order: (out, in) for a matrix, as Hugging Face stores nn.Linear
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(stored)  # float32, stored shape
         if entry.fix == "permute_q":
-            values = _reverse_permute(values, config.num_heads)
+            values = _reverse_permute(values, config.num_heads)  # (Hq*Dh, D) or (Hq*Dh,)
         elif entry.fix == "permute_k":
-            values = _reverse_permute(values, config.num_kv_heads)
+            values = _reverse_permute(values, config.num_kv_heads)  # (Hkv*Dh, D) or (Hkv*Dh,)
         elif entry.fix == "norm_offset":
             # 1 + (stored - 1) gives back the stored float32 exactly whenever it lies in [0.5, 2] (Sterbenz)
             values = values - np.float32(1.0)
         elif entry.fix == "transpose":
-            values = values.T
+            values = values.T  # GPT-2's Conv1D layout (in, out)
         for target, value in entry.mapping.convert(values).items():
             np.copyto(params[target], value, casting="unsafe")
