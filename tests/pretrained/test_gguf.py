@@ -442,3 +442,9 @@ def test_cli_refuses_a_bad_gguf_file_in_one_line(command, tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "broken.gguf" in err and "truncated or corrupt" in err
+
+
+def test_cli_chat_names_a_missing_chat_template(good_file, capsys):
+    assert main(["chat", str(good_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no tokenizer.chat_template in a GGUF file" in err
