@@ -101,6 +101,9 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(full["factor"])
         assert sliding["rope_theta"] == 10000.0, "llama.cpp's gemma3 rotates sliding layers with base 10000"
+        flags = [kind == "sliding_attention" for kind in cfg.layer_types]
+        if flags != [(i + 1) % 6 != 0 for i in range(cfg.num_hidden_layers)]:  # not llama.cpp's default period
+            writer.add_sliding_window_pattern(flags)
     else:
         writer.add_rope_freq_base(params["rope_theta"])
         kind = params.get("rope_type", "default")
@@ -332,6 +335,11 @@ FLOAT_ONLY = {
                                                                                    "rope_theta": 1000.0},
                                                                 "sliding_attention": {"rope_type": "default",
                                                                                       "rope_theta": 10000.0}})),
+    # sliding and full layers in an order of their own: one flag per layer in the metadata
+    "gemma3_layer_types": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                                    query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,
+                                                    layer_types=["full_attention", "sliding_attention",
+                                                                 "full_attention", "sliding_attention"])),
 }
 
 
