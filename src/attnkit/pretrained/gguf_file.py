@@ -215,6 +215,26 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         walked with every length checked before ``gguf`` parses it.
     ImportError
         ``gguf`` is not installed (naming ``pip install 'attnkit[pretrained]'``).
+
+    Examples
+    --------
+    A file written with ``gguf``'s own writer (metadata and one tensor):
+
+    >>> import tempfile, gguf
+    >>> path = Path(tempfile.mkdtemp()) / "tiny.gguf"
+    >>> writer = gguf.GGUFWriter(str(path), "llama")
+    >>> writer.add_block_count(1)
+    >>> writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))  # (V, D)
+    >>> for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+    ...     write()
+    >>> writer.close()
+    >>> file = read_gguf(path)
+    >>> file.architecture, file.metadata["llama.block_count"], file.tensors["token_embd.weight"].tensor_type.name
+    ('llama', 1, 'F32')
+    >>> _ = path.write_bytes(path.read_bytes()[:-100])  # cut into the tensor data
+    >>> read_gguf(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: ...tiny.gguf is truncated: tensor 'token_embd.weight' needs bytes up to ..., the file has ...
     """
     path = Path(path)
     if not path.exists():
