@@ -162,7 +162,7 @@ def test_dtype_is_the_requested_one(dtype, wide):
     assert {p.dtype for _, p in lm.named_parameters()} == {np.dtype(dtype)}
 
 
-def test_loading_costs_the_weights_plus_one_tensor_in_float32(tmp_path):
+def test_loading_memory_is_the_weights_plus_two_float32_copies_of_one_tensor(tmp_path):
     """Measured with tracemalloc (NumPy reports its allocations; the mapped file is not an allocation)."""
     import tracemalloc
 
@@ -352,8 +352,9 @@ def test_an_unsupported_tensor_type_is_refused(qtype, good_file, tmp_path, no_mo
         load_causal_lm(path)
 
 
-@pytest.mark.parametrize("keep", [0.5, 0.999, 0.02, 10 / 10**9])
+@pytest.mark.parametrize("keep", [0.0, 0.02, 0.5, 0.999])
 def test_a_truncated_file_is_refused(keep, good_file, tmp_path, no_model_built):
+    """Cut after the magic (0), in the vocabulary (2%), in the tensor data (50%) and in the last tensor."""
     data = good_file.read_bytes()
     path = tmp_path / "cut.gguf"
     path.write_bytes(data[:max(4, int(len(data) * keep))])
