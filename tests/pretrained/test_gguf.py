@@ -407,6 +407,12 @@ def test_missing_metadata_and_wrong_tensors_are_named(good_file, tmp_path, no_mo
     with pytest.raises(ValueError, match=r"narrow\.gguf: tensor 'blk\.0\.ffn_gate\.weight' has shape \(40, 32\), "
                                          r"but the metadata implies \(48, 32\)"):
         load_causal_lm(path)
+    extra = {"blk.0.attn_norm.bias": (np.zeros(32, np.float32), None), "rope_factors_long.weight": (
+        np.ones(4, np.float32), None)}
+    path = _rewritten(good_file, tmp_path / "extra.gguf", add=extra)
+    with pytest.raises(ValueError, match=r"extra\.gguf: unexpected tensor 'blk\.0\.attn_norm\.bias' \(and 1 more\) "
+                                         r"for this llama model"):
+        load_causal_lm(path)
     extra = {"blk.0.attn_q.bias": (np.zeros(32, np.float32), None)}
     path = _rewritten(good_file, tmp_path / "biased.gguf", add=extra)
     with pytest.raises(ValueError, match=r"biased\.gguf: the file has no tensor 'blk\.0\.attn_k\.bias'"):

@@ -10,7 +10,7 @@ written (:func:`gguf_hf_config`), read by :func:`~attnkit.pretrained.decoder_con
 config implies (:func:`~attnkit.pretrained.checkpoint.checkpoint_map`) is found under its GGUF name, with
 ``gguf``'s own table of names, the one llama.cpp's converter writes with. Every tensor's type, shape and byte
 range is checked before the model is built; then each is dequantized alone (``gguf.quants.dequantize``, float32)
-and copied into its parameter, so loading costs the model plus one tensor in float32.
+and copied into its parameter, so loading costs the model plus about twice its largest tensor in float32.
 
 What llama.cpp's converter changed is undone here, so the model computes what llama.cpp computes:
 
@@ -51,8 +51,9 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "olm
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                      "Q6_K")
 
-# Tensors llama.cpp writes that are not weights of the model: consumed by the config (rotary divisors).
-_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+# Tensors llama.cpp writes that are not weights of the model but rotary divisors, read into the config.
+_ROPE_TENSORS = {"llama": ("rope_freqs.weight",), "qwen2": ("rope_freqs.weight",), "qwen3": ("rope_freqs.weight",),
+                 "olmo2": ("rope_freqs.weight",), "phi3": ("rope_factors_short.weight", "rope_factors_long.weight")}
 
 # GPT-2's Conv1D matrices, which llama.cpp stores transposed.
 _GPT2_TRANSPOSED = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
@@ -335,7 +336,7 @@ def _rope_factors(file: GGUFFile, name: str) -> list[float]:
 
 def _rope_scaling(file: GGUFFile, meta: _Meta, context: int) -> dict | None:
     """The Hugging Face ``rope_scaling`` of ``{arch}.rope.scaling.*`` (and of Llama 3's ``rope_freqs``)."""
-    if "rope_freqs.weight" in file.tensors:
+    if "rope_freqs.weight" in _ROPE_TENSORS.get(file.architecture, ()) and "rope_freqs.weight" in file.tensors:
         # llama.cpp divides each rotary frequency by its entry: longrope's divisors, the same at every length.
         divisors = _rope_factors(file, "rope_freqs.weight")
         return {"rope_type": "longrope", "short_factor": divisors, "long_factor": divisors,
@@ -352,8 +353,8 @@ def _rope_scaling(file: GGUFFile, meta: _Meta, context: int) -> dict | None:
             if meta.get(key) is not None:
                 scaling[name] = meta.float(key)
         return scaling
-    if kind == "longrope" and "rope_factors_long.weight" in file.tensors:
-        return None  # phi3's, read by _phi3
+    if kind == "longrope" and file.architecture == "phi3":
+        return None  # read from its tensors by _phi3
     raise file.fail(f"metadata {file.architecture}.rope.scaling.type = {kind!r} is not a rotary scaling attnkit "
                     f"reads from GGUF (none, linear, yarn)")
 
@@ -429,7 +430,11 @@ def _phi3(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
     config = _common(file, meta)
     if meta.get("attention.sliding_window") is not None:
         config["sliding_window"] = meta.int("attention.sliding_window")
-    if "rope_factors_long.weight" in file.tensors:
+    present = [name for name in _ROPE_TENSORS["phi3"] if name in file.tensors]
+    if len(present) == 1:
+        raise file.fail(f"tensor {present[0]!r} comes without its pair: longrope needs both "
+                        f"{' and '.join(_ROPE_TENSORS['phi3'])}")
+    if present:
         config["rope_scaling"] = {
             "rope_type": "longrope", "short_factor": _rope_factors(file, "rope_factors_short.weight"),
             "long_factor": _rope_factors(file, "rope_factors_long.weight"),
@@ -548,7 +553,8 @@ def validate_gguf_tensors(file: GGUFFile, config: DecoderConfig) -> dict[str, _E
         raise file.fail(f"the file has no tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more missing)"
                                                                     if len(missing) > 1 else "")
                         + f" needed by this {file.architecture} model")
-    unexpected = [name for name in file.tensors if name not in entries and name not in _ROPE_TENSORS]
+    consumed = _ROPE_TENSORS.get(file.architecture, ())
+    unexpected = [name for name in file.tensors if name not in entries and name not in consumed]
     if unexpected:
         raise file.fail(f"unexpected tensor {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)"
                                                                   if len(unexpected) > 1 else "")
