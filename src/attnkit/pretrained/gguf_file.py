@@ -347,6 +347,11 @@ def _rope_scaling(file: GGUFFile, meta: _Meta, context: int) -> dict | None:
     if kind == "linear":
         return {"rope_type": "linear", "factor": meta.float("rope.scaling.factor")}
     if kind == "yarn":
+        for key in ("rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor",
+                    "rope.scaling.yarn_attn_factor"):
+            if meta.get(key) is not None:  # llama.cpp's own YaRN knobs, with no Hugging Face equivalent read here
+                raise file.fail(f"metadata {file.architecture}.{key} is not read by attnkit (YaRN is read from "
+                                f"its factor, original context and beta_fast / beta_slow)")
         scaling = {"rope_type": "yarn", "factor": meta.float("rope.scaling.factor"),
                    "original_max_position_embeddings": meta.int("rope.scaling.original_context_length")}
         for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
