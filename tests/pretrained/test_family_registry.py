@@ -53,6 +53,8 @@ def test_the_model_type_is_written_in_one_source_file():
         expected = [f"pretrained/families/{model_type}.py"]
         if model_type == "llama":  # the demos' and the distributed benchmark's own models are Llamas
             files = [f for f in files if not f.startswith(("demos/", "benchmarks/ddp"))]
+        # llama.cpp's architecture names are a namespace of their own, which often spells the same words
+        files = [f for f in files if not f.startswith("pretrained/gguf_")]
         assert files == expected, (model_type, files)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -53,7 +52,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Chat with a Hugging Face decoder folder (config.json, model.safetensors, tokenizer.json and "
                     "a chat template) on attnkit's NumPy layers. Type a message and press Enter; /reset forgets "
                     "the conversation, /exit (or Ctrl-D) ends it.")
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="a folder written by save_pretrained")
+    p.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="a folder written by save_pretrained, or a GGUF file (llama.cpp, ollama)")
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message opening the conversation")
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="reply length at most (default 512)")
     p.add_argument("--temperature", type=_non_negative_float, default=None,
@@ -188,8 +188,9 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     """Load the folder, then read a message per line and stream each reply."""
     src = tolerant_input(sys.stdin if stdin is None else stdin)
     out = sys.stdout if stdout is None else stdout
-    if not Path(args.model_dir).is_dir():
-        raise UsageError(f"{printable(repr(args.model_dir))} is not a folder", PROG)
+    from .generate import check_model_path
+
+    check_model_path(args.model_dir, PROG)
     _sampling(args)  # option errors before the (slow) load
     model, tokenizer = _load(args.model_dir, args.verbose)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]

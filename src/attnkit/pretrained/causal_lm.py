@@ -1,8 +1,11 @@
-"""Load a Hugging Face decoder folder (any of ``supported_model_types()``) as an attnkit :class:`CausalLM`.
+"""Load a Hugging Face decoder folder (any of ``supported_model_types()``) or a GGUF file as an attnkit
+:class:`CausalLM`.
 
 ``config.json`` becomes a :class:`~attnkit.models.DecoderConfig` (:mod:`.hf_config`), the safetensors headers
 are checked against it (:mod:`.checkpoint`), and only then is the model built and each tensor read into it.
-Needs ``safetensors`` (the ``pretrained`` extra); never imports torch or transformers.
+A path ending in ``.gguf`` that is a file is read by :mod:`.gguf_file` the same way (metadata, then the tensor
+table, then the model). Needs the ``pretrained`` extra (``safetensors``, or ``gguf`` for GGUF files); never
+imports torch or transformers.
 """
 from __future__ import annotations
 
@@ -11,16 +14,36 @@ from typing import Any
 
 import numpy as np
 
+from ..decoding.config import GenerationConfig
 from ..decoding.sampling import check_generation_config
 from ..init import empty_init
 from ..io import read_json
 from .checkpoint import check_model_matches, load_tensors_into, read_checkpoint_index, validate_checkpoint
+from .gguf_file import (
+    GGUFFile,
+    is_gguf_path,
+    load_gguf_tensors_into,
+    read_gguf,
+    read_gguf_config,
+    validate_gguf_tensors,
+)
+from .gguf_tokenizer import gguf_tokenizer
 from .hf_config import decoder_config_from_hf
 from .tokenizer import load_tokenizer, read_generation_config
 
 __all__ = ["load", "load_causal_lm", "read_decoder_config"]
 
 _DTYPES = (np.float16, np.float32, np.float64)
+
+
+def _check_dtype(dtype: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}") from None
+    if dtype not in [np.dtype(d) for d in _DTYPES]:
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype}")
+    return dtype
 
 
 def read_decoder_config(folder: str | Path):
@@ -50,9 +73,11 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     path : str or Path
         A folder with ``config.json`` and ``model.safetensors`` (or ``model.safetensors.index.json`` and its
         shards), as written by ``save_pretrained``; ``model_type`` one of
-        ``attnkit.pretrained.hf_config.SUPPORTED_MODEL_TYPES``.
+        ``attnkit.pretrained.hf_config.SUPPORTED_MODEL_TYPES``. Or a GGUF file (a path ending in ``.gguf``)
+        of an architecture in ``attnkit.pretrained.gguf_file.GGUF_ARCHITECTURES``.
     dtype : numpy float dtype, default float32
-        Dtype of the weights and computations; F64/F32/F16/BF16 tensors are converted to it.
+        Dtype of the weights and computations; F64/F32/F16/BF16 tensors are converted to it, GGUF tensors
+        (any of ``GGUF_TENSOR_TYPES``) dequantized to float32 and converted to it.
 
     Returns
     -------
@@ -64,15 +89,17 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     Raises
     ------
     FileNotFoundError
-        No such folder, no ``config.json``, no safetensors file.
+        No such folder or file, no ``config.json``, no safetensors file.
     ValueError
         A config attnkit does not load, or a checkpoint that does not match it: a missing or unexpected
         tensor, a wrong shape or dtype (each named); a ``generation_config.json`` whose defaults ``generate``
-        would refuse (naming the file and key). Raised before any tensor is read.
+        would refuse (naming the file and key). For a GGUF file, naming it: not GGUF, truncated or corrupt,
+        an unknown architecture or metadata, a tensor type attnkit does not dequantize. Raised before any
+        tensor is read.
     TypeError
         ``dtype`` is not float16, float32 or float64.
     ImportError
-        ``safetensors`` is not installed (naming ``pip install 'attnkit[pretrained]'``).
+        ``safetensors`` (``gguf`` for a GGUF file) is not installed (naming ``pip install 'attnkit[pretrained]'``).
 
     Examples
     --------
@@ -93,12 +120,9 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     >>> lm(np.array([[1, 2, 3]])).shape, lm.config.num_kv_heads
     ((1, 3, 64), 2)
     """
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}") from None
-    if dtype not in [np.dtype(d) for d in _DTYPES]:
-        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype}")
+    dtype = _check_dtype(dtype)
+    if is_gguf_path(path):
+        return _load_gguf(read_gguf(path), dtype)
     folder = Path(path)
     config = read_decoder_config(folder)
     index = read_checkpoint_index(folder)
@@ -119,12 +143,29 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     return model.eval()
 
 
-def load(folder: str | Path, dtype: Any = np.float32):
-    """A Hugging Face causal LM folder as ``(model, tokenizer)``: :func:`load_causal_lm` and
-    :func:`~attnkit.pretrained.load_tokenizer` of the same folder.
+def _load_gguf(file: GGUFFile, dtype: np.dtype):
+    """A parsed GGUF file's model: its metadata and tensor table checked, then the model built and filled."""
+    config = read_gguf_config(file)
+    entries = validate_gguf_tensors(file, config)
 
-    The tokenizer is read first, so a folder without a usable ``tokenizer.json`` fails before any weight is
-    read. Raises what those two functions raise.
+    from ..models import CausalLM
+
+    with empty_init(dtype):  # every parameter is overwritten below
+        model = CausalLM(config)
+    params = dict(model.named_parameters())
+    check_model_matches(params, {name: entry.mapping for name, entry in entries.items()})
+    load_gguf_tensors_into(params, file, entries, config)
+    model.generation_config = GenerationConfig()
+    return model.eval()
+
+
+def load(folder: str | Path, dtype: Any = np.float32):
+    """A Hugging Face causal LM folder (or a GGUF file) as ``(model, tokenizer)``: :func:`load_causal_lm` and
+    :func:`~attnkit.pretrained.load_tokenizer` of the same folder (for a GGUF file, the tokenizer its metadata
+    describes).
+
+    The tokenizer is read first, so a folder without a usable ``tokenizer.json`` (a GGUF file without a
+    usable vocabulary) fails before any weight is read. Raises what those two functions raise.
 
     Examples
     --------
@@ -135,6 +176,15 @@ def load(folder: str | Path, dtype: Any = np.float32):
         out = model.generate([prompt["input_ids"]], max_new_tokens=32)
         print(tokenizer.decode(out[0, len(prompt["input_ids"]):], skip_special_tokens=True))
     """
+    if is_gguf_path(folder):
+        dtype = _check_dtype(dtype)
+        file = read_gguf(folder)
+        tokenizer = gguf_tokenizer(file)
+        config = read_gguf_config(file)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise file.fail(f"its tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
+                            f"{config.vocab_size}: ids past {config.vocab_size - 1} have no embedding")
+        return _load_gguf(file, dtype), tokenizer
     tokenizer = load_tokenizer(folder)
     check_tokenizer_fits(tokenizer, read_decoder_config(folder), Path(folder))
     return load_causal_lm(folder, dtype=dtype), tokenizer

@@ -231,8 +231,9 @@ class Tokenizer:
         if chat_template is not None:
             return self.chat_templates.get(chat_template, chat_template)
         if "default" not in self.chat_templates:
-            raise ValueError("this tokenizer has no chat template (no chat_template.jinja, and no chat_template in "
-                             "tokenizer_config.json); pass chat_template= a jinja template")
+            raise ValueError("this tokenizer has no chat template (no chat_template.jinja, no chat_template in "
+                             "tokenizer_config.json, no tokenizer.chat_template in a GGUF file); pass "
+                             "chat_template= a jinja template")
         return self.chat_templates["default"]
 
     def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],

@@ -1,0 +1,610 @@
+"""GGUF files (llama.cpp's and ollama's format) loaded as an attnkit :class:`~attnkit.models.CausalLM`.
+
+A GGUF file is one self-contained model: metadata (the architecture's numbers under llama.cpp's key names, the
+tokenizer's vocabulary and the chat template) and the tensors, many of them quantized. It is read with the
+format's own NumPy reader, the ``gguf`` package (the ``pretrained`` extra), which maps the file into memory;
+nothing else is imported (no torch, no transformers).
+
+Loading reuses the Hugging Face path. The metadata becomes the ``config.json`` dict Hugging Face would have
+written (:func:`gguf_hf_config`), read by :func:`~attnkit.pretrained.decoder_config_from_hf`; each tensor the
+config implies (:func:`~attnkit.pretrained.checkpoint.checkpoint_map`) is found under its GGUF name, with
+``gguf``'s own table of names, the one llama.cpp's converter writes with. Every tensor's type, shape and byte
+range is checked before the model is built; then each is dequantized alone (``gguf.quants.dequantize``, float32)
+and copied into its parameter, so loading costs the model plus about twice its largest tensor in float32.
+
+What llama.cpp's converter changed is undone here, so the model computes what llama.cpp computes:
+
+- ``llama``: the rows of q and k are permuted per head (GGML rotates adjacent pairs, Hugging Face the two
+  halves of a head); the permutation is reversed. Llama 3's ``rope_freqs.weight`` (one divisor per rotary
+  frequency) becomes a rotary scaling with exactly those divisors.
+- ``gemma2`` / ``gemma3``: every RMSNorm weight is stored as ``1 + w``; ``1`` is subtracted.
+- ``gpt2``: the ``Conv1D`` matrices are stored (out, in) like every GGML matrix; they are transposed back.
+- ``phi3``: ``longrope``'s divisors are the tensors ``rope_factors_short`` / ``rope_factors_long``.
+
+Dimension letters: V vocabulary, D hidden size, Hq/Hkv heads, Dh head features, R rotated features.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..models.config import DecoderConfig
+from ._extra import import_extra
+from .checkpoint import HEAD_NAMES, TensorMap, checkpoint_map
+from .hf_config import decoder_config_from_hf
+
+__all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "GGUFFile", "read_gguf", "gguf_hf_config",
+           "read_gguf_config", "is_gguf_path", "validate_gguf_tensors", "load_gguf_tensors_into"]
+
+# GGUF architecture (general.architecture) -> Hugging Face model_type. Mistral's files say "llama": llama.cpp
+# runs them as Llama (no sliding window), and so does attnkit.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "olmo2": "olmo2", "phi3": "phi3",
+                      "gemma2": "gemma2", "gemma3": "gemma3_text", "gpt2": "gpt2"}
+
+# The tensor types read (each dequantized by gguf.quants to float32).
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                     "Q6_K")
+
+# Tensors llama.cpp writes that are not weights of the model but rotary divisors, read into the config.
+_ROPE_TENSORS = {"llama": ("rope_freqs.weight",), "qwen2": ("rope_freqs.weight",), "qwen3": ("rope_freqs.weight",),
+                 "olmo2": ("rope_freqs.weight",), "phi3": ("rope_factors_short.weight", "rope_factors_long.weight")}
+
+# GPT-2's Conv1D matrices, which llama.cpp stores transposed.
+_GPT2_TRANSPOSED = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
+
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)
+# GGUF value types -> byte size (8 = string and 9 = array are variable).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF file: its metadata and tensor headers (the tensor data stays mapped, unread).
+
+    Attributes
+    ----------
+    path : Path
+    architecture : str
+        ``general.architecture``, one of :data:`GGUF_ARCHITECTURES`.
+    metadata : dict
+        Every key-value pair (strings, numbers, bools, lists of them).
+    tensors : dict
+        Tensor name -> ``gguf.ReaderTensor`` (type, shape, the memory-mapped bytes).
+    """
+
+    path: Path
+    architecture: str
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]
+
+    @property
+    def model_type(self) -> str:
+        """The Hugging Face ``model_type`` of the architecture."""
+        return GGUF_ARCHITECTURES[self.architecture]
+
+    def fail(self, what: str) -> ValueError:
+        """A ``ValueError`` naming the file."""
+        return ValueError(f"{self.path}: {what}")
+
+
+def is_gguf_path(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a GGUF file: a path ending in ``.gguf`` that is not a folder (loaders dispatch on
+    it; whether the file really is GGUF is checked when it is read)."""
+    path = Path(path)
+    return path.suffix.lower() == ".gguf" and not path.is_dir()
+
+
+class _Header:
+    """A bounds-checked walk over a GGUF header, on the memory-mapped file: every length is checked against the
+    bytes left before it is used, so a truncated or corrupt file fails at the first impossible length instead
+    of reading past the end (or looping over a count no file could hold)."""
+
+    def __init__(self, data: Any, path: Path) -> None:
+        self.data, self.path, self.size, self.at = data, path, len(data), 0
+
+    def truncated(self, what: str) -> ValueError:
+        return ValueError(f"{self.path} is truncated or corrupt ({self.size} bytes): {what} runs past the end of "
+                          f"the file")
+
+    def skip(self, n: int, what: str) -> int:
+        if n < 0 or self.at + n > self.size:
+            raise self.truncated(what)
+        self.at += n
+        return self.at - n
+
+    def take(self, n: int, what: str) -> bytes:
+        begin = self.skip(n, what)
+        return bytes(self.data[begin:self.at])
+
+    def uint(self, n: int, what: str) -> int:
+        return int.from_bytes(self.take(n, what), "little")
+
+    def skip_value(self, kind: int, what: str, depth: int = 0) -> None:
+        if kind in _SCALAR_SIZES:
+            self.skip(_SCALAR_SIZES[kind], what)
+        elif kind == 8:
+            self.skip(self.uint(8, what), what)
+        elif kind == 9 and depth < 2:
+            item, count = self.uint(4, what), self.uint(8, what)
+            if item in _SCALAR_SIZES:  # no walk over the items: their size is known
+                self.skip(count * _SCALAR_SIZES[item], what)
+                return
+            if count > (self.size - self.at) // 8:  # each string or array item holds an 8-byte length
+                raise self.truncated(what)
+            for _ in range(count):
+                self.skip_value(item, what, depth + 1)
+        else:
+            raise ValueError(f"{self.path} is corrupt: {what} has the unknown GGUF value type {kind}")
+
+
+def _check_header(path: Path, gguf: Any) -> None:
+    """Walk the header (version, metadata, tensor table) and check every tensor's bytes lie inside the file.
+
+    Raises
+    ------
+    ValueError
+        Naming the file: an unsupported version (or byte order), a length or a tensor running past the end
+        (truncated), an unknown value or tensor type id, a tensor of more than four dimensions.
+    """
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        header = _Header(data, path)
+        size = header.size
+        header.skip(4, "the magic")
+        version = header.uint(4, "the version")
+        if version not in _VERSIONS:
+            raise ValueError(f"{path}: GGUF version {version} is not read (attnkit reads versions 2 and 3, "
+                             f"little-endian)")
+        tensors, keys = header.uint(8, "the tensor count"), header.uint(8, "the metadata count")
+        if keys > size // 12 or tensors > size // 24:  # the smallest entries take 12 and 24 bytes
+            raise header.truncated(f"a header of {keys} metadata entries and {tensors} tensors")
+        alignment = 32
+        for _ in range(keys):
+            key = header.take(header.uint(8, "a metadata key"), "a metadata key")
+            what = f"metadata {key[:80].decode('utf-8', 'replace')!r}"
+            kind = header.uint(4, what)
+            if key == b"general.alignment" and kind == 4:
+                alignment = header.uint(4, what)
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise ValueError(f"{path} is corrupt: general.alignment = {alignment} is not a power of two")
+                continue
+            header.skip_value(kind, what)
+        table = []
+        for _ in range(tensors):
+            name = header.take(header.uint(8, "a tensor name"), "a tensor name").decode("utf-8", "replace")
+            dims = header.uint(4, f"tensor {name!r}")
+            if not 1 <= dims <= _MAX_DIMS:
+                raise ValueError(f"{path} is corrupt: tensor {name!r} has {dims} dimensions (GGUF allows 1 to 4)")
+            shape = [header.uint(8, f"tensor {name!r}") for _ in range(dims)]
+            type_id = header.uint(4, f"tensor {name!r}")
+            offset = header.uint(8, f"tensor {name!r}")
+            try:
+                kind = gguf.GGMLQuantizationType(type_id)
+                block, type_size = gguf.GGML_QUANT_SIZES[kind]
+            except (ValueError, KeyError):
+                raise ValueError(f"{path}: tensor {name!r} has tensor type id {type_id}, which no GGUF reader "
+                                 f"knows (attnkit reads {', '.join(GGUF_TENSOR_TYPES)})") from None
+            if shape[0] % block:
+                raise ValueError(f"{path} is corrupt: tensor {name!r} has rows of {shape[0]} values, not whole "
+                                 f"{kind.name} blocks of {block}")
+            table.append((name, offset, math.prod(shape) // block * type_size))
+        start = -(-header.at // alignment) * alignment  # the data begins at the next multiple of the alignment
+    for name, offset, nbytes in table:
+        if start + offset + nbytes > size:
+            raise ValueError(f"{path} is truncated: tensor {name!r} needs bytes up to {start + offset + nbytes}, "
+                             f"the file has {size}")
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF file's header (metadata and tensor table) without reading any tensor data.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ValueError
+        Naming the file: not a regular file, not GGUF (no ``GGUF`` magic), a version other than 2 and 3, a
+        header whose lengths run past the end of the file or tensor data that does (truncated), an unknown value
+        or tensor type id, a file split in parts, or an architecture attnkit does not load. The header is
+        walked with every length checked before ``gguf`` parses it.
+    ImportError
+        ``gguf`` is not installed (naming ``pip install 'attnkit[pretrained]'``).
+
+    Examples
+    --------
+    A file written with ``gguf``'s own writer (metadata and one tensor):
+
+    >>> import tempfile, gguf
+    >>> path = Path(tempfile.mkdtemp()) / "tiny.gguf"
+    >>> writer = gguf.GGUFWriter(str(path), "llama")
+    >>> writer.add_block_count(1)
+    >>> writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))  # (V, D)
+    >>> for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+    ...     write()
+    >>> writer.close()
+    >>> file = read_gguf(path)
+    >>> file.architecture, file.metadata["llama.block_count"], file.tensors["token_embd.weight"].tensor_type.name
+    ('llama', 1, 'F32')
+    >>> _ = path.write_bytes(path.read_bytes()[:-100])  # cut into the tensor data
+    >>> read_gguf(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: ...tiny.gguf is truncated: tensor 'token_embd.weight' needs bytes up to ..., the file has ...
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file; a GGUF model is one file")
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != _MAGIC:
+        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not {_MAGIC!r}")
+    gguf = import_extra("gguf", "read GGUF files")
+    _check_header(path, gguf)
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, KeyError, ... on bad bytes
+        raise ValueError(f"{path} is truncated or corrupt ({size} bytes): its GGUF header cannot be read "
+                         f"({type(exc).__name__}: {exc})") from None
+    try:
+        metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    except Exception as exc:  # noqa: BLE001 - undecodable strings and the like
+        raise ValueError(f"{path}: its GGUF metadata cannot be decoded ({type(exc).__name__}: {exc})") from None
+    tensors = {t.name: t for t in reader.tensors}
+    parts = metadata.get("split.count", 1)
+    if parts != 1:
+        raise ValueError(f"{path} is part of a GGUF split in {parts} files; merge them into one first "
+                         f"(llama.cpp's llama-gguf-split --merge)")
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not one attnkit loads; it loads "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    return GGUFFile(path, arch, metadata, tensors)
+
+
+class _Meta:
+    """Typed access to one architecture's metadata; every error names the file and the key."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.file = file
+        self.arch = file.architecture
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.file.metadata.get(f"{self.arch}.{key}", default)
+
+    def int(self, key: str, default: Any = ...) -> int:
+        full = f"{self.arch}.{key}"
+        value = self.file.metadata.get(full, default)
+        if value is ...:
+            raise self.file.fail(f"the metadata has no {full!r}, which a {self.arch} model needs")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise self.file.fail(f"metadata {full!r} must be a positive integer, got {value!r}")
+        return value
+
+    def float(self, key: str, default: Any = ...) -> float:
+        full = f"{self.arch}.{key}"
+        value = self.file.metadata.get(full, default)
+        if value is ...:
+            raise self.file.fail(f"the metadata has no {full!r}, which a {self.arch} model needs")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise self.file.fail(f"metadata {full!r} must be a finite positive number, got {value!r}")
+        return float(value)
+
+
+def _vocab_size(file: GGUFFile, meta: _Meta) -> int:
+    """``{arch}.vocab_size``, else the tokenizer's token count (older converters write only the tokens)."""
+    tokens = file.metadata.get("tokenizer.ggml.tokens")
+    default = len(tokens) if isinstance(tokens, list) and tokens else ...
+    return meta.int("vocab_size", default)
+
+
+def _special_ids(file: GGUFFile) -> dict[str, Any]:
+    """bos, pad and the end-of-sequence ids: ``eos_token_id`` and the end-of-turn ids llama.cpp also stops at
+    (``eot_token_id``, ``eom_token_id``), so ``generate`` stops where llama.cpp does."""
+    ids: dict[str, Any] = {}
+    for key, name in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):
+        value = file.metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            ids[name] = value
+    eos = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = file.metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and value not in eos:
+            eos.append(value)
+    if eos:
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return ids
+
+
+def _rope_factors(file: GGUFFile, name: str) -> list[float]:
+    """A small F32/F16 tensor of rotary divisors as a list (the config holds them, not the model)."""
+    gguf = import_extra("gguf", "read GGUF files")
+    tensor = file.tensors[name]
+    if tensor.tensor_type.name not in ("F32", "F16") or len(tensor.shape) != 1:
+        raise file.fail(f"tensor {name!r} must be a vector of F32 or F16 divisors, got {tensor.tensor_type.name} "
+                        f"of shape {tuple(int(n) for n in tensor.shape)}")
+    return [float(v) for v in gguf.quants.dequantize(tensor.data, tensor.tensor_type)]
+
+
+def _rope_scaling(file: GGUFFile, meta: _Meta, context: int) -> dict | None:
+    """The Hugging Face ``rope_scaling`` of ``{arch}.rope.scaling.*`` (and of Llama 3's ``rope_freqs``)."""
+    if "rope_freqs.weight" in _ROPE_TENSORS.get(file.architecture, ()) and "rope_freqs.weight" in file.tensors:
+        # llama.cpp divides each rotary frequency by its entry: longrope's divisors, the same at every length.
+        divisors = _rope_factors(file, "rope_freqs.weight")
+        return {"rope_type": "longrope", "short_factor": divisors, "long_factor": divisors,
+                "original_max_position_embeddings": context, "attention_factor": 1.0}
+    kind = meta.get("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": meta.float("rope.scaling.factor")}
+    if kind == "yarn":
+        for key in ("rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor",
+                    "rope.scaling.yarn_attn_factor"):
+            if meta.get(key) is not None:  # llama.cpp's own YaRN knobs, with no Hugging Face equivalent read here
+                raise file.fail(f"metadata {file.architecture}.{key} is not read by attnkit (YaRN is read from "
+                                f"its factor, original context and beta_fast / beta_slow)")
+        scaling = {"rope_type": "yarn", "factor": meta.float("rope.scaling.factor"),
+                   "original_max_position_embeddings": meta.int("rope.scaling.original_context_length")}
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if meta.get(key) is not None:
+                scaling[name] = meta.float(key)
+        return scaling
+    if kind == "longrope" and file.architecture == "phi3":
+        return None  # read from its tensors by _phi3
+    raise file.fail(f"metadata {file.architecture}.rope.scaling.type = {kind!r} is not a rotary scaling attnkit "
+                    f"reads from GGUF (none, linear, yarn)")
+
+
+def _common(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
+    """The keys every rotary family shares."""
+    hidden = meta.int("embedding_length")
+    heads = meta.int("attention.head_count")
+    context = meta.int("context_length")
+    config = {
+        "model_type": file.model_type, "vocab_size": _vocab_size(file, meta), "hidden_size": hidden,
+        "intermediate_size": meta.int("feed_forward_length"), "num_hidden_layers": meta.int("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": meta.int("attention.head_count_kv", heads),
+        "head_dim": meta.int("attention.key_length", hidden // heads), "max_position_embeddings": context,
+        "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.float("rope.freq_base", 10000.0),
+        # llama.cpp writes the output projection only when it is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        **_special_ids(file),
+    }
+    rotated = meta.get("rope.dimension_count")
+    if rotated is not None and rotated != config["head_dim"]:
+        config["partial_rotary_factor"] = meta.int("rope.dimension_count") / config["head_dim"]
+    scaling = _rope_scaling(file, meta, context)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _gemma(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
+    """Gemma 2 / 3. llama.cpp keeps no ``query_pre_attn_scalar``: it scales scores by ``head_dim ** -0.5``, except
+    in the 27B models (46 and 62 layers), which scale by ``(hidden_size / heads) ** -0.5``, as their configs say."""
+    config = _common(file, meta)
+    three = file.architecture == "gemma3"
+    config.pop("rope_scaling", None)
+    config.pop("rope_theta")
+    big = config["num_hidden_layers"] == (62 if three else 46)
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if big
+                                       else config["head_dim"])
+    layers = config["num_hidden_layers"]
+    if three and not meta.get("attention.sliding_window"):  # llama.cpp: no window, no sliding layer
+        config["sliding_window"] = None
+        config["layer_types"] = ["full_attention"] * layers
+    else:
+        config["sliding_window"] = meta.int("attention.sliding_window")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        config[key] = meta.float(key) if meta.get(key) is not None else None
+    if not three:
+        config["rope_theta"] = meta.float("rope.freq_base", 10000.0)
+        return config
+    # Gemma 3: full layers rotate with the file's base (and scaling), sliding ones with base 10000 unscaled.
+    full = {"rope_type": "default", "rope_theta": meta.float("rope.freq_base", 1000000.0)}
+    scaling = _rope_scaling(file, meta, config["max_position_embeddings"])
+    if scaling is not None:
+        full.update(scaling)
+    config["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+        "rope_type": "default", "rope_theta": meta.float("rope.freq_base_swa", 10000.0)}}
+    pattern = meta.get("attention.sliding_window_pattern", 6)
+    if "layer_types" in config:
+        return config
+    if isinstance(pattern, list):  # one flag per layer: True = sliding
+        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
+            raise file.fail(f"metadata gemma3.attention.sliding_window_pattern must be {layers} booleans or a "
+                            f"period, got {pattern!r:.80}")
+        config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        config["sliding_window_pattern"] = meta.int("attention.sliding_window_pattern", 6)
+    return config
+
+
+def _phi3(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
+    """Phi-3: partial rotary from ``rope.dimension_count``, a window, longrope's divisors as tensors."""
+    config = _common(file, meta)
+    if meta.get("attention.sliding_window") is not None:
+        config["sliding_window"] = meta.int("attention.sliding_window")
+    present = [name for name in _ROPE_TENSORS["phi3"] if name in file.tensors]
+    if len(present) == 1:
+        raise file.fail(f"tensor {present[0]!r} comes without its pair: longrope needs both "
+                        f"{' and '.join(_ROPE_TENSORS['phi3'])}")
+    if present:
+        config["rope_scaling"] = {
+            "rope_type": "longrope", "short_factor": _rope_factors(file, "rope_factors_short.weight"),
+            "long_factor": _rope_factors(file, "rope_factors_long.weight"),
+            "original_max_position_embeddings": meta.int("rope.scaling.original_context_length")}
+        if meta.get("rope.scaling.attn_factor") is not None:
+            config["rope_scaling"]["attention_factor"] = meta.float("rope.scaling.attn_factor")
+    return config
+
+
+def _gpt2(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
+    """GPT-2: LayerNorm, learned positions, tanh-GELU (the GELU llama.cpp computes)."""
+    return {"model_type": "gpt2", "vocab_size": _vocab_size(file, meta), "n_embd": meta.int("embedding_length"),
+            "n_layer": meta.int("block_count"), "n_head": meta.int("attention.head_count"),
+            "n_positions": meta.int("context_length"), "n_inner": meta.int("feed_forward_length"),
+            "layer_norm_epsilon": meta.float("attention.layer_norm_epsilon"), "activation_function": "gelu_new",
+            "tie_word_embeddings": "output.weight" not in file.tensors, **_special_ids(file)}
+
+
+def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dict a GGUF file's metadata describes.
+
+    Biases are read from the tensors (llama.cpp loads them when present): ``blk.0.attn_q.bias`` sets
+    ``attention_bias``, ``blk.0.ffn_up.bias`` Llama's ``mlp_bias``.
+
+    Raises
+    ------
+    ValueError
+        A required key missing or of the wrong type, or a rotary scaling attnkit does not read (naming the file
+        and the key).
+    """
+    meta = _Meta(file)
+    if file.architecture == "gpt2":
+        return _gpt2(file, meta)
+    if file.architecture in ("gemma2", "gemma3"):
+        config = _gemma(file, meta)
+    elif file.architecture == "phi3":
+        config = _phi3(file, meta)
+    else:
+        config = _common(file, meta)
+    if file.architecture in ("llama", "qwen3", "olmo2", "gemma2", "gemma3"):
+        config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    if file.architecture == "llama":
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in file.tensors
+    return config
+
+
+def read_gguf_config(file: GGUFFile) -> DecoderConfig:
+    """The :class:`~attnkit.models.DecoderConfig` of a parsed GGUF file (see :func:`gguf_hf_config`)."""
+    config = gguf_hf_config(file)
+    try:
+        return decoder_config_from_hf(config)
+    except ValueError as exc:
+        raise file.fail(f"its metadata describes a model attnkit does not load: {exc}") from None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One GGUF tensor and where it goes: its map (Hugging Face layout) and the change llama.cpp made."""
+
+    mapping: TensorMap
+    fix: str  # "", "permute_q", "permute_k", "norm_offset", "transpose"
+
+
+def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
+    """GGUF tensor name -> its entry, for every tensor ``config`` needs (names from ``gguf``'s own table)."""
+    gguf = import_extra("gguf", "read GGUF files")
+    maps, prefix = checkpoint_map(config)
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH[file.architecture.upper()], config.num_layers)
+    entries: dict[str, _Entry] = {}
+    for m in maps:
+        if m.source in HEAD_NAMES:
+            name = "output.weight"
+        else:
+            stem, suffix = (prefix + m.source).rsplit(".", 1)
+            base = table.get_name(stem)
+            if base is None:
+                raise RuntimeError(f"gguf has no {file.architecture} tensor name for {prefix + m.source}")
+            name = f"{base}.{suffix}"
+        fix = ""
+        if file.architecture == "llama" and ".attn_q." in name:
+            fix = "permute_q"
+        elif file.architecture == "llama" and ".attn_k." in name:
+            fix = "permute_k"
+        elif file.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            fix = "norm_offset"
+        elif file.architecture == "gpt2" and name.endswith(_GPT2_TRANSPOSED):
+            fix = "transpose"
+        entries[name] = _Entry(m, fix)
+    return entries
+
+
+def _stored_shape(tensor: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape in NumPy order (GGUF lists the fastest-varying dimension first)."""
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def validate_gguf_tensors(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
+    """Match the file's tensor table against what ``config`` needs, before any tensor is read.
+
+    Returns
+    -------
+    dict
+        GGUF tensor name -> its entry (the Hugging Face map and llama.cpp's change to undo).
+
+    Raises
+    ------
+    ValueError
+        Naming the file and the tensor: missing, unexpected, of the wrong shape, or of a type attnkit does not
+        dequantize.
+    """
+    if config.num_layers > len(file.tensors):
+        raise file.fail(f"block_count = {config.num_layers} cannot match a file of {len(file.tensors)} tensors")
+    entries = _gguf_names(file, config)
+    missing = [name for name in entries if name not in file.tensors]
+    if missing:
+        raise file.fail(f"the file has no tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more missing)"
+                                                                    if len(missing) > 1 else "")
+                        + f" needed by this {file.architecture} model")
+    consumed = _ROPE_TENSORS.get(file.architecture, ())
+    unexpected = [name for name in file.tensors if name not in entries and name not in consumed]
+    if unexpected:
+        raise file.fail(f"unexpected tensor {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)"
+                                                                  if len(unexpected) > 1 else "")
+                        + f" for this {file.architecture} model")
+    for name, entry in entries.items():
+        tensor = file.tensors[name]
+        kind = tensor.tensor_type.name
+        if kind not in GGUF_TENSOR_TYPES:
+            raise file.fail(f"tensor {name!r} is of type {kind}, which attnkit does not dequantize; it reads "
+                            f"{', '.join(GGUF_TENSOR_TYPES)}")
+        expected = entry.mapping.shape[::-1] if entry.fix == "transpose" else entry.mapping.shape
+        if _stored_shape(tensor) != expected:
+            raise file.fail(f"tensor {name!r} has shape {_stored_shape(tensor)}, but the metadata implies {expected}")
+    return entries
+
+
+def _reverse_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary permutation of q or k rows: within each head, rows in (Dh/2, 2) order back to
+    Hugging Face's (2, Dh/2)."""
+    rows = w.shape[0]
+    grouped = w.reshape(heads, rows // heads // 2, 2, *w.shape[1:])  # (H, Dh/2, 2, ...)
+    return grouped.swapaxes(1, 2).reshape(w.shape)  # (H*Dh, ...)
+
+
+def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entries: dict[str, _Entry],
+                           config: DecoderConfig) -> None:
+    """Dequantize each validated tensor alone (float32), undo llama.cpp's change, copy it into ``params``.
+
+    The file stays memory-mapped: an F32 tensor is read in place; any other is dequantized by ``gguf`` into
+    float32 temporaries of its own size (about two at once), so loading costs the model's memory plus about
+    twice the largest tensor in float32, never a second copy of the model.
+    """
+    gguf = import_extra("gguf", "read GGUF files")
+    for name, entry in entries.items():
+        tensor = file.tensors[name]
+        stored = _stored_shape(tensor)  # NumPy order: (out, in) for a matrix, as Hugging Face stores nn.Linear
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(stored)  # float32, stored shape
+        if entry.fix == "permute_q":
+            values = _reverse_permute(values, config.num_heads)  # (Hq*Dh, D) or (Hq*Dh,)
+        elif entry.fix == "permute_k":
+            values = _reverse_permute(values, config.num_kv_heads)  # (Hkv*Dh, D) or (Hkv*Dh,)
+        elif entry.fix == "norm_offset":
+            # 1 + (stored - 1) gives back the stored float32 exactly whenever it lies in [0.5, 2] (Sterbenz)
+            values = values - np.float32(1.0)
+        elif entry.fix == "transpose":
+            values = values.T  # GPT-2's Conv1D layout (in, out)
+        for target, value in entry.mapping.convert(values).items():
+            np.copyto(params[target], value, casting="unsafe")

@@ -1,0 +1,240 @@
+"""The tokenizer a GGUF file describes, rebuilt as a ``tokenizers`` tokenizer inside attnkit's :class:`Tokenizer`.
+
+A GGUF file has no ``tokenizer.json``: it keeps the vocabulary as metadata under llama.cpp's names
+(``tokenizer.ggml.*``), and the chat template as ``tokenizer.chat_template``. Two kinds are read, by
+``tokenizer.ggml.model``:
+
+``"gpt2"``
+    Byte-level BPE (GPT-2, Llama 3, Qwen, OLMo 2, ...): the tokens (spelled in GPT-2's byte alphabet) and the
+    merges, with the text split by the regular expression ``tokenizer.ggml.pre`` names.
+``"llama"``
+    SentencePiece BPE (Llama 2, Mistral, Gemma, Phi-3): the pieces (``▁`` for a space), their scores (the
+    merges are rebuilt from them: a pair merges with the rank of the piece it makes) and the byte tokens
+    ``<0x00>`` .. ``<0xFF>`` for characters outside the vocabulary. Gemma splits at spaces and Phi-3 prepends
+    ``▁`` by normalizing, as their published tokenizers do.
+
+Control tokens (type 3) become special tokens, user-defined ones (type 4, e.g. ``<think>``) added tokens, so
+neither is cut into pieces; ``add_bos_token`` / ``add_eos_token`` decide what ``encode`` adds (``bos`` by default
+for SentencePiece vocabularies, as llama.cpp does). The end-of-sequence ids are ``eos_token_id`` and the
+end-of-turn ids (``eot_token_id``, ``eom_token_id``) llama.cpp also stops at.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ._extra import import_extra
+from .gguf_file import GGUFFile
+from .tokenizer import Tokenizer
+
+__all__ = ["gguf_tokenizer", "GGUF_PRE_TOKENIZERS"]
+
+# GPT-2's split, which ByteLevel(use_regex=True) applies itself.
+_GPT2 = None
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# tokenizer.ggml.pre -> the split of the text before byte-level BPE (llama.cpp's names and regexes).
+GGUF_PRE_TOKENIZERS = {
+    "default": _GPT2, "gpt-2": _GPT2,
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
+    "falcon3": _LLAMA3, "pixtral": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+    "tekken": _TEKKEN, "gpt-4o": _GPT4O, "llama4": _GPT4O,
+}
+
+_CONTROL, _USER_DEFINED = 3, 4
+_SPECIAL_IDS = (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                ("pad_token", "padding_token_id"))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: each byte as a printable character (the printable ones as themselves)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def _strings(file: GGUFFile, key: str, count: int | None = None) -> list[str]:
+    value = file.metadata.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or not value:
+        raise file.fail(f"metadata {key!r} must be a non-empty list of strings, got {type(value).__name__}")
+    if count is not None and len(value) != count:
+        raise file.fail(f"metadata {key!r} has {len(value)} entries for {count} tokens")
+    return value
+
+
+def _numbers(file: GGUFFile, key: str, count: int, default: Any) -> list:
+    value = file.metadata.get(key)
+    if value is None:
+        return [default] * count
+    if not isinstance(value, list) or len(value) != count or not all(isinstance(v, (int, float)) for v in value):
+        raise file.fail(f"metadata {key!r} must be a list of {count} numbers, one per token")
+    return value
+
+
+def _merges_from_scores(tokens: list[str], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges rebuilt from the vocabulary: every split of a piece into two pieces is a merge,
+    ranked by the merged piece's score (best first), ties by the shorter left then right part, then by id;
+    the rule ``transformers`` uses, so both tokenize alike."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {(token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))): index
+             for index, token in enumerate(tokens)}
+    merges = []
+    for entry in _strings(file, "tokenizer.ggml.merges") if "tokenizer.ggml.merges" in file.metadata else []:
+        parts = entry.split(" ")
+        if len(parts) != 2:
+            raise file.fail(f"metadata 'tokenizer.ggml.merges' holds {entry!r}, not two tokens joined by a space")
+        merges.append((parts[0], parts[1]))
+    backend = tk.Tokenizer(tk.models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
+                                         end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    pre = file.metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise file.fail(f"metadata tokenizer.ggml.pre = {pre!r} names a pre-tokenizer attnkit does not know; it "
+                        f"knows {', '.join(GGUF_PRE_TOKENIZERS)}")
+    split = GGUF_PRE_TOKENIZERS[pre]
+    if split is None:
+        backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    else:
+        backend.pre_tokenizer = tk.pre_tokenizers.Sequence([
+            tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated"),
+            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = tk.decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
+    style = {"gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}.get(file.architecture, "llama")
+    if style == "gemma":
+        # Gemma stores pieces of two or more spaces as spaces, and its scores do not follow its merge order:
+        # the order of the tokens does.
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = {token: -float(index) for index, token in enumerate(tokens)}
+    else:
+        values = _numbers(file, "tokenizer.ggml.scores", len(tokens), 0.0)
+        scores = dict(zip(tokens, (float(v) for v in values)))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in file.metadata:
+        merges = [tuple(m.split(" ")) for m in _strings(file, "tokenizer.ggml.merges")]
+    else:
+        merges = _merges_from_scores(tokens, scores)
+    unk = file.metadata.get("tokenizer.ggml.unknown_token_id")
+    backend = tk.Tokenizer(tk.models.BPE(vocab, merges, dropout=None, fuse_unk=True, byte_fallback=True,
+                                         unk_token=tokens[unk] if style == "gemma" and unk is not None else None))
+    decoders = [tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
+    if style == "gemma":  # no space is prepended, so none is stripped
+        backend.normalizer = tk.normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = tk.pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+        backend.decoder = tk.decoders.Sequence(decoders)
+        return backend
+    if style == "phi3":  # the prefix space from a normalizer: "  hi" keeps both of its spaces
+        backend.normalizer = tk.normalizers.Sequence([tk.normalizers.Prepend("\u2581"),
+                                                      tk.normalizers.Replace(" ", "\u2581")])
+    else:
+        prefix = file.metadata.get("tokenizer.ggml.add_space_prefix", True)
+        backend.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="\u2581",
+                                                            prepend_scheme="first" if prefix else "never",
+                                                            split=False)
+    backend.decoder = tk.decoders.Sequence(decoders + [tk.decoders.Strip(content=" ", left=1, right=0)])
+    return backend
+
+
+def _special_tokens(file: GGUFFile, tokens: list[str]) -> dict[str, str]:
+    special = {}
+    for name, key in _SPECIAL_IDS:
+        index = file.metadata.get(f"tokenizer.ggml.{key}")
+        if index is None:
+            continue
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tokens):
+            raise file.fail(f"metadata tokenizer.ggml.{key} = {index!r} is not the id of one of its {len(tokens)} "
+                            f"tokens")
+        special[name] = tokens[index]
+    return special
+
+
+def _chat_templates(file: GGUFFile) -> dict[str, str]:
+    templates = {}
+    prefix = "tokenizer.chat_template."
+    for key, value in file.metadata.items():
+        if key == "tokenizer.chat_template" or key.startswith(prefix):
+            if not isinstance(value, str):
+                raise file.fail(f"metadata {key!r} must be a string (a jinja template)")
+            templates["default" if key == "tokenizer.chat_template" else key[len(prefix):]] = value
+    return templates
+
+
+def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
+    """The tokenizer of a parsed GGUF file (see the module docstring for what is read).
+
+    Raises
+    ------
+    ValueError
+        Naming the file: no vocabulary, a ``tokenizer.ggml.model`` other than ``"gpt2"`` and ``"llama"``, an
+        unknown ``tokenizer.ggml.pre``, per-token lists of the wrong length, a special id that is no token.
+    ImportError
+        ``tokenizers`` is not installed (naming the ``pretrained`` extra).
+    """
+    tk = import_extra("tokenizers", "build the tokenizer of a GGUF file")
+    kind = file.metadata.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise file.fail(f"metadata tokenizer.ggml.model = {kind!r} is not a tokenizer attnkit rebuilds; it reads "
+                        f"'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
+    tokens = _strings(file, "tokenizer.ggml.tokens")
+    types = _numbers(file, "tokenizer.ggml.token_type", len(tokens), 1)
+    try:
+        backend = (_byte_level if kind == "gpt2" else _sentencepiece)(tk, file, tokens)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception type for a bad vocabulary
+        raise file.fail(f"its vocabulary cannot be built into a tokenizer: {exc}") from None
+    special = _special_tokens(file, tokens)
+    vocab = backend.get_vocab()
+    named = set(special.values())
+    control = [t for t, kind_ in zip(tokens, types) if kind_ == _CONTROL or t in named]
+    if kind == "gpt2":  # a control token outside the byte alphabet is a mislabel, and no token of this vocabulary
+        alphabet = set(_bytes_to_unicode().values())
+        control = [t for t in control if set(t) <= alphabet]
+    backend.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t in control])
+    backend.add_tokens([tk.AddedToken(t, normalized=False, special=False)
+                        for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED and t in vocab])
+    add_bos = file.metadata.get("tokenizer.ggml.add_bos_token", kind == "llama") and "bos_token" in special
+    add_eos = file.metadata.get("tokenizer.ggml.add_eos_token", False) and "eos_token" in special
+    single = ([f"{special['bos_token']}:0"] if add_bos else []) + ["$A:0"] + \
+        ([f"{special['eos_token']}:0"] if add_eos else [])
+    pair = single + ([f"{special['bos_token']}:1"] if add_bos else []) + ["$B:1"] + \
+        ([f"{special['eos_token']}:1"] if add_eos else [])
+    pieces = [special[n] for n, on in (("bos_token", add_bos), ("eos_token", add_eos)) if on]
+    backend.post_processor = tk.processors.TemplateProcessing(
+        single=" ".join(single), pair=" ".join(pair), special_tokens=[(t, backend.token_to_id(t)) for t in pieces])
+    eos_ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        index = file.metadata.get(f"tokenizer.ggml.{key}")
+        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(tokens) \
+                and index not in eos_ids:
+            eos_ids.append(index)
+    return Tokenizer(backend, special, _chat_templates(file), eos_ids)

@@ -1,0 +1,378 @@
+"""GGUF files written in the test, the way llama.cpp's ``convert_hf_to_gguf.py`` writes them.
+
+:func:`write_gguf` turns a ``transformers`` causal LM (and optionally its fast tokenizer) into a GGUF file with
+the ``gguf`` package's own ``GGUFWriter``: llama.cpp's metadata keys, its tensor names (from ``gguf``'s
+``TensorNameMap``, as the converter takes them), and the changes its converter makes to the weights:
+
+- Llama (and Mistral, which llama.cpp writes as ``llama``): the rows of q and k permuted per head from
+  Hugging Face's half-split rotary layout to GGML's interleaved one;
+- Gemma 2 / 3: every RMSNorm weight stored as ``1 + w`` (GGML's RMSNorm multiplies by the weight alone);
+- GPT-2: the ``Conv1D`` weights stored as (out, in), like every other GGML matrix;
+- a tied head written once (no ``output.weight``).
+
+Matrices are stored in the requested quantisation type (``gguf.quants.quantize`` where it implements it), and
+vectors in F32 as llama.cpp keeps them. The K-quants (Q2_K .. Q6_K) have no quantizer in ``gguf``: their
+blocks are written from random bits with small finite scales, and tests compare the loaded weights against
+``gguf.quants.dequantize`` of those blocks.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+# The HF model_type -> the GGUF architecture llama.cpp's converter writes.
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2"}
+
+# Byte offsets of the float16 scale fields in each K-quant block (the rest is quantized bits).
+K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+QUANT_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+               Q.Q6_K)
+
+
+def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: each head's rows from (2, Dh/2) to (Dh/2, 2) order."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_divisors(params: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for Llama 3's scaling: each frequency's divisor (1, ``factor`` or between)."""
+    freqs = 1.0 / (params["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    context = params["original_max_position_embeddings"]
+    divisors = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / freq
+        if wavelength < context / high:
+            divisors.append(1.0)
+        elif wavelength > context / low:
+            divisors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(divisors, dtype=np.float32)
+
+
+def raw_k_quant_blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks for a float tensor of ``shape``: random bits, float16 scales in [0.002, 0.02]."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = int(np.prod(shape[:-1]))
+    blocks = rng.integers(0, 256, size=(rows * shape[-1] // block, size), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[qtype]:
+        scale = rng.uniform(0.002, 0.02, size=len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def _hf_tensors(model: Any) -> dict[str, np.ndarray]:
+    return {name: p.detach().float().numpy().copy() for name, p in model.state_dict().items()}
+
+
+def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> None:
+    """What llama.cpp's converter writes for each family (``set_gguf_parameters``)."""
+    if model_type == "gpt2":
+        writer.add_block_count(cfg.n_layer)
+        writer.add_context_length(cfg.n_positions)
+        writer.add_embedding_length(cfg.n_embd)
+        writer.add_feed_forward_length(cfg.n_inner or 4 * cfg.n_embd)
+        writer.add_head_count(cfg.n_head)
+        writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+        return
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    params = cfg.rope_parameters
+    if model_type == "gemma3_text":
+        full, sliding = params["full_attention"], params["sliding_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type", "default") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        assert sliding["rope_theta"] == 10000.0, "llama.cpp's gemma3 rotates sliding layers with base 10000"
+        flags = [kind == "sliding_attention" for kind in cfg.layer_types]
+        if flags != [(i + 1) % 6 != 0 for i in range(cfg.num_hidden_layers)]:  # not llama.cpp's default period
+            writer.add_sliding_window_pattern(flags)
+    else:
+        writer.add_rope_freq_base(params["rope_theta"])
+        kind = params.get("rope_type", "default")
+        if kind == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(params["factor"])
+        elif kind == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(params["factor"])
+            writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        elif kind == "llama3":  # llama.cpp's LlamaModel: one divisor per frequency, as a tensor
+            writer.add_tensor("rope_freqs.weight", llama3_divisors(params, head_dim))
+        elif kind == "longrope" and model_type == "phi3":
+            original = cfg.original_max_position_embeddings
+            factor = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original))
+                                                 if factor > 1 else 1.0)
+            writer.add_rope_scaling_orig_ctx_len(original)
+            for which in ("long", "short"):
+                writer.add_tensor(f"rope_factors_{which}.weight", np.asarray(params[f"{which}_factor"], np.float32))
+        elif kind != "default":
+            raise NotImplementedError(f"this test converter does not write rope_type {kind}")
+    if model_type in ("llama", "mistral"):
+        writer.add_rope_dimension_count(head_dim)
+    if model_type in ("qwen3", "gemma2", "gemma3_text"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if model_type == "phi3":
+        writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
+        if cfg.sliding_window is not None:
+            writer.add_sliding_window(cfg.sliding_window)
+    if model_type in ("gemma2", "gemma3_text"):
+        writer.add_sliding_window(cfg.sliding_window)
+    if model_type == "gemma2":
+        if cfg.attn_logit_softcapping is not None:
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if cfg.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+
+
+def _tensor_name(name_map: Any, hf_name: str) -> str | None:
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    stem, suffix = hf_name.rsplit(".", 1)
+    gguf_name = name_map.get_name(stem)
+    return None if gguf_name is None else f"{gguf_name}.{suffix}"
+
+
+def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None = None, *,
+               rng: np.random.Generator | None = None, name: str = "tiny") -> dict[str, np.ndarray]:
+    """Write ``model`` (a ``transformers`` causal LM) to ``path`` as llama.cpp would, matrices in ``qtype``.
+
+    ``tokenizer``: metadata from :func:`byte_level_metadata` or :func:`sentencepiece_metadata` (else a plain
+    vocabulary of ``<t{i}>`` tokens). Returns GGUF tensor name -> the stored array (blocks for quantized types).
+    """
+    cfg = model.config
+    model_type = cfg.model_type
+    arch = ARCHS[model_type]
+    rng = rng or np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    _metadata(writer, arch, cfg, model_type)
+    tokenizer = tokenizer or plain_vocabulary(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    _add_tokenizer(writer, tokenizer)
+    writer.add_file_type(int(qtype) if qtype in (Q.F32, Q.F16) else 7)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    stored = {}
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    for hf_name, w in _hf_tensors(model).items():
+        hf_name = hf_name.removeprefix("model.").removeprefix("transformer.")
+        if hf_name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
+            continue
+        if hf_name == "lm_head.weight" and tied:
+            continue
+        full = ("model." if model_type != "gpt2" else "transformer.") + hf_name
+        gguf_name = _tensor_name(name_map, "lm_head.weight" if hf_name == "lm_head.weight" else full)
+        assert gguf_name is not None, f"no GGUF name for {hf_name}"
+        if model_type in ("llama", "mistral"):
+            if gguf_name.endswith("attn_q.weight") or gguf_name.endswith("attn_q.bias"):
+                w = llama_permute(w, cfg.num_attention_heads)
+            elif gguf_name.endswith("attn_k.weight") or gguf_name.endswith("attn_k.bias"):
+                w = llama_permute(w, cfg.num_key_value_heads)
+        if model_type in ("gemma2", "gemma3_text") and gguf_name.endswith("norm.weight"):
+            w = w + 1.0
+        if model_type == "gpt2" and gguf_name.endswith(("attn_qkv.weight", "attn_output.weight", "ffn_up.weight",
+                                                         "ffn_down.weight")):
+            w = np.ascontiguousarray(w.T)
+        stored[gguf_name] = _add_tensor(writer, gguf_name, w, qtype, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if w.ndim == 1 or qtype == Q.F32 or w.shape[-1] % block:
+        data = w.astype(np.float32)
+        writer.add_tensor(name, data)
+        return data
+    if qtype == Q.F16:
+        data = w.astype(np.float16)
+        writer.add_tensor(name, data)
+        return data
+    if qtype in K_QUANT_SCALES:
+        data = raw_k_quant_blocks(w.shape, qtype, rng)
+    else:
+        data = gguf.quants.quantize(w.astype(np.float32), qtype)
+    writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    return data
+
+
+def plain_vocabulary(vocab: int, bos: int | None, eos: int | None) -> dict:
+    """Tokenizer metadata for models without a real tokenizer: byte-level tokens ``t0`` .. ``t{V-1}``."""
+    meta = {"model": "gpt2", "pre": "default", "tokens": [f"t{i}" for i in range(vocab)], "merges": [],
+            "token_type": [1] * vocab, "padding_token_id": 0}
+    if bos is not None:
+        meta["bos_token_id"] = bos
+    if eos is not None:
+        meta["eos_token_id"] = eos
+    return meta
+
+
+def byte_level_metadata(hf_tokenizer: Any, pre: str = "default") -> dict:
+    """llama.cpp's ``_set_vocab_gpt2`` for a byte-level BPE ``tokenizer.json``: tokens by id, merges, types
+    (3 = control for the special tokens), the special ids and the chat template."""
+    import json
+
+    backend = json.loads(hf_tokenizer.backend_tokenizer.to_str())
+    vocab = backend["model"]["vocab"]
+    added = {t["id"]: t for t in backend["added_tokens"]}
+    tokens = [None] * (max(max(vocab.values()), max(added, default=0)) + 1)
+    for token, index in vocab.items():
+        tokens[index] = token
+    types = [1] * len(tokens)
+    for index, entry in added.items():
+        tokens[index] = entry["content"]
+        types[index] = 3 if entry["special"] else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in backend["model"]["merges"]]
+    meta = {"model": "gpt2", "pre": pre, "tokens": tokens, "merges": merges, "token_type": types,
+            "add_bos_token": False}
+    for key, token in (("bos_token_id", hf_tokenizer.bos_token), ("eos_token_id", hf_tokenizer.eos_token),
+                       ("padding_token_id", hf_tokenizer.pad_token), ("unknown_token_id", hf_tokenizer.unk_token)):
+        if token is not None:
+            meta[key] = tokens.index(token)
+    if hf_tokenizer.chat_template:
+        meta["chat_template"] = hf_tokenizer.chat_template
+    return meta
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, meta: dict) -> None:
+    writer.add_tokenizer_model(meta["model"])
+    if "pre" in meta:
+        writer.add_tokenizer_pre(meta["pre"])
+    writer.add_token_list(meta["tokens"])
+    if meta.get("merges"):
+        writer.add_token_merges(meta["merges"])
+    if "scores" in meta:
+        writer.add_token_scores(meta["scores"])
+    writer.add_token_types(meta["token_type"])
+    for key in ("bos_token_id", "eos_token_id", "eot_token_id", "padding_token_id", "unknown_token_id"):
+        if key in meta:
+            writer.add_uint32(f"tokenizer.ggml.{key}", meta[key])
+    for key in ("add_bos_token", "add_eos_token", "add_space_prefix"):
+        if key in meta:
+            writer.add_bool(f"tokenizer.ggml.{key}", meta[key])
+    if "chat_template" in meta:
+        writer.add_chat_template(meta["chat_template"])
+
+
+def sentencepiece_metadata(texts: list[str], vocab_size: int = 400, chat_template: str | None = None) -> dict:
+    """A SentencePiece-style BPE vocabulary as llama.cpp's ``_set_vocab_sentencepiece`` writes it: ``<unk>``,
+    ``<s>``, ``</s>``, the 256 byte tokens ``<0x00>`` .. ``<0xFF>`` (type 6), then pieces spelled with ``▁``
+    scored by their merge rank (no merges stored: readers rebuild them from the scores)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[], show_progress=False)
+    backend.train_from_iterator(texts, trainer)
+    learned = sorted(backend.get_vocab().items(), key=lambda item: item[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    for rank, (token, _) in enumerate(learned):
+        tokens.append(token)
+        types.append(1)
+        scores.append(-float(rank))
+    meta = {"model": "llama", "tokens": tokens, "scores": scores, "token_type": types, "bos_token_id": 1,
+            "eos_token_id": 2, "unknown_token_id": 0, "add_bos_token": True, "add_eos_token": False}
+    if chat_template is not None:
+        meta["chat_template"] = chat_template
+    return meta
+
+
+_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, bos_token_id=1, eos_token_id=95, rms_norm_eps=1e-5)
+
+# Tiny models whose whole config a GGUF file states. transformers' own GGUF loader reads fewer keys (no head_dim
+# for Qwen3, no softcaps or query_pre_attn_scalar for Gemma, no rope scaling or biases) and falls back on its
+# config classes' defaults; these specs use those defaults (head_dim 128 / 256, Gemma's softcaps) so it reads
+# the same model. name -> (transformers config class, keyword arguments).
+TRANSFORMERS_READABLE = {
+    # transformers reads GGUF's context_length into GPT2Config's n_ctx, not n_positions (default 1024)
+    "gpt2": ("GPT2Config", dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=1024, bos_token_id=1,
+                                eos_token_id=95)),
+    "llama": ("LlamaConfig", dict(_COMMON, num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(_COMMON, num_key_value_heads=2, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(_COMMON, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, num_key_value_heads=2, head_dim=128)),
+    "phi3": ("Phi3Config", dict(_COMMON, num_key_value_heads=2, pad_token_id=0)),
+    "gemma2": ("Gemma2Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=256,
+                                    query_pre_attn_scalar=256, sliding_window=3, pad_token_id=0)),
+    "gemma3": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=7, num_key_value_heads=2, head_dim=256,
+                                        query_pre_attn_scalar=256, sliding_window=3, pad_token_id=0)),
+    # rows of 256 values, the K-quants' block (the quantisation tests)
+    "llama_wide": ("LlamaConfig", dict(_COMMON, hidden_size=256, intermediate_size=512, num_key_value_heads=2)),
+}
+# What llama.cpp reads and transformers' GGUF loader drops (compared with the float model only).
+FLOAT_ONLY = {
+    "gemma2_softcaps": ("Gemma2Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=12,
+                                             query_pre_attn_scalar=12, sliding_window=3, attn_logit_softcapping=2.0,
+                                             final_logit_softcapping=3.0, pad_token_id=0)),
+    "gemma3_linear": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=7, num_key_value_heads=2, head_dim=8,
+                                               query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,
+                                               rope_parameters={"full_attention": {"rope_type": "linear",
+                                                                                   "factor": 2.0,
+                                                                                   "rope_theta": 1000.0},
+                                                                "sliding_attention": {"rope_type": "default",
+                                                                                      "rope_theta": 10000.0}})),
+    # sliding and full layers in an order of their own: one flag per layer in the metadata
+    "gemma3_layer_types": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                                    query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,
+                                                    layer_types=["full_attention", "sliding_attention",
+                                                                 "full_attention", "sliding_attention"])),
+}
+
+
+def build_model(name: str, seed: int = 0):
+    """The (random, seeded) transformers model of ``TRANSFORMERS_READABLE`` or ``FLOAT_ONLY``, in eval mode."""
+    import transformers
+
+    import torch
+
+    class_name, kwargs = {**TRANSFORMERS_READABLE, **FLOAT_ONLY}[name]
+    config = getattr(transformers, class_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # larger weights than the 0.02 init, so logits differ clearly between tokens
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.08)
+    return model.eval()
+
+
+def transformers_gguf_model(folder: Path, file_name: str):
+    """transformers' own loading of a GGUF file (``from_pretrained(folder, gguf_file=...)``), float32, eager.
+
+    transformers asks for ``accelerate`` before reading a GGUF file although its GGUF path never uses it; the
+    test environment does not install accelerate, so the check is answered for this one call.
+    """
+    from unittest import mock
+
+    import transformers
+    import transformers.modeling_utils
+
+    import torch
+
+    with mock.patch.object(transformers.modeling_utils, "is_accelerate_available", return_value=True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=file_name,
+                                                                  dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
