@@ -61,10 +61,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Check the folder, the prompt and the output file, then write the page and say what it holds."""
-    from ..explain import explain_html
     from ..pretrained.gguf_file import is_gguf_path
     from .attention import is_causal_lm_folder
-    from .generate import load_model, load_tokenizer, prompt_ids
 
     if args.model is not None and args.model_dir is not None:
         raise UsageError("name the model once: DIR or --model", PROG)
@@ -90,6 +88,15 @@ def run(args: argparse.Namespace) -> int:
                          f"model_type {model_types_text()}) nor a .gguf file nor a sentence-transformers "
                          f"folder (modules.json) nor an 'attnkit demo --task addition' folder; for the other demo "
                          f"models use 'attnkit attention --html'", PROG)
+    return _run_causal_lm(args, corrupting)
+
+
+def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
+    """The next-token page of a Hugging Face causal LM (a folder or a GGUF file), with the patching views when
+    a corrupted prompt is given."""
+    from ..explain import explain_html
+    from .generate import load_model, load_tokenizer, prompt_ids
+
     if (args.prompt is None) == (args.ids is None):
         raise UsageError("give the prompt once: --prompt TEXT or --ids 1,2,3", PROG)
     if args.corrupt is not None and args.corrupt_ids is not None:
@@ -119,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
     data = explain_html(model, np.array(ids, dtype=np.int64), page, token_text=piece, candidates=args.candidates,
                         top_k=args.top_k, title=f"{name}: {said}",
                         corrupt=None if corrupt is None else np.array(corrupt, dtype=np.int64))
+    _report(name, model, ids, data, page)
+    return 0
+
+
+def _report(name: str, model: Any, ids: list[int], data: dict, page: Path) -> None:
+    """What the page holds, in a few lines."""
     best = data["candidates"][0]
     print(f"model: {name} ({model.config.family}, {model.config.num_layers} layers, {model.config.num_heads} heads); "
           f"{len(ids)} tokens")
@@ -130,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
               f"logit[{printable(repr(patching['incorrect_text']))}] = {patching['clean_metric']:.3f} on the prompt, "
               f"{patching['corrupt_metric']:.3f} corrupted; patched every layer and position, and every head")
     print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
-    return 0
 
 
 def _run_encoder(args: argparse.Namespace) -> int:
