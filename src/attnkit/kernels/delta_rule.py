@@ -166,6 +166,9 @@ class ChunkedContext:
     gamma: np.ndarray  # (..., N, C, C) exp(G_i - G_j) for i >= j, else 0
     kk: np.ndarray  # (..., N, C, C) K K^T
     qk: np.ndarray  # (..., N, C, C) Q K^T
+    attn: np.ndarray  # (..., N, C, C) Q K^T * Gamma
+    qd: np.ndarray  # (..., N, C, Dk) diag(exp(G)) Q
+    kd: np.ndarray  # (..., N, C, Dk) diag(exp(G_C - G)) K
     t: np.ndarray  # (..., N, C, C) (I + strict_lower(diag(beta) K K^T * Gamma))^{-1}
     w: np.ndarray  # (..., N, C, Dk) T diag(beta exp(G)) K
     states: np.ndarray  # (..., N, Dk, Dv) the state entering each chunk
@@ -232,8 +235,8 @@ def chunked_forward(q, k, v, g, beta, *, scale: float | None = None, initial_sta
         out[..., i, :, :] = qd[..., i, :, :] @ state + attn[..., i, :, :] @ v_new[..., i, :, :]
         state = chunk_decay[..., i, :, :] * state + kd[..., i, :, :].swapaxes(-1, -2) @ v_new[..., i, :, :]
     out = out.reshape(out.shape[:-3] + (n * c, v.shape[-1]))[..., :length, :]  # (..., L, Dv)
-    ctx = ChunkedContext(qc, kc, vc, betac, decay_in, decay_out, gamma, kk, qk, t, w, states, v_new, length,
-                         scale)
+    ctx = ChunkedContext(qc, kc, vc, betac, decay_in, decay_out, gamma, kk, qk, attn, qd, kd, t, w, states, v_new,
+                         length, scale)
     return out, state, ctx
 
 
@@ -244,8 +247,7 @@ def _chunk_steps_backward(grad_out, grad_state, ctx: ChunkedContext):
     ``diag(exp(G)) Q``, ``diag(exp(G_C - G)) K`` (..., N, C, Dk), of ``Q K^T * Gamma`` (..., N, C, C), of
     each chunk's total decay ``exp(G_C)`` (..., N) and of the initial state (..., Dk, Dv).
     """
-    qd, kd = ctx.q * ctx.decay_in[..., None], ctx.k * ctx.decay_out[..., None]  # (..., N, C, Dk)
-    attn = ctx.qk * ctx.gamma  # (..., N, C, C)
+    qd, kd, attn = ctx.qd, ctx.kd, ctx.attn
     chunk_decay = ctx.decay_in[..., -1]  # (..., N)
     du, d_attn = np.empty_like(ctx.v_new), np.empty_like(attn)
     dw, dqd, dkd = np.empty_like(ctx.w), np.empty_like(qd), np.empty_like(kd)
