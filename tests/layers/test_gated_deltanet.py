@@ -73,13 +73,16 @@ def _run_ours(params: dict, x, grad_y, dtype):
     return {"y": y, "grad x": grad_x, **{f"grad {n}": g for n, g in ours.grads.items()}}
 
 
+# Hugging Face runs the delta rule in float32 whatever the input, and the gradients of A_log, dt_bias, W_a and W_b
+# are sums over every position with cancellation. Against our float64 result (which finite differences check),
+# over 24 seeds of this test its float32 error reached 1.1e-5 and ours 1.5e-5 (relative to each array's largest
+# entry), up and down at random; elsewhere both stay near 1e-6. The bound is twice the larger.
+LAYER_TOL = 3e-5
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_equals_hugging_face_forward_and_backward(kind, dtype):
-    """Hugging Face computes the delta rule in float32 whatever the input, and its gradients of ``A_log``,
-    ``dt_bias`` and ``W_b`` are sums over every position: its own float32 error (against our float64 result,
-    which finite differences check) reaches 1e-5 there. So ours must be within 1e-5 of it, or within twice
-    its own error where that is larger (FlashAttention's rule); and its error must stay float32-sized."""
     hf = _hf_layer(kind)
     params = _as_qwen3_5(kind, {n: to_numpy(p) for n, p in hf.named_parameters()})
     rng = make_rng(1)
@@ -95,10 +98,10 @@ def test_equals_hugging_face_forward_and_backward(kind, dtype):
     for name, ref in theirs.items():
         assert ours[name].dtype == dtype, name
         scale = float(np.max(np.abs(exact[name])))
-        their_error = float(np.max(np.abs(ref - exact[name]))) / scale
         error = float(np.max(np.abs(ours[name] - ref))) / scale
-        assert their_error < 1e-4, f"{kind} {name}: Hugging Face is {their_error:.1e} from the float64 result"
-        assert error <= max(1e-5, 2 * their_error), f"{kind} {name}: {error:.2e} from Hugging Face"
+        assert error < LAYER_TOL, f"{kind} {name}: {error:.2e} from Hugging Face"
+        own = float(np.max(np.abs(ours[name] - exact[name]))) / scale
+        assert own < LAYER_TOL, f"{kind} {name}: {own:.2e} from the float64 result"
 
 
 def test_every_gradient_passes_finite_differences():
