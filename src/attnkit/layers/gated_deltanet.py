@@ -16,22 +16,25 @@ The layer, in order (Hugging Face's ``Qwen3_5GatedDeltaNet``):
 Parameter names and a Hugging Face checkpoint (linear weights are stored ``(In, Out)``, the transpose of
 ``nn.Linear.weight``):
 
-============== ============================ ===================================================
-attnkit        Qwen3.5 (``linear_attn.``)   Qwen3-Next (``linear_attn.``)
-============== ============================ ===================================================
-``W_qkv``      ``in_proj_qkv.weight.T``     rows of ``in_proj_qkvz.weight`` (per key head: q, k,
-``W_z``        ``in_proj_z.weight.T``       v, z), regrouped as ``[all q | all k | all v]`` and z
-``W_b``        ``in_proj_b.weight.T``       rows of ``in_proj_ba.weight`` (per key head: b, a),
-``W_a``        ``in_proj_a.weight.T``       regrouped as all b and all a
-``conv_weight`` ``conv1d.weight[:, 0, :]``  ``conv1d.weight[:, 0, :]``
-``dt_bias``    ``dt_bias``                  ``dt_bias``
-``A_log``      ``A_log``                    ``A_log``
-``norm_gamma`` ``norm.weight``              ``norm.weight``
-``W_out``      ``out_proj.weight.T``        ``out_proj.weight.T``
-============== ============================ ===================================================
+================  ============================  ========================================
+attnkit           Qwen3.5 (``linear_attn.``)    Qwen3-Next (``linear_attn.``)
+================  ============================  ========================================
+``W_qkv``         ``in_proj_qkv.weight.T``      q, k, v rows of ``in_proj_qkvz.weight``
+``W_z``           ``in_proj_z.weight.T``        z rows of ``in_proj_qkvz.weight``
+``W_b``           ``in_proj_b.weight.T``        b rows of ``in_proj_ba.weight``
+``W_a``           ``in_proj_a.weight.T``        a rows of ``in_proj_ba.weight``
+``conv_weight``   ``conv1d.weight[:, 0, :]``    ``conv1d.weight[:, 0, :]``
+``dt_bias``       ``dt_bias``                   ``dt_bias``
+``A_log``         ``A_log``                     ``A_log``
+``norm_gamma``    ``norm.weight``               ``norm.weight``
+``W_out``         ``out_proj.weight.T``         ``out_proj.weight.T``
+================  ============================  ========================================
 
-Qwen3.5's split projections map one to one, which is why the layer keeps them apart; Qwen3-Next's fused
-ones are a permutation of the same rows (``tests/layers/test_gated_deltanet.py`` does it).
+Qwen3.5's split projections map one to one, which is why the layer keeps them apart. Qwen3-Next fuses the
+same rows grouped per key head: ``in_proj_qkvz.weight`` viewed as (Hk, 2 Dk + 2 (Hv / Hk) Dv, D) holds each
+key head's q, k, v and z rows in that order, ``in_proj_ba.weight`` viewed as (Hk, 2 Hv / Hk, D) its b and a
+rows; ``W_qkv`` is all q rows, then all k, then all v, transposed (``tests/layers/test_gated_deltanet.py``
+regroups them).
 """
 from __future__ import annotations
 
