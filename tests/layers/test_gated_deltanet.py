@@ -147,6 +147,20 @@ def test_cached_decoding_equals_the_whole_forward(prefill):
     assert float(np.max(np.abs(steps - whole)) / np.max(np.abs(whole))) < 1e-12
 
 
+def test_a_reordered_cache_continues_the_rows_it_copied():
+    layer, rng = _layer(chunk_size=4), make_rng(7)
+    x = randn(rng, 2, 9, D)
+    index = np.array([1, 1, 0])
+    whole = layer(x[index])
+    cache = layer.new_cache(2)
+    layer(x[:, :6], cache=cache)
+    cache.reorder(index)
+    steps = np.concatenate([layer(x[index, t:t + 1], cache=cache) for t in range(6, 9)], axis=1)
+    np.testing.assert_allclose(steps, whole[:, 6:], rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match=r"rows in \[0, 3\)"):
+        cache.reorder(np.array([3]))
+
+
 def test_float32_in_float32_out_and_the_input_untouched():
     layer, rng = _layer(dtype=np.float32), make_rng(6)
     x = randn(rng, 1, 9, D, dtype=np.float32)

@@ -71,6 +71,22 @@ class GatedDeltaNetCache:
     recurrent_state: np.ndarray
     length: int = 0
 
+    def reorder(self, index: Any) -> None:
+        """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows).
+
+        Parameters
+        ----------
+        index : (B',) int
+        """
+        index, batch = np.asarray(index), self.conv_state.shape[0]
+        if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
+            raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
+                             f"and dtype {index.dtype}")
+        if index.min() < -batch or index.max() >= batch:
+            raise ValueError(f"index must hold rows in [0, {batch}), got {index.min()}..{index.max()}")
+        self.conv_state = self.conv_state[index]  # (B', K - 1, Cc)
+        self.recurrent_state = self.recurrent_state[index]  # (B', Hv, Dk, Dv)
+
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # never overflows, unlike 1 / (1 + exp(-x))
