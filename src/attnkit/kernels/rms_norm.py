@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["rms_norm_backward", "rms_norm_forward"]
+from .activations import activation_backward, activation_forward
+
+__all__ = ["gated_rms_norm_backward", "gated_rms_norm_forward", "rms_norm_backward", "rms_norm_forward"]
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -47,3 +49,24 @@ def rms_norm_backward(grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, g
     g_hat = g * gamma.astype(x_hat.dtype, copy=False)  # (..., D)
     grad_x = rstd * (g_hat - x_hat * np.mean(g_hat * x_hat, axis=-1, keepdims=True))  # (..., D)
     return grad_x.astype(grad_y.dtype, copy=False), grad_gamma
+
+
+def gated_rms_norm_forward(x: np.ndarray, gate: np.ndarray, gamma: np.ndarray, eps: float):
+    """``gamma * x / sqrt(mean(x^2) + eps) * silu(gate)``: normalise first, then gate (Gated DeltaNet's output
+    norm, Hugging Face's ``Qwen3NextRMSNormGated``).
+
+    Returns
+    -------
+    y : (..., D) in ``x``'s dtype, and ``saved`` for :func:`gated_rms_norm_backward`.
+    """
+    normed, x_hat, rstd = rms_norm_forward(x, gamma, eps)  # (..., D)
+    act = activation_forward(gate, "silu")  # (..., D)
+    return normed * act.astype(normed.dtype, copy=False), (normed, x_hat, rstd, gate, act)
+
+
+def gated_rms_norm_backward(grad_y: np.ndarray, saved, gamma: np.ndarray):
+    """Gradients of :func:`gated_rms_norm_forward`: ``grad_x``, ``grad_gate`` (..., D) and ``grad_gamma`` (D,)."""
+    normed, x_hat, rstd, gate, act = saved
+    grad_gate = activation_backward(grad_y * normed, gate, act, "silu")  # (..., D)
+    grad_x, grad_gamma = rms_norm_backward(grad_y * act, x_hat, rstd, gamma)  # (..., D), (D,)
+    return grad_x, grad_gate, grad_gamma

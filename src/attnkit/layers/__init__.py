@@ -8,7 +8,9 @@
 - :class:`TransformerDecoderBlock` (self-attention, cross-attention, feed-forward), the
   :class:`TransformerDecoder` stack and the encoder-decoder :class:`Transformer`;
 - the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`MixtureOfExperts`,
-  :class:`RotaryEmbedding` and :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`).
+  :class:`RotaryEmbedding` and :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`);
+- :class:`GatedDeltaNet`, the linear-attention layer of Qwen3-Next and Qwen3.5, and its
+  :class:`GatedDeltaNetCache`.
 
 Every layer's ``forward`` saves what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
@@ -20,6 +22,7 @@ from .encoder import TransformerEncoder
 from .encoder_block import TransformerEncoderBlock
 from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
+from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
 from .lm_block import LMBlock
@@ -34,5 +37,5 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "MixtureOfExperts", "RotaryEmbedding", "LMBlock",
+    "RMSNorm", "GatedMLP", "MixtureOfExperts", "RotaryEmbedding", "LMBlock", "GatedDeltaNet", "GatedDeltaNetCache",
 ]

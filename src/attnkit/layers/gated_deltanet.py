@@ -1,0 +1,290 @@
+"""``GatedDeltaNet``: the linear-attention layer of Qwen3-Next and Qwen3.5 (Gated DeltaNet), with its cache.
+
+Dimension letters: B batch, L length, D ``hidden_size``, Hk / Hv key / value heads (Hv a multiple of Hk;
+value head h reads key head ``h // (Hv / Hk)``), Dk / Dv key / value head dims, Kd = Hk Dk, Vd = Hv Dv,
+Cc = 2 Kd + Vd the convolved channels (q, k, v side by side), K the convolution's kernel size.
+
+The layer, in order (Hugging Face's ``Qwen3_5GatedDeltaNet``):
+
+1. ``x W_qkv`` (B, L, Cc), ``z = x W_z`` (B, L, Vd), ``b = x W_b``, ``a = x W_a`` (B, L, Hv);
+2. the short causal convolution with SiLU over ``x W_qkv`` (:mod:`attnkit.kernels.causal_conv`), split
+   into q, k (B, L, Hk, Dk) and v (B, L, Hv, Dv); q and k L2-normalised per head;
+3. ``beta = sigmoid(b)``, the log-decay ``g = -exp(A_log) softplus(a + dt_bias)`` (B, L, Hv);
+4. the gated delta rule (:mod:`attnkit.kernels.delta_rule`, q scaled by ``Dk ** -0.5``), per value head;
+5. the gated RMSNorm ``norm_gamma * rms_norm(o) * silu(z)`` per head, then ``W_out``.
+
+Parameter names and a Hugging Face checkpoint (linear weights are stored ``(In, Out)``, the transpose of
+``nn.Linear.weight``):
+
+================  ============================  ========================================
+attnkit           Qwen3.5 (``linear_attn.``)    Qwen3-Next (``linear_attn.``)
+================  ============================  ========================================
+``W_qkv``         ``in_proj_qkv.weight.T``      q, k, v rows of ``in_proj_qkvz.weight``
+``W_z``           ``in_proj_z.weight.T``        z rows of ``in_proj_qkvz.weight``
+``W_b``           ``in_proj_b.weight.T``        b rows of ``in_proj_ba.weight``
+``W_a``           ``in_proj_a.weight.T``        a rows of ``in_proj_ba.weight``
+``conv_weight``   ``conv1d.weight[:, 0, :]``    ``conv1d.weight[:, 0, :]``
+``dt_bias``       ``dt_bias``                   ``dt_bias``
+``A_log``         ``A_log``                     ``A_log``
+``norm_gamma``    ``norm.weight``               ``norm.weight``
+``W_out``         ``out_proj.weight.T``         ``out_proj.weight.T``
+================  ============================  ========================================
+
+Qwen3.5's split projections map one to one, which is why the layer keeps them apart. Qwen3-Next fuses the
+same rows grouped per key head: ``in_proj_qkvz.weight`` viewed as (Hk, 2 Dk + 2 (Hv / Hk) Dv, D) holds each
+key head's q, k, v and z rows in that order, ``in_proj_ba.weight`` viewed as (Hk, 2 Hv / Hk, D) its b and a
+rows; ``W_qkv`` is all q rows, then all k, then all v, transposed (``tests/layers/test_gated_deltanet.py``
+regroups them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._validation import check_eps, check_features, check_grad_output, check_ndim, check_positive_int
+from ..core.module import Module
+from ..init import as_generator, normal
+from ..kernels import causal_conv as _conv
+from ..kernels import delta_rule as _delta
+from ..kernels.linear import linear, linear_backward
+from ..kernels.rms_norm import gated_rms_norm_backward, gated_rms_norm_forward
+
+__all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
+
+_INPUTS = ("W_qkv", "W_z", "W_b", "W_a")
+
+
+@dataclass
+class GatedDeltaNetCache:
+    """What decoding keeps for one :class:`GatedDeltaNet` layer: a fixed size, whatever the length so far.
+
+    Attributes
+    ----------
+    conv_state : (B, K - 1, Cc), the last K - 1 inputs of the convolution (zeros before the first token)
+    recurrent_state : (B, Hv, Dk, Dv), the delta rule's state
+    length : int, the number of positions seen
+    """
+
+    conv_state: np.ndarray
+    recurrent_state: np.ndarray
+    length: int = 0
+
+    def reorder(self, index: Any) -> None:
+        """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows).
+
+        Parameters
+        ----------
+        index : (B',) int
+        """
+        index, batch = np.asarray(index), self.conv_state.shape[0]
+        if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
+            raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
+                             f"and dtype {index.dtype}")
+        if index.min() < -batch or index.max() >= batch:
+            raise ValueError(f"index must hold rows in [0, {batch}), got {index.min()}..{index.max()}")
+        self.conv_state = self.conv_state[index]  # (B', K - 1, Cc)
+        self.recurrent_state = self.recurrent_state[index]  # (B', Hv, Dk, Dv)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # never overflows, unlike 1 / (1 + exp(-x))
+
+
+class GatedDeltaNet(Module):
+    """Gated DeltaNet: projections, short convolution, gated delta rule, gated RMSNorm, output projection.
+
+    Parameters
+    ----------
+    hidden_size : int
+        D (``hidden_size``).
+    num_key_heads, num_value_heads : int
+        Hk and Hv (``linear_num_key_heads``, ``linear_num_value_heads``); Hv must be a multiple of Hk.
+    key_head_dim, value_head_dim : int
+        Dk and Dv (``linear_key_head_dim``, ``linear_value_head_dim``).
+    conv_kernel_size : int, default 4
+        K (``linear_conv_kernel_dim``).
+    eps : float, default 1e-6
+        The gated RMSNorm's epsilon (``rms_norm_eps``).
+    chunk_size : int, default 64
+        C of the chunked delta rule (a whole-sequence forward); any C gives the same result up to rounding.
+    rng : numpy.random.Generator or int, optional
+        Source of the initial weights: ``N(0, 0.02^2)`` linear weights, ``U(-1/sqrt(K), 1/sqrt(K))``
+        convolution, ``dt_bias`` ones and ``A_log = log(U(1, 16))``, ``norm_gamma`` ones.
+
+    Attributes
+    ----------
+    W_qkv (D, Cc), W_z (D, Vd), W_b (D, Hv), W_a (D, Hv), conv_weight (Cc, K), dt_bias (Hv,), A_log (Hv,),
+    norm_gamma (Dv,), W_out (Vd, D); ``grads`` with the same names. The module docstring maps them to
+    Hugging Face's names.
+
+    Shapes
+    ------
+    x : (B, L, D) -> y : (B, L, D), in ``x``'s float dtype (float32 in, float32 out).
+
+    Examples
+    --------
+    >>> layer = GatedDeltaNet(8, num_key_heads=1, num_value_heads=2, key_head_dim=4, value_head_dim=3, rng=0)
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 8))
+    >>> y = layer(x)
+    >>> y.shape, layer.backward(np.ones_like(y)).shape
+    ((2, 5, 8), (2, 5, 8))
+    >>> cache = layer.new_cache(2)
+    >>> steps = np.concatenate([layer(x[:, t:t + 1], cache=cache) for t in range(5)], axis=1)
+    >>> bool(np.allclose(steps, y)), cache.length
+    (True, 5)
+    """
+
+    def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int, key_head_dim: int,
+                 value_head_dim: int, *, conv_kernel_size: int = 4, eps: float = 1e-6, chunk_size: int = 64,
+                 rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        d = self.hidden_size = check_positive_int(hidden_size, "hidden_size")
+        hk = self.num_key_heads = check_positive_int(num_key_heads, "num_key_heads")
+        hv = self.num_value_heads = check_positive_int(num_value_heads, "num_value_heads")
+        if hv % hk:
+            raise ValueError(f"num_value_heads ({hv}) must be a multiple of num_key_heads ({hk}): each key head "
+                             "serves the same number of value heads")
+        dk = self.key_head_dim = check_positive_int(key_head_dim, "key_head_dim")
+        dv = self.value_head_dim = check_positive_int(value_head_dim, "value_head_dim")
+        taps = self.conv_kernel_size = check_positive_int(conv_kernel_size, "conv_kernel_size")
+        self.eps = check_eps(eps)
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
+        self.key_dim, self.value_dim = hk * dk, hv * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        gen = as_generator(rng)
+        widths = (self.conv_dim, self.value_dim, hv, hv)
+        for name, width in zip(_INPUTS, widths):
+            self.register_parameter(name, normal(gen, (d, width), std=0.02))
+        self.register_parameter("conv_weight", gen.uniform(-1.0, 1.0, (self.conv_dim, taps)) / np.sqrt(taps))
+        self.register_parameter("dt_bias", np.ones(hv))
+        self.register_parameter("A_log", np.log(gen.uniform(1.0, 16.0, hv)))
+        self.register_parameter("norm_gamma", np.ones(dv))
+        self.register_parameter("W_out", normal(gen, (self.value_dim, d), std=0.02))
+        # the four input maps read the same x: one product computes them all (one read in a decoding step)
+        self.fuse_parameters("W_in", _INPUTS)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_key_heads={self.num_key_heads}, "
+                f"num_value_heads={self.num_value_heads}, key_head_dim={self.key_head_dim}, "
+                f"value_head_dim={self.value_head_dim}, conv_kernel_size={self.conv_kernel_size}")
+
+    def new_cache(self, batch_size: int, dtype: Any = None) -> GatedDeltaNetCache:
+        """An empty cache for ``batch_size`` sequences: zero convolution inputs and a zero state, in ``dtype``
+        (default: the parameters' dtype)."""
+        b = check_positive_int(batch_size, "batch_size")
+        dtype = self._parameters["W_out"].dtype if dtype is None else dtype
+        return GatedDeltaNetCache(
+            np.zeros((b, self.conv_kernel_size - 1, self.conv_dim), dtype),
+            np.zeros((b, self.num_value_heads, self.key_head_dim, self.value_head_dim), dtype))
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def _project(self, x: np.ndarray):
+        """``x W_in`` split into the convolution's input (B, L, Cc), z (B, L, Vd), b and a (B, L, Hv)."""
+        p = self._parameters
+        fused = self.fused_parameter("W_in")
+        parts = ([linear(x, p[name]) for name in _INPUTS] if fused is None else
+                 np.split(linear(x, fused), np.cumsum([p[n].shape[1] for n in _INPUTS])[:-1], axis=-1))
+        return parts  # (B, L, Cc), (B, L, Vd), (B, L, Hv), (B, L, Hv)
+
+    def _heads(self, mixed: np.ndarray):
+        """The convolved channels as q, k (B, Hk, L, Dk) and v (B, Hv, L, Dv), heads first for the kernels."""
+        b, length = mixed.shape[:2]
+        kd = self.key_dim
+        q = mixed[..., :kd].reshape(b, length, self.num_key_heads, self.key_head_dim)  # (B, L, Hk, Dk)
+        k = mixed[..., kd:2 * kd].reshape(b, length, self.num_key_heads, self.key_head_dim)  # (B, L, Hk, Dk)
+        v = mixed[..., 2 * kd:].reshape(b, length, self.num_value_heads, self.value_head_dim)  # (B, L, Hv, Dv)
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads first
+
+    def _gates(self, b: np.ndarray, a: np.ndarray):
+        """``beta = sigmoid(b)``, ``g = -exp(A_log) softplus(a + dt_bias)``: (B, L, Hv) each, and softplus's input."""
+        dtype = a.dtype
+        pre = a + self._parameters["dt_bias"].astype(dtype, copy=False)  # (B, L, Hv)
+        rate = np.exp(self._parameters["A_log"].astype(dtype, copy=False))  # (Hv,)
+        return _sigmoid(b), -rate * np.logaddexp(dtype.type(0), pre), pre, rate
+
+    def forward(self, x: Any, cache: GatedDeltaNetCache | None = None) -> np.ndarray:
+        """Run the layer over ``x`` (B, L, D).
+
+        Without a cache the sequence starts from zero states and the forward keeps what :meth:`backward`
+        needs. With a ``cache`` (from :meth:`new_cache`) it continues from the cache's states and writes the
+        new ones back: a decoding step (L = 1) runs the recurrent form, a longer prefill the chunked one;
+        a cached forward is inference and keeps nothing for backward.
+        """
+        x = check_features(x, "x", self.hidden_size, "GatedDeltaNet", "hidden_size")
+        check_ndim(x, "x", 3, expected="(B, L, hidden_size)")
+        if cache is not None and cache.conv_state.shape[0] != x.shape[0]:
+            raise ValueError(f"GatedDeltaNet: the cache holds {cache.conv_state.shape[0]} sequences but x has "
+                             f"{x.shape[0]} (x: {x.shape})")
+        p = self._parameters
+        mixed, z, b, a = self._project(x)
+        conv_in = None if cache is None else cache.conv_state
+        conv_out, conv_state, conv_saved = _conv.causal_conv_forward(mixed, p["conv_weight"], conv_in)  # (B, L, Cc)
+        q, k, v = self._heads(conv_out)
+        qn, q_rstd = _delta.l2_normalize_forward(q)  # (B, Hk, L, Dk)
+        kn, k_rstd = _delta.l2_normalize_forward(k)  # (B, Hk, L, Dk)
+        group = self.num_value_heads // self.num_key_heads
+        beta, g, pre, rate = self._gates(b, a)  # (B, L, Hv) each
+        delta_args = (np.repeat(qn, group, axis=1), np.repeat(kn, group, axis=1), v,  # (B, Hv, L, D*)
+                      g.transpose(0, 2, 1), beta.transpose(0, 2, 1))  # (B, Hv, L)
+        if cache is None:
+            o, _, delta_ctx = _delta.chunked_forward(*delta_args, chunk_size=self.chunk_size)  # (B, Hv, L, Dv)
+        elif x.shape[1] == 1:
+            o, state, _ = _delta.recurrent_forward(*delta_args, initial_state=cache.recurrent_state)
+        else:
+            o, state, _ = _delta.chunked_forward(*delta_args, initial_state=cache.recurrent_state,
+                                                 chunk_size=self.chunk_size)
+        o = o.transpose(0, 2, 1, 3)  # (B, L, Hv, Dv)
+        zh = z.reshape(o.shape)  # (B, L, Hv, Dv)
+        normed, norm_saved = gated_rms_norm_forward(o, zh, p["norm_gamma"].astype(o.dtype, copy=False), self.eps)
+        flat = normed.reshape(x.shape[0], x.shape[1], self.value_dim)  # (B, L, Vd)
+        y = linear(flat, p["W_out"]).astype(x.dtype, copy=False)  # (B, L, D)
+        if cache is None:
+            self.save_for_backward(x, conv_saved, (qn, q_rstd, kn, k_rstd), (beta, g, pre, rate), delta_ctx,
+                                   norm_saved, flat)
+        else:
+            cache.conv_state = conv_state.astype(cache.conv_state.dtype, copy=False)
+            cache.recurrent_state = state.astype(cache.recurrent_state.dtype, copy=False)
+            cache.length += x.shape[1]
+            self.save_for_backward()
+        return y
+
+    # -- backward ---------------------------------------------------------------------------------------
+    def backward(self, grad_output: Any) -> np.ndarray:
+        """Add every parameter's gradient into ``self.grads``; return ``grad_x`` (B, L, D)."""
+        if self.saved_tensors is None:
+            raise RuntimeError("GatedDeltaNet.backward called before a forward without a cache")
+        x, conv_saved, (qn, q_rstd, kn, k_rstd), (beta, g, pre, rate), delta_ctx, norm_saved, flat = \
+            self.saved_tensors
+        dy = check_grad_output(grad_output, x.shape, x.dtype, "GatedDeltaNet")
+        p = self._parameters
+        d_flat, grad_w_out, _ = linear_backward(dy, flat, p["W_out"].astype(x.dtype, copy=False))  # (B, L, Vd)
+        bsz, length = x.shape[:2]
+        shape = (bsz, length, self.num_value_heads, self.value_head_dim)
+        do, dz, grad_gamma = gated_rms_norm_backward(d_flat.reshape(shape), norm_saved,
+                                                     p["norm_gamma"].astype(x.dtype, copy=False))  # (B, L, Hv, Dv)
+        dq, dk, dv, dg, dbeta, _ = _delta.chunked_backward(do.transpose(0, 2, 1, 3), delta_ctx)  # (B, Hv, L, D*)
+        group = self.num_value_heads // self.num_key_heads
+        heads = (bsz, self.num_key_heads, group, length, self.key_head_dim)
+        dq = _delta.l2_normalize_backward(dq.reshape(heads).sum(axis=2), qn, q_rstd)  # (B, Hk, L, Dk)
+        dk = _delta.l2_normalize_backward(dk.reshape(heads).sum(axis=2), kn, k_rstd)  # (B, Hk, L, Dk)
+        d_mixed = np.concatenate([t.transpose(0, 2, 1, 3).reshape(bsz, length, -1) for t in (dq, dk, dv)],
+                                 axis=-1)  # (B, L, Cc)
+        d_conv_in, grad_conv, _ = _conv.causal_conv_backward(d_mixed, p["conv_weight"], conv_saved)  # (B, L, Cc)
+        dg = dg.transpose(0, 2, 1)  # (B, L, Hv)
+        db = dbeta.transpose(0, 2, 1) * beta * (1.0 - beta)  # (B, L, Hv)
+        d_pre = -rate * dg * _sigmoid(pre)  # (B, L, Hv): softplus' = sigmoid
+        d_in = np.concatenate([d_conv_in, dz.reshape(bsz, length, self.value_dim), db, d_pre], axis=-1)
+        w_in = self.fused_parameter("W_in")
+        w_in = np.concatenate([p[n] for n in _INPUTS], axis=-1) if w_in is None else w_in  # (D, Cc + Vd + 2 Hv)
+        grad_x, grad_w_in, _ = linear_backward(d_in, x, w_in)  # (B, L, D)
+        for name, grad in zip(_INPUTS, np.split(grad_w_in, np.cumsum([p[n].shape[1] for n in _INPUTS])[:-1],
+                                                axis=-1)):
+            self.grads[name] += grad
+        self.grads["conv_weight"] += grad_conv
+        self.grads["dt_bias"] += d_pre.sum(axis=(0, 1))
+        self.grads["A_log"] += np.einsum("blh,blh->h", dg, g)  # g = -exp(A_log) softplus: dg/dA_log = g
+        self.grads["norm_gamma"] += grad_gamma
+        self.grads["W_out"] += grad_w_out
+        return grad_x
