@@ -454,3 +454,16 @@ def test_cli_chat_names_a_missing_chat_template(good_file, capsys):
     assert main(["chat", str(good_file)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no tokenizer.chat_template in a GGUF file" in err
+
+
+def test_a_real_process_streams_from_a_gguf_file_and_refuses_a_cut_one(tokenizer_files, tmp_path):
+    from cli_helpers import assert_one_line_error, run_attnkit
+
+    path = tokenizer_files["bpe_default"]
+    ok = run_attnkit(["generate", str(path), "--prompt", "Hello world", "--max-new-tokens", "3"], cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("Hello world"), ok.stderr
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:5000])
+    bad = run_attnkit(["generate", str(cut), "--prompt", "Hello"], cwd=tmp_path)
+    assert bad.returncode == 2
+    assert_one_line_error(bad.stderr, "cut.gguf is truncated")
