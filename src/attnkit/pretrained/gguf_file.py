@@ -10,7 +10,7 @@ written (:func:`gguf_hf_config`), read by :func:`~attnkit.pretrained.decoder_con
 config implies (:func:`~attnkit.pretrained.checkpoint.checkpoint_map`) is found under its GGUF name, with
 ``gguf``'s own table of names, the one llama.cpp's converter writes with. Every tensor's type, shape and byte
 range is checked before the model is built; then each is dequantized alone (``gguf.quants.dequantize``, float32)
-and copied into its parameter, so loading costs the model plus about twice its largest tensor in float32.
+and copied into its parameter, so loading costs the model plus its largest tensor in float32.
 
 What llama.cpp's converter changed is undone here, so the model computes what llama.cpp computes:
 
@@ -584,19 +584,36 @@ def _reverse_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(w.shape)  # (H*Dh, ...)
 
 
+_CHUNK_VALUES = 1 << 16  # values dequantized at once (256 kB of float32): bounds gguf's own temporaries
+
+
+def _dequantize(gguf: Any, tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor as float32 of ``shape``, dequantized a few rows at a time into one array (``gguf``'s dequantizer
+    holds its whole result twice; chunks keep that to a chunk). F32 is the mapped file itself, no copy."""
+    if tensor.tensor_type.name == "F32":
+        return tensor.data.reshape(shape)
+    out = np.empty(shape, np.float32)
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])  # (R, stored units per row)
+    flat = out.reshape(-1, shape[-1])  # (R, values per row)
+    step = max(1, _CHUNK_VALUES // shape[-1])
+    for start in range(0, rows.shape[0], step):
+        flat[start:start + step] = gguf.quants.dequantize(rows[start:start + step], tensor.tensor_type)
+    return out
+
+
 def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entries: dict[str, _Entry],
                            config: DecoderConfig) -> None:
     """Dequantize each validated tensor alone (float32), undo llama.cpp's change, copy it into ``params``.
 
-    The file stays memory-mapped: an F32 tensor is read in place; any other is dequantized by ``gguf`` into
-    float32 temporaries of its own size (about two at once), so loading costs the model's memory plus about
-    twice the largest tensor in float32, never a second copy of the model.
+    The file stays memory-mapped: an F32 tensor is read in place; any other is dequantized, a few rows at a
+    time, into one float32 array of its size, so loading costs the model's memory plus the largest tensor in
+    float32 (twice for a permuted q/k matrix, which is small), never a second copy of the model.
     """
     gguf = import_extra("gguf", "read GGUF files")
     for name, entry in entries.items():
         tensor = file.tensors[name]
         stored = _stored_shape(tensor)  # NumPy order: (out, in) for a matrix, as Hugging Face stores nn.Linear
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(stored)  # float32, stored shape
+        values = _dequantize(gguf, tensor, stored)  # float32, stored shape
         if entry.fix == "permute_q":
             values = _reverse_permute(values, config.num_heads)  # (Hq*Dh, D) or (Hq*Dh,)
         elif entry.fix == "permute_k":
