@@ -48,6 +48,11 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 16}), {}),
     "mistral_window": ("MistralConfig", dict(_COMMON, num_key_value_heads=2, sliding_window=4), {}),
+    # Ministral: Mistral with a window on the layers layer_types marks
+    "ministral": ("MinistralConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=8,
+                                          sliding_window=3,
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                  {}),
     "qwen2_mixed": ("Qwen2Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
                                         sliding_window=4, max_window_layers=1, tie_word_embeddings=True), {}),
     "qwen2_layer_types": ("Qwen2Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1,
@@ -130,8 +135,8 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
-                 "llama_llama3", "mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_sharded", "qwen3",
-                 "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
+                 "llama_llama3", "mistral_window", "ministral", "qwen2_mixed", "qwen2_layer_types", "llama_sharded",
+                 "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped")
 

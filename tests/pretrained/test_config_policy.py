@@ -15,12 +15,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.pretrained import load_causal_lm, supported_model_types  # noqa: E402
-from hf_models import edit_config, hf_logits, left_padded_batch, saved_model  # noqa: E402
+from attnkit.pretrained.families import REGISTRY  # noqa: E402
+from hf_models import SPECS, edit_config, hf_logits, left_padded_batch, saved_model  # noqa: E402
 
-# One tiny model of each model_type.
-ONE_PER_FAMILY = {"gpt2": "gpt2", "llama": "llama_gqa", "mistral": "mistral_window", "qwen2": "qwen2_mixed",
-                  "qwen3": "qwen3", "olmo2": "olmo2", "smollm3": "smollm3", "gpt_neox": "gpt_neox",
-                  "gemma2": "gemma2", "gemma3_text": "gemma3_text", "phi3": "phi3", "gpt_oss": "gpt_oss"}
+# One tiny model of each model_type: the first of the tests' specs built with the family's config class.
+ONE_PER_FAMILY = {name: next(spec for spec, (cls, _, _) in SPECS.items() if cls == entry.hf_config_class)
+                  for name, entry in REGISTRY.items()}
 
 # What transformers 4.x's PretrainedConfig wrote into every config.json besides today's generic keys (values
 # as a real folder carries them), and what from_pretrained adds to a folder it re-saves.

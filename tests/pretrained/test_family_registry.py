@@ -19,7 +19,7 @@ FAMILY_DIR = ROOT / "src" / "attnkit" / "pretrained" / "families"
 def test_one_module_per_family_and_nothing_else():
     modules = sorted(p.stem for p in FAMILY_DIR.glob("*.py") if not p.stem.startswith("_"))
     assert modules == sorted(REGISTRY) == sorted(supported_model_types())
-    assert len(REGISTRY) == 12
+    assert len(REGISTRY) >= 12
 
 
 @pytest.mark.parametrize("model_type", sorted(REGISTRY))
