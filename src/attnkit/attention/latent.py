@@ -153,6 +153,12 @@ class LatentAttentionConfig:
 class MultiHeadLatentAttention(Module):
     """Causal self-attention through a compressed key/value latent (DeepSeek-V2/V3, Kimi K2, GLM-5).
 
+    The parameters are named after ``transformers``' ``DeepseekV3Attention`` (``self_attn.<name>``, see the
+    Attributes): every weight is stored for ``x @ W`` (that ``nn.Linear``'s weight transposed), every other
+    tensor as in the checkpoint; ``grads`` has the same names. Interleaved checkpoints need no permutation: the
+    rotary kernel turns the pairs ``(x[2i], x[2i+1])`` in place, where ``transformers`` de-interleaves q and k
+    after turning them (the same permutation on both sides of every dot product, so the scores are equal).
+
     Parameters
     ----------
     config : LatentAttentionConfig
@@ -163,25 +169,24 @@ class MultiHeadLatentAttention(Module):
 
     Attributes
     ----------
-    Stored for ``x @ W`` and named for ``transformers``' ``DeepseekV3Attention`` (``self_attn.<name>``; every
-    weight is that ``nn.Linear``'s weight transposed, every other tensor copied):
-
-    ===============  =====================  =========================================================
-    attnkit          transformers           shape here
-    ===============  =====================  =========================================================
-    ``W_QA``         ``q_a_proj.weight``    (D, Cq), with ``q_lora_rank``; ``b_QA`` its bias (Cq,)
-    ``q_a_norm``     ``q_a_layernorm``      (Cq,)
-    ``W_QB``         ``q_b_proj.weight``    (Cq, H*(Dn+R)), per head the Dn plain then R rotary columns
-    ``W_Q``          ``q_proj.weight``      (D, H*(Dn+R)), without ``q_lora_rank``
-    ``W_KVA``        ``kv_a_proj_with_mqa`` (D, C+R): the latent then the shared rotary key; ``b_KVA``
-    ``kv_a_norm``    ``kv_a_layernorm``     (C,)
-    ``W_KVB``        ``kv_b_proj.weight``   (C, H*(Dn+Dv)), per head W_UK_h (Dn columns) then W_UV_h (Dv)
-    ``W_O``          ``o_proj.weight``      (H*Dv, D); ``b_O`` its bias (D,)
-    ===============  =====================  =========================================================
-
-    ``grads`` has the same names. Interleaved checkpoints need no permutation: the rotary kernel turns the pairs
-    ``(x[2i], x[2i+1])`` in place, where ``transformers`` de-interleaves both q and k (the same permutation on
-    both sides of every dot product, so the scores are equal).
+    W_QA : (D, Cq)
+        With ``q_lora_rank``: transformers' ``self_attn.q_a_proj.weight`` transposed; ``b_QA`` (Cq,) its bias
+        (with ``attention_bias``).
+    q_a_norm : (Cq,)
+        ``q_a_layernorm.weight``.
+    W_QB : (Cq, H*(Dn+R))
+        ``q_b_proj.weight`` transposed; per head the Dn plain columns, then the R rotary ones.
+    W_Q : (D, H*(Dn+R))
+        Without ``q_lora_rank``: ``q_proj.weight`` transposed.
+    W_KVA : (D, C+R)
+        ``kv_a_proj_with_mqa.weight`` transposed: the latent's C columns, then the shared rotary key's R;
+        ``b_KVA`` (C+R,) its bias.
+    kv_a_norm : (C,)
+        ``kv_a_layernorm.weight``.
+    W_KVB : (C, H*(Dn+Dv))
+        ``kv_b_proj.weight`` transposed; per head W_UK_h (Dn columns), then W_UV_h (Dv).
+    W_O : (H*Dv, D)
+        ``o_proj.weight`` transposed; ``b_O`` (D,) its bias.
 
     Shapes
     ------
