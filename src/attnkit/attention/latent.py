@@ -45,6 +45,7 @@ from ..flex import (
     sliding_window_mask,
 )
 from ..init import as_generator, normal
+from ..kernels import latent as _latent
 from ..kernels import rotary as _rotary
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
@@ -303,7 +304,8 @@ class MultiHeadLatentAttention(Module):
                 latent = np.concatenate([c, k_rope], axis=-1)  # (B, L, C+R)
             out, ctx = self._absorbed(q, latent, key_mask)  # (B, H, L, Dv)
         else:
-            if latent is not None:
+            if latent is not None:  # the cache's (B, S, C) and (B, S, R), in x's dtype
+                latent = latent.astype(x.dtype, copy=False)
                 c, k_rope = latent[..., :self.config.kv_lora_rank], latent[..., self.config.kv_lora_rank:]
             out, ctx = self._explicit(q, c, k_rope, key_mask)  # (B, H, L, Dv)
         merged = out.transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, H*Dv)
@@ -323,28 +325,20 @@ class MultiHeadLatentAttention(Module):
     def _explicit(self, q: np.ndarray, c: np.ndarray, k_rope: np.ndarray, key_mask):
         """Up-project the latent to H key heads ``[c W_UK_h, k_r]`` and value heads ``c W_UV_h``, and attend."""
         cfg = self.config
-        b, s, _ = c.shape
-        h, dn = cfg.num_heads, cfg.qk_nope_head_dim
-        kv = linear(c, self._parameters["W_KVB"])  # (B, S, H*(Dn+Dv))
-        kv = kv.reshape(b, s, h, dn + cfg.v_head_dim).transpose(0, 2, 1, 3)  # (B, H, S, Dn+Dv)
-        shared = np.broadcast_to(k_rope[:, None], (b, h, s, cfg.qk_rope_head_dim))  # (B, H, S, R), a view
-        k = np.concatenate([kv[..., :dn], shared], axis=-1)  # (B, H, S, Dn+R)
-        v = np.ascontiguousarray(kv[..., dn:])  # (B, H, S, Dv)
+        k, v = _latent.expand_latent(c, k_rope, self._parameters["W_KVB"], cfg.num_heads,
+                                     cfg.qk_nope_head_dim)  # (B, H, S, Dn+R), (B, H, S, Dv)
         return self._attend(q, k, v, key_mask)
 
     def _absorbed(self, q: np.ndarray, latent: np.ndarray, key_mask):
         """Attend in the latent space: queries ``[q_nope_h W_UK_h^T, q_rope_h]`` against the one key/value head
         ``[c, k_r]`` / ``c``, then ``W_UV_h`` on each head's averaged latent."""
         cfg = self.config
-        h, dn, c_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        w_kvb = self._parameters["W_KVB"].astype(q.dtype, copy=False).reshape(c_dim, h, dn + cfg.v_head_dim)
-        w_uk = w_kvb[..., :dn].transpose(1, 2, 0)  # (H, Dn, C)
-        w_uv = w_kvb[..., dn:].transpose(1, 0, 2)  # (H, C, Dv)
-        q_latent = q[..., :dn] @ w_uk  # (B, H, L, C)
-        q_abs = np.concatenate([q_latent, q[..., dn:]], axis=-1)  # (B, H, L, C+R)
+        w_uk, w_uv = _latent.split_up_projection(self._parameters["W_KVB"], cfg.num_heads, cfg.qk_nope_head_dim,
+                                                 q.dtype)  # (H, Dn, C), (H, C, Dv)
+        q_abs = _latent.absorb_queries(q, w_uk, cfg.qk_nope_head_dim)  # (B, H, L, C+R)
         k = latent.astype(q.dtype, copy=False)[:, None]  # (B, 1, S, C+R): one head shared by all H queries
-        out_latent, ctx = self._attend(q_abs, k, k[..., :c_dim], key_mask)  # (B, H, L, C)
-        return out_latent @ w_uv, ctx  # (B, H, L, Dv)
+        out_latent, ctx = self._attend(q_abs, k, k[..., :cfg.kv_lora_rank], key_mask)  # (B, H, L, C)
+        return _latent.absorbed_values(out_latent, w_uv), ctx  # (B, H, L, Dv)
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None):
         """Causal (windowed, padded) attention through :func:`attnkit.flex.flex_attention`: ``(out, ctx)``.
@@ -392,15 +386,10 @@ class MultiHeadLatentAttention(Module):
         """From the key and value heads' gradients back through ``W_KVB``, the latent norm, the shared key's
         rotation and ``W_KVA``: that path's share of ``grad_x`` (B, L, D)."""
         cfg, p = self.config, self._parameters
-        b, length, _ = x.shape
-        dn = cfg.qk_nope_head_dim
-        # the rotary key is one per token, read by every head: its gradient is the sum over heads
-        dk_rope = dk[..., dn:].sum(axis=1, keepdims=True)  # (B, 1, L, R)
-        dk_rope = _rotary.rotary_backward(dk_rope, cos, sin, cfg.rope_interleaved)[:, 0]  # (B, L, R)
-        dkv = np.concatenate([dk[..., :dn], dv], axis=-1)  # (B, H, L, Dn+Dv)
-        dkv = dkv.transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, H*(Dn+Dv))
-        dc, grad_w, _ = linear_backward(dkv, c, p["W_KVB"])  # (B, L, C)
+        dc, dk_rope, grad_w = _latent.expand_latent_backward(dk, dv, c, p["W_KVB"],
+                                                             cfg.qk_nope_head_dim)  # (B, L, C), (B, L, R)
         self.grads["W_KVB"] += grad_w
+        dk_rope = _rotary.rotary_backward(dk_rope[:, None], cos, sin, cfg.rope_interleaved)[:, 0]  # (B, L, R)
         dc, grad_gain = rms_norm_backward(dc, *c_norm, p["kv_a_norm"])  # (B, L, C)
         self.grads["kv_a_norm"] += grad_gain
         d_kv_a = np.concatenate([dc, dk_rope], axis=-1)  # (B, L, C+R)
