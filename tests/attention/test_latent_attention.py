@@ -220,7 +220,7 @@ def test_float32_absorbed_decoding_stays_close_to_the_explicit_forward():
     assert stepped.dtype == np.float32 and max_rel_diff(stepped, full) < 2e-6
 
 
-@pytest.mark.parametrize("form", ["explicit", "absorbed"])
+@pytest.mark.parametrize("form", ["uncached", "explicit", "absorbed"])
 def test_left_padded_rows_equal_each_row_alone(form):
     rng = make_rng(8)
     cfg = _config("q_lora")
@@ -229,16 +229,19 @@ def test_left_padded_rows_equal_each_row_alone(form):
     mask = _left_padded_mask(len(pads), length, pads)
     cos, sin = _rotary(cfg, _positions(mask))
     x = randn(rng, len(pads), length, cfg.hidden_size)
-    prompt = 3  # the prompt in one call, then one token per call (decoding)
-    cache = LatentCache(1, len(pads), cfg.latent_dim, np.float64)
-    batched = np.concatenate(
-        [attn(x[:, :prompt], rotary=(cos[:, :prompt], sin[:, :prompt]), attention_mask=mask[:, :prompt],
-              cache=cache, form=form)]
-        + [attn(x[:, i:i + 1], rotary=(cos[:, i:i + 1], sin[:, i:i + 1]), attention_mask=mask[:, :i + 1],
-                cache=cache, form=form) for i in range(prompt, length)], axis=1)
+    if form == "uncached":  # the training forward over the whole padded batch
+        batched = attn(x, rotary=(cos, sin), attention_mask=mask)
+    else:  # the prompt in one call, then one token per call (decoding)
+        prompt = 3
+        cache = LatentCache(1, len(pads), cfg.latent_dim, np.float64)
+        batched = np.concatenate(
+            [attn(x[:, :prompt], rotary=(cos[:, :prompt], sin[:, :prompt]), attention_mask=mask[:, :prompt],
+                  cache=cache, form=form)]
+            + [attn(x[:, i:i + 1], rotary=(cos[:, i:i + 1], sin[:, i:i + 1]), attention_mask=mask[:, :i + 1],
+                    cache=cache, form=form) for i in range(prompt, length)], axis=1)
     for row, pad in enumerate(pads):
         alone_rotary = _rotary(cfg, np.arange(length - pad)[None])
-        alone = attn(x[row:row + 1, pad:], rotary=alone_rotary, form=form)  # (1, L - pad, D), no mask
+        alone = attn(x[row:row + 1, pad:], rotary=alone_rotary)  # (1, L - pad, D): explicit, no mask
         assert max_rel_diff(batched[row, pad:], alone[0]) < 1e-13, row
 
 
