@@ -17,6 +17,7 @@ CASES = {
     "q_lora": {"q_lora_rank": 8},
     "q_proj_half_split": {"rope_interleaved": False},
     "bias": {"q_lora_rank": 8, "attention_bias": True},
+    "q_proj_bias": {"attention_bias": True},  # q_proj has no bias: only kv_a_proj_with_mqa and o_proj
     "window": {"q_lora_rank": 8, "sliding_window": 3},
 }
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -119,6 +120,7 @@ HF_CASES = {
     "q_lora_interleaved": ("q_lora", None),
     "q_proj_half_split": ("q_proj_half_split", None),
     "bias": ("bias", None),
+    "q_proj_bias": ("q_proj_bias", None),
     "yarn_mscale": ("q_lora", YARN),
 }
 

@@ -379,7 +379,8 @@ class MultiHeadLatentAttention(Module):
         grad_x = self._latent_backward(x, cos, sin, c, c_norm, dk, dv)  # (B, L, D)
         dq_rope = _rotary.rotary_backward(dq[..., dn:], cos, sin, cfg.rope_interleaved)  # (B, H, L, R)
         dq = np.concatenate([dq[..., :dn], dq_rope], axis=-1)  # (B, H, L, Dn+R)
-        grad_x += self._queries_backward(x, q_saved, dq.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        dq = dq.transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, H*(Dn+R))
+        grad_x += self._queries_backward(x, q_saved, dq)  # (B, L, D)
         return grad_x
 
     def _latent_backward(self, x, cos, sin, c, c_norm, dk, dv) -> np.ndarray:
