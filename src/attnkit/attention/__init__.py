@@ -3,6 +3,7 @@ from .additive import AdditiveAttention
 from .attention import Attention
 from .causal import CausalAttention
 from .grouped_query import GroupedQueryAttention
+from .latent import LatentAttentionConfig, MultiHeadLatentAttention
 from .learned_bias import LearnedBiasAttention
 from .multi_head_attention import MultiHeadAttention
 from .physics_guided import PhysicsGuidedAttention
@@ -10,4 +11,4 @@ from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["MultiHeadAttention", "ScaledDotProductAttention",
            "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention",
-           "GroupedQueryAttention"]
+           "GroupedQueryAttention", "MultiHeadLatentAttention", "LatentAttentionConfig"]

@@ -1,6 +1,7 @@
 """Decoding: the key/value cache, sampling (greedy, temperature, top-k/top-p, streaming) and beam search.
 
-- :mod:`attnkit.decoding.cache`: :class:`~attnkit.decoding.cache.KVCache`.
+- :mod:`attnkit.decoding.cache`: :class:`~attnkit.decoding.cache.KVCache`, and
+  :class:`~attnkit.decoding.cache.LatentCache` for multi-head latent attention.
 - :mod:`attnkit.decoding.config`: :class:`~attnkit.decoding.config.GenerationConfig`, generate's options with
   Hugging Face's names and defaults, validated once.
 - :mod:`attnkit.decoding.sampling`: ``generate``, ``generate_stream`` and the logits warpers.

@@ -19,6 +19,9 @@ Every cache speaks to an attention module through two calls, so one cached-atten
 decoder-only LMs and the encoder-decoder alike: ``stored(layer)`` hands back keys and values the module
 must use as they are (a memory projected once for cross-attention), or ``None``, in which case the module
 projects its new keys and values and calls ``update(layer, k_new, v_new)``. Both return a :class:`CachedKV`.
+
+Multi-head latent attention keeps no keys or values at all: :class:`LatentCache` holds each token's latent and
+shared rotary key (C + R numbers per token), from which the layer attends directly.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import numpy as np
 
 from .._validation import check_positive_int
 
-__all__ = ["CachedKV", "KVCache", "CrossAttentionCache", "EncoderDecoderCache"]
+__all__ = ["CachedKV", "KVCache", "CrossAttentionCache", "EncoderDecoderCache", "CachedLatent", "LatentCache"]
 
 
 _FIRST_SLOTS = 256  # slots a full-attention layer starts with (before its first doubling)
@@ -397,3 +400,130 @@ class EncoderDecoderCache:
 
     def __repr__(self) -> str:
         return f"EncoderDecoderCache({self.self_attention!r}, {self.cross_attention!r})"
+
+
+class CachedLatent(NamedTuple):
+    """What one latent-attention layer reads after :meth:`LatentCache.update`.
+
+    latent : (B, S, C + R), the kept slots in slot order (each the token's normalised latent, then its rotated key)
+    slots : (S,) int64, the slot (attention-mask column) of every returned token
+    """
+
+    latent: np.ndarray
+    slots: np.ndarray
+
+
+class LatentCache:
+    """Each layer's compressed latents for incremental decoding with multi-head latent attention.
+
+    :class:`~attnkit.attention.latent.MultiHeadLatentAttention` attends from its ``[c, k_r]`` latent (C + R
+    numbers per token: DeepSeek-V3's 576) without ever forming per-head keys or values, so this is all a layer
+    keeps: one (B, S, C + R) array, not the (B, Hkv, S, Dh) keys and values of a :class:`KVCache`. Slots work
+    as in :class:`KVCache` (growing, or bounded by ``max_length``); a windowed layer masks the slots it may not
+    see rather than dropping them.
+
+    Parameters
+    ----------
+    num_layers : int
+    batch_size : int
+        B.
+    latent_dim : int
+        C + R (``LatentAttentionConfig.latent_dim``).
+    dtype : numpy dtype, default float32
+    max_length : int, optional
+        Bound on the slots of every layer (memory follows what is written, doubling from 256 slots up to it).
+
+    Shapes
+    ------
+    ``update(layer, latent_new)`` takes ``(B, Lnew, C + R)`` and returns a :class:`CachedLatent` with ``latent``
+    ``(B, S, C + R)`` (a view of the storage: read it before the next update of that layer) and ``slots (S,)``.
+
+    Examples
+    --------
+    >>> cache = LatentCache(num_layers=1, batch_size=2, latent_dim=576, dtype=np.float16, max_length=4)
+    >>> cache.update(0, np.ones((2, 3, 576))).latent.shape, cache.length
+    ((2, 3, 576), 3)
+    >>> cache.nbytes // (2 * 4)   # bytes per token and layer: 576 float16 numbers (KVCache with 8 heads of 128: 4096)
+    1152
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, latent_dim: int, dtype=np.float32, *,
+                 max_length: int | None = None) -> None:
+        self.num_layers = check_positive_int(num_layers, "num_layers")
+        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.latent_dim = check_positive_int(latent_dim, "latent_dim")
+        self.dtype = np.dtype(dtype)
+        if self.dtype.kind != "f":
+            raise TypeError(f"dtype must be a floating dtype, got {self.dtype}")
+        self.max_length = None if max_length is None else check_positive_int(max_length, "max_length")
+        first = 0 if self.max_length is None else min(self.max_length, _FIRST_SLOTS)
+        self._lengths = [0] * self.num_layers
+        self._latents = [self._empty(first) for _ in range(self.num_layers)]
+
+    def _empty(self, slots: int) -> np.ndarray:
+        return np.zeros((self.batch_size, slots, self.latent_dim), dtype=self.dtype)  # (B, S, C+R)
+
+    @property
+    def length(self) -> int:
+        """Slots filled in every layer (pad slots included)."""
+        return min(self._lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the latent storage of all layers."""
+        return sum(a.nbytes for a in self._latents)
+
+    def stored(self, layer: int) -> None:
+        """Always ``None``: the layer hands over its new tokens' latents every step."""
+        _check_layer(layer, self.num_layers)
+        return None
+
+    def update(self, layer: int, latent_new: np.ndarray) -> CachedLatent:
+        """Append ``Lnew`` slots to ``layer`` and return every slot it holds.
+
+        Parameters
+        ----------
+        layer : int
+        latent_new : (B, Lnew, C + R)
+        """
+        layer = _check_layer(layer, self.num_layers)
+        latent_new = np.asarray(latent_new)
+        if latent_new.ndim != 3 or latent_new.shape[0] != self.batch_size or latent_new.shape[2] != self.latent_dim:
+            raise ValueError(f"latent_new must have shape ({self.batch_size}, Lnew, {self.latent_dim}), got "
+                             f"{latent_new.shape}")
+        if latent_new.dtype.kind != "f":
+            raise TypeError(f"latent_new must be a floating array, got dtype {latent_new.dtype}")
+        past = self._lengths[layer]
+        end = past + latent_new.shape[1]
+        if self.max_length is not None and end > self.max_length:
+            raise ValueError(f"the cache holds max_length={self.max_length} slots but layer {layer} would "
+                             f"reach {end} ({past} filled + {latent_new.shape[1]} new)")
+        store = self._latents[layer]
+        if end > store.shape[1]:
+            capacity = max(end, 2 * store.shape[1])
+            bigger = self._empty(capacity if self.max_length is None else min(capacity, self.max_length))
+            bigger[:, :past] = store[:, :past]
+            self._latents[layer] = store = bigger
+        store[:, past:end] = latent_new
+        self._lengths[layer] = end
+        return CachedLatent(store[:, :end], np.arange(end, dtype=np.int64))
+
+    def crop(self, length: int) -> None:
+        """Forget every slot from ``length`` on (e.g. rejected draft tokens)."""
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.length:
+            raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
+        self._lengths = [int(length)] * self.num_layers
+
+    def reorder(self, index) -> None:
+        """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows)."""
+        index = _check_index(index, self.batch_size)
+        self._latents = [a[index] for a in self._latents]  # (B', S, C+R)
+        self.batch_size = int(index.size)
+
+    def select(self, rows) -> None:
+        """Keep only ``rows`` (a boolean (B,) mask or distinct integer indices)."""
+        self.reorder(_check_rows(rows, self.batch_size))
+
+    def __repr__(self) -> str:
+        return (f"LatentCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
+                f"latent_dim={self.latent_dim}, length={self.length}, max_length={self.max_length})")
