@@ -18,9 +18,31 @@ import numpy as np
 from .._validation import check_positive_int, check_real
 from .beam_search import check_num_beams
 
-__all__ = ["GenerationConfig", "MAX_NEW_TOKENS"]
+__all__ = ["GenerationConfig", "MAX_NEW_TOKENS", "check_temperature", "check_top_k", "check_unit"]
 
 MAX_NEW_TOKENS = 2**31 - 1
+
+
+# The warpers' checks, shared with the warpers themselves (attnkit.decoding.sampling).
+def check_unit(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_temperature(temperature: Any) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(temperature) or temperature <= 0:
+        hint = " (for greedy decoding use do_sample=False)" if isinstance(temperature, (int, float)) \
+            and temperature == 0 else ""
+        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}{hint}")
+    return float(temperature)
+
+
+def check_top_k(top_k: Any) -> int:
+    return check_positive_int(top_k, "top_k", allow_zero=True)
+
 
 
 @dataclass(frozen=True)
@@ -85,9 +107,13 @@ class GenerationConfig:
         self._check_counts()
         self._check_processors()
         self._check_beams()
-        from .sampling import warp_logits  # the warpers' own checks, so a typo is refused even when greedy
-
-        warp_logits(np.zeros(1), temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        # the warpers' own checks, so that a typo is refused even when greedy
+        check_temperature(self.temperature)
+        if self.top_k is not None:
+            check_top_k(self.top_k)
+        for name in ("top_p", "min_p"):
+            if getattr(self, name) is not None:
+                check_unit(getattr(self, name), name)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

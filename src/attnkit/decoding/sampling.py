@@ -16,7 +16,6 @@ The warpers are pure functions of a logits array (..., V); filtered entries beco
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from .._validation import as_array, check_positive_int
 from .beam_search import lm_beam_search, next_token_logits
-from .config import GenerationConfig
+from .config import GenerationConfig, check_temperature, check_top_k, check_unit
 
 __all__ = ["check_generation_config",
            "temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
@@ -47,26 +46,6 @@ def _check_logits(logits: Any) -> np.ndarray:
 
 def _check_min_keep(min_tokens_to_keep: Any) -> int:
     return check_positive_int(min_tokens_to_keep, "min_tokens_to_keep")
-
-
-def _check_unit(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-            or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _check_temperature(temperature: Any) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(temperature) or temperature <= 0:
-        hint = " (for greedy decoding use do_sample=False)" if isinstance(temperature, (int, float)) \
-            and temperature == 0 else ""
-        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}{hint}")
-    return float(temperature)
-
-
-def _check_top_k(top_k: Any) -> int:
-    return check_positive_int(top_k, "top_k", allow_zero=True)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -95,7 +74,7 @@ def temperature_warp(logits: np.ndarray, temperature: float) -> np.ndarray:
     array([4., 2.])
     """
     array = _check_logits(logits)
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     wide = array.astype(np.float64)  # (..., V): a temperature below the dtype's smallest number stays non-zero
     with np.errstate(over="ignore"):
         out = (wide / temperature).astype(array.dtype)  # (..., V)
@@ -125,7 +104,7 @@ def top_k_filter(logits: np.ndarray, top_k: int, *, min_tokens_to_keep: int = 1)
     array([-inf,   3.,  -inf,   3.])
     """
     array = _check_logits(logits)
-    k = _check_top_k(top_k)
+    k = check_top_k(top_k)
     if k == 0:
         raise ValueError("top_k must be positive for top_k_filter (0 means 'no filter' only in generate)")
     k = min(max(k, _check_min_keep(min_tokens_to_keep)), array.shape[-1])
@@ -149,7 +128,7 @@ def top_p_filter(logits: np.ndarray, top_p: float, *, min_tokens_to_keep: int = 
     array([-0.69314718, -1.2039728 ,        -inf,        -inf])
     """
     array = _check_logits(logits)
-    p = _check_unit(top_p, "top_p")
+    p = check_unit(top_p, "top_p")
     keep = _check_min_keep(min_tokens_to_keep)
     order = np.argsort(array, axis=-1, kind="stable")  # (..., V) ascending
     sorted_logits = np.take_along_axis(array, order, axis=-1)  # (..., V)
@@ -176,7 +155,7 @@ def min_p_filter(logits: np.ndarray, min_p: float, *, min_tokens_to_keep: int = 
     array([-0.69314718, -1.2039728 , -1.89711998,        -inf])
     """
     array = _check_logits(logits)
-    threshold = _check_unit(min_p, "min_p")
+    threshold = check_unit(min_p, "min_p")
     keep = min(_check_min_keep(min_tokens_to_keep), array.shape[-1])
     probs = _softmax(array)  # (..., V)
     remove = probs < threshold * probs.max(axis=-1, keepdims=True)  # (..., V)
@@ -202,13 +181,13 @@ def warp_logits(logits: np.ndarray, *, temperature: float = 1.0, top_k: int | No
     array([-inf,   4.,   6.])
     """
     array = _check_logits(logits)
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if top_k is not None:
-        _check_top_k(top_k)
+        check_top_k(top_k)
     if top_p is not None:
-        _check_unit(top_p, "top_p")
+        check_unit(top_p, "top_p")
     if min_p is not None:
-        _check_unit(min_p, "min_p")
+        check_unit(min_p, "min_p")
     out = array.copy()
     if temperature != 1.0:
         out = temperature_warp(out, temperature)
