@@ -61,8 +61,9 @@ def assert_one_line_error(stderr: str, *fragments: str) -> None:
 class Chat:
     """``attnkit chat`` on a pseudo-terminal, driven line by line."""
 
-    def __init__(self, args):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    def __init__(self, args, env=None):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+                   **(env or {}))
         env.pop("ATTNKIT_TRACEBACK", None)
         self.leader, follower = pty.openpty()
         # A shell that starts a job in the background may hand SIGINT down as ignored: restore the default so
