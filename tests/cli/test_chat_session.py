@@ -225,10 +225,12 @@ def test_the_banner_shows_the_settings_once(folder, tmp_path):
     assert "greedy: the same conversation always gets the same reply, so a reply that repeats itself is the " \
            "model's own; to sample, try --temperature 0.7 --top-p 0.9" in shown
     assert "/save PATH" in shown and '""" opens a block' in shown  # /help
-    chat = session(["--temperature", "0.7", "--top-k", "5", "--seed", "3", folder], tmp_path)
+    chat = session(["--temperature", "0.7", "--top-k", "5", "--seed", "3", "--threads", "1",
+                    "--no-repeat-ngram-size", "3", "--stop", "\n\n", folder], tmp_path)
     chat.type(b"/exit")
     shown, stderr, code = chat.finish()
-    assert "; sampling: temperature 0.7, top-k 5, seed 3" in shown
+    assert "1 thread; sampling: temperature 0.7, top-k 5, seed 3; no-repeat n-gram size 3; stops at '\\n\\n'" \
+        in shown
 
 
 def test_help_describes_typing_and_the_commands(tmp_path):

@@ -12,12 +12,14 @@ from .._display import readable_token
 from ..io import read_json
 from ._common import (
     UsageError,
+    add_threads_argument,
     bounded_int,
     output_file,
     printable,
     query_labels,
     require_matplotlib,
     save_figure,
+    use_threads,
     write_explorer,
 )
 
@@ -69,6 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="write the interactive attention explorer (one self-contained HTML file; every layer "
                         "and head unless --layer/--head; needs no matplotlib)")
     p.add_argument("--model-dir", default=None, help="--model minilm: a sentence-transformers model folder")
+    add_threads_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -87,6 +90,7 @@ def is_causal_lm_folder(path: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Check the input and the output file, then draw the demo model's, MiniLM's or a causal LM's attention."""
+    use_threads(args.threads)
     lm_dir = _causal_lm_dir(args)
     if lm_dir is None and (args.prompt is not None or args.ids is not None):
         raise UsageError("--prompt and --ids need a Hugging Face causal-LM folder (config.json with model_type "

@@ -40,13 +40,15 @@ import numpy as np
 from ._chat_input import BLOCK, MessageReader
 from ._common import (
     UsageError,
+    add_threads_argument,
     check_utf8,
-    non_negative_int,
     output_file,
     positive_int,
     printable,
     tolerant_input,
+    use_threads,
 )
+from ._generation import add_generation_arguments, generation_kwargs
 
 __all__ = ["NAME", "add_parser", "run", "terminal_safe"]
 
@@ -68,19 +70,6 @@ HELP = "\n".join([f"  {name + (' ' + arg if arg else ''):<14}{what}" for name, (
     "  Ctrl-C stops a reply (what was shown is kept); up and down recall earlier lines"])
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {printable(repr(text), 40)}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {printable(text, 40)}")
-    return value
-
-
-_non_negative_float.__name__ = "number >= 0"
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit chat`` and its arguments."""
     p = subparsers.add_parser(
@@ -94,20 +83,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog="while chatting:\n" + HELP)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a folder written by save_pretrained")
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message opening the conversation")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a jinja chat template to use instead of the folder's")
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="reply length at most (default 512)")
-    p.add_argument("--temperature", type=_non_negative_float, default=None,
-                   help="sampling temperature; 0 = greedy (default: the folder's generation_config.json)")
-    p.add_argument("--top-k", type=non_negative_int, default=None, help="sample among the k likeliest tokens")
-    p.add_argument("--top-p", type=_non_negative_float, default=None, help="nucleus sampling mass in [0, 1]")
-    p.add_argument("--repetition-penalty", type=_non_negative_float, default=None,
-                   help="> 1 discourages repeating tokens (Hugging Face's repetition_penalty)")
-    p.add_argument("--seed", type=non_negative_int, default=None, help="seed for reproducible sampling")
+    add_generation_arguments(p, streamed=True)
+    add_threads_argument(p)
     p.add_argument("--verbose", action="store_true", help="report loading and tokens/s on stderr")
     p.set_defaults(run=run)
     return p
 
 
-def _load(model_dir: str, verbose: bool) -> tuple[Any, Any]:
+def _load(model_dir: str, verbose: bool, template: str | None = None) -> tuple[Any, Any]:
     from ..pretrained import load
 
     start = time.perf_counter()
@@ -115,6 +101,8 @@ def _load(model_dir: str, verbose: bool) -> tuple[Any, Any]:
         print(f"loading {printable(model_dir)} ...", file=sys.stderr, flush=True)
     try:
         model, tokenizer = load(model_dir)
+        if template is not None:
+            tokenizer.chat_templates["default"] = template
         tokenizer.get_chat_template()
     except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -126,20 +114,29 @@ def _load(model_dir: str, verbose: bool) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                               "repetition_penalty": args.repetition_penalty}
-    if args.top_p is not None and args.top_p > 1:
-        raise UsageError(f"--top-p must be in [0, 1], got {args.top_p}", PROG)
-    if args.repetition_penalty == 0:
-        raise UsageError("--repetition-penalty must be > 0", PROG)
-    if args.temperature == 0:
-        options["do_sample"] = False
-    elif args.temperature is not None:
-        options.update(do_sample=True, temperature=args.temperature)
-    elif args.top_k is not None or args.top_p is not None or args.seed is not None:
-        options["do_sample"] = True
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``generate`` keyword arguments of the flags; beam search is refused: it settles its tokens only at
+    the end, so there would be nothing to stream."""
+    options = generation_kwargs(args, PROG)
+    if options.get("num_beams", 1) > 1:
+        raise UsageError("--num-beams: beam search settles its tokens only at the end, so a chat cannot stream "
+                         "it; use attnkit generate --chat --num-beams N for one reply", PROG)
+    options.pop("num_beams", None)
     return options
+
+
+def _read_template(path: str) -> str:
+    """The text of ``--chat-template`` (UTF-8, at most 1 MB), else a :class:`UsageError`."""
+    file = Path(path).expanduser()
+    shown = printable(repr(path))
+    if not file.is_file():
+        raise UsageError(f"--chat-template {shown} is not a file", PROG)
+    if file.stat().st_size > 2**20:
+        raise UsageError(f"--chat-template {shown} is larger than 1 MB; a chat template is a page of jinja", PROG)
+    try:
+        return file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--chat-template {shown} is not UTF-8 text (byte {exc.start + 1})", PROG) from None
 
 
 def terminal_safe(text: str) -> str:
@@ -180,7 +177,7 @@ def _reply(model: Any, tokenizer: Any, messages: list[dict], args: argparse.Name
     eos = list(tokenizer.eos_token_ids) or None
     start = time.perf_counter()
     steps = generate_stream(model, np.array([ids], dtype=np.int64), max_new_tokens=max_new, eos_token_id=eos,
-                            tokenizer=tokenizer, **_sampling(args))
+                            tokenizer=tokenizer, **_options(args))
     count = 0
 
     def tokens():
@@ -212,22 +209,26 @@ def _reply(model: Any, tokenizer: Any, messages: list[dict], args: argparse.Name
 
 # -- the settings, shown once ----------------------------------------------------------------------------
 def _settings(model: Any, args: argparse.Namespace) -> str:
-    """One line of what decoding will do: the model's context, the reply length, greedy or the sampling
-    options (flags over the folder's ``generation_config.json``), the threads."""
+    """One line of what decoding will do: the model's context, the reply length, the threads, greedy or the
+    sampling options, and the logits processors (flags over the folder's ``generation_config.json``)."""
     from .. import get_num_threads
     from ..decoding.sampling import resolve_generation_options
 
-    given = {k: v for k, v in _sampling(args).items() if k != "seed"}
-    o = resolve_generation_options(model, **given)
+    o = resolve_generation_options(model, **{k: v for k, v in _options(args).items() if k != "seed"})
     if o["do_sample"]:
         shown = [("temperature", o["temperature"]), ("top-k", o["top_k"]), ("top-p", o["top_p"]),
-                 ("min-p", o["min_p"]), ("repetition penalty", o["repetition_penalty"]), ("seed", args.seed)]
+                 ("min-p", o["min_p"]), ("seed", args.seed)]
         decoding = "sampling: " + ", ".join(f"{name} {value:g}" for name, value in shown if value is not None)
     else:
         decoding = ("greedy: the same conversation always gets the same reply, so a reply that repeats itself is "
                     "the model's own; to sample, try --temperature 0.7 --top-p 0.9")
-        if o["repetition_penalty"] not in (None, 1.0):
-            decoding += f"; repetition penalty {o['repetition_penalty']:g}"
+    processors = [("repetition penalty", o["repetition_penalty"]), ("no-repeat n-gram size", o["no_repeat_ngram_size"]),
+                  ("min new tokens", o["min_new_tokens"])]
+    decoding += "".join(f"; {name} {value:g}" for name, value in processors if value)
+    stops = o["stop_strings"]
+    if stops:
+        stops = [stops] if isinstance(stops, str) else stops
+        decoding += "; stops at " + ", ".join(printable(repr(stop), 40) for stop in stops)
     threads = get_num_threads()
     return (f"context {model.config.max_position_embeddings} tokens, replies up to {args.max_new_tokens} new "
             f"tokens, {threads} thread{'s' if threads != 1 else ''}; {decoding}")
@@ -318,8 +319,10 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     out = sys.stdout if stdout is None else stdout
     if not Path(args.model_dir).is_dir():
         raise UsageError(f"{printable(repr(args.model_dir))} is not a folder", PROG)
-    _sampling(args)  # option errors before the (slow) load
-    model, tokenizer = _load(args.model_dir, args.verbose)
+    _options(args)  # flag errors before the (slow) load
+    template = None if args.chat_template is None else _read_template(args.chat_template)
+    use_threads(args.threads)
+    model, tokenizer = _load(args.model_dir, args.verbose, template)
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     interactive = src.isatty()
     reader = MessageReader(src, out, interactive, _say, commands=tuple(COMMANDS))

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import UsageError, bounded_int, output_file, printable
+from ._common import UsageError, add_threads_argument, bounded_int, output_file, printable, use_threads
 
 __all__ = ["NAME", "add_parser", "run"]
 
@@ -48,12 +48,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=bounded_int(1, 50), default=5,
                    help="how many of the most likely next tokens to explain (default 5)")
     p.add_argument("--top-k", type=bounded_int(1, 20), default=5, help="tokens per logit-lens cell (default 5)")
+    add_threads_argument(p)
     p.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     """Check the folder, the prompt and the output file, then write the page and say what it holds."""
+    use_threads(args.threads)
     from ..explain import explain_html
     from .attention import is_causal_lm_folder
     from .generate import load_model, load_tokenizer, prompt_ids
