@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .._display import readable_token
+from .._display import is_byte_level_tokenizer, readable_token
 from ..io import read_json
 from ._common import (
     UsageError,
@@ -242,8 +242,9 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
     per_layer = model.attention_weights(np.array([ids], dtype=np.int64), layers=layers)  # N' x (1, H, L, L)
     weights = np.stack([w[0] for w in per_layer])[:, list(heads)]  # (N', H', L, L)
     pieces = [tokenizer.id_to_token(i) if tokenizer is not None else None for i in ids]
-    tokens = [printable(str(i) if piece is None else readable_token(piece)) for i, piece in zip(ids, pieces,
-                                                                                                strict=True)]
+    byte_level = is_byte_level_tokenizer(tokenizer)
+    tokens = [printable(str(i) if piece is None else readable_token(piece, byte_level))
+              for i, piece in zip(ids, pieces, strict=True)]
     name = printable(Path(lm_dir).name or lm_dir)
     said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
     layer_names, head_names = [f"layer {i}" for i in layers], [f"head {j}" for j in heads]

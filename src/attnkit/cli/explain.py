@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .._display import is_byte_level_tokenizer
 from ._common import UsageError, add_threads_argument, bounded_int, output_file, printable, use_threads
 
 __all__ = ["NAME", "add_parser", "run"]
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     name = printable(Path(args.model_dir).name or args.model_dir)
     said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
     data = explain_html(model, np.array(ids, dtype=np.int64), page, token_text=piece, candidates=args.candidates,
-                        top_k=args.top_k, title=f"{name}: {said}")
+                        top_k=args.top_k, title=f"{name}: {said}", byte_level=is_byte_level_tokenizer(tokenizer))
     best = data["candidates"][0]
     print(f"model: {name} ({model.config.family}, {model.config.num_layers} layers, {model.config.num_heads} heads); "
           f"{len(ids)} tokens")

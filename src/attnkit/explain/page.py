@@ -50,7 +50,7 @@ def _rounded(values: np.ndarray, decimals: int = 6) -> list:
 
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
                  candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction",
-                 max_bytes: int | None = None) -> dict:
+                 max_bytes: int | None = None, byte_level: bool | None = None) -> dict:
     """Explain ``lm``'s next-token prediction after ``ids`` in one offline HTML page.
 
     Parameters
@@ -63,6 +63,8 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         The HTML file to write (atomically; its folder must exist).
     token_text : callable int -> str, optional
         The raw tokenizer piece of an id (e.g. ``tokenizer.id_to_token``); default the id itself.
+        The page shows each piece as text (:func:`attnkit._display.readable_token`: `` café`` for byte-level
+        BPE's ``ĠcafÃ©``) and keeps the raw piece for its tooltip.
     candidates : int, default 5
         How many of the most likely next tokens get an attribution (the picker's choices).
     top_k : int, default 5
@@ -73,6 +75,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         The page's budget, default 5 MB: the attention weights get 8 bits each relative to their row's maximum, fewer
         (down to 3) when the page would exceed it (see :func:`attnkit.viz.encode_attention`); a warning
         says when even that is too big.
+    byte_level : bool, optional
+        Whether the pieces are byte-level BPE's (:func:`attnkit._display.is_byte_level_tokenizer` tells from
+        the tokenizer); None: judged piece by piece.
 
     Returns
     -------
@@ -107,6 +112,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
     piece = (lambda i: str(i)) if token_text is None else (lambda i: str(token_text(int(i))))
 
+    def readable(raw: str) -> str:
+        return readable_token(raw, byte_level)
+
     _, per_layer = lm(batch, output_attentions=True)  # N x (1, H, L, L)
     weights = np.stack([w[0] for w in per_layer])  # (N, H, L, L)
     lens = logit_lens(lm, batch[0], top_k=top_k)  # (N, L, K) each
@@ -114,19 +122,19 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     chosen = []
     for token, prob in zip(best.token_ids[-1, -1], best.probs[-1, -1], strict=True):
         grad, embeddings, _ = embedding_gradient(lm, batch, -1, int(token))  # (1, L, D) each
-        chosen.append({"id": int(token), "raw": piece(token), "text": readable_token(piece(token)),
+        chosen.append({"id": int(token), "raw": piece(token), "text": readable(piece(token)),
                        "prob": float(prob),
                        "gradient_x_input": _rounded((grad * embeddings).sum(-1)[0]),
                        "saliency": _rounded(np.sqrt((grad * grad).sum(-1))[0])})
     raw = [piece(i) for i in batch[0]]
-    data = {"tokens": [readable_token(t) for t in raw], "raw_tokens": raw,
+    data = {"tokens": [readable(t) for t in raw], "raw_tokens": raw,
             "num_layers": weights.shape[0], "num_heads": weights.shape[1],
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
             "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
             "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
             # each id's text once: N x L x K cells repeat few distinct tokens
-            "vocab": {str(t): readable_token(piece(t)) for t in np.unique(lens.token_ids).tolist()}}
+            "vocab": {str(t): readable(piece(t)) for t in np.unique(lens.token_ids).tolist()}}
     return _write_page(data, weights, target, title, top_k, max_bytes)
 
 
@@ -210,11 +218,12 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
     for label, text, against in (("A", sentence, other), ("B", other, sentence)):
         found = similarity_attribution(encoder, text, against)
         chosen.append({"text": f"sentence {label}: {text}", "raw": text, "prob": None,
-                       "tokens": [readable_token(t) for t in found.tokens], "raw_tokens": list(found.tokens),
+                       "tokens": [readable_token(t, byte_level=False) for t in found.tokens],  # WordPiece
+                       "raw_tokens": list(found.tokens),
                        "gradient_x_input": _rounded(found.gradient_x_input), "saliency": _rounded(found.saliency)})
     tokens, weights = encoder_attention(encoder, sentence)  # (N, H, L, L)
     data = {"kind": "similarity", "similarity": round(float(found.similarity), 6),
-            "tokens": [readable_token(t) for t in tokens], "raw_tokens": list(tokens),
+            "tokens": [readable_token(t, byte_level=False) for t in tokens], "raw_tokens": list(tokens),
             "num_layers": weights.shape[0], "num_heads": weights.shape[1],
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
