@@ -150,7 +150,7 @@ def test_system_save_reset_and_multi_line_messages(folder, tmp_path):
     chat.say(b"/save " + str(saved).encode())
     first = json.loads(saved.read_text())
     chat.say(b"/reset")
-    chat.say(b"/save " + str(saved).encode())
+    chat.say(b"/save '" + str(saved).encode() + b"'")  # quoted, as a path with spaces would be
     chat.type(b"/exit")
     shown, stderr, code = chat.finish()
     assert code == 0, stderr

@@ -187,3 +187,19 @@ def test_threads_set_the_kernels_and_blas(llama):
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("threads 1 [") and set(json.loads(last.split(" ", 2)[2])) <= {1}
+
+
+def test_threads_without_threadpoolctl_set_the_kernels_and_say_blas_is_not_limited(monkeypatch, capsys):
+    import attnkit
+    from attnkit.cli import _common
+
+    real = _common.importlib.util.find_spec
+    monkeypatch.setattr(_common.importlib.util, "find_spec", lambda name: None if name == "threadpoolctl" else
+                        real(name))
+    try:
+        _common.use_threads(3)
+        assert attnkit.get_num_threads() == 3
+    finally:
+        attnkit.set_num_threads(None)
+    assert "threadpoolctl is not installed, so --threads 3 sets attnkit's threads but not BLAS's" in \
+        capsys.readouterr().err

@@ -273,6 +273,9 @@ def _set_system(text: str, messages: list[dict], out: TextIO) -> None:
 
 
 def _path(arg: str, name: str) -> Path | None:
+    """The file a command names (``~`` expanded; quotes around it, as a shell would need, dropped)."""
+    if len(arg) > 1 and arg[0] == arg[-1] and arg[0] in "'\"":
+        arg = arg[1:-1]
     if not arg:
         _say(f"{name} needs a file: {name} PATH")
         return None
