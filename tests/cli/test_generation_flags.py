@@ -30,7 +30,7 @@ def parse(argv, **kwargs):
 @pytest.mark.parametrize("argv, expected", [
     ([], {}),
     (["--temperature", "0"], {"do_sample": False}),
-    (["--temperature", "0", "--top-k", "5"], {"do_sample": True, "top_k": 5}),
+    (["--temperature", "0", "--top-k", "5", "--seed", "1"], {"do_sample": False, "top_k": 5, "seed": 1}),
     (["--temperature", "0.7", "--top-p", "0.9", "--min-p", "0.05"],
      {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "min_p": 0.05}),
     (["--seed", "3"], {"do_sample": True, "seed": 3}),

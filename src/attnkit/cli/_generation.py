@@ -5,10 +5,10 @@ keyword arguments of :func:`attnkit.decoding.sampling.generate` (and ``generate_
 the argument of the same name (``--stop`` to ``stop_strings``, repeatable); a flag not given is left out, so
 the folder's ``generation_config.json`` decides, as in ``transformers``.
 
-Greedy or sampling: ``--temperature 0`` is greedy (as in llama.cpp and ollama); any other ``--temperature``,
-or ``--top-k``, ``--top-p``, ``--min-p`` or ``--seed``, samples. With none of them, ``chat`` follows the
-folder's ``do_sample`` and ``generate`` decodes greedily (``greedy_unless_asked``), as each always has.
-``--num-beams`` above 1 is beam search: not with a sampling flag or ``--stop``.
+Greedy or sampling: ``--temperature 0`` is greedy (as in llama.cpp and ollama), whatever other flag is given;
+any other ``--temperature``, or ``--top-k``, ``--top-p``, ``--min-p`` or ``--seed``, samples. With none of
+them, ``chat`` follows the folder's ``do_sample`` and ``generate`` decodes greedily (``greedy_unless_asked``),
+as each always has. ``--num-beams`` above 1 is beam search: not with a sampling flag or ``--stop``.
 """
 from __future__ import annotations
 
@@ -102,9 +102,8 @@ def generation_kwargs(args: argparse.Namespace, prog: str, *, greedy_unless_aske
     names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "stop",
              "min_new_tokens", "num_beams", "seed")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    sampling = [name for name in SAMPLING_FLAGS if name in given]
-    if given.get("temperature", 1.0) != 0:
-        sampling = (["temperature"] if "temperature" in given else []) + sampling
+    greedy = given.get("temperature") == 0  # greedy whatever else is given, as llama.cpp and ollama read it
+    sampling = [] if greedy else [name for name in ("temperature", *SAMPLING_FLAGS) if name in given]
     if given.get("num_beams", 1) > 1:
         if sampling:
             raise UsageError(f"--num-beams cannot be combined with sampling options (--{_flag(sampling[0])})", prog)
@@ -115,7 +114,7 @@ def generation_kwargs(args: argparse.Namespace, prog: str, *, greedy_unless_aske
               if not (name == "temperature" and value == 0)}
     if sampling:
         kwargs["do_sample"] = True
-    elif given.get("temperature") == 0 or greedy_unless_asked:
+    elif greedy or greedy_unless_asked:
         kwargs["do_sample"] = False
     return kwargs
 
