@@ -239,3 +239,20 @@ def test_help_describes_typing_and_the_commands(tmp_path):
     for words in ("/system TEXT", "/save PATH", "/load PATH", "/reset", "/exit", "/help",
                   "a line ending in \\ continues", '""" opens a block'):
         assert words in proc.stdout
+
+
+@pytest.mark.concurrency
+def test_ctrl_c_at_a_continuation_prompt_drops_the_unfinished_message(folder, tmp_path):
+    import signal
+
+    saved = tmp_path / "chat.json"
+    chat = session(["--max-new-tokens", 3, "--temperature", 0, folder], tmp_path)
+    continue_with(chat, b"never \\")
+    count = chat.prompts()
+    chat.proc.send_signal(signal.SIGINT)
+    assert chat.read_until(lambda _: chat.prompts() > count), chat.shown
+    chat.say(b"/save " + str(saved).encode())
+    chat.type(b"/exit")
+    shown, stderr, code = chat.finish()
+    assert code == 0, stderr
+    assert "(message dropped)" in shown and json.loads(saved.read_text()) == []
