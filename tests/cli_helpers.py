@@ -1,11 +1,16 @@
-"""Shared helpers of the command-line tests (``from cli_helpers import ...``): PNG checks and running
-``python -m attnkit`` in a real process with this source tree first on the path."""
+"""Shared helpers of the command-line tests (``from cli_helpers import ...``): PNG checks, running
+``python -m attnkit`` in a real process with this source tree first on the path, and ``attnkit chat`` on a
+pseudo-terminal."""
 from __future__ import annotations
 
 import os
+import pty
+import select
+import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -51,3 +56,77 @@ def assert_one_line_error(stderr: str, *fragments: str) -> None:
     assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in stderr[:-1]), f"raw control characters: {stderr!r}"
     for fragment in fragments:
         assert fragment in stderr, f"{fragment!r} not in {stderr!r}"
+
+
+class Chat:
+    """``attnkit chat`` on a pseudo-terminal, driven line by line."""
+
+    def __init__(self, args, env=None):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+                   **(env or {}))
+        env.pop("ATTNKIT_TRACEBACK", None)
+        self.leader, follower = pty.openpty()
+        # A shell that starts a job in the background may hand SIGINT down as ignored: restore the default so
+        # that Python installs its KeyboardInterrupt handler in the child.
+        self.proc = subprocess.Popen([sys.executable, "-m", "attnkit", "chat", *map(str, args)], stdin=follower,
+                                     stdout=follower, stderr=subprocess.PIPE, env=env, close_fds=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        os.close(follower)
+        self.shown = b""
+
+    def read_until(self, predicate, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not predicate(self.shown):
+            ready, _, _ = select.select([self.leader], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(self.leader, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                self.shown += chunk
+            elif self.proc.poll() is not None:
+                break
+        return predicate(self.shown)
+
+    def prompts(self) -> int:
+        return self.shown.count(b"> ")
+
+    def type(self, line: bytes) -> None:
+        """Type ``line`` and Enter, reading what the terminal shows meanwhile: a long paste echoed back by the
+        line editor would otherwise fill the terminal's buffer while this process still writes, and neither
+        side could go on."""
+        data = line + b"\n"
+        os.set_blocking(self.leader, False)
+        try:
+            while data:
+                readable, writable, _ = select.select([self.leader], [self.leader], [], 1.0)
+                if readable:
+                    try:
+                        self.shown += os.read(self.leader, 65536)
+                    except BlockingIOError:
+                        pass
+                if writable:
+                    try:
+                        data = data[os.write(self.leader, data[:4096]):]
+                    except BlockingIOError:
+                        pass
+                if not (readable or writable) and self.proc.poll() is not None:
+                    break
+        finally:
+            os.set_blocking(self.leader, True)
+
+    def finish(self, timeout=60):
+        code = self.proc.wait(timeout=timeout)
+        self.read_until(lambda _: False, timeout=0.2)
+        stderr = self.proc.stderr.read().decode("utf-8", "replace")
+        self.proc.stderr.close()
+        os.close(self.leader)
+        return self.shown.decode("utf-8", "replace").replace("\r\n", "\n"), stderr, code
+
+    def say(self, line: bytes) -> None:
+        """Type ``line`` at the next prompt and wait for the prompt after it."""
+        count = self.prompts()
+        self.type(line)
+        assert self.read_until(lambda _: self.prompts() > count), self.shown

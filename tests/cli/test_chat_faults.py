@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
-import select
 import shutil
 import signal
 import subprocess
@@ -16,7 +14,7 @@ import time
 
 import pytest
 
-from cli_helpers import SRC, assert_one_line_error, run_attnkit
+from cli_helpers import SRC, Chat, assert_one_line_error, run_attnkit
 from text_models import write_chat_model
 
 pytest.importorskip("transformers")
@@ -36,58 +34,6 @@ def with_template(folder, target, template):
     return target
 
 
-class Chat:
-    """``attnkit chat`` on a pseudo-terminal, driven line by line."""
-
-    def __init__(self, args):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-        env.pop("ATTNKIT_TRACEBACK", None)
-        self.leader, follower = pty.openpty()
-        # A shell that starts a job in the background may hand SIGINT down as ignored: restore the default so
-        # that Python installs its KeyboardInterrupt handler in the child.
-        self.proc = subprocess.Popen([sys.executable, "-m", "attnkit", "chat", *map(str, args)], stdin=follower,
-                                     stdout=follower, stderr=subprocess.PIPE, env=env, close_fds=True,
-                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        os.close(follower)
-        self.shown = b""
-
-    def read_until(self, predicate, timeout=120.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not predicate(self.shown):
-            ready, _, _ = select.select([self.leader], [], [], 0.1)
-            if ready:
-                try:
-                    chunk = os.read(self.leader, 4096)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                self.shown += chunk
-            elif self.proc.poll() is not None:
-                break
-        return predicate(self.shown)
-
-    def prompts(self) -> int:
-        return self.shown.count(b"> ")
-
-    def type(self, line: bytes) -> None:
-        os.write(self.leader, line + b"\n")
-
-    def finish(self, timeout=60):
-        code = self.proc.wait(timeout=timeout)
-        self.read_until(lambda _: False, timeout=0.2)
-        stderr = self.proc.stderr.read().decode("utf-8", "replace")
-        self.proc.stderr.close()
-        os.close(self.leader)
-        return self.shown.decode("utf-8", "replace").replace("\r\n", "\n"), stderr, code
-
-    def say(self, line: bytes) -> None:
-        """Type ``line`` at the next prompt and wait for the prompt after it."""
-        count = self.prompts()
-        self.type(line)
-        assert self.read_until(lambda _: self.prompts() > count), self.shown
-
-
 def chat(args, lines):
     session = Chat(args)
     assert session.read_until(lambda shown: shown.endswith(b"> ")), session.shown
@@ -98,11 +44,21 @@ def chat(args, lines):
 
 
 def test_a_line_that_is_not_utf8_is_a_message_and_the_chat_goes_on(folder):
-    shown, stderr, code = chat(["--max-new-tokens", 3, "--temperature", 0, folder], [b"caf\xe9 ok", b"Hello"])
-    assert code == 0, stderr
+    proc = subprocess.run([sys.executable, "-m", "attnkit", "chat", str(folder), "--max-new-tokens", "3",
+                           "--temperature", "0"], input=b"caf\xe9 ok\nHello\n", capture_output=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(SRC)))
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 0, stderr
     assert "that line is not UTF-8 text: byte 0xe9 at character 4; type it again" in stderr
     assert "error" not in stderr and "internal" not in stderr
-    assert shown.count("> ") >= 3  # the prompt came back after the bad line and after the reply
+    assert proc.stdout.strip()  # the next line was answered
+
+
+def test_on_a_terminal_the_line_editor_drops_bytes_that_are_not_utf8(folder):
+    shown, stderr, code = chat(["--max-new-tokens", 3, "--temperature", 0, folder], [b"caf\xe9 ok", b"Hello"])
+    assert code == 0, stderr
+    assert "> caf ok\n" in shown and "error" not in stderr  # what was shown is what was sent
+    assert shown.count("> ") >= 3  # the prompt came back after each reply
 
 
 @pytest.mark.parametrize("template, message", [

@@ -12,7 +12,10 @@ Commands::
 
 Layout: ``_common.py`` holds what every command shares (:class:`UsageError`, the argument types
 ``bounded_int`` / ``positive_int`` / ``non_negative_int`` / ``positive_float``, ``output_folder`` /
-``output_file``, ``printable`` for untrusted text, and ``run_command``, the one error handler); each
+``output_file``, ``printable`` for untrusted text, ``--threads`` (``add_threads_argument``, ``use_threads``)
+and ``run_command``, the one error handler); ``_generation.py`` the generation flags of ``generate`` and
+``chat``, defined once with Hugging Face's names; ``_chat_input.py`` and ``_conversation.py`` what the chat
+reads at its prompt and its ``/save`` / ``/load`` files; each
 command is one module with ``NAME``, ``add_parser(subparsers)`` (adds its parser and arguments, sets
 ``run`` as the parser's default) and ``run(args) -> int``. :data:`COMMANDS` lists them in ``--help``
 order. To add a command, write such a module (raise :class:`UsageError` for bad input, let a missing

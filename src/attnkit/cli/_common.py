@@ -40,7 +40,7 @@ __all__ = ["PROG", "query_labels", "write_explorer",
            "non_negative_float",
            "output_folder", "output_file", "printable", "check_argv_text", "check_utf8", "tolerant_input",
            "require_matplotlib", "save_figure",
-           "run_command", "IMAGE_SUFFIXES", "json_text", "model_types_text"]
+           "run_command", "IMAGE_SUFFIXES", "json_text", "model_types_text", "add_threads_argument", "use_threads"]
 
 PROG = "attnkit"
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -109,6 +109,34 @@ def tolerant_input(stream: TextIO) -> TextIO:
         except (ValueError, OSError):
             pass
     return stream
+
+
+# -- threads ---------------------------------------------------------------------------------------------
+def add_threads_argument(parser: Any) -> None:
+    """Add ``--threads N`` to a command that runs a model (:func:`use_threads` applies it)."""
+    from ..kernels._threads import default_num_threads
+
+    parser.add_argument("--threads", type=bounded_int(1, 4096), default=None, metavar="N",
+                        help=f"threads of attnkit's kernels and of BLAS (default: every core this process may "
+                             f"use, {default_num_threads()} here)")
+
+
+def use_threads(threads: int | None) -> None:
+    """Run attnkit's kernels (:func:`attnkit.set_num_threads`) and NumPy's BLAS (through ``threadpoolctl``) on
+    ``threads`` threads for the rest of the process; None leaves both at their defaults. Without
+    ``threadpoolctl`` (the ``fast`` extra) BLAS keeps its own count, and a note on stderr says so."""
+    if threads is None:
+        return
+    from ..kernels._threads import set_num_threads
+
+    set_num_threads(threads)
+    if importlib.util.find_spec("threadpoolctl") is None:
+        print(f"note: threadpoolctl is not installed, so --threads {threads} sets attnkit's threads but not BLAS's "
+              f"(pip install 'attnkit[fast]', or set OPENBLAS_NUM_THREADS)", file=sys.stderr)
+        return
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")  # kept: the limit holds until the process ends
 
 
 # -- output paths ----------------------------------------------------------------------------------------

@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from .._display import readable_token
+from .._display import is_byte_level_tokenizer, readable_token
 from ..io import read_json
 from ._common import (
     UsageError,
+    add_threads_argument,
     bounded_int,
     model_types_text,
     output_file,
@@ -19,6 +20,7 @@ from ._common import (
     query_labels,
     require_matplotlib,
     save_figure,
+    use_threads,
     write_explorer,
 )
 
@@ -70,6 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="write the interactive attention explorer (one self-contained HTML file; every layer "
                         "and head unless --layer/--head; needs no matplotlib)")
     p.add_argument("--model-dir", default=None, help="--model minilm: a sentence-transformers model folder")
+    add_threads_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -88,6 +91,7 @@ def is_causal_lm_folder(path: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Check the input and the output file, then draw the demo model's, MiniLM's or a causal LM's attention."""
+    use_threads(args.threads)
     lm_dir = _causal_lm_dir(args)
     if lm_dir is None and (args.prompt is not None or args.ids is not None):
         raise UsageError(f"--prompt and --ids need a Hugging Face causal-LM folder (config.json with model_type "
@@ -239,8 +243,9 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
     per_layer = model.attention_weights(np.array([ids], dtype=np.int64), layers=layers)  # N' x (1, H, L, L)
     weights = np.stack([w[0] for w in per_layer])[:, list(heads)]  # (N', H', L, L)
     pieces = [tokenizer.id_to_token(i) if tokenizer is not None else None for i in ids]
-    tokens = [printable(str(i) if piece is None else readable_token(piece)) for i, piece in zip(ids, pieces,
-                                                                                                strict=True)]
+    byte_level = is_byte_level_tokenizer(tokenizer)
+    tokens = [printable(str(i) if piece is None else readable_token(piece, byte_level))
+              for i, piece in zip(ids, pieces, strict=True)]
     name = printable(Path(lm_dir).name or lm_dir)
     said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
     layer_names, head_names = [f"layer {i}" for i in layers], [f"head {j}" for j in heads]

@@ -46,8 +46,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="sequence lengths L (default 256 512 1024 2048)")
     p.add_argument("--repeats", type=bounded_int(1, 10_000), default=3,
                    help="timed runs per case, best kept (default 3)")
-    p.add_argument("--threads", type=bounded_int(1, 4096), nargs="+", default=None,
-                   help="thread counts to run (default: every core)")
+    p.add_argument("--threads", type=bounded_int(1, 4096), nargs="+", default=None, metavar="N",
+                   help="thread counts to run, each for attnkit's kernels and BLAS (default: every core this "
+                        "process may use)")
     p.add_argument("--heads", type=bounded_int(1, 4096), default=8, help="heads H (default 8)")
     p.add_argument("--dim", type=bounded_int(1, 65_536), default=64, help="head dimension D (default 64)")
     p.add_argument("--memory-check", action="store_true",

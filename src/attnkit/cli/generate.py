@@ -1,9 +1,13 @@
 """``attnkit generate``: continue a prompt with a Hugging Face decoder folder (any supported family) on attnkit.
 
 The prompt is text (``--prompt``, tokenised with the folder's ``tokenizer.json`` through ``tokenizers``) or token
-ids (``--ids 1,2,3``, no tokenizer needed). Decoding is greedy unless a sampling option is given
-(``--temperature``, ``--top-k``, ``--top-p``, ``--min-p`` or ``--seed``); it stops at the model's end-of-sequence
-token or after ``--max-new-tokens``. Text is printed as it is produced; ``--json`` prints one object at the end::
+ids (``--ids 1,2,3``, no tokenizer needed). ``--chat`` renders the prompt as a user message with the folder's
+chat template (``--system TEXT`` adds a system message before it and implies ``--chat``) and prints the reply
+only. The generation flags are ``attnkit chat``'s, with Hugging Face's names (:mod:`attnkit.cli._generation`):
+decoding is greedy unless a sampling flag is given (``--temperature`` above 0, ``--top-k``, ``--top-p``,
+``--min-p`` or ``--seed``); it stops at the model's end-of-sequence token, a ``--stop`` string or after
+``--max-new-tokens``. Text is printed as it is produced (beam search prints at the end); ``--json`` prints one
+object at the end::
 
     {"ids": [...prompt ids, new ids...], "new_ids": [...], "text": "...prompt and continuation...",
      "new_text": "..."}
@@ -20,37 +24,22 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ..decoding.beam_search import MAX_NUM_BEAMS
 from ._common import (
     UsageError,
-    bounded_int,
+    add_threads_argument,
     json_text,
     model_types_text,
-    non_negative_int,
-    positive_float,
     positive_int,
     printable,
+    use_threads,
 )
+from ._generation import add_generation_arguments, generation_kwargs
 
 __all__ = ["NAME", "add_parser", "run", "check_model_path", "load_model", "load_tokenizer", "parse_ids",
            "prompt_ids"]
 
 NAME = "generate"
 PROG = f"attnkit {NAME}"
-_SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed")
-
-
-def _unit_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {printable(repr(text), 40)}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {printable(text, 40)}")
-    return value
-
-
-_unit_float.__name__ = "number in [0, 1]"
 
 
 def _finite_float(text: str) -> float:
@@ -87,29 +76,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         NAME, help="continue a prompt with a Hugging Face causal-LM folder (needs the 'pretrained' extra)",
         description="Continue a prompt with a Hugging Face decoder folder (config.json + model.safetensors, "
                     f"model_type {model_types_text()}) running on attnkit's NumPy layers. Greedy unless "
-                    "a sampling option (--temperature, --top-k, --top-p, --min-p, --seed) is given; the warpers "
-                    "apply in Hugging Face's order: temperature, top-k, top-p, min-p.")
+                    "a sampling flag (--temperature above 0, --top-k, --top-p, --min-p, --seed) is given; the "
+                    "warpers apply in Hugging Face's order: temperature, top-k, top-p, min-p. --chat renders the "
+                    "prompt with the folder's chat template and prints the reply only.")
     p.add_argument("model_dir", metavar="MODEL_DIR",
                    help="a folder written by save_pretrained, or a GGUF file (llama.cpp, ollama)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the folder's tokenizer.json)")
     prompt.add_argument("--ids", metavar="IDS", help="prompt token ids, comma-separated (no tokenizer needed)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the folder's chat template; print the reply only")
+    p.add_argument("--system", metavar="TEXT", default=None,
+                   help="a system message before the prompt (implies --chat)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to add at most (default 32)")
-    p.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (default 1)")
-    p.add_argument("--top-k", type=non_negative_int, default=None, help="sample among the k likeliest tokens")
-    p.add_argument("--top-p", type=_unit_float, default=None, help="nucleus sampling mass in [0, 1]")
-    p.add_argument("--min-p", type=_unit_float, default=None,
-                   help="drop tokens less likely than this fraction of the likeliest, in [0, 1]")
-    p.add_argument("--seed", type=non_negative_int, default=None, help="seed for reproducible sampling")
-    p.add_argument("--num-beams", type=bounded_int(1, MAX_NUM_BEAMS), default=1,
-                   help="beam search with this many beams (default 1: greedy or sampling); printed at the end, "
-                        "not streamed")
+    add_generation_arguments(p, greedy_unless_asked=True)
     p.add_argument("--length-penalty", type=_finite_float, default=1.0,
                    help="beam search: a hypothesis scores sum(log p) / new_tokens ** this (default 1)")
     p.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
                    help="beam search: stop when every beam has finished (true), when no open beam can win at "
                         "its current length (false, default) or at the longest length (never)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
+    add_threads_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -171,6 +158,12 @@ def prompt_ids(args: argparse.Namespace, tokenizer: Any, config: Any, prog: str 
     """The token ids of ``args.ids`` or ``args.prompt``, checked against the vocabulary and the context
     (else a :class:`UsageError` of ``prog``)."""
     ids = parse_ids(args.ids, prog) if args.ids is not None else tokenizer.encode(args.prompt).ids
+    return check_prompt_ids(ids, config, prog)
+
+
+def check_prompt_ids(ids: list[int], config: Any, prog: str = PROG) -> list[int]:
+    """``ids`` when they are a prompt the model can read: not empty, in its vocabulary, inside its context
+    (else a :class:`UsageError` of ``prog``)."""
     if not ids:
         raise UsageError("the prompt is empty (no tokens)", prog)
     bad = [i for i in ids if i >= config.vocab_size]
@@ -187,43 +180,71 @@ def _shown(text: str) -> str:
     return "\n".join("\t".join(printable(cell) for cell in line.split("\t")) for line in text.split("\n"))
 
 
+def _chat_prompt(args: argparse.Namespace, config: Any) -> tuple[list[int], list[int] | None]:
+    """``--chat``: the prompt ids of ``--system`` and ``--prompt`` rendered by the folder's chat template, and the
+    end-of-sequence ids the chat uses (``generation_config.json``'s, else the tokenizer's ``eos_token``)."""
+    from ..pretrained import ChatTemplateError
+    from ..pretrained import load_tokenizer as load_chat_tokenizer
+
+    if args.prompt is None:
+        raise UsageError("--chat and --system need --prompt (a message, rendered by the chat template)", PROG)
+    try:
+        tokenizer = load_chat_tokenizer(args.model_dir)
+        tokenizer.get_chat_template()
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise UsageError(f"cannot load {printable(repr(args.model_dir))}: {printable(message, 300)}", PROG) from None
+    messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+    messages.append({"role": "user", "content": args.prompt})
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    except ChatTemplateError as exc:
+        raise UsageError(str(exc), PROG) from None
+    return check_prompt_ids(list(ids), config), list(tokenizer.eos_token_ids) or None
+
+
 def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     """Generate from ``args`` and stream the text (or the ids, without a tokenizer) to ``stdout``."""
     from ..decoding.sampling import generate_stream
 
     out = sys.stdout if stdout is None else stdout
     check_model_path(args.model_dir, PROG)
+    options = generation_kwargs(args, PROG, greedy_unless_asked=True)  # flag errors before the (slow) load
+    chat = args.chat or args.system is not None
+    use_threads(args.threads)
     tokenizer = load_tokenizer(args.model_dir, needed=args.prompt is not None)
     model = load_model(args.model_dir)
     config = model.config
-    prompt = prompt_ids(args, tokenizer, config)
+    if chat:
+        prompt, eos_ids = _chat_prompt(args, config)
+        options["eos_token_id"] = eos_ids
+    else:
+        prompt = prompt_ids(args, tokenizer, config)
     max_new = args.max_new_tokens
     if config.position == "learned":  # a learned position table cannot go past its last row
         max_new = min(max_new, config.max_position_embeddings - len(prompt))
-    sampling = {name: getattr(args, name) for name in _SAMPLING_OPTIONS if getattr(args, name) is not None}
-    if model.generation_config.stop_strings is not None:
-        if tokenizer is None:
-            raise UsageError("the folder's generation_config.json sets stop_strings, which need its tokenizer.json "
-                             "to read the text, and there is none", PROG)
-        if args.num_beams > 1:
-            raise UsageError("the folder's generation_config.json sets stop_strings, which beam search does not "
-                             "support: use --num-beams 1", PROG)
-    if args.num_beams > 1:
-        if sampling:
-            raise UsageError(f"--num-beams cannot be combined with sampling options "
-                             f"(--{next(iter(sampling)).replace('_', '-')})", PROG)
-        stream = _beam_tokens(model, prompt, max_new, args)
+    beams = options.get("num_beams", 1)
+    stops = options.get("stop_strings", model.generation_config.stop_strings)
+    if stops is not None and tokenizer is None:
+        where = "--stop needs" if "stop_strings" in options else \
+            "the folder's generation_config.json sets stop_strings, which need"
+        raise UsageError(f"{where} its tokenizer.json to read the text, and there is none", PROG)
+    if stops is not None and beams > 1:
+        raise UsageError("the folder's generation_config.json sets stop_strings, which beam search does not "
+                         "support: use --num-beams 1", PROG)
+    if beams > 1:
+        stream = _beam_tokens(model, prompt, max_new, args, options)
     else:
         stream = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
-                                 do_sample=bool(sampling), tokenizer=tokenizer, **sampling)
+                                 tokenizer=tokenizer, **{k: v for k, v in options.items() if k != "num_beams"})
     new: list[int] = []
     shown = ""
     prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
-    if not args.json:
+    if not args.json and not chat:
         out.write(_shown(prompt_text) if tokenizer is not None else " ".join(map(str, prompt)))
         out.flush()
-    eos = config.eos_token_id
-    eos = set(eos if isinstance(eos, tuple) else () if eos is None else (eos,))
+    eos = options.get("eos_token_id") or config.eos_token_id
+    eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
     for tokens in stream:
         token = int(tokens[0])
         new.append(token)
@@ -247,14 +268,15 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     return 0
 
 
-def _beam_tokens(model: Any, prompt: list[int], max_new: int, args: argparse.Namespace) -> list[np.ndarray]:
+def _beam_tokens(model: Any, prompt: list[int], max_new: int, args: argparse.Namespace,
+                 options: dict[str, Any]) -> list[np.ndarray]:
     """The best beam's new tokens, one (1,) array per token as the stream gives them, up to its eos."""
     from ..decoding.sampling import generate
 
     early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
-    out = generate(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new, num_beams=args.num_beams,
-                   length_penalty=args.length_penalty, early_stopping=early)[0, len(prompt):]  # (T,)
-    eos = model.config.eos_token_id
-    eos = set(eos if isinstance(eos, tuple) else () if eos is None else (eos,))
+    out = generate(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
+                   length_penalty=args.length_penalty, early_stopping=early, **options)[0, len(prompt):]  # (T,)
+    eos = options.get("eos_token_id") or model.config.eos_token_id
+    eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
     ends = [i for i, token in enumerate(out.tolist()) if token in eos]
     return [out[i:i + 1] for i in range(ends[0] + 1 if ends else out.size)]

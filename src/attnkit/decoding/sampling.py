@@ -25,7 +25,7 @@ from .._validation import as_array, check_positive_int
 from .beam_search import lm_beam_search, next_token_logits
 from .config import GenerationConfig, check_temperature, check_top_k, check_unit
 
-__all__ = ["check_generation_config",
+__all__ = ["check_generation_config", "resolve_generation_options",
            "temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
            "apply_repetition_penalty", "banned_ngram_tokens", "generate", "generate_stream"]
 
@@ -360,6 +360,24 @@ def _resolve(model: Any, given: dict[str, Any], generation_config: GenerationCon
     if options["stop_strings"] is not None:
         options["stop_strings"] = list(options["stop_strings"])
     return options
+
+
+def resolve_generation_options(model: Any, **given: Any) -> dict[str, Any]:
+    """The options :func:`generate` would use: each keyword given (not None), else the model's
+    ``generation_config`` value, else the default; what a front end shows as its settings.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> lm = SimpleNamespace(generation_config={"do_sample": True, "temperature": 0.7})
+    >>> o = resolve_generation_options(lm, top_k=20)
+    >>> o["do_sample"], o["temperature"], o["top_k"], o["top_p"]
+    (True, 0.7, 20, None)
+    """
+    unknown = sorted(set(given) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"resolve_generation_options() got an unexpected keyword argument {unknown[0]!r}")
+    return _resolve(model, given)
 
 
 def check_generation_config(config: Mapping[str, Any], vocab_size: int | None = None) -> GenerationConfig:

@@ -51,7 +51,7 @@ def _rounded(values: np.ndarray, decimals: int = 6) -> list:
 
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
                  candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction",
-                 max_bytes: int | None = None, corrupt: Any = None) -> dict:
+                 max_bytes: int | None = None, corrupt: Any = None, byte_level: bool | None = None) -> dict:
     """Explain ``lm``'s next-token prediction after ``ids`` in one offline HTML page.
 
     Parameters
@@ -64,6 +64,8 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         The HTML file to write (atomically; its folder must exist).
     token_text : callable int -> str, optional
         The raw tokenizer piece of an id (e.g. ``tokenizer.id_to_token``); default the id itself.
+        The page shows each piece as text (:func:`attnkit._display.readable_token`: `` café`` for byte-level
+        BPE's ``ĠcafÃ©``) and keeps the raw piece for its tooltip.
     candidates : int, default 5
         How many of the most likely next tokens get an attribution (the picker's choices).
     top_k : int, default 5
@@ -80,6 +82,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         (layer, head), for the metric ``logit[correct] - logit[incorrect]`` where ``correct`` is the model's top
         token after ``ids`` and ``incorrect`` its top token after ``corrupt`` (the second after ``ids`` when both
         are the same).
+    byte_level : bool, optional
+        Whether the pieces are byte-level BPE's (:func:`attnkit._display.is_byte_level_tokenizer` tells from
+        the tokenizer); None: judged piece by piece.
 
     Returns
     -------
@@ -122,6 +127,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
             raise ValueError(f"corrupt must be one sequence of the prompt's length {batch.shape[1]}, got shape "
                              f"{np.shape(corrupt)}")
 
+    def readable(raw: str) -> str:
+        return readable_token(raw, byte_level)
+
     _, per_layer = lm(batch, output_attentions=True)  # N x (1, H, L, L)
     weights = np.stack([w[0] for w in per_layer])  # (N, H, L, L)
     lens = logit_lens(lm, batch[0], top_k=top_k)  # (N, L, K) each
@@ -129,24 +137,25 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     chosen = []
     for token, prob in zip(best.token_ids[-1, -1], best.probs[-1, -1], strict=True):
         grad, embeddings, _ = embedding_gradient(lm, batch, -1, int(token))  # (1, L, D) each
-        chosen.append({"id": int(token), "raw": piece(token), "text": readable_token(piece(token)),
+        chosen.append({"id": int(token), "raw": piece(token), "text": readable(piece(token)),
                        "prob": float(prob),
                        "gradient_x_input": _rounded((grad * embeddings).sum(-1)[0]),
                        "saliency": _rounded(np.sqrt((grad * grad).sum(-1))[0])})
     raw = [piece(i) for i in batch[0]]
-    data = {"tokens": [readable_token(t) for t in raw], "raw_tokens": raw,
+    data = {"tokens": [readable(t) for t in raw], "raw_tokens": raw,
             "num_layers": weights.shape[0], "num_heads": weights.shape[1],
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
             "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
             "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
             # each id's text once: N x L x K cells repeat few distinct tokens
-            "vocab": {str(t): readable_token(piece(t)) for t in np.unique(lens.token_ids).tolist()},
-            "patching": None if corrupted is None else _patching(lm, batch, corrupted, piece)}
+            "vocab": {str(t): readable(piece(t)) for t in np.unique(lens.token_ids).tolist()},
+            "patching": None if corrupted is None else _patching(lm, batch, corrupted,
+                                                                 lambda i: readable(piece(i)))}
     return _write_page(data, weights, target, title, top_k, max_bytes)
 
 
-def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, piece: Callable[[int], str]) -> dict:
+def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, text: Callable[[int], str]) -> dict:
     """Activation patching of the residual stream and of each head, for the page (see :func:`explain_html`)."""
     from .patching import activation_patching
 
@@ -156,11 +165,11 @@ def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, piece: Callable[[int],
     if incorrect == correct:  # the corruption did not change the top token: compare with the runner-up
         incorrect = int(order[1])
     answers = (correct, incorrect)
-    return {"correct": correct, "incorrect": incorrect, "correct_text": readable_token(piece(correct)),
-            "incorrect_text": readable_token(piece(incorrect)),
+    return {"correct": correct, "incorrect": incorrect, "correct_text": text(correct),
+            "incorrect_text": text(incorrect),
             "clean_metric": float(clean_logits[correct] - clean_logits[incorrect]),
             "corrupt_metric": float(corrupt_logits[correct] - corrupt_logits[incorrect]),
-            "corrupt_tokens": [readable_token(piece(i)) for i in corrupt[0]],
+            "corrupt_tokens": [text(i) for i in corrupt[0]],
             "resid_pre": _rounded(activation_patching(lm, clean[0], corrupt[0], answers, hook="resid_pre")),
             "z": _rounded(activation_patching(lm, clean[0], corrupt[0], answers, hook="z"))}
 
@@ -245,11 +254,12 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
     for label, text, against in (("A", sentence, other), ("B", other, sentence)):
         found = similarity_attribution(encoder, text, against)
         chosen.append({"text": f"sentence {label}: {text}", "raw": text, "prob": None,
-                       "tokens": [readable_token(t) for t in found.tokens], "raw_tokens": list(found.tokens),
+                       "tokens": [readable_token(t, byte_level=False) for t in found.tokens],  # WordPiece
+                       "raw_tokens": list(found.tokens),
                        "gradient_x_input": _rounded(found.gradient_x_input), "saliency": _rounded(found.saliency)})
     tokens, weights = encoder_attention(encoder, sentence)  # (N, H, L, L)
     data = {"kind": "similarity", "similarity": round(float(found.similarity), 6),
-            "tokens": [readable_token(t) for t in tokens], "raw_tokens": list(tokens),
+            "tokens": [readable_token(t, byte_level=False) for t in tokens], "raw_tokens": list(tokens),
             "num_layers": weights.shape[0], "num_heads": weights.shape[1],
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
