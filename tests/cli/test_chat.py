@@ -15,17 +15,9 @@ import pytest
 from attnkit.cli.chat import terminal_safe
 from attnkit.pretrained import load
 from cli_helpers import SRC, run_attnkit
-from text_models import write_chat_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    write_chat_model(path)
-    return path
 
 
 def greedy_reply(folder, messages, max_new_tokens):

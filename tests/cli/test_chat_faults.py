@@ -15,17 +15,9 @@ import time
 import pytest
 
 from cli_helpers import SRC, Chat, assert_one_line_error, run_attnkit
-from text_models import write_chat_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    write_chat_model(path)
-    return path
 
 
 def with_template(folder, target, template):

@@ -101,17 +101,6 @@ def test_paths_that_are_not_regular_files_or_too_large_are_refused_without_readi
 
 
 # -- the chat on a terminal ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("jinja2")
-    from text_models import write_chat_model
-
-    path = tmp_path_factory.mktemp("chat")
-    write_chat_model(path)
-    return path
-
-
 def greedy_reply(folder, messages, max_new_tokens):
     from attnkit.pretrained import load
 

@@ -93,7 +93,10 @@ def checkpoint_map(config: DecoderConfig, *, mxfp4: bool = False) -> tuple[list[
     >>> prefix, [(m.source, m.shape, m.targets[0], m.layout) for m in maps if "k_proj" in m.source][0]
     ('model.', ('layers.0.self_attn.k_proj.weight', (8, 16), 'layers.0.attention.W_K', 'transpose'))
     """
-    return family(config.family).tensors(config, mxfp4)
+    entry = family(config.family)
+    if mxfp4 and "mxfp4" not in entry.quantizations:
+        raise ValueError(f"MXFP4 tensors are read only for mixture-of-experts models (gpt-oss), not {config.family}")
+    return entry.tensors(config, mxfp4)
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,6 @@ def _read_config(read: Reader) -> DecoderConfig:
 
 
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    if mxfp4:
-        raise ValueError("MXFP4 tensors are read only for mixture-of-experts models (gpt-oss), not gpt2")
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     maps = [TensorMap("wte.weight", (v, d), ("embed.weight",), "copy"),
             TensorMap("wpe.weight", (cfg.max_position_embeddings, d), ("pos_embed.weight",), "copy")]

@@ -59,8 +59,6 @@ def _read_config(read: Reader) -> DecoderConfig:
 
 
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    if mxfp4:
-        raise ValueError("MXFP4 tensors are read only for mixture-of-experts models (gpt-oss), not gpt_neox")
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     maps = [TensorMap("embed_in.weight", (v, d), ("embed.weight",), "copy")]
     for i in range(cfg.num_layers):

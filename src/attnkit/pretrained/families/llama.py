@@ -136,9 +136,7 @@ def rotary_tensors(cfg: DecoderConfig, mlp: Callable[[DecoderConfig, str, str], 
 
 def plain_tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """:func:`rotary_tensors` with the gated MLP: the checkpoint of every family that differs from Llama only
-    in its configuration."""
-    if mxfp4:
-        raise ValueError(f"MXFP4 tensors are read only for mixture-of-experts models (gpt-oss), not {cfg.family}")
+    in its configuration (``mxfp4`` is for families with MXFP4 experts; the registry refuses it for others)."""
     return rotary_tensors(cfg)
 
 

@@ -33,8 +33,6 @@ def _fused_mlp(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """Llama's tensors with each layer's q_proj, k_proj and v_proj replaced by one qkv_proj, in q_proj's place."""
-    if mxfp4:
-        raise ValueError("MXFP4 tensors are read only for mixture-of-experts models (gpt-oss), not phi3")
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     maps, prefix = rotary_tensors(cfg, _fused_mlp)
     fused = []
