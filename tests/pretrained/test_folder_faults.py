@@ -123,3 +123,4 @@ def test_id_to_token_is_the_inverse_of_token_to_id(chat_folder):
     assert tok.id_to_token(tok.vocab_size + 3) is None and tok.id_to_token(-1) is None
     with pytest.raises(TypeError, match="id must be an int"):
         tok.id_to_token("3")
+

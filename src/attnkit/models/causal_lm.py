@@ -8,7 +8,7 @@ cache stores keys by column (slot); rotary positions are applied before the keys
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
@@ -402,3 +402,49 @@ class CausalLM(Module):
                         num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
                         pad_token_id=pad_token_id, num_beams=num_beams, length_penalty=length_penalty,
                         early_stopping=early_stopping)
+
+    def stream(self, prompt: Any, tokenizer: Any, *, skip_special_tokens: bool = True,
+               **options: Any) -> Iterator[str]:
+        """Generate a continuation of one prompt and yield its text piece by piece as it is decoded.
+
+        A piece is yielded once it is final: never half of a multi-byte character, never text the next token
+        could still change (:meth:`attnkit.pretrained.Tokenizer.stream_decode`); the pieces join to the decoded
+        continuation.
+
+        Parameters
+        ----------
+        prompt : str or int array (L,) or (1, L)
+            Text (encoded with ``tokenizer``, its special tokens added) or token ids.
+        tokenizer : Tokenizer
+            :func:`attnkit.pretrained.load_tokenizer`'s, or anything with ``encode`` and ``stream_decode``; it
+            also reads ``stop_strings``.
+        skip_special_tokens : bool, default True
+            Leave special tokens (the eos that ends the reply) out of the text.
+        **options
+            :meth:`generate`'s options (``max_new_tokens``, ``temperature``, ``generation_config``, ...); beam
+            search settles its tokens only at the end and cannot be streamed.
+
+        Yields
+        ------
+        str
+            The next piece of the continuation's text.
+
+        Raises
+        ------
+        ValueError
+            More than one prompt, or ``num_beams`` above 1.
+        """
+        from ..decoding.sampling import generate_stream
+
+        if isinstance(prompt, str):
+            prompt = tokenizer.encode(prompt)
+        ids = as_array(prompt, "prompt")
+        ids = ids[None] if ids.ndim == 1 else ids  # (1, L)
+        if ids.ndim != 2 or ids.shape[0] != 1:
+            raise ValueError(f"stream takes one prompt (a string or ids (L,) or (1, L)), got shape {ids.shape}; "
+                             f"use generate for a batch")
+        if options.get("num_beams") not in (None, 1):
+            raise ValueError(f"stream cannot run beam search (num_beams={options['num_beams']!r}): beams settle "
+                             f"their tokens only at the end; use generate")
+        steps = generate_stream(self, ids, tokenizer=tokenizer, **options)
+        yield from tokenizer.stream_decode(steps, skip_special_tokens=skip_special_tokens)
