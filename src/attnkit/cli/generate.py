@@ -224,14 +224,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     if config.position == "learned":  # a learned position table cannot go past its last row
         max_new = min(max_new, config.max_position_embeddings - len(prompt))
     beams = options.get("num_beams", 1)
-    stops = options.get("stop_strings", model.generation_config.stop_strings)
-    if stops is not None and tokenizer is None:
-        where = "--stop needs" if "stop_strings" in options else \
-            "the folder's generation_config.json sets stop_strings, which need"
-        raise UsageError(f"{where} its tokenizer.json to read the text, and there is none", PROG)
-    if stops is not None and beams > 1:
-        raise UsageError("the folder's generation_config.json sets stop_strings, which beam search does not "
-                         "support: use --num-beams 1", PROG)
+    _check_stops(options, model.generation_config.stop_strings, tokenizer, beams)
     if beams > 1:
         stream = _beam_tokens(model, prompt, max_new, args, options)
     else:
@@ -266,6 +259,18 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         out.write(json_text(record))
     out.write("\n")
     return 0
+
+
+def _check_stops(options: dict[str, Any], configured: Any, tokenizer: Any, beams: int) -> None:
+    """Stop strings (``--stop``, else the folder's) need the tokenizer, and no beams."""
+    stops = options.get("stop_strings", configured)
+    if stops is not None and tokenizer is None:
+        where = "--stop needs" if "stop_strings" in options else \
+            "the folder's generation_config.json sets stop_strings, which need"
+        raise UsageError(f"{where} its tokenizer.json to read the text, and there is none", PROG)
+    if stops is not None and beams > 1:
+        raise UsageError("the folder's generation_config.json sets stop_strings, which beam search does not "
+                         "support: use --num-beams 1", PROG)
 
 
 def _beam_tokens(model: Any, prompt: list[int], max_new: int, args: argparse.Namespace,
