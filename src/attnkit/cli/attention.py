@@ -219,14 +219,14 @@ def _causal_lm_dir(args: argparse.Namespace) -> str | None:
 
 def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None, output: Path | None,
                          html: Path | None) -> int:
-    from .generate import load_model, load_tokenizer, prompt_ids
+    from .generate import model_for_command, prompt_ids, tokenizer_for_command
 
     if output is not None:
         require_matplotlib(PROG)
     if text is not None:  # TEXT or --input beside --model MODEL_DIR is the prompt text
         args.prompt = text
-    tokenizer = load_tokenizer(lm_dir, needed=args.prompt is not None, prog=PROG)
-    model = load_model(lm_dir, prog=PROG)
+    tokenizer = tokenizer_for_command(lm_dir, needed=args.prompt is not None, prog=PROG)
+    model = model_for_command(lm_dir, prog=PROG)
     config = model.config
     ids = prompt_ids(args, tokenizer, config, prog=PROG)
     _check_index("layer", args.layer, config.num_layers)

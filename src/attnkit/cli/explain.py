@@ -107,15 +107,16 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     """The next-token page of a Hugging Face causal LM (a folder or a GGUF file), with the patching views when
     a corrupted prompt is given."""
     from ..explain import explain_html
-    from .generate import load_model, load_tokenizer, prompt_ids
+    from .generate import model_for_command, prompt_ids, tokenizer_for_command
 
     if (args.prompt is None) == (args.ids is None):
         raise UsageError("give the prompt once: --prompt TEXT or --ids 1,2,3", PROG)
     if args.corrupt is not None and args.corrupt_ids is not None:
         raise UsageError("give the corrupted prompt once: --corrupt TEXT or --corrupt-ids 1,2,3", PROG)
     page = output_file(args.html, HTML_SUFFIXES)
-    tokenizer = load_tokenizer(args.model_dir, needed=args.prompt is not None or args.corrupt is not None, prog=PROG)
-    model = load_model(args.model_dir, prog=PROG)
+    tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None or args.corrupt is not None,
+                                      prog=PROG)
+    model = model_for_command(args.model_dir, prog=PROG)
     ids = prompt_ids(args, tokenizer, model.config, prog=PROG)
     corrupt = None
     if corrupting:

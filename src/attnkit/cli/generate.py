@@ -35,7 +35,7 @@ from ._common import (
 )
 from ._generation import add_generation_arguments, generation_kwargs
 
-__all__ = ["NAME", "add_parser", "run", "check_model_path", "load_model", "load_tokenizer", "parse_ids",
+__all__ = ["NAME", "add_parser", "run", "check_model_path", "model_for_command", "tokenizer_for_command", "parse_ids",
            "prompt_ids"]
 
 NAME = "generate"
@@ -111,7 +111,7 @@ def check_model_path(model_dir: str, prog: str = PROG) -> None:
     raise UsageError(f"{printable(repr(model_dir))} is not a folder nor a .gguf file", prog)
 
 
-def load_model(model_dir: str, prog: str = PROG) -> Any:
+def model_for_command(model_dir: str, prog: str = PROG) -> Any:
     """The CausalLM of ``model_dir`` (a folder or a GGUF file); a missing or damaged one is a
     :class:`UsageError` of ``prog`` (exit 2)."""
     from ..pretrained import load_causal_lm
@@ -124,7 +124,7 @@ def load_model(model_dir: str, prog: str = PROG) -> Any:
                          prog) from None
 
 
-def load_tokenizer(model_dir: str, needed: bool, prog: str = PROG) -> Any:
+def tokenizer_for_command(model_dir: str, needed: bool, prog: str = PROG) -> Any:
     """The ``tokenizers.Tokenizer`` of ``model_dir/tokenizer.json`` (of a GGUF file: the one its metadata
     describes), or None when there is none and it is not ``needed``; a missing-but-needed or unreadable file is
     a :class:`UsageError` of ``prog``."""
@@ -212,8 +212,8 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     options = generation_kwargs(args, PROG, greedy_unless_asked=True)  # flag errors before the (slow) load
     chat = args.chat or args.system is not None
     use_threads(args.threads)
-    tokenizer = load_tokenizer(args.model_dir, needed=args.prompt is not None)
-    model = load_model(args.model_dir)
+    tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
+    model = model_for_command(args.model_dir)
     config = model.config
     if chat:
         prompt, eos_ids = _chat_prompt(args, config)
