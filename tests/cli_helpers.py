@@ -17,6 +17,20 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 DPI = 100  # the CLI writes its pictures at 100 dpi: figsize * 100 pixels
 
 
+def greedy_reply(folder: Path, messages: list[dict], max_new_tokens: int) -> str:
+    """The library's greedy reply to ``messages`` with the folder's chat template and eos ids: what ``attnkit
+    chat --temperature 0`` must print."""
+    import numpy as np
+
+    from attnkit.pretrained import load
+
+    model, tok = load(folder)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    out = model.generate(np.array([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=list(tok.eos_token_ids))
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
 def png_size(path: Path) -> tuple[int, int]:
     """(width, height) from a PNG's IHDR chunk, after checking the signature."""
     head = Path(path).read_bytes()[:24]

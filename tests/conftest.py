@@ -1,5 +1,5 @@
-"""pytest configuration: the deterministic hypothesis profile, the ``rng`` fixture and the end-of-run table
-of the largest differences to PyTorch. Helpers live in ``helpers.py`` (``from helpers import ...``)."""
+"""pytest configuration: the deterministic hypothesis profile, the ``rng`` and ``chat_folder`` fixtures and the
+end-of-run table of the largest differences to PyTorch. Helpers live in ``helpers.py`` (``from helpers import ...``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,6 +22,19 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("attnkit")
+
+
+@pytest.fixture(scope="session")
+def chat_folder(tmp_path_factory):
+    """A tiny chat model folder, written once per session by :func:`text_models.write_chat_model` (a random
+    Llama with a byte-level BPE tokenizer and a ChatML template). Tests that change it work on a copy."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("jinja2")
+    from text_models import write_chat_model
+
+    folder = tmp_path_factory.mktemp("chat")
+    write_chat_model(folder)
+    return folder
 
 
 @pytest.fixture

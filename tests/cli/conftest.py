@@ -1,5 +1,5 @@
-"""Fixtures of the command-line tests: one small demo model, trained once per session, and one tiny chat
-model folder (a random Llama with a byte-level BPE tokenizer and a ChatML template)."""
+"""Fixtures of the command-line tests: one small demo model, trained once per session, and the chat model
+folder (the session's ``chat_folder``) under the name the chat tests use."""
 import pytest
 
 
@@ -16,12 +16,6 @@ def small_demo(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def folder(tmp_path_factory):
-    """The chat tests' model folder: :func:`text_models.write_chat_model`, written once per session."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("jinja2")
-    from text_models import write_chat_model
-
-    path = tmp_path_factory.mktemp("chat")
-    write_chat_model(path)
-    return path
+def folder(chat_folder):
+    """The chat tests' model folder: the session's ``chat_folder``."""
+    return chat_folder

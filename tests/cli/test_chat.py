@@ -9,23 +9,13 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from attnkit.cli.chat import terminal_safe
-from attnkit.pretrained import load
-from cli_helpers import SRC, run_attnkit
+from cli_helpers import SRC, greedy_reply, run_attnkit
 
 pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
-
-
-def greedy_reply(folder, messages, max_new_tokens):
-    model, tok = load(folder)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-    out = model.generate(np.array([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=list(tok.eos_token_ids))
-    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
 def chat_in_pty(args, lines, timeout=120):

@@ -7,13 +7,12 @@ import io
 import json
 import os
 
-import numpy as np
 import pytest
 
 from attnkit.cli._chat_input import MessageReader, Typed
 from attnkit.cli._conversation import MAX_CONVERSATION_BYTES, read_conversation, write_conversation
 from attnkit.cli.chat import terminal_safe
-from cli_helpers import Chat, run_attnkit
+from cli_helpers import Chat, greedy_reply, run_attnkit
 
 
 # -- the message reader, in-process ----------------------------------------------------------------------
@@ -101,16 +100,6 @@ def test_paths_that_are_not_regular_files_or_too_large_are_refused_without_readi
 
 
 # -- the chat on a terminal ------------------------------------------------------------------------------
-def greedy_reply(folder, messages, max_new_tokens):
-    from attnkit.pretrained import load
-
-    model, tok = load(folder)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-    out = model.generate(np.array([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=list(tok.eos_token_ids))
-    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
-
-
 def session(args, home):
     chat = Chat(args, env={"HOME": str(home)})
     assert chat.read_until(lambda shown: shown.endswith(b"> ")), chat.shown

@@ -87,17 +87,6 @@ def llama(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def chat_folder(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("jinja2")
-    from text_models import write_chat_model
-
-    folder = tmp_path_factory.mktemp("chat")
-    write_chat_model(folder)
-    return folder
-
-
 def generate_json(folder, *args):
     proc = run_attnkit(["generate", folder, *args, "--json"], folder)
     assert proc.returncode == 0, proc.stderr

@@ -14,14 +14,6 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.pretrained import load, load_causal_lm, load_tokenizer  # noqa: E402
-from text_models import write_chat_model  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def chat_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat")
-    write_chat_model(folder)
-    return folder
 
 
 def copy_with(folder, target, file, **changes):

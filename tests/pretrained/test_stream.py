@@ -8,14 +8,6 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.pretrained import load  # noqa: E402
-from text_models import write_chat_model  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def chat_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat")
-    write_chat_model(folder)
-    return folder
 
 
 def test_stream_yields_the_text_generate_decodes_piece_by_piece(chat_folder):
