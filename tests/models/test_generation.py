@@ -31,8 +31,9 @@ class BigramLM:
 
     def __init__(self, table: np.ndarray, eos=None, pad=None, position="rotary", max_positions=64):
         self.table = table.astype(np.float32)
-        self.config = SimpleNamespace(vocab_size=table.shape[0], eos_token_id=eos, pad_token_id=pad,
-                                      position=position, max_position_embeddings=max_positions)
+        self.config = SimpleNamespace(vocab_size=table.shape[0], eos_token_id=eos, pad_token_id=pad)
+        # what the decoding loop asks the model: how long a sequence it can run (a learned table's rows)
+        self.max_sequence_length = max_positions if position == "learned" else None
         self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
     def new_cache(self, batch_size, max_length=None):
@@ -216,6 +217,14 @@ def test_prefill_once_then_one_token_per_step():
     assert model.calls == [((2, 4), (2, 4))] + [((2, 1), (2, 4 + i)) for i in range(1, 5)]
 
 
+def test_the_loop_runs_the_whole_sequence_again_where_the_model_says_its_cache_goes_stale():
+    model = BigramLM(np.eye(V)[np.roll(np.arange(V), -1)])
+    model.reprefill_length = 5  # the model's answer; the loop knows nothing of why (Phi-3's longrope)
+    generate(model, [[1, 2, 3, 4], [1, 2, 3, 4]], max_new_tokens=4)
+    # prefill 4; step 1 makes 5 tokens (not past 5): one token; step 2 makes 6: all 6 again, once; then one each
+    assert model.calls == [((2, 4), (2, 4)), ((2, 1), (2, 5)), ((2, 6), (2, 6)), ((2, 1), (2, 7))]
+
+
 def test_stream_yields_each_step_and_matches_generate():
     model = BigramLM(np.random.default_rng(6).standard_normal((V, V)))
     prompt = np.array([[1, 2], [3, 4]])
@@ -283,3 +292,18 @@ def test_learned_positions_cannot_run_past_the_table():
 def test_warper_argument_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_a_causal_lm_answers_the_loop_from_its_own_parts():
+    from attnkit.models import CausalLM, DecoderConfig
+    base = dict(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                head_dim=4, intermediate_size=12, max_position_embeddings=64)
+    plain = CausalLM(DecoderConfig(**base), rng=0)
+    assert plain.reprefill_length is None and plain.max_sequence_length is None
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 16, "short_factor": [1.0, 1.0],
+               "long_factor": [2.0, 3.0]}
+    assert CausalLM(DecoderConfig(**base, rope_scaling=scaling), rng=0).reprefill_length == 16
+    gpt2 = dict(base, family="gpt2", norm="layernorm", mlp="plain", activation="gelu_tanh", position="learned",
+                num_kv_heads=2)
+    learned = CausalLM(DecoderConfig(**gpt2), rng=0)
+    assert learned.reprefill_length is None and learned.max_sequence_length == 64

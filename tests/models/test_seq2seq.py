@@ -174,3 +174,35 @@ def test_generate_restores_training_mode_and_float32():
     ids = model.generate(np.array([[3, 4, 5]]), bos_token_id=BOS, eos_token_id=EOS, max_new_tokens=4, num_beams=2)
     assert model.training and ids.dtype == np.int64
     assert model(np.array([[3, 4]]), np.array([[1, 3]])).dtype == np.float32
+
+
+def test_generate_takes_a_generation_config_and_arguments_replace_its_options():
+    from attnkit.decoding import GenerationConfig
+    model = _model()
+    src, pad = _source(make_rng(5), [6, 4, 2])
+    by_arguments = model.generate(src, pad, bos_token_id=BOS, eos_token_id=EOS, max_new_tokens=6, num_beams=3,
+                                  length_penalty=0.5)
+    config = GenerationConfig(eos_token_id=EOS, max_new_tokens=6, num_beams=3, length_penalty=0.5,
+                              early_stopping="never")
+    np.testing.assert_array_equal(model.generate(src, pad, bos_token_id=BOS, generation_config=config), by_arguments)
+    greedy = model.generate(src, pad, bos_token_id=BOS, generation_config=config, num_beams=1)
+    np.testing.assert_array_equal(greedy, model.generate(src, pad, bos_token_id=BOS, eos_token_id=EOS,
+                                                         max_new_tokens=6))
+    model.generation_config = config  # the model's defaults, as a loaded folder's would be
+    np.testing.assert_array_equal(model.generate(src, pad, bos_token_id=BOS), by_arguments)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(do_sample=True), ValueError, r"generation_config also sets do_sample=True"),
+    (dict(repetition_penalty=1.2), ValueError, r"also sets repetition_penalty=1.2"),
+    (dict(eos_token_id=[EOS, 3]), ValueError, r"eos_token_id must be an id in \[0, 7\), got \[2, 3\]"),
+    (dict(max_new_tokens=0), ValueError, r"max_new_tokens must be in \[1, max_length = 12\], got 0"),
+    (dict(pad_token_id=7), ValueError, r"pad_token_id must be an id in \[0, 7\), got 7"),
+])
+def test_generate_refuses_options_greedy_and_beam_search_do_not_implement(options, error, match):
+    from attnkit.decoding import GenerationConfig
+    config = GenerationConfig(**{"eos_token_id": EOS, "max_new_tokens": 4, **options})
+    with pytest.raises(error, match=match):
+        _model().generate(np.array([[3, 4]]), bos_token_id=BOS, generation_config=config)
+    with pytest.raises(TypeError, match="generation_config must be a GenerationConfig, got dict"):
+        _model().generate(np.array([[3, 4]]), bos_token_id=BOS, generation_config={"num_beams": 2})

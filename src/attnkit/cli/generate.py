@@ -221,8 +221,8 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     else:
         prompt = prompt_ids(args, tokenizer, config)
     max_new = args.max_new_tokens
-    if config.position == "learned":  # a learned position table cannot go past its last row
-        max_new = min(max_new, config.max_position_embeddings - len(prompt))
+    if model.max_sequence_length is not None:  # a learned position table cannot go past its last row
+        max_new = min(max_new, model.max_sequence_length - len(prompt))
     beams = options.get("num_beams", 1)
     _check_stops(options, model.generation_config.stop_strings, tokenizer, beams)
     if beams > 1:

@@ -17,6 +17,7 @@ Dimension letters: B batch, K ``num_beams``, V vocabulary, N ``max_new_tokens``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Protocol
@@ -25,8 +26,8 @@ import numpy as np
 
 from .._validation import check_positive_int, check_real
 
-__all__ = ["DecodingState", "greedy_search", "beam_search", "lm_beam_search", "transformers_beam_search",
-           "MAX_NUM_BEAMS", "check_num_beams", "useful_beams", "next_token_logits"]
+__all__ = ["DecodingState", "greedy_search", "beam_search", "search_state", "lm_beam_search",
+           "transformers_beam_search", "MAX_NUM_BEAMS", "check_num_beams", "useful_beams", "next_token_logits"]
 
 MAX_NUM_BEAMS = 1024  # every beam is a decoder row with its own cache: B * K rows are decoded each step
 
@@ -133,6 +134,65 @@ def beam_search(state: Any, batch_size: int, *, num_beams: int, bos_token_id: in
                                     length_penalty=length_penalty, early_stopping=early_stopping)
 
 
+# The options a decoding state's search reads; every other option of a GenerationConfig must keep its default.
+_STATE_OPTIONS = ("max_new_tokens", "num_beams", "length_penalty", "early_stopping", "eos_token_id", "pad_token_id")
+
+
+def _single_id(value: Any, name: str, vocab_size: int) -> int:
+    """``value`` (an id, or a sequence of exactly one) as an id in ``[0, vocab_size)``."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if not is_int or not 0 <= value < vocab_size:
+        raise ValueError(f"{name} must be an id in [0, {vocab_size}), got {value!r}")
+    return int(value)
+
+
+def search_state(state: Any, batch_size: int, generation_config: Any, *, bos_token_id: int,
+                 vocab_size: int) -> np.ndarray:
+    """Greedy search (``num_beams`` 1) or beam search of a :class:`DecodingState`, as ``generation_config`` says.
+
+    Parameters
+    ----------
+    state : DecodingState
+        B rows on entry (``batch_size * num_beams`` after a beam search).
+    batch_size : int
+        B.
+    generation_config : GenerationConfig
+        Reads ``max_new_tokens``, ``num_beams``, ``length_penalty``, ``early_stopping``, ``eos_token_id`` (one id)
+        and ``pad_token_id`` (None: 0). Sampling, logits processors, stop strings and several sequences per row
+        are not implemented for a decoding state: an option of theirs that is not the default is a ValueError.
+    bos_token_id : int
+        The first token of every row.
+    vocab_size : int
+        V, the range the ids must lie in.
+
+    Returns
+    -------
+    ids : int64 (B, 1 + n), bos first, pad after each row's eos; n <= ``max_new_tokens`` the longest row.
+    """
+    defaults = type(generation_config)()
+    unread = [f"{name}={getattr(generation_config, name)!r}" for name in (f.name for f in dataclasses.fields(defaults))
+              if name not in _STATE_OPTIONS and getattr(generation_config, name) != getattr(defaults, name)]
+    if unread:
+        raise ValueError(f"greedy and beam search of a decoding state read only {', '.join(_STATE_OPTIONS)}; "
+                         f"generation_config also sets {', '.join(unread)}")
+    if generation_config.eos_token_id is None:
+        raise ValueError("eos_token_id is required (as an argument or in generation_config)")
+    ids = dict(bos_token_id=_single_id(bos_token_id, "bos_token_id", vocab_size),
+               eos_token_id=_single_id(generation_config.eos_token_id, "eos_token_id", vocab_size),
+               pad_token_id=_single_id(generation_config.pad_token_id or 0, "pad_token_id", vocab_size))
+    max_new_tokens = check_positive_int(generation_config.max_new_tokens, "max_new_tokens")
+    if batch_size == 0:  # no rows: nothing to decode, only the bos column
+        return np.full((0, 1), ids["bos_token_id"], dtype=np.int64)
+    if generation_config.num_beams == 1:
+        return greedy_search(state, batch_size, max_new_tokens=max_new_tokens, **ids)
+    beams = useful_beams(generation_config.num_beams, vocab_size, max_new_tokens)  # the rest change nothing
+    return beam_search(state, batch_size, num_beams=beams, max_new_tokens=max_new_tokens,
+                       length_penalty=generation_config.length_penalty,
+                       early_stopping=generation_config.early_stopping, **ids)
+
+
 _FINISHED_PENALTY = np.float32(-1.0e9)  # added to a score to rule a candidate out, as transformers does
 
 
@@ -172,13 +232,13 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 class _LMBeams:
     """The decoder-only LM side of :func:`transformers_beam_search`: one KV cache of B*K rows, the prompts'
-    padding mask, and ``rotary_switch_length``'s one re-prefill."""
+    padding mask, and the one re-prefill at the model's ``reprefill_length``."""
 
     def __init__(self, model: Any, mask: np.ndarray, num_beams: int, total: int) -> None:
         self.model, self.total = model, total
         self.mask = np.repeat(mask, num_beams, axis=0)  # (B*K, L)
         self.cache = model.new_cache(self.mask.shape[0], max_length=total)
-        self.switch = getattr(model, "rotary_switch_length", None)
+        self.switch = getattr(model, "reprefill_length", None)  # the model says when its cached keys go stale
 
     def start(self, prompts: np.ndarray) -> np.ndarray:
         return next_token_logits(self.model, prompts, self.mask, self.cache)  # (B*K, V)
@@ -221,7 +281,7 @@ def lm_beam_search(model: Any, ids: np.ndarray, mask: np.ndarray, *, num_beams: 
     Parameters
     ----------
     model : CausalLM
-        ``forward(ids, mask, cache=)`` and ``new_cache(rows, max_length=)``; ``rotary_switch_length`` honoured.
+        ``forward(ids, mask, cache=)`` and ``new_cache(rows, max_length=)``; ``reprefill_length`` honoured.
     ids, mask : (B, L) int64 and bool
         Left-padded prompts.
     num_beams, max_new_tokens, eos, length_penalty, early_stopping, num_return_sequences, process

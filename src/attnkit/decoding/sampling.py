@@ -420,8 +420,8 @@ def _setup(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any
     if pad is not None:
         pad = _token_set(pad, "pad_token_id", vocab, single=True)[0]
     max_new = int(o["max_new_tokens"])
-    limit = _config_value(model, "max_position_embeddings")
-    if _config_value(model, "position") == "learned" and limit is not None and ids.shape[1] + max_new > limit:
+    limit = getattr(model, "max_sequence_length", None)  # the model says how long a sequence it can run
+    if limit is not None and ids.shape[1] + max_new > limit:
         raise ValueError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens ({max_new}) exceeds the "
                          f"model's {limit} learned positions")
     return o, ids, mask, np.array(eos, dtype=np.int64), pad, max_new, rng
@@ -504,7 +504,7 @@ def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, 
     # character may be split over several), and one more whose text is only the context before it.
     stop_window = max(len(t.encode("utf-8")) for t in stops) + 1 if stops else 0
     done = np.zeros(batch, dtype=bool)  # (B,)
-    switch = getattr(model, "rotary_switch_length", None)
+    switch = getattr(model, "reprefill_length", None)  # the model says when its cached keys go stale
     for step in range(max_new_tokens):
         logits = _process(logits.astype(np.float32, copy=False), sequences, step, eos, **processing)  # (B, V)
         if sampling is None:

@@ -87,6 +87,14 @@ class RotaryEmbedding(Module):
                                  f"{_rotary.TABLE_DTYPE} (the {fault}: attention factor {factor!r}, inverse "
                                  f"frequencies up to {largest!r})")
 
+    @property
+    def reprefill_length(self) -> int | None:
+        """``longrope``'s ``original_max_position_embeddings`` (past it the long factors rotate every position, so
+        keys cached at or below it are stale), else None."""
+        if self.scaling is None or self.scaling.get("rope_type") != "longrope":
+            return None
+        return int(self.scaling["original_max_position_embeddings"])
+
     def extra_repr(self) -> str:
         kind = "default" if self.scaling is None else self.scaling.get("rope_type", "default")
         return f"rotary_dim={self.rotary_dim}, theta={self.theta}, rope_type={kind!r}, interleaved={self.interleaved}"

@@ -156,16 +156,16 @@ class CausalLM(Module):
         return self.embed.weight.dtype
 
     @property
-    def rotary_switch_length(self) -> int | None:
-        """The sequence length past which every rotary frequency changes (Phi-3's ``longrope``), else None.
+    def reprefill_length(self) -> int | None:
+        """The sequence length past which the cached keys are stale, else None: the decoding loops run the whole
+        sequence again once, when it first grows past it (as ``transformers`` does). The rotary part answers
+        (Phi-3's ``longrope`` changes every frequency there: :attr:`RotaryEmbedding.reprefill_length`)."""
+        return None if self.rotary is None else self.rotary.reprefill_length
 
-        Keys cached at or below it hold the short-factor rotation, so generation runs the whole sequence again
-        once, when it first grows past this length (as ``transformers`` does).
-        """
-        scaling = self.config.rope_scaling
-        if self.config.position != "rotary" or scaling is None or scaling.get("rope_type") != "longrope":
-            return None
-        return int(scaling["original_max_position_embeddings"])
+    @property
+    def max_sequence_length(self) -> int | None:
+        """The longest sequence this model can run (the rows of its learned position table), else None."""
+        return None if self.rotary is not None else self.pos_embed.weight.shape[0]
 
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
         """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers)."""

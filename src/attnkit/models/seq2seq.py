@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_positive_int, check_real
 from ..core.module import Module
-from ..decoding.beam_search import beam_search, check_num_beams, greedy_search, useful_beams
+from ..decoding.beam_search import search_state
 from ..decoding.cache import EncoderDecoderCache, KVCache
+from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..layers import Embedding, Projection, SinusoidalPositionalEncoding, Transformer
 from .config import Seq2SeqConfig
@@ -124,6 +124,10 @@ class Seq2SeqTransformer(Module):
                                        dropout=c.dropout, activation=c.activation, norm_first=True,
                                        cross_attention=c.cross_attention, rng=gen)
         self.head = Projection(c.d_model, c.tgt_vocab_size, rng=gen)
+        # generate's defaults (explicit arguments win): an exact beam search, finished rows padded with 0, and
+        # no more new tokens than the decoder has positions
+        self.generation_config = GenerationConfig(early_stopping="never", pad_token_id=0,
+                                                  max_new_tokens=min(20, c.max_length))
 
     def extra_repr(self) -> str:
         return (f"src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}, "
@@ -174,31 +178,44 @@ class Seq2SeqTransformer(Module):
         return EncoderDecoderCache(KVCache(decoder.num_layers, batch_size, decoder.num_heads,
                                            decoder.d_model // decoder.num_heads, dtype, max_length=max_length))
 
-    def generate(self, src_ids: Any, src_key_padding_mask: Any = None, *, bos_token_id: int, eos_token_id: int,
-                 max_new_tokens: int, num_beams: int = 1, length_penalty: float = 1.0,
-                 pad_token_id: int = 0) -> np.ndarray:
+    def generate(self, src_ids: Any, src_key_padding_mask: Any = None, *, bos_token_id: int,
+                 generation_config: GenerationConfig | None = None, eos_token_id: int | None = None,
+                 max_new_tokens: int | None = None, num_beams: int | None = None,
+                 length_penalty: float | None = None, early_stopping: bool | str | None = None,
+                 pad_token_id: int | None = None) -> np.ndarray:
         """Decode a target for every source row: greedy (``num_beams=1``) or beam search.
 
         The encoder runs once; every decoder block's cross-attention keys/values of the memory are
         projected once and its self-attention keys/values are kept, both in a :meth:`new_cache`, so
         each step costs one position. Runs in eval mode (no dropout) and restores the previous mode.
 
+        Every option left as None takes ``generation_config``'s value (default: :attr:`generation_config`,
+        whose ``early_stopping="never"`` and ``pad_token_id=0`` are this model's own defaults); the search is
+        :func:`attnkit.decoding.beam_search.search_state`, which refuses options it does not implement
+        (sampling, logits processors, stop strings).
+
         Parameters
         ----------
         src_ids : int (B, Ls)
         src_key_padding_mask : bool (B, Ls), optional
             ``True`` = real token; padded source tokens are invisible to the encoder and the decoder.
-        bos_token_id, eos_token_id : int
-            The first target token, and the token that ends a hypothesis.
+        bos_token_id : int
+            The first target token.
+        generation_config : GenerationConfig, optional
+            The options the arguments below replace.
+        eos_token_id : int
+            The token that ends a hypothesis (required here or in ``generation_config``).
         max_new_tokens : int
-            N, most tokens generated after bos (eos included).
-        num_beams : int, default 1
+            N, most tokens generated after bos (eos included), at most ``max_length``.
+        num_beams : int
             K in ``[1, MAX_NUM_BEAMS]`` (1024); 1 is greedy decoding. Beams beyond the
             ``(V - 1) ** (N - 1)`` prefixes that can ever be open are not allocated (they cannot change the
             result: the search is already exact).
-        length_penalty : float, default 1.0
+        length_penalty : float
             Beam search ranks hypotheses by ``sum(log p) / n ** length_penalty`` (n generated tokens).
-        pad_token_id : int, default 0
+        early_stopping : bool or "never"
+            As ``transformers``; ``"never"`` (this model's default) keeps the search exact.
+        pad_token_id : int
             Fills each row after its eos.
 
         Returns
@@ -207,30 +224,24 @@ class Seq2SeqTransformer(Module):
         """
         src_ids = _check_ids(src_ids, "src_ids", self.src_vocab_size, self.max_length)
         src_pad = _check_padding(src_key_padding_mask, "src_key_padding_mask", src_ids.shape)
-        for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
-                            ("pad_token_id", pad_token_id)):
-            is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-            if not is_int or not 0 <= value < self.tgt_vocab_size:
-                raise ValueError(f"{name} must be an id in [0, {self.tgt_vocab_size}), got {value!r}")
-        max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
-        if max_new_tokens > self.max_length:
-            raise ValueError(f"max_new_tokens = {max_new_tokens} exceeds the model's max_length = {self.max_length}")
-        num_beams = check_num_beams(num_beams)
-        length_penalty = check_real(length_penalty, "length_penalty")
-        if src_ids.shape[0] == 0:  # no rows: nothing to decode, only the bos column
-            return np.full((0, 1), bos_token_id, dtype=np.int64)
+        base = self.generation_config if generation_config is None else generation_config
+        if not isinstance(base, GenerationConfig):
+            raise TypeError(f"generation_config must be a GenerationConfig, got {type(base).__name__}")
+        options = base.updated(eos_token_id=eos_token_id, max_new_tokens=max_new_tokens, num_beams=num_beams,
+                               length_penalty=length_penalty, early_stopping=early_stopping,
+                               pad_token_id=pad_token_id)
+        if not 1 <= options.max_new_tokens <= self.max_length:  # the decoder's cache holds max_length positions
+            raise ValueError(f"max_new_tokens must be in [1, max_length = {self.max_length}], got "
+                             f"{options.max_new_tokens}")
+        if src_ids.shape[0] == 0:  # no rows: the options are checked, and only the bos column comes back
+            return search_state(None, 0, options, bos_token_id=bos_token_id, vocab_size=self.tgt_vocab_size)
         was_training = self.training
         self.eval()
         try:
             memory = self.transformer.encoder(self.src_positional(self.src_embedding(src_ids)),
                                               key_padding_mask=src_pad)  # (B, Ls, D)
-            state = _DecodingState(self, memory, src_pad, max_new_tokens)
-            common = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
-                          pad_token_id=pad_token_id)
-            if num_beams == 1:
-                return greedy_search(state, src_ids.shape[0], **common)
-            beams = useful_beams(num_beams, self.tgt_vocab_size, max_new_tokens)  # the rest change nothing
-            return beam_search(state, src_ids.shape[0], num_beams=beams, length_penalty=length_penalty,
-                               **common)
+            state = _DecodingState(self, memory, src_pad, options.max_new_tokens)
+            return search_state(state, src_ids.shape[0], options, bos_token_id=bos_token_id,
+                                vocab_size=self.tgt_vocab_size)
         finally:
             self.train(was_training)
