@@ -90,3 +90,14 @@ def t5_bucket_reference(rel, bidirectional, num_buckets, max_distance):
         relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1))
     relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
     return relative_buckets.numpy()
+
+
+def modifier_values(mod, heads: int, seq_q: int, seq_k: int, q_rows=slice(None), k_cols=slice(None)):
+    """What score modifier ``mod`` adds to zero scores of ``heads`` heads, (H, Tq, Tk) for the tile
+    ``[q_rows, k_cols]`` of an (Lq, Lk) score matrix (indices as the kernels pass them)."""
+    from attnkit.kernels.flex import score_index
+
+    q_idx, k_idx = np.arange(seq_q)[q_rows], np.arange(seq_k)[k_cols]
+    b, h, _, _ = score_index(1, heads, 0, 1, 0, 1)
+    return mod.forward(np.zeros((1, heads, q_idx.size, k_idx.size)), b, h, q_idx.reshape(1, 1, -1, 1),
+                       k_idx.reshape(1, 1, 1, -1))[0]  # (H, Tq, Tk)

@@ -7,7 +7,7 @@ E = H * Dh model dim. Masks are boolean, ``True`` = may attend.
   without masks, Lq != Lk, with dropout (fixed seed), and through MultiHeadAttention;
 - MultiHeadAttention with each head equals the heads computed one by one by hand (explicit numpy formulas);
 - a custom head written in a few lines plugs into MultiHeadAttention;
-- ScoreBias tiles assembled tile by tile equal the full tile, and so do their gradients.
+- Positional score modifiers asked tile by tile equal the full matrix, and so do their gradients.
 """
 from __future__ import annotations
 
@@ -172,9 +172,9 @@ def _head_bias_by_hand(head, h: int, seq_q: int, seq_k: int) -> np.ndarray:
     j = np.arange(seq_k)[None, :]  # (1, Lk)
     if isinstance(head, LearnedBiasAttention) and head.mode == "t5":
         buckets = t5_bucket_reference(j - i, head.bidirectional, head.num_buckets, head.max_distance)
-        return head.rel_bias[h][buckets]
+        return head.rel_bias[buckets, h]
     if isinstance(head, LearnedBiasAttention):
-        dist = np.abs(i - j) if head.bidirectional else np.maximum(i - j, 0)
+        dist = np.abs(i - j) if head.bidirectional else i - j  # one-sided: the paper's, meant with causal masks
         return -head.slopes[h] * dist
     if isinstance(head, PhysicsGuidedAttention):
         s = head.strength[h if head.strength.size > 1 else 0]
@@ -265,25 +265,27 @@ def test_custom_head_gradients_through_mha():
 
 
 # --------------------------------------------------------------------------------------------------------
-# ScoreBias tiles: a tiled kernel asks tile by tile and must get the same values and gradients
+# Positional score modifiers: a tiled kernel asks tile by tile and must get the same values and gradients
 # --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["t5", "t5_causal", "alibi", "alibi_causal", "physics_points",
                                   "physics_gauss_heads", "physics_callable"])
-def test_score_bias_tiles_equal_full_tile(name):
+def test_score_mod_tiles_equal_full_tile(name):
+    from attnkit.kernels.flex import score_index
     head = HEADS[name][0](0)
     seq_q, seq_k = 5, 7 if name != "physics_points" else LK + 2
-    bias = head.score_bias()
-    full = bias.tile(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k)  # (S, Lq, Lk)
     G = randn(make_rng(6), B, H, seq_q, seq_k)
-    bias.accumulate_grad(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k, G)
+    zeros = np.zeros((B, H, seq_q, seq_k))
+    mod = head.score_mod_for(seq_q, seq_k)
+    full = mod.forward(zeros, *score_index(B, H, 0, seq_q, 0, seq_k))  # (B, H, Lq, Lk)
+    mod.backward(G, zeros, *score_index(B, H, 0, seq_q, 0, seq_k))
     full_grads = {n: g.copy() for n, g in head.grads.items()}
     head.zero_grad()
-    bias = head.score_bias()
-    for qs in (slice(0, 2), slice(2, 5)):
-        for ks in (slice(0, 3), slice(3, 6), slice(6, 7)):
-            qi, ki = np.arange(seq_q)[qs], np.arange(seq_k)[ks]
-            np.testing.assert_array_equal(bias.tile(qi, ki, seq_q, seq_k), full[:, qs, ks])
-            bias.accumulate_grad(qi, ki, seq_q, seq_k, G[..., qs, ks])
+    mod = head.score_mod_for(seq_q, seq_k)
+    for q0, q1 in ((0, 2), (2, 5)):
+        for k0, k1 in ((0, 3), (3, 6), (6, 7)):
+            index = score_index(B, H, q0, q1, k0, k1)
+            np.testing.assert_array_equal(mod.forward(zeros[..., q0:q1, k0:k1], *index), full[..., q0:q1, k0:k1])
+            mod.backward(G[..., q0:q1, k0:k1], zeros[..., q0:q1, k0:k1], *index)
     for n, g in head.grads.items():
         np.testing.assert_allclose(g, full_grads[n], rtol=1e-12, atol=1e-12)
 

@@ -13,9 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnkit.attention import LearnedBiasAttention, PhysicsGuidedAttention, ScaledDotProductAttention
-from attnkit.attention.learned_bias import T5RelativeBias, alibi_slopes, t5_relative_position_bucket
+from attnkit.attention.learned_bias import alibi_slopes, t5_relative_position_bucket
+from attnkit.flex import RelativePositionBias
 
-from head_cases import HEADS, t5_bucket_reference
+from head_cases import HEADS, modifier_values, t5_bucket_reference
 from helpers import make_rng, randn
 
 REL = np.arange(-400, 401)  # relative positions key - query
@@ -40,13 +41,13 @@ def test_t5_buckets_match_reference_random_configs(bidirectional, num_buckets, e
 
 
 def test_t5_tile_is_bottom_right_aligned():
-    """bias[h, i, j] = table[h, bucket(j - (i + Lk - Lq))], for Lq < Lk and Lq > Lk."""
-    table = make_rng(1).normal(size=(3, 8))  # (H, NB)
-    bias = T5RelativeBias(table, num_buckets=8, max_distance=10)
+    """bias[h, i, j] = table[bucket(j - (i + Lk - Lq)), h], for Lq < Lk and Lq > Lk."""
+    table = make_rng(1).normal(size=(8, 3))  # (NB, H)
     for seq_q, seq_k in ((2, 7), (6, 3)):
+        bias = RelativePositionBias(table, max_distance=10, offset=seq_k - seq_q)
         i, j = np.meshgrid(np.arange(seq_q), np.arange(seq_k), indexing="ij")  # (Lq, Lk)
-        expected = table[:, t5_bucket_reference(j - (i + seq_k - seq_q), True, 8, 10)]  # (H, Lq, Lk)
-        np.testing.assert_array_equal(bias.tile(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k), expected)
+        expected = table[t5_bucket_reference(j - (i + seq_k - seq_q), True, 8, 10)]  # (Lq, Lk, H)
+        np.testing.assert_array_equal(modifier_values(bias, 3, seq_q, seq_k), expected.transpose(2, 0, 1))
 
 
 def _paper_alibi_slopes(n):
@@ -75,12 +76,13 @@ def test_alibi_init_slopes(num_heads):
 
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_alibi_tile(bidirectional):
-    """bias[h, i, j] = -slope_h * |pos(i) - j| (or max(pos(i) - j, 0)), pos(i) = i + Lk - Lq."""
+    """bias[h, i, j] = -slope_h * |pos(i) - j| (or the paper's one-sided -slope_h * (pos(i) - j), for use with
+    the causal mask), pos(i) = i + Lk - Lq."""
     head = LearnedBiasAttention(4, mode="alibi", bidirectional=bidirectional)
     i = np.arange(3)[:, None] + 2  # (Lq, 1)
     j = np.arange(5)[None, :]  # (1, Lk)
-    dist = np.abs(i - j) if bidirectional else np.maximum(i - j, 0)
-    np.testing.assert_array_equal(head.score_bias().tile(np.arange(3), np.arange(5), 3, 5),
+    dist = np.abs(i - j) if bidirectional else i - j
+    np.testing.assert_array_equal(modifier_values(head.score_mod_for(3, 5), 4, 3, 5),
                                   -head.slopes[:, None, None] * dist)
 
 
@@ -112,16 +114,16 @@ def test_physics_priors_by_formula():
     """Built-in priors over positions, a 1-D coordinate grid and 2-D points, against their formulas."""
     x = np.array([0.0, 0.5, 2.0, 3.5, 7.0])  # (N,)
     head = PhysicsGuidedAttention("distance_decay", strength_init=1.5, length_scale=2.0, coordinates=x)
-    tile = head.score_bias().tile(np.arange(2), np.arange(4), 2, 4)[0]  # queries at positions 2, 3
+    tile = modifier_values(head.score_mod_for(2, 4), 1, 2, 4)[0]  # queries at positions 2, 3
     np.testing.assert_allclose(tile, -1.5 * np.abs(x[[2, 3]][:, None] - x[None, :4]) / 2.0)
     pts = make_rng(4).normal(size=(4, 3))  # (N, d)
     head = PhysicsGuidedAttention("gaussian", strength_init=[1.0, -2.0], length_scale=0.7, coordinates=pts,
                                   num_heads=2)
     d2 = ((pts[:, None] - pts[None]) ** 2).sum(-1)  # (N, N)
-    np.testing.assert_allclose(head.score_bias().tile(np.arange(4), np.arange(4), 4, 4),
+    np.testing.assert_allclose(modifier_values(head.score_mod_for(4, 4), 2, 4, 4),
                                np.array([1.0, -2.0])[:, None, None] * -d2 / (2 * 0.49), rtol=1e-14)
     head = PhysicsGuidedAttention("gaussian", length_scale=3.0)
-    np.testing.assert_allclose(head.score_bias().tile(np.arange(3), np.arange(3), 3, 3)[0],
+    np.testing.assert_allclose(modifier_values(head.score_mod_for(3, 3), 1, 3, 3)[0],
                                -(np.arange(3)[:, None] - np.arange(3)[None]) ** 2 / 18.0)
 
 
@@ -148,19 +150,19 @@ def test_heads_preserve_dtype_and_inputs(name, dtype):
 
 @pytest.mark.parametrize("name", ["t5", "alibi_causal", "physics_points", "physics_gauss_heads", "physics_callable"])
 def test_biases_in_the_tiled_kernel_equal_the_reference(name):
-    """Twin test: the same ScoreBias asked tile by tile (tiled kernel, 2 threads) gives the reference kernel's
-    output, input gradients and parameter gradients."""
+    """Twin test: the same score modifier asked tile by tile (tiled kernel, 2 threads) gives the reference
+    kernel's output, input gradients and parameter gradients."""
     tiled = pytest.importorskip("attnkit.kernels.tiled")
     from attnkit.kernels import reference as ref
     head = HEADS[name][0](0)
     rng = make_rng(6)
     q, k, v, G = randn(rng, 2, 2, 5, 3), randn(rng, 2, 2, 7, 3), randn(rng, 2, 2, 7, 2), randn(rng, 2, 2, 5, 2)
-    out, _, ctx = ref.attention_forward(q, k, v, causal=True, bias=head.score_bias())
+    out, _, ctx = ref.attention_forward(q, k, v, causal=True, score_mod=head.score_mod_for(5, 7))
     grads = ref.attention_backward(G, ctx)[:3]
     param_grads = {n: g.copy() for n, g in head.grads.items()}
     head.zero_grad()
-    out_t, _, ctx_t = tiled.flash_attention_forward(q, k, v, causal=True, bias=head.score_bias(), block_q=2,
-                                                    block_k=3, num_threads=2)
+    out_t, _, ctx_t = tiled.flash_attention_forward(q, k, v, causal=True, score_mod=head.score_mod_for(5, 7),
+                                                    block_q=2, block_k=3, num_threads=2)
     grads_t = tiled.flash_attention_backward(G, ctx_t)[:3]
     np.testing.assert_allclose(out_t, out, rtol=0, atol=1e-13)
     for a, b in zip(grads_t, grads, strict=False):

@@ -267,7 +267,7 @@ def _variant(name, lq, lk):
     return {
         "none": (None, None, None),  # the reference attention kernel
         "causal": (None, F.create_block_mask(F.causal_lower_right(lq, lk), None, None, lq, lk, 4), None),
-        "positional bias": (LearnedBiasAttention(num_heads=2, mode="alibi").score_bias(), None, None),
+        "positional bias": (LearnedBiasAttention(num_heads=2, mode="alibi").score_mod_for(lq, lk), None, None),
         "mask function": (None, hidden, None),  # the flex reference kernel
         "softcap": (F.softcap(3.0), hidden, None),
         "sinks": (None, None, np.array([0.5, -1.0])),

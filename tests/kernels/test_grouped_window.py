@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import torch
 from attnkit import kernels
+from attnkit.flex import ScoreMod
 from attnkit.kernels import reference, tiled
 
 from helpers import assert_gradient, numerical_gradient
@@ -218,15 +219,19 @@ def test_grouped_tiled_keeps_keys_in_their_own_shape():
     assert dk.shape == k.shape and dv.shape == v.shape
 
 
-class _CountingBias(kernels.ScoreBias):
-    """A zero bias that counts the tiles the kernel asks for."""
+class _CountingMod(ScoreMod):
+    """A score modifier that changes nothing and counts the tiles the kernel computes scores of."""
 
     def __init__(self):
+        super().__init__()
         self.tiles = 0
 
-    def tile(self, q_idx, k_idx, seq_q, seq_k):
+    def forward(self, score, b, h, q_idx, kv_idx):
         self.tiles += 1
-        return np.zeros((len(q_idx), len(k_idx)))
+        return score
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        return grad
 
 
 @pytest.mark.parametrize("seq_q,seq_k", [(256, 256), (100, 256)])
@@ -236,8 +241,8 @@ def test_tiled_kernel_visits_only_tiles_touching_the_window(seq_q, seq_k):
     q, k, v, grad = _inputs(rng, (1,), (1,), seq_q, seq_k)
     counts = {}
     for window in (None, 16):
-        bias = _CountingBias()
-        out, _, ctx = tiled.flash_attention_forward(q, k, v, bias=bias, causal=True, window=window,
+        bias = _CountingMod()
+        out, _, ctx = tiled.flash_attention_forward(q, k, v, score_mod=bias, causal=True, window=window,
                                                     block_q=16, block_k=16, num_threads=1)
         tiled.flash_attention_backward(grad, ctx)
         counts[window] = bias.tiles

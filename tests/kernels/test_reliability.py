@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from attnkit import kernels
+from attnkit.flex import ScoreMod
 from attnkit.kernels import _threads, reference, tiled
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -75,7 +76,7 @@ def test_keyboard_interrupt_stops_a_long_call_within_a_few_tiles():
     """SIGINT during a threaded call: KeyboardInterrupt long before the call would have finished, soon after the
     signal, and the pool gives the same bits afterwards as before.
 
-    A ScoreBias counts the tiles it is asked for and sends SIGINT once both workers are running (both query
+    A score modifier counts the tiles it is asked for and sends SIGINT once both workers are running (both query
     blocks started) and 20 tiles are done. The call has two query blocks (one task per worker) over a long key
     sequence, so only the stop check between key tiles can end it early;
     its tile plan has ceil(Lq / block) * ceil(Lk / block) key tiles (one batch row and one head: one bias tile
@@ -87,7 +88,7 @@ def test_keyboard_interrupt_stops_a_long_call_within_a_few_tiles():
     script = """
         import os, signal, threading, time
         import numpy as np
-        from attnkit.kernels.bias import ScoreBias
+        from attnkit.flex import ScoreMod
         from attnkit.kernels.tiled import flash_attention_forward
 
         # A process started in the background by a non-interactive shell (nohup, `cmd &` in CI scripts)
@@ -97,25 +98,26 @@ def test_keyboard_interrupt_stops_a_long_call_within_a_few_tiles():
         LQ, LK, BLOCK = 128, 131072, 64
         TOTAL = -(-LQ // BLOCK) * -(-LK // BLOCK)  # key tiles in the tile plan of one (batch, head)
 
-        class Counting(ScoreBias):
+        class Counting(ScoreMod):
             def __init__(self):
+                super().__init__()
                 self.calls, self.lock = 0, threading.Lock()
                 self.sent_at, self.blocks = None, set()
-            def tile(self, q_idx, k_idx, seq_q, seq_k):
+            def forward(self, score, b, h, q_idx, kv_idx):
                 with self.lock:
                     self.calls += 1
-                    self.blocks.add(int(q_idx[0]))
+                    self.blocks.add(int(np.ravel(q_idx)[0]))
                     if self.sent_at is None and self.calls >= 20 and len(self.blocks) == 2:
                         self.sent_at = time.monotonic()
                         os.kill(os.getpid(), signal.SIGINT)
-                return np.zeros((len(q_idx), len(k_idx)), np.float32)
+                return score
 
         k = np.random.default_rng(0).standard_normal((1, 1, LK, 16)).astype(np.float32)
         q, small = k[..., :LQ, :], k[..., :128, :]
         before = flash_attention_forward(small, small, small, num_threads=2, block_q=32, block_k=32)[0]
         bias = Counting()
         try:
-            flash_attention_forward(q, k, k, bias=bias, num_threads=2, block_q=BLOCK, block_k=BLOCK)
+            flash_attention_forward(q, k, k, score_mod=bias, num_threads=2, block_q=BLOCK, block_k=BLOCK)
             print("finished", bias.calls, TOTAL, 0.0)
         except KeyboardInterrupt:
             print("interrupted", bias.calls, TOTAL, f"{time.monotonic() - bias.sent_at:.3f}")
@@ -147,21 +149,22 @@ def test_an_error_in_a_worker_stops_the_others_and_is_raised():
     lock = threading.Lock()
     calls, blocks, failed = [], set(), []
 
-    class Failing(kernels.ScoreBias):
-        def tile(self, q_idx, k_idx, seq_q, seq_k):
+    class Failing(ScoreMod):
+        def forward(self, score, b, h, q_idx, kv_idx):
             with lock:
                 calls.append(None)
-                blocks.add(int(q_idx[0]))
+                blocks.add(int(np.ravel(q_idx)[0]))
                 fail = not failed and len(calls) >= 5 and len(blocks) == 2
                 if fail:
                     failed.append(len(calls))
             if fail:
                 raise RuntimeError("bias tile failed")
-            return np.zeros((len(q_idx), len(k_idx)))
+            return score
 
     k = np.random.default_rng(0).standard_normal((1, 1, 32768, 8))
     with pytest.raises(RuntimeError, match="bias tile failed"):
-        tiled.flash_attention_forward(k[..., :64, :], k, k, bias=Failing(), num_threads=2, block_q=32, block_k=32)
+        tiled.flash_attention_forward(k[..., :64, :], k, k, score_mod=Failing(), num_threads=2, block_q=32,
+                                      block_k=32)
     total = 2 * 1024
     assert failed and len(calls) < failed[0] + total // 4, (failed, len(calls))  # unchecked: about half more
 

@@ -172,7 +172,7 @@ def test_array_bias(bias_shape, causal, dtype):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seq_q,seq_k", [(65, 63), (40, 130)])
-def test_score_bias_with_learnable_table(seq_q, seq_k, causal, dtype):
+def test_score_mod_with_learnable_table(seq_q, seq_k, causal, dtype):
     rng = np.random.default_rng(12)
     q, k, v, grad = _inputs(rng, (2, 3), seq_q, seq_k)
     table = RelativeTable(rng.standard_normal((3, 2 * 20 + 1)))

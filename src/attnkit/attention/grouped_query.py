@@ -224,8 +224,8 @@ class GroupedQueryAttention(Module):
         :func:`attnkit.flex.flex_attention`: ``(out (B, Hq, L, Dh), weights (B, Hq, L, S) or None, ctx)``.
 
         The cache returns consecutive slots ending at the new tokens, so the mask's bottom-right causal
-        alignment holds for cached steps too. A plain causal layer runs on the tiled FlashAttention kernel; one
-        decoding step (L = 1) is a single row of scores, cheapest on the reference kernel.
+        alignment holds for cached steps too. The kernel is flex's ``"auto"`` (the reference kernel when the weights
+        are needed or for one decoding step, the tiled FlashAttention kernel otherwise).
         """
         b, _, length, _ = q.shape
         seq_k = k.shape[2]
@@ -239,9 +239,9 @@ class GroupedQueryAttention(Module):
             block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
         table = self._hook_table
         pattern_hooked = table is not None and "hook_pattern" in table.forward
-        kernel = "reference" if need_weights or pattern_hooked or length == 1 else "tiled"
         out, ctx = flex_attention(q, k, v, self.score_mod, block_mask, scale=self.scale, enable_gqa=True,
-                                  sinks=self._parameters.get("sinks"), kernel=kernel)  # (B, Hq, L, Dh)
+                                  sinks=self._parameters.get("sinks"),
+                                  need_weights=need_weights or pattern_hooked)  # (B, Hq, L, Dh)
         if pattern_hooked:
             pattern = ctx.weights.reshape(b, self.num_heads, length, seq_k)  # (B, Hq, L, S)
             hooked = self.hook_point("hook_pattern", pattern)

@@ -343,8 +343,9 @@ class MultiHeadLatentAttention(Module):
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None):
         """Causal (windowed, padded) attention through :func:`attnkit.flex.flex_attention`: ``(out, ctx)``.
 
-        One query after every key it may see (a decoding step) needs no mask and runs on the reference kernel,
-        a single row of scores; longer runs go to the tiled FlashAttention kernel.
+        One query after every key it may see (a decoding step) needs no mask; the kernel is flex's ``"auto"``
+        (:func:`attnkit.kernels.registry.resolve_kernel`: the reference kernel for that one row of scores, the
+        tiled FlashAttention kernel for longer runs).
         """
         b, _, length, _ = q.shape
         seq_k, window = k.shape[2], self.config.sliding_window
@@ -355,8 +356,8 @@ class MultiHeadLatentAttention(Module):
             if key_mask is not None:
                 mask = and_masks(mask, padding_mask(key_mask))
             block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
-        return flex_attention(q, k, v, None, block_mask, scale=self.config.scale, enable_gqa=True,
-                              kernel="reference" if length == 1 else "tiled")  # (B, H, L, Dv or C)
+        return flex_attention(q, k, v, None, block_mask, scale=self.config.scale,
+                              enable_gqa=True)  # (B, H, L, Dv or C)
 
     # ------------------------------------------------------------------------------------------------
     def backward(self, grad_output: Any) -> np.ndarray:

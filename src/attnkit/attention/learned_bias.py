@@ -1,11 +1,12 @@
 """``LearnedBiasAttention``: scaled dot-product attention plus a learnable relative-position bias.
 
-Two biases, both :class:`attnkit.kernels.bias.ScoreBias` objects (so a tiled kernel can ask for them tile by
-tile): T5's log-bucketed relative-position table and ALiBi's per-head linear distance penalty with
-learnable slopes.
+Two biases, both the score modifiers of :mod:`attnkit.flex` (one ALiBi, one T5 bias in the library): T5's
+log-bucketed relative-position table (:class:`~attnkit.flex.RelativePositionBias`, a (buckets, heads) table as in
+``transformers``) and ALiBi's per-head linear distance penalty with learnable slopes
+(:class:`~attnkit.flex.ALiBi`). The head's parameter is the modifier's parameter and its gradient buffer the
+modifier's gradient, so the head runs through :func:`attnkit.flex.flex_attention` like every other.
 
-Dimension letters: B batch, H heads, Lq/Lk query/key length, Tq/Tk the query/key positions of one tile
-(the whole sequences for the reference kernel), NB ``num_buckets``, Dh head features.
+Dimension letters: B batch, H heads, Lq/Lk query/key length, NB ``num_buckets``, Dh head features.
 
 Relative positions use bottom-right alignment, like the causal mask: query i sits at key position
 ``i + Lk - Lq`` (with ``Lq == Lk`` that is just i; with a key/value cache the last query is the last key).
@@ -17,118 +18,10 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_positive_int
-from ..flex.modifiers import alibi_slopes, t5_relative_position_bucket
-from ..kernels.bias import ScoreBias
+from ..flex.modifiers import ALiBi, RelativePositionBias, ScoreMod, alibi_slopes, t5_relative_position_bucket
 from .scaled_dot_product import ScaledDotProductAttention
 
-__all__ = ["LearnedBiasAttention", "T5RelativeBias", "ALiBiBias", "t5_relative_position_bucket", "alibi_slopes"]
-
-
-def _query_positions(q_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
-    """Key-axis positions of queries ``q_idx``: bottom-right aligned, ``i + Lk - Lq``."""
-    return np.asarray(q_idx, dtype=np.int64) + (seq_k - seq_q)  # (Tq,)
-
-
-def _per_head(grad_tile: np.ndarray, num_heads: int, owner: str) -> np.ndarray:
-    """Sum a (..., H, Tq, Tk) score-tile gradient over its leading dims: (H, Tq, Tk)."""
-    if grad_tile.ndim < 3 or grad_tile.shape[-3] != num_heads:
-        raise ValueError(f"{owner}: the score gradient of shape {grad_tile.shape} has no head axis of size "
-                         f"{num_heads} at position -3")
-    return grad_tile.reshape(-1, *grad_tile.shape[-3:]).sum(axis=0)  # (H, Tq, Tk)
-
-
-class T5RelativeBias(ScoreBias):
-    """T5 relative-position bias: ``bias[h, i, j] = table[h, bucket(j - pos(i))]``.
-
-    Parameters
-    ----------
-    table : ndarray, shape (H, NB)
-        Bias values per head and bucket (used as given, in its dtype).
-    grad : ndarray, shape (H, NB), optional
-        Gradient array that :meth:`accumulate_grad` adds into (in place); ``None`` for a frozen table.
-    bidirectional, num_buckets, max_distance
-        As in :func:`t5_relative_position_bucket`.
-
-    Shapes
-    ------
-    tile : (H, Tq, Tk); grad_tile : (..., H, Tq, Tk). Query i sits at key position ``i + Lk - Lq``.
-
-    Examples
-    --------
-    >>> bias = T5RelativeBias(np.arange(16.0).reshape(2, 8), num_buckets=8, max_distance=16)
-    >>> bias.tile(np.arange(3), np.arange(3), 3, 3)[1]  # head 1 = 8 + bucket
-    array([[ 8., 13., 14.],
-           [ 9.,  8., 13.],
-           [10.,  9.,  8.]])
-    """
-
-    def __init__(self, table: np.ndarray, grad: np.ndarray | None = None, *, bidirectional: bool = True,
-                 num_buckets: int = 32, max_distance: int = 128) -> None:
-        self.table, self.grad = table, grad
-        self.bidirectional, self.num_buckets, self.max_distance = bidirectional, num_buckets, max_distance
-
-    def buckets(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
-        """Bucket of each (query, key) pair of the tile: (Tq, Tk) int64."""
-        rel = np.asarray(k_idx, dtype=np.int64)[None, :] - _query_positions(q_idx, seq_q, seq_k)[:, None]  # (Tq, Tk)
-        return t5_relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
-
-    def tile(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
-        return self.table[:, self.buckets(q_idx, k_idx, seq_q, seq_k)]  # (H, Tq, Tk)
-
-    def accumulate_grad(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int,
-                        grad_tile: np.ndarray) -> None:
-        if self.grad is None:
-            return
-        num_heads, nb = self.table.shape
-        g = _per_head(grad_tile, num_heads, "T5RelativeBias")  # (H, Tq, Tk)
-        flat = np.arange(num_heads)[:, None, None] * nb + self.buckets(q_idx, k_idx, seq_q, seq_k)  # (H, Tq, Tk)
-        summed = np.bincount(flat.ravel(), weights=g.ravel(), minlength=num_heads * nb)  # (H * NB,)
-        self.grad += summed.reshape(num_heads, nb)  # (H, NB)
-
-
-class ALiBiBias(ScoreBias):
-    """ALiBi bias with learnable slopes: ``bias[h, i, j] = -slopes[h] * dist(i, j)``.
-
-    ``dist = |pos(i) - j|`` when ``bidirectional``, else ``max(pos(i) - j, 0)`` (keys after the query cost
-    nothing: meant for use with the causal mask, as in the ALiBi paper). ``pos(i) = i + Lk - Lq``.
-
-    Parameters
-    ----------
-    slopes : ndarray, shape (H,)
-    grad : ndarray, shape (H,), optional
-        Gradient array that :meth:`accumulate_grad` adds into (in place); ``None`` for frozen slopes.
-    bidirectional : bool
-
-    Shapes
-    ------
-    tile : (H, Tq, Tk); grad_tile : (..., H, Tq, Tk).
-
-    Examples
-    --------
-    >>> ALiBiBias(np.array([0.5])).tile(np.arange(3), np.arange(4), 3, 4)[0]
-    array([[-0.5, -0. , -0.5, -1. ],
-           [-1. , -0.5, -0. , -0.5],
-           [-1.5, -1. , -0.5, -0. ]])
-    """
-
-    def __init__(self, slopes: np.ndarray, grad: np.ndarray | None = None, *, bidirectional: bool = True) -> None:
-        self.slopes, self.grad, self.bidirectional = slopes, grad, bidirectional
-
-    def distance(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
-        """Distance of each (query, key) pair of the tile, (Tq, Tk), in the slopes' dtype."""
-        rel = _query_positions(q_idx, seq_q, seq_k)[:, None] - np.asarray(k_idx, dtype=np.int64)[None, :]  # (Tq, Tk)
-        dist = np.abs(rel) if self.bidirectional else np.maximum(rel, 0)
-        return dist.astype(self.slopes.dtype)
-
-    def tile(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
-        return -self.slopes[:, None, None] * self.distance(q_idx, k_idx, seq_q, seq_k)  # (H, Tq, Tk)
-
-    def accumulate_grad(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int,
-                        grad_tile: np.ndarray) -> None:
-        if self.grad is None:
-            return
-        g = _per_head(grad_tile, self.slopes.shape[0], "ALiBiBias")  # (H, Tq, Tk)
-        self.grad -= np.einsum("hqk,qk->h", g, self.distance(q_idx, k_idx, seq_q, seq_k))  # (H,)
+__all__ = ["LearnedBiasAttention", "t5_relative_position_bucket", "alibi_slopes"]
 
 
 class LearnedBiasAttention(ScaledDotProductAttention):
@@ -138,9 +31,11 @@ class LearnedBiasAttention(ScaledDotProductAttention):
 
     - ``"t5"``: T5's bucketed relative positions (exact for distances below a quarter of ``num_buckets``
       (bidirectional) or half of it, log-spaced up to ``max_distance``, one bucket beyond); a learnable
-      table ``rel_bias`` of shape (H, NB), zero-initialised (the head starts as plain attention).
+      table ``rel_bias`` of shape (NB, H) (``transformers``' layout of T5's ``relative_attention_bias``),
+      zero-initialised (the head starts as plain attention).
     - ``"alibi"``: ``-slopes[h] * |pos(i) - j|`` with learnable ``slopes`` (H,), initialised to ALiBi's
-      geometric sequence (:func:`alibi_slopes`). ``bidirectional=False`` uses ``max(pos(i) - j, 0)``.
+      geometric sequence (:func:`alibi_slopes`). ``bidirectional=False`` is the paper's one-sided
+      ``slopes[h] * (j - pos(i))``, meant for use with the causal mask (``is_causal=True``).
       ``num_buckets`` and ``max_distance`` are not used.
 
     Query i sits at key position ``pos(i) = i + Lk - Lq`` (bottom-right aligned, like the causal mask).
@@ -165,7 +60,7 @@ class LearnedBiasAttention(ScaledDotProductAttention):
 
     Attributes
     ----------
-    rel_bias : (H, NB) in mode "t5", or slopes : (H,) in mode "alibi"; gradients in ``grads`` by the same name.
+    rel_bias : (NB, H) in mode "t5", or slopes : (H,) in mode "alibi"; gradients in ``grads`` by the same name.
 
     Shapes
     ------
@@ -208,7 +103,7 @@ class LearnedBiasAttention(ScaledDotProductAttention):
             if self.max_distance <= max_exact:
                 raise ValueError(f"max_distance = {max_distance} must exceed the exact range max_exact = "
                                  f"{max_exact} (num_buckets = {num_buckets}, bidirectional={self.bidirectional})")
-            self.register_parameter("rel_bias", np.zeros((self.num_heads, self.num_buckets)))
+            self.register_parameter("rel_bias", np.zeros((self.num_buckets, self.num_heads)))
         else:
             self.register_parameter("slopes", alibi_slopes(self.num_heads))
 
@@ -217,15 +112,15 @@ class LearnedBiasAttention(ScaledDotProductAttention):
         return (f"num_heads={self.num_heads}, mode={self.mode!r}, bidirectional={self.bidirectional}{extra}, "
                 f"dropout={self.dropout}, scale={self.scale}")
 
-    def score_bias(self, dtype: Any = None) -> ScoreBias:
-        """The :class:`ScoreBias` of the current parameters (cast to ``dtype``), accumulating into ``grads``."""
-        name = "rel_bias" if self.mode == "t5" else "slopes"
-        param = self._parameters[name]
-        param = param if dtype is None else param.astype(dtype, copy=False)
+    def score_mod_for(self, seq_q: int, seq_k: int) -> ScoreMod:
+        """The bias for Lq queries after Lk keys (bottom-right aligned) as a score modifier on the current
+        parameter (``rel_bias`` or ``slopes``), adding its gradient into ``grads`` under the same name."""
+        offset = seq_k - seq_q
         if self.mode == "t5":
-            return T5RelativeBias(param, self.grads[name], bidirectional=self.bidirectional,
-                                  num_buckets=self.num_buckets, max_distance=self.max_distance)
-        return ALiBiBias(param, self.grads[name], bidirectional=self.bidirectional)
+            return RelativePositionBias(self._parameters["rel_bias"], self.max_distance, self.bidirectional,
+                                        offset=offset, grad=self.grads["rel_bias"])
+        return ALiBi(self._parameters["slopes"], bidirectional=self.bidirectional, offset=offset,
+                     grad=self.grads["slopes"])
 
     def forward(self, q: Any, k: Any, v: Any, mask: Any = None, *, is_causal: bool = False,
                 need_weights: bool = True):
@@ -236,7 +131,7 @@ class LearnedBiasAttention(ScaledDotProductAttention):
                              f"{lead[-1] if lead else 'no'} heads at axis -3 (q: {q.shape}, k: {k.shape}); "
                              f"expected (..., {self.num_heads}, L, D), e.g. from MultiHeadAttention with "
                              f"num_heads={self.num_heads}")
-        return self._attend(q, k, v, mask, is_causal, self.score_bias(q.dtype), need_weights)
+        return self._attend(q, k, v, mask, is_causal, self.score_mod_for(q.shape[-2], k.shape[-2]), need_weights)
 
     def backward(self, grad_output: Any):
         """Return ``(grad_q, grad_k, grad_v)`` and add the gradient of ``rel_bias`` / ``slopes``."""

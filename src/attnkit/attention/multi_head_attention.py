@@ -265,12 +265,10 @@ class MultiHeadAttention(Module):
             causal = slots[None, :] <= slots[-seq_q:, None]  # (Lq, S): the queries are the newest slots
             head_mask = causal if head_mask is None else (head_mask & causal)
         q = self._heads("Q", query)  # (B, H, Lq, Dh)
-        # One decoding step is one row of scores per head: the reference kernel (asked for by wanting the
-        # weights) is cheapest there; longer chunks take the tiled kernel.
         heads, weights, _ = self._attend(q, keys.astype(q.dtype, copy=False), values.astype(q.dtype, copy=False),
-                                         head_mask, False, need_weights or seq_q == 1, hook_kv=False)  # (B, H, Lq, Dh)
+                                         head_mask, False, need_weights, hook_kv=False)  # (B, H, Lq, Dh)
         self.save_for_backward()  # the cached path is inference: nothing for backward
-        return linear(merge_heads(heads), self.W_O, self._b("b_O")), (weights if need_weights else None)  # (B, Lq, E)
+        return linear(merge_heads(heads), self.W_O, self._b("b_O")), weights  # (B, Lq, E)
 
     @returns_input_precision
     def backward(self, grad_output: np.ndarray):

@@ -1,8 +1,9 @@
 """``PhysicsGuidedAttention``: a "PINN-guided" head, a physics prior added to the attention scores.
 
 ``scores[..., i, j] = scale * q_i . k_j + strength * prior(x_i, x_j)``, where ``x`` are positions or
-user-supplied coordinates and ``strength`` (scalar or per head) is learned. The prior is a
-:class:`attnkit.kernels.bias.ScoreBias`, evaluated tile by tile from the query and key indices.
+user-supplied coordinates and ``strength`` (scalar or per head) is learned. The prior is a score modifier
+(:class:`attnkit.flex.ScoreMod`), evaluated tile by tile from the query and key indices, so the head runs
+through :func:`attnkit.flex.flex_attention` like every other.
 
 Dimension letters: B batch, H heads, Lq/Lk query/key length, Tq/Tk the query/key positions of one tile,
 N the number of points of a coordinate grid, d the dimension of a point, S = 1 or H strengths.
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_float_array, check_finite, check_positive_int
-from ..kernels.bias import ScoreBias
+from ..flex.modifiers import ScoreMod
 from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["PhysicsGuidedAttention", "PhysicsPriorBias"]
@@ -25,8 +26,8 @@ _BUILTIN = ("distance_decay", "gaussian")
 _DLOG = {"distance_decay": 1.0, "gaussian": 2.0}
 
 
-class PhysicsPriorBias(ScoreBias):
-    """Score bias ``strength[h] * prior(x_i, x_j)``.
+class PhysicsPriorBias(ScoreMod):
+    """Score modifier ``score + strength[h] * prior(x_i, x_j)``.
 
     Parameters
     ----------
@@ -34,54 +35,56 @@ class PhysicsPriorBias(ScoreBias):
         ``"distance_decay"``: ``-|x_i - x_j| / l``; ``"gaussian"``: ``-|x_i - x_j|^2 / (2 l^2)`` (Euclidean
         norm for points); a callable ``f(xq (Tq,) or (Tq, d), xk (Tk,) or (Tk, d)) -> (Tq, Tk)``.
     strength : ndarray, shape (S,)
-        S = 1 (shared) or H (per head).
+        S = 1 (shared) or H (per head); used as given (``params["strength"]``).
     length_scale : float
         l, for the built-in priors.
     coordinates : None, ndarray (N,) / (N, d), or pair of ndarrays
-        None: ``x`` is the position, query i at ``i + Lk - Lq`` (bottom-right aligned); one array: the
-        coordinates of key positions 0..N-1 (N >= Lk), query i taking those of position ``i + Lk - Lq``;
-        a pair ``(xq (Lq, ...), xk (Lk, ...))``: query i at ``xq[i]``, key j at ``xk[j]``.
+        None: ``x`` is the position, query i at ``i + offset``; one array: the coordinates of key positions
+        0..N-1, query i taking those of position ``i + offset``; a pair ``(xq (Lq, ...), xk (Lk, ...))``:
+        query i at ``xq[i]``, key j at ``xk[j]``.
+    offset : int, default 0
+        Query i sits at key position ``i + offset`` (``Lk - Lq``: bottom-right aligned, as the heads pass).
     grad_strength : ndarray (S,), optional
-        Added into (in place) by :meth:`accumulate_grad`; ``None`` to freeze.
+        The array the strength's gradient is added into (default: new zeros).
     grad_log_length_scale : ndarray (1,), optional
-        Gradient of ``log(l)`` (built-in priors only), added into in place; ``None`` to freeze.
-    dtype : numpy dtype, optional
-        dtype of the returned tiles (default that of ``strength``).
+        With it, ``log(l)`` is a parameter too and its gradient is added into this array (built-in priors).
 
     Shapes
     ------
-    tile : (S, Tq, Tk); grad_tile : (..., Tq, Tk), with H at axis -3 when S = H.
+    score, grad : (B, H, Tq, Tk); the prior (S, Tq, Tk) broadcasts over the batch (and the heads when S = 1).
 
     Examples
     --------
-    >>> bias = PhysicsPriorBias("distance_decay", np.array([2.0]), length_scale=4.0)
-    >>> bias.tile(np.arange(2), np.arange(3), 2, 3)  # queries at positions 1, 2
-    array([[[-0.5, -0. , -0.5],
-            [-1. , -0.5, -0. ]]])
+    >>> bias = PhysicsPriorBias("distance_decay", np.array([2.0]), length_scale=4.0, offset=1)
+    >>> bias(np.zeros((1, 1, 2, 3)), 0, 0, np.arange(2)[:, None], np.arange(3)[None])[0, 0]  # queries at 1, 2
+    array([[-0.5, -0. , -0.5],
+           [-1. , -0.5, -0. ]])
     """
 
     def __init__(self, prior: str | Callable, strength: np.ndarray, length_scale: float = 1.0,
-                 coordinates: Any = None, grad_strength: np.ndarray | None = None,
-                 grad_log_length_scale: np.ndarray | None = None, dtype: Any = None) -> None:
-        self.prior, self.strength, self.length_scale = prior, strength, float(length_scale)
-        self.coordinates = coordinates
-        self.grad_strength, self.grad_log_length_scale = grad_strength, grad_log_length_scale
-        self.dtype = np.dtype(strength.dtype if dtype is None else dtype)
+                 coordinates: Any = None, *, offset: int = 0, grad_strength: np.ndarray | None = None,
+                 grad_log_length_scale: np.ndarray | None = None) -> None:
+        super().__init__()
+        self.prior, self.length_scale = prior, float(length_scale)
+        self.coordinates, self.offset = coordinates, int(offset)
+        self._add_param("strength", strength, grad_strength)
+        if grad_log_length_scale is not None:
+            self._add_param("log_length_scale", np.full(1, np.log(self.length_scale)), grad_log_length_scale)
 
-    def points(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> tuple[np.ndarray, np.ndarray]:
+    def points(self, q_idx: Any, k_idx: Any) -> tuple[np.ndarray, np.ndarray]:
         """Coordinates of the tile's queries (Tq,) / (Tq, d) and keys (Tk,) / (Tk, d)."""
-        q_pos = np.asarray(q_idx, dtype=np.int64) + (seq_k - seq_q)  # (Tq,)
-        k_idx = np.asarray(k_idx, dtype=np.int64)
+        q_idx, k_idx = np.ravel(q_idx).astype(np.int64), np.ravel(k_idx).astype(np.int64)
+        q_pos = q_idx + self.offset  # (Tq,)
         if self.coordinates is None:
             return q_pos.astype(np.float64), k_idx.astype(np.float64)
         if isinstance(self.coordinates, tuple):
             xq, xk = self.coordinates
-            return xq[np.asarray(q_idx, dtype=np.int64)], xk[k_idx]  # (Tq, ...), (Tk, ...)
+            return xq[q_idx], xk[k_idx]  # (Tq, ...), (Tk, ...)
         return self.coordinates[q_pos], self.coordinates[k_idx]  # (Tq, ...), (Tk, ...)
 
-    def prior_tile(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
+    def prior_tile(self, q_idx: Any, k_idx: Any) -> np.ndarray:
         """The prior without strength: (Tq, Tk) float64."""
-        xq, xk = self.points(q_idx, k_idx, seq_q, seq_k)
+        xq, xk = self.points(q_idx, k_idx)
         if callable(self.prior):
             values = as_float_array(self.prior(xq, xk), "prior(q_pos, k_pos)")
             if values.shape != (xq.shape[0], xk.shape[0]):
@@ -94,27 +97,26 @@ class PhysicsPriorBias(ScoreBias):
             return -sq / (2.0 * self.length_scale**2)
         return -(np.abs(diff) if diff.ndim == 2 else np.sqrt(sq)) / self.length_scale  # (Tq, Tk)
 
-    def tile(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
-        prior = self.prior_tile(q_idx, k_idx, seq_q, seq_k)  # (Tq, Tk)
-        return (self.strength[:, None, None] * prior).astype(self.dtype, copy=False)  # (S, Tq, Tk)
+    def check_shape(self, shape):
+        if self.params["strength"].shape[0] not in (1, shape[1]):
+            raise ValueError(f"PhysicsPriorBias: {self.params['strength'].shape[0]} strengths for scores of "
+                             f"{shape[1]} heads (shape {tuple(shape)})")
 
-    def accumulate_grad(self, q_idx: np.ndarray, k_idx: np.ndarray, seq_q: int, seq_k: int,
-                        grad_tile: np.ndarray) -> None:
-        if self.grad_strength is None and self.grad_log_length_scale is None:
-            return
-        prior = self.prior_tile(q_idx, k_idx, seq_q, seq_k)  # (Tq, Tk)
-        n = self.strength.shape[0]
-        if n == 1:
-            g_s = np.einsum("nqk,qk->", grad_tile.reshape(-1, *grad_tile.shape[-2:]), prior).reshape(1)  # (1,)
+    def forward(self, score, b, h, q_idx, kv_idx):
+        strength = self.params["strength"].astype(score.dtype, copy=False)  # (S,)
+        tile = strength[:, None, None] * self.prior_tile(q_idx, kv_idx)  # (S, Tq, Tk)
+        return score + tile.astype(score.dtype, copy=False)  # (B, H, Tq, Tk)
+
+    def backward(self, grad, score, b, h, q_idx, kv_idx):
+        prior = self.prior_tile(q_idx, kv_idx)  # (Tq, Tk)
+        if self.params["strength"].shape[0] == 1:
+            g_s = np.einsum("bhqk,qk->", grad, prior).reshape(1)  # (1,)
         else:
-            if grad_tile.ndim < 3 or grad_tile.shape[-3] != n:
-                raise ValueError(f"PhysicsPriorBias: the score gradient of shape {grad_tile.shape} has no head "
-                                 f"axis of size {n} at position -3")
-            g_s = np.einsum("nhqk,qk->h", grad_tile.reshape(-1, *grad_tile.shape[-3:]), prior)  # (H,)
-        if self.grad_strength is not None:
-            self.grad_strength += g_s
-        if self.grad_log_length_scale is not None:
-            self.grad_log_length_scale -= _DLOG[self.prior] * float(np.dot(self.strength, g_s))
+            g_s = np.einsum("bhqk,qk->h", grad, prior)  # (H,)
+        self.grads["strength"] += g_s
+        if "log_length_scale" in self.grads:
+            self.grads["log_length_scale"] -= _DLOG[self.prior] * float(np.dot(self.params["strength"], g_s))
+        return grad
 
 
 class PhysicsGuidedAttention(ScaledDotProductAttention):
@@ -238,13 +240,14 @@ class PhysicsGuidedAttention(ScaledDotProductAttention):
         return (f"prior={prior}, length_scale={self.length_scale}, num_heads={self.num_heads}, "
                 f"dropout={self.dropout}, scale={self.scale}")
 
-    def score_bias(self, dtype: Any = None) -> PhysicsPriorBias:
-        """The :class:`PhysicsPriorBias` of the current parameters, accumulating into ``grads``."""
-        strength = self._parameters["strength"]
-        return PhysicsPriorBias(
-            self.prior, strength if dtype is None else strength.astype(dtype, copy=False),
-            length_scale=self.length_scale, coordinates=self.coordinates, grad_strength=self.grads["strength"],
-            grad_log_length_scale=self.grads.get("log_length_scale"), dtype=dtype)
+    def score_mod_for(self, seq_q: int, seq_k: int) -> PhysicsPriorBias:
+        """The prior for Lq queries after Lk keys (bottom-right aligned) as a :class:`PhysicsPriorBias` on the
+        current parameters, adding its gradients into ``grads``."""
+        return PhysicsPriorBias(self.prior, self._parameters["strength"], length_scale=self.length_scale,
+                                coordinates=self.coordinates, offset=seq_k - seq_q,
+                                grad_strength=self.grads["strength"],
+                                grad_log_length_scale=self.grads["log_length_scale"] if "log_length_scale" in
+                                self._parameters else None)
 
     def _check_coordinates(self, seq_q: int, seq_k: int) -> None:
         c = self.coordinates
@@ -271,7 +274,7 @@ class PhysicsGuidedAttention(ScaledDotProductAttention):
                              f"(..., {self.num_heads}, L, D)")
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         self._check_coordinates(seq_q, seq_k)
-        return self._attend(q, k, v, mask, is_causal, self.score_bias(q.dtype), need_weights)
+        return self._attend(q, k, v, mask, is_causal, self.score_mod_for(seq_q, seq_k), need_weights)
 
     def backward(self, grad_output: Any):
         """Return ``(grad_q, grad_k, grad_v)`` and add the gradients of ``strength`` (and ``log_length_scale``)."""

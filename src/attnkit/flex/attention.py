@@ -7,8 +7,8 @@ import numpy as np
 
 from .._validation import check_real
 from ..kernels import attention_backward, attention_forward, tiled
-from ..kernels.bias import ScoreBias
 from ..kernels.flex import FlexContext, flex_backward, flex_forward
+from ..kernels.registry import resolve_kernel
 from .masks import BlockMask, KernelMask
 from .modifiers import as_score_mod
 
@@ -22,8 +22,9 @@ class FlexAttentionContext:
     gradient (``None`` without sinks); the same array is also returned as the fourth value.
 
     ``kernel`` names the kernel that ran: ``"tiled"`` (:mod:`attnkit.kernels.tiled`, every description),
-    ``"reference"`` (:mod:`attnkit.kernels.reference`, a :class:`~attnkit.flex.KernelMask` and a positional
-    bias) or ``"flex-reference"`` (:mod:`attnkit.kernels.flex`, every other description, weights formed).
+    ``"reference"`` (:mod:`attnkit.kernels.reference`, a :class:`~attnkit.flex.KernelMask`, any score
+    modifier, dropout) or ``"flex-reference"`` (:mod:`attnkit.kernels.flex`, every other description, weights
+    formed).
     """
 
     def __init__(self, kernel_ctx, kernel: str, group: int, dtype, weights, out_shape):
@@ -43,7 +44,8 @@ def _check(name, x, ndim=4):
 
 
 def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None, *, scale=None, sinks=None,
-                   enable_gqa: bool = False, return_lse: bool = False, kernel: str = "auto"):
+                   enable_gqa: bool = False, return_lse: bool = False, kernel: str = "auto",
+                   need_weights: bool = False, dropout_p: float = 0.0, dropout_seed: int | None = None):
     """Attention whose scores are changed by ``score_mod`` and restricted by ``block_mask``.
 
     ``out = softmax([mask(score_mod(scale * q k^T)), sinks[h]]) v``: masked scores are removed, ``sinks``
@@ -64,9 +66,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     q : ndarray, shape (B, Hq, Lq, D)
     k : ndarray, shape (B, Hkv, Lk, D)
     v : ndarray, shape (B, Hkv, Lk, Dv)
-    score_mod : ScoreMod, ScoreBias or callable ``(score, b, h, q_idx, kv_idx) -> score``, optional
-        A plain callable works forward only. A :class:`~attnkit.kernels.bias.ScoreBias` (T5, ALiBi and
-        physics-prior biases of the attention heads) places query i at key position ``i + Lk - Lq``.
+    score_mod : ScoreMod or callable ``(score, b, h, q_idx, kv_idx) -> score``, optional
+        A plain callable works forward only.
     block_mask : BlockMask, optional
         From :func:`create_block_mask` with ``Q_LEN == Lq`` and ``KV_LEN == Lk``.
     scale : float, optional
@@ -78,13 +79,20 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     return_lse : bool
         Also return the log-sum-exp (B, Hq, Lq) (including the sink).
     kernel : {"auto", "reference", "tiled"}
-        ``"tiled"`` (and ``"auto"``): attnkit's tiled FlashAttention kernel, which never forms the
-        ``Lq x Lk`` scores. A mask with a :class:`~attnkit.flex.KernelMask` (causal at the bottom-right
-        corner, windowed, padded) becomes its own arguments; any other block mask is read tile by tile
-        (empty tiles skipped, ``mask_mod`` called on partial tiles only); a score modifier runs on each
-        tile's scores. ``"reference"`` forms the scores (``ctx.weights`` holds the (B, Hq, Lq, Lk)
-        softmax): on the reference attention kernel for a described mask with no modifier (or a positional
-        bias), otherwise on the flex reference kernel.
+        Resolved by :func:`attnkit.kernels.registry.resolve_kernel`, the one rule of the library: ``"auto"``
+        is ``"reference"`` when ``need_weights`` or ``Lq == 1``, else ``"tiled"``. ``"tiled"``: attnkit's tiled
+        FlashAttention kernel, which never forms the ``Lq x Lk`` scores. A mask with a
+        :class:`~attnkit.flex.KernelMask` (causal at the bottom-right corner, windowed, padded, a dense boolean
+        mask) becomes its own arguments; any other block mask is read tile by tile (empty tiles skipped,
+        ``mask_mod`` called on partial tiles only); a score modifier runs on each tile's scores.
+        ``"reference"`` forms the scores (``ctx.weights`` holds the (B, Hq, Lq, Lk) softmax): on the reference
+        attention kernel for a described mask without sinks or ``return_lse``, otherwise on the flex
+        reference kernel.
+    need_weights : bool, default False
+        The weights are wanted in ``ctx.weights`` (``kernel="tiled"`` is then a ``ValueError``).
+    dropout_p, dropout_seed : float, int
+        Dropout on the weights after the softmax (inverted scaling, counter-based from ``dropout_seed``), on
+        the reference and tiled attention kernels; ``ValueError`` where the flex reference kernel would run.
 
     Returns
     -------
@@ -104,6 +112,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
         raise ValueError(f"k has {Hkv} heads and q {Hq}: pass enable_gqa=True with Hq a multiple of Hkv")
     if kernel not in FLEX_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, FLEX_KERNELS))}, got {kernel!r}")
+    chosen = resolve_kernel(kernel, need_weights=need_weights, seq_q=Lq).name  # "reference" or "tiled"
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a BlockMask from create_block_mask, got "
@@ -118,7 +127,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
             raise TypeError(f"sinks must be real numbers, one per query head, got dtype {sinks.dtype}")
         if sinks.shape != (Hq,):
             raise ValueError(f"sinks must have shape (Hq,) = ({Hq},), got {sinks.shape}")
-    if score_mod is not None and not isinstance(score_mod, ScoreBias):
+    if score_mod is not None:
         score_mod = as_score_mod(score_mod)
         score_mod.check_shape((B, Hq, Lq, k.shape[2]))
     if scale is None:
@@ -128,14 +137,18 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     group = Hq // Hkv if Hkv else 1  # the kernels read each key/value head for its G query heads, without copies
     Lk = k.shape[2]
     described = _kernel_mask(block_mask, Lq, Lk)
-    if kernel != "reference":  # the tiled kernel computes in the same dtype, by the same rule
-        return _on_tiled_kernel(q, k, v, score_mod, block_mask, described, scale, sinks, group, return_lse)
+    dropout = dict(dropout_p=float(dropout_p), dropout_seed=dropout_seed)
+    if chosen == "tiled":  # the tiled kernel computes in the same dtype, by the same rule
+        return _on_tiled_kernel(q, k, v, score_mod, block_mask, described, scale, sinks, group, return_lse,
+                                dropout)
     # float16 scores and exponentials overflow at 65504: compute in float32 (float64 for wider floats)
     compute = np.dtype(np.float64) if dtype.itemsize > 4 else np.dtype(np.float32)
     q, k, v = (x.astype(compute, copy=False) for x in (q, k, v))
-    if sinks is None and not return_lse and described is not None and (
-            score_mod is None or (isinstance(score_mod, ScoreBias) and group == 1)):
-        return _on_reference_kernel(q, k, v, described, score_mod, scale, group, dtype)
+    if sinks is None and not return_lse and described is not None:
+        return _on_reference_kernel(q, k, v, described, score_mod, scale, group, dtype, dropout)
+    if dropout_p:
+        raise ValueError("dropout_p needs the reference or tiled attention kernel: a mask they take as arguments "
+                         "(no mask function), no sinks and no return_lse, or kernel='tiled'")
     return _on_flex_reference_kernel(q, k, v, score_mod, block_mask, scale, sinks, dtype, group, return_lse)
 
 
@@ -159,41 +172,46 @@ def _grouped(q, k, v, group: int):
     return q.reshape(B, k.shape[1], group, Lq, D), k[:, :, None], v[:, :, None]
 
 
-def _key_mask(described: KernelMask, ndim: int):
-    """The description's key mask (B', Lk) as a kernel mask (B', 1, [1,] 1, Lk), or None."""
-    if described.key_mask is None:
-        return None
-    rows, length = described.key_mask.shape
-    return described.key_mask.reshape(rows, *(1,) * (ndim - 2), length)
+def _mask_args(described: KernelMask, q_shape: tuple[int, ...], group: int) -> dict:
+    """The description as the attention kernels' ``mask``, ``causal`` and ``window`` arguments, the mask shaped
+    for queries of ``q_shape`` ((B, Hq, Lq, D), or (B, Hkv, G, Lq, D) when grouped)."""
+    mask = None
+    if described.key_mask is not None:
+        rows, length = described.key_mask.shape
+        mask = described.key_mask.reshape(rows, *(1,) * (len(q_shape) - 2), length)  # (B', 1, [1,] 1, Lk)
+    if described.dense is not None:
+        dense = described.dense  # (B'|1, H'|1, Lq|1, Lk|1)
+        if group > 1:  # query head h is member h % G of key/value head h // G
+            heads = dense.shape[1]
+            dense = dense.reshape(dense.shape[0], heads // group if heads > 1 else 1, group if heads > 1 else 1,
+                                  *dense.shape[2:])  # (B'|1, Hkv|1, G|1, Lq|1, Lk|1)
+        mask = dense if mask is None else mask & dense
+    return dict(mask=mask, causal=described.offset is not None, window=described.window)
 
 
-def _on_reference_kernel(q, k, v, described: KernelMask, bias, scale: float, group: int, dtype):
-    """The reference attention kernel (the weights are formed): a causal/window/padding description with no
-    score modifier or a positional bias."""
+def _on_reference_kernel(q, k, v, described: KernelMask, score_mod, scale: float, group: int, dtype, dropout):
+    """The reference attention kernel (the weights are formed): a described mask, any score modifier."""
     B, Hq, Lq, _ = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     qg, kg, vg = _grouped(q, k, v, group)
     out, weights, kctx = attention_forward(
-        qg, kg, vg, mask=_key_mask(described, qg.ndim), causal=described.offset is not None,
-        window=described.window, scale=scale, bias=bias, need_weights=True, kernel="reference")
+        qg, kg, vg, **_mask_args(described, qg.shape, group), scale=scale, score_mod=score_mod,
+        need_weights=True, kernel="reference", **dropout)
     out = out.reshape(B, Hq, Lq, Dv).astype(dtype, copy=False)  # (B, Hq, Lq, Dv)
     weights = weights.reshape(B, Hq, Lq, Lk).astype(dtype, copy=False)  # (B, Hq, Lq, Lk)
     return out, FlexAttentionContext(kctx, "reference", group, dtype, weights, out.shape)
 
 
 def _on_tiled_kernel(q, k, v, score_mod, block_mask, described, scale: float, sinks, group: int,
-                     return_lse: bool):
+                     return_lse: bool, dropout):
     """The tiled FlashAttention kernel: a described mask as its own arguments, any other block mask tile by
-    tile; a positional bias per query head as its bias, any other modifier on each tile's scores."""
+    tile; the score modifier on each tile's scores."""
     B, Hq, Lq, _ = q.shape
-    Lk, Dv = k.shape[2], v.shape[3]
+    Dv = v.shape[3]
     qg, kg, vg = _grouped(q, k, v, group)
-    bias = score_mod if isinstance(score_mod, ScoreBias) and group == 1 else None
-    mod = None if bias is not None else as_score_mod(score_mod, Lq, Lk)
-    masks = dict(block_mask=block_mask) if described is None else dict(
-        mask=_key_mask(described, qg.ndim), causal=described.offset is not None, window=described.window)
-    out, _, kctx = tiled.flash_attention_forward(qg, kg, vg, scale=scale, bias=bias, score_mod=mod,
-                                                 sinks=sinks, **masks)
+    masks = dict(block_mask=block_mask) if described is None else _mask_args(described, qg.shape, group)
+    out, _, kctx = tiled.flash_attention_forward(qg, kg, vg, scale=scale, score_mod=score_mod, sinks=sinks,
+                                                 **masks, **dropout)
     out = out.reshape(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
     ctx = FlexAttentionContext(kctx, "tiled", group, out.dtype, None, out.shape)
     if not return_lse:
@@ -210,7 +228,7 @@ def _on_flex_reference_kernel(q, k, v, score_mod, block_mask, scale: float, sink
     """The flex reference kernel: any description on the whole score matrix, the weights formed."""
     Lq, Lk = q.shape[2], k.shape[2]
     out, lse, weights, kctx = flex_forward(
-        q, k, v, scale=scale, score_mod=as_score_mod(score_mod, Lq, Lk),
+        q, k, v, scale=scale, score_mod=score_mod,
         mask=None if block_mask is None else block_mask.tile_mask(0, Lq, 0, Lk), sinks=sinks)
     out = out.astype(dtype, copy=False)
     ctx = FlexAttentionContext(kctx, "flex-reference", group, dtype, weights.astype(dtype, copy=False), out.shape)

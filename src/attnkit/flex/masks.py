@@ -19,8 +19,8 @@ import numpy as np
 from .._validation import check_positive_int
 from ..kernels.flex import score_index
 
-__all__ = ["KernelMask", "causal_mask", "causal_lower_right", "sliding_window_mask", "chunked_mask", "document_mask",
-           "prefix_lm_mask", "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask",
+__all__ = ["KernelMask", "boolean_mask", "causal_mask", "causal_lower_right", "sliding_window_mask", "chunked_mask",
+           "document_mask", "prefix_lm_mask", "padding_mask", "and_masks", "or_masks", "BlockMask", "create_block_mask",
            "EMPTY", "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -32,7 +32,8 @@ class KernelMask:
 
     - ``j <= i + offset`` (``offset`` None: no causal limit),
     - ``j > i + offset - window`` (``window`` None: no window; requires an ``offset``),
-    - ``key_mask[b, j]`` (``key_mask`` (B', Lk) bool, B' 1 or B; None: every key).
+    - ``key_mask[b, j]`` (``key_mask`` (B', Lk) bool, B' 1 or B; None: every key),
+    - ``dense[b, h, i, j]`` (``dense`` bool of shape (B'|1, H'|1, Lq|1, Lk|1); None: every pair).
 
     The kernels align causal masks at the bottom-right corner, so they take it when
     ``offset == kv_len - q_len``.
@@ -41,6 +42,7 @@ class KernelMask:
     offset: int | None = None
     window: int | None = None
     key_mask: np.ndarray | None = None
+    dense: np.ndarray | None = None
 
     def __and__(self, other: KernelMask) -> KernelMask | None:
         """Both masks at once, or None when the kernels cannot say it (two different causal offsets)."""
@@ -50,7 +52,9 @@ class KernelMask:
         windows = [w for w in (self.window, other.window) if w is not None]
         keys = [m for m in (self.key_mask, other.key_mask) if m is not None]
         key_mask = keys[0] if len(keys) == 1 else (np.logical_and(*keys) if keys else None)
-        return KernelMask(offset, min(windows) if windows else None, key_mask)
+        dense = [m for m in (self.dense, other.dense) if m is not None]
+        dense = dense[0] if len(dense) == 1 else (np.logical_and(*dense) if dense else None)
+        return KernelMask(offset, min(windows) if windows else None, key_mask, dense)
 
 
 def _describe(mask: Callable, kernel_mask: KernelMask | None) -> Callable:
@@ -61,6 +65,29 @@ def _describe(mask: Callable, kernel_mask: KernelMask | None) -> Callable:
 def kernel_mask_of(mask_mod) -> KernelMask | None:
     """The :class:`KernelMask` a mask modifier carries, or None (a mask only its function can say)."""
     return getattr(mask_mod, "kernel_mask", None)
+
+
+def boolean_mask(mask) -> Callable:
+    """Attend where ``mask[b, h, q_idx, kv_idx]`` is True: a mask given as an array, shape (B|1, H|1, Lq|1, Lk|1).
+
+    The kernels take it as their own ``mask`` argument (tile by tile, never expanded), so it costs what a
+    mask costs without flex.
+
+    Examples
+    --------
+    >>> m = boolean_mask(np.array([[True, False], [True, True]])[None, None])
+    >>> m(0, 0, np.arange(2)[:, None], np.arange(2)[None]).tolist()
+    [[True, False], [True, True]]
+    """
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_ or mask.ndim != 4:
+        raise ValueError(f"boolean_mask: mask must be a 4-D boolean array (B|1, H|1, Lq|1, Lk|1), got shape "
+                         f"{mask.shape} and dtype {mask.dtype}")
+
+    def allowed(b, h, q_idx, kv_idx):
+        index = tuple(0 if n == 1 else np.asarray(i) for n, i in zip(mask.shape, (b, h, q_idx, kv_idx)))
+        return mask[index]
+    return _describe(allowed, KernelMask(dense=mask))
 
 
 def causal_mask(b, h, q_idx, kv_idx):
@@ -306,5 +333,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     described = kernel_mask_of(mask_mod)
     if described is not None and described.key_mask is not None and described.key_mask.shape != (nb, KV_LEN):
         described = None  # a key mask of another shape is read only where mask_mod reads it
+    if described is not None and described.dense is not None and any(
+            n not in (1, m) for n, m in zip(described.dense.shape, (nb, nh, Q_LEN, KV_LEN))):
+        raise ValueError(f"create_block_mask: a boolean mask of shape {described.dense.shape} does not fit "
+                         f"(B, H, Q_LEN, KV_LEN) = {(nb, nh, Q_LEN, KV_LEN)} (each axis 1 or that size)")
     kinds = None if described is not None else _classify(mask_mod, nb, nh, Q_LEN, KV_LEN, bq, bk)
     return BlockMask(mask_mod, nb, nh, Q_LEN, KV_LEN, bq, bk, kinds, described)

@@ -4,6 +4,12 @@ The index arguments are broadcastable integer arrays (``b`` of shape (B, 1, 1, 1
 ``q_idx`` (1, 1, Tq, 1), ``kv_idx`` (1, 1, 1, Tk), Tq/Tk the positions of the tile being computed), so a
 modifier is vectorised NumPy. A :class:`ScoreMod` keeps learnable arrays in ``.params`` and adds their
 gradients into ``.grads`` (same keys) on every :meth:`ScoreMod.backward`; the caller zeroes them.
+
+The positional modifiers (:class:`ALiBi`, :class:`RelativePositionBias`) place query i at key position
+``i + offset``: ``offset=0`` (the default, as torch's FlexAttention examples) aligns the first query with the first
+key; ``offset = Lk - Lq`` aligns the last query with the last key (bottom-right, as the causal mask of new tokens
+after a cache), which is what the attention heads pass. They take their parameter arrays as given and can add
+their gradients into arrays of the caller's (``grad=``), so a module's parameter and gradient are the modifier's.
 """
 from __future__ import annotations
 
@@ -12,10 +18,9 @@ import math
 import numpy as np
 
 from .._validation import check_positive_int
-from ..kernels.bias import ScoreBias
 
-__all__ = ["ScoreMod", "softcap", "alibi", "alibi_slopes", "relative_position_bias", "additive_bias",
-           "compose", "t5_relative_position_bucket", "as_score_mod"]
+__all__ = ["ScoreMod", "ALiBi", "RelativePositionBias", "softcap", "alibi", "alibi_slopes", "relative_position_bias",
+           "additive_bias", "compose", "t5_relative_position_bucket", "as_score_mod"]
 
 
 class ScoreMod:
@@ -29,9 +34,13 @@ class ScoreMod:
         self.params: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
 
-    def _add_param(self, name: str, value: np.ndarray) -> None:
+    def _add_param(self, name: str, value: np.ndarray, grad: np.ndarray | None = None) -> None:
+        """Register ``value`` (not copied) and the array its gradient is added into (default: new zeros)."""
+        if grad is not None and np.shape(grad) != np.shape(value):
+            raise ValueError(f"{type(self).__name__}: grad for {name!r} has shape {np.shape(grad)}, expected the "
+                             f"parameter's {np.shape(value)}")
         self.params[name] = value
-        self.grads[name] = np.zeros_like(value)
+        self.grads[name] = np.zeros_like(value) if grad is None else grad
 
     @property
     def accumulates(self) -> bool:
@@ -60,7 +69,9 @@ class ScoreMod:
         """Gradient with respect to the input ``score`` given ``grad`` of the output; adds into ``.grads``."""
         raise NotImplementedError
 
-    __call__ = forward
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        """:meth:`forward` (a score modifier is called as torch's are)."""
+        return self.forward(score, b, h, q_idx, kv_idx)
 
 
 class _Forward(ScoreMod):
@@ -78,39 +89,10 @@ class _Forward(ScoreMod):
                         "backward; subclass attnkit.flex.ScoreMod with forward and backward to train through it")
 
 
-class _PositionalBias(ScoreMod):
-    """A :class:`~attnkit.kernels.bias.ScoreBias` (an additive bias of query and key positions, for
-    sequences of lengths ``seq_q``, ``seq_k``) as a score modifier."""
-
-    def __init__(self, bias: ScoreBias, seq_q: int, seq_k: int):
-        super().__init__()
-        self.bias, self.seq_q, self.seq_k = bias, seq_q, seq_k
-
-    @property
-    def accumulates(self) -> bool:
-        return True
-
-    def forward(self, score, b, h, q_idx, kv_idx):
-        tile = self.bias.tile(np.ravel(q_idx), np.ravel(kv_idx), self.seq_q, self.seq_k)  # (H, Tq, Tk)
-        return score + tile.astype(score.dtype, copy=False)
-
-    def backward(self, grad, score, b, h, q_idx, kv_idx):
-        self.bias.accumulate_grad(np.ravel(q_idx), np.ravel(kv_idx), self.seq_q, self.seq_k, grad)
-        return grad
-
-
-def as_score_mod(score_mod, seq_q: int | None = None, seq_k: int | None = None) -> ScoreMod | None:
-    """``score_mod`` as a :class:`ScoreMod` (a plain callable becomes a forward-only one), or ``None``.
-
-    A :class:`~attnkit.kernels.bias.ScoreBias` (the heads' positional biases: T5, ALiBi, physics priors)
-    needs the sequence lengths, ``seq_q`` and ``seq_k``, to place its queries at the bottom-right corner.
-    """
+def as_score_mod(score_mod) -> ScoreMod | None:
+    """``score_mod`` as a :class:`ScoreMod` (a plain callable becomes a forward-only one), or ``None``."""
     if score_mod is None or isinstance(score_mod, ScoreMod):
         return score_mod
-    if isinstance(score_mod, ScoreBias):
-        if seq_q is None or seq_k is None:
-            raise ValueError(f"a {type(score_mod).__name__} needs the sequence lengths to act as a score modifier")
-        return _PositionalBias(score_mod, seq_q, seq_k)
     if not callable(score_mod):
         raise TypeError(f"score_mod must be a ScoreMod, a callable or None, got {type(score_mod).__name__}")
     return _Forward(score_mod)
@@ -174,36 +156,84 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.concatenate([base, extra])  # (H,)
 
 
-class _Alibi(ScoreMod):
-    def __init__(self, slopes):
+def _offset(offset) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    return int(offset)
+
+
+def _relative(q_idx, kv_idx, offset: int) -> np.ndarray:
+    """``kv_idx - (q_idx + offset)``: the key's position relative to the query's, (1, 1, Tq, Tk)."""
+    return np.asarray(kv_idx) - (np.asarray(q_idx) + offset)
+
+
+class ALiBi(ScoreMod):
+    """ALiBi: ``score + slopes[h] * (j - i')``, or ``score - slopes[h] * |j - i'|`` when ``bidirectional``.
+
+    ``i' = q_idx + offset`` is the query's key position and ``j = kv_idx``. The one-sided form is the paper's
+    (and ``transformers``' Bloom and MPT, up to a constant per row): a penalty growing with the distance to
+    earlier keys, meant for use with a causal mask (later keys would get a growing bonus). The slopes are
+    learnable, with ALiBi's values from :func:`alibi_slopes`.
+
+    Parameters
+    ----------
+    slopes : ndarray, shape (H,)
+        Used as given (not copied): ``params["slopes"]``.
+    bidirectional : bool, default False
+        Penalise the distance in both directions (encoders).
+    offset : int, default 0
+        Query i sits at key position ``i + offset`` (``Lk - Lq``: bottom-right aligned).
+    grad : ndarray, shape (H,), optional
+        The array the slopes' gradient is added into (default: new zeros), ``grads["slopes"]``.
+
+    Examples
+    --------
+    >>> mod = ALiBi(np.array([0.5]), offset=1)
+    >>> mod(np.zeros((1, 1, 2, 3)), 0, np.zeros((1, 1, 1, 1), int), np.arange(2)[:, None], np.arange(3))[0, 0]
+    array([[-0.5,  0. ,  0.5],
+           [-1. , -0.5,  0. ]])
+    """
+
+    def __init__(self, slopes: np.ndarray, *, bidirectional: bool = False, offset: int = 0,
+                 grad: np.ndarray | None = None):
         super().__init__()
-        slopes = np.array(slopes, dtype=np.float64)
-        if slopes.ndim != 1:
-            raise ValueError(f"alibi: slopes must be one value per head, shape (H,), got shape {slopes.shape}")
-        self._add_param("slopes", slopes)
+        if not isinstance(slopes, np.ndarray) or slopes.ndim != 1 or slopes.dtype.kind != "f":
+            got = f"shape {slopes.shape} dtype {slopes.dtype}" if isinstance(slopes, np.ndarray) else \
+                type(slopes).__name__
+            raise ValueError(f"alibi: slopes must be one float per head, shape (H,), got {got}")
+        self.bidirectional, self.offset = bool(bidirectional), _offset(offset)
+        self._add_param("slopes", slopes, grad)
 
     def check_shape(self, shape):
         if self.params["slopes"].shape[0] != shape[1]:
             raise ValueError(f"alibi: {self.params['slopes'].shape[0]} slopes for scores of {shape[1]} heads "
                              f"(shape {tuple(shape)}); give one slope per query head")
 
+    def _distance(self, q_idx, kv_idx) -> np.ndarray:
+        """What each slope multiplies: ``j - i'`` or ``-|j - i'|``, (1, 1, Tq, Tk) int."""
+        rel = _relative(q_idx, kv_idx, self.offset)
+        return -np.abs(rel) if self.bidirectional else rel
+
     def forward(self, score, b, h, q_idx, kv_idx):
-        dist = (np.asarray(kv_idx) - np.asarray(q_idx)).astype(score.dtype)  # (1, 1, Tq, Tk)
-        return score + self.params["slopes"].astype(score.dtype)[h] * dist
+        dist = self._distance(q_idx, kv_idx).astype(score.dtype)  # (1, 1, Tq, Tk)
+        return score + self.params["slopes"].astype(score.dtype)[h] * dist  # (B, H, Tq, Tk)
 
     def backward(self, grad, score, b, h, q_idx, kv_idx):
-        dist = np.broadcast_to(np.asarray(kv_idx) - np.asarray(q_idx), (1, 1, *grad.shape[-2:]))[0, 0]  # (Tq, Tk)
+        dist = np.broadcast_to(self._distance(q_idx, kv_idx), (1, 1, *grad.shape[-2:]))[0, 0]  # (Tq, Tk)
         per_head = np.einsum("bhqk,qk->h", grad, dist.astype(grad.dtype))  # (H,)
         np.add.at(self.grads["slopes"], np.asarray(h).reshape(-1), per_head)
         return grad
 
 
-def alibi(slopes) -> ScoreMod:
-    """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)``; the slopes (shape (H,)) are learnable.
+def alibi(slopes, *, bidirectional: bool = False, offset: int = 0) -> ScoreMod:
+    """ALiBi (:class:`ALiBi`) with learnable slopes, a copy of ``slopes`` (shape (H,)) in float64.
 
-    Use :func:`alibi_slopes` for the paper's values.
+    Use :func:`alibi_slopes` for the paper's values: ``score + slopes[h] * (kv_idx - q_idx)``.
     """
-    return _Alibi(slopes)
+    slopes = np.array(slopes, dtype=np.float64)
+    if slopes.ndim != 1:
+        raise ValueError(f"alibi: slopes must be one value per head, shape (H,), got shape {slopes.shape}")
+    return ALiBi(slopes, bidirectional=bidirectional, offset=offset)
 
 
 def t5_relative_position_bucket(relative_position: np.ndarray, bidirectional: bool = True,
@@ -254,20 +284,39 @@ def t5_relative_position_bucket(relative_position: np.ndarray, bidirectional: bo
 
 
 
-class _RelativePositionBias(ScoreMod):
-    def __init__(self, num_heads, num_buckets, max_distance, bidirectional, table, seed):
+class RelativePositionBias(ScoreMod):
+    """T5's relative-position bias: ``score + table[bucket(j - i'), h]``, a learnable (buckets, heads) table.
+
+    ``i' = q_idx + offset`` is the query's key position and ``j = kv_idx``; the bucket is
+    :func:`t5_relative_position_bucket`'s. The table has ``transformers``' layout (the weight of T5's
+    ``relative_attention_bias`` embedding, ``(num_buckets, num_heads)``).
+
+    Parameters
+    ----------
+    table : ndarray, shape (NB, H)
+        Used as given (not copied): ``params["table"]``.
+    max_distance : int, default 128
+        Distances from here on share the last bucket.
+    bidirectional : bool, default True
+        Separate buckets for keys before and after the query (encoders); ``False`` for causal decoders.
+    offset : int, default 0
+        Query i sits at key position ``i + offset`` (``Lk - Lq``: bottom-right aligned).
+    grad : ndarray, shape (NB, H), optional
+        The array the table's gradient is added into (default: new zeros), ``grads["table"]``.
+    """
+
+    def __init__(self, table: np.ndarray, max_distance: int = 128, bidirectional: bool = True, *, offset: int = 0,
+                 grad: np.ndarray | None = None):
         super().__init__()
-        self.num_heads = check_positive_int(num_heads, "num_heads")
-        self.num_buckets = check_positive_int(num_buckets, "num_buckets")
+        if not isinstance(table, np.ndarray) or table.ndim != 2 or table.dtype.kind != "f":
+            got = f"shape {table.shape} dtype {table.dtype}" if isinstance(table, np.ndarray) else \
+                type(table).__name__
+            raise ValueError(f"relative_position_bias: table must be floats of shape (num_buckets, num_heads), "
+                             f"got {got}")
+        self.num_buckets, self.num_heads = table.shape
         self.max_distance = check_positive_int(max_distance, "max_distance")
-        self.bidirectional = bool(bidirectional)
-        if table is None:
-            table = np.random.default_rng(seed).normal(0.0, 0.02, size=(self.num_buckets, self.num_heads))
-        table = np.array(table, dtype=np.float64)
-        if table.shape != (self.num_buckets, self.num_heads):
-            raise ValueError(f"relative_position_bias: table must have shape (num_buckets, num_heads) = "
-                             f"{(self.num_buckets, self.num_heads)}, got {table.shape}")
-        self._add_param("table", table)
+        self.bidirectional, self.offset = bool(bidirectional), _offset(offset)
+        self._add_param("table", table, grad)
 
     def check_shape(self, shape):
         if self.num_heads != shape[1]:
@@ -275,7 +324,7 @@ class _RelativePositionBias(ScoreMod):
                              f"{shape[1]} heads (shape {tuple(shape)})")
 
     def _buckets(self, q_idx, kv_idx):
-        rel = np.asarray(kv_idx) - np.asarray(q_idx)  # (1, 1, Tq, Tk)
+        rel = _relative(q_idx, kv_idx, self.offset)  # (1, 1, Tq, Tk)
         return t5_relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
 
     def forward(self, score, b, h, q_idx, kv_idx):
@@ -283,24 +332,36 @@ class _RelativePositionBias(ScoreMod):
         return score + self.params["table"].astype(score.dtype)[buckets, h]  # (B, H, Tq, Tk)
 
     def backward(self, grad, score, b, h, q_idx, kv_idx):
-        buckets = np.broadcast_to(self._buckets(q_idx, kv_idx), grad.shape)  # (B, H, Tq, Tk)
-        heads = np.broadcast_to(np.asarray(h), grad.shape)  # (B, H, Tq, Tk)
-        np.add.at(self.grads["table"], (buckets, heads), grad)
+        heads = np.asarray(h).reshape(-1)  # (H,)
+        flat = self._buckets(q_idx, kv_idx) * self.num_heads + heads[None, :, None, None]  # (1, H, Tq, Tk)
+        flat = np.broadcast_to(flat, grad.shape)  # (B, H, Tq, Tk)
+        summed = np.bincount(flat.ravel(), weights=grad.ravel(), minlength=self.num_buckets * self.num_heads)
+        self.grads["table"] += summed.reshape(self.num_buckets, self.num_heads)  # (NB, H)
         return grad
 
 
 def relative_position_bias(num_heads: int, num_buckets: int = 32, max_distance: int = 128,
-                           bidirectional: bool = True, *, table=None, seed: int = 0) -> ScoreMod:
-    """T5's relative-position bias: ``score + table[bucket(kv_idx - q_idx), h]``, a learnable table.
+                           bidirectional: bool = True, *, table=None, seed: int = 0, offset: int = 0) -> ScoreMod:
+    """T5's relative-position bias (:class:`RelativePositionBias`) with a table of its own.
 
     Parameters
     ----------
     num_heads, num_buckets, max_distance, bidirectional
         As in T5 (:func:`t5_relative_position_bucket`).
     table : array, shape (num_buckets, num_heads), optional
-        Initial table (copied); default normal(0, 0.02) from ``seed``.
+        Initial table (copied, in float64); default normal(0, 0.02) from ``seed``.
+    offset : int, default 0
+        Query i sits at key position ``i + offset``.
     """
-    return _RelativePositionBias(num_heads, num_buckets, max_distance, bidirectional, table, seed)
+    num_heads = check_positive_int(num_heads, "num_heads")
+    num_buckets = check_positive_int(num_buckets, "num_buckets")
+    if table is None:
+        table = np.random.default_rng(seed).normal(0.0, 0.02, size=(num_buckets, num_heads))
+    table = np.array(table, dtype=np.float64)
+    if table.shape != (num_buckets, num_heads):
+        raise ValueError(f"relative_position_bias: table must have shape (num_buckets, num_heads) = "
+                         f"{(num_buckets, num_heads)}, got {table.shape}")
+    return RelativePositionBias(table, max_distance, bidirectional, offset=offset)
 
 
 def _index(arr_dim: int, idx):

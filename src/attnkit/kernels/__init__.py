@@ -7,11 +7,10 @@ Two implementations behind one interface:
 * :mod:`~attnkit.kernels.tiled` (FlashAttention-style online softmax, recomputing backward, threads) never
   allocates anything of size ``Lq x Lk``; it is used whenever the weights are not needed.
 
-:func:`attention_forward` runs the one named by ``kernel`` (see :mod:`~attnkit.kernels.registry`;
-``"auto"`` is the reference kernel when the weights are asked for, the tiled one otherwise);
-:func:`attention_backward` follows the context the forward returned. Both accept the same masks, causal
-flag, biases (arrays or :class:`ScoreBias`) and
-counter-based dropout, and agree within floating-point rounding.
+:func:`attention_forward` runs the one named by ``kernel`` (see :mod:`~attnkit.kernels.registry`, the one place
+a kernel is chosen and ``"auto"`` is defined); :func:`attention_backward` follows the context the forward
+returned. Both accept the same masks, causal flag, array biases, score modifiers (``score_mod``, see
+:mod:`attnkit.flex`) and counter-based dropout, and agree within floating-point rounding.
 """
 from __future__ import annotations
 
@@ -19,30 +18,30 @@ import numpy as np
 
 from . import reference, tiled
 from ._threads import get_num_threads, num_threads, set_num_threads
-from .bias import ScoreBias
 from .reference import causal_mask, masked_softmax
 from .registry import ATTENTION_KERNELS, kernel_for_context, resolve_kernel
 
-__all__ = ["ATTENTION_KERNELS", "ScoreBias", "attention_forward", "set_num_threads", "get_num_threads",
+__all__ = ["ATTENTION_KERNELS", "attention_forward", "set_num_threads", "get_num_threads",
            "num_threads", "attention_backward", "causal_mask", "masked_softmax",
            "reference", "tiled"]
 
 
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
                       causal: bool = False, scale: float | None = None,
-                      bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
+                      bias: np.ndarray | None = None, dropout_p: float = 0.0,
                       dropout_seed: int | None = None, need_weights: bool = True, window: int | None = None,
-                      kernel: str = "auto"):
+                      score_mod=None, kernel: str = "auto"):
     """Softmax attention ``dropout(softmax(scale * q k^T + bias, masked)) v`` by the named kernel.
 
-    ``kernel``: ``"auto"`` (the default) runs ``"reference"`` when ``need_weights`` is true and ``"tiled"``
-    otherwise; ``"reference"``, ``"tiled"`` or any name in :data:`ATTENTION_KERNELS` runs that kernel
-    (``"tiled"`` with ``need_weights=True`` is a ``ValueError``: it never forms the weights).
+    ``kernel``: ``"auto"`` (the default) or a name in :data:`ATTENTION_KERNELS`, resolved by
+    :func:`~attnkit.kernels.registry.resolve_kernel` (``"tiled"`` with ``need_weights=True`` is a
+    ``ValueError``: it never forms the weights).
 
     Shapes
     ------
     q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv); mask bool broadcastable to (..., Lq, Lk), ``True`` =
-    may attend; bias an array broadcastable to (..., Lq, Lk) or a :class:`ScoreBias`. Leading dims
+    may attend; bias an array broadcastable to (..., Lq, Lk); ``score_mod`` a score modifier on the scores
+    seen as (B, H, Lq, Lk) (:class:`attnkit.flex.ScoreMod`, needs two or more leading dims). Leading dims
     broadcast: grouped-query attention is q (B, Hkv, G, Lq, D) with k, v (B, Hkv, 1, Lk, D), and the
     key/value gradients come back in k's and v's own shapes (summed over the group).
 
@@ -56,8 +55,8 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     ctx : the context :func:`attention_backward` needs
     """
     kwargs = dict(mask=mask, causal=causal, scale=scale, bias=bias, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                  window=window)
-    return resolve_kernel(kernel, need_weights).forward(q, k, v, **kwargs)
+                  window=window, score_mod=score_mod)
+    return resolve_kernel(kernel, need_weights=need_weights, seq_q=q.shape[-2]).forward(q, k, v, **kwargs)
 
 
 def attention_backward(grad_out: np.ndarray, ctx):

@@ -25,8 +25,8 @@ import numpy as np
 
 from .._validation import check_positive_int, unbroadcast
 from ._masked_product import nonfinite_rows, zero_safe_matmul
-from .bias import ScoreBias
 from .dropout import keep_mask
+from .flex import checked_scores, score_index
 
 __all__ = [
     "causal_mask",
@@ -156,7 +156,10 @@ class AttentionContext:
     k_shape: tuple[int, ...]
     v_shape: tuple[int, ...]
     keep_scaled: np.ndarray | None = None  # (..., Lq, Lk) keep / (1 - p), or None without dropout
-    bias: np.ndarray | ScoreBias | None = None
+    bias: np.ndarray | None = None
+    score_mod: object = None
+    raw: np.ndarray | None = None  # (..., Lq, Lk) the score modifier's input scores (only with a modifier)
+    mask: np.ndarray | None = None  # broadcastable to (..., Lq, Lk) (only with a modifier)
 
 
 def combine_causal(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int,
@@ -177,11 +180,36 @@ def combine_causal(mask: np.ndarray | None, causal: bool, seq_q: int, seq_k: int
     return mask
 
 
+def _as_heads(scores: np.ndarray) -> np.ndarray:
+    """(B, ..., Lq, Lk) scores as (B, H, Lq, Lk), the shape score modifiers see (a view)."""
+    if scores.ndim < 4:
+        raise ValueError(f"a score modifier needs (B, H, Lq, Lk) scores (batch and head dims), got shape "
+                         f"{scores.shape}")
+    return scores.reshape(scores.shape[0], -1, *scores.shape[-2:])
+
+
+def _modified(score_mod, scores: np.ndarray) -> np.ndarray:
+    """``score_mod`` on the whole (..., Lq, Lk) score matrix, in the scores' shape and dtype."""
+    heads = _as_heads(scores)  # (B, H, Lq, Lk)
+    changed = checked_scores(score_mod.forward(heads, *score_index(*heads.shape[:2], 0, heads.shape[2], 0,
+                                                                    heads.shape[3])), heads.shape)
+    return changed.reshape(scores.shape).astype(scores.dtype, copy=False)  # (..., Lq, Lk)
+
+
+def _modifier_backward(ctx: AttentionContext, ds: np.ndarray) -> np.ndarray:
+    """The score gradient through the score modifier (its parameters get theirs); masked entries stay 0."""
+    heads = _as_heads(ds)  # (B, H, Lq, Lk)
+    index = score_index(*heads.shape[:2], 0, heads.shape[2], 0, heads.shape[3])
+    grad = checked_scores(ctx.score_mod.backward(heads, _as_heads(ctx.raw), *index), heads.shape,
+                          "score_mod.backward").reshape(ds.shape)  # (..., Lq, Lk)
+    return grad if ctx.mask is None else np.where(ctx.mask, grad, 0)
+
+
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
                       causal: bool = False, scale: float | None = None,
-                      bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
-                      dropout_seed: int | None = None,
-                      window: int | None = None) -> tuple[np.ndarray, np.ndarray, AttentionContext]:
+                      bias: np.ndarray | None = None, dropout_p: float = 0.0,
+                      dropout_seed: int | None = None, window: int | None = None,
+                      score_mod=None) -> tuple[np.ndarray, np.ndarray, AttentionContext]:
     """Softmax attention with the score matrix materialised.
 
     Parameters
@@ -197,7 +225,7 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
         Combine with the bottom-right-aligned causal mask.
     scale : float, optional
         Multiplier of ``q @ k.T``; default ``1 / sqrt(D)``.
-    bias : ndarray broadcastable to (..., Lq, Lk) or ScoreBias, optional
+    bias : ndarray broadcastable to (..., Lq, Lk), optional
         Added to the scaled scores before masking.
     dropout_p : float
         Probability of dropping a weight after the softmax (inverted scaling); 0 disables dropout.
@@ -206,6 +234,10 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     window : int, optional
         Sliding window (requires ``causal``): query i at position ``i' = i + Lk - Lq`` attends key j iff
         ``i' - window < j <= i'``.
+    score_mod : ScoreMod, optional
+        ``forward(s, b, h, q_idx, kv_idx)`` and ``backward(g, s, b, h, q_idx, kv_idx)`` (see
+        :mod:`attnkit.flex`) on the (biased) scores seen as (B, H, Lq, Lk): at least two leading dims, the
+        first the batch, the rest the heads (``(B, Hkv, G)`` are ``H = Hkv * G`` heads).
 
     Returns
     -------
@@ -229,11 +261,12 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     k_safe = zero_dead_keys(k, live_keys(mask, k.shape))  # (..., Lk, D)
     v_safe = zero_dead_keys(v, live_keys(mask, v.shape))  # (..., Lk, Dv)
     scores = (q @ k_safe.swapaxes(-1, -2)) * scale  # (..., Lq, Lk)
-    if isinstance(bias, ScoreBias):
-        scores = scores + bias.tile(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k)  # (..., Lq, Lk)
-    elif bias is not None:
+    if bias is not None:
         scores = scores + bias  # (..., Lq, Lk)
     scores = scores.astype(q.dtype, copy=False)
+    raw = None
+    if score_mod is not None:
+        raw, scores = scores, _modified(score_mod, scores)  # (..., Lq, Lk) each
     weights = masked_softmax(scores, mask)  # (..., Lq, Lk)
     keep_scaled = None
     if dropout_p > 0.0:
@@ -251,7 +284,8 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     else:
         out = dropped @ v_safe  # (..., Lq, Dv)
     ctx = AttentionContext(q=q, k=k_safe, v=v_safe, weights=weights, scale=scale, q_shape=q.shape,
-                           k_shape=k.shape, v_shape=v.shape, keep_scaled=keep_scaled, bias=bias)
+                           k_shape=k.shape, v_shape=v.shape, keep_scaled=keep_scaled, bias=bias,
+                           score_mod=score_mod, raw=raw, mask=None if score_mod is None else mask)
     return out, weights.copy(), ctx  # a copy: the caller may edit its weights, the backward reads ctx's
 
 
@@ -265,6 +299,13 @@ def attention_backward_arrays(grad_out: np.ndarray, q: np.ndarray, k: np.ndarray
         ``ds`` is the gradient of the (biased) scores, i.e. of any additive bias. Leading dims are the
         broadcast ones; reduce with :func:`attnkit._validation.unbroadcast`.
     """
+    dv, ds = _value_and_score_grads(grad_out, v, weights, keep_scaled)
+    dq, dk = _query_key_grads(ds, q, k, scale)
+    return dq, dk, dv, ds
+
+
+def _value_and_score_grads(grad_out, v, weights, keep_scaled):
+    """``dv`` (..., Lk, Dv) and the gradient ``ds`` (..., Lq, Lk) of the scores the softmax read."""
     dropped = weights if keep_scaled is None else weights * keep_scaled  # (..., Lq, Lk)
     dv = dropped.swapaxes(-1, -2) @ grad_out  # (..., Lk, Dv)
     dw = grad_out @ v.swapaxes(-1, -2)  # (..., Lq, Lk)
@@ -273,10 +314,14 @@ def attention_backward_arrays(grad_out: np.ndarray, q: np.ndarray, k: np.ndarray
     if nonfinite_rows(v) is not None:
         # exact: a zero weight's dW never counts, and a masked entry must not turn 0 * NaN into NaN
         dw = np.where(weights != 0, dw, 0)  # (..., Lq, Lk)
-    ds = softmax_backward(dw, weights)  # (..., Lq, Lk)
+    return dv, softmax_backward(dw, weights)  # (..., Lk, Dv), (..., Lq, Lk)
+
+
+def _query_key_grads(ds, q, k, scale):
+    """``dq`` (..., Lq, D) and ``dk`` (..., Lk, D) from the gradient of the scaled scores."""
     dq = (zero_safe_matmul(ds, k) if nonfinite_rows(k) is not None else ds @ k) * scale  # (..., Lq, D)
     dk = (ds.swapaxes(-1, -2) @ q) * scale  # (..., Lk, D)
-    return dq, dk, dv, ds
+    return dq, dk
 
 
 def attention_backward(grad_out: np.ndarray, ctx: AttentionContext):
@@ -285,16 +330,13 @@ def attention_backward(grad_out: np.ndarray, ctx: AttentionContext):
     Returns
     -------
     dq, dk, dv : ndarrays shaped like the forward's q, k, v
-    dbias : ndarray shaped like an array ``bias``, else None (a ScoreBias accumulates its own gradient)
+    dbias : ndarray shaped like an array ``bias``, else None (a score modifier adds into its own ``grads``)
     """
-    dq, dk, dv, ds = attention_backward_arrays(grad_out, ctx.q, ctx.k, ctx.v, ctx.weights, ctx.scale,
-                                               ctx.keep_scaled)
-    dbias = None
-    if isinstance(ctx.bias, ScoreBias):
-        seq_q, seq_k = ds.shape[-2], ds.shape[-1]
-        ctx.bias.accumulate_grad(np.arange(seq_q), np.arange(seq_k), seq_q, seq_k, ds)
-    elif ctx.bias is not None:
-        dbias = unbroadcast(ds, np.shape(ctx.bias))
+    dv, ds = _value_and_score_grads(grad_out, ctx.v, ctx.weights, ctx.keep_scaled)
+    if ctx.score_mod is not None:
+        ds = _modifier_backward(ctx, ds)  # (..., Lq, Lk): the gradient of the modifier's input
+    dq, dk = _query_key_grads(ds, ctx.q, ctx.k, ctx.scale)
+    dbias = None if ctx.bias is None else unbroadcast(ds, np.shape(ctx.bias))
     return unbroadcast(dq, ctx.q_shape), unbroadcast(dk, ctx.k_shape), unbroadcast(dv, ctx.v_shape), dbias
 
 

@@ -1,4 +1,4 @@
-"""The attention kernels by name: one table, one signature, one rule for ``kernel="auto"``.
+"""The attention kernels by name: one table, one signature, and the one place a kernel is chosen.
 
 Every entry computes ``dropout(softmax(scale * q k^T + bias, masked)) v`` and its exact gradients:
 
@@ -14,8 +14,23 @@ name             kernel
 ``"tiled"``      :mod:`~attnkit.kernels.tiled`: online softmax over tiles, threads, nothing of size Lq x Lk
 ===============  ==========================================================================================
 
-``kernel="auto"`` runs ``"reference"`` when the weights are asked for (``need_weights=True``) and ``"tiled"``
-otherwise. A new kernel joins with :func:`register_attention_kernel`.
+Which kernel runs
+-----------------
+Every attention in attnkit (the heads and ``MultiHeadAttention``, ``GroupedQueryAttention``, multi-head latent
+attention, :func:`attnkit.flex.flex_attention`, :func:`attnkit.kernels.attention_forward`) takes ``kernel`` and
+asks :func:`resolve_kernel`; none decides by itself. ``kernel="auto"`` (the default everywhere) means:
+
+1. ``"reference"`` when the weights are needed (``need_weights``, ``output_attentions``, a hook on the pattern):
+   only it forms them;
+2. ``"reference"`` for a single query row (``Lq == 1``, one decoding step): one row of scores per head is
+   cheapest formed whole, and the tiled kernel's tile bookkeeping would cost more than it saves;
+3. ``"tiled"`` otherwise: nothing of size ``Lq x Lk`` is allocated.
+
+A named kernel runs as named (``"tiled"`` with weights needed is a ``ValueError``). Flex attention runs a
+``"reference"`` choice on the reference attention kernel when its mask is one the kernels take as arguments
+(causal, window, key padding, a dense boolean mask) and on its own reference kernel otherwise (a mask
+function, sinks, the log-sum-exp); that is the same choice on another description, not a second rule. A
+new kernel joins with :func:`register_attention_kernel`.
 """
 from __future__ import annotations
 
@@ -60,14 +75,25 @@ register_attention_kernel(AttentionKernel("tiled", _tiled_forward, tiled.flash_a
                                           tiled.FlashContext, returns_weights=False))
 
 
-def resolve_kernel(kernel: str, need_weights: bool) -> AttentionKernel:
-    """The kernel that runs for ``kernel`` ("auto" or a registered name) when weights are or are not needed.
+def resolve_kernel(kernel: str, *, need_weights: bool, seq_q: int | None = None) -> AttentionKernel:
+    """The kernel that runs for ``kernel`` ("auto" or a registered name): the rule in this module's docstring.
 
-    >>> resolve_kernel("auto", need_weights=True).name, resolve_kernel("auto", need_weights=False).name
+    Parameters
+    ----------
+    kernel : str
+        ``"auto"`` or a name in :data:`ATTENTION_KERNELS`.
+    need_weights : bool
+        The caller needs the (..., Lq, Lk) softmax weights.
+    seq_q : int, optional
+        Lq, the number of query rows (None: not known, taken as more than one).
+
+    >>> resolve_kernel("auto", need_weights=True).name, resolve_kernel("auto", need_weights=False, seq_q=9).name
     ('reference', 'tiled')
+    >>> resolve_kernel("auto", need_weights=False, seq_q=1).name
+    'reference'
     """
     if kernel == "auto":
-        return ATTENTION_KERNELS["reference" if need_weights else "tiled"]
+        return ATTENTION_KERNELS["reference" if need_weights or seq_q == 1 else "tiled"]
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"kernel must be 'auto' or one of {sorted(ATTENTION_KERNELS)}, got {kernel!r}")
     chosen = ATTENTION_KERNELS[kernel]

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..._validation import unbroadcast
 from .._masked_product import zero_safe_matmul
 from .._threads import check_stop, run_tasks
-from ..bias import ScoreBias
 from ..flex import checked_scores
 from .plan import (
     FlashContext,
@@ -46,7 +44,6 @@ class _BackwardData:
     v_axes: tuple[int, ...]
     bad_k: np.ndarray | None = None  # (Lk,) keys holding a NaN or inf; None: all finite
     bad_v: np.ndarray | None = None  # (Lk,) values holding a NaN or inf
-    lock: threading.Lock = field(default_factory=threading.Lock)  # ScoreBias.accumulate_grad
 
     def select(self, heads: tuple[slice, ...]) -> _BackwardData:
         """Views of the operands and gradient accumulators a box of heads reads and writes."""
@@ -142,8 +139,8 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     """Gradients of :func:`flash_attention_forward`'s output, by tile-wise recomputation.
 
     Deterministic: identical calls give bitwise identical gradients, whatever the thread scheduling
-    (dQ partial sums are reduced in a fixed order; see ``docs/kernels.md``). A :class:`ScoreBias`'s
-    ``accumulate_grad`` is called once per tile, in an order that may vary between threaded runs.
+    (dQ partial sums are reduced in a fixed order; see ``docs/kernels.md``). A score modifier with
+    parameters runs its tiles on one thread, in a fixed order.
 
     Shapes
     ------
@@ -153,7 +150,7 @@ def flash_attention_backward(grad_out: np.ndarray, ctx: FlashContext):
     -------
     dq, dk, dv : ndarrays shaped like the forward's q, k, v (broadcast dims summed: grouped-query keys
         and values get the sum over their group)
-    dbias : ndarray shaped like an array ``bias``, else None (a ScoreBias gets ``accumulate_grad`` per tile)
+    dbias : ndarray shaped like an array ``bias``, else None
     """
     lead, (seq_q, value_dim) = ctx.lead, ctx.out.shape[-2:]
     seq_k, dtype = ctx.k_aug.shape[-2], ctx.out.dtype
@@ -323,11 +320,7 @@ def _modifier_grad(tiles: _Tiles, ds: np.ndarray, raw: np.ndarray, tile, blocked
 
 
 def _bias_grad(tiles: _Tiles, data: _BackwardData, lane: int, ds: np.ndarray, tile) -> None:
-    """Hand the score gradient of one tile to the bias: a ScoreBias's hook, or the lane's array tile."""
+    """Add the score gradient of one tile into the lane's array-bias gradient."""
     q0, q1, k0, k1 = tile
-    if isinstance(tiles.bias, ScoreBias):
-        with data.lock:  # accumulate_grad updates shared parameter gradients
-            tiles.bias.accumulate_grad(np.arange(q0, q1), np.arange(k0, k1), tiles.seq_q, tiles.seq_k, ds)
-        return
     target = _tile(data.dbias_lanes[lane], q0, q1, k0, k1)  # (..., Tq|1, Tk|1) view into the lane's dbias
     target += unbroadcast(ds, target.shape)

@@ -9,7 +9,6 @@ import numpy as np
 
 from .._masked_product import zero_safe_matmul
 from .._threads import check_stop, run_tasks
-from ..bias import ScoreBias
 from .plan import (
     _LAZY_SHIFT,
     FlashContext,
@@ -28,7 +27,7 @@ from .plan import (
 
 def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray | None = None,
                             causal: bool = False, scale: float | None = None,
-                            bias: np.ndarray | ScoreBias | None = None, dropout_p: float = 0.0,
+                            bias: np.ndarray | None = None, dropout_p: float = 0.0,
                             dropout_seed: int | None = None, block_q: int | None = None,
                             block_k: int | None = None, num_threads: int | None = None,
                             window: int | None = None, score_mod=None, block_mask=None,
@@ -41,7 +40,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     mask : bool, broadcastable to (..., Lq, Lk); ``True`` = may attend (PyTorch's boolean
         ``attn_mask`` of ``scaled_dot_product_attention`` means the same; ``nn.MultiheadAttention``'s
         boolean masks mean the opposite). Never expanded: it is sliced tile by tile.
-    bias : ndarray broadcastable to (..., Lq, Lk), or a :class:`ScoreBias` asked for each tile.
+    bias : ndarray broadcastable to (..., Lq, Lk).
     Grouped-query attention: q (B, Hkv, G, Lq, D) with k, v (B, Hkv, 1, Lk, D); k and v are never
     repeated over the group.
     Returns ``out`` (..., Lq, Dv), ``lse`` (..., Lq) and the context for the backward.

@@ -14,7 +14,6 @@ import numpy as np
 from ..._validation import check_positive_int, check_qkv_shapes
 from .._threads import check_num_threads, default_num_threads, run_tasks
 from .._tile_sizes import choose_heads, choose_tiles, heads_override, tile_override
-from ..bias import ScoreBias
 from ..dropout import keep_mask
 from ..flex import checked_scores, score_index
 
@@ -51,11 +50,11 @@ def _splittable_axes(lead: tuple[int, ...], k_shape, v_shape, bias, dropout: boo
 
     A task must write only gradients no other task writes: keys, values and an array bias that are shared
     along an axis (grouped-query keys, a per-head-shared bias) get the sum over it, so that axis stays in
-    one task. A :class:`ScoreBias`, a score modifier, a block mask (``whole``) and dropout produce every
-    head's values per tile, so they keep all heads together.
+    one task. A score modifier, a block mask (``whole``) and dropout produce every head's values per tile,
+    so they keep all heads together.
     """
     nd = len(lead)
-    if dropout or whole or isinstance(bias, ScoreBias):
+    if dropout or whole:
         return (False,) * nd
     owners = [_padded_lead(k_shape, nd), _padded_lead(v_shape, nd)]
     if bias is not None:
@@ -170,7 +169,7 @@ class FlashContext:
     out_dtype: np.dtype
     mask: np.ndarray | None  # user mask (at least 2-D), not combined with causal
     causal: bool
-    bias: np.ndarray | ScoreBias | None
+    bias: np.ndarray | None
     dropout_p: float
     dropout_seed: int | None
     drop_lead: tuple[int, ...]  # leading shape of the reference's weights (keep_mask's index space)
@@ -322,8 +321,6 @@ class _Tiles:
         return s
 
     def bias_tile(self, q0, q1, k0, k1):
-        if isinstance(self.bias, ScoreBias):
-            return self.bias.tile(np.arange(q0, q1), np.arange(k0, k1), self.seq_q, self.seq_k)
         return _tile(self.bias, q0, q1, k0, k1)
 
 
@@ -455,7 +452,7 @@ class _Operands:
     out_dtype: np.dtype  # what the caller gets back
     dtype: np.dtype  # compute dtype, float32 or float64
     mask: np.ndarray | None  # bool, at least 2-D
-    bias: np.ndarray | ScoreBias | None  # an array bias at least 2-D
+    bias: np.ndarray | None  # at least 2-D
     window: int | None
     num_threads: int
 
@@ -480,7 +477,7 @@ def _normalise(q, k, v, mask, bias, dropout_p, dropout_seed, causal, window, num
         mask = _at_least_2d_right(np.asarray(mask))
         if mask.dtype != np.bool_:
             raise TypeError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
-    if bias is not None and not isinstance(bias, ScoreBias):
+    if bias is not None:
         bias = _at_least_2d_right(np.asarray(bias))
     return _Operands(q=q, k=k, v=v, out_dtype=out_dtype, dtype=dtype, mask=mask, bias=bias, window=window,
                      num_threads=num_threads)
