@@ -51,12 +51,13 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.n
     Returns
     -------
     out : (..., Lq, Dv)
-    weights : (..., Lq, Lk) softmax weights before dropout (kernels that form them), or None
+    weights : (..., Lq, Lk) softmax weights before dropout with ``need_weights``, else None
     ctx : the context :func:`attention_backward` needs
     """
     kwargs = dict(mask=mask, causal=causal, scale=scale, bias=bias, dropout_p=dropout_p, dropout_seed=dropout_seed,
                   window=window, score_mod=score_mod)
-    return resolve_kernel(kernel, need_weights=need_weights, seq_q=q.shape[-2]).forward(q, k, v, **kwargs)
+    out, weights, ctx = resolve_kernel(kernel, need_weights=need_weights, seq_q=q.shape[-2]).forward(q, k, v, **kwargs)
+    return out, (weights if need_weights else None), ctx  # the weights only when asked for, whichever kernel ran
 
 
 def attention_backward(grad_out: np.ndarray, ctx):
