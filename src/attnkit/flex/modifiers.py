@@ -332,10 +332,10 @@ class RelativePositionBias(ScoreMod):
         return score + self.params["table"].astype(score.dtype)[buckets, h]  # (B, H, Tq, Tk)
 
     def backward(self, grad, score, b, h, q_idx, kv_idx):
+        per_head = grad.sum(axis=0)  # (H, Tq, Tk): the bias does not depend on the batch row
         heads = np.asarray(h).reshape(-1)  # (H,)
-        flat = self._buckets(q_idx, kv_idx) * self.num_heads + heads[None, :, None, None]  # (1, H, Tq, Tk)
-        flat = np.broadcast_to(flat, grad.shape)  # (B, H, Tq, Tk)
-        summed = np.bincount(flat.ravel(), weights=grad.ravel(), minlength=self.num_buckets * self.num_heads)
+        flat = self._buckets(q_idx, kv_idx)[0] * self.num_heads + heads[:, None, None]  # (H, Tq, Tk)
+        summed = np.bincount(flat.ravel(), weights=per_head.ravel(), minlength=self.num_buckets * self.num_heads)
         self.grads["table"] += summed.reshape(self.num_buckets, self.num_heads)  # (NB, H)
         return grad
 
