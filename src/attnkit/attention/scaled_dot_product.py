@@ -140,15 +140,15 @@ def _block_mask(mask: np.ndarray | None, causal: bool, lead: tuple[int, ...], fo
     if seq_q == 0 or seq_k == 0 or (mask is None and not causal):
         return None
     parts = [causal_lower_right(seq_q, seq_k)] if causal else []
-    batch = None
+    batch = heads = None  # the block mask's B and H: None broadcasts over that axis
     if mask is not None:
-        m = mask.reshape((1,) * (len(lead) + 2 - mask.ndim) + mask.shape)  # (..., Lq|1, Lk|1), all lead dims
-        heads = m.shape[-3] if lead else 1
+        m = mask.reshape((1,) * (len(lead) + 2 - mask.ndim) + mask.shape)  # (..., Lq|1, Lk|1), every lead dim
+        if lead and m.shape[-3] > 1:
+            heads = folded[1]
         if any(n != 1 for n in m.shape[:-3]):  # the batch dims vary: fold them (a view where it can be)
             m = np.broadcast_to(m, lead[:-1] + m.shape[-3:])
             batch = folded[0]
-        m = m.reshape((batch or 1, heads) + m.shape[-2:])  # (B'|1, H'|1, Lq|1, Lk|1)
+        m = m.reshape((batch or 1, heads or 1) + m.shape[-2:])  # (B'|1, H'|1, Lq|1, Lk|1)
         parts.append(boolean_mask(m))
     described = parts[0] if len(parts) == 1 else and_masks(*parts)
-    heads = folded[1] if mask is not None and heads > 1 else None
     return create_block_mask(described, batch, heads, seq_q, seq_k)
