@@ -101,3 +101,32 @@ def test_a_head_s_modifier_shares_the_head_s_parameter_and_gradient_arrays():
         assert mod.params[key] is head._parameters[name] and mod.grads[key] is head.grads[name]
         assert mod.offset == 5
     assert LearnedBiasAttention(3, num_buckets=8, max_distance=12).rel_bias.shape == (8, 3)  # (NB, H)
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+def test_the_tiled_route_matches_torch_multihead_attention(dtype, tol):
+    """Without the weights (the tiled kernel through flex): torch.nn.MultiheadAttention's output and input
+    gradients, causal with padded keys, float64 to 1e-12 and float32 to 2e-5 (relative to the largest entry:
+    float32 rounding of sums of ~E terms)."""
+    import torch
+
+    rng = make_rng(9)
+    mha = MultiHeadAttention(E, H, rng=5)
+    x, grad = randn(rng, B, LK, E, dtype=dtype), randn(rng, B, LK, E, dtype=dtype)
+    kpm = np.ones((B, LK), bool)
+    kpm[0, -2:] = False  # (B, Lk) padding at the end of row 0: no query loses every key
+    out, weights = mha(x, x, x, key_padding_mask=kpm, is_causal=True, need_weights=False)
+    assert weights is None and mha.attention.saved_tensors[0].kernel == "tiled"
+    grad_x = sum(mha.backward(grad))
+    tdtype = torch.float64 if dtype == np.float64 else torch.float32
+    ref = torch.nn.MultiheadAttention(E, H, bias=False, batch_first=True, dtype=tdtype)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.from_numpy(np.concatenate([mha.W_Q.T, mha.W_K.T, mha.W_V.T])))
+        ref.out_proj.weight.copy_(torch.from_numpy(mha.W_O.T.copy()))
+    tx = torch.from_numpy(x).requires_grad_(True)
+    causal = torch.from_numpy(~np.tril(np.ones((LK, LK), bool)))  # torch: True = not allowed
+    t_out, _ = ref(tx, tx, tx, key_padding_mask=torch.from_numpy(~kpm), attn_mask=causal, need_weights=False)
+    t_out.backward(torch.from_numpy(grad))
+    for ours, theirs in ((out, t_out.detach().numpy()), (grad_x, tx.grad.numpy())):
+        assert ours.dtype == dtype
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=tol * np.abs(theirs).max())
