@@ -24,8 +24,8 @@ from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from .gated_mlp import GatedMLP
-from .layer_norm import LayerNorm
 from .identity import Identity
+from .layer_norm import LayerNorm
 from .lm_block import LMBlock, ParallelLMBlock
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .projection import Projection
