@@ -30,7 +30,8 @@ from .patching import activation_patching, attribution_patching
 from .rollout import attention_rollout
 from .similarity import SimilarityAttribution, similarity_attribution
 
-__all__ = ["GenerationAttribution", "IntegratedGradients", "LogitLens", "SimilarityAttribution", "activation_patching", "attention_flow",
-           "attention_rollout", "attribution_patching", "direct_logit_attribution", "encode_attention",
-           "explain_html", "explain_similarity_html", "generation_attribution", "gradient_x_input", "hook_names", "hooks",
-           "integrated_gradients", "logit_lens", "run_with_cache", "saliency", "similarity_attribution"]
+__all__ = ["GenerationAttribution", "IntegratedGradients", "LogitLens", "SimilarityAttribution",
+           "activation_patching", "attention_flow", "attention_rollout", "attribution_patching",
+           "direct_logit_attribution", "encode_attention", "explain_html", "explain_similarity_html",
+           "generation_attribution", "gradient_x_input", "hook_names", "hooks", "integrated_gradients", "logit_lens",
+           "run_with_cache", "saliency", "similarity_attribution"]
