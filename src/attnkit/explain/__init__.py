@@ -10,7 +10,8 @@ the layers, and what each layer would predict.
 - :func:`run_with_cache`, :func:`hooks`, :func:`hook_names`: activations by TransformerLens's names, read or
   replaced under forward, ``generate`` and the exact backward.
 - :func:`activation_patching`, :func:`attribution_patching`: which layer, position or head carries the
-  difference between a clean and a corrupted prompt, patched or estimated from the exact gradient.
+  difference between a clean and a corrupted prompt, patched or estimated from the exact gradient;
+  :func:`path_patching` the part of one head's effect that reaches later heads' queries, keys or values.
 - :func:`integrated_gradients`: input attributions along a path from a baseline, with the completeness gap.
 - :func:`generation_attribution`: per generated token, which tokens before it made the model choose it (inseq's
   matrix), with a contrastive variant against a foil.
@@ -27,6 +28,7 @@ from .integrated_gradients import IntegratedGradients, integrated_gradients
 from .logit_lens import LogitLens, logit_lens
 from .page import encode_attention, explain_html, explain_similarity_html
 from .patching import activation_patching, attribution_patching
+from .path_patching import path_patching
 from .rollout import attention_rollout
 from .similarity import SimilarityAttribution, similarity_attribution
 
@@ -34,4 +36,4 @@ __all__ = ["GenerationAttribution", "IntegratedGradients", "LogitLens", "Similar
            "activation_patching", "attention_flow", "attention_rollout", "attribution_patching",
            "direct_logit_attribution", "encode_attention", "explain_html", "explain_similarity_html",
            "generation_attribution", "gradient_x_input", "hook_names", "hooks", "integrated_gradients", "logit_lens",
-           "run_with_cache", "saliency", "similarity_attribution"]
+           "path_patching", "run_with_cache", "saliency", "similarity_attribution"]
