@@ -10,6 +10,8 @@ BLAS and its kernel, threads). PyTorch is optional: without it a benchmark says 
   (``python -m attnkit.benchmarks.encoder``);
 - :mod:`~attnkit.benchmarks.minilm`: all-MiniLM-L6-v2 sentence embeddings against sentence-transformers
   (``python -m attnkit.benchmarks.minilm``);
+- :mod:`~attnkit.benchmarks.patching`: attribution patching against one forward and backward
+  (``python -m attnkit.benchmarks.patching``);
 - :mod:`~attnkit.benchmarks.naive`: the textbook attention the attention benchmark compares with;
 - :mod:`~attnkit.benchmarks.machine`: where a benchmark ran.
 

@@ -42,6 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                "  attnkit explain ./gpt2 --ids 464,3797,3332 --html cat.html --candidates 8\n"
                "  attnkit explain ./gpt2 --prompt \"When Mary and John went to the store, John gave a drink to\" "
                "--corrupt \"When Mary and John went to the store, Mary gave a drink to\" --html ioi.html\n"
+               "  attnkit explain ./smollm2.gguf --prompt \"The capital of France is\" --generate 8 "
+               "--html paris.html\n"
                "  attnkit explain --model minilm --prompt \"A man is eating food.\" --compare \"Someone eats "
                "bread.\" --html food.html\n"
                "  attnkit explain ./add --prompt \"07+35=\" --html add.html   (a folder of 'attnkit demo --task "
@@ -60,6 +62,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "patching (which layer, position and head carry the difference)")
     p.add_argument("--corrupt-ids", metavar="IDS", default=None,
                    help="the corrupted prompt's token ids, comma-separated")
+    p.add_argument("--generate", metavar="N", type=bounded_int(1, 256), default=None,
+                   help="causal LMs: decode N tokens greedily after the prompt; the page adds, for each generated "
+                        "token, which tokens before it made the model choose it")
     p.add_argument("--html", metavar="FILE", required=True, help="the page to write (.html)")
     p.add_argument("--candidates", type=bounded_int(1, 50), default=5,
                    help="how many of the most likely next tokens to explain (default 5)")
@@ -83,14 +88,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no model: give a folder (DIR) or --model minilm", PROG)
     corrupting = args.corrupt is not None or args.corrupt_ids is not None
     if args.model_dir == "minilm" or (Path(args.model_dir) / "modules.json").is_file():
-        if corrupting:
-            raise UsageError("--corrupt is for causal LMs (activation patching of the next token)", PROG)
+        if corrupting or args.generate is not None:
+            raise UsageError(f"{'--corrupt' if corrupting else '--generate'} is for causal LMs (a sentence encoder "
+                             f"predicts no token)", PROG)
         return _run_encoder(args)
     from ..demos import addition
 
     if addition.is_addition_folder(args.model_dir):
-        if corrupting:
-            raise UsageError("--corrupt is for Hugging Face causal-LM folders", PROG)
+        if corrupting or args.generate is not None:
+            raise UsageError(f"{'--corrupt' if corrupting else '--generate'} is for Hugging Face causal-LM folders "
+                             f"and GGUF files", PROG)
         return _run_addition(args)
     if args.compare is not None:
         raise UsageError("--compare is for sentence encoders (--model minilm or a sentence-transformers folder); "
@@ -126,6 +133,10 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
             raise UsageError(f"the corrupted prompt has {len(corrupt)} tokens but the prompt has {len(ids)}: "
                              f"activation patching puts back one position at a time, so they must be as long",
                              PROG)
+    if args.generate is not None and model.rotary is None and \
+            len(ids) + args.generate > model.config.max_position_embeddings:
+        raise UsageError(f"the prompt's {len(ids)} tokens and --generate {args.generate} are more than the model's "
+                         f"{model.config.max_position_embeddings} positions", PROG)
     if args.candidates > model.config.vocab_size or args.top_k > model.config.vocab_size:
         raise UsageError(f"--candidates and --top-k must be at most the vocabulary size "
                          f"{model.config.vocab_size}", PROG)
@@ -138,7 +149,8 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     said = printable(args.prompt, 60) if args.prompt is not None else " ".join(map(str, ids))
     data = explain_html(model, np.array(ids, dtype=np.int64), page, token_text=piece, candidates=args.candidates,
                         top_k=args.top_k, title=f"{name}: {said}", byte_level=is_byte_level_tokenizer(tokenizer),
-                        corrupt=None if corrupt is None else np.array(corrupt, dtype=np.int64))
+                        corrupt=None if corrupt is None else np.array(corrupt, dtype=np.int64),
+                        generate=args.generate or 0)
     _report(name, model, ids, data, page)
     return 0
 
@@ -155,6 +167,11 @@ def _report(name: str, model: Any, ids: list[int], data: dict, page: Path) -> No
         print(f"patching: logit[{printable(repr(patching['correct_text']))}] - "
               f"logit[{printable(repr(patching['incorrect_text']))}] = {patching['clean_metric']:.3f} on the prompt, "
               f"{patching['corrupt_metric']:.3f} corrupted; patched every layer and position, and every head")
+    generation = data["generation"]
+    if generation is not None:
+        new = "".join(generation["tokens"][generation["prompt_length"]:])
+        print(f"generated: {printable(repr(new), 80)}; attributed each of its {len(generation['attributions'])} "
+              f"tokens to the tokens before it")
     print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
 
 

@@ -10,8 +10,11 @@ the layers, and what each layer would predict.
 - :func:`run_with_cache`, :func:`hooks`, :func:`hook_names`: activations by TransformerLens's names, read or
   replaced under forward, ``generate`` and the exact backward.
 - :func:`activation_patching`, :func:`attribution_patching`: which layer, position or head carries the
-  difference between a clean and a corrupted prompt, patched or estimated from the exact gradient.
+  difference between a clean and a corrupted prompt, patched or estimated from the exact gradient;
+  :func:`path_patching` the part of one head's effect that reaches later heads' queries, keys or values.
 - :func:`integrated_gradients`: input attributions along a path from a baseline, with the completeness gap.
+- :func:`generation_attribution`: per generated token, which tokens before it made the model choose it (inseq's
+  matrix), with a contrastive variant against a foil.
 - :func:`direct_logit_attribution`: each head's, MLP's and the embeddings' share of a logit, summing to it.
 - :func:`explain_html`: all of it, with the attention of every head, in one offline HTML page;
   :func:`explain_similarity_html` the same for a sentence encoder and two sentences.
@@ -19,15 +22,18 @@ the layers, and what each layer would predict.
 from .attribution import gradient_x_input, saliency
 from .direct_logit import direct_logit_attribution
 from .flow import attention_flow
+from .generation import GenerationAttribution, generation_attribution
 from .hooks import hook_names, hooks, run_with_cache
 from .integrated_gradients import IntegratedGradients, integrated_gradients
 from .logit_lens import LogitLens, logit_lens
 from .page import encode_attention, explain_html, explain_similarity_html
 from .patching import activation_patching, attribution_patching
+from .path_patching import path_patching
 from .rollout import attention_rollout
 from .similarity import SimilarityAttribution, similarity_attribution
 
-__all__ = ["IntegratedGradients", "LogitLens", "SimilarityAttribution", "activation_patching", "attention_flow",
-           "attention_rollout", "attribution_patching", "direct_logit_attribution", "encode_attention",
-           "explain_html", "explain_similarity_html", "gradient_x_input", "hook_names", "hooks",
-           "integrated_gradients", "logit_lens", "run_with_cache", "saliency", "similarity_attribution"]
+__all__ = ["GenerationAttribution", "IntegratedGradients", "LogitLens", "SimilarityAttribution",
+           "activation_patching", "attention_flow", "attention_rollout", "attribution_patching",
+           "direct_logit_attribution", "encode_attention", "explain_html", "explain_similarity_html",
+           "generation_attribution", "gradient_x_input", "hook_names", "hooks", "integrated_gradients", "logit_lens",
+           "path_patching", "run_with_cache", "saliency", "similarity_attribution"]

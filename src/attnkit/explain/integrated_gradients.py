@@ -75,8 +75,11 @@ def _baseline(model, ids: np.ndarray, baseline: Any) -> np.ndarray:
 
 def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, baseline: Any = None, *,
                          target_position: int = -1, method: str = "gausslegendre",
-                         batch_size: int = 16) -> IntegratedGradients:
+                         batch_size: int = 16, foil: Any = None) -> IntegratedGradients:
     """Integrated gradients of ``log p(target)`` after ``target_position``, on the input token embeddings.
+
+    With a ``foil`` the function explained is contrastive, ``log p(target) - log p(foil)``, which is the logit
+    difference ``logit[target] - logit[foil]`` (the softmax's normaliser cancels).
 
     Parameters
     ----------
@@ -98,6 +101,8 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
         the path, where an RMSNorm model changes most from a zero baseline.
     batch_size : int, default 16
         Quadrature points per forward.
+    foil : int, optional
+        The contrasting token of the contrastive variant (why ``target`` rather than ``foil``).
 
     Returns
     -------
@@ -121,8 +126,11 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
     if batch.shape[0] != 1:
         raise ValueError(f"input_ids must be one sequence, got shape {np.shape(input_ids)}")
     vocab = model.config.vocab_size
-    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < vocab:
-        raise ValueError(f"target must be a token id in [0, {vocab}), got {target!r}")
+    for name, token in (("target", target), ("foil", foil)):
+        if token is None and name == "foil":
+            continue
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
+            raise ValueError(f"{name} must be a token id in [0, {vocab}), got {token!r}")
     batch_size = check_positive_int(batch_size, "batch_size")
     alphas, weights = quadrature(method, steps)
     length = batch.shape[1]
@@ -142,12 +150,17 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
             shifted = row - row.max(axis=-1, keepdims=True)
             probs = np.exp(shifted)
             total = probs.sum(axis=-1, keepdims=True)  # (K, 1)
-            log_p = shifted[:, target] - np.log(total[:, 0])  # (K,)
+            if foil is None:
+                log_p = shifted[:, target] - np.log(total[:, 0])  # (K,)
+            else:  # log p(target) - log p(foil): the normaliser cancels
+                log_p = row[:, target] - row[:, foil]  # (K,)
             if not need_grad:
                 return log_p, None
-            # d log softmax(z)[t] / dz = onehot(t) - softmax(z)
-            grad_logits = -(probs / total)  # (K, V)
+            # d log softmax(z)[t] / dz = onehot(t) - softmax(z); of the logit difference, onehot(t) - onehot(f)
+            grad_logits = -(probs / total) if foil is None else np.zeros_like(row)  # (K, V)
             grad_logits[:, target] += 1.0
+            if foil is not None:
+                grad_logits[:, foil] -= 1.0
             model.backward(grad_logits[:, None].astype(logits.dtype))
         return log_p, grads["g"]
 

@@ -2,8 +2,10 @@
 
 The page shows, for a prompt: which input tokens made the model say each of its most likely next tokens
 (gradient x input and saliency, with a picker for the output token), the logit lens, the attention rollout,
-one head's attention with a colour scale and its legend, and a thumbnail of every head of every layer; with a
-corrupted prompt, the activation patching of the residual stream and of every head.
+one head's attention with a colour scale and its legend, a thumbnail of every head of every layer, and each
+head's, MLP's and the embeddings' direct share of the chosen token's logit; with a corrupted prompt, heat maps
+of the activation patching of the residual stream and of every head; with a generation, the attribution of each
+generated token to every token before it.
 Script, style and data are inline; the page requests nothing from the network.
 
 Attention weights are stored as :func:`attnkit.viz.encode_attention` stores them: 8 bits per weight relative
@@ -33,7 +35,9 @@ from ..io import atomic_write
 from ..viz import encode_attention, fit_attention
 from ._inputs import as_id_batch
 from .attribution import embedding_gradient
+from .direct_logit import direct_logit_attribution
 from .flow import attention_flow
+from .generation import generation_attribution
 from .logit_lens import logit_lens
 from .rollout import attention_rollout
 
@@ -51,7 +55,8 @@ def _rounded(values: np.ndarray, decimals: int = 6) -> list:
 
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
                  candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction",
-                 max_bytes: int | None = None, corrupt: Any = None, byte_level: bool | None = None) -> dict:
+                 max_bytes: int | None = None, corrupt: Any = None, byte_level: bool | None = None,
+                 generate: int = 0) -> dict:
     """Explain ``lm``'s next-token prediction after ``ids`` in one offline HTML page.
 
     Parameters
@@ -82,6 +87,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         (layer, head), for the metric ``logit[correct] - logit[incorrect]`` where ``correct`` is the model's top
         token after ``ids`` and ``incorrect`` its top token after ``corrupt`` (the second after ``ids`` when both
         are the same).
+    generate : int, default 0
+        Decode this many tokens greedily after ``ids`` and add the matrix of :func:`generation_attribution`
+        (gradient x input): for each generated token, which tokens before it made the model choose it.
     byte_level : bool, optional
         Whether the pieces are byte-level BPE's (:func:`attnkit._display.is_byte_level_tokenizer` tells from
         the tokenizer); None: judged piece by piece.
@@ -91,10 +99,14 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     dict
         The data the page holds (``tokens``, ``raw_tokens``, ``rollout`` (L, L), ``flow`` (L, L; up to 24
         tokens, else None: :func:`attention_flow` costs L * L maximum flows), ``candidates`` with their
-        ``gradient_x_input`` and ``saliency`` (L,), ``lens`` and ``vocab``, the readable text of the token ids
+        ``gradient_x_input`` and ``saliency`` (L,) and ``dla`` (:func:`direct_logit_attribution` of their logit:
+        ``heads`` (N, H), ``mlp`` (N,), ``embed`` (with the position embeddings), ``bias`` and ``logit``),
+        ``lens`` and ``vocab``, the readable text of the token ids
         it shows, ``patching``: None without ``corrupt``, else the ``correct`` and ``incorrect`` ids and texts,
-        ``clean_metric``, ``corrupt_metric``, ``corrupt_tokens``, ``resid_pre`` (N, L) and ``z`` (N, H)) and
-        ``bits``, the bits per stored attention weight: what the page shows is exactly this.
+        ``clean_metric``, ``corrupt_metric``, ``corrupt_tokens``, ``resid_pre`` (N, L) and ``z`` (N, H)),
+        ``generation``: None without ``generate``, else ``tokens`` and ``raw_tokens`` of all L + G tokens,
+        ``prompt_length`` and ``attributions`` (G, L + G)) and ``bits``, the bits per stored attention weight:
+        what the page shows is exactly this.
 
     Examples
     --------
@@ -113,6 +125,8 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     vocab = lm.config.vocab_size
     for name, value in (("candidates", candidates), ("top_k", top_k)):
         check_positive_int(value, name, maximum=vocab)
+    if generate != 0:
+        check_positive_int(generate, "generate")
     if max_bytes is None:
         max_bytes = viz.HTML_SIZE_WARNING_BYTES  # read at call time, so it can be changed
     max_bytes = check_positive_int(max_bytes, "max_bytes")
@@ -134,13 +148,8 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     weights = np.stack([w[0] for w in per_layer])  # (N, H, L, L)
     lens = logit_lens(lm, batch[0], top_k=top_k)  # (N, L, K) each
     best = logit_lens(lm, batch[0], top_k=candidates)  # the last layer is the model's own output
-    chosen = []
-    for token, prob in zip(best.token_ids[-1, -1], best.probs[-1, -1], strict=True):
-        grad, embeddings, _ = embedding_gradient(lm, batch, -1, int(token))  # (1, L, D) each
-        chosen.append({"id": int(token), "raw": piece(token), "text": readable(piece(token)),
-                       "prob": float(prob),
-                       "gradient_x_input": _rounded((grad * embeddings).sum(-1)[0]),
-                       "saliency": _rounded(np.sqrt((grad * grad).sum(-1))[0])})
+    chosen = [dict(_candidate(lm, batch, int(token)), raw=piece(token), text=readable(piece(token)), prob=float(prob))
+              for token, prob in zip(best.token_ids[-1, -1], best.probs[-1, -1], strict=True)]
     raw = [piece(i) for i in batch[0]]
     data = {"tokens": [readable(t) for t in raw], "raw_tokens": raw,
             "num_layers": weights.shape[0], "num_heads": weights.shape[1],
@@ -151,8 +160,29 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
             # each id's text once: N x L x K cells repeat few distinct tokens
             "vocab": {str(t): readable(piece(t)) for t in np.unique(lens.token_ids).tolist()},
             "patching": None if corrupted is None else _patching(lm, batch, corrupted,
-                                                                 lambda i: readable(piece(i)))}
+                                                                 lambda i: readable(piece(i))),
+            "generation": None if not generate else _generation(lm, batch[0], generate, piece, readable)}
     return _write_page(data, weights, target, title, top_k, max_bytes)
+
+
+def _candidate(lm, batch: np.ndarray, token: int) -> dict:
+    """One output token's input attributions (L,) and direct logit attribution, for the page."""
+    grad, embeddings, _ = embedding_gradient(lm, batch, -1, token)  # (1, L, D) each
+    parts = direct_logit_attribution(lm, batch[0], token)
+    return {"id": token, "gradient_x_input": _rounded((grad * embeddings).sum(-1)[0]),
+            "saliency": _rounded(np.sqrt((grad * grad).sum(-1))[0]),
+            "dla": {"heads": _rounded(parts["heads"]), "mlp": _rounded(parts["mlp"]),
+                    "embed": round(float(parts["embed"] + parts["pos_embed"]), 6),
+                    "bias": round(float(parts["bias"]), 6), "logit": round(float(parts["logit"]), 6)}}
+
+
+def _generation(lm, ids: np.ndarray, count: int, piece: Callable[[int], str],
+                readable: Callable[[str], str]) -> dict:
+    """The greedy continuation's per-token attribution matrix (G, L + G), for the page."""
+    found = generation_attribution(lm, ids, max_new_tokens=count)
+    raw = [piece(i) for i in found.ids]
+    return {"tokens": [readable(t) for t in raw], "raw_tokens": raw, "prompt_length": found.prompt_length,
+            "method": "gradient_x_input", "attributions": _rounded(found.attributions)}
 
 
 def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, text: Callable[[int], str]) -> dict:
@@ -264,5 +294,5 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
             "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
-            "lens": None, "vocab": {}, "patching": None}
+            "lens": None, "vocab": {}, "patching": None, "generation": None}
     return _write_page(data, weights, target, title, 0, int(max_bytes))

@@ -40,14 +40,18 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{L
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# SmolLM: every digit alone, then GPT-2's split of what is left (two passes, as llama.cpp and the published
+# tokenizer's Digits + ByteLevel do: one regex would split runs of spaces before a digit differently)
+_SMOLLM = (r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
 
-# tokenizer.ggml.pre -> the split of the text before byte-level BPE (llama.cpp's names and regexes).
+# tokenizer.ggml.pre -> the split of the text before byte-level BPE (llama.cpp's names and regexes; a tuple is
+# applied in turn, each to the pieces the one before made).
 GGUF_PRE_TOKENIZERS = {
     "default": _GPT2, "gpt-2": _GPT2,
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
     "falcon3": _LLAMA3, "pixtral": _LLAMA3,
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
-    "tekken": _TEKKEN, "gpt-4o": _GPT4O, "llama4": _GPT4O,
+    "tekken": _TEKKEN, "gpt-4o": _GPT4O, "llama4": _GPT4O, "smollm": _SMOLLM,
 }
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -121,8 +125,9 @@ def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
     if split is None:
         backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     else:
+        passes = split if isinstance(split, tuple) else (split,)
         backend.pre_tokenizer = tk.pre_tokenizers.Sequence([
-            tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated"),
+            *(tk.pre_tokenizers.Split(tk.Regex(regex), behavior="isolated") for regex in passes),
             tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = tk.decoders.ByteLevel()
     return backend
