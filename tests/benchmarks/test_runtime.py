@@ -76,6 +76,8 @@ def test_a_gguf_file_runs_transformers_and_llama_cpp_on_the_same_file(tiny_gguf,
     out = capsys.readouterr().out
     assert "| llama.cpp | 812.5 (812.5-812.5) | 97.2 (97.2-97.2) |" in out
     assert "attnkit / llama.cpp: prefill time " in out and "# llama.cpp build abc1234, CPU Test CPU" in out
+    rounds = [line for line in out.splitlines() if line.startswith("#   tokens/s (prefill/decode per batch): ")]
+    assert len(rounds) == 2 and all("llama.cpp 812.5/97.2, GEMV 10.0 GB/s" in line for line in rounds)
 
 
 def test_a_failing_llama_bench_is_one_line_and_the_run_goes_on(tiny_gguf, tmp_path, monkeypatch, capsys):

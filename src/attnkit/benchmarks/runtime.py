@@ -226,7 +226,25 @@ def _rounds(args: argparse.Namespace, lm: Any, hf: Any, torch: Any) -> list[dict
         if command is not None:
             row["llama.cpp"] = _llama_round(command)
         rounds.append(row)
+        print(_round_line(row, args), flush=True)
     return rounds
+
+
+def _round_line(row: dict[str, Any], args: argparse.Namespace) -> str:
+    """One round's tokens/s per engine (``prefill/decode b1/...``), the GEMV bandwidth and the load average."""
+    parts = []
+    for engine in ("attnkit", "transformers"):
+        if engine in row:
+            rates = [args.prefill / row[engine]["prefill_s"],
+                     *(b * (args.new - 1) / row[engine][f"decode_b{b}_s"] for b in args.batches)]
+            parts.append(f"{engine} " + "/".join(f"{r:.1f}" for r in rates))
+    llama = row.get("llama.cpp", {})
+    if "prefill_tps" in llama or "decode_tps" in llama:
+        parts.append(f"llama.cpp {llama.get('prefill_tps', 0):.1f}/{llama.get('decode_tps', 0):.1f}")
+    if "gemv_Bps" in row:
+        parts.append(f"GEMV {row['gemv_Bps'] / 1e9:.1f} GB/s")
+    load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
+    return "#   tokens/s (prefill/decode per batch): " + ", ".join(parts) + load
 
 
 def _spread(values: list[float]) -> dict[str, float]:
