@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -248,8 +249,7 @@ def _round_line(row: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def _spread(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1]}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def _rates(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
