@@ -126,6 +126,8 @@ class CausalLM(Module):
         getattr(self, self.head_owner).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config = GenerationConfig()
+        # the in-place decoding step, chosen once the parts are built (None: every step takes the general path)
+        self._step = decode_step_for(self)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -260,9 +262,7 @@ class CausalLM(Module):
         per row, a cache, no padding, no weights asked for, no hooks, and layers it knows; else None."""
         if cache is None or ids.shape[1] != 1 or output_attentions or not mask.all():
             return None
-        if "_step" not in self.__dict__:
-            object.__setattr__(self, "_step", decode_step_for(self))
-        step = self.__dict__["_step"]
+        step = self._step
         return None if step is None or step.hooked() else step
 
     def layer_outputs(self, input_ids: Any, attention_mask: Any = None, *,
