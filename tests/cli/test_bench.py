@@ -78,3 +78,42 @@ def test_bench_window_times_the_window_against_causal_attention(tmp_path, capsys
     assert figures["attnkit_fwd_window_ms"] > 0 and figures["attnkit_fwdbwd_causal_ms"] > 0
     if "torch_fwd_window_ms" in figures:  # torch is a test dependency, but the benchmark runs without it
         assert "torch sdpa fwd" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "runtime"], "attnkit bench runtime needs a model: a Hugging Face folder or a GGUF file"),
+    (["bench", "runtime", "missing.gguf"], "model must be a Hugging Face folder or a .gguf file, got 'missing.gguf'"),
+    (["bench", "runtime", "{folder}", "--new", "1"], "--new must be at least 2 for runtime"),
+    (["bench", "runtime", "{folder}", "--llama-bench", "{python}"], "--llama-bench runs llama.cpp on a GGUF file"),
+    (["bench", "runtime", "{gguf}", "--llama-bench", "missing-llama-bench"],
+     "--llama-bench must be an executable llama-bench binary, got 'missing-llama-bench'"),
+    (["bench", "decode", "{folder}"], "attnkit bench decode takes no model"),
+    (["bench", "window", "--llama-bench", "{python}"], "--llama-bench belongs to attnkit bench runtime MODEL"),
+])
+def test_bench_runtime_arguments_that_cannot_run_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # refused before it is read
+    names = {"folder": str(tmp_path), "gguf": str(gguf), "python": sys.executable}
+    assert main([a.format(**names) for a in argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_bench_runtime_passes_its_options_and_writes_the_figures(tmp_path, monkeypatch, capsys):
+    from attnkit.benchmarks import runtime
+
+    seen, figures = {}, {"attnkit": {"prefill_tps": {"median": 1.0}}}
+
+    def fake_run(options):
+        seen.update(vars(options))
+        return figures
+
+    monkeypatch.setattr(runtime, "run", fake_run)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["bench", "runtime", str(gguf), "--threads", "2", "--prefill", "64", "--new", "5", "--repeats", "4",
+                 "--llama-bench", sys.executable, "--out", str(tmp_path / "out")]) == 0
+    assert seen == {"model": str(gguf), "threads": 2, "prefill": 64, "new": 5, "batches": [1], "repeats": 4,
+                    "llama_bench": sys.executable}
+    assert json.loads((tmp_path / "out" / "runtime-benchmark.json").read_text()) == figures

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import json
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from ..io import atomic_write
 
-__all__ = ["import_torch", "torch_missing_line", "blas_limit", "write_json"]
+__all__ = ["import_torch", "torch_missing_line", "blas_limit", "engine_threads", "write_json"]
 
 
 def import_torch() -> ModuleType | None:
@@ -33,6 +34,23 @@ def blas_limit(threads: int) -> AbstractContextManager[Any]:
     except ImportError:
         return nullcontext()
     return threadpool_limits(limits=threads, user_api="blas")
+
+
+@contextmanager
+def engine_threads(torch: ModuleType | None, threads: int) -> Iterator[None]:
+    """Every engine of a comparison on ``threads`` threads: torch's intra-op pool (when torch is given), NumPy's
+    BLAS and attnkit's kernels; the previous settings come back on exit."""
+    from ..kernels._threads import num_threads
+
+    old = None if torch is None else torch.get_num_threads()
+    if torch is not None:
+        torch.set_num_threads(threads)
+    try:
+        with blas_limit(threads), num_threads(threads):
+            yield
+    finally:
+        if torch is not None:
+            torch.set_num_threads(old)
 
 
 def write_json(path: str | Path, report: Any) -> Path:

@@ -31,18 +31,16 @@ import argparse
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..kernels._threads import num_threads
 from ..pretrained.families import REGISTRY
-from ._support import blas_limit, import_torch, torch_missing_line
+from ._support import engine_threads, import_torch, torch_missing_line
 from .machine import describe, machine_info
 
-__all__ = ["main", "parse_args", "run", "summary", "gemv_bandwidth", "FAMILIES"]
+__all__ = ["main", "parse_args", "run", "summary", "gemv_bandwidth", "weights_read_per_token", "FAMILIES"]
 
 # transformers config class and keyword arguments of each family's benchmark shape, from the families'
 # registry: every rotary family at one shape (SmolLM-135M's), so the ratios compare what each family adds
@@ -69,17 +67,6 @@ def _at_least_two(text: str) -> int:
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
     return value
-
-
-@contextmanager
-def _threads(torch: Any, n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        with blas_limit(n), num_threads(n):
-            yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def gemv_bandwidth(megabytes: int = 256, repeats: int = 10, *, seconds: float | None = None) -> float:
@@ -131,7 +118,7 @@ def _decoding_fraction(lm: Any, ids: np.ndarray, new: int, repeats: int,
     return sorted(pairs)[len(pairs) // 2]
 
 
-def _weights_read_per_token(lm: Any) -> int:
+def weights_read_per_token(lm: Any) -> int:
     """Bytes of weights one decoded token reads: every matrix, but only one row of an input-only table."""
     total = sum(p.nbytes for p in lm.parameters())
     if not lm.config.tie_word_embeddings:
@@ -184,7 +171,7 @@ def _family(family: str, args: argparse.Namespace, torch: Any) -> dict[str, floa
         print(f"{family} decode batch {batch}: attnkit {tokens / t_ours:7.1f} tok/s, transformers "
               f"{tokens / t_hf:7.1f} tok/s, speed ratio {t_hf / t_ours:.2f}x (greedy tokens equal: {same:.0%})")
         if batch == 1:
-            per_token = _weights_read_per_token(ours)
+            per_token = weights_read_per_token(ours)
             row["gemv_fraction"], rate, beside = _decoding_fraction(ours, ids, args.new, args.repeats, per_token)
             print(f"{family} batch-1 decoding steps read {per_token / 2**20:.0f} MiB of weights "
                   f"per token at {rate / 1e9:.1f} GB/s: {row['gemv_fraction']:.0%} of the GEMV bandwidth sustained "
@@ -207,7 +194,7 @@ def run(args: argparse.Namespace) -> dict:
         return {}
     for line in describe(machine_info(), threads=args.threads):
         print(line)
-    with _threads(torch, args.threads), torch.inference_mode():
+    with engine_threads(torch, args.threads), torch.inference_mode():
         print(f"GEMV bandwidth (float32, 256 MiB matrix): {gemv_bandwidth() / 1e9:.1f} GB/s")
         figures = {family: _family(family, args, torch) for family in args.families}
     for line in summary(figures):

@@ -2,7 +2,8 @@
 
 ``attention`` (the default) times the attention kernels; ``decode`` times every decoder family's generation and
 prefill against ``transformers``; ``window`` a sliding window against full causal attention (and PyTorch's
-masked band).
+masked band); ``runtime MODEL`` one model's prefill and decoding on attnkit, ``transformers`` and (with
+``--llama-bench``) llama.cpp on the same weights, and the share of the GEMV bandwidth decoding reaches.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from ..benchmarks.decode import FAMILIES as _FAMILIES
 from ..io import atomic_write
-from ._common import UsageError, bounded_int, output_folder
+from ._common import UsageError, bounded_int, output_folder, printable
 
 _DECODE_FAMILIES = tuple(_FAMILIES)
 
@@ -39,9 +40,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "prefill against transformers in the same run, with the share of the GEMV bandwidth "
                     "(attnkit.benchmarks.decode; needs torch and transformers). "
                     "attnkit bench window: a sliding window (--window, at --length) against full causal attention "
-                    "in the tiled kernel, forward and backward, and PyTorch with the band as a mask.")
-    p.add_argument("name", nargs="?", default="attention", choices=("attention", "decode", "window"),
+                    "in the tiled kernel, forward and backward, and PyTorch with the band as a mask. "
+                    "attnkit bench runtime MODEL (a Hugging Face folder or a GGUF file): prefill and decode "
+                    "tokens/s of attnkit and transformers (when installed) on the same weights, in rounds that "
+                    "alternate the engines, the GEMV bandwidth measured right after attnkit's decoding and the "
+                    "share of it decoding reaches; with --llama-bench PATH llama.cpp's llama-bench on the same "
+                    "GGUF file in the same rounds (attnkit.benchmarks.runtime).")
+    p.add_argument("name", nargs="?", default="attention", choices=("attention", "decode", "window", "runtime"),
                    help="which benchmark (default attention)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="runtime only: a Hugging Face causal LM folder or a GGUF file")
     p.add_argument("--sizes", type=bounded_int(1, 1 << 20), nargs="+", default=[256, 512, 1024, 2048],
                    help="sequence lengths L (default 256 512 1024 2048)")
     p.add_argument("--repeats", type=bounded_int(1, 10_000), default=3,
@@ -59,10 +67,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                 help="families to time (default: all)")
     decode_options.add_argument("--new", type=bounded_int(1, 100_000), default=32,
                                 help="greedy tokens per decode run (default 32)")
-    decode_options.add_argument("--batches", type=bounded_int(1, 4096), nargs="+", default=[1, 8],
-                                help="decode batch sizes (default 1 8)")
+    decode_options.add_argument("--batches", type=bounded_int(1, 4096), nargs="+", default=None,
+                                help="decode batch sizes (default 1 8; runtime: 1)")
     decode_options.add_argument("--prefill", type=bounded_int(1, 1 << 20), default=1024,
                                 help="prefill length (default 1024)")
+    runtime_options = p.add_argument_group("runtime (also --new, --batches, --prefill, --repeats, --threads)")
+    runtime_options.add_argument("--llama-bench", default=None, metavar="PATH",
+                                 help="a llama.cpp llama-bench binary: run it on the same GGUF file")
     window_options = p.add_argument_group("window")
     window_options.add_argument("--length", type=bounded_int(1, 1 << 20), default=8192,
                                 help="sequence length (default 8192)")
@@ -74,6 +85,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Translate the options into the benchmark's own and run it."""
+    if args.model is not None and args.name != "runtime":
+        raise UsageError(f"attnkit bench {args.name} takes no model (got {args.model!r}); "
+                         f"attnkit bench runtime MODEL times a model")
+    if args.llama_bench is not None and args.name != "runtime":
+        raise UsageError("--llama-bench belongs to attnkit bench runtime MODEL")
+    if args.name == "runtime":
+        return _run_runtime(args)
     if args.name == "decode":
         return _run_decode(args)
     if args.name == "window":
@@ -100,7 +118,7 @@ def _run_decode(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         raise UsageError("attnkit bench decode compares with transformers: pip install torch transformers")
-    argv = ["--new", str(args.new), "--batches", *map(str, args.batches), "--prefill", str(args.prefill),
+    argv = ["--new", str(args.new), "--batches", *map(str, args.batches or [1, 8]), "--prefill", str(args.prefill),
             "--repeats", str(args.repeats), "--threads", str((args.threads or [os.cpu_count() or 1])[0])]
     if args.families:
         argv += ["--families", *args.families]
@@ -120,4 +138,26 @@ def _run_window(args: argparse.Namespace) -> int:
     figures = window.run(window.parse_args(argv))
     text = (json.dumps(figures, indent=2) + "\n").encode()
     atomic_write(output_folder(args.out) / "window-benchmark.json", lambda f: f.write(text))
+    return 0
+
+
+def _run_runtime(args: argparse.Namespace) -> int:
+    from ..benchmarks import runtime
+
+    if args.model is None:
+        raise UsageError("attnkit bench runtime needs a model: a Hugging Face folder or a GGUF file")
+    if args.new < 2:
+        raise UsageError(f"--new must be at least 2 for runtime (one token is the prompt's forward alone), "
+                         f"got {args.new}")
+    options = argparse.Namespace(model=args.model, threads=(args.threads or [os.cpu_count() or 1])[0],
+                                 prefill=args.prefill, new=args.new, batches=args.batches or [1],
+                                 repeats=args.repeats, llama_bench=args.llama_bench)
+    try:
+        runtime.check_args(options)
+    except ValueError as exc:
+        raise UsageError(printable(str(exc))) from None
+    out = output_folder(args.out)
+    figures = runtime.run(options)
+    text = (json.dumps(figures, indent=2) + "\n").encode()
+    atomic_write(out / "runtime-benchmark.json", lambda f: f.write(text))
     return 0

@@ -25,6 +25,7 @@ from ..layers.embedding import Embedding
 from ..layers.lm_block import make_block, make_norm
 from ..layers.rotary import RotaryEmbedding
 from .config import DecoderConfig
+from .decode_step import DecodeStep, decode_step_for
 
 __all__ = ["CausalLM", "positions_from_mask"]
 
@@ -125,6 +126,8 @@ class CausalLM(Module):
         getattr(self, self.head_owner).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config = GenerationConfig()
+        # the in-place decoding step, chosen once the parts are built (None: every step takes the general path)
+        self._step = decode_step_for(self)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -230,6 +233,10 @@ class CausalLM(Module):
         """
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
         keep = check_positive_int(logits_to_keep, "logits_to_keep", allow_zero=True)
+        step = self._decode_step(ids, mask, cache, output_attentions)
+        if step is not None:
+            self.save_for_backward()
+            return step.step(ids, positions, cache)  # (B, 1, V)
         weights: list[np.ndarray] = []
         with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else nullcontext():
             h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None)  # (B, L, D)
@@ -249,6 +256,14 @@ class CausalLM(Module):
         else:
             self.save_for_backward()
         return (logits, weights) if output_attentions else logits
+
+    def _decode_step(self, ids, mask, cache, output_attentions: bool) -> DecodeStep | None:
+        """The in-place decoding step (:mod:`attnkit.models.decode_step`) when it serves this call: one token
+        per row, a cache, no padding, no weights asked for, no hooks, and layers it knows; else None."""
+        if cache is None or ids.shape[1] != 1 or output_attentions or not mask.all():
+            return None
+        step = self._step
+        return None if step is None or step.hooked() else step
 
     def layer_outputs(self, input_ids: Any, attention_mask: Any = None, *,
                       position_ids: Any = None) -> list[np.ndarray]:
