@@ -10,7 +10,8 @@
 - the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`MixtureOfExperts`,
   :class:`RotaryEmbedding` and :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`);
 - :class:`GatedDeltaNet`, the linear-attention layer of Qwen3-Next and Qwen3.5, and its
-  :class:`GatedDeltaNetCache`.
+  :class:`GatedDeltaNetCache`; :class:`GatedDeltaNetMixer` is it as a decoder block's token mixer, shaped by a
+  :class:`GatedDeltaNetConfig`.
 
 Every layer's ``forward`` saves what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
@@ -22,7 +23,7 @@ from .encoder import TransformerEncoder
 from .encoder_block import TransformerEncoderBlock
 from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
-from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
+from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache, GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
 from .lm_block import LMBlock
@@ -38,4 +39,5 @@ __all__ = [
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
     "RMSNorm", "GatedMLP", "MixtureOfExperts", "RotaryEmbedding", "LMBlock", "GatedDeltaNet", "GatedDeltaNetCache",
+    "GatedDeltaNetConfig", "GatedDeltaNetMixer",
 ]
