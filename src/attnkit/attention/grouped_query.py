@@ -208,9 +208,9 @@ class GroupedQueryAttention(Module):
         if hooked:
             merged = self.hook_point("hook_z", merged)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
-        y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
+        y, out_saved = self._output(x, merged)  # (B, L, D)
         if cache is None:  # the cached path is inference: it keeps nothing
-            self.save_for_backward(x, merged, ctx, rotary, normed)
+            self.save_for_backward(x, out_saved, ctx, rotary, normed)
         else:
             self.save_for_backward()
         if not output_attentions:
@@ -255,12 +255,11 @@ class GroupedQueryAttention(Module):
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""
         if self.saved_tensors is None:
             raise RuntimeError("GroupedQueryAttention.backward needs a forward without a cache just before it")
-        x, merged, ctx, rotary, normed = self.saved_tensors
+        x, out_saved, ctx, rotary, normed = self.saved_tensors
         b, length, _ = x.shape
         g = check_grad_output(grad_output, x.shape, x.dtype, "GroupedQueryAttention")
         p = self._parameters
-        grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
-        self._accumulate("O", grad_w, grad_b)
+        grad_merged, grad_x = self._output_backward(g, x, out_saved)  # (B, L, Hq*Dh), (B, L, D)
         grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim)  # (B, L, Hq, Dh)
         hooked = self._hook_table is not None
         if hooked:
@@ -286,12 +285,24 @@ class GroupedQueryAttention(Module):
         dq, dk, dv = (d.transpose(0, 2, 1, 3).reshape(b, length, -1) for d in (dq, dk, dv))  # (B, L, H*Dh)
         if normed is not None and self.qk_norm_scope == "projection":
             dq, dk = self._norm_backward(dq, dk, normed)  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
-        grad_x = np.zeros_like(x)
         for name, flat in (("Q", dq), ("K", dk), ("V", dv)):
             gx, grad_w, grad_b = linear_backward(flat, x, p[f"W_{name}"], f"b_{name}" in p)  # (B, L, D)
             self._accumulate(name, grad_w, grad_b)
             grad_x += gx
         return grad_x
+
+    def _output(self, x: np.ndarray, merged: np.ndarray):
+        """The heads' outputs side by side (B, L, Hq*Dh) through ``W_O``: ``(y (B, L, D), saved)``."""
+        return linear(merged, self._parameters["W_O"], self._parameters.get("b_O")), merged
+
+    def _output_backward(self, grad_y: np.ndarray, x: np.ndarray, merged: np.ndarray):
+        """Gradients of :meth:`_output`: ``W_O``'s (and ``b_O``'s) into ``grads``; returns the heads' outputs'
+        (B, L, Hq*Dh) and a fresh ``grad_x`` (B, L, D) the projections' gradients are added to (zeros here: x
+        reaches the output only through the heads)."""
+        p = self._parameters
+        grad_merged, grad_w, grad_b = linear_backward(grad_y, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
+        self._accumulate("O", grad_w, grad_b)
+        return grad_merged, np.zeros_like(x)
 
     def _norm_backward(self, dq: np.ndarray, dk: np.ndarray, normed: tuple) -> tuple[np.ndarray, np.ndarray]:
         """Input gradients of the query and key norms (in the layout they ran in); weights' into ``grads``."""
