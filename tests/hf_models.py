@@ -132,13 +132,20 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                              rope_parameters={"rope_type": "yarn", "factor": 8.0,
                                                               "rope_theta": 500.0, "truncate": True,
                                                               "original_max_position_embeddings": 8}), {}),
+    # Qwen3.5 (text): Gated DeltaNet layers (2 key heads, 4 value heads) and gated full layers, partial rotary
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                               linear_num_key_heads=2, linear_num_value_heads=4,
+                                               linear_key_head_dim=8, linear_value_head_dim=6,
+                                               layer_types=["linear_attention", "full_attention",
+                                                            "linear_attention", "full_attention"]), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "ministral", "qwen2_mixed", "qwen2_layer_types", "llama_sharded",
                  "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text",
-                 "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped")
+                 "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
+                 "qwen3_5_text")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

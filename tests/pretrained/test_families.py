@@ -19,7 +19,7 @@ from hf_models import edit_config, left_padded_batch, positions_from_mask, saved
 
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
-                     "gpt_oss", "gpt_oss_clamped")
+                     "gpt_oss", "gpt_oss_clamped", "qwen3_5_text")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 

@@ -8,16 +8,28 @@ from typing import Any
 
 import numpy as np
 
+from ..attention.gated import GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention
 from ..core.module import Module
 from ..init import as_generator, normal
 from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
+from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm
 
-__all__ = ["LMBlock", "make_norm"]
+__all__ = ["LMBlock", "make_mixer", "make_norm"]
+
+# The token mixer of each layer type (``DecoderConfig.layer_types``): a Module with
+# ``forward(x, *, rotary, attention_mask, cache, output_attentions)`` -> (B, L, D), ``backward`` and ``hook_points``.
+MIXERS = {"full_attention": GroupedQueryAttention, "sliding_attention": GroupedQueryAttention,
+          "gated_attention": GatedAttention, "linear_attention": GatedDeltaNetMixer}
+
+
+def make_mixer(config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> Module:
+    """The token mixer of layer ``layer_index``, by its entry of ``config.layer_types`` (:data:`MIXERS`)."""
+    return MIXERS[config.layer_types[layer_index]](config, layer_index, rng=rng)
 
 
 def make_norm(config) -> Module:
@@ -73,7 +85,7 @@ class LMBlock(Module):
         self.parallel_residual = config.parallel_residual
         if self.pre_norm:
             self.attn_norm = make_norm(config)
-        self.attention = GroupedQueryAttention(config, layer_index, rng=gen)
+        self.attention = make_mixer(config, layer_index, rng=gen)
         if self.post_norm:
             self.attn_post_norm = make_norm(config)
         if self.pre_norm:

@@ -18,10 +18,11 @@ from .._validation import check_positive_int
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
+from ..layers.gated_deltanet import GatedDeltaNetConfig
 
 __all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "ROPE_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention")
 _QK_NORM_SCOPES = ("head", "projection")
 
 
@@ -129,8 +130,12 @@ class DecoderConfig:
         The output head reuses the token embedding matrix.
     sliding_window : int, optional
         W, the number of keys a sliding-window layer sees (itself included).
-    layer_types : tuple of {"full_attention", "sliding_attention"}
-        One entry per layer; default: every layer full.
+    layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention"}
+        Each layer's token mixer; default: every layer full. ``gated_attention``: full attention whose heads'
+        outputs pass through a sigmoid gate (Qwen3-Next, Qwen3.5); ``linear_attention``: a Gated DeltaNet layer
+        shaped by ``linear_attention`` (its cache entry is a fixed-size state, not keys and values).
+    linear_attention : GatedDeltaNetConfig, optional
+        The shape of the ``linear_attention`` layers (required when there are any, refused when not).
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
 
@@ -186,6 +191,7 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())
+    linear_attention: GatedDeltaNetConfig | None = None
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -279,6 +285,12 @@ class DecoderConfig:
             raise ValueError(f"layer_types must hold only {', '.join(_LAYER_TYPES)}, got {bad}")
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        if ("linear_attention" in types) != (self.linear_attention is not None):
+            raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
+                             f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
+        if self.linear_attention is not None and not isinstance(self.linear_attention, GatedDeltaNetConfig):
+            raise TypeError(f"linear_attention must be a GatedDeltaNetConfig, got "
+                            f"{type(self.linear_attention).__name__}")
         object.__setattr__(self, "layer_types", types)
         nope = tuple(self.no_rope_layers)
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in nope) \

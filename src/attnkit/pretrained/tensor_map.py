@@ -30,7 +30,7 @@ class TensorMap:
     targets : tuple of str
         attnkit parameter names (three for a fused ``c_attn``, else one).
     layout : {"copy", "transpose", "split", "head_split", "head_split_transpose", "row_split_transpose",
-              "interleaved_split"}
+              "interleaved_split", "reshape"}
         ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis;
         ``head_split``: a first axis laid out (heads, parts, Dh), each part gathered over the heads (GPT-NeoX's
         fused ``query_key_value``: every head's q, k, v rows together); ``head_split_transpose``: that, then
@@ -44,7 +44,8 @@ class TensorMap:
         ``shape`` and ``layout`` then describe the dequantized array.
     sizes : tuple of int
         ``row_split_transpose``: the first axis cut into parts of these sizes, each transposed (Phi-3's fused
-        ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)).
+        ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)). ``reshape``: the parameter's shape,
+        the same numbers in the same order (a depthwise ``Conv1d``'s (C, 1, K) weight as (C, K)).
     """
 
     source: str
@@ -79,6 +80,8 @@ class TensorMap:
         if self.layout.startswith("head_split"):
             part = (self.shape[0] // len(self.targets),) + self.shape[1:]
             return {t: part[::-1] if self.layout.endswith("transpose") else part for t in self.targets}
+        if self.layout == "reshape":
+            return {self.targets[0]: self.sizes}
         return {self.targets[0]: self.shape}
 
     def convert(self, array: np.ndarray) -> dict[str, np.ndarray]:
@@ -98,6 +101,8 @@ class TensorMap:
             grouped = array.reshape(self.heads, n, -1, *array.shape[1:])  # (H, parts, Dh, ...)
             parts = [grouped[:, j].reshape(-1, *array.shape[1:]) for j in range(n)]  # (H*Dh, ...) each
             return dict(zip(self.targets, (p.T for p in parts) if self.layout.endswith("transpose") else parts))
+        if self.layout == "reshape":
+            return {self.targets[0]: array.reshape(self.sizes)}
         return {self.targets[0]: array}
 
     def gather(self, params: dict[str, Any]) -> Any:
@@ -116,4 +121,6 @@ class TensorMap:
                 parts = [p.T for p in parts]  # (H*Dh, In) each
             grouped = [p.reshape(self.heads, -1, *p.shape[1:]) for p in parts]  # (H, Dh, ...) each
             return np.ascontiguousarray(np.stack(grouped, axis=1).reshape(self.shape))  # (H*parts*Dh, ...)
+        if self.layout == "reshape":
+            return np.ascontiguousarray(parts[0].reshape(self.shape))
         return np.ascontiguousarray(parts[0])
