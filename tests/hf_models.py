@@ -138,6 +138,23 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                linear_key_head_dim=8, linear_value_head_dim=6,
                                                layer_types=["linear_attention", "full_attention",
                                                             "linear_attention", "full_attention"]), {}),
+    # Qwen3-Next: Qwen3.5's layers with fused projections; layer 2 dense, the others top-2-of-4 experts and a
+    # shared expert (renormalised top-k)
+    "qwen3_next": ("Qwen3NextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                           linear_value_head_dim=6, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                           mlp_only_layers=[2],
+                                           layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                        "full_attention"]), {}),
+    # the full softmax's probabilities as weights (norm_topk_prob false), every second layer sparse
+    "qwen3_next_unnormalised": ("Qwen3NextConfig", dict(_COMMON, num_hidden_layers=2, num_key_value_heads=1,
+                                                        head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+                                                        linear_key_head_dim=8, linear_value_head_dim=8,
+                                                        num_experts=3, num_experts_per_tok=2, norm_topk_prob=False,
+                                                        moe_intermediate_size=12, shared_expert_intermediate_size=8,
+                                                        decoder_sparse_step=2, tie_word_embeddings=True,
+                                                        layer_types=["linear_attention", "full_attention"]), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
@@ -145,7 +162,7 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
-                 "qwen3_5_text")
+                 "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

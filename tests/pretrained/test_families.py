@@ -19,7 +19,7 @@ from hf_models import edit_config, left_padded_batch, positions_from_mask, saved
 
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
-                     "gpt_oss", "gpt_oss_clamped", "qwen3_5_text")
+                     "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -42,25 +42,44 @@ def test_gradients_match_hf_autograd(name, hf_root):
     out = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask.astype(np.int64)),
              position_ids=torch.from_numpy(positions_from_mask(mask)))
     (out.logits * torch.from_numpy(g)).sum().backward()
-    theirs_by_name = {n: p.grad.double().numpy() for n, p in hf.named_parameters() if p.grad is not None}
+    theirs_by_name = _experts_one_by_one({n: p.grad.double().numpy() for n, p in hf.named_parameters()
+                                          if p.grad is not None})
     maps, prefix = checkpoint_map(lm.config)
     ours = dict(lm.named_gradients())
-    checked = 0
+    checked = set()
     for m in maps:
         # transformers names every head lm_head in memory (it renames GPT-NeoX's embed_out on load and save)
         hf_name = "lm_head.weight" if m.source in HEAD_NAMES else prefix + m.source
         if hf_name not in theirs_by_name:  # a tied head is the embedding's parameter in torch
             continue
         for target, expected in m.convert(theirs_by_name[hf_name]).items():
+            got = m.destination(ours, target)  # one expert's slice of a stacked parameter, or the parameter
             scale = np.max(np.abs(expected))
             if target.endswith("b_K") and not lm.config.rotary_of(int(target.split(".")[1])):
                 # Without rotary a key bias adds one constant to a query's scores, which softmax ignores: both
                 # gradients are rounding noise, measured against the key weights' gradient.
                 scale = np.max(np.abs(ours[target[:-3] + "W_K"]))
-            err = np.max(np.abs(ours[target] - expected)) / max(scale, 1e-30)
-            assert err <= GRAD_TOL, (target, err)
-            checked += 1
-    assert checked == len(ours)
+            err = np.max(np.abs(got - expected)) / max(scale, 1e-30)
+            assert err <= GRAD_TOL, (target, m.index, err)
+            checked.add(target)
+    assert checked == set(ours)
+
+
+def _experts_one_by_one(grads: dict) -> dict:
+    """transformers keeps Qwen3-Next's experts fused in memory (``experts.gate_up_proj`` (E, 2F, D),
+    ``experts.down_proj`` (E, D, F)); its checkpoints, and so attnkit's map, name each expert's matrices."""
+    out = {}
+    for name, grad in grads.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, f = name[:-len("gate_up_proj")], grad.shape[1] // 2
+            for e in range(grad.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = grad[e, :f], grad[e, f:]
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[:-len("down_proj")]
+            out.update({f"{base}{e}.down_proj.weight": grad[e] for e in range(grad.shape[0])})
+        else:
+            out[name] = grad
+    return out
 
 
 @pytest.mark.parametrize("name, key", [("olmo2", "use_sliding_window"), ("smollm3", "qk_layernorm"),

@@ -12,14 +12,14 @@ from ..attention.gated import GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention
 from ..core.module import Module
 from ..init import as_generator, normal
-from .experts import MixtureOfExperts
+from .experts import MixtureOfExperts, SharedExpertMixture
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm
 
-__all__ = ["LMBlock", "make_mixer", "make_norm"]
+__all__ = ["LMBlock", "make_mixer", "make_mlp", "make_norm"]
 
 # The token mixer of each layer type (``DecoderConfig.layer_types``): a Module with
 # ``forward(x, *, rotary, attention_mask, cache, output_attentions)`` -> (B, L, D), ``backward`` and ``hook_points``.
@@ -37,6 +37,22 @@ def make_norm(config) -> Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.hidden_size, eps=config.norm_eps, offset=config.norm_offset)
     return LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+def make_mlp(config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> Module:
+    """The MLP of layer ``layer_index``: Qwen3-Next's :class:`SharedExpertMixture` on the layers
+    ``config.shared_experts`` lists, else the one ``config.mlp`` names."""
+    gen = as_generator(rng)
+    if config.shared_experts is not None and layer_index in config.shared_experts.layers:
+        return SharedExpertMixture(config, rng=gen)
+    if config.mlp == "gated":
+        return GatedMLP(config, rng=gen)
+    if config.mlp == "experts":
+        return MixtureOfExperts(config, rng=gen)
+    mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=gen)
+    for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
+        setattr(mlp, name, normal(gen, mlp._parameters[name].shape, std=0.02))
+    return mlp
 
 
 class LMBlock(Module):
@@ -90,14 +106,7 @@ class LMBlock(Module):
             self.attn_post_norm = make_norm(config)
         if self.pre_norm:
             self.mlp_norm = make_norm(config)
-        if config.mlp == "gated":
-            self.mlp = GatedMLP(config, rng=gen)
-        elif config.mlp == "experts":
-            self.mlp = MixtureOfExperts(config, rng=gen)
-        else:
-            self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=gen)
-            for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
-                setattr(self.mlp, name, normal(gen, self.mlp._parameters[name].shape, std=0.02))
+        self.mlp = make_mlp(config, layer_index, rng=gen)
         if self.post_norm:
             self.mlp_post_norm = make_norm(config)
 

@@ -18,6 +18,7 @@ from .._validation import check_positive_int
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
+from ..layers.experts import SharedExpertMixtureConfig
 from ..layers.gated_deltanet import GatedDeltaNetConfig
 
 __all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "ROPE_TYPES"]
@@ -136,6 +137,9 @@ class DecoderConfig:
         shaped by ``linear_attention`` (its cache entry is a fixed-size state, not keys and values).
     linear_attention : GatedDeltaNetConfig, optional
         The shape of the ``linear_attention`` layers (required when there are any, refused when not).
+    shared_experts : SharedExpertMixtureConfig, optional
+        Qwen3-Next's routed MLP (softmax-routed SwiGLU experts and a gated shared expert) on the layers it lists;
+        the other layers keep ``mlp``.
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
 
@@ -192,6 +196,7 @@ class DecoderConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())
     linear_attention: GatedDeltaNetConfig | None = None
+    shared_experts: SharedExpertMixtureConfig | None = None
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -291,6 +296,14 @@ class DecoderConfig:
         if self.linear_attention is not None and not isinstance(self.linear_attention, GatedDeltaNetConfig):
             raise TypeError(f"linear_attention must be a GatedDeltaNetConfig, got "
                             f"{type(self.linear_attention).__name__}")
+        if self.shared_experts is not None:
+            if not isinstance(self.shared_experts, SharedExpertMixtureConfig):
+                raise TypeError(f"shared_experts must be a SharedExpertMixtureConfig, got "
+                                f"{type(self.shared_experts).__name__}")
+            if any(i >= self.num_layers for i in self.shared_experts.layers) or self.mlp != "gated":
+                raise ValueError(f"shared_experts.layers must be layer indices below num_layers ({self.num_layers}) "
+                                 f"and the other layers' mlp 'gated', got {self.shared_experts.layers} and "
+                                 f"{self.mlp!r}")
         object.__setattr__(self, "layer_types", types)
         nope = tuple(self.no_rope_layers)
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in nope) \

@@ -25,7 +25,7 @@ from . import Family
 from ._reader import COMMON_KEYS, Reader
 from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, rotary_config
 
-__all__ = ["FAMILY", "HYBRID_KEYS", "hybrid_config", "hybrid_tensors"]
+__all__ = ["FAMILY", "HYBRID_KEYS", "hybrid_config", "hybrid_tensors", "linear_attention_tensors"]
 
 DEFAULTS = {"max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": None,
             "eos_token_id": None, "num_key_value_heads": 2, "head_dim": 256}
@@ -97,7 +97,7 @@ def _gated_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[Tenso
     return maps
 
 
-def _linear_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+def linear_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """Qwen3.5's split projections, one to one (the table of :mod:`attnkit.layers.gated_deltanet`)."""
     shape, d = cfg.linear_attention, cfg.hidden_size
     kd, vd, hv = shape.num_key_heads * shape.key_head_dim, shape.num_value_heads * shape.value_head_dim, \
@@ -119,7 +119,7 @@ def _linear_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[Tens
 MixerTensors = Callable[[DecoderConfig, str, str], list[TensorMap]]
 
 
-def hybrid_tensors(cfg: DecoderConfig, linear: MixerTensors = _linear_attention_tensors,
+def hybrid_tensors(cfg: DecoderConfig, linear: MixerTensors = linear_attention_tensors,
                    mlp: MixerTensors = gated_mlp_tensors) -> tuple[list[TensorMap], str]:
     """The hybrid's checkpoint and the base prefix ``"model."``: per layer its input norm, its mixer's tensors
     (gated attention, or ``linear(cfg, hf_prefix, attnkit_prefix)`` for a linear layer), the MLP's input norm
