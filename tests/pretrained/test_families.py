@@ -215,3 +215,20 @@ def test_a_quantization_other_than_gpt_oss_mxfp4_is_refused(hf_root, tmp_path):
     folder, _ = saved_model("llama_gqa", hf_root)
     with pytest.raises(ValueError, match="quantization_config.*'gptq'"):
         load_causal_lm(edit_config(folder, tmp_path / "q", quantization_config={"quant_method": "gptq"}))
+
+
+def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tmp_path):
+    """attention_weights gives a Gated DeltaNet layer's effective token weights (signed, no softmax), which times
+    its values are the layer's core output; the explain page, which composes softmax patterns, refuses it."""
+    from attnkit.explain.page import explain_html
+
+    folder, _ = saved_model("qwen3_5_text", hf_root)
+    lm = load_causal_lm(folder, dtype=np.float64)
+    ids = np.array([[3, 9, 4, 17, 5, 8]])
+    linear, gated = lm.attention_weights(ids, layers=[0, 1])
+    layer = lm.layers[0]
+    expected, _ = layer.attention.token_weights(layer.attn_norm(lm.embed(ids)))
+    np.testing.assert_allclose(linear, expected, rtol=1e-12, atol=1e-15)
+    assert linear.min() < 0 and np.allclose(gated.sum(-1), 1.0)  # signed weights beside softmax rows
+    with pytest.raises(ValueError, match=r"layers \[0, 2\] of this qwen3_5_text model are Gated DeltaNet"):
+        explain_html(lm, [3, 9, 4], tmp_path / "page.html")

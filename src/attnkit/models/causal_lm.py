@@ -266,6 +266,10 @@ class CausalLM(Module):
         Only the chosen layers compute weights (the others take the tiled kernel), and no layer after the last
         chosen one runs: the weights of layer 0 of a 30-layer model cost one layer's scores, not thirty.
 
+        A linear-attention (Gated DeltaNet) layer has no softmax pattern; its entry is what it has instead, its
+        effective token-to-token weights (B, Hv, L, L) (:meth:`~attnkit.layers.GatedDeltaNet.token_weights`):
+        lower-triangular, signed, rows not summing to one.
+
         Parameters
         ----------
         input_ids, attention_mask, position_ids
