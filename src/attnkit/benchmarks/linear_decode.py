@@ -102,8 +102,9 @@ def _torch_us(torch: Any, cfg: DecoderConfig, context: int, steps: int) -> tuple
     hf_cfg = Qwen3NextConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
                              num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_hidden_layers=2,
                              layer_types=["linear_attention", "full_attention"],
-                             linear_num_key_heads=shape.num_key_heads, linear_num_value_heads=shape.num_value_heads, linear_key_head_dim=shape.key_head_dim,
-                             linear_value_head_dim=shape.value_head_dim, vocab_size=8)
+                             linear_num_key_heads=shape.num_key_heads, linear_num_value_heads=shape.num_value_heads,
+                             linear_key_head_dim=shape.key_head_dim, linear_value_head_dim=shape.value_head_dim,
+                             vocab_size=8)
     hf_cfg._attn_implementation = "sdpa"
     gdn, attn = hf.Qwen3NextGatedDeltaNet(hf_cfg, 0).eval(), hf.Qwen3NextAttention(hf_cfg, 1).eval()
     rotary = hf.Qwen3NextRotaryEmbedding(hf_cfg)
