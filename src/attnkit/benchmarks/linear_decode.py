@@ -24,6 +24,7 @@ import numpy as np
 
 from ..attention.gated import GatedAttention
 from ..decoding.cache import KVCache
+from ..kernels._threads import num_threads
 from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from ..layers.rotary import RotaryEmbedding
 from ..models.config import DecoderConfig
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
     if torch is None and not args.no_torch:
         print(torch_missing_line("no transformers lines"))
     figures: dict[str, list[float]] = {"contexts": list(args.contexts)}
-    with blas_limit(args.threads):
+    # attnkit's kernels set the BLAS threads to their own count: both limits, or a 2-thread GEMV would run
+    with blas_limit(args.threads), num_threads(args.threads):
         if torch is not None:
             torch.set_num_threads(args.threads)
         for name, measure in (("attnkit", lambda n: _attnkit_us(cfg, n, args.steps)),

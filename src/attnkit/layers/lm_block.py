@@ -68,15 +68,17 @@ class LMBlock(Module):
     Parameters
     ----------
     config : DecoderConfig
-        ``norm`` picks RMSNorm or LayerNorm, ``mlp`` picks :class:`GatedMLP`, the plain
-        :class:`FeedForward` (GPT-2) or :class:`MixtureOfExperts` (gpt-oss), ``window_of(layer_index)``
-        the attention's sliding window.
+        ``norm`` picks RMSNorm or LayerNorm, ``layer_types[layer_index]`` the token mixer, ``mlp`` (and
+        ``shared_experts``) the MLP: :class:`GatedMLP`, the plain :class:`FeedForward` (GPT-2),
+        :class:`MixtureOfExperts` (gpt-oss) or :class:`SharedExpertMixture` (Qwen3-Next),
+        ``window_of(layer_index)`` the attention's sliding window.
     layer_index : int
     rng : numpy.random.Generator or int, optional
 
     Attributes
     ----------
-    attention (:class:`~attnkit.attention.grouped_query.GroupedQueryAttention`), mlp; attn_norm, mlp_norm
+    attention (the token mixer of the layer's type, :func:`make_mixer`: grouped-query attention, gated attention or
+    a Gated DeltaNet), mlp (:func:`make_mlp`); attn_norm, mlp_norm
     with ``pre_norm``; attn_post_norm, mlp_post_norm with ``post_norm``.
 
     Shapes
