@@ -232,3 +232,18 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
     assert linear.min() < 0 and np.allclose(gated.sum(-1), 1.0)  # signed weights beside softmax rows
     with pytest.raises(ValueError, match=r"layers \[0, 2\] of this qwen3_5_text model are Gated DeltaNet"):
         explain_html(lm, [3, 9, 4], tmp_path / "page.html")
+
+
+@pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),
+                                                      ("qwen3_next", "Qwen3NextConfig")])
+def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
+    """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
+    as the full config transformers writes for the same sizes."""
+    import transformers
+
+    from attnkit.pretrained.families import family
+
+    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4)
+    full = json.loads(getattr(transformers, config_class)(**sizes).to_json_string())
+    assert family(model_type).config_from_hf(dict(sizes, model_type=model_type)) == \
+        family(model_type).config_from_hf(full)

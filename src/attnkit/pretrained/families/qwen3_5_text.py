@@ -28,7 +28,7 @@ from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, rotary_config
 __all__ = ["FAMILY", "HYBRID_KEYS", "hybrid_config", "hybrid_tensors", "linear_attention_tensors"]
 
 DEFAULTS = {"max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": None,
-            "eos_token_id": None, "num_key_value_heads": 2, "head_dim": 256}
+            "eos_token_id": None, "num_key_value_heads": 4, "head_dim": 256}
 HYBRID_KEYS = COMMON_KEYS + ("attention_bias", "layer_types", "full_attention_interval", "linear_conv_kernel_dim",
                              "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                              "linear_num_value_heads")

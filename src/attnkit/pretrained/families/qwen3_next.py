@@ -3,7 +3,7 @@ not in ``mlp_only_layers``, all of them by default) is a mixture of ``num_expert
 ``moe_intermediate_size`` (the top ``num_experts_per_tok`` of a softmax over all router logits, renormalised
 with ``norm_topk_prob``) plus a shared expert of width ``shared_expert_intermediate_size`` scaled by
 ``sigmoid(x W)``; the Gated DeltaNet's projections are fused (``in_proj_qkvz``, ``in_proj_ba``) and grouped per
-key head; the default context is 262144 positions.
+key head.
 
 Checkpoint (under ``model.``): Qwen3.5's, except ``linear_attn.in_proj_qkvz`` (Hk, 2 Dk + 2 (Hv / Hk) Dv, D):
 each key head's q, k, v and z rows, and ``linear_attn.in_proj_ba`` (Hk, 2 Hv / Hk, D): its b then a rows; a
@@ -25,7 +25,7 @@ from .qwen3_5_text import HYBRID_KEYS, hybrid_config, hybrid_tensors, linear_att
 
 __all__ = ["FAMILY"]
 
-DEFAULTS = {"max_position_embeddings": 262144, "tie_word_embeddings": False, "bos_token_id": None,
+DEFAULTS = {"max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": None,
             "eos_token_id": None, "num_key_value_heads": 2, "head_dim": 256}
 _EXPERT_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
