@@ -48,7 +48,8 @@ class GatedAttention(GroupedQueryAttention):
 
     Shapes
     ------
-    x : (B, L, D) -> (B, L, D), as :class:`~attnkit.attention.grouped_query.GroupedQueryAttention`.
+    x : (B, L, D) -> (B, L, D), as :class:`~attnkit.attention.grouped_query.GroupedQueryAttention`. Its hook
+    points are that layer's; ``hook_z`` holds the heads' outputs before the gate.
 
     Examples
     --------
