@@ -161,3 +161,19 @@ def test_cached_decoding_equals_the_whole_sequence():
     steps = [attn(x[:, :3], rotary=rotary(pos[:, :3], dtype=np.float64), cache=cache)]
     steps += [attn(x[:, t:t + 1], rotary=rotary(pos[:, t:t + 1], dtype=np.float64), cache=cache) for t in (3, 4)]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, rtol=1e-12, atol=1e-14)
+
+
+def test_hook_z_is_what_the_output_projection_reads_so_head_attributions_sum_to_the_logit():
+    """hook_z holds the heads' outputs after the gate: a head's share is hook_z times its rows of W_O, and the
+    direct logit attribution of a gated model adds up to its logit exactly."""
+    from attnkit.explain.direct_logit import direct_logit_attribution
+    from attnkit.models import CausalLM
+
+    cfg = tiny_config(**CASES["gqa_partial"])
+    lm = CausalLM(cfg, rng=0).astype(np.float64)
+    rng = make_rng(7)
+    for _, p in lm.named_parameters():
+        p[...] = 0.3 * rng.standard_normal(p.shape)
+    parts = direct_logit_attribution(lm, [1, 5, 3, 7], target=4)
+    total = parts["embed"] + parts["pos_embed"] + parts["heads"].sum() + parts["mlp"].sum() + parts["bias"]
+    assert abs(total - parts["logit"]) < 1e-12 * max(1.0, abs(parts["logit"]))

@@ -49,7 +49,8 @@ class GatedAttention(GroupedQueryAttention):
     Shapes
     ------
     x : (B, L, D) -> (B, L, D), as :class:`~attnkit.attention.grouped_query.GroupedQueryAttention`. Its hook
-    points are that layer's; ``hook_z`` holds the heads' outputs before the gate.
+    points are that layer's; ``hook_z`` holds the heads' outputs after the gate, as ``W_O`` reads them (so a
+    head's share of the output is ``hook_z`` times its rows of ``W_O``, as in an ungated layer).
 
     Examples
     --------
@@ -70,20 +71,17 @@ class GatedAttention(GroupedQueryAttention):
         if config.attention_bias:
             self.register_parameter("b_G", np.zeros(width))
 
-    def _output(self, x: np.ndarray, merged: np.ndarray):
-        """``(merged * sigmoid(x W_G + b_G)) W_O + b_O``: ``(y (B, L, D), saved)``."""
+    def _gate(self, x: np.ndarray, heads: np.ndarray):
+        """``heads * sigmoid(x W_G + b_G)``, per head and feature: (B, L, Hq, Dh), and what backward needs."""
         p = self._parameters
-        gate = _sigmoid(linear(x, p["W_G"], p.get("b_G")))  # (B, L, Hq*Dh)
-        gated = merged * gate  # (B, L, Hq*Dh)
-        y, _ = super()._output(x, gated)  # (B, L, D)
-        return y, (merged, gate, gated)
+        gate = _sigmoid(linear(x, p["W_G"], p.get("b_G"))).reshape(heads.shape)  # (B, L, Hq, Dh)
+        return heads * gate, (heads, gate)
 
-    def _output_backward(self, grad_y: np.ndarray, x: np.ndarray, saved):
-        """Gradients of :meth:`_output`: the heads' outputs' (B, L, Hq*Dh) and x's through the gate (B, L, D)."""
-        merged, gate, gated = saved
-        grad_gated, _ = super()._output_backward(grad_y, x, gated)  # (B, L, Hq*Dh)
-        grad_pre = grad_gated * merged * gate * (1 - gate)  # (B, L, Hq*Dh): sigmoid' = s (1 - s)
+    def _gate_backward(self, grad: np.ndarray, x: np.ndarray, saved):
+        """Gradients of :meth:`_gate`: the heads' outputs' (B, L, Hq, Dh) and x's through the gate (B, L, D)."""
+        heads, gate = saved
+        grad_pre = (grad * heads * gate * (1 - gate)).reshape(x.shape[:2] + (-1,))  # (B, L, Hq*Dh): s' = s (1 - s)
         p = self._parameters
         grad_x, grad_w, grad_b = linear_backward(grad_pre, x, p["W_G"], "b_G" in p)  # (B, L, D)
         self._accumulate("G", grad_w, grad_b)
-        return grad_gated * gate, grad_x
+        return grad * gate, grad_x

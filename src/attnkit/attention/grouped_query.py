@@ -124,7 +124,8 @@ class GroupedQueryAttention(Module):
         """``hook_q``, ``hook_k``, ``hook_v`` (B, L, H, Dh) after the projections and q/k norms (K and V: the
         Hkv key/value heads); ``hook_rot_q``, ``hook_rot_k`` after the rotation (rotary layers only);
         ``hook_pattern`` (B, Hq, L, S) the attention weights (forward hooks only; asking for it runs the
-        reference kernel); ``hook_z`` (B, L, Hq, Dh) each head's output before the output projection."""
+        reference kernel); ``hook_z`` (B, L, Hq, Dh) each head's output as the output projection reads it
+        (after the gate of a gated layer)."""
         rotated = ("hook_rot_q", "hook_rot_k") if self.uses_rotary else ()
         return ("hook_q", "hook_k", "hook_v", *rotated, "hook_pattern", "hook_z")
 
@@ -205,12 +206,13 @@ class GroupedQueryAttention(Module):
             key_mask = self._check_mask(attention_mask, b, length)
         out, weights, ctx = self._attend(q, k, v, key_mask, output_attentions)  # (B, Hq, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
+        merged, gate_saved = self._gate(x, merged)  # (B, L, Hq, Dh)
         if hooked:
             merged = self.hook_point("hook_z", merged)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
-        y, out_saved = self._output(x, merged)  # (B, L, D)
+        y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
         if cache is None:  # the cached path is inference: it keeps nothing
-            self.save_for_backward(x, out_saved, ctx, rotary, normed)
+            self.save_for_backward(x, merged, gate_saved, ctx, rotary, normed)
         else:
             self.save_for_backward()
         if not output_attentions:
@@ -255,15 +257,17 @@ class GroupedQueryAttention(Module):
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""
         if self.saved_tensors is None:
             raise RuntimeError("GroupedQueryAttention.backward needs a forward without a cache just before it")
-        x, out_saved, ctx, rotary, normed = self.saved_tensors
+        x, merged, gate_saved, ctx, rotary, normed = self.saved_tensors
         b, length, _ = x.shape
         g = check_grad_output(grad_output, x.shape, x.dtype, "GroupedQueryAttention")
         p = self._parameters
-        grad_merged, grad_x = self._output_backward(g, x, out_saved)  # (B, L, Hq*Dh), (B, L, D)
+        grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
+        self._accumulate("O", grad_w, grad_b)
         grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim)  # (B, L, Hq, Dh)
         hooked = self._hook_table is not None
         if hooked:
             grad_out = self.hook_backward("hook_z", grad_out)
+        grad_out, grad_x = self._gate_backward(grad_out, x, gate_saved)  # (B, L, Hq, Dh), (B, L, D)
         grad_out = grad_out.transpose(0, 2, 1, 3)  # (B, Hq, L, Dh)
         if isinstance(ctx, FixedWeights):
             dq, dk, dv = fixed_weights_backward(grad_out, ctx)  # (B, H, L, Dh)
@@ -291,18 +295,15 @@ class GroupedQueryAttention(Module):
             grad_x += gx
         return grad_x
 
-    def _output(self, x: np.ndarray, merged: np.ndarray):
-        """The heads' outputs side by side (B, L, Hq*Dh) through ``W_O``: ``(y (B, L, D), saved)``."""
-        return linear(merged, self._parameters["W_O"], self._parameters.get("b_O")), merged
+    def _gate(self, x: np.ndarray, heads: np.ndarray):
+        """What each head's output (B, L, Hq, Dh) becomes before ``W_O``: itself here (a gated layer scales it);
+        returns it and what :meth:`_gate_backward` needs."""
+        return heads, None
 
-    def _output_backward(self, grad_y: np.ndarray, x: np.ndarray, merged: np.ndarray):
-        """Gradients of :meth:`_output`: ``W_O``'s (and ``b_O``'s) into ``grads``; returns the heads' outputs'
-        (B, L, Hq*Dh) and a fresh ``grad_x`` (B, L, D) the projections' gradients are added to (zeros here: x
-        reaches the output only through the heads)."""
-        p = self._parameters
-        grad_merged, grad_w, grad_b = linear_backward(grad_y, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
-        self._accumulate("O", grad_w, grad_b)
-        return grad_merged, np.zeros_like(x)
+    def _gate_backward(self, grad: np.ndarray, x: np.ndarray, saved):
+        """Gradients of :meth:`_gate`: the heads' outputs' (B, L, Hq, Dh) and a fresh ``grad_x`` (B, L, D) the
+        projections' gradients are added to (zeros here: x reaches the output only through the heads)."""
+        return grad, np.zeros_like(x)
 
     def _norm_backward(self, dq: np.ndarray, dk: np.ndarray, normed: tuple) -> tuple[np.ndarray, np.ndarray]:
         """Input gradients of the query and key norms (in the layout they ran in); weights' into ``grads``."""
