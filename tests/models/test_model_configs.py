@@ -4,6 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from attnkit.layers import GatedDeltaNetConfig, SharedExpertMixtureConfig
 from attnkit.models import (
     CausalLM,
     DecoderConfig,
@@ -77,6 +78,12 @@ LLAMA = dict(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_head
     (dict(pre_norm=False, post_norm=False), "pre_norm and post_norm are both False"),
     (dict(qk_norm_scope="projection"), "qk_norm_scope='projection' needs qk_norm=True"),
     (dict(family="not a model type"), "family must be a model_type such as 'llama'"),
+    (dict(layer_types=("linear_attention",)), "linear_attention .* must be given exactly when"),
+    (dict(linear_attention=GatedDeltaNetConfig(1, 2, 4, 4)), "linear_attention .* must be given exactly when"),
+    (dict(shared_experts=SharedExpertMixtureConfig(2, 1, 4, 4, layers=(1,))),
+     r"shared_experts.layers must be layer indices below num_layers \(1\)"),
+    (dict(shared_experts=SharedExpertMixtureConfig(2, 1, 4, 4, layers=(0,)), mlp="plain"),
+     "the other layers' mlp 'gated'"),
 ])
 def test_a_decoder_no_architecture_has_is_refused(changes, match):
     from attnkit.models import DecoderConfig
