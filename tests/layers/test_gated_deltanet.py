@@ -247,3 +247,16 @@ def test_token_weights_times_the_values_are_the_layers_core_output():
     y = normed.reshape(2, 9, HV * DV) @ layer.W_out
     np.testing.assert_allclose(y, layer(x, attention_mask=mask), rtol=1e-10, atol=1e-13)
     assert np.any(weights < 0)  # not a softmax: the delta rule subtracts what the state already predicts
+
+
+def test_token_weights_draw_on_a_scale_centred_on_zero():
+    pytest.importorskip("matplotlib")
+    from attnkit.viz import plot_attention
+
+    layer, rng = _layer(chunk_size=4), make_rng(11)
+    weights, _ = layer.token_weights(randn(rng, 1, 5, D))
+    largest = float(np.abs(weights).max())
+    fig = plot_attention(weights[0], cmap="RdBu_r", vmin=-largest, vmax=largest)
+    image = fig.axes[0].images[0]
+    np.testing.assert_allclose(image.get_array(), weights[0, 0])
+    assert image.get_clim() == (-largest, largest) and weights.min() < 0

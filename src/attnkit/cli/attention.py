@@ -225,8 +225,8 @@ def _drawn_layers(config: Any, chosen: int | None, one_picture: bool) -> list[in
     softmax = [i for i in range(config.num_layers) if i not in linear]
     if chosen in linear:
         raise UsageError(f"--layer {chosen} is a Gated DeltaNet layer, which has no attention pattern (its token "
-                         f"weights are signed: attnkit.layers.GatedDeltaNet.token_weights); its softmax layers are "
-                         f"{', '.join(map(str, softmax))}", PROG)
+                         f"weights are signed: GatedDeltaNet.token_weights, drawn by attnkit.viz.plot_attention on "
+                         f"a scale centred on 0); its softmax layers are {', '.join(map(str, softmax))}", PROG)
     if chosen is not None:
         return [chosen]
     if linear:
