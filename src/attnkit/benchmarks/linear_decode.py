@@ -53,7 +53,8 @@ def _config(args: argparse.Namespace) -> DecoderConfig:
     """One gated-attention layer and one Gated DeltaNet layer of Qwen3-Next's proportions (half as many key as
     value heads, a quarter of each attention head rotated, 4 key/value heads)."""
     h, dh = args.heads, args.head_dim
-    return DecoderConfig(family="qwen3_next", vocab_size=8, hidden_size=args.hidden, num_layers=2, num_heads=h,
+    # a family only names checkpoint tensors, and these two layers are never saved
+    return DecoderConfig(family="benchmark", vocab_size=8, hidden_size=args.hidden, num_layers=2, num_heads=h,
                          num_kv_heads=max(1, h // 4), head_dim=dh, intermediate_size=8, partial_rotary_factor=0.25,
                          qk_norm=True, norm_offset=1.0, layer_types=("linear_attention", "gated_attention"),
                          linear_attention=GatedDeltaNetConfig(max(1, h // 2), h, dh, dh))
