@@ -3,8 +3,8 @@
 Dimension letters: B batch, L length, D hidden size, Hk / Hv key / value heads, Dk / Dv their head dims,
 Cc = 2 Hk Dk + Hv Dv the convolved channels, K the convolution's kernel size.
 
-The delta rule runs in its recurrent form, one step per token with autograd through the steps: exact, and
-simple to read beside attnkit's kernels; attnkit's chunked form is the fast one on a CPU.
+The delta rule runs in its chunked form (the same as attnkit's kernel, differentiated by autograd), so a long
+training sequence costs L / 64 sequential steps, not L.
 """
 from __future__ import annotations
 
@@ -22,23 +22,38 @@ from .layers import _rms
 __all__ = ["GatedDeltaNet", "GatedDeltaNetMixer", "delta_rule"]
 
 
-def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule from a zero state, one step at a time (see :mod:`attnkit.kernels.delta_rule`).
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               chunk_size: int = 64) -> torch.Tensor:
+    """The gated delta rule from a zero state in its chunked (WY/UT) form, as :mod:`attnkit.kernels.delta_rule`
+    writes it: one triangular solve per chunk, a loop over the L / C chunks only; autograd differentiates it.
 
     Shapes
     ------
     q, k (B, H, L, Dk); v (B, H, L, Dv); g, beta (B, H, L) -> (B, H, L, Dv). q is scaled by ``Dk ** -0.5``.
     """
-    q = q * q.shape[-1] ** -0.5  # (B, H, L, Dk)
+    length, c = q.shape[2], chunk_size
+    pad = (-length) % c  # zero keys, values, betas and log-decays leave the state as it is
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q * q.shape[-1] ** -0.5, k, v))  # (B, H, N C, D)
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))  # (B, H, N C)
+    q, k, v = (t.reshape(*t.shape[:2], -1, c, t.shape[-1]) for t in (q, k, v))  # (B, H, N, C, D)
+    cum = g.reshape(*g.shape[:2], -1, c).cumsum(-1)  # (B, H, N, C): G
+    beta = beta.reshape(cum.shape)  # (B, H, N, C)
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # (C, C)
+    gamma = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # (B, H, N, C, C)
+    system = torch.eye(c, dtype=q.dtype, device=q.device) + (beta[..., None] * (k @ k.transpose(-1, -2))
+                                                             * gamma).tril(-1)  # (B, H, N, C, C)
+    u = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)  # (.., C, Dv)
+    w = torch.linalg.solve_triangular(system, (beta * cum.exp())[..., None] * k, upper=False,
+                                      unitriangular=True)  # (B, H, N, C, Dk)
+    attn = (q @ k.transpose(-1, -2)) * gamma  # (B, H, N, C, C)
+    qd, kd = q * cum.exp()[..., None], k * (cum[..., -1:] - cum).exp()[..., None]  # (B, H, N, C, Dk)
     state = q.new_zeros(q.shape[:2] + (k.shape[-1], v.shape[-1]))  # (B, H, Dk, Dv)
     out = []
-    for t in range(q.shape[2]):
-        state = state * torch.exp(g[..., t, None, None])  # (B, H, Dk, Dv)
-        predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, :, t])  # (B, H, Dv)
-        delta = beta[..., t, None] * (v[:, :, t] - predicted)  # (B, H, Dv)
-        state = state + k[:, :, t, :, None] * delta[..., None, :]  # (B, H, Dk, Dv)
-        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
-    return torch.stack(out, dim=2)  # (B, H, L, Dv)
+    for i in range(q.shape[2]):  # the chunks are sequential: each starts from the state the last one left
+        v_new = u[:, :, i] - w[:, :, i] @ state  # (B, H, C, Dv)
+        out.append(qd[:, :, i] @ state + attn[:, :, i] @ v_new)
+        state = cum[:, :, i, -1, None, None].exp() * state + kd[:, :, i].transpose(-1, -2) @ v_new
+    return torch.cat(out, dim=2)[:, :, :length]  # (B, H, L, Dv)
 
 
 def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +78,7 @@ class GatedDeltaNet(TwinModule):
 
     def setup(self, source) -> None:
         for name in ("hidden_size", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
-                     "conv_kernel_size", "eps", "key_dim", "value_dim"):
+                     "conv_kernel_size", "eps", "key_dim", "value_dim", "chunk_size"):
             setattr(self, name, getattr(source, name))
 
     def _heads(self, x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
@@ -80,7 +95,8 @@ class GatedDeltaNet(TwinModule):
         v = self._heads(mixed[..., 2 * kd:], self.num_value_heads, self.value_head_dim)  # (B, Hv, L, Dv)
         beta = torch.sigmoid(x @ self.W_b).transpose(1, 2)  # (B, Hv, L)
         g = (-torch.exp(self.A_log) * F.softplus(x @ self.W_a + self.dt_bias)).transpose(1, 2)  # (B, Hv, L)
-        o = delta_rule(q.repeat_interleave(group, 1), k.repeat_interleave(group, 1), v, g, beta)  # (B, Hv, L, Dv)
+        o = delta_rule(q.repeat_interleave(group, 1), k.repeat_interleave(group, 1), v, g, beta,
+                       self.chunk_size)  # (B, Hv, L, Dv)
         o = o.transpose(1, 2)  # (B, L, Hv, Dv)
         z = (x @ self.W_z).reshape(o.shape)  # (B, L, Hv, Dv)
         normed = _rms(o, self.norm_gamma, self.eps) * F.silu(z)  # (B, L, Hv, Dv)
