@@ -16,9 +16,14 @@ from decoder_cases import tiny_config
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
 CASES = {
-    "gqa_partial": dict(partial_rotary_factor=0.5, qk_norm=True, norm_offset=1.0, layer_types=("gated_attention",) * 2),
-    "mqa_bias": dict(num_kv_heads=1, attention_bias=True, output_bias=True, layer_types=("gated_attention",) * 2),
+    "gqa_partial": dict(rotary=dict(partial_factor=0.5), attention=dict(qk_norm="head"), norm=dict(offset=1.0),
+                        layer_types=("gated_attention",) * 2),
+    "mqa_bias": dict(num_kv_heads=1, attention=dict(bias=True, output_bias=True), layer_types=("gated_attention",) * 2),
 }
+
+
+def _rotary(cfg):
+    return RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)
 
 
 def _layer(case, rng, dtype=np.float64):
@@ -41,7 +46,7 @@ def test_gradients_by_finite_differences(case):
     rng = make_rng(len(case), 3)
     cfg, attn = _layer(case, rng)
     mask, pos = _padded(2, 5, [0, 2])
-    rotary = RotaryEmbedding(cfg)(pos, dtype=np.float64)
+    rotary = _rotary(cfg)(pos, dtype=np.float64)
     x, g = randn(rng, 2, 5, cfg.hidden_size), randn(rng, 2, 5, cfg.hidden_size)
 
     def loss():
@@ -60,7 +65,7 @@ def _hf_attention(cfg, dtype):
 
     hf_cfg = Qwen3NextConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
                              num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_hidden_layers=1,
-                             attention_bias=cfg.attention_bias, rms_norm_eps=cfg.norm_eps, vocab_size=8,
+                             attention_bias=cfg.attention.bias, rms_norm_eps=cfg.norm.eps, vocab_size=8,
                              layer_types=["full_attention"], attention_dropout=0.0)
     hf_cfg._attn_implementation = "sdpa"  # the eager path takes its softmax in float32 even for float64
     return Qwen3NextAttention(hf_cfg, 0).to(dtype)
@@ -106,7 +111,9 @@ def _theirs_as_ours(theirs, hq, dh, d):
 def test_matches_qwen3_next_attention_forward_and_backward(case, dtype):
     """Qwen3NextAttention always has (1 + w) q/k norms; the case without qk_norm gives it zero weights."""
     rng = make_rng(len(case), 8)
-    cfg = tiny_config(**{**CASES[case], "qk_norm": True, "norm_offset": 1.0})
+    case_config = CASES[case]
+    cfg = tiny_config(**{**case_config, "attention": {**case_config["attention"], "qk_norm": "head"},
+                         "norm": {"offset": 1.0}})
     ours = GatedAttention(cfg, 0, rng=rng).astype(dtype)
     for name, p in ours.named_parameters():
         setattr(ours, name, randn(rng, *p.shape, scale=0.4))
@@ -114,7 +121,7 @@ def test_matches_qwen3_next_attention_forward_and_backward(case, dtype):
     theirs = _hf_attention(cfg, tdtype)
     _copy_into(ours, theirs, tdtype)
     mask, pos = _padded(3, 6, [0, 2, 5])
-    cos, sin = RotaryEmbedding(cfg)(pos, dtype=dtype)
+    cos, sin = _rotary(cfg)(pos, dtype=dtype)
     x, g = randn(rng, 3, 6, cfg.hidden_size, dtype=dtype), randn(rng, 3, 6, cfg.hidden_size, dtype=dtype)
     g[~mask] = 0  # a padded query: HF spreads it uniformly, attnkit gives zeros; neither reaches a real token
     y = ours(x, rotary=(cos, sin), attention_mask=mask)
@@ -146,7 +153,7 @@ def test_a_zero_gate_pre_activation_halves_the_plain_attention():
     plain.load_state_dict({n: a for n, a in gated.named_parameters() if n != "W_G"})
     plain.W_O = gated.W_O / 2
     x = randn(rng, 2, 4, cfg.hidden_size)
-    rotary = RotaryEmbedding(cfg)(np.tile(np.arange(4), (2, 1)), dtype=np.float64)
+    rotary = _rotary(cfg)(np.tile(np.arange(4), (2, 1)), dtype=np.float64)
     np.testing.assert_allclose(gated(x, rotary=rotary), plain(x, rotary=rotary), rtol=1e-13, atol=1e-15)
 
 
@@ -154,7 +161,7 @@ def test_cached_decoding_equals_the_whole_sequence():
     rng = make_rng(6)
     cfg, attn = _layer("mqa_bias", rng)
     x = randn(rng, 2, 5, cfg.hidden_size)
-    rotary = RotaryEmbedding(cfg)
+    rotary = _rotary(cfg)
     pos = np.tile(np.arange(5), (2, 1))
     whole = attn(x, rotary=rotary(pos, dtype=np.float64))
     cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, np.float64)

@@ -35,7 +35,7 @@ class GatedAttention(GroupedQueryAttention):
     Parameters
     ----------
     config : DecoderConfig
-        As :class:`~attnkit.attention.grouped_query.GroupedQueryAttention`; ``attention_bias`` also gives the
+        As :class:`~attnkit.attention.grouped_query.GroupedQueryAttention`; ``attention.bias`` also gives the
         gate a bias ``b_G``.
     layer_index : int
     rng : numpy.random.Generator or int, optional
@@ -44,7 +44,7 @@ class GatedAttention(GroupedQueryAttention):
     Attributes
     ----------
     Those of :class:`~attnkit.attention.grouped_query.GroupedQueryAttention`, and W_G (D, Hq*Dh) (b_G (Hq*Dh,)
-    with ``attention_bias``); ``grads`` with the same names.
+    with ``attention.bias``); ``grads`` with the same names.
 
     Shapes
     ------
@@ -68,7 +68,7 @@ class GatedAttention(GroupedQueryAttention):
         super().__init__(config, layer_index, rng=gen)
         width = self.num_heads * self.head_dim
         self.register_parameter("W_G", normal(gen, (self.hidden_size, width), std=0.02))
-        if config.attention_bias:
+        if config.attention.bias:
             self.register_parameter("b_G", np.zeros(width))
 
     def _gate(self, x: np.ndarray, heads: np.ndarray):

@@ -27,7 +27,7 @@ from ..decoding.cache import KVCache
 from ..kernels._threads import num_threads
 from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from ..layers.rotary import RotaryEmbedding
-from ..models.config import DecoderConfig
+from ..models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe
 
@@ -55,8 +55,9 @@ def _config(args: argparse.Namespace) -> DecoderConfig:
     h, dh = args.heads, args.head_dim
     # a family only names checkpoint tensors, and these two layers are never saved
     return DecoderConfig(family="benchmark", vocab_size=8, hidden_size=args.hidden, num_layers=2, num_heads=h,
-                         num_kv_heads=max(1, h // 4), head_dim=dh, intermediate_size=8, partial_rotary_factor=0.25,
-                         qk_norm=True, norm_offset=1.0, layer_types=("linear_attention", "gated_attention"),
+                         num_kv_heads=max(1, h // 4), head_dim=dh, intermediate_size=8,
+                         rotary=RotaryConfig(partial_factor=0.25), norm=NormConfig(offset=1.0),
+                         attention=AttentionConfig(qk_norm="head"), layer_types=("linear_attention", "gated_attention"),
                          linear_attention=GatedDeltaNetConfig(max(1, h // 2), h, dh, dh))
 
 
@@ -86,7 +87,7 @@ def _attnkit_us(cfg: DecoderConfig, context: int, steps: int) -> tuple[float, fl
     cache = KVCache(2, 1, cfg.num_kv_heads, cfg.head_dim, np.float32)
     past = rng.standard_normal((1, cfg.num_kv_heads, context, cfg.head_dim)).astype(np.float32)  # (1, Hkv, N, Dh)
     cache.update(1, past, past)
-    rotary = RotaryEmbedding(cfg)
+    rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)
 
     def attend(t: int) -> None:
         position = np.array([[context + t]])

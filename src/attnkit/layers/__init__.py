@@ -26,8 +26,9 @@ from .experts import MixtureOfExperts, SharedExpertMixture, SharedExpertMixtureC
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache, GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
+from .identity import Identity
 from .layer_norm import LayerNorm
-from .lm_block import LMBlock
+from .lm_block import LMBlock, ParallelLMBlock
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .projection import Projection
 from .rms_norm import RMSNorm
@@ -39,7 +40,7 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "MixtureOfExperts", "SharedExpertMixture",
-    "SharedExpertMixtureConfig", "RotaryEmbedding", "LMBlock", "GatedDeltaNet", "GatedDeltaNetCache",
-    "GatedDeltaNetConfig", "GatedDeltaNetMixer",
+    "RMSNorm", "GatedMLP", "MixtureOfExperts", "SharedExpertMixture", "SharedExpertMixtureConfig",
+    "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity",
+    "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
 ]

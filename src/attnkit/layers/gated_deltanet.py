@@ -378,7 +378,7 @@ class GatedDeltaNetMixer(GatedDeltaNet):
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size``, ``norm_eps`` and ``linear_attention`` (a :class:`GatedDeltaNetConfig`).
+        Reads ``hidden_size``, ``norm.eps`` and ``linear_attention`` (a :class:`GatedDeltaNetConfig`).
     layer_index : int
     rng : numpy.random.Generator or int, optional
     """
@@ -386,7 +386,7 @@ class GatedDeltaNetMixer(GatedDeltaNet):
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         shape = config.linear_attention
         super().__init__(config.hidden_size, shape.num_key_heads, shape.num_value_heads, shape.key_head_dim,
-                         shape.value_head_dim, conv_kernel_size=shape.conv_kernel_size, eps=config.norm_eps, rng=rng)
+                         shape.value_head_dim, conv_kernel_size=shape.conv_kernel_size, eps=config.norm.eps, rng=rng)
         self.layer_index = layer_index
 
     def hook_points(self) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from ._twin import from_numpy, to_numpy  # noqa: E402
 from .attention import GatedAttention, GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
 from .blocks import (
     LMBlock,
+    ParallelLMBlock,
     Transformer,
     TransformerDecoder,
     TransformerDecoderBlock,
@@ -40,6 +41,7 @@ from .layers import (
     Embedding,
     FeedForward,
     GatedMLP,
+    Identity,
     LayerNorm,
     MixtureOfExperts,
     Projection,
@@ -53,9 +55,9 @@ from .models import CausalLM, Seq2SeqTransformer
 __all__ = [
     "from_numpy", "to_numpy",
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "Embedding", "Projection",
-    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding",
+    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity",
     "SharedExpertMixture", "GatedDeltaNet", "GatedDeltaNetMixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
-    "Transformer", "LMBlock", "CausalLM", "Seq2SeqTransformer",
+    "Transformer", "LMBlock", "ParallelLMBlock", "CausalLM", "Seq2SeqTransformer",
 ]

@@ -16,10 +16,11 @@ with its experts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ...layers.gated_deltanet import GatedDeltaNetConfig
-from ...models.config import DecoderConfig
+from ...models.config import AttentionConfig, DecoderConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -68,14 +69,15 @@ def hybrid_config(read: Reader, defaults: dict[str, Any],
         shape = GatedDeltaNetConfig(read.int("linear_num_key_heads", 16), read.int("linear_num_value_heads", 32),
                                     read.int("linear_key_head_dim", 128), read.int("linear_value_head_dim", 128),
                                     read.int("linear_conv_kernel_dim", 4))
-        return dict(attention_bias=bias, output_bias=bias, qk_norm=True, norm_offset=1.0,
+        return dict(attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head"),
                     layer_types=_layer_types(read, layers), linear_attention=shape, **mlp_fields(read, layers))
 
     read = _without_multimodal_rope(read)
     if "partial_rotary_factor" not in read.config and "partial_rotary_factor" not in (
             read.config.get("rope_parameters") or {}):
         read = Reader({**read.config, "partial_rotary_factor": 0.25}, read.family)
-    return rotary_config(read, defaults, fields)
+    config = rotary_config(read, defaults, fields)
+    return replace(config, norm=replace(config.norm, offset=1.0))  # every RMSNorm but the gated one: 1 + w
 
 
 def _gated_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
@@ -89,7 +91,7 @@ def _gated_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[Tenso
             TensorMap(hf + "o_proj.weight", (d, hq * dh), (ak + "W_O",), "transpose"),
             TensorMap(hf + "q_norm.weight", (dh,), (ak + "q_norm",), "copy"),
             TensorMap(hf + "k_norm.weight", (dh,), (ak + "k_norm",), "copy")]
-    if cfg.attention_bias:
+    if cfg.attention.bias:
         maps += [TensorMap(hf + "q_proj.bias", (2 * hq * dh,), (ak + "b_Q", ak + "b_G"), "head_split", heads=hq),
                  TensorMap(hf + "k_proj.bias", (kv,), (ak + "b_K",), "copy"),
                  TensorMap(hf + "v_proj.bias", (kv,), (ak + "b_V",), "copy"),
