@@ -132,13 +132,37 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                              rope_parameters={"rope_type": "yarn", "factor": 8.0,
                                                               "rope_theta": 500.0, "truncate": True,
                                                               "original_max_position_embeddings": 8}), {}),
+    # Qwen3.5 (text): Gated DeltaNet layers (2 key heads, 4 value heads) and gated full layers, partial rotary
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                               linear_num_key_heads=2, linear_num_value_heads=4,
+                                               linear_key_head_dim=8, linear_value_head_dim=6,
+                                               layer_types=["linear_attention", "full_attention",
+                                                            "linear_attention", "full_attention"]), {}),
+    # Qwen3-Next: Qwen3.5's layers with fused projections; layer 2 dense, the others top-2-of-4 experts and a
+    # shared expert (renormalised top-k)
+    "qwen3_next": ("Qwen3NextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                           linear_value_head_dim=6, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                           mlp_only_layers=[2],
+                                           layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                        "full_attention"]), {}),
+    # the full softmax's probabilities as weights (norm_topk_prob false), every second layer sparse
+    "qwen3_next_unnormalised": ("Qwen3NextConfig", dict(_COMMON, num_hidden_layers=2, num_key_value_heads=1,
+                                                        head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+                                                        linear_key_head_dim=8, linear_value_head_dim=8,
+                                                        num_experts=3, num_experts_per_tok=2, norm_topk_prob=False,
+                                                        moe_intermediate_size=12, shared_expert_intermediate_size=8,
+                                                        decoder_sparse_step=2, tie_word_embeddings=True,
+                                                        layer_types=["linear_attention", "full_attention"]), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "ministral", "qwen2_mixed", "qwen2_layer_types", "llama_sharded",
                  "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text",
-                 "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped")
+                 "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
+                 "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

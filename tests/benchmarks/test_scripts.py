@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
-MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp", "patching")
+MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp", "patching", "linear_decode")
 
 
 def _run(args, tmp_path, block_torch=False):
@@ -72,3 +72,14 @@ def test_ddp_benchmark_without_torch_says_so_in_one_line(tmp_path):
     assert proc.returncode == 1 and proc.stderr == "", proc.stderr
     lines = proc.stdout.splitlines()
     assert sum("torch is not installed" in line for line in lines) == 1 and lines[0].startswith("# machine: ")
+
+
+def test_linear_decode_benchmark_times_both_layers_at_every_context(capsys):
+    from attnkit.benchmarks import linear_decode
+
+    figures = linear_decode.run(linear_decode.parse_args(["--contexts", "8", "32", "--steps", "2", "--hidden", "16",
+                                                          "--heads", "2", "--head-dim", "8", "--no-torch"]))
+    assert figures["contexts"] == [8, 32] and len(figures["attnkit_gdn_us"]) == 2
+    assert all(t > 0 for t in figures["attnkit_gdn_us"] + figures["attnkit_attention_us"])
+    out = capsys.readouterr().out
+    assert out.startswith("# machine: ") and "transformers" not in out.split("\n", 6)[-1]

@@ -144,3 +144,22 @@ def test_a_large_page_is_a_sentence_not_a_python_warning(folders, tmp_path, caps
     assert main(["attention", str(mistral), "--ids", "3,4,5", "--html", str(tmp_path / "big.html")]) == 0
     captured = capsys.readouterr()
     assert "note: the page is large and opens slowly" in captured.out and "Warning" not in captured.err
+
+
+def test_a_hybrid_model_draws_its_softmax_layers_and_refuses_a_gated_deltanet_one(tmp_path, capsys):
+    """Qwen3.5's Gated DeltaNet layers have no softmax pattern: the page holds the gated attention layers (1 and
+    3) only, `--layer 0` is one line and exit 2, and `attnkit explain` (rollout and flow) refuses the model."""
+    folder = saved_model("qwen3_5_text", tmp_path)[0]
+    page = tmp_path / "hybrid.html"
+    assert main(["attention", str(folder), "--ids", "3,17,5,40", "--html", str(page)]) == 0
+    assert "layers 0, 2 are Gated DeltaNet layers" in capsys.readouterr().out
+    data = embedded(page)
+    assert data["layer_names"] == ["layer 1", "layer 3"]
+    expected = np.stack([w[0] for w in load_causal_lm(folder).attention_weights(np.array([[3, 17, 5, 40]]),
+                                                                                layers=[1, 3])])
+    assert_page_weights(data["attention"], expected)
+    for argv in (["attention", str(folder), "--ids", "3,17", "--layer", "0", "--html", str(page)],
+                 ["explain", str(folder), "--ids", "3,17", "--html", str(tmp_path / "explain.html")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Gated DeltaNet" in err, err

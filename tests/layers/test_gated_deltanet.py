@@ -190,3 +190,73 @@ def test_errors_say_what_was_wrong():
     layer(np.zeros((1, 3, D)))
     with pytest.raises(ValueError, match="grad_output has shape"):
         layer.backward(np.zeros((1, 4, D)))
+
+
+def test_a_left_padded_row_equals_the_row_alone_and_its_pads_get_no_gradient():
+    """Padded positions are zeroed before the projections (as Hugging Face does), so the state a left-padded
+    row builds is the state of its real tokens alone, whatever tokens fill the padding."""
+    layer, rng = _layer(chunk_size=4), make_rng(8)
+    x = randn(rng, 2, 7, D)
+    mask = np.ones((2, 7), bool)
+    mask[1, :3] = False  # row 1: three pads, then four real tokens
+    y = layer(x, attention_mask=mask)
+    grad_x = layer.backward(np.ones_like(y))
+    alone = layer(x[1:, 3:])
+    np.testing.assert_allclose(y[1, 3:], alone[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(grad_x[1, :3], 0.0)
+    np.testing.assert_array_equal(y[1, :3], 0.0)  # the pads' gate z is zero: silu(0) = 0
+    cache = layer.new_cache(2)
+    layer(x[:, :5], cache=cache, attention_mask=mask[:, :5])
+    step = layer(x[:, 5:6], cache=cache)
+    np.testing.assert_allclose(step, y[:, 5:6], rtol=1e-12, atol=1e-14)
+
+
+def test_padded_gradients_pass_finite_differences():
+    layer = GatedDeltaNet(6, 1, 2, 3, 2, conv_kernel_size=3, chunk_size=2, rng=4)
+    for name, value in layer.named_parameters():
+        value += 0.3 * make_rng(len(name), 1).standard_normal(value.shape)
+    rng = make_rng(9)
+    x, grad_y = randn(rng, 2, 5, 6), randn(rng, 2, 5, 6)
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], bool)
+    layer(x, attention_mask=mask)
+    grad_x = layer.backward(grad_y)
+
+    def loss():
+        return np.sum(layer(x, attention_mask=mask) * grad_y)
+
+    assert_gradient(loss, x, grad_x, "x")
+    for name, value in layer.named_parameters():
+        assert_gradient(loss, value, layer.grads[name], name)
+
+
+def test_token_weights_times_the_values_are_the_layers_core_output():
+    """The effective (B, Hv, L, L) weights reproduce the delta rule's output from the values; through the gated
+    norm and W_out that is the layer's output."""
+    from attnkit.kernels.rms_norm import gated_rms_norm_forward
+
+    layer, rng = _layer(chunk_size=4), make_rng(10)
+    x = randn(rng, 2, 9, D)
+    mask = np.ones((2, 9), bool)
+    mask[0, :2] = False
+    weights, values = layer.token_weights(x, attention_mask=mask)
+    assert weights.shape == (2, HV, 9, 9) and values.shape == (2, HV, 9, DV)
+    np.testing.assert_array_equal(np.triu(weights, 1), 0.0)
+    core = (weights @ values).transpose(0, 2, 1, 3)  # (B, L, Hv, Dv)
+    z = (x * mask[..., None]) @ layer.W_z  # (B, L, Vd)
+    normed, _ = gated_rms_norm_forward(core, z.reshape(core.shape), layer.norm_gamma, layer.eps)
+    y = normed.reshape(2, 9, HV * DV) @ layer.W_out
+    np.testing.assert_allclose(y, layer(x, attention_mask=mask), rtol=1e-10, atol=1e-13)
+    assert np.any(weights < 0)  # not a softmax: the delta rule subtracts what the state already predicts
+
+
+def test_token_weights_draw_on_a_scale_centred_on_zero():
+    pytest.importorskip("matplotlib")
+    from attnkit.viz import plot_attention
+
+    layer, rng = _layer(chunk_size=4), make_rng(11)
+    weights, _ = layer.token_weights(randn(rng, 1, 5, D))
+    largest = float(np.abs(weights).max())
+    fig = plot_attention(weights[0], cmap="RdBu_r", vmin=-largest, vmax=largest)
+    image = fig.axes[0].images[0]
+    np.testing.assert_allclose(image.get_array(), weights[0, 0])
+    assert image.get_clim() == (-largest, largest) and weights.min() < 0

@@ -143,3 +143,68 @@ def test_bad_constructor_arguments():
         KVCache(2, 1, 1, 2, max_length=0)
     with pytest.raises(TypeError, match="dtype"):
         KVCache(2, 1, 1, 2, dtype=np.int32)
+
+
+def _hybrid_cache():
+    """Layers 0 and 2 keep keys and values, layer 1 a Gated DeltaNet state."""
+    from attnkit.layers import GatedDeltaNet
+
+    gdn = GatedDeltaNet(4, num_key_heads=1, num_value_heads=2, key_head_dim=2, value_head_dim=3, rng=0)
+    return gdn, KVCache(3, 2, 1, 2, np.float64, states={1: gdn.new_cache(2, np.float64)})
+
+
+def test_a_state_layer_holds_a_fixed_size_state_beside_keys_and_values():
+    gdn, cache = _hybrid_cache()
+    k = np.ones((2, 1, 3, 2))
+    for layer in (0, 2):
+        cache.update(layer, k, k)
+    assert cache.length == 0  # the state layer has not run yet
+    state = cache.state(1)
+    before = state.nbytes
+    gdn(np.ones((2, 3, 4)), cache=state)
+    assert cache.length == 3 and state.length == 3
+    cache.update(0, k[:, :, :1], k[:, :, :1])
+    cache.update(2, k[:, :, :1], k[:, :, :1])
+    gdn(np.ones((2, 1, 4)), cache=state)
+    assert cache.length == 4
+    assert state.nbytes == before == state.conv_state.nbytes + state.recurrent_state.nbytes  # whatever the length
+    assert cache.nbytes == state.nbytes + sum(k.nbytes + v.nbytes for k, v in zip(cache._keys, cache._values))
+    with pytest.raises(ValueError, match="keeps a state, not keys and values"):
+        cache.update(1, k, k)
+    with pytest.raises(ValueError, match="keeps keys and values, not a state"):
+        cache.state(0)
+
+
+def test_reorder_and_select_move_the_states_rows_with_the_keys():
+    gdn, cache = _hybrid_cache()
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((2, 1, 2, 2))
+    cache.update(0, keys, keys)
+    cache.update(2, keys, keys)
+    gdn(rng.standard_normal((2, 2, 4)), cache=cache.state(1))
+    recurrent = cache.state(1).recurrent_state.copy()
+    cache.reorder(np.array([1, 1, 0]))
+    assert cache.batch_size == 3
+    np.testing.assert_array_equal(cache.state(1).recurrent_state, recurrent[[1, 1, 0]])
+    np.testing.assert_array_equal(cache.update(0, keys[[0, 0, 0], :, :1], keys[[0, 0, 0], :, :1]).keys[:, :, 0],
+                                  keys[[1, 1, 0], :, 0])
+    cache.select(np.array([False, True, True]))
+    np.testing.assert_array_equal(cache.state(1).recurrent_state, recurrent[[1, 0]])
+
+
+def test_crop_refuses_to_forget_what_a_state_absorbed():
+    gdn, cache = _hybrid_cache()
+    k = np.ones((2, 1, 3, 2))
+    cache.update(0, k, k)
+    cache.update(2, k, k)
+    gdn(np.ones((2, 3, 4)), cache=cache.state(1))
+    cache.crop(3)  # nothing to forget: allowed
+    with pytest.raises(ValueError, match="recurrent state of 3 positions, which cannot be cropped to 2"):
+        cache.crop(2)
+
+
+def test_a_state_must_be_a_state():
+    with pytest.raises(TypeError, match=r"states\[1\] must have length, nbytes and reorder"):
+        KVCache(2, 1, 1, 2, states={1: np.zeros(3)})
+    with pytest.raises(ValueError, match="both a window and a state"):
+        KVCache(2, 1, 1, 2, windows=[None, 4], states={1: _hybrid_cache()[0].new_cache(1)})

@@ -4,6 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from attnkit.layers import GatedDeltaNetConfig, SharedExpertMixtureConfig
 from attnkit.models import (
     CausalLM,
     DecoderConfig,
@@ -79,6 +80,10 @@ LLAMA = dict(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_head
     ("offset", r"norm.offset \(1.0\) is an RMSNorm gain's offset; norm.kind is 'layernorm'"),
     ("experts", "experts .*goes with mlp='experts' and only with it"),
     ("family", "family must be a model_type such as 'llama'"),
+    ("linear_layers", "linear_attention .* must be given exactly when"),
+    ("linear_shape", "linear_attention .* must be given exactly when"),
+    ("moe_layers", r"shared_experts.layers must be layer indices below num_layers \(1\)"),
+    ("moe_mlp", "the other layers' mlp 'gated'"),
 ])
 def test_a_decoder_no_architecture_has_is_refused(changes, match):
     from attnkit.models import AttentionConfig, DecoderConfig, ExpertsConfig, NormConfig
@@ -87,7 +92,12 @@ def test_a_decoder_no_architecture_has_is_refused(changes, match):
             "qk_norm": lambda: dict(attention=AttentionConfig(qk_norm="both")),
             "offset": lambda: dict(norm=NormConfig(kind="layernorm", offset=1.0)),
             "experts": lambda: dict(experts=ExpertsConfig(num_experts=2, per_token=1)),
-            "family": lambda: dict(family="not a model type")}[changes]
+            "family": lambda: dict(family="not a model type"),
+            "linear_layers": lambda: dict(layer_types=("linear_attention",)),
+            "linear_shape": lambda: dict(linear_attention=GatedDeltaNetConfig(1, 2, 4, 4)),
+            "moe_layers": lambda: dict(shared_experts=SharedExpertMixtureConfig(2, 1, 4, 4, layers=(1,))),
+            "moe_mlp": lambda: dict(shared_experts=SharedExpertMixtureConfig(2, 1, 4, 4, layers=(0,)),
+                                    mlp="plain")}[changes]
     with pytest.raises(ValueError, match=match):
         DecoderConfig(**{**LLAMA, **make()})
     DecoderConfig(**LLAMA)  # the same config without the change is fine

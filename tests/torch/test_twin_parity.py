@@ -10,6 +10,7 @@ import torch
 from attnkit import layers as L
 from attnkit.attention.grouped_query import GroupedQueryAttention
 from attnkit.attention.multi_head_attention import MultiHeadAttention
+from attnkit.layers import GatedDeltaNetConfig, SharedExpertMixtureConfig
 from attnkit.layers.gated_mlp import GatedMLP
 from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
@@ -233,6 +234,29 @@ def test_lm_block():
     check_parity(LMBlock(cfg, 1, rng=0), [randn(2, 5, 16)], dict(rotary=rotary))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_gated_deltanet(padded):
+    layer = L.GatedDeltaNet(16, 2, 4, 4, 3, conv_kernel_size=3, chunk_size=4, rng=0)
+    for _, p in layer.named_parameters():
+        p += 0.3 * np.random.default_rng(p.size).normal(size=p.shape)
+    mask = left_padding(2, 7, [7, 4]) if padded else None
+    check_parity(layer, [randn(2, 7, 16)], dict(attention_mask=mask))
+
+
+@pytest.mark.parametrize("normalise", [True, False])
+def test_gated_attention_and_shared_experts(normalise):
+    from attnkit.attention.gated import GatedAttention
+    from attnkit.layers import SharedExpertMixture
+
+    cfg = _config(family="qwen3_next", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
+                  attention=AttentionConfig(qk_norm="head"), layer_types=("gated_attention",) * 2,
+                  shared_experts=SharedExpertMixtureConfig(4, 2, 5, 6, normalise, layers=(0,)))
+    rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)(np.tile(np.arange(5), (2, 1)),
+                                                                                   dtype=np.float64)
+    check_parity(GatedAttention(cfg, 1, rng=0), [randn(2, 5, 16)], dict(rotary=rotary))
+    check_parity(SharedExpertMixture(cfg, rng=0), [randn(2, 5, 16)])
+
+
 # -- models ----------------------------------------------------------------------------------------------
 FAMILIES = {
     "llama": dict(),
@@ -267,6 +291,14 @@ FAMILIES = {
     "gpt_oss": dict(family="gpt_oss", mlp="experts", layer_types=("sliding_attention", "full_attention"),
                     attention=AttentionConfig(sinks=True, bias=True, output_bias=True, sliding_window=2),
                     experts=ExpertsConfig(num_experts=3, per_token=2, swiglu_limit=0.6)),
+    "qwen3_5_text": dict(family="qwen3_5_text", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
+                         attention=AttentionConfig(qk_norm="head"), layer_types=("linear_attention", "gated_attention"),
+                         linear_attention=GatedDeltaNetConfig(1, 2, 4, 3)),
+    "qwen3_next": dict(family="qwen3_next", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
+                       attention=AttentionConfig(qk_norm="head"), num_layers=3,
+                       layer_types=("linear_attention", "gated_attention", "linear_attention"),
+                       linear_attention=GatedDeltaNetConfig(2, 4, 4, 3),
+                       shared_experts=SharedExpertMixtureConfig(3, 2, 5, 6, norm_topk_prob=False, layers=(0, 1))),
 }
 
 

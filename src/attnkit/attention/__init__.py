@@ -2,6 +2,7 @@
 from .additive import AdditiveAttention
 from .attention import Attention
 from .causal import CausalAttention
+from .gated import GatedAttention
 from .grouped_query import GroupedQueryAttention
 from .latent import LatentAttentionConfig, MultiHeadLatentAttention
 from .learned_bias import LearnedBiasAttention
@@ -11,4 +12,4 @@ from .scaled_dot_product import ScaledDotProductAttention
 
 __all__ = ["MultiHeadAttention", "ScaledDotProductAttention",
            "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention",
-           "GroupedQueryAttention", "MultiHeadLatentAttention", "LatentAttentionConfig"]
+           "GroupedQueryAttention", "GatedAttention", "MultiHeadLatentAttention", "LatentAttentionConfig"]

@@ -202,7 +202,8 @@ class GroupedQueryAttention(Module):
         """``hook_q``, ``hook_k``, ``hook_v`` (B, L, H, Dh) after the projections and q/k norms (K and V: the
         Hkv key/value heads); ``hook_rot_q``, ``hook_rot_k`` after the rotation (rotary layers only);
         ``hook_pattern`` (B, Hq, L, S) the attention weights (forward hooks only; asking for it runs the
-        reference kernel); ``hook_z`` (B, L, Hq, Dh) each head's output before the output projection."""
+        reference kernel); ``hook_z`` (B, L, Hq, Dh) each head's output as the output projection reads it
+        (after the gate of a gated layer)."""
         rotated = ("hook_rot_q", "hook_rot_k") if self.uses_rotary else ()
         return ("hook_q", "hook_k", "hook_v", *rotated, "hook_pattern", "hook_z")
 
@@ -269,12 +270,13 @@ class GroupedQueryAttention(Module):
             key_mask = self._check_mask(attention_mask, b, length)
         out, weights, ctx = self._attend(q, k, v, key_mask, output_attentions)  # (B, Hq, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
+        merged, gate_saved = self._gate(x, merged)  # (B, L, Hq, Dh)
         if hooked:
             merged = self.hook_point("hook_z", merged)
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
         if cache is None:  # the cached path is inference: it keeps nothing
-            self.save_for_backward(x, merged, ctx, rotary, normed)
+            self.save_for_backward(x, merged, gate_saved, ctx, rotary, normed)
         else:
             self.save_for_backward()
         if not output_attentions:
@@ -319,7 +321,7 @@ class GroupedQueryAttention(Module):
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""
         if self.saved_tensors is None:
             raise RuntimeError("GroupedQueryAttention.backward needs a forward without a cache just before it")
-        x, merged, ctx, rotary, normed = self.saved_tensors
+        x, merged, gate_saved, ctx, rotary, normed = self.saved_tensors
         b, length, _ = x.shape
         g = check_grad_output(grad_output, x.shape, x.dtype, "GroupedQueryAttention")
         p = self._parameters
@@ -329,6 +331,7 @@ class GroupedQueryAttention(Module):
         hooked = self._hook_table is not None
         if hooked:
             grad_out = self.hook_backward("hook_z", grad_out)
+        grad_out, grad_x = self._gate_backward(grad_out, x, gate_saved)  # (B, L, Hq, Dh), (B, L, D)
         grad_out = grad_out.transpose(0, 2, 1, 3)  # (B, Hq, L, Dh)
         if isinstance(ctx, FixedWeights):
             dq, dk, dv = fixed_weights_backward(grad_out, ctx)  # (B, H, L, Dh)
@@ -348,12 +351,21 @@ class GroupedQueryAttention(Module):
         dq, dk = self.qk_norm.on_heads_backward(self, dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
         dq, dk, dv = (d.transpose(0, 2, 1, 3).reshape(b, length, -1) for d in (dq, dk, dv))  # (B, L, H*Dh)
         dq, dk = self.qk_norm.on_projection_backward(self, dq, dk, normed)  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
-        grad_x = np.zeros_like(x)
         for name, flat in (("Q", dq), ("K", dk), ("V", dv)):
             gx, grad_w, grad_b = linear_backward(flat, x, p[f"W_{name}"], f"b_{name}" in p)  # (B, L, D)
             self._accumulate(name, grad_w, grad_b)
             grad_x += gx
         return grad_x
+
+    def _gate(self, x: np.ndarray, heads: np.ndarray):
+        """What each head's output (B, L, Hq, Dh) becomes before ``W_O``: itself here (a gated layer scales it);
+        returns it and what :meth:`_gate_backward` needs."""
+        return heads, None
+
+    def _gate_backward(self, grad: np.ndarray, x: np.ndarray, saved):
+        """Gradients of :meth:`_gate`: the heads' outputs' (B, L, Hq, Dh) and a fresh ``grad_x`` (B, L, D) the
+        projections' gradients are added to (zeros here: x reaches the output only through the heads)."""
+        return grad, np.zeros_like(x)
 
     def _accumulate(self, name: str, grad_w: np.ndarray, grad_b: np.ndarray | None) -> None:
         self.grads[f"W_{name}"] += grad_w

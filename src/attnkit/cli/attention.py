@@ -217,6 +217,24 @@ def _causal_lm_dir(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _drawn_layers(config: Any, chosen: int | None, one_picture: bool) -> list[int]:
+    """The layers whose weights are computed: ``chosen``, else every softmax-attention layer (only the first
+    when one picture of many layers would be too tall). A Gated DeltaNet layer has no softmax pattern (its
+    token weights are signed), so it is left out, and naming it is refused."""
+    linear = [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
+    softmax = [i for i in range(config.num_layers) if i not in linear]
+    if chosen in linear:
+        raise UsageError(f"--layer {chosen} is a Gated DeltaNet layer, which has no attention pattern (its token "
+                         f"weights are signed: GatedDeltaNet.token_weights, drawn by attnkit.viz.plot_attention on "
+                         f"a scale centred on 0); its softmax layers are {', '.join(map(str, softmax))}", PROG)
+    if chosen is not None:
+        return [chosen]
+    if linear:
+        print(f"note: layers {', '.join(map(str, linear))} are Gated DeltaNet layers, which have no attention "
+              f"pattern: drawing the softmax layers {', '.join(map(str, softmax))}")
+    return softmax[:1] if one_picture and config.num_layers > _MAX_LAYERS_DRAWN else softmax
+
+
 def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None, output: Path | None,
                          html: Path | None) -> int:
     from .generate import model_for_command, prompt_ids, tokenizer_for_command
@@ -231,13 +249,7 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
     ids = prompt_ids(args, tokenizer, config, prog=PROG)
     _check_index("layer", args.layer, config.num_layers)
     _check_index("head", args.head, config.num_heads)
-
-    if args.layer is not None:
-        layers = [args.layer]
-    elif html is None and config.num_layers > _MAX_LAYERS_DRAWN:  # only layer 0 will be drawn: compute only it
-        layers = [0]
-    else:
-        layers = list(range(config.num_layers))
+    layers = _drawn_layers(config, args.layer, html is None)
     heads = range(config.num_heads) if args.head is None else [args.head]
     # Only the chosen layers' weights, and no layer past the last of them, are computed.
     per_layer = model.attention_weights(np.array([ids], dtype=np.int64), layers=layers)  # N' x (1, H, L, L)
@@ -256,9 +268,9 @@ def _causal_lm_attention(args: argparse.Namespace, lm_dir: str, text: str | None
 
         drawn, drawn_layers = weights, layer_names
         if args.layer is None and config.num_layers > _MAX_LAYERS_DRAWN:  # every head of 30 layers in one
-            drawn, drawn_layers = weights[:1], layer_names[:1]  # picture is thousands of pixels high: layer 0
-            print(f"note: drew layer 0 of {config.num_layers}; pass --layer I to draw another (or --html FILE "
-                  f"for every layer in one page)")
+            drawn, drawn_layers = weights[:1], layer_names[:1]  # picture is thousands of pixels high: one layer
+            print(f"note: drew {layer_names[0]} of {config.num_layers}; pass --layer I to draw another (or --html "
+                  f"FILE for every layer in one page)")
         fig = plot_attention(drawn, tokens, tokens, layer_names=drawn_layers, head_names=head_names,
                              title=f"{name}: {said}")
         save_figure(fig, output)

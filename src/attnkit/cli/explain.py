@@ -124,6 +124,11 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None or args.corrupt is not None,
                                       prog=PROG)
     model = model_for_command(args.model_dir, prog=PROG)
+    linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
+    if linear:  # the page's rollout and flow compose softmax patterns
+        raise UsageError(f"the page draws softmax attention patterns; layers {', '.join(map(str, linear))} of this "
+                         f"{model.config.family} model are Gated DeltaNet layers, which have none (attnkit "
+                         f"attention draws its softmax layers)", PROG)
     ids = prompt_ids(args, tokenizer, model.config, prog=PROG)
     corrupt = None
     if corrupting:

@@ -8,12 +8,19 @@ the key and value computed for the ``s``-th input column. The slot is not the ro
 row starts its positions at its first real token while its slots start at 0, so the cache never needs to know
 about positions, and the attention layer masks keys by looking up ``attention_mask[:, slots]``.
 
-Three storage kinds, chosen per layer:
+Four storage kinds, chosen per layer:
 
 - growing (``max_length=None``, full-attention layer): capacity doubles when full;
 - bounded (``max_length=N``): grows the same way but never beyond N slots; writing past N is an error;
 - ring buffer (the layer's window W is set): only the last W slots are kept, slot ``s`` lives at index
-  ``s % W``; a layer with window W never reads older keys, so the memory stays O(W) however long the text.
+  ``s % W``; a layer with window W never reads older keys, so the memory stays O(W) however long the text;
+- state (the layer is given in ``states``): no keys or values at all, but a fixed-size object the layer reads
+  and rewrites every step (Gated DeltaNet's convolution inputs and delta-rule state,
+  :class:`~attnkit.layers.gated_deltanet.GatedDeltaNetCache`), whatever the length: a hybrid model's
+  linear-attention layers cost O(1) memory and time per token. The cache asks of such a state only a
+  ``length`` (positions it has seen), ``reorder(index)`` and ``nbytes``; it reorders and selects rows of
+  it with the keys and values of the other layers, and refuses to crop it (a recurrent state cannot forget
+  the tokens it has absorbed).
 
 Every cache speaks to an attention module through two calls, so one cached-attention path serves the
 decoder-only LMs and the encoder-decoder alike: ``stored(layer)`` hands back keys and values the module
@@ -68,6 +75,10 @@ class KVCache:
         more is a ``ValueError``; memory follows what is written, not the bound. ``None``: no bound.
     windows : sequence of (int or None), optional
         Per-layer sliding window W; a layer with W keeps a ring buffer of its last W slots.
+    states : mapping of int to state, optional
+        Layers that keep a fixed-size state instead of keys and values (a hybrid model's linear-attention
+        layers), each with its empty state object (e.g. ``GatedDeltaNet.new_cache(B)``): any object with
+        ``length``, ``nbytes`` and ``reorder(index)``. The layer fetches it with :meth:`state`.
 
     Shapes
     ------
@@ -88,10 +99,20 @@ class KVCache:
     >>> step = np.ones((1, 1, 1, 2), dtype=np.float32)
     >>> cache.update(0, step, step).slots, cache.update(1, step, step).slots
     (array([0, 1, 2, 3]), array([1, 2, 3]))
+
+    A hybrid model's cache: layer 1 keeps a recurrent state, layer 0 keys and values.
+
+    >>> from attnkit.layers import GatedDeltaNet
+    >>> gdn = GatedDeltaNet(4, num_key_heads=1, num_value_heads=1, key_head_dim=2, value_head_dim=2, rng=0)
+    >>> hybrid = KVCache(2, 1, 1, 2, states={1: gdn.new_cache(1)})
+    >>> _ = hybrid.update(0, k, k)
+    >>> _ = gdn(np.ones((1, 3, 4)), cache=hybrid.state(1))
+    >>> hybrid.length, hybrid.state(1).recurrent_state.shape
+    (3, (1, 1, 2, 2))
     """
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=np.float32, *, max_length: int | None = None, windows=None) -> None:
+                 dtype=np.float32, *, max_length: int | None = None, windows=None, states=None) -> None:
         self.num_layers = check_positive_int(num_layers, "num_layers")
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
@@ -104,13 +125,27 @@ class KVCache:
         if len(windows) != self.num_layers:
             raise ValueError(f"windows has {len(windows)} entries but num_layers is {self.num_layers}")
         self.windows = [None if w is None else check_positive_int(w, f"windows[{i}]") for i, w in enumerate(windows)]
+        self._states = self._check_states(states)
         self._lengths = [0] * self.num_layers
         self._keys = [self._empty(self._initial_capacity(i)) for i in range(self.num_layers)]
         self._values = [self._empty(self._initial_capacity(i)) for i in range(self.num_layers)]
 
+    def _check_states(self, states) -> dict[int, Any]:
+        states = {} if states is None else dict(states)
+        for layer, state in states.items():
+            _check_layer(layer, self.num_layers)
+            if not all(hasattr(state, name) for name in ("length", "nbytes", "reorder")):
+                raise TypeError(f"states[{layer}] must have length, nbytes and reorder (e.g. a GatedDeltaNetCache), "
+                                f"got {type(state).__name__}")
+            if self.windows[layer] is not None:
+                raise ValueError(f"layer {layer} has both a window and a state: a layer keeps one or the other")
+        return {int(layer): state for layer, state in states.items()}
+
     # ------------------------------------------------------------------------------------------------
     def _initial_capacity(self, layer: int) -> int:
         window = self.windows[layer]
+        if layer in self._states:
+            return 0  # a state layer keeps no keys or values
         if window is not None:
             return window if self.max_length is None else min(window, self.max_length)
         # max_length is a bound, not an allocation: a generous max_new_tokens must not reserve memory for
@@ -138,12 +173,21 @@ class KVCache:
     @property
     def length(self) -> int:
         """Slots filled in every layer (pad slots included): the attention-mask columns seen so far."""
-        return min(self._lengths)
+        return min(self._states[i].length if i in self._states else n for i, n in enumerate(self._lengths))
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the key and value storage of all layers."""
-        return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
+        """Bytes held by the key and value storage and the states of all layers."""
+        return (sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
+                + sum(state.nbytes for state in self._states.values()))
+
+    def state(self, layer: int) -> Any:
+        """The state object of a layer given in ``states`` (the layer reads and rewrites it in place)."""
+        layer = self._check_layer(layer)
+        if layer not in self._states:
+            raise ValueError(f"layer {layer} keeps keys and values, not a state (state layers: "
+                             f"{sorted(self._states)})")
+        return self._states[layer]
 
     def stored(self, layer: int) -> None:
         """Always ``None``: a self-attention cache takes the new positions' keys and values every step."""
@@ -164,6 +208,8 @@ class KVCache:
             ``keys``, ``values`` (B, Hkv, S, Dh) in slot order and ``slots`` (S,).
         """
         layer = self._check_layer(layer)
+        if layer in self._states:
+            raise ValueError(f"layer {layer} keeps a state, not keys and values: use state({layer})")
         k_new = self._check_new(k_new, "k_new")
         v_new = self._check_new(v_new, "v_new")
         if k_new.shape != v_new.shape:
@@ -217,10 +263,14 @@ class KVCache:
         """Forget every slot from ``length`` on (e.g. rejected draft tokens).
 
         A ring-buffer layer that has already overwritten slots cannot go back (the keys it would need are
-        gone): that is a ``ValueError``.
+        gone), nor can a state layer that has seen more than ``length`` positions: either is a ``ValueError``.
         """
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.length:
             raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
+        for layer, state in self._states.items():
+            if length < state.length:
+                raise ValueError(f"layer {layer} keeps a recurrent state of {state.length} positions, which "
+                                 f"cannot be cropped to {length}")
         for layer in range(self.num_layers):
             capacity = self._keys[layer].shape[2]
             if (self.windows[layer] is not None and self._lengths[layer] > capacity
@@ -239,6 +289,8 @@ class KVCache:
         index = _check_index(index, self.batch_size)
         self._keys = [k[index] for k in self._keys]  # (B', Hkv, S, Dh)
         self._values = [v[index] for v in self._values]  # (B', Hkv, S, Dh)
+        for state in self._states.values():
+            state.reorder(index)
         self.batch_size = int(index.size)
 
     def select(self, rows) -> None:
@@ -246,9 +298,10 @@ class KVCache:
         self.reorder(_check_rows(rows, self.batch_size))
 
     def __repr__(self) -> str:
+        states = f", states={sorted(self._states)}" if self._states else ""
         return (f"KVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, length={self.length}, "
-                f"max_length={self.max_length}, windows={self.windows})")
+                f"max_length={self.max_length}, windows={self.windows}{states})")
 
 
 def _check_layer(layer: Any, num_layers: int) -> int:

@@ -122,6 +122,12 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     batch, single = as_id_batch(ids, lm.config.vocab_size)
     if not single:
         raise ValueError(f"ids must be one sequence (L,), got shape {np.shape(ids)}")
+    linear = [i for i, kind in enumerate(lm.config.layer_types) if kind == "linear_attention"]
+    if linear:  # rollout and flow compose softmax patterns, whose rows are shares of attention
+        raise ValueError(f"explain_html draws softmax attention patterns, but layers {linear} of this "
+                         f"{lm.config.family} model are Gated DeltaNet layers, which have none: their effective "
+                         f"token weights are signed and their rows do not sum to one (read them with "
+                         f"lm.attention_weights or GatedDeltaNet.token_weights)")
     vocab = lm.config.vocab_size
     for name, value in (("candidates", candidates), ("top_k", top_k)):
         check_positive_int(value, name, maximum=vocab)

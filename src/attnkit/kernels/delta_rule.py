@@ -24,6 +24,12 @@ Two forms compute the same thing:
 :func:`chunked_backward` is the exact gradient of the chunked form, from the states entering each chunk that
 the forward kept; :func:`recurrent_backward` that of the recurrent form, from every step's state.
 Arrays are computed in the inputs' float dtype (float16 in float32); float32 in gives float32 out.
+
+From a zero state the output is linear in the values: ``out = A V`` with the (L, L) lower-triangular
+``A = (Q K^T * Gamma) T diag(beta)`` of the chunked form taken as one chunk of the whole sequence.
+:func:`token_weights` returns A, what a Gated DeltaNet layer has in place of an attention matrix: row t
+says how much of each earlier value reaches output t. Unlike softmax weights, its entries may be negative
+and its rows need not sum to one (the delta rule subtracts what the state already predicts).
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["ChunkedContext", "RecurrentContext", "chunked_backward", "chunked_forward", "l2_normalize_backward",
-           "l2_normalize_forward", "recurrent_backward", "recurrent_forward"]
+           "l2_normalize_forward", "recurrent_backward", "recurrent_forward", "token_weights"]
 
 CHUNK_SIZE = 64
 
@@ -313,3 +319,37 @@ def chunked_backward(grad_out, ctx: ChunkedContext, grad_state=None):
 
     return (unchunk(dq) * dtype.type(ctx.scale), unchunk(dk), unchunk(dv), unchunk(dg, False),
             unchunk(dbeta, False), d_initial)
+
+
+def token_weights(q, k, g, beta, *, scale: float | None = None) -> np.ndarray:
+    """The effective token-to-token weights A of the gated delta rule from a zero state: ``out = A v``.
+
+    The chunked form with the whole sequence as one chunk (module docstring): ``A = (Q K^T * Gamma) T
+    diag(beta)``, lower-triangular. It costs O(L^2 Dk + L^3) and is meant for reading a layer (drawing it,
+    attributing through it), not for running it.
+
+    Shapes
+    ------
+    q, k (..., L, Dk); g, beta (..., L) -> A (..., L, L), row t the weights of values 0..t in output t.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 5, 4))
+    >>> g, beta = -rng.random((2, 5)), rng.random((2, 5))
+    >>> a = token_weights(q, k, g, beta)
+    >>> bool(np.allclose(a @ v, chunked_forward(q, k, v, g, beta)[0])), bool(np.allclose(np.triu(a, 1), 0))
+    (True, True)
+    """
+    dtype = _compute_dtype(q, k, g, beta)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k = q.astype(dtype, copy=False) * dtype.type(scale), k.astype(dtype, copy=False)  # (..., L, Dk)
+    beta, length = beta.astype(dtype, copy=False), k.shape[-2]
+    cum = np.cumsum(g.astype(dtype, copy=False), axis=-1)  # (..., L)
+    lower = np.tril(np.ones((length, length), bool))  # (L, L)
+    gamma = np.exp(np.where(lower, cum[..., :, None] - cum[..., None, :], -np.inf))  # (..., L, L)
+    system = np.eye(length, dtype=dtype) + np.tril(beta[..., :, None] * (k @ k.swapaxes(-1, -2)) * gamma, -1)
+    attn = (q @ k.swapaxes(-1, -2)) * gamma  # (..., L, L)
+    # attn T = (T^T attn^T)^T, and T^T is the inverse of system^T: one solve instead of an inverse
+    solved = np.linalg.solve(system.swapaxes(-1, -2), attn.swapaxes(-1, -2)).swapaxes(-1, -2)  # (..., L, L)
+    return solved * beta[..., None, :]  # (..., L, L)

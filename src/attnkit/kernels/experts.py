@@ -13,12 +13,19 @@ and a token's output is the weighted sum of its experts' outputs. The choice of 
 so the gradient flows into the router only through the k softmax weights. The experts run one after another
 over the tokens routed to them (each a pair of matrix products over its own group of tokens), never over all
 N tokens times E experts.
+
+Qwen3-Next routes differently and its experts are plain: :func:`route_softmax` takes the top k of a softmax
+over all E logits (renormalised over the k with ``norm_topk_prob``), and :func:`swiglu_experts_forward`'s
+experts are bias-free SwiGLU MLPs without clamps.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["experts_backward", "experts_forward", "route", "route_backward"]
+from .gated_mlp import gated_mlp_backward, gated_mlp_forward
+
+__all__ = ["experts_backward", "experts_forward", "route", "route_backward", "route_softmax", "route_softmax_backward",
+           "swiglu_experts_backward", "swiglu_experts_forward"]
 
 
 def route(x: np.ndarray, w_router: np.ndarray, b_router: np.ndarray, top_k: int):
@@ -145,3 +152,73 @@ def route_backward(grad_weights, x, chosen, weights, w_router, num_experts: int)
     grad_logits = np.zeros((x.shape[0], num_experts), dtype=x.dtype)  # (N, E)
     np.put_along_axis(grad_logits, chosen, grad_top, axis=-1)
     return grad_logits @ w_router.T, x.T @ grad_logits, grad_logits.sum(axis=0)  # (N, D), (D, E), (E,)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Softmax routing over every expert, and plain (unclamped, bias-free) SwiGLU experts: Qwen3-Next / Qwen3-MoE
+# ----------------------------------------------------------------------------------------------------------
+def route_softmax(x: np.ndarray, w_router: np.ndarray, top_k: int, normalize: bool):
+    """The k experts of largest probability under a softmax over all E router logits, and their weights.
+
+    With ``normalize`` (``norm_topk_prob``) the k probabilities are divided by their sum, which is the softmax
+    over the k chosen logits alone (what :func:`route` computes); without it they are the full softmax's.
+
+    Returns
+    -------
+    chosen : int64 (N, k); weights : (N, k); probs : (N, E), what :func:`route_softmax_backward` needs.
+    """
+    logits = x @ w_router  # (N, E)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))  # (N, E)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    # a stable sort keeps the lower expert first on ties, as torch.topk does on CPU
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]  # (N, k)
+    weights = np.take_along_axis(probs, chosen, axis=-1)  # (N, k)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return chosen.astype(np.int64), weights, probs
+
+
+def route_softmax_backward(grad_weights, x, chosen, weights, probs, w_router, normalize: bool):
+    """Gradients of :func:`route_softmax` into x (N, D) and the router (D, E)."""
+    if normalize:  # the softmax over the chosen logits: only they receive a gradient
+        grad_top = weights * (grad_weights - np.sum(grad_weights * weights, axis=-1, keepdims=True))  # (N, k)
+        grad_logits = np.zeros_like(probs)  # (N, E)
+        np.put_along_axis(grad_logits, chosen, grad_top, axis=-1)
+    else:  # the full softmax: every logit moves the chosen probabilities
+        grad_probs = np.zeros_like(probs)  # (N, E)
+        np.put_along_axis(grad_probs, chosen, grad_weights, axis=-1)
+        grad_logits = probs * (grad_probs - np.sum(grad_probs * probs, axis=-1, keepdims=True))  # (N, E)
+    return grad_logits @ w_router.T, x.T @ grad_logits  # (N, D), (D, E)
+
+
+def swiglu_experts_forward(x, chosen, weights, w_gate, w_up, w_down):
+    """The weighted sum of each token's chosen experts, expert e being ``(silu(x W_gate[e]) * x W_up[e]) W_down[e]``.
+
+    Shapes
+    ------
+    x (N, D); chosen, weights (N, k); w_gate, w_up (E, D, F); w_down (E, F, D) -> y (N, D), and ``saved``
+    (one entry per expert with tokens) for :func:`swiglu_experts_backward`.
+    """
+    y = np.zeros_like(x)  # (N, D)
+    saved = []
+    for expert, tokens, slot in _groups(chosen, w_gate.shape[0]):
+        out, parts = gated_mlp_forward(x[tokens], w_gate[expert], w_up[expert], w_down[expert])  # (n, D)
+        y[tokens] += out * weights[tokens, slot][:, None]  # a token picks an expert once: distinct rows
+        saved.append((expert, tokens, slot, out, parts))
+    return y, saved
+
+
+def swiglu_experts_backward(grad_y, x, weights, w_gate, w_up, w_down, saved):
+    """Gradients of :func:`swiglu_experts_forward`: ``grad_x`` (N, D), ``grad_weights`` (N, k) and
+    ``{"W_gate", "W_up", "W_down"}`` (experts without tokens get zeros)."""
+    grad_x, grad_weights = np.zeros_like(x), np.zeros_like(weights)  # (N, D), (N, k)
+    grads = {"W_gate": np.zeros_like(w_gate), "W_up": np.zeros_like(w_up), "W_down": np.zeros_like(w_down)}
+    for expert, tokens, slot, out, parts in saved:
+        ge = grad_y[tokens]  # (n, D)
+        grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)
+        gx, expert_grads = gated_mlp_backward(ge * weights[tokens, slot][:, None], x[tokens], w_gate[expert],
+                                              w_up[expert], w_down[expert], parts)  # (n, D)
+        grad_x[tokens] += gx
+        for name, value in expert_grads.items():
+            grads[name][expert] = value
+    return grad_x, grad_weights, grads

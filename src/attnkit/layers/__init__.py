@@ -8,9 +8,11 @@
 - :class:`TransformerDecoderBlock` (self-attention, cross-attention, feed-forward), the
   :class:`TransformerDecoder` stack and the encoder-decoder :class:`Transformer`;
 - the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`MixtureOfExperts`,
+  :class:`SharedExpertMixture`,
   :class:`RotaryEmbedding` and :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`);
 - :class:`GatedDeltaNet`, the linear-attention layer of Qwen3-Next and Qwen3.5, and its
-  :class:`GatedDeltaNetCache`.
+  :class:`GatedDeltaNetCache`; :class:`GatedDeltaNetMixer` is it as a decoder block's token mixer, shaped by a
+  :class:`GatedDeltaNetConfig`.
 
 Every layer's ``forward`` saves what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
@@ -20,9 +22,9 @@ from .dropout import Dropout
 from .embedding import Embedding
 from .encoder import TransformerEncoder
 from .encoder_block import TransformerEncoderBlock
-from .experts import MixtureOfExperts
+from .experts import MixtureOfExperts, SharedExpertMixture, SharedExpertMixtureConfig
 from .feed_forward import FeedForward
-from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
+from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache, GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
 from .identity import Identity
 from .layer_norm import LayerNorm
@@ -38,6 +40,7 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "MixtureOfExperts", "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity",
-    "GatedDeltaNet", "GatedDeltaNetCache",
+    "RMSNorm", "GatedMLP", "MixtureOfExperts", "SharedExpertMixture", "SharedExpertMixtureConfig",
+    "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity",
+    "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
 ]

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_eps, check_features, check_grad_output, check_ndim, check_positive_int
+from .._validation import as_bool_mask, check_eps, check_features, check_grad_output, check_ndim, check_positive_int
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
@@ -51,7 +51,7 @@ from ..kernels import delta_rule as _delta
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import gated_rms_norm_backward, gated_rms_norm_forward
 
-__all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
+__all__ = ["GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer"]
 
 _INPUTS = ("W_qkv", "W_z", "W_b", "W_a")
 
@@ -86,6 +86,40 @@ class GatedDeltaNetCache:
             raise ValueError(f"index must hold rows in [0, {batch}), got {index.min()}..{index.max()}")
         self.conv_state = self.conv_state[index]  # (B', K - 1, Cc)
         self.recurrent_state = self.recurrent_state[index]  # (B', Hv, Dk, Dv)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the same for every length."""
+        return self.conv_state.nbytes + self.recurrent_state.nbytes
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """The shape of a decoder's Gated DeltaNet layers (``DecoderConfig.linear_attention``), with the names of
+    ``transformers``' Qwen3-Next / Qwen3.5 configs in parentheses.
+
+    Attributes
+    ----------
+    num_key_heads, num_value_heads : int
+        Hk, Hv (``linear_num_key_heads``, ``linear_num_value_heads``); Hv a multiple of Hk.
+    key_head_dim, value_head_dim : int
+        Dk, Dv (``linear_key_head_dim``, ``linear_value_head_dim``).
+    conv_kernel_size : int
+        K (``linear_conv_kernel_dim``).
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel_size"):
+            check_positive_int(getattr(self, name), name)
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"num_value_heads ({self.num_value_heads}) must be a multiple of num_key_heads "
+                             f"({self.num_key_heads})")
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -204,23 +238,12 @@ class GatedDeltaNet(Module):
         rate = np.exp(self._parameters["A_log"].astype(dtype, copy=False))  # (Hv,)
         return _sigmoid(b), -rate * np.logaddexp(dtype.type(0), pre), pre, rate
 
-    def forward(self, x: Any, cache: GatedDeltaNetCache | None = None) -> np.ndarray:
-        """Run the layer over ``x`` (B, L, D).
-
-        Without a cache the sequence starts from zero states and the forward keeps what :meth:`backward`
-        needs. With a ``cache`` (from :meth:`new_cache`) it continues from the cache's states and writes the
-        new ones back: a decoding step (L = 1) runs the recurrent form, a longer prefill the chunked one;
-        a cached forward is inference and keeps nothing for backward.
-        """
-        x = check_features(x, "x", self.hidden_size, "GatedDeltaNet", "hidden_size")
-        check_ndim(x, "x", 3, expected="(B, L, hidden_size)")
-        if cache is not None and cache.conv_state.shape[0] != x.shape[0]:
-            raise ValueError(f"GatedDeltaNet: the cache holds {cache.conv_state.shape[0]} sequences but x has "
-                             f"{x.shape[0]} (x: {x.shape})")
-        p = self._parameters
+    def _delta_inputs(self, x: np.ndarray, conv_state: np.ndarray | None):
+        """Steps 1-3 of the layer: the delta rule's arguments ``(q, k, v, g, beta)`` per value head ((B, Hv, L,
+        D*) and (B, Hv, L)), z (B, L, Vd), the convolution's new state and what backward needs of them."""
         mixed, z, b, a = self._project(x)
-        conv_in = None if cache is None else cache.conv_state
-        conv_out, conv_state, conv_saved = _conv.causal_conv_forward(mixed, p["conv_weight"], conv_in)  # (B, L, Cc)
+        conv_out, conv_state, conv_saved = _conv.causal_conv_forward(mixed, self._parameters["conv_weight"],
+                                                                     conv_state)  # (B, L, Cc)
         q, k, v = self._heads(conv_out)
         qn, q_rstd = _delta.l2_normalize_forward(q)  # (B, Hk, L, Dk)
         kn, k_rstd = _delta.l2_normalize_forward(k)  # (B, Hk, L, Dk)
@@ -228,6 +251,59 @@ class GatedDeltaNet(Module):
         beta, g, pre, rate = self._gates(b, a)  # (B, L, Hv) each
         delta_args = (np.repeat(qn, group, axis=1), np.repeat(kn, group, axis=1), v,  # (B, Hv, L, D*)
                       g.transpose(0, 2, 1), beta.transpose(0, 2, 1))  # (B, Hv, L)
+        return delta_args, z, conv_state, (conv_saved, (qn, q_rstd, kn, k_rstd), (beta, g, pre, rate))
+
+    def token_weights(self, x: Any, *, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """What the layer has in place of attention weights: each value head's effective token-to-token weights.
+
+        A Gated DeltaNet layer computes no softmax pattern, but over a whole sequence (zero states) its core
+        output, before the gated norm and ``W_out``, is linear in its values: ``o = weights @ values`` per value
+        head (:func:`attnkit.kernels.delta_rule.token_weights`). Row t of a head's weights says how much of each
+        earlier token's value reaches token t; entries may be negative and rows need not sum to one. Nothing is
+        saved for backward.
+
+        Shapes
+        ------
+        x (B, L, D); attention_mask (B, L) or None -> weights (B, Hv, L, L), lower-triangular, and values
+        (B, Hv, L, Dv), in the layer's compute dtype.
+        """
+        x = check_features(x, "x", self.hidden_size, "GatedDeltaNet", "hidden_size")
+        check_ndim(x, "x", 3, expected="(B, L, hidden_size)")
+        padding = self._check_padding(attention_mask, x)
+        (q, k, v, g, beta), _, _, _ = self._delta_inputs(x if padding is None else x * padding, None)
+        return _delta.token_weights(q, k, g, beta), v  # (B, Hv, L, L), (B, Hv, L, Dv)
+
+    def _check_padding(self, attention_mask: Any, x: np.ndarray) -> np.ndarray | None:
+        """``attention_mask`` as x's dtype (B, L, 1): 1 for a real token, 0 for padding; None without padding."""
+        mask = as_bool_mask(attention_mask, "attention_mask", allow_int=True)
+        if mask is None or mask.all():
+            return None
+        if mask.shape != x.shape[:2]:
+            raise ValueError(f"GatedDeltaNet: attention_mask must have shape (B, L) = {x.shape[:2]}, got {mask.shape}")
+        return mask[..., None].astype(x.dtype)  # (B, L, 1)
+
+    def forward(self, x: Any, cache: GatedDeltaNetCache | None = None, *, attention_mask: Any = None) -> np.ndarray:
+        """Run the layer over ``x`` (B, L, D).
+
+        Without a cache the sequence starts from zero states and the forward keeps what :meth:`backward`
+        needs. With a ``cache`` (from :meth:`new_cache`) it continues from the cache's states and writes the
+        new ones back: a decoding step (L = 1) runs the recurrent form, a longer prefill the chunked one;
+        a cached forward is inference and keeps nothing for backward.
+
+        ``attention_mask`` (B, L) bool or 0/1, ``True`` = real token: a padded position's input is zeroed
+        first (as Hugging Face does), so its keys, values and convolution inputs are zero and it leaves the
+        state as it found it, whatever its token (from the zero state of a left-padded row: zero). None: all real.
+        """
+        x = check_features(x, "x", self.hidden_size, "GatedDeltaNet", "hidden_size")
+        check_ndim(x, "x", 3, expected="(B, L, hidden_size)")
+        if cache is not None and cache.conv_state.shape[0] != x.shape[0]:
+            raise ValueError(f"GatedDeltaNet: the cache holds {cache.conv_state.shape[0]} sequences but x has "
+                             f"{x.shape[0]} (x: {x.shape})")
+        p = self._parameters
+        padding = self._check_padding(attention_mask, x)
+        inputs = x if padding is None else x * padding  # (B, L, D)
+        delta_args, z, conv_state, saved = self._delta_inputs(inputs, None if cache is None else cache.conv_state)
+        conv_saved, normalised, gates = saved
         if cache is None:
             o, _, delta_ctx = _delta.chunked_forward(*delta_args, chunk_size=self.chunk_size)  # (B, Hv, L, Dv)
         elif x.shape[1] == 1:
@@ -241,8 +317,7 @@ class GatedDeltaNet(Module):
         flat = normed.reshape(x.shape[0], x.shape[1], self.value_dim)  # (B, L, Vd)
         y = linear(flat, p["W_out"]).astype(x.dtype, copy=False)  # (B, L, D)
         if cache is None:
-            self.save_for_backward(x, conv_saved, (qn, q_rstd, kn, k_rstd), (beta, g, pre, rate), delta_ctx,
-                                   norm_saved, flat)
+            self.save_for_backward(inputs, padding, conv_saved, normalised, gates, delta_ctx, norm_saved, flat)
         else:
             cache.conv_state = conv_state.astype(cache.conv_state.dtype, copy=False)
             cache.recurrent_state = state.astype(cache.recurrent_state.dtype, copy=False)
@@ -255,8 +330,8 @@ class GatedDeltaNet(Module):
         """Add every parameter's gradient into ``self.grads``; return ``grad_x`` (B, L, D)."""
         if self.saved_tensors is None:
             raise RuntimeError("GatedDeltaNet.backward called before a forward without a cache")
-        x, conv_saved, (qn, q_rstd, kn, k_rstd), (beta, g, pre, rate), delta_ctx, norm_saved, flat = \
-            self.saved_tensors
+        x, padding, conv_saved, normalised, gates, delta_ctx, norm_saved, flat = self.saved_tensors
+        (qn, q_rstd, kn, k_rstd), (beta, g, pre, rate) = normalised, gates
         dy = check_grad_output(grad_output, x.shape, x.dtype, "GatedDeltaNet")
         p = self._parameters
         d_flat, grad_w_out, _ = linear_backward(dy, flat, p["W_out"].astype(x.dtype, copy=False))  # (B, L, Vd)
@@ -287,4 +362,47 @@ class GatedDeltaNet(Module):
         self.grads["A_log"] += np.einsum("blh,blh->h", dg, g)  # g = -exp(A_log) softplus: dg/dA_log = g
         self.grads["norm_gamma"] += grad_gamma
         self.grads["W_out"] += grad_w_out
-        return grad_x
+        return grad_x if padding is None else grad_x * padding  # a zeroed input has no gradient
+
+
+class GatedDeltaNetMixer(GatedDeltaNet):
+    """A :class:`GatedDeltaNet` as the token mixer of a decoder block (a ``"linear_attention"`` layer).
+
+    It speaks the mixers' protocol: ``forward(x, *, rotary, attention_mask, cache, output_attentions)``, where
+    ``rotary`` is ignored (the convolution and the recurrence order the tokens), ``attention_mask`` is the
+    model's (B, P + L) mask over every column (the layer reads the new L), and ``cache`` the model's
+    :class:`~attnkit.decoding.cache.KVCache`, whose :meth:`~attnkit.decoding.cache.KVCache.state` for this
+    layer is its :class:`GatedDeltaNetCache`. ``output_attentions=True`` returns the layer's
+    :meth:`~GatedDeltaNet.token_weights` (B, Hv, L, L) beside its output: it has no softmax pattern.
+
+    Parameters
+    ----------
+    config : DecoderConfig
+        Reads ``hidden_size``, ``norm.eps`` and ``linear_attention`` (a :class:`GatedDeltaNetConfig`).
+    layer_index : int
+    rng : numpy.random.Generator or int, optional
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        shape = config.linear_attention
+        super().__init__(config.hidden_size, shape.num_key_heads, shape.num_value_heads, shape.key_head_dim,
+                         shape.value_head_dim, conv_kernel_size=shape.conv_kernel_size, eps=config.norm.eps, rng=rng)
+        self.layer_index = layer_index
+
+    def hook_points(self) -> tuple[str, ...]:
+        """None: the layer has no softmax pattern (see :meth:`~GatedDeltaNet.token_weights` for what it has)."""
+        return ()
+
+    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
+                output_attentions: bool = False):
+        """The layer's output (B, L, D), or ``(output, token weights (B, Hv, L, L))`` with ``output_attentions``."""
+        length = np.shape(x)[1]
+        mask = None if attention_mask is None else np.asarray(attention_mask)[:, -length:]  # (B, L)
+        state = None if cache is None else cache.state(self.layer_index)
+        if output_attentions and cache is not None:
+            raise ValueError("a Gated DeltaNet layer's token weights exist for a whole sequence only (no cache): "
+                             "its past is a state, not tokens")
+        y = super().forward(x, state, attention_mask=mask)  # (B, L, D)
+        if not output_attentions:
+            return y
+        return y, self.token_weights(x, attention_mask=mask)[0]

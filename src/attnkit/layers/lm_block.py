@@ -14,11 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from ..attention.gated import GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention
 from ..core.module import Module
 from ..init import as_generator, normal
-from .experts import MixtureOfExperts
+from .experts import MixtureOfExperts, SharedExpertMixture
 from .feed_forward import FeedForward
+from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
 from .identity import Identity
 from .layer_norm import LayerNorm
@@ -42,11 +44,14 @@ def _plain_mlp(config, *, rng: np.random.Generator) -> FeedForward:
     return mlp
 
 
-MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "experts": MixtureOfExperts}
-"""The MLP of each ``DecoderConfig.mlp`` kind: ``build(config, rng=...)``."""
+MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "experts": MixtureOfExperts,
+                                          "shared_experts": SharedExpertMixture}
+"""The MLP of each kind ``DecoderConfig.mlp_of(layer)`` names: ``build(config, rng=...)``."""
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
-                                            "sliding_attention": GroupedQueryAttention}
+                                            "sliding_attention": GroupedQueryAttention,
+                                            "gated_attention": GatedAttention,
+                                            "linear_attention": GatedDeltaNetMixer}
 """The token mixer of each layer type (``DecoderConfig.layer_types``): ``build(config, layer_index, rng=...)``.
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``
@@ -64,7 +69,8 @@ class LMBlock(Module):
     Parameters
     ----------
     config : DecoderConfig
-        ``norm`` (kind and placement), ``mlp`` (:data:`MLPS`) and the layer's type (:data:`MIXERS`).
+        ``norm`` (kind and placement), the layer's MLP (``mlp_of(layer_index)``, :data:`MLPS`) and its type
+        (:data:`MIXERS`: grouped-query attention, gated attention or a Gated DeltaNet).
     layer_index : int
     rng : numpy.random.Generator or int, optional
 
@@ -99,7 +105,7 @@ class LMBlock(Module):
         self.attention = MIXERS[config.layer_types[layer_index]](config, layer_index, rng=gen)
         self.attn_post_norm = norm(config.norm.after)
         self.mlp_norm = norm(config.norm.before)
-        self.mlp = MLPS[config.mlp](config, rng=gen)
+        self.mlp = MLPS[config.mlp_of(layer_index)](config, rng=gen)
         self.mlp_post_norm = norm(config.norm.after)
 
     def hook_points(self) -> tuple[str, ...]:

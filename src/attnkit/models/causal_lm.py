@@ -177,10 +177,13 @@ class CausalLM(Module):
         return min((getattr(self, name).weight.shape[0] for name in self.position_tables), default=None)
 
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
-        """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers)."""
+        """An empty :class:`~attnkit.decoding.cache.KVCache` for this model: ring buffers for sliding layers, and
+        a fixed-size state for each linear-attention layer (its mixer's ``new_cache``)."""
         c = self.config
+        states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
+                  if c.layer_types[i] == "linear_attention"}
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[c.window_of(i) for i in range(c.num_layers)])
+                       windows=[c.window_of(i) for i in range(c.num_layers)], states=states)
 
     # ------------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, attention_mask, position_ids, cache):
@@ -283,6 +286,10 @@ class CausalLM(Module):
 
         Only the chosen layers compute weights (the others take the tiled kernel), and no layer after the last
         chosen one runs: the weights of layer 0 of a 30-layer model cost one layer's scores, not thirty.
+
+        A linear-attention (Gated DeltaNet) layer has no softmax pattern; its entry is what it has instead, its
+        effective token-to-token weights (B, Hv, L, L) (:meth:`~attnkit.layers.GatedDeltaNet.token_weights`):
+        lower-triangular, signed, rows not summing to one.
 
         Parameters
         ----------

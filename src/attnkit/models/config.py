@@ -19,11 +19,13 @@ from .._validation import check_positive_int
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
+from ..layers.experts import SharedExpertMixtureConfig
+from ..layers.gated_deltanet import GatedDeltaNetConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
            "TokenTaggerConfig", "ROPE_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention")
 
 
 _MAX_SIZE = 2**31 - 1  # no real model comes near it; beyond it a size could only allocate without end
@@ -325,14 +327,21 @@ class DecoderConfig:
         Biases, q/k norms, scale, soft-cap, sinks and the sliding window of the self-attention.
     experts : ExpertsConfig, optional
         The mixture of experts, with ``mlp="experts"`` only.
+    linear_attention : GatedDeltaNetConfig, optional
+        The shape of the ``linear_attention`` layers (given exactly when there are some).
+    shared_experts : SharedExpertMixtureConfig, optional
+        Qwen3-Next's routed MLP (softmax-routed SwiGLU experts beside a gated shared expert) on the layers it
+        lists; the other layers keep ``mlp`` (which must be ``gated``).
     embedding_scale : float, default 1.0
         The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32).
     final_logit_softcap : float, optional
         C: the output logits become ``C * tanh(logits / C)`` (Gemma 2).
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
-    layer_types : tuple of {"full_attention", "sliding_attention"}
-        One entry per layer; default: every layer full.
+    layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention"}
+        Each layer's token mixer; default: every layer full. ``gated_attention``: full attention whose heads'
+        outputs pass through a sigmoid gate (Qwen3-Next, Qwen3.5); ``linear_attention``: a Gated DeltaNet layer
+        shaped by ``linear_attention`` (its cache entry is a fixed-size state, not keys and values).
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
 
@@ -363,6 +372,8 @@ class DecoderConfig:
     rotary: RotaryConfig | None = field(default_factory=RotaryConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     experts: ExpertsConfig | None = None
+    linear_attention: GatedDeltaNetConfig | None = None
+    shared_experts: SharedExpertMixtureConfig | None = None
     embedding_scale: float = 1.0
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
@@ -397,7 +408,9 @@ class DecoderConfig:
 
     def _check_parts(self) -> None:
         for name, kind, optional in (("norm", NormConfig, False), ("rotary", RotaryConfig, True),
-                                     ("attention", AttentionConfig, False), ("experts", ExpertsConfig, True)):
+                                     ("attention", AttentionConfig, False), ("experts", ExpertsConfig, True),
+                                     ("linear_attention", GatedDeltaNetConfig, True),
+                                     ("shared_experts", SharedExpertMixtureConfig, True)):
             value = getattr(self, name)
             if not isinstance(value, kind) and not (optional and value is None):
                 expected = f"a {kind.__name__}" + (" or None" if optional else "")
@@ -435,6 +448,13 @@ class DecoderConfig:
             raise ValueError(f"layer_types must hold only {', '.join(_LAYER_TYPES)}, got {bad}")
         if "sliding_attention" in types and self.attention.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but attention.sliding_window is None")
+        if ("linear_attention" in types) != (self.linear_attention is not None):
+            raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
+                             f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
+        moe = self.shared_experts
+        if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp != "gated"):
+            raise ValueError(f"shared_experts.layers must be layer indices below num_layers ({self.num_layers}) "
+                             f"and the other layers' mlp 'gated', got {moe.layers} and {self.mlp!r}")
         object.__setattr__(self, "layer_types", types)
 
     def to_dict(self) -> dict[str, Any]:
@@ -475,7 +495,8 @@ class DecoderConfig:
 
         values = {k: tupled(v) for k, v in fields.items()}
         for name, part in (("norm", NormConfig), ("rotary", RotaryConfig), ("attention", AttentionConfig),
-                           ("experts", ExpertsConfig)):
+                           ("experts", ExpertsConfig), ("linear_attention", GatedDeltaNetConfig),
+                           ("shared_experts", SharedExpertMixtureConfig)):
             if isinstance(values.get(name), dict):
                 values[name] = part(**{k: tupled(v) for k, v in values[name].items()})
         return cls(**values)
@@ -499,6 +520,12 @@ class DecoderConfig:
         if self.rotary is None or layer in self.rotary.skip_layers:
             return None
         return self.rotary.sliding() if self.window_of(layer) is not None else self.rotary
+
+    def mlp_of(self, layer: int) -> str:
+        """The kind of layer ``layer``'s MLP: ``"shared_experts"`` on the layers ``shared_experts`` lists, else
+        ``mlp``."""
+        return "shared_experts" if self.shared_experts is not None and layer in self.shared_experts.layers \
+            else self.mlp
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window W of layer ``layer``, or None for a full-attention layer."""

@@ -30,7 +30,7 @@ class TensorMap:
     targets : tuple of str
         attnkit parameter names (three for a fused ``c_attn``, else one).
     layout : {"copy", "transpose", "split", "head_split", "head_split_transpose", "row_split_transpose",
-              "interleaved_split"}
+              "interleaved_split", "reshape", "head_row_split_transpose"}
         ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis;
         ``head_split``: a first axis laid out (heads, parts, Dh), each part gathered over the heads (GPT-NeoX's
         fused ``query_key_value``: every head's q, k, v rows together); ``head_split_transpose``: that, then
@@ -44,7 +44,15 @@ class TensorMap:
         ``shape`` and ``layout`` then describe the dequantized array.
     sizes : tuple of int
         ``row_split_transpose``: the first axis cut into parts of these sizes, each transposed (Phi-3's fused
-        ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)).
+        ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)). ``reshape``: the parameter's shape,
+        the same numbers in the same order (a depthwise ``Conv1d``'s (C, 1, K) weight as (C, K)).
+        ``head_row_split_transpose``: the first axis laid out (heads, sum(sizes)), every head's rows cut into
+        parts of these sizes, each part gathered over the heads; parts whose target repeats are stacked in
+        order, then each target transposed (Qwen3-Next's ``in_proj_qkvz``: every key head's q, k, v and z rows;
+        targets ``(W_qkv, W_qkv, W_qkv, W_z)``).
+    stack, index : int
+        ``stack`` > 0: the tensor is slice ``index`` of a parameter stacked over ``stack`` entries (one expert
+        of an (E, ...) parameter, as Qwen3-Next's checkpoints store each expert's matrices).
     """
 
     source: str
@@ -54,6 +62,8 @@ class TensorMap:
     heads: int = 0
     sizes: tuple[int, ...] = ()
     scales: str = ""
+    stack: int = 0
+    index: int = 0
 
     @property
     def stored_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -65,7 +75,24 @@ class TensorMap:
         return {self.source: (e, r, c // 32, 16), self.scales: (e, r, c // 32)}
 
     def target_shapes(self) -> dict[str, tuple[int, ...]]:
-        """attnkit parameter name -> the shape it receives."""
+        """attnkit parameter name -> the shape it receives (the whole stacked parameter's, with ``stack``)."""
+        shapes = self._part_shapes()
+        return {t: (self.stack,) + shape for t, shape in shapes.items()} if self.stack else shapes
+
+    def destination(self, params: dict[str, Any], target: str) -> np.ndarray:
+        """The array :meth:`convert`'s ``target`` value is copied into: the parameter, or its slice ``index``."""
+        return params[target][self.index] if self.stack else params[target]
+
+    def _head_rows(self) -> dict[str, list[tuple[int, int]]]:
+        """``head_row_split_transpose``: each target's parts as (offset within a head's rows, size), in order."""
+        parts: dict[str, list[tuple[int, int]]] = {}
+        for target, offset, size in zip(self.targets, np.cumsum((0,) + self.sizes[:-1]), self.sizes):
+            parts.setdefault(target, []).append((int(offset), size))
+        return parts
+
+    def _part_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.layout == "head_row_split_transpose":
+            return {t: (self.shape[1], self.heads * sum(n for _, n in p)) for t, p in self._head_rows().items()}
         if self.layout == "transpose":
             return {self.targets[0]: self.shape[::-1]}
         if self.layout == "split":
@@ -79,6 +106,8 @@ class TensorMap:
         if self.layout.startswith("head_split"):
             part = (self.shape[0] // len(self.targets),) + self.shape[1:]
             return {t: part[::-1] if self.layout.endswith("transpose") else part for t in self.targets}
+        if self.layout == "reshape":
+            return {self.targets[0]: self.sizes}
         return {self.targets[0]: self.shape}
 
     def convert(self, array: np.ndarray) -> dict[str, np.ndarray]:
@@ -98,11 +127,28 @@ class TensorMap:
             grouped = array.reshape(self.heads, n, -1, *array.shape[1:])  # (H, parts, Dh, ...)
             parts = [grouped[:, j].reshape(-1, *array.shape[1:]) for j in range(n)]  # (H*Dh, ...) each
             return dict(zip(self.targets, (p.T for p in parts) if self.layout.endswith("transpose") else parts))
+        if self.layout == "reshape":
+            return {self.targets[0]: array.reshape(self.sizes)}
+        if self.layout == "head_row_split_transpose":
+            grouped = array.reshape(self.heads, sum(self.sizes), -1)  # (heads, rows per head, In)
+            return {t: np.concatenate([grouped[:, o:o + n].reshape(-1, grouped.shape[-1]) for o, n in p]).T
+                    for t, p in self._head_rows().items()}  # (In, heads * rows of the target)
         return {self.targets[0]: array}
 
     def gather(self, params: dict[str, Any]) -> Any:
         """The checkpoint array made back from attnkit's parameters (the inverse of :meth:`convert`), contiguous."""
-        parts = [np.asarray(params[t]) for t in self.targets]
+        if self.layout == "head_row_split_transpose":
+            dtype = np.asarray(params[self.targets[0]]).dtype
+            grouped = np.empty((self.heads, sum(self.sizes), self.shape[1]), dtype)  # (heads, rows per head, In)
+            for target, parts in self._head_rows().items():
+                rows = np.asarray(self.destination(params, target)).T  # (heads * rows of the target, In)
+                start = 0
+                for offset, size in parts:
+                    part = rows[start:start + self.heads * size]  # (heads * size, In)
+                    grouped[:, offset:offset + size] = part.reshape(self.heads, size, -1)
+                    start += self.heads * size
+            return grouped.reshape(self.shape)
+        parts = [np.asarray(self.destination(params, t)) for t in self.targets]
         if self.layout == "transpose":
             return np.ascontiguousarray(parts[0].T)
         if self.layout == "split":
@@ -116,4 +162,6 @@ class TensorMap:
                 parts = [p.T for p in parts]  # (H*Dh, In) each
             grouped = [p.reshape(self.heads, -1, *p.shape[1:]) for p in parts]  # (H, Dh, ...) each
             return np.ascontiguousarray(np.stack(grouped, axis=1).reshape(self.shape))  # (H*parts*Dh, ...)
+        if self.layout == "reshape":
+            return np.ascontiguousarray(parts[0].reshape(self.shape))
         return np.ascontiguousarray(parts[0])

@@ -25,7 +25,7 @@ except ImportError as err:  # pragma: no cover - exercised by the wheel test in 
     raise ImportError("attnkit.torch needs PyTorch: pip install 'attnkit[torch]'") from err
 
 from ._twin import from_numpy, to_numpy  # noqa: E402
-from .attention import GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
+from .attention import GatedAttention, GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
 from .blocks import (
     LMBlock,
     ParallelLMBlock,
@@ -35,6 +35,7 @@ from .blocks import (
     TransformerEncoder,
     TransformerEncoderBlock,
 )
+from .gated_deltanet import GatedDeltaNet, GatedDeltaNetMixer
 from .layers import (
     Dropout,
     Embedding,
@@ -46,6 +47,7 @@ from .layers import (
     Projection,
     RMSNorm,
     RotaryEmbedding,
+    SharedExpertMixture,
     SinusoidalPositionalEncoding,
 )
 from .models import CausalLM, Seq2SeqTransformer
@@ -54,7 +56,8 @@ __all__ = [
     "from_numpy", "to_numpy",
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity",
-    "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention",
+    "SharedExpertMixture", "GatedDeltaNet", "GatedDeltaNetMixer",
+    "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
     "Transformer", "LMBlock", "ParallelLMBlock", "CausalLM", "Seq2SeqTransformer",
 ]

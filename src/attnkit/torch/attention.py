@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..attention.gated import GatedAttention as _GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention as _GroupedQueryAttention
 from ..attention.multi_head_attention import MultiHeadAttention as _MultiHeadAttention
 from ..attention.scaled_dot_product import ScaledDotProductAttention as _ScaledDotProductAttention
@@ -187,7 +188,35 @@ class GroupedQueryAttention(TwinModule):
         else:
             out = _scored_attention(q, k, v, mask, self.window, self.scale, self.softcap,
                                     getattr(self, "sinks", None))  # (B, Hq, L, Dh)
-        return _linear(_merge(out), self.W_O, getattr(self, "b_O", None))  # (B, L, D)
+        return self._output(x, _merge(out))  # (B, L, D)
+
+    def _output(self, x: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs side by side (B, L, Hq*Dh) through ``W_O``."""
+        return _linear(merged, self.W_O, getattr(self, "b_O", None))  # (B, L, D)
+
+
+class GatedAttention(GroupedQueryAttention):
+    """Twin of :class:`attnkit.attention.gated.GatedAttention`: the heads' outputs scaled by
+    ``sigmoid(x W_G + b_G)`` before ``W_O`` (Qwen3-Next's gated attention).
+
+    Shapes
+    ------
+    As :class:`GroupedQueryAttention`.
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="qwen3_next", vocab_size=8, hidden_size=8, num_layers=1, num_heads=4,
+    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8, layer_types=("gated_attention",))
+    >>> GatedAttention(cfg, 0, rng=0)(torch.ones(2, 3, 8, dtype=torch.float64)).shape
+    torch.Size([2, 3, 8])
+    """
+
+    numpy_class = _GatedAttention
+
+    def _output(self, x: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(_linear(x, self.W_G, getattr(self, "b_G", None)))  # (B, L, Hq*Dh)
+        return super()._output(x, merged * gate)  # (B, L, D)
 
 
 def _scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

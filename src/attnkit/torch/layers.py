@@ -18,15 +18,15 @@ import torch
 from .. import layers as _layers
 from ..kernels import rotary as _rotary
 from ..layers.experts import MixtureOfExperts as _MixtureOfExperts
+from ..layers.experts import SharedExpertMixture as _SharedExpertMixture
 from ..layers.gated_mlp import GatedMLP as _GatedMLP
 from ..layers.identity import Identity as _Identity
 from ..layers.rms_norm import RMSNorm as _RMSNorm
 from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
 from ._twin import TwinModule, as_tensor
 
-__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "Embedding", "Projection", "Dropout",
-           "Identity",
-           "SinusoidalPositionalEncoding", "RotaryEmbedding", "activation"]
+__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "SharedExpertMixture", "Embedding",
+           "Projection", "Dropout", "Identity", "SinusoidalPositionalEncoding", "RotaryEmbedding", "activation"]
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -196,6 +196,48 @@ class MixtureOfExperts(TwinModule):
             hidden = (up + 1) * gate * torch.sigmoid(self.alpha * gate)  # (n, F)
             out = hidden @ self.W_down[expert] + self.b_down[expert]  # (n, D)
             y = y.index_add(0, tokens, out * weights[tokens, slot, None])  # (N, D)
+        return y.reshape(x.shape)
+
+
+class SharedExpertMixture(TwinModule):
+    """Twin of :class:`attnkit.layers.experts.SharedExpertMixture`: the top-k of a softmax over all router logits
+    (renormalised with ``norm_topk_prob``), SwiGLU experts each run over the tokens routed to it, and the shared
+    expert scaled by ``sigmoid(x W_shared_gate)``.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+
+    Examples
+    --------
+    >>> from attnkit.layers import SharedExpertMixtureConfig
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="qwen3_next", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6,
+    ...                     shared_experts=SharedExpertMixtureConfig(3, 2, 5, 7, layers=(0,)))
+    >>> SharedExpertMixture(cfg, rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
+    torch.Size([2, 3, 4])
+    """
+
+    numpy_class = _SharedExpertMixture
+
+    def setup(self, source) -> None:
+        self.num_experts, self.top_k, self.normalize = source.num_experts, source.top_k, source.normalize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        probs = torch.softmax(flat @ self.W_router, dim=-1)  # (N, E)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each, largest first
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)  # (N, k)
+        y = torch.sigmoid(flat @ self.W_shared_gate) * self.shared_expert(flat)  # (N, D)
+        for expert in range(self.num_experts):  # each expert over its own tokens
+            tokens, slot = torch.where(chosen == expert)  # (n,) each
+            if tokens.numel() == 0:
+                continue
+            xe = flat[tokens]  # (n, D)
+            hidden = F.silu(xe @ self.W_gate[expert]) * (xe @ self.W_up[expert])  # (n, F)
+            y = y.index_add(0, tokens, (hidden @ self.W_down[expert]) * weights[tokens, slot, None])  # (N, D)
         return y.reshape(x.shape)
 
 
