@@ -30,29 +30,23 @@ from ..kernels.activations import activation_forward
 from ..kernels.decode_step import one_query_attention, rms_norm_into, silu_gate_into
 from ..kernels.rotary import rotary_apply
 from ..layers.gated_mlp import GatedMLP
+from ..layers.identity import Identity
+from ..layers.lm_block import LMBlock
 from ..layers.rms_norm import RMSNorm
 
 __all__ = ["DecodeStep", "decode_step_for"]
 
 
-def _absent(module: Any) -> bool:
-    """A norm slot without a norm: missing, or an identity part."""
-    return module is None or type(module).__name__ == "Identity"
-
-
 def _layer_supported(layer: Any) -> bool:
-    if type(layer).__name__ != "LMBlock" or getattr(layer, "parallel_residual", False):
+    if type(layer) is not LMBlock:  # sequential residuals (not ParallelLMBlock, not a subclass with more parts)
         return False
-    if not (isinstance(getattr(layer, "attn_norm", None), RMSNorm) and isinstance(getattr(layer, "mlp_norm", None),
-                                                                                 RMSNorm)):
+    if not (isinstance(layer.attn_norm, RMSNorm) and isinstance(layer.mlp_norm, RMSNorm)):
         return False
-    if not (_absent(getattr(layer, "attn_post_norm", None)) and _absent(getattr(layer, "mlp_post_norm", None))):
+    if not (isinstance(layer.attn_post_norm, Identity) and isinstance(layer.mlp_post_norm, Identity)):
         return False
     attention, mlp = layer.attention, layer.mlp
-    qk_norm = attention.qk_norm
-    plain_qk = qk_norm is False or getattr(qk_norm, "scope", True) is None
     return (type(attention) is GroupedQueryAttention and attention.window is None and attention.score_mod is None
-            and not attention.has_sinks and plain_qk and type(mlp) is GatedMLP)
+            and not attention.has_sinks and attention.qk_norm.scope is None and type(mlp) is GatedMLP)
 
 
 def decode_step_for(lm: Any) -> DecodeStep | None:
