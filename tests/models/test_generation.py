@@ -295,15 +295,13 @@ def test_warper_argument_errors(call, match):
 
 
 def test_a_causal_lm_answers_the_loop_from_its_own_parts():
-    from attnkit.models import CausalLM, DecoderConfig
-    base = dict(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
-                head_dim=4, intermediate_size=12, max_position_embeddings=64)
-    plain = CausalLM(DecoderConfig(**base), rng=0)
+    from attnkit.models import CausalLM
+    from decoder_cases import tiny_config
+
+    plain = CausalLM(tiny_config(), rng=0)
     assert plain.reprefill_length is None and plain.max_sequence_length is None
     scaling = {"rope_type": "longrope", "original_max_position_embeddings": 16, "short_factor": [1.0, 1.0],
                "long_factor": [2.0, 3.0]}
-    assert CausalLM(DecoderConfig(**base, rope_scaling=scaling), rng=0).reprefill_length == 16
-    gpt2 = dict(base, family="gpt2", norm="layernorm", mlp="plain", activation="gelu_tanh", position="learned",
-                num_kv_heads=2)
-    learned = CausalLM(DecoderConfig(**gpt2), rng=0)
+    assert CausalLM(tiny_config(rotary=dict(scaling=scaling)), rng=0).reprefill_length == 16
+    learned = CausalLM(tiny_config("gpt2"), rng=0)  # max_position_embeddings=64 learned rows
     assert learned.reprefill_length is None and learned.max_sequence_length == 64

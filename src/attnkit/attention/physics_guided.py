@@ -109,8 +109,8 @@ class PhysicsPriorBias(ScoreMod):
 
     def backward(self, grad, score, b, h, q_idx, kv_idx):
         prior = self.prior_tile(q_idx, kv_idx)  # (Tq, Tk)
-        size = self.params["strength"].shape[0]  # one strength shared by the heads, or one per head
-        g_s = np.einsum("bhqk,qk->h", grad, prior).reshape(-1, size).sum(axis=0)  # (S,)
+        per_head = np.einsum("bhqk,qk->h", grad, prior)  # (H,)
+        g_s = per_head.reshape(self.params["strength"].shape[0], -1).sum(axis=1)  # (S,): a shared strength sums
         self.grads["strength"] += g_s
         if "log_length_scale" in self.grads:
             self.grads["log_length_scale"] -= _DLOG[self.prior] * float(np.dot(self.params["strength"], g_s))
