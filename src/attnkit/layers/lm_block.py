@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..attention.grouped_query import GroupedQueryAttention
+from ..attention.shared_kv import make_layerwise_attention
 from ..core.module import Module
 from ..init import as_generator, normal
 from .experts import MixtureOfExperts
@@ -17,7 +18,7 @@ from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm
 
-__all__ = ["LMBlock", "make_norm"]
+__all__ = ["LMBlock", "make_mixer", "make_norm"]
 
 
 def make_norm(config) -> Module:
@@ -25,6 +26,14 @@ def make_norm(config) -> Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.hidden_size, eps=config.norm_eps, offset=config.norm_offset)
     return LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+def make_mixer(config, layer_index: int, *, rng=None) -> Module:
+    """Layer ``layer_index``'s token mixer: :class:`GroupedQueryAttention`, or for a config with ``layerwise``
+    the attention that owns or reuses keys and values (:mod:`attnkit.attention.shared_kv`)."""
+    if config.layerwise is not None:
+        return make_layerwise_attention(config, layer_index, rng=rng)
+    return GroupedQueryAttention(config, layer_index, rng=rng)
 
 
 class LMBlock(Module):
@@ -73,7 +82,7 @@ class LMBlock(Module):
         self.parallel_residual = config.parallel_residual
         if self.pre_norm:
             self.attn_norm = make_norm(config)
-        self.attention = GroupedQueryAttention(config, layer_index, rng=gen)
+        self.attention = make_mixer(config, layer_index, rng=gen)
         if self.post_norm:
             self.attn_post_norm = make_norm(config)
         if self.pre_norm:

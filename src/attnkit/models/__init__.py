@@ -8,8 +8,9 @@
 """
 from .causal_lm import CausalLM
 from .config import DecoderConfig, Seq2SeqConfig, TokenTaggerConfig
+from .layerwise import LayerwiseConfig
 from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
+__all__ = ["CausalLM", "DecoderConfig", "LayerwiseConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

@@ -23,7 +23,9 @@ from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
 from ..layers.embedding import Embedding
+from ..attention.shared_kv import connect_shared_kv
 from ..layers.lm_block import LMBlock, make_norm
+from ..layers.per_layer_input import LayerwiseBlock, PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
 from .config import DecoderConfig
 
@@ -104,13 +106,22 @@ class CausalLM(Module):
             self.pos_embed = Embedding(config.max_position_embeddings, config.hidden_size, rng=gen, std=0.01)
             self.rotary = None
         else:
-            self.rotary = RotaryEmbedding(config)
+            # Gemma 4's full-attention layers have heads of their own width, which their rotary spans
+            full = config if config.layerwise is None else replace(config, head_dim=config.layerwise.global_head_dim)
+            self.rotary = RotaryEmbedding(full)
         # Gemma 3's sliding layers rotate with a base (and scaling) of their own.
         self.sliding_rotary = None
         if config.position == "rotary" and config.sliding_rope_theta is not None:
             self.sliding_rotary = RotaryEmbedding(replace(config, rope_theta=config.sliding_rope_theta,
                                                           rope_scaling=config.sliding_rope_scaling))
-        self.layers = ModuleList([LMBlock(config, i, rng=gen) for i in range(config.num_layers)])
+        block = LMBlock if config.layerwise is None else LayerwiseBlock
+        self.layers = ModuleList([block(config, i, rng=gen) for i in range(config.num_layers)])
+        # per-layer inputs (Gemma 4): every block reads its slice of them; None when the model has none
+        self.per_layer_inputs = None
+        if config.layerwise is not None:
+            connect_shared_kv([layer.attention for layer in self.layers], config)
+            if config.layerwise.per_layer_input_size:
+                self.per_layer_inputs = PerLayerInputs(config, rng=gen)
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
@@ -171,7 +182,8 @@ class CausalLM(Module):
         """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers)."""
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[c.window_of(i) for i in range(c.num_layers)])
+                       windows=[c.window_of(i) for i in range(c.num_layers)],
+                       layer_shapes=None if c.layerwise is None else c.layerwise.cache_shapes(c))
 
     # ------------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, attention_mask, position_ids, cache):
@@ -305,13 +317,15 @@ class CausalLM(Module):
             if self.sliding_rotary is not None:
                 sliding = self.sliding_rotary(positions, dtype=h.dtype)  # (B, L, R) each
         layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
+        extra = None if self.per_layer_inputs is None else self.per_layer_inputs(ids, h)  # (B, L, N, P)
         for index, layer in enumerate(self.layers):
             layer_rotary = rotary if sliding is None or self.config.window_of(index) is None else sliding
+            inputs = {} if extra is None else {"per_layer_input": extra[:, :, index]}
             if weights is None or (weight_layers is not None and index not in weight_layers):
-                h = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
+                h = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache, **inputs)  # (B, L, D)
             else:
                 h, layer_weights = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache,
-                                         output_attentions=True)  # (B, L, D), (B, Hq, L, S)
+                                         output_attentions=True, **inputs)  # (B, L, D), (B, Hq, L, S)
                 weights.append(layer_weights)
             if states is not None:
                 states.append(h.copy())
@@ -343,6 +357,9 @@ class CausalLM(Module):
         grad_h = self.norm.backward(self.hook_backward("ln_final.hook_normalized", grad_h))
         for layer in reversed(list(self.layers)):
             grad_h = layer.backward(grad_h)  # (B, L, D)
+        if self.per_layer_inputs is not None:
+            grad_extra = np.stack([layer.grad_per_layer_input for layer in self.layers], axis=2)  # (B, L, N, P)
+            grad_h = grad_h + self.per_layer_inputs.backward(grad_extra)  # (B, L, D)
         if self.rotary is None:
             self.pos_embed.backward(self.hook_backward("hook_pos_embed", grad_h))
         grad_h = self.hook_backward("hook_embed", grad_h)

@@ -18,9 +18,10 @@ from .._validation import check_positive_int
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
+from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "ROPE_TYPES"]
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _QK_NORM_SCOPES = ("head", "projection")
 
@@ -73,8 +74,8 @@ class DecoderConfig:
         The rotary base.
     rope_scaling : dict, optional
         Frequency scaling, normalised to Hugging Face's keys with ``"rope_type"`` one of
-        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"``, ``"longrope"`` (``None`` =
-        ``"default"``).
+        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"``, ``"longrope"``, ``"proportional"``
+        (``None`` = ``"default"``).
     rope_interleaved : bool
         Rotate pairs ``(x0, x1), (x2, x3), ...`` (interleaved) instead of ``(x_i, x_{i + Dh/2})`` (half-split,
         the layout of Hugging Face checkpoints).
@@ -133,6 +134,9 @@ class DecoderConfig:
         One entry per layer; default: every layer full.
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
+    layerwise : LayerwiseConfig, optional
+        Layers that differ in more than their window (Gemma 4: wider global heads, keys that are the values,
+        keys and values reused by the last layers, per-layer inputs); see :class:`LayerwiseConfig`.
 
     Examples
     --------
@@ -189,6 +193,7 @@ class DecoderConfig:
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    layerwise: LayerwiseConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
@@ -196,6 +201,10 @@ class DecoderConfig:
         self._check_scales()
         self._check_experts()
         self._check_layers()
+        if self.layerwise is not None:
+            if not isinstance(self.layerwise, LayerwiseConfig):
+                raise TypeError(f"layerwise must be a LayerwiseConfig or None, got {type(self.layerwise).__name__}")
+            self.layerwise.check(self)
 
     def _check_sizes_and_kinds(self) -> None:
         if not isinstance(self.family, str) or not self.family.isidentifier():
