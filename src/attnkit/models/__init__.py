@@ -12,5 +12,5 @@ from .layerwise import LayerwiseConfig
 from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "LayerwiseConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
-           "token_accuracy", "train_step"]
+__all__ = ["CausalLM", "DecoderConfig", "LayerwiseConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger",
+           "TokenTaggerConfig", "token_accuracy", "train_step"]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_array, as_bool_mask, check_grad_output, check_positive_int
+from ..attention.shared_kv import connect_shared_kv
 from ..core.hooks import block_hook_points
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
@@ -23,7 +24,6 @@ from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
 from ..layers.embedding import Embedding
-from ..attention.shared_kv import connect_shared_kv
 from ..layers.lm_block import LMBlock, make_norm
 from ..layers.per_layer_input import LayerwiseBlock, PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
