@@ -110,10 +110,13 @@ class CausalLM(Module):
             full = config if config.layerwise is None else replace(config, head_dim=config.layerwise.global_head_dim)
             self.rotary = RotaryEmbedding(full)
         # Gemma 3's sliding layers rotate with a base (and scaling) of their own.
+        # Gemma 4's are also narrower than its full layers, whose table would not fit them.
         self.sliding_rotary = None
         if config.position == "rotary" and config.sliding_rope_theta is not None:
             self.sliding_rotary = RotaryEmbedding(replace(config, rope_theta=config.sliding_rope_theta,
                                                           rope_scaling=config.sliding_rope_scaling))
+        elif config.position == "rotary" and config.layerwise is not None:
+            self.sliding_rotary = RotaryEmbedding(config)
         block = LMBlock if config.layerwise is None else LayerwiseBlock
         self.layers = ModuleList([block(config, i, rng=gen) for i in range(config.num_layers)])
         # per-layer inputs (Gemma 4): every block reads its slice of them; None when the model has none
