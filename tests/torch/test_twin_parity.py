@@ -14,7 +14,7 @@ from attnkit.layers.gated_mlp import GatedMLP
 from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
 from attnkit.layers.rotary import RotaryEmbedding
-from attnkit.models import CausalLM, DecoderConfig, Seq2SeqConfig, Seq2SeqTransformer
+from attnkit.models import CausalLM, DecoderConfig, LayerwiseConfig, Seq2SeqConfig, Seq2SeqTransformer
 from attnkit.torch import from_numpy, to_numpy
 
 from helpers import group_scale, max_rel_diff
@@ -244,6 +244,14 @@ FAMILIES = {
                    layer_types=("sliding_attention", "full_attention")),
     "gemma3_text": dict(family="gemma3_text", norm_offset=1.0, post_norm=True, qk_norm=True, embedding_scale=1.5,
                         sliding_rope_theta=7.0, sliding_window=2, layer_types=("sliding_attention", "full_attention")),
+    "gemma4_text": dict(family="gemma4_text", num_layers=4, post_norm=True, qk_norm=True, embedding_scale=1.5,
+                        attention_scale=1.0, final_logit_softcap=2.0, activation="gelu_tanh", sliding_window=2,
+                        rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5},
+                        sliding_rope_theta=7.0,
+                        layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
+                        layerwise=LayerwiseConfig(global_head_dim=8, global_kv_heads=1, keys_are_values=True,
+                                                  shared_kv_layers=2, wide_shared_mlp=True, per_layer_input_size=3,
+                                                  per_layer_vocab_size=13)),
     "phi3": dict(family="phi3", max_position_embeddings=32, partial_rotary_factor=0.5, head_dim=8,
                  rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4,
                                "short_factor": (1.0, 2.0), "long_factor": (3.0, 5.0)}),
@@ -366,3 +374,12 @@ def test_untwinnable_head_is_refused():
         from_numpy(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="twin"):
         to_numpy(torch.nn.Linear(2, 2))
+
+
+def test_round_trip_of_shared_keys_and_values_links_the_copy_to_itself():
+    lm = CausalLM(_config(**FAMILIES["gemma4_text"]), rng=0)
+    back = to_numpy(from_numpy(lm))
+    ids = np.array([[1, 2, 3, 4, 5]])
+    np.testing.assert_array_equal(back(ids), lm(ids))
+    assert back.layers[3].attention.shared is back.layers[1].attention.shared  # layer 3 reads layer 1's
+    assert back.layers[3].attention.shared is not lm.layers[3].attention.shared

@@ -280,11 +280,15 @@ class KVReaderAttention(_LayerwiseAttention):
 
     Attributes
     ----------
-    W_Q (D, Hq*Dh), W_O (Hq*Dh, D), q_norm (Dh,); ``shared``.
+    W_Q (D, Hq*Dh), W_O (Hq*Dh, D), q_norm (Dh,); ``shared``; ``owner_index``, the layer whose keys and values
+    it reads.
     """
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         _common(self, config, layer_index, rng)
+        self.owner_index = config.layerwise.kv_owners(config.layer_types)[layer_index]
+        if self.owner_index is None:
+            raise ValueError(f"layer {layer_index} computes its own keys and values: it is no KVReaderAttention")
         self.shared = SharedKV()  # replaced by the owner's when the model connects its layers
 
     def hook_points(self) -> tuple[str, ...]:
@@ -330,8 +334,12 @@ def make_layerwise_attention(config, layer_index: int, *, rng=None) -> _Layerwis
     return (KVReaderAttention if reader else KVOwnerAttention)(config, layer_index, rng=rng)
 
 
-def connect_shared_kv(attentions, config) -> None:
-    """Give every reader among ``attentions`` (one per layer) its owner's :class:`SharedKV`."""
-    for index, owner in enumerate(config.layerwise.kv_owners(config.layer_types)):
-        if owner is not None:
-            attentions[index].shared = attentions[owner].shared
+def connect_shared_kv(attentions) -> None:
+    """Give every owner among ``attentions`` (one per layer) a fresh :class:`SharedKV`, and every reader its
+    owner's (a copy of a model, e.g. :func:`attnkit.torch.to_numpy`'s, must not share them with the original)."""
+    for attention in attentions:
+        if isinstance(attention, KVOwnerAttention):
+            attention.shared = SharedKV()
+    for attention in attentions:
+        if isinstance(attention, KVReaderAttention):
+            attention.shared = attentions[attention.owner_index].shared

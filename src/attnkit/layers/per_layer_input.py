@@ -150,13 +150,19 @@ class LayerwiseBlock(LMBlock):
         y, weights = out if output_attentions else (out, None)
         if self.per_layer is not None:
             y = self.per_layer(y, per_layer_input)  # (B, L, D)
-        self._before_scalar = y if cache is None else None  # the cached path is inference: it keeps nothing
+        if cache is None:  # the cached path is inference: it keeps nothing
+            self.save_for_backward(y)
+        else:
+            self.save_for_backward()
         y = y * self._parameters["layer_scalar"].astype(y.dtype, copy=False)  # (B, L, D)
         return (y, weights) if output_attentions else y
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        if self.saved_tensors is None:
+            raise RuntimeError("LayerwiseBlock.backward needs a forward without a cache just before it")
+        (before_scalar,) = self.saved_tensors
         g = np.asarray(grad_output)
-        self.grads["layer_scalar"] += np.sum(g * self._before_scalar).reshape(1)
+        self.grads["layer_scalar"] += np.sum(g * before_scalar).reshape(1)
         g = g * self._parameters["layer_scalar"].astype(g.dtype, copy=False)  # (B, L, D)
         if self.per_layer is not None:
             g, self.grad_per_layer_input = self.per_layer.backward(g)  # (B, L, D), (B, L, P)

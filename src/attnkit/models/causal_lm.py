@@ -122,7 +122,7 @@ class CausalLM(Module):
         # per-layer inputs (Gemma 4): every block reads its slice of them; None when the model has none
         self.per_layer_inputs = None
         if config.layerwise is not None:
-            connect_shared_kv([layer.attention for layer in self.layers], config)
+            connect_shared_kv([layer.attention for layer in self.layers])
             if config.layerwise.per_layer_input_size:
                 self.per_layer_inputs = PerLayerInputs(config, rng=gen)
         self.norm = make_norm(config)

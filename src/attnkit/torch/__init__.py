@@ -46,6 +46,7 @@ from .layers import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
+from .layerwise import KVOwnerAttention, KVReaderAttention, LayerwiseBlock, PerLayerInputBranch, PerLayerInputs
 from .models import CausalLM, Seq2SeqTransformer
 
 __all__ = [
@@ -55,4 +56,5 @@ __all__ = [
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
     "Transformer", "LMBlock", "CausalLM", "Seq2SeqTransformer",
+    "KVOwnerAttention", "KVReaderAttention", "PerLayerInputs", "PerLayerInputBranch", "LayerwiseBlock",
 ]
