@@ -208,3 +208,24 @@ def test_a_quantization_other_than_gpt_oss_mxfp4_is_refused(hf_root, tmp_path):
     folder, _ = saved_model("llama_gqa", hf_root)
     with pytest.raises(ValueError, match="quantization_config.*'gptq'"):
         load_causal_lm(edit_config(folder, tmp_path / "q", quantization_config={"quant_method": "gptq"}))
+
+
+def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transformers_does(hf_root, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder, _ = saved_model("gemma4_text", hf_root)
+    ids = np.array([[3, 4, 5, 6]])
+    expected = load_causal_lm(folder)(ids)
+    tensors = load_file(str(folder / "model.safetensors"))
+    # layer 3 reuses layer 2's keys and values: a checkpoint may still carry its own, which nothing reads
+    extra = {"model.layers.3.self_attn.k_proj.weight": np.ones((16, 32), np.float32),
+             "model.layers.3.self_attn.k_norm.weight": np.ones(8, np.float32)}
+    stray = {"model.layers.2.self_attn.z_proj.weight": np.ones(2, np.float32)}
+    for name, files in (("kept", {**tensors, **extra}), ("stray", {**tensors, **extra, **stray})):
+        target = edit_config(folder, tmp_path / name)
+        save_file(files, str(target / "model.safetensors"), metadata={"format": "pt"})
+        if name == "kept":
+            np.testing.assert_array_equal(load_causal_lm(target)(ids), expected)
+        else:
+            with pytest.raises(ValueError, match="unexpected tensor 'model.layers.2.self_attn.z_proj.weight'"):
+                load_causal_lm(target)

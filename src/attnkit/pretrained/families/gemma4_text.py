@@ -163,8 +163,17 @@ def gemma4_tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[Tensor
     return maps, "model."
 
 
+def unused_tensors(cfg: DecoderConfig) -> frozenset[str]:
+    """The key/value projections and norms a checkpoint may still hold for the layers that reuse another
+    layer's keys and values (transformers ignores them on loading; so does attnkit)."""
+    readers = [i for i, owner in enumerate(cfg.layerwise.kv_owners(cfg.layer_types)) if owner is not None]
+    return frozenset(f"layers.{i}.self_attn.{name}.weight" for i in readers
+                     for name in ("k_proj", "v_proj", "k_norm"))
+
+
 FAMILY = Family(
     model_type="gemma4_text", keys=frozenset(KEYS), read_config=gemma4_config, tensors=gemma4_tensors,
+    unused_tensors=unused_tensors,
     architecture="Gemma4ForCausalLM", hf_config_class="Gemma4TextConfig",
     benchmark=dict(BENCHMARK_SHAPE, head_dim=64, global_head_dim=128, sliding_window=512,
                    hidden_size_per_layer_input=64, vocab_size_per_layer_input=BENCHMARK_SHAPE["vocab_size"],
