@@ -16,12 +16,12 @@ from attnkit.models import CausalLM, DecoderConfig, LayerwiseConfig
 TYPES = ("sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention")
 
 
-def _config(**part):
+def _config(post_norm=True, **part):
     layerwise = LayerwiseConfig(**{**dict(global_head_dim=8, global_kv_heads=1, keys_are_values=True,
                                           shared_kv_layers=2), **part})
     return DecoderConfig(family="gemma4_text", vocab_size=11, hidden_size=8, num_layers=5, num_heads=2,
                          num_kv_heads=2, head_dim=4, intermediate_size=6, sliding_window=2, layer_types=TYPES,
-                         layerwise=layerwise)
+                         post_norm=post_norm, layerwise=layerwise)
 
 
 def test_the_last_layers_reuse_the_last_earlier_layer_of_their_type():
@@ -65,6 +65,7 @@ def test_a_reader_before_its_owner_ran_is_refused():
     (dict(global_kv_heads=3), "global_kv_heads"),
     (dict(per_layer_input_size=4), "both be positive or both 0"),
     (dict(global_head_dim=7), "global_head_dim must be even"),
+    (dict(post_norm=False), "norms before and after both branches"),
 ])
 def test_layer_plans_that_cannot_be_built_are_refused(part, message):
     with pytest.raises(ValueError, match=message):
@@ -74,7 +75,7 @@ def test_layer_plans_that_cannot_be_built_are_refused(part, message):
 def test_a_shared_layer_type_without_an_owner_is_refused():
     with pytest.raises(ValueError, match="no layer before them is a full_attention layer"):
         DecoderConfig(family="gemma4_text", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=2,
-                      head_dim=4, intermediate_size=6, sliding_window=2,
+                      head_dim=4, intermediate_size=6, sliding_window=2, post_norm=True,
                       layer_types=("sliding_attention", "sliding_attention", "full_attention"),
                       layerwise=LayerwiseConfig(global_head_dim=8, global_kv_heads=2, shared_kv_layers=1))
 

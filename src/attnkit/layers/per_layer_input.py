@@ -61,8 +61,9 @@ class PerLayerInputs(Module):
         """``e`` (B, L, N, P); saves what :meth:`backward` needs."""
         b, length = ids.shape
         kind = h.dtype.type
-        # transformers multiplies by float32 scalars of sqrt(P), 1/sqrt(D) and 1/sqrt(2): so does this
-        scales = tuple(kind(np.float32(s)) for s in (self.size ** 0.5, self.hidden_size ** -0.5, 0.5 ** 0.5))
+        # transformers' sqrt(P) is a float32 buffer (rounded to float32 in every dtype); 1/sqrt(D) and 1/sqrt(2)
+        # are Python numbers, taken in the computation's dtype
+        scales = (kind(np.float32(self.size ** 0.5)), kind(self.hidden_size ** -0.5), kind(0.5 ** 0.5))
         tokens = self.embed(ids).astype(h.dtype, copy=False) * scales[0]  # (B, L, N*P)
         context = linear(h, self._parameters["W_proj"]) * scales[1]  # (B, L, N*P)
         context = self.norm(context.reshape(b, length, self.num_layers, self.size))  # (B, L, N, P)
@@ -84,7 +85,7 @@ class PerLayerInputs(Module):
 
 
 class PerLayerInputBranch(Module):
-    """``h + norm(act(h W_gate) * e) W_up)``: one layer's use of its per-layer input ``e``.
+    """``norm(act(h W_gate) * e) W_up)``: what one layer's per-layer input ``e`` adds to its residual stream ``h``.
 
     Attributes
     ----------
@@ -92,7 +93,8 @@ class PerLayerInputBranch(Module):
 
     Shapes
     ------
-    h (B, L, D), e (B, L, P) -> (B, L, D). :meth:`backward` returns the gradients of ``h`` and ``e``.
+    h (B, L, D), e (B, L, P) -> (B, L, D). :meth:`backward` returns the gradients of ``h`` (through the gate
+    only: the residual is the block's) and of ``e``.
     """
 
     def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
@@ -109,7 +111,7 @@ class PerLayerInputBranch(Module):
         post = activation_forward(pre, self.activation)  # (B, L, P)
         mixed = post * e.astype(h.dtype, copy=False)  # (B, L, P)
         self.save_for_backward(h, e, pre, post, mixed)
-        return h + self.norm(linear(mixed, self._parameters["W_up"]))  # (B, L, D)
+        return self.norm(linear(mixed, self._parameters["W_up"]))  # (B, L, D)
 
     def backward(self, grad_output: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         h, e, pre, post, mixed = self.saved_tensors
@@ -120,12 +122,18 @@ class PerLayerInputBranch(Module):
         g_pre = activation_backward(g_mixed * e, pre, post, self.activation)  # (B, L, P)
         g_h, grad_w, _ = linear_backward(g_pre, h, self._parameters["W_gate"], False)  # (B, L, D)
         self.grads["W_gate"] += grad_w
-        return grad_output + g_h, g_e
+        return g_h, g_e
 
 
 class LayerwiseBlock(LMBlock):
-    """:class:`~attnkit.layers.lm_block.LMBlock`, then the per-layer input's branch (when the model has per-layer
-    inputs), then the output times the learned ``layer_scalar``.
+    """Gemma 4's layer: :class:`~attnkit.layers.lm_block.LMBlock`'s norms before and after each branch, then
+    the per-layer input's branch (when the model has per-layer inputs), then the sum times ``layer_scalar``::
+
+        m = x + attn_post_norm(attention(attn_norm(x)))
+        y = layer_scalar * (m + mlp_post_norm(mlp(mlp_norm(m))) + per_layer(m + ..., e))
+
+    Hook points: LMBlock's, with ``hook_per_layer_out`` (what the per-layer branch adds, before the scalar) and
+    ``hook_resid_post`` the block's output, after the scalar.
 
     Shapes
     ------
@@ -143,27 +151,42 @@ class LayerwiseBlock(LMBlock):
         self.register_parameter("layer_scalar", np.ones(1))
         self.grad_per_layer_input = None
 
+    def hook_points(self) -> tuple[str, ...]:
+        """LMBlock's, with ``hook_per_layer_out`` (B, L, D) before ``hook_resid_post`` when the model has
+        per-layer inputs."""
+        *points, last = super().hook_points()
+        return (*points, *(("hook_per_layer_out",) if self.per_layer is not None else ()), last)
+
     def forward(self, x: Any, *, per_layer_input: np.ndarray | None = None, rotary=None, attention_mask: Any = None,
                 cache=None, output_attentions: bool = False):
-        out = super().forward(x, rotary=rotary, attention_mask=attention_mask, cache=cache,
-                              output_attentions=output_attentions)
-        y, weights = out if output_attentions else (out, None)
+        """The block's output (B, L, D); with ``output_attentions=True``, ``(y, weights)`` as LMBlock's."""
+        x = self.hook_point("hook_resid_pre", x)
+        attended = self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask, cache=cache,
+                                  output_attentions=output_attentions)
+        attended, weights = attended if output_attentions else (attended, None)
+        attended = self.hook_point("hook_attn_out", self.attn_post_norm(attended))  # (B, L, D)
+        x = self.hook_point("hook_resid_mid", x + attended)  # (B, L, D)
+        y = x + self._mlp_branch(x)  # (B, L, D)
         if self.per_layer is not None:
-            y = self.per_layer(y, per_layer_input)  # (B, L, D)
+            y = y + self.hook_point("hook_per_layer_out", self.per_layer(y, per_layer_input))  # (B, L, D)
         if cache is None:  # the cached path is inference: it keeps nothing
             self.save_for_backward(y)
         else:
             self.save_for_backward()
-        y = y * self._parameters["layer_scalar"].astype(y.dtype, copy=False)  # (B, L, D)
+        y = self.hook_point("hook_resid_post", y * self._parameters["layer_scalar"].astype(y.dtype, copy=False))
         return (y, weights) if output_attentions else y
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        """The forward read backwards; the per-layer input's gradient is left in ``grad_per_layer_input``."""
         if self.saved_tensors is None:
             raise RuntimeError("LayerwiseBlock.backward needs a forward without a cache just before it")
         (before_scalar,) = self.saved_tensors
-        g = np.asarray(grad_output)
+        g = self.hook_backward("hook_resid_post", np.asarray(grad_output))
         self.grads["layer_scalar"] += np.sum(g * before_scalar).reshape(1)
         g = g * self._parameters["layer_scalar"].astype(g.dtype, copy=False)  # (B, L, D)
         if self.per_layer is not None:
-            g, self.grad_per_layer_input = self.per_layer.backward(g)  # (B, L, D), (B, L, P)
-        return super().backward(g)
+            g_h, self.grad_per_layer_input = self.per_layer.backward(self.hook_backward("hook_per_layer_out", g))
+            g = g + g_h  # (B, L, D)
+        g = self.hook_backward("hook_resid_mid", g + self._mlp_branch_backward(g))  # (B, L, D)
+        g_attn = self.attention.backward(self.attn_post_norm.backward(self.hook_backward("hook_attn_out", g)))
+        return self.hook_backward("hook_resid_pre", g + self.attn_norm.backward(g_attn))

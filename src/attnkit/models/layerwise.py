@@ -80,6 +80,10 @@ class LayerwiseConfig:
         if self.shared_kv_layers >= config.num_layers:
             raise ValueError(f"layerwise.shared_kv_layers ({self.shared_kv_layers}) must be smaller than "
                              f"num_layers ({config.num_layers}): some layer must compute the keys they reuse")
+        if not (config.pre_norm and config.post_norm) or config.parallel_residual:
+            raise ValueError(f"layerwise needs norms before and after both branches and a sequential residual, got "
+                             f"pre_norm={config.pre_norm}, post_norm={config.post_norm}, "
+                             f"parallel_residual={config.parallel_residual}")
         if config.position == "rotary" and self.global_head_dim % 2:
             raise ValueError(f"layerwise.global_head_dim must be even with rotary positions, got "
                              f"{self.global_head_dim}")

@@ -93,9 +93,9 @@ class KVReaderAttention(_Attention):
 
 
 def _scales(source_size: int, hidden_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """sqrt(P), 1/sqrt(D), 1/sqrt(2) rounded to float32 first, as attnkit (and transformers) take them."""
-    return [torch.tensor(float(np.float32(s)), dtype=dtype) for s in (source_size ** 0.5, hidden_size ** -0.5,
-                                                                      0.5 ** 0.5)]
+    """sqrt(P) rounded to float32 first, 1/sqrt(D) and 1/sqrt(2) in ``dtype``, as attnkit takes them."""
+    return [torch.tensor(value, dtype=dtype) for value in (float(np.float32(source_size ** 0.5)), hidden_size ** -0.5,
+                                                           0.5 ** 0.5)]
 
 
 class PerLayerInputs(TwinModule):
@@ -115,7 +115,8 @@ class PerLayerInputs(TwinModule):
 
 
 class PerLayerInputBranch(TwinModule):
-    """Twin of :class:`attnkit.layers.per_layer_input.PerLayerInputBranch`: h (B, L, D), e (B, L, P) -> (B, L, D)."""
+    """Twin of :class:`attnkit.layers.per_layer_input.PerLayerInputBranch`: what h (B, L, D) and e (B, L, P) add
+    to the residual stream (B, L, D)."""
 
     numpy_class = _PerLayerInputBranch
 
@@ -124,7 +125,7 @@ class PerLayerInputBranch(TwinModule):
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         mixed = activation(_linear(h, self.W_gate), self.activation) * e.to(h.dtype)  # (B, L, P)
-        return h + self.norm(_linear(mixed, self.W_up))  # (B, L, D)
+        return self.norm(_linear(mixed, self.W_up))  # (B, L, D)
 
 
 class LayerwiseBlock(LMBlock):
@@ -149,5 +150,5 @@ class LayerwiseBlock(LMBlock):
             x = x + attended
             y = x + self._mlp_branch(x)  # (B, L, D)
         if self.has_per_layer:
-            y = self.per_layer(y, per_layer_input)  # (B, L, D)
+            y = y + self.per_layer(y, per_layer_input)  # (B, L, D)
         return y * self.layer_scalar.to(y.dtype)  # (B, L, D)
