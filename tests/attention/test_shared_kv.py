@@ -106,6 +106,7 @@ def test_proportional_frequencies_equal_transformers(head_dim, share, theta, fac
     (dict(per_layer_config={"0": {"head_dim": 16}}), "changes a sliding layer's heads"),
     (dict(per_layer_config={"1": {"head_dim": 16}, "4": {"head_dim": 32}}), "different heads"),
     (dict(per_layer_config={"1": {"sliding_window": 2}}), "may set only head_dim"),
+    (dict(per_layer_config={"5": {"head_dim": 8}}), "keys must be layer indices below 5"),
 ])
 def test_config_keys_attnkit_does_not_implement_are_refused(changes, message):
     from attnkit.pretrained.families import family
@@ -115,5 +116,8 @@ def test_config_keys_attnkit_does_not_implement_are_refused(changes, message):
         num_attention_heads=2, num_key_value_heads=2, head_dim=4, sliding_window=2, layer_types=list(TYPES),
         hidden_size_per_layer_input=0, per_layer_config={"1": {"head_dim": 8}, "4": {"head_dim": 8}})))
     assert family("gemma4_text").config_from_hf(config).layerwise.global_head_dim == 8
+    # transformers pads the indices of deeper models ("01", ..., "29")
+    padded = {**config, "per_layer_config": {"01": {"head_dim": 8}, "04": {"head_dim": 8}}}
+    assert family("gemma4_text").config_from_hf(padded).layerwise.global_head_dim == 8
     with pytest.raises(ValueError, match=message):
         family("gemma4_text").config_from_hf({**config, **changes})

@@ -53,9 +53,15 @@ def _global_heads(read: Reader, types: tuple[str, ...], head_dim: int, kv_heads:
     if not isinstance(per_layer, dict):
         raise ValueError(f"{family} config: 'per_layer_config' must be a dict of layer index -> settings, got "
                          f"{per_layer!r}")
+    by_index = {}
+    for key, given in per_layer.items():  # transformers writes the indices zero-padded ("05") as JSON keys
+        if not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())) or not 0 <= int(key) < len(types):
+            raise ValueError(f"{family} config: per_layer_config keys must be layer indices below "
+                             f"{len(types)}, got {key!r}")
+        by_index[int(key)] = given
     found = set()
     for index, kind in enumerate(types):
-        given = per_layer.get(str(index), per_layer.get(index, {}))
+        given = by_index.get(index, {})
         if not isinstance(given, dict) or set(given) - {"head_dim", "num_key_value_heads"}:
             raise ValueError(f"{family} config: per_layer_config[{index!r}] may set only head_dim and "
                              f"num_key_value_heads, got {given!r}")
