@@ -28,6 +28,7 @@ from ..core.module import Module
 from ..flex import flex_attention_backward
 from ..init import as_generator, normal
 from ..kernels import rotary as _rotary
+from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 from .grouped_query import GroupedQueryAttention
@@ -84,7 +85,6 @@ def _common(module: GroupedQueryAttention, config, layer_index: int, rng) -> np.
     module.interleaved = config.rope_interleaved
     module.scale = config.attention_scale
     module.score_mod = config.score_mod_of(layer_index)
-    module.has_sinks, module.qk_norm, module.qk_norm_scope = False, True, "head"
     module.norm_eps, module.norm_offset = config.norm_eps, config.norm_offset
     module.uses_rotary = config.rotary_of(layer_index)
     gen = as_generator(rng)
@@ -146,6 +146,13 @@ class _LayerwiseAttention(GroupedQueryAttention):
         if self._hook_table is not None:
             grad_out = self.hook_backward("hook_z", grad_out)
         return np.ascontiguousarray(grad_out.transpose(0, 2, 1, 3))  # (B, Hq, L, Dh)
+
+    @staticmethod
+    def _attention_backward(grad_out: np.ndarray, ctx):
+        """dq, dk, dv (B, H, L, Dh) of the attention (of the weights a hook put in place of its pattern, if one did)."""
+        if isinstance(ctx, FixedWeights):
+            return fixed_weights_backward(grad_out, ctx)
+        return flex_attention_backward(grad_out, ctx)[:3]
 
     def _finish(self, y, weights, b: int, length: int, output_attentions: bool):
         if not output_attentions:
@@ -243,7 +250,7 @@ class KVOwnerAttention(_LayerwiseAttention):
             raise RuntimeError("KVOwnerAttention.backward needs a forward without a cache just before it")
         x, merged, ctx, rotary, q_normed, (k_hat, k_rstd, v_hat, v_rstd) = self.saved_tensors
         grad_out = self._output_backward(grad_output, x, merged)  # (B, Hq, L, Dh)
-        dq, dk, dv = flex_attention_backward(grad_out, ctx)[:3]  # (B, H, L, Dh)
+        dq, dk, dv = self._attention_backward(grad_out, ctx)  # (B, H, L, Dh)
         shared_dk, shared_dv = self.shared.take_grad()
         if shared_dk is not None:
             dk, dv = dk + shared_dk, dv + shared_dv  # (B, Hkv, L, Dh)
@@ -323,7 +330,7 @@ class KVReaderAttention(_LayerwiseAttention):
             raise RuntimeError("KVReaderAttention.backward needs a forward without a cache just before it")
         x, merged, ctx, rotary, q_normed = self.saved_tensors
         grad_out = self._output_backward(grad_output, x, merged)  # (B, Hq, L, Dh)
-        dq, dk, dv = flex_attention_backward(grad_out, ctx)[:3]  # (B, H, L, Dh)
+        dq, dk, dv = self._attention_backward(grad_out, ctx)  # (B, H, L, Dh)
         self.shared.add_grad(dk, dv)
         return self._queries_backward(dq, x, rotary, q_normed)
 

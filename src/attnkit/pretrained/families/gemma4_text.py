@@ -91,6 +91,11 @@ def _refuse_absent_features(read: Reader) -> None:
         raise ValueError(f"{family} config: attention_bias=true is not supported for {family}")
 
 
+def _count(read: Reader, key: str, default: int) -> int:
+    """A size that may be 0 (or null: 0), else a positive integer."""
+    return 0 if read.raw(key, default) in (0, None) else read.int(key)
+
+
 def gemma4_config(read: Reader) -> DecoderConfig:
     """A Gemma 4 text ``config.json`` as a DecoderConfig: Gemma 3's reading, then the differences above."""
     family = read.family
@@ -107,11 +112,10 @@ def gemma4_config(read: Reader) -> DecoderConfig:
     types = base.layer_types[:-1] + ("full_attention",)  # transformers makes the last layer full, whatever given
     k_eq_v = read.bool("attention_k_eq_v", False)
     global_dim, global_kv = _global_heads(read, types, base.head_dim, base.num_kv_heads, k_eq_v)
-    per_layer_size = read.raw("hidden_size_per_layer_input", 256)
-    per_layer_size = 0 if not per_layer_size else read.int("hidden_size_per_layer_input")
+    per_layer_size = _count(read, "hidden_size_per_layer_input", 256)
     part = LayerwiseConfig(
         global_head_dim=global_dim, global_kv_heads=global_kv, keys_are_values=k_eq_v,
-        shared_kv_layers=read.raw("num_kv_shared_layers", 0) and read.int("num_kv_shared_layers"),
+        shared_kv_layers=_count(read, "num_kv_shared_layers", 0),
         wide_shared_mlp=read.bool("use_double_wide_mlp", False), per_layer_input_size=per_layer_size,
         per_layer_vocab_size=read.int("vocab_size_per_layer_input", 262144) if per_layer_size else 0)
     return replace(base, norm_offset=0.0, attention_scale=1.0, layer_types=types,
