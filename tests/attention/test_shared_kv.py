@@ -121,3 +121,31 @@ def test_config_keys_attnkit_does_not_implement_are_refused(changes, message):
     assert family("gemma4_text").config_from_hf(padded).layerwise.global_head_dim == 8
     with pytest.raises(ValueError, match=message):
         family("gemma4_text").config_from_hf({**config, **changes})
+
+
+def test_a_readers_replaced_pattern_sends_its_value_gradient_to_the_owner():
+    """With the pattern of reading layer 3 replaced by constant weights, the input gradient (through the owner's
+    values, which layer 3 still averages) equals finite differences in float64."""
+    from attnkit.explain import hooks
+
+    rng = np.random.default_rng(0)
+    lm = CausalLM(_config(per_layer_input_size=2, per_layer_vocab_size=11), rng=0).astype(np.float64)
+    for _, p in lm.named_parameters():
+        p[...] = p + 0.3 * rng.standard_normal(p.shape)
+    ids = np.array([[1, 5, 2, 9, 3]])
+    fixed = rng.random((1, 2, 5, 5)) * np.tri(5)
+    fixed /= fixed.sum(-1, keepdims=True)
+    weights = rng.normal(size=(1, 5, 11))
+    names = {"blocks.3.attn.hook_pattern": lambda p, n: fixed}
+    with hooks(lm, names):
+        lm(ids)
+        grad = lm.backward(weights)
+    embeds = lm.embed.weight[ids[0]].copy()
+    numeric = np.zeros_like(embeds)
+    for index in np.ndindex(*embeds.shape):
+        for sign in (1, -1):
+            shifted = embeds.copy()
+            shifted[index] += sign * 1e-6
+            with hooks(lm, {**names, "hook_embed": lambda x, n, s=shifted: s[None]}):
+                numeric[index] += sign * (lm(ids) * weights).sum() / 2e-6
+    np.testing.assert_allclose(grad[0], numeric, atol=1e-7)
