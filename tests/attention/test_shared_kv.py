@@ -107,6 +107,7 @@ def test_proportional_frequencies_equal_transformers(head_dim, share, theta, fac
     (dict(per_layer_config={"1": {"head_dim": 16}, "4": {"head_dim": 32}}), "different heads"),
     (dict(per_layer_config={"1": {"sliding_window": 2}}), "may set only head_dim"),
     (dict(per_layer_config={"5": {"head_dim": 8}}), "keys must be layer indices below 5"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
 ])
 def test_config_keys_attnkit_does_not_implement_are_refused(changes, message):
     from attnkit.pretrained.families import family
@@ -119,6 +120,9 @@ def test_config_keys_attnkit_does_not_implement_are_refused(changes, message):
     # transformers pads the indices of deeper models ("01", ..., "29")
     padded = {**config, "per_layer_config": {"01": {"head_dim": 8}, "04": {"head_dim": 8}}}
     assert family("gemma4_text").config_from_hf(padded).layerwise.global_head_dim == 8
+    # "vision": only image tokens attend both ways, so a text model is causal (transformers keeps is_causal)
+    assert family("gemma4_text").config_from_hf({**config, "use_bidirectional_attention": "vision"}) == \
+        family("gemma4_text").config_from_hf(config)
     with pytest.raises(ValueError, match=message):
         family("gemma4_text").config_from_hf({**config, **changes})
 
