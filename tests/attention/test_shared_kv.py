@@ -11,17 +11,18 @@ import pytest
 
 from attnkit.decoding.cache import KVCache
 from attnkit.kernels.rotary import rotary_frequencies
-from attnkit.models import CausalLM, DecoderConfig, LayerwiseConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, LayerwiseConfig, NormConfig
 
 TYPES = ("sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention")
 
 
-def _config(post_norm=True, **part):
+def _config(placement="sandwich", **part):
     layerwise = LayerwiseConfig(**{**dict(global_head_dim=8, global_kv_heads=1, keys_are_values=True,
                                           shared_kv_layers=2), **part})
     return DecoderConfig(family="gemma4_text", vocab_size=11, hidden_size=8, num_layers=5, num_heads=2,
-                         num_kv_heads=2, head_dim=4, intermediate_size=6, sliding_window=2, layer_types=TYPES,
-                         post_norm=post_norm, layerwise=layerwise)
+                         num_kv_heads=2, head_dim=4, intermediate_size=6, layer_types=TYPES,
+                         attention=AttentionConfig(sliding_window=2), norm=NormConfig(placement=placement),
+                         layerwise=layerwise)
 
 
 def test_the_last_layers_reuse_the_last_earlier_layer_of_their_type():
@@ -65,7 +66,7 @@ def test_a_reader_before_its_owner_ran_is_refused():
     (dict(global_kv_heads=3), "global_kv_heads"),
     (dict(per_layer_input_size=4), "both be positive or both 0"),
     (dict(global_head_dim=7), "global_head_dim must be even"),
-    (dict(post_norm=False), "norms before and after both branches"),
+    (dict(placement="pre"), "norms before and after both branches"),
 ])
 def test_layer_plans_that_cannot_be_built_are_refused(part, message):
     with pytest.raises(ValueError, match=message):
@@ -75,7 +76,8 @@ def test_layer_plans_that_cannot_be_built_are_refused(part, message):
 def test_a_shared_layer_type_without_an_owner_is_refused():
     with pytest.raises(ValueError, match="no layer before them is a full_attention layer"):
         DecoderConfig(family="gemma4_text", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=2,
-                      head_dim=4, intermediate_size=6, sliding_window=2, post_norm=True,
+                      head_dim=4, intermediate_size=6, attention=AttentionConfig(sliding_window=2),
+                      norm=NormConfig(placement="sandwich"),
                       layer_types=("sliding_attention", "sliding_attention", "full_attention"),
                       layerwise=LayerwiseConfig(global_head_dim=8, global_kv_heads=2, shared_kv_layers=1))
 

@@ -40,7 +40,7 @@ def test_parts_sum_to_the_logit(name, hf_root):
     assert parts["logit"] == lm(IDS[None])[0, 5, 7]
     assert abs(total(parts) - parts["logit"]) < 1e-10
     assert np.abs(parts["heads"]).min() > 0  # every head contributes something
-    assert (np.abs(parts["per_layer"]).min() > 0) == (lm.per_layer_inputs is not None)
+    assert (np.abs(parts["per_layer"]).min() > 0) == bool(lm.layer_inputs)
     # a batch is its rows
     batch = np.stack([IDS, IDS[::-1]])
     both = direct_logit_attribution(lm, batch, target=[7, 8], target_position=5)

@@ -3,7 +3,7 @@
 Dimension letters: B batch, L new tokens, S keys (past + new), D ``hidden_size``, Hq query heads, Hkv key/value
 heads, Dh features per head (this layer's: a global layer's heads may be wider).
 
-Two token mixers, chosen per layer when the model is built (:func:`make_layerwise_attention`):
+Two token mixers, chosen per layer when the model is built (the block's ``MIXERS``):
 
 - :class:`KVOwnerAttention` computes its keys and values: per-head RMSNorm of queries and keys (with gains),
   RMSNorm of the values without a gain, rotary queries and keys; on a global layer with ``keys_are_values``
@@ -33,7 +33,7 @@ from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 from .grouped_query import GroupedQueryAttention
 
-__all__ = ["SharedKV", "KVOwnerAttention", "KVReaderAttention", "make_layerwise_attention", "connect_shared_kv"]
+__all__ = ["SharedKV", "KVOwnerAttention", "KVReaderAttention", "connect_shared_kv"]
 
 
 class SharedKV:
@@ -54,6 +54,13 @@ class SharedKV:
         """Hand over a forward pass's keys and values (and forget the last pass's gradients)."""
         self.keys, self.values, self.key_mask = keys, values, key_mask
         self._grad_keys = self._grad_values = None
+
+    def read(self, reader: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(keys, values, key_mask) of this pass, for the layer ``reader``; refused before the owner ran."""
+        if self.keys is None:
+            raise RuntimeError(f"KVReaderAttention (layer {reader}): the layer owning its keys and values has not "
+                               f"run in this pass (connect_shared_kv connects them)")
+        return self.keys, self.values, self.key_mask
 
     def add_grad(self, grad_keys: np.ndarray, grad_values: np.ndarray) -> None:
         """A reader's gradients (B, Hkv, S, Dh) of the keys and values, added to the others'."""
@@ -82,11 +89,13 @@ def _common(module: GroupedQueryAttention, config, layer_index: int, rng) -> np.
     module.head_dim, module.num_kv_heads = part.head_dim_of(config, layer_index), part.kv_heads_of(config, layer_index)
     module.num_groups = module.num_heads // module.num_kv_heads
     module.window = config.window_of(layer_index)
-    module.interleaved = config.rope_interleaved
-    module.scale = config.attention_scale
+    module.reach = module.window or np.inf  # how far back a query sees: a decoding step within it needs no mask
+    rotary = config.rotary_of(layer_index)
+    module.uses_rotary = rotary is not None
+    module.interleaved = rotary is not None and rotary.interleaved
+    module.scale = config.attention.scale
     module.score_mod = config.score_mod_of(layer_index)
-    module.norm_eps, module.norm_offset = config.norm_eps, config.norm_offset
-    module.uses_rotary = config.rotary_of(layer_index)
+    module.norm_eps, module.norm_offset = config.norm.eps, config.norm.offset
     gen = as_generator(rng)
     q_width = module.num_heads * module.head_dim
     module.register_parameter("W_Q", normal(gen, (config.hidden_size, q_width), std=0.02))
@@ -97,6 +106,11 @@ def _common(module: GroupedQueryAttention, config, layer_index: int, rng) -> np.
 
 class _LayerwiseAttention(GroupedQueryAttention):
     """What both mixers do with their queries and their output; the keys and values are the subclasses'."""
+
+    def _gain(self, name: str) -> np.ndarray:
+        """A q/k norm's weight plus the norm offset."""
+        weight = self._parameters[name]
+        return weight + weight.dtype.type(self.norm_offset)
 
     def _queries(self, x: np.ndarray, rotary):
         """Normalised, rotated query heads (B, Hq, L, Dh) and what their backward needs."""
@@ -195,6 +209,8 @@ class KVOwnerAttention(_LayerwiseAttention):
                                 and config.layer_types[layer_index] == "full_attention")
         if not self.keys_are_values:
             self.register_parameter("W_V", normal(gen, (config.hidden_size, kv_width), std=0.02))
+        # what each key/value projection's output is: W_K's the keys (and the values, when they are the keys)
+        self.kv_projections = {"W_K": ("k", "v")} if self.keys_are_values else {"W_K": ("k",), "W_V": ("v",)}
         self.register_parameter("k_norm", np.ones(self.head_dim))
         self.shared = SharedKV()
 
@@ -206,9 +222,11 @@ class KVOwnerAttention(_LayerwiseAttention):
 
     def _keys_values(self, x: np.ndarray, rotary):
         """Normalised, rotated keys and normalised values (B, Hkv, L, Dh), and what their backward needs."""
-        p = self._parameters
-        k_raw = self._heads(linear(x, p["W_K"]), self.num_kv_heads)  # (B, Hkv, L, Dh)
-        v_raw = k_raw if self.keys_are_values else self._heads(linear(x, p["W_V"]), self.num_kv_heads)
+        raw = {}
+        for name, roles in self.kv_projections.items():
+            out = self._heads(linear(x, self._parameters[name]), self.num_kv_heads)  # (B, Hkv, L, Dh)
+            raw.update(dict.fromkeys(roles, out))  # one array twice when the values are the keys
+        k_raw, v_raw = raw["k"], raw["v"]  # (B, Hkv, L, Dh) each
         k, k_hat, k_rstd = rms_norm_forward(k_raw, self._gain("k_norm"), self.norm_eps)  # (B, Hkv, L, Dh)
         v, v_hat, v_rstd = rms_norm_forward(v_raw, np.ones(self.head_dim, x.dtype), self.norm_eps)  # (B, Hkv, L, Dh)
         if self._hook_table is not None:
@@ -224,7 +242,6 @@ class KVOwnerAttention(_LayerwiseAttention):
         """Attend every new token to itself and the tokens before it; hand the keys and values to ``shared``."""
         x = self._checked(x)
         b, length, _ = x.shape
-        rotary = rotary if self.uses_rotary else None
         q, q_normed = self._queries(x, rotary)  # (B, Hq, L, Dh)
         k, v, kv_normed = self._keys_values(x, rotary)  # (B, Hkv, L, Dh) each
         if cache is not None:
@@ -266,14 +283,12 @@ class KVOwnerAttention(_LayerwiseAttention):
         dv, _ = rms_norm_backward(dv, v_hat, v_rstd, np.ones(self.head_dim, dv.dtype))  # (B, Hkv, L, Dh)
         grad_x = self._queries_backward(dq, x, rotary, q_normed)  # (B, L, D)
         b, length = x.shape[:2]
-        dk, dv = (d.transpose(0, 2, 1, 3).reshape(b, length, -1) for d in (dk, dv))  # (B, L, Hkv*Dh)
-        if self.keys_are_values:  # one projection made both: its gradient is the sum
-            dk, dv = dk + dv, None  # (B, L, Hkv*Dh)
-        for name, flat in (("K", dk), ("V", dv)):
-            if flat is not None:
-                gx, grad_w, _ = linear_backward(flat, x, self._parameters[f"W_{name}"], False)  # (B, L, D)
-                self.grads[f"W_{name}"] += grad_w
-                grad_x += gx
+        flat = {"k": dk, "v": dv}
+        for name, roles in self.kv_projections.items():  # a projection that made both gets the sum
+            g = sum(flat[role] for role in roles).transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, Hkv*Dh)
+            gx, grad_w, _ = linear_backward(g, x, self._parameters[name], False)  # (B, L, D)
+            self.grads[name] += grad_w
+            grad_x += gx
         return grad_x
 
 
@@ -309,13 +324,8 @@ class KVReaderAttention(_LayerwiseAttention):
         were the owner's to read)."""
         x = self._checked(x)
         b, length, _ = x.shape
-        if self.shared.keys is None:
-            raise RuntimeError(f"KVReaderAttention (layer {self.layer_index}): the layer owning its keys and values "
-                               f"has not run in this pass (connect_shared_kv connects them)")
-        rotary = rotary if self.uses_rotary else None
         q, q_normed = self._queries(x, rotary)  # (B, Hq, L, Dh)
-        out, weights, ctx = self._attend(q, self.shared.keys, self.shared.values, self.shared.key_mask,
-                                         output_attentions)  # (B, Hq, L, Dh)
+        out, weights, ctx = self._attend(q, *self.shared.read(self.layer_index), output_attentions)  # (B, Hq, L, Dh)
         merged, y = self._output(out, b, length)  # (B, L, Hq*Dh), (B, L, D)
         if cache is None:
             self.save_for_backward(x, merged, ctx, rotary, q_normed)
@@ -333,12 +343,6 @@ class KVReaderAttention(_LayerwiseAttention):
         dq, dk, dv = self._attention_backward(grad_out, ctx)  # (B, H, L, Dh)
         self.shared.add_grad(dk, dv)
         return self._queries_backward(dq, x, rotary, q_normed)
-
-
-def make_layerwise_attention(config, layer_index: int, *, rng=None) -> _LayerwiseAttention:
-    """Layer ``layer_index``'s mixer of a config with ``layerwise``: a reader if it reuses keys and values."""
-    reader = config.layerwise.kv_owners(config.layer_types)[layer_index] is not None
-    return (KVReaderAttention if reader else KVOwnerAttention)(config, layer_index, rng=rng)
 
 
 def connect_shared_kv(attentions) -> None:

@@ -1,68 +1,89 @@
-"""``LMBlock``: one pre-norm layer of a decoder-only language model.
+"""``LMBlock`` and ``ParallelLMBlock``: one layer of a decoder-only language model, composed from its parts.
 
 Dimension letters: B batch, L new tokens, D ``hidden_size``.
+
+The config is read once, when the block is built: which norm sits before and after each branch (an
+:class:`~attnkit.layers.identity.Identity` where there is none), which token mixer (:data:`MIXERS`, by the
+layer's type), which MLP (:data:`MLPS`), and how the residuals join (:data:`BLOCKS`). forward and backward read
+no setting.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..attention.grouped_query import GroupedQueryAttention
-from ..attention.shared_kv import make_layerwise_attention
+from ..attention.shared_kv import KVOwnerAttention, KVReaderAttention
 from ..core.module import Module
 from ..init import as_generator, normal
 from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_mlp import GatedMLP
+from .identity import Identity
 from .layer_norm import LayerNorm
+from .per_layer_input import PerLayerInputBranch
 from .rms_norm import RMSNorm
 
-__all__ = ["LMBlock", "make_mixer", "make_norm"]
+__all__ = ["LMBlock", "ParallelLMBlock", "LayerwiseBlock", "PerLayerInputBlock", "BLOCKS", "MIXERS",
+           "SHARED_KV_MIXERS", "MLPS", "make_norm", "make_block"]
 
 
 def make_norm(config) -> Module:
-    """The norm the config names: :class:`RMSNorm` or :class:`LayerNorm` over ``hidden_size``."""
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.hidden_size, eps=config.norm_eps, offset=config.norm_offset)
-    return LayerNorm(config.hidden_size, eps=config.norm_eps)
+    """The norm ``config.norm`` names, over ``hidden_size``: :class:`RMSNorm` or :class:`LayerNorm`."""
+    norm = config.norm
+    if norm.kind == "rmsnorm":
+        return RMSNorm(config.hidden_size, eps=norm.eps, offset=norm.offset)
+    return LayerNorm(config.hidden_size, eps=norm.eps)
 
 
-def make_mixer(config, layer_index: int, *, rng=None) -> Module:
-    """Layer ``layer_index``'s token mixer: :class:`GroupedQueryAttention`, or for a config with ``layerwise``
-    the attention that owns or reuses keys and values (:mod:`attnkit.attention.shared_kv`)."""
-    if config.layerwise is not None:
-        return make_layerwise_attention(config, layer_index, rng=rng)
-    return GroupedQueryAttention(config, layer_index, rng=rng)
+def _plain_mlp(config, *, rng: np.random.Generator) -> FeedForward:
+    mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=rng)
+    for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
+        setattr(mlp, name, normal(rng, mlp._parameters[name].shape, std=0.02))
+    return mlp
+
+
+MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "experts": MixtureOfExperts}
+"""The MLP of each ``DecoderConfig.mlp`` kind: ``build(config, rng=...)``."""
+
+MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
+                                            "sliding_attention": GroupedQueryAttention}
+"""The token mixer of each layer type (``DecoderConfig.layer_types``): ``build(config, layer_index, rng=...)``.
+
+A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``
+and ``backward``; a new kind of layer is a new entry here."""
+
+SHARED_KV_MIXERS: dict[str, Callable[..., Module]] = {"owner": KVOwnerAttention, "reader": KVReaderAttention}
+"""The token mixers of a :class:`LayerwiseBlock` (a config with ``layerwise``): the layers that compute their
+keys and values, and those that reuse an earlier layer's (:mod:`attnkit.attention.shared_kv`)."""
 
 
 class LMBlock(Module):
-    """One decoder layer: ``x = x + attention(attn_norm(x)); x = x + mlp(mlp_norm(x))`` and its variants.
+    """One decoder layer with sequential residuals: ``x = x + attention(x)``, then ``x = x + mlp(x)``, each branch
+    between its norms.
 
-    The config's switches decide which norms exist and how the residuals join:
-
-    * ``pre_norm`` (default): ``attn_norm`` and ``mlp_norm`` on each branch's input;
-    * ``post_norm``: ``attn_post_norm`` and ``mlp_post_norm`` on each branch's output, before the add
-      (OLMo 2: post-norms only; Gemma: both);
-    * ``parallel_residual``: ``y = x + attention(attn_norm(x)) + mlp(mlp_norm(x))`` (GPT-NeoX).
+    Each branch is ``post_norm(sublayer(pre_norm(x)))``; ``config.norm.placement`` decides which of the two
+    norms exist (``pre``: the input's, Llama; ``post``: the output's, OLMo 2; ``sandwich``: both, Gemma), the
+    others are identities.
 
     Parameters
     ----------
     config : DecoderConfig
-        ``norm`` picks RMSNorm or LayerNorm, ``mlp`` picks :class:`GatedMLP`, the plain
-        :class:`FeedForward` (GPT-2) or :class:`MixtureOfExperts` (gpt-oss), ``window_of(layer_index)``
-        the attention's sliding window.
+        ``norm`` (kind and placement), ``mlp`` (:data:`MLPS`) and the layer's type (:data:`MIXERS`).
     layer_index : int
     rng : numpy.random.Generator or int, optional
 
     Attributes
     ----------
-    attention (:class:`~attnkit.attention.grouped_query.GroupedQueryAttention`), mlp; attn_norm, mlp_norm
-    with ``pre_norm``; attn_post_norm, mlp_post_norm with ``post_norm``.
+    attn_norm, attention, attn_post_norm, mlp_norm, mlp, mlp_post_norm : Module
+        Absent norms are :class:`~attnkit.layers.identity.Identity`.
 
     Shapes
     ------
-    x : (B, L, D) -> (B, L, D); ``rotary``, ``attention_mask`` and ``cache`` go to the attention unchanged.
+    x : (B, L, D) -> (B, L, D); ``rotary``, ``attention_mask`` and ``cache`` go to the mixer unchanged.
 
     Examples
     --------
@@ -71,81 +92,225 @@ class LMBlock(Module):
     ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
     >>> block = LMBlock(cfg, 0, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
-    >>> y.shape, block.backward(np.ones_like(y)).shape
-    ((1, 3, 8), (1, 3, 8))
+    >>> y.shape, block.backward(np.ones_like(y)).shape, type(block.attn_post_norm).__name__
+    ((1, 3, 8), (1, 3, 8), 'Identity')
     """
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         gen = as_generator(rng)
-        self.pre_norm, self.post_norm = config.pre_norm, config.post_norm
-        self.parallel_residual = config.parallel_residual
-        if self.pre_norm:
-            self.attn_norm = make_norm(config)
-        self.attention = make_mixer(config, layer_index, rng=gen)
-        if self.post_norm:
-            self.attn_post_norm = make_norm(config)
-        if self.pre_norm:
-            self.mlp_norm = make_norm(config)
-        if config.mlp == "gated":
-            self.mlp = GatedMLP(config, rng=gen)
-        elif config.mlp == "experts":
-            self.mlp = MixtureOfExperts(config, rng=gen)
-        else:
-            self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=gen)
-            for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
-                setattr(self.mlp, name, normal(gen, self.mlp._parameters[name].shape, std=0.02))
-        if self.post_norm:
-            self.mlp_post_norm = make_norm(config)
+
+        def norm(present: bool) -> Module:
+            return make_norm(config) if present else Identity()
+
+        self.attn_norm = norm(config.norm.before)
+        self.attention = self.mixer_of(config, layer_index)(config, layer_index, rng=gen)
+        self.attn_post_norm = norm(config.norm.after)
+        self.mlp_norm = norm(config.norm.before)
+        self.mlp = MLPS[config.mlp](config, rng=gen)
+        self.mlp_post_norm = norm(config.norm.after)
+
+    @staticmethod
+    def mixer_of(config, layer_index: int) -> Callable[..., Module]:
+        """The builder of layer ``layer_index``'s token mixer: :data:`MIXERS`' entry for the layer's type."""
+        return MIXERS[config.layer_types[layer_index]]
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre`` (the block's input), ``hook_attn_out`` and ``hook_mlp_out`` (what each branch adds
         to the residual stream, after its post-norm if any), ``hook_resid_mid`` (the residual between the
-        branches; not with ``parallel_residual``, whose branches both read the input), ``hook_resid_post``
-        (the output); all (B, L, D)."""
-        mid = () if self.parallel_residual else ("hook_resid_mid",)
-        return ("hook_resid_pre", "hook_attn_out", *mid, "hook_mlp_out", "hook_resid_post")
+        branches), ``hook_resid_post`` (the output); all (B, L, D)."""
+        return ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+
+    def _attention_branch(self, x: np.ndarray, kwargs: dict):
+        """The attention branch's addition (B, L, D) and the weights (None unless asked for)."""
+        attended = self.attention(self.attn_norm(x), **kwargs)
+        weights = None
+        if kwargs["output_attentions"]:
+            attended, weights = attended
+        return self.hook_point("hook_attn_out", self.attn_post_norm(attended)), weights  # (B, L, D)
+
+    def _attention_branch_backward(self, g: np.ndarray) -> np.ndarray:
+        g = self.attn_post_norm.backward(self.hook_backward("hook_attn_out", g))
+        return self.attn_norm.backward(self.attention.backward(g))  # (B, L, D)
 
     def _mlp_branch(self, x: np.ndarray) -> np.ndarray:
-        h = self.mlp(self.mlp_norm(x) if self.pre_norm else x)  # (B, L, D)
-        return self.hook_point("hook_mlp_out", self.mlp_post_norm(h) if self.post_norm else h)
+        h = self.mlp(self.mlp_norm(x))  # (B, L, D)
+        return self.hook_point("hook_mlp_out", self.mlp_post_norm(h))
 
     def _mlp_branch_backward(self, g: np.ndarray) -> np.ndarray:
-        g = self.hook_backward("hook_mlp_out", g)
-        g = self.mlp.backward(self.mlp_post_norm.backward(g) if self.post_norm else g)  # (B, L, D)
-        return self.mlp_norm.backward(g) if self.pre_norm else g
+        g = self.mlp.backward(self.mlp_post_norm.backward(self.hook_backward("hook_mlp_out", g)))  # (B, L, D)
+        return self.mlp_norm.backward(g)
 
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
                 output_attentions: bool = False):
-        """The block's output (B, L, D); each sublayer saves what its backward needs.
+        """The block's output (B, L, D); each part saves what its backward needs.
 
         With ``output_attentions=True`` the result is ``(y, weights)``, weights (B, Hq, L, S) from the
         attention (see :meth:`GroupedQueryAttention.forward`).
         """
         x = self.hook_point("hook_resid_pre", x)
-        attended = self.attention(self.attn_norm(x) if self.pre_norm else x, rotary=rotary,
-                                  attention_mask=attention_mask, cache=cache, output_attentions=output_attentions)
-        weights = None
-        if output_attentions:
-            attended, weights = attended
-        if self.post_norm:
-            attended = self.attn_post_norm(attended)  # (B, L, D)
-        attended = self.hook_point("hook_attn_out", attended)
-        if self.parallel_residual:
-            y = x + attended + self._mlp_branch(x)  # (B, L, D)
-        else:
-            x = self.hook_point("hook_resid_mid", x + attended)
-            y = x + self._mlp_branch(x)  # (B, L, D)
+        kwargs = dict(rotary=rotary, attention_mask=attention_mask, cache=cache, output_attentions=output_attentions)
+        y, weights = self._residuals(x, kwargs)  # (B, L, D)
         y = self.hook_point("hook_resid_post", y)
         return (y, weights) if output_attentions else y
 
+    def _residuals(self, x: np.ndarray, kwargs: dict):
+        attended, weights = self._attention_branch(x, kwargs)
+        x = self.hook_point("hook_resid_mid", x + attended)  # (B, L, D)
+        return x + self._mlp_branch(x), weights  # (B, L, D)
+
     def backward(self, grad_output: Any) -> np.ndarray:
-        """The forward read backwards: each residual branch adds its sublayers' input gradient."""
+        """The forward read backwards: each residual branch adds its parts' input gradient."""
         g = self.hook_backward("hook_resid_post", np.asarray(grad_output))
-        g_mlp = self._mlp_branch_backward(g)
-        if not self.parallel_residual:
-            g = self.hook_backward("hook_resid_mid", g + g_mlp)
-        g_attended = self.hook_backward("hook_attn_out", g)
-        g_attn = self.attention.backward(self.attn_post_norm.backward(g_attended) if self.post_norm else g_attended)
-        g = g + (self.attn_norm.backward(g_attn) if self.pre_norm else g_attn)
-        return self.hook_backward("hook_resid_pre", g + g_mlp if self.parallel_residual else g)
+        return self.hook_backward("hook_resid_pre", self._residuals_backward(g))
+
+    def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
+        g = self.hook_backward("hook_resid_mid", g + self._mlp_branch_backward(g))
+        return g + self._attention_branch_backward(g)  # (B, L, D)
+
+
+class ParallelLMBlock(LMBlock):
+    """:class:`LMBlock` with parallel residuals: ``y = x + attention(x) + mlp(x)``, both branches reading the
+    block's input (GPT-NeoX). There is no ``hook_resid_mid``.
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="gpt_neox", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
+    ...                     num_kv_heads=2, head_dim=4, intermediate_size=12, residual="parallel")
+    >>> block = ParallelLMBlock(cfg, 0, rng=0)
+    >>> y = block(np.ones((1, 3, 8)))
+    >>> y.shape, block.backward(np.ones_like(y)).shape
+    ((1, 3, 8), (1, 3, 8))
+    """
+
+    def hook_points(self) -> tuple[str, ...]:
+        """As :meth:`LMBlock.hook_points`, without ``hook_resid_mid``."""
+        return ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post")
+
+    def _residuals(self, x: np.ndarray, kwargs: dict):
+        attended, weights = self._attention_branch(x, kwargs)
+        return x + attended + self._mlp_branch(x), weights  # (B, L, D)
+
+    def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
+        g_mlp = self._mlp_branch_backward(g)  # (B, L, D)
+        return g + self._attention_branch_backward(g) + g_mlp  # (B, L, D)
+
+
+class LayerwiseBlock(LMBlock):
+    """Gemma 4's layer without per-layer inputs: :class:`LMBlock` (norms before and after each branch), its
+    output times a learned ``layer_scalar`` (1,), and its token mixer from :data:`SHARED_KV_MIXERS` (a layer
+    that reuses an earlier layer's keys and values reads them; the others own theirs)::
+
+        y = layer_scalar * (m + mlp_post_norm(mlp(mlp_norm(m)))),  m = x + attn_post_norm(attention(attn_norm(x)))
+
+    The block is built with its layer's MLP width (``layerwise.intermediate_size_of``: the layers that reuse keys
+    and values may have a double-wide MLP). Hook points are LMBlock's, ``hook_resid_post`` after the scalar.
+
+    Shapes
+    ------
+    x (B, L, D) -> (B, L, D).
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        super().__init__(replace(config, intermediate_size=config.layerwise.intermediate_size_of(config, layer_index)),
+                         layer_index, rng=rng)
+        self.register_parameter("layer_scalar", np.ones(1))
+
+    @staticmethod
+    def mixer_of(config, layer_index: int) -> Callable[..., Module]:
+        """:data:`SHARED_KV_MIXERS`' reader for a layer that reuses an earlier layer's keys and values, else its
+        owner."""
+        reads = config.layerwise.kv_owners(config.layer_types)[layer_index] is not None
+        return SHARED_KV_MIXERS["reader" if reads else "owner"]
+
+    def _residuals(self, x: np.ndarray, kwargs: dict):
+        y, weights = super()._residuals(x, kwargs)  # (B, L, D)
+        y = self._before_scalar(y)  # (B, L, D)
+        if kwargs["cache"] is None:  # the cached path is inference: it keeps nothing
+            self.save_for_backward(y)
+        else:
+            self.save_for_backward()
+        return y * self._parameters["layer_scalar"].astype(y.dtype, copy=False), weights  # (B, L, D)
+
+    def _before_scalar(self, y: np.ndarray) -> np.ndarray:
+        """What the block adds to its residual stream after the MLP, before the scalar: nothing here."""
+        return y
+
+    def _before_scalar_backward(self, g: np.ndarray) -> np.ndarray:
+        return g
+
+    def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
+        if not self.saved_tensors:
+            raise RuntimeError(f"{type(self).__name__}.backward needs a forward without a cache just before it")
+        (before_scalar,) = self.saved_tensors
+        self.grads["layer_scalar"] += np.sum(g * before_scalar).reshape(1)
+        g = g * self._parameters["layer_scalar"].astype(g.dtype, copy=False)  # (B, L, D)
+        return super()._residuals_backward(self._before_scalar_backward(g))  # (B, L, D)
+
+
+class PerLayerInputBlock(LayerwiseBlock):
+    """Gemma 4's layer: :class:`LayerwiseBlock` with the per-layer input's branch
+    (:class:`~attnkit.layers.per_layer_input.PerLayerInputBranch`) added after the MLP, before the scalar::
+
+        y = layer_scalar * (h + per_layer(h, e)),  h = m + mlp_post_norm(mlp(mlp_norm(m)))
+
+    Hook points: LayerwiseBlock's, with ``hook_per_layer_out`` (what the branch adds) before ``hook_resid_post``.
+
+    Shapes
+    ------
+    x (B, L, D), per_layer_input e (B, L, P) -> (B, L, D). After :meth:`backward`, ``grad_per_layer_input``
+    holds the gradient of ``per_layer_input`` (B, L, P).
+
+    Examples
+    --------
+    >>> from attnkit.models import AttentionConfig, DecoderConfig, LayerwiseConfig, NormConfig
+    >>> cfg = DecoderConfig(family="gemma4_text", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, norm=NormConfig(placement="sandwich"),
+    ...                     attention=AttentionConfig(scale=1.0),
+    ...                     layerwise=LayerwiseConfig(global_head_dim=6, global_kv_heads=1, per_layer_input_size=3,
+    ...                                               per_layer_vocab_size=8))
+    >>> block = make_block(cfg, 0, rng=0)
+    >>> y = block(np.ones((1, 3, 8)), per_layer_input=np.ones((1, 3, 3)))
+    >>> type(block).__name__, type(block.attention).__name__, block.attention.head_dim, y.shape
+    ('PerLayerInputBlock', 'KVOwnerAttention', 6, (1, 3, 8))
+    >>> block.backward(np.ones_like(y)).shape, block.grad_per_layer_input.shape
+    ((1, 3, 8), (1, 3, 3))
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        gen = as_generator(rng)
+        super().__init__(config, layer_index, rng=gen)
+        self.per_layer = PerLayerInputBranch(config, rng=gen)
+        self.per_layer_input = self.grad_per_layer_input = None
+
+    def hook_points(self) -> tuple[str, ...]:
+        """LMBlock's, with ``hook_per_layer_out`` (B, L, D) before ``hook_resid_post``."""
+        *points, last = super().hook_points()
+        return (*points, "hook_per_layer_out", last)
+
+    def forward(self, x: Any, *, per_layer_input: Any = None, **kwargs):
+        """The block's output (B, L, D) with this layer's ``per_layer_input`` (B, L, P); the other arguments as
+        :meth:`LMBlock.forward`."""
+        if per_layer_input is None:
+            raise ValueError("PerLayerInputBlock: per_layer_input (B, L, P) is required")
+        self.per_layer_input = per_layer_input
+        return super().forward(x, **kwargs)
+
+    def _before_scalar(self, y: np.ndarray) -> np.ndarray:
+        return y + self.hook_point("hook_per_layer_out", self.per_layer(y, self.per_layer_input))  # (B, L, D)
+
+    def _before_scalar_backward(self, g: np.ndarray) -> np.ndarray:
+        g_h, self.grad_per_layer_input = self.per_layer.backward(self.hook_backward("hook_per_layer_out", g))
+        return g + g_h  # (B, L, D)
+
+
+BLOCKS: dict[str, type[LMBlock]] = {"sequential": LMBlock, "parallel": ParallelLMBlock,
+                                    "layerwise": LayerwiseBlock, "per_layer_input": PerLayerInputBlock}
+"""The block of each ``DecoderConfig.residual`` kind, and of each ``LayerwiseConfig.block`` kind."""
+
+
+def make_block(config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> LMBlock:
+    """Layer ``layer_index`` of the decoder ``config`` describes, composed from its parts."""
+    kind = config.residual if config.layerwise is None else config.layerwise.block
+    return BLOCKS[kind](config, layer_index, rng=rng)

@@ -7,11 +7,10 @@ The model computes every layer's input once, from the token ids and the (scaled)
     e = (rms_norm(reshape(h W_proj / sqrt(D), (N, P))) + table[ids] * sqrt(P)) / sqrt(2)      (B, L, N, P)
 
 and layer i, after its MLP, adds ``rms_norm(W_up (act(h W_gate) * e[:, :, i]))`` to the residual stream, then
-multiplies the stream by its learned ``layer_scalar`` (:class:`LayerwiseBlock`).
+multiplies the stream by its learned ``layer_scalar`` (:class:`~attnkit.layers.lm_block.PerLayerInputBlock`).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -21,11 +20,9 @@ from ..init import as_generator, normal
 from ..kernels.activations import activation_backward, activation_forward
 from ..kernels.linear import linear, linear_backward
 from .embedding import Embedding
-from .gated_mlp import GatedMLP
-from .lm_block import LMBlock
 from .rms_norm import RMSNorm
 
-__all__ = ["PerLayerInputs", "PerLayerInputBranch", "LayerwiseBlock"]
+__all__ = ["PerLayerInputs", "PerLayerInputBranch"]
 
 
 class PerLayerInputs(Module):
@@ -55,7 +52,7 @@ class PerLayerInputs(Module):
         width = self.num_layers * self.size
         self.embed = Embedding(part.per_layer_vocab_size, width, rng=gen, std=0.02)
         self.register_parameter("W_proj", normal(gen, (config.hidden_size, width), std=0.02))
-        self.norm = RMSNorm(self.size, eps=config.norm_eps)
+        self.norm = RMSNorm(self.size, eps=config.norm.eps)
 
     def forward(self, ids: np.ndarray, h: np.ndarray) -> np.ndarray:
         """``e`` (B, L, N, P); saves what :meth:`backward` needs."""
@@ -104,7 +101,7 @@ class PerLayerInputBranch(Module):
         self.activation = config.activation
         self.register_parameter("W_gate", normal(gen, (d, p), std=0.02))
         self.register_parameter("W_up", normal(gen, (p, d), std=0.02))
-        self.norm = RMSNorm(d, eps=config.norm_eps, offset=config.norm_offset)
+        self.norm = RMSNorm(d, eps=config.norm.eps, offset=config.norm.offset)
 
     def forward(self, h: np.ndarray, e: np.ndarray) -> np.ndarray:
         pre = linear(h, self._parameters["W_gate"])  # (B, L, P)
@@ -123,70 +120,3 @@ class PerLayerInputBranch(Module):
         g_h, grad_w, _ = linear_backward(g_pre, h, self._parameters["W_gate"], False)  # (B, L, D)
         self.grads["W_gate"] += grad_w
         return g_h, g_e
-
-
-class LayerwiseBlock(LMBlock):
-    """Gemma 4's layer: :class:`~attnkit.layers.lm_block.LMBlock`'s norms before and after each branch, then
-    the per-layer input's branch (when the model has per-layer inputs), then the sum times ``layer_scalar``::
-
-        m = x + attn_post_norm(attention(attn_norm(x)))
-        y = layer_scalar * (m + mlp_post_norm(mlp(mlp_norm(m))) + per_layer(m + ..., e))
-
-    Hook points: LMBlock's, with ``hook_per_layer_out`` (what the per-layer branch adds, before the scalar) and
-    ``hook_resid_post`` the block's output, after the scalar.
-
-    Shapes
-    ------
-    x (B, L, D), per_layer_input (B, L, P) or None -> (B, L, D). After :meth:`backward`,
-    ``grad_per_layer_input`` holds the gradient of ``per_layer_input`` (B, L, P) (None without one).
-    """
-
-    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
-        gen = as_generator(rng)
-        super().__init__(config, layer_index, rng=gen)
-        wide = config.layerwise.intermediate_size_of(config, layer_index)
-        if wide != config.intermediate_size:  # the layers reusing keys and values may have a wider MLP
-            self.mlp = GatedMLP(replace(config, intermediate_size=wide), rng=gen)
-        self.per_layer = PerLayerInputBranch(config, rng=gen) if config.layerwise.per_layer_input_size else None
-        self.register_parameter("layer_scalar", np.ones(1))
-        self.grad_per_layer_input = None
-
-    def hook_points(self) -> tuple[str, ...]:
-        """LMBlock's, with ``hook_per_layer_out`` (B, L, D) before ``hook_resid_post`` when the model has
-        per-layer inputs."""
-        *points, last = super().hook_points()
-        return (*points, *(("hook_per_layer_out",) if self.per_layer is not None else ()), last)
-
-    def forward(self, x: Any, *, per_layer_input: np.ndarray | None = None, rotary=None, attention_mask: Any = None,
-                cache=None, output_attentions: bool = False):
-        """The block's output (B, L, D); with ``output_attentions=True``, ``(y, weights)`` as LMBlock's."""
-        x = self.hook_point("hook_resid_pre", x)
-        attended = self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask, cache=cache,
-                                  output_attentions=output_attentions)
-        attended, weights = attended if output_attentions else (attended, None)
-        attended = self.hook_point("hook_attn_out", self.attn_post_norm(attended))  # (B, L, D)
-        x = self.hook_point("hook_resid_mid", x + attended)  # (B, L, D)
-        y = x + self._mlp_branch(x)  # (B, L, D)
-        if self.per_layer is not None:
-            y = y + self.hook_point("hook_per_layer_out", self.per_layer(y, per_layer_input))  # (B, L, D)
-        if cache is None:  # the cached path is inference: it keeps nothing
-            self.save_for_backward(y)
-        else:
-            self.save_for_backward()
-        y = self.hook_point("hook_resid_post", y * self._parameters["layer_scalar"].astype(y.dtype, copy=False))
-        return (y, weights) if output_attentions else y
-
-    def backward(self, grad_output: Any) -> np.ndarray:
-        """The forward read backwards; the per-layer input's gradient is left in ``grad_per_layer_input``."""
-        if self.saved_tensors is None:
-            raise RuntimeError("LayerwiseBlock.backward needs a forward without a cache just before it")
-        (before_scalar,) = self.saved_tensors
-        g = self.hook_backward("hook_resid_post", np.asarray(grad_output))
-        self.grads["layer_scalar"] += np.sum(g * before_scalar).reshape(1)
-        g = g * self._parameters["layer_scalar"].astype(g.dtype, copy=False)  # (B, L, D)
-        if self.per_layer is not None:
-            g_h, self.grad_per_layer_input = self.per_layer.backward(self.hook_backward("hook_per_layer_out", g))
-            g = g + g_h  # (B, L, D)
-        g = self.hook_backward("hook_resid_mid", g + self._mlp_branch_backward(g))  # (B, L, D)
-        g_attn = self.attention.backward(self.attn_post_norm.backward(self.hook_backward("hook_attn_out", g)))
-        return self.hook_backward("hook_resid_pre", g + self.attn_norm.backward(g_attn))

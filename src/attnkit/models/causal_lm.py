@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,8 +23,8 @@ from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
 from ..layers.embedding import Embedding
-from ..layers.lm_block import LMBlock, make_norm
-from ..layers.per_layer_input import LayerwiseBlock, PerLayerInputs
+from ..layers.lm_block import make_block, make_norm
+from ..layers.per_layer_input import PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
 from .config import DecoderConfig
 
@@ -102,35 +101,39 @@ class CausalLM(Module):
         self.config = config
         gen = as_generator(rng)
         self.embed = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
-        if config.position == "learned":
-            self.pos_embed = Embedding(config.max_position_embeddings, config.hidden_size, rng=gen, std=0.01)
-            self.rotary = None
-        else:
-            # Gemma 4's full-attention layers have heads of their own width, which their rotary spans
-            full = config if config.layerwise is None else replace(config, head_dim=config.layerwise.global_head_dim)
-            self.rotary = RotaryEmbedding(full)
-        # Gemma 3's sliding layers rotate with a base (and scaling) of their own.
-        # Gemma 4's are also narrower than its full layers, whose table would not fit them.
-        self.sliding_rotary = None
-        if config.position == "rotary" and config.sliding_rope_theta is not None:
-            self.sliding_rotary = RotaryEmbedding(replace(config, rope_theta=config.sliding_rope_theta,
-                                                          rope_scaling=config.sliding_rope_scaling))
-        elif config.position == "rotary" and config.layerwise is not None:
-            self.sliding_rotary = RotaryEmbedding(config)
-        block = LMBlock if config.layerwise is None else LayerwiseBlock
-        self.layers = ModuleList([block(config, i, rng=gen) for i in range(config.num_layers)])
-        # per-layer inputs (Gemma 4): every block reads its slice of them; None when the model has none
-        self.per_layer_inputs = None
-        if config.layerwise is not None:
+        # the learned position tables added to the token embeddings: GPT-2's one, or none
+        self.position_tables = ("pos_embed",) if config.rotary is None else ()
+        for name in self.position_tables:
+            setattr(self, name, Embedding(config.max_position_embeddings, config.hidden_size, rng=gen, std=0.01))
+        # One table of each rotary, and head width, the layers use (Gemma 3's sliding layers rotate with a base of
+        # their own, Gemma 4's global layers over wider heads; a NoPE layer with none): self.rotary,
+        # self.sliding_rotary, and which of them each layer reads.
+        uses = [(config.rotary_of(i), config.head_dim_of(i)) for i in range(config.num_layers)]
+        self.rotary = self.sliding_rotary = None
+        tables = {}
+        for name, rotary in (("rotary", config.rotary),
+                             ("sliding_rotary", None if config.rotary is None else config.rotary.sliding())):
+            use = next((u for u in uses if u[0] is not None and u[0] == rotary and u not in tables.values()), None)
+            if use is not None:
+                setattr(self, name, RotaryEmbedding(*use, config.max_position_embeddings))
+                tables[name] = use
+        self.layer_rotary = tuple(next((name for name, u in tables.items() if u == use), None) for use in uses)
+        self.layers = ModuleList([make_block(config, i, rng=gen) for i in range(config.num_layers)])
+        if config.layerwise is not None:  # the layers reusing keys and values read their owners'
             connect_shared_kv([layer.attention for layer in self.layers])
-            if config.layerwise.per_layer_input_size:
-                self.per_layer_inputs = PerLayerInputs(config, rng=gen)
+        # The inputs every block reads its slice of, by the block's keyword -> the module making them: Gemma 4's
+        # per-layer inputs, or none.
+        self.layer_inputs = {"per_layer_input": "per_layer_inputs"} if config.layerwise is not None and \
+            config.layerwise.per_layer_input_size else {}
+        for name in self.layer_inputs.values():
+            setattr(self, name, PerLayerInputs(config, rng=gen))
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
         # A decoding step's head product is one row against the (V, D) head: stored column-major, its
         # transpose (D, V) is the contiguous array, which a matrix-vector product streams fastest.
-        (self.embed if config.tie_word_embeddings else self.head).store_column_major("weight")
+        self.head_owner = "embed" if config.tie_word_embeddings else "head"
+        getattr(self, self.head_owner).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config = GenerationConfig()
 
@@ -143,7 +146,7 @@ class CausalLM(Module):
         """``hook_embed`` (B, L, D): the token embeddings times ``embedding_scale``; ``hook_pos_embed`` (B, L, D)
         the learned position embeddings (models with them); ``ln_final.hook_normalized`` (B, L, D) the final
         norm's output. The blocks' and attentions' points are in :meth:`named_hook_points`."""
-        learned = ("hook_pos_embed",) if self.rotary is None else ()
+        learned = tuple(f"hook_{name}" for name in self.position_tables)
         return ("hook_embed", *learned, "ln_final.hook_normalized")
 
     def named_hook_points(self) -> list[tuple[str, Module, str]]:
@@ -162,7 +165,7 @@ class CausalLM(Module):
     @property
     def head_weight(self) -> np.ndarray:
         """The (V, D) matrix the logits are taken against (the embedding when tied)."""
-        return self.embed.weight if self.config.tie_word_embeddings else self.head.weight
+        return getattr(self, self.head_owner).weight
 
     @property
     def dtype(self) -> np.dtype:
@@ -176,10 +179,10 @@ class CausalLM(Module):
         Keys cached at or below it hold the short-factor rotation, so generation runs the whole sequence again
         once, when it first grows past this length (as ``transformers`` does).
         """
-        scaling = self.config.rope_scaling
-        if self.config.position != "rotary" or scaling is None or scaling.get("rope_type") != "longrope":
+        rotary = self.config.rotary
+        if rotary is None or rotary.kind != "longrope":
             return None
-        return int(scaling["original_max_position_embeddings"])
+        return int(rotary.scaling["original_max_position_embeddings"])
 
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
         """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers)."""
@@ -218,7 +221,7 @@ class CausalLM(Module):
                 raise ValueError(f"position_ids must be non-negative integers of shape ({b}, {length}), got "
                                  f"shape {positions.shape} and dtype {positions.dtype}")
         too_far = positions.size and positions.max() >= self.config.max_position_embeddings
-        if self.config.position == "learned" and too_far:
+        if self.config.rotary is None and too_far:
             raise ValueError(f"position {int(positions.max())} is past the model's max_position_embeddings = "
                              f"{self.config.max_position_embeddings}")
         return ids, mask, positions
@@ -308,22 +311,17 @@ class CausalLM(Module):
         given) are appended to ``weights`` if given, each layer's output (a copy) to ``states`` if given. With
         ``last_layer`` the blocks after it do not run (and the result is that block's output, not normed)."""
         h = self.embed(ids)  # (B, L, D)
-        if self.config.embedding_scale != 1.0:
-            h = h * h.dtype.type(self.config.embedding_scale)  # (B, L, D)
+        h = h * h.dtype.type(self.config.embedding_scale)  # (B, L, D); a scale of 1 changes no bit
         h = self.hook_point("hook_embed", h)
-        sliding = None
-        if self.rotary is None:
-            h = h + self.hook_point("hook_pos_embed", self.pos_embed(positions))  # (B, L, D)
-            rotary = None
-        else:
-            rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
-            if self.sliding_rotary is not None:
-                sliding = self.sliding_rotary(positions, dtype=h.dtype)  # (B, L, R) each
+        for name in self.position_tables:
+            h = h + self.hook_point(f"hook_{name}", getattr(self, name)(positions))  # (B, L, D)
+        tables = {name: getattr(self, name)(positions, dtype=h.dtype)  # (B, L, R) each
+                  for name in set(self.layer_rotary) - {None}}
         layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
-        extra = None if self.per_layer_inputs is None else self.per_layer_inputs(ids, h)  # (B, L, N, P)
+        extra = {key: getattr(self, name)(ids, h) for key, name in self.layer_inputs.items()}  # (B, L, N, P) each
         for index, layer in enumerate(self.layers):
-            layer_rotary = rotary if sliding is None or self.config.window_of(index) is None else sliding
-            inputs = {} if extra is None else {"per_layer_input": extra[:, :, index]}
+            layer_rotary = tables.get(self.layer_rotary[index])
+            inputs = {key: e[:, :, index] for key, e in extra.items()}  # (B, L, P) each
             if weights is None or (weight_layers is not None and index not in weight_layers):
                 h = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache, **inputs)  # (B, L, D)
             else:
@@ -351,7 +349,7 @@ class CausalLM(Module):
             g = g * (1 - capped * capped)  # (B, L, V): d(C tanh(z / C)) / dz
         flat_g = g.reshape(-1, g.shape[-1])  # (B*L, V)
         weight = self.head_weight.astype(h.dtype, copy=False)
-        owner = self.embed if self.config.tie_word_embeddings else self.head
+        owner = getattr(self, self.head_owner)
         owner.grads["weight"] += flat_g.T @ h.reshape(-1, h.shape[-1])  # (V, D)
         grad_h = (flat_g @ weight).reshape(h.shape)  # (B, kept, D)
         if h.shape[1] != length:  # positions without logits get no gradient from the head
@@ -360,14 +358,13 @@ class CausalLM(Module):
         grad_h = self.norm.backward(self.hook_backward("ln_final.hook_normalized", grad_h))
         for layer in reversed(list(self.layers)):
             grad_h = layer.backward(grad_h)  # (B, L, D)
-        if self.per_layer_inputs is not None:
-            grad_extra = np.stack([layer.grad_per_layer_input for layer in self.layers], axis=2)  # (B, L, N, P)
-            grad_h = grad_h + self.per_layer_inputs.backward(grad_extra)  # (B, L, D)
-        if self.rotary is None:
-            self.pos_embed.backward(self.hook_backward("hook_pos_embed", grad_h))
+        for key, name in self.layer_inputs.items():
+            grad_inputs = np.stack([getattr(layer, f"grad_{key}") for layer in self.layers], axis=2)  # (B, L, N, P)
+            grad_h = grad_h + getattr(self, name).backward(grad_inputs)  # (B, L, D)
+        for name in self.position_tables:
+            getattr(self, name).backward(self.hook_backward(f"hook_{name}", grad_h))
         grad_h = self.hook_backward("hook_embed", grad_h)
-        if self.config.embedding_scale != 1.0:
-            grad_h = grad_h * grad_h.dtype.type(self.config.embedding_scale)  # (B, L, D)
+        grad_h = grad_h * grad_h.dtype.type(self.config.embedding_scale)  # (B, L, D)
         self.embed.backward(grad_h)
         return grad_h
 

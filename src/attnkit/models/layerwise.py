@@ -80,14 +80,20 @@ class LayerwiseConfig:
         if self.shared_kv_layers >= config.num_layers:
             raise ValueError(f"layerwise.shared_kv_layers ({self.shared_kv_layers}) must be smaller than "
                              f"num_layers ({config.num_layers}): some layer must compute the keys they reuse")
-        if not (config.pre_norm and config.post_norm) or config.parallel_residual:
-            raise ValueError(f"layerwise needs norms before and after both branches and a sequential residual, got "
-                             f"pre_norm={config.pre_norm}, post_norm={config.post_norm}, "
-                             f"parallel_residual={config.parallel_residual}")
-        if config.position == "rotary" and self.global_head_dim % 2:
+        if config.norm.placement != "sandwich" or config.residual != "sequential" or config.mlp != "gated":
+            raise ValueError(f"layerwise needs norms before and after both branches, a sequential residual and a "
+                             f"gated MLP, got norm.placement={config.norm.placement!r}, "
+                             f"residual={config.residual!r}, mlp={config.mlp!r}")
+        if config.rotary is not None and self.global_head_dim % 2:
             raise ValueError(f"layerwise.global_head_dim must be even with rotary positions, got "
                              f"{self.global_head_dim}")
         self.kv_owners(config.layer_types)
+
+    @property
+    def block(self) -> str:
+        """The kind of block of every layer (:data:`attnkit.layers.lm_block.BLOCKS`): ``"per_layer_input"``
+        with per-layer inputs, else ``"layerwise"`` (the layer scalar only)."""
+        return "per_layer_input" if self.per_layer_input_size else "layerwise"
 
     def kv_owners(self, layer_types: tuple[str, ...]) -> tuple[int | None, ...]:
         """For every layer, None if it computes its keys and values, else the layer whose it reuses."""

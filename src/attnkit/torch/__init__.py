@@ -28,6 +28,7 @@ from ._twin import from_numpy, to_numpy  # noqa: E402
 from .attention import GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
 from .blocks import (
     LMBlock,
+    ParallelLMBlock,
     Transformer,
     TransformerDecoder,
     TransformerDecoderBlock,
@@ -39,6 +40,7 @@ from .layers import (
     Embedding,
     FeedForward,
     GatedMLP,
+    Identity,
     LayerNorm,
     MixtureOfExperts,
     Projection,
@@ -46,15 +48,23 @@ from .layers import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
-from .layerwise import KVOwnerAttention, KVReaderAttention, LayerwiseBlock, PerLayerInputBranch, PerLayerInputs
+from .layerwise import (
+    KVOwnerAttention,
+    KVReaderAttention,
+    LayerwiseBlock,
+    PerLayerInputBlock,
+    PerLayerInputBranch,
+    PerLayerInputs,
+)
 from .models import CausalLM, Seq2SeqTransformer
 
 __all__ = [
     "from_numpy", "to_numpy",
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "Embedding", "Projection",
-    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding",
+    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
-    "Transformer", "LMBlock", "CausalLM", "Seq2SeqTransformer",
+    "Transformer", "LMBlock", "ParallelLMBlock", "CausalLM", "Seq2SeqTransformer",
     "KVOwnerAttention", "KVReaderAttention", "PerLayerInputs", "PerLayerInputBranch", "LayerwiseBlock",
+    "PerLayerInputBlock",
 ]

@@ -18,7 +18,8 @@ import torch
 
 from ..attention.shared_kv import KVOwnerAttention as _KVOwnerAttention
 from ..attention.shared_kv import KVReaderAttention as _KVReaderAttention
-from ..layers.per_layer_input import LayerwiseBlock as _LayerwiseBlock
+from ..layers.lm_block import LayerwiseBlock as _LayerwiseBlock
+from ..layers.lm_block import PerLayerInputBlock as _PerLayerInputBlock
 from ..layers.per_layer_input import PerLayerInputBranch as _PerLayerInputBranch
 from ..layers.per_layer_input import PerLayerInputs as _PerLayerInputs
 from ._twin import TwinModule, attend
@@ -26,7 +27,8 @@ from .attention import _bool_mask, _merge, _split
 from .blocks import LMBlock
 from .layers import _linear, _rms, activation, rotary_apply
 
-__all__ = ["KVOwnerAttention", "KVReaderAttention", "PerLayerInputs", "PerLayerInputBranch", "LayerwiseBlock"]
+__all__ = ["KVOwnerAttention", "KVReaderAttention", "PerLayerInputs", "PerLayerInputBranch", "LayerwiseBlock",
+           "PerLayerInputBlock"]
 
 
 class _Attention(TwinModule):
@@ -129,26 +131,28 @@ class PerLayerInputBranch(TwinModule):
 
 
 class LayerwiseBlock(LMBlock):
-    """Twin of :class:`attnkit.layers.per_layer_input.LayerwiseBlock`: the LM block, the per-layer input's
-    branch, the layer scalar. x (B, L, D), per_layer_input (B, L, P) or None -> (B, L, D)."""
+    """Twin of :class:`attnkit.layers.lm_block.LayerwiseBlock`: the LM block (its attention given the pass's
+    shared keys and values), times the layer scalar. x (B, L, D) -> (B, L, D)."""
 
     numpy_class = _LayerwiseBlock
 
-    def setup(self, source) -> None:
-        super().setup(source)
-        self.has_per_layer = source.per_layer is not None
-
-    def forward(self, x: torch.Tensor, *, per_layer_input: torch.Tensor | None = None, rotary=None,
-                attention_mask: Any = None, shared_kv: dict | None = None) -> torch.Tensor:
-        attended = self.attention(self.attn_norm(x) if self.pre_norm else x, rotary=rotary,
-                                  attention_mask=attention_mask, shared_kv=shared_kv)  # (B, L, D)
-        if self.post_norm:
-            attended = self.attn_post_norm(attended)  # (B, L, D)
-        if self.parallel_residual:
-            y = x + attended + self._mlp_branch(x)  # (B, L, D)
-        else:
-            x = x + attended
-            y = x + self._mlp_branch(x)  # (B, L, D)
-        if self.has_per_layer:
-            y = y + self.per_layer(y, per_layer_input)  # (B, L, D)
+    def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None, shared_kv: dict | None = None,
+                **inputs) -> torch.Tensor:
+        attended = self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask,
+                                  shared_kv=shared_kv)  # (B, L, D)
+        x = x + self.attn_post_norm(attended)  # (B, L, D)
+        y = self._before_scalar(x + self._mlp_branch(x), **inputs)  # (B, L, D)
         return y * self.layer_scalar.to(y.dtype)  # (B, L, D)
+
+    def _before_scalar(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+class PerLayerInputBlock(LayerwiseBlock):
+    """Twin of :class:`attnkit.layers.lm_block.PerLayerInputBlock`: :class:`LayerwiseBlock` with the per-layer
+    input's branch before the scalar. x (B, L, D), per_layer_input (B, L, P) -> (B, L, D)."""
+
+    numpy_class = _PerLayerInputBlock
+
+    def _before_scalar(self, y: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        return y + self.per_layer(y, per_layer_input)  # (B, L, D)

@@ -106,7 +106,7 @@ def gemma4_config(read: Reader) -> DecoderConfig:
     raw["rope_parameters"] = raw.get("rope_parameters") or DEFAULT_ROPE
     raw.setdefault("sliding_window", 512)
     base = gemma_config(Reader(raw, family), RULES)
-    if base.partial_rotary_factor != 1.0:
+    if base.rotary.partial_factor != 1.0:
         raise ValueError(f"{family} config: partial_rotary_factor is read only with rope_type 'proportional' "
                          f"(transformers' default rotary of {family} turns every feature)")
     types = base.layer_types[:-1] + ("full_attention",)  # transformers makes the last layer full, whatever given
@@ -118,8 +118,10 @@ def gemma4_config(read: Reader) -> DecoderConfig:
         shared_kv_layers=_count(read, "num_kv_shared_layers", 0),
         wide_shared_mlp=read.bool("use_double_wide_mlp", False), per_layer_input_size=per_layer_size,
         per_layer_vocab_size=read.int("vocab_size_per_layer_input", 262144) if per_layer_size else 0)
-    return replace(base, norm_offset=0.0, attention_scale=1.0, layer_types=types,
-                   sliding_window=base.sliding_window if "sliding_attention" in types else None, layerwise=part)
+    window = base.attention.sliding_window if "sliding_attention" in types else None
+    return replace(base, norm=replace(base.norm, offset=0.0), attention=replace(base.attention, scale=1.0,
+                                                                                 sliding_window=window),
+                   layer_types=types, layerwise=part)
 
 
 def _layer_tensors(cfg: DecoderConfig, i: int, owner: int | None) -> list[TensorMap]:
