@@ -105,6 +105,21 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                                                  "rope_theta": 1000.0},
                                                               "sliding_attention": {"rope_type": "default",
                                                                                     "rope_theta": 50.0}}), {}),
+    # Gemma 4: wider global layers (proportional rotary) whose keys are the values, the last two layers reusing
+    # keys and values (with double-wide MLPs), per-layer inputs, a soft-capped head
+    "gemma4_text": ("Gemma4TextConfig", dict(_COMMON, num_hidden_layers=5, num_key_value_heads=2, head_dim=8,
+                                             global_head_dim=16, num_global_key_value_heads=1, sliding_window=3,
+                                             pad_token_id=0, attention_k_eq_v=True, num_kv_shared_layers=2,
+                                             use_double_wide_mlp=True, final_logit_softcapping=3.0,
+                                             hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB,
+                                             layer_types=["sliding_attention", "full_attention",
+                                                          "sliding_attention", "sliding_attention",
+                                                          "full_attention"],
+                                             rope_parameters={"full_attention": {"rope_type": "proportional",
+                                                                                 "partial_rotary_factor": 0.5,
+                                                                                 "rope_theta": 1000.0},
+                                                              "sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 50.0}}), {}),
     # Phi-3: fused qkv_proj and gate_up_proj; longrope (short factors up to 8 positions, long past); partial rotary
     "phi3": ("Phi3Config", dict(_COMMON, num_key_value_heads=2, pad_token_id=None), {}),
     "phi3_longrope": ("Phi3Config", dict(_COMMON, num_key_value_heads=1, pad_token_id=None,
@@ -160,7 +175,7 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "ministral", "qwen2_mixed", "qwen2_layer_types", "llama_sharded",
                  "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
-                 "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text",
+                 "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                  "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised")
 
@@ -179,6 +194,9 @@ def build_hf_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32)
         for p in model.parameters():
             if p.ndim >= 1:
                 p.add_(torch.randn_like(p) * 0.08)
+        for buffer_name, buffer in model.named_buffers():  # Gemma 4's per-layer output scalars are saved buffers
+            if buffer_name.endswith("layer_scalar"):
+                buffer.mul_(0.5 + torch.rand_like(buffer))
     return model.to(dtype).eval()
 
 

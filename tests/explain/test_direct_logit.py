@@ -23,12 +23,14 @@ def hf_root(tmp_path_factory):
 
 def total(parts):
     return parts["embed"] + parts["pos_embed"] + parts["heads"].sum(axis=(-2, -1)) + parts["mlp"].sum(-1) + \
-        parts["bias"]
+        parts["per_layer"].sum(-1) + parts["bias"]
 
 
 # LayerNorm with biases and learned positions; GQA with biases; post-norms, soft-caps and an embedding scale;
-# post-norms only; parallel residual; sinks, output biases and experts; per-head q/k norms
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "gemma2", "olmo2", "gpt_neox", "gpt_oss", "qwen3"])
+# post-norms only; parallel residual; sinks, output biases and experts; per-head q/k norms; wider global heads,
+# reused keys and values, per-layer inputs and layer scalars
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "gemma2", "olmo2", "gpt_neox", "gpt_oss", "qwen3",
+                                  "gemma4_text"])
 def test_parts_sum_to_the_logit(name, hf_root):
     folder, _ = saved_model(name, hf_root)
     lm = load_causal_lm(folder, dtype=np.float64)
@@ -38,6 +40,7 @@ def test_parts_sum_to_the_logit(name, hf_root):
     assert parts["logit"] == lm(IDS[None])[0, 5, 7]
     assert abs(total(parts) - parts["logit"]) < 1e-10
     assert np.abs(parts["heads"]).min() > 0  # every head contributes something
+    assert (np.abs(parts["per_layer"]).min() > 0) == bool(lm.layer_inputs)
     # a batch is its rows
     batch = np.stack([IDS, IDS[::-1]])
     both = direct_logit_attribution(lm, batch, target=[7, 8], target_position=5)

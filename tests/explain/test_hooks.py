@@ -283,3 +283,33 @@ def test_module_hook_table_is_installed_and_removed():
     block.remove_hook("hook_resid_pre", double)
     assert "_hook_table" not in block.__dict__ and not block.hook_replaced("hook_resid_pre")
     assert block.hook_point("hook_resid_pre", x) is x and block.hook_backward("hook_resid_pre", x) is x
+
+
+def test_gemma4_blocks_hooks_equal_hf_and_the_scalar_closes_the_sum(hf_root):
+    """A Gemma 4 block's output (after its per-layer branch and its scalar) is transformers' hidden state, its
+    patterns transformers' attentions (global layers' wider heads and reading layers' shared keys included)."""
+    lm, hf = float64_pair("gemma4_text", hf_root)
+    # transformers' Gemma 4 casts to float32 and back in eight RMSNorms per layer (q, k, v, the four around the
+    # branches, the per-layer input's), and the post-norms magnify what a float32 softmax rounds: the residual
+    # stream (growing to 11 here) differs by up to 1e-6 of its size (measured), the logits by 2.1e-6
+    def close(ours, theirs):
+        assert np.max(np.abs(ours - theirs)) <= 2 * TOL * max(1.0, np.max(np.abs(theirs)))
+    logits, cache = run_with_cache(lm, IDS)
+    inputs = {}
+    handles = [hf_output_projection(layer).register_forward_pre_hook(
+        lambda m, args, i=i: inputs.__setitem__(i, args[0].detach().numpy())) for i, layer in enumerate(hf_layers(hf))]
+    with torch.no_grad():
+        out = hf_run(hf, IDS, output_hidden_states=True, output_attentions=True)
+    for handle in handles:
+        handle.remove()
+    close(logits, out.logits.numpy())
+    for i, layer in enumerate(lm.layers):
+        close(cache[f"blocks.{i}.hook_resid_pre"], out.hidden_states[i].numpy())
+        close(cache[f"blocks.{i}.attn.hook_pattern"], out.attentions[i].numpy())
+        z = cache[f"blocks.{i}.attn.hook_z"]
+        close(z.reshape(*z.shape[:2], -1), inputs[i])
+        parts = (cache[f"blocks.{i}.hook_resid_mid"] + cache[f"blocks.{i}.hook_mlp_out"]
+                 + cache[f"blocks.{i}.hook_per_layer_out"])
+        np.testing.assert_allclose(parts * layer.layer_scalar, cache[f"blocks.{i}.hook_resid_post"], atol=1e-12)
+    assert cache["blocks.1.attn.hook_z"].shape[-1] == 16 and cache["blocks.0.attn.hook_z"].shape[-1] == 8
+    assert "blocks.3.attn.hook_k" not in cache and "blocks.2.attn.hook_k" in cache  # layer 3 reads layer 2's

@@ -19,7 +19,8 @@ from hf_models import edit_config, left_padded_batch, positions_from_mask, saved
 
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
-                     "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised")
+                     "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
+                     "gemma4_text")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -39,10 +40,18 @@ def test_gradients_match_hf_autograd(name, hf_root):
     lm(ids, mask)
     lm.backward(g)
     hf.zero_grad()
+    # Gemma 4's layer scalars are buffers in torch and parameters in attnkit: torch differentiates them on request
+    scalars = {n: b for n, b in hf.named_buffers() if n.endswith("layer_scalar")}
+    for buffer in scalars.values():
+        buffer.requires_grad_(True)
     out = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask.astype(np.int64)),
              position_ids=torch.from_numpy(positions_from_mask(mask)))
     (out.logits * torch.from_numpy(g)).sum().backward()
-    theirs_by_name = {n: p.grad.double().numpy() for n, p in hf.named_parameters() if p.grad is not None}
+    theirs_by_name = {n: p.grad.double().numpy() for n, p in [*hf.named_parameters(), *scalars.items()]
+                      if p.grad is not None}
+    for buffer in scalars.values():
+        buffer.requires_grad_(False)
+        buffer.grad = None
     if lm.config.family == "qwen3_next":
         theirs_by_name = _experts_one_by_one(theirs_by_name)
     maps, prefix = checkpoint_map(lm.config)
@@ -60,6 +69,10 @@ def test_gradients_match_hf_autograd(name, hf_root):
                 # Without rotary a key bias adds one constant to a query's scores, which softmax ignores: both
                 # gradients are rounding noise, measured against the key weights' gradient.
                 scale = np.max(np.abs(ours[target[:-3] + "W_K"]))
+            if target == f"layers.{lm.config.num_layers - 1}.layer_scalar":
+                # The final RMSNorm undoes a scale of the last layer's output but for its eps: both gradients are
+                # near zero (float64 finite differences agree with attnkit's), measured against the other scalars'.
+                scale = max(np.max(np.abs(v)) for k, v in ours.items() if k.endswith("layer_scalar"))
             err = np.max(np.abs(got - expected)) / max(scale, 1e-30)
             assert err <= GRAD_TOL, (target, m.index, err)
             checked.add(target)
@@ -248,3 +261,24 @@ def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_
     full = json.loads(getattr(transformers, config_class)(**sizes).to_json_string())
     assert family(model_type).config_from_hf(dict(sizes, model_type=model_type)) == \
         family(model_type).config_from_hf(full)
+
+
+def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transformers_does(hf_root, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder, _ = saved_model("gemma4_text", hf_root)
+    ids = np.array([[3, 4, 5, 6]])
+    expected = load_causal_lm(folder)(ids)
+    tensors = load_file(str(folder / "model.safetensors"))
+    # layer 3 reuses layer 2's keys and values: a checkpoint may still carry its own, which nothing reads
+    extra = {"model.layers.3.self_attn.k_proj.weight": np.ones((16, 32), np.float32),
+             "model.layers.3.self_attn.k_norm.weight": np.ones(8, np.float32)}
+    stray = {"model.layers.2.self_attn.z_proj.weight": np.ones(2, np.float32)}
+    for name, files in (("kept", {**tensors, **extra}), ("stray", {**tensors, **extra, **stray})):
+        target = edit_config(folder, tmp_path / name)
+        save_file(files, str(target / "model.safetensors"), metadata={"format": "pt"})
+        if name == "kept":
+            np.testing.assert_array_equal(load_causal_lm(target)(ids), expected)
+        else:
+            with pytest.raises(ValueError, match="unexpected tensor 'model.layers.2.self_attn.z_proj.weight'"):
+                load_causal_lm(target)

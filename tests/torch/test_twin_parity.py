@@ -20,6 +20,7 @@ from attnkit.models import (
     CausalLM,
     DecoderConfig,
     ExpertsConfig,
+    LayerwiseConfig,
     NormConfig,
     RotaryConfig,
     Seq2SeqConfig,
@@ -284,6 +285,16 @@ FAMILIES = {
     "gemma3_text": dict(family="gemma3_text", embedding_scale=1.5, layer_types=("sliding_attention", "full_attention"),
                         norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
                         attention=AttentionConfig(sliding_window=2, qk_norm="head")),
+    "gemma4_text": dict(family="gemma4_text", num_layers=4, embedding_scale=1.5, final_logit_softcap=2.0,
+                        activation="gelu_tanh",
+                        layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
+                        norm=NormConfig(placement="sandwich"),
+                        rotary=RotaryConfig(scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5},
+                                            sliding_theta=7.0),
+                        attention=AttentionConfig(scale=1.0, sliding_window=2, qk_norm="head"),
+                        layerwise=LayerwiseConfig(global_head_dim=8, global_kv_heads=1, keys_are_values=True,
+                                                  shared_kv_layers=2, wide_shared_mlp=True, per_layer_input_size=3,
+                                                  per_layer_vocab_size=13)),
     "phi3": dict(family="phi3", max_position_embeddings=32, head_dim=8,
                  rotary=RotaryConfig(partial_factor=0.5,
                                      scaling={"rope_type": "longrope", "original_max_position_embeddings": 4,
@@ -415,3 +426,12 @@ def test_untwinnable_head_is_refused():
         from_numpy(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="twin"):
         to_numpy(torch.nn.Linear(2, 2))
+
+
+def test_round_trip_of_shared_keys_and_values_links_the_copy_to_itself():
+    lm = CausalLM(_config(**FAMILIES["gemma4_text"]), rng=0)
+    back = to_numpy(from_numpy(lm))
+    ids = np.array([[1, 2, 3, 4, 5]])
+    np.testing.assert_array_equal(back(ids), lm(ids))
+    assert back.layers[3].attention.shared is back.layers[1].attention.shared  # layer 3 reads layer 1's
+    assert back.layers[3].attention.shared is not lm.layers[3].attention.shared

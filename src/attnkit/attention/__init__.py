@@ -9,7 +9,9 @@ from .learned_bias import LearnedBiasAttention
 from .multi_head_attention import MultiHeadAttention
 from .physics_guided import PhysicsGuidedAttention
 from .scaled_dot_product import ScaledDotProductAttention
+from .shared_kv import KVOwnerAttention, KVReaderAttention, SharedKV
 
 __all__ = ["MultiHeadAttention", "ScaledDotProductAttention",
            "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention",
-           "GroupedQueryAttention", "GatedAttention", "MultiHeadLatentAttention", "LatentAttentionConfig"]
+           "GroupedQueryAttention", "GatedAttention", "MultiHeadLatentAttention", "LatentAttentionConfig",
+           "KVOwnerAttention", "KVReaderAttention", "SharedKV"]

@@ -79,6 +79,10 @@ class KVCache:
         Layers that keep a fixed-size state instead of keys and values (a hybrid model's linear-attention
         layers), each with its empty state object (e.g. ``GatedDeltaNet.new_cache(B)``): any object with
         ``length``, ``nbytes`` and ``reorder(index)``. The layer fetches it with :meth:`state`.
+    layer_shapes : sequence of ((int, int) or None), optional
+        Per-layer (Hkv, Dh) where layers differ (Gemma 4's wider global layers); None for a layer that stores
+        nothing because it reads another layer's keys and values (it is left out of ``length``). Default: every
+        layer (``num_kv_heads``, ``head_dim``).
 
     Shapes
     ------
@@ -112,7 +116,8 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=np.float32, *, max_length: int | None = None, windows=None, states=None) -> None:
+                 dtype=np.float32, *, max_length: int | None = None, windows=None, states=None,
+                 layer_shapes=None) -> None:
         self.num_layers = check_positive_int(num_layers, "num_layers")
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
@@ -126,9 +131,11 @@ class KVCache:
             raise ValueError(f"windows has {len(windows)} entries but num_layers is {self.num_layers}")
         self.windows = [None if w is None else check_positive_int(w, f"windows[{i}]") for i, w in enumerate(windows)]
         self._states = self._check_states(states)
+        self._shapes = self._check_shapes(layer_shapes)
+        self._holding = [i for i, shape in enumerate(self._shapes) if shape is not None]
         self._lengths = [0] * self.num_layers
-        self._keys = [self._empty(self._initial_capacity(i)) for i in range(self.num_layers)]
-        self._values = [self._empty(self._initial_capacity(i)) for i in range(self.num_layers)]
+        self._keys = [self._empty(self._initial_capacity(i), layer=i) for i in range(self.num_layers)]
+        self._values = [self._empty(self._initial_capacity(i), layer=i) for i in range(self.num_layers)]
 
     def _check_states(self, states) -> dict[int, Any]:
         states = {} if states is None else dict(states)
@@ -152,18 +159,32 @@ class KVCache:
         # tokens that may never come. Slots double as they fill (amortised copies), up to max_length.
         return 0 if self.max_length is None else min(self.max_length, _FIRST_SLOTS)
 
-    def _empty(self, slots: int, rows: int | None = None) -> np.ndarray:
+    def _check_shapes(self, layer_shapes) -> list[tuple[int, int] | None]:
+        if layer_shapes is None:
+            return [(self.num_kv_heads, self.head_dim)] * self.num_layers
+        shapes = list(layer_shapes)
+        if len(shapes) != self.num_layers:
+            raise ValueError(f"layer_shapes has {len(shapes)} entries but num_layers is {self.num_layers}")
+        if all(shape is None for shape in shapes):
+            raise ValueError("layer_shapes: at least one layer must store keys and values")
+        return [None if shape is None else (check_positive_int(shape[0], f"layer_shapes[{i}][0]"),
+                                            check_positive_int(shape[1], f"layer_shapes[{i}][1]"))
+                for i, shape in enumerate(shapes)]
+
+    def _empty(self, slots: int, rows: int | None = None, *, layer: int) -> np.ndarray:
         rows = self.batch_size if rows is None else rows
-        return np.zeros((rows, self.num_kv_heads, slots, self.head_dim), dtype=self.dtype)  # (B, Hkv, S, Dh)
+        heads, dim = self._shapes[layer] or (0, 0)  # a layer storing nothing holds an empty array
+        return np.zeros((rows, heads, slots if heads else 0, dim), dtype=self.dtype)  # (B, Hkv, S, Dh)
 
     def _check_layer(self, layer) -> int:
         return _check_layer(layer, self.num_layers)
 
-    def _check_new(self, array, name: str) -> np.ndarray:
+    def _check_new(self, array, name: str, layer: int) -> np.ndarray:
         array = np.asarray(array)
-        expected = (self.batch_size, self.num_kv_heads, "Lnew", self.head_dim)
-        if (array.ndim != 4 or array.shape[0] != self.batch_size or array.shape[1] != self.num_kv_heads
-                or array.shape[3] != self.head_dim):
+        heads, dim = self._shapes[layer]
+        expected = (self.batch_size, heads, "Lnew", dim)
+        if (array.ndim != 4 or array.shape[0] != self.batch_size or array.shape[1] != heads
+                or array.shape[3] != dim):
             raise ValueError(f"{name} must have shape {expected}, got {array.shape}")
         if array.dtype.kind != "f":
             raise TypeError(f"{name} must be a floating array, got dtype {array.dtype}")
@@ -173,7 +194,7 @@ class KVCache:
     @property
     def length(self) -> int:
         """Slots filled in every layer (pad slots included): the attention-mask columns seen so far."""
-        return min(self._states[i].length if i in self._states else n for i, n in enumerate(self._lengths))
+        return min(self._states[i].length if i in self._states else self._lengths[i] for i in self._holding)
 
     @property
     def nbytes(self) -> int:
@@ -210,8 +231,11 @@ class KVCache:
         layer = self._check_layer(layer)
         if layer in self._states:
             raise ValueError(f"layer {layer} keeps a state, not keys and values: use state({layer})")
-        k_new = self._check_new(k_new, "k_new")
-        v_new = self._check_new(v_new, "v_new")
+        if self._shapes[layer] is None:
+            raise ValueError(f"layer {layer} stores no keys and values (layer_shapes[{layer}] is None): it reads "
+                             f"another layer's")
+        k_new = self._check_new(k_new, "k_new", layer)
+        v_new = self._check_new(v_new, "v_new", layer)
         if k_new.shape != v_new.shape:
             raise ValueError(f"k_new and v_new must have the same shape, got {k_new.shape} and {v_new.shape}")
         past, new = self._lengths[layer], k_new.shape[2]
@@ -232,7 +256,7 @@ class KVCache:
 
     def _grow(self, layer: int, capacity: int) -> None:
         for store in (self._keys, self._values):
-            bigger = self._empty(capacity)  # (B, Hkv, capacity, Dh)
+            bigger = self._empty(capacity, layer=layer)  # (B, Hkv, capacity, Dh)
             bigger[:, :, :self._lengths[layer]] = store[layer][:, :, :self._lengths[layer]]
             store[layer] = bigger
 

@@ -33,6 +33,13 @@ def _frozen_norm(norm, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
     return (rstd * gain).astype(x.dtype), np.zeros(x.shape[-1], x.dtype), False
 
 
+def _output_factors(model) -> np.ndarray:
+    """(N + 1,): how much of what layer i writes reaches the final norm (the product of the output scalars of
+    layers i..N-1; entry N is 1), for models whose layers scale their output (Gemma 4), else ones."""
+    scalars = [float(getattr(layer, "layer_scalar", np.ones(1))[0]) for layer in model.layers]
+    return np.append(np.cumprod(scalars[::-1])[::-1], 1.0)  # (N + 1,)
+
+
 def direct_logit_attribution(model, input_ids: Any, target: Any, target_position: int = -1) -> dict[str, Any]:
     """Each component's share of the logit of ``target`` after ``target_position``, summing to it exactly.
 
@@ -51,10 +58,13 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
         ``"embed"``: the token embeddings' share (times Gemma's ``embedding_scale``); ``"pos_embed"``: the learned
         position embeddings' (0 for rotary models); ``"heads"`` (N, H): each head's output through its slice of
         the output projection (its query, key and value biases are in it); ``"mlp"`` (N,): each MLP's output,
-        its biases included; ``"bias"``: the attention output biases of every layer and the final LayerNorm's
-        shift, which belong to no head; ``"logit"``: the model's logit. Each is a float for one sequence, with a
-        leading (B,) for a batch; ``embed + pos_embed + heads.sum() + mlp.sum() + bias == logit`` to rounding
-        (about 1e-15 relative in float64).
+        its biases included; ``"per_layer"`` (N,): what each layer's per-layer input adds (Gemma 4; 0
+        otherwise); ``"bias"``: the attention output biases of every layer and the final LayerNorm's shift,
+        which belong to no head; ``"logit"``: the model's logit. Each is a float for one sequence, with a
+        leading (B,) for a batch; ``embed + pos_embed + heads.sum() + mlp.sum() + per_layer.sum() + bias ==
+        logit`` to rounding (about 1e-15 relative in float64). Where layers scale their output (Gemma 4's
+        ``layer_scalar``), a share is what reaches the final norm: times the scalars of its layer and every
+        later one.
 
     Notes
     -----
@@ -84,13 +94,14 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
             or (targets < 0).any() or (targets >= cfg.vocab_size).any():
         raise ValueError(f"target must be a token id in [0, {cfg.vocab_size}) or one per row ({b},), got {target!r}")
     targets = np.broadcast_to(targets, (b,))
-    n, heads, dh = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    n, heads = cfg.num_layers, cfg.num_heads
     learned = cfg.rotary is None
     final = f"blocks.{n - 1}.hook_resid_post"  # the final norm's input
     names = ["hook_embed", *(["hook_pos_embed"] if learned else []), final]
-    names += [f"blocks.{i}.{p}" for i in range(n) for p in ("attn.hook_z", "hook_mlp_out")]
+    names += [f"blocks.{i}.{p}" for i in range(n) for p in ("attn.hook_z", "hook_mlp_out", "hook_per_layer_out")]
     # the model is causal: the tokens after the explained position change nothing before it
-    logits, cache = run_with_cache(model, batch[:, :position + 1], names=names)
+    wanted = set(names)  # a model without per-layer inputs has no hook_per_layer_out: asked for where it exists
+    logits, cache = run_with_cache(model, batch[:, :position + 1], names=lambda name: name in wanted)
     at = {name: value[:, -1] for name, value in cache.items()}  # (B, D) or (B, H, Dh)
 
     scale, shift, center = _frozen_norm(model.norm, at[final])  # (B, D), (D,)
@@ -100,11 +111,14 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     bias = model.head_weight[targets].astype(scale.dtype) @ shift  # (B,)
 
     head_parts = np.empty((b, n, heads), scale.dtype)
-    mlp_parts = np.empty((b, n), scale.dtype)
+    mlp_parts, per_layer_parts = np.empty((b, n), scale.dtype), np.zeros((b, n), scale.dtype)
+    factors = _output_factors(model).astype(scale.dtype)  # (N + 1,)
+    reaching = direction
     for i, layer in enumerate(model.layers):
         attention = layer.attention
+        direction = reaching * factors[i]  # (B, D): d logit / d what layer i writes
         z = at[f"blocks.{i}.attn.hook_z"]  # (B, H, Dh)
-        w_o = attention.W_O.reshape(heads, dh, cfg.hidden_size)  # (H, Dh, D)
+        w_o = attention.W_O.reshape(heads, attention.head_dim, cfg.hidden_size)  # (H, Dh, D)
         per_head = np.einsum("bhk,hkd->bhd", z, w_o)  # (B, H, D)
         b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(cfg.hidden_size, scale.dtype)
         if cfg.norm.after:  # attention output -> its post-norm, frozen at the output the run made
@@ -114,9 +128,12 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
         head_parts[:, i] = np.einsum("bhd,bd->bh", per_head, direction)  # (B, H)
         bias = bias + (b_o * direction).sum(axis=-1)  # (B,)
         mlp_parts[:, i] = (at[f"blocks.{i}.hook_mlp_out"] * direction).sum(axis=-1)  # (B,)
+        if f"blocks.{i}.hook_per_layer_out" in at:
+            per_layer_parts[:, i] = (at[f"blocks.{i}.hook_per_layer_out"] * direction).sum(axis=-1)  # (B,)
+    direction = reaching * factors[0]  # (B, D): the embeddings pass through every layer's scalar
     parts = {"embed": (at["hook_embed"] * direction).sum(axis=-1),
              "pos_embed": (at["hook_pos_embed"] * direction).sum(axis=-1) if learned else np.zeros(b, scale.dtype),
-             "heads": head_parts, "mlp": mlp_parts, "bias": bias}
+             "heads": head_parts, "mlp": mlp_parts, "per_layer": per_layer_parts, "bias": bias}
     logit = logits[np.arange(b), -1, targets]  # (B,)
     if cfg.final_logit_softcap is not None:  # logit = C tanh(z / C): the parts of z, times the run's logit / z
         uncapped = sum(part.reshape(b, -1).sum(axis=-1) for part in parts.values())  # (B,): z itself

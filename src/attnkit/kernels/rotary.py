@@ -19,7 +19,9 @@ Frequency scalings (Hugging Face ``rope_type``): ``default``; ``linear`` (positi
 ``yarn`` (a ramp between interpolated and original frequencies, plus an attention factor multiplying cos and
 sin); ``llama3`` (low frequencies divided by ``factor``, high ones kept, a smooth blend between);
 ``longrope`` (Phi-3: one divisor per frequency, ``short_factor`` up to ``original_max_position_embeddings`` and
-``long_factor`` past it, and an attention factor).
+``long_factor`` past it, and an attention factor); ``proportional`` (Gemma 4's global layers: the table spans the
+whole head, its first ``partial_rotary_factor * Dh / 2`` frequencies are the default ones of a Dh-wide rotary and
+the rest are zero, so the pairs ``(x[i], x[i + Dh/2])`` past them pass through; all divided by ``factor``).
 Frequencies and angles are computed in float64 and cast once at the end.
 """
 from __future__ import annotations
@@ -98,6 +100,15 @@ def _longrope(rotary_dim: int, theta: float, scaling: dict, max_position_embeddi
     return _base_inv_freq(rotary_dim, theta) / np.asarray(divisors, dtype=np.float64), float(attention_factor)
 
 
+def _proportional(rotary_dim: int, theta: float, scaling: dict):
+    # The rotated share keeps the frequencies of a rotary over the whole head (exponents over Dh, not over the
+    # rotated width); the remaining pairs turn by angle 0, that is, not at all.
+    angles = int(scaling.get("partial_rotary_factor", 1.0) * rotary_dim // 2)
+    inv_freq = np.zeros(rotary_dim // 2, dtype=np.float64)  # (R/2,)
+    inv_freq[:angles] = 1.0 / theta ** (np.arange(0, 2 * angles, 2, dtype=np.float64) / rotary_dim)
+    return inv_freq / scaling.get("factor", 1.0), 1.0
+
+
 def rotary_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None, *,
                        max_position_embeddings: int = 2048, seq_len: int | None = None):
     """Inverse frequencies and the cos/sin multiplier of one rotary configuration.
@@ -136,6 +147,8 @@ def rotary_frequencies(rotary_dim: int, theta: float, scaling: dict | None = Non
         return _llama3(rotary_dim, theta, scaling)
     if kind == "longrope":
         return _longrope(rotary_dim, theta, scaling, max_position_embeddings, seq_len)
+    if kind == "proportional":
+        return _proportional(rotary_dim, theta, scaling)
     raise ValueError(f"unknown rope_type {kind!r}")
 
 

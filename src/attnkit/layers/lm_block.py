@@ -10,12 +10,14 @@ no setting.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..attention.gated import GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention
+from ..attention.shared_kv import KVOwnerAttention, KVReaderAttention
 from ..core.module import Module
 from ..init import as_generator, normal
 from .experts import MixtureOfExperts, SharedExpertMixture
@@ -24,9 +26,11 @@ from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
 from .identity import Identity
 from .layer_norm import LayerNorm
+from .per_layer_input import PerLayerInputBranch
 from .rms_norm import RMSNorm
 
-__all__ = ["LMBlock", "ParallelLMBlock", "BLOCKS", "MIXERS", "MLPS", "make_norm", "make_block"]
+__all__ = ["LMBlock", "ParallelLMBlock", "LayerwiseBlock", "PerLayerInputBlock", "BLOCKS", "MIXERS",
+           "SHARED_KV_MIXERS", "MLPS", "make_norm", "make_block"]
 
 
 def make_norm(config) -> Module:
@@ -56,6 +60,10 @@ MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttent
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``
 and ``backward``; a new kind of layer is a new entry here."""
+
+SHARED_KV_MIXERS: dict[str, Callable[..., Module]] = {"owner": KVOwnerAttention, "reader": KVReaderAttention}
+"""The token mixers of a :class:`LayerwiseBlock` (a config with ``layerwise``): the layers that compute their
+keys and values, and those that reuse an earlier layer's (:mod:`attnkit.attention.shared_kv`)."""
 
 
 class LMBlock(Module):
@@ -102,11 +110,16 @@ class LMBlock(Module):
             return make_norm(config) if present else Identity()
 
         self.attn_norm = norm(config.norm.before)
-        self.attention = MIXERS[config.layer_types[layer_index]](config, layer_index, rng=gen)
+        self.attention = self.mixer_of(config, layer_index)(config, layer_index, rng=gen)
         self.attn_post_norm = norm(config.norm.after)
         self.mlp_norm = norm(config.norm.before)
         self.mlp = MLPS[config.mlp_of(layer_index)](config, rng=gen)
         self.mlp_post_norm = norm(config.norm.after)
+
+    @staticmethod
+    def mixer_of(config, layer_index: int) -> Callable[..., Module]:
+        """The builder of layer ``layer_index``'s token mixer: :data:`MIXERS`' entry for the layer's type."""
+        return MIXERS[config.layer_types[layer_index]]
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre`` (the block's input), ``hook_attn_out`` and ``hook_mlp_out`` (what each branch adds
@@ -155,8 +168,11 @@ class LMBlock(Module):
     def backward(self, grad_output: Any) -> np.ndarray:
         """The forward read backwards: each residual branch adds its parts' input gradient."""
         g = self.hook_backward("hook_resid_post", np.asarray(grad_output))
+        return self.hook_backward("hook_resid_pre", self._residuals_backward(g))
+
+    def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
         g = self.hook_backward("hook_resid_mid", g + self._mlp_branch_backward(g))
-        return self.hook_backward("hook_resid_pre", g + self._attention_branch_backward(g))
+        return g + self._attention_branch_backward(g)  # (B, L, D)
 
 
 class ParallelLMBlock(LMBlock):
@@ -182,17 +198,125 @@ class ParallelLMBlock(LMBlock):
         attended, weights = self._attention_branch(x, kwargs)
         return x + attended + self._mlp_branch(x), weights  # (B, L, D)
 
-    def backward(self, grad_output: Any) -> np.ndarray:
-        """Both branches' input gradients join the residual's."""
-        g = self.hook_backward("hook_resid_post", np.asarray(grad_output))
+    def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
         g_mlp = self._mlp_branch_backward(g)  # (B, L, D)
-        return self.hook_backward("hook_resid_pre", g + self._attention_branch_backward(g) + g_mlp)
+        return g + self._attention_branch_backward(g) + g_mlp  # (B, L, D)
 
 
-BLOCKS: dict[str, type[LMBlock]] = {"sequential": LMBlock, "parallel": ParallelLMBlock}
-"""The block of each ``DecoderConfig.residual`` kind."""
+class LayerwiseBlock(LMBlock):
+    """Gemma 4's layer without per-layer inputs: :class:`LMBlock` (norms before and after each branch), its
+    output times a learned ``layer_scalar`` (1,), and its token mixer from :data:`SHARED_KV_MIXERS` (a layer
+    that reuses an earlier layer's keys and values reads them; the others own theirs)::
+
+        y = layer_scalar * (m + mlp_post_norm(mlp(mlp_norm(m)))),  m = x + attn_post_norm(attention(attn_norm(x)))
+
+    The block is built with its layer's MLP width (``layerwise.intermediate_size_of``: the layers that reuse keys
+    and values may have a double-wide MLP). Hook points are LMBlock's, ``hook_resid_post`` after the scalar.
+
+    Shapes
+    ------
+    x (B, L, D) -> (B, L, D).
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        super().__init__(replace(config, intermediate_size=config.layerwise.intermediate_size_of(config, layer_index)),
+                         layer_index, rng=rng)
+        self.register_parameter("layer_scalar", np.ones(1))
+
+    @staticmethod
+    def mixer_of(config, layer_index: int) -> Callable[..., Module]:
+        """:data:`SHARED_KV_MIXERS`' reader for a layer that reuses an earlier layer's keys and values, else its
+        owner."""
+        reads = config.layerwise.kv_owners(config.layer_types)[layer_index] is not None
+        return SHARED_KV_MIXERS["reader" if reads else "owner"]
+
+    def _residuals(self, x: np.ndarray, kwargs: dict):
+        y, weights = super()._residuals(x, kwargs)  # (B, L, D)
+        y = self._before_scalar(y)  # (B, L, D)
+        if kwargs["cache"] is None:  # the cached path is inference: it keeps nothing
+            self.save_for_backward(y)
+        else:
+            self.save_for_backward()
+        return y * self._parameters["layer_scalar"].astype(y.dtype, copy=False), weights  # (B, L, D)
+
+    def _before_scalar(self, y: np.ndarray) -> np.ndarray:
+        """What the block adds to its residual stream after the MLP, before the scalar: nothing here."""
+        return y
+
+    def _before_scalar_backward(self, g: np.ndarray) -> np.ndarray:
+        return g
+
+    def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
+        if not self.saved_tensors:
+            raise RuntimeError(f"{type(self).__name__}.backward needs a forward without a cache just before it")
+        (before_scalar,) = self.saved_tensors
+        self.grads["layer_scalar"] += np.sum(g * before_scalar).reshape(1)
+        g = g * self._parameters["layer_scalar"].astype(g.dtype, copy=False)  # (B, L, D)
+        return super()._residuals_backward(self._before_scalar_backward(g))  # (B, L, D)
+
+
+class PerLayerInputBlock(LayerwiseBlock):
+    """Gemma 4's layer: :class:`LayerwiseBlock` with the per-layer input's branch
+    (:class:`~attnkit.layers.per_layer_input.PerLayerInputBranch`) added after the MLP, before the scalar::
+
+        y = layer_scalar * (h + per_layer(h, e)),  h = m + mlp_post_norm(mlp(mlp_norm(m)))
+
+    Hook points: LayerwiseBlock's, with ``hook_per_layer_out`` (what the branch adds) before ``hook_resid_post``.
+
+    Shapes
+    ------
+    x (B, L, D), per_layer_input e (B, L, P) -> (B, L, D). After :meth:`backward`, ``grad_per_layer_input``
+    holds the gradient of ``per_layer_input`` (B, L, P).
+
+    Examples
+    --------
+    >>> from attnkit.models import AttentionConfig, DecoderConfig, LayerwiseConfig, NormConfig
+    >>> cfg = DecoderConfig(family="gemma4_text", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, norm=NormConfig(placement="sandwich"),
+    ...                     attention=AttentionConfig(scale=1.0),
+    ...                     layerwise=LayerwiseConfig(global_head_dim=6, global_kv_heads=1, per_layer_input_size=3,
+    ...                                               per_layer_vocab_size=8))
+    >>> block = make_block(cfg, 0, rng=0)
+    >>> y = block(np.ones((1, 3, 8)), per_layer_input=np.ones((1, 3, 3)))
+    >>> type(block).__name__, type(block.attention).__name__, block.attention.head_dim, y.shape
+    ('PerLayerInputBlock', 'KVOwnerAttention', 6, (1, 3, 8))
+    >>> block.backward(np.ones_like(y)).shape, block.grad_per_layer_input.shape
+    ((1, 3, 8), (1, 3, 3))
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        gen = as_generator(rng)
+        super().__init__(config, layer_index, rng=gen)
+        self.per_layer = PerLayerInputBranch(config, rng=gen)
+        self.per_layer_input = self.grad_per_layer_input = None
+
+    def hook_points(self) -> tuple[str, ...]:
+        """LMBlock's, with ``hook_per_layer_out`` (B, L, D) before ``hook_resid_post``."""
+        *points, last = super().hook_points()
+        return (*points, "hook_per_layer_out", last)
+
+    def forward(self, x: Any, *, per_layer_input: Any = None, **kwargs):
+        """The block's output (B, L, D) with this layer's ``per_layer_input`` (B, L, P); the other arguments as
+        :meth:`LMBlock.forward`."""
+        if per_layer_input is None:
+            raise ValueError("PerLayerInputBlock: per_layer_input (B, L, P) is required")
+        self.per_layer_input = per_layer_input
+        return super().forward(x, **kwargs)
+
+    def _before_scalar(self, y: np.ndarray) -> np.ndarray:
+        return y + self.hook_point("hook_per_layer_out", self.per_layer(y, self.per_layer_input))  # (B, L, D)
+
+    def _before_scalar_backward(self, g: np.ndarray) -> np.ndarray:
+        g_h, self.grad_per_layer_input = self.per_layer.backward(self.hook_backward("hook_per_layer_out", g))
+        return g + g_h  # (B, L, D)
+
+
+BLOCKS: dict[str, type[LMBlock]] = {"sequential": LMBlock, "parallel": ParallelLMBlock,
+                                    "layerwise": LayerwiseBlock, "per_layer_input": PerLayerInputBlock}
+"""The block of each ``DecoderConfig.residual`` kind, and of each ``LayerwiseConfig.block`` kind."""
 
 
 def make_block(config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> LMBlock:
     """Layer ``layer_index`` of the decoder ``config`` describes, composed from its parts."""
-    return BLOCKS[config.residual](config, layer_index, rng=rng)
+    kind = config.residual if config.layerwise is None else config.layerwise.block
+    return BLOCKS[kind](config, layer_index, rng=rng)

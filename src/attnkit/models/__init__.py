@@ -16,9 +16,10 @@ from .config import (
     Seq2SeqConfig,
     TokenTaggerConfig,
 )
+from .layerwise import LayerwiseConfig
 from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "ExpertsConfig", "NormConfig", "RotaryConfig",
-           "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
+__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "ExpertsConfig", "LayerwiseConfig", "NormConfig",
+           "RotaryConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_array, as_bool_mask, check_grad_output, check_positive_int
+from ..attention.shared_kv import connect_shared_kv
 from ..core.hooks import block_hook_points
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache
@@ -23,6 +24,7 @@ from ..init import as_generator
 from ..kernels._threads import one_row_blas
 from ..layers.embedding import Embedding
 from ..layers.lm_block import make_block, make_norm
+from ..layers.per_layer_input import PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
 from .config import DecoderConfig
 from .decode_step import DecodeStep, decode_step_for
@@ -104,19 +106,28 @@ class CausalLM(Module):
         self.position_tables = ("pos_embed",) if config.rotary is None else ()
         for name in self.position_tables:
             setattr(self, name, Embedding(config.max_position_embeddings, config.hidden_size, rng=gen, std=0.01))
-        # One table of each rotary the layers use (Gemma 3's sliding layers rotate with a base of their own; a
-        # NoPE layer with none): self.rotary, self.sliding_rotary, and which of them each layer reads.
-        rotaries = [config.rotary_of(i) for i in range(config.num_layers)]
+        # One table of each rotary, and head width, the layers use (Gemma 3's sliding layers rotate with a base of
+        # their own, Gemma 4's global layers over wider heads; a NoPE layer with none): self.rotary,
+        # self.sliding_rotary, and which of them each layer reads.
+        uses = [(config.rotary_of(i), config.head_dim_of(i)) for i in range(config.num_layers)]
         self.rotary = self.sliding_rotary = None
         tables = {}
         for name, rotary in (("rotary", config.rotary),
                              ("sliding_rotary", None if config.rotary is None else config.rotary.sliding())):
-            if rotary is not None and rotary in rotaries and rotary not in tables.values():
-                setattr(self, name, RotaryEmbedding(rotary, config.head_dim, config.max_position_embeddings))
-                tables[name] = rotary
-        self.layer_rotary = tuple(next((name for name, r in tables.items() if r == rotary), None)
-                                  for rotary in rotaries)
+            use = next((u for u in uses if u[0] is not None and u[0] == rotary and u not in tables.values()), None)
+            if use is not None:
+                setattr(self, name, RotaryEmbedding(*use, config.max_position_embeddings))
+                tables[name] = use
+        self.layer_rotary = tuple(next((name for name, u in tables.items() if u == use), None) for use in uses)
         self.layers = ModuleList([make_block(config, i, rng=gen) for i in range(config.num_layers)])
+        if config.layerwise is not None:  # the layers reusing keys and values read their owners'
+            connect_shared_kv([layer.attention for layer in self.layers])
+        # The inputs every block reads its slice of, by the block's keyword -> the module making them: Gemma 4's
+        # per-layer inputs, or none.
+        self.layer_inputs = {"per_layer_input": "per_layer_inputs"} if config.layerwise is not None and \
+            config.layerwise.per_layer_input_size else {}
+        for name in self.layer_inputs.values():
+            setattr(self, name, PerLayerInputs(config, rng=gen))
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
@@ -183,7 +194,8 @@ class CausalLM(Module):
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
                   if c.layer_types[i] == "linear_attention"}
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[c.window_of(i) for i in range(c.num_layers)], states=states)
+                       windows=[c.window_of(i) for i in range(c.num_layers)], states=states,
+                       layer_shapes=None if c.layerwise is None else c.layerwise.cache_shapes(c))
 
     # ------------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, attention_mask, position_ids, cache):
@@ -328,13 +340,15 @@ class CausalLM(Module):
         tables = {name: getattr(self, name)(positions, dtype=h.dtype)  # (B, L, R) each
                   for name in set(self.layer_rotary) - {None}}
         layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
+        extra = {key: getattr(self, name)(ids, h) for key, name in self.layer_inputs.items()}  # (B, L, N, P) each
         for index, layer in enumerate(self.layers):
             layer_rotary = tables.get(self.layer_rotary[index])
+            inputs = {key: e[:, :, index] for key, e in extra.items()}  # (B, L, P) each
             if weights is None or (weight_layers is not None and index not in weight_layers):
-                h = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
+                h = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache, **inputs)  # (B, L, D)
             else:
                 h, layer_weights = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache,
-                                         output_attentions=True)  # (B, L, D), (B, Hq, L, S)
+                                         output_attentions=True, **inputs)  # (B, L, D), (B, Hq, L, S)
                 weights.append(layer_weights)
             if states is not None:
                 states.append(h.copy())
@@ -366,6 +380,9 @@ class CausalLM(Module):
         grad_h = self.norm.backward(self.hook_backward("ln_final.hook_normalized", grad_h))
         for layer in reversed(list(self.layers)):
             grad_h = layer.backward(grad_h)  # (B, L, D)
+        for key, name in self.layer_inputs.items():
+            grad_inputs = np.stack([getattr(layer, f"grad_{key}") for layer in self.layers], axis=2)  # (B, L, N, P)
+            grad_h = grad_h + getattr(self, name).backward(grad_inputs)  # (B, L, D)
         for name in self.position_tables:
             getattr(self, name).backward(self.hook_backward(f"hook_{name}", grad_h))
         grad_h = self.hook_backward("hook_embed", grad_h)

@@ -21,10 +21,11 @@ from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
 from ..layers.experts import SharedExpertMixtureConfig
 from ..layers.gated_deltanet import GatedDeltaNetConfig
+from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
            "TokenTaggerConfig", "ROPE_TYPES"]
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 _LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention")
 
 
@@ -74,8 +75,8 @@ class RotaryConfig:
         The rotary base.
     scaling : dict, optional
         Frequency scaling, normalised to Hugging Face's keys with ``"rope_type"`` one of
-        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"``, ``"longrope"`` (``None`` =
-        ``"default"``).
+        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"``, ``"longrope"``, ``"proportional"``
+        (``None`` = ``"default"``).
     interleaved : bool, default False
         Rotate pairs ``(x0, x1), (x2, x3), ...`` instead of ``(x_i, x_{i + Dh/2})`` (half-split, the layout of
         Hugging Face checkpoints).
@@ -344,6 +345,10 @@ class DecoderConfig:
         shaped by ``linear_attention`` (its cache entry is a fixed-size state, not keys and values).
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
+    layerwise : LayerwiseConfig, optional
+        Layers that differ in more than their window (Gemma 4: wider global heads, keys that are the values,
+        keys and values reused by the last layers, per-layer inputs, a scalar per layer); see
+        :class:`LayerwiseConfig`.
 
     Examples
     --------
@@ -381,12 +386,15 @@ class DecoderConfig:
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    layerwise: LayerwiseConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
         self._check_parts()
         self._check_rotary()
         self._check_layers()
+        if self.layerwise is not None:
+            self.layerwise.check(self)
 
     def _check_sizes_and_kinds(self) -> None:
         if not isinstance(self.family, str) or not self.family.isidentifier():
@@ -410,7 +418,8 @@ class DecoderConfig:
         for name, kind, optional in (("norm", NormConfig, False), ("rotary", RotaryConfig, True),
                                      ("attention", AttentionConfig, False), ("experts", ExpertsConfig, True),
                                      ("linear_attention", GatedDeltaNetConfig, True),
-                                     ("shared_experts", SharedExpertMixtureConfig, True)):
+                                     ("shared_experts", SharedExpertMixtureConfig, True),
+                                     ("layerwise", LayerwiseConfig, True)):
             value = getattr(self, name)
             if not isinstance(value, kind) and not (optional and value is None):
                 expected = f"a {kind.__name__}" + (" or None" if optional else "")
@@ -496,7 +505,7 @@ class DecoderConfig:
         values = {k: tupled(v) for k, v in fields.items()}
         for name, part in (("norm", NormConfig), ("rotary", RotaryConfig), ("attention", AttentionConfig),
                            ("experts", ExpertsConfig), ("linear_attention", GatedDeltaNetConfig),
-                           ("shared_experts", SharedExpertMixtureConfig)):
+                           ("shared_experts", SharedExpertMixtureConfig), ("layerwise", LayerwiseConfig)):
             if isinstance(values.get(name), dict):
                 values[name] = part(**{k: tupled(v) for k, v in values[name].items()})
         return cls(**values)
@@ -526,6 +535,10 @@ class DecoderConfig:
         ``mlp``."""
         return "shared_experts" if self.shared_experts is not None and layer in self.shared_experts.layers \
             else self.mlp
+
+    def head_dim_of(self, layer: int) -> int:
+        """Dh of layer ``layer``: ``head_dim``, or the ``layerwise`` part's for its global layers."""
+        return self.head_dim if self.layerwise is None else self.layerwise.head_dim_of(self, layer)
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window W of layer ``layer``, or None for a full-attention layer."""

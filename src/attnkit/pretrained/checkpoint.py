@@ -221,6 +221,9 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
                          + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
                          + f" needed by this {config.family} config")
     ignorable = set(HEAD_NAMES) if config.tie_word_embeddings else set()
+    unused = family(config.family).unused_tensors
+    if unused is not None:
+        ignorable |= {(prefix if prefixed else "") + n for n in unused(config)}
     unexpected = [n for n in names if n not in stored and n not in companions and n not in ignorable]
     if unexpected:
         raise ValueError(f"{index.folder}: unexpected tensor {unexpected[0]!r}"

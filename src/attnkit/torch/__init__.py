@@ -50,6 +50,14 @@ from .layers import (
     SharedExpertMixture,
     SinusoidalPositionalEncoding,
 )
+from .layerwise import (
+    KVOwnerAttention,
+    KVReaderAttention,
+    LayerwiseBlock,
+    PerLayerInputBlock,
+    PerLayerInputBranch,
+    PerLayerInputs,
+)
 from .models import CausalLM, Seq2SeqTransformer
 
 __all__ = [
@@ -60,4 +68,6 @@ __all__ = [
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
     "Transformer", "LMBlock", "ParallelLMBlock", "CausalLM", "Seq2SeqTransformer",
+    "KVOwnerAttention", "KVReaderAttention", "PerLayerInputs", "PerLayerInputBranch", "LayerwiseBlock",
+    "PerLayerInputBlock",
 ]

@@ -181,6 +181,10 @@ def _rebuild(twin: nn.Module, prefix: str) -> Module:
     for name, child in children.items():
         object.__setattr__(module, name, child)
     object.__setattr__(module, "training", twin.training)
+    # A twin class may finish what a constructor would (links between the rebuilt children)
+    after = getattr(type(twin), "after_rebuild", None)
+    if after is not None:
+        after(module)
     return module
 
 

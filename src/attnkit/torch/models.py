@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..attention.shared_kv import connect_shared_kv
 from ..models.causal_lm import CausalLM as _CausalLM
 from ..models.seq2seq import Seq2SeqTransformer as _Seq2SeqTransformer
 from ._twin import TwinModule, as_tensor
@@ -65,11 +66,20 @@ class CausalLM(TwinModule):
     def setup(self, source) -> None:
         self.config = source.config
         self.layer_rotary = source.layer_rotary
+        self.layer_inputs = source.layer_inputs
+        self.shares_kv = source.config.layerwise is not None
 
     @property
     def head_weight(self) -> torch.Tensor:
         """The (V, D) matrix the logits are taken against (the embedding when tied)."""
         return self.embed.weight if self.config.tie_word_embeddings else self.head.weight
+
+    @staticmethod
+    def after_rebuild(model) -> None:
+        """:func:`attnkit.torch.to_numpy`'s model gets keys-and-values links of its own (Gemma 4), as its
+        constructor would give it."""
+        if model.config.layerwise is not None:
+            connect_shared_kv([layer.attention for layer in model.layers])
 
     def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None) -> torch.Tensor:
         device = self.embed.weight.device
@@ -97,8 +107,12 @@ class CausalLM(TwinModule):
         tables = {name: getattr(self, name)(positions, dtype=h.dtype)  # (B, L, R) each
                   for name in set(self.layer_rotary) - {None}}
         layer_mask = None if mask is None or bool(mask.all()) else mask  # no padding: the fused causal kernel
+        # Gemma 4: every layer's per-layer input (B, L, N, P), and one dict of the pass's shared keys and values
+        extra = {key: getattr(self, name)(ids, h) for key, name in self.layer_inputs.items()}
+        shared = {"shared_kv": {}} if self.shares_kv else {}
         for index, layer in enumerate(self.layers):
-            h = layer(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask)  # (B, L, D)
+            inputs = {**shared, **{key: e[:, :, index] for key, e in extra.items()}}
+            h = layer(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask, **inputs)  # (B, L, D)
         h = self.norm(h)  # (B, L, D)
         logits = h @ self.head_weight.to(h.dtype).T  # (B, L, V)
         if config.final_logit_softcap is not None:

@@ -49,6 +49,9 @@ class Family:
         Keyword arguments of ``hf_config_class`` for the decode benchmark's shape.
     quantizations : tuple of str
         ``quantization_config`` methods its checkpoints may use (gpt-oss: ``"mxfp4"``).
+    unused_tensors : callable (DecoderConfig) -> frozenset of str, optional
+        Checkpoint tensors (under the base prefix) that may be present and are not read, as transformers
+        ignores them (Gemma 4's key/value projections of the layers that reuse another layer's).
     summary : str
         What the family is, as a difference from Llama where it is one: the first paragraph of its module's
         docstring (filled in by the registry).
@@ -62,6 +65,7 @@ class Family:
     hf_config_class: str
     benchmark: dict[str, Any] = field(default_factory=dict)
     quantizations: tuple[str, ...] = ()
+    unused_tensors: Callable[[DecoderConfig], frozenset[str]] | None = None
     summary: str = ""
 
     def config_from_hf(self, config: dict) -> DecoderConfig:

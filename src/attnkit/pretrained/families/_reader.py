@@ -31,10 +31,11 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "ge
 _ROPE_REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
                   "yarn": ("factor", "original_max_position_embeddings"),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                  "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+                  "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+                  "proportional": ()}
 _ROPE_OPTIONAL = {"default": (), "linear": (), "dynamic": (),
                   "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
-                  "llama3": (), "longrope": ("factor", "attention_factor")}
+                  "llama3": (), "longrope": ("factor", "attention_factor"), "proportional": ("factor",)}
 
 # The key policy, one for every family: a key that can change the computation must be one the family's reader
 # understands, or the folder is refused naming it; metadata is accepted. Metadata is a key starting with "_"
@@ -225,6 +226,9 @@ def read_rope(read: Reader, max_positions: int, head_dim: int, aliases: Mapping[
     for name in _ROPE_OPTIONAL[kind]:
         if params.get(name) is not None:
             normalised[name] = where.bool(name) if name == "truncate" else where.float(name)
+    if kind == "proportional":
+        # The share of the head that turns is part of the frequencies: the table still spans the whole head.
+        normalised["partial_rotary_factor"], partial = min(partial, 1.0), 1.0
     _check_scaling(f"{family} config", key, theta, normalised, max_positions)
     # Hugging Face ignores the pre-scaling length for linear and dynamic scaling; so does attnkit.
     unknown = sorted(set(params) - set(normalised) - {"original_max_position_embeddings"})
