@@ -44,7 +44,8 @@ from ._support import engine_threads, import_torch, torch_missing_line
 from .decode import gemv_bandwidth, weights_read_per_token
 from .machine import describe, machine_info
 
-__all__ = ["main", "parse_args", "run", "summary", "llama_bench_command", "parse_llama_bench", "PROMPT_TOKENS"]
+__all__ = ["main", "parse_args", "check_args", "run", "summary", "load_transformers", "llama_bench_command",
+           "parse_llama_bench", "PROMPT_TOKENS"]
 
 PROMPT_TOKENS = 16  # the decode runs' prompt
 _LLAMA_TIMEOUT_S = 3600
