@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._validation import check_positive_int
+from ..attention.latent import LatentAttentionConfig
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
+from ..layers.shared_experts import SharedExpertsConfig
 
 __all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "ROPE_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -133,6 +135,15 @@ class DecoderConfig:
         One entry per layer; default: every layer full.
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
+    latent : LatentAttentionConfig, optional
+        The part that makes every layer's token mixer multi-head latent attention
+        (:class:`~attnkit.attention.latent.MultiHeadLatentAttention`, DeepSeek-V3) instead of grouped-query
+        attention; its ``hidden_size`` is this config's, ``head_dim`` is its rotary width R, and the cache is a
+        :class:`~attnkit.decoding.cache.LatentCache`.
+    shared_experts : SharedExpertsConfig, optional
+        The part that makes the MLP of every layer past ``first_dense_layers`` a
+        :class:`~attnkit.layers.shared_experts.SharedExpertsMoE` (group-limited routing and shared experts); the
+        dense layers keep the gated MLP of ``intermediate_size``.
 
     Examples
     --------
@@ -189,6 +200,8 @@ class DecoderConfig:
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    latent: LatentAttentionConfig | None = None
+    shared_experts: SharedExpertsConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
@@ -196,6 +209,31 @@ class DecoderConfig:
         self._check_scales()
         self._check_experts()
         self._check_layers()
+        self._check_parts()
+
+    def _check_parts(self) -> None:
+        latent, shared = self.latent, self.shared_experts
+        if latent is not None:
+            if not isinstance(latent, LatentAttentionConfig):
+                raise TypeError(f"latent must be a LatentAttentionConfig or None, got {type(latent).__name__}")
+            if (latent.hidden_size, latent.num_heads) != (self.hidden_size, self.num_heads):
+                raise ValueError(f"latent describes hidden_size {latent.hidden_size} and {latent.num_heads} heads, "
+                                 f"the model {self.hidden_size} and {self.num_heads}")
+            if self.position != "rotary" or self.head_dim != latent.qk_rope_head_dim \
+                    or self.rope_interleaved != latent.rope_interleaved or self.partial_rotary_factor != 1.0:
+                raise ValueError("latent attention rotates its qk_rope_head_dim features: the model needs "
+                                 "position='rotary', head_dim = qk_rope_head_dim, partial_rotary_factor 1 and the "
+                                 "same rope_interleaved")
+            if self.sliding_window is not None or self.attention_sinks or self.qk_norm or \
+                    self.attn_logit_softcap is not None or self.no_rope_layers:
+                raise ValueError("latent attention has no sliding window, sinks, q/k norm, soft-cap or NoPE layers "
+                                 "in any checkpoint attnkit reads")
+        if shared is not None:
+            if not isinstance(shared, SharedExpertsConfig):
+                raise TypeError(f"shared_experts must be a SharedExpertsConfig or None, got {type(shared).__name__}")
+            if self.mlp != "gated" or self.mlp_bias:
+                raise ValueError("shared_experts needs mlp='gated' without mlp_bias (its dense layers and experts "
+                                 "are gated MLPs without biases)")
 
     def _check_sizes_and_kinds(self) -> None:
         if not isinstance(self.family, str) or not self.family.isidentifier():
