@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..attention.grouped_query import GroupedQueryAttention
+from ..attention.latent import MultiHeadLatentAttention
 from ..core.module import Module
 from ..init import as_generator, normal
 from .experts import MixtureOfExperts
@@ -16,8 +17,9 @@ from .feed_forward import FeedForward
 from .gated_mlp import GatedMLP
 from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm
+from .shared_experts import SharedExpertsMoE
 
-__all__ = ["LMBlock", "make_norm"]
+__all__ = ["LMBlock", "make_mixer", "make_mlp", "make_norm"]
 
 
 def make_norm(config) -> Module:
@@ -25,6 +27,30 @@ def make_norm(config) -> Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.hidden_size, eps=config.norm_eps, offset=config.norm_offset)
     return LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+def make_mixer(config, layer_index: int, rng: np.random.Generator) -> Module:
+    """Layer ``layer_index``'s token mixer: :class:`MultiHeadLatentAttention` when the config has the ``latent``
+    part, else :class:`GroupedQueryAttention` (full or sliding as ``config.layer_types`` says)."""
+    if config.latent is not None:
+        return MultiHeadLatentAttention(config.latent, layer_index, rng=rng)
+    return GroupedQueryAttention(config, layer_index, rng=rng)
+
+
+def make_mlp(config, layer_index: int, rng: np.random.Generator) -> Module:
+    """Layer ``layer_index``'s MLP: :class:`SharedExpertsMoE` past the ``shared_experts`` part's dense layers,
+    else the one ``config.mlp`` names (:class:`GatedMLP`, :class:`MixtureOfExperts` or GPT-2's
+    :class:`FeedForward`)."""
+    if config.shared_experts is not None and config.shared_experts.routed(layer_index):
+        return SharedExpertsMoE(config, rng=rng)
+    if config.mlp == "gated":
+        return GatedMLP(config, rng=rng)
+    if config.mlp == "experts":
+        return MixtureOfExperts(config, rng=rng)
+    mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=rng)
+    for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
+        setattr(mlp, name, normal(rng, mlp._parameters[name].shape, std=0.02))
+    return mlp
 
 
 class LMBlock(Module):
@@ -73,19 +99,12 @@ class LMBlock(Module):
         self.parallel_residual = config.parallel_residual
         if self.pre_norm:
             self.attn_norm = make_norm(config)
-        self.attention = GroupedQueryAttention(config, layer_index, rng=gen)
+        self.attention = make_mixer(config, layer_index, gen)
         if self.post_norm:
             self.attn_post_norm = make_norm(config)
         if self.pre_norm:
             self.mlp_norm = make_norm(config)
-        if config.mlp == "gated":
-            self.mlp = GatedMLP(config, rng=gen)
-        elif config.mlp == "experts":
-            self.mlp = MixtureOfExperts(config, rng=gen)
-        else:
-            self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=gen)
-            for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
-                setattr(self.mlp, name, normal(gen, self.mlp._parameters[name].shape, std=0.02))
+        self.mlp = make_mlp(config, layer_index, gen)
         if self.post_norm:
             self.mlp_post_norm = make_norm(config)
 

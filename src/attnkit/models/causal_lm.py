@@ -18,7 +18,7 @@ import numpy as np
 from .._validation import as_array, as_bool_mask, check_grad_output, check_positive_int
 from ..core.hooks import block_hook_points
 from ..core.module import Module, ModuleList
-from ..decoding.cache import KVCache
+from ..decoding.cache import KVCache, LatentCache
 from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
@@ -167,9 +167,12 @@ class CausalLM(Module):
             return None
         return int(scaling["original_max_position_embeddings"])
 
-    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
-        """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers)."""
+    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache | LatentCache:
+        """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers), or
+        a :class:`~attnkit.decoding.cache.LatentCache` of every layer's latents for latent attention."""
         c = self.config
+        if c.latent is not None:
+            return LatentCache(c.num_layers, batch_size, c.latent.latent_dim, self.dtype, max_length=max_length)
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
                        windows=[c.window_of(i) for i in range(c.num_layers)])
 
@@ -184,8 +187,9 @@ class CausalLM(Module):
             raise ValueError("input_ids must hold at least one token per row, got shape (B, 0)")
         past = 0
         if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache (from new_cache), got {type(cache).__name__}")
+            expected = KVCache if self.config.latent is None else LatentCache
+            if not isinstance(cache, expected):
+                raise TypeError(f"cache must be a {expected.__name__} (from new_cache), got {type(cache).__name__}")
             if cache.batch_size != b:
                 raise ValueError(f"cache holds {cache.batch_size} rows but input_ids has {b}")
             past = cache.length
@@ -209,7 +213,7 @@ class CausalLM(Module):
         return ids, mask, positions
 
     def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
-                cache: KVCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0):
+                cache: KVCache | LatentCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0):
         """Logits (B, L, V) of the next token after every position; with a cache, only the new tokens are fed.
 
         ``logits_to_keep=n`` (``transformers``' name) computes the logits of the last n positions only,

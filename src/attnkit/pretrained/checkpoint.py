@@ -304,13 +304,13 @@ def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, sto
                 if mapping.scales:
                     _load_mxfp4(fh, index, name, mapping, params)
                     continue
-                target = params[mapping.targets[0]]
+                target = mapping.destination(params, mapping.targets[0])
                 if (mapping.layout == "copy" and _NUMPY_DTYPES[header.dtype] == target.dtype
                         and target.flags.c_contiguous and target.nbytes == header.nbytes):
                     _read_into(fh, header, target, name)
                     continue
                 for target_name, value in mapping.convert(_read_tensor(fh, header, name)).items():
-                    np.copyto(params[target_name], value, casting="unsafe")
+                    np.copyto(mapping.destination(params, target_name), value, casting="unsafe")
 
 
 def _load_mxfp4(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap, params: dict[str, np.ndarray]

@@ -45,6 +45,10 @@ class TensorMap:
     sizes : tuple of int
         ``row_split_transpose``: the first axis cut into parts of these sizes, each transposed (Phi-3's fused
         ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)).
+    stack_index, stack_size : int
+        ``stack_size > 0``: each target is a stack of ``stack_size`` arrays and this tensor is entry
+        ``stack_index`` of it (an expert's matrix, stored in the checkpoint one expert per tensor, in attnkit's
+        (E, ...) parameter).
     """
 
     source: str
@@ -54,6 +58,8 @@ class TensorMap:
     heads: int = 0
     sizes: tuple[int, ...] = ()
     scales: str = ""
+    stack_index: int = 0
+    stack_size: int = 0
 
     @property
     def stored_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -65,7 +71,15 @@ class TensorMap:
         return {self.source: (e, r, c // 32, 16), self.scales: (e, r, c // 32)}
 
     def target_shapes(self) -> dict[str, tuple[int, ...]]:
-        """attnkit parameter name -> the shape it receives."""
+        """attnkit parameter name -> its shape (a stacked target's whole stack)."""
+        shapes = self._part_shapes()
+        return {t: (self.stack_size, *s) for t, s in shapes.items()} if self.stack_size else shapes
+
+    def destination(self, params: dict[str, Any], target: str) -> Any:
+        """Where ``target``'s part of this tensor lives in ``params``: the parameter, or its entry of a stack."""
+        return params[target][self.stack_index] if self.stack_size else params[target]
+
+    def _part_shapes(self) -> dict[str, tuple[int, ...]]:
         if self.layout == "transpose":
             return {self.targets[0]: self.shape[::-1]}
         if self.layout == "split":
@@ -102,7 +116,7 @@ class TensorMap:
 
     def gather(self, params: dict[str, Any]) -> Any:
         """The checkpoint array made back from attnkit's parameters (the inverse of :meth:`convert`), contiguous."""
-        parts = [np.asarray(params[t]) for t in self.targets]
+        parts = [np.asarray(self.destination(params, t)) for t in self.targets]
         if self.layout == "transpose":
             return np.ascontiguousarray(parts[0].T)
         if self.layout == "split":
