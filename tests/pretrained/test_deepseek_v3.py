@@ -18,8 +18,9 @@ from attnkit.layers.shared_experts import SharedExpertsConfig  # noqa: E402
 from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E402
-from helpers import assert_gradient, make_rng, randn  # noqa: E402
 from hf_models import left_padded_batch, positions_from_mask, saved_model  # noqa: E402
+
+from helpers import assert_gradient, make_rng, randn  # noqa: E402
 
 SPECS = ("deepseek_v3", "deepseek_v3_plain")
 
