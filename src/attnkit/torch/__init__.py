@@ -25,7 +25,7 @@ except ImportError as err:  # pragma: no cover - exercised by the wheel test in 
     raise ImportError("attnkit.torch needs PyTorch: pip install 'attnkit[torch]'") from err
 
 from ._twin import from_numpy, to_numpy  # noqa: E402
-from .attention import GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
+from .attention import GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAttention, ScaledDotProductAttention
 from .blocks import (
     LMBlock,
     Transformer,
@@ -39,20 +39,23 @@ from .layers import (
     Embedding,
     FeedForward,
     GatedMLP,
+    GroupLimitedRouter,
     LayerNorm,
     MixtureOfExperts,
     Projection,
     RMSNorm,
     RotaryEmbedding,
+    SharedExpertsMoE,
     SinusoidalPositionalEncoding,
 )
 from .models import CausalLM, Seq2SeqTransformer
 
 __all__ = [
     "from_numpy", "to_numpy",
-    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "Embedding", "Projection",
+    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "GroupLimitedRouter", "SharedExpertsMoE",
+    "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding",
-    "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention",
+    "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
     "Transformer", "LMBlock", "CausalLM", "Seq2SeqTransformer",
 ]
