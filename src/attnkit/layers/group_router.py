@@ -14,7 +14,7 @@ from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import group_routing as _routing
 
-__all__ = ["GroupLimitedRouter"]
+__all__ = ["GroupLimitedRouter", "check_routing"]
 
 
 class GroupLimitedRouter(Module):
@@ -61,7 +61,7 @@ class GroupLimitedRouter(Module):
                  *, normalize: bool = True, scaling: float = 1.0,
                  rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
-        _check_routing(hidden_size, num_experts, top_k, num_groups, topk_groups, scaling)
+        check_routing(hidden_size, num_experts, top_k, num_groups, topk_groups, scaling)
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.normalize, self.scaling = bool(normalize), float(scaling)
@@ -98,7 +98,10 @@ class GroupLimitedRouter(Module):
         return grad_x.reshape(shape)
 
 
-def _check_routing(hidden_size, num_experts, top_k, num_groups, topk_groups, scaling) -> None:
+def check_routing(hidden_size, num_experts, top_k, num_groups, topk_groups, scaling) -> None:
+    """Refuse routing that cannot work: groups not dividing the experts into groups of at least two (a group
+    scores by its two best), more kept groups than groups, more experts per token than the kept groups hold,
+    a non-positive scaling."""
     for name, value in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k),
                         ("num_groups", num_groups), ("topk_groups", topk_groups)):
         check_positive_int(value, name)

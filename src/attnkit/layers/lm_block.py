@@ -68,13 +68,15 @@ class LMBlock(Module):
     config : DecoderConfig
         ``norm`` picks RMSNorm or LayerNorm, ``mlp`` picks :class:`GatedMLP`, the plain
         :class:`FeedForward` (GPT-2) or :class:`MixtureOfExperts` (gpt-oss), ``window_of(layer_index)``
-        the attention's sliding window.
+        the attention's sliding window; the ``latent`` part makes the token mixer
+        :class:`~attnkit.attention.latent.MultiHeadLatentAttention` and the ``shared_experts`` part the MLP
+        :class:`~attnkit.layers.shared_experts.SharedExpertsMoE` (see :func:`make_mixer`, :func:`make_mlp`).
     layer_index : int
     rng : numpy.random.Generator or int, optional
 
     Attributes
     ----------
-    attention (:class:`~attnkit.attention.grouped_query.GroupedQueryAttention`), mlp; attn_norm, mlp_norm
+    attention (the token mixer), mlp; attn_norm, mlp_norm
     with ``pre_norm``; attn_post_norm, mlp_post_norm with ``post_norm``.
 
     Shapes

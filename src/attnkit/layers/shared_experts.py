@@ -17,7 +17,7 @@ from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import experts as _experts
 from .gated_mlp import GatedMLP
-from .group_router import GroupLimitedRouter
+from .group_router import GroupLimitedRouter, check_routing
 
 __all__ = ["SharedExpertsConfig", "SharedExpertsMoE"]
 
@@ -69,8 +69,7 @@ class SharedExpertsConfig:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
                 or factor <= 0:
             raise ValueError(f"routed_scaling_factor must be a finite positive number, got {factor!r}")
-        # the router's own checks (groups dividing the experts, k fitting in the kept groups), made once here
-        GroupLimitedRouter(1, self.num_experts, self.num_experts_per_tok, self.num_groups, self.topk_groups)
+        check_routing(1, self.num_experts, self.num_experts_per_tok, self.num_groups, self.topk_groups, factor)
 
     def routed(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture (past the first dense layers)."""
