@@ -202,3 +202,23 @@ def test_hook_points_see_the_heads_and_the_pattern(hf_root):
     with hooks(lm, {"blocks.1.attn.hook_z": lambda v, n: np.zeros_like(v)}):
         ablated = lm(ids)
     assert np.abs(ablated - logits).max() > 1e-3
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_saving_gives_back_the_checkpoint_tensor_for_tensor(name, hf_root):
+    """checkpoint_tensors (the trainer's save) is the loader's inverse: each expert's matrix leaves its (E, ...)
+    stack as the one tensor per expert it came from, bit for bit."""
+    from safetensors.numpy import load_file
+
+    from attnkit.pretrained.checkpoint import checkpoint_tensors
+
+    folder = saved_model(name, hf_root)[0]
+    lm = load_causal_lm(folder)
+    on_disk = {}
+    for file in folder.glob("*.safetensors"):
+        on_disk.update(load_file(file))
+    saved = checkpoint_tensors(lm.config, dict(lm.named_parameters()))
+    assert any(".experts.3.down_proj" in key for key in saved)
+    assert set(saved) == set(on_disk) - ({"lm_head.weight"} if lm.config.tie_word_embeddings else set())
+    for key, value in saved.items():
+        np.testing.assert_array_equal(value, on_disk[key], err_msg=key)
