@@ -8,18 +8,24 @@ from __future__ import annotations
 import numpy as np
 
 import torch
-from attnkit.models import DecoderConfig
+from attnkit.models import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
 
 
-def tiny_config(family="llama", **overrides) -> DecoderConfig:
+def tiny_config(family="llama", *, attention=None, rotary=None, norm=None, **overrides) -> DecoderConfig:
+    """A small DecoderConfig of ``family``; ``attention``, ``rotary`` and ``norm`` are dicts of the parts' fields
+    that differ from the tiny defaults (``rotary`` with ``learned=True``: learned positions)."""
+    gpt2 = family == "gpt2"
     base = {"family": family, "vocab_size": 23, "hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-            "head_dim": 4,
-                "intermediate_size": 24, "max_position_embeddings": 64, "rope_theta": 100.0, "norm_eps": 1e-6}
-    if family == "gpt2":
-        base.update(norm="layernorm", mlp="plain", activation="gelu_tanh", position="learned", attention_bias=True,
-                    output_bias=True, num_kv_heads=4, norm_eps=1e-5, tie_word_embeddings=True)
+            "head_dim": 4, "intermediate_size": 24, "max_position_embeddings": 64}
+    parts = dict(norm=dict(eps=1e-6), rotary=dict(theta=100.0), attention={})
+    if gpt2:
+        base.update(mlp="plain", activation="gelu_tanh", num_kv_heads=4, tie_word_embeddings=True)
+        parts = dict(norm=dict(kind="layernorm", eps=1e-5), rotary=None,
+                     attention=dict(bias=True, output_bias=True))
     base.update(overrides)
-    return DecoderConfig(**base)
+    rotary = None if parts["rotary"] is None else RotaryConfig(**{**parts["rotary"], **(rotary or {})})
+    return DecoderConfig(**base, norm=NormConfig(**{**parts["norm"], **(norm or {})}), rotary=rotary,
+                         attention=AttentionConfig(**{**parts["attention"], **(attention or {})}))
 
 
 HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
@@ -33,29 +39,29 @@ def hf_config(cfg: DecoderConfig):
         return transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
                                        n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
                                        n_inner=cfg.intermediate_size, activation_function="gelu_new",
-                                       layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       layer_norm_epsilon=cfg.norm.eps, resid_pdrop=0.0, embd_pdrop=0.0,
                                        attn_pdrop=0.0, tie_word_embeddings=cfg.tie_word_embeddings)
-    params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        params = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    params = {"rope_type": "default", "rope_theta": cfg.rotary.theta}
+    if cfg.rotary.scaling is not None:
+        params = {**cfg.rotary.scaling, "rope_theta": cfg.rotary.theta}
     common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
                   "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim,
                   "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position_embeddings,
-                  "rms_norm_eps": cfg.norm_eps, "hidden_act": HF_ACT[cfg.activation], "rope_parameters": params,
+                  "rms_norm_eps": cfg.norm.eps, "hidden_act": HF_ACT[cfg.activation], "rope_parameters": params,
                   "tie_word_embeddings": cfg.tie_word_embeddings, "attention_dropout": 0.0}
     if cfg.family == "llama":
-        return transformers.LlamaConfig(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, **common)
+        return transformers.LlamaConfig(attention_bias=cfg.attention.bias, mlp_bias=cfg.mlp_bias, **common)
     if cfg.family == "mistral":
-        return transformers.MistralConfig(sliding_window=cfg.sliding_window, **common)
+        return transformers.MistralConfig(sliding_window=cfg.attention.sliding_window, **common)
     if cfg.family == "qwen2":
-        return transformers.Qwen2Config(sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types),
-                                        use_sliding_window=cfg.sliding_window is not None,
+        return transformers.Qwen2Config(sliding_window=cfg.attention.sliding_window, layer_types=list(cfg.layer_types),
+                                        use_sliding_window=cfg.attention.sliding_window is not None,
                                         max_window_layers=cfg.num_layers, **common)
     if cfg.family == "qwen3":
-        return transformers.Qwen3Config(attention_bias=cfg.attention_bias, sliding_window=cfg.sliding_window,
+        return transformers.Qwen3Config(attention_bias=cfg.attention.bias, sliding_window=cfg.attention.sliding_window,
                                         layer_types=list(cfg.layer_types),
-                                        use_sliding_window=cfg.sliding_window is not None, **common)
+                                        use_sliding_window=cfg.attention.sliding_window is not None, **common)
     raise ValueError(cfg.family)
 
 
@@ -151,7 +157,8 @@ def without_float32_internals(hf, model) -> None:
     """
     from attnkit.layers.rotary import RotaryEmbedding
 
-    rotary = RotaryEmbedding(model.config)
+    cfg = model.config
+    rotary = None if cfg.rotary is None else RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)
 
     def rms_forward(self, hidden):
         rstd = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)

@@ -16,9 +16,10 @@ CASES = {
     "gqa": {},
     "mqa": {"num_kv_heads": 1},
     "mha": {"num_kv_heads": 4},
-    "bias": {"attention_bias": True, "output_bias": True},
-    "window": {"family": "mistral", "sliding_window": 3, "layer_types": ("sliding_attention", "full_attention")},
-    "partial_interleaved": {"partial_rotary_factor": 0.5, "rope_interleaved": True, "head_dim": 4},
+    "bias": {"attention": {"bias": True, "output_bias": True}},
+    "window": {"family": "mistral", "attention": {"sliding_window": 3},
+               "layer_types": ("sliding_attention", "full_attention")},
+    "partial_interleaved": {"rotary": {"partial_factor": 0.5, "interleaved": True}, "head_dim": 4},
 }
 
 
@@ -64,7 +65,7 @@ def test_gradients_by_finite_differences(case):
     cfg, attn = _layer(case, rng)
     b, length = 2, 5
     mask = _left_padded_mask(b, length, [0, 2])
-    rotary = RotaryEmbedding(cfg)(_positions(mask), dtype=np.float64)
+    rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)(_positions(mask), dtype=np.float64)
     x, g = randn(rng, b, length, cfg.hidden_size), randn(rng, b, length, cfg.hidden_size)
 
     def loss():
@@ -91,11 +92,12 @@ def _hf_attention(cfg, layer_idx=0):
 HF_CASES = {
     "llama_gqa": {},
     "llama_mqa": {"num_kv_heads": 1},
-    "llama_bias": {"attention_bias": True, "output_bias": True},
-    "mistral_window": {"family": "mistral", "sliding_window": 3, "layer_types": ("sliding_attention",) * 2},
-    "qwen2_bias": {"family": "qwen2", "attention_bias": True},
-    "qwen2_window": {"family": "qwen2", "attention_bias": True, "sliding_window": 2,
-                         "layer_types": ("sliding_attention", "full_attention")},
+    "llama_bias": {"attention": {"bias": True, "output_bias": True}},
+    "mistral_window": {"family": "mistral", "attention": {"sliding_window": 3},
+                       "layer_types": ("sliding_attention",) * 2},
+    "qwen2_bias": {"family": "qwen2", "attention": {"bias": True}},
+    "qwen2_window": {"family": "qwen2", "attention": {"bias": True, "sliding_window": 2},
+                     "layer_types": ("sliding_attention", "full_attention")},
 }
 
 
@@ -113,7 +115,7 @@ def test_matches_hugging_face_forward_and_backward(case, dtype):
     b, length = 3, 6
     mask = _left_padded_mask(b, length, [0, 2, 5])
     pos = _positions(mask)
-    cos, sin = RotaryEmbedding(cfg)(pos, dtype=dtype)
+    cos, sin = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)(pos, dtype=dtype)
     x, g = randn(rng, b, length, cfg.hidden_size, dtype=dtype), randn(rng, b, length, cfg.hidden_size, dtype=dtype)
     g[~mask] = 0  # padded queries: HF spreads them uniformly, we give zeros; neither reaches a real token
     y = ours(x, rotary=(cos, sin), attention_mask=mask)
@@ -144,7 +146,8 @@ def test_cached_steps_equal_the_uncached_forward(case, chunks):
     cfg, attn = _layer(case, rng)
     b, length = 2, sum(chunks)
     mask = _left_padded_mask(b, length, [0, 3])
-    cos, sin = RotaryEmbedding(cfg)(_positions(mask), dtype=np.float64)
+    rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)
+    cos, sin = rotary(_positions(mask), dtype=np.float64)
     x = randn(rng, b, length, cfg.hidden_size)
     full = attn(x, rotary=(cos, sin), attention_mask=mask)
     cache = KVCache(cfg.num_layers, b, cfg.num_kv_heads, cfg.head_dim, np.float64,

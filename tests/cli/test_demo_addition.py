@@ -17,7 +17,7 @@ def test_addition_demo_prints_its_accuracy_and_writes_a_loadable_model(tmp_path,
     printed = capsys.readouterr().out
     assert "decoder-only language model" in printed and "held-out exact match (500 new sums" in printed
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "loss.png", "model.npz"]
-    config = DecoderConfig(**json.loads((out / "config.json").read_text()))
+    config = DecoderConfig.from_dict(json.loads((out / "config.json").read_text()))
     model = CausalLM(config, rng=1).astype(np.float32)
     model.load(out / "model.npz")
     assert model.config == config and np.isfinite(model(np.array([[1, 2, 10, 3, 4, 11]]))).all()

@@ -5,10 +5,10 @@ import pytest
 from attnkit.attention import GroupedQueryAttention
 from attnkit.core.module import Module
 from attnkit.layers.gated_mlp import GatedMLP
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig
 
 CFG = DecoderConfig(family="qwen2", vocab_size=16, hidden_size=12, num_layers=2, num_heads=3, num_kv_heads=1,
-                    head_dim=4, intermediate_size=10, attention_bias=True)
+                    head_dim=4, intermediate_size=10, attention=AttentionConfig(bias=True))
 
 
 class Pair(Module):

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.explain import hook_names, hooks, run_with_cache  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig  # noqa: E402
 from hf_models import TOL, float64_pair, hf_layers, hf_output_projection  # noqa: E402
 
 IDS = np.array([[5, 17, 3, 60, 42, 9, 77, 21]])
@@ -198,7 +198,7 @@ def test_replaced_pattern_is_a_constant_checked_by_finite_differences(rng):
 @pytest.mark.parametrize("point", ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_v", "blocks.0.attn.hook_z",
                                    "blocks.1.hook_mlp_out", "blocks.0.attn.hook_pattern"])
 def test_hooks_during_generate_equal_an_uncached_loop(point):
-    lm = tiny(family="gemma2", attn_logit_softcap=5.0, sliding_window=3,
+    lm = tiny(family="gemma2", attention=AttentionConfig(logit_softcap=5.0, sliding_window=3),
               layer_types=("sliding_attention", "full_attention"))
     shift = np.linspace(-2.0, 2.0, 8 if point.endswith(("resid_pre", "mlp_out")) else 2)
 

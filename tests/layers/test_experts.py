@@ -9,7 +9,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 import torch
 from attnkit.layers import MixtureOfExperts
-from attnkit.models import DecoderConfig
+from attnkit.models import DecoderConfig, ExpertsConfig
 
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
@@ -18,8 +18,8 @@ D, F, E = 8, 6, 5
 
 def _config(top_k=2, limit=0.7, alpha=1.3):
     return DecoderConfig(family="gpt_oss", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
-                         head_dim=D, intermediate_size=F, mlp="experts", num_experts=E, num_experts_per_tok=top_k,
-                         swiglu_limit=limit, swiglu_alpha=alpha)
+                         head_dim=D, intermediate_size=F, mlp="experts",
+                         experts=ExpertsConfig(num_experts=E, per_token=top_k, swiglu_limit=limit, swiglu_alpha=alpha))
 
 
 def _randomised(moe, rng):
@@ -96,5 +96,5 @@ def test_only_the_chosen_experts_run_and_weights_are_a_softmax_over_them():
 
 
 def test_config_refuses_more_experts_per_token_than_experts():
-    with pytest.raises(ValueError, match="num_experts_per_tok"):
+    with pytest.raises(ValueError, match=r"experts.per_token \(6\) must be at most experts.num_experts \(5\)"):
         _config(top_k=E + 1)

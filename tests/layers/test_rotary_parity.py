@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import (
 import torch
 from attnkit.kernels.rotary import rotary_apply, rotary_frequencies
 from attnkit.layers.rotary import RotaryEmbedding
-from attnkit.models import DecoderConfig
+from attnkit.models import DecoderConfig, RotaryConfig
 
 from helpers import make_rng, randn
 
@@ -33,8 +33,8 @@ SCALINGS = {
 
 def _configs(scaling):
     ours = DecoderConfig(family="llama", vocab_size=8, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
-                         head_dim=HEAD_DIM, intermediate_size=8, max_position_embeddings=MAX_POS, rope_theta=THETA,
-                         rope_scaling=scaling)
+                         head_dim=HEAD_DIM, intermediate_size=8, max_position_embeddings=MAX_POS,
+                         rotary=RotaryConfig(theta=THETA, scaling=scaling))
     params = {"rope_type": "default", "rope_theta": THETA} if scaling is None else {**scaling, "rope_theta": THETA}
     theirs = LlamaConfig(vocab_size=8, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
                          head_dim=HEAD_DIM, max_position_embeddings=MAX_POS, rope_parameters=params)
@@ -51,7 +51,7 @@ def test_cos_sin_and_rotated_qk_match_hugging_face(name, max_position):
     q, k = randn(rng, 2, 2, 7, HEAD_DIM), randn(rng, 2, 2, 7, HEAD_DIM)
     hf = LlamaRotaryEmbedding(hf_cfg)
     hf_cos, hf_sin = hf(torch.zeros(1, dtype=torch.float32), torch.from_numpy(pos))
-    ours = RotaryEmbedding(ours_cfg)
+    ours = RotaryEmbedding(ours_cfg.rotary, ours_cfg.head_dim, ours_cfg.max_position_embeddings)
     cos, sin = ours(pos, dtype=np.float32)
     # HF rounds its angles (position * inv_freq) to float32, ours are float64: the tables can differ by a few
     # float32 ulps of the largest angle.
@@ -76,7 +76,7 @@ def test_cos_sin_and_rotated_qk_match_hugging_face(name, max_position):
 
 def test_dynamic_inv_freq_follows_the_length():
     ours_cfg, hf_cfg = _configs(SCALINGS["dynamic"])
-    ours = RotaryEmbedding(ours_cfg)
+    ours = RotaryEmbedding(ours_cfg.rotary, ours_cfg.head_dim, ours_cfg.max_position_embeddings)
     short, _ = ours(np.array([[0, 10]]), dtype=np.float64)
     long, _ = ours(np.array([[0, 10, 200]]), dtype=np.float64)
     assert not np.allclose(short[0, 1], long[0, 1])  # a longer call rescales every position
@@ -89,7 +89,7 @@ def test_dynamic_inv_freq_follows_the_length():
 def test_bad_position_ids():
     ours_cfg, _ = _configs(None)
     with pytest.raises(ValueError, match="position_ids"):
-        RotaryEmbedding(ours_cfg)(np.zeros((3,), dtype=np.int64))
+        RotaryEmbedding(ours_cfg.rotary, ours_cfg.head_dim, 64)(np.zeros((3,), dtype=np.int64))
 
 
 @pytest.mark.parametrize("scaling, fault", [
@@ -107,10 +107,11 @@ def test_a_scaling_whose_tables_overflow_is_refused_by_the_layer(scaling, fault)
     cfg, _ = _configs(scaling)
     with pytest.raises(ValueError, match=rf"RotaryEmbedding: rope_scaling .* makes the cos/sin tables of positions "
                                          rf"below 64 not finite in float16 \({fault}"):
-        RotaryEmbedding(cfg)
+        RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)
 
 
 def test_the_largest_attention_factor_float16_holds_is_accepted():
     cfg, _ = _configs({**SCALINGS["yarn_untruncated"], "attention_factor": 65504.0})
-    cos, sin = RotaryEmbedding(cfg)(np.array([[0, 63]]), dtype=np.float16)
+    rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)
+    cos, sin = rotary(np.array([[0, 63]]), dtype=np.float16)
     assert cos[0, 0, 0] == 65504.0 and np.isfinite(cos).all() and np.isfinite(sin).all()

@@ -6,41 +6,44 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
 
 from helpers import assert_gradient, make_rng, randn
 
 VARIANTS = {
     # OLMo 2: q/k RMSNorm over the whole projection, post-norms only
-    "olmo2": dict(family="olmo2", qk_norm=True, qk_norm_scope="projection", pre_norm=False, post_norm=True,
-                  attention_bias=True, output_bias=True),
+    "olmo2": dict(family="olmo2", norm=NormConfig(placement="post"),
+                  attention=AttentionConfig(bias=True, output_bias=True, qk_norm="projection")),
     # SmolLM3: a NoPE layer beside a rotary one, the NoPE layer sliding
-    "smollm3": dict(family="smollm3", no_rope_layers=(1,), sliding_window=2,
-                    layer_types=("full_attention", "sliding_attention"), mlp_bias=True),
+    "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
+                    rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),
     # GPT-NeoX: LayerNorm, plain MLP, partial rotary, parallel residual
-    "gpt_neox": dict(family="gpt_neox", norm="layernorm", mlp="plain", activation="gelu", parallel_residual=True,
-                     partial_rotary_factor=0.5, attention_bias=True, output_bias=True, mlp_bias=True),
+    "gpt_neox": dict(family="gpt_neox", mlp="plain", activation="gelu", mlp_bias=True, residual="parallel",
+                     norm=NormConfig(kind="layernorm"), rotary=RotaryConfig(partial_factor=0.5),
+                     attention=AttentionConfig(bias=True, output_bias=True)),
     # Gemma 2: soft-capped scores and logits, (1 + w) norms before and after each branch, scaled embeddings
-    "gemma2": dict(family="gemma2", norm_offset=1.0, post_norm=True, embedding_scale=2.5, attention_scale=0.3,
-                   attn_logit_softcap=1.5, final_logit_softcap=2.0, activation="gelu_tanh", sliding_window=2,
-                   layer_types=("sliding_attention", "full_attention")),
+    "gemma2": dict(family="gemma2", embedding_scale=2.5, final_logit_softcap=2.0, activation="gelu_tanh",
+                   layer_types=("sliding_attention", "full_attention"),
+                   norm=NormConfig(offset=1.0, placement="sandwich"),
+                   attention=AttentionConfig(scale=0.3, logit_softcap=1.5, sliding_window=2)),
     # Gemma 3: (1 + w) per-head q/k norms and a rotary base of its own on the sliding layers
-    "gemma3_text": dict(family="gemma3_text", norm_offset=1.0, post_norm=True, qk_norm=True, embedding_scale=1.5,
-                        sliding_rope_theta=7.0, sliding_window=2, layer_types=("sliding_attention", "full_attention")),
+    "gemma3_text": dict(family="gemma3_text", embedding_scale=1.5, layer_types=("sliding_attention", "full_attention"),
+                        norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
+                        attention=AttentionConfig(sliding_window=2, qk_norm="head")),
     # gpt-oss: learned sinks, biases, a top-2-of-3 mixture of clamped-SwiGLU experts (limit low enough to clamp)
-    "gpt_oss": dict(family="gpt_oss", attention_sinks=True, attention_bias=True, output_bias=True, mlp="experts",
-                    num_experts=3, num_experts_per_tok=2, swiglu_limit=0.6, sliding_window=2,
-                    layer_types=("sliding_attention", "full_attention")),
+    "gpt_oss": dict(family="gpt_oss", mlp="experts", layer_types=("sliding_attention", "full_attention"),
+                    attention=AttentionConfig(sinks=True, bias=True, output_bias=True, sliding_window=2),
+                    experts=ExpertsConfig(num_experts=3, per_token=2, swiglu_limit=0.6)),
 }
 
 
 def _model(name, rng, **extra):
     base = dict(vocab_size=7, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
-                intermediate_size=6, max_position_embeddings=32, rope_theta=100.0)
+                intermediate_size=6, max_position_embeddings=32, rotary=RotaryConfig(theta=100.0))
     lm = CausalLM(DecoderConfig(**{**base, **VARIANTS[name], **extra}), rng=rng).astype(np.float64)
     for pname, p in lm.named_parameters():  # larger weights than the init so that every path matters
         if pname.endswith(("gamma", "q_norm", "k_norm")):
-            p[...] = 1.0 - lm.config.norm_offset + 0.3 * rng.standard_normal(p.shape)
+            p[...] = 1.0 - lm.config.norm.offset + 0.3 * rng.standard_normal(p.shape)
         else:
             p[...] = 0.4 * rng.standard_normal(p.shape)
     return lm
@@ -96,16 +99,20 @@ def test_cached_steps_equal_the_full_forward(name):
 def test_switches_are_checked():
     base = dict(family="llama", vocab_size=7, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
                 intermediate_size=6)
-    with pytest.raises(ValueError, match="qk_norm_scope"):
-        DecoderConfig(**base, qk_norm=True, qk_norm_scope="row")
-    with pytest.raises(ValueError, match="no_rope_layers"):
-        DecoderConfig(**base, no_rope_layers=(2,))
-    with pytest.raises(ValueError, match="no_rope_layers"):
-        DecoderConfig(**base, no_rope_layers=(0,), position="learned")
-    with pytest.raises(ValueError, match="attn_logit_softcap"):
-        DecoderConfig(**base, attn_logit_softcap=0.0)
-    with pytest.raises(ValueError, match="sliding_rope_theta"):
-        DecoderConfig(**base, sliding_rope_scaling={"rope_type": "linear", "factor": 2.0})
-    names = dict(CausalLM(DecoderConfig(**base, pre_norm=False, post_norm=True), rng=0).named_parameters())
+    with pytest.raises(ValueError, match="attention.qk_norm"):
+        DecoderConfig(**base, attention=AttentionConfig(qk_norm="row"))
+    with pytest.raises(ValueError, match="rotary.skip_layers"):
+        DecoderConfig(**base, rotary=RotaryConfig(skip_layers=(2,)))
+    with pytest.raises(ValueError, match="attention.logit_softcap"):
+        DecoderConfig(**base, attention=AttentionConfig(logit_softcap=0.0))
+    with pytest.raises(ValueError, match="rotary.sliding_theta"):
+        DecoderConfig(**base, rotary=RotaryConfig(sliding_scaling={"rope_type": "linear", "factor": 2.0}))
+    with pytest.raises(ValueError, match="norm.placement"):
+        DecoderConfig(**base, norm=NormConfig(placement="none"))
+    with pytest.raises(TypeError, match="rotary must be a RotaryConfig or None"):
+        DecoderConfig(**base, rotary={"theta": 1e4})
+    with pytest.raises(ValueError, match="experts .* goes with mlp='experts'"):
+        DecoderConfig(**base, experts=ExpertsConfig(num_experts=2, per_token=1))
+    names = dict(CausalLM(DecoderConfig(**base, norm=NormConfig(placement="post")), rng=0).named_parameters())
     assert "layers.0.attn_post_norm.gamma" in names and "layers.0.mlp_post_norm.gamma" in names
     assert "layers.0.attn_norm.gamma" not in names

@@ -74,13 +74,20 @@ LLAMA = dict(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_head
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(pre_norm=False, post_norm=False), "pre_norm and post_norm are both False"),
-    (dict(qk_norm_scope="projection"), "qk_norm_scope='projection' needs qk_norm=True"),
-    (dict(family="not a model type"), "family must be a model_type such as 'llama'"),
+    ("norm", "norm.placement must be one of 'pre', 'post', 'sandwich', got 'none'"),
+    ("qk_norm", "attention.qk_norm must be one of 'head', 'projection'"),
+    ("offset", r"norm.offset \(1.0\) is an RMSNorm gain's offset; norm.kind is 'layernorm'"),
+    ("experts", "experts .*goes with mlp='experts' and only with it"),
+    ("family", "family must be a model_type such as 'llama'"),
 ])
 def test_a_decoder_no_architecture_has_is_refused(changes, match):
-    from attnkit.models import DecoderConfig
+    from attnkit.models import AttentionConfig, DecoderConfig, ExpertsConfig, NormConfig
 
+    make = {"norm": lambda: dict(norm=NormConfig(placement="none")),
+            "qk_norm": lambda: dict(attention=AttentionConfig(qk_norm="both")),
+            "offset": lambda: dict(norm=NormConfig(kind="layernorm", offset=1.0)),
+            "experts": lambda: dict(experts=ExpertsConfig(num_experts=2, per_token=1)),
+            "family": lambda: dict(family="not a model type")}[changes]
     with pytest.raises(ValueError, match=match):
-        DecoderConfig(**{**LLAMA, **changes})
+        DecoderConfig(**{**LLAMA, **make()})
     DecoderConfig(**LLAMA)  # the same config without the change is fine

@@ -74,10 +74,10 @@ def test_rope_scalings_at_the_edge_of_the_tables_load():
     """The largest attention factor whose tables fit float16 is accepted, and real YaRN settings (DeepSeek's
     mscale = mscale_all_dim, gpt-oss's defaults) are untouched."""
     edge = decoder_config_from_hf({**BASE, "rope_scaling": dict(YARN, attention_factor=65504.0)})
-    assert edge.rope_scaling["attention_factor"] == 65504.0
+    assert edge.rotary.scaling["attention_factor"] == 65504.0
     deepseek = decoder_config_from_hf({**BASE, "rope_scaling": dict(YARN, factor=40.0, mscale=0.707,
                                                                     mscale_all_dim=0.707)})
-    assert deepseek.rope_scaling["mscale"] == 0.707
+    assert deepseek.rotary.scaling["mscale"] == 0.707
 
 
 @pytest.mark.parametrize("text,match", [

@@ -4,6 +4,8 @@ explicit forward, the latent cache's size, attention weights against transformer
 hook points. Logits, greedy, beam, cached and padded-row parity are in test_causal_lm.py (FAMILY_MODELS)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ from attnkit.attention.latent import LatentAttentionConfig  # noqa: E402
 from attnkit.decoding.cache import LatentCache  # noqa: E402
 from attnkit.explain import hooks  # noqa: E402
 from attnkit.layers.shared_experts import SharedExpertsConfig  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, RotaryConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E402
 from hf_models import left_padded_batch, positions_from_mask, saved_model  # noqa: E402
@@ -39,8 +41,8 @@ def _tiny(q_lora: bool) -> DecoderConfig:
                                   normalize_weights=q_lora, routed_scaling_factor=2.5,
                                   first_dense_layers=1 if q_lora else 0)
     return DecoderConfig(family="deepseek_v3", vocab_size=7, hidden_size=8, num_layers=2, num_heads=2,
-                         num_kv_heads=2, head_dim=2, intermediate_size=6, rope_theta=100.0, rope_interleaved=q_lora,
-                         latent=latent, shared_experts=experts)
+                         num_kv_heads=2, head_dim=2, intermediate_size=6,
+                         rotary=RotaryConfig(theta=100.0, interleaved=q_lora), latent=latent, shared_experts=experts)
 
 
 @pytest.mark.parametrize("q_lora", [True, False])
@@ -222,3 +224,40 @@ def test_saving_gives_back_the_checkpoint_tensor_for_tensor(name, hf_root):
     assert set(saved) == set(on_disk) - ({"lm_head.weight"} if lm.config.tie_word_embeddings else set())
     for key, value in saved.items():
         np.testing.assert_array_equal(value, on_disk[key], err_msg=key)
+
+
+def test_the_block_is_built_from_the_parts():
+    """The latent part picks the token mixer and the shared-experts part the routed layers' MLP, when built."""
+    from attnkit.attention.latent import MultiHeadLatentAttention
+    from attnkit.layers.gated_mlp import GatedMLP
+    from attnkit.layers.shared_experts import SharedExpertsMoE
+
+    lm = CausalLM(_tiny(True), rng=0)
+    assert [type(layer.attention) for layer in lm.layers] == [MultiHeadLatentAttention] * 2
+    assert [type(layer.mlp) for layer in lm.layers] == [GatedMLP, SharedExpertsMoE]  # first_dense_layers=1
+    assert [layer.attention.layer_index for layer in lm.layers] == [0, 1]
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(rotary=None), "needs a rotary part"),
+    (dict(rotary=RotaryConfig(theta=100.0, interleaved=False)), "rope_interleaved as interleaved"),
+    (dict(rotary=RotaryConfig(theta=100.0, interleaved=True, skip_layers=(1,))), "no skip_layers"),
+    (dict(head_dim=4), "head_dim = qk_rope_head_dim"),
+    (dict(attention=AttentionConfig(bias=True)), "no setting of the attention part"),
+    (dict(num_heads=1, num_kv_heads=1), "latent describes hidden_size 8 and 2 heads"),
+    (dict(mlp_bias=True), "shared_experts needs mlp='gated' without mlp_bias"),
+])
+def test_the_parts_must_fit_the_model(change, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(_tiny(True), **change)
+
+
+@pytest.mark.parametrize("name, value", [("latent", {"kv_lora_rank": 5}), ("shared_experts", 3)])
+def test_a_part_must_be_its_dataclass(name, value):
+    with pytest.raises(TypeError, match=f"{name} must be a .* or None, got"):
+        dataclasses.replace(_tiny(True), **{name: value})
+
+
+def test_the_parts_survive_to_dict():
+    cfg = _tiny(False)
+    assert DecoderConfig.from_dict(cfg.to_dict()) == cfg

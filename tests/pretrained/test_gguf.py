@@ -89,7 +89,7 @@ def test_greedy_tokens_equal_transformers_gguf_generate(name, root):
 
 def test_llama3_rope_freqs_become_the_rotary_divisors(root):
     lm = load_causal_lm(_written(root, "float_llama_llama3", build_hf_model("llama_llama3")))
-    scaling = lm.config.rope_scaling
+    scaling = lm.config.rotary.scaling
     assert scaling["rope_type"] == "longrope" and scaling["short_factor"] == scaling["long_factor"]
     assert scaling["attention_factor"] == 1.0 and max(scaling["short_factor"]) == 8.0
 

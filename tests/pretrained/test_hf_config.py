@@ -24,9 +24,9 @@ def test_gpt2_keys_and_defaults():
                                                                n_positions=40, layer_norm_epsilon=1e-4)))
     assert (cfg.family, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads) == ("gpt2", 64, 32, 3, 4)
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.max_position_embeddings) == (4, 8, 128, 40)
-    assert (cfg.norm, cfg.norm_eps, cfg.activation, cfg.mlp, cfg.position) == (
-        "layernorm", 1e-4, "gelu_tanh", "plain", "learned")
-    assert cfg.attention_bias and cfg.output_bias and cfg.mlp_bias and cfg.tie_word_embeddings
+    assert (cfg.norm.kind, cfg.norm.eps, cfg.activation, cfg.mlp, cfg.rotary) == (
+        "layernorm", 1e-4, "gelu_tanh", "plain", None)
+    assert cfg.attention.bias and cfg.attention.output_bias and cfg.mlp_bias and cfg.tie_word_embeddings
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (50256, 50256, None)
 
 
@@ -47,8 +47,8 @@ def test_both_rope_styles_give_one_normalised_form(style):
         raw["rope_theta"] = 5e5
         raw["rope_scaling"] = {("type" if style == "rope_scaling_type" else "rope_type"): "llama3", **scaling}
     cfg = decoder_config_from_hf(raw)
-    assert cfg.rope_theta == 5e5
-    assert cfg.rope_scaling == {"rope_type": "llama3", **scaling}
+    assert cfg.rotary.theta == 5e5
+    assert cfg.rotary.scaling == {"rope_type": "llama3", **scaling}
 
 
 @pytest.mark.parametrize("kind, extra", [("linear", {"factor": 2.0}), ("dynamic", {"factor": 3.0}),
@@ -56,18 +56,18 @@ def test_both_rope_styles_give_one_normalised_form(style):
 def test_rope_types_round_trip_through_hf_config(kind, extra):
     hf = transformers.LlamaConfig(**SMALL, max_position_embeddings=128, rope_parameters={"rope_type": kind, **extra})
     cfg = decoder_config_from_hf(saved(hf))
-    assert cfg.rope_type == kind
-    assert cfg.rope_scaling["factor"] == extra["factor"]
+    assert cfg.rotary.kind == kind
+    assert cfg.rotary.scaling["factor"] == extra["factor"]
     if kind == "yarn":  # HF fills the pre-scaling length from max_position_embeddings
-        assert cfg.rope_scaling["original_max_position_embeddings"] == 128
-        assert cfg.rope_scaling["beta_fast"] == 16.0
+        assert cfg.rotary.scaling["original_max_position_embeddings"] == 128
+        assert cfg.rotary.scaling["beta_fast"] == 16.0
 
 
 def test_default_rope_has_no_scaling_and_theta_default():
     cfg = decoder_config_from_hf({"model_type": "llama", **SMALL})
-    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_type) == (10000.0, None, "default")
+    assert (cfg.rotary.theta, cfg.rotary.scaling, cfg.rotary.kind) == (10000.0, None, "default")
     cfg = decoder_config_from_hf({"model_type": "llama", **SMALL, "rope_scaling": None, "rope_theta": 123.0})
-    assert cfg.rope_theta == 123.0
+    assert cfg.rotary.theta == 123.0
 
 
 def test_llama_head_dim_kv_heads_biases_and_tokens():
@@ -75,7 +75,7 @@ def test_llama_head_dim_kv_heads_biases_and_tokens():
                                   "attention_bias": True, "mlp_bias": True, "eos_token_id": [2, 7],
                                   "pad_token_id": 0, "hidden_act": "gelu_pytorch_tanh"})
     assert (cfg.head_dim, cfg.num_kv_heads, cfg.num_groups) == (16, 1, 4)
-    assert cfg.attention_bias and cfg.output_bias and cfg.mlp_bias
+    assert cfg.attention.bias and cfg.attention.output_bias and cfg.mlp_bias
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.activation) == (1, (2, 7), 0, "gelu_tanh")
     plain = decoder_config_from_hf({"model_type": "llama", **SMALL})
     assert (plain.head_dim, plain.num_kv_heads, plain.tie_word_embeddings) == (8, 4, False)
@@ -84,10 +84,10 @@ def test_llama_head_dim_kv_heads_biases_and_tokens():
 def test_mistral_defaults_eight_kv_heads_and_slides_every_layer():
     raw = {"model_type": "mistral", **SMALL, "num_attention_heads": 8}
     cfg = decoder_config_from_hf(raw)
-    assert (cfg.num_kv_heads, cfg.sliding_window, cfg.max_position_embeddings) == (8, 4096, 131072)
+    assert (cfg.num_kv_heads, cfg.attention.sliding_window, cfg.max_position_embeddings) == (8, 4096, 131072)
     assert cfg.layer_types == ("sliding_attention",) * 4
     cfg = decoder_config_from_hf({**raw, "sliding_window": None})
-    assert cfg.sliding_window is None and cfg.layer_types == ("full_attention",) * 4
+    assert cfg.attention.sliding_window is None and cfg.layer_types == ("full_attention",) * 4
     hf = saved(transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=6))
     assert decoder_config_from_hf(hf).window_of(3) == 6
 
@@ -104,8 +104,8 @@ def test_qwen2_sliding_layers_follow_hf_rule(use, max_window_layers, expected):
     assert tuple(hf.layer_types) == expected  # the rule as HF applies it
     cfg = decoder_config_from_hf(saved(hf))
     assert cfg.layer_types == expected
-    assert cfg.sliding_window == (5 if "sliding_attention" in expected else None)
-    assert cfg.attention_bias and not cfg.output_bias and not cfg.tie_word_embeddings
+    assert cfg.attention.sliding_window == (5 if "sliding_attention" in expected else None)
+    assert cfg.attention.bias and not cfg.attention.output_bias and not cfg.tie_word_embeddings
 
 
 def test_qwen2_explicit_layer_types_win_over_max_window_layers():

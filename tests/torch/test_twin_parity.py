@@ -16,7 +16,16 @@ from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
 from attnkit.layers.rotary import RotaryEmbedding
 from attnkit.layers.shared_experts import SharedExpertsConfig
-from attnkit.models import CausalLM, DecoderConfig, Seq2SeqConfig, Seq2SeqTransformer
+from attnkit.models import (
+    AttentionConfig,
+    CausalLM,
+    DecoderConfig,
+    ExpertsConfig,
+    NormConfig,
+    RotaryConfig,
+    Seq2SeqConfig,
+    Seq2SeqTransformer,
+)
 from attnkit.torch import from_numpy, to_numpy
 
 from helpers import group_scale, max_rel_diff
@@ -138,14 +147,15 @@ def test_positions():
 
 
 @pytest.mark.parametrize("overrides", [
-    {}, {"rope_interleaved": True}, {"partial_rotary_factor": 0.5},
-    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
-    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16}},
-    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 8},
+    {}, {"interleaved": True}, {"partial_factor": 0.5},
+    {"scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    {"scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 16}},
+    {"scaling": {"rope_type": "dynamic", "factor": 2.0}},
 ])
 def test_rotary_tables(overrides):
-    rotary = RotaryEmbedding(_config(**overrides))
+    dynamic = overrides.get("scaling", {}).get("rope_type") == "dynamic"
+    rotary = RotaryEmbedding(RotaryConfig(**overrides), head_dim=4, max_position_embeddings=8 if dynamic else 2048)
     positions = np.array([[0, 1, 2, 40], [3, 3, 9, 11]])
     cos, sin = rotary(positions, dtype=np.float64)
     tcos, tsin = from_numpy(rotary)(torch.from_numpy(positions), dtype=torch.float64)
@@ -169,9 +179,10 @@ def test_multi_head_cross_attention_causal_bottom_right():
 
 
 @pytest.mark.parametrize("overrides", [
-    {}, {"num_kv_heads": 1, "attention_bias": True, "output_bias": True},
-    {"family": "mistral", "sliding_window": 3, "layer_types": ("sliding_attention", "full_attention")},
-    {"rope_interleaved": True, "partial_rotary_factor": 0.5},
+    {}, {"num_kv_heads": 1, "attention": AttentionConfig(bias=True, output_bias=True)},
+    {"family": "mistral", "attention": AttentionConfig(sliding_window=3),
+     "layer_types": ("sliding_attention", "full_attention")},
+    {"rotary": RotaryConfig(interleaved=True, partial_factor=0.5)},
 ])
 @pytest.mark.parametrize("padded", [False, True])
 def test_grouped_query_attention(overrides, padded):
@@ -182,7 +193,7 @@ def test_grouped_query_attention(overrides, padded):
             setattr(attn, name, randn(*getattr(attn, name).shape, seed=9))
     positions = np.tile(np.arange(6), (2, 1))
     mask = left_padding(2, 6, [6, 4]) if padded else None
-    rotary = RotaryEmbedding(cfg)(positions, dtype=np.float64)
+    rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)(positions, dtype=np.float64)
     check_parity(attn, [randn(2, 6, 16)], dict(rotary=rotary, attention_mask=mask))
 
 
@@ -219,7 +230,8 @@ def test_decoder_stack_and_transformer():
 
 def test_lm_block():
     cfg = _config()
-    rotary = RotaryEmbedding(cfg)(np.tile(np.arange(5), (2, 1)), dtype=np.float64)
+    table = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)
+    rotary = table(np.tile(np.arange(5), (2, 1)), dtype=np.float64)
     check_parity(LMBlock(cfg, 1, rng=0), [randn(2, 5, 16)], dict(rotary=rotary))
 
 
@@ -227,29 +239,34 @@ def test_lm_block():
 FAMILIES = {
     "llama": dict(),
     "llama_tied": dict(tie_word_embeddings=True, num_kv_heads=1),
-    "gpt2": dict(family="gpt2", norm="layernorm", norm_eps=1e-5, activation="gelu_tanh", mlp="plain",
-                 position="learned", num_kv_heads=4, attention_bias=True, output_bias=True,
-                 tie_word_embeddings=True, max_position_embeddings=16),
-    "mistral": dict(family="mistral", sliding_window=2, layer_types=("sliding_attention",) * 2),
-    "qwen2": dict(family="qwen2", attention_bias=True, sliding_window=3,
-                  layer_types=("full_attention", "sliding_attention")),
-    "qwen3": dict(family="qwen3", qk_norm=True, sliding_window=3, layer_types=("sliding_attention", "full_attention")),
-    "olmo2": dict(family="olmo2", qk_norm=True, qk_norm_scope="projection", pre_norm=False, post_norm=True,
-                  attention_bias=True, output_bias=True),
-    "smollm3": dict(family="smollm3", no_rope_layers=(1,), sliding_window=2,
-                    layer_types=("full_attention", "sliding_attention"), mlp_bias=True),
-    "gpt_neox": dict(family="gpt_neox", norm="layernorm", mlp="plain", activation="gelu", parallel_residual=True,
-                     partial_rotary_factor=0.5, attention_bias=True, output_bias=True, mlp_bias=True,
-                     num_kv_heads=4),
-    "gemma2": dict(family="gemma2", norm_offset=1.0, post_norm=True, embedding_scale=2.5, attention_scale=0.3,
-                   attn_logit_softcap=1.5, final_logit_softcap=2.0, activation="gelu_tanh", sliding_window=2,
-                   layer_types=("sliding_attention", "full_attention")),
-    "gemma3_text": dict(family="gemma3_text", norm_offset=1.0, post_norm=True, qk_norm=True, embedding_scale=1.5,
-                        sliding_rope_theta=7.0, sliding_window=2, layer_types=("sliding_attention", "full_attention")),
-    "phi3": dict(family="phi3", max_position_embeddings=32, partial_rotary_factor=0.5, head_dim=8,
-                 rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4,
-                               "short_factor": (1.0, 2.0), "long_factor": (3.0, 5.0)}),
-    "deepseek_v3": dict(family="deepseek_v3", num_kv_heads=4, head_dim=2, rope_interleaved=True,
+    "gpt2": dict(family="gpt2", activation="gelu_tanh", mlp="plain", num_kv_heads=4, tie_word_embeddings=True,
+                 max_position_embeddings=16, norm=NormConfig(kind="layernorm", eps=1e-5), rotary=None,
+                 attention=AttentionConfig(bias=True, output_bias=True)),
+    "mistral": dict(family="mistral", layer_types=("sliding_attention",) * 2,
+                    attention=AttentionConfig(sliding_window=2)),
+    "qwen2": dict(family="qwen2", layer_types=("full_attention", "sliding_attention"),
+                  attention=AttentionConfig(bias=True, sliding_window=3)),
+    "qwen3": dict(family="qwen3", layer_types=("sliding_attention", "full_attention"),
+                  attention=AttentionConfig(sliding_window=3, qk_norm="head")),
+    "olmo2": dict(family="olmo2", norm=NormConfig(placement="post"),
+                  attention=AttentionConfig(bias=True, output_bias=True, qk_norm="projection")),
+    "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
+                    rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),
+    "gpt_neox": dict(family="gpt_neox", mlp="plain", activation="gelu", mlp_bias=True, num_kv_heads=4,
+                     residual="parallel", norm=NormConfig(kind="layernorm"), rotary=RotaryConfig(partial_factor=0.5),
+                     attention=AttentionConfig(bias=True, output_bias=True)),
+    "gemma2": dict(family="gemma2", embedding_scale=2.5, final_logit_softcap=2.0, activation="gelu_tanh",
+                   layer_types=("sliding_attention", "full_attention"),
+                   norm=NormConfig(offset=1.0, placement="sandwich"),
+                   attention=AttentionConfig(scale=0.3, logit_softcap=1.5, sliding_window=2)),
+    "gemma3_text": dict(family="gemma3_text", embedding_scale=1.5, layer_types=("sliding_attention", "full_attention"),
+                        norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
+                        attention=AttentionConfig(sliding_window=2, qk_norm="head")),
+    "phi3": dict(family="phi3", max_position_embeddings=32, head_dim=8,
+                 rotary=RotaryConfig(partial_factor=0.5,
+                                     scaling={"rope_type": "longrope", "original_max_position_embeddings": 4,
+                               "short_factor": (1.0, 2.0), "long_factor": (3.0, 5.0)})),
+    "deepseek_v3": dict(family="deepseek_v3", num_kv_heads=4, head_dim=2, rotary=RotaryConfig(interleaved=True),
                         latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5, qk_nope_head_dim=3,
                                                      qk_rope_head_dim=2, v_head_dim=3, q_lora_rank=4,
                                                      attention_scale=0.4),
@@ -263,9 +280,9 @@ FAMILIES = {
                               shared_experts=SharedExpertsConfig(num_experts=4, num_experts_per_tok=2,
                                                                  expert_intermediate_size=3, num_shared_experts=2,
                                                                  normalize_weights=False)),
-    "gpt_oss": dict(family="gpt_oss", attention_sinks=True, attention_bias=True, output_bias=True, mlp="experts",
-                    num_experts=3, num_experts_per_tok=2, swiglu_limit=0.6, sliding_window=2,
-                    layer_types=("sliding_attention", "full_attention")),
+    "gpt_oss": dict(family="gpt_oss", mlp="experts", layer_types=("sliding_attention", "full_attention"),
+                    attention=AttentionConfig(sinks=True, bias=True, output_bias=True, sliding_window=2),
+                    experts=ExpertsConfig(num_experts=3, per_token=2, swiglu_limit=0.6)),
 }
 
 
@@ -274,7 +291,7 @@ def _larger_weights(lm, seed=4):
     rng = np.random.default_rng(seed)
     for name, p in lm.named_parameters():
         if name.endswith(("gamma", "q_norm", "k_norm")):
-            p[...] = 1.0 - lm.config.norm_offset + 0.3 * rng.standard_normal(p.shape)
+            p[...] = 1.0 - lm.config.norm.offset + 0.3 * rng.standard_normal(p.shape)
         else:
             p[...] = 0.4 * rng.standard_normal(p.shape)
     return lm

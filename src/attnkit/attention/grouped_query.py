@@ -33,7 +33,80 @@ from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
-__all__ = ["GroupedQueryAttention"]
+__all__ = ["GroupedQueryAttention", "QK_NORMS"]
+
+
+class NoQKNorm:
+    """Queries and keys as projected: the q/k normalisation of a layer without one."""
+
+    scope: str | None = None
+
+    def __init__(self, eps: float, offset: float) -> None:
+        self.eps, self.offset = eps, offset
+
+    def on_projection(self, attention, q: np.ndarray, k: np.ndarray):
+        """(q, k, saved) after the step on the whole projections (B, L, H*Dh)."""
+        return q, k, None
+
+    def on_heads(self, attention, q: np.ndarray, k: np.ndarray, saved):
+        """(q, k, saved) after the step on the heads (B, H, L, Dh)."""
+        return q, k, saved
+
+    def on_heads_backward(self, attention, dq: np.ndarray, dk: np.ndarray, saved):
+        """The input gradients of :meth:`on_heads` (the norm weights' go into ``attention.grads``)."""
+        return dq, dk
+
+    def on_projection_backward(self, attention, dq: np.ndarray, dk: np.ndarray, saved):
+        """The input gradients of :meth:`on_projection`."""
+        return dq, dk
+
+    def _forward(self, attention, q: np.ndarray, k: np.ndarray):
+        """RMS-normalise q and k over their last axis with the weights ``q_norm``, ``k_norm`` (+ ``offset``)."""
+        q, q_hat, q_rstd = rms_norm_forward(q, self._gain(attention, "q_norm"), self.eps)
+        k, k_hat, k_rstd = rms_norm_forward(k, self._gain(attention, "k_norm"), self.eps)
+        return q, k, (q_hat, q_rstd, k_hat, k_rstd)
+
+    def _backward(self, attention, dq: np.ndarray, dk: np.ndarray, saved):
+        q_hat, q_rstd, k_hat, k_rstd = saved
+        dq, grad_q_norm = rms_norm_backward(dq, q_hat, q_rstd, self._gain(attention, "q_norm"))
+        dk, grad_k_norm = rms_norm_backward(dk, k_hat, k_rstd, self._gain(attention, "k_norm"))
+        attention.grads["q_norm"] += grad_q_norm
+        attention.grads["k_norm"] += grad_k_norm
+        return dq, dk
+
+    def _gain(self, attention, name: str) -> np.ndarray:
+        """A q/k norm's weight plus the norm offset (Gemma's ``1 + weight``)."""
+        weight = attention._parameters[name]
+        return weight + weight.dtype.type(self.offset)
+
+
+class HeadQKNorm(NoQKNorm):
+    """RMSNorm of each head's Dh features, one weight per feature shared by the heads (Qwen3, Gemma 3)."""
+
+    scope = "head"
+
+    def on_heads(self, attention, q, k, saved):
+        return self._forward(attention, q, k)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
+
+    def on_heads_backward(self, attention, dq, dk, saved):
+        return self._backward(attention, dq, dk, saved)
+
+
+class ProjectionQKNorm(NoQKNorm):
+    """RMSNorm over the whole projections, Hq*Dh and Hkv*Dh weights (OLMo 2)."""
+
+    scope = "projection"
+
+    def on_projection(self, attention, q, k):
+        return self._forward(attention, q, k)  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
+
+    def on_projection_backward(self, attention, dq, dk, saved):
+        return self._backward(attention, dq, dk, saved)
+
+
+QK_NORMS = {None: NoQKNorm, "head": HeadQKNorm, "projection": ProjectionQKNorm}
+"""The q/k normalisation of each ``AttentionConfig.qk_norm``: where in the projection it acts, chosen when the
+layer is built."""
 
 
 class GroupedQueryAttention(Module):
@@ -42,8 +115,9 @@ class GroupedQueryAttention(Module):
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention_bias``,
-        ``output_bias``, ``rope_interleaved`` and the window of this layer (``config.window_of(layer_index)``).
+        Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention`` (biases, q/k norms,
+        scale, soft-cap, sinks), ``norm`` (the q/k norms' epsilon and offset) and this layer's window and
+        rotary (``config.window_of(layer_index)``, ``config.rotary_of(layer_index)``).
     layer_index : int
         Which layer this is (its window, and its entry in a :class:`~attnkit.decoding.cache.KVCache`).
     rng : numpy.random.Generator or int, optional
@@ -85,32 +159,36 @@ class GroupedQueryAttention(Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.num_groups = config.num_groups
         self.window = config.window_of(layer_index)
-        self.interleaved = config.rope_interleaved
+        # how far back a query sees: a decoding step within it needs no mask
+        self.reach = self.window or np.inf
+        rotary = config.rotary_of(layer_index)
+        self.uses_rotary = rotary is not None
+        self.interleaved = rotary is not None and rotary.interleaved
         gen = as_generator(rng)
         d, q_width, kv_width = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for name, shape in (("W_Q", (d, q_width)), ("W_K", (d, kv_width)), ("W_V", (d, kv_width)),
                             ("W_O", (q_width, d))):
             self.register_parameter(name, normal(gen, shape, std=0.02))
-        if config.attention_bias:
+        if config.attention.bias:
             for name, size in (("b_Q", q_width), ("b_K", kv_width), ("b_V", kv_width)):
                 self.register_parameter(name, np.zeros(size))
-        if config.output_bias:
+        if config.attention.output_bias:
             self.register_parameter("b_O", np.zeros(d))
         # the three projections side by side: one product makes q, k and v (one read per decoding step)
         self.fuse_parameters("W_QKV", ("W_Q", "W_K", "W_V"))
-        if config.attention_bias:
+        if config.attention.bias:
             self.fuse_parameters("b_QKV", ("b_Q", "b_K", "b_V"))
-        self.qk_norm, self.norm_eps, self.norm_offset = bool(config.qk_norm), config.norm_eps, config.norm_offset
-        self.scale = config.attention_scale  # None: head_dim ** -0.5
+        attention = config.attention
+        self.scale = attention.scale  # None: head_dim ** -0.5
         # The layer's score modifier (Gemma 2's soft-cap) and sinks go through flex attention (exact gradients).
         self.score_mod = config.score_mod_of(layer_index)
-        self.has_sinks = bool(config.attention_sinks)
+        self.has_sinks = attention.sinks
+        self._sink_names = ("sinks",) if self.has_sinks else ()
         if self.has_sinks:
             self.register_parameter("sinks", normal(gen, (self.num_heads,), std=0.02))
-        self.qk_norm_scope = config.qk_norm_scope
-        self.uses_rotary = config.rotary_of(layer_index)
-        if self.qk_norm:
-            whole = self.qk_norm_scope == "projection"
+        self.qk_norm = QK_NORMS[attention.qk_norm](config.norm.eps, config.norm.offset)
+        if attention.qk_norm is not None:
+            whole = attention.qk_norm == "projection"
             self.register_parameter("q_norm", np.ones(q_width if whole else self.head_dim))
             self.register_parameter("k_norm", np.ones(kv_width if whole else self.head_dim))
 
@@ -147,22 +225,10 @@ class GroupedQueryAttention(Module):
             q = linear(x, p["W_Q"], p.get("b_Q"))  # (B, L, Hq*Dh)
             k = linear(x, p["W_K"], p.get("b_K"))  # (B, L, Hkv*Dh)
             v = self._heads(linear(x, p["W_V"], p.get("b_V")), self.num_kv_heads)  # (B, Hkv, L, Dh)
-        normed = None
-        if self.qk_norm and self.qk_norm_scope == "projection":
-            q, q_hat, q_rstd = rms_norm_forward(q, self._gain("q_norm"), self.norm_eps)  # (B, L, Hq*Dh)
-            k, k_hat, k_rstd = rms_norm_forward(k, self._gain("k_norm"), self.norm_eps)  # (B, L, Hkv*Dh)
-            normed = (q_hat, q_rstd, k_hat, k_rstd)
+        q, k, normed = self.qk_norm.on_projection(self, q, k)  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
         q, k = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads)  # (B, H, L, Dh)
-        if self.qk_norm and self.qk_norm_scope == "head":
-            q, q_hat, q_rstd = rms_norm_forward(q, self._gain("q_norm"), self.norm_eps)  # (B, Hq, L, Dh)
-            k, k_hat, k_rstd = rms_norm_forward(k, self._gain("k_norm"), self.norm_eps)  # (B, Hkv, L, Dh)
-            normed = (q_hat, q_rstd, k_hat, k_rstd)
+        q, k, normed = self.qk_norm.on_heads(self, q, k, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
         return q, k, v, normed
-
-    def _gain(self, name: str) -> np.ndarray:
-        """A q/k norm's weight plus the config's ``norm_offset`` (Gemma's ``1 + weight``)."""
-        weight = self._parameters[name]
-        return weight + weight.dtype.type(self.norm_offset) if self.norm_offset else weight
 
     def _check_mask(self, attention_mask, batch: int, seq_k: int) -> np.ndarray | None:
         mask = as_bool_mask(attention_mask, "attention_mask", allow_int=True)
@@ -187,8 +253,6 @@ class GroupedQueryAttention(Module):
         hooked = self._hook_table is not None
         if hooked:
             q, k, v = (hook_heads(self, name, t) for name, t in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
-        if not self.uses_rotary:  # a NoPE layer of a rotary model
-            rotary = None
         if rotary is not None:
             cos, sin = rotary
             q = _rotary.rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
@@ -229,7 +293,7 @@ class GroupedQueryAttention(Module):
         """
         b, _, length, _ = q.shape
         seq_k = k.shape[2]
-        if length == 1 and key_mask is None and (not self.window or self.window >= seq_k):
+        if length == 1 and key_mask is None and self.reach >= seq_k:
             block_mask = None  # one query after every key it may see (a decoding step): nothing to hide
         else:
             mask = sliding_window_mask(self.window, offset=seq_k - length) if self.window else \
@@ -270,8 +334,8 @@ class GroupedQueryAttention(Module):
             dq, dk, dv = fixed_weights_backward(grad_out, ctx)  # (B, H, L, Dh)
         else:
             dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
-            if self.has_sinks:
-                self.grads["sinks"] += dsinks[0]
+            for name, grad in zip(self._sink_names, dsinks):
+                self.grads[name] += grad
         if rotary is not None:
             if hooked:
                 dq, dk = hook_heads_backward(self, "hook_rot_q", dq), hook_heads_backward(self, "hook_rot_k", dk)
@@ -281,26 +345,15 @@ class GroupedQueryAttention(Module):
         if hooked:
             dq, dk, dv = (hook_heads_backward(self, name, d) for name, d in (("hook_q", dq), ("hook_k", dk),
                                                                              ("hook_v", dv)))
-        if normed is not None and self.qk_norm_scope == "head":
-            dq, dk = self._norm_backward(dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
+        dq, dk = self.qk_norm.on_heads_backward(self, dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
         dq, dk, dv = (d.transpose(0, 2, 1, 3).reshape(b, length, -1) for d in (dq, dk, dv))  # (B, L, H*Dh)
-        if normed is not None and self.qk_norm_scope == "projection":
-            dq, dk = self._norm_backward(dq, dk, normed)  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
+        dq, dk = self.qk_norm.on_projection_backward(self, dq, dk, normed)  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
         grad_x = np.zeros_like(x)
         for name, flat in (("Q", dq), ("K", dk), ("V", dv)):
             gx, grad_w, grad_b = linear_backward(flat, x, p[f"W_{name}"], f"b_{name}" in p)  # (B, L, D)
             self._accumulate(name, grad_w, grad_b)
             grad_x += gx
         return grad_x
-
-    def _norm_backward(self, dq: np.ndarray, dk: np.ndarray, normed: tuple) -> tuple[np.ndarray, np.ndarray]:
-        """Input gradients of the query and key norms (in the layout they ran in); weights' into ``grads``."""
-        q_hat, q_rstd, k_hat, k_rstd = normed
-        dq, grad_q_norm = rms_norm_backward(dq, q_hat, q_rstd, self._gain("q_norm"))
-        dk, grad_k_norm = rms_norm_backward(dk, k_hat, k_rstd, self._gain("k_norm"))
-        self.grads["q_norm"] += grad_q_norm
-        self.grads["k_norm"] += grad_k_norm
-        return dq, dk
 
     def _accumulate(self, name: str, grad_w: np.ndarray, grad_b: np.ndarray | None) -> None:
         self.grads[f"W_{name}"] += grad_w

@@ -136,11 +136,11 @@ def _weights_read_per_token(lm: Any) -> int:
     total = sum(p.nbytes for p in lm.parameters())
     if not lm.config.tie_word_embeddings:
         total -= lm.embed.weight.nbytes  # the head is separate: the table gives one row
-    if lm.rotary is None:
+    if lm.config.rotary is None:
         total -= lm.pos_embed.weight.nbytes
     config = lm.config
     if config.mlp == "experts":  # a token reads only its k experts of E
-        unused = 1 - config.num_experts_per_tok / config.num_experts
+        unused = 1 - config.experts.per_token / config.experts.num_experts
         for layer in lm.layers:
             total -= int(unused * sum(getattr(layer.mlp, name).nbytes
                                       for name in ("W_gate", "W_up", "W_down", "b_gate", "b_up", "b_down")))

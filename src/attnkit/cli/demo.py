@@ -8,7 +8,6 @@ that trains, prints and writes into the checked output folder ``out``. Adding a 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -251,7 +250,7 @@ def run_addition_task(args: argparse.Namespace, out: Path) -> int:
         print(f"  {printable(line)}")
     save_figure(plot_training_curve(result.losses, title="attnkit demo: addition, training loss"), out / "loss.png")
     result.model.save(out / "model.npz")
-    atomic_write(out / "config.json", lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=2).encode()))
+    atomic_write(out / "config.json", lambda f: f.write(json.dumps(cfg.to_dict(), indent=2).encode()))
     print(f"wrote {printable(out / 'loss.png')} (training loss)")
     print(f"wrote {printable(out / 'model.npz')} and {printable(out / 'config.json')} (the DecoderConfig)")
     print(f"explain an answer with: attnkit explain {printable(out)} --prompt \"07+35=\" --html add.html")

@@ -221,7 +221,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     else:
         prompt = prompt_ids(args, tokenizer, config)
     max_new = args.max_new_tokens
-    if config.position == "learned":  # a learned position table cannot go past its last row
+    if config.rotary is None:  # a learned position table cannot go past its last row
         max_new = min(max_new, config.max_position_embeddings - len(prompt))
     beams = options.get("num_beams", 1)
     _check_stops(options, model.generation_config.stop_strings, tokenizer, beams)

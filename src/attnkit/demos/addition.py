@@ -224,9 +224,10 @@ def load_model(path: str | Path) -> CausalLM:
     if not is_addition_folder(folder):
         raise ValueError(f"{str(folder)!r} is not a folder written by 'attnkit demo --task addition' (model.npz "
                          f"and config.json with a {VOCAB}-token vocabulary)")
-    fields = read_json(folder / "config.json")
-    known = {f.name for f in dataclasses.fields(DecoderConfig)}
-    config = DecoderConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items() if k in known})
+    try:
+        config = DecoderConfig.from_dict(read_json(folder / "config.json"))
+    except TypeError as err:
+        raise ValueError(f"{str(folder / 'config.json')!r} is not a DecoderConfig: {err}") from None
     model = CausalLM(config, rng=0)
     model.load(folder / "model.npz")
     return model

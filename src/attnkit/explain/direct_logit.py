@@ -85,7 +85,7 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
         raise ValueError(f"target must be a token id in [0, {cfg.vocab_size}) or one per row ({b},), got {target!r}")
     targets = np.broadcast_to(targets, (b,))
     n, heads, dh = cfg.num_layers, cfg.num_heads, cfg.head_dim
-    learned = model.rotary is None
+    learned = cfg.rotary is None
     final = f"blocks.{n - 1}.hook_resid_post"  # the final norm's input
     names = ["hook_embed", *(["hook_pos_embed"] if learned else []), final]
     names += [f"blocks.{i}.{p}" for i in range(n) for p in ("attn.hook_z", "hook_mlp_out")]
@@ -107,7 +107,7 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
         w_o = attention.W_O.reshape(heads, dh, cfg.hidden_size)  # (H, Dh, D)
         per_head = np.einsum("bhk,hkd->bhd", z, w_o)  # (B, H, D)
         b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(cfg.hidden_size, scale.dtype)
-        if layer.post_norm:  # attention output -> its post-norm, frozen at the output the run made
+        if cfg.norm.after:  # attention output -> its post-norm, frozen at the output the run made
             post_scale, _, _ = _frozen_norm(layer.attn_post_norm, per_head.sum(axis=1) + b_o)  # (B, D)
             per_head = per_head * post_scale[:, None]  # (B, H, D)
             b_o = b_o * post_scale  # (B, D)

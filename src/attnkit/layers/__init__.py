@@ -24,8 +24,9 @@ from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from .gated_mlp import GatedMLP
+from .identity import Identity
 from .layer_norm import LayerNorm
-from .lm_block import LMBlock
+from .lm_block import LMBlock, ParallelLMBlock
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .projection import Projection
 from .rms_norm import RMSNorm
@@ -37,5 +38,6 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "MixtureOfExperts", "RotaryEmbedding", "LMBlock", "GatedDeltaNet", "GatedDeltaNetCache",
+    "RMSNorm", "GatedMLP", "MixtureOfExperts", "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity",
+    "GatedDeltaNet", "GatedDeltaNetCache",
 ]

@@ -27,8 +27,8 @@ class MixtureOfExperts(Module):
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size``, ``intermediate_size``, ``num_experts``, ``num_experts_per_tok``,
-        ``swiglu_alpha`` and ``swiglu_limit``.
+        Reads ``hidden_size``, ``intermediate_size`` and ``experts`` (an
+        :class:`~attnkit.models.config.ExpertsConfig`).
     rng : numpy.random.Generator or int, optional
         Source of the ``N(0, 0.02^2)`` initial weights (expert biases start at zero, router bias too).
 
@@ -43,10 +43,10 @@ class MixtureOfExperts(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, ExpertsConfig
     >>> cfg = DecoderConfig(family="gpt_oss", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="experts", num_experts=3,
-    ...                     num_experts_per_tok=2)
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="experts",
+    ...                     experts=ExpertsConfig(num_experts=3, per_token=2))
     >>> moe = MixtureOfExperts(cfg, rng=0)
     >>> y = moe(np.ones((2, 3, 4)))
     >>> y.shape, moe.backward(np.ones_like(y)).shape, moe.W_gate.shape
@@ -56,8 +56,9 @@ class MixtureOfExperts(Module):
     def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
-        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
-        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        experts = config.experts
+        self.num_experts, self.top_k = experts.num_experts, experts.per_token
+        self.alpha, self.limit = float(experts.swiglu_alpha), float(experts.swiglu_limit)
         gen = as_generator(rng)
         d, f, e = self.hidden_size, self.intermediate_size, self.num_experts
         self.register_parameter("W_router", normal(gen, (d, e), std=0.02))

@@ -1,4 +1,4 @@
-"""``RotaryEmbedding``: the cos/sin tables of a decoder's rotary position embedding, from its config.
+"""``RotaryEmbedding``: the cos/sin tables of a decoder's rotary position embedding, from its rotary part.
 
 Dimension letters: B batch, L positions, R rotated features per head (``head_dim * partial_rotary_factor``).
 """
@@ -19,9 +19,13 @@ class RotaryEmbedding(Module):
 
     Parameters
     ----------
-    config : DecoderConfig
-        Reads ``head_dim``, ``partial_rotary_factor``, ``rope_theta``, ``rope_scaling``, ``rope_interleaved``
-        and ``max_position_embeddings``.
+    rotary : RotaryConfig
+        The base, scaling, layout and rotated fraction (a :class:`~attnkit.models.DecoderConfig`'s ``rotary``, or
+        its ``rotary_of(layer)``).
+    head_dim : int
+        Dh; ``head_dim * rotary.partial_factor`` features are rotated.
+    max_position_embeddings : int
+        The context the tables must stay finite over (and the scalings' original context where they need one).
 
     Shapes
     ------
@@ -43,26 +47,24 @@ class RotaryEmbedding(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
-    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=2, head_dim=4, intermediate_size=8)
-    >>> cos, sin = RotaryEmbedding(cfg)(np.array([[0, 1]]))
+    >>> from attnkit.models import RotaryConfig
+    >>> cos, sin = RotaryEmbedding(RotaryConfig(), head_dim=4, max_position_embeddings=8)(np.array([[0, 1]]))
     >>> cos.shape, cos[0, 0].tolist(), round(float(sin[0, 1, 0]), 4)
     ((1, 2, 4), [1.0, 1.0, 1.0, 1.0], 0.8415)
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, rotary, head_dim: int, max_position_embeddings: int) -> None:
         super().__init__()
-        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
-        self.theta = config.rope_theta
-        self.scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
-        self.interleaved = config.rope_interleaved
-        self.max_position_embeddings = config.max_position_embeddings
+        self.rotary_dim = int(head_dim * rotary.partial_factor)
+        self.theta = rotary.theta
+        self.scaling = None if rotary.scaling is None else dict(rotary.scaling)
+        self.interleaved = rotary.interleaved
+        self.max_position_embeddings = max_position_embeddings
         with np.errstate(all="ignore"):  # overflowing frequencies are refused below, by what they make
             self.inv_freq, self.attention_factor = _rotary.rotary_frequencies(
                 self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings)
         # dynamic and longrope frequencies depend on the longest position of the call
-        self.dynamic = config.rope_type in ("dynamic", "longrope")
+        self.dynamic = rotary.kind in ("dynamic", "longrope")
         self._refuse_overflowing_tables()
 
     def _refuse_overflowing_tables(self) -> None:

@@ -7,9 +7,18 @@
 - :class:`Seq2SeqTransformer`: embeddings + encoder-decoder Transformer + head, with greedy and beam search.
 """
 from .causal_lm import CausalLM
-from .config import DecoderConfig, Seq2SeqConfig, TokenTaggerConfig
+from .config import (
+    AttentionConfig,
+    DecoderConfig,
+    ExpertsConfig,
+    NormConfig,
+    RotaryConfig,
+    Seq2SeqConfig,
+    TokenTaggerConfig,
+)
 from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
+__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "ExpertsConfig", "NormConfig", "RotaryConfig",
+           "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,7 @@ from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
 from ..layers.embedding import Embedding
-from ..layers.lm_block import LMBlock, make_norm
+from ..layers.lm_block import make_block, make_norm
 from ..layers.rotary import RotaryEmbedding
 from .config import DecoderConfig
 
@@ -100,23 +99,30 @@ class CausalLM(Module):
         self.config = config
         gen = as_generator(rng)
         self.embed = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
-        if config.position == "learned":
-            self.pos_embed = Embedding(config.max_position_embeddings, config.hidden_size, rng=gen, std=0.01)
-            self.rotary = None
-        else:
-            self.rotary = RotaryEmbedding(config)
-        # Gemma 3's sliding layers rotate with a base (and scaling) of their own.
-        self.sliding_rotary = None
-        if config.position == "rotary" and config.sliding_rope_theta is not None:
-            self.sliding_rotary = RotaryEmbedding(replace(config, rope_theta=config.sliding_rope_theta,
-                                                          rope_scaling=config.sliding_rope_scaling))
-        self.layers = ModuleList([LMBlock(config, i, rng=gen) for i in range(config.num_layers)])
+        # the learned position tables added to the token embeddings: GPT-2's one, or none
+        self.position_tables = ("pos_embed",) if config.rotary is None else ()
+        for name in self.position_tables:
+            setattr(self, name, Embedding(config.max_position_embeddings, config.hidden_size, rng=gen, std=0.01))
+        # One table of each rotary the layers use (Gemma 3's sliding layers rotate with a base of their own; a
+        # NoPE layer with none): self.rotary, self.sliding_rotary, and which of them each layer reads.
+        rotaries = [config.rotary_of(i) for i in range(config.num_layers)]
+        self.rotary = self.sliding_rotary = None
+        tables = {}
+        for name, rotary in (("rotary", config.rotary),
+                             ("sliding_rotary", None if config.rotary is None else config.rotary.sliding())):
+            if rotary is not None and rotary in rotaries and rotary not in tables.values():
+                setattr(self, name, RotaryEmbedding(rotary, config.head_dim, config.max_position_embeddings))
+                tables[name] = rotary
+        self.layer_rotary = tuple(next((name for name, r in tables.items() if r == rotary), None)
+                                  for rotary in rotaries)
+        self.layers = ModuleList([make_block(config, i, rng=gen) for i in range(config.num_layers)])
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
         # A decoding step's head product is one row against the (V, D) head: stored column-major, its
         # transpose (D, V) is the contiguous array, which a matrix-vector product streams fastest.
-        (self.embed if config.tie_word_embeddings else self.head).store_column_major("weight")
+        self.head_owner = "embed" if config.tie_word_embeddings else "head"
+        getattr(self, self.head_owner).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config = GenerationConfig()
 
@@ -129,7 +135,7 @@ class CausalLM(Module):
         """``hook_embed`` (B, L, D): the token embeddings times ``embedding_scale``; ``hook_pos_embed`` (B, L, D)
         the learned position embeddings (models with them); ``ln_final.hook_normalized`` (B, L, D) the final
         norm's output. The blocks' and attentions' points are in :meth:`named_hook_points`."""
-        learned = ("hook_pos_embed",) if self.rotary is None else ()
+        learned = tuple(f"hook_{name}" for name in self.position_tables)
         return ("hook_embed", *learned, "ln_final.hook_normalized")
 
     def named_hook_points(self) -> list[tuple[str, Module, str]]:
@@ -148,7 +154,7 @@ class CausalLM(Module):
     @property
     def head_weight(self) -> np.ndarray:
         """The (V, D) matrix the logits are taken against (the embedding when tied)."""
-        return self.embed.weight if self.config.tie_word_embeddings else self.head.weight
+        return getattr(self, self.head_owner).weight
 
     @property
     def dtype(self) -> np.dtype:
@@ -162,10 +168,10 @@ class CausalLM(Module):
         Keys cached at or below it hold the short-factor rotation, so generation runs the whole sequence again
         once, when it first grows past this length (as ``transformers`` does).
         """
-        scaling = self.config.rope_scaling
-        if self.config.position != "rotary" or scaling is None or scaling.get("rope_type") != "longrope":
+        rotary = self.config.rotary
+        if rotary is None or rotary.kind != "longrope":
             return None
-        return int(scaling["original_max_position_embeddings"])
+        return int(rotary.scaling["original_max_position_embeddings"])
 
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache | LatentCache:
         """An empty :class:`~attnkit.decoding.cache.KVCache` for this model (ring buffers for sliding layers), or
@@ -207,7 +213,7 @@ class CausalLM(Module):
                 raise ValueError(f"position_ids must be non-negative integers of shape ({b}, {length}), got "
                                  f"shape {positions.shape} and dtype {positions.dtype}")
         too_far = positions.size and positions.max() >= self.config.max_position_embeddings
-        if self.config.position == "learned" and too_far:
+        if self.config.rotary is None and too_far:
             raise ValueError(f"position {int(positions.max())} is past the model's max_position_embeddings = "
                              f"{self.config.max_position_embeddings}")
         return ids, mask, positions
@@ -297,20 +303,15 @@ class CausalLM(Module):
         given) are appended to ``weights`` if given, each layer's output (a copy) to ``states`` if given. With
         ``last_layer`` the blocks after it do not run (and the result is that block's output, not normed)."""
         h = self.embed(ids)  # (B, L, D)
-        if self.config.embedding_scale != 1.0:
-            h = h * h.dtype.type(self.config.embedding_scale)  # (B, L, D)
+        h = h * h.dtype.type(self.config.embedding_scale)  # (B, L, D); a scale of 1 changes no bit
         h = self.hook_point("hook_embed", h)
-        sliding = None
-        if self.rotary is None:
-            h = h + self.hook_point("hook_pos_embed", self.pos_embed(positions))  # (B, L, D)
-            rotary = None
-        else:
-            rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
-            if self.sliding_rotary is not None:
-                sliding = self.sliding_rotary(positions, dtype=h.dtype)  # (B, L, R) each
+        for name in self.position_tables:
+            h = h + self.hook_point(f"hook_{name}", getattr(self, name)(positions))  # (B, L, D)
+        tables = {name: getattr(self, name)(positions, dtype=h.dtype)  # (B, L, R) each
+                  for name in set(self.layer_rotary) - {None}}
         layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
         for index, layer in enumerate(self.layers):
-            layer_rotary = rotary if sliding is None or self.config.window_of(index) is None else sliding
+            layer_rotary = tables.get(self.layer_rotary[index])
             if weights is None or (weight_layers is not None and index not in weight_layers):
                 h = layer(h, rotary=layer_rotary, attention_mask=layer_mask, cache=cache)  # (B, L, D)
             else:
@@ -338,7 +339,7 @@ class CausalLM(Module):
             g = g * (1 - capped * capped)  # (B, L, V): d(C tanh(z / C)) / dz
         flat_g = g.reshape(-1, g.shape[-1])  # (B*L, V)
         weight = self.head_weight.astype(h.dtype, copy=False)
-        owner = self.embed if self.config.tie_word_embeddings else self.head
+        owner = getattr(self, self.head_owner)
         owner.grads["weight"] += flat_g.T @ h.reshape(-1, h.shape[-1])  # (V, D)
         grad_h = (flat_g @ weight).reshape(h.shape)  # (B, kept, D)
         if h.shape[1] != length:  # positions without logits get no gradient from the head
@@ -347,11 +348,10 @@ class CausalLM(Module):
         grad_h = self.norm.backward(self.hook_backward("ln_final.hook_normalized", grad_h))
         for layer in reversed(list(self.layers)):
             grad_h = layer.backward(grad_h)  # (B, L, D)
-        if self.rotary is None:
-            self.pos_embed.backward(self.hook_backward("hook_pos_embed", grad_h))
+        for name in self.position_tables:
+            getattr(self, name).backward(self.hook_backward(f"hook_{name}", grad_h))
         grad_h = self.hook_backward("hook_embed", grad_h)
-        if self.config.embedding_scale != 1.0:
-            grad_h = grad_h * grad_h.dtype.type(self.config.embedding_scale)  # (B, L, D)
+        grad_h = grad_h * grad_h.dtype.type(self.config.embedding_scale)  # (B, L, D)
         self.embed.backward(grad_h)
         return grad_h
 

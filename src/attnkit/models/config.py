@@ -10,8 +10,9 @@ MLP, which positions, how many key/value heads, which layers use a sliding windo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .._validation import check_positive_int
@@ -21,14 +22,19 @@ from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
 from ..layers.shared_experts import SharedExpertsConfig
 
-__all__ = ["DecoderConfig", "Seq2SeqConfig", "TokenTaggerConfig", "ROPE_TYPES"]
+__all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
+           "TokenTaggerConfig", "ROPE_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-_QK_NORM_SCOPES = ("head", "projection")
 
 
 _MAX_SIZE = 2**31 - 1  # no real model comes near it; beyond it a size could only allocate without end
 _MAX_LAYERS = 2**20  # one (tiny) entry per layer is built before a checkpoint is read
+
+
+def _check_choice(value: Any, name: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def _finite_positive(value: Any, name: str) -> float:
@@ -37,9 +43,253 @@ def _finite_positive(value: Any, name: str) -> float:
     return float(value)
 
 
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_flag(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_scaling(scaling: Any, name: str) -> None:
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise TypeError(f"{name} must be a dict or None, got {type(scaling).__name__}")
+    kind = scaling.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{name}['rope_type'] must be one of {', '.join(ROPE_TYPES)}, got {kind!r}")
+
+
+@dataclass(frozen=True)
+class RotaryConfig:
+    """Rotary position embeddings: how queries and keys are rotated (a part of :class:`DecoderConfig`).
+
+    Parameters
+    ----------
+    theta : float, default 10000.0
+        The rotary base.
+    scaling : dict, optional
+        Frequency scaling, normalised to Hugging Face's keys with ``"rope_type"`` one of
+        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"``, ``"longrope"`` (``None`` =
+        ``"default"``).
+    interleaved : bool, default False
+        Rotate pairs ``(x0, x1), (x2, x3), ...`` instead of ``(x_i, x_{i + Dh/2})`` (half-split, the layout of
+        Hugging Face checkpoints).
+    partial_factor : float, default 1.0
+        Fraction of each head's features that are rotated, in (0, 1].
+    skip_layers : tuple of int, default ()
+        Layers whose attention has no rotary embedding (SmolLM3's NoPE layers).
+    sliding_theta : float, optional
+        The base of the sliding-window layers when it differs from ``theta`` (Gemma 3); ``sliding_scaling``
+        (a normalised scaling dict or None) goes with it.
+    sliding_scaling : dict, optional
+
+    Examples
+    --------
+    >>> RotaryConfig(theta=1e6).kind, RotaryConfig(scaling={"rope_type": "yarn", "factor": 4.0}).kind
+    ('default', 'yarn')
+    """
+
+    theta: float = 10000.0
+    scaling: dict | None = None
+    interleaved: bool = False
+    partial_factor: float = 1.0
+    skip_layers: tuple[int, ...] = ()
+    sliding_theta: float | None = None
+    sliding_scaling: dict | None = None
+
+    def __post_init__(self) -> None:
+        _finite_positive(self.theta, "rotary.theta")
+        factor = _finite_positive(self.partial_factor, "rotary.partial_factor")
+        if factor > 1.0:
+            raise ValueError(f"rotary.partial_factor must be in (0, 1], got {factor}")
+        _check_flag(self.interleaved, "rotary.interleaved")
+        _check_scaling(self.scaling, "rotary.scaling")
+        _check_scaling(self.sliding_scaling, "rotary.sliding_scaling")
+        if self.sliding_theta is not None:
+            _finite_positive(self.sliding_theta, "rotary.sliding_theta")
+        elif self.sliding_scaling is not None:
+            raise ValueError("rotary.sliding_scaling needs rotary.sliding_theta")
+        skip = tuple(self.skip_layers)
+        valid = all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in skip)
+        if not valid or len(set(skip)) != len(skip):
+            raise ValueError(f"rotary.skip_layers must hold distinct non-negative layer indices, got {skip}")
+        object.__setattr__(self, "skip_layers", tuple(sorted(skip)))
+
+    @property
+    def kind(self) -> str:
+        """The frequency scaling in use (``"default"`` when none)."""
+        return "default" if self.scaling is None else self.scaling.get("rope_type", "default")
+
+    def sliding(self) -> RotaryConfig:
+        """The rotary of the sliding-window layers: ``sliding_theta`` and ``sliding_scaling`` in place of
+        ``theta`` and ``scaling`` (itself when the layers share one)."""
+        if self.sliding_theta is None:
+            return self
+        return replace(self, theta=self.sliding_theta, scaling=self.sliding_scaling, sliding_theta=None,
+                       sliding_scaling=None)
+
+
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """The normalisation of the residual branches (a part of :class:`DecoderConfig`).
+
+    Parameters
+    ----------
+    kind : {"rmsnorm", "layernorm"}, default "rmsnorm"
+    eps : float, default 1e-6
+    offset : float, default 0.0
+        Added to every RMSNorm gain (Gemma's ``1 + weight``: 1.0).
+    placement : {"pre", "post", "sandwich"}, default "pre"
+        ``pre``: each branch's input is normalised (``attn_norm``, ``mlp_norm``); ``post``: each branch's output,
+        before the residual add (``attn_post_norm``, ``mlp_post_norm``; OLMo 2); ``sandwich``: both (Gemma).
+
+    Examples
+    --------
+    >>> NormConfig(placement="sandwich").before, NormConfig(placement="post").before
+    (True, False)
+    """
+
+    kind: str = "rmsnorm"
+    eps: float = 1e-6
+    offset: float = 0.0
+    placement: str = "pre"
+
+    def __post_init__(self) -> None:
+        _check_choice(self.kind, "norm.kind", ("rmsnorm", "layernorm"))
+        _check_choice(self.placement, "norm.placement", NORM_PLACEMENTS)
+        _finite_positive(self.eps, "norm.eps")
+        _finite(self.offset, "norm.offset")
+        if self.offset and self.kind != "rmsnorm":
+            raise ValueError(f"norm.offset ({self.offset}) is an RMSNorm gain's offset; norm.kind is {self.kind!r}")
+
+    @property
+    def before(self) -> bool:
+        """Whether each branch's input is normalised."""
+        return self.placement != "post"
+
+    @property
+    def after(self) -> bool:
+        """Whether each branch's output is normalised before the residual add."""
+        return self.placement != "pre"
+
+
+QK_NORMS = ("head", "projection")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The self-attention of every layer (a part of :class:`DecoderConfig`); the sizes of its heads are the
+    decoder's.
+
+    Parameters
+    ----------
+    bias : bool, default False
+        Biases on the query, key and value projections.
+    output_bias : bool, default False
+        Bias on the output projection.
+    qk_norm : {None, "head", "projection"}, default None
+        RMS-normalise queries and keys with learned weights (``q_norm``, ``k_norm``) before the rotary
+        embedding: ``head``, over each head's Dh features, one weight per feature shared by the heads (Qwen3);
+        ``projection``, over the whole projection, Hq*Dh and Hkv*Dh weights (OLMo 2).
+    scale : float, optional
+        The factor of ``q k^T`` (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+    logit_softcap : float, optional
+        C: scores become ``C * tanh(scores / C)`` before the mask and softmax (Gemma 2).
+    sinks : bool, default False
+        Every query head has a learned sink logit ``sinks`` (Hq,) that joins its softmax and takes weight from
+        the keys without contributing a value (gpt-oss).
+    sliding_window : int, optional
+        W, the keys a sliding-window layer sees (itself included); the decoder's ``layer_types`` say which.
+
+    Examples
+    --------
+    >>> AttentionConfig(logit_softcap=50.0).score_mod().cap
+    50.0
+    """
+
+    bias: bool = False
+    output_bias: bool = False
+    qk_norm: str | None = None
+    scale: float | None = None
+    logit_softcap: float | None = None
+    sinks: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("bias", "output_bias", "sinks"):
+            _check_flag(getattr(self, name), f"attention.{name}")
+        if self.qk_norm is not None:
+            _check_choice(self.qk_norm, "attention.qk_norm", QK_NORMS)
+        for name in ("scale", "logit_softcap"):
+            if getattr(self, name) is not None:
+                _finite_positive(getattr(self, name), f"attention.{name}")
+        if self.sliding_window is not None:
+            check_positive_int(self.sliding_window, "attention.sliding_window", maximum=_MAX_SIZE)
+
+    def score_mod(self) -> ScoreMod | None:
+        """The :mod:`attnkit.flex` score modifier of the scores (Gemma 2's soft-cap), or None for plain scores."""
+        return None if self.logit_softcap is None else softcap(self.logit_softcap)
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """A routed mixture of clamped-SwiGLU experts in the MLP's place (gpt-oss; a part of :class:`DecoderConfig`).
+
+    Parameters
+    ----------
+    num_experts : int
+        E, the experts of each layer.
+    per_token : int
+        k <= E, the experts the router picks per token (softmax over their k router logits).
+    swiglu_alpha, swiglu_limit : float, default 1.702 and 7.0
+        The clamped SwiGLU: ``gate`` clamped above at ``limit``, ``up`` to ``[-limit, limit]``,
+        ``(up + 1) * gate * sigmoid(alpha * gate)``.
+
+    Examples
+    --------
+    >>> ExpertsConfig(num_experts=4, per_token=2).swiglu_limit
+    7.0
+    """
+
+    num_experts: int
+    per_token: int
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.num_experts, "experts.num_experts", maximum=_MAX_SIZE)
+        check_positive_int(self.per_token, "experts.per_token", maximum=_MAX_SIZE)
+        if self.per_token > self.num_experts:
+            raise ValueError(f"experts.per_token ({self.per_token}) must be at most experts.num_experts "
+                             f"({self.num_experts})")
+        _finite_positive(self.swiglu_alpha, "experts.swiglu_alpha")
+        _finite_positive(self.swiglu_limit, "experts.swiglu_limit")
+
+
+MLP_KINDS = ("gated", "plain", "experts")
+RESIDUALS = ("sequential", "parallel")
+# DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
+_PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
+          "latent": LatentAttentionConfig, "shared_experts": SharedExpertsConfig}
+_OPTIONAL_PARTS = ("rotary", "experts", "latent", "shared_experts")
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Architecture of a decoder-only Transformer language model.
+    """Architecture of a decoder-only Transformer language model: sizes, and the parts a block is made of.
+
+    The sizes are flat fields; each kind of part (positions, norms, attention, experts) is a small frozen
+    dataclass of its own, validated when it is made, and the checks that join them (the rotated features are
+    even, sliding layers have a window, experts go with ``mlp="experts"``) are made here, once. Combinations
+    no architecture has (a block without norms, projection-wide q/k norms without q/k norms) cannot be written.
 
     Parameters
     ----------
@@ -61,76 +311,32 @@ class DecoderConfig:
         Dh, features per head (``hidden_size // num_heads`` in most checkpoints, but not required).
     intermediate_size : int
         F, the hidden width of the MLP.
-    max_position_embeddings : int
+    max_position_embeddings : int, default 2048
         The longest context the model was trained for (the size of GPT-2's position table).
-    norm : {"layernorm", "rmsnorm"}
-    norm_eps : float
-    activation : {"silu", "gelu", "gelu_tanh", "relu"}
-    mlp : {"gated", "plain", "experts"}
+    activation : {"silu", "gelu", "gelu_tanh", "relu"}, default "silu"
+    mlp : {"gated", "plain", "experts"}, default "gated"
         ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for silu); ``plain``: ``act(x W1 + b1) W2 + b2``;
-        ``experts``: a routed mixture of clamped-SwiGLU experts (see ``num_experts``).
-    position : {"rotary", "learned"}
-        Rotary embeddings on queries and keys, or a learned absolute position table added to the input.
-    rope_theta : float
-        The rotary base.
-    rope_scaling : dict, optional
-        Frequency scaling, normalised to Hugging Face's keys with ``"rope_type"`` one of
-        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"``, ``"longrope"`` (``None`` =
-        ``"default"``).
-    rope_interleaved : bool
-        Rotate pairs ``(x0, x1), (x2, x3), ...`` (interleaved) instead of ``(x_i, x_{i + Dh/2})`` (half-split,
-        the layout of Hugging Face checkpoints).
-    partial_rotary_factor : float
-        Fraction of each head's features that are rotated (1.0 = all).
-    attention_bias : bool
-        Biases on the query, key and value projections.
-    output_bias : bool
-        Bias on the attention output projection.
-    mlp_bias : bool
-        Biases in the MLP (gated MLPs; a plain MLP always has them).
-    qk_norm : bool
-        RMS-normalise queries and keys with learned weights (``q_norm``, ``k_norm``) before the rotary
-        embedding.
-    qk_norm_scope : {"head", "projection"}
-        ``head``: over each head's Dh features, one weight per feature shared by the heads (Qwen3);
-        ``projection``: over the whole projection, Hq*Dh (queries) and Hkv*Dh (keys) weights (OLMo 2).
-    pre_norm : bool
-        Normalise the input of the attention and of the MLP (``attn_norm``, ``mlp_norm``).
-    post_norm : bool
-        Normalise the output of the attention and of the MLP before the residual add (``attn_post_norm``,
-        ``mlp_post_norm``; OLMo 2 has only these).
-    parallel_residual : bool
-        ``x + attention(attn_norm(x)) + mlp(mlp_norm(x))``: both branches read the block's input (GPT-NeoX).
-    no_rope_layers : tuple of int
-        Indices of layers whose attention has no rotary embedding (SmolLM3's NoPE layers).
-    norm_offset : float
-        Added to every RMSNorm gain (Gemma's ``1 + weight``: 1.0).
-    embedding_scale : float
+        ``experts``: the routed mixture ``experts`` describes.
+    mlp_bias : bool, default False
+        Biases in a gated MLP (a plain MLP always has them).
+    residual : {"sequential", "parallel"}, default "sequential"
+        ``parallel``: ``x + attention(attn_norm(x)) + mlp(mlp_norm(x))``, both branches read the block's input
+        (GPT-NeoX).
+    norm : NormConfig
+        Which norm, its epsilon and gain offset, and where it sits (the final norm is of the same kind).
+    rotary : RotaryConfig or None
+        Rotary embeddings on queries and keys; None: a learned absolute position table added to the input
+        (GPT-2).
+    attention : AttentionConfig
+        Biases, q/k norms, scale, soft-cap, sinks and the sliding window of the self-attention.
+    experts : ExpertsConfig, optional
+        The mixture of experts, with ``mlp="experts"`` only.
+    embedding_scale : float, default 1.0
         The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32).
-    attention_scale : float, optional
-        The factor of ``q k^T`` (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
-    attn_logit_softcap : float, optional
-        C: attention scores become ``C * tanh(scores / C)`` before the mask and softmax (Gemma 2).
     final_logit_softcap : float, optional
         C: the output logits become ``C * tanh(logits / C)`` (Gemma 2).
-    sliding_rope_theta : float, optional
-        The rotary base of the sliding-window layers when it differs from ``rope_theta`` (Gemma 3);
-        ``sliding_rope_scaling`` (a normalised scaling dict or None) goes with it.
-    sliding_rope_scaling : dict, optional
-    attention_sinks : bool
-        Every query head has a learned sink logit ``sinks`` (Hq,) that joins its softmax and takes weight from
-        the keys without contributing a value (gpt-oss).
-    num_experts : int
-        E > 0 with ``mlp="experts"``: the mixture-of-experts MLP's experts (gpt-oss); 0 otherwise.
-    num_experts_per_tok : int
-        k <= E: the experts a router picks per token (softmax over their k router logits).
-    swiglu_alpha, swiglu_limit : float
-        The experts' clamped SwiGLU: ``gate`` clamped above at ``limit``, ``up`` to ``[-limit, limit]``,
-        ``(up + 1) * gate * sigmoid(alpha * gate)`` (gpt-oss: 1.702 and 7.0).
-    tie_word_embeddings : bool
+    tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
-    sliding_window : int, optional
-        W, the number of keys a sliding-window layer sees (itself included).
     layer_types : tuple of {"full_attention", "sliding_attention"}
         One entry per layer; default: every layer full.
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
@@ -138,8 +344,9 @@ class DecoderConfig:
     latent : LatentAttentionConfig, optional
         The part that makes every layer's token mixer multi-head latent attention
         (:class:`~attnkit.attention.latent.MultiHeadLatentAttention`, DeepSeek-V3) instead of grouped-query
-        attention; its ``hidden_size`` is this config's, ``head_dim`` is its rotary width R, and the cache is a
-        :class:`~attnkit.decoding.cache.LatentCache`.
+        attention; its ``hidden_size`` and heads are this config's, ``head_dim`` is its rotary width R,
+        ``rotary.interleaved`` its ``rope_interleaved``, the ``attention`` part stays the default (the latent part
+        holds its biases and scale), and the cache is a :class:`~attnkit.decoding.cache.LatentCache`.
     shared_experts : SharedExpertsConfig, optional
         The part that makes the MLP of every layer past ``first_dense_layers`` a
         :class:`~attnkit.layers.shared_experts.SharedExpertsMoE` (group-limited routing and shared experts); the
@@ -149,8 +356,8 @@ class DecoderConfig:
     --------
     >>> cfg = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=2, num_heads=4,
     ...                     num_kv_heads=2, head_dim=4, intermediate_size=24)
-    >>> cfg.num_groups, cfg.layer_types
-    (2, ('full_attention', 'full_attention'))
+    >>> cfg.num_groups, cfg.layer_types, cfg.norm.placement
+    (2, ('full_attention', 'full_attention'), 'pre')
     >>> cfg.window_of(1) is None
     True
     """
@@ -164,38 +371,17 @@ class DecoderConfig:
     head_dim: int
     intermediate_size: int
     max_position_embeddings: int = 2048
-    norm: str = "rmsnorm"
-    norm_eps: float = 1e-6
     activation: str = "silu"
     mlp: str = "gated"
-    position: str = "rotary"
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    rope_interleaved: bool = False
-    partial_rotary_factor: float = 1.0
-    attention_bias: bool = False
-    output_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
-    qk_norm_scope: str = "head"
-    pre_norm: bool = True
-    post_norm: bool = False
-    parallel_residual: bool = False
-    no_rope_layers: tuple[int, ...] = field(default=())
-    norm_offset: float = 0.0
+    residual: str = "sequential"
+    norm: NormConfig = field(default_factory=NormConfig)
+    rotary: RotaryConfig | None = field(default_factory=RotaryConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    experts: ExpertsConfig | None = None
     embedding_scale: float = 1.0
-    attention_scale: float | None = None
-    attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
-    sliding_rope_theta: float | None = None
-    sliding_rope_scaling: dict | None = None
-    attention_sinks: bool = False
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -205,35 +391,9 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
-        self._check_rotary()
-        self._check_scales()
-        self._check_experts()
-        self._check_layers()
         self._check_parts()
-
-    def _check_parts(self) -> None:
-        latent, shared = self.latent, self.shared_experts
-        if latent is not None:
-            if not isinstance(latent, LatentAttentionConfig):
-                raise TypeError(f"latent must be a LatentAttentionConfig or None, got {type(latent).__name__}")
-            if (latent.hidden_size, latent.num_heads) != (self.hidden_size, self.num_heads):
-                raise ValueError(f"latent describes hidden_size {latent.hidden_size} and {latent.num_heads} heads, "
-                                 f"the model {self.hidden_size} and {self.num_heads}")
-            if self.position != "rotary" or self.head_dim != latent.qk_rope_head_dim \
-                    or self.rope_interleaved != latent.rope_interleaved or self.partial_rotary_factor != 1.0:
-                raise ValueError("latent attention rotates its qk_rope_head_dim features: the model needs "
-                                 "position='rotary', head_dim = qk_rope_head_dim, partial_rotary_factor 1 and the "
-                                 "same rope_interleaved")
-            if self.sliding_window is not None or self.attention_sinks or self.qk_norm or \
-                    self.attn_logit_softcap is not None or self.no_rope_layers:
-                raise ValueError("latent attention has no sliding window, sinks, q/k norm, soft-cap or NoPE layers "
-                                 "in any checkpoint attnkit reads")
-        if shared is not None:
-            if not isinstance(shared, SharedExpertsConfig):
-                raise TypeError(f"shared_experts must be a SharedExpertsConfig or None, got {type(shared).__name__}")
-            if self.mlp != "gated" or self.mlp_bias:
-                raise ValueError("shared_experts needs mlp='gated' without mlp_bias (its dense layers and experts "
-                                 "are gated MLPs without biases)")
+        self._check_rotary()
+        self._check_layers()
 
     def _check_sizes_and_kinds(self) -> None:
         if not isinstance(self.family, str) or not self.family.isidentifier():
@@ -244,125 +404,148 @@ class DecoderConfig:
             check_positive_int(getattr(self, name), name, maximum=_MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        for name, value, allowed in (("norm", self.norm, ("layernorm", "rmsnorm")),
-                                     ("activation", self.activation, ACTIVATIONS),
-                                     ("mlp", self.mlp, ("gated", "plain", "experts")),
-                                     ("position", self.position, ("rotary", "learned")),
-                                     ("qk_norm_scope", self.qk_norm_scope, _QK_NORM_SCOPES)):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-        if not (self.pre_norm or self.post_norm):
-            raise ValueError("pre_norm and post_norm are both False: a block needs a norm before or after its "
-                             "branches")
-        if self.qk_norm_scope == "projection" and not self.qk_norm:
-            raise ValueError("qk_norm_scope='projection' needs qk_norm=True")
+        _check_choice(self.activation, "activation", ACTIVATIONS)
+        _check_choice(self.mlp, "mlp", MLP_KINDS)
+        _check_choice(self.residual, "residual", RESIDUALS)
+        for name in ("mlp_bias", "tie_word_embeddings"):
+            _check_flag(getattr(self, name), name)
+        _finite_positive(self.embedding_scale, "embedding_scale")
+        if self.final_logit_softcap is not None:
+            _finite_positive(self.final_logit_softcap, "final_logit_softcap")
+
+    def _check_parts(self) -> None:
+        for name, kind in _PARTS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (name in _OPTIONAL_PARTS and value is None):
+                expected = f"a {kind.__name__}" + (" or None" if name in _OPTIONAL_PARTS else "")
+                raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+        if (self.mlp == "experts") != (self.experts is not None):
+            raise ValueError(f"experts (an ExpertsConfig) goes with mlp='experts' and only with it, got "
+                             f"mlp={self.mlp!r} and experts={self.experts!r}")
+        latent, rotary = self.latent, self.rotary
+        if latent is not None:
+            if (latent.hidden_size, latent.num_heads) != (self.hidden_size, self.num_heads):
+                raise ValueError(f"latent describes hidden_size {latent.hidden_size} and {latent.num_heads} heads, "
+                                 f"the model {self.hidden_size} and {self.num_heads}")
+            if rotary is None or self.head_dim != latent.qk_rope_head_dim or rotary.partial_factor != 1.0 \
+                    or rotary.interleaved != latent.rope_interleaved or rotary.skip_layers:
+                raise ValueError("latent attention rotates its qk_rope_head_dim features in every layer: the model "
+                                 "needs a rotary part with partial_factor 1, no skip_layers and the latent's "
+                                 "rope_interleaved as interleaved, and head_dim = qk_rope_head_dim")
+            if self.attention != AttentionConfig():
+                raise ValueError(f"latent attention takes no setting of the attention part (its biases, scale and "
+                                 f"window are the latent part's), got {self.attention}")
+        if self.shared_experts is not None and (self.mlp != "gated" or self.mlp_bias):
+            raise ValueError("shared_experts needs mlp='gated' without mlp_bias (its dense layers and experts "
+                             "are gated MLPs without biases)")
 
     def _check_rotary(self) -> None:
-        _finite_positive(self.rope_theta, "rope_theta")
-        factor = _finite_positive(self.partial_rotary_factor, "partial_rotary_factor")
-        if factor > 1.0:
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
-        if self.position == "rotary" and int(self.head_dim * factor) % 2:
-            raise ValueError(f"the rotated features per head (head_dim * partial_rotary_factor = "
-                             f"{self.head_dim * factor:g}) must be even")
-        for name in ("rope_scaling", "sliding_rope_scaling"):
-            scaling = getattr(self, name)
-            if scaling is None:
-                continue
-            if not isinstance(scaling, dict):
-                raise TypeError(f"{name} must be a dict or None, got {type(scaling).__name__}")
-            kind = scaling.get("rope_type", "default")
-            if kind not in ROPE_TYPES:
-                raise ValueError(f"{name}['rope_type'] must be one of {', '.join(ROPE_TYPES)}, got {kind!r}")
-            if kind == "longrope" and self.position == "rotary":
-                half = int(self.head_dim * factor) // 2
+        if self.rotary is None:
+            return
+        rotated = self.head_dim * self.rotary.partial_factor
+        if int(rotated) % 2:
+            raise ValueError(f"the rotated features per head (head_dim * rotary.partial_factor = {rotated:g}) must "
+                             f"be even")
+        for name in ("scaling", "sliding_scaling"):
+            scaling = getattr(self.rotary, name)
+            if scaling is not None and scaling.get("rope_type") == "longrope":
+                half = int(rotated) // 2
                 for key in ("short_factor", "long_factor"):
                     if len(scaling.get(key, ())) != half:
-                        raise ValueError(f"{name}[{key!r}] must hold one divisor per rotated feature pair "
-                                         f"(head_dim * partial_rotary_factor / 2 = {half}), got "
+                        raise ValueError(f"rotary.{name}[{key!r}] must hold one divisor per rotated feature pair "
+                                         f"(head_dim * rotary.partial_factor / 2 = {half}), got "
                                          f"{len(scaling.get(key, ()))}")
-
-    def _check_scales(self) -> None:
-        _finite_positive(self.norm_eps, "norm_eps")
-        if isinstance(self.norm_offset, bool) or not isinstance(self.norm_offset, (int, float)) \
-                or not math.isfinite(self.norm_offset):
-            raise ValueError(f"norm_offset must be a finite number, got {self.norm_offset!r}")
-        _finite_positive(self.embedding_scale, "embedding_scale")
-        for name in ("attention_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_rope_theta"):
-            if getattr(self, name) is not None:
-                _finite_positive(getattr(self, name), name)
-        if self.sliding_rope_scaling is not None and self.sliding_rope_theta is None:
-            raise ValueError("sliding_rope_scaling needs sliding_rope_theta")
-
-    def _check_experts(self) -> None:
-        if self.mlp == "experts":
-            check_positive_int(self.num_experts, "num_experts")
-            check_positive_int(self.num_experts_per_tok, "num_experts_per_tok")
-            if self.num_experts_per_tok > self.num_experts:
-                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most num_experts "
-                                 f"({self.num_experts})")
-            _finite_positive(self.swiglu_alpha, "swiglu_alpha")
-            _finite_positive(self.swiglu_limit, "swiglu_limit")
-        elif self.num_experts or self.num_experts_per_tok:
-            raise ValueError(f"num_experts and num_experts_per_tok need mlp='experts', got mlp={self.mlp!r}")
+        if any(i >= self.num_layers for i in self.rotary.skip_layers):
+            raise ValueError(f"rotary.skip_layers must hold layer indices in [0, {self.num_layers}), got "
+                             f"{self.rotary.skip_layers}")
 
     def _check_layers(self) -> None:
-        if self.sliding_window is not None:
-            check_positive_int(self.sliding_window, "sliding_window")
         types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers
         if len(types) != self.num_layers:
             raise ValueError(f"layer_types has {len(types)} entries but num_layers is {self.num_layers}")
         bad = sorted(set(types) - set(_LAYER_TYPES))
         if bad:
             raise ValueError(f"layer_types must hold only {', '.join(_LAYER_TYPES)}, got {bad}")
-        if "sliding_attention" in types and self.sliding_window is None:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        if "sliding_attention" in types and self.attention.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but attention.sliding_window is None")
         object.__setattr__(self, "layer_types", types)
-        nope = tuple(self.no_rope_layers)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in nope) \
-                or len(set(nope)) != len(nope):
-            raise ValueError(f"no_rope_layers must hold distinct layer indices in [0, {self.num_layers}), got {nope}")
-        if nope and self.position != "rotary":
-            raise ValueError("no_rope_layers needs position='rotary'")
-        object.__setattr__(self, "no_rope_layers", tuple(sorted(nope)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON values (parts as dicts, tuples as lists); :meth:`from_dict` reads it back.
+
+        >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
+        ...                     num_kv_heads=1, head_dim=4, intermediate_size=8)
+        >>> DecoderConfig.from_dict(cfg.to_dict()) == cfg, cfg.to_dict()["norm"]["placement"]
+        (True, 'pre')
+        """
+        def plain(value: Any) -> Any:
+            if isinstance(value, (tuple, list)):
+                return [plain(v) for v in value]
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            return value
+
+        return plain(asdict(self))
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> DecoderConfig:
+        """The config :meth:`to_dict` wrote (lists back to tuples, parts back to their dataclasses).
+
+        Raises
+        ------
+        TypeError
+            ``fields`` is not a dict, or names a field the config does not have.
+        """
+        if not isinstance(fields, dict):
+            raise TypeError(f"fields must be a dict, got {type(fields).__name__}")
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            names = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise TypeError(f"DecoderConfig has no field {unknown[0]!r} (fields: {names})")
+
+        def tupled(value: Any) -> Any:
+            return tuple(tupled(v) for v in value) if isinstance(value, list) else value
+
+        values = {k: tupled(v) for k, v in fields.items()}
+        for name, part in _PARTS.items():
+            if isinstance(values.get(name), dict):
+                values[name] = part(**{k: tupled(v) for k, v in values[name].items()})
+        return cls(**values)
 
     @property
     def num_groups(self) -> int:
         """G = Hq / Hkv, the query heads that share one key/value head."""
         return self.num_heads // self.num_kv_heads
 
-    @property
-    def rope_type(self) -> str:
-        """The rotary frequency scaling in use (``"default"`` when none)."""
-        return "default" if self.rope_scaling is None else self.rope_scaling.get("rope_type", "default")
+    def rotary_of(self, layer: int) -> RotaryConfig | None:
+        """The rotary embedding of layer ``layer``'s queries and keys, or None (learned positions, a NoPE layer).
 
-    def rotary_of(self, layer: int) -> bool:
-        """Whether layer ``layer`` rotates its queries and keys."""
-        return self.position == "rotary" and layer not in self.no_rope_layers
+        >>> cfg = DecoderConfig(family="gemma3_text", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
+        ...                     num_kv_heads=1, head_dim=4, intermediate_size=8,
+        ...                     rotary=RotaryConfig(theta=1e6, sliding_theta=1e4),
+        ...                     attention=AttentionConfig(sliding_window=4),
+        ...                     layer_types=("sliding_attention", "full_attention"))
+        >>> cfg.rotary_of(0).theta, cfg.rotary_of(1).theta
+        (10000.0, 1000000.0)
+        """
+        if self.rotary is None or layer in self.rotary.skip_layers:
+            return None
+        return self.rotary.sliding() if self.window_of(layer) is not None else self.rotary
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window W of layer ``layer``, or None for a full-attention layer."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.attention.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     def score_mod_of(self, layer: int) -> ScoreMod | None:
         """The :mod:`attnkit.flex` score modifier of layer ``layer``'s attention, or None for plain scores.
 
         Every layer of a family is modified alike today (Gemma 2's soft-capping); the attention layer asks
         here, so a family whose layers differ is a change to this method, not a new flag on the layer.
-
-        >>> DecoderConfig(family="gemma2", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
-        ...               head_dim=4, intermediate_size=8, attn_logit_softcap=50.0).score_mod_of(0).cap
-        50.0
         """
-        return None if self.attn_logit_softcap is None else softcap(self.attn_logit_softcap)
+        return self.attention.score_mod()
 
 
 _POSITIONAL = ("sinusoidal", "learned")
-
-
-def _check_choice(value: Any, name: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def _check_dropout(value: Any) -> None:

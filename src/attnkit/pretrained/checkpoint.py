@@ -58,11 +58,11 @@ def checkpoint_tensors(config: DecoderConfig, params: dict[str, Any]) -> dict[st
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, NormConfig
     >>> cfg = DecoderConfig(family="gpt2", vocab_size=8, hidden_size=4, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8, position="learned",
-    ...                     norm="layernorm", mlp="plain", tie_word_embeddings=True, attention_bias=True,
-    ...                     output_bias=True, max_position_embeddings=6)
+    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8, rotary=None,
+    ...                     norm=NormConfig(kind="layernorm"), mlp="plain", tie_word_embeddings=True,
+    ...                     attention=AttentionConfig(bias=True, output_bias=True), max_position_embeddings=6)
     >>> tensors = checkpoint_tensors(cfg, dict(CausalLM(cfg, rng=0).named_parameters()))
     >>> tensors["transformer.h.0.attn.c_attn.weight"].shape, "lm_head.weight" in tensors
     ((4, 12), False)

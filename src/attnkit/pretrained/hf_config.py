@@ -64,7 +64,7 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
     >>> cfg = decoder_config_from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
     ...     "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     ...     "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
-    >>> cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta, cfg.rope_scaling
+    >>> cfg.head_dim, cfg.num_kv_heads, cfg.rotary.theta, cfg.rotary.scaling
     (8, 2, 500000.0, {'rope_type': 'linear', 'factor': 2.0})
     >>> decoder_config_from_hf({"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2,
     ...     "n_head": 4}).activation

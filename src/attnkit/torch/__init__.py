@@ -28,6 +28,7 @@ from ._twin import from_numpy, to_numpy  # noqa: E402
 from .attention import GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAttention, ScaledDotProductAttention
 from .blocks import (
     LMBlock,
+    ParallelLMBlock,
     Transformer,
     TransformerDecoder,
     TransformerDecoderBlock,
@@ -40,6 +41,7 @@ from .layers import (
     FeedForward,
     GatedMLP,
     GroupLimitedRouter,
+    Identity,
     LayerNorm,
     MixtureOfExperts,
     Projection,
@@ -54,8 +56,8 @@ __all__ = [
     "from_numpy", "to_numpy",
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "GroupLimitedRouter", "SharedExpertsMoE",
     "Embedding", "Projection",
-    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding",
+    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
-    "Transformer", "LMBlock", "CausalLM", "Seq2SeqTransformer",
+    "Transformer", "LMBlock", "ParallelLMBlock", "CausalLM", "Seq2SeqTransformer",
 ]

@@ -138,10 +138,10 @@ class GroupedQueryAttention(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import AttentionConfig, DecoderConfig
     >>> cfg = DecoderConfig(family="mistral", vocab_size=8, hidden_size=8, num_layers=1, num_heads=4,
-    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8, sliding_window=2,
-    ...                     layer_types=("sliding_attention",))
+    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8,
+    ...                     attention=AttentionConfig(sliding_window=2), layer_types=("sliding_attention",))
     >>> attn = GroupedQueryAttention(cfg, 0, rng=0)
     >>> attn(torch.ones(2, 3, 8, dtype=torch.float64)).shape, attn.window
     (torch.Size([2, 3, 8]), 2)
@@ -151,8 +151,10 @@ class GroupedQueryAttention(TwinModule):
 
     def setup(self, source) -> None:
         for name in ("layer_index", "hidden_size", "head_dim", "num_heads", "num_kv_heads", "window", "interleaved",
-                     "qk_norm", "qk_norm_scope", "norm_eps", "norm_offset", "scale", "uses_rotary", "has_sinks"):
+                     "scale", "uses_rotary", "has_sinks"):
             setattr(self, name, getattr(source, name))
+        self.qk_norm_scope, self.norm_eps, self.norm_offset = (source.qk_norm.scope, source.qk_norm.eps,
+                                                               source.qk_norm.offset)
         self.softcap = None if source.score_mod is None else source.score_mod.cap
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -166,13 +168,11 @@ class GroupedQueryAttention(TwinModule):
         q = _linear(x, self.W_Q, getattr(self, "b_Q", None))  # (B, L, Hq*Dh)
         k = _linear(x, self.W_K, getattr(self, "b_K", None))  # (B, L, Hkv*Dh)
         v = _split(_linear(x, self.W_V, getattr(self, "b_V", None)), self.num_kv_heads)  # (B, Hkv, L, Dh)
-        if self.qk_norm and self.qk_norm_scope == "projection":  # over the whole projection (OLMo 2)
+        if self.qk_norm_scope == "projection":  # over the whole projection (OLMo 2)
             q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")  # as above
         q, k = _split(q, self.num_heads), _split(k, self.num_kv_heads)  # (B, H, L, Dh)
-        if self.qk_norm and self.qk_norm_scope == "head":  # per head, over Dh, before the rotation (Qwen3)
+        if self.qk_norm_scope == "head":  # per head, over Dh, before the rotation (Qwen3)
             q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")  # as above
-        if not self.uses_rotary:  # a NoPE layer of a rotary model
-            rotary = None
         if rotary is not None:
             cos, sin = rotary
             q = rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)

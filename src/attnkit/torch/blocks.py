@@ -11,10 +11,11 @@ import torch
 
 from .. import layers as _layers
 from ..layers.lm_block import LMBlock as _LMBlock
+from ..layers.lm_block import ParallelLMBlock as _ParallelLMBlock
 from ._twin import TwinModule, as_tensor
 
 __all__ = ["TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
-           "Transformer", "LMBlock"]
+           "Transformer", "LMBlock", "ParallelLMBlock"]
 
 
 def _no_weights(need_weights: bool, owner: str) -> None:
@@ -178,8 +179,8 @@ class Transformer(TwinModule):
 
 
 class LMBlock(TwinModule):
-    """Twin of :class:`attnkit.layers.lm_block.LMBlock`: ``x + attention(attn_norm(x))``, then ``+ mlp(mlp_norm(x))``,
-    with the same switches (norms after the branches, no norms before them, the parallel residual).
+    """Twin of :class:`attnkit.layers.lm_block.LMBlock`: ``x + attention(x)``, then ``+ mlp(x)``, each branch between
+    its norms (identities where the architecture has none).
 
     Shapes
     ------
@@ -196,20 +197,22 @@ class LMBlock(TwinModule):
 
     numpy_class = _LMBlock
 
-    def setup(self, source) -> None:
-        self.pre_norm, self.post_norm = source.pre_norm, source.post_norm
-        self.parallel_residual = source.parallel_residual
+    def _attention_branch(self, x: torch.Tensor, rotary, attention_mask) -> torch.Tensor:
+        attended = self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask)  # (B, L, D)
+        return self.attn_post_norm(attended)
 
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.mlp(self.mlp_norm(x) if self.pre_norm else x)  # (B, L, D)
-        return self.mlp_post_norm(h) if self.post_norm else h
+        return self.mlp_post_norm(self.mlp(self.mlp_norm(x)))  # (B, L, D)
 
     def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None) -> torch.Tensor:
-        attended = self.attention(self.attn_norm(x) if self.pre_norm else x, rotary=rotary,
-                                  attention_mask=attention_mask)  # (B, L, D)
-        if self.post_norm:
-            attended = self.attn_post_norm(attended)  # (B, L, D)
-        if self.parallel_residual:
-            return x + attended + self._mlp_branch(x)  # (B, L, D)
-        x = x + attended
+        x = x + self._attention_branch(x, rotary, attention_mask)  # (B, L, D)
         return x + self._mlp_branch(x)  # (B, L, D)
+
+
+class ParallelLMBlock(LMBlock):
+    """Twin of :class:`attnkit.layers.lm_block.ParallelLMBlock`: ``x + attention(x) + mlp(x)``."""
+
+    numpy_class = _ParallelLMBlock
+
+    def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None) -> torch.Tensor:
+        return x + self._attention_branch(x, rotary, attention_mask) + self._mlp_branch(x)  # (B, L, D)

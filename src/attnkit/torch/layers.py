@@ -20,14 +20,15 @@ from ..kernels import rotary as _rotary
 from ..layers.experts import MixtureOfExperts as _MixtureOfExperts
 from ..layers.gated_mlp import GatedMLP as _GatedMLP
 from ..layers.group_router import GroupLimitedRouter as _GroupLimitedRouter
+from ..layers.identity import Identity as _Identity
 from ..layers.rms_norm import RMSNorm as _RMSNorm
 from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
 from ..layers.shared_experts import SharedExpertsMoE as _SharedExpertsMoE
 from ._twin import TwinModule, as_tensor
 
 __all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "GroupLimitedRouter",
-           "SharedExpertsMoE", "Embedding", "Projection", "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding",
-           "activation"]
+           "SharedExpertsMoE", "Embedding", "Projection", "Dropout", "Identity", "SinusoidalPositionalEncoding",
+           "RotaryEmbedding", "activation"]
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -167,10 +168,10 @@ class MixtureOfExperts(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, ExpertsConfig
     >>> cfg = DecoderConfig(family="gpt_oss", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="experts", num_experts=3,
-    ...                     num_experts_per_tok=2)
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="experts",
+    ...                     experts=ExpertsConfig(num_experts=3, per_token=2))
     >>> MixtureOfExperts(cfg, rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
     torch.Size([2, 3, 4])
     """
@@ -384,10 +385,8 @@ class RotaryEmbedding(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
-    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=2, head_dim=4, intermediate_size=8)
-    >>> cos, sin = RotaryEmbedding(cfg)(torch.tensor([[0, 1]]))
+    >>> from attnkit.models import RotaryConfig
+    >>> cos, sin = RotaryEmbedding(RotaryConfig(), head_dim=4, max_position_embeddings=8)(torch.tensor([[0, 1]]))
     >>> cos.shape, round(float(sin[0, 1, 0]), 4)
     (torch.Size([1, 2, 4]), 0.8415)
     """
@@ -438,3 +437,12 @@ def rotary_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     rot = x[..., :r]  # (B, H, L, R)
     rotated = rot * c + turn(rot, interleaved) * s  # (B, H, L, R)
     return rotated if r == x.shape[-1] else torch.cat([rotated, x[..., r:]], dim=-1)  # (B, H, L, Dh)
+
+
+class Identity(TwinModule):
+    """Twin of :class:`attnkit.layers.identity.Identity`: returns its input."""
+
+    numpy_class = _Identity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x

@@ -64,7 +64,7 @@ class CausalLM(TwinModule):
 
     def setup(self, source) -> None:
         self.config = source.config
-        self.has_sliding_rotary = source.sliding_rotary is not None
+        self.layer_rotary = source.layer_rotary
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -92,17 +92,13 @@ class CausalLM(TwinModule):
         h = self.embed(ids)  # (B, L, D)
         if config.embedding_scale != 1.0:
             h = h * torch.tensor(config.embedding_scale, dtype=h.dtype)  # (B, L, D), rounded as attnkit does
-        rotary = sliding = None
-        if config.position == "learned":
+        if config.rotary is None:
             h = h + self.pos_embed(positions)  # (B, L, D)
-        else:
-            rotary = self.rotary(positions, dtype=h.dtype)  # (B, L, R) each
-            if self.has_sliding_rotary:
-                sliding = self.sliding_rotary(positions, dtype=h.dtype)  # (B, L, R) each
+        tables = {name: getattr(self, name)(positions, dtype=h.dtype)  # (B, L, R) each
+                  for name in set(self.layer_rotary) - {None}}
         layer_mask = None if mask is None or bool(mask.all()) else mask  # no padding: the fused causal kernel
         for index, layer in enumerate(self.layers):
-            layer_rotary = rotary if sliding is None or config.window_of(index) is None else sliding
-            h = layer(h, rotary=layer_rotary, attention_mask=layer_mask)  # (B, L, D)
+            h = layer(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask)  # (B, L, D)
         h = self.norm(h)  # (B, L, D)
         logits = h @ self.head_weight.to(h.dtype).T  # (B, L, V)
         if config.final_logit_softcap is not None:

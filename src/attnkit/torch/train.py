@@ -144,7 +144,7 @@ def _check(args: argparse.Namespace, world_size: int) -> tuple[dict, Any, np.nda
     raw, config = _read_config(args.config)
     if args.global_batch % world_size:
         raise UsageError(f"--global-batch {args.global_batch} must be a multiple of the {world_size} processes")
-    if config.position == "learned" and args.seq_len > config.max_position_embeddings:
+    if config.rotary is None and args.seq_len > config.max_position_embeddings:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the config's max_position_embeddings = "
                          f"{config.max_position_embeddings}")
     if args.warmup > args.steps:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
 from ...layers.shared_experts import SharedExpertsConfig
-from ...models.config import DecoderConfig
+from ...models.config import DecoderConfig, NormConfig, RotaryConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
@@ -98,9 +98,9 @@ def _read_config(read: Reader) -> DecoderConfig:
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=heads, head_dim=rope, intermediate_size=read.int("intermediate_size"),
-        max_position_embeddings=max_positions, norm="rmsnorm", norm_eps=read.float("rms_norm_eps", 1e-6),
-        activation=read.activation("hidden_act", "silu"), position="rotary", rope_theta=theta, rope_scaling=scaling,
-        rope_interleaved=latent.rope_interleaved,
+        max_position_embeddings=max_positions, norm=NormConfig(eps=read.float("rms_norm_eps", 1e-6)),
+        activation=read.activation("hidden_act", "silu"),
+        rotary=RotaryConfig(theta=theta, scaling=scaling, interleaved=latent.rope_interleaved),
         tie_word_embeddings=read.bool("tie_word_embeddings", DEFAULTS["tie_word_embeddings"]),
         bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),

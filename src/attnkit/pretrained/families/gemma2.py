@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...models.config import DecoderConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_layer_types, read_rope
 from .llama import BENCHMARK_SHAPE, plain_tensors
@@ -121,16 +121,18 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
-        norm="rmsnorm", norm_eps=read.float("rms_norm_eps", 1e-6), norm_offset=1.0,
-        activation=activation, mlp="gated", position="rotary",
-        rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
-        sliding_rope_theta=sliding_theta, sliding_rope_scaling=sliding_scaling,
-        attention_bias=bias, output_bias=bias, qk_norm=rules.qk_norm, pre_norm=True, post_norm=True,
+        norm=NormConfig(eps=read.float("rms_norm_eps", 1e-6), offset=1.0, placement="sandwich"),
+        activation=activation, mlp="gated",
+        rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, sliding_theta=sliding_theta,
+                            sliding_scaling=sliding_scaling),
+        attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head" if rules.qk_norm else None,
+                                  scale=read.float("query_pre_attn_scalar", 256) ** -0.5,
+                                  logit_softcap=softcaps["attn_logit_softcap"], sliding_window=window),
         # Hugging Face multiplies by a float32 tensor of sqrt(hidden_size), in every dtype
         embedding_scale=float(np.float32(math.sqrt(hidden))),
-        attention_scale=read.float("query_pre_attn_scalar", 256) ** -0.5, **softcaps,
+        final_logit_softcap=softcaps["final_logit_softcap"],
         tie_word_embeddings=read.bool("tie_word_embeddings", True),
-        sliding_window=window, layer_types=types,
+        layer_types=types,
         bos_token_id=read.token_ids("bos_token_id", 2, many=False),
         eos_token_id=read.token_ids("eos_token_id", 1, many=True),
         pad_token_id=read.token_ids("pad_token_id", 0, many=False),

@@ -7,7 +7,7 @@ q, k, v), ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``; ``ln_f``; ``l
 """
 from __future__ import annotations
 
-from ...models.config import DecoderConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import Reader
@@ -38,9 +38,9 @@ def _read_config(read: Reader) -> DecoderConfig:
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
         intermediate_size=read.int("n_inner", None, optional=True) or 4 * hidden,
         max_position_embeddings=read.int("n_positions", 1024),
-        norm="layernorm", norm_eps=read.float("layer_norm_epsilon", 1e-5),
-        activation=read.activation("activation_function", "gelu_new"), mlp="plain", position="learned",
-        attention_bias=True, output_bias=True, mlp_bias=True,
+        norm=NormConfig(kind="layernorm", eps=read.float("layer_norm_epsilon", 1e-5)),
+        activation=read.activation("activation_function", "gelu_new"), mlp="plain", rotary=None,
+        attention=AttentionConfig(bias=True, output_bias=True), mlp_bias=True,
         tie_word_embeddings=read.bool("tie_word_embeddings", True),
         bos_token_id=read.token_ids("bos_token_id", 50256, many=False),
         eos_token_id=read.token_ids("eos_token_id", 50256, many=True),

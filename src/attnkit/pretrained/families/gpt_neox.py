@@ -9,7 +9,7 @@ Checkpoint (under ``gpt_neox.``): ``embed_in``; per layer ``input_layernorm``, `
 """
 from __future__ import annotations
 
-from ...models.config import DecoderConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import ROPE_KEYS, Reader, read_rope
@@ -46,11 +46,11 @@ def _read_config(read: Reader) -> DecoderConfig:
         family="gpt_neox", vocab_size=read.int("vocab_size"), hidden_size=hidden,
         num_layers=read.int("num_hidden_layers"), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
-        norm="layernorm", norm_eps=read.float("layer_norm_eps", 1e-5),
-        activation=read.activation("hidden_act", "gelu"), mlp="plain", position="rotary",
-        rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
-        attention_bias=bias, output_bias=bias, mlp_bias=True,
-        parallel_residual=read.bool("use_parallel_residual", True),
+        norm=NormConfig(kind="layernorm", eps=read.float("layer_norm_eps", 1e-5)),
+        activation=read.activation("hidden_act", "gelu"), mlp="plain",
+        rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial),
+        attention=AttentionConfig(bias=bias, output_bias=bias), mlp_bias=True,
+        residual="parallel" if read.bool("use_parallel_residual", True) else "sequential",
         tie_word_embeddings=read.bool("tie_word_embeddings", False),
         bos_token_id=read.token_ids("bos_token_id", 0, many=False),
         eos_token_id=read.token_ids("eos_token_id", 2, many=True),
@@ -71,11 +71,11 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
                  TensorMap(hf + "post_attention_layernorm.bias", (d,), (ak + "mlp_norm.beta",), "copy"),
                  TensorMap(hf + "attention.query_key_value.weight", (3 * d, d), qkv, "head_split_transpose",
                            cfg.num_heads)]
-        if cfg.attention_bias:
+        if cfg.attention.bias:
             maps.append(TensorMap(hf + "attention.query_key_value.bias", (3 * d,),
                                   (attn + "b_Q", attn + "b_K", attn + "b_V"), "head_split", cfg.num_heads))
         maps.append(TensorMap(hf + "attention.dense.weight", (d, d), (attn + "W_O",), "transpose"))
-        if cfg.output_bias:
+        if cfg.attention.output_bias:
             maps.append(TensorMap(hf + "attention.dense.bias", (d,), (attn + "b_O",), "copy"))
         maps += [TensorMap(hf + "mlp.dense_h_to_4h.weight", (f, d), (ak + "mlp.W1",), "transpose"),
                  TensorMap(hf + "mlp.dense_h_to_4h.bias", (f,), (ak + "mlp.b1",), "copy"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...models.config import DecoderConfig
+from ...models.config import AttentionConfig, DecoderConfig, ExpertsConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_layer_types
@@ -37,10 +37,12 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
                          f"({top_k})")
     if top_k > experts:
         raise ValueError(f"gpt_oss config: 'num_experts_per_tok' ({top_k}) exceeds 'num_local_experts' ({experts})")
-    return dict(attention_bias=bias, output_bias=bias, sliding_window=window if "sliding_attention" in types else None,
-                layer_types=types, attention_sinks=True, mlp="experts", num_experts=experts,
-                num_experts_per_tok=top_k, swiglu_alpha=read.float("swiglu_alpha", 1.702),
-                swiglu_limit=read.float("swiglu_limit", 7.0))
+    attention = AttentionConfig(bias=bias, output_bias=bias, sinks=True,
+                                sliding_window=window if "sliding_attention" in types else None)
+    return dict(attention=attention, layer_types=types, mlp="experts",
+                experts=ExpertsConfig(num_experts=experts, per_token=top_k,
+                                      swiglu_alpha=read.float("swiglu_alpha", 1.702),
+                                      swiglu_limit=read.float("swiglu_limit", 7.0)))
 
 
 def _read_config(read: Reader) -> DecoderConfig:
@@ -54,7 +56,7 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     """Llama's tensors with the router and experts in each MLP's place."""
 
     def experts(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-        d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+        d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.experts.num_experts
         hf, ak = hf + "mlp.", ak + "mlp."
 
         def matrix(name: str, shape: tuple[int, ...], targets: tuple[str, ...], layout: str) -> TensorMap:

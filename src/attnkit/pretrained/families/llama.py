@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...models.config import DecoderConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
@@ -33,10 +33,12 @@ BENCHMARK_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layer
 
 
 def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[Reader, int], dict[str, Any]],
-                  *, rope_aliases: Mapping[str, str] | None = None) -> DecoderConfig:
+                  *, rope_aliases: Mapping[str, str] | None = None, norm_placement: str = "pre") -> DecoderConfig:
     """The DecoderConfig of a Llama-like family: sizes, heads and rotary read by Llama's rules with the family's
-    ``defaults``, and ``fields(read, num_layers)``: the DecoderConfig fields where the family differs (biases,
-    windows and layer types, norms, experts, ...; Llama's own: no biases, no window)."""
+    ``defaults``, and ``fields(read, num_layers)``: the DecoderConfig fields where the family differs (its
+    ``attention`` part, ``layer_types``, ``mlp`` and ``experts``, ``mlp_bias``, and ``skip_rotary``: the layers
+    without rotary; Llama's own: no biases, no window). ``norm_placement`` is the family's
+    :class:`~attnkit.models.config.NormConfig` placement."""
     family = read.family
     hidden = read.int("hidden_size")
     heads = read.int("num_attention_heads")
@@ -54,16 +56,16 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
                          f"({heads})")
     max_positions = read.int("max_position_embeddings", defaults["max_position_embeddings"])
     theta, scaling, partial = read_rope(read, max_positions, head_dim, rope_aliases)
-    settings: dict[str, Any] = dict(attention_bias=False, output_bias=False, mlp_bias=False, sliding_window=None,
-                                    layer_types=())
+    settings: dict[str, Any] = dict(attention=AttentionConfig(), mlp_bias=False, layer_types=())
     settings.update(fields(read, layers))
+    skip = settings.pop("skip_rotary", ())
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
-        norm="rmsnorm", norm_eps=read.float("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
-        activation=read.activation("hidden_act", "silu"), position="rotary",
-        rope_theta=theta, rope_scaling=scaling, rope_interleaved=False, partial_rotary_factor=partial,
+        norm=NormConfig(eps=read.float("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), placement=norm_placement),
+        activation=read.activation("hidden_act", "silu"),
+        rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, skip_layers=skip),
         tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),
         bos_token_id=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
@@ -74,7 +76,7 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
     bias = read.bool("attention_bias", False)
-    return dict(attention_bias=bias, output_bias=bias, mlp_bias=read.bool("mlp_bias", False))
+    return dict(attention=AttentionConfig(bias=bias, output_bias=bias), mlp_bias=read.bool("mlp_bias", False))
 
 
 def gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
@@ -91,41 +93,43 @@ def gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 
 def rotary_tensors(cfg: DecoderConfig, mlp: Callable[[DecoderConfig, str, str], list[TensorMap]] = gated_mlp_tensors
                    ) -> tuple[list[TensorMap], str]:
-    """Llama's checkpoint as ``cfg`` shapes it, and the base prefix ``"model."``: q/k norms when ``cfg.qk_norm``
-    (per head, or over the whole projection), the norms ``cfg.pre_norm`` / ``cfg.post_norm`` place, sinks, and
+    """Llama's checkpoint as ``cfg`` shapes it, and the base prefix ``"model."``: q/k norms when
+    ``cfg.attention.qk_norm`` (per head, or over the whole projection), the norms ``cfg.norm.placement`` places,
+    sinks, and
     ``mlp(cfg, hf_prefix, attnkit_prefix)``'s tensors for each layer's MLP."""
     d, v = cfg.hidden_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attention, before, after = cfg.attention, cfg.norm.before, cfg.norm.after
     maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
     for i in range(cfg.num_layers):
         hf = ak = f"layers.{i}."
         attn = ak + "attention."
-        if cfg.pre_norm:
+        if before:
             maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
         for proj, width, name in (("q_proj", q, "Q"), ("k_proj", kv, "K"), ("v_proj", kv, "V")):
             maps.append(TensorMap(f"{hf}self_attn.{proj}.weight", (width, d), (attn + "W_" + name,), "transpose"))
-            if cfg.attention_bias:
+            if attention.bias:
                 maps.append(TensorMap(f"{hf}self_attn.{proj}.bias", (width,), (attn + "b_" + name,), "copy"))
-        if cfg.qk_norm:
-            whole = cfg.qk_norm_scope == "projection"
+        if attention.qk_norm is not None:
+            whole = attention.qk_norm == "projection"
             for norm, width in (("q_norm", q), ("k_norm", kv)):
                 maps.append(TensorMap(f"{hf}self_attn.{norm}.weight", (width if whole else cfg.head_dim,),
                                       (attn + norm,), "copy"))
         maps.append(TensorMap(hf + "self_attn.o_proj.weight", (d, q), (attn + "W_O",), "transpose"))
-        if cfg.output_bias:
+        if attention.output_bias:
             maps.append(TensorMap(hf + "self_attn.o_proj.bias", (d,), (attn + "b_O",), "copy"))
         # Llama's "post_attention_layernorm" is the MLP's input norm; OLMo 2's and Gemma's is the attention's
         # output norm (Gemma names the MLP's input norm "pre_feedforward_layernorm").
-        if cfg.post_norm:
+        if after:
             maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "attn_post_norm.gamma",),
                                   "copy"))
-        if cfg.pre_norm:
-            name = "pre_feedforward_layernorm" if cfg.post_norm else "post_attention_layernorm"
+        if before:
+            name = "pre_feedforward_layernorm" if after else "post_attention_layernorm"
             maps.append(TensorMap(f"{hf}{name}.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
-        if cfg.attention_sinks:
+        if attention.sinks:
             maps.append(TensorMap(hf + "self_attn.sinks", (cfg.num_heads,), (attn + "sinks",), "copy"))
         maps += mlp(cfg, hf, ak)
-        if cfg.post_norm:
+        if after:
             maps.append(TensorMap(hf + "post_feedforward_layernorm.weight", (d,), (ak + "mlp_post_norm.gamma",),
                                   "copy"))
     maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))

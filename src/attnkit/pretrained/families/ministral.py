@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...models.config import AttentionConfig
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_layer_types
 from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
@@ -17,7 +18,8 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
     types = read_layer_types(read, layers, window)
     if types is None:
         types = ("sliding_attention" if window is not None else "full_attention",) * layers
-    return dict(sliding_window=window if "sliding_attention" in types else None, layer_types=types)
+    return dict(attention=AttentionConfig(sliding_window=window if "sliding_attention" in types else None),
+                layer_types=types)
 
 
 FAMILY = Family(

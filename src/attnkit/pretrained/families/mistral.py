@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...models.config import AttentionConfig
 from . import Family
 from ._reader import COMMON_KEYS, Reader
 from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
@@ -16,7 +17,8 @@ DEFAULTS = {"max_position_embeddings": 4096 * 32, "tie_word_embeddings": False, 
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
     window = read.int("sliding_window", DEFAULTS["sliding_window"], optional=True)
-    return dict(sliding_window=window, layer_types=("sliding_attention",) * layers if window is not None else ())
+    return dict(attention=AttentionConfig(sliding_window=window),
+                layer_types=("sliding_attention",) * layers if window is not None else ())
 
 
 FAMILY = Family(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...models.config import AttentionConfig
 from . import Family
 from ._reader import COMMON_KEYS, Reader
 from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
@@ -17,11 +18,10 @@ DEFAULTS = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
     bias = read.bool("attention_bias", False)
-    return dict(attention_bias=bias, output_bias=bias, qk_norm=True, qk_norm_scope="projection", pre_norm=False,
-                post_norm=True)
+    return dict(attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="projection"))
 
 
 FAMILY = Family(
     model_type="olmo2", keys=frozenset(COMMON_KEYS + ("attention_bias",)),
-    read_config=lambda read: rotary_config(read, DEFAULTS, _fields), tensors=plain_tensors,
+    read_config=lambda read: rotary_config(read, DEFAULTS, _fields, norm_placement="post"), tensors=plain_tensors,
     architecture="Olmo2ForCausalLM", hf_config_class="Olmo2Config", benchmark=dict(BENCHMARK_SHAPE))

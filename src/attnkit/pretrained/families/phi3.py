@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...models.config import DecoderConfig
+from ...models.config import AttentionConfig, DecoderConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -21,7 +21,8 @@ _ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config reads th
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
     window = read.int("sliding_window", None, optional=True)
-    return dict(sliding_window=window, layer_types=("sliding_attention",) * layers if window is not None else ())
+    return dict(attention=AttentionConfig(sliding_window=window),
+                layer_types=("sliding_attention",) * layers if window is not None else ())
 
 
 def _fused_mlp(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...models.config import AttentionConfig
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_layer_types
 from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
@@ -16,26 +17,28 @@ DEFAULTS = {"max_position_embeddings": 32768, "tie_word_embeddings": False, "bos
 WINDOW_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 
 
-def qwen_windows(read: Reader, layers: int) -> dict[str, Any]:
-    """The window and per-layer types, by the rule of transformers' ``Qwen2Config``: a window (default 4096)
+def qwen_windows(read: Reader, layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """The window (None without sliding layers) and the per-layer types, by the rule of transformers'
+    ``Qwen2Config``: a window (default 4096)
     only when ``use_sliding_window``; ``layer_types`` (if given) says which layers use it, else layers
     ``i >= max_window_layers`` (default 28) do."""
     use = read.bool("use_sliding_window", False)
     window = read.int("sliding_window", 4096, optional=True) if use else None
     given = read_layer_types(read, layers, window)
     if given is not None:
-        return dict(sliding_window=window if "sliding_attention" in given else None, layer_types=given)
+        return (window if "sliding_attention" in given else None), given
     if window is None:
-        return dict(sliding_window=None, layer_types=())
+        return None, ()
     first = read.raw("max_window_layers", 28)
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise ValueError(f"{read.family} config: 'max_window_layers' must be a non-negative integer, got {first!r}")
     types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
-    return dict(sliding_window=window if "sliding_attention" in types else None, layer_types=types)
+    return (window if "sliding_attention" in types else None), types
 
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
-    return dict(attention_bias=True, **qwen_windows(read, layers))
+    window, types = qwen_windows(read, layers)
+    return dict(attention=AttentionConfig(bias=True, sliding_window=window), layer_types=types)
 
 
 FAMILY = Family(

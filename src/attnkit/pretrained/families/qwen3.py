@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...models.config import AttentionConfig
 from . import Family
 from ._reader import COMMON_KEYS, Reader
 from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
@@ -18,7 +19,9 @@ DEFAULTS = dict(QWEN2_DEFAULTS, head_dim=128)
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
     bias = read.bool("attention_bias", False)  # the switch covers the output projection too
-    return dict(attention_bias=bias, output_bias=bias, qk_norm=True, **qwen_windows(read, layers))
+    window, types = qwen_windows(read, layers)
+    return dict(attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head", sliding_window=window),
+                layer_types=types)
 
 
 FAMILY = Family(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...models.config import AttentionConfig
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_layer_types
 from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
@@ -39,8 +40,9 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
                       for i in range(layers))
     if window is None:  # transformers slides no layer without the switch, whatever layer_types says
         types = ("full_attention",) * layers
-    return dict(attention_bias=bias, output_bias=bias, mlp_bias=read.bool("mlp_bias", False), no_rope_layers=nope,
-                sliding_window=window if "sliding_attention" in types else None, layer_types=types)
+    attention = AttentionConfig(bias=bias, output_bias=bias,
+                                sliding_window=window if "sliding_attention" in types else None)
+    return dict(attention=attention, mlp_bias=read.bool("mlp_bias", False), skip_rotary=nope, layer_types=types)
 
 
 FAMILY = Family(
