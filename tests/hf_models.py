@@ -170,6 +170,26 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                         moe_intermediate_size=12, shared_expert_intermediate_size=8,
                                                         decoder_sparse_step=2, tie_word_embeddings=True,
                                                         layer_types=["linear_attention", "full_attention"]), {}),
+    # DeepSeek-V3: latent attention (queries through a rank-12 bottleneck, interleaved rotary, YaRN with the
+    # softmax's mscale), one dense layer, then 3 of 8 experts within the 2 best of 4 groups, two shared experts
+    "deepseek_v3": ("DeepseekV3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=12,
+                                             kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                                             moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=3,
+                                             n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1,
+                                             routed_scaling_factor=2.5, pad_token_id=0,
+                                             rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                              "rope_theta": 1000.0, "mscale": 1.0,
+                                                              "mscale_all_dim": 0.8,
+                                                              "original_max_position_embeddings": 16}), {}),
+    # one query projection, half-split rotary, biases, unnormalised weights, every layer routed, a tied head
+    "deepseek_v3_plain": ("DeepseekV3Config", dict(_COMMON, num_key_value_heads=4, q_lora_rank=None,
+                                                   kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=6,
+                                                   v_head_dim=7, moe_intermediate_size=6, n_routed_experts=4,
+                                                   num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                   n_shared_experts=1, first_k_dense_replace=0,
+                                                   norm_topk_prob=False, routed_scaling_factor=1.5,
+                                                   rope_interleave=False, attention_bias=True,
+                                                   tie_word_embeddings=True, pad_token_id=0), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
@@ -177,7 +197,9 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
-                 "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised")
+                 "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "deepseek_v3", "deepseek_v3_plain")
+
+_LOOPED_EXPERTS = ("DeepseekV3Config",)
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 
@@ -189,14 +211,20 @@ def build_hf_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32)
     class_name, kwargs, _ = SPECS[name]
     config = getattr(transformers, class_name)(**kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    # torch's grouped_mm needs 16-byte strides, which experts this small do not have: their plain loop instead
+    experts = {"experts_implementation": "eager"} if class_name in _LOOPED_EXPERTS else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", **experts)
     with torch.no_grad():  # larger weights than the 0.02 init, so logits differ clearly between tokens
         for p in model.parameters():
             if p.ndim >= 1:
                 p.add_(torch.randn_like(p) * 0.08)
-        for buffer_name, buffer in model.named_buffers():  # Gemma 4's per-layer output scalars are saved buffers
+        for buffer_name, buffer in model.named_buffers():
+            # Gemma 4's per-layer output scalars are saved buffers: move them off one
             if buffer_name.endswith("layer_scalar"):
                 buffer.mul_(0.5 + torch.rand_like(buffer))
+            # DeepSeek-V3's routing correction starts at zero: move it
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn_like(buffer) * 0.05)
     return model.to(dtype).eval()
 
 

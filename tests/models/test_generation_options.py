@@ -78,6 +78,13 @@ def test_repetition_penalty_and_ngram_ban_equal_the_hf_processors():
         expected = logits_process.RepetitionPenaltyLogitsProcessor(penalty)(
             torch.from_numpy(sequences), torch.from_numpy(logits.copy())).numpy()
         np.testing.assert_array_equal(apply_repetition_penalty(logits, sequences, penalty), expected)
+        # transformers leaves each row's left padding out (its length from the attention mask)
+        padding = np.array([0, 5, 19])
+        expected = logits_process.RepetitionPenaltyLogitsProcessor(penalty, torch.from_numpy(padding))(
+            torch.from_numpy(sequences), torch.from_numpy(logits.copy())).numpy()
+        ours = apply_repetition_penalty(logits, sequences, penalty, padding)
+        np.testing.assert_array_equal(ours, expected)
+        assert (ours != apply_repetition_penalty(logits, sequences, penalty)).any()
     for n in (1, 2, 3, 4):
         expected = logits_process.NoRepeatNGramLogitsProcessor(n)(
             torch.from_numpy(sequences), torch.from_numpy(logits.copy())).numpy()

@@ -9,9 +9,11 @@ import pytest
 import torch
 from attnkit import layers as L
 from attnkit.attention.grouped_query import GroupedQueryAttention
+from attnkit.attention.latent import LatentAttentionConfig
 from attnkit.attention.multi_head_attention import MultiHeadAttention
 from attnkit.layers import GatedDeltaNetConfig, SharedExpertMixtureConfig
 from attnkit.layers.gated_mlp import GatedMLP
+from attnkit.layers.grouped_experts import GroupedExpertsConfig
 from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
 from attnkit.layers.rotary import RotaryEmbedding
@@ -299,6 +301,20 @@ FAMILIES = {
                  rotary=RotaryConfig(partial_factor=0.5,
                                      scaling={"rope_type": "longrope", "original_max_position_embeddings": 4,
                                "short_factor": (1.0, 2.0), "long_factor": (3.0, 5.0)})),
+    "deepseek_v3": dict(family="deepseek_v3", num_kv_heads=4, head_dim=2, rotary=RotaryConfig(interleaved=True),
+                        latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5, qk_nope_head_dim=3,
+                                                     qk_rope_head_dim=2, v_head_dim=3, q_lora_rank=4,
+                                                     attention_scale=0.4),
+                        grouped_experts=GroupedExpertsConfig(num_experts=4, num_experts_per_tok=2,
+                                                           expert_intermediate_size=3, num_groups=2, topk_groups=1,
+                                                           routed_scaling_factor=2.5, first_dense_layers=1)),
+    "deepseek_v3_plain": dict(family="deepseek_v3", num_kv_heads=4, head_dim=2,
+                              latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5,
+                                                           qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=3,
+                                                           attention_bias=True, rope_interleaved=False),
+                              grouped_experts=GroupedExpertsConfig(num_experts=4, num_experts_per_tok=2,
+                                                                 expert_intermediate_size=3, num_shared_experts=2,
+                                                                 normalize_weights=False)),
     "gpt_oss": dict(family="gpt_oss", mlp="experts", layer_types=("sliding_attention", "full_attention"),
                     attention=AttentionConfig(sinks=True, bias=True, output_bias=True, sliding_window=2),
                     experts=ExpertsConfig(num_experts=3, per_token=2, swiglu_limit=0.6)),

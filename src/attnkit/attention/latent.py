@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_bool_mask, check_features, check_grad_output, check_positive_int, check_real
+from ..core.hooks import hook_heads, hook_heads_backward
 from ..core.module import Module
 from ..flex import (
     and_masks,
@@ -47,6 +48,7 @@ from ..flex import (
 from ..init import as_generator, normal
 from ..kernels import latent as _latent
 from ..kernels import rotary as _rotary
+from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
@@ -197,9 +199,13 @@ class MultiHeadLatentAttention(Module):
     attention_mask : (B, S) bool/0-1, ``True`` = real token, over the cache slots (past + new); None = all real.
     cache : :class:`~attnkit.decoding.cache.LatentCache`, optional: appends the new tokens' ``[c, k_r]`` (C + R
     each) and attends to every kept slot; inference only (no :meth:`backward`).
+    output_attentions : bool, default False
+        Also return the weights (B, H, L, S), an array the caller owns (the reference kernel computes them).
     form : {"auto", "explicit", "absorbed"}
         Which computation runs: ``"auto"`` is the absorbed form with a cache (decoding) and the explicit form
         without one (prefill, training). Only an explicit forward without a cache keeps what backward needs.
+
+    Hook points: see :meth:`hook_points`.
 
     Examples
     --------
@@ -240,6 +246,16 @@ class MultiHeadLatentAttention(Module):
                 f"kv_lora_rank={cfg.kv_lora_rank}, qk_nope_head_dim={cfg.qk_nope_head_dim}, "
                 f"qk_rope_head_dim={cfg.qk_rope_head_dim}, v_head_dim={cfg.v_head_dim}, "
                 f"layer_index={self.layer_index}")
+
+    FORWARD_ONLY_HOOKS = ("hook_pattern",)
+
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_q`` (B, L, H, Dn+R) the query heads, their rotary part turned; ``hook_k`` (B, S, H, Dn+R) and
+        ``hook_v`` (B, S, H, Dv) the key and value heads the explicit form expands from the latent (the
+        absorbed form, a cached decoding step, never forms them and passes neither point); ``hook_pattern``
+        (B, H, L, S) the attention weights, an ordinary softmax pattern in both forms (forward hooks only;
+        asking for it runs the reference kernel); ``hook_z`` (B, L, H, Dv) each head's output before ``W_O``."""
+        return ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
 
     # ------------------------------------------------------------------------------------------------
     def _queries(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
@@ -285,11 +301,16 @@ class MultiHeadLatentAttention(Module):
                              f"got {cos.shape} and {sin.shape}")
         return x, cos, sin, as_bool_mask(attention_mask, "attention_mask", allow_int=True)
 
-    def forward(self, x: Any, *, rotary, attention_mask: Any = None, cache=None, form: str = "auto"):
-        """Attend every new token to itself and the tokens before it (``form`` picks explicit or absorbed)."""
+    def forward(self, x: Any, *, rotary, attention_mask: Any = None, cache=None, output_attentions: bool = False,
+                form: str = "auto"):
+        """Attend every new token to itself and the tokens before it (``form`` picks explicit or absorbed);
+        ``(y, weights)`` with ``output_attentions``."""
         x, cos, sin, mask = self._check_inputs(x, rotary, attention_mask, form)
         b, length, _ = x.shape
         q, q_saved = self._queries(x, cos, sin)  # (B, H, L, Dn+R)
+        hooked = self._hook_table is not None
+        if hooked:
+            q = hook_heads(self, "hook_q", q)
         c, k_rope, c_norm = self._latent(x, cos, sin)  # (B, L, C), (B, L, R)
         if cache is not None:
             kept = cache.update(self.layer_index, np.concatenate([c, k_rope], axis=-1))  # (B, S, C+R)
@@ -302,19 +323,22 @@ class MultiHeadLatentAttention(Module):
         if form == "absorbed" or (form == "auto" and cache is not None):
             if latent is None:
                 latent = np.concatenate([c, k_rope], axis=-1)  # (B, L, C+R)
-            out, ctx = self._absorbed(q, latent, key_mask)  # (B, H, L, Dv)
+            out, weights, ctx = self._absorbed(q, latent, key_mask, output_attentions)  # (B, H, L, Dv)
         else:
             if latent is not None:  # the cache's (B, S, C) and (B, S, R), in x's dtype
                 latent = latent.astype(x.dtype, copy=False)
                 c, k_rope = latent[..., :self.config.kv_lora_rank], latent[..., self.config.kv_lora_rank:]
-            out, ctx = self._explicit(q, c, k_rope, key_mask)  # (B, H, L, Dv)
-        merged = out.transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, H*Dv)
+            out, weights, ctx = self._explicit(q, c, k_rope, key_mask, output_attentions)  # (B, H, L, Dv)
+        merged = out.transpose(0, 2, 1, 3)  # (B, L, H, Dv)
+        if hooked:
+            merged = self.hook_point("hook_z", merged)
+        merged = merged.reshape(b, length, -1)  # (B, L, H*Dv)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
         if cache is None and form != "absorbed":
             self.save_for_backward(x, (cos, sin), q_saved, c, c_norm, merged, ctx)
         else:  # inference: keep nothing
             self.save_for_backward()
-        return y
+        return (y, weights) if output_attentions else y
 
     def _key_mask(self, mask: np.ndarray | None, batch: int, seq_k: int) -> np.ndarray | None:
         if mask is not None and mask.shape != (batch, seq_k):
@@ -322,14 +346,16 @@ class MultiHeadLatentAttention(Module):
                              f"(past + new tokens), got {mask.shape}")
         return mask
 
-    def _explicit(self, q: np.ndarray, c: np.ndarray, k_rope: np.ndarray, key_mask):
+    def _explicit(self, q: np.ndarray, c: np.ndarray, k_rope: np.ndarray, key_mask, need_weights: bool):
         """Up-project the latent to H key heads ``[c W_UK_h, k_r]`` and value heads ``c W_UV_h``, and attend."""
         cfg = self.config
         k, v = _latent.expand_latent(c, k_rope, self._parameters["W_KVB"], cfg.num_heads,
                                      cfg.qk_nope_head_dim)  # (B, H, S, Dn+R), (B, H, S, Dv)
-        return self._attend(q, k, v, key_mask)
+        if self._hook_table is not None:
+            k, v = hook_heads(self, "hook_k", k), hook_heads(self, "hook_v", v)
+        return self._attend(q, k, v, key_mask, need_weights)
 
-    def _absorbed(self, q: np.ndarray, latent: np.ndarray, key_mask):
+    def _absorbed(self, q: np.ndarray, latent: np.ndarray, key_mask, need_weights: bool):
         """Attend in the latent space: queries ``[q_nope_h W_UK_h^T, q_rope_h]`` against the one key/value head
         ``[c, k_r]`` / ``c``, then ``W_UV_h`` on each head's averaged latent."""
         cfg = self.config
@@ -337,15 +363,18 @@ class MultiHeadLatentAttention(Module):
                                                  q.dtype)  # (H, Dn, C), (H, C, Dv)
         q_abs = _latent.absorb_queries(q, w_uk, cfg.qk_nope_head_dim)  # (B, H, L, C+R)
         k = latent.astype(q.dtype, copy=False)[:, None]  # (B, 1, S, C+R): one head shared by all H queries
-        out_latent, ctx = self._attend(q_abs, k, k[..., :cfg.kv_lora_rank], key_mask)  # (B, H, L, C)
-        return _latent.absorbed_values(out_latent, w_uv), ctx  # (B, H, L, Dv)
+        out_latent, weights, ctx = self._attend(q_abs, k, k[..., :cfg.kv_lora_rank], key_mask,
+                                                need_weights)  # (B, H, L, C)
+        return _latent.absorbed_values(out_latent, w_uv), weights, ctx  # (B, H, L, Dv)
 
-    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None):
-        """Causal (windowed, padded) attention through :func:`attnkit.flex.flex_attention`: ``(out, ctx)``.
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None,
+                need_weights: bool):
+        """Causal (windowed, padded) attention through :func:`attnkit.flex.flex_attention`: ``(out, weights or
+        None, ctx)``.
 
         One query after every key it may see (a decoding step) needs no mask; the kernel is flex's ``"auto"``
-        (:func:`attnkit.kernels.registry.resolve_kernel`: the reference kernel for that one row of scores, the
-        tiled FlashAttention kernel for longer runs).
+        (:func:`attnkit.kernels.registry.resolve_kernel`: the reference kernel for that one row of scores or when
+        the weights are asked for (or hooked), the tiled FlashAttention kernel for longer runs).
         """
         b, _, length, _ = q.shape
         seq_k, window = k.shape[2], self.config.sliding_window
@@ -356,8 +385,19 @@ class MultiHeadLatentAttention(Module):
             if key_mask is not None:
                 mask = and_masks(mask, padding_mask(key_mask))
             block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
-        return flex_attention(q, k, v, None, block_mask, scale=self.config.scale,
-                              enable_gqa=True)  # (B, H, L, Dv or C)
+        table = self._hook_table
+        pattern_hooked = table is not None and "hook_pattern" in table.forward
+        out, ctx = flex_attention(q, k, v, None, block_mask, scale=self.config.scale, enable_gqa=True,
+                                  need_weights=need_weights or pattern_hooked)  # (B, H, L, Dv or C)
+        heads = q.shape[1]
+        if pattern_hooked:
+            hooked = self.hook_point("hook_pattern", ctx.weights.reshape(b, heads, length, seq_k))  # (B, H, L, S)
+            if "hook_pattern" in table.replaced:
+                out, ctx = fixed_weights_forward(hooked, v, q.shape)  # (B, H, L, Dv or C)
+                return out, (hooked.copy() if need_weights else None), ctx
+        weights = None if ctx.weights is None or not need_weights else \
+            ctx.weights.reshape(b, heads, length, seq_k).copy()  # (B, H, L, S)
+        return out, weights, ctx
 
     # ------------------------------------------------------------------------------------------------
     def backward(self, grad_output: Any) -> np.ndarray:
@@ -375,8 +415,18 @@ class MultiHeadLatentAttention(Module):
         g = check_grad_output(grad_output, x.shape, x.dtype, "MultiHeadLatentAttention")
         grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p)  # (B, L, H*Dv)
         self._accumulate("O", grad_w, grad_b)
-        grad_out = grad_merged.reshape(b, length, h, cfg.v_head_dim).transpose(0, 2, 1, 3)  # (B, H, L, Dv)
-        dq, dk, dv = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)[:3]  # (B, H, L, *)
+        grad_out = grad_merged.reshape(b, length, h, cfg.v_head_dim)  # (B, L, H, Dv)
+        hooked = self._hook_table is not None
+        if hooked:
+            grad_out = self.hook_backward("hook_z", grad_out)
+        grad_out = grad_out.transpose(0, 2, 1, 3)  # (B, H, L, Dv)
+        if isinstance(ctx, FixedWeights):  # a replaced pattern: the scores, so q and k, no longer matter
+            dq, dk, dv = fixed_weights_backward(grad_out, ctx)  # (B, H, L, *)
+        else:
+            dq, dk, dv = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)[:3]  # (B, H, L, *)
+        if hooked:
+            dq, dk, dv = (hook_heads_backward(self, name, d) for name, d in (("hook_q", dq), ("hook_k", dk),
+                                                                             ("hook_v", dv)))
         grad_x = self._latent_backward(x, cos, sin, c, c_norm, dk, dv)  # (B, L, D)
         dq_rope = _rotary.rotary_backward(dq[..., dn:], cos, sin, cfg.rope_interleaved)  # (B, H, L, R)
         dq = np.concatenate([dq[..., :dn], dq_rope], axis=-1)  # (B, H, L, Dn+R)

@@ -230,23 +230,30 @@ def sample_tokens(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 # -- logits processors (applied before the warpers, greedy or sampled) -------------------------------------
-def apply_repetition_penalty(logits: np.ndarray, sequences: np.ndarray, penalty: float) -> np.ndarray:
+def apply_repetition_penalty(logits: np.ndarray, sequences: np.ndarray, penalty: float,
+                             padding: np.ndarray | None = None) -> np.ndarray:
     """Hugging Face's repetition penalty: the logit of every token already in a row is divided by ``penalty``
     where positive and multiplied by it where negative (``penalty > 1`` discourages repeats).
 
-    Every id of ``sequences`` counts, the prompt (and its padding) included, as in Hugging Face.
+    Every id of ``sequences`` counts, the prompt included, except a row's first ``padding[row]`` columns: its
+    left padding, which ``transformers`` (5.x) leaves out (``prompt_ignore_length``, from the attention mask).
 
     Shapes
     ------
-    logits : (B, V) float, sequences : (B, S) int -> (B, V), same dtype (a new array).
+    logits : (B, V) float, sequences : (B, S) int, padding : (B,) int or None -> (B, V), same dtype (a new
+    array).
 
     Examples
     --------
     >>> apply_repetition_penalty(np.array([[2.0, -2.0, 1.0]]), np.array([[0, 1]]), 2.0)
     array([[ 1., -4.,  1.]])
     """
-    seen = np.zeros(logits.shape, dtype=bool)  # (B, V)
+    vocab = logits.shape[-1]
+    if padding is not None:  # a pad column names the extra id V, dropped below
+        sequences = np.where(np.arange(sequences.shape[1])[None] < padding[:, None], vocab, sequences)  # (B, S)
+    seen = np.zeros((logits.shape[0], vocab + 1), dtype=bool)  # (B, V + 1)
     np.put_along_axis(seen, sequences, True, axis=-1)
+    seen = seen[:, :vocab]  # (B, V)
     # an extreme (but finite, positive) penalty saturates the repeated logits at +-inf, as in transformers
     with np.errstate(over="ignore", divide="ignore"):
         penalised = np.where(logits < 0, logits * penalty, logits / penalty)  # (B, V)
@@ -469,16 +476,26 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *,
     sampling = dict(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"]) \
         if o["do_sample"] else None
     processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
-                      min_new_tokens=o["min_new_tokens"], stop_strings=o["stop_strings"], tokenizer=tokenizer)
+                      min_new_tokens=o["min_new_tokens"], stop_strings=o["stop_strings"], tokenizer=tokenizer,
+                      padding=left_padding(mask))
     return _decode(model, ids, mask, max_new, sampling, processing, rng, eos, pad)
+
+
+def left_padding(mask: np.ndarray) -> np.ndarray:
+    """Each row's columns before its first real token (B,) int64 (0 for a row without one), as ``transformers``
+    counts them: ``argmax(mask != 0)``."""
+    return np.argmax(mask != 0, axis=1).astype(np.int64)
 
 
 def _process(logits: np.ndarray, sequences: np.ndarray, step: int, eos: np.ndarray, *,
              repetition_penalty: float | None, no_repeat_ngram_size: int | None, min_new_tokens: int | None,
-             **_: Any) -> np.ndarray:
-    """Hugging Face's logits processors in its order: repetition penalty, no-repeat n-grams, min new tokens."""
+             padding: np.ndarray | None = None, **_: Any) -> np.ndarray:
+    """Hugging Face's logits processors in its order: repetition penalty (``padding``: each row's left padding,
+    which it leaves out), no-repeat n-grams, min new tokens."""
     if repetition_penalty is not None and repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, sequences, repetition_penalty)
+        if padding is not None and padding.shape[0] != sequences.shape[0]:  # beams: each prompt's K rows
+            padding = np.repeat(padding, sequences.shape[0] // padding.shape[0])  # (B*K,)
+        logits = apply_repetition_penalty(logits, sequences, repetition_penalty, padding)
     if no_repeat_ngram_size:
         banned = banned_ngram_tokens(sequences, no_repeat_ngram_size)  # (B, V')
         width = min(banned.shape[1], logits.shape[1])
@@ -660,7 +677,7 @@ def _beam_generate(model: Any, input_ids: Any, attention_mask: Any, given: dict[
     if max_new == 0:
         return ids.copy()
     processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
-                      min_new_tokens=o["min_new_tokens"])
+                      min_new_tokens=o["min_new_tokens"], padding=left_padding(mask))
 
     def process(log_probs: np.ndarray, sequences: np.ndarray, step: int) -> np.ndarray:
         return _process(log_probs, sequences, step, eos, **processing)

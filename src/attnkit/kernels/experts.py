@@ -1,4 +1,5 @@
-"""A routed mixture of clamped-SwiGLU experts (gpt-oss's MLP) and its gradient (unchecked).
+"""Routed mixtures of experts and their gradients (unchecked): gpt-oss's clamped SwiGLU experts with a softmax
+router, and plain gated experts (:func:`gated_experts_forward`, DeepSeek-V3's) for any router.
 
 Dimension letters: N tokens, D features, E experts, k experts per token, F the experts' hidden size.
 
@@ -15,8 +16,8 @@ over the tokens routed to them (each a pair of matrix products over its own grou
 N tokens times E experts.
 
 Qwen3-Next routes differently and its experts are plain: :func:`route_softmax` takes the top k of a softmax
-over all E logits (renormalised over the k with ``norm_topk_prob``), and :func:`swiglu_experts_forward`'s
-experts are bias-free SwiGLU MLPs without clamps.
+over all E logits (renormalised over the k with ``norm_topk_prob``), and its experts are
+:func:`gated_experts_forward`'s bias-free SwiGLU MLPs without clamps.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import numpy as np
 
 from .gated_mlp import gated_mlp_backward, gated_mlp_forward
 
-__all__ = ["experts_backward", "experts_forward", "route", "route_backward", "route_softmax", "route_softmax_backward",
-           "swiglu_experts_backward", "swiglu_experts_forward"]
+__all__ = ["experts_backward", "experts_forward", "gated_experts_backward", "gated_experts_forward", "route",
+           "route_backward", "route_softmax", "route_softmax_backward"]
 
 
 def route(x: np.ndarray, w_router: np.ndarray, b_router: np.ndarray, top_k: int):
@@ -155,7 +156,7 @@ def route_backward(grad_weights, x, chosen, weights, w_router, num_experts: int)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Softmax routing over every expert, and plain (unclamped, bias-free) SwiGLU experts: Qwen3-Next / Qwen3-MoE
+# Softmax routing over every expert (Qwen3-Next / Qwen3-MoE)
 # ----------------------------------------------------------------------------------------------------------
 def route_softmax(x: np.ndarray, w_router: np.ndarray, top_k: int, normalize: bool):
     """The k experts of largest probability under a softmax over all E router logits, and their weights.
@@ -191,34 +192,53 @@ def route_softmax_backward(grad_weights, x, chosen, weights, probs, w_router, no
     return grad_logits @ w_router.T, x.T @ grad_logits  # (N, D), (D, E)
 
 
-def swiglu_experts_forward(x, chosen, weights, w_gate, w_up, w_down):
-    """The weighted sum of each token's chosen experts, expert e being ``(silu(x W_gate[e]) * x W_up[e]) W_down[e]``.
+def gated_experts_forward(x, chosen, weights, w_gate, w_up, w_down, activation: str = "silu"):
+    """The weighted sum of each token's chosen experts, each a gated MLP without biases.
 
-    Shapes
-    ------
-    x (N, D); chosen, weights (N, k); w_gate, w_up (E, D, F); w_down (E, F, D) -> y (N, D), and ``saved``
-    (one entry per expert with tokens) for :func:`swiglu_experts_backward`.
+    Expert e maps its tokens to ``(act(x W_gate[e]) * (x W_up[e])) W_down[e]`` (SwiGLU for silu).
+
+    Parameters
+    ----------
+    x : (N, D)
+    chosen, weights : (N, k), from a router.
+    w_gate, w_up : (E, D, F); w_down : (E, F, D).
+    activation : str
+
+    Returns
+    -------
+    y : (N, D)
+    saved : list of what :func:`gated_experts_backward` needs, one entry per expert with tokens.
     """
     y = np.zeros_like(x)  # (N, D)
     saved = []
     for expert, tokens, slot in _groups(chosen, w_gate.shape[0]):
-        out, parts = gated_mlp_forward(x[tokens], w_gate[expert], w_up[expert], w_down[expert])  # (n, D)
-        y[tokens] += out * weights[tokens, slot][:, None]  # a token picks an expert once: distinct rows
+        xe = x[tokens]  # (n, D)
+        out, parts = gated_mlp_forward(xe, w_gate[expert], w_up[expert], w_down[expert],
+                                       activation=activation)  # (n, D)
+        y[tokens] += out * weights[tokens, slot][:, None]  # (n, D): a token picks an expert at most once
         saved.append((expert, tokens, slot, out, parts))
     return y, saved
 
 
-def swiglu_experts_backward(grad_y, x, weights, w_gate, w_up, w_down, saved):
-    """Gradients of :func:`swiglu_experts_forward`: ``grad_x`` (N, D), ``grad_weights`` (N, k) and
-    ``{"W_gate", "W_up", "W_down"}`` (experts without tokens get zeros)."""
-    grad_x, grad_weights = np.zeros_like(x), np.zeros_like(weights)  # (N, D), (N, k)
+def gated_experts_backward(grad_y, x, weights, w_gate, w_up, w_down, saved, activation: str = "silu"):
+    """Gradients of :func:`gated_experts_forward` with respect to x, the routing weights and the experts.
+
+    Returns
+    -------
+    grad_x : (N, D)
+    grad_weights : (N, k)
+    grads : dict with ``W_gate``, ``W_up``, ``W_down`` (experts without tokens get zeros).
+    """
+    grad_x = np.zeros_like(x)  # (N, D)
+    grad_weights = np.zeros_like(weights)  # (N, k)
     grads = {"W_gate": np.zeros_like(w_gate), "W_up": np.zeros_like(w_up), "W_down": np.zeros_like(w_down)}
     for expert, tokens, slot, out, parts in saved:
         ge = grad_y[tokens]  # (n, D)
-        grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)
-        gx, expert_grads = gated_mlp_backward(ge * weights[tokens, slot][:, None], x[tokens], w_gate[expert],
-                                              w_up[expert], w_down[expert], parts)  # (n, D)
-        grad_x[tokens] += gx
+        grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)  # (n,)
+        grad_out = ge * weights[tokens, slot][:, None]  # (n, D)
+        grad_xe, expert_grads = gated_mlp_backward(grad_out, x[tokens], w_gate[expert], w_up[expert],
+                                                   w_down[expert], parts, activation)  # (n, D)
         for name, value in expert_grads.items():
             grads[name][expert] = value
+        grad_x[tokens] += grad_xe
     return grad_x, grad_weights, grads

@@ -219,7 +219,7 @@ class SharedExpertMixture(Module):
         flat = x.reshape(-1, self.hidden_size)  # (N, D)
         p = self._parameters
         chosen, weights, probs = _experts.route_softmax(flat, p["W_router"], self.top_k, self.normalize)  # (N, k)
-        routed, saved = _experts.swiglu_experts_forward(flat, chosen, weights, p["W_gate"], p["W_up"],
+        routed, saved = _experts.gated_experts_forward(flat, chosen, weights, p["W_gate"], p["W_up"],
                                                         p["W_down"])  # (N, D)
         shared = self.shared_expert(flat)  # (N, D)
         gate = _sigmoid(linear(flat, p["W_shared_gate"]))  # (N, 1)
@@ -233,7 +233,7 @@ class SharedExpertMixture(Module):
         shape, flat, chosen, weights, probs, saved, shared, gate = self.saved_tensors
         g = check_grad_output(grad_output, shape, flat.dtype, "SharedExpertMixture").reshape(flat.shape)  # (N, D)
         p = self._parameters
-        grad_x, grad_weights, grads = _experts.swiglu_experts_backward(g, flat, weights, p["W_gate"], p["W_up"],
+        grad_x, grad_weights, grads = _experts.gated_experts_backward(g, flat, weights, p["W_gate"], p["W_up"],
                                                                        p["W_down"], saved)  # (N, D)
         grad_xr, grads["W_router"] = _experts.route_softmax_backward(grad_weights, flat, chosen, weights, probs,
                                                                      p["W_router"], self.normalize)  # (N, D)

@@ -4,8 +4,8 @@ Dimension letters: B batch, L new tokens, D ``hidden_size``.
 
 The config is read once, when the block is built: which norm sits before and after each branch (an
 :class:`~attnkit.layers.identity.Identity` where there is none), which token mixer (:data:`MIXERS`, by the
-layer's type), which MLP (:data:`MLPS`), and how the residuals join (:data:`BLOCKS`). forward and backward read
-no setting.
+layer's type and the attention's kind), which MLP (:data:`MLPS`), and how the residuals join (:data:`BLOCKS`).
+forward and backward read no setting.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import numpy as np
 
 from ..attention.gated import GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention
+from ..attention.latent import MultiHeadLatentAttention
 from ..attention.shared_kv import KVOwnerAttention, KVReaderAttention
 from ..core.module import Module
 from ..init import as_generator, normal
@@ -24,6 +25,7 @@ from .experts import MixtureOfExperts, SharedExpertMixture
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
+from .grouped_experts import GroupedExpertsMoE
 from .identity import Identity
 from .layer_norm import LayerNorm
 from .per_layer_input import PerLayerInputBranch
@@ -48,8 +50,12 @@ def _plain_mlp(config, *, rng: np.random.Generator) -> FeedForward:
     return mlp
 
 
+def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> MultiHeadLatentAttention:
+    return MultiHeadLatentAttention(config.latent, layer_index, rng=rng)
+
+
 MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "experts": MixtureOfExperts,
-                                          "shared_experts": SharedExpertMixture}
+                                          "shared_experts": SharedExpertMixture, "grouped_experts": GroupedExpertsMoE}
 """The MLP of each kind ``DecoderConfig.mlp_of(layer)`` names: ``build(config, rng=...)``."""
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
@@ -59,7 +65,8 @@ MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttent
 """The token mixer of each layer type (``DecoderConfig.layer_types``): ``build(config, layer_index, rng=...)``.
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``
-and ``backward``; a new kind of layer is a new entry here."""
+and ``backward``; a new kind of layer or of attention is a new entry here."""
+
 
 SHARED_KV_MIXERS: dict[str, Callable[..., Module]] = {"owner": KVOwnerAttention, "reader": KVReaderAttention}
 """The token mixers of a :class:`LayerwiseBlock` (a config with ``layerwise``): the layers that compute their
@@ -77,8 +84,9 @@ class LMBlock(Module):
     Parameters
     ----------
     config : DecoderConfig
-        ``norm`` (kind and placement), the layer's MLP (``mlp_of(layer_index)``, :data:`MLPS`) and its type
-        (:data:`MIXERS`: grouped-query attention, gated attention or a Gated DeltaNet).
+        ``norm`` (kind and placement), the layer's MLP (``mlp_of(layer_index)``, :data:`MLPS`) and its token
+        mixer (:meth:`mixer_of`): by its type (:data:`MIXERS`: grouped-query attention, gated attention or a Gated
+        DeltaNet), or multi-head latent attention in every layer with the ``latent`` part.
     layer_index : int
     rng : numpy.random.Generator or int, optional
 
@@ -118,8 +126,9 @@ class LMBlock(Module):
 
     @staticmethod
     def mixer_of(config, layer_index: int) -> Callable[..., Module]:
-        """The builder of layer ``layer_index``'s token mixer: :data:`MIXERS`' entry for the layer's type."""
-        return MIXERS[config.layer_types[layer_index]]
+        """The builder of layer ``layer_index``'s token mixer: multi-head latent attention with the ``latent``
+        part, else :data:`MIXERS`' entry for the layer's type."""
+        return MIXERS[config.layer_types[layer_index]] if config.latent is None else _latent_attention
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre`` (the block's input), ``hook_attn_out`` and ``hook_mlp_out`` (what each branch adds

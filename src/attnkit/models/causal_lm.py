@@ -18,7 +18,7 @@ from .._validation import as_array, as_bool_mask, check_grad_output, check_posit
 from ..attention.shared_kv import connect_shared_kv
 from ..core.hooks import block_hook_points
 from ..core.module import Module, ModuleList
-from ..decoding.cache import KVCache
+from ..decoding.cache import KVCache, LatentCache
 from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
@@ -187,10 +187,13 @@ class CausalLM(Module):
         """The longest sequence this model can run (the rows of its learned position tables), else None."""
         return min((getattr(self, name).weight.shape[0] for name in self.position_tables), default=None)
 
-    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
-        """An empty :class:`~attnkit.decoding.cache.KVCache` for this model: ring buffers for sliding layers, and
-        a fixed-size state for each linear-attention layer (its mixer's ``new_cache``)."""
+    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache | LatentCache:
+        """An empty cache for this model: a :class:`~attnkit.decoding.cache.LatentCache` of every layer's latents
+        for latent attention, else a :class:`~attnkit.decoding.cache.KVCache` with ring buffers for sliding
+        layers and a fixed-size state for each linear-attention layer (its mixer's ``new_cache``)."""
         c = self.config
+        if c.latent is not None:
+            return LatentCache(c.num_layers, batch_size, c.latent.latent_dim, self.dtype, max_length=max_length)
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
                   if c.layer_types[i] == "linear_attention"}
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
@@ -208,8 +211,9 @@ class CausalLM(Module):
             raise ValueError("input_ids must hold at least one token per row, got shape (B, 0)")
         past = 0
         if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache (from new_cache), got {type(cache).__name__}")
+            expected = KVCache if self.config.latent is None else LatentCache
+            if not isinstance(cache, expected):
+                raise TypeError(f"cache must be a {expected.__name__} (from new_cache), got {type(cache).__name__}")
             if cache.batch_size != b:
                 raise ValueError(f"cache holds {cache.batch_size} rows but input_ids has {b}")
             past = cache.length
@@ -233,7 +237,7 @@ class CausalLM(Module):
         return ids, mask, positions
 
     def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
-                cache: KVCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0):
+                cache: KVCache | LatentCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0):
         """Logits (B, L, V) of the next token after every position; with a cache, only the new tokens are fed.
 
         ``logits_to_keep=n`` (``transformers``' name) computes the logits of the last n positions only,

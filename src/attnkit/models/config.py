@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .._validation import check_positive_int
+from ..attention.latent import LatentAttentionConfig
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
 from ..layers.experts import SharedExpertMixtureConfig
 from ..layers.gated_deltanet import GatedDeltaNetConfig
+from ..layers.grouped_experts import GroupedExpertsConfig
 from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
@@ -277,6 +279,12 @@ class ExpertsConfig:
 
 MLP_KINDS = ("gated", "plain", "experts")
 RESIDUALS = ("sequential", "parallel")
+# DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
+_PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
+          "linear_attention": GatedDeltaNetConfig, "shared_experts": SharedExpertMixtureConfig,
+          "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig, "grouped_experts": GroupedExpertsConfig}
+_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "shared_experts", "layerwise", "latent",
+                   "grouped_experts")
 
 
 @dataclass(frozen=True)
@@ -349,6 +357,16 @@ class DecoderConfig:
         Layers that differ in more than their window (Gemma 4: wider global heads, keys that are the values,
         keys and values reused by the last layers, per-layer inputs, a scalar per layer); see
         :class:`LayerwiseConfig`.
+    latent : LatentAttentionConfig, optional
+        The part that makes every layer's token mixer multi-head latent attention
+        (:class:`~attnkit.attention.latent.MultiHeadLatentAttention`, DeepSeek-V3) instead of grouped-query
+        attention; its ``hidden_size`` and heads are this config's, ``head_dim`` is its rotary width R,
+        ``rotary.interleaved`` its ``rope_interleaved``, the ``attention`` part stays the default (the latent part
+        holds its biases and scale), and the cache is a :class:`~attnkit.decoding.cache.LatentCache`.
+    grouped_experts : GroupedExpertsConfig, optional
+        The part that makes the MLP of every layer past ``first_dense_layers`` a
+        :class:`~attnkit.layers.grouped_experts.GroupedExpertsMoE` (group-limited routing and shared experts); the
+        dense layers keep the gated MLP of ``intermediate_size``.
 
     Examples
     --------
@@ -387,6 +405,8 @@ class DecoderConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     layerwise: LayerwiseConfig | None = None
+    latent: LatentAttentionConfig | None = None
+    grouped_experts: GroupedExpertsConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
@@ -415,18 +435,30 @@ class DecoderConfig:
             _finite_positive(self.final_logit_softcap, "final_logit_softcap")
 
     def _check_parts(self) -> None:
-        for name, kind, optional in (("norm", NormConfig, False), ("rotary", RotaryConfig, True),
-                                     ("attention", AttentionConfig, False), ("experts", ExpertsConfig, True),
-                                     ("linear_attention", GatedDeltaNetConfig, True),
-                                     ("shared_experts", SharedExpertMixtureConfig, True),
-                                     ("layerwise", LayerwiseConfig, True)):
+        for name, kind in _PARTS.items():
             value = getattr(self, name)
-            if not isinstance(value, kind) and not (optional and value is None):
-                expected = f"a {kind.__name__}" + (" or None" if optional else "")
+            if not isinstance(value, kind) and not (name in _OPTIONAL_PARTS and value is None):
+                expected = f"a {kind.__name__}" + (" or None" if name in _OPTIONAL_PARTS else "")
                 raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
         if (self.mlp == "experts") != (self.experts is not None):
             raise ValueError(f"experts (an ExpertsConfig) goes with mlp='experts' and only with it, got "
                              f"mlp={self.mlp!r} and experts={self.experts!r}")
+        latent, rotary = self.latent, self.rotary
+        if latent is not None:
+            if (latent.hidden_size, latent.num_heads) != (self.hidden_size, self.num_heads):
+                raise ValueError(f"latent describes hidden_size {latent.hidden_size} and {latent.num_heads} heads, "
+                                 f"the model {self.hidden_size} and {self.num_heads}")
+            if rotary is None or self.head_dim != latent.qk_rope_head_dim or rotary.partial_factor != 1.0 \
+                    or rotary.interleaved != latent.rope_interleaved or rotary.skip_layers:
+                raise ValueError("latent attention rotates its qk_rope_head_dim features in every layer: the model "
+                                 "needs a rotary part with partial_factor 1, no skip_layers and the latent's "
+                                 "rope_interleaved as interleaved, and head_dim = qk_rope_head_dim")
+            if self.attention != AttentionConfig():
+                raise ValueError(f"latent attention takes no setting of the attention part (its biases, scale and "
+                                 f"window are the latent part's), got {self.attention}")
+        if self.grouped_experts is not None and (self.mlp != "gated" or self.mlp_bias):
+            raise ValueError("grouped_experts needs mlp='gated' without mlp_bias (its dense layers and experts "
+                             "are gated MLPs without biases)")
 
     def _check_rotary(self) -> None:
         if self.rotary is None:
@@ -503,9 +535,7 @@ class DecoderConfig:
             return tuple(tupled(v) for v in value) if isinstance(value, list) else value
 
         values = {k: tupled(v) for k, v in fields.items()}
-        for name, part in (("norm", NormConfig), ("rotary", RotaryConfig), ("attention", AttentionConfig),
-                           ("experts", ExpertsConfig), ("linear_attention", GatedDeltaNetConfig),
-                           ("shared_experts", SharedExpertMixtureConfig), ("layerwise", LayerwiseConfig)):
+        for name, part in _PARTS.items():
             if isinstance(values.get(name), dict):
                 values[name] = part(**{k: tupled(v) for k, v in values[name].items()})
         return cls(**values)
@@ -531,9 +561,11 @@ class DecoderConfig:
         return self.rotary.sliding() if self.window_of(layer) is not None else self.rotary
 
     def mlp_of(self, layer: int) -> str:
-        """The kind of layer ``layer``'s MLP: ``"shared_experts"`` on the layers ``shared_experts`` lists, else
-        ``mlp``."""
-        return "shared_experts" if self.shared_experts is not None and layer in self.shared_experts.layers \
+        """The kind of layer ``layer``'s MLP: ``"shared_experts"`` on the layers ``shared_experts`` lists,
+        ``"grouped_experts"`` past the ``grouped_experts`` part's dense layers, else ``mlp``."""
+        if self.shared_experts is not None and layer in self.shared_experts.layers:
+            return "shared_experts"
+        return "grouped_experts" if self.grouped_experts is not None and self.grouped_experts.routed(layer) \
             else self.mlp
 
     def head_dim_of(self, layer: int) -> int:

@@ -50,9 +50,10 @@ class TensorMap:
         parts of these sizes, each part gathered over the heads; parts whose target repeats are stacked in
         order, then each target transposed (Qwen3-Next's ``in_proj_qkvz``: every key head's q, k, v and z rows;
         targets ``(W_qkv, W_qkv, W_qkv, W_z)``).
-    stack, index : int
-        ``stack`` > 0: the tensor is slice ``index`` of a parameter stacked over ``stack`` entries (one expert
-        of an (E, ...) parameter, as Qwen3-Next's checkpoints store each expert's matrices).
+    stack_index, stack_size : int
+        ``stack_size > 0``: each target is a stack of ``stack_size`` arrays and this tensor is entry
+        ``stack_index`` of it (an expert's matrix, stored in the checkpoint one expert per tensor, as Qwen3-Next
+        and DeepSeek-V3 do, in attnkit's (E, ...) parameter).
     """
 
     source: str
@@ -62,8 +63,8 @@ class TensorMap:
     heads: int = 0
     sizes: tuple[int, ...] = ()
     scales: str = ""
-    stack: int = 0
-    index: int = 0
+    stack_index: int = 0
+    stack_size: int = 0
 
     @property
     def stored_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -75,13 +76,14 @@ class TensorMap:
         return {self.source: (e, r, c // 32, 16), self.scales: (e, r, c // 32)}
 
     def target_shapes(self) -> dict[str, tuple[int, ...]]:
-        """attnkit parameter name -> the shape it receives (the whole stacked parameter's, with ``stack``)."""
+        """attnkit parameter name -> the shape it receives (a stacked target's whole stack)."""
         shapes = self._part_shapes()
-        return {t: (self.stack,) + shape for t, shape in shapes.items()} if self.stack else shapes
+        return {t: (self.stack_size, *s) for t, s in shapes.items()} if self.stack_size else shapes
 
     def destination(self, params: dict[str, Any], target: str) -> np.ndarray:
-        """The array :meth:`convert`'s ``target`` value is copied into: the parameter, or its slice ``index``."""
-        return params[target][self.index] if self.stack else params[target]
+        """The array :meth:`convert`'s ``target`` value is copied into: the parameter, or its entry
+        ``stack_index`` of a stack."""
+        return params[target][self.stack_index] if self.stack_size else params[target]
 
     def _head_rows(self) -> dict[str, list[tuple[int, int]]]:
         """``head_row_split_transpose``: each target's parts as (offset within a head's rows, size), in order."""

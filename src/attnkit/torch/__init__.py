@@ -25,7 +25,13 @@ except ImportError as err:  # pragma: no cover - exercised by the wheel test in 
     raise ImportError("attnkit.torch needs PyTorch: pip install 'attnkit[torch]'") from err
 
 from ._twin import from_numpy, to_numpy  # noqa: E402
-from .attention import GatedAttention, GroupedQueryAttention, MultiHeadAttention, ScaledDotProductAttention
+from .attention import (  # noqa: E402
+    GatedAttention,
+    GroupedQueryAttention,
+    MultiHeadAttention,
+    MultiHeadLatentAttention,
+    ScaledDotProductAttention,
+)
 from .blocks import (
     LMBlock,
     ParallelLMBlock,
@@ -41,6 +47,8 @@ from .layers import (
     Embedding,
     FeedForward,
     GatedMLP,
+    GroupedExpertsMoE,
+    GroupLimitedRouter,
     Identity,
     LayerNorm,
     MixtureOfExperts,
@@ -62,10 +70,12 @@ from .models import CausalLM, Seq2SeqTransformer
 
 __all__ = [
     "from_numpy", "to_numpy",
-    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "Embedding", "Projection",
+    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "GroupLimitedRouter", "GroupedExpertsMoE",
+    "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity",
     "SharedExpertMixture", "GatedDeltaNet", "GatedDeltaNetMixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
+    "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
     "Transformer", "LMBlock", "ParallelLMBlock", "CausalLM", "Seq2SeqTransformer",
     "KVOwnerAttention", "KVReaderAttention", "PerLayerInputs", "PerLayerInputBranch", "LayerwiseBlock",

@@ -15,12 +15,13 @@ import torch
 
 from ..attention.gated import GatedAttention as _GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention as _GroupedQueryAttention
+from ..attention.latent import MultiHeadLatentAttention as _MultiHeadLatentAttention
 from ..attention.multi_head_attention import MultiHeadAttention as _MultiHeadAttention
 from ..attention.scaled_dot_product import ScaledDotProductAttention as _ScaledDotProductAttention
 from ._twin import TwinModule, as_tensor, attend, causal_band
 from .layers import _linear, _rms, rotary_apply
 
-__all__ = ["ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention"]
+__all__ = ["ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "MultiHeadLatentAttention"]
 
 
 def _split(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -217,6 +218,57 @@ class GatedAttention(GroupedQueryAttention):
     def _output(self, x: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
         gate = torch.sigmoid(_linear(x, self.W_G, getattr(self, "b_G", None)))  # (B, L, Hq*Dh)
         return super()._output(x, merged * gate)  # (B, L, D)
+
+
+class MultiHeadLatentAttention(TwinModule):
+    """Twin of :class:`attnkit.attention.latent.MultiHeadLatentAttention` in its explicit form: the latent and
+    the shared rotary key up-projected to H key and value heads, then causal attention (SDPA).
+
+    Shapes
+    ------
+    x (B, L, D) -> (B, L, D); rotary ``(cos, sin)`` each (B, L, R); attention_mask (B, L) bool, ``True`` = real
+    token. No cache: the twin is for training (decode with attnkit, whose cached path is the absorbed form).
+
+    Examples
+    --------
+    >>> from attnkit.attention import LatentAttentionConfig
+    >>> cfg = LatentAttentionConfig(hidden_size=16, num_heads=2, q_lora_rank=8, kv_lora_rank=6,
+    ...                             qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3)
+    >>> attn = MultiHeadLatentAttention(cfg, rng=0)
+    >>> rotary = (torch.ones(1, 3, 2, dtype=torch.float64), torch.zeros(1, 3, 2, dtype=torch.float64))
+    >>> attn(torch.ones(1, 3, 16, dtype=torch.float64), rotary=rotary).shape
+    torch.Size([1, 3, 16])
+    """
+
+    numpy_class = _MultiHeadLatentAttention
+
+    def setup(self, source) -> None:
+        self.config = source.config
+
+    def forward(self, x: torch.Tensor, *, rotary, attention_mask: Any = None, cache=None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("MultiHeadLatentAttention (torch twin) has no cache; decode with attnkit's CausalLM "
+                             "(attnkit.torch.to_numpy) or transformers")
+        cfg = self.config
+        b, length, _ = x.shape
+        h, dn, c_width = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            a = _rms(_linear(x, self.W_QA, getattr(self, "b_QA", None)), self.q_a_norm, cfg.norm_eps)  # (B, L, Cq)
+            q = _linear(a, self.W_QB)  # (B, L, H*(Dn+R))
+        else:
+            q = _linear(x, self.W_Q)  # (B, L, H*(Dn+R))
+        q = _split(q, h)  # (B, H, L, Dn+R)
+        cos, sin = rotary
+        q = torch.cat([q[..., :dn], rotary_apply(q[..., dn:], cos, sin, cfg.rope_interleaved)], dim=-1)
+        kv_a = _linear(x, self.W_KVA, getattr(self, "b_KVA", None))  # (B, L, C+R)
+        c = _rms(kv_a[..., :c_width], self.kv_a_norm, cfg.norm_eps)  # (B, L, C)
+        k_rope = rotary_apply(kv_a[:, None, :, c_width:], cos, sin, cfg.rope_interleaved)  # (B, 1, L, R)
+        kv = (c @ self.W_KVB.to(c.dtype)).view(b, length, h, -1).transpose(1, 2)  # (B, H, L, Dn+Dv)
+        k = torch.cat([kv[..., :dn], k_rope.expand(b, h, length, -1)], dim=-1)  # (B, H, L, Dn+R)
+        mask = _bool_mask(attention_mask, x.device, "attention_mask")
+        mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, S)
+        out = attend(q, k, kv[..., dn:], mask, causal=True, window=cfg.sliding_window, scale=cfg.scale)
+        return _linear(_merge(out), self.W_O, getattr(self, "b_O", None))  # (B, L, D)
 
 
 def _scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -20,13 +20,16 @@ from ..kernels import rotary as _rotary
 from ..layers.experts import MixtureOfExperts as _MixtureOfExperts
 from ..layers.experts import SharedExpertMixture as _SharedExpertMixture
 from ..layers.gated_mlp import GatedMLP as _GatedMLP
+from ..layers.group_router import GroupLimitedRouter as _GroupLimitedRouter
+from ..layers.grouped_experts import GroupedExpertsMoE as _GroupedExpertsMoE
 from ..layers.identity import Identity as _Identity
 from ..layers.rms_norm import RMSNorm as _RMSNorm
 from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
 from ._twin import TwinModule, as_tensor
 
-__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "SharedExpertMixture", "Embedding",
-           "Projection", "Dropout", "Identity", "SinusoidalPositionalEncoding", "RotaryEmbedding", "activation"]
+__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "SharedExpertMixture",
+           "GroupLimitedRouter", "GroupedExpertsMoE", "Embedding", "Projection", "Dropout", "Identity",
+           "SinusoidalPositionalEncoding", "RotaryEmbedding", "activation"]
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -237,6 +240,84 @@ class SharedExpertMixture(TwinModule):
                 continue
             xe = flat[tokens]  # (n, D)
             hidden = F.silu(xe @ self.W_gate[expert]) * (xe @ self.W_up[expert])  # (n, F)
+            y = y.index_add(0, tokens, (hidden @ self.W_down[expert]) * weights[tokens, slot, None])  # (N, D)
+        return y.reshape(x.shape)
+
+
+class GroupLimitedRouter(TwinModule):
+    """Twin of :class:`attnkit.layers.group_router.GroupLimitedRouter`: sigmoid scores, the k experts of largest
+    bias-corrected score within the best groups, weighed by their uncorrected scores. The choice is made without
+    gradient (``torch.topk`` indices); the weights carry it.
+
+    Shapes
+    ------
+    x (..., D) -> (chosen (..., k) int64, weights (..., k)).
+
+    Examples
+    --------
+    >>> router = GroupLimitedRouter(4, num_experts=8, top_k=2, num_groups=4, topk_groups=2, rng=0)
+    >>> [t.shape for t in router(torch.ones(3, 4, dtype=torch.float64))]
+    [torch.Size([3, 2]), torch.Size([3, 2])]
+    """
+
+    numpy_class = _GroupLimitedRouter
+
+    def setup(self, source) -> None:
+        for name in ("num_experts", "top_k", "num_groups", "topk_groups", "normalize", "scaling"):
+            setattr(self, name, getattr(source, name))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        scores = torch.sigmoid(flat @ self.W_router.to(flat.dtype))  # (N, E)
+        with torch.no_grad():
+            corrected = scores + self.e_score_correction_bias.to(scores.dtype)  # (N, E)
+            grouped = corrected.reshape(flat.shape[0], self.num_groups, -1)  # (N, G, E/G)
+            kept = torch.topk(torch.topk(grouped, 2, dim=-1).values.sum(-1), self.topk_groups, dim=-1).indices
+            in_kept = torch.zeros(grouped.shape[:2], dtype=torch.bool).scatter_(1, kept, True)  # (N, G)
+            candidates = corrected.masked_fill(~in_kept.repeat_interleave(grouped.shape[-1], dim=-1), -torch.inf)
+            chosen = torch.topk(candidates, self.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(1, chosen)  # (N, k)
+        if self.normalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # (N, k)
+        weights = weights * self.scaling
+        lead = x.shape[:-1]
+        return chosen.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+
+
+class GroupedExpertsMoE(TwinModule):
+    """Twin of :class:`attnkit.layers.grouped_experts.GroupedExpertsMoE`: the router's k gated experts per token,
+    weighed, plus the shared experts' gated MLP.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+
+    Examples
+    --------
+    >>> from attnkit.layers.grouped_experts import GroupedExpertsConfig
+    >>> from attnkit.models import DecoderConfig
+    >>> part = GroupedExpertsConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=3)
+    >>> cfg = DecoderConfig(family="deepseek_v3", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, grouped_experts=part)
+    >>> GroupedExpertsMoE(cfg, rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
+    torch.Size([2, 3, 4])
+    """
+
+    numpy_class = _GroupedExpertsMoE
+
+    def setup(self, source) -> None:
+        self.activation = source.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        chosen, weights = self.router(flat)  # (N, k) each
+        y = self.shared_experts(flat)  # (N, D)
+        for expert in range(self.W_gate.shape[0]):  # each expert over its own tokens
+            tokens, slot = torch.where(chosen == expert)  # (n,) each
+            if tokens.numel() == 0:
+                continue
+            xe = flat[tokens]  # (n, D)
+            hidden = activation(xe @ self.W_gate[expert], self.activation) * (xe @ self.W_up[expert])  # (n, F)
             y = y.index_add(0, tokens, (hidden @ self.W_down[expert]) * weights[tokens, slot, None])  # (N, D)
         return y.reshape(x.shape)
 

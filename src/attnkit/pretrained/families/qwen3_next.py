@@ -73,8 +73,8 @@ def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     for expert in range(e):
         for proj, shape, name in (("gate_proj", (f, d), "W_gate"), ("up_proj", (f, d), "W_up"),
                                   ("down_proj", (d, f), "W_down")):
-            maps.append(TensorMap(f"{hf}experts.{expert}.{proj}.weight", shape, (ak + name,), "transpose", stack=e,
-                                  index=expert))
+            maps.append(TensorMap(f"{hf}experts.{expert}.{proj}.weight", shape, (ak + name,), "transpose",
+                                  stack_index=expert, stack_size=e))
     fs = moe.shared_intermediate_size
     for proj, shape, name in (("gate_proj", (fs, d), "W_gate"), ("up_proj", (fs, d), "W_up"),
                               ("down_proj", (d, fs), "W_down")):

@@ -1,0 +1,186 @@
+"""DeepSeek-V3: Llama, except multi-head latent attention in every layer and, past the first
+``first_k_dense_replace`` layers, a mixture of many small experts with shared experts. Attention compresses
+each token into a latent of ``kv_lora_rank`` features (RMS-normalised) and one rotary key of
+``qk_rope_head_dim`` features shared by the heads, from which the per-head keys and values are up-projected;
+queries pass through a rank-``q_lora_rank`` bottleneck with its RMSNorm (or one ``q_proj`` when it is null);
+the rotary pairs are interleaved unless ``rope_interleave`` is false, and a YaRN scaling's ``mscale_all_dim``
+sharpens the softmax scale too. The cache keeps only the latent and the rotary key. The router scores every
+expert with a sigmoid, chooses ``num_experts_per_tok`` of them by score plus a correction bias within the
+``topk_group`` best of ``n_group`` groups, and weighs them by their uncorrected scores (normalised when
+``norm_topk_prob``) times ``routed_scaling_factor``.
+
+Checkpoint (under ``model.``): Llama's, with ``self_attn.{q_a_proj, q_a_layernorm, q_b_proj}`` (or ``q_proj``),
+``self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}`` (biases on ``q_a_proj``,
+``kv_a_proj_with_mqa`` and ``o_proj`` with ``attention_bias``) and, in the expert layers, ``mlp.gate.weight``,
+``mlp.gate.e_score_correction_bias``, ``mlp.experts.{j}.{gate,up,down}_proj`` for each expert j (one tensor per
+expert on disk, as DeepSeek publishes them and transformers saves them; in memory transformers stacks them into
+``gate_up_proj`` and ``down_proj``) and ``mlp.shared_experts.{gate,up,down}_proj``.
+"""
+from __future__ import annotations
+
+from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
+from ...layers.grouped_experts import GroupedExpertsConfig
+from ...models.config import DecoderConfig, NormConfig, RotaryConfig
+from ..tensor_map import TensorMap
+from . import Family
+from ._reader import COMMON_KEYS, Reader, read_rope
+from .llama import BENCHMARK_SHAPE, gated_mlp_tensors
+
+__all__ = ["FAMILY"]
+
+# transformers' DeepseekV3Config defaults (DeepSeek-V3's own shape) for the keys a config.json may leave out
+DEFAULTS = dict(max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+                rms_norm_eps=1e-6, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                v_head_dim=128, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+                topk_group=4, n_shared_experts=1, first_k_dense_replace=3, routed_scaling_factor=2.5)
+
+# keys of DeepSeek's own config.json (remote code) that name the one routing transformers implements
+_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+# parallelism, training losses and the multi-token-prediction heads: none changes the next-token forward
+_INERT = ("ep_size", "aux_loss_alpha", "seq_aux", "output_router_logits", "num_nextn_predict_layers", "num_mtp_layers",
+          "auto_map")
+
+
+def _read_int(read: Reader, key: str, *, optional: bool = False) -> int | None:
+    return read.int(key, DEFAULTS[key], optional=optional)
+
+
+def _latent(read: Reader, hidden: int, heads: int, scaling: dict | None) -> LatentAttentionConfig:
+    nope, rope = _read_int(read, "qk_nope_head_dim"), _read_int(read, "qk_rope_head_dim")
+    for key, value in (("head_dim", rope), ("qk_head_dim", nope + rope)):  # derived keys transformers writes
+        given = read.raw(key, value)
+        if given != value:
+            raise ValueError(f"{read.family} config: {key!r} ({given!r}) must be {value}, as transformers derives "
+                             f"it from the qk_*_head_dim keys")
+    return LatentAttentionConfig(
+        hidden_size=hidden, num_heads=heads, kv_lora_rank=_read_int(read, "kv_lora_rank"), qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope, v_head_dim=_read_int(read, "v_head_dim"),
+        q_lora_rank=_read_int(read, "q_lora_rank", optional=True), attention_bias=read.bool("attention_bias", False),
+        rope_interleaved=read.bool("rope_interleave", True), attention_scale=yarn_softmax_scale(nope + rope, scaling))
+
+
+def _grouped_experts(read: Reader) -> GroupedExpertsConfig:
+    for key, value in _FIXED.items():
+        if read.raw(key, value) != value:
+            raise ValueError(f"{read.family} config: {key!r} must be {value!r} (the routing attnkit and "
+                             f"transformers implement), got {read.raw(key)!r}")
+    experts = read.int("n_routed_experts", read.raw("num_local_experts", DEFAULTS["n_routed_experts"]))
+    first_dense = read.raw("first_k_dense_replace", DEFAULTS["first_k_dense_replace"])
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
+        raise ValueError(f"{read.family} config: 'first_k_dense_replace' must be a non-negative integer, got "
+                         f"{first_dense!r}")
+    try:
+        return GroupedExpertsConfig(
+            num_experts=experts, num_experts_per_tok=_read_int(read, "num_experts_per_tok"),
+            expert_intermediate_size=_read_int(read, "moe_intermediate_size"),
+            num_shared_experts=_read_int(read, "n_shared_experts"), num_groups=_read_int(read, "n_group"),
+            topk_groups=_read_int(read, "topk_group"), normalize_weights=read.bool("norm_topk_prob", True),
+            routed_scaling_factor=read.float("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
+            first_dense_layers=first_dense)
+    except ValueError as error:
+        raise ValueError(f"{read.family} config: {error}") from None
+
+
+def _read_config(read: Reader) -> DecoderConfig:
+    family = read.family
+    hidden, heads, layers = read.int("hidden_size"), read.int("num_attention_heads"), read.int("num_hidden_layers")
+    kv_heads = read.int("num_key_value_heads", heads, optional=True) or heads
+    if kv_heads != heads:
+        raise ValueError(f"{family} config: 'num_key_value_heads' ({kv_heads}) must equal num_attention_heads "
+                         f"({heads}): every latent attention head has its own keys and values")
+    max_positions = _read_int(read, "max_position_embeddings")
+    rope = _read_int(read, "qk_rope_head_dim")
+    theta, scaling, partial = read_rope(read, max_positions, rope)
+    if partial != 1.0:
+        raise ValueError(f"{family} config: 'partial_rotary_factor' must be 1 (the rotary part is qk_rope_head_dim "
+                         f"wide), got {partial}")
+    latent = _latent(read, hidden, heads, scaling)
+    return DecoderConfig(
+        family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, head_dim=rope, intermediate_size=read.int("intermediate_size"),
+        max_position_embeddings=max_positions, norm=NormConfig(eps=read.float("rms_norm_eps", 1e-6)),
+        activation=read.activation("hidden_act", "silu"),
+        rotary=RotaryConfig(theta=theta, scaling=scaling, interleaved=latent.rope_interleaved),
+        tie_word_embeddings=read.bool("tie_word_embeddings", DEFAULTS["tie_word_embeddings"]),
+        bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
+        eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
+        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        latent=latent, grouped_experts=_grouped_experts(read))
+
+
+def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    lat = cfg.latent
+    d, q_width = cfg.hidden_size, cfg.num_heads * lat.qk_head_dim
+    hf, ak = hf + "self_attn.", ak + "attention."
+    maps = []
+    if lat.q_lora_rank:
+        maps += [TensorMap(hf + "q_a_proj.weight", (lat.q_lora_rank, d), (ak + "W_QA",), "transpose"),
+                 TensorMap(hf + "q_a_layernorm.weight", (lat.q_lora_rank,), (ak + "q_a_norm",), "copy"),
+                 TensorMap(hf + "q_b_proj.weight", (q_width, lat.q_lora_rank), (ak + "W_QB",), "transpose")]
+        if lat.attention_bias:
+            maps.append(TensorMap(hf + "q_a_proj.bias", (lat.q_lora_rank,), (ak + "b_QA",), "copy"))
+    else:
+        maps.append(TensorMap(hf + "q_proj.weight", (q_width, d), (ak + "W_Q",), "transpose"))
+    kv_width = cfg.num_heads * (lat.qk_nope_head_dim + lat.v_head_dim)
+    maps += [TensorMap(hf + "kv_a_proj_with_mqa.weight", (lat.latent_dim, d), (ak + "W_KVA",), "transpose"),
+             TensorMap(hf + "kv_a_layernorm.weight", (lat.kv_lora_rank,), (ak + "kv_a_norm",), "copy"),
+             TensorMap(hf + "kv_b_proj.weight", (kv_width, lat.kv_lora_rank), (ak + "W_KVB",), "transpose"),
+             TensorMap(hf + "o_proj.weight", (d, cfg.num_heads * lat.v_head_dim), (ak + "W_O",), "transpose")]
+    if lat.attention_bias:
+        maps += [TensorMap(hf + "kv_a_proj_with_mqa.bias", (lat.latent_dim,), (ak + "b_KVA",), "copy"),
+                 TensorMap(hf + "o_proj.bias", (d,), (ak + "b_O",), "copy")]
+    return maps
+
+
+def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str, layer: int) -> list[TensorMap]:
+    part = cfg.grouped_experts
+    if not part.routed(layer):
+        return gated_mlp_tensors(cfg, hf, ak)
+    d, f, e = cfg.hidden_size, part.expert_intermediate_size, part.num_experts
+    hf, ak = hf + "mlp.", ak + "mlp."
+    shared = part.num_shared_experts * f
+    maps = [TensorMap(hf + "gate.weight", (e, d), (ak + "router.W_router",), "transpose"),
+            TensorMap(hf + "gate.e_score_correction_bias", (e,), (ak + "router.e_score_correction_bias",), "copy")]
+    for j in range(e):  # one tensor per expert on disk, one (E, ...) stack per matrix in attnkit
+        maps += [TensorMap(f"{hf}experts.{j}.{proj}.weight", shape, (f"{ak}W_{name}",), "transpose",
+                           stack_index=j, stack_size=e)
+                 for proj, shape, name in (("gate_proj", (f, d), "gate"), ("up_proj", (f, d), "up"),
+                                           ("down_proj", (d, f), "down"))]
+    return maps + [TensorMap(f"{hf}shared_experts.{proj}.weight", shape, (f"{ak}shared_experts.W_{name}",),
+                             "transpose")
+                   for proj, shape, name in (("gate_proj", (shared, d), "gate"), ("up_proj", (shared, d), "up"),
+                                             ("down_proj", (d, shared), "down"))]
+
+
+def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
+    """Llama's embedding, norms and head around each layer's latent attention and MLP (dense or experts)."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
+    for i in range(cfg.num_layers):
+        hf = ak = f"layers.{i}."
+        maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
+        maps += _attention_tensors(cfg, hf, ak)
+        maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
+        maps += _mlp_tensors(cfg, hf, ak, i)
+    maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
+    if not cfg.tie_word_embeddings:
+        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
+    return maps, "model."
+
+
+def _keys() -> frozenset[str]:
+    own = ("attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+           "qk_head_dim", "rope_interleave", "moe_intermediate_size", "n_routed_experts", "num_local_experts",
+           "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
+           "routed_scaling_factor", "first_k_dense_replace")
+    return frozenset(COMMON_KEYS + own + tuple(_FIXED) + _INERT)
+
+
+FAMILY = Family(
+    model_type="deepseek_v3", keys=_keys(), read_config=_read_config, tensors=_tensors,
+    architecture="DeepseekV3ForCausalLM", hf_config_class="DeepseekV3Config",
+    # the shared shape's width and depth, 9 heads of latent attention, and after one dense layer eight experts of
+    # width 512, two per token plus one shared: the active MLP width of the other families (1536)
+    benchmark=dict(BENCHMARK_SHAPE, num_key_value_heads=9, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=48,
+                   qk_rope_head_dim=16, v_head_dim=64, moe_intermediate_size=512, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1))
