@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import torch
-from attnkit.models import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from attnkit.models import AttentionConfig, DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
 
 
 def tiny_config(family="llama", *, attention=None, rotary=None, norm=None, **overrides) -> DecoderConfig:
@@ -173,3 +173,33 @@ def without_float32_internals(hf, model) -> None:
             module.forward = rms_forward.__get__(module)
         if type(module).__name__.endswith("RotaryEmbedding"):
             module.forward = rotary_forward
+
+
+# The newer families' switches at tiny sizes, as ``DecoderConfig`` keywords beside the sizes a test chooses (the
+# float64 gradient checks and the PyTorch twin's parity both run them).
+DECODER_VARIANTS = {
+    # OLMo 2: q/k RMSNorm over the whole projection, post-norms only
+    "olmo2": dict(family="olmo2", norm=NormConfig(placement="post"),
+                  attention=AttentionConfig(bias=True, output_bias=True, qk_norm="projection")),
+    # SmolLM3: a NoPE layer beside a rotary one, the NoPE layer sliding
+    "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
+                    rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),
+    # GPT-NeoX: LayerNorm, plain MLP, partial rotary, parallel residual
+    "gpt_neox": dict(family="gpt_neox", mlp="plain", activation="gelu", mlp_bias=True, residual="parallel",
+                     norm=NormConfig(kind="layernorm"), rotary=RotaryConfig(partial_factor=0.5),
+                     attention=AttentionConfig(bias=True, output_bias=True)),
+    # Gemma 2: soft-capped scores and logits, (1 + w) norms before and after each branch, scaled embeddings
+    "gemma2": dict(family="gemma2", embedding_scale=2.5, final_logit_softcap=2.0, activation="gelu_tanh",
+                   layer_types=("sliding_attention", "full_attention"),
+                   norm=NormConfig(offset=1.0, placement="sandwich"),
+                   attention=AttentionConfig(scale=0.3, logit_softcap=1.5, sliding_window=2)),
+    # Gemma 3: (1 + w) per-head q/k norms and a rotary base of its own on the sliding layers
+    "gemma3_text": dict(family="gemma3_text", embedding_scale=1.5, layer_types=("sliding_attention", "full_attention"),
+                        norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
+                        attention=AttentionConfig(sliding_window=2, qk_norm="head")),
+    # gpt-oss: learned sinks, biases, a top-2-of-3 mixture of clamped-SwiGLU experts (limit low enough to clamp)
+    "gpt_oss": dict(family="gpt_oss", mlp="experts", layer_types=("sliding_attention", "full_attention"),
+                    attention=AttentionConfig(sinks=True, bias=True, output_bias=True, sliding_window=2),
+                    experts=ExpertsConfig(num_experts=3, per_token=2, swiglu_limit=0.6)),
+
+}

@@ -15,29 +15,12 @@ from attnkit.models import (
     NormConfig,
     RotaryConfig,
 )
+from decoder_cases import DECODER_VARIANTS
 
 from helpers import assert_gradient, make_rng, numerical_gradient, randn
 
 VARIANTS = {
-    # OLMo 2: q/k RMSNorm over the whole projection, post-norms only
-    "olmo2": dict(family="olmo2", norm=NormConfig(placement="post"),
-                  attention=AttentionConfig(bias=True, output_bias=True, qk_norm="projection")),
-    # SmolLM3: a NoPE layer beside a rotary one, the NoPE layer sliding
-    "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
-                    rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),
-    # GPT-NeoX: LayerNorm, plain MLP, partial rotary, parallel residual
-    "gpt_neox": dict(family="gpt_neox", mlp="plain", activation="gelu", mlp_bias=True, residual="parallel",
-                     norm=NormConfig(kind="layernorm"), rotary=RotaryConfig(partial_factor=0.5),
-                     attention=AttentionConfig(bias=True, output_bias=True)),
-    # Gemma 2: soft-capped scores and logits, (1 + w) norms before and after each branch, scaled embeddings
-    "gemma2": dict(family="gemma2", embedding_scale=2.5, final_logit_softcap=2.0, activation="gelu_tanh",
-                   layer_types=("sliding_attention", "full_attention"),
-                   norm=NormConfig(offset=1.0, placement="sandwich"),
-                   attention=AttentionConfig(scale=0.3, logit_softcap=1.5, sliding_window=2)),
-    # Gemma 3: (1 + w) per-head q/k norms and a rotary base of its own on the sliding layers
-    "gemma3_text": dict(family="gemma3_text", embedding_scale=1.5, layer_types=("sliding_attention", "full_attention"),
-                        norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
-                        attention=AttentionConfig(sliding_window=2, qk_norm="head")),
+    **DECODER_VARIANTS,
     # Gemma 4: wider global layers (proportional rotary) whose keys are the values, the last two layers reusing
     # keys and values with double-wide MLPs, per-layer inputs, layer scalars
     "gemma4_text": dict(family="gemma4_text", num_layers=4, embedding_scale=1.5, final_logit_softcap=2.0,
@@ -50,10 +33,6 @@ VARIANTS = {
                         layerwise=LayerwiseConfig(global_head_dim=6, global_kv_heads=2, keys_are_values=True,
                                                   shared_kv_layers=2, wide_shared_mlp=True, per_layer_input_size=3,
                                                   per_layer_vocab_size=7)),
-    # gpt-oss: learned sinks, biases, a top-2-of-3 mixture of clamped-SwiGLU experts (limit low enough to clamp)
-    "gpt_oss": dict(family="gpt_oss", mlp="experts", layer_types=("sliding_attention", "full_attention"),
-                    attention=AttentionConfig(sinks=True, bias=True, output_bias=True, sliding_window=2),
-                    experts=ExpertsConfig(num_experts=3, per_token=2, swiglu_limit=0.6)),
 }
 
 

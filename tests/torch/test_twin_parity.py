@@ -21,7 +21,6 @@ from attnkit.models import (
     AttentionConfig,
     CausalLM,
     DecoderConfig,
-    ExpertsConfig,
     LayerwiseConfig,
     NormConfig,
     RotaryConfig,
@@ -29,6 +28,7 @@ from attnkit.models import (
     Seq2SeqTransformer,
 )
 from attnkit.torch import from_numpy, to_numpy
+from decoder_cases import DECODER_VARIANTS
 
 from helpers import group_scale, max_rel_diff
 
@@ -273,20 +273,8 @@ FAMILIES = {
                   attention=AttentionConfig(bias=True, sliding_window=3)),
     "qwen3": dict(family="qwen3", layer_types=("sliding_attention", "full_attention"),
                   attention=AttentionConfig(sliding_window=3, qk_norm="head")),
-    "olmo2": dict(family="olmo2", norm=NormConfig(placement="post"),
-                  attention=AttentionConfig(bias=True, output_bias=True, qk_norm="projection")),
-    "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
-                    rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),
-    "gpt_neox": dict(family="gpt_neox", mlp="plain", activation="gelu", mlp_bias=True, num_kv_heads=4,
-                     residual="parallel", norm=NormConfig(kind="layernorm"), rotary=RotaryConfig(partial_factor=0.5),
-                     attention=AttentionConfig(bias=True, output_bias=True)),
-    "gemma2": dict(family="gemma2", embedding_scale=2.5, final_logit_softcap=2.0, activation="gelu_tanh",
-                   layer_types=("sliding_attention", "full_attention"),
-                   norm=NormConfig(offset=1.0, placement="sandwich"),
-                   attention=AttentionConfig(scale=0.3, logit_softcap=1.5, sliding_window=2)),
-    "gemma3_text": dict(family="gemma3_text", embedding_scale=1.5, layer_types=("sliding_attention", "full_attention"),
-                        norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
-                        attention=AttentionConfig(sliding_window=2, qk_norm="head")),
+    **DECODER_VARIANTS,
+    "gpt_neox": dict(DECODER_VARIANTS["gpt_neox"], num_kv_heads=4),
     "gemma4_text": dict(family="gemma4_text", num_layers=4, embedding_scale=1.5, final_logit_softcap=2.0,
                         activation="gelu_tanh",
                         layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
@@ -315,9 +303,6 @@ FAMILIES = {
                               grouped_experts=GroupedExpertsConfig(num_experts=4, num_experts_per_tok=2,
                                                                  expert_intermediate_size=3, num_shared_experts=2,
                                                                  normalize_weights=False)),
-    "gpt_oss": dict(family="gpt_oss", mlp="experts", layer_types=("sliding_attention", "full_attention"),
-                    attention=AttentionConfig(sinks=True, bias=True, output_bias=True, sliding_window=2),
-                    experts=ExpertsConfig(num_experts=3, per_token=2, swiglu_limit=0.6)),
     "qwen3_5_text": dict(family="qwen3_5_text", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
                          attention=AttentionConfig(qk_norm="head"), layer_types=("linear_attention", "gated_attention"),
                          linear_attention=GatedDeltaNetConfig(1, 2, 4, 3)),
