@@ -25,7 +25,8 @@ from typing import Any
 from .._validation import check_positive_int
 
 __all__ = ["MAX_NUM_THREADS", "check_num_threads", "set_num_threads", "get_num_threads", "num_threads",
-           "default_num_threads", "blas_single_thread", "one_row_blas", "run_tasks", "check_stop", "TasksStopped"]
+           "default_num_threads", "in_worker", "blas_single_thread", "one_row_blas", "run_tasks", "check_stop",
+           "TasksStopped"]
 
 _pool: ThreadPoolExecutor | None = None  # the process's helper threads, sized by the largest call so far
 _pool_size = 0
@@ -126,6 +127,11 @@ def default_num_threads() -> int:
         except OSError:
             pass
     return min(os.cpu_count() or 1, MAX_NUM_THREADS)
+
+
+def in_worker() -> bool:
+    """Whether the calling thread is one of :func:`run_tasks`'s workers (a nested call runs inline there)."""
+    return getattr(_in_worker, "active", False)
 
 
 def check_stop() -> None:

@@ -1,16 +1,55 @@
-"""Affine maps ``y = x @ W + b`` over any leading dims, and their gradients (unchecked kernels)."""
+"""Affine maps ``y = x @ W + b`` over any leading dims, and their gradients (unchecked kernels).
+
+Large products run on attnkit's own threads (:func:`product`): each thread multiplies a block of rows with BLAS
+on one thread. OpenBLAS's threads busy-wait for about 0.1 s after every product they share; the tiled attention
+and the activations that follow a projection run on attnkit's threads, and beside a spinning BLAS thread they
+ran 1.6-2.6x slower (a 1024-token causal attention of 9 heads: 16 ms alone, 33-42 ms right after a two-thread
+BLAS product; ``docs/benchmarks.md``). With one owner of the cores, nothing spins beside the work.
+"""
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["linear", "linear_backward"]
+from ._threads import default_num_threads, in_worker, run_tasks
+
+__all__ = ["linear", "linear_backward", "product"]
+
+# A product runs split when it has at least this many rows per thread and this much work (multiply-adds):
+# below them one BLAS call on BLAS's own threads was faster (15-30% at 256 rows: handing work to a thread costs
+# about 0.1 ms, and each thread packs the whole right-hand side).
+_SPLIT_ROWS = 256
+
+
+def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N), split by rows over attnkit's threads when large.
+
+    Every row is computed by the same single-threaded BLAS kernel whatever the split, in NumPy's result dtype.
+    Small products (fewer than 256 rows a thread or 2**28 multiply-adds), one configured thread, or a call from inside
+    one of attnkit's workers take one plain ``a @ b``.
+
+    Returns
+    -------
+    ndarray (M, N)
+    """
+    rows = a.shape[0]
+    workers = min(default_num_threads(), rows // (_SPLIT_ROWS // 2))
+    if rows < _SPLIT_ROWS or workers < 2 or in_worker():
+        return a @ b
+    out = np.empty((rows, b.shape[1]), np.result_type(a.dtype, b.dtype))  # (M, N)
+    cuts = [rows * i // workers for i in range(workers + 1)]
+
+    def block(i: int, _worker: int) -> None:
+        np.matmul(a[cuts[i]:cuts[i + 1]], b, out=out[cuts[i]:cuts[i + 1]])  # (rows of block i, N)
+
+    run_tasks(range(workers), block, workers)
+    return out
 
 
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     """``x @ w (+ b)`` computed in ``x``'s dtype: x (..., In), w (In, Out), b (Out,) -> (..., Out)."""
     # Flattened to 2-D: numpy runs (B, L, In) @ (In, Out) as B separate small products otherwise.
-    y = (x.reshape(-1, x.shape[-1]) @ w.astype(x.dtype, copy=False)).reshape(*x.shape[:-1], w.shape[1])  # (..., Out)
-    if b is not None:
+    y = product(x.reshape(-1, x.shape[-1]), w.astype(x.dtype, copy=False)).reshape(*x.shape[:-1], w.shape[1])
+    if b is not None:  # y: (..., Out)
         y += b.astype(x.dtype, copy=False)
     return y
 
