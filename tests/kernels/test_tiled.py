@@ -14,6 +14,7 @@ import pytest
 
 from attnkit.kernels.reference import attention_backward, attention_forward, causal_mask
 from attnkit.kernels.tiled import default_blocks, flash_attention_backward, flash_attention_forward
+from attnkit.kernels.tiled.plan import _PlanRequest, _tile_plan
 
 from kernel_cases import RelativeTable, run_attention
 
@@ -293,6 +294,17 @@ def test_default_blocks_give_every_thread_work():
     assert default_blocks(8, 512, 512, 2, "q", l2=l2) == (128, 256)  # forward: tasks are query blocks
     assert default_blocks(8, 512, 512, 2, "k", l2=l2) == (256, 128)  # backward: tasks are key blocks
     assert default_blocks(1, 5, 3) == (5, 3)
+
+
+def test_a_causal_forward_takes_key_tiles_no_longer_than_its_query_tiles():
+    def plan(causal, seq_q=1024, seq_k=1024, fixed=(None, None)):
+        return _tile_plan(_PlanRequest(lead=(1, 8), splittable=(False, True), seq_q=seq_q, seq_k=seq_k, head_dim=64,
+                                       value_dim=64, itemsize=4, num_threads=2, fixed=fixed, l2=1 << 20,
+                                       causal=causal))
+    assert (plan(False).block_q, plan(False).block_k) == (256, 512)
+    assert (plan(True).block_q, plan(True).block_k) == (256, 256)  # the diagonal tile: half masked, not 3/4
+    assert plan(True, seq_q=1).block_k == 512  # one query block (a decoding step): nothing straddles
+    assert plan(True, fixed=(128, 512)).block_k == 512  # the caller's tiles are kept
 
 
 def _peak_bytes(seq, **kw):

@@ -106,7 +106,7 @@ def flash_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask
     plan = _tile_plan(_PlanRequest(
         lead=lead, splittable=_splittable_axes(lead, k.shape, v.shape, args.bias, dropout_p > 0.0, whole),
         seq_q=seq_q, seq_k=seq_k, head_dim=d, value_dim=value_dim, itemsize=dtype.itemsize,
-        num_threads=num_threads, split="q", fixed=fixed_blocks, window=args.window))
+        num_threads=num_threads, split="q", fixed=fixed_blocks, window=args.window, causal=causal))
     tiles = _Tiles(lead, seq_q, seq_k, args.mask, causal, args.bias, plan.block_q, plan.block_k, args.window,
                    score_mod, block_mask)
     k_aug, v_aug, kmax, bad_k, bad_v = _augment_keys(k, v, args.mask, tiles, dtype, num_threads)

@@ -110,6 +110,7 @@ class _PlanRequest:
     fixed: tuple[int | None, int | None] = (None, None)  # the caller's block_q, block_k
     window: int | None = None  # a sliding window: key tiles much wider than it are mostly skipped work
     l2: int | None = None  # per-core L2 bytes (None: read from the machine)
+    causal: bool = False  # the causal diagonal: a key tile wider than the query tile there is mostly masked
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def _tile_plan(request: _PlanRequest) -> _TilePlan:
     Keywords (``fixed``) win over ``ATTNKIT_TILE_*``, which win over the cost model; with a sliding window
     the model's key tile is at most the window rounded up to a power of two (at least 64); the block the
     tasks run over is halved (down to 64) until every thread has two tasks, unless a keyword or the
-    environment set it.
+    environment set it; a causal forward over several query blocks takes key tiles no longer than them.
     """
     r = request
     n_heads = math.prod(r.lead)
@@ -146,6 +147,10 @@ def _tile_plan(request: _PlanRequest) -> _TilePlan:
     elif r.split != "q" and not set_k:
         while block_k > 64 and len(boxes) * -(-r.seq_k // block_k) < 2 * r.num_threads:
             block_k //= 2
+    if r.causal and r.split == "q" and not set_k and r.seq_q > block_q:
+        # each query block's last key tile straddles the diagonal; wider than the query block, most of it is
+        # masked work (9 heads, L 1024: 21.7 -> 16.8 ms with key tiles of 256 instead of 512)
+        block_k = min(block_k, block_q)
     return _TilePlan(boxes, max(1, min(block_q, r.seq_q)), max(1, min(block_k, r.seq_k)))
 
 
