@@ -125,8 +125,8 @@ def hooks(model, forward: Mapping[str, Callable] | None = None, *,
                 module.save_for_backward()
 
 
-def run_with_cache(model, input_ids: Any, attention_mask: Any = None,
-                   names: Any = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def run_with_cache(model, input_ids: Any, attention_mask: Any = None, names: Any = None, *,
+                   logits_to_keep: int | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The logits and the activations at the hook points asked for, from one forward.
 
     Parameters
@@ -140,10 +140,13 @@ def run_with_cache(model, input_ids: Any, attention_mask: Any = None,
         Which hook points to keep: a list of names, or ``predicate(name) -> bool``; default all of them.
         ``blocks.{i}.attn.hook_pattern`` makes that layer run the reference attention kernel (the weights are
         formed), so leave it out when it is not needed.
+    logits_to_keep : int, optional
+        Form the logits of the last this many positions only, as a causal LM's forward does (the head's product
+        over the others is skipped; the activations are those of every position either way).
 
     Returns
     -------
-    logits : ndarray (B, L, V)
+    logits : ndarray (B, L, V), or (B, logits_to_keep, V)
     cache : dict of str to ndarray
         The caller's copies, keyed by hook name, in forward order: ``hook_embed``, ``blocks.{i}.hook_resid_pre``
         / ``hook_resid_mid`` / ``hook_attn_out`` / ``hook_mlp_out`` / ``hook_resid_post`` (B, L, D),
@@ -179,7 +182,8 @@ def run_with_cache(model, input_ids: Any, attention_mask: Any = None,
         found[name] = np.array(value)
 
     with hooks(model, {name: keep for name in chosen}):
-        logits = model(ids, attention_mask)
+        logits = model(ids, attention_mask) if logits_to_keep is None else \
+            model(ids, attention_mask, logits_to_keep=logits_to_keep)
     order = {name: i for i, name in enumerate(everything)}
     cache = {name: found[name] for name in sorted(found, key=order.__getitem__)}
     return logits, cache

@@ -127,7 +127,8 @@ def attribution_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: An
     (2, 2)
     """
     clean, corrupt, answers, names = _check(model, clean_ids, corrupt_ids, answer_ids, hook)
-    _, clean_cache = run_with_cache(model, clean, names=names)
+    # only the last position's logits enter the metric: the head runs on that row alone
+    _, clean_cache = run_with_cache(model, clean, names=names, logits_to_keep=1)
     grads: dict[str, np.ndarray] = {}
 
     def keep_grad(grad: np.ndarray, name: str) -> None:
@@ -135,9 +136,9 @@ def attribution_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: An
 
     model.zero_grad()
     with hooks(model, backward={name: keep_grad for name in names}):
-        _, corrupt_cache = run_with_cache(model, corrupt, names=names)
+        _, corrupt_cache = run_with_cache(model, corrupt, names=names, logits_to_keep=1)
         # d metric / d logits: +1 at the correct token, -1 at the incorrect one, after the last position
-        grad_logits = np.zeros((1, clean.shape[1], model.config.vocab_size), model.dtype)  # (1, L, V)
+        grad_logits = np.zeros((1, 1, model.config.vocab_size), model.dtype)  # (1, 1, V)
         grad_logits[0, -1, answers[0]] += 1.0
         grad_logits[0, -1, answers[1]] -= 1.0
         model.backward(grad_logits)
