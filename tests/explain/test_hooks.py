@@ -262,6 +262,18 @@ def test_model_untouched_and_errors():
     assert len(hook_names(lm)) == 1 + 2 * (5 + 7) + 1  # embed, (block + attention) per layer, final norm
 
 
+def test_a_cache_with_the_last_logits_only_holds_the_same_activations():
+    lm = tiny()
+    ids = np.array([[1, 2, 3, 4]])
+    logits, cache = run_with_cache(lm, ids)
+    last, kept = run_with_cache(lm, ids, logits_to_keep=1)
+    assert last.shape == (1, 1, 13)
+    np.testing.assert_allclose(last[:, 0], logits[:, -1], rtol=1e-12, atol=1e-12)
+    assert list(kept) == list(cache)
+    for name, value in cache.items():
+        np.testing.assert_array_equal(kept[name], value, err_msg=name)
+
+
 def test_module_hook_table_is_installed_and_removed():
     lm = tiny()
     block = lm.layers[0]
