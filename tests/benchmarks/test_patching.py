@@ -1,4 +1,5 @@
 """The attribution-patching benchmark times both sides on a one-layer model and refuses bad arguments."""
+import numpy as np
 import pytest
 
 from attnkit.benchmarks import patching
@@ -12,6 +13,10 @@ def test_run_times_attnkit_and_torch(capsys):
     assert out.startswith("# machine: ") and "target: attribution patching at most 3x" in out
     if rows[0]["torch"] is not None:
         assert min(rows[0]["torch"].values()) > 0
+
+
+def test_both_sides_run_in_float32():
+    assert patching._attnkit_model(1).dtype == np.float32  # transformers' side is float32
 
 
 def test_command_line_refuses_a_length_of_one(capsys):

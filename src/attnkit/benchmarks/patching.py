@@ -68,7 +68,7 @@ def _attnkit_model(layers: int):
     from ..models import CausalLM, DecoderConfig
 
     cfg = DecoderConfig(family="llama", **{**SHAPE, "num_layers": layers}, max_position_embeddings=2048)
-    return CausalLM(cfg, rng=0)
+    return CausalLM(cfg, rng=0).astype(np.float32)  # as transformers' model: float32 both
 
 
 def _attnkit_times(lm, clean: np.ndarray, corrupt: np.ndarray, answers: tuple[int, int],
