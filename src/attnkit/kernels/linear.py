@@ -14,17 +14,19 @@ from ._threads import default_num_threads, in_worker, run_tasks
 
 __all__ = ["linear", "linear_backward", "product"]
 
-# A product runs split when it has at least this many rows per thread and this much work (multiply-adds):
-# below them one BLAS call on BLAS's own threads was faster (15-30% at 256 rows: handing work to a thread costs
-# about 0.1 ms, and each thread packs the whole right-hand side).
+# A product runs split when it has at least this many rows (blocks of at least half as many) and this much work
+# (multiply-adds): below them one BLAS call on BLAS's own threads was faster (15-30% at 256 rows of a
+# SmolLM-135M projection: handing work to a thread costs about 0.1 ms, and each thread packs the whole
+# right-hand side).
 _SPLIT_ROWS = 256
+_SPLIT_WORK = 1 << 25  # about 0.3 ms of one thread's BLAS: far above the hand-off
 
 
 def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N), split by rows over attnkit's threads when large.
 
     Every row is computed by the same single-threaded BLAS kernel whatever the split, in NumPy's result dtype.
-    Small products (fewer than 256 rows a thread or 2**28 multiply-adds), one configured thread, or a call from inside
+    Small products (fewer than 256 rows or 2**25 multiply-adds), one configured thread, or a call from inside
     one of attnkit's workers take one plain ``a @ b``.
 
     Returns
@@ -33,7 +35,7 @@ def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """
     rows = a.shape[0]
     workers = min(default_num_threads(), rows // (_SPLIT_ROWS // 2))
-    if rows < _SPLIT_ROWS or workers < 2 or in_worker():
+    if rows < _SPLIT_ROWS or rows * a.shape[1] * b.shape[1] < _SPLIT_WORK or workers < 2 or in_worker():
         return a @ b
     out = np.empty((rows, b.shape[1]), np.result_type(a.dtype, b.dtype))  # (M, N)
     cuts = [rows * i // workers for i in range(workers + 1)]
