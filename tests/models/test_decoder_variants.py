@@ -122,3 +122,34 @@ def test_switches_are_checked():
     names = dict(CausalLM(DecoderConfig(**base, norm=NormConfig(placement="post")), rng=0).named_parameters())
     assert "layers.0.attn_post_norm.gamma" in names and "layers.0.mlp_post_norm.gamma" in names
     assert "layers.0.attn_norm.gamma" not in names
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_a_backward_for_the_inputs_alone_gives_the_same_gradient_and_leaves_no_parameter_gradient(name):
+    lm = _model(name, make_rng(7))
+    ids = np.array([[3, 1, 4, 1, 5, 6], [2, 6, 5, 3, 5, 0]])
+    logits = lm(ids)
+    grad_logits = make_rng(8).standard_normal(logits.shape)  # (B, L, V)
+    full = lm.backward(grad_logits)  # (B, L, D)
+    lm.zero_grad(set_to_none=True)
+    lm(ids)
+    with lm.input_gradients_only():
+        alone = lm.backward(grad_logits)  # (B, L, D)
+        assert not lm.embed.grads.allocated()  # the embedding's scatter-add is skipped
+    np.testing.assert_allclose(alone, full, rtol=1e-12, atol=1e-14)
+    assert all(not module.grads.allocated() and module.grads.wanted for _, module in lm.named_modules())
+
+
+def test_the_inputs_block_frees_the_buffers_and_gives_the_gradients_back_after_an_error():
+    lm = _model("olmo2", make_rng(9))
+    ids = np.array([[1, 2, 3]])
+    logits = lm(ids)
+    lm.backward(np.ones_like(logits))
+    with pytest.raises(ZeroDivisionError):
+        with lm.input_gradients_only():
+            lm.backward(np.ones_like(logits))
+            1 / 0  # an error in the caller's code
+    assert all(not module.grads.allocated() and module.grads.wanted for _, module in lm.named_modules())
+    logits = lm(ids)
+    lm.backward(np.ones_like(logits))  # the next backward forms every gradient again
+    assert np.abs(lm.layers[0].mlp.grads["W_down"]).sum() > 0 and np.abs(lm.embed.grads["weight"]).sum() > 0

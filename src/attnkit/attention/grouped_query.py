@@ -325,7 +325,8 @@ class GroupedQueryAttention(Module):
         b, length, _ = x.shape
         g = check_grad_output(grad_output, x.shape, x.dtype, "GroupedQueryAttention")
         p = self._parameters
-        grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p)  # (B, L, Hq*Dh)
+        wanted = self.grads.wanted
+        grad_merged, grad_w, grad_b = linear_backward(g, merged, p["W_O"], "b_O" in p, wanted)  # (B, L, Hq*Dh)
         self._accumulate("O", grad_w, grad_b)
         grad_out = grad_merged.reshape(b, length, self.num_heads, self.head_dim)  # (B, L, Hq, Dh)
         hooked = self._hook_table is not None
@@ -352,7 +353,7 @@ class GroupedQueryAttention(Module):
         dq, dk, dv = (d.transpose(0, 2, 1, 3).reshape(b, length, -1) for d in (dq, dk, dv))  # (B, L, H*Dh)
         dq, dk = self.qk_norm.on_projection_backward(self, dq, dk, normed)  # (B, L, Hq*Dh), (B, L, Hkv*Dh)
         for name, flat in (("Q", dq), ("K", dk), ("V", dv)):
-            gx, grad_w, grad_b = linear_backward(flat, x, p[f"W_{name}"], f"b_{name}" in p)  # (B, L, D)
+            gx, grad_w, grad_b = linear_backward(flat, x, p[f"W_{name}"], f"b_{name}" in p, wanted)  # (B, L, D)
             self._accumulate(name, grad_w, grad_b)
             grad_x += gx
         return grad_x
@@ -367,7 +368,6 @@ class GroupedQueryAttention(Module):
         projections' gradients are added to (zeros here: x reaches the output only through the heads)."""
         return grad, np.zeros_like(x)
 
-    def _accumulate(self, name: str, grad_w: np.ndarray, grad_b: np.ndarray | None) -> None:
-        self.grads[f"W_{name}"] += grad_w
-        if grad_b is not None:
-            self.grads[f"b_{name}"] += grad_b
+    def _accumulate(self, name: str, grad_w: np.ndarray | None, grad_b: np.ndarray | None) -> None:
+        self.grads.add(f"W_{name}", grad_w)
+        self.grads.add(f"b_{name}", grad_b)

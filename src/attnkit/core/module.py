@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -44,11 +45,18 @@ class GradientBuffers(MutableMapping):
     ((3, 2), ['W'])
     """
 
-    __slots__ = ("_parameters", "_buffers")
+    __slots__ = ("_parameters", "_buffers", "wanted")
 
     def __init__(self, parameters: Mapping[str, np.ndarray]) -> None:
         self._parameters = parameters
         self._buffers: dict[str, np.ndarray] = {}
+        # False inside Module.input_gradients_only: a backward may skip forming these gradients
+        self.wanted = True
+
+    def add(self, name: str, value: np.ndarray | None) -> None:
+        """Add ``value`` into the gradient of ``name``; ``None`` (a gradient not formed) adds nothing."""
+        if value is not None:
+            self[name] += value
 
     def __getitem__(self, name: str) -> np.ndarray:
         buffer = self._buffers.get(name)
@@ -294,6 +302,37 @@ class Module:
         return int(sum(p.size for p in self.parameters()))
 
     # -- state ---------------------------------------------------------------------------------------
+    @contextmanager
+    def input_gradients_only(self):
+        """A block in which :meth:`backward` is asked for the inputs' gradient alone.
+
+        Inside it, a backward returns the gradient with respect to its input exactly as always, and the layers
+        with the largest parameter products (projections, attention and MLP weights, the output head and the
+        token embedding) skip forming their parameters' gradients: for a short prompt those products are most
+        of a backward. The parameters' gradient buffers are meaningless inside the block and freed when it ends
+        (reading one then gives zeros), whatever happens in it. Explanations (:mod:`attnkit.explain`) run
+        their backwards in one.
+
+        Examples
+        --------
+        >>> from attnkit.layers import Projection
+        >>> proj = Projection(3, 2, rng=0)
+        >>> y = proj(np.ones((4, 3)))
+        >>> with proj.input_gradients_only():
+        ...     grad_x = proj.backward(np.ones_like(y))
+        >>> grad_x.shape, proj.grads.allocated()
+        ((4, 3), [])
+        """
+        modules = [mod for _, mod in self.named_modules()]
+        for mod in modules:
+            mod.grads.wanted = False
+        try:
+            yield self
+        finally:
+            for mod in modules:
+                mod.grads.wanted = True
+            self.zero_grad(set_to_none=True)
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every existing gradient buffer of this module and its children (none is created).
 

@@ -21,7 +21,8 @@ def embedding_gradient(lm, ids: Any, target_position: int = -1,
     Parameters
     ----------
     lm : CausalLM
-        The model. Its gradient buffers are used for the backward pass and left at zero.
+        The model. Its backward forms the inputs' gradient alone (``Module.input_gradients_only``); its
+        gradient buffers are left freed (zeros when read).
     ids : array_like of int, (L,) or (B, L)
         The input tokens.
     target_position : int
@@ -41,7 +42,6 @@ def embedding_gradient(lm, ids: Any, target_position: int = -1,
     batch, _ = as_id_batch(ids, lm.config.vocab_size)
     b, length = batch.shape
     position = check_position(target_position, length)
-    lm.zero_grad()
     logits = lm(batch)  # (B, L, V)
     row = logits[:, position].astype(np.float64)  # (B, V)
     probs = np.exp(row - row.max(axis=-1, keepdims=True))  # (B, V)
@@ -59,8 +59,8 @@ def embedding_gradient(lm, ids: Any, target_position: int = -1,
     grad_row = -probs  # (B, V)
     grad_row[np.arange(b), target] += 1.0
     grad_logits[:, position] = grad_row
-    grad = lm.backward(grad_logits)  # (B, L, D)
-    lm.zero_grad()
+    with lm.input_gradients_only():
+        grad = lm.backward(grad_logits)  # (B, L, D)
     embeddings = lm.embed.weight[batch]  # (B, L, D)
     return grad, embeddings, target
 
@@ -75,8 +75,8 @@ def gradient_x_input(lm, ids: Any, target_position: int = -1, target_token: Any 
     Parameters
     ----------
     lm : CausalLM
-        A decoder LM (``attnkit.models.CausalLM``, e.g. from ``load_causal_lm``). Its gradient buffers are
-        used and left at zero.
+        A decoder LM (``attnkit.models.CausalLM``, e.g. from ``load_causal_lm``). Its gradient buffers
+        are left freed (zeros when read).
     ids : array_like of int, (L,) or (B, L)
     target_position : int, default -1
         Which position's next-token prediction to explain.

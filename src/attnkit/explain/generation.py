@@ -70,7 +70,6 @@ def _gradient_rows(model, ids: np.ndarray, prompt_length: int, targets: np.ndarr
     count, length = len(targets), len(ids)
     rows = np.arange(count)
     positions = prompt_length - 1 + rows  # (G,): where each generated token is predicted
-    model.zero_grad()
     logits = model(np.repeat(ids[None], count, axis=0))  # (G, L, V)
     read = logits[rows, positions].astype(np.float64)  # (G, V)
     grad_rows = np.zeros_like(read)  # (G, V)
@@ -82,8 +81,8 @@ def _gradient_rows(model, ids: np.ndarray, prompt_length: int, targets: np.ndarr
     grad_rows[rows, targets] += 1.0
     grad_logits = np.zeros(logits.shape, logits.dtype)  # (G, L, V)
     grad_logits[rows, positions] = grad_rows
-    grad = model.backward(grad_logits)  # (G, L, D)
-    model.zero_grad()
+    with model.input_gradients_only():
+        grad = model.backward(grad_logits)  # (G, L, D)
     grad[np.arange(length)[None, :] > positions[:, None]] = 0.0  # causal: exactly zero after the explained position
     return grad
 
@@ -96,7 +95,7 @@ def generation_attribution(model, input_ids: Any, max_new_tokens: int | None = N
     Parameters
     ----------
     model : CausalLM
-        Its gradient buffers are used and left at zero.
+        Its gradient buffers are left freed (zeros when read).
     input_ids : array_like of int (P,)
         The prompt.
     max_new_tokens : int, optional

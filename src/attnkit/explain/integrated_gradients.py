@@ -84,7 +84,7 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
     Parameters
     ----------
     model : CausalLM
-        Its gradient buffers are used and left at zero.
+        Its gradient buffers are left freed (zeros when read).
     input_ids : array_like of int, (L,) or (1, L)
         One sequence.
     target : int
@@ -164,13 +164,12 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
             model.backward(grad_logits[:, None].astype(logits.dtype))
         return log_p, grads["g"]
 
-    model.zero_grad()
     total_grad = np.zeros_like(end, dtype=np.float64)  # (P, D)
-    for first in range(0, len(alphas), batch_size):
-        chunk = slice(first, first + batch_size)
-        _, grad = log_prob_and_grad(alphas[chunk])  # (k, P, D)
-        total_grad += np.einsum("k,kpd->pd", weights[chunk], grad)
-    model.zero_grad()
+    with model.input_gradients_only():
+        for first in range(0, len(alphas), batch_size):
+            chunk = slice(first, first + batch_size)
+            _, grad = log_prob_and_grad(alphas[chunk])  # (k, P, D)
+            total_grad += np.einsum("k,kpd->pd", weights[chunk], grad)
     ends, _ = log_prob_and_grad(np.array([0.0, 1.0]), need_grad=False)  # f(baseline), f(input)
     attributions = np.zeros(length)
     attributions[:position + 1] = ((end - start) * total_grad).sum(axis=-1)  # (P,)

@@ -62,7 +62,7 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     Parameters
     ----------
     lm : CausalLM
-        A decoder LM (its gradient buffers are used and left at zero).
+        A decoder LM (its gradient buffers are left freed: zeros when read).
     ids : array_like of int (L,)
         The prompt's token ids.
     path : str or os.PathLike
@@ -252,7 +252,7 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
     Parameters
     ----------
     encoder : SentenceEncoder
-        E.g. :func:`attnkit.pretrained.load_minilm` (its gradient buffers are used and left at zero).
+        E.g. :func:`attnkit.pretrained.load_minilm` (its gradient buffers are left freed: zeros when read).
     sentence, other : str
         The two sentences; the attention shown is ``sentence``'s.
     path : str or os.PathLike

@@ -109,7 +109,8 @@ def attribution_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: An
     ``(clean - corrupt) . d metric / d activation``, the gradient taken at the corrupted run and the product
     summed over the features of each place (over D, or over the positions and Dh of a head for ``"z"``). Same
     arguments as :func:`activation_patching`; one forward of the clean prompt, one forward and one backward of the
-    corrupted one. The model's gradient buffers are used and left at zero.
+    corrupted one. The backward forms the activations' gradients alone (``Module.input_gradients_only``); the model's
+    gradient buffers are left freed (zeros when read).
 
     Returns
     -------
@@ -134,15 +135,13 @@ def attribution_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: An
     def keep_grad(grad: np.ndarray, name: str) -> None:
         grads[name] = np.array(grad)
 
-    model.zero_grad()
-    with hooks(model, backward={name: keep_grad for name in names}):
+    with model.input_gradients_only(), hooks(model, backward={name: keep_grad for name in names}):
         _, corrupt_cache = run_with_cache(model, corrupt, names=names, logits_to_keep=1)
         # d metric / d logits: +1 at the correct token, -1 at the incorrect one, after the last position
         grad_logits = np.zeros((1, 1, model.config.vocab_size), model.dtype)  # (1, 1, V)
         grad_logits[0, -1, answers[0]] += 1.0
         grad_logits[0, -1, answers[1]] -= 1.0
         model.backward(grad_logits)
-    model.zero_grad()
     axes = (1, 3) if hook == "z" else (2,)  # a head: its positions and features; a position: its features
     return np.stack([((clean_cache[name] - corrupt_cache[name]) * grads[name]).sum(axis=axes)[0]
                      for name in names])  # (N, L) or (N, H)

@@ -36,7 +36,6 @@ def similarity_gradient(encoder, sentence: str, other: str) -> tuple[np.ndarray,
     target = target / np.linalg.norm(target)
     batch = encoder.tokenize([sentence])
     model = encoder.model
-    model.zero_grad()
     hidden = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)  # (1, L, D)
     length = hidden.shape[1]
     pooled = hidden[0].astype(np.float64).mean(axis=0)  # (D,): one sentence has no padding
@@ -46,8 +45,8 @@ def similarity_gradient(encoder, sentence: str, other: str) -> tuple[np.ndarray,
     # d cos / d pooled = (t - cos u) / |p|; the mean spreads it evenly over the L positions.
     grad_pooled = (target - similarity * unit) / norm  # (D,)
     grad_hidden = np.broadcast_to(grad_pooled / length, hidden.shape).astype(hidden.dtype)  # (1, L, D)
-    grad = model.backward(grad_hidden)  # (1, L, D)
-    model.zero_grad()
+    with model.input_gradients_only():
+        grad = model.backward(grad_hidden)  # (1, L, D)
     embeddings = model.word_embeddings.weight[batch.input_ids]  # (1, L, D)
     return grad[0], embeddings[0], batch.tokens[0], similarity
 
@@ -63,7 +62,7 @@ def similarity_attribution(encoder, sentence: str, other: str) -> SimilarityAttr
     Parameters
     ----------
     encoder : SentenceEncoder
-        E.g. :func:`attnkit.pretrained.load_minilm`. Its gradient buffers are used and left at zero.
+        E.g. :func:`attnkit.pretrained.load_minilm`. Its gradient buffers are left freed (zeros when read).
     sentence : str
         The sentence explained.
     other : str

@@ -28,13 +28,18 @@ def gated_mlp_forward(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=No
     return linear(hidden, w_down, b_down), (gate_pre, gate, up, hidden)  # (..., D)
 
 
-def gated_mlp_backward(grad_y, x, w_gate, w_up, w_down, saved, activation: str = "silu", need_bias: bool = False):
-    """Returns ``grad_x (..., D)`` and the gradients ``{'W_gate', 'W_up', 'W_down'}`` (+ ``b_*`` if need_bias)."""
+def gated_mlp_backward(grad_y, x, w_gate, w_up, w_down, saved, activation: str = "silu", need_bias: bool = False,
+                       need_weights: bool = True):
+    """Returns ``grad_x (..., D)`` and the gradients ``{'W_gate', 'W_up', 'W_down'}`` (+ ``b_*`` if need_bias;
+    each None with ``need_weights=False``)."""
     gate_pre, gate, up, hidden = saved
-    grad_hidden, grad_w_down, grad_b_down = linear_backward(grad_y, hidden, w_down, need_bias)  # (..., F)
+    grad_hidden, grad_w_down, grad_b_down = linear_backward(grad_y, hidden, w_down, need_bias,
+                                                            need_weights)  # (..., F)
     grad_gate_pre = activation_backward(grad_hidden * up, gate_pre, gate, activation)  # (..., F)
-    grad_x_gate, grad_w_gate, grad_b_gate = linear_backward(grad_gate_pre, x, w_gate, need_bias)  # (..., D)
-    grad_x_up, grad_w_up, grad_b_up = linear_backward(grad_hidden * gate, x, w_up, need_bias)  # (..., D)
+    grad_x_gate, grad_w_gate, grad_b_gate = linear_backward(grad_gate_pre, x, w_gate, need_bias,
+                                                            need_weights)  # (..., D)
+    grad_x_up, grad_w_up, grad_b_up = linear_backward(grad_hidden * gate, x, w_up, need_bias,
+                                                      need_weights)  # (..., D)
     grads = {"W_gate": grad_w_gate, "W_up": grad_w_up, "W_down": grad_w_down}
     if need_bias:
         grads.update(b_gate=grad_b_gate, b_up=grad_b_up, b_down=grad_b_down)

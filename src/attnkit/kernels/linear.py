@@ -56,18 +56,19 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndar
     return y
 
 
-def linear_backward(grad_y: np.ndarray, x: np.ndarray, w: np.ndarray, need_bias: bool = False):
-    """Gradients of :func:`linear`.
+def linear_backward(grad_y: np.ndarray, x: np.ndarray, w: np.ndarray, need_bias: bool = False,
+                    need_weight: bool = True):
+    """Gradients of :func:`linear`; ``need_weight=False`` skips the weight's (and the bias's) product.
 
     Returns
     -------
     grad_x : (..., In)
-    grad_w : (In, Out)
+    grad_w : (In, Out) or None
     grad_b : (Out,) or None
     """
     out = w.shape[1]
     flat_g = grad_y.reshape(-1, out)  # (N, Out): one BLAS call instead of one per leading row
     grad_x = (flat_g @ w.astype(grad_y.dtype, copy=False).T).reshape(*grad_y.shape[:-1], w.shape[0])  # (..., In)
-    grad_w = x.reshape(-1, x.shape[-1]).T @ flat_g  # (In, Out)
-    grad_b = flat_g.sum(axis=0) if need_bias else None  # (Out,)
+    grad_w = x.reshape(-1, x.shape[-1]).T @ flat_g if need_weight else None  # (In, Out)
+    grad_b = flat_g.sum(axis=0) if need_bias and need_weight else None  # (Out,)
     return grad_x, grad_w, grad_b

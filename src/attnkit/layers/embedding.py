@@ -87,6 +87,8 @@ class Embedding(Module):
         """Scatter-add ``grad_output`` (..., D) into ``grads["weight"]`` row by id; returns ``None``."""
         if self.saved_tensors is None:
             raise RuntimeError("Embedding.backward called before forward")
+        if not self.grads.wanted:  # the table's gradient is all an embedding's backward forms
+            return None
         weight_grad = self.grads["weight"]
         (ids,) = self.saved_tensors
         g = check_grad_output(grad_output, ids.shape + (self.embedding_dim,), weight_grad.dtype, "Embedding")

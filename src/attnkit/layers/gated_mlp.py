@@ -93,7 +93,8 @@ class GatedMLP(Module):
         g = check_grad_output(grad_output, x.shape, x.dtype, "GatedMLP")
         p = self._parameters
         grad_x, grads = _gated.gated_mlp_backward(g, x, p["W_gate"], p["W_up"], p["W_down"], saved,
-                                                  self.activation, need_bias=self.bias)
+                                                  self.activation, need_bias=self.bias,
+                                                  need_weights=self.grads.wanted)
         for name, value in grads.items():
-            self.grads[name] += value
+            self.grads.add(name, value)
         return grad_x

@@ -80,8 +80,9 @@ class Projection(Module):
             raise RuntimeError("Projection.backward called before forward")
         (x,) = self.saved_tensors
         g = check_grad_output(grad_output, x.shape[:-1] + (self.out_features,), x.dtype, "Projection")
-        grad_x, grad_w, grad_b = linear_backward(g, x, self._parameters["W"], need_bias=self.bias)  # (..., In)
-        self.grads["W"] += grad_w
+        grad_x, grad_w, grad_b = linear_backward(g, x, self._parameters["W"], need_bias=self.bias,
+                                                 need_weight=self.grads.wanted)  # (..., In)
+        self.grads.add("W", grad_w)
         if self.bias:
-            self.grads["b"] += grad_b
+            self.grads.add("b", grad_b)
         return grad_x

@@ -377,7 +377,8 @@ class CausalLM(Module):
         flat_g = g.reshape(-1, g.shape[-1])  # (B*L, V)
         weight = self.head_weight.astype(h.dtype, copy=False)
         owner = getattr(self, self.head_owner)
-        owner.grads["weight"] += flat_g.T @ h.reshape(-1, h.shape[-1])  # (V, D)
+        if owner.grads.wanted:
+            owner.grads["weight"] += flat_g.T @ h.reshape(-1, h.shape[-1])  # (V, D)
         grad_h = (flat_g @ weight).reshape(h.shape)  # (B, kept, D)
         if h.shape[1] != length:  # positions without logits get no gradient from the head
             grad_h = np.concatenate([np.zeros((h.shape[0], length - h.shape[1], h.shape[2]), grad_h.dtype), grad_h],
