@@ -10,7 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["nonfinite_rows", "zero_safe_matmul"]
+__all__ = ["nonfinite_rows", "tile_product", "zero_safe_matmul"]
+
+
+def tile_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``np.matmul(a, b, out=out)`` of two tiles, with NumPy's invalid-value flag ignored.
+
+    A tile product of finite float32 tiles once raised NumPy's "invalid value encountered in matmul" in a
+    full test run (a 2 x 5 by 5 x 1 product of the tiled forward; not reproduced in 2,000 reruns): the flag
+    came from inside BLAS, not from the numbers. Whatever is non-finite in a tile is handled by the masks or
+    shows in the result, so the flag carries nothing a caller could act on.
+    """
+    with np.errstate(invalid="ignore"):
+        return np.matmul(a, b, out=out)
 
 
 def nonfinite_rows(x: np.ndarray) -> np.ndarray | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..._validation import unbroadcast
-from .._masked_product import zero_safe_matmul
+from .._masked_product import tile_product, zero_safe_matmul
 from .._threads import check_stop, run_tasks
 from ..flex import checked_scores
 from .plan import (
@@ -236,7 +236,7 @@ def _probabilities(run: _Pass, data: _BackwardData, tile, blocked, scratch: _Scr
     """The tile's softmax probabilities before dropout, recomputed from q, k and the log-sum-exp."""
     q0, q1, k0, k1 = tile
     p = scratch.get("p", run.tiles.lead + (q1 - q0, k1 - k0))  # (*lead, Tq, Tk)
-    np.matmul(data.q_aug[..., q0:q1, :], data.k_aug[..., k0:k1, :].swapaxes(-1, -2), out=p)  # s - lse or s
+    tile_product(data.q_aug[..., q0:q1, :], data.k_aug[..., k0:k1, :].swapaxes(-1, -2), out=p)  # s - lse or s
     if not run.fold:
         if run.tiles.bias is not None:
             np.add(p, run.tiles.bias_tile(q0, q1, k0, k1), out=p)
@@ -257,11 +257,12 @@ def _score_grads(run: _Pass, data: _BackwardData, tile, p: np.ndarray, scratch: 
     value_dim = data.dv.shape[-1]
     ds = scratch.get("ds", p.shape)  # (*lead, Tq, Tk)
     if not run.dropout:
-        np.matmul(data.do_aug[..., q0:q1, :], data.v_aug[..., k0:k1, :].swapaxes(-1, -2), out=ds)  # dP - D
+        tile_product(data.do_aug[..., q0:q1, :], data.v_aug[..., k0:k1, :].swapaxes(-1, -2), out=ds)  # dP - D
         return np.multiply(ds, p, out=ds)
     keep = run.keep(q0, q1, k0, k1)  # (*drop_lead, Tq, Tk)
     keep_scale = run.dtype.type(1.0 / (1.0 - run.dropout_p))
-    np.matmul(data.do_aug[..., q0:q1, :value_dim], data.v_aug[..., k0:k1, :value_dim].swapaxes(-1, -2), out=ds)  # dO.v
+    tile_product(data.do_aug[..., q0:q1, :value_dim], data.v_aug[..., k0:k1, :value_dim].swapaxes(-1, -2),
+                 out=ds)  # dO.v
     np.multiply(ds, keep, out=ds)
     np.multiply(ds, keep_scale, out=ds)  # dP, the gradient of the weights before dropout
     np.add(ds, data.do_aug[..., q0:q1, value_dim:value_dim + 1], out=ds)  # dP - D (the columns hold -D)
@@ -280,7 +281,7 @@ def _add_product(target: np.ndarray, a: np.ndarray, b: np.ndarray, axes: tuple[i
     of ``a`` (masked entries) contribute 0 even against NaN or inf in ``b``.
     """
     product = scratch.get(name, a.shape[:-1] + b.shape[-1:])  # (*lead, rows of a, columns of b)
-    (zero_safe_matmul if zero_safe else np.matmul)(a, b, out=product)
+    (zero_safe_matmul if zero_safe else tile_product)(a, b, out=product)
     if axes:
         product = product.sum(axis=axes, keepdims=True)
     np.add(target, product, out=target)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._masked_product import zero_safe_matmul
+from .._masked_product import tile_product, zero_safe_matmul
 from .._threads import check_stop, run_tasks
 from .plan import (
     _LAZY_SHIFT,
@@ -205,7 +205,7 @@ def _forward_tile(run: _Pass, data: _ForwardData, rows: _Rows, kb: int, blocked,
     k0, k1 = run.tiles.k_blocks[kb]
     d = data.q.shape[-1]
     s = scratch.get("s", run.tiles.lead + (rows.q1 - rows.q0, k1 - k0))  # (*lead, Tq, Tk)
-    np.matmul(rows.qa, data.k_aug[..., k0:k1, :d + 1].swapaxes(-1, -2), out=s)  # scale q.k (- m if folded)
+    tile_product(rows.qa, data.k_aug[..., k0:k1, :d + 1].swapaxes(-1, -2), out=s)  # scale q.k (- m if folded)
     if run.tiles.bias is not None:
         np.add(s, run.tiles.bias_tile(rows.q0, rows.q1, k0, k1), out=s)
     if run.tiles.score_mod is not None:
@@ -224,7 +224,7 @@ def _forward_tile(run: _Pass, data: _ForwardData, rows: _Rows, kb: int, blocked,
     value_dim = data.out.shape[-1]
     # a masked entry's p is exactly 0; where it meets a NaN or inf value, 0 * NaN must stay 0
     product = zero_safe_matmul if (blocked is not None and data.bad_v is not None
-                                   and data.bad_v[k0:k1].any()) else np.matmul
+                                   and data.bad_v[k0:k1].any()) else tile_product
     if rows.first and alpha is None and not run.dropout:
         product(s, data.v_aug[..., k0:k1, :value_dim + 1], out=rows.acc)  # (*lead, Tq, Dv+1)
     else:
