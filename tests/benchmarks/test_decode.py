@@ -34,3 +34,15 @@ def test_gemv_bandwidth_sustained_for_a_time_keeps_multiplying_that_long():
     start = decode.time.perf_counter()
     assert 1e8 < decode.gemv_bandwidth(megabytes=8, seconds=0.05) < 1e13
     assert decode.time.perf_counter() - start >= 0.05
+
+
+@pytest.mark.parametrize("family", sorted(decode.FAMILIES))
+def test_every_familys_benchmark_shape_is_a_complete_transformers_config(family):
+    import transformers
+
+    config_class, kwargs = decode.FAMILIES[family]
+    config = getattr(transformers, config_class)(**kwargs)
+    # an attention that reads head_dim builds from it (MinistralConfig leaves it None unless told)
+    head_dim = config.to_dict().get("head_dim", "not read")
+    assert head_dim == "not read" or isinstance(head_dim, int), (family, head_dim)
+    assert config.num_hidden_layers == kwargs.get("num_hidden_layers", config.num_hidden_layers)

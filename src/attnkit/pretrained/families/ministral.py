@@ -26,4 +26,5 @@ FAMILY = Family(
     model_type="ministral", keys=frozenset(COMMON_KEYS + ("sliding_window", "layer_types")),
     read_config=lambda read: rotary_config(read, DEFAULTS, _fields), tensors=plain_tensors,
     architecture="MinistralForCausalLM", hf_config_class="MinistralConfig",
-    benchmark=dict(BENCHMARK_SHAPE, sliding_window=512))
+    # transformers' MinistralConfig leaves head_dim None (its attention then fails to build): say it
+    benchmark=dict(BENCHMARK_SHAPE, sliding_window=512, head_dim=64))
