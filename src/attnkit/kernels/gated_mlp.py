@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._threads import default_num_threads, run_tasks
-from .activations import activation_backward, activation_forward
+from .activations import _sigmoid, activation_backward, activation_forward
 from .linear import linear, linear_backward
 
 __all__ = ["gated_mlp_backward", "gated_mlp_forward"]
@@ -30,12 +30,7 @@ def _silu_gate(gate_pre: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, np.nda
     def block(start: int, _worker: int) -> None:
         part = slice(start, start + rows)
         x = pre[part]
-        sig = np.negative(x)  # 1 / (1 + exp(-x)), as activations._sigmoid computes it
-        with np.errstate(over="ignore"):
-            np.exp(sig, out=sig)
-        sig += 1
-        np.reciprocal(sig, out=sig)
-        np.multiply(x, sig, out=gate[part])
+        np.multiply(x, _sigmoid(x), out=gate[part])
         np.multiply(gate[part], up2[part], out=hidden[part])
 
     if len(starts) > 1:

@@ -22,7 +22,7 @@ from ..decoding.cache import KVCache, LatentCache
 from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
-from ..kernels.linear import product
+from ..kernels.linear import linear
 from ..layers.embedding import Embedding
 from ..layers.lm_block import make_block, make_norm
 from ..layers.per_layer_input import PerLayerInputs
@@ -265,7 +265,7 @@ class CausalLM(Module):
             h = h[:, -keep:]  # (B, min(keep, L), D)
         # The (V, D) head is large enough for every BLAS thread to help, even for one token.
         weight = self.head_weight.astype(h.dtype, copy=False)
-        logits = product(h.reshape(-1, h.shape[-1]), weight.T).reshape(*h.shape[:-1], weight.shape[0])  # (B, L, V)
+        logits = linear(h, weight.T)  # (B, L, V)
         capped = None
         if self.config.final_logit_softcap is not None:
             cap = h.dtype.type(self.config.final_logit_softcap)
