@@ -42,4 +42,4 @@ def test_bad_kernel_choices_are_refused():
         register_attention_kernel(AttentionKernel("tiled", None, None, object, False))
     with pytest.raises(TypeError, match="registered attention kernel"):
         attention_backward(q, object())
-    assert sorted(ATTENTION_KERNELS) == ["reference", "tiled"]
+    assert sorted(ATTENTION_KERNELS) == ["one_query", "reference", "tiled"]

@@ -31,9 +31,12 @@ from ..init import as_generator, normal
 from ..kernels import rotary as _rotary
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
+from ..kernels.registry import ATTENTION_KERNELS
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["GroupedQueryAttention", "QK_NORMS"]
+
+ONE_QUERY = ATTENTION_KERNELS["one_query"]  # a decoding step's kernel (see kernels.registry)
 
 
 class NoQKNorm:
@@ -316,6 +319,53 @@ class GroupedQueryAttention(Module):
                 return out, (hooked.copy() if need_weights else None), ctx
         weights = None if ctx.weights is None or not need_weights else ctx.weights.copy()  # (B, Hq, L, S)
         return out, weights, ctx
+
+    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None) -> np.ndarray:
+        """One decoding step: :meth:`forward` of one new token per row with a cache, (B, D) -> (B, D).
+
+        The same parts in the same order (one q/k/v product, the q/k norms, the rotation, the cache, the
+        attention with the layer's window, score modifier and sinks, the gate of a gated layer, W_O), on
+        (B, D) rows, with the registry's ``"one_query"`` kernel; nothing is saved (a step is inference).
+        ``rotary`` is (cos, sin) each (B, 1, R); ``attention_mask`` (B, S) over every slot, or None.
+        """
+        b = x.shape[0]
+        q, k, v = self._project_step(x)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh), (B, Hkv, 1, Dh)
+        if rotary is not None:
+            q = _rotary.rotary_apply(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
+            k = _rotary.rotary_apply(k, *rotary, self.interleaved)  # (B, Hkv, 1, Dh)
+        kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
+        key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
+        heads = self._attend_step(q, kept.keys, kept.values, key_mask)  # (B, Hq, Dh)
+        heads = self._gate(x[:, None], heads[:, None])[0][:, 0]  # (B, Hq, Dh)
+        return linear(heads.reshape(b, -1), self._parameters["W_O"], self._parameters.get("b_O"))  # (B, D)
+
+    def _project_step(self, x: np.ndarray):
+        """:meth:`_project` of one position per row: query, key and value heads (B, H, 1, Dh), q/k normalised."""
+        p = self._parameters
+        fused = self.fused_weight_and_bias("W_QKV", "b_QKV")
+        if fused is not None:
+            qkv = linear(x, *fused)  # (B, (Hq + 2 Hkv)*Dh)
+            q_width, kv_width = p["W_Q"].shape[1], p["W_K"].shape[1]
+            q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + kv_width], qkv[:, q_width + kv_width:]
+        else:
+            q, k, v = (linear(x, p[f"W_{n}"], p.get(f"b_{n}")) for n in "QKV")  # (B, H*Dh) each
+        b = x.shape[0]
+        q, k, _ = self.qk_norm.on_projection(self, q, k)  # (B, Hq*Dh), (B, Hkv*Dh)
+        q = q.reshape(b, self.num_heads, 1, self.head_dim)  # (B, Hq, 1, Dh)
+        k = k.reshape(b, self.num_kv_heads, 1, self.head_dim)  # (B, Hkv, 1, Dh)
+        q, k, _ = self.qk_norm.on_heads(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
+        return q, k, v.reshape(b, self.num_kv_heads, 1, self.head_dim)
+
+    def _attend_step(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                     key_mask: np.ndarray | None) -> np.ndarray:
+        """One query per row and head (B, Hq, 1, Dh) over the keys and values (B, Hkv, S, Dh) with the layer's
+        window, score modifier and sinks: the heads' outputs (B, Hq, Dh)."""
+        b, hkv = keys.shape[:2]
+        grouped = q.reshape(b, hkv, self.num_heads // hkv, q.shape[-1])  # (B, Hkv, G, Dh)
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S)
+        out, _, _ = ONE_QUERY.forward(grouped, keys, values, mask=mask, scale=self.scale, window=self.window,
+                                      score_mod=self.score_mod, sinks=self._parameters.get("sinks"))  # (B, Hkv, G, Dh)
+        return out.reshape(b, self.num_heads, -1)  # (B, Hq, Dh)
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""

@@ -125,6 +125,16 @@ class _LayerwiseAttention(GroupedQueryAttention):
                 q = hook_heads(self, "hook_rot_q", q)
         return q, (q_hat, q_rstd)
 
+    def _queries_step(self, x: np.ndarray, rotary) -> np.ndarray:
+        """:meth:`_queries` of one position per row: normalised, rotated query heads (B, Hq, 1, Dh)."""
+        q = linear(x, self._parameters["W_Q"]).reshape(x.shape[0], self.num_heads, 1, self.head_dim)  # (B, Hq, 1, Dh)
+        q = rms_norm_forward(q, self._gain("q_norm"), self.norm_eps)[0]  # (B, Hq, 1, Dh)
+        return q if rotary is None else _rotary.rotary_apply(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
+
+    def _output_step(self, heads: np.ndarray) -> np.ndarray:
+        """The heads' outputs (B, Hq, Dh) side by side through W_O: (B, D)."""
+        return linear(heads.reshape(heads.shape[0], -1), self._parameters["W_O"])  # (B, D)
+
     def _queries_backward(self, dq: np.ndarray, x: np.ndarray, rotary, normed) -> np.ndarray:
         """W_Q's and q_norm's gradients into ``grads``; the input gradient (B, L, D) through the queries."""
         hooked = self._hook_table is not None
@@ -260,6 +270,16 @@ class KVOwnerAttention(_LayerwiseAttention):
             self.save_for_backward()
         return self._finish(y, weights, b, length, output_attentions)
 
+    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D), as :meth:`forward` with a cache: the new key and value into the
+        cache, every kept one handed to ``shared`` for the readers."""
+        q = self._queries_step(x, rotary)  # (B, Hq, 1, Dh)
+        k, v, _ = self._keys_values(x[:, None], rotary)  # (B, Hkv, 1, Dh) each
+        kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
+        key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
+        self.shared.publish(kept.keys, kept.values, key_mask)
+        return self._output_step(self._attend_step(q, kept.keys, kept.values, key_mask))  # (B, D)
+
     def backward(self, grad_output: Any) -> np.ndarray:
         """The parameters' gradients into ``grads`` (the readers' share of the keys' and values' included);
         ``grad_x`` (B, L, D) (uncached path only)."""
@@ -332,6 +352,11 @@ class KVReaderAttention(_LayerwiseAttention):
         else:
             self.save_for_backward()
         return self._finish(y, weights, b, length, output_attentions)
+
+    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D) over the keys and values the owner's step handed over."""
+        q = self._queries_step(x, rotary)  # (B, Hq, 1, Dh)
+        return self._output_step(self._attend_step(q, *self.shared.read(self.layer_index)))  # (B, D)
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """W_Q's, W_O's and q_norm's gradients into ``grads``, the keys' and values' into the owner's

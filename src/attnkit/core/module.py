@@ -559,6 +559,19 @@ class Module:
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def step(self, x: np.ndarray, **kwargs: Any) -> np.ndarray:
+        """One decoding step: this module on one new position per row, ``x`` (B, D) -> (B, D'), keeping nothing
+        for a backward (a step is inference; with a cache, the cache is the only state it changes).
+
+        This default runs :meth:`forward` on the position as a sequence of one and forgets what it saved; a
+        layer on the decoding path (the norms, the MLPs, the token mixers, the blocks) overrides it with its
+        own step, which skips the sequence bookkeeping one position does not need. ``kwargs`` are
+        :meth:`forward`'s (``rotary``, ``attention_mask``, ``cache`` for a token mixer).
+        """
+        y = self.forward(x[:, None], **kwargs)[:, 0]  # (B, D')
+        self.save_for_backward()
+        return y
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["rms_norm_into", "silu_gate_into", "one_query_attention"]
+from .activations import activation_forward
+
+__all__ = ["rms_norm_into", "silu_gate_into", "gated_mlp_step", "one_query_attention", "one_query_forward",
+           "one_query_backward", "OneQueryContext"]
 
 
 def rms_norm_into(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
@@ -55,19 +58,125 @@ def silu_gate_into(gate_up: np.ndarray, width: int, out: np.ndarray) -> np.ndarr
     return out
 
 
-def one_query_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:
-    """Softmax attention of one query per row and head over every cached key: two batched products.
-
-    The G query heads of a key/value head are the rows of one product with that head's keys, so the cache is
-    read once per key/value head, and no mask is needed: the one query sits after every key it may see.
+def gated_mlp_step(x: np.ndarray, w_gate_up: np.ndarray, b_gate_up: np.ndarray | None, w_down: np.ndarray,
+                   b_down: np.ndarray | None, activation: str) -> np.ndarray:
+    """``(act(x W_gate + b_gate) * (x W_up + b_up)) W_down + b_down`` of one position per row, gate and up from
+    one product of their side-by-side weights (one read of them), SiLU in place.
 
     Shapes
     ------
-    q : (B, Hkv, G, Dh); k, v : (B, Hkv, S, Dh) (views of the cache are fine); out : (B, Hkv, G, Dh) -> ``out``.
+    x : (B, D); w_gate_up : (D, 2F) = ``[W_gate W_up]``, b_gate_up : (2F,) or None; w_down : (F, D),
+    b_down : (D,) or None -> (B, D).
     """
+    both = x @ w_gate_up  # (B, 2F)
+    if b_gate_up is not None:
+        both += b_gate_up
+    width = w_down.shape[0]
+    if activation == "silu":
+        hidden = silu_gate_into(both, width, np.empty((x.shape[0], width), both.dtype))  # (B, F)
+    else:
+        hidden = activation_forward(both[:, :width], activation) * both[:, width:]  # (B, F)
+    y = hidden @ w_down  # (B, D)
+    if b_down is not None:
+        y += b_down
+    return y
+
+
+def one_query_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, out: np.ndarray | None = None, *,
+                        key_mask: np.ndarray | None = None, score_mod=None, sinks: np.ndarray | None = None
+                        ) -> np.ndarray:
+    """Softmax attention of one query per row and head over every cached key: two batched products.
+
+    The G query heads of a key/value head are the rows of one product with that head's keys, so the cache is
+    read once per key/value head, and no causal mask is needed: the one query sits after every key it may see.
+    The variants of the decoder layers are the flex kernel's, in its order: ``score_mod`` on the scaled scores
+    (called as flex calls it on a tile of one query row: ``q_idx`` 0, ``kv_idx`` the key's index), then the
+    key mask, then the softmax with a sink logit per query head in its denominator. A row with no key to
+    attend to (and no sink) gets zeros, as in the other kernels.
+
+    Shapes
+    ------
+    q : (B, Hkv, G, Dh); k, v : (B, Hkv, S, Dh) (views of the cache are fine); key_mask : (B, S) bool,
+    ``True`` = may attend, or None; sinks : (Hkv * G,) or None; out : (B, Hkv, G, Dh) or None -> ``out``.
+    """
+    b, hkv, group, _ = q.shape
+    slots = k.shape[2]
     scores = q @ k.swapaxes(-1, -2)  # (B, Hkv, G, S)
     scores *= scale
-    scores -= scores.max(axis=-1, keepdims=True)
+    if score_mod is not None:
+        heads = np.arange(hkv * group).reshape(1, -1, 1, 1)  # (1, Hq, 1, 1)
+        modified = score_mod(scores.reshape(b, hkv * group, 1, slots), np.arange(b).reshape(-1, 1, 1, 1), heads,
+                             np.zeros((1, 1, 1, 1), np.int64), np.arange(slots).reshape(1, 1, 1, -1))  # (B, Hq, 1, S)
+        scores = np.asarray(modified, dtype=scores.dtype).reshape(b, hkv, group, slots)  # (B, Hkv, G, S)
+    if key_mask is not None:
+        scores = np.where(key_mask[:, None, None, :], scores, -np.inf)  # (B, Hkv, G, S)
+    peak = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, Hkv, G, 1)
+    sink = None if sinks is None else sinks.astype(scores.dtype).reshape(1, hkv, group, 1)  # (1, Hkv, G, 1)
+    if sink is not None:
+        peak = np.maximum(peak, sink)
+    if key_mask is not None or sink is not None:
+        peak = np.where(np.isfinite(peak), peak, 0)  # a fully masked row: exp(-inf) = 0 everywhere
+    scores -= peak
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)  # (B, Hkv, G, S)
+    total = scores.sum(axis=-1, keepdims=True)  # (B, Hkv, G, 1)
+    if sink is not None:
+        total += np.exp(sink - peak)
+    if key_mask is not None:
+        total[total == 0] = 1  # nothing to attend to: zero weights, zero output
+    scores /= total  # (B, Hkv, G, S)
     return np.matmul(scores, v, out=out)  # (B, Hkv, G, Dh)
+
+
+class OneQueryContext:
+    """What :func:`one_query_forward` keeps for a backward: nothing (a decoding step is inference)."""
+
+
+def one_query_forward(q, k, v, *, mask=None, causal: bool = False, scale=None, bias=None, dropout_p: float = 0.0,
+                      dropout_seed=None, window: int | None = None, score_mod=None, sinks=None, out=None):
+    """:func:`one_query_attention` with :mod:`attnkit.kernels.registry`'s signature (its ``"one_query"`` entry).
+
+    Every query row is a decoding step's query, placed after every key: ``causal`` is taken for one query row
+    (it hides nothing there) and refused for more (the rows would hide keys from each other), ``window`` keeps
+    the last ``window`` keys, ``mask`` (``True`` = may attend) must broadcast to (..., Lq, Lk) with one
+    row for all queries, ``bias`` is added to the scaled scores. Dropout is refused (an inference kernel).
+
+    Shapes
+    ------
+    q (B, H, Lq, Dh) (the G query heads of a key/value head as its Lq rows), k, v (B, H, Lk, Dh), mask
+    (B, 1, 1, Lk) or (B, H, 1, Lk) bool -> ``(out (B, H, Lq, Dh), None, OneQueryContext())``.
+    """
+    if dropout_p:
+        raise ValueError(f"the one_query kernel is for inference: dropout_p must be 0, got {dropout_p!r}")
+    if causal and q.shape[2] != 1:
+        raise ValueError(f"the one_query kernel places every query row after every key: causal=True needs one "
+                         f"query row, got {q.shape[2]} (q: {q.shape})")
+    key_mask = None
+    if mask is not None:
+        rows = np.broadcast_to(np.asarray(mask, dtype=bool), q.shape[:2] + (1, k.shape[2]))  # (B, H, 1, Lk)
+        if not (rows == rows[:, :1]).all():
+            raise ValueError("the one_query kernel takes one key mask per row, shared by the heads")
+        key_mask = rows[:, 0, 0]  # (B, Lk)
+    if window is not None and k.shape[2] > window:
+        k, v = k[:, :, -window:], v[:, :, -window:]  # (B, H, W, Dh)
+        key_mask = None if key_mask is None else key_mask[:, -window:]  # (B, W)
+    if bias is not None:  # (B, H, Lq, Lk) as the scores the modifier sees, (B, H * Lq, 1, Lk)
+        b, h, rows, keys = q.shape[:3] + (k.shape[2],)
+        bias = np.broadcast_to(np.asarray(bias)[..., -keys:], (b, h, rows, keys)).reshape(b, h * rows, 1, keys)
+        score_mod = _added(bias, score_mod)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return one_query_attention(q, k, v, scale, out, key_mask=key_mask, score_mod=score_mod, sinks=sinks), None, \
+        OneQueryContext()
+
+
+def _added(bias: np.ndarray, then):
+    """A score modifier adding ``bias`` (the scores' shape) to the scores, then applying ``then`` if given."""
+    def modified(score, b, h, q_idx, kv_idx):
+        score = score + bias
+        return score if then is None else then(score, b, h, q_idx, kv_idx)
+    return modified
+
+
+def one_query_backward(grad_out, ctx):
+    """Refused: :func:`one_query_forward` keeps nothing (run a forward without a cache to train)."""
+    raise ValueError("the one_query kernel is for decoding steps (inference) and has no backward; use the "
+                     "'reference' or 'tiled' kernel for a forward that a backward follows")

@@ -12,6 +12,8 @@ name             kernel
 ===============  ==========================================================================================
 ``"reference"``  :mod:`~attnkit.kernels.reference`: materialises the scores; returns the weights; the yardstick
 ``"tiled"``      :mod:`~attnkit.kernels.tiled`: online softmax over tiles, threads, nothing of size Lq x Lk
+``"one_query"``  :mod:`~attnkit.kernels.decode_step`: a decoding step's query rows after every cached key, two
+                 products, with a score modifier and sinks; inference only (its backward refuses)
 ===============  ==========================================================================================
 
 Which kernel runs
@@ -26,6 +28,9 @@ asks :func:`resolve_kernel`; none decides by itself. ``kernel="auto"`` (the defa
    cheapest formed whole, and the tiled kernel's tile bookkeeping would cost more than it saves;
 3. ``"tiled"`` otherwise: nothing of size ``Lq x Lk`` is allocated.
 
+``"one_query"`` is never ``"auto"``'s choice: it keeps nothing for a backward. The layers' one-token ``step``
+methods (a decoding step with a cache, which no backward follows) name it.
+
 A named kernel runs as named (``"tiled"`` with weights needed is a ``ValueError``). Flex attention runs a
 ``"reference"`` choice on the reference attention kernel when its mask is one the kernels take as arguments
 (causal, window, key padding, a dense boolean mask) and on its own reference kernel otherwise (a mask
@@ -37,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from . import reference, tiled
+from . import decode_step, reference, tiled
 
 __all__ = ["AttentionKernel", "ATTENTION_KERNELS", "register_attention_kernel", "resolve_kernel",
            "kernel_for_context"]
@@ -73,6 +78,8 @@ register_attention_kernel(AttentionKernel("reference", reference.attention_forwa
                                           reference.AttentionContext, returns_weights=True))
 register_attention_kernel(AttentionKernel("tiled", _tiled_forward, tiled.flash_attention_backward,
                                           tiled.FlashContext, returns_weights=False))
+register_attention_kernel(AttentionKernel("one_query", decode_step.one_query_forward, decode_step.one_query_backward,
+                                          decode_step.OneQueryContext, returns_weights=False))
 
 
 def resolve_kernel(kernel: str, *, need_weights: bool, seq_q: int | None = None) -> AttentionKernel:

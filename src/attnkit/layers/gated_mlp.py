@@ -11,6 +11,7 @@ import numpy as np
 from .._validation import check_features, check_grad_output
 from ..core.module import Module
 from ..init import as_generator, normal
+from ..kernels import decode_step as _step
 from ..kernels import gated_mlp as _gated
 from ..kernels.activations import ACTIVATIONS
 
@@ -84,6 +85,15 @@ class GatedMLP(Module):
                                             b_gate_up=b_gate_up)  # (..., D)
         self.save_for_backward(x, saved)
         return y
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D): gate and up in one product, nothing saved."""
+        p = self._parameters
+        fused = self.fused_weight_and_bias("W_gate_up", "b_gate_up")
+        if fused is None:  # the groups were broken by assigning a parameter: side by side again, for this step
+            fused = (np.concatenate([p["W_gate"], p["W_up"]], axis=1),
+                     np.concatenate([p["b_gate"], p["b_up"]]) if self.bias else None)
+        return _step.gated_mlp_step(x, *fused, p["W_down"], p.get("b_down"), self.activation)  # (B, D)
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (..., D)."""

@@ -30,6 +30,10 @@ class Identity(Module):
         """``x`` itself."""
         return x
 
+    def step(self, x: Any, **kwargs: Any) -> Any:
+        """``x`` itself (a decoding step's absent norm)."""
+        return x
+
     def backward(self, grad_output: Any) -> Any:
         """``grad_output`` itself."""
         return grad_output

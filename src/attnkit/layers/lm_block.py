@@ -174,6 +174,22 @@ class LMBlock(Module):
         x = self.hook_point("hook_resid_mid", x + attended)  # (B, L, D)
         return x + self._mlp_branch(x), weights  # (B, L, D)
 
+    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None,
+             **inputs) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D): :meth:`forward`'s parts in its order, each through its own
+        ``step`` (the mixer's with the cache), nothing saved."""
+        return self._residuals_step(x, dict(rotary=rotary, attention_mask=attention_mask, cache=cache))
+
+    def _attention_step(self, x: np.ndarray, kwargs: dict) -> np.ndarray:
+        return self.attn_post_norm.step(self.attention.step(self.attn_norm.step(x), **kwargs))  # (B, D)
+
+    def _mlp_step(self, x: np.ndarray) -> np.ndarray:
+        return self.mlp_post_norm.step(self.mlp.step(self.mlp_norm.step(x)))  # (B, D)
+
+    def _residuals_step(self, x: np.ndarray, kwargs: dict) -> np.ndarray:
+        x = x + self._attention_step(x, kwargs)  # (B, D)
+        return x + self._mlp_step(x)  # (B, D)
+
     def backward(self, grad_output: Any) -> np.ndarray:
         """The forward read backwards: each residual branch adds its parts' input gradient."""
         g = self.hook_backward("hook_resid_post", np.asarray(grad_output))
@@ -206,6 +222,10 @@ class ParallelLMBlock(LMBlock):
     def _residuals(self, x: np.ndarray, kwargs: dict):
         attended, weights = self._attention_branch(x, kwargs)
         return x + attended + self._mlp_branch(x), weights  # (B, L, D)
+
+    def _residuals_step(self, x: np.ndarray, kwargs: dict) -> np.ndarray:
+        attended = self._attention_step(x, kwargs)  # (B, D)
+        return x + attended + self._mlp_step(x)  # (B, D)
 
     def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
         g_mlp = self._mlp_branch_backward(g)  # (B, L, D)
@@ -248,8 +268,15 @@ class LayerwiseBlock(LMBlock):
             self.save_for_backward()
         return y * self._parameters["layer_scalar"].astype(y.dtype, copy=False), weights  # (B, L, D)
 
+    def _residuals_step(self, x: np.ndarray, kwargs: dict) -> np.ndarray:
+        y = self._before_scalar_step(super()._residuals_step(x, kwargs))  # (B, D)
+        return y * self._parameters["layer_scalar"].astype(y.dtype, copy=False)  # (B, D)
+
     def _before_scalar(self, y: np.ndarray) -> np.ndarray:
         """What the block adds to its residual stream after the MLP, before the scalar: nothing here."""
+        return y
+
+    def _before_scalar_step(self, y: np.ndarray) -> np.ndarray:
         return y
 
     def _before_scalar_backward(self, g: np.ndarray) -> np.ndarray:
@@ -312,8 +339,16 @@ class PerLayerInputBlock(LayerwiseBlock):
         self.per_layer_input = per_layer_input
         return super().forward(x, **kwargs)
 
+    def step(self, x: np.ndarray, *, per_layer_input: np.ndarray | None = None, **kwargs) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D) with this layer's ``per_layer_input`` (B, P)."""
+        self.per_layer_input = per_layer_input
+        return super().step(x, **kwargs)
+
     def _before_scalar(self, y: np.ndarray) -> np.ndarray:
         return y + self.hook_point("hook_per_layer_out", self.per_layer(y, self.per_layer_input))  # (B, L, D)
+
+    def _before_scalar_step(self, y: np.ndarray) -> np.ndarray:
+        return y + self.per_layer.step(y, self.per_layer_input)  # (B, D)
 
     def _before_scalar_backward(self, g: np.ndarray) -> np.ndarray:
         g_h, self.grad_per_layer_input = self.per_layer.backward(self.hook_backward("hook_per_layer_out", g))

@@ -67,6 +67,12 @@ class PerLayerInputs(Module):
         self.save_for_backward(h, scales)
         return (context + tokens.reshape(b, length, self.num_layers, self.size)) * scales[2]  # (B, L, N, P)
 
+    def step(self, ids: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """One decoding step: ids (B, 1), h (B, D) -> e (B, N, P), nothing saved."""
+        e = self.forward(ids, h[:, None])[:, 0]  # (B, N, P)
+        self.save_for_backward()
+        return e
+
     def backward(self, grad_output: Any) -> np.ndarray:
         """The table's, W_proj's and the norm's gradients into ``grads``; the gradient of ``h`` (B, L, D)."""
         if self.saved_tensors is None:
@@ -109,6 +115,11 @@ class PerLayerInputBranch(Module):
         mixed = post * e.astype(h.dtype, copy=False)  # (B, L, P)
         self.save_for_backward(h, e, pre, post, mixed)
         return self.norm(linear(mixed, self._parameters["W_up"]))  # (B, L, D)
+
+    def step(self, h: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """One decoding step: h (B, D), e (B, P) -> (B, D), nothing saved."""
+        post = activation_forward(linear(h, self._parameters["W_gate"]), self.activation)  # (B, P)
+        return self.norm.step(linear(post * e.astype(h.dtype, copy=False), self._parameters["W_up"]))  # (B, D)
 
     def backward(self, grad_output: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         h, e, pre, post, mixed = self.saved_tensors

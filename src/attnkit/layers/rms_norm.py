@@ -10,6 +10,7 @@ import numpy as np
 
 from .._validation import check_features, check_grad_output, check_positive_int
 from ..core.module import Module
+from ..kernels import decode_step as _step
 from ..kernels import rms_norm as _rms
 
 __all__ = ["RMSNorm"]
@@ -70,6 +71,12 @@ class RMSNorm(Module):
         y, x_hat, rstd = _rms.rms_norm_forward(x, self._gain(), self.eps)  # (..., D), (..., 1)
         self.save_for_backward(x_hat, rstd, x.dtype)
         return y
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D): :meth:`forward`'s numbers without saving (float16 through it)."""
+        if x.dtype == np.float16:
+            return super().step(x)
+        return _step.rms_norm_into(x, self._gain(), self.eps, np.empty_like(x), np.empty_like(x))  # (B, D)
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradient of ``gamma`` into ``self.grads``; return ``grad_x`` (..., D)."""

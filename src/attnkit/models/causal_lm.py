@@ -28,7 +28,6 @@ from ..layers.lm_block import make_block, make_norm
 from ..layers.per_layer_input import PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
 from .config import DecoderConfig
-from .decode_step import DecodeStep, decode_step_for
 
 __all__ = ["CausalLM", "positions_from_mask"]
 
@@ -138,8 +137,6 @@ class CausalLM(Module):
         getattr(self, self.head_owner).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config = GenerationConfig()
-        # the in-place decoding step, chosen once the parts are built (None: every step takes the general path)
-        self._step = decode_step_for(self)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -253,10 +250,9 @@ class CausalLM(Module):
         """
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
         keep = check_positive_int(logits_to_keep, "logits_to_keep", allow_zero=True)
-        step = self._decode_step(ids, mask, cache, output_attentions)
-        if step is not None:
+        if self._steps(ids, cache, output_attentions):
             self.save_for_backward()
-            return step.step(ids, positions, cache)  # (B, 1, V)
+            return self._step_forward(ids, mask, positions, cache)  # (B, 1, V)
         weights: list[np.ndarray] = []
         with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else nullcontext():
             h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None)  # (B, L, D)
@@ -277,13 +273,42 @@ class CausalLM(Module):
             self.save_for_backward()
         return (logits, weights) if output_attentions else logits
 
-    def _decode_step(self, ids, mask, cache, output_attentions: bool) -> DecodeStep | None:
-        """The in-place decoding step (:mod:`attnkit.models.decode_step`) when it serves this call: one token
-        per row, a cache, no padding, no weights asked for, no hooks, and layers it knows; else None."""
-        if cache is None or ids.shape[1] != 1 or output_attentions or not mask.all():
-            return None
-        step = self._step
-        return None if step is None or step.hooked() else step
+    def _steps(self, ids, cache, output_attentions: bool) -> bool:
+        """Whether this call is a decoding step the layers' own ``step`` methods run: one token per row, a
+        cache, no weights asked for and no hook installed (hooks are called by the sequence path)."""
+        if cache is None or ids.shape[1] != 1 or output_attentions:
+            return False
+        # every module, listed once per model (a copy made from this one's attributes lists its own)
+        owner, modules = self.__dict__.get("_all_modules", (None, ()))
+        if owner is not self:
+            modules = tuple(module for _, module in self.named_modules())
+            object.__setattr__(self, "_all_modules", (self, modules))
+        return all(module.__dict__.get("_hook_table") is None for module in modules)
+
+    def _step_forward(self, ids, mask, positions, cache) -> np.ndarray:
+        """:meth:`forward` of one token per row with a cache, through every layer's ``step``: the same parts in
+        the same order on (B, D) rows, nothing saved. Logits (B, 1, V)."""
+        h = self.embed.weight[ids[:, 0]].astype(self.dtype, copy=True)  # (B, D)
+        h *= h.dtype.type(self.config.embedding_scale)  # a scale of 1 changes no bit
+        for name in self.position_tables:
+            h += getattr(self, name).weight[positions[:, 0]]  # (B, D)
+        tables = {name: getattr(self, name)(positions, dtype=h.dtype)  # (B, 1, R) each
+                  for name in set(self.layer_rotary) - {None}}
+        layer_mask = None if mask.all() else mask  # (B, S) over every slot
+        extra = {key: getattr(self, name).step(ids, h) for key, name in self.layer_inputs.items()}  # (B, N, P) each
+        with one_row_blas() if ids.shape[0] <= _ONE_ROW_TOKENS else nullcontext():
+            for index, layer in enumerate(self.layers):
+                inputs = {key: e[:, index] for key, e in extra.items()}  # (B, P) each
+                h = layer.step(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask,
+                               cache=cache, **inputs)  # (B, D)
+        normed = self.norm.step(h)  # (B, D)
+        logits = normed @ self.head_weight.astype(h.dtype, copy=False).T  # (B, V)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits /= cap
+            np.tanh(logits, out=logits)
+            logits *= cap
+        return logits[:, None]  # (B, 1, V)
 
     def layer_outputs(self, input_ids: Any, attention_mask: Any = None, *,
                       position_ids: Any = None) -> list[np.ndarray]:
