@@ -220,3 +220,13 @@ def test_pictures_are_written_atomically(tmp_path):
     mask = os.umask(0o022)
     os.umask(mask)
     assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # as a plain savefig would leave it
+
+
+@pytest.mark.parametrize("command", ["attention", "explain", "generate", "chat"])
+def test_the_help_of_every_model_command_names_every_family(command, capsys):
+    from attnkit import supported_model_types
+
+    assert main([command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    missing = [name for name in supported_model_types() if name not in out.replace("- ", "-")]
+    assert missing == [] and ("GGUF" in out or command == "attention")

@@ -42,6 +42,7 @@ from ._common import (
     UsageError,
     add_threads_argument,
     check_utf8,
+    model_types_text,
     output_file,
     positive_int,
     printable,
@@ -76,8 +77,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         NAME, help="chat with a Hugging Face chat model folder (needs the 'pretrained' extra)",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's list of commands in lines
         description=textwrap.fill(
-            "Chat with a Hugging Face decoder folder (config.json, model.safetensors, tokenizer.json and a chat "
-            "template) on attnkit's NumPy layers. Type a message and press Enter; the reply streams. Decoding "
+            "Chat with a Hugging Face decoder folder (config.json with model_type "
+            f"{model_types_text()}; model.safetensors, tokenizer.json and a chat template) or a GGUF file, on "
+            "attnkit's NumPy layers. Type a message and press Enter; the reply streams. Decoding "
             "follows the folder's generation_config.json unless a flag is given; --temperature 0 is greedy.",
             width=100),
         epilog="while chatting:\n" + HELP)
