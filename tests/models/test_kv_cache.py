@@ -97,7 +97,7 @@ def test_crop_refuses_an_overwritten_ring():
     cache = KVCache(1, 1, 1, 2, windows=[2])
     k = np.zeros((1, 1, 3, 2), np.float32)
     cache.update(0, k, k)
-    with pytest.raises(ValueError, match="ring buffer"):
+    with pytest.raises(ValueError, match="layer 0 keeps a ring of 2 slots and has overwritten slots before 1"):
         cache.crop(2)
     cache.crop(3)  # a no-op crop is fine
     with pytest.raises(ValueError, match="length"):
@@ -199,7 +199,8 @@ def test_crop_refuses_to_forget_what_a_state_absorbed():
     cache.update(2, k, k)
     gdn(np.ones((2, 3, 4)), cache=cache.state(1))
     cache.crop(3)  # nothing to forget: allowed
-    with pytest.raises(ValueError, match="recurrent state of 3 positions, which cannot be cropped to 2"):
+    with pytest.raises(ValueError, match="cannot go back to 2 positions: layer 1 keeps a recurrent state of 3 "
+                                         r"positions; mark the length first .*marked lengths: \[\]"):
         cache.crop(2)
 
 
@@ -208,3 +209,51 @@ def test_a_state_must_be_a_state():
         KVCache(2, 1, 1, 2, states={1: np.zeros(3)})
     with pytest.raises(ValueError, match="both a window and a state"):
         KVCache(2, 1, 1, 2, windows=[None, 4], states={1: _hybrid_cache()[0].new_cache(1)})
+
+
+def test_a_marked_length_is_one_a_state_and_a_ring_can_return_to():
+    gdn, cache = _hybrid_cache()
+    rng = make_rng(5)
+    k = randn(rng, 2, 1, 3, 2, dtype=np.float32)
+    for layer in (0, 2):
+        cache.update(layer, k, k)
+    gdn(np.ones((2, 3, 4)), cache=cache.state(1))
+    state = cache.state(1).copy()
+    assert cache.mark() == 3 and cache.marks == [3]
+    for layer in (0, 2):
+        cache.update(layer, k[:, :, :2], k[:, :, :2])
+    gdn(np.full((2, 2, 4), 0.5), cache=cache.state(1))
+    assert cache.can_crop(3) and not cache.can_crop(4)
+    with pytest.raises(ValueError, match="cannot go back to 4 positions.*marked lengths: \\[3\\]"):
+        cache.crop(4)
+    cache.crop(3)
+    np.testing.assert_array_equal(cache.state(1).recurrent_state, state.recurrent_state)
+    np.testing.assert_array_equal(cache.state(1).conv_state, state.conv_state)
+    assert cache.length == 3 and cache.state(1).length == 3 and cache.marks == [3]
+
+
+@pytest.mark.parametrize("rollback", [0, 3])
+def test_a_ring_goes_back_within_its_rollback_slots_or_to_a_mark(rollback):
+    rng = make_rng(6)
+    window = 4
+    chunks = _chunks(rng, [5, 3, 2])
+    cache = KVCache(1, B, H, DH, windows=[window], rollback=rollback)
+    cache.update(0, *chunks[0])
+    marked = cache.mark()
+    cache.update(0, *chunks[1])  # slots 5..7 overwrite 1..3 of a 4-slot ring, not of a 7-slot one
+    assert cache.can_crop(6) == (rollback >= 2) and cache.can_crop(marked)
+    cache.crop(marked)
+    ref = KVCache(1, B, H, DH, windows=[window])
+    ref.update(0, *chunks[0])
+    got, want = cache.update(0, *chunks[2]), ref.update(0, *chunks[2])
+    np.testing.assert_array_equal(got.keys[:, :, -window - 2:], want.keys[:, :, -window - 2:])
+    np.testing.assert_array_equal(got.slots[-window - 2:], want.slots[-window - 2:])
+
+
+def test_token_ids_follow_crop_and_reorder():
+    cache = KVCache(1, 2, H, DH)
+    cache.record(np.array([[1, 2, 3], [4, 5, 6]]))
+    cache.update(0, np.zeros((2, H, 3, DH)), np.zeros((2, H, 3, DH)))
+    cache.crop(2)
+    cache.reorder(np.array([1, 1, 0]))
+    assert cache.token_ids.tolist() == [[4, 5], [4, 5], [1, 2]]

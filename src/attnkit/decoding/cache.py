@@ -18,9 +18,15 @@ Four storage kinds, chosen per layer:
   and rewrites every step (Gated DeltaNet's convolution inputs and delta-rule state,
   :class:`~attnkit.layers.gated_deltanet.GatedDeltaNetCache`), whatever the length: a hybrid model's
   linear-attention layers cost O(1) memory and time per token. The cache asks of such a state only a
-  ``length`` (positions it has seen), ``reorder(index)`` and ``nbytes``; it reorders and selects rows of
-  it with the keys and values of the other layers, and refuses to crop it (a recurrent state cannot forget
-  the tokens it has absorbed).
+  ``length`` (positions it has seen), ``reorder(index)``, ``nbytes`` and ``copy()``; it reorders and selects
+  rows of it with the keys and values of the other layers.
+
+Going back (:meth:`KVCache.crop`, for a prefix shared with the next prompt or a rejected draft): a full layer
+forgets slots for free; a recurrent state cannot forget what it absorbed, and a ring buffer overwrites its
+oldest slots, so those layers go back only to a length the caller marked beforehand (:meth:`KVCache.mark` keeps
+a copy of each state and of each ring's kept slots there: a turn boundary, a draft's start), or, for a ring,
+within the ``rollback`` extra slots it keeps. The cache also records the ids it was fed (``token_ids``), so a
+caller can find the prefix a new prompt shares with it.
 
 Every cache speaks to an attention module through two calls, so one cached-attention path serves the
 decoder-only LMs and the encoder-decoder alike: ``stored(layer)`` hands back keys and values the module
@@ -83,6 +89,14 @@ class KVCache:
         Per-layer (Hkv, Dh) where layers differ (Gemma 4's wider global layers); None for a layer that stores
         nothing because it reads another layer's keys and values (it is left out of ``length``). Default: every
         layer (``num_kv_heads``, ``head_dim``).
+    rollback : int, default 0
+        Slots a ring-buffer layer keeps beyond its window, so :meth:`crop` can go back that far without a mark
+        (a speculative draft's length). Its attention still sees only the window.
+
+    Attributes
+    ----------
+    token_ids : (B, length) int64
+        The ids fed so far (recorded by the model's forward, :meth:`record`); cropped with the slots.
 
     Shapes
     ------
@@ -117,7 +131,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  dtype=np.float32, *, max_length: int | None = None, windows=None, states=None,
-                 layer_shapes=None) -> None:
+                 layer_shapes=None, rollback: int = 0) -> None:
         self.num_layers = check_positive_int(num_layers, "num_layers")
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
@@ -130,12 +144,15 @@ class KVCache:
         if len(windows) != self.num_layers:
             raise ValueError(f"windows has {len(windows)} entries but num_layers is {self.num_layers}")
         self.windows = [None if w is None else check_positive_int(w, f"windows[{i}]") for i, w in enumerate(windows)]
+        self.rollback = check_positive_int(rollback, "rollback", allow_zero=True)
         self._states = self._check_states(states)
         self._shapes = self._check_shapes(layer_shapes)
         self._holding = [i for i, shape in enumerate(self._shapes) if shape is not None]
         self._lengths = [0] * self.num_layers
         self._keys = [self._empty(self._initial_capacity(i), layer=i) for i in range(self.num_layers)]
         self._values = [self._empty(self._initial_capacity(i), layer=i) for i in range(self.num_layers)]
+        self._marks: dict[int, _Mark] = {}
+        self.token_ids = np.zeros((self.batch_size, 0), np.int64)
 
     def _check_states(self, states) -> dict[int, Any]:
         states = {} if states is None else dict(states)
@@ -154,7 +171,8 @@ class KVCache:
         if layer in self._states:
             return 0  # a state layer keeps no keys or values
         if window is not None:
-            return window if self.max_length is None else min(window, self.max_length)
+            return window + self.rollback if self.max_length is None else min(window + self.rollback,
+                                                                              self.max_length)
         # max_length is a bound, not an allocation: a generous max_new_tokens must not reserve memory for
         # tokens that may never come. Slots double as they fill (amortised copies), up to max_length.
         return 0 if self.max_length is None else min(self.max_length, _FIRST_SLOTS)
@@ -283,25 +301,89 @@ class KVCache:
         return CachedKV(keys, values, slots)
 
     # ------------------------------------------------------------------------------------------------
-    def crop(self, length: int) -> None:
-        """Forget every slot from ``length`` on (e.g. rejected draft tokens).
+    def record(self, ids: np.ndarray) -> None:
+        """Append the ids (B, Lnew) just fed to :attr:`token_ids` (the model's forward calls it)."""
+        self.token_ids = np.concatenate([self.token_ids, np.asarray(ids, np.int64)], axis=1)  # (B, length)
 
-        A ring-buffer layer that has already overwritten slots cannot go back (the keys it would need are
-        gone), nor can a state layer that has seen more than ``length`` positions: either is a ``ValueError``.
+    def mark(self) -> int:
+        """Make the current length one that :meth:`crop` can return to, whatever is fed after it: keep a copy of
+        every state layer's state and of every ring layer's kept slots. Returns the length marked.
+
+        A full-attention layer needs nothing (its slots stay). A mark costs one copy of the states (a few MB for
+        a hybrid model) and of the windows; :meth:`crop` drops the marks it goes past.
+        """
+        length = self.length
+        states = {}
+        for layer, state in self._states.items():
+            if not callable(getattr(state, "copy", None)):
+                raise TypeError(f"layer {layer}'s state ({type(state).__name__}) has no copy(): it cannot be marked")
+            states[layer] = state.copy()
+        rings = {layer: self._ring_slots(layer) for layer in self._holding if self.windows[layer] is not None}
+        self._marks[length] = _Mark(states, rings)
+        return length
+
+    @property
+    def marks(self) -> list[int]:
+        """The lengths marked with :meth:`mark` (and not cropped past), in order."""
+        return sorted(self._marks)
+
+    def can_crop(self, length: int) -> bool:
+        """Whether :meth:`crop` can go back to ``length`` (every layer holds what it would need, or it is marked)."""
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.length:
+            return False
+        return length in self._marks or not self._blocking(int(length))
+
+    def _blocking(self, length: int) -> list[str]:
+        """Why each layer that cannot go back to ``length`` without a mark cannot."""
+        reasons = [f"layer {layer} keeps a recurrent state of {state.length} positions"
+                   for layer, state in self._states.items() if state.length != length]
+        for layer in self._holding:
+            window = self.windows[layer]
+            if window is not None and max(0, length - window) < self._ring_slots_start(layer):
+                reasons.append(f"layer {layer} keeps a ring of {self._keys[layer].shape[2]} slots and has "
+                               f"overwritten slots before {self._ring_slots_start(layer)}")
+        return reasons
+
+    def crop(self, length: int) -> None:
+        """Forget every slot from ``length`` on (a rejected draft, the tail a new prompt does not share).
+
+        Full-attention layers go back anywhere. A state layer goes back only to a marked length (:meth:`mark`),
+        and a ring-buffer layer to a marked length or within the slots it still holds (its window plus
+        ``rollback``); otherwise this is a ``ValueError`` naming the layer and the marked lengths, and nothing
+        changes. Marks past ``length`` are dropped.
         """
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.length:
             raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
+        length = int(length)
+        mark = self._marks.get(length)
+        if mark is None and self._blocking(length):
+            raise ValueError(f"the cache cannot go back to {length} positions: {self._blocking(length)[0]}; mark "
+                             f"the length first (KVCache.mark); marked lengths: {self.marks}")
         for layer, state in self._states.items():
-            if length < state.length:
-                raise ValueError(f"layer {layer} keeps a recurrent state of {state.length} positions, which "
-                                 f"cannot be cropped to {length}")
-        for layer in range(self.num_layers):
-            capacity = self._keys[layer].shape[2]
-            if (self.windows[layer] is not None and self._lengths[layer] > capacity
-                    and length < self._lengths[layer]):
-                raise ValueError(f"layer {layer} keeps a ring buffer of {capacity} slots and has overwritten "
-                                 f"slots before {self._lengths[layer] - capacity}; it cannot be cropped to {length}")
-        self._lengths = [int(length)] * self.num_layers
+            if state.length != length:
+                self._states[layer] = mark.states[layer].copy()
+        for layer in self._holding:
+            window = self.windows[layer]
+            if window is not None and max(0, length - window) < self._ring_slots_start(layer):
+                self._restore_ring(layer, *mark.rings[layer])
+        self._lengths = [length] * self.num_layers
+        self.token_ids = self.token_ids[:, :length]
+        self._marks = {at: kept for at, kept in self._marks.items() if at <= length}
+
+    def _ring_slots_start(self, layer: int) -> int:
+        """The oldest slot a ring-buffer layer still holds."""
+        return max(0, self._lengths[layer] - self._keys[layer].shape[2])
+
+    def _ring_slots(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of a ring layer's kept keys and values (B, Hkv, S, Dh), oldest first, and their slots (S,)."""
+        slots = self._kept_slots(layer)
+        index = slots % self._keys[layer].shape[2]
+        return self._keys[layer][:, :, index], self._values[layer][:, :, index], slots
+
+    def _restore_ring(self, layer: int, keys: np.ndarray, values: np.ndarray, slots: np.ndarray) -> None:
+        capacity = self._keys[layer].shape[2]
+        self._keys[layer][:, :, slots % capacity] = keys
+        self._values[layer][:, :, slots % capacity] = values
 
     def reorder(self, index) -> None:
         """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows).
@@ -315,6 +397,9 @@ class KVCache:
         self._values = [v[index] for v in self._values]  # (B', Hkv, S, Dh)
         for state in self._states.values():
             state.reorder(index)
+        for mark in self._marks.values():
+            mark.reorder(index)
+        self.token_ids = self.token_ids[index]  # (B', length)
         self.batch_size = int(index.size)
 
     def select(self, rows) -> None:
@@ -326,6 +411,18 @@ class KVCache:
         return (f"KVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, length={self.length}, "
                 f"max_length={self.max_length}, windows={self.windows}{states})")
+
+
+class _Mark:
+    """What :meth:`KVCache.mark` kept: each state layer's state, each ring layer's kept (keys, values, slots)."""
+
+    def __init__(self, states: dict[int, Any], rings: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]):
+        self.states, self.rings = states, rings
+
+    def reorder(self, index: np.ndarray) -> None:
+        for state in self.states.values():
+            state.reorder(index)
+        self.rings = {layer: (k[index], v[index], slots) for layer, (k, v, slots) in self.rings.items()}
 
 
 def _check_layer(layer: Any, num_layers: int) -> int:
@@ -536,6 +633,7 @@ class LatentCache:
         first = 0 if self.max_length is None else min(self.max_length, _FIRST_SLOTS)
         self._lengths = [0] * self.num_layers
         self._latents = [self._empty(first) for _ in range(self.num_layers)]
+        self.token_ids = np.zeros((self.batch_size, 0), np.int64)
 
     def _empty(self, slots: int) -> np.ndarray:
         return np.zeros((self.batch_size, slots, self.latent_dim), dtype=self.dtype)  # (B, S, C+R)
@@ -585,16 +683,35 @@ class LatentCache:
         self._lengths[layer] = end
         return CachedLatent(store[:, :end], np.arange(end, dtype=np.int64))
 
+    def record(self, ids: np.ndarray) -> None:
+        """Append the ids (B, Lnew) just fed to ``token_ids`` (the model's forward calls it)."""
+        self.token_ids = np.concatenate([self.token_ids, np.asarray(ids, np.int64)], axis=1)  # (B, length)
+
+    def mark(self) -> int:
+        """The current length: every slot stays until cropped, so any length can be returned to unmarked."""
+        return self.length
+
+    @property
+    def marks(self) -> list[int]:
+        """No marks are kept (none is needed)."""
+        return []
+
+    def can_crop(self, length: int) -> bool:
+        """Whether ``length`` is in [0, length]: a latent cache can go back anywhere."""
+        return not isinstance(length, bool) and isinstance(length, (int, np.integer)) and 0 <= length <= self.length
+
     def crop(self, length: int) -> None:
         """Forget every slot from ``length`` on (e.g. rejected draft tokens)."""
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.length:
+        if not self.can_crop(length):
             raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
         self._lengths = [int(length)] * self.num_layers
+        self.token_ids = self.token_ids[:, :int(length)]
 
     def reorder(self, index) -> None:
         """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows)."""
         index = _check_index(index, self.batch_size)
         self._latents = [a[index] for a in self._latents]  # (B', S, C+R)
+        self.token_ids = self.token_ids[index]  # (B', length)
         self.batch_size = int(index.size)
 
     def select(self, rows) -> None:

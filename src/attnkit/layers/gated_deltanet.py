@@ -87,6 +87,10 @@ class GatedDeltaNetCache:
         self.conv_state = self.conv_state[index]  # (B', K - 1, Cc)
         self.recurrent_state = self.recurrent_state[index]  # (B', Hv, Dk, Dv)
 
+    def copy(self) -> GatedDeltaNetCache:
+        """An independent copy (what :meth:`attnkit.decoding.cache.KVCache.mark` keeps)."""
+        return GatedDeltaNetCache(self.conv_state.copy(), self.recurrent_state.copy(), self.length)
+
     @property
     def nbytes(self) -> int:
         """Bytes held: the same for every length."""

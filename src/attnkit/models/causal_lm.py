@@ -185,17 +185,18 @@ class CausalLM(Module):
         """The longest sequence this model can run (the rows of its learned position tables), else None."""
         return min((getattr(self, name).weight.shape[0] for name in self.position_tables), default=None)
 
-    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache | LatentCache:
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0) -> KVCache | LatentCache:
         """An empty cache for this model: a :class:`~attnkit.decoding.cache.LatentCache` of every layer's latents
         for latent attention, else a :class:`~attnkit.decoding.cache.KVCache` with ring buffers for sliding
-        layers and a fixed-size state for each linear-attention layer (its mixer's ``new_cache``)."""
+        layers (``rollback`` slots beyond each window, see :class:`~attnkit.decoding.cache.KVCache`) and a
+        fixed-size state for each linear-attention layer (its mixer's ``new_cache``)."""
         c = self.config
         if c.latent is not None:
             return LatentCache(c.num_layers, batch_size, c.latent.latent_dim, self.dtype, max_length=max_length)
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
                   if c.layer_types[i] == "linear_attention"}
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[c.window_of(i) for i in range(c.num_layers)], states=states,
+                       windows=[c.window_of(i) for i in range(c.num_layers)], states=states, rollback=rollback,
                        layer_shapes=None if c.layerwise is None else c.layerwise.cache_shapes(c))
 
     # ------------------------------------------------------------------------------------------------
@@ -250,6 +251,8 @@ class CausalLM(Module):
         """
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
         keep = check_positive_int(logits_to_keep, "logits_to_keep", allow_zero=True)
+        if cache is not None:
+            cache.record(ids)
         if self._steps(ids, cache, output_attentions):
             self.save_for_backward()
             return self._step_forward(ids, mask, positions, cache)  # (B, 1, V)
