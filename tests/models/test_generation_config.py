@@ -16,14 +16,21 @@ LM = DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, n
                    head_dim=4, intermediate_size=12)
 
 
-def test_every_option_of_generate_is_a_field_and_nothing_else():
+def test_the_options_are_written_once_as_the_fields_and_every_entry_point_takes_them():
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
-    arguments = set(inspect.signature(generate).parameters) - {"model", "input_ids", "attention_mask",
-                                                                 "generation_config", "tokenizer", "seed"}
-    assert fields == arguments
-    stream = set(inspect.signature(generate_stream).parameters) - {"model", "input_ids", "attention_mask",
-                                                                     "generation_config", "tokenizer", "seed"}
-    assert stream <= fields
+    for function in (generate, generate_stream, CausalLM.generate):
+        parameters = inspect.signature(function).parameters
+        assert not fields & set(parameters), function.__qualname__
+        assert parameters["options"].kind is inspect.Parameter.VAR_KEYWORD
+    lm = CausalLM(LM, rng=0)
+    every = dict(max_new_tokens=2, min_new_tokens=1, top_k=3, repetition_penalty=1.1, no_repeat_ngram_size=2,
+                 eos_token_id=[], prompt_lookup_num_tokens=2, max_matching_ngram_size=1)
+    assert set(every) <= fields
+    assert lm.generate([[1, 2, 1]], **every).shape == (1, 5)
+    for function in (lambda **o: generate(lm, [[1, 2]], **o), lambda **o: list(generate_stream(lm, [[1, 2]], **o)),
+                     lambda **o: lm.generate([[1, 2]], **o)):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'.*GenerationConfig's fields"):
+            function(max_tokens=3)
 
 
 @pytest.mark.parametrize("options, match", [

@@ -205,7 +205,7 @@ def test_crop_refuses_to_forget_what_a_state_absorbed():
 
 
 def test_a_state_must_be_a_state():
-    with pytest.raises(TypeError, match=r"states\[1\] must have length, nbytes and reorder"):
+    with pytest.raises(TypeError, match=r"states\[1\] must have length, nbytes, reorder, copy and cleared"):
         KVCache(2, 1, 1, 2, states={1: np.zeros(3)})
     with pytest.raises(ValueError, match="both a window and a state"):
         KVCache(2, 1, 1, 2, windows=[None, 4], states={1: _hybrid_cache()[0].new_cache(1)})

@@ -18,7 +18,8 @@ Four storage kinds, chosen per layer:
   and rewrites every step (Gated DeltaNet's convolution inputs and delta-rule state,
   :class:`~attnkit.layers.gated_deltanet.GatedDeltaNetCache`), whatever the length: a hybrid model's
   linear-attention layers cost O(1) memory and time per token. The cache asks of such a state only a
-  ``length`` (positions it has seen), ``reorder(index)``, ``nbytes`` and ``copy()``; it reorders and selects
+  ``length`` (positions it has seen), ``reorder(index)``, ``nbytes``, ``copy()`` and ``cleared()`` (the
+  state of no position); it reorders and selects
   rows of it with the keys and values of the other layers.
 
 Going back (:meth:`KVCache.crop`, for a prefix shared with the next prompt or a rejected draft): a full layer
@@ -48,6 +49,7 @@ __all__ = ["CachedKV", "KVCache", "CrossAttentionCache", "EncoderDecoderCache", 
 
 
 _FIRST_SLOTS = 256  # slots a full-attention layer starts with (before its first doubling)
+_MAX_MARKS = 8  # marks a cache keeps (the latest): each holds a copy of the states and windows
 
 
 class CachedKV(NamedTuple):
@@ -158,9 +160,9 @@ class KVCache:
         states = {} if states is None else dict(states)
         for layer, state in states.items():
             _check_layer(layer, self.num_layers)
-            if not all(hasattr(state, name) for name in ("length", "nbytes", "reorder")):
-                raise TypeError(f"states[{layer}] must have length, nbytes and reorder (e.g. a GatedDeltaNetCache), "
-                                f"got {type(state).__name__}")
+            if not all(hasattr(state, name) for name in ("length", "nbytes", "reorder", "copy", "cleared")):
+                raise TypeError(f"states[{layer}] must have length, nbytes, reorder, copy and cleared (e.g. a "
+                                f"GatedDeltaNetCache), got {type(state).__name__}")
             if self.windows[layer] is not None:
                 raise ValueError(f"layer {layer} has both a window and a state: a layer keeps one or the other")
         return {int(layer): state for layer, state in states.items()}
@@ -310,7 +312,8 @@ class KVCache:
         every state layer's state and of every ring layer's kept slots. Returns the length marked.
 
         A full-attention layer needs nothing (its slots stay). A mark costs one copy of the states (a few MB for
-        a hybrid model) and of the windows; :meth:`crop` drops the marks it goes past.
+        a hybrid model) and of the windows; :meth:`crop` drops the marks it goes past, and only the latest
+        eight are kept.
         """
         length = self.length
         states = {}
@@ -320,12 +323,20 @@ class KVCache:
             states[layer] = state.copy()
         rings = {layer: self._ring_slots(layer) for layer in self._holding if self.windows[layer] is not None}
         self._marks[length] = _Mark(states, rings)
+        while len(self._marks) > _MAX_MARKS:  # a long conversation marks every turn: keep the latest
+            del self._marks[min(self._marks)]
         return length
 
     @property
     def marks(self) -> list[int]:
         """The lengths marked with :meth:`mark` (and not cropped past), in order."""
         return sorted(self._marks)
+
+    @property
+    def needs_marks(self) -> bool:
+        """Whether some layer keeps a recurrent state, which can go back only to a marked length (a ring buffer
+        goes back within its ``rollback`` slots unmarked)."""
+        return bool(self._states)
 
     def can_crop(self, length: int) -> bool:
         """Whether :meth:`crop` can go back to ``length`` (every layer holds what it would need, or it is marked)."""
@@ -334,7 +345,9 @@ class KVCache:
         return length in self._marks or not self._blocking(int(length))
 
     def _blocking(self, length: int) -> list[str]:
-        """Why each layer that cannot go back to ``length`` without a mark cannot."""
+        """Why each layer that cannot go back to ``length`` without a mark cannot (none for 0: a start afresh)."""
+        if length == 0:
+            return []
         reasons = [f"layer {layer} keeps a recurrent state of {state.length} positions"
                    for layer, state in self._states.items() if state.length != length]
         for layer in self._holding:
@@ -347,10 +360,10 @@ class KVCache:
     def crop(self, length: int) -> None:
         """Forget every slot from ``length`` on (a rejected draft, the tail a new prompt does not share).
 
-        Full-attention layers go back anywhere. A state layer goes back only to a marked length (:meth:`mark`),
-        and a ring-buffer layer to a marked length or within the slots it still holds (its window plus
-        ``rollback``); otherwise this is a ``ValueError`` naming the layer and the marked lengths, and nothing
-        changes. Marks past ``length`` are dropped.
+        Full-attention layers go back anywhere. A state layer goes back only to a marked length (:meth:`mark`) or
+        to 0 (its state cleared), and a ring-buffer layer to a marked length or within the slots it still holds
+        (its window plus ``rollback``); otherwise this is a ``ValueError`` naming the layer and the marked
+        lengths, and nothing changes. Marks past ``length`` are dropped.
         """
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.length:
             raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
@@ -361,10 +374,10 @@ class KVCache:
                              f"the length first (KVCache.mark); marked lengths: {self.marks}")
         for layer, state in self._states.items():
             if state.length != length:
-                self._states[layer] = mark.states[layer].copy()
+                self._states[layer] = mark.states[layer].copy() if mark is not None else state.cleared()
         for layer in self._holding:
             window = self.windows[layer]
-            if window is not None and max(0, length - window) < self._ring_slots_start(layer):
+            if window is not None and length and max(0, length - window) < self._ring_slots_start(layer):
                 self._restore_ring(layer, *mark.rings[layer])
         self._lengths = [length] * self.num_layers
         self.token_ids = self.token_ids[:, :length]
@@ -695,6 +708,11 @@ class LatentCache:
     def marks(self) -> list[int]:
         """No marks are kept (none is needed)."""
         return []
+
+    @property
+    def needs_marks(self) -> bool:
+        """False: every slot stays until cropped."""
+        return False
 
     def can_crop(self, length: int) -> bool:
         """Whether ``length`` is in [0, length]: a latent cache can go back anywhere."""

@@ -18,9 +18,12 @@ import numpy as np
 from .._validation import check_positive_int, check_real
 from .beam_search import check_num_beams
 
-__all__ = ["GenerationConfig", "MAX_NEW_TOKENS", "check_temperature", "check_top_k", "check_unit"]
+__all__ = ["GenerationConfig", "MAX_NEW_TOKENS", "MAX_DRAFT_TOKENS", "check_temperature", "check_top_k", "check_unit"]
 
 MAX_NEW_TOKENS = 2**31 - 1
+# Draft tokens per speculative round at most: a ring-buffer layer keeps this many slots beyond its window so a
+# rejected draft can be taken back without a copy of the window.
+MAX_DRAFT_TOKENS = 64
 
 
 # The warpers' checks, shared with the warpers themselves (attnkit.decoding.sampling).
@@ -69,6 +72,16 @@ class GenerationConfig:
         The id finished rows are padded with (None: the model's, else the first eos).
     num_beams, length_penalty, early_stopping
         Beam search (``num_beams > 1``), as transformers' ``generate``.
+    prompt_lookup_num_tokens : int, optional
+        Speculative decoding with drafts looked up in the text so far, this many tokens at most per round
+        (:class:`~attnkit.decoding.speculative.PromptLookup`); None: off.
+    max_matching_ngram_size : int, optional
+        The longest n-gram prompt lookup matches (None: 2, as transformers).
+    num_assistant_tokens : int, default 20
+        Draft tokens of a draft model's first round (``assistant_model`` or ``assistant_early_exit``); then two
+        more after a round that kept them all, one fewer after one that did not.
+    assistant_early_exit : int, optional
+        Speculative decoding with the model's own first N layers (and its final norm and head) as the draft.
 
     Raises
     ------
@@ -102,9 +115,14 @@ class GenerationConfig:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    num_assistant_tokens: int = 20
+    assistant_early_exit: int | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
+        self._check_speculation()
         self._check_processors()
         self._check_beams()
         # the warpers' own checks, so that a typo is refused even when greedy
@@ -130,6 +148,15 @@ class GenerationConfig:
         if not isinstance(self.do_sample, (bool, np.bool_)):
             raise TypeError(f"do_sample must be True or False, got {self.do_sample!r}")
 
+    def _check_speculation(self) -> None:
+        for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit"):
+            if getattr(self, name) is not None:
+                self._set(name, check_positive_int(getattr(self, name), name, maximum=MAX_DRAFT_TOKENS))
+        self._set("num_assistant_tokens", check_positive_int(self.num_assistant_tokens, "num_assistant_tokens",
+                                                             maximum=MAX_DRAFT_TOKENS))
+        if self.prompt_lookup_num_tokens is not None and self.assistant_early_exit is not None:
+            raise ValueError("prompt_lookup_num_tokens and assistant_early_exit are two ways of drafting: give one")
+
     def _check_processors(self) -> None:
         penalty = self.repetition_penalty
         if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating))
@@ -151,6 +178,9 @@ class GenerationConfig:
         if not (isinstance(early, (bool, np.bool_)) or isinstance(early, str) and early == "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {early!r}")
         count = self.num_return_sequences
+        if beams > 1 and (self.prompt_lookup_num_tokens is not None or self.assistant_early_exit is not None):
+            raise ValueError("speculative decoding (prompt_lookup_num_tokens, assistant_early_exit) runs greedy or "
+                             "sampled decoding, not beam search (num_beams > 1)")
         if beams > 1:
             if self.do_sample:
                 raise ValueError("num_beams > 1 with do_sample=True (beam sampling) is not supported; use one of "

@@ -23,11 +23,12 @@ import numpy as np
 
 from .._validation import as_array, check_positive_int
 from .beam_search import lm_beam_search, next_token_logits
-from .config import GenerationConfig, check_temperature, check_top_k, check_unit
+from .config import MAX_DRAFT_TOKENS, GenerationConfig, check_temperature, check_top_k, check_unit
+from .speculative import DraftModel, PromptLookup, Proposer
 
 __all__ = ["check_generation_config", "resolve_generation_options",
            "temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
-           "apply_repetition_penalty", "banned_ngram_tokens", "generate", "generate_stream"]
+           "apply_repetition_penalty", "banned_ngram_tokens", "generate", "generate_stream", "speculative_sample"]
 
 FILTER_VALUE = -np.inf
 
@@ -434,14 +435,20 @@ def _setup(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any
     return o, ids, mask, np.array(eos, dtype=np.int64), pad, max_new, rng
 
 
+def _given(options: dict[str, Any], function: str) -> dict[str, Any]:
+    """The generation options of a call (each a :class:`GenerationConfig` field), refusing any other name as
+    Python refuses an unexpected keyword argument."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r} (the generation options "
+                        f"are GenerationConfig's fields: {', '.join(_OPTIONS)})")
+    return options
+
+
 def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *,
-                    generation_config: GenerationConfig | None = None, max_new_tokens: int | None = None,
-                    do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
-                    top_p: float | None = None, min_p: float | None = None,
-                    repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
-                    min_new_tokens: int | None = None, stop_strings: str | Sequence[str] | None = None,
-                    tokenizer: Any = None, num_return_sequences: int | None = None, seed: Any = None,
-                    eos_token_id: Any = None, pad_token_id: int | None = None) -> Iterator[np.ndarray]:
+                    generation_config: GenerationConfig | None = None, tokenizer: Any = None, seed: Any = None,
+                    past_key_values: Any = None, assistant_model: Any = None,
+                    **options: Any) -> Iterator[np.ndarray]:
     """Generate token by token: an iterator over each step's new tokens, one per row.
 
     Takes the arguments of :func:`generate` and checks them all before returning (the iterator itself does
@@ -463,13 +470,12 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *,
     >>> len(steps), steps[0].shape, steps[0].dtype
     (4, (1,), dtype('int64'))
     """
-    o, ids, mask, eos, pad, max_new, rng = _setup(
-        model, input_ids, attention_mask, dict(
-            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-            min_p=min_p, repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-            min_new_tokens=min_new_tokens, stop_strings=stop_strings, num_return_sequences=num_return_sequences,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, num_beams=1, length_penalty=None,
-            early_stopping=None), tokenizer, seed, generation_config)
+    if options.get("num_beams") not in (None, 1):
+        raise ValueError(f"generate_stream cannot run beam search (num_beams={options['num_beams']!r}): beams "
+                         f"settle their tokens only at the end; use generate")
+    given = dict(_given(options, "generate_stream"), num_beams=1, length_penalty=None, early_stopping=None)
+    o, ids, mask, eos, pad, max_new, rng = _setup(model, input_ids, attention_mask, given, tokenizer, seed,
+                                                  generation_config)
     if o["num_return_sequences"] > 1:  # each prompt row repeated, as Hugging Face's repeat_interleave
         ids = np.repeat(ids, o["num_return_sequences"], axis=0)  # (B * n, L)
         mask = np.repeat(mask, o["num_return_sequences"], axis=0)  # (B * n, L)
@@ -478,7 +484,58 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *,
     processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
                       min_new_tokens=o["min_new_tokens"], stop_strings=o["stop_strings"], tokenizer=tokenizer,
                       padding=left_padding(mask))
-    return _decode(model, ids, mask, max_new, sampling, processing, rng, eos, pad)
+    proposer = _proposer(model, o, assistant_model)
+    cache = None if past_key_values is None else _reusable(past_key_values, model, ids)
+    return _decode(model, ids, mask, max_new, sampling, processing, rng, eos, pad, cache=cache, proposer=proposer)
+
+
+def _proposer(model: Any, o: dict[str, Any], assistant_model: Any) -> Proposer | None:
+    """The draft source the options ask for (prompt lookup, a draft model, the model's first layers), or None."""
+    vocab = _config_value(model, "vocab_size")
+    asked = [name for name, value in (("prompt_lookup_num_tokens", o["prompt_lookup_num_tokens"]),
+                                      ("assistant_model", assistant_model),
+                                      ("assistant_early_exit", o["assistant_early_exit"])) if value is not None]
+    if len(asked) > 1:
+        raise ValueError(f"{' and '.join(asked)} are ways of drafting for speculative decoding: give one")
+    if not asked:
+        return None
+    if getattr(model, "reprefill_length", None) is not None:
+        raise ValueError("speculative decoding is not supported for a model whose rotary tables change with the "
+                         "sequence's length (longrope): a draft could cross the change")
+    if o["prompt_lookup_num_tokens"] is not None:
+        return PromptLookup(o["prompt_lookup_num_tokens"], o["max_matching_ngram_size"] or 2)
+    if assistant_model is None:
+        early_exit = getattr(model, "early_exit", None)
+        if early_exit is None:
+            raise TypeError(f"assistant_early_exit needs a model with early_exit (a CausalLM), got "
+                            f"{type(model).__name__}")
+        assistant_model = early_exit(o["assistant_early_exit"])
+    elif not callable(getattr(assistant_model, "forward", None)) or not callable(getattr(assistant_model, "new_cache",
+                                                                                          None)):
+        raise TypeError(f"assistant_model must be a causal LM (forward and new_cache), got "
+                        f"{type(assistant_model).__name__}")
+    return DraftModel(assistant_model, o["num_assistant_tokens"], vocab_size=vocab)
+
+
+def _reusable(cache: Any, model: Any, ids: np.ndarray) -> Any:
+    """``past_key_values`` cropped to the longest prefix it shares with ``ids`` that it can go back to (at most
+    ``L - 1`` of them, so a token is fed), ready for the rest."""
+    for name in ("token_ids", "crop", "can_crop", "marks", "batch_size"):
+        if not hasattr(cache, name):
+            raise TypeError(f"past_key_values must be a cache from the model's new_cache, got {type(cache).__name__}")
+    if cache.batch_size != ids.shape[0]:
+        raise ValueError(f"past_key_values holds {cache.batch_size} rows but the prompt has {ids.shape[0]} (with "
+                         f"num_return_sequences counted)")
+    held = cache.token_ids
+    if held.shape[1] != cache.length:
+        raise ValueError(f"past_key_values holds {cache.length} positions but recorded {held.shape[1]} ids: fill it "
+                         f"only through the model's forward or generate")
+    width = min(held.shape[1], ids.shape[1] - 1)
+    differs = np.flatnonzero((held[:, :width] != ids[:, :width]).any(axis=0))
+    shared = int(differs[0]) if differs.size else width
+    target = shared if cache.can_crop(shared) else max([at for at in cache.marks if at <= shared], default=0)
+    cache.crop(target)
+    return cache
 
 
 def left_padding(mask: np.ndarray) -> np.ndarray:
@@ -507,62 +564,152 @@ def _process(logits: np.ndarray, sequences: np.ndarray, step: int, eos: np.ndarr
     return logits
 
 
+def speculative_sample(logits: np.ndarray, drafts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One token per row from ``softmax(logits)``, given a draft token per row: the draft ``d`` is kept with
+    probability ``p(d)``, otherwise the token is drawn from ``p`` without ``d`` (renormalised). The token's
+    distribution is ``p`` exactly (speculative sampling's accept rule for a proposal that is ``d`` for sure).
+
+    Shapes
+    ------
+    logits : (B, V); drafts : (B,) int -> (B,) int64.
+    """
+    probs = _softmax(_check_logits(logits).astype(np.float64))  # (B, V)
+    rows = np.arange(probs.shape[0])
+    kept = rng.random(probs.shape[0]) < probs[rows, drafts]  # (B,)
+    rest = probs.copy()
+    rest[rows, drafts] = 0.0
+    total = rest.sum(axis=-1, keepdims=True)  # (B, 1): 0 only where p(d) = 1, and then d is always kept
+    cdf = np.cumsum(rest / np.where(total > 0, total, 1.0), axis=-1)  # (B, V)
+    drawn = np.minimum((cdf <= rng.random(probs.shape[0])[:, None]).sum(axis=-1), probs.shape[1] - 1)  # (B,)
+    return np.where(kept, drafts, drawn).astype(np.int64)
+
+
+class _Rows:
+    """The rows being decoded: their ids and mask so far, which are done, and how each next token is chosen."""
+
+    def __init__(self, ids, mask, sampling, processing, rng, eos, pad):
+        self.sequences, self.mask = ids, mask  # (B, T) each
+        self.sampling, self.processing, self.rng, self.eos, self.pad = sampling, processing, rng, eos, pad
+        self.done = np.zeros(ids.shape[0], dtype=bool)  # (B,)
+        stops = processing["stop_strings"]
+        # Tokens enough to hold a stop string: a token adds at least one byte, so its UTF-8 length in tokens (a
+        # character may be split over several), and one more whose text is only the context before it.
+        self.stop_window = max(len(t.encode("utf-8")) for t in stops) + 1 if stops else 0
+        self.produced = 0
+
+    def choose(self, logits: np.ndarray, draft: np.ndarray | None) -> np.ndarray:
+        """The next token of every row (B,) from its logits (B, V), given the draft token (B,) if any."""
+        logits = _process(logits.astype(np.float32, copy=False), self.sequences, self.produced, self.eos,
+                          **self.processing)  # (B, V)
+        if self.sampling is None:
+            tokens = np.argmax(logits, axis=-1).astype(np.int64)  # (B,)
+        elif draft is None:
+            tokens = sample_tokens(warp_logits(logits, **self.sampling), self.rng)  # (B,)
+        else:
+            tokens = speculative_sample(warp_logits(logits, **self.sampling), draft, self.rng)  # (B,)
+        return tokens if self.pad is None else np.where(self.done, self.pad, tokens)  # (B,)
+
+    def append(self, tokens: np.ndarray) -> None:
+        """Add a token to every row and note the rows it ends (an eos, a stop string)."""
+        self.sequences = np.concatenate([self.sequences, tokens[:, None]], axis=1)  # (B, T + 1)
+        self.mask = np.concatenate([self.mask, np.ones((tokens.shape[0], 1), bool)], axis=1)  # (B, T + 1)
+        finished = np.isin(tokens, self.eos)  # (B,)
+        stops, tokenizer = self.processing["stop_strings"], self.processing["tokenizer"]
+        if stops:
+            for b in np.flatnonzero(~self.done & ~finished):  # one short decode per open row
+                window = self.sequences[b, -self.stop_window:].tolist()
+                finished[b] = _ends_with_stop(tokenizer.decode(window), tokenizer.decode(window[:-1]), stops)
+        self.done |= finished
+        self.produced += 1
+
+
 def _decode(model: Any, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, sampling: dict | None,
-            processing: dict, rng: np.random.Generator, eos: np.ndarray, pad_token_id: int | None
-            ) -> Iterator[np.ndarray]:
+            processing: dict, rng: np.random.Generator, eos: np.ndarray, pad_token_id: int | None, *,
+            cache: Any = None, proposer: Proposer | None = None) -> Iterator[np.ndarray]:
+    """Decode in rounds: each feeds what the cache lacks (the prompt, then the last token) and any draft in one
+    forward, then keeps the drafts the model agrees with and its own next token (see
+    :mod:`attnkit.decoding.speculative`). The cache holds exactly the ids fed and kept."""
     if max_new_tokens == 0:
         return
     batch, length = ids.shape
-    cache = model.new_cache(batch, max_length=length + max_new_tokens)
-    logits = next_token_logits(model, ids, mask, cache)  # (B, V): prefill once
-    sequences = ids  # (B, L + step): what the processors and stop strings read
-    stops, tokenizer = processing["stop_strings"], processing["tokenizer"]
-    # Tokens enough to hold a stop string: a token adds at least one byte, so its UTF-8 length in tokens (a
-    # character may be split over several), and one more whose text is only the context before it.
-    stop_window = max(len(t.encode("utf-8")) for t in stops) + 1 if stops else 0
-    done = np.zeros(batch, dtype=bool)  # (B,)
+    reused = cache is not None
+    if cache is None:
+        bound = length + max_new_tokens + (MAX_DRAFT_TOKENS if proposer is not None else 0)
+        cache = model.new_cache(batch, max_length=bound) if proposer is None else \
+            model.new_cache(batch, max_length=bound, rollback=MAX_DRAFT_TOKENS)
+    rows = _Rows(ids, mask, sampling, processing, rng, eos, pad_token_id)
     switch = getattr(model, "reprefill_length", None)  # the model says when its cached keys go stale
-    for step in range(max_new_tokens):
-        logits = _process(logits.astype(np.float32, copy=False), sequences, step, eos, **processing)  # (B, V)
-        if sampling is None:
-            tokens = np.argmax(logits, axis=-1).astype(np.int64)  # (B,)
-        else:
-            tokens = sample_tokens(warp_logits(logits, **sampling), rng)  # (B,)
-        if pad_token_id is not None:
-            tokens = np.where(done, pad_token_id, tokens)  # (B,)
-        sequences = np.concatenate([sequences, tokens[:, None]], axis=1)  # (B, L + step + 1)
-        finished = np.isin(tokens, eos)  # (B,)
-        if stops:
-            for b in np.flatnonzero(~done & ~finished):  # a decoding step: one short decode per open row
-                window = sequences[b, -stop_window:].tolist()
-                finished[b] = _ends_with_stop(tokenizer.decode(window), tokenizer.decode(window[:-1]), stops)
-        done |= finished
-        yield tokens.copy()  # the caller's own array: editing it must not change what the model reads next
-        if done.all() or step == max_new_tokens - 1:
-            return
-        mask = np.concatenate([mask, np.ones((batch, 1), dtype=bool)], axis=1)  # (B, L + step + 1)
-        if switch is not None and sequences.shape[1] > switch >= cache.length:
+    marking = reused and getattr(cache, "needs_marks", False)
+    if marking and ids.shape[1] - cache.length > 1:
+        # the next call may share this prompt: keep the state at its end (a turn boundary) to go back to
+        model.forward(ids[:, cache.length:-1], mask[:, :-1], cache=cache, logits_to_keep=1)
+        cache.mark()
+    try:
+        yield from _rounds(model, cache, rows, proposer, switch, batch, length, max_new_tokens)
+    finally:
+        if marking:
+            cache.mark()  # and where the reply ended, should the next prompt share all of it
+
+
+def _rounds(model, cache, rows: _Rows, proposer: Proposer | None, switch: int | None, batch: int, length: int,
+            max_new_tokens: int) -> Iterator[np.ndarray]:
+    """The decoding rounds of :func:`_decode` (see there), yielding each new token (B,)."""
+    while True:
+        if switch is not None and rows.sequences.shape[1] > switch >= cache.length > 0:
             # the rotation of every cached key changes here: run the whole sequence again, once
             cache = model.new_cache(batch, max_length=length + max_new_tokens)
-            logits = next_token_logits(model, sequences, mask, cache)  # (B, V)
-        else:
-            logits = next_token_logits(model, tokens[:, None], mask, cache)  # (B, V)
+        start = cache.length
+        pending = rows.sequences[:, start:]  # (B, P): what the cache lacks, at least the last token
+        drafts = None
+        left = max_new_tokens - rows.produced - 1  # tokens a draft could still usefully add
+        if proposer is not None and left > 0:
+            drafts = proposer.propose(rows.sequences, rows.mask)
+            drafts = None if drafts is None else drafts[:, :min(left, MAX_DRAFT_TOKENS)]  # (B, K)
+        if drafts is not None and getattr(cache, "needs_marks", False):
+            cache.mark()  # a recurrent state cannot forget a rejected draft: keep the state before it
+        feed = pending if drafts is None else np.concatenate([pending, drafts], axis=1)  # (B, P + K)
+        count = feed.shape[1] - pending.shape[1]
+        logits = _logits(model, feed, np.concatenate([rows.mask, np.ones((batch, count), bool)], axis=1), cache,
+                         count + 1)  # (B, K + 1, V): after the last pending token and after each draft
+        kept = 0
+        for i in range(count + 1):
+            draft = drafts[:, i] if i < count else None
+            open_rows = ~rows.done
+            tokens = rows.choose(logits[:, i], draft)  # (B,)
+            rows.append(tokens)
+            yield tokens.copy()  # the caller's own array: editing it must not change what the model reads next
+            if rows.done.all() or rows.produced == max_new_tokens:
+                return
+            if draft is None or (tokens[open_rows] != draft[open_rows]).any():
+                break
+            kept += 1
+        if drafts is not None:
+            proposer.accepted(kept, count)
+        valid = start + pending.shape[1] + kept  # the fed ids the rows kept
+        if valid < cache.length:
+            cache.crop(valid if cache.can_crop(valid) else start)
+
+
+def _logits(model: Any, ids: np.ndarray, mask: np.ndarray, cache: Any, keep: int) -> np.ndarray:
+    """The logits (B, keep, V) of the last ``keep`` positions of ``ids`` fed through ``cache``."""
+    if keep == 1:
+        return next_token_logits(model, ids, mask, cache)[:, None]  # (B, 1, V)
+    return model.forward(ids, mask, cache=cache, logits_to_keep=keep)  # (B, keep, V)
 
 
 def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
-             generation_config: GenerationConfig | None = None, max_new_tokens: int | None = None,
-             do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
-             top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
-             no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
-             stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
-             num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
-             pad_token_id: int | None = None, num_beams: int | None = None, length_penalty: float | None = None,
-             early_stopping: bool | str | None = None) -> np.ndarray:
+             generation_config: GenerationConfig | None = None, tokenizer: Any = None, seed: Any = None,
+             past_key_values: Any = None, assistant_model: Any = None, **options: Any) -> np.ndarray:
     """Continue each prompt row by up to ``max_new_tokens`` tokens, greedily, by sampling or by beam search.
 
-    Arguments have Hugging Face's names and meanings. Each one left as None takes the value of
-    ``generation_config`` (by default the model's: the folder's ``generation_config.json``, read by the
-    pretrained loader), else :class:`~attnkit.decoding.config.GenerationConfig`'s default shown.
+    Arguments have Hugging Face's names and meanings. Each generation option (a field of
+    :class:`~attnkit.decoding.config.GenerationConfig`, which documents them all: ``max_new_tokens``,
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``, ``num_return_sequences``, ``eos_token_id``,
+    ``pad_token_id``, ``num_beams``, ``length_penalty``, ``early_stopping``, ``prompt_lookup_num_tokens``,
+    ``max_matching_ngram_size``, ``num_assistant_tokens``, ``assistant_early_exit``) left out or None takes the
+    value of ``generation_config`` (by default the model's: the folder's ``generation_config.json``, read by
+    the pretrained loader), else its default.
 
     Parameters
     ----------
@@ -574,51 +721,21 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
     attention_mask : bool or 0/1 array (B, L), optional
         ``True``/1 = real token; padding must be on the left. Default: every token real.
     generation_config : GenerationConfig, optional
-        The defaults the arguments below replace (default: ``model.generation_config``, the folder's
-        ``generation_config.json`` as the pretrained loader read it, else :class:`GenerationConfig`'s defaults).
-    max_new_tokens : int, default 20
-    do_sample : bool, default False
-        False: argmax of the processed logits (the warpers are checked but not applied); True: sample from
-        the warped logits.
-    temperature : float, default 1.0
-    top_k : int, optional
-        Keep the k most likely tokens (0 or None: no filter).
-    top_p : float in [0, 1], optional
-        Nucleus filter (1 or None: no filter).
-    min_p : float in [0, 1], optional
-        Keep tokens at least ``min_p`` times as likely as the most likely one.
-    repetition_penalty : float > 0, optional
-        Divide positive (multiply negative) logits of every token already in the row, prompt included
-        (1 or None: off).
-    no_repeat_ngram_size : int, optional
-        Never produce an n-gram of this size that the row already holds (0 or None: off).
-    min_new_tokens : int, optional
-        The eos tokens are banned until this many tokens are generated.
-    stop_strings : str or list of str, optional
-        A row is done once its text ends in one of them (the stop string ends inside the last token, as in
-        Hugging Face). Needs ``tokenizer``.
+        The defaults the options replace (default: ``model.generation_config``, else :class:`GenerationConfig`'s).
     tokenizer : Tokenizer, optional
         Anything with ``decode(ids)``, e.g. :func:`attnkit.pretrained.load_tokenizer`'s; for ``stop_strings``.
-    num_return_sequences : int, default 1
-        Sampled continuations per prompt row (needs ``do_sample``), or with beam search the ``n <= num_beams``
-        best finished hypotheses, best first; the rows of the output are ``n`` consecutive continuations of
-        prompt 0, then of prompt 1, ...
     seed : int or numpy.random.Generator, optional
         The same seed gives the same samples.
-    eos_token_id : int or sequence of int, optional
-        Tokens that end a row; default ``model.config.eos_token_id``; an empty sequence never stops early.
-    pad_token_id : int, optional
-        What a finished row produces; default ``model.config.pad_token_id``, else the first eos.
-    num_beams : int, default 1
-        Above 1: beam search as ``transformers`` runs it (:func:`attnkit.decoding.beam_search.lm_beam_search`),
-        with the logits processors applied to the log-probabilities; not with ``do_sample`` or
-        ``stop_strings``.
-    length_penalty : float, default 1.0
-        A finished hypothesis scores ``sum of log-probabilities / new_tokens ** length_penalty``.
-    early_stopping : {False, True, "never"}, default False
-        ``True``: stop once every row has ``num_beams`` finished hypotheses; ``False``: once no open beam can
-        beat the worst finished one at its current length; ``"never"``: only when that holds at the longest
-        length (with ``length_penalty > 0``), which makes the search exact up to pruning.
+    past_key_values : KVCache or LatentCache, optional
+        A cache of this model (``model.new_cache(B)``) that earlier calls filled: it is cropped to the longest
+        prefix of ``input_ids`` it holds and can go back to (any length for attention layers; a marked one for
+        recurrent states, see :meth:`~attnkit.decoding.cache.KVCache.mark`), only the rest is prefilled, and it
+        is left holding the prompt and the new tokens (all but the last). Not with beam search.
+    assistant_model : CausalLM, optional
+        A draft model with the same tokenizer, for speculative decoding
+        (:class:`~attnkit.decoding.speculative.DraftModel`).
+    **options
+        The generation options above.
 
     Returns
     -------
@@ -629,7 +746,7 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
     Raises
     ------
     ValueError, TypeError
-        Any argument out of range or of the wrong type, naming it.
+        Any argument out of range or of the wrong type, naming it; an unknown option name.
 
     Shapes
     ------
@@ -646,23 +763,19 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
     ((1, 8), True)
     >>> generate(lm, [[1, 2, 3]], max_new_tokens=6, no_repeat_ngram_size=1)[0, 3:].tolist()  # no id repeats
     [15, 11, 7, 4, 9, 13]
+    >>> greedy = generate(lm, [[1, 2, 3, 1, 2]], max_new_tokens=8)
+    >>> bool((generate(lm, [[1, 2, 3, 1, 2]], max_new_tokens=8, prompt_lookup_num_tokens=4) == greedy).all())
+    True
     """
-    given = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                 top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                 no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens, stop_strings=stop_strings,
-                 num_return_sequences=num_return_sequences, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                 num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
+    given = _given(options, "generate")
     copies = _resolve(model, given, generation_config)
     if copies["num_beams"] > 1:
+        if past_key_values is not None or assistant_model is not None:
+            raise ValueError("beam search (num_beams > 1) takes neither past_key_values nor assistant_model")
         return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed, generation_config)
     stream = generate_stream(model, input_ids, attention_mask, generation_config=generation_config,
-                             max_new_tokens=max_new_tokens,
-                             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                             min_p=min_p, repetition_penalty=repetition_penalty,
-                             no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
-                             stop_strings=stop_strings, tokenizer=tokenizer,
-                             num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
-                             pad_token_id=pad_token_id)
+                             tokenizer=tokenizer, seed=seed, past_key_values=past_key_values,
+                             assistant_model=assistant_model, **given)
     prompt = np.repeat(np.asarray(input_ids).astype(np.int64), copies["num_return_sequences"], axis=0)  # (B*n, L)
     steps = list(stream)
     if not steps:

@@ -91,6 +91,10 @@ class GatedDeltaNetCache:
         """An independent copy (what :meth:`attnkit.decoding.cache.KVCache.mark` keeps)."""
         return GatedDeltaNetCache(self.conv_state.copy(), self.recurrent_state.copy(), self.length)
 
+    def cleared(self) -> GatedDeltaNetCache:
+        """The state of no position yet (zeros), with this one's shapes and dtypes."""
+        return GatedDeltaNetCache(np.zeros_like(self.conv_state), np.zeros_like(self.recurrent_state), 0)
+
     @property
     def nbytes(self) -> int:
         """Bytes held: the same for every length."""

@@ -29,7 +29,7 @@ from ..layers.per_layer_input import PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
 from .config import DecoderConfig
 
-__all__ = ["CausalLM", "positions_from_mask"]
+__all__ = ["CausalLM", "EarlyExit", "positions_from_mask"]
 
 # A call of this many tokens (B * L: a batch-1 decoding step) is a chain of matrix-vector products whose cost is
 # reading the weights; whether a second BLAS thread helps there depends on the machine, which
@@ -185,19 +185,38 @@ class CausalLM(Module):
         """The longest sequence this model can run (the rows of its learned position tables), else None."""
         return min((getattr(self, name).weight.shape[0] for name in self.position_tables), default=None)
 
-    def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0) -> KVCache | LatentCache:
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0,
+                  num_layers: int | None = None) -> KVCache | LatentCache:
         """An empty cache for this model: a :class:`~attnkit.decoding.cache.LatentCache` of every layer's latents
         for latent attention, else a :class:`~attnkit.decoding.cache.KVCache` with ring buffers for sliding
         layers (``rollback`` slots beyond each window, see :class:`~attnkit.decoding.cache.KVCache`) and a
-        fixed-size state for each linear-attention layer (its mixer's ``new_cache``)."""
+        fixed-size state for each linear-attention layer (its mixer's ``new_cache``). ``num_layers``: for the
+        first layers only (an :meth:`early_exit`'s)."""
         c = self.config
+        n = c.num_layers if num_layers is None else check_positive_int(num_layers, "num_layers",
+                                                                       maximum=c.num_layers)
         if c.latent is not None:
-            return LatentCache(c.num_layers, batch_size, c.latent.latent_dim, self.dtype, max_length=max_length)
+            return LatentCache(n, batch_size, c.latent.latent_dim, self.dtype, max_length=max_length)
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
-                  if c.layer_types[i] == "linear_attention"}
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[c.window_of(i) for i in range(c.num_layers)], states=states, rollback=rollback,
-                       layer_shapes=None if c.layerwise is None else c.layerwise.cache_shapes(c))
+                  if i < n and c.layer_types[i] == "linear_attention"}
+        shapes = None if c.layerwise is None else c.layerwise.cache_shapes(c)[:n]
+        return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
+                       windows=[c.window_of(i) for i in range(n)], states=states, rollback=rollback,
+                       layer_shapes=shapes)
+
+    def early_exit(self, num_layers: int) -> EarlyExit:
+        """This model cut after its first ``num_layers`` blocks, then its final norm and head: a draft for
+        self-speculative decoding (``generate(..., assistant_early_exit=N)``) that shares every weight.
+
+        Examples
+        --------
+        >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2,
+        ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+        >>> draft = CausalLM(cfg, rng=0).early_exit(1)
+        >>> draft(np.array([[1, 2]])).shape, draft.new_cache(1).num_layers
+        ((1, 2, 11), 1)
+        """
+        return EarlyExit(self, check_positive_int(num_layers, "num_layers", maximum=self.config.num_layers))
 
     # ------------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, attention_mask, position_ids, cache):
@@ -249,16 +268,26 @@ class CausalLM(Module):
         with one, the slots the layer keeps), query head ``h`` in row ``h``, arrays the caller owns; backward
         is unchanged.
         """
+        return self._forward(input_ids, attention_mask, position_ids, cache, output_attentions, logits_to_keep,
+                             len(self.layers))
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, output_attentions: bool, logits_to_keep,
+                 depth: int):
+        """:meth:`forward` through the first ``depth`` blocks (all of them, or an :meth:`early_exit`'s)."""
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
         keep = check_positive_int(logits_to_keep, "logits_to_keep", allow_zero=True)
         if cache is not None:
+            if cache.num_layers != depth:
+                raise ValueError(f"the cache holds {cache.num_layers} layers but this forward runs {depth} (a cache "
+                                 f"of an early exit serves that early exit only)")
             cache.record(ids)
         if self._steps(ids, cache, output_attentions):
             self.save_for_backward()
-            return self._step_forward(ids, mask, positions, cache)  # (B, 1, V)
+            return self._step_forward(ids, mask, positions, cache, depth)  # (B, 1, V)
         weights: list[np.ndarray] = []
         with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else nullcontext():
-            h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None)  # (B, L, D)
+            h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None,
+                             depth=depth)  # (B, L, D)
         length = h.shape[1]
         if keep:
             h = h[:, -keep:]  # (B, min(keep, L), D)
@@ -288,7 +317,7 @@ class CausalLM(Module):
             object.__setattr__(self, "_all_modules", (self, modules))
         return all(module.__dict__.get("_hook_table") is None for module in modules)
 
-    def _step_forward(self, ids, mask, positions, cache) -> np.ndarray:
+    def _step_forward(self, ids, mask, positions, cache, depth: int) -> np.ndarray:
         """:meth:`forward` of one token per row with a cache, through every layer's ``step``: the same parts in
         the same order on (B, D) rows, nothing saved. Logits (B, 1, V)."""
         h = self.embed.weight[ids[:, 0]].astype(self.dtype, copy=True)  # (B, D)
@@ -300,7 +329,7 @@ class CausalLM(Module):
         layer_mask = None if mask.all() else mask  # (B, S) over every slot
         extra = {key: getattr(self, name).step(ids, h) for key, name in self.layer_inputs.items()}  # (B, N, P) each
         with one_row_blas() if ids.shape[0] <= _ONE_ROW_TOKENS else nullcontext():
-            for index, layer in enumerate(self.layers):
+            for index, layer in enumerate(list(self.layers)[:depth]):
                 inputs = {key: e[:, index] for key, e in extra.items()}  # (B, P) each
                 h = layer.step(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask,
                                cache=cache, **inputs)  # (B, D)
@@ -361,7 +390,7 @@ class CausalLM(Module):
 
     def _hidden(self, ids, mask, positions, cache, weights: list | None = None,
                 states: list | None = None, *, weight_layers: set | None = None,
-                last_layer: int | None = None) -> np.ndarray:
+                last_layer: int | None = None, depth: int | None = None) -> np.ndarray:
         """The final-norm hidden states (B, L, D); the weights of each layer (of ``weight_layers`` only, if
         given) are appended to ``weights`` if given, each layer's output (a copy) to ``states`` if given. With
         ``last_layer`` the blocks after it do not run (and the result is that block's output, not normed)."""
@@ -374,7 +403,7 @@ class CausalLM(Module):
                   for name in set(self.layer_rotary) - {None}}
         layer_mask = None if mask.all() else mask  # no padding: the kernels skip the mask entirely
         extra = {key: getattr(self, name)(ids, h) for key, name in self.layer_inputs.items()}  # (B, L, N, P) each
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(list(self.layers)[:depth]):
             layer_rotary = tables.get(self.layer_rotary[index])
             inputs = {key: e[:, :, index] for key, e in extra.items()}  # (B, L, P) each
             if weights is None or (weight_layers is not None and index not in weight_layers):
@@ -425,19 +454,15 @@ class CausalLM(Module):
         return grad_h
 
     def generate(self, input_ids: Any, attention_mask: Any = None, *, generation_config: GenerationConfig | None = None,
-                 max_new_tokens: int | None = None,
-                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
-                 no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
-                 stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
-                 num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
-                 pad_token_id: int | None = None, num_beams: int | None = None, length_penalty: float | None = None,
-                 early_stopping: bool | str | None = None) -> np.ndarray:
+                 **options: Any) -> np.ndarray:
         """Decode new tokens with the KV cache, with Hugging Face's argument names and meanings.
 
-        Every argument left as None takes :attr:`generation_config`'s value (the folder's
-        ``generation_config.json``), else the default of :func:`attnkit.decoding.sampling.generate`, which documents
-        each argument and which this calls.
+        :func:`attnkit.decoding.sampling.generate` on this model, which documents every argument: the generation
+        options (the fields of :class:`~attnkit.decoding.config.GenerationConfig`: ``max_new_tokens``,
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``num_beams``, ``prompt_lookup_num_tokens``, ...;
+        each left out takes :attr:`generation_config`'s value, the folder's ``generation_config.json``),
+        ``tokenizer`` (for ``stop_strings``), ``seed``, ``past_key_values`` (a cache to reuse) and
+        ``assistant_model`` (a draft model).
 
         Parameters
         ----------
@@ -445,20 +470,10 @@ class CausalLM(Module):
             Left-padded prompts.
         attention_mask : bool or 0/1 array (B, L), optional
             1 = real token.
-        max_new_tokens, do_sample, temperature, top_k, top_p, min_p : optional
-            Length and sampling (warpers in Hugging Face's order: temperature, top-k, top-p, min-p).
-        repetition_penalty, no_repeat_ngram_size, min_new_tokens : optional
-            Logits processors, applied before the warpers (greedy too).
-        stop_strings : str or list of str, optional
-            End a row when its text ends in one of them; needs ``tokenizer``.
-        tokenizer : Tokenizer, optional
-        num_return_sequences : int, optional
-            Sampled continuations per prompt, or the best finished beams.
-        seed : int or numpy.random.Generator, optional
-        eos_token_id : int or sequence of int, optional
-        pad_token_id : int, optional
-        num_beams, length_penalty, early_stopping : optional
-            Beam search with Hugging Face's meanings (``num_beams > 1``).
+        generation_config : GenerationConfig, optional
+            Defaults that replace :attr:`generation_config`'s.
+        **options
+            As above.
 
         Returns
         -------
@@ -467,14 +482,7 @@ class CausalLM(Module):
         """
         from ..decoding.sampling import generate
 
-        return generate(self, input_ids, attention_mask, generation_config=generation_config,
-                        max_new_tokens=max_new_tokens, do_sample=do_sample,
-                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                        min_new_tokens=min_new_tokens, stop_strings=stop_strings, tokenizer=tokenizer,
-                        num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
-                        pad_token_id=pad_token_id, num_beams=num_beams, length_penalty=length_penalty,
-                        early_stopping=early_stopping)
+        return generate(self, input_ids, attention_mask, generation_config=generation_config, **options)
 
     def stream(self, prompt: Any, tokenizer: Any, *, skip_special_tokens: bool = True,
                **options: Any) -> Iterator[str]:
@@ -521,3 +529,29 @@ class CausalLM(Module):
                              f"their tokens only at the end; use generate")
         steps = generate_stream(self, ids, tokenizer=tokenizer, **options)
         yield from tokenizer.stream_decode(steps, skip_special_tokens=skip_special_tokens)
+
+
+class EarlyExit:
+    """A :class:`CausalLM`'s first ``num_layers`` blocks, then its final norm and head (:meth:`CausalLM.early_exit`):
+    a draft model that shares every weight with the model, for inference.
+
+    Shapes
+    ------
+    As :meth:`CausalLM.forward`: input_ids (B, L) -> logits (B, L, V); its caches hold ``num_layers`` layers.
+    """
+
+    def __init__(self, model: CausalLM, num_layers: int) -> None:
+        self.model, self.num_layers = model, num_layers
+        self.config = model.config
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
+                cache: KVCache | LatentCache | None = None, logits_to_keep: int = 0) -> np.ndarray:
+        """Logits (B, L, V) after the first ``num_layers`` blocks (see :meth:`CausalLM.forward`)."""
+        return self.model._forward(input_ids, attention_mask, position_ids, cache, False, logits_to_keep,
+                                   self.num_layers)
+
+    __call__ = forward
+
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0):
+        """An empty cache of the first ``num_layers`` layers (see :meth:`CausalLM.new_cache`)."""
+        return self.model.new_cache(batch_size, max_length, rollback=rollback, num_layers=self.num_layers)

@@ -1,0 +1,184 @@
+"""Draft tokens for speculative decoding: proposals the model then checks in one forward.
+
+Dimension letters: B rows, T tokens so far, K drafted tokens.
+
+Decoding one token at a time reads every weight once per token. A proposer guesses the next K tokens cheaply;
+the model runs them all in one forward through its cache (a multi-token step), and
+:func:`~attnkit.decoding.sampling.generate_stream` keeps the guesses the model itself would have chosen, then
+the model's own next token. Greedy output is the same as without a proposer; sampled output keeps the model's
+distribution (each draft token ``d`` is kept with probability ``p(d)``, else the token is drawn from ``p``
+without ``d``: the accept rule of speculative sampling for a proposer that puts all its mass on ``d``).
+
+Three proposers, with Hugging Face's option names:
+
+- :class:`PromptLookup` (``prompt_lookup_num_tokens``): the tokens that followed the last earlier occurrence of
+  the sequence's last n-gram (n from ``max_matching_ngram_size`` down to 1): free, and right whenever the output
+  copies its input (editing a text, answering from a document);
+- :class:`DraftModel` (``assistant_model``): a smaller model with the same tokenizer, decoding K tokens greedily
+  with a cache of its own;
+- the same with ``assistant_early_exit=N``: the model's first N layers, then its final norm and head
+  (:meth:`~attnkit.models.CausalLM.early_exit`), so no second model is needed.
+
+A proposer learns from how many of its tokens were kept (``accepted``): :class:`DraftModel` drafts two tokens
+more after a round that kept them all and one fewer after one that did not (Hugging Face's "heuristic"
+schedule), and every proposer pauses after rounds that keep nothing, so a conversation it cannot predict costs
+little more than decoding without it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .._validation import check_positive_int
+from .config import MAX_DRAFT_TOKENS
+
+__all__ = ["Proposer", "PromptLookup", "DraftModel"]
+
+# After this many rounds in a row that kept no draft token, a proposer stays quiet for as many rounds as it has
+# failed (doubling up to _LONGEST_PAUSE): on text it cannot predict, decoding runs almost as without it.
+_FAILURES_BEFORE_PAUSE = 2
+_LONGEST_PAUSE = 16
+
+
+class Proposer:
+    """What :func:`~attnkit.decoding.sampling.generate_stream` asks of a draft source.
+
+    ``propose(sequences, mask)`` -> (B, K) int64 drafts for every row, or None for no draft this round;
+    ``accepted(count, proposed)`` after the round: how many of the K were kept (the fewest over the rows).
+    This base class pauses after rounds that keep nothing; subclasses implement :meth:`_draft`.
+    """
+
+    def __init__(self) -> None:
+        self._failures = 0
+        self._quiet = 0
+
+    def propose(self, sequences: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        """Drafts (B, K) to continue ``sequences`` (B, T) (``mask`` (B, T), ``True`` = real token), or None."""
+        if self._quiet:
+            self._quiet -= 1
+            return None
+        return self._draft(sequences, mask)
+
+    def accepted(self, count: int, proposed: int) -> None:
+        """Learn that ``count`` of the ``proposed`` draft tokens were kept."""
+        if count:
+            self._failures = 0
+            return
+        self._failures += 1
+        if self._failures >= _FAILURES_BEFORE_PAUSE:
+            self._quiet = min(2 ** (self._failures - _FAILURES_BEFORE_PAUSE), _LONGEST_PAUSE)
+
+    def _draft(self, sequences: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        raise NotImplementedError
+
+
+class PromptLookup(Proposer):
+    """Draft the tokens that followed the last earlier occurrence of the text's last n-gram (prompt lookup
+    decoding): no model, no cost beyond a search of the ids.
+
+    Parameters
+    ----------
+    num_tokens : int
+        K, the tokens drafted per round at most (Hugging Face's ``prompt_lookup_num_tokens``).
+    max_ngram : int, default 2
+        The longest n-gram matched (``max_matching_ngram_size``); shorter ones are tried when it does not occur.
+
+    Examples
+    --------
+    >>> lookup = PromptLookup(3)
+    >>> lookup.propose(np.array([[5, 6, 7, 8, 9, 5, 6]]), np.ones((1, 7), bool)).tolist()  # "5 6" was followed by 7 8 9
+    [[7, 8, 9]]
+    """
+
+    def __init__(self, num_tokens: int, max_ngram: int = 2) -> None:
+        super().__init__()
+        self.num_tokens = check_positive_int(num_tokens, "prompt_lookup_num_tokens")
+        self.max_ngram = check_positive_int(max_ngram, "max_matching_ngram_size")
+
+    def _draft(self, sequences: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        rows = [self._continuation(sequences[b], int(np.argmax(mask[b]))) for b in range(sequences.shape[0])]
+        longest = max(len(row) for row in rows)
+        if longest == 0:
+            return None
+        drafts = np.zeros((len(rows), longest), np.int64)  # (B, K): a row with fewer is padded (and rejected there)
+        for b, row in enumerate(rows):
+            drafts[b, :len(row)] = row
+            drafts[b, len(row):] = row[-1] if len(row) else sequences[b, -1]
+        return drafts
+
+    def _continuation(self, ids: np.ndarray, start: int) -> np.ndarray:
+        """What followed the last earlier occurrence of the last n-gram of ``ids[start:]`` (longest n first)."""
+        text = ids[start:]
+        for n in range(min(self.max_ngram, len(text) - 1), 0, -1):
+            windows = sliding_window_view(text[:-1], n)  # (T - n, n): every n-gram that has a successor
+            hits = np.flatnonzero((windows == text[-n:]).all(axis=1))
+            if hits.size:
+                begin = hits[-1] + n
+                return text[begin:begin + self.num_tokens]
+        return text[:0]
+
+
+class DraftModel(Proposer):
+    """Draft K tokens greedily with a smaller model (Hugging Face's ``assistant_model``) through its own cache.
+
+    Parameters
+    ----------
+    model : CausalLM or anything with ``forward(ids, mask, cache=, logits_to_keep=)`` and ``new_cache``
+        The draft; its ids must be the target's (the same tokenizer). :meth:`CausalLM.early_exit` gives the
+        target's own first layers.
+    num_tokens : int, default 20
+        K of the first round (``num_assistant_tokens``); then two more after a round that kept them all, one
+        fewer (at least 1) after one that did not.
+    vocab_size : int, optional
+        The target's vocabulary: a drafted id past it is refused.
+    """
+
+    def __init__(self, model: Any, num_tokens: int = 20, *, vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.num_tokens = check_positive_int(num_tokens, "num_assistant_tokens")
+        self.vocab_size = vocab_size
+        self._cache = None
+
+    def accepted(self, count: int, proposed: int) -> None:
+        super().accepted(count, proposed)
+        self.num_tokens = min(self.num_tokens + 2, MAX_DRAFT_TOKENS) if count == proposed else \
+            max(1, self.num_tokens - 1)
+
+    def _draft(self, sequences: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        cache = self._reusable_cache(sequences)
+        pending, pending_mask = sequences[:, cache.length:], mask  # (B, P), (B, T)
+        drafts = []
+        for i in range(self.num_tokens):
+            logits = self.model.forward(pending, pending_mask, cache=cache, logits_to_keep=1)[:, -1]  # (B, V)
+            if i == 0 and getattr(cache, "needs_marks", False):
+                cache.mark()  # the sequence so far: where the next round's shared prefix begins at the latest
+            token = np.argmax(logits, axis=-1).astype(np.int64)  # (B,)
+            if self.vocab_size is not None and token.max() >= self.vocab_size:
+                raise ValueError(f"the draft model proposed token {int(token.max())}, past the model's vocabulary "
+                                 f"of {self.vocab_size}: it must use the same tokenizer")
+            drafts.append(token)
+            pending = token[:, None]  # (B, 1)
+            pending_mask = np.concatenate([pending_mask, np.ones((sequences.shape[0], 1), bool)], axis=1)
+        return np.stack(drafts, axis=1)  # (B, K)
+
+    def _reusable_cache(self, ids: np.ndarray):
+        """The draft's cache cropped to the prefix it shares with ``ids`` (a fresh one if it cannot go there),
+        holding at most ``T - 1`` of them, so at least one id is fed."""
+        cache = self._cache
+        if cache is not None and cache.batch_size == ids.shape[0]:
+            held = cache.token_ids
+            width = min(held.shape[1], ids.shape[1] - 1)
+            differs = np.flatnonzero((held[:, :width] != ids[:, :width]).any(axis=0))
+            shared = int(differs[0]) if differs.size else width
+            if cache.can_crop(shared):
+                cache.crop(shared)
+                return cache
+            back = [at for at in cache.marks if at <= shared]
+            if back:
+                cache.crop(back[-1])
+                return cache
+        self._cache = self.model.new_cache(ids.shape[0], rollback=MAX_DRAFT_TOKENS)
+        return self._cache
