@@ -207,5 +207,10 @@ DECODER_VARIANTS = {
     "qwen3_moe": dict(family="qwen3_moe", attention=AttentionConfig(qk_norm="head"),
                       experts=ExpertsConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=5, layers=(1,),
                                             norm_topk_prob=False)),
+    # Mixtral: a window on every layer, every MLP the top 2 of 4 experts, renormalised
+    "mixtral": dict(family="mixtral", layer_types=("sliding_attention",) * 2,
+                    attention=AttentionConfig(sliding_window=2),
+                    experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6,
+                                          layers=(0, 1))),
 
 }
