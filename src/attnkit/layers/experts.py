@@ -242,6 +242,12 @@ class MixtureOfExperts(Module):
     shared_expert : GatedMLP, GatedSharedExpert or Zero
         Of width Fs, with its sigmoid gate when ``shared_expert_gate``; a Zero without a shared expert.
 
+    Hook points (:func:`attnkit.explain.hooks`)
+    -------------------------------------------
+    ``hook_expert_indices`` (..., k) int64, the chosen experts (forward hooks only: a replacement routes the
+    tokens to other experts with the router's weights); ``hook_router_weights`` (..., k), the weight of each
+    chosen expert's output (a replacement is a constant: the router then gets no gradient).
+
     Shapes
     ------
     x : (..., D) -> y : (..., D), in ``x``'s float dtype.
@@ -262,6 +268,7 @@ class MixtureOfExperts(Module):
     # the earlier layouts of gpt-oss's, Qwen3-Next's and DeepSeek-V3's mixtures
     STATE_DICT_RENAMES = {"W_router": "router.W_router", "b_router": "router.b_router",
                           "W_shared_gate": "shared_expert.W_shared_gate", "shared_experts": "shared_expert"}
+    FORWARD_ONLY_HOOKS = ("hook_expert_indices",)
 
     def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
@@ -283,12 +290,30 @@ class MixtureOfExperts(Module):
         return (f"hidden_size={d}, num_experts={e}, top_k={self.top_k}, moe_intermediate_size={f}, "
                 f"activation={self.activation!r}, swiglu_limit={self.limit}")
 
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_expert_indices`` and ``hook_router_weights``, both (..., k)."""
+        return ("hook_expert_indices", "hook_router_weights")
+
+    def _check_expert_indices(self, chosen: np.ndarray) -> None:
+        """A hook's replacement of the chosen experts must name k distinct experts per token."""
+        if not self.hook_replaced("hook_expert_indices"):
+            return
+        ordered = np.sort(chosen, axis=-1)  # (..., k)
+        if ordered.size and (ordered[..., 0].min() < 0 or ordered[..., -1].max() >= self.num_experts
+                             or (np.diff(ordered, axis=-1) == 0).any()):
+            raise ValueError(f"the hook at hook_expert_indices must choose {self.top_k} distinct experts in "
+                             f"[0, {self.num_experts}) per token")
+
     def forward(self, x: Any) -> np.ndarray:
         """The weighted outputs of every position's chosen experts plus the shared expert's, for ``x`` (..., D);
         saves what backward needs."""
         x = check_features(x, "x", self.hidden_size, "MixtureOfExperts", "hidden_size")
         flat = x.reshape(-1, self.hidden_size)  # (N, D)
-        chosen, weights = self.router(flat)  # (N, k) each
+        chosen, weights = self.router(x)  # (..., k) each
+        chosen = self.hook_point("hook_expert_indices", chosen)
+        self._check_expert_indices(chosen)
+        weights = self.hook_point("hook_router_weights", weights)
+        chosen, weights = chosen.reshape(-1, self.top_k), weights.reshape(-1, self.top_k)  # (N, k) each
         y, saved = _experts.experts_forward(flat, chosen, weights, self._parameters, self.activation, self.limit,
                                             self.alpha)  # (N, D)
         y += self.shared_expert(flat)  # (N, D)
@@ -306,6 +331,7 @@ class MixtureOfExperts(Module):
                                                                 self.activation, self.limit, self.alpha)  # (N, D)
         for name, value in grads.items():
             self.grads[name] += value
-        grad_x += self.router.backward(grad_weights)  # (N, D)
+        grad_weights = self.hook_backward("hook_router_weights", grad_weights.reshape(*shape[:-1], self.top_k))
+        grad_x += self.router.backward(grad_weights).reshape(flat.shape)  # (N, D)
         grad_x += self.shared_expert.backward(g)  # (N, D)
         return grad_x.reshape(shape)
