@@ -198,8 +198,19 @@ DECODER_VARIANTS = {
                         norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
                         attention=AttentionConfig(sliding_window=2, qk_norm="head")),
     # gpt-oss: learned sinks, biases, a top-2-of-3 mixture of clamped-SwiGLU experts (limit low enough to clamp)
-    "gpt_oss": dict(family="gpt_oss", mlp="experts", layer_types=("sliding_attention", "full_attention"),
+    "gpt_oss": dict(family="gpt_oss", layer_types=("sliding_attention", "full_attention"),
                     attention=AttentionConfig(sinks=True, bias=True, output_bias=True, sliding_window=2),
-                    experts=ExpertsConfig(num_experts=3, per_token=2, swiglu_limit=0.6)),
+                    experts=ExpertsConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=6, layers=(0, 1),
+                                          router="topk_softmax", router_bias=True, expert_bias=True,
+                                          swiglu_limit=0.6)),
+    # Qwen3-MoE: per-head q/k norms, a dense layer, then the top 2 of a softmax over 3 experts, not renormalised
+    "qwen3_moe": dict(family="qwen3_moe", attention=AttentionConfig(qk_norm="head"),
+                      experts=ExpertsConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=5, layers=(1,),
+                                            norm_topk_prob=False)),
+    # Mixtral: a window on every layer, every MLP the top 2 of 4 experts, renormalised
+    "mixtral": dict(family="mixtral", layer_types=("sliding_attention",) * 2,
+                    attention=AttentionConfig(sliding_window=2),
+                    experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6,
+                                          layers=(0, 1))),
 
 }

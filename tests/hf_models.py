@@ -170,6 +170,19 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                         moe_intermediate_size=12, shared_expert_intermediate_size=8,
                                                         decoder_sparse_step=2, tie_word_embeddings=True,
                                                         layer_types=["linear_attention", "full_attention"]), {}),
+    # Qwen3-MoE: Qwen3's attention, layer 1 dense, the others the top 2 of a softmax over 4 experts (not
+    # renormalised)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1]), {}),
+    # a window on every layer, every second layer sparse, renormalised top 3 of 5, biases, a tied head
+    "qwen3_moe_window": ("Qwen3MoeConfig", dict(_COMMON, num_key_value_heads=1, head_dim=8, num_experts=5,
+                                                num_experts_per_tok=3, moe_intermediate_size=12, norm_topk_prob=True,
+                                                decoder_sparse_step=2, use_sliding_window=True, sliding_window=3,
+                                                attention_bias=True, tie_word_embeddings=True), {}),
+    # Mixtral: every MLP the top 2 of 4 experts (renormalised), a window on every layer
+    "mixtral": ("MixtralConfig", dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=4, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+                {}),
     # DeepSeek-V3: latent attention (queries through a rank-12 bottleneck, interleaved rotary, YaRN with the
     # softmax's mscale), one dense layer, then 3 of 8 experts within the 2 best of 4 groups, two shared experts
     "deepseek_v3": ("DeepseekV3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=12,
@@ -197,7 +210,8 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
-                 "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "deepseek_v3", "deepseek_v3_plain")
+                 "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe", "qwen3_moe_window", "mixtral",
+                 "deepseek_v3", "deepseek_v3_plain")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config",)
 

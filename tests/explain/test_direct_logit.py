@@ -28,9 +28,9 @@ def total(parts):
 
 # LayerNorm with biases and learned positions; GQA with biases; post-norms, soft-caps and an embedding scale;
 # post-norms only; parallel residual; sinks, output biases and experts; per-head q/k norms; wider global heads,
-# reused keys and values, per-layer inputs and layer scalars
+# reused keys and values, per-layer inputs and layer scalars; experts beside a dense layer
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "gemma2", "olmo2", "gpt_neox", "gpt_oss", "qwen3",
-                                  "gemma4_text"])
+                                  "gemma4_text", "qwen3_moe"])
 def test_parts_sum_to_the_logit(name, hf_root):
     folder, _ = saved_model(name, hf_root)
     lm = load_causal_lm(folder, dtype=np.float64)

@@ -1,6 +1,6 @@
-"""GroupedExpertsMoE and GroupLimitedRouter (DeepSeek-V3's MLP): parity with transformers' DeepseekV3MoE forward
-and backward, every gradient by float64 finite differences, the routing rule itself (correction bias for choosing
-only, groups limiting the choice), and the configuration's refusals."""
+"""MixtureOfExperts and Router as DeepSeek-V3's MLP (group-limited sigmoid routing, shared experts): parity with
+transformers' DeepseekV3MoE forward and backward, every gradient by float64 finite differences, the routing rule
+itself (correction bias for choosing only, groups limiting the choice), and the configuration's refusals."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +9,8 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek
 
 import torch
-from attnkit.layers.group_router import GroupLimitedRouter
-from attnkit.layers.grouped_experts import GroupedExpertsConfig, GroupedExpertsMoE
-from attnkit.models import DecoderConfig
+from attnkit.layers import MixtureOfExperts, Router
+from attnkit.models import DecoderConfig, ExpertsConfig
 
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
@@ -21,19 +20,24 @@ D, F, E = 8, 5, 8
 SETTINGS = [(3, 4, 2, True, 2.5, 2), (2, 1, 1, False, 1.0, 1), (4, 2, 1, True, 0.7, 1)]
 
 
+def _part(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=F, layers=(0,), **settings):
+    return ExpertsConfig(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                         moe_intermediate_size=moe_intermediate_size, layers=layers, router="sigmoid_group_topk",
+                         **settings)
+
+
 def _moe(top_k, groups, topk_groups, normalize, scaling, shared, rng):
-    part = GroupedExpertsConfig(num_experts=E, num_experts_per_tok=top_k, expert_intermediate_size=F,
-                               num_shared_experts=shared, num_groups=groups, topk_groups=topk_groups,
-                               normalize_weights=normalize, routed_scaling_factor=scaling)
+    part = _part(num_experts_per_tok=top_k, shared_expert_intermediate_size=shared * F, n_group=groups,
+                 topk_group=topk_groups, norm_topk_prob=normalize, routed_scaling_factor=scaling)
     cfg = DecoderConfig(family="deepseek_v3", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1,
-                        num_kv_heads=1, head_dim=D, intermediate_size=6, grouped_experts=part)
-    moe = GroupedExpertsMoE(cfg)
+                        num_kv_heads=1, head_dim=D, intermediate_size=6, experts=part)
+    moe = MixtureOfExperts(cfg)
     for _, p in moe.named_parameters():
         p[...] = 0.5 * rng.standard_normal(p.shape)
     return moe
 
 
-def _transformers_moe(moe: GroupedExpertsMoE, setting, dtype):
+def _transformers_moe(moe: MixtureOfExperts, setting, dtype):
     top_k, groups, topk_groups, normalize, scaling, shared = setting
     theirs = hf_deepseek.DeepseekV3MoE(DeepseekV3Config(
         hidden_size=D, moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=top_k, n_group=groups,
@@ -46,7 +50,7 @@ def _transformers_moe(moe: GroupedExpertsMoE, setting, dtype):
         theirs.experts.gate_up_proj.copy_(torch.cat([p["W_gate"], p["W_up"]], dim=-1).transpose(1, 2))
         theirs.experts.down_proj.copy_(p["W_down"].transpose(1, 2))
         for name in ("gate", "up", "down"):
-            getattr(theirs.shared_experts, f"{name}_proj").weight.copy_(p[f"shared_experts.W_{name}"].T)
+            getattr(theirs.shared_experts, f"{name}_proj").weight.copy_(p[f"shared_expert.W_{name}"].T)
     return theirs
 
 
@@ -81,7 +85,7 @@ def test_matches_transformers_deepseek_v3_moe_forward_and_backward(setting, dtyp
     torch_grads = {"router.W_router": theirs.gate.weight.grad.T, "W_gate": gate_up[..., :F], "W_up": gate_up[..., F:],
                    "W_down": theirs.experts.down_proj.grad.transpose(1, 2)}
     for name in ("gate", "up", "down"):
-        torch_grads[f"shared_experts.W_{name}"] = getattr(theirs.shared_experts, f"{name}_proj").weight.grad.T
+        torch_grads[f"shared_expert.W_{name}"] = getattr(theirs.shared_experts, f"{name}_proj").weight.grad.T
     ours = dict(moe.named_gradients())
     for name, expected in torch_grads.items():
         assert_close_rel(ours[name], expected.numpy(), dtype, name)
@@ -105,7 +109,7 @@ def test_every_gradient_by_finite_differences(setting):
 
 def test_the_bias_only_chooses_and_the_groups_limit_the_choice():
     rng = make_rng(31)
-    router = GroupLimitedRouter(D, E, top_k=2, num_groups=4, topk_groups=1, normalize=False, scaling=1.0)
+    router = Router(D, _part(n_group=4, topk_group=1, norm_topk_prob=False))
     router.W_router[...] = rng.standard_normal((D, E))
     x = randn(rng, 40, D)
     scores = 1 / (1 + np.exp(-(x @ router.W_router)))  # (N, E)
@@ -125,29 +129,27 @@ def test_the_bias_only_chooses_and_the_groups_limit_the_choice():
 
 def test_normalised_weights_sum_to_the_scaling_factor():
     rng = make_rng(32)
-    router = GroupLimitedRouter(D, E, top_k=3, num_groups=2, topk_groups=2, normalize=True, scaling=2.5, rng=rng)
+    router = Router(D, _part(num_experts_per_tok=3, n_group=2, topk_group=2, routed_scaling_factor=2.5), rng=rng)
     _, weights = router(randn(rng, 4, 6, D))
     assert weights.shape == (4, 6, 3)
     np.testing.assert_allclose(weights.sum(-1), 2.5, rtol=1e-12)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(num_groups=3), "must divide num_experts"),
-    (dict(num_groups=8), "at least two experts"),
-    (dict(num_groups=2, topk_groups=3), "topk_groups"),
-    (dict(num_groups=4, topk_groups=1, num_experts_per_tok=3), "must fit in the kept groups"),
+    (dict(n_group=3), "must divide experts.num_experts"),
+    (dict(n_group=8), "at least two experts"),
+    (dict(n_group=2, topk_group=3), "topk_group"),
+    (dict(n_group=4, topk_group=1, num_experts_per_tok=3), "must fit in the kept groups"),
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
-    (dict(first_dense_layers=-1), "first_dense_layers"),
+    (dict(layers=(-1,)), "experts.layers"),
 ])
 def test_config_refuses_routing_that_cannot_work(kwargs, match):
-    settings = dict(num_experts=E, num_experts_per_tok=2, expert_intermediate_size=F)
     with pytest.raises(ValueError, match=match):
-        GroupedExpertsConfig(**{**settings, **kwargs})
+        _part(**kwargs)
 
 
-def test_the_part_needs_a_gated_mlp_without_biases():
-    part = GroupedExpertsConfig(num_experts=E, num_experts_per_tok=2, expert_intermediate_size=F)
-    with pytest.raises(ValueError, match="grouped_experts needs mlp='gated'"):
+def test_the_part_needs_a_gated_mlp():
+    with pytest.raises(ValueError, match="the other layers' mlp 'gated'"):
         DecoderConfig(family="deepseek_v3", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
-                      head_dim=D, intermediate_size=6, mlp_bias=True, grouped_experts=part)
+                      head_dim=D, intermediate_size=6, mlp="plain", experts=_part())
 

@@ -1,5 +1,6 @@
-"""SharedExpertMixture (Qwen3-Next's sparse MLP): parity with transformers' Qwen3NextSparseMoeBlock forward and
-backward with and without ``norm_topk_prob``, and every gradient by float64 finite differences."""
+"""MixtureOfExperts as Qwen3-Next's sparse MLP (softmax then top-k, a shared expert with a sigmoid gate): parity
+with transformers' Qwen3NextSparseMoeBlock forward and backward with and without ``norm_topk_prob``, and every
+gradient by float64 finite differences."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,19 +9,24 @@ from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 import torch
-from attnkit.layers import SharedExpertMixture, SharedExpertMixtureConfig
-from attnkit.models import DecoderConfig
+from attnkit.layers import MixtureOfExperts
+from attnkit.models import DecoderConfig, ExpertsConfig
 
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
 D, F, FS, E = 8, 6, 5, 5
 
 
+def _part(num_experts, top_k, width, shared_width, normalise=True, layers=(0,)):
+    return ExpertsConfig(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                         layers=layers, norm_topk_prob=normalise, shared_expert_intermediate_size=shared_width,
+                         shared_expert_gate=True)
+
+
 def _moe(top_k, normalise, rng, dtype=np.float64):
     cfg = DecoderConfig(family="qwen3_next", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
-                        head_dim=D, intermediate_size=7,
-                        shared_experts=SharedExpertMixtureConfig(E, top_k, F, FS, normalise, layers=(0,)))
-    moe = SharedExpertMixture(cfg)
+                        head_dim=D, intermediate_size=7, experts=_part(E, top_k, F, FS, normalise))
+    moe = MixtureOfExperts(cfg)
     for _, p in moe.named_parameters():
         p[...] = 0.5 * rng.standard_normal(p.shape)
     return moe.astype(dtype)
@@ -37,12 +43,12 @@ def test_matches_transformers_sparse_moe_block(top_k, normalise, dtype):
     theirs = theirs.to(torch.float64 if dtype == np.float64 else torch.float32)
     p = {name: torch.tensor(np.asarray(value)) for name, value in moe.named_parameters()}
     with torch.no_grad():
-        theirs.gate.weight.copy_(p["W_router"].T)
+        theirs.gate.weight.copy_(p["router.W_router"].T)
         theirs.experts.gate_up_proj.copy_(torch.cat([p["W_gate"], p["W_up"]], dim=-1).transpose(1, 2))
         theirs.experts.down_proj.copy_(p["W_down"].transpose(1, 2))
         for name in ("gate", "up", "down"):
             getattr(theirs.shared_expert, f"{name}_proj").weight.copy_(p[f"shared_expert.W_{name}"].T)
-        theirs.shared_expert_gate.weight.copy_(p["W_shared_gate"].T)
+        theirs.shared_expert_gate.weight.copy_(p["shared_expert.W_shared_gate"].T)
     x, g = randn(rng, 3, 7, D, scale=2.0).astype(dtype), randn(rng, 3, 7, D).astype(dtype)
     y = moe(x)
     grad_x = moe.backward(g)
@@ -54,16 +60,16 @@ def test_matches_transformers_sparse_moe_block(top_k, normalise, dtype):
     assert_close_rel(y, theirs(tx).detach().numpy(), tol, "y")
     assert_close_rel(grad_x, tx.grad.numpy(), tol, "grad_x")
     gate_up = theirs.experts.gate_up_proj.grad.transpose(1, 2)  # (E, D, 2F)
-    expected = {"W_router": theirs.gate.weight.grad.T, "W_gate": gate_up[..., :F], "W_up": gate_up[..., F:],
+    expected = {"router.W_router": theirs.gate.weight.grad.T, "W_gate": gate_up[..., :F], "W_up": gate_up[..., F:],
                 "W_down": theirs.experts.down_proj.grad.transpose(1, 2),
-                "W_shared_gate": theirs.shared_expert_gate.weight.grad.T,
+                "shared_expert.W_shared_gate": theirs.shared_expert_gate.weight.grad.T,
                 **{f"shared_expert.W_{n}": getattr(theirs.shared_expert, f"{n}_proj").weight.grad.T
                    for n in ("gate", "up", "down")}}
     grads = dict(moe.named_gradients())
     assert set(expected) == set(grads)
     if top_k == 1 and normalise:  # one expert renormalised weighs exactly 1: the router learns nothing
-        np.testing.assert_array_equal(grads["W_router"], 0.0)
-        noise = np.max(np.abs(expected.pop("W_router").numpy()))  # transformers' float32 rounding of 1 - 1
+        np.testing.assert_array_equal(grads["router.W_router"], 0.0)
+        noise = np.max(np.abs(expected.pop("router.W_router").numpy()))  # transformers' float32 rounding of 1 - 1
         assert noise < 1e-6 * np.max(np.abs(grads["W_gate"])), noise
     for name, value in expected.items():
         assert_close_rel(grads[name], value.numpy(), tol, name)
@@ -87,11 +93,10 @@ def test_every_gradient_passes_finite_differences(normalise):
 
 
 def test_the_config_refuses_what_no_model_has():
-    with pytest.raises(ValueError, match="num_experts_per_tok \\(3\\) must be at most num_experts \\(2\\)"):
-        SharedExpertMixtureConfig(2, 3, 4, 4)
+    with pytest.raises(ValueError, match="num_experts_per_tok \\(3\\) must be at most experts.num_experts \\(2\\)"):
+        _part(2, 3, 4, 4)
     with pytest.raises(ValueError, match="distinct non-negative layer indices"):
-        SharedExpertMixtureConfig(2, 1, 4, 4, layers=(1, 1))
+        _part(2, 1, 4, 4, layers=(1, 1))
     with pytest.raises(ValueError, match="below num_layers"):
         DecoderConfig(family="qwen3_next", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
-                      head_dim=D, intermediate_size=7,
-                      shared_experts=SharedExpertMixtureConfig(2, 1, 4, 4, layers=(1,)))
+                      head_dim=D, intermediate_size=7, experts=_part(2, 1, 4, 4, layers=(1,)))

@@ -117,8 +117,9 @@ def test_switches_are_checked():
         DecoderConfig(**base, norm=NormConfig(placement="none"))
     with pytest.raises(TypeError, match="rotary must be a RotaryConfig or None"):
         DecoderConfig(**base, rotary={"theta": 1e4})
-    with pytest.raises(ValueError, match="experts .* goes with mlp='experts'"):
-        DecoderConfig(**base, experts=ExpertsConfig(num_experts=2, per_token=1))
+    with pytest.raises(ValueError, match=r"experts.layers must be layer indices below num_layers \(2\)"):
+        DecoderConfig(**base, experts=ExpertsConfig(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=4,
+                                                    layers=(2,)))
     names = dict(CausalLM(DecoderConfig(**base, norm=NormConfig(placement="post")), rng=0).named_parameters())
     assert "layers.0.attn_post_norm.gamma" in names and "layers.0.mlp_post_norm.gamma" in names
     assert "layers.0.attn_norm.gamma" not in names

@@ -4,7 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from attnkit.layers import GatedDeltaNetConfig, SharedExpertMixtureConfig
+from attnkit.layers import GatedDeltaNetConfig
 from attnkit.models import (
     CausalLM,
     DecoderConfig,
@@ -78,11 +78,11 @@ LLAMA = dict(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_head
     ("norm", "norm.placement must be one of 'pre', 'post', 'sandwich', got 'none'"),
     ("qk_norm", "attention.qk_norm must be one of 'head', 'projection'"),
     ("offset", r"norm.offset \(1.0\) is an RMSNorm gain's offset; norm.kind is 'layernorm'"),
-    ("experts", "experts .*goes with mlp='experts' and only with it"),
+    ("experts", r"experts.layers must list distinct non-negative layer indices \(at least one\)"),
     ("family", "family must be a model_type such as 'llama'"),
     ("linear_layers", "linear_attention .* must be given exactly when"),
     ("linear_shape", "linear_attention .* must be given exactly when"),
-    ("moe_layers", r"shared_experts.layers must be layer indices below num_layers \(1\)"),
+    ("moe_layers", r"experts.layers must be layer indices below num_layers \(1\)"),
     ("moe_mlp", "the other layers' mlp 'gated'"),
 ])
 def test_a_decoder_no_architecture_has_is_refused(changes, match):
@@ -91,13 +91,12 @@ def test_a_decoder_no_architecture_has_is_refused(changes, match):
     make = {"norm": lambda: dict(norm=NormConfig(placement="none")),
             "qk_norm": lambda: dict(attention=AttentionConfig(qk_norm="both")),
             "offset": lambda: dict(norm=NormConfig(kind="layernorm", offset=1.0)),
-            "experts": lambda: dict(experts=ExpertsConfig(num_experts=2, per_token=1)),
+            "experts": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=())),
             "family": lambda: dict(family="not a model type"),
             "linear_layers": lambda: dict(layer_types=("linear_attention",)),
             "linear_shape": lambda: dict(linear_attention=GatedDeltaNetConfig(1, 2, 4, 4)),
-            "moe_layers": lambda: dict(shared_experts=SharedExpertMixtureConfig(2, 1, 4, 4, layers=(1,))),
-            "moe_mlp": lambda: dict(shared_experts=SharedExpertMixtureConfig(2, 1, 4, 4, layers=(0,)),
-                                    mlp="plain")}[changes]
+            "moe_layers": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=(1,))),
+            "moe_mlp": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=(0,)), mlp="plain")}[changes]
     with pytest.raises(ValueError, match=match):
         DecoderConfig(**{**LLAMA, **make()})
     DecoderConfig(**LLAMA)  # the same config without the change is fine

@@ -16,8 +16,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek 
 from attnkit.attention.latent import LatentAttentionConfig  # noqa: E402
 from attnkit.decoding.cache import LatentCache  # noqa: E402
 from attnkit.explain import hooks  # noqa: E402
-from attnkit.layers.grouped_experts import GroupedExpertsConfig  # noqa: E402
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, RotaryConfig  # noqa: E402
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, ExpertsConfig, RotaryConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E402
 from hf_models import left_padded_batch, positions_from_mask, saved_model  # noqa: E402
@@ -36,13 +35,13 @@ def _tiny(q_lora: bool) -> DecoderConfig:
     latent = LatentAttentionConfig(hidden_size=8, num_heads=2, kv_lora_rank=5, qk_nope_head_dim=3, qk_rope_head_dim=2,
                                    v_head_dim=3, q_lora_rank=4 if q_lora else None, attention_bias=not q_lora,
                                    rope_interleaved=q_lora, attention_scale=0.4 if q_lora else None)
-    experts = GroupedExpertsConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=3,
-                                  num_shared_experts=1 if q_lora else 2, num_groups=2, topk_groups=1 if q_lora else 2,
-                                  normalize_weights=q_lora, routed_scaling_factor=2.5,
-                                  first_dense_layers=1 if q_lora else 0)
+    experts = ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
+                            layers=(1,) if q_lora else (0, 1), router="sigmoid_group_topk", n_group=2,
+                            topk_group=1 if q_lora else 2, norm_topk_prob=q_lora, routed_scaling_factor=2.5,
+                            shared_expert_intermediate_size=3 if q_lora else 6)
     return DecoderConfig(family="deepseek_v3", vocab_size=7, hidden_size=8, num_layers=2, num_heads=2,
                          num_kv_heads=2, head_dim=2, intermediate_size=6,
-                         rotary=RotaryConfig(theta=100.0, interleaved=q_lora), latent=latent, grouped_experts=experts)
+                         rotary=RotaryConfig(theta=100.0, interleaved=q_lora), latent=latent, experts=experts)
 
 
 @pytest.mark.parametrize("q_lora", [True, False])
@@ -227,14 +226,14 @@ def test_saving_gives_back_the_checkpoint_tensor_for_tensor(name, hf_root):
 
 
 def test_the_block_is_built_from_the_parts():
-    """The latent part picks the token mixer and the shared-experts part the routed layers' MLP, when built."""
+    """The latent part picks the token mixer and the experts part the routed layers' MLP, when built."""
     from attnkit.attention.latent import MultiHeadLatentAttention
+    from attnkit.layers.experts import MixtureOfExperts
     from attnkit.layers.gated_mlp import GatedMLP
-    from attnkit.layers.grouped_experts import GroupedExpertsMoE
 
     lm = CausalLM(_tiny(True), rng=0)
     assert [type(layer.attention) for layer in lm.layers] == [MultiHeadLatentAttention] * 2
-    assert [type(layer.mlp) for layer in lm.layers] == [GatedMLP, GroupedExpertsMoE]  # first_dense_layers=1
+    assert [type(layer.mlp) for layer in lm.layers] == [GatedMLP, MixtureOfExperts]  # experts.layers=(1,)
     assert [layer.attention.layer_index for layer in lm.layers] == [0, 1]
 
 
@@ -245,14 +244,14 @@ def test_the_block_is_built_from_the_parts():
     (dict(head_dim=4), "head_dim = qk_rope_head_dim"),
     (dict(attention=AttentionConfig(bias=True)), "no setting of the attention part"),
     (dict(num_heads=1, num_kv_heads=1), "latent describes hidden_size 8 and 2 heads"),
-    (dict(mlp_bias=True), "grouped_experts needs mlp='gated' without mlp_bias"),
+    (dict(mlp="plain"), "the other layers' mlp 'gated'"),
 ])
 def test_the_parts_must_fit_the_model(change, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(_tiny(True), **change)
 
 
-@pytest.mark.parametrize("name, value", [("latent", {"kv_lora_rank": 5}), ("grouped_experts", 3)])
+@pytest.mark.parametrize("name, value", [("latent", {"kv_lora_rank": 5}), ("experts", 3)])
 def test_a_part_must_be_its_dataclass(name, value):
     with pytest.raises(TypeError, match=f"{name} must be a .* or None, got"):
         dataclasses.replace(_tiny(True), **{name: value})

@@ -1,7 +1,7 @@
-"""The newer Hugging Face families (OLMo 2, SmolLM3, GPT-NeoX, Gemma, Phi-3, gpt-oss) loaded from tiny random
-save_pretrained folders: float32 gradients of every parameter against torch autograd through the transformers
-model (each HF gradient brought to attnkit's layout by the loader's own tensor map), unknown config keys refused
-by name, ``supported_model_types``, gpt-oss's MXFP4 experts. Logits and greedy parity are in
+"""The newer Hugging Face families (OLMo 2, SmolLM3, GPT-NeoX, Gemma, Phi-3, the mixtures of experts) loaded from
+tiny random save_pretrained folders: float32 gradients of every parameter against torch autograd through the
+transformers model (each HF gradient brought to attnkit's layout by the loader's own tensor map), unknown config
+keys refused by name, ``supported_model_types``, gpt-oss's MXFP4 experts. Logits and greedy parity are in
 test_causal_lm.py (FAMILY_MODELS)."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hf_models import edit_config, left_padded_batch, positions_from_mask, saved
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
-                     "gemma4_text")
+                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -52,8 +52,8 @@ def test_gradients_match_hf_autograd(name, hf_root):
     for buffer in scalars.values():
         buffer.requires_grad_(False)
         buffer.grad = None
-    if lm.config.family == "qwen3_next":
-        theirs_by_name = _experts_one_by_one(theirs_by_name)
+    if lm.config.family in EXPERT_NAMES:
+        theirs_by_name = _experts_one_by_one(theirs_by_name, *EXPERT_NAMES[lm.config.family])
     maps, prefix = checkpoint_map(lm.config)
     ours = dict(lm.named_gradients())
     checked = set()
@@ -79,26 +79,34 @@ def test_gradients_match_hf_autograd(name, hf_root):
     assert checked == set(ours)
 
 
-def _experts_one_by_one(grads: dict) -> dict:
-    """transformers keeps Qwen3-Next's experts fused in memory (``experts.gate_up_proj`` (E, 2F, D),
-    ``experts.down_proj`` (E, D, F)); its checkpoints, and so attnkit's map, name each expert's matrices."""
+# the checkpoint's name of a mixture's module and of each expert's gate, up and down matrices
+EXPERT_NAMES = {"qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+                "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+                "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
+
+
+def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> dict:
+    """transformers keeps a mixture's experts fused in memory (``mlp.experts.gate_up_proj`` (E, 2F, D),
+    ``mlp.experts.down_proj`` (E, D, F)); its checkpoints, and so attnkit's map, name each expert's matrices
+    (under ``moe``, Mixtral's ``block_sparse_moe.``)."""
     out = {}
     for name, grad in grads.items():
         if name.endswith("mlp.experts.gate_up_proj"):
-            base, f = name[:-len("gate_up_proj")], grad.shape[1] // 2
+            base, f = name[:-len("mlp.experts.gate_up_proj")] + moe + "experts.", grad.shape[1] // 2
             for e in range(grad.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = grad[e, :f], grad[e, f:]
+                out[f"{base}{e}.{names[0]}.weight"], out[f"{base}{e}.{names[1]}.weight"] = grad[e, :f], grad[e, f:]
         elif name.endswith("mlp.experts.down_proj"):
-            base = name[:-len("down_proj")]
-            out.update({f"{base}{e}.down_proj.weight": grad[e] for e in range(grad.shape[0])})
+            base = name[:-len("mlp.experts.down_proj")] + moe + "experts."
+            out.update({f"{base}{e}.{names[2]}.weight": grad[e] for e in range(grad.shape[0])})
         else:
-            out[name] = grad
+            out[name.replace(".mlp.", "." + moe)] = grad
     return out
 
 
 @pytest.mark.parametrize("name, key", [("olmo2", "use_sliding_window"), ("smollm3", "qk_layernorm"),
                                        ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode"),
-                                       ("phi3", "attention_bias"), ("gpt_oss", "num_experts")])
+                                       ("phi3", "attention_bias"), ("gpt_oss", "num_experts"),
+                                       ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -249,7 +257,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
 
 
 @pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),
-                                                      ("qwen3_next", "Qwen3NextConfig")])
+                                                      ("qwen3_next", "Qwen3NextConfig"),
+                                                      ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -257,7 +266,7 @@ def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_
 
     from attnkit.pretrained.families import family
 
-    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4)
+    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=8)
     full = json.loads(getattr(transformers, config_class)(**sizes).to_json_string())
     assert family(model_type).config_from_hf(dict(sizes, model_type=model_type)) == \
         family(model_type).config_from_hf(full)

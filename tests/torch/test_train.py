@@ -184,6 +184,13 @@ FAMILY_CONFIGS = {
                    "num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
                    "shared_expert_intermediate_size": 8, "max_position_embeddings": 64,
                    "partial_rotary_factor": 0.5},
+    "qwen3_moe": {"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+                  "num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [1],
+                  "max_position_embeddings": 64},
+    "mixtral": {"model_type": "mixtral", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 8,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 3,
+                "num_experts_per_tok": 2, "max_position_embeddings": 64},
 }
 
 
@@ -202,7 +209,7 @@ def test_every_family_round_trips_through_the_hugging_face_folder(family, run_fi
 
     from transformers import AutoModelForCausalLM
     # eager experts: the grouped-GEMM path of mixture-of-experts models runs in float32 only
-    extra = {"experts_implementation": "eager"} if family in ("gpt_oss", "qwen3_next") else {}
+    extra = {"experts_implementation": "eager"} if family in ("gpt_oss", "qwen3_next", "qwen3_moe", "mixtral") else {}
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, **extra).eval()
     ids = np.random.default_rng(1).integers(0, 32, size=(2, 9))
     with torch.no_grad():

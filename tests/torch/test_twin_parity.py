@@ -11,9 +11,8 @@ from attnkit import layers as L
 from attnkit.attention.grouped_query import GroupedQueryAttention
 from attnkit.attention.latent import LatentAttentionConfig
 from attnkit.attention.multi_head_attention import MultiHeadAttention
-from attnkit.layers import GatedDeltaNetConfig, SharedExpertMixtureConfig
+from attnkit.layers import GatedDeltaNetConfig
 from attnkit.layers.gated_mlp import GatedMLP
-from attnkit.layers.grouped_experts import GroupedExpertsConfig
 from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
 from attnkit.layers.rotary import RotaryEmbedding
@@ -21,6 +20,7 @@ from attnkit.models import (
     AttentionConfig,
     CausalLM,
     DecoderConfig,
+    ExpertsConfig,
     LayerwiseConfig,
     NormConfig,
     RotaryConfig,
@@ -249,15 +249,16 @@ def test_gated_deltanet(padded):
 @pytest.mark.parametrize("normalise", [True, False])
 def test_gated_attention_and_shared_experts(normalise):
     from attnkit.attention.gated import GatedAttention
-    from attnkit.layers import SharedExpertMixture
+    from attnkit.layers import MixtureOfExperts
 
     cfg = _config(family="qwen3_next", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
                   attention=AttentionConfig(qk_norm="head"), layer_types=("gated_attention",) * 2,
-                  shared_experts=SharedExpertMixtureConfig(4, 2, 5, 6, normalise, layers=(0,)))
+                  experts=ExpertsConfig(4, 2, 5, layers=(0,), norm_topk_prob=normalise,
+                                        shared_expert_intermediate_size=6, shared_expert_gate=True))
     rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)(np.tile(np.arange(5), (2, 1)),
                                                                                    dtype=np.float64)
     check_parity(GatedAttention(cfg, 1, rng=0), [randn(2, 5, 16)], dict(rotary=rotary))
-    check_parity(SharedExpertMixture(cfg, rng=0), [randn(2, 5, 16)])
+    check_parity(MixtureOfExperts(cfg, rng=0), [randn(2, 5, 16)])
 
 
 # -- models ----------------------------------------------------------------------------------------------
@@ -293,16 +294,16 @@ FAMILIES = {
                         latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5, qk_nope_head_dim=3,
                                                      qk_rope_head_dim=2, v_head_dim=3, q_lora_rank=4,
                                                      attention_scale=0.4),
-                        grouped_experts=GroupedExpertsConfig(num_experts=4, num_experts_per_tok=2,
-                                                           expert_intermediate_size=3, num_groups=2, topk_groups=1,
-                                                           routed_scaling_factor=2.5, first_dense_layers=1)),
+                        experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
+                                              layers=(1,), router="sigmoid_group_topk", n_group=2, topk_group=1,
+                                              routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
     "deepseek_v3_plain": dict(family="deepseek_v3", num_kv_heads=4, head_dim=2,
                               latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5,
                                                            qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=3,
                                                            attention_bias=True, rope_interleaved=False),
-                              grouped_experts=GroupedExpertsConfig(num_experts=4, num_experts_per_tok=2,
-                                                                 expert_intermediate_size=3, num_shared_experts=2,
-                                                                 normalize_weights=False)),
+                              experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
+                                                    layers=(0, 1), router="sigmoid_group_topk", norm_topk_prob=False,
+                                                    shared_expert_intermediate_size=6)),
     "qwen3_5_text": dict(family="qwen3_5_text", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
                          attention=AttentionConfig(qk_norm="head"), layer_types=("linear_attention", "gated_attention"),
                          linear_attention=GatedDeltaNetConfig(1, 2, 4, 3)),
@@ -310,7 +311,8 @@ FAMILIES = {
                        attention=AttentionConfig(qk_norm="head"), num_layers=3,
                        layer_types=("linear_attention", "gated_attention", "linear_attention"),
                        linear_attention=GatedDeltaNetConfig(2, 4, 4, 3),
-                       shared_experts=SharedExpertMixtureConfig(3, 2, 5, 6, norm_topk_prob=False, layers=(0, 1))),
+                       experts=ExpertsConfig(3, 2, 5, layers=(0, 1), norm_topk_prob=False,
+                                             shared_expert_intermediate_size=6, shared_expert_gate=True)),
 }
 
 

@@ -125,12 +125,11 @@ def weights_read_per_token(lm: Any) -> int:
         total -= lm.embed.weight.nbytes  # the head is separate: the table gives one row
     if lm.config.rotary is None:
         total -= lm.pos_embed.weight.nbytes
-    config = lm.config
-    if config.mlp == "experts":  # a token reads only its k experts of E
-        unused = 1 - config.experts.per_token / config.experts.num_experts
-        for layer in lm.layers:
-            total -= int(unused * sum(getattr(layer.mlp, name).nbytes
-                                      for name in ("W_gate", "W_up", "W_down", "b_gate", "b_up", "b_down")))
+    experts = lm.config.experts
+    if experts is not None:  # a token reads only its k experts of E
+        unused = 1 - experts.num_experts_per_tok / experts.num_experts
+        for i in experts.layers:
+            total -= int(unused * sum(p.nbytes for p in lm.layers[i].mlp._parameters.values()))
     return total
 
 

@@ -95,11 +95,16 @@ def hook_heads_backward(module, name: str, grad: np.ndarray) -> np.ndarray:
     return hooked.transpose(0, 2, 1, 3)  # (B, H, L, Dh)
 
 
-def block_hook_points(index: int, block, attention) -> list[tuple[str, Any, str]]:
+def block_hook_points(index: int, block, attention, mlp=None) -> list[tuple[str, Any, str]]:
     """Block ``index``'s hook points as ``(full name, module, local name)`` in forward order, with
     TransformerLens's prefixes: ``blocks.{index}.hook_resid_pre``, then the attention's
-    (``blocks.{index}.attn.hook_q``, ...), then the block's others."""
+    (``blocks.{index}.attn.hook_q``, ...), then the block's others, the MLP's (``blocks.{index}.mlp.``, a
+    mixture of experts' ``hook_expert_indices``, ...) just before ``hook_mlp_out``."""
     first, *rest = block.hook_points()  # hook_resid_pre comes first
-    return ([(f"blocks.{index}.{first}", block, first)]
-            + [(f"blocks.{index}.attn.{p}", attention, p) for p in attention.hook_points()]
-            + [(f"blocks.{index}.{p}", block, p) for p in rest])
+    points = [(f"blocks.{index}.{first}", block, first)]
+    points += [(f"blocks.{index}.attn.{p}", attention, p) for p in attention.hook_points()]
+    for p in rest:
+        if p == "hook_mlp_out" and mlp is not None:
+            points += [(f"blocks.{index}.mlp.{q}", mlp, q) for q in mlp.hook_points()]
+        points.append((f"blocks.{index}.{p}", block, p))
+    return points

@@ -89,7 +89,8 @@ def hooks(model, forward: Mapping[str, Callable] | None = None, *,
     forward : mapping of str to callable, optional
         Hook name (:func:`hook_names`) to function.
     backward : mapping of str to callable, optional
-        Hook name to function of the gradient (``blocks.{i}.attn.hook_pattern`` takes forward hooks only).
+        Hook name to function of the gradient (``blocks.{i}.attn.hook_pattern`` and
+        ``blocks.{i}.mlp.hook_expert_indices`` take forward hooks only).
 
     Examples
     --------
@@ -151,8 +152,9 @@ def run_with_cache(model, input_ids: Any, attention_mask: Any = None, names: Any
         The caller's copies, keyed by hook name, in forward order: ``hook_embed``, ``blocks.{i}.hook_resid_pre``
         / ``hook_resid_mid`` / ``hook_attn_out`` / ``hook_mlp_out`` / ``hook_resid_post`` (B, L, D),
         ``blocks.{i}.attn.hook_q`` (B, L, H, Dh), ``hook_k`` / ``hook_v`` (B, L, Hkv, Dh), ``hook_rot_q`` /
-        ``hook_rot_k`` (rotary layers), ``hook_pattern`` (B, H, L, L), ``hook_z`` (B, L, H, Dh),
-        ``ln_final.hook_normalized`` (B, L, D).
+        ``hook_rot_k`` (rotary layers), ``hook_pattern`` (B, H, L, L), ``hook_z`` (B, L, H, Dh), in a layer whose
+        MLP is a mixture of experts ``blocks.{i}.mlp.hook_expert_indices`` (B, L, k) int64 and
+        ``hook_router_weights`` (B, L, k), ``ln_final.hook_normalized`` (B, L, D).
 
     Examples
     --------

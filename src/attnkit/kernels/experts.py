@@ -1,56 +1,33 @@
-"""Routed mixtures of experts and their gradients (unchecked): gpt-oss's clamped SwiGLU experts with a softmax
-router, and plain gated experts (:func:`gated_experts_forward`, DeepSeek-V3's) for any router.
+"""The routed experts of a mixture of experts, stacked, and their gradients (unchecked kernels).
 
-Dimension letters: N tokens, D features, E experts, k experts per token, F the experts' hidden size.
+Dimension letters: N tokens, D features, E experts, k experts per token, F an expert's hidden width.
 
-Routing: ``logits = x W_router + b_router`` (N, E); each token takes the k experts of largest logit and weighs
-them by the softmax over those k logits only. Expert e computes, from ``gate = x W_gate[e] + b_gate[e]`` and
-``up = x W_up[e] + b_up[e]``::
+Every expert is a gated MLP; ``params`` holds them stacked: ``W_gate``, ``W_up`` (E, D, F), ``W_down`` (E, F, D)
+and, when the experts have biases, ``b_gate``, ``b_up`` (E, F) and ``b_down`` (E, D). From ``gate = x W_gate[e]
+(+ b_gate[e])`` and ``up = x W_up[e] (+ b_up[e])`` an expert computes ``hidden`` and ``out = hidden W_down[e]
+(+ b_down[e])``, with one of two gatings:
 
-    g = min(gate, limit);  u = clip(up, -limit, limit)
-    h = (u + 1) * g * sigmoid(alpha * g);  out = h W_down[e] + b_down[e]
+- ``limit`` None: ``hidden = act(gate) * up`` (SwiGLU for silu; :mod:`attnkit.kernels.gated_mlp`);
+- ``limit`` a number (gpt-oss's clamped SwiGLU)::
 
-and a token's output is the weighted sum of its experts' outputs. The choice of experts is piecewise constant,
-so the gradient flows into the router only through the k softmax weights. The experts run one after another
-over the tokens routed to them (each a pair of matrix products over its own group of tokens), never over all
-N tokens times E experts.
+      g = min(gate, limit);  u = clip(up, -limit, limit)
+      hidden = (u + 1) * g * sigmoid(alpha * g)
 
-Qwen3-Next routes differently and its experts are plain: :func:`route_softmax` takes the top k of a softmax
-over all E logits (renormalised over the k with ``norm_topk_prob``), and its experts are
-:func:`gated_experts_forward`'s bias-free SwiGLU MLPs without clamps.
+A token's output is the weighted sum of its k chosen experts' outputs (:mod:`attnkit.kernels.routing` chooses
+and weighs). The experts run one after another over the tokens routed to them (each a few matrix products over
+its own group of tokens), never over all N tokens times E experts.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
 from .gated_mlp import gated_mlp_backward, gated_mlp_forward
 
-__all__ = ["experts_backward", "experts_forward", "gated_experts_backward", "gated_experts_forward", "route",
-           "route_backward", "route_softmax", "route_softmax_backward"]
+__all__ = ["experts_backward", "experts_forward"]
 
-
-def route(x: np.ndarray, w_router: np.ndarray, b_router: np.ndarray, top_k: int):
-    """The k chosen experts per token, largest logit first, and their softmax weights.
-
-    Parameters
-    ----------
-    x : (N, D)
-    w_router : (D, E)
-    b_router : (E,)
-    top_k : int
-
-    Returns
-    -------
-    chosen : int64 (N, k)
-    weights : (N, k) in ``x``'s dtype, each row summing to 1.
-    """
-    logits = x @ w_router + b_router  # (N, E)
-    # a stable sort keeps the lower expert first on ties, as torch.topk does on CPU
-    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]  # (N, k)
-    top = np.take_along_axis(logits, chosen, axis=-1)  # (N, k)
-    weights = np.exp(top - top[:, :1])  # (N, k): the first is the largest
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return chosen.astype(np.int64), weights
+_BIASES = ("b_gate", "b_up", "b_down")
 
 
 def _groups(chosen: np.ndarray, num_experts: int):
@@ -67,177 +44,106 @@ def _groups(chosen: np.ndarray, num_experts: int):
         start = end
 
 
-def experts_forward(x, chosen, weights, w_gate, w_up, w_down, b_gate, b_up, b_down, alpha: float, limit: float):
+def _expert(params: Mapping[str, np.ndarray], expert: int) -> tuple[np.ndarray, ...]:
+    """One expert's W_gate, W_up, W_down and its biases (None without them)."""
+    biases = [params[name][expert] if name in params else None for name in _BIASES]
+    return (params["W_gate"][expert], params["W_up"][expert], params["W_down"][expert], *biases)
+
+
+def _gated_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha):
+    return gated_mlp_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)  # (n, D)
+
+
+def _gated_backward(grad_out, xe, w_gate, w_up, w_down, parts, has_bias, activation, limit, alpha):
+    return gated_mlp_backward(grad_out, xe, w_gate, w_up, w_down, parts, activation, has_bias)  # (n, D)
+
+
+def _plus(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    return y if b is None else y + b
+
+
+def _clamped_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha):
+    one, half = xe.dtype.type(1), xe.dtype.type(0.5)
+    gate = _plus(xe @ w_gate, b_gate)  # (n, F)
+    up = _plus(xe @ w_up, b_up)  # (n, F)
+    g = np.minimum(gate, limit)  # (n, F)
+    u = np.clip(up, -limit, limit)  # (n, F)
+    # sigmoid(alpha * g) through tanh, which cannot overflow for a very negative gate
+    s = half + half * np.tanh((half * alpha) * g)  # (n, F)
+    glu = g * s  # (n, F)
+    hidden = (u + one) * glu  # (n, F)
+    return _plus(hidden @ w_down, b_down), (gate, up, s, glu, hidden)  # (n, D)
+
+
+def _clamped_backward(grad_out, xe, w_gate, w_up, w_down, parts, has_bias, activation, limit, alpha):
+    gate, up, s, glu, hidden = parts
+    one = xe.dtype.type(1)
+    grads = {"W_down": hidden.T @ grad_out}  # (F, D)
+    grad_hidden = grad_out @ w_down.T  # (n, F)
+    g = np.minimum(gate, limit)  # (n, F)
+    u = np.clip(up, -limit, limit)  # (n, F)
+    # torch's clamp passes the gradient where the input lies within the bounds, ends included
+    grad_up = np.where((up >= -limit) & (up <= limit), grad_hidden * glu, 0)  # (n, F)
+    grad_g = grad_hidden * (u + one) * (s + alpha * g * s * (one - s))  # (n, F)
+    grad_gate = np.where(gate <= limit, grad_g, 0)  # (n, F)
+    grads.update(W_gate=xe.T @ grad_gate, W_up=xe.T @ grad_up)  # (D, F) each
+    if has_bias:
+        grads.update(b_gate=grad_gate.sum(axis=0), b_up=grad_up.sum(axis=0), b_down=grad_out.sum(axis=0))
+    return grad_gate @ w_gate.T + grad_up @ w_up.T, grads  # (n, D)
+
+
+def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
+                    activation: str = "silu", limit: float | None = None, alpha: float = 1.702):
     """The weighted sum of each token's chosen experts.
 
     Parameters
     ----------
     x : (N, D)
-    chosen, weights : (N, k) from :func:`route`.
-    w_gate, w_up : (E, D, F); w_down : (E, F, D); b_gate, b_up : (E, F); b_down : (E, D).
-    alpha, limit : float
+    chosen, weights : (N, k), from a router (a token picks an expert at most once).
+    params : mapping
+        ``W_gate``, ``W_up``, ``W_down`` and optionally ``b_gate``, ``b_up``, ``b_down`` (see above).
+    activation : str
+        The gate's activation without ``limit``.
+    limit, alpha : float
+        gpt-oss's clamped SwiGLU when ``limit`` is given.
 
     Returns
     -------
     y : (N, D)
     saved : list of what :func:`experts_backward` needs, one entry per expert with tokens.
     """
+    forward = _gated_forward if limit is None else _clamped_forward
     y = np.zeros_like(x)  # (N, D)
     saved = []
-    one, half = x.dtype.type(1), x.dtype.type(0.5)
-    for expert, tokens, slot in _groups(chosen, w_gate.shape[0]):
-        xe = x[tokens]  # (n, D)
-        gate = xe @ w_gate[expert] + b_gate[expert]  # (n, F)
-        up = xe @ w_up[expert] + b_up[expert]  # (n, F)
-        g = np.minimum(gate, limit)  # (n, F)
-        u = np.clip(up, -limit, limit)  # (n, F)
-        # sigmoid(alpha * g) through tanh, which cannot overflow for a very negative gate
-        s = half + half * np.tanh((half * alpha) * g)  # (n, F)
-        glu = g * s  # (n, F)
-        hidden = (u + one) * glu  # (n, F)
-        out = hidden @ w_down[expert] + b_down[expert]  # (n, D)
-        # a token picks an expert at most once, so these rows are distinct
-        y[tokens] += out * weights[tokens, slot][:, None]  # (n, D)
-        saved.append((expert, tokens, slot, gate, up, s, glu, hidden, out))
+    for expert, tokens, slot in _groups(chosen, params["W_gate"].shape[0]):
+        out, parts = forward(x[tokens], *_expert(params, expert), activation, limit, alpha)  # (n, D)
+        y[tokens] += out * weights[tokens, slot][:, None]  # (n, D): the rows are distinct
+        saved.append((expert, tokens, slot, out, parts))
     return y, saved
 
 
-def experts_backward(grad_y, x, weights, w_gate, w_up, w_down, saved, alpha: float, limit: float):
+def experts_backward(grad_y: np.ndarray, x: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
+                     saved: list, activation: str = "silu", limit: float | None = None, alpha: float = 1.702):
     """Gradients of :func:`experts_forward` with respect to x, the routing weights and every expert parameter.
 
     Returns
     -------
     grad_x : (N, D)
     grad_weights : (N, k)
-    grads : dict with ``W_gate``, ``W_up``, ``W_down``, ``b_gate``, ``b_up``, ``b_down`` (experts without
-    tokens get zeros).
+    grads : dict with a gradient for each of ``params`` (experts without tokens get zeros).
     """
+    backward = _gated_backward if limit is None else _clamped_backward
+    has_bias = "b_gate" in params
     grad_x = np.zeros_like(x)  # (N, D)
     grad_weights = np.zeros_like(weights)  # (N, k)
-    grads = {"W_gate": np.zeros_like(w_gate), "W_up": np.zeros_like(w_up), "W_down": np.zeros_like(w_down),
-             "b_gate": np.zeros(w_gate.shape[::2], x.dtype), "b_up": np.zeros(w_up.shape[::2], x.dtype),
-             "b_down": np.zeros((w_down.shape[0], w_down.shape[2]), x.dtype)}
-    one = x.dtype.type(1)
-    for expert, tokens, slot, gate, up, s, glu, hidden, out in saved:
-        ge = grad_y[tokens]  # (n, D)
-        grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)  # (n,)
-        grad_out = ge * weights[tokens, slot][:, None]  # (n, D)
-        grads["W_down"][expert] = hidden.T @ grad_out  # (F, D)
-        grads["b_down"][expert] = grad_out.sum(axis=0)  # (D,)
-        grad_hidden = grad_out @ w_down[expert].T  # (n, F)
-        g = np.minimum(gate, limit)  # (n, F)
-        u = np.clip(up, -limit, limit)  # (n, F)
-        # torch's clamp passes the gradient where the input lies within the bounds, ends included
-        grad_up = np.where((up >= -limit) & (up <= limit), grad_hidden * glu, 0)  # (n, F)
-        grad_g = grad_hidden * (u + one) * (s + alpha * g * s * (one - s))  # (n, F)
-        grad_gate = np.where(gate <= limit, grad_g, 0)  # (n, F)
-        xe = x[tokens]  # (n, D)
-        grads["W_gate"][expert] = xe.T @ grad_gate  # (D, F)
-        grads["W_up"][expert] = xe.T @ grad_up  # (D, F)
-        grads["b_gate"][expert] = grad_gate.sum(axis=0)  # (F,)
-        grads["b_up"][expert] = grad_up.sum(axis=0)  # (F,)
-        grad_x[tokens] += grad_gate @ w_gate[expert].T + grad_up @ w_up[expert].T  # (n, D)
-    return grad_x, grad_weights, grads
-
-
-def route_backward(grad_weights, x, chosen, weights, w_router, num_experts: int):
-    """Gradients through the softmax over the chosen logits into x and the router.
-
-    Returns
-    -------
-    grad_x : (N, D)
-    grad_w_router : (D, E)
-    grad_b_router : (E,)
-    """
-    grad_top = weights * (grad_weights - np.sum(grad_weights * weights, axis=-1, keepdims=True))  # (N, k)
-    grad_logits = np.zeros((x.shape[0], num_experts), dtype=x.dtype)  # (N, E)
-    np.put_along_axis(grad_logits, chosen, grad_top, axis=-1)
-    return grad_logits @ w_router.T, x.T @ grad_logits, grad_logits.sum(axis=0)  # (N, D), (D, E), (E,)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Softmax routing over every expert (Qwen3-Next / Qwen3-MoE)
-# ----------------------------------------------------------------------------------------------------------
-def route_softmax(x: np.ndarray, w_router: np.ndarray, top_k: int, normalize: bool):
-    """The k experts of largest probability under a softmax over all E router logits, and their weights.
-
-    With ``normalize`` (``norm_topk_prob``) the k probabilities are divided by their sum, which is the softmax
-    over the k chosen logits alone (what :func:`route` computes); without it they are the full softmax's.
-
-    Returns
-    -------
-    chosen : int64 (N, k); weights : (N, k); probs : (N, E), what :func:`route_softmax_backward` needs.
-    """
-    logits = x @ w_router  # (N, E)
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))  # (N, E)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    # a stable sort keeps the lower expert first on ties, as torch.topk does on CPU
-    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]  # (N, k)
-    weights = np.take_along_axis(probs, chosen, axis=-1)  # (N, k)
-    if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return chosen.astype(np.int64), weights, probs
-
-
-def route_softmax_backward(grad_weights, x, chosen, weights, probs, w_router, normalize: bool):
-    """Gradients of :func:`route_softmax` into x (N, D) and the router (D, E)."""
-    if normalize:  # the softmax over the chosen logits: only they receive a gradient
-        grad_top = weights * (grad_weights - np.sum(grad_weights * weights, axis=-1, keepdims=True))  # (N, k)
-        grad_logits = np.zeros_like(probs)  # (N, E)
-        np.put_along_axis(grad_logits, chosen, grad_top, axis=-1)
-    else:  # the full softmax: every logit moves the chosen probabilities
-        grad_probs = np.zeros_like(probs)  # (N, E)
-        np.put_along_axis(grad_probs, chosen, grad_weights, axis=-1)
-        grad_logits = probs * (grad_probs - np.sum(grad_probs * probs, axis=-1, keepdims=True))  # (N, E)
-    return grad_logits @ w_router.T, x.T @ grad_logits  # (N, D), (D, E)
-
-
-def gated_experts_forward(x, chosen, weights, w_gate, w_up, w_down, activation: str = "silu"):
-    """The weighted sum of each token's chosen experts, each a gated MLP without biases.
-
-    Expert e maps its tokens to ``(act(x W_gate[e]) * (x W_up[e])) W_down[e]`` (SwiGLU for silu).
-
-    Parameters
-    ----------
-    x : (N, D)
-    chosen, weights : (N, k), from a router.
-    w_gate, w_up : (E, D, F); w_down : (E, F, D).
-    activation : str
-
-    Returns
-    -------
-    y : (N, D)
-    saved : list of what :func:`gated_experts_backward` needs, one entry per expert with tokens.
-    """
-    y = np.zeros_like(x)  # (N, D)
-    saved = []
-    for expert, tokens, slot in _groups(chosen, w_gate.shape[0]):
-        xe = x[tokens]  # (n, D)
-        out, parts = gated_mlp_forward(xe, w_gate[expert], w_up[expert], w_down[expert],
-                                       activation=activation)  # (n, D)
-        y[tokens] += out * weights[tokens, slot][:, None]  # (n, D): a token picks an expert at most once
-        saved.append((expert, tokens, slot, out, parts))
-    return y, saved
-
-
-def gated_experts_backward(grad_y, x, weights, w_gate, w_up, w_down, saved, activation: str = "silu"):
-    """Gradients of :func:`gated_experts_forward` with respect to x, the routing weights and the experts.
-
-    Returns
-    -------
-    grad_x : (N, D)
-    grad_weights : (N, k)
-    grads : dict with ``W_gate``, ``W_up``, ``W_down`` (experts without tokens get zeros).
-    """
-    grad_x = np.zeros_like(x)  # (N, D)
-    grad_weights = np.zeros_like(weights)  # (N, k)
-    grads = {"W_gate": np.zeros_like(w_gate), "W_up": np.zeros_like(w_up), "W_down": np.zeros_like(w_down)}
+    grads = {name: np.zeros_like(value) for name, value in params.items()}
     for expert, tokens, slot, out, parts in saved:
         ge = grad_y[tokens]  # (n, D)
         grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)  # (n,)
         grad_out = ge * weights[tokens, slot][:, None]  # (n, D)
-        grad_xe, expert_grads = gated_mlp_backward(grad_out, x[tokens], w_gate[expert], w_up[expert],
-                                                   w_down[expert], parts, activation)  # (n, D)
+        w_gate, w_up, w_down = _expert(params, expert)[:3]
+        grad_xe, expert_grads = backward(grad_out, x[tokens], w_gate, w_up, w_down, parts, has_bias, activation,
+                                         limit, alpha)  # (n, D)
         for name, value in expert_grads.items():
             grads[name][expert] = value
         grad_x[tokens] += grad_xe

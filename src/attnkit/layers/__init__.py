@@ -7,9 +7,9 @@
   and the :class:`TransformerEncoder` stack;
 - :class:`TransformerDecoderBlock` (self-attention, cross-attention, feed-forward), the
   :class:`TransformerDecoder` stack and the encoder-decoder :class:`Transformer`;
-- the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`MixtureOfExperts`,
-  :class:`SharedExpertMixture`,
-  :class:`RotaryEmbedding` and :class:`LMBlock` (built on :class:`~attnkit.attention.GroupedQueryAttention`);
+- the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`MixtureOfExperts`
+  (with its :class:`Router`, shaped by an :class:`ExpertsConfig`), :class:`RotaryEmbedding` and :class:`LMBlock`
+  (built on :class:`~attnkit.attention.GroupedQueryAttention`);
 - :class:`GatedDeltaNet`, the linear-attention layer of Qwen3-Next and Qwen3.5, and its
   :class:`GatedDeltaNetCache`; :class:`GatedDeltaNetMixer` is it as a decoder block's token mixer, shaped by a
   :class:`GatedDeltaNetConfig`.
@@ -22,17 +22,18 @@ from .dropout import Dropout
 from .embedding import Embedding
 from .encoder import TransformerEncoder
 from .encoder_block import TransformerEncoderBlock
-from .experts import MixtureOfExperts, SharedExpertMixture, SharedExpertMixtureConfig
+from .experts import ExpertsConfig, MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache, GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
-from .identity import Identity
+from .identity import Identity, Zero
 from .layer_norm import LayerNorm
 from .lm_block import LMBlock, ParallelLMBlock
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .projection import Projection
 from .rms_norm import RMSNorm
 from .rotary import RotaryEmbedding
+from .router import Router
 from .transformer import Transformer
 
 __all__ = [
@@ -40,7 +41,7 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "MixtureOfExperts", "SharedExpertMixture", "SharedExpertMixtureConfig",
-    "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity",
+    "RMSNorm", "GatedMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
+    "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
 ]

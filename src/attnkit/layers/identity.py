@@ -1,11 +1,14 @@
-"""``Identity``: the part a block holds where its architecture has none (a norm it does not place)."""
+"""``Identity`` and ``Zero``: the parts a block holds where its architecture has none (a norm it does not place,
+a branch it does not add)."""
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..core.module import Module
 
-__all__ = ["Identity"]
+__all__ = ["Identity", "Zero"]
 
 
 class Identity(Module):
@@ -37,3 +40,29 @@ class Identity(Module):
     def backward(self, grad_output: Any) -> Any:
         """``grad_output`` itself."""
         return grad_output
+
+
+class Zero(Module):
+    """Returns zeros of its input's shape; its backward returns zeros. No parameters.
+
+    A branch that adds to a sum and is absent from an architecture (a mixture of experts without a shared
+    expert) is a ``Zero``, so the sum reads the same whatever the architecture.
+
+    Shapes
+    ------
+    x : any -> zeros of x's shape and dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> Zero()(np.ones(3)), Zero().backward(np.ones(3))
+    (array([0., 0., 0.]), array([0., 0., 0.]))
+    """
+
+    def forward(self, x: Any) -> Any:
+        """Zeros of ``x``'s shape and dtype."""
+        return np.zeros_like(x)
+
+    def backward(self, grad_output: Any) -> Any:
+        """Zeros of ``grad_output``'s shape and dtype: nothing reaches the input."""
+        return np.zeros_like(grad_output)

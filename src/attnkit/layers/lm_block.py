@@ -21,11 +21,10 @@ from ..attention.latent import MultiHeadLatentAttention
 from ..attention.shared_kv import KVOwnerAttention, KVReaderAttention
 from ..core.module import Module
 from ..init import as_generator, normal
-from .experts import MixtureOfExperts, SharedExpertMixture
+from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
-from .grouped_experts import GroupedExpertsMoE
 from .identity import Identity
 from .layer_norm import LayerNorm
 from .per_layer_input import PerLayerInputBranch
@@ -54,8 +53,7 @@ def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> 
     return MultiHeadLatentAttention(config.latent, layer_index, rng=rng)
 
 
-MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "experts": MixtureOfExperts,
-                                          "shared_experts": SharedExpertMixture, "grouped_experts": GroupedExpertsMoE}
+MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "experts": MixtureOfExperts}
 """The MLP of each kind ``DecoderConfig.mlp_of(layer)`` names: ``build(config, rng=...)``."""
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,

@@ -155,12 +155,13 @@ class CausalLM(Module):
 
         Full names are TransformerLens's: this model's points, ``blocks.{i}.`` and block i's
         (:meth:`LMBlock.hook_points`), ``blocks.{i}.attn.`` and its attention's
-        (:meth:`GroupedQueryAttention.hook_points`). See :func:`attnkit.explain.hooks`.
+        (:meth:`GroupedQueryAttention.hook_points`), ``blocks.{i}.mlp.`` and its MLP's (a mixture of experts':
+        :meth:`MixtureOfExperts.hook_points`). See :func:`attnkit.explain.hooks`.
         """
         embed, final = self.hook_points()[:-1], self.hook_points()[-1]
         points = [(name, self, name) for name in embed]
         for i, layer in enumerate(self.layers):
-            points += block_hook_points(i, layer, layer.attention)
+            points += block_hook_points(i, layer, layer.attention, layer.mlp)
         return points + [(final, self, final)]
 
     @property

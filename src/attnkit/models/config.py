@@ -20,9 +20,8 @@ from ..attention.latent import LatentAttentionConfig
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
-from ..layers.experts import SharedExpertMixtureConfig
+from ..layers.experts import ExpertsConfig
 from ..layers.gated_deltanet import GatedDeltaNetConfig
-from ..layers.grouped_experts import GroupedExpertsConfig
 from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
@@ -242,49 +241,12 @@ class AttentionConfig:
         return None if self.logit_softcap is None else softcap(self.logit_softcap)
 
 
-@dataclass(frozen=True)
-class ExpertsConfig:
-    """A routed mixture of clamped-SwiGLU experts in the MLP's place (gpt-oss; a part of :class:`DecoderConfig`).
-
-    Parameters
-    ----------
-    num_experts : int
-        E, the experts of each layer.
-    per_token : int
-        k <= E, the experts the router picks per token (softmax over their k router logits).
-    swiglu_alpha, swiglu_limit : float, default 1.702 and 7.0
-        The clamped SwiGLU: ``gate`` clamped above at ``limit``, ``up`` to ``[-limit, limit]``,
-        ``(up + 1) * gate * sigmoid(alpha * gate)``.
-
-    Examples
-    --------
-    >>> ExpertsConfig(num_experts=4, per_token=2).swiglu_limit
-    7.0
-    """
-
-    num_experts: int
-    per_token: int
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-
-    def __post_init__(self) -> None:
-        check_positive_int(self.num_experts, "experts.num_experts", maximum=_MAX_SIZE)
-        check_positive_int(self.per_token, "experts.per_token", maximum=_MAX_SIZE)
-        if self.per_token > self.num_experts:
-            raise ValueError(f"experts.per_token ({self.per_token}) must be at most experts.num_experts "
-                             f"({self.num_experts})")
-        _finite_positive(self.swiglu_alpha, "experts.swiglu_alpha")
-        _finite_positive(self.swiglu_limit, "experts.swiglu_limit")
-
-
-MLP_KINDS = ("gated", "plain", "experts")
+MLP_KINDS = ("gated", "plain")
 RESIDUALS = ("sequential", "parallel")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
-          "linear_attention": GatedDeltaNetConfig, "shared_experts": SharedExpertMixtureConfig,
-          "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig, "grouped_experts": GroupedExpertsConfig}
-_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "shared_experts", "layerwise", "latent",
-                   "grouped_experts")
+          "linear_attention": GatedDeltaNetConfig, "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig}
+_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent")
 
 
 @dataclass(frozen=True)
@@ -293,7 +255,7 @@ class DecoderConfig:
 
     The sizes are flat fields; each kind of part (positions, norms, attention, experts) is a small frozen
     dataclass of its own, validated when it is made, and the checks that join them (the rotated features are
-    even, sliding layers have a window, experts go with ``mlp="experts"``) are made here, once. Combinations
+    even, sliding layers have a window, the experts' layers exist) are made here, once. Combinations
     no architecture has (a block without norms, projection-wide q/k norms without q/k norms) cannot be written.
 
     Parameters
@@ -319,9 +281,9 @@ class DecoderConfig:
     max_position_embeddings : int, default 2048
         The longest context the model was trained for (the size of GPT-2's position table).
     activation : {"silu", "gelu", "gelu_tanh", "relu"}, default "silu"
-    mlp : {"gated", "plain", "experts"}, default "gated"
-        ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for silu); ``plain``: ``act(x W1 + b1) W2 + b2``;
-        ``experts``: the routed mixture ``experts`` describes.
+    mlp : {"gated", "plain"}, default "gated"
+        The MLP of the layers without experts: ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for
+        silu); ``plain``: ``act(x W1 + b1) W2 + b2``.
     mlp_bias : bool, default False
         Biases in a gated MLP (a plain MLP always has them).
     residual : {"sequential", "parallel"}, default "sequential"
@@ -335,12 +297,10 @@ class DecoderConfig:
     attention : AttentionConfig
         Biases, q/k norms, scale, soft-cap, sinks and the sliding window of the self-attention.
     experts : ExpertsConfig, optional
-        The mixture of experts, with ``mlp="experts"`` only.
+        The mixture of experts (:class:`~attnkit.layers.experts.MixtureOfExperts`) that is the MLP of the layers
+        it lists (``experts.layers``); with it ``mlp`` must be ``gated``.
     linear_attention : GatedDeltaNetConfig, optional
         The shape of the ``linear_attention`` layers (given exactly when there are some).
-    shared_experts : SharedExpertMixtureConfig, optional
-        Qwen3-Next's routed MLP (softmax-routed SwiGLU experts beside a gated shared expert) on the layers it
-        lists; the other layers keep ``mlp`` (which must be ``gated``).
     embedding_scale : float, default 1.0
         The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32).
     final_logit_softcap : float, optional
@@ -363,10 +323,6 @@ class DecoderConfig:
         attention; its ``hidden_size`` and heads are this config's, ``head_dim`` is its rotary width R,
         ``rotary.interleaved`` its ``rope_interleaved``, the ``attention`` part stays the default (the latent part
         holds its biases and scale), and the cache is a :class:`~attnkit.decoding.cache.LatentCache`.
-    grouped_experts : GroupedExpertsConfig, optional
-        The part that makes the MLP of every layer past ``first_dense_layers`` a
-        :class:`~attnkit.layers.grouped_experts.GroupedExpertsMoE` (group-limited routing and shared experts); the
-        dense layers keep the gated MLP of ``intermediate_size``.
 
     Examples
     --------
@@ -396,7 +352,6 @@ class DecoderConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     experts: ExpertsConfig | None = None
     linear_attention: GatedDeltaNetConfig | None = None
-    shared_experts: SharedExpertMixtureConfig | None = None
     embedding_scale: float = 1.0
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
@@ -406,7 +361,6 @@ class DecoderConfig:
     pad_token_id: int | None = None
     layerwise: LayerwiseConfig | None = None
     latent: LatentAttentionConfig | None = None
-    grouped_experts: GroupedExpertsConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
@@ -440,9 +394,6 @@ class DecoderConfig:
             if not isinstance(value, kind) and not (name in _OPTIONAL_PARTS and value is None):
                 expected = f"a {kind.__name__}" + (" or None" if name in _OPTIONAL_PARTS else "")
                 raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
-        if (self.mlp == "experts") != (self.experts is not None):
-            raise ValueError(f"experts (an ExpertsConfig) goes with mlp='experts' and only with it, got "
-                             f"mlp={self.mlp!r} and experts={self.experts!r}")
         latent, rotary = self.latent, self.rotary
         if latent is not None:
             if (latent.hidden_size, latent.num_heads) != (self.hidden_size, self.num_heads):
@@ -456,9 +407,6 @@ class DecoderConfig:
             if self.attention != AttentionConfig():
                 raise ValueError(f"latent attention takes no setting of the attention part (its biases, scale and "
                                  f"window are the latent part's), got {self.attention}")
-        if self.grouped_experts is not None and (self.mlp != "gated" or self.mlp_bias):
-            raise ValueError("grouped_experts needs mlp='gated' without mlp_bias (its dense layers and experts "
-                             "are gated MLPs without biases)")
 
     def _check_rotary(self) -> None:
         if self.rotary is None:
@@ -492,10 +440,11 @@ class DecoderConfig:
         if ("linear_attention" in types) != (self.linear_attention is not None):
             raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
                              f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
-        moe = self.shared_experts
+        moe = self.experts
         if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp != "gated"):
-            raise ValueError(f"shared_experts.layers must be layer indices below num_layers ({self.num_layers}) "
-                             f"and the other layers' mlp 'gated', got {moe.layers} and {self.mlp!r}")
+            raise ValueError(f"experts.layers must be layer indices below num_layers ({self.num_layers}) and the "
+                             f"other layers' mlp 'gated' (experts are gated MLPs), got {moe.layers} and "
+                             f"{self.mlp!r}")
         object.__setattr__(self, "layer_types", types)
 
     def to_dict(self) -> dict[str, Any]:
@@ -561,12 +510,9 @@ class DecoderConfig:
         return self.rotary.sliding() if self.window_of(layer) is not None else self.rotary
 
     def mlp_of(self, layer: int) -> str:
-        """The kind of layer ``layer``'s MLP: ``"shared_experts"`` on the layers ``shared_experts`` lists,
-        ``"grouped_experts"`` past the ``grouped_experts`` part's dense layers, else ``mlp``."""
-        if self.shared_experts is not None and layer in self.shared_experts.layers:
-            return "shared_experts"
-        return "grouped_experts" if self.grouped_experts is not None and self.grouped_experts.routed(layer) \
-            else self.mlp
+        """The kind of layer ``layer``'s MLP: ``"experts"`` on the layers the ``experts`` part lists, else
+        ``mlp``."""
+        return "experts" if self.experts is not None and layer in self.experts.layers else self.mlp
 
     def head_dim_of(self, layer: int) -> int:
         """Dh of layer ``layer``: ``head_dim``, or the ``layerwise`` part's for its global layers."""

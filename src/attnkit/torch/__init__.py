@@ -47,16 +47,16 @@ from .layers import (
     Embedding,
     FeedForward,
     GatedMLP,
-    GroupedExpertsMoE,
-    GroupLimitedRouter,
+    GatedSharedExpert,
     Identity,
     LayerNorm,
     MixtureOfExperts,
     Projection,
     RMSNorm,
     RotaryEmbedding,
-    SharedExpertMixture,
+    Router,
     SinusoidalPositionalEncoding,
+    Zero,
 )
 from .layerwise import (
     KVOwnerAttention,
@@ -70,10 +70,10 @@ from .models import CausalLM, Seq2SeqTransformer
 
 __all__ = [
     "from_numpy", "to_numpy",
-    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "GroupLimitedRouter", "GroupedExpertsMoE",
+    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
     "Embedding", "Projection",
-    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity",
-    "SharedExpertMixture", "GatedDeltaNet", "GatedDeltaNetMixer",
+    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero",
+    "GatedDeltaNet", "GatedDeltaNetMixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",

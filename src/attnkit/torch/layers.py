@@ -17,19 +17,19 @@ import torch
 
 from .. import layers as _layers
 from ..kernels import rotary as _rotary
+from ..layers.experts import GatedSharedExpert as _GatedSharedExpert
 from ..layers.experts import MixtureOfExperts as _MixtureOfExperts
-from ..layers.experts import SharedExpertMixture as _SharedExpertMixture
 from ..layers.gated_mlp import GatedMLP as _GatedMLP
-from ..layers.group_router import GroupLimitedRouter as _GroupLimitedRouter
-from ..layers.grouped_experts import GroupedExpertsMoE as _GroupedExpertsMoE
 from ..layers.identity import Identity as _Identity
+from ..layers.identity import Zero as _Zero
 from ..layers.rms_norm import RMSNorm as _RMSNorm
 from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
+from ..layers.router import Router as _Router
 from ._twin import TwinModule, as_tensor
 
-__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "MixtureOfExperts", "SharedExpertMixture",
-           "GroupLimitedRouter", "GroupedExpertsMoE", "Embedding", "Projection", "Dropout", "Identity",
-           "SinusoidalPositionalEncoding", "RotaryEmbedding", "activation"]
+__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
+           "Embedding", "Projection", "Dropout", "Identity", "Zero", "SinusoidalPositionalEncoding",
+           "RotaryEmbedding", "activation"]
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -159,9 +159,61 @@ class GatedMLP(TwinModule):
         return _linear(gate * _linear(x, self.W_up, b[1]), self.W_down, b[2])  # (..., D)
 
 
+class Router(TwinModule):
+    """Twin of :class:`attnkit.layers.router.Router`: the logits ``x W_router (+ b_router)``, then the named rule
+    (:mod:`attnkit.kernels.routing`). The choice is made without gradient (``torch.topk`` indices); the weights
+    carry it.
+
+    Shapes
+    ------
+    x (..., D) -> (chosen (..., k) int64, weights (..., k)).
+
+    Examples
+    --------
+    >>> from attnkit.models import ExpertsConfig
+    >>> part = ExpertsConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=4, layers=(0,),
+    ...                      router="sigmoid_group_topk", n_group=4, topk_group=2)
+    >>> [t.shape for t in Router(4, part, rng=0)(torch.ones(3, 4, dtype=torch.float64))]
+    [torch.Size([3, 2]), torch.Size([3, 2])]
+    """
+
+    numpy_class = _Router
+
+    def setup(self, source) -> None:
+        for name in ("top_k", "rule", "normalize", "scaling", "n_group", "topk_group"):
+            setattr(self, name, getattr(source, name))
+
+    def _sigmoid_group_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(logits)  # (N, E)
+        with torch.no_grad():
+            corrected = scores + self.e_score_correction_bias.to(scores.dtype)  # (N, E)
+            grouped = corrected.reshape(logits.shape[0], self.n_group, -1)  # (N, G, E/G)
+            kept = torch.topk(torch.topk(grouped, 2, dim=-1).values.sum(-1), self.topk_group, dim=-1).indices
+            in_kept = torch.zeros(grouped.shape[:2], dtype=torch.bool).scatter_(1, kept, True)  # (N, G)
+            candidates = corrected.masked_fill(~in_kept.repeat_interleave(grouped.shape[-1], dim=-1), -torch.inf)
+            chosen = torch.topk(candidates, self.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(1, chosen)  # (N, k)
+        return chosen, weights / (weights.sum(-1, keepdim=True) + 1e-20) if self.normalize else weights
+
+    def _softmax_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)  # (N, k) each
+        return chosen, weights / weights.sum(dim=-1, keepdim=True) if self.normalize else weights
+
+    def _topk_softmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)  # (N, k) each, largest first
+        return chosen, torch.softmax(top, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        logits = _linear(flat, self.W_router.to(flat.dtype), getattr(self, "b_router", None))  # (N, E)
+        chosen, weights = getattr(self, f"_{self.rule}")(logits)  # (N, k) each
+        lead = x.shape[:-1]
+        return chosen.reshape(*lead, self.top_k), (weights * self.scaling).reshape(*lead, self.top_k)
+
+
 class MixtureOfExperts(TwinModule):
-    """Twin of :class:`attnkit.layers.experts.MixtureOfExperts`: top-k routing, a softmax over the chosen
-    logits, clamped-SwiGLU experts, each run over the tokens routed to it.
+    """Twin of :class:`attnkit.layers.experts.MixtureOfExperts`: the router's k experts per token (gated MLPs, or
+    gpt-oss's clamped SwiGLU), each run over the tokens routed to it and weighed, plus the shared expert.
 
     Shapes
     ------
@@ -170,9 +222,10 @@ class MixtureOfExperts(TwinModule):
     Examples
     --------
     >>> from attnkit.models import DecoderConfig, ExpertsConfig
+    >>> part = ExpertsConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=5, layers=(0,),
+    ...                      router="topk_softmax", router_bias=True, expert_bias=True, swiglu_limit=7.0)
     >>> cfg = DecoderConfig(family="gpt_oss", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="experts",
-    ...                     experts=ExpertsConfig(num_experts=3, per_token=2))
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, experts=part)
     >>> MixtureOfExperts(cfg, rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
     torch.Size([2, 3, 4])
     """
@@ -180,146 +233,43 @@ class MixtureOfExperts(TwinModule):
     numpy_class = _MixtureOfExperts
 
     def setup(self, source) -> None:
-        self.num_experts, self.top_k = source.num_experts, source.top_k
-        self.alpha, self.limit = source.alpha, source.limit
+        self.activation, self.limit, self.alpha = source.activation, source.limit, source.alpha
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # (N, D)
-        logits = flat @ self.W_router + self.b_router  # (N, E)
-        top, chosen = torch.topk(logits, self.top_k, dim=-1)  # (N, k) each, largest first
-        weights = torch.softmax(top, dim=-1)  # (N, k)
-        y = torch.zeros_like(flat)  # (N, D)
-        for expert in range(self.num_experts):  # each expert over its own tokens
-            tokens, slot = torch.where(chosen == expert)  # (n,) each
-            if tokens.numel() == 0:
-                continue
-            xe = flat[tokens]  # (n, D)
-            gate = (xe @ self.W_gate[expert] + self.b_gate[expert]).clamp(max=self.limit)  # (n, F)
-            up = (xe @ self.W_up[expert] + self.b_up[expert]).clamp(-self.limit, self.limit)  # (n, F)
+    def _expert(self, xe: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e`` over its tokens (n, D) -> (n, D)."""
+        bias = [getattr(self, name)[e] if hasattr(self, name) else None for name in ("b_gate", "b_up", "b_down")]
+        gate, up = _linear(xe, self.W_gate[e], bias[0]), _linear(xe, self.W_up[e], bias[1])  # (n, F) each
+        if self.limit is None:
+            hidden = activation(gate, self.activation) * up  # (n, F)
+        else:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)  # (n, F) each
             hidden = (up + 1) * gate * torch.sigmoid(self.alpha * gate)  # (n, F)
-            out = hidden @ self.W_down[expert] + self.b_down[expert]  # (n, D)
-            y = y.index_add(0, tokens, out * weights[tokens, slot, None])  # (N, D)
-        return y.reshape(x.shape)
-
-
-class SharedExpertMixture(TwinModule):
-    """Twin of :class:`attnkit.layers.experts.SharedExpertMixture`: the top-k of a softmax over all router logits
-    (renormalised with ``norm_topk_prob``), SwiGLU experts each run over the tokens routed to it, and the shared
-    expert scaled by ``sigmoid(x W_shared_gate)``.
-
-    Shapes
-    ------
-    x (..., D) -> (..., D).
-
-    Examples
-    --------
-    >>> from attnkit.layers import SharedExpertMixtureConfig
-    >>> from attnkit.models import DecoderConfig
-    >>> cfg = DecoderConfig(family="qwen3_next", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6,
-    ...                     shared_experts=SharedExpertMixtureConfig(3, 2, 5, 7, layers=(0,)))
-    >>> SharedExpertMixture(cfg, rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
-    torch.Size([2, 3, 4])
-    """
-
-    numpy_class = _SharedExpertMixture
-
-    def setup(self, source) -> None:
-        self.num_experts, self.top_k, self.normalize = source.num_experts, source.top_k, source.normalize
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # (N, D)
-        probs = torch.softmax(flat @ self.W_router, dim=-1)  # (N, E)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each, largest first
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)  # (N, k)
-        y = torch.sigmoid(flat @ self.W_shared_gate) * self.shared_expert(flat)  # (N, D)
-        for expert in range(self.num_experts):  # each expert over its own tokens
-            tokens, slot = torch.where(chosen == expert)  # (n,) each
-            if tokens.numel() == 0:
-                continue
-            xe = flat[tokens]  # (n, D)
-            hidden = F.silu(xe @ self.W_gate[expert]) * (xe @ self.W_up[expert])  # (n, F)
-            y = y.index_add(0, tokens, (hidden @ self.W_down[expert]) * weights[tokens, slot, None])  # (N, D)
-        return y.reshape(x.shape)
-
-
-class GroupLimitedRouter(TwinModule):
-    """Twin of :class:`attnkit.layers.group_router.GroupLimitedRouter`: sigmoid scores, the k experts of largest
-    bias-corrected score within the best groups, weighed by their uncorrected scores. The choice is made without
-    gradient (``torch.topk`` indices); the weights carry it.
-
-    Shapes
-    ------
-    x (..., D) -> (chosen (..., k) int64, weights (..., k)).
-
-    Examples
-    --------
-    >>> router = GroupLimitedRouter(4, num_experts=8, top_k=2, num_groups=4, topk_groups=2, rng=0)
-    >>> [t.shape for t in router(torch.ones(3, 4, dtype=torch.float64))]
-    [torch.Size([3, 2]), torch.Size([3, 2])]
-    """
-
-    numpy_class = _GroupLimitedRouter
-
-    def setup(self, source) -> None:
-        for name in ("num_experts", "top_k", "num_groups", "topk_groups", "normalize", "scaling"):
-            setattr(self, name, getattr(source, name))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = x.reshape(-1, x.shape[-1])  # (N, D)
-        scores = torch.sigmoid(flat @ self.W_router.to(flat.dtype))  # (N, E)
-        with torch.no_grad():
-            corrected = scores + self.e_score_correction_bias.to(scores.dtype)  # (N, E)
-            grouped = corrected.reshape(flat.shape[0], self.num_groups, -1)  # (N, G, E/G)
-            kept = torch.topk(torch.topk(grouped, 2, dim=-1).values.sum(-1), self.topk_groups, dim=-1).indices
-            in_kept = torch.zeros(grouped.shape[:2], dtype=torch.bool).scatter_(1, kept, True)  # (N, G)
-            candidates = corrected.masked_fill(~in_kept.repeat_interleave(grouped.shape[-1], dim=-1), -torch.inf)
-            chosen = torch.topk(candidates, self.top_k, dim=-1).indices  # (N, k)
-        weights = scores.gather(1, chosen)  # (N, k)
-        if self.normalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # (N, k)
-        weights = weights * self.scaling
-        lead = x.shape[:-1]
-        return chosen.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
-
-
-class GroupedExpertsMoE(TwinModule):
-    """Twin of :class:`attnkit.layers.grouped_experts.GroupedExpertsMoE`: the router's k gated experts per token,
-    weighed, plus the shared experts' gated MLP.
-
-    Shapes
-    ------
-    x (..., D) -> (..., D).
-
-    Examples
-    --------
-    >>> from attnkit.layers.grouped_experts import GroupedExpertsConfig
-    >>> from attnkit.models import DecoderConfig
-    >>> part = GroupedExpertsConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=3)
-    >>> cfg = DecoderConfig(family="deepseek_v3", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, grouped_experts=part)
-    >>> GroupedExpertsMoE(cfg, rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
-    torch.Size([2, 3, 4])
-    """
-
-    numpy_class = _GroupedExpertsMoE
-
-    def setup(self, source) -> None:
-        self.activation = source.activation
+        return _linear(hidden, self.W_down[e], bias[2])  # (n, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, D)
         chosen, weights = self.router(flat)  # (N, k) each
-        y = self.shared_experts(flat)  # (N, D)
+        y = self.shared_expert(flat)  # (N, D)
         for expert in range(self.W_gate.shape[0]):  # each expert over its own tokens
             tokens, slot = torch.where(chosen == expert)  # (n,) each
             if tokens.numel() == 0:
                 continue
-            xe = flat[tokens]  # (n, D)
-            hidden = activation(xe @ self.W_gate[expert], self.activation) * (xe @ self.W_up[expert])  # (n, F)
-            y = y.index_add(0, tokens, (hidden @ self.W_down[expert]) * weights[tokens, slot, None])  # (N, D)
+            y = y.index_add(0, tokens, self._expert(flat[tokens], expert) * weights[tokens, slot, None])  # (N, D)
         return y.reshape(x.shape)
+
+
+class GatedSharedExpert(GatedMLP):
+    """Twin of :class:`attnkit.layers.experts.GatedSharedExpert`: ``sigmoid(x W_shared_gate) * mlp(x)``.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+    """
+
+    numpy_class = _GatedSharedExpert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x @ self.W_shared_gate) * super().forward(x)  # (..., D)
 
 
 class Embedding(TwinModule):
@@ -489,3 +439,12 @@ class Identity(TwinModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class Zero(TwinModule):
+    """Twin of :class:`attnkit.layers.identity.Zero`: zeros of its input's shape."""
+
+    numpy_class = _Zero
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)

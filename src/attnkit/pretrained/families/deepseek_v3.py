@@ -13,18 +13,19 @@ Checkpoint (under ``model.``): Llama's, with ``self_attn.{q_a_proj, q_a_layernor
 ``self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}`` (biases on ``q_a_proj``,
 ``kv_a_proj_with_mqa`` and ``o_proj`` with ``attention_bias``) and, in the expert layers, ``mlp.gate.weight``,
 ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{j}.{gate,up,down}_proj`` for each expert j (one tensor per
-expert on disk, as DeepSeek publishes them and transformers saves them; in memory transformers stacks them into
-``gate_up_proj`` and ``down_proj``) and ``mlp.shared_experts.{gate,up,down}_proj``.
+expert on disk, as DeepSeek publishes them and transformers saves them, Qwen3-MoE's layout; in memory
+transformers stacks them into ``gate_up_proj`` and ``down_proj``) and ``mlp.shared_experts.{gate,up,down}_proj``
+(attnkit's one ``shared_expert`` of width ``n_shared_experts * moe_intermediate_size``).
 """
 from __future__ import annotations
 
 from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
-from ...layers.grouped_experts import GroupedExpertsConfig
-from ...models.config import DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
-from .llama import BENCHMARK_SHAPE, gated_mlp_tensors
+from .llama import BENCHMARK_SHAPE
+from .qwen3_moe import mlp_tensors
 
 __all__ = ["FAMILY"]
 
@@ -59,7 +60,8 @@ def _latent(read: Reader, hidden: int, heads: int, scaling: dict | None) -> Late
         rope_interleaved=read.bool("rope_interleave", True), attention_scale=yarn_softmax_scale(nope + rope, scaling))
 
 
-def _grouped_experts(read: Reader) -> GroupedExpertsConfig:
+def _experts(read: Reader, layers: int) -> ExpertsConfig | None:
+    """The mixture of the layers from ``first_k_dense_replace`` on (None when there are none)."""
     for key, value in _FIXED.items():
         if read.raw(key, value) != value:
             raise ValueError(f"{read.family} config: {key!r} must be {value!r} (the routing attnkit and "
@@ -69,14 +71,17 @@ def _grouped_experts(read: Reader) -> GroupedExpertsConfig:
     if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
         raise ValueError(f"{read.family} config: 'first_k_dense_replace' must be a non-negative integer, got "
                          f"{first_dense!r}")
+    width = _read_int(read, "moe_intermediate_size")
+    if first_dense >= layers:
+        return None
     try:
-        return GroupedExpertsConfig(
+        return ExpertsConfig(
             num_experts=experts, num_experts_per_tok=_read_int(read, "num_experts_per_tok"),
-            expert_intermediate_size=_read_int(read, "moe_intermediate_size"),
-            num_shared_experts=_read_int(read, "n_shared_experts"), num_groups=_read_int(read, "n_group"),
-            topk_groups=_read_int(read, "topk_group"), normalize_weights=read.bool("norm_topk_prob", True),
+            moe_intermediate_size=width, layers=tuple(range(first_dense, layers)), router="sigmoid_group_topk",
+            n_group=_read_int(read, "n_group"), topk_group=_read_int(read, "topk_group"),
+            norm_topk_prob=read.bool("norm_topk_prob", True),
             routed_scaling_factor=read.float("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
-            first_dense_layers=first_dense)
+            shared_expert_intermediate_size=_read_int(read, "n_shared_experts") * width)
     except ValueError as error:
         raise ValueError(f"{read.family} config: {error}") from None
 
@@ -105,7 +110,7 @@ def _read_config(read: Reader) -> DecoderConfig:
         bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
         pad_token_id=read.token_ids("pad_token_id", None, many=False),
-        latent=latent, grouped_experts=_grouped_experts(read))
+        latent=latent, experts=_experts(read, layers))
 
 
 def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
@@ -132,26 +137,6 @@ def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     return maps
 
 
-def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str, layer: int) -> list[TensorMap]:
-    part = cfg.grouped_experts
-    if not part.routed(layer):
-        return gated_mlp_tensors(cfg, hf, ak)
-    d, f, e = cfg.hidden_size, part.expert_intermediate_size, part.num_experts
-    hf, ak = hf + "mlp.", ak + "mlp."
-    shared = part.num_shared_experts * f
-    maps = [TensorMap(hf + "gate.weight", (e, d), (ak + "router.W_router",), "transpose"),
-            TensorMap(hf + "gate.e_score_correction_bias", (e,), (ak + "router.e_score_correction_bias",), "copy")]
-    for j in range(e):  # one tensor per expert on disk, one (E, ...) stack per matrix in attnkit
-        maps += [TensorMap(f"{hf}experts.{j}.{proj}.weight", shape, (f"{ak}W_{name}",), "transpose",
-                           stack_index=j, stack_size=e)
-                 for proj, shape, name in (("gate_proj", (f, d), "gate"), ("up_proj", (f, d), "up"),
-                                           ("down_proj", (d, f), "down"))]
-    return maps + [TensorMap(f"{hf}shared_experts.{proj}.weight", shape, (f"{ak}shared_experts.W_{name}",),
-                             "transpose")
-                   for proj, shape, name in (("gate_proj", (shared, d), "gate"), ("up_proj", (shared, d), "up"),
-                                             ("down_proj", (d, shared), "down"))]
-
-
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """Llama's embedding, norms and head around each layer's latent attention and MLP (dense or experts)."""
     d, v = cfg.hidden_size, cfg.vocab_size
@@ -161,7 +146,7 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
         maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
         maps += _attention_tensors(cfg, hf, ak)
         maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
-        maps += _mlp_tensors(cfg, hf, ak, i)
+        maps += mlp_tensors(cfg, hf, ak, shared="shared_experts")
     maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
     if not cfg.tie_word_embeddings:
         maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))

@@ -39,10 +39,12 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
         raise ValueError(f"gpt_oss config: 'num_experts_per_tok' ({top_k}) exceeds 'num_local_experts' ({experts})")
     attention = AttentionConfig(bias=bias, output_bias=bias, sinks=True,
                                 sliding_window=window if "sliding_attention" in types else None)
-    return dict(attention=attention, layer_types=types, mlp="experts",
-                experts=ExpertsConfig(num_experts=experts, per_token=top_k,
-                                      swiglu_alpha=read.float("swiglu_alpha", 1.702),
-                                      swiglu_limit=read.float("swiglu_limit", 7.0)))
+    return dict(attention=attention, layer_types=types,
+                experts=ExpertsConfig(num_experts=experts, num_experts_per_tok=top_k,
+                                      moe_intermediate_size=read.int("intermediate_size"), layers=tuple(range(layers)),
+                                      router="topk_softmax", router_bias=True, expert_bias=True,
+                                      swiglu_limit=read.float("swiglu_limit", 7.0),
+                                      swiglu_alpha=read.float("swiglu_alpha", 1.702)))
 
 
 def _read_config(read: Reader) -> DecoderConfig:
@@ -56,7 +58,7 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     """Llama's tensors with the router and experts in each MLP's place."""
 
     def experts(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-        d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.experts.num_experts
+        d, f, e = cfg.hidden_size, cfg.experts.moe_intermediate_size, cfg.experts.num_experts
         hf, ak = hf + "mlp.", ak + "mlp."
 
         def matrix(name: str, shape: tuple[int, ...], targets: tuple[str, ...], layout: str) -> TensorMap:
@@ -65,8 +67,8 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
                                  scales=f"{hf}experts.{name}_scales")
             return TensorMap(f"{hf}experts.{name}", shape, targets, layout)
 
-        return [TensorMap(hf + "router.weight", (e, d), (ak + "W_router",), "transpose"),
-                TensorMap(hf + "router.bias", (e,), (ak + "b_router",), "copy"),
+        return [TensorMap(hf + "router.weight", (e, d), (ak + "router.W_router",), "transpose"),
+                TensorMap(hf + "router.bias", (e,), (ak + "router.b_router",), "copy"),
                 matrix("gate_up_proj", (e, d, 2 * f), (ak + "W_gate", ak + "W_up"), "interleaved_split"),
                 TensorMap(hf + "experts.gate_up_proj_bias", (e, 2 * f), (ak + "b_gate", ak + "b_up"),
                           "interleaved_split"),
