@@ -83,3 +83,22 @@ def test_linear_decode_benchmark_times_both_layers_at_every_context(capsys):
     assert all(t > 0 for t in figures["attnkit_gdn_us"] + figures["attnkit_attention_us"])
     out = capsys.readouterr().out
     assert out.startswith("# machine: ") and "transformers" not in out.split("\n", 6)[-1]
+
+
+def test_the_speculative_benchmark_measures_every_method_against_plain_decoding():
+    import argparse
+
+    import numpy as np
+
+    from attnkit.benchmarks import speculative
+    from attnkit.models import CausalLM, DecoderConfig
+
+    lm = CausalLM(DecoderConfig(family="llama", vocab_size=20, hidden_size=16, num_layers=4, num_heads=2,
+                                num_kv_heads=1, head_dim=8, intermediate_size=24), rng=0)
+    args = argparse.Namespace(new=12, rounds=2, lookup=4, early_exit=None)
+    ids = np.array([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
+    rows = speculative._measure(lm, ids, speculative._methods(lm, args, draft=lm), args)
+    assert list(rows) == ["plain", "prompt lookup (4)", "early exit (1 of 4 layers)", "draft model"]
+    assert rows["plain"]["speedup"] == 1.0 and rows["draft model"]["acceptance"] == 1.0  # the model drafts itself
+    assert all(row["equal"] == 1.0 and row["tokens_per_s"] > 0 for row in rows.values())
+    assert set(speculative.PROMPTS) == {"edit", "document", "chat"}

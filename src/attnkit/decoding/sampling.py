@@ -504,6 +504,8 @@ def _proposer(model: Any, o: dict[str, Any], assistant_model: Any) -> Proposer |
                          "sequence's length (longrope): a draft could cross the change")
     if o["prompt_lookup_num_tokens"] is not None:
         return PromptLookup(o["prompt_lookup_num_tokens"], o["max_matching_ngram_size"] or 2)
+    if isinstance(assistant_model, Proposer):
+        return assistant_model
     if assistant_model is None:
         early_exit = getattr(model, "early_exit", None)
         if early_exit is None:
@@ -731,9 +733,11 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
         prefix of ``input_ids`` it holds and can go back to (any length for attention layers; a marked one for
         recurrent states, see :meth:`~attnkit.decoding.cache.KVCache.mark`), only the rest is prefilled, and it
         is left holding the prompt and the new tokens (all but the last). Not with beam search.
-    assistant_model : CausalLM, optional
+    assistant_model : CausalLM or Proposer, optional
         A draft model with the same tokenizer, for speculative decoding
-        (:class:`~attnkit.decoding.speculative.DraftModel`).
+        (:class:`~attnkit.decoding.speculative.DraftModel`), or a
+        :class:`~attnkit.decoding.speculative.Proposer` of one's own (its ``proposed`` and ``kept`` counts tell
+        the acceptance rate afterwards).
     **options
         The generation options above.
 

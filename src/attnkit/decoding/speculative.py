@@ -47,12 +47,19 @@ class Proposer:
 
     ``propose(sequences, mask)`` -> (B, K) int64 drafts for every row, or None for no draft this round;
     ``accepted(count, proposed)`` after the round: how many of the K were kept (the fewest over the rows).
-    This base class pauses after rounds that keep nothing; subclasses implement :meth:`_draft`.
+    This base class pauses after rounds that keep nothing; subclasses implement :meth:`_draft`. A proposer can be
+    passed to ``generate`` as ``assistant_model``.
+
+    Attributes
+    ----------
+    proposed, kept : int
+        Draft tokens proposed and kept so far (their ratio is the acceptance rate).
     """
 
     def __init__(self) -> None:
         self._failures = 0
         self._quiet = 0
+        self.proposed = self.kept = 0
 
     def propose(self, sequences: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
         """Drafts (B, K) to continue ``sequences`` (B, T) (``mask`` (B, T), ``True`` = real token), or None."""
@@ -63,6 +70,8 @@ class Proposer:
 
     def accepted(self, count: int, proposed: int) -> None:
         """Learn that ``count`` of the ``proposed`` draft tokens were kept."""
+        self.proposed += proposed
+        self.kept += count
         if count:
             self._failures = 0
             return
