@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .gated_mlp import gated_mlp_backward, gated_mlp_forward
+from .packed import expert_product
 
 __all__ = ["experts_backward", "experts_forward", "gated_experts_backward", "gated_experts_forward", "route",
            "route_backward", "route_softmax", "route_softmax_backward"]
@@ -87,15 +88,15 @@ def experts_forward(x, chosen, weights, w_gate, w_up, w_down, b_gate, b_up, b_do
     one, half = x.dtype.type(1), x.dtype.type(0.5)
     for expert, tokens, slot in _groups(chosen, w_gate.shape[0]):
         xe = x[tokens]  # (n, D)
-        gate = xe @ w_gate[expert] + b_gate[expert]  # (n, F)
-        up = xe @ w_up[expert] + b_up[expert]  # (n, F)
+        gate = expert_product(xe, w_gate, expert) + b_gate[expert]  # (n, F)
+        up = expert_product(xe, w_up, expert) + b_up[expert]  # (n, F)
         g = np.minimum(gate, limit)  # (n, F)
         u = np.clip(up, -limit, limit)  # (n, F)
         # sigmoid(alpha * g) through tanh, which cannot overflow for a very negative gate
         s = half + half * np.tanh((half * alpha) * g)  # (n, F)
         glu = g * s  # (n, F)
         hidden = (u + one) * glu  # (n, F)
-        out = hidden @ w_down[expert] + b_down[expert]  # (n, D)
+        out = expert_product(hidden, w_down, expert) + b_down[expert]  # (n, D)
         # a token picks an expert at most once, so these rows are distinct
         y[tokens] += out * weights[tokens, slot][:, None]  # (n, D)
         saved.append((expert, tokens, slot, gate, up, s, glu, hidden, out))
