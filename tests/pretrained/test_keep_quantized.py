@@ -153,6 +153,12 @@ def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path):
     assert _rel(packed(ids, mask)[mask], dense(ids, mask)[mask]) <= TOL
     options = dict(max_new_tokens=5, eos_token_id=[], pad_token_id=0)
     np.testing.assert_array_equal(packed.generate(ids, mask, **options), dense.generate(ids, mask, **options))
+    ids = np.array([[3, 9, 4, 17, 2]])
+    dense, packed = load_causal_lm(folder, np.float64), load_causal_lm(folder, np.float64, keep_quantized=True)
+    assert _rel(gradient_x_input(packed, ids), gradient_x_input(dense, ids)) <= 1e-10
+    logits = packed(ids)
+    with pytest.raises(TypeError, match=r"parameter 'W_\w+' is a packed MXFP4 weight \(kept quantized\)"):
+        packed.backward(np.ones_like(logits))
 
 
 def test_loading_packed_mxfp4_experts_costs_about_the_folders_size(tmp_path):

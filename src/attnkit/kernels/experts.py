@@ -103,41 +103,49 @@ def experts_forward(x, chosen, weights, w_gate, w_up, w_down, b_gate, b_up, b_do
     return y, saved
 
 
-def experts_backward(grad_y, x, weights, w_gate, w_up, w_down, saved, alpha: float, limit: float):
+def experts_backward(grad_y, x, weights, w_gate, w_up, w_down, saved, alpha: float, limit: float,
+                     need_weights: bool = True):
     """Gradients of :func:`experts_forward` with respect to x, the routing weights and every expert parameter.
+
+    With ``need_weights=False`` only x's and the routing weights' are formed (the expert matrices may then be
+    packed, :func:`~attnkit.kernels.packed.expert_product`).
 
     Returns
     -------
     grad_x : (N, D)
     grad_weights : (N, k)
     grads : dict with ``W_gate``, ``W_up``, ``W_down``, ``b_gate``, ``b_up``, ``b_down`` (experts without
-    tokens get zeros).
+    tokens get zeros); empty with ``need_weights=False``.
     """
     grad_x = np.zeros_like(x)  # (N, D)
     grad_weights = np.zeros_like(weights)  # (N, k)
-    grads = {"W_gate": np.zeros_like(w_gate), "W_up": np.zeros_like(w_up), "W_down": np.zeros_like(w_down),
-             "b_gate": np.zeros(w_gate.shape[::2], x.dtype), "b_up": np.zeros(w_up.shape[::2], x.dtype),
-             "b_down": np.zeros((w_down.shape[0], w_down.shape[2]), x.dtype)}
+    grads = {} if not need_weights else {
+        "W_gate": np.zeros(w_gate.shape, w_gate.dtype), "W_up": np.zeros(w_up.shape, w_up.dtype),
+        "W_down": np.zeros(w_down.shape, w_down.dtype),
+        "b_gate": np.zeros(w_gate.shape[::2], x.dtype), "b_up": np.zeros(w_up.shape[::2], x.dtype),
+        "b_down": np.zeros((w_down.shape[0], w_down.shape[2]), x.dtype)}
     one = x.dtype.type(1)
     for expert, tokens, slot, gate, up, s, glu, hidden, out in saved:
         ge = grad_y[tokens]  # (n, D)
         grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)  # (n,)
         grad_out = ge * weights[tokens, slot][:, None]  # (n, D)
-        grads["W_down"][expert] = hidden.T @ grad_out  # (F, D)
-        grads["b_down"][expert] = grad_out.sum(axis=0)  # (D,)
-        grad_hidden = grad_out @ w_down[expert].T  # (n, F)
+        grad_hidden = expert_product(grad_out, w_down, expert, transpose=True)  # (n, F)
         g = np.minimum(gate, limit)  # (n, F)
         u = np.clip(up, -limit, limit)  # (n, F)
         # torch's clamp passes the gradient where the input lies within the bounds, ends included
         grad_up = np.where((up >= -limit) & (up <= limit), grad_hidden * glu, 0)  # (n, F)
         grad_g = grad_hidden * (u + one) * (s + alpha * g * s * (one - s))  # (n, F)
         grad_gate = np.where(gate <= limit, grad_g, 0)  # (n, F)
-        xe = x[tokens]  # (n, D)
-        grads["W_gate"][expert] = xe.T @ grad_gate  # (D, F)
-        grads["W_up"][expert] = xe.T @ grad_up  # (D, F)
-        grads["b_gate"][expert] = grad_gate.sum(axis=0)  # (F,)
-        grads["b_up"][expert] = grad_up.sum(axis=0)  # (F,)
-        grad_x[tokens] += grad_gate @ w_gate[expert].T + grad_up @ w_up[expert].T  # (n, D)
+        if need_weights:
+            xe = x[tokens]  # (n, D)
+            grads["W_down"][expert] = hidden.T @ grad_out  # (F, D)
+            grads["b_down"][expert] = grad_out.sum(axis=0)  # (D,)
+            grads["W_gate"][expert] = xe.T @ grad_gate  # (D, F)
+            grads["W_up"][expert] = xe.T @ grad_up  # (D, F)
+            grads["b_gate"][expert] = grad_gate.sum(axis=0)  # (F,)
+            grads["b_up"][expert] = grad_up.sum(axis=0)  # (F,)
+        grad_x[tokens] += (expert_product(grad_gate, w_gate, expert, transpose=True)
+                           + expert_product(grad_up, w_up, expert, transpose=True))  # (n, D)
     return grad_x, grad_weights, grads
 
 

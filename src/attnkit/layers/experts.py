@@ -104,11 +104,12 @@ class MixtureOfExperts(Module):
         g = check_grad_output(grad_output, shape, flat.dtype, "MixtureOfExperts").reshape(flat.shape)  # (N, D)
         p = self._parameters
         grad_x, grad_weights, grads = _experts.experts_backward(g, flat, weights, p["W_gate"], p["W_up"],
-                                                                p["W_down"], saved, self.alpha, self.limit)
+                                                                p["W_down"], saved, self.alpha, self.limit,
+                                                                need_weights=self.grads.wanted)
         grad_xr, grads["W_router"], grads["b_router"] = _experts.route_backward(
             grad_weights, flat, chosen, weights, p["W_router"], self.num_experts)  # (N, D)
         for name, value in grads.items():
-            self.grads[name] += value
+            self.grads.add(name, value)
         return (grad_x + grad_xr).reshape(shape)
 
 
