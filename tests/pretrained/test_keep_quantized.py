@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 import gguf_models as gm  # noqa: E402
 from attnkit.cli import main  # noqa: E402
-from attnkit.explain import gradient_x_input, logit_lens  # noqa: E402
+from attnkit.explain import direct_logit_attribution, gradient_x_input, logit_lens  # noqa: E402
 from attnkit.kernels._threads import default_num_threads  # noqa: E402
 from attnkit.kernels.packed import PackedWeight  # noqa: E402
 from attnkit.pretrained import load, load_causal_lm  # noqa: E402
@@ -101,6 +101,8 @@ def test_float64_and_the_input_gradients_of_a_packed_model(wide):
     assert _rel(packed(ids), dense(ids)) <= 1e-12
     assert _rel(gradient_x_input(packed, ids), gradient_x_input(dense, ids)) <= 1e-10
     np.testing.assert_array_equal(logit_lens(packed, ids).token_ids, logit_lens(dense, ids).token_ids)
+    ours, theirs = direct_logit_attribution(packed, ids, 7), direct_logit_attribution(dense, ids, 7)
+    assert all(_rel(ours[k], theirs[k]) <= 1e-10 for k in ("heads", "mlp", "logit"))
     logits = packed(ids)
     with pytest.raises(TypeError, match=r"parameter '\w+' is a packed Q4_K weight \(kept quantized\): it has no "
                                         r"gradient"):
@@ -185,6 +187,8 @@ def test_keep_quantized_is_a_flag(wide):
 
 
 def test_the_model_commands_take_keep_quantized(wide, capsys):
+    """generate prints the same tokens with and without it; explain's page (attributions, direct logit
+    attribution, patching, generation) is made from a packed model."""
     model, root = wide
     path = root / "cli_Q4_0.gguf"
     _write(model, path, gm.Q.Q4_0)
@@ -193,5 +197,10 @@ def test_the_model_commands_take_keep_quantized(wide, capsys):
         assert main(["generate", str(path), "--ids", "1,2,3", "--max-new-tokens", "4", "--json", *flags]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and '"new_ids"' in outputs[0]
+    page = root / "cli_Q4_0.html"
+    assert main(["explain", str(path), "--ids", "1,2,3,4,5", "--corrupt-ids", "1,2,9,4,5", "--generate", "2",
+                 "--html", str(page), "--keep-quantized"]) == 0
+    assert page.stat().st_size > 10_000
+    capsys.readouterr()
     assert main(["bench", "attention", "--keep-quantized"]) == 2
     assert "--keep-quantized belongs to attnkit bench runtime MODEL" in capsys.readouterr().err

@@ -46,9 +46,13 @@ PACKED_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": 
 # Values dequantized at once by one product's task: 128K float32 (512 KiB), a cache-sized scratch, and enough
 # work per task that the Python around each block is a small part of it.
 _BLOCK_VALUES = 1 << 17
-# A product of a weight of fewer values runs on the calling thread alone (handing a block to a thread costs
-# about 0.1 ms).
+# A product runs its blocks on attnkit's threads when the weight has this many values (decoding them is the
+# work) or it has this many multiply-adds (a long prompt's); below both, on the calling thread (handing a block
+# to a thread costs about 0.1 ms). Either way BLAS runs one thread per block: a block's product is small, and
+# OpenBLAS's own threads woken for each of a weight's blocks made a 256-row product 10x slower on a busy
+# machine (27 ms against 2.4 ms for the same weight dense).
 _SPLIT_VALUES = 1 << 19
+_SPLIT_WORK = 1 << 25
 
 
 def _decode_q8_0(rows: np.ndarray, out: np.ndarray) -> None:
@@ -285,7 +289,8 @@ def packed_product(a: np.ndarray, w: PackedWeight) -> np.ndarray:
     rows, columns = w.blocks.shape[0], w.columns
     step = max(1, _BLOCK_VALUES // columns)
     starts = list(range(0, rows, step))
-    workers = 1 if rows * columns < _SPLIT_VALUES or in_worker() else min(default_num_threads(), len(starts))
+    large = rows * columns >= _SPLIT_VALUES or a.shape[0] * rows * columns >= _SPLIT_WORK
+    workers = min(default_num_threads(), len(starts)) if large and not in_worker() else 1
     scratch = [np.empty((min(step, rows), columns), np.float32) for _ in range(workers)]  # (block, C) each
     if w.transposed:
         out = np.empty((a.shape[0], rows), dtype)  # (M, R)
@@ -300,11 +305,8 @@ def packed_product(a: np.ndarray, w: PackedWeight) -> np.ndarray:
         else:
             partial[worker] += a[:, start:start + len(stored)] @ values  # (M, C)
 
-    if workers > 1 and a.shape[0]:
-        run_tasks(starts, block, workers)
-    elif a.shape[0]:  # on the calling thread, BLAS keeping its own threads (a long prompt's product uses them)
-        for start in starts:
-            block(start, 0)
+    if a.shape[0]:
+        run_tasks(starts, block, workers)  # one worker: the calling thread, BLAS on one thread
     if w.transposed:
         return out
     return partial[0] if workers == 1 else np.sum(partial, axis=0)  # (M, C)

@@ -603,13 +603,17 @@ def _dequantize(gguf: Any, tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
     return out
 
 
-def _packed_tensor(tensor: Any) -> PackedWeight | None:
-    """A quantized matrix's blocks as a packed weight of its stored rows, copied out of the mapped file (a model
-    must not depend on the file staying as it is); None for a float type or a vector, which stay dense."""
+def _packed_tensor(fh: Any, tensor: Any) -> PackedWeight | None:
+    """A quantized matrix's blocks as a packed weight of its stored rows, read from the open file into an array
+    of their own (a model must not depend on the file staying as it is, and a plain read leaves no mapped page
+    resident); None for a float type or a vector, which stay dense."""
     kind = tensor.tensor_type.name
     if kind not in PACKED_FORMATS or len(tensor.shape) != 2:
         return None
-    rows = np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1)  # (R, bytes per row)
+    rows = np.empty((int(tensor.shape[1]), int(tensor.n_bytes) // int(tensor.shape[1])), np.uint8)  # (R, bytes)
+    fh.seek(int(tensor.data_offset))
+    if fh.readinto(memoryview(rows).cast("B")) != rows.nbytes:  # the header check saw it inside the file
+        raise ValueError(f"{fh.name}: tensor {tensor.name!r} was cut short while it was read")
     return PackedWeight(rows, kind, int(tensor.shape[0]))  # (R, C) as stored
 
 
@@ -631,17 +635,18 @@ def pack_gguf_tensors(file: GGUFFile, entries: dict[str, _Entry], config: Decode
     name, and the entries left for :func:`load_gguf_tensors_into` (F32/F16/BF16 tensors, vectors, and any
     matrix whose layout would cut its blocks).
 
-    Memory: the packed blocks, about the file's size (each tensor copied once out of the mapped file).
+    Memory: the packed blocks, about the file's size (each tensor read once, with plain reads).
     """
     packed: dict[str, PackedWeight] = {}
     dense: dict[str, _Entry] = {}
-    for name, entry in entries.items():
-        weight = _packed_tensor(file.tensors[name])
-        parts = None if weight is None else entry.mapping.convert_packed(_fixed_packed(weight, entry, config))
-        if parts is None:
-            dense[name] = entry
-        else:
-            packed.update(parts)
+    with open(file.path, "rb") as fh:
+        for name, entry in entries.items():
+            weight = _packed_tensor(fh, file.tensors[name])
+            parts = None if weight is None else entry.mapping.convert_packed(_fixed_packed(weight, entry, config))
+            if parts is None:
+                dense[name] = entry
+            else:
+                packed.update(parts)
     return packed, dense
 
 
