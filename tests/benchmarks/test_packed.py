@@ -20,3 +20,10 @@ def test_command_line_needs_a_file_or_make(capsys):
     with pytest.raises(SystemExit) as exc:
         packed.parse_args([])
     assert exc.value.code == 2 and "give a FILE or --make PATH" in capsys.readouterr().err
+
+
+def test_the_decoder_timing_names_every_own_decoder(capsys):
+    speeds = packed.decoder_speeds(rounds=1, rows=8, columns=512)
+    assert set(speeds) == {"Q8_0", "Q4_0", "Q4_K", "Q6_K"}
+    assert all(v["attnkit"] > 0 and v["gguf"] > 0 for v in speeds.values())
+    assert "Q4_K: attnkit" in capsys.readouterr().out

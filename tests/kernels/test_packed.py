@@ -57,14 +57,16 @@ def test_rows_decode_to_gguf_dequantize_bit_for_bit(kind):
                                   gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_the_own_decoders_agree_with_gguf_on_any_finite_scale(kind):
-    """Random bytes: every code, negative and tiny scales (float16 subnormals) and large ones."""
+    """Random bytes: every code and sub-scale, negative and tiny float16 scales (subnormals) and large ones."""
     rng = np.random.default_rng(1)
     values, size = PACKED_FORMATS[kind]
-    blocks = rng.integers(0, 256, size=(64 * 8, size), dtype=np.uint8)
-    scales = np.concatenate([rng.uniform(-2, 2, 300), rng.uniform(-6e-5, 6e-5, 100), rng.uniform(-6e4, 6e4, 112)])
-    blocks[:, :2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    blocks = rng.integers(0, 256, size=(512, size), dtype=np.uint8)
+    for offset in gm.K_QUANT_SCALES.get(gguf.GGMLQuantizationType[kind], (0,)):
+        scales = np.concatenate([rng.uniform(-2, 2, 300), rng.uniform(-6e-5, 6e-5, 100),
+                                 rng.uniform(-6e4, 6e4, 112)])
+        blocks[:, offset:offset + 2] = rng.permutation(scales).astype(np.float16).view(np.uint8).reshape(-1, 2)
     rows = blocks.reshape(64, -1)
     with np.errstate(over="ignore"):
         expected = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[kind])

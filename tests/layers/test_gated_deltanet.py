@@ -281,3 +281,21 @@ def test_input_projections_out_of_their_group_take_a_product_each():
     split(x)
     with split.input_gradients_only():
         np.testing.assert_allclose(split.backward(g), grad_x, rtol=0, atol=1e-12)
+
+
+def test_a_packed_input_projection_gives_the_exact_input_gradient():
+    """A packed (quantized) W_z has no storage to concatenate with the others: the forward and the input gradient
+    take its product alone and equal a dense layer holding its dequantized values."""
+    gguf = pytest.importorskip("gguf")
+    from attnkit.kernels.packed import PackedWeight
+
+    width = 32  # rows of whole Q8_0 blocks
+    dense, packed = (GatedDeltaNet(width, HK, HV, DK, DV, rng=4).astype(np.float64) for _ in range(2))
+    blocks = gguf.quants.quantize(np.ascontiguousarray(dense.W_z.T, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    packed.set_parameter("W_z", PackedWeight(blocks, "Q8_0", width, transposed=True))
+    dense.W_z = packed.W_z.dequantize()
+    rng = make_rng(8)
+    x, g = randn(rng, 2, 5, width), randn(rng, 2, 5, width)
+    np.testing.assert_allclose(packed(x), dense(x), rtol=0, atol=1e-12)
+    with packed.input_gradients_only():
+        np.testing.assert_allclose(packed.backward(g), dense.backward(g), rtol=0, atol=1e-12)

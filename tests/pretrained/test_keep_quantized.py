@@ -84,6 +84,8 @@ def test_every_layout_llama_cpp_writes_stays_packed(name, qtype, tmp_path):
     if name == "phi3":
         assert "layers.0.mlp.W_up" in names and "layers.0.mlp.W_down" not in names
     assert _rel(packed(ids, mask)[mask], dense(ids, mask)[mask]) <= 1e-12
+    # the input gradient through every layer kind (GPT-2's plain MLP formed its weights' gradients even here)
+    assert _rel(gradient_x_input(packed, ids[:1]), gradient_x_input(dense, ids[:1])) <= 1e-10
     dense, packed = load_causal_lm(path), load_causal_lm(path, keep_quantized=True)
     options = dict(max_new_tokens=5, eos_token_id=[], pad_token_id=0)
     np.testing.assert_array_equal(packed.generate(ids, mask, **options), dense.generate(ids, mask, **options))

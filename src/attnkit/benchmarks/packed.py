@@ -13,6 +13,7 @@ Usage::
 
     python -m attnkit.benchmarks.packed --make /tmp/smol-q4_0.gguf --type Q4_0   # write the file, then measure
     python -m attnkit.benchmarks.packed FILE.gguf --rounds 3
+    python -m attnkit.benchmarks.packed --decoders   # attnkit's block decoders against gguf's
 
 ``--make`` writes a Llama file of SmolLM2-135M's shape (30 layers, width 576, 9 query and 3 key/value heads, MLP
 1536, vocabulary 49152, tied head) with random N(0, 0.02^2) weights, quantized by ``gguf.quants.quantize`` and
@@ -25,6 +26,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ import numpy as np
 
 from .machine import describe, machine_info
 
-__all__ = ["main", "parse_args", "run", "make_gguf", "SMOLLM2_135M"]
+__all__ = ["main", "parse_args", "run", "make_gguf", "decoder_speeds", "SMOLLM2_135M"]
 
 SMOLLM2_135M = dict(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, vocab=49152, context=2048)
 
@@ -73,6 +75,41 @@ print(json.dumps({"keep_quantized": keep, "interpreter_MiB": before, "peak_MiB":
 """
 
 
+# Where each own decoder's float16 scales lie in its block.
+_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def decoder_speeds(rounds: int = 20, rows: int = 64, columns: int = 2048) -> dict[str, dict[str, float]]:
+    """Million values a second decoded into float32 by attnkit's own decoders and by ``gguf.quants.dequantize``,
+    on the same random blocks, best of ``rounds`` alternating the two. The default is one block of a product
+    (``rows`` x ``columns`` = 128K values, the float32 in L2), the size a product decodes at a time."""
+    import gguf
+
+    from ..kernels.packed import _DECODERS
+
+    rng = np.random.default_rng(0)
+    speeds = {}
+    for kind in (k for k in _DECODERS if k != "MXFP4"):
+        qtype = gguf.GGMLQuantizationType[kind]
+        values, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (rows, columns // values * size), dtype=np.uint8)
+        for offset in _SCALE_BYTES[kind]:  # finite float16 scales, random codes
+            data.reshape(-1, size)[:, offset:offset + 2] = np.full(1, 0.01, np.float16).view(np.uint8)
+        out = np.empty((rows, columns), np.float32)
+        best = {"attnkit": np.inf, "gguf": np.inf}
+        for _ in range(rounds):
+            start = time.perf_counter()
+            _DECODERS[kind](data, out)
+            best["attnkit"] = min(best["attnkit"], time.perf_counter() - start)
+            start = time.perf_counter()
+            gguf.quants.dequantize(data, qtype)
+            best["gguf"] = min(best["gguf"], time.perf_counter() - start)
+        speeds[kind] = {name: rows * columns / t / 1e6 for name, t in best.items()}
+        print(f"{kind}: attnkit {speeds[kind]['attnkit']:.0f} Mvalues/s, gguf {speeds[kind]['gguf']:.0f} Mvalues/s "
+              f"({speeds[kind]['attnkit'] / speeds[kind]['gguf']:.1f}x)", flush=True)
+    return speeds
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line."""
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.packed", description=__doc__.split("\n")[0])
@@ -83,8 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running both loads (default 3)")
     p.add_argument("--prefill", type=int, default=256, help="prefill length (default 256)")
     p.add_argument("--new", type=int, default=8, help="greedy tokens per decode run, at least 2 (default 8)")
+    p.add_argument("--decoders", action="store_true",
+                   help="only time attnkit's own block decoders against gguf's (no file needed)")
     args = p.parse_args(argv)
-    if (args.file is None) == (args.make is None):
+    if not args.decoders and (args.file is None) == (args.make is None):
         p.error("give a FILE or --make PATH")
     if args.rounds < 1 or args.prefill < 1 or args.new < 2:
         p.error("--rounds and --prefill must be at least 1, --new at least 2")
@@ -100,7 +139,7 @@ def make_gguf(path: str | Path, kind: str = "Q4_0", shape: dict[str, int] | None
     d, f, head_dim = s["hidden"], s["intermediate"], s["hidden"] // s["heads"]
     qtype = gguf.GGMLQuantizationType[kind]
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     writer.add_name("random SmolLM2-135M shape")
     for add, value in ((writer.add_context_length, s["context"]), (writer.add_embedding_length, d),
                        (writer.add_block_count, s["layers"]), (writer.add_feed_forward_length, f),
@@ -169,7 +208,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.decoders:
+        for line in describe(machine_info()):
+            print(line)
+        decoder_speeds()
+    else:
+        run(args)
     return 0
 
 

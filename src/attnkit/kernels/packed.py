@@ -19,10 +19,11 @@ and used as it is stored (``transposed=False``). ``.T`` swaps the two views with
 
 Formats, by name (values per block, bytes per block): the GGML types of ``gguf.GGML_QUANT_SIZES``, decoded by
 ``gguf.quants.dequantize`` (the ``gguf`` package, attnkit's ``pretrained`` extra, which every file holding them
-needs anyway), except Q4_0 and Q8_0, decoded here (bit for bit gguf's values, 3-4x faster: the measurement is in
-``docs/benchmarks.md``); and ``"MXFP4"``, gpt-oss's blocks as Hugging Face stores them (codes low nibble first),
-each block's scale byte put before its 16 code bytes (17 bytes a block), decoded by
-:func:`attnkit.kernels.mxfp4.dequantize_mxfp4`.
+needs anyway), except Q4_0, Q8_0, Q4_K and Q6_K (the types of llama.cpp's Q4_0, Q8_0 and Q4_K_M files), decoded
+here: bit for bit gguf's values, about twice as fast on a product's blocks (Q6_K: 1.5x; ``docs/benchmarks.md``).
+And ``"MXFP4"``, gpt-oss's blocks as
+Hugging Face stores them (codes low nibble first), each block's scale byte put before its 16 code bytes (17 bytes
+a block), decoded by :func:`attnkit.kernels.mxfp4.dequantize_mxfp4`.
 
 Dimension letters: M rows of the activations, R stored rows, C values per stored row, E experts, N looked-up ids.
 """
@@ -75,6 +76,48 @@ def _decode_q4_0(rows: np.ndarray, out: np.ndarray) -> None:
     values *= scale[:, :, None]
 
 
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and eight 6-bit minimums of a Q4_K / Q5_K block's 12 bytes (ggml's
+    ``get_scale_min_k4``), each (blocks, 8) uint8."""
+    first, second, both = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]  # (blocks, 4) each
+    scales = np.concatenate([first & 0x3F, (both & 0x0F) | ((first >> 2) & 0x30)], axis=-1)  # (blocks, 8)
+    minimums = np.concatenate([second & 0x3F, (both >> 4) | ((second >> 2) & 0x30)], axis=-1)  # (blocks, 8)
+    return scales, minimums
+
+
+def _decode_q4_k(rows: np.ndarray, out: np.ndarray) -> None:
+    """Q4_K: per block of 256 values (144 bytes) a float16 scale and minimum, 6-bit scales and minimums of its
+    eight sub-blocks of 32, then 128 bytes whose 32-byte chunk j holds sub-block 2j in its low nibbles and 2j + 1
+    in its high ones; value = scale * sub-scale * code - minimum * sub-minimum."""
+    blocks = rows.reshape(-1, 144)  # (blocks, 144)
+    n = blocks.shape[0]
+    scale = blocks[:, 0:2].view(np.float16).astype(np.float32)  # (blocks, 1)
+    minimum = blocks[:, 2:4].view(np.float16).astype(np.float32)  # (blocks, 1)
+    sub_scales, sub_minimums = _k_scales(blocks[:, 4:16])  # (blocks, 8)
+    codes = blocks[:, 16:].reshape(n, 4, 32)  # (blocks, chunk, 32)
+    values = out.reshape(n, 4, 2, 32)  # (blocks, chunk, low/high, 32)
+    np.bitwise_and(codes, 15, out=values[:, :, 0], casting="unsafe")
+    np.right_shift(codes, 4, out=values[:, :, 1], casting="unsafe")
+    subs = out.reshape(n, 8, 32)  # (blocks, sub-block, 32)
+    subs *= (scale * sub_scales.astype(np.float32))[:, :, None]
+    subs -= (minimum * sub_minimums.astype(np.float32))[:, :, None]
+
+
+def _decode_q6_k(rows: np.ndarray, out: np.ndarray) -> None:
+    """Q6_K: per block of 256 values (210 bytes) the low 4 bits of each code (128 bytes), the high 2 bits (64),
+    16 int8 sub-scales and a float16 scale; value = scale * sub-scale * (code - 32). The codes are assembled in
+    uint8 (a quarter of a float pass each) and scaled in one float pass."""
+    blocks = rows.reshape(-1, 210)  # (blocks, 210)
+    n = blocks.shape[0]
+    low = blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)  # (n, 2, 2, 64)
+    high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    codes = (low & np.uint8(15)).reshape(n, 8, 32) | ((high & np.uint8(3)).reshape(n, 8, 32) << np.uint8(4))
+    signed = codes.view(np.int8) - np.int8(32)  # (blocks, 8, 32) in [-32, 31]
+    scale = blocks[:, 208:210].view(np.float16).astype(np.float32)  # (blocks, 1)
+    sub_scales = blocks[:, 192:208].view(np.int8).astype(np.float32)  # (blocks, 16)
+    np.multiply(signed.reshape(n, 16, 16), (scale * sub_scales)[:, :, None], out=out.reshape(n, 16, 16))
+
+
 def _decode_mxfp4(rows: np.ndarray, out: np.ndarray) -> None:
     """MXFP4 as packed here: per block of 17 bytes, the E8M0 scale then 16 bytes of codes, low nibble first."""
     blocks = rows.reshape(rows.shape[0], -1, 17)  # (n, G, 17)
@@ -90,7 +133,8 @@ def _decode_gguf(kind: str, rows: np.ndarray, out: np.ndarray) -> None:
     out[...] = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[kind])
 
 
-_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "MXFP4": _decode_mxfp4}
+_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_K": _decode_q4_k, "Q6_K": _decode_q6_k,
+             "MXFP4": _decode_mxfp4}
 
 
 def decode_rows(kind: str, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -198,7 +242,7 @@ class PackedWeight:
         return int(self.blocks.nbytes)
 
     @property
-    def T(self) -> PackedWeight:  # noqa: N802 - NumPy's name
+    def T(self) -> PackedWeight:
         """The transpose of a matrix (the same blocks, read the other way)."""
         if self.ndim != 2:
             raise ValueError(f"only a packed matrix has .T; this one has shape {self.shape}")
