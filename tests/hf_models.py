@@ -252,6 +252,43 @@ def saved_model(name: str, root: Path):
     return _CACHE[name]
 
 
+def mxfp4_pair(rng, experts, rows, cols):
+    """Random MXFP4 blocks (E, R, C / 32, 16) and scales (E, R, C / 32) of weights about 2^-4 .. 2^-2."""
+    blocks = rng.integers(0, 256, size=(experts, rows, cols // 32, 16), dtype=np.uint8)
+    scales = rng.integers(127 - 6, 127 - 3, size=(experts, rows, cols // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+def mxfp4_folder(name: str, root: Path, target: Path, edit=None) -> Path:
+    """A copy of the saved ``SPECS[name]`` folder with every expert matrix stored as random MXFP4 blocks and
+    scales, as gpt-oss is published (:func:`mxfp4_copy`)."""
+    return mxfp4_copy(saved_model(name, root)[0], target, edit)
+
+
+def mxfp4_copy(folder: Path, target: Path, edit=None) -> Path:
+    """A copy of a saved gpt-oss ``folder`` with every expert matrix stored as random MXFP4 blocks and scales, as
+    gpt-oss is published; ``edit(tensors)`` may change the tensors before they are written."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    e, d, f = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    rng = np.random.default_rng(11)
+    for i in range(config["num_hidden_layers"]):
+        base = f"model.layers.{i}.mlp.experts."
+        for matrix, rows, cols in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
+            del tensors[base + matrix]
+            blocks, scales = mxfp4_pair(rng, e, rows, cols)  # C // 32 blocks, as the header check expects
+            tensors[base + matrix + "_blocks"], tensors[base + matrix + "_scales"] = blocks, scales
+    if edit is not None:
+        edit(tensors)
+    target.mkdir()
+    save_file(tensors, str(target / "model.safetensors"))
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
 def positions_from_mask(mask: np.ndarray) -> np.ndarray:
     """Position ids of a left-padded batch: cumulative count of real tokens - 1, clipped at 0."""
     return np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)

@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_generator", "xavier_uniform", "uniform_fan_in", "normal", "empty_init", "empty_init_dtype"]
+__all__ = ["as_generator", "xavier_uniform", "uniform_fan_in", "normal", "empty_init", "empty_init_dtype",
+           "empty_init_placeholders", "uninitialised", "is_placeholder"]
 
 _STATE = threading.local()  # one setting per thread: a loader in one thread leaves models built elsewhere alone
 
 
 @contextlib.contextmanager
-def empty_init(dtype: Any = np.float32) -> Iterator[None]:
+def empty_init(dtype: Any = np.float32, *, placeholders: bool = False) -> Iterator[None]:
     """Build modules with uninitialised parameters of ``dtype``: for loaders that overwrite every weight.
 
     Inside the block the initialisers here return ``np.empty`` arrays of ``dtype`` and
@@ -31,9 +32,15 @@ def empty_init(dtype: Any = np.float32) -> Iterator[None]:
     weights' memory and no more. The parameters hold garbage until the caller fills them (like
     ``torch.nn.utils.skip_init``).
 
+    With ``placeholders=True`` nothing is allocated at all: each parameter is a placeholder of its shape and
+    dtype (a read-only view of one element), for a loader that gives some parameters storage of another kind
+    (packed weights, :meth:`~attnkit.core.Module.set_parameter`) and then the rest theirs
+    (:meth:`~attnkit.core.Module.allocate_parameters`).
+
     Parameters
     ----------
     dtype : numpy float dtype, default float32
+    placeholders : bool, default False
 
     Examples
     --------
@@ -46,17 +53,37 @@ def empty_init(dtype: Any = np.float32) -> Iterator[None]:
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
-    previous = getattr(_STATE, "dtype", None)
-    _STATE.dtype = dtype
+    previous = getattr(_STATE, "dtype", None), getattr(_STATE, "placeholders", False)
+    _STATE.dtype, _STATE.placeholders = dtype, bool(placeholders)
     try:
         yield
     finally:
-        _STATE.dtype = previous
+        _STATE.dtype, _STATE.placeholders = previous
 
 
 def empty_init_dtype() -> np.dtype | None:
     """The dtype of an active :func:`empty_init` block in this thread, else None."""
     return getattr(_STATE, "dtype", None)
+
+
+def empty_init_placeholders() -> bool:
+    """Whether an active :func:`empty_init` block in this thread asked for placeholders."""
+    return getattr(_STATE, "placeholders", False)
+
+
+def uninitialised(shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` to be overwritten: ``np.empty``, or in a ``placeholders`` block of
+    :func:`empty_init` a placeholder (one element seen at every index, read-only: no memory) when it has more
+    than one element."""
+    if empty_init_placeholders() and int(np.prod(shape)) > 1:
+        return np.broadcast_to(np.empty((), dtype), shape)
+    return np.empty(shape, dtype)
+
+
+def is_placeholder(array: Any) -> bool:
+    """Whether ``array`` is a placeholder of :func:`uninitialised` (every stride zero, more than one element:
+    never a parameter's own storage)."""
+    return isinstance(array, np.ndarray) and array.size > 1 and not any(array.strides)
 
 RandomSource = np.random.Generator | int | None
 
@@ -92,7 +119,7 @@ def xavier_uniform(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.nd
     ((4, 2), True)
     """
     if (empty := empty_init_dtype()) is not None:
-        return np.empty((fan_in, fan_out), empty)
+        return uninitialised((fan_in, fan_out), empty)
     limit = np.sqrt(6.0 / (fan_in + fan_out))
     return rng.uniform(-limit, limit, size=(fan_in, fan_out))  # (In, Out)
 
@@ -106,7 +133,7 @@ def uniform_fan_in(rng: np.random.Generator, fan_in: int, shape: tuple[int, ...]
     True
     """
     if (empty := empty_init_dtype()) is not None:
-        return np.empty(shape, empty)
+        return uninitialised(shape, empty)
     limit = 1.0 / np.sqrt(fan_in)
     return rng.uniform(-limit, limit, size=shape)
 
@@ -120,5 +147,5 @@ def normal(rng: np.random.Generator, shape: tuple[int, ...] | int, std: float = 
     (16, 8)
     """
     if (empty := empty_init_dtype()) is not None:
-        return np.empty(shape, empty)
+        return uninitialised(shape, empty)
     return rng.normal(0.0, std, size=shape)

@@ -113,7 +113,7 @@ def test_bench_runtime_passes_its_options_and_writes_the_figures(tmp_path, monke
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert main(["bench", "runtime", str(gguf), "--threads", "2", "--prefill", "64", "--new", "5", "--repeats", "4",
-                 "--llama-bench", sys.executable, "--out", str(tmp_path / "out")]) == 0
+                 "--llama-bench", sys.executable, "--keep-quantized", "--out", str(tmp_path / "out")]) == 0
     assert seen == {"model": str(gguf), "threads": 2, "prefill": 64, "new": 5, "batches": [1], "repeats": 4,
-                    "llama_bench": sys.executable}
+                    "llama_bench": sys.executable, "keep_quantized": True}
     assert json.loads((tmp_path / "out" / "runtime-benchmark.json").read_text()) == figures

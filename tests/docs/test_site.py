@@ -29,7 +29,7 @@ def _causal_lm_files(root: pathlib.Path) -> None:
     GGUF files of the same model under the guide's names."""
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
+    gguf = pytest.importorskip("gguf")
     import torch
     from gguf_models import write_gguf
     from text_models import write_chat_tokenizer
@@ -44,6 +44,7 @@ def _causal_lm_files(root: pathlib.Path) -> None:
     model.save_pretrained(folder)
     for name in ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "model.gguf"):
         write_gguf(model, root / name)
+    write_gguf(model, root / "model-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
 
 
 # Pages whose examples open files: made in the test's folder before the page runs.

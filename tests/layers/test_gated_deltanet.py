@@ -260,3 +260,42 @@ def test_token_weights_draw_on_a_scale_centred_on_zero():
     image = fig.axes[0].images[0]
     np.testing.assert_allclose(image.get_array(), weights[0, 0])
     assert image.get_clim() == (-largest, largest) and weights.min() < 0
+
+
+def test_input_projections_out_of_their_group_take_a_product_each():
+    """A projection given storage of its own (set_parameter: a loader's, or a packed weight) ends the fused W_in;
+    forward and backward then take a product per projection (the backward used to concatenate the four weights)
+    and agree with the fused layer's."""
+    rng = make_rng(7)
+    fused, split = _layer(rng=3), _layer(rng=3)
+    split.set_parameter("W_z", split.W_z.copy())
+    assert fused.fused_parameter("W_in") is not None and split.fused_parameter("W_in") is None
+    x, g = randn(rng, 2, 5, D), randn(rng, 2, 5, D)
+    np.testing.assert_allclose(split(x), fused(x), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(split.backward(g), fused.backward(g), rtol=0, atol=1e-12)
+    for name in ("W_qkv", "W_z", "W_b", "W_a"):
+        np.testing.assert_allclose(split.grads[name], fused.grads[name], rtol=0, atol=1e-12)
+    fused(x)
+    with fused.input_gradients_only():
+        grad_x = fused.backward(g)
+    split(x)
+    with split.input_gradients_only():
+        np.testing.assert_allclose(split.backward(g), grad_x, rtol=0, atol=1e-12)
+
+
+def test_a_packed_input_projection_gives_the_exact_input_gradient():
+    """A packed (quantized) W_z has no storage to concatenate with the others: the forward and the input gradient
+    take its product alone and equal a dense layer holding its dequantized values."""
+    gguf = pytest.importorskip("gguf")
+    from attnkit.kernels.packed import PackedWeight
+
+    width = 32  # rows of whole Q8_0 blocks
+    dense, packed = (GatedDeltaNet(width, HK, HV, DK, DV, rng=4).astype(np.float64) for _ in range(2))
+    blocks = gguf.quants.quantize(np.ascontiguousarray(dense.W_z.T, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    packed.set_parameter("W_z", PackedWeight(blocks, "Q8_0", width, transposed=True))
+    dense.W_z = packed.W_z.dequantize()
+    rng = make_rng(8)
+    x, g = randn(rng, 2, 5, width), randn(rng, 2, 5, width)
+    np.testing.assert_allclose(packed(x), dense(x), rtol=0, atol=1e-12)
+    with packed.input_gradients_only():
+        np.testing.assert_allclose(packed.backward(g), dense.backward(g), rtol=0, atol=1e-12)

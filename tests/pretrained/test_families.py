@@ -15,7 +15,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.pretrained import load_causal_lm, supported_model_types  # noqa: E402
 from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E402
-from hf_models import edit_config, left_padded_batch, positions_from_mask, saved_model  # noqa: E402
+from hf_models import (  # noqa: E402
+    edit_config,
+    left_padded_batch,
+    mxfp4_folder,
+    mxfp4_pair,
+    positions_from_mask,
+    saved_model,
+)
 
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
@@ -118,13 +125,6 @@ def test_supported_model_types_lists_the_new_families():
     assert families <= set(supported_model_types())
 
 
-def _mxfp4_pair(rng, experts, rows, cols):
-    """Random MXFP4 blocks (E, R, C / 32, 16) and scales (E, R, C / 32) of weights about 2^-4 .. 2^-2."""
-    blocks = rng.integers(0, 256, size=(experts, rows, cols // 32, 16), dtype=np.uint8)
-    scales = rng.integers(127 - 6, 127 - 3, size=(experts, rows, cols // 32), dtype=np.uint8)
-    return blocks, scales
-
-
 def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
     """gpt-oss is published with MXFP4 experts: a folder holding blocks and scales (and a quantization_config)
     loads into the same logits as transformers' float model with its own dequantization of those bytes."""
@@ -141,7 +141,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
     for i in range(cfg.num_hidden_layers):
         base = f"model.layers.{i}.mlp.experts."
         for name, rows, cols in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
-            blocks, scales = _mxfp4_pair(rng, e, rows, cols)
+            blocks, scales = mxfp4_pair(rng, e, rows, cols)
             weight = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
                                                 dtype=torch.float32)  # (E, C, R) as transformers multiplies
             with torch.no_grad():
@@ -161,32 +161,6 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
     assert err < 2e-6, err
 
 
-def _quantized_folder(name, hf_root, target, edit=None):
-    """A copy of the saved ``name`` folder with every expert matrix stored as random MXFP4 blocks and scales,
-    as gpt-oss is published; ``edit(tensors)`` may change the tensors before they are written."""
-    from safetensors.numpy import load_file, save_file
-
-    folder, hf = saved_model(name, hf_root)
-    cfg = hf.config
-    e, d, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-    tensors = load_file(str(folder / "model.safetensors"))
-    rng = np.random.default_rng(11)
-    for i in range(cfg.num_hidden_layers):
-        base = f"model.layers.{i}.mlp.experts."
-        for matrix, rows, cols in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
-            del tensors[base + matrix]
-            blocks, scales = _mxfp4_pair(rng, e, rows, cols)  # C // 32 blocks, as the header check expects
-            tensors[base + matrix + "_blocks"], tensors[base + matrix + "_scales"] = blocks, scales
-    if edit is not None:
-        edit(tensors)
-    target.mkdir()
-    save_file(tensors, str(target / "model.safetensors"))
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (target / "config.json").write_text(json.dumps(config))
-    return target
-
-
 @pytest.mark.parametrize("matrix, position", [("down_proj", (2, 5, 0)), ("gate_up_proj", (0, 0, 0))])
 def test_an_mxfp4_nan_scale_is_refused_naming_the_tensor(matrix, position, hf_root, tmp_path):
     """0xFF is the E8M0 scale's NaN code (OCP MX format): read as an exponent it turned a block into inf and the
@@ -196,12 +170,12 @@ def test_an_mxfp4_nan_scale_is_refused_naming_the_tensor(matrix, position, hf_ro
     def nan_scale(tensors):
         tensors[name][position] = 0xFF
 
-    folder = _quantized_folder("gpt_oss_wide", hf_root, tmp_path / "nan_scale", nan_scale)
+    folder = mxfp4_folder("gpt_oss_wide", hf_root, tmp_path / "nan_scale", nan_scale)
     where = ", ".join(map(str, position))
     with pytest.raises(ValueError, match=rf"MXFP4 scales {name!r} hold 0xFF \(the NaN code of the E8M0 scale\) "
                                          rf"at \[{where}\]"):
         load_causal_lm(folder)
-    assert np.isfinite(load_causal_lm(_quantized_folder("gpt_oss_wide", hf_root, tmp_path / "clean"))(
+    assert np.isfinite(load_causal_lm(mxfp4_folder("gpt_oss_wide", hf_root, tmp_path / "clean"))(
         np.array([[3, 4, 5]]))).all()
 
 
@@ -220,7 +194,7 @@ def test_an_mxfp4_width_that_is_not_whole_blocks_is_refused_before_reading(hf_ro
     no tensor is read."""
     import attnkit.pretrained.checkpoint as checkpoint
 
-    folder = _quantized_folder("gpt_oss", hf_root, tmp_path / "ragged")
+    folder = mxfp4_folder("gpt_oss", hf_root, tmp_path / "ragged")
 
     def never(*args, **kwargs):
         raise AssertionError("a tensor was read before the MXFP4 widths were checked")

@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1], help="decode batch sizes (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="rounds alternating the engines (default 3)")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="attnkit keeps the file's quantized weights packed (load(..., keep_quantized=True))")
     args = p.parse_args(argv)
     check_args(args)
     return args
@@ -354,17 +356,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path = Path(args.model)
     for line in describe(machine_info(), threads=args.threads):
         print(line)
-    lm = load_causal_lm(path)
+    keep = getattr(args, "keep_quantized", False)
+    lm = load_causal_lm(path, keep_quantized=keep)
     torch = import_torch()
     hf, note = (None, torch_missing_line("no comparison with transformers")) if torch is None else \
         load_transformers(path, torch)
     if hf is None:
         print(note if note.startswith("#") else f"# {note}")
-    print(f"# model: {path} ({lm.config.family}, {lm.config.num_layers} layers, float32); prefill {args.prefill}, "
+    print(f"# model: {path} ({lm.config.family}, {lm.config.num_layers} layers, float32"
+          f"{', quantized weights kept packed' if keep else ''}); prefill {args.prefill}, "
           f"{args.new} new tokens after a {PROMPT_TOKENS}-token prompt, {args.repeats} rounds", flush=True)
     with engine_threads(torch, args.threads):
         rounds = _rounds(args, lm, hf, torch)
-    figures: dict[str, Any] = {"model": str(path), "prefill": args.prefill, "new": args.new,
+    figures: dict[str, Any] = {"model": str(path), "keep_quantized": keep, "prefill": args.prefill, "new": args.new,
                                "batches": list(args.batches), "threads": args.threads, "repeats": args.repeats,
                                "weights_MiB": weights_read_per_token(lm) / 2**20, **_rates(rounds, args),
                                "gemv": _fraction(rounds), "greedy_equal": _agreement(rounds, args.batches),

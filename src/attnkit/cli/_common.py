@@ -111,6 +111,15 @@ def tolerant_input(stream: TextIO) -> TextIO:
     return stream
 
 
+# -- model loading ---------------------------------------------------------------------------------------
+def add_keep_quantized_argument(parser: Any) -> None:
+    """Add ``--keep-quantized`` to a command that loads a causal LM (``load(..., keep_quantized=True)``)."""
+    parser.add_argument("--keep-quantized", action="store_true",
+                        help="keep a GGUF file's quantized weights (and gpt-oss's MXFP4 experts) packed in memory: "
+                             "about the file's size instead of 4-8x it, each token slower (every product "
+                             "dequantizes its weight a block at a time)")
+
+
 # -- threads ---------------------------------------------------------------------------------------------
 def add_threads_argument(parser: Any) -> None:
     """Add ``--threads N`` to a command that runs a model (:func:`use_threads` applies it)."""

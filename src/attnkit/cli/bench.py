@@ -74,6 +74,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     runtime_options = p.add_argument_group("runtime (also --new, --batches, --prefill, --repeats, --threads)")
     runtime_options.add_argument("--llama-bench", default=None, metavar="PATH",
                                  help="a llama.cpp llama-bench binary: run it on the same GGUF file")
+    runtime_options.add_argument("--keep-quantized", action="store_true",
+                                 help="load attnkit's model with its quantized weights kept packed")
     window_options = p.add_argument_group("window")
     window_options.add_argument("--length", type=bounded_int(1, 1 << 20), default=8192,
                                 help="sequence length (default 8192)")
@@ -90,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
                          f"attnkit bench runtime MODEL times a model")
     if args.llama_bench is not None and args.name != "runtime":
         raise UsageError("--llama-bench belongs to attnkit bench runtime MODEL")
+    if args.keep_quantized and args.name != "runtime":
+        raise UsageError("--keep-quantized belongs to attnkit bench runtime MODEL")
     if args.name == "runtime":
         return _run_runtime(args)
     if args.name == "decode":
@@ -151,7 +155,8 @@ def _run_runtime(args: argparse.Namespace) -> int:
                          f"got {args.new}")
     options = argparse.Namespace(model=args.model, threads=(args.threads or [os.cpu_count() or 1])[0],
                                  prefill=args.prefill, new=args.new, batches=args.batches or [1],
-                                 repeats=args.repeats, llama_bench=args.llama_bench)
+                                 repeats=args.repeats, llama_bench=args.llama_bench,
+                                 keep_quantized=args.keep_quantized)
     try:
         runtime.check_args(options)
     except ValueError as exc:

@@ -40,6 +40,7 @@ import numpy as np
 from ._chat_input import BLOCK, MessageReader
 from ._common import (
     UsageError,
+    add_keep_quantized_argument,
     add_threads_argument,
     check_utf8,
     model_types_text,
@@ -91,19 +92,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="reply length at most (default 512)")
     add_generation_arguments(p, streamed=True)
     add_threads_argument(p)
+    add_keep_quantized_argument(p)
     p.add_argument("--verbose", action="store_true", help="report loading and tokens/s on stderr")
     p.set_defaults(run=run)
     return p
 
 
-def _load(model_dir: str, verbose: bool, template: str | None = None) -> tuple[Any, Any]:
+def _load(model_dir: str, verbose: bool, template: str | None = None, keep_quantized: bool = False
+          ) -> tuple[Any, Any]:
     from ..pretrained import load
 
     start = time.perf_counter()
     if verbose:
         print(f"loading {printable(model_dir)} ...", file=sys.stderr, flush=True)
     try:
-        model, tokenizer = load(model_dir)
+        model, tokenizer = load(model_dir, keep_quantized=keep_quantized)
         if template is not None:
             tokenizer.chat_templates["default"] = template
         tokenizer.get_chat_template()
@@ -329,7 +332,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     _options(args)  # flag errors before the (slow) load
     template = None if args.chat_template is None else _read_template(args.chat_template)
     use_threads(args.threads)
-    model, tokenizer = _load(args.model_dir, args.verbose, template)
+    model, tokenizer = _load(args.model_dir, args.verbose, template, args.keep_quantized)
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     interactive = src.isatty()
     reader = MessageReader(src, out, interactive, _say, commands=tuple(COMMANDS))

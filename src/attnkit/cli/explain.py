@@ -11,6 +11,7 @@ import numpy as np
 from .._display import is_byte_level_tokenizer
 from ._common import (
     UsageError,
+    add_keep_quantized_argument,
     add_threads_argument,
     bounded_int,
     model_types_text,
@@ -69,6 +70,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=bounded_int(1, 50), default=5,
                    help="how many of the most likely next tokens to explain (default 5)")
     p.add_argument("--top-k", type=bounded_int(1, 20), default=5, help="tokens per logit-lens cell (default 5)")
+    add_keep_quantized_argument(p)
     add_threads_argument(p)
     p.set_defaults(run=run)
     return p
@@ -123,7 +125,7 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     page = output_file(args.html, HTML_SUFFIXES)
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None or args.corrupt is not None,
                                       prog=PROG)
-    model = model_for_command(args.model_dir, prog=PROG)
+    model = model_for_command(args.model_dir, prog=PROG, keep_quantized=args.keep_quantized)
     linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
     if linear:  # the page's rollout and flow compose softmax patterns
         raise UsageError(f"the page draws softmax attention patterns; layers {', '.join(map(str, linear))} of this "

@@ -26,6 +26,7 @@ import numpy as np
 
 from ._common import (
     UsageError,
+    add_keep_quantized_argument,
     add_threads_argument,
     json_text,
     model_types_text,
@@ -96,6 +97,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="beam search: stop when every beam has finished (true), when no open beam can win at "
                         "its current length (false, default) or at the longest length (never)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
+    add_keep_quantized_argument(p)
     add_threads_argument(p)
     p.set_defaults(run=run)
     return p
@@ -111,13 +113,13 @@ def check_model_path(model_dir: str, prog: str = PROG) -> None:
     raise UsageError(f"{printable(repr(model_dir))} is not a folder nor a .gguf file", prog)
 
 
-def model_for_command(model_dir: str, prog: str = PROG) -> Any:
-    """The CausalLM of ``model_dir`` (a folder or a GGUF file); a missing or damaged one is a
-    :class:`UsageError` of ``prog`` (exit 2)."""
+def model_for_command(model_dir: str, prog: str = PROG, keep_quantized: bool = False) -> Any:
+    """The CausalLM of ``model_dir`` (a folder or a GGUF file; quantized weights kept packed with
+    ``keep_quantized``); a missing or damaged one is a :class:`UsageError` of ``prog`` (exit 2)."""
     from ..pretrained import load_causal_lm
 
     try:
-        return load_causal_lm(model_dir)
+        return load_causal_lm(model_dir, keep_quantized=keep_quantized)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise UsageError(f"cannot load the model {printable(repr(model_dir))}: {printable(message, 300)}",
@@ -213,7 +215,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     chat = args.chat or args.system is not None
     use_threads(args.threads)
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
-    model = model_for_command(args.model_dir)
+    model = model_for_command(args.model_dir, keep_quantized=args.keep_quantized)
     config = model.config
     if chat:
         prompt, eos_ids = _chat_prompt(args, config)

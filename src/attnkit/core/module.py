@@ -9,6 +9,14 @@ which stay until :meth:`zero_grad`.
 Gradient buffers are created when first read (as zeros), like torch's ``.grad`` that stays ``None`` until a
 backward writes it: a model used only for inference holds its weights and nothing else.
 :meth:`Module.zero_grad` zeroes the buffers that exist, and ``zero_grad(set_to_none=True)`` frees them.
+
+Packed parameters. A parameter may be a :class:`~attnkit.kernels.packed.PackedWeight` (a file's quantized
+blocks, ``load(..., keep_quantized=True)``) wherever a layer multiplies it with :func:`attnkit.kernels.linear`
+or looks rows up in it. It has no gradient: reading its gradient buffer raises a ``TypeError`` naming it, so
+training through it (a backward that wants parameter gradients, an optimizer) is refused, while a backward
+inside :meth:`Module.input_gradients_only` (what the explanations run) returns the input's gradient exactly.
+:meth:`Module.astype` changes the dtype its values are dequantized to, :meth:`Module.state_dict` copies its
+blocks, and assigning an array to it (or loading one into it) replaces it by that dense array.
 """
 from __future__ import annotations
 
@@ -20,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from ..init import empty_init_dtype
+from ..init import empty_init_dtype, is_placeholder, uninitialised
 from ..io import ArrayArchive, save_arrays
+from ..kernels.packed import PackedWeight
 from .hooks import Hook, HookTable
 
 __all__ = ["Module", "ModuleList", "GradientBuffers"]
@@ -62,6 +71,10 @@ class GradientBuffers(MutableMapping):
         buffer = self._buffers.get(name)
         if buffer is None:
             param = self._parameters[name]
+            if isinstance(param, PackedWeight):
+                raise TypeError(f"parameter {name!r} is a packed {param.kind} weight (kept quantized): it has no "
+                                f"gradient. Run the backward inside module.input_gradients_only() for the inputs' "
+                                f"gradient, or load the model with keep_quantized=False to train it")
             # C order whatever the parameter's layout: backward kernels write rows (an embedding's scatter-add)
             buffer = self._buffers[name] = np.zeros(param.shape, param.dtype)
         return buffer
@@ -111,6 +124,7 @@ class Module:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_fused", {})  # group name -> (buffer, parameter names, their views of it)
         object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_column_major", set())  # names store_column_major keeps in Fortran order
         object.__setattr__(self, "grads", GradientBuffers(self._parameters))
         object.__setattr__(self, "training", True)
         object.__setattr__(self, "_saved_tensors", None)
@@ -179,7 +193,7 @@ class Module:
             raise ValueError(f"parameter name {name!r} must not contain '.'")
         empty = empty_init_dtype()
         if empty is not None:  # a loader fills it: allocate once, in the target dtype, copy nothing
-            arr = np.empty(np.shape(value), empty)
+            arr = uninitialised(np.shape(value), empty)  # a placeholder, in a placeholders block
         else:
             arr = np.array(value, dtype=np.result_type(np.asarray(value).dtype, np.float32), copy=True)
         self._parameters[name] = arr
@@ -191,10 +205,17 @@ class Module:
         pass, which a matrix-vector product of one decoding step does faster than three).
 
         The parameters stay what they were to everything else (names, shapes, gradients, state dicts, loaders
-        that copy into them). Rebinding one (``register_parameter``, :meth:`astype` re-fuses) ends the
-        group: :meth:`fused_parameter` then returns None and the caller uses the parameters one by one.
+        that copy into them). Rebinding one (``register_parameter``, :meth:`set_parameter`; :meth:`astype`
+        re-fuses) ends the group: :meth:`fused_parameter` then returns None and the caller uses the parameters one
+        by one. Packed parameters are never fused; placeholders (``empty_init(placeholders=True)``) are fused by
+        :meth:`allocate_parameters`, once they all have storage.
         """
         params = [self._parameters[name] for name in names]
+        if any(isinstance(p, PackedWeight) for p in params):
+            raise ValueError(f"parameters {names} include packed weights, which are multiplied one by one")
+        if any(is_placeholder(p) for p in params):
+            self._fused[group] = (None, tuple(names), tuple(params))  # fused when they have storage
+            return
         lead, dtype = params[0].shape[:-1], params[0].dtype
         if any(p.shape[:-1] != lead or p.dtype != dtype for p in params):
             raise ValueError(f"parameters {names} must share their leading shape and dtype to be fused, got "
@@ -224,7 +245,10 @@ class Module:
         param = self._parameters[name]
         if param.ndim != 2:
             raise ValueError(f"only a 2-D parameter can be stored column-major, {name!r} has shape {param.shape}")
-        if param.flags.f_contiguous:
+        # kept when set_parameter or allocate_parameters gives it new storage (a module unpickled from before
+        # the set existed has none yet)
+        self.__dict__.setdefault("_column_major", set()).add(name)
+        if isinstance(param, PackedWeight) or is_placeholder(param) or param.flags.f_contiguous:
             return
         if empty_init_dtype() is not None:  # a loader fills it: nothing worth copying yet
             self._parameters[name] = np.empty(param.shape, param.dtype, order="F")
@@ -237,7 +261,7 @@ class Module:
         if entry is None:
             return None
         buffer, names, views = entry
-        if all(self._parameters.get(name) is view for name, view in zip(names, views)):
+        if buffer is not None and all(self._parameters.get(name) is view for name, view in zip(names, views)):
             return buffer
         return None
 
@@ -252,14 +276,70 @@ class Module:
         bias = self.fused_parameter(biases)
         return None if bias is None else (weight, bias)
 
+    def set_parameter(self, name: str, value: np.ndarray | PackedWeight) -> None:
+        """Give parameter ``name`` (a dotted name of :meth:`named_parameters`) new storage: ``value``.
+
+        A :class:`~attnkit.kernels.packed.PackedWeight` of the parameter's shape is taken as it is (its values
+        dequantized to the parameter's dtype); an array is copied into a new array of the parameter's dtype
+        (column-major where :meth:`store_column_major` asked). Unlike assigning the attribute, which copies into
+        the parameter's storage, this replaces it: a fused group the parameter was in ends
+        (:meth:`fused_parameter` is then None) and its gradient starts from zero.
+
+        Raises
+        ------
+        KeyError
+            No parameter ``name``.
+        ValueError
+            ``value`` does not have the parameter's shape.
+        """
+        path, _, local = name.rpartition(".")
+        module = self
+        for part in path.split(".") if path else ():
+            if part not in module._modules:
+                raise KeyError(f"{type(self).__name__} has no parameter {name!r} (no module {path!r})")
+            module = module._modules[part]
+        if local not in module._parameters:
+            raise KeyError(f"{type(self).__name__} has no parameter {name!r}")
+        current = module._parameters[local]
+        if tuple(value.shape) != tuple(current.shape):
+            raise ValueError(f"parameter {name} has shape {current.shape}, got a value of shape {tuple(value.shape)}")
+        if isinstance(value, PackedWeight):
+            stored = value.astype(current.dtype)
+        else:
+            order = "F" if local in module.__dict__.get("_column_major", ()) else "C"
+            stored = np.array(value, dtype=current.dtype, order=order)
+        module._parameters[local] = stored
+        del module.grads[local]
+
+    def allocate_parameters(self) -> None:
+        """Give every placeholder parameter (``empty_init(placeholders=True)``) storage of its own, uninitialised
+        (column-major where :meth:`store_column_major` asked), and fuse every group whose parameters all have
+        storage (:meth:`fuse_parameters`); parameters already set (packed ones) are left as they are."""
+        for _, mod in self.named_modules():
+            for name, param in mod._parameters.items():
+                if is_placeholder(param):
+                    order = "F" if name in mod.__dict__.get("_column_major", ()) else "C"
+                    mod._parameters[name] = np.empty(param.shape, param.dtype, order=order)
+            for group, (buffer, names, _) in list(mod._fused.items()):
+                params = [mod._parameters[name] for name in names]
+                if buffer is None and all(isinstance(p, np.ndarray) and not is_placeholder(p) for p in params):
+                    mod.fuse_parameters(group, names)
+
     def __setattr__(self, name: str, value: Any) -> None:
         params = self.__dict__.get("_parameters")
         if params is None:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before setting attributes")
+        if name in params and (isinstance(params[name], PackedWeight) or isinstance(value, PackedWeight)):
+            self.set_parameter(name, value if isinstance(value, PackedWeight) else np.asarray(value))
+            return  # a packed weight has no storage to copy into: the value replaces it
         if name in params:
             arr = np.asarray(value)
             if arr.shape != params[name].shape:
                 raise ValueError(f"parameter {name} has shape {params[name].shape}, got an array of shape {arr.shape}")
+            if is_placeholder(params[name]):  # no storage yet: a placeholder stays one, a value becomes its storage
+                if not is_placeholder(arr):
+                    self.set_parameter(name, arr)
+                return
             np.copyto(params[name], arr, casting="same_kind")
             return
         if isinstance(value, Module):
@@ -359,7 +439,9 @@ class Module:
         return self.train(False)
 
     def astype(self, dtype: Any) -> Module:
-        """Convert every parameter and gradient to ``dtype`` (e.g. ``np.float32``) in place; returns self."""
+        """Convert every parameter and gradient to ``dtype`` (e.g. ``np.float32``) in place; returns self.
+
+        A packed parameter keeps its blocks and is dequantized to ``dtype`` from then on."""
         dtype = np.dtype(dtype)
         if dtype.kind != "f":
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
@@ -375,7 +457,8 @@ class Module:
         return self
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """A copy of every parameter, keyed by dotted name (write it to a file with :meth:`save`)."""
+        """A copy of every parameter, keyed by dotted name (write it to a file with :meth:`save`); a packed one is
+        a packed copy (its blocks copied, not dequantized)."""
         return {name: p.copy() for name, p in self.named_parameters()}
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -421,11 +504,22 @@ class Module:
         if not all(isinstance(key, str) for key in state):
             bad = next(key for key in state if not isinstance(key, str))
             raise TypeError(f"state's keys must be parameter names (str), got {type(bad).__name__} {bad!r}")
-        values = {key: np.asarray(state[key]) for key in state}  # each entry read once
+        values = {key: state[key] if isinstance(state[key], PackedWeight) else np.asarray(state[key])
+                  for key in state}  # each entry read once
         plan = self._check_state({key: (v.shape, v.dtype) for key, v in values.items()}, strict)
         own = dict(self.named_parameters())
         for key, name in plan.items():
-            np.copyto(own[name], values[key], casting="unsafe")
+            self._assign(name, own[name], values[key])
+
+    def _assign(self, name: str, own: np.ndarray | PackedWeight, value: np.ndarray | PackedWeight) -> None:
+        """Load ``value`` into parameter ``name``: copied into its storage, or replacing a packed parameter (which
+        has none); a packed value copied into a dense parameter is dequantized."""
+        if isinstance(own, PackedWeight):
+            self.set_parameter(name, value)
+        elif isinstance(value, PackedWeight):
+            np.copyto(own, value.dequantize(), casting="unsafe")
+        else:
+            np.copyto(own, value, casting="unsafe")
 
     def _state_renames(self) -> list[tuple[str, dict[str, str]]]:
         """``(dotted path, STATE_DICT_RENAMES)`` of every module that declares renames, parents first."""
@@ -525,7 +619,17 @@ class Module:
         >>> b.load(path)
         >>> np.array_equal(a.W, b.W)
         True
+
+        Raises
+        ------
+        TypeError
+            The module holds packed weights (the archive holds float arrays; keep the file they came from).
         """
+        packed = [name for name, p in self.named_parameters() if isinstance(p, PackedWeight)]
+        if packed:
+            raise TypeError(f"{type(self).__name__} holds {len(packed)} packed weights ({packed[0]!r}, ...): save "
+                            f"writes float arrays. Keep the quantized file, or load it with keep_quantized=False "
+                            f"to save the dequantized model")
         save_arrays(path, self.state_dict())
 
     def load(self, path: str | os.PathLike, strict: bool = True) -> None:
@@ -550,7 +654,7 @@ class Module:
             values = {key: archive.read(key) for key in plan}
         own = dict(self.named_parameters())
         for key, name in plan.items():
-            np.copyto(own[name], values[key], casting="unsafe")
+            self._assign(name, own[name], values[key])
 
     # -- calling -------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

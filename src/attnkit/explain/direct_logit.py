@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.linear import linear
 from ..kernels.norm import layer_norm_forward
 from ..kernels.rms_norm import rms_norm_forward
 from ..layers.layer_norm import LayerNorm
@@ -118,8 +119,11 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
         attention = layer.attention
         direction = reaching * factors[i]  # (B, D): d logit / d what layer i writes
         z = at[f"blocks.{i}.attn.hook_z"]  # (B, H, Dh)
-        w_o = attention.W_O.reshape(heads, attention.head_dim, cfg.hidden_size)  # (H, Dh, D)
-        per_head = np.einsum("bhk,hkd->bhd", z, w_o)  # (B, H, D)
+        # each head's z alone in its rows of W_O's input, the other heads' zero: one product through W_O (dense
+        # or packed, whose rows cannot be cut per head) gives every head's share
+        alone = np.zeros((b, heads, heads, attention.head_dim), z.dtype)  # (B, H, H, Dh)
+        alone[:, np.arange(heads), np.arange(heads)] = z
+        per_head = linear(alone.reshape(b, heads, -1), attention.W_O)  # (B, H, D)
         b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(cfg.hidden_size, scale.dtype)
         if cfg.norm.after:  # attention output -> its post-norm, frozen at the output the run made
             post_scale, _, _ = _frozen_norm(layer.attn_post_norm, per_head.sum(axis=1) + b_o)  # (B, D)

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._validation import check_positive_int
+from ..kernels.linear import linear
 from ._inputs import as_id_batch
 
 
@@ -59,7 +60,7 @@ def logit_lens(lm, ids: Any, top_k: int = 5) -> LogitLens:
     top_ids, top_probs = [], []
     for state in states:  # one (B, L, V) at a time: N x L x V at once can be gigabytes
         h = lm.norm(state)  # (B, L, D)
-        logits = h @ weight.astype(h.dtype, copy=False).T  # (B, L, V)
+        logits = linear(h, weight.astype(h.dtype, copy=False).T)  # (B, L, V)
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))  # (B, L, V)
         probs /= probs.sum(axis=-1, keepdims=True)
         best = np.argpartition(-probs, top_k - 1, axis=-1)[..., :top_k]  # (B, L, K) unordered

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .activations import activation_forward
+from .linear import product
 
 __all__ = ["rms_norm_into", "silu_gate_into", "gated_mlp_step", "one_query_attention", "one_query_forward",
            "one_query_backward", "OneQueryContext"]
@@ -65,8 +66,8 @@ def gated_mlp_step(x: np.ndarray, w_gate_up: np.ndarray, b_gate_up: np.ndarray |
 
     Shapes
     ------
-    x : (B, D); w_gate_up : (D, 2F) = ``[W_gate W_up]``, b_gate_up : (2F,) or None; w_down : (F, D),
-    b_down : (D,) or None -> (B, D).
+    x : (B, D); w_gate_up : (D, 2F) = ``[W_gate W_up]``, b_gate_up : (2F,) or None; w_down : (F, D) (an array
+    or packed), b_down : (D,) or None -> (B, D).
     """
     both = x @ w_gate_up  # (B, 2F)
     if b_gate_up is not None:
@@ -76,7 +77,7 @@ def gated_mlp_step(x: np.ndarray, w_gate_up: np.ndarray, b_gate_up: np.ndarray |
         hidden = silu_gate_into(both, width, np.empty((x.shape[0], width), both.dtype))  # (B, F)
     else:
         hidden = activation_forward(both[:, :width], activation) * both[:, width:]  # (B, F)
-    y = hidden @ w_down  # (B, D)
+    y = product(hidden, w_down)  # (B, D)
     if b_down is not None:
         y += b_down
     return y

@@ -5,7 +5,8 @@ Dimension letters: N tokens, D features, E experts, k experts per token, F an ex
 Every expert is a gated MLP; ``params`` holds them stacked: ``W_gate``, ``W_up`` (E, D, F), ``W_down`` (E, F, D)
 and, when the experts have biases, ``b_gate``, ``b_up`` (E, F) and ``b_down`` (E, D). From ``gate = x W_gate[e]
 (+ b_gate[e])`` and ``up = x W_up[e] (+ b_up[e])`` an expert computes ``hidden`` and ``out = hidden W_down[e]
-(+ b_down[e])``, with one of two gatings:
+(+ b_down[e])``, with one of two gatings (every product through :func:`~attnkit.kernels.linear.product`, so a
+stack of packed expert weights, :class:`~attnkit.kernels.packed.PackedWeight`, works unchanged):
 
 - ``limit`` None: ``hidden = act(gate) * up`` (SwiGLU for silu; :mod:`attnkit.kernels.gated_mlp`);
 - ``limit`` a number (gpt-oss's clamped SwiGLU)::
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .gated_mlp import gated_mlp_backward, gated_mlp_forward
+from .linear import product
 
 __all__ = ["experts_backward", "experts_forward"]
 
@@ -54,8 +56,10 @@ def _gated_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, l
     return gated_mlp_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)  # (n, D)
 
 
-def _gated_backward(grad_out, xe, w_gate, w_up, w_down, parts, has_bias, activation, limit, alpha):
-    return gated_mlp_backward(grad_out, xe, w_gate, w_up, w_down, parts, activation, has_bias)  # (n, D)
+def _gated_backward(grad_out, xe, w_gate, w_up, w_down, parts, has_bias, activation, limit, alpha, need_weights):
+    grad_xe, grads = gated_mlp_backward(grad_out, xe, w_gate, w_up, w_down, parts, activation, has_bias,
+                                        need_weights)  # (n, D)
+    return grad_xe, {name: value for name, value in grads.items() if value is not None}
 
 
 def _plus(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
@@ -64,32 +68,33 @@ def _plus(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 
 def _clamped_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha):
     one, half = xe.dtype.type(1), xe.dtype.type(0.5)
-    gate = _plus(xe @ w_gate, b_gate)  # (n, F)
-    up = _plus(xe @ w_up, b_up)  # (n, F)
+    gate = _plus(product(xe, w_gate), b_gate)  # (n, F)
+    up = _plus(product(xe, w_up), b_up)  # (n, F)
     g = np.minimum(gate, limit)  # (n, F)
     u = np.clip(up, -limit, limit)  # (n, F)
     # sigmoid(alpha * g) through tanh, which cannot overflow for a very negative gate
     s = half + half * np.tanh((half * alpha) * g)  # (n, F)
     glu = g * s  # (n, F)
     hidden = (u + one) * glu  # (n, F)
-    return _plus(hidden @ w_down, b_down), (gate, up, s, glu, hidden)  # (n, D)
+    return _plus(product(hidden, w_down), b_down), (gate, up, s, glu, hidden)  # (n, D)
 
 
-def _clamped_backward(grad_out, xe, w_gate, w_up, w_down, parts, has_bias, activation, limit, alpha):
+def _clamped_backward(grad_out, xe, w_gate, w_up, w_down, parts, has_bias, activation, limit, alpha, need_weights):
     gate, up, s, glu, hidden = parts
     one = xe.dtype.type(1)
-    grads = {"W_down": hidden.T @ grad_out}  # (F, D)
-    grad_hidden = grad_out @ w_down.T  # (n, F)
+    grad_hidden = product(grad_out, w_down.T)  # (n, F)
     g = np.minimum(gate, limit)  # (n, F)
     u = np.clip(up, -limit, limit)  # (n, F)
     # torch's clamp passes the gradient where the input lies within the bounds, ends included
     grad_up = np.where((up >= -limit) & (up <= limit), grad_hidden * glu, 0)  # (n, F)
     grad_g = grad_hidden * (u + one) * (s + alpha * g * s * (one - s))  # (n, F)
     grad_gate = np.where(gate <= limit, grad_g, 0)  # (n, F)
-    grads.update(W_gate=xe.T @ grad_gate, W_up=xe.T @ grad_up)  # (D, F) each
-    if has_bias:
-        grads.update(b_gate=grad_gate.sum(axis=0), b_up=grad_up.sum(axis=0), b_down=grad_out.sum(axis=0))
-    return grad_gate @ w_gate.T + grad_up @ w_up.T, grads  # (n, D)
+    grads = {}
+    if need_weights:
+        grads.update(W_down=hidden.T @ grad_out, W_gate=xe.T @ grad_gate, W_up=xe.T @ grad_up)  # (F, D), (D, F)
+        if has_bias:
+            grads.update(b_gate=grad_gate.sum(axis=0), b_up=grad_up.sum(axis=0), b_down=grad_out.sum(axis=0))
+    return product(grad_gate, w_gate.T) + product(grad_up, w_up.T), grads  # (n, D)
 
 
 def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
@@ -123,27 +128,29 @@ def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, para
 
 
 def experts_backward(grad_y: np.ndarray, x: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
-                     saved: list, activation: str = "silu", limit: float | None = None, alpha: float = 1.702):
+                     saved: list, activation: str = "silu", limit: float | None = None, alpha: float = 1.702,
+                     need_weights: bool = True):
     """Gradients of :func:`experts_forward` with respect to x, the routing weights and every expert parameter.
 
     Returns
     -------
     grad_x : (N, D)
     grad_weights : (N, k)
-    grads : dict with a gradient for each of ``params`` (experts without tokens get zeros).
+    grads : dict with a gradient for each of ``params`` (experts without tokens get zeros); empty with
+        ``need_weights=False`` (an inputs-only backward, or packed weights, which have no gradient).
     """
     backward = _gated_backward if limit is None else _clamped_backward
     has_bias = "b_gate" in params
     grad_x = np.zeros_like(x)  # (N, D)
     grad_weights = np.zeros_like(weights)  # (N, k)
-    grads = {name: np.zeros_like(value) for name, value in params.items()}
+    grads = {name: np.zeros(value.shape, value.dtype) for name, value in params.items()} if need_weights else {}
     for expert, tokens, slot, out, parts in saved:
         ge = grad_y[tokens]  # (n, D)
         grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)  # (n,)
         grad_out = ge * weights[tokens, slot][:, None]  # (n, D)
         w_gate, w_up, w_down = _expert(params, expert)[:3]
         grad_xe, expert_grads = backward(grad_out, x[tokens], w_gate, w_up, w_down, parts, has_bias, activation,
-                                         limit, alpha)  # (n, D)
+                                         limit, alpha, need_weights)  # (n, D)
         for name, value in expert_grads.items():
             grads[name][expert] = value
         grad_x[tokens] += grad_xe

@@ -5,12 +5,18 @@ on one thread. OpenBLAS's threads busy-wait for about 0.1 s after every product 
 and the activations that follow a projection run on attnkit's threads, and beside a spinning BLAS thread they
 ran 1.6-2.6x slower (a 1024-token causal attention of 9 heads: 16 ms alone, 33-42 ms right after a two-thread
 BLAS product; ``docs/benchmarks.md``). With one owner of the cores, nothing spins beside the work.
+
+A weight is a float array or a :class:`~attnkit.kernels.packed.PackedWeight` (a file's quantized blocks kept as
+they are): :func:`product` is the one place weights are multiplied, and hands a packed one to
+:func:`~attnkit.kernels.packed.packed_product`, so every layer, the output head and the decoding steps take
+packed weights without knowing.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ._threads import default_num_threads, in_worker, run_tasks
+from .packed import PackedWeight, packed_product
 
 __all__ = ["linear", "linear_backward", "product"]
 
@@ -22,17 +28,20 @@ _SPLIT_ROWS = 256
 _SPLIT_WORK = 1 << 25  # about 0.3 ms of one thread's BLAS: far above the hand-off
 
 
-def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def product(a: np.ndarray, b: np.ndarray | PackedWeight) -> np.ndarray:
     """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N), split by rows over attnkit's threads when large.
 
     Every row is computed by the same single-threaded BLAS kernel whatever the split, in NumPy's result dtype.
     Small products (fewer than 256 rows or 2**25 multiply-adds), one configured thread, or a call from inside
-    one of attnkit's workers take one plain ``a @ b``.
+    one of attnkit's workers take one plain ``a @ b``. A packed ``b`` is multiplied by
+    :func:`~attnkit.kernels.packed.packed_product` (blocks of its rows dequantized in turn).
 
     Returns
     -------
     ndarray (M, N)
     """
+    if not isinstance(b, np.ndarray):  # a PackedWeight
+        return packed_product(a, b)
     rows = a.shape[0]
     workers = min(default_num_threads(), rows // (_SPLIT_ROWS // 2))
     if rows < _SPLIT_ROWS or rows * a.shape[1] * b.shape[1] < _SPLIT_WORK or workers < 2 or in_worker():
@@ -47,8 +56,9 @@ def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    """``x @ w (+ b)`` computed in ``x``'s dtype: x (..., In), w (In, Out), b (Out,) -> (..., Out)."""
+def linear(x: np.ndarray, w: np.ndarray | PackedWeight, b: np.ndarray | None = None) -> np.ndarray:
+    """``x @ w (+ b)`` computed in ``x``'s dtype: x (..., In), w (In, Out) (an array or packed), b (Out,) ->
+    (..., Out)."""
     # Flattened to 2-D: numpy runs (B, L, In) @ (In, Out) as B separate small products otherwise.
     y = product(x.reshape(-1, x.shape[-1]), w.astype(x.dtype, copy=False)).reshape(*x.shape[:-1], w.shape[1])
     if b is not None:  # y: (..., Out)
@@ -60,6 +70,9 @@ def linear_backward(grad_y: np.ndarray, x: np.ndarray, w: np.ndarray, need_bias:
                     need_weight: bool = True):
     """Gradients of :func:`linear`; ``need_weight=False`` skips the weight's (and the bias's) product.
 
+    ``grad_x`` is exact for a packed ``w`` too (its product dequantizes blocks of rows, as the forward's does); a
+    packed weight has no gradient of its own, which :class:`attnkit.core.Module` refuses to hold.
+
     Returns
     -------
     grad_x : (..., In)
@@ -68,7 +81,8 @@ def linear_backward(grad_y: np.ndarray, x: np.ndarray, w: np.ndarray, need_bias:
     """
     out = w.shape[1]
     flat_g = grad_y.reshape(-1, out)  # (N, Out): one BLAS call instead of one per leading row
-    grad_x = (flat_g @ w.astype(grad_y.dtype, copy=False).T).reshape(*grad_y.shape[:-1], w.shape[0])  # (..., In)
+    grad_x = product(flat_g, w.astype(grad_y.dtype, copy=False).T)  # (N, In)
+    grad_x = grad_x.reshape(*grad_y.shape[:-1], w.shape[0])  # (..., In)
     grad_w = x.reshape(-1, x.shape[-1]).T @ flat_g if need_weight else None  # (In, Out)
     grad_b = flat_g.sum(axis=0) if need_bias and need_weight else None  # (Out,)
     return grad_x, grad_w, grad_b

@@ -33,7 +33,9 @@ class Embedding(Module):
 
     Attributes
     ----------
-    weight : ndarray, shape (V, D); ``grads["weight"]`` the same.
+    weight : ndarray, shape (V, D); ``grads["weight"]`` the same. Or a packed (quantized) table
+        (:class:`~attnkit.kernels.packed.PackedWeight`, ``load(..., keep_quantized=True)``): a lookup then
+        dequantizes only the rows it reads, and the table has no gradient.
 
     Shapes
     ------

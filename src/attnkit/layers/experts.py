@@ -328,7 +328,8 @@ class MixtureOfExperts(Module):
         shape, flat, weights, saved = self.saved_tensors
         g = check_grad_output(grad_output, shape, flat.dtype, "MixtureOfExperts").reshape(flat.shape)  # (N, D)
         grad_x, grad_weights, grads = _experts.experts_backward(g, flat, weights, self._parameters, saved,
-                                                                self.activation, self.limit, self.alpha)  # (N, D)
+                                                                self.activation, self.limit, self.alpha,
+                                                                need_weights=self.grads.wanted)  # (N, D)
         for name, value in grads.items():
             self.grads[name] += value
         grad_weights = self.hook_backward("hook_router_weights", grad_weights.reshape(*shape[:-1], self.top_k))

@@ -82,7 +82,8 @@ class FeedForward(Module):
         x, pre, hidden = self.saved_tensors
         g = check_grad_output(grad_output, x.shape, x.dtype, "FeedForward")
         p = self._parameters
-        grad_x, grads = _ffn.feed_forward_backward(g, x, p["W1"], p["W2"], pre, hidden, self.activation)
+        grad_x, grads = _ffn.feed_forward_backward(g, x, p["W1"], p["W2"], pre, hidden, self.activation,
+                                                   need_weights=self.grads.wanted)
         for name, value in grads.items():
-            self.grads[name] += value
+            self.grads.add(name, value)
         return grad_x

@@ -230,6 +230,25 @@ class GatedDeltaNet(Module):
                  np.split(linear(x, fused), np.cumsum([p[n].shape[1] for n in _INPUTS])[:-1], axis=-1))
         return parts  # (B, L, Cc), (B, L, Vd), (B, L, Hv), (B, L, Hv)
 
+    def _input_backward(self, d_in: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Gradients of :meth:`_project` from ``d_in`` (B, L, Cc + Vd + 2 Hv): ``grad_x`` (B, L, D), the input
+        projections' gradients added into ``grads``. One product with the fused ``W_in``, else one per input
+        (their own storage, or packed weights), as :meth:`_project` took them."""
+        p = self._parameters
+        cuts = np.cumsum([p[n].shape[1] for n in _INPUTS])[:-1]
+        fused = self.fused_parameter("W_in")
+        if fused is not None:
+            grad_x, grad_w_in, _ = linear_backward(d_in, x, fused)  # (B, L, D), (D, Cc + Vd + 2 Hv)
+            for name, grad in zip(_INPUTS, np.split(grad_w_in, cuts, axis=-1)):
+                self.grads[name] += grad
+            return grad_x
+        grad_x = np.zeros_like(x)  # (B, L, D)
+        for name, part in zip(_INPUTS, np.split(d_in, cuts, axis=-1)):
+            grad_part, grad_w, _ = linear_backward(part, x, p[name], need_weight=self.grads.wanted)  # (B, L, D)
+            grad_x += grad_part
+            self.grads.add(name, grad_w)
+        return grad_x
+
     def _heads(self, mixed: np.ndarray):
         """The convolved channels as q, k (B, Hk, L, Dk) and v (B, Hv, L, Dv), heads first for the kernels."""
         b, length = mixed.shape[:2]
@@ -359,12 +378,7 @@ class GatedDeltaNet(Module):
         db = dbeta.transpose(0, 2, 1) * beta * (1.0 - beta)  # (B, L, Hv)
         d_pre = -rate * dg * _sigmoid(pre)  # (B, L, Hv): softplus' = sigmoid
         d_in = np.concatenate([d_conv_in, dz.reshape(bsz, length, self.value_dim), db, d_pre], axis=-1)
-        w_in = self.fused_parameter("W_in")
-        w_in = np.concatenate([p[n] for n in _INPUTS], axis=-1) if w_in is None else w_in  # (D, Cc + Vd + 2 Hv)
-        grad_x, grad_w_in, _ = linear_backward(d_in, x, w_in)  # (B, L, D)
-        for name, grad in zip(_INPUTS, np.split(grad_w_in, np.cumsum([p[n].shape[1] for n in _INPUTS])[:-1],
-                                                axis=-1)):
-            self.grads[name] += grad
+        grad_x = self._input_backward(d_in, x)  # (B, L, D)
         self.grads["conv_weight"] += grad_conv
         self.grads["dt_bias"] += d_pre.sum(axis=(0, 1))
         self.grads["A_log"] += np.einsum("blh,blh->h", dg, g)  # g = -exp(A_log) softplus: dg/dA_log = g

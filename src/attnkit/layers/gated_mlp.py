@@ -87,12 +87,18 @@ class GatedMLP(Module):
         return y
 
     def step(self, x: np.ndarray) -> np.ndarray:
-        """One decoding step (B, D) -> (B, D): gate and up in one product, nothing saved."""
+        """One decoding step (B, D) -> (B, D): gate and up in one product, nothing saved.
+
+        Without the fused gate and up (a parameter was given new storage, or they are packed weights, which are
+        never fused) the step is the forward's kernel on the (B, D) rows: gate and up in products of their own.
+        """
         p = self._parameters
         fused = self.fused_weight_and_bias("W_gate_up", "b_gate_up")
-        if fused is None:  # the groups were broken by assigning a parameter: side by side again, for this step
-            fused = (np.concatenate([p["W_gate"], p["W_up"]], axis=1),
-                     np.concatenate([p["b_gate"], p["b_up"]]) if self.bias else None)
+        if fused is None:
+            biases = [p.get(name) for name in _BIASES]
+            y, _ = _gated.gated_mlp_forward(x, p["W_gate"], p["W_up"], p["W_down"], *biases,
+                                            activation=self.activation)  # (B, D)
+            return y
         return _step.gated_mlp_step(x, *fused, p["W_down"], p.get("b_down"), self.activation)  # (B, D)
 
     def backward(self, grad_output: Any) -> np.ndarray:

@@ -22,7 +22,7 @@ from ..decoding.cache import KVCache, LatentCache
 from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import one_row_blas
-from ..kernels.linear import linear
+from ..kernels.linear import linear, product
 from ..layers.embedding import Embedding
 from ..layers.lm_block import make_block, make_norm
 from ..layers.per_layer_input import PerLayerInputs
@@ -335,7 +335,7 @@ class CausalLM(Module):
                 h = layer.step(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask,
                                cache=cache, **inputs)  # (B, D)
         normed = self.norm.step(h)  # (B, D)
-        logits = normed @ self.head_weight.astype(h.dtype, copy=False).T  # (B, V)
+        logits = product(normed, self.head_weight.astype(h.dtype, copy=False).T)  # (B, V)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits /= cap
@@ -437,7 +437,7 @@ class CausalLM(Module):
         owner = getattr(self, self.head_owner)
         if owner.grads.wanted:
             owner.grads["weight"] += flat_g.T @ h.reshape(-1, h.shape[-1])  # (V, D)
-        grad_h = (flat_g @ weight).reshape(h.shape)  # (B, kept, D)
+        grad_h = product(flat_g, weight).reshape(h.shape)  # (B, kept, D)
         if h.shape[1] != length:  # positions without logits get no gradient from the head
             grad_h = np.concatenate([np.zeros((h.shape[0], length - h.shape[1], h.shape[2]), grad_h.dtype), grad_h],
                                     axis=1)  # (B, L, D)

@@ -15,6 +15,7 @@ import numpy as np
 from .._validation import check_positive_int
 from ..core.module import Module
 from ..io import ArrayArchive, save_arrays
+from ..kernels.packed import PackedWeight
 
 __all__ = ["Optimizer"]
 
@@ -75,6 +76,10 @@ class Optimizer:
         hyper = self.check_hyperparameters(hyperparameters)
         for name, value in hyper.items():
             setattr(self, name, value)
+        packed = [name for name, p in module.named_parameters() if isinstance(p, PackedWeight)]
+        if packed:
+            raise TypeError(f"{type(module).__name__} holds packed (quantized) weights, which take no gradient "
+                            f"({packed[0]!r} and {len(packed) - 1} more): load it with keep_quantized=False to train")
         self.slot_names = self.slots_for(hyper)
         self.module = module
         self.step_count = 0

@@ -18,11 +18,18 @@ from ..decoding.config import GenerationConfig
 from ..decoding.sampling import check_generation_config
 from ..init import empty_init
 from ..io import read_json
-from .checkpoint import check_model_matches, load_tensors_into, read_checkpoint_index, validate_checkpoint
+from .checkpoint import (
+    check_model_matches,
+    load_tensors_into,
+    pack_mxfp4_tensors,
+    read_checkpoint_index,
+    validate_checkpoint,
+)
 from .gguf_file import (
     GGUFFile,
     is_gguf_path,
     load_gguf_tensors_into,
+    pack_gguf_tensors,
     read_gguf,
     read_gguf_config,
     validate_gguf_tensors,
@@ -65,7 +72,7 @@ def read_decoder_config(folder: str | Path):
     return decoder_config_from_hf(read_json(file))
 
 
-def load_causal_lm(path: str | Path, dtype: Any = np.float32):
+def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = False):
     """Load a Hugging Face causal LM folder onto attnkit.
 
     Parameters
@@ -78,6 +85,13 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     dtype : numpy float dtype, default float32
         Dtype of the weights and computations; F64/F32/F16/BF16 tensors are converted to it, GGUF tensors
         (any of ``GGUF_TENSOR_TYPES``) dequantized to float32 and converted to it.
+    keep_quantized : bool, default False
+        Keep quantized weights as their files store them: a GGUF file's quantized matrices (Q4_0 .. Q8_0, Q2_K ..
+        Q6_K) and gpt-oss's MXFP4 experts become :class:`~attnkit.kernels.packed.PackedWeight` parameters, which
+        every product dequantizes a block of rows at a time; a Q4 file then costs about its size in memory
+        instead of 4-8 times it, and every token pays a dequantization of the weights (``docs/benchmarks.md``).
+        Float tensors (F32/F16/BF16), norms and biases are read as usual. Packed weights take no gradient (an
+        input gradient, as the explanations take, is exact). With it off, everything is dequantized at load.
 
     Returns
     -------
@@ -121,8 +135,9 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     ((1, 3, 64), 2)
     """
     dtype = _check_dtype(dtype)
+    keep_quantized = _check_flag(keep_quantized, "keep_quantized")
     if is_gguf_path(path):
-        return _load_gguf(read_gguf(path), dtype)
+        return _load_gguf(read_gguf(path), dtype, keep_quantized)
     folder = Path(path)
     config = read_decoder_config(folder)
     index = read_checkpoint_index(folder)
@@ -132,40 +147,61 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{folder / 'generation_config.json'}: {exc}") from None
 
-    from ..models import CausalLM
-
-    with empty_init(dtype):  # every parameter is overwritten below: no random weights, no float64 detour
-        model = CausalLM(config)
-    params = dict(model.named_parameters())
-    check_model_matches(params, stored)
-    load_tensors_into(params, index, stored)
+    model = _empty_model(config, dtype, stored, keep_quantized)
+    if keep_quantized:
+        packed, stored = pack_mxfp4_tensors(index, stored)
+        _give_storage(model, packed)
+    load_tensors_into(dict(model.named_parameters()), index, stored)
     model.generation_config = generation
     return model.eval()
 
 
-def _load_gguf(file: GGUFFile, dtype: np.dtype):
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _empty_model(config: Any, dtype: np.dtype, maps: dict[str, Any], keep_quantized: bool):
+    """The model to fill, checked against the tensor maps: uninitialised parameters of ``dtype``, or (to keep
+    quantized weights) placeholders that :func:`_give_storage` replaces."""
+    from ..models import CausalLM
+
+    with empty_init(dtype, placeholders=keep_quantized):  # every parameter is overwritten: no random weights
+        model = CausalLM(config)
+    check_model_matches(dict(model.named_parameters()), maps)
+    return model
+
+
+def _give_storage(model: Any, packed: dict[str, Any]) -> None:
+    """The packed weights set in place, then storage for every other parameter (fused where every member of a
+    group is dense): what the dense loaders copy into."""
+    for name, weight in packed.items():
+        model.set_parameter(name, weight)
+    model.allocate_parameters()
+
+
+def _load_gguf(file: GGUFFile, dtype: np.dtype, keep_quantized: bool = False):
     """A parsed GGUF file's model: its metadata and tensor table checked, then the model built and filled."""
     config = read_gguf_config(file)
     entries = validate_gguf_tensors(file, config)
-
-    from ..models import CausalLM
-
-    with empty_init(dtype):  # every parameter is overwritten below
-        model = CausalLM(config)
-    params = dict(model.named_parameters())
-    check_model_matches(params, {name: entry.mapping for name, entry in entries.items()})
-    load_gguf_tensors_into(params, file, entries, config)
+    model = _empty_model(config, dtype, {name: entry.mapping for name, entry in entries.items()}, keep_quantized)
+    if keep_quantized:
+        packed, entries = pack_gguf_tensors(file, entries, config)
+        _give_storage(model, packed)
+    load_gguf_tensors_into(dict(model.named_parameters()), file, entries, config)
     model.generation_config = GenerationConfig()
     return model.eval()
 
 
-def load(folder: str | Path, dtype: Any = np.float32):
+def load(folder: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = False):
     """A Hugging Face causal LM folder (or a GGUF file) as ``(model, tokenizer)``: :func:`load_causal_lm` and
     :func:`~attnkit.pretrained.load_tokenizer` of the same folder (for a GGUF file, the tokenizer its metadata
     describes).
 
     The tokenizer is read first, so a folder without a usable ``tokenizer.json`` (a GGUF file without a
-    usable vocabulary) fails before any weight is read. Raises what those two functions raise.
+    usable vocabulary) fails before any weight is read. ``keep_quantized`` is :func:`load_causal_lm`'s (a Q4
+    file stays about its size in memory). Raises what those two functions raise.
 
     Examples
     --------
@@ -178,16 +214,17 @@ def load(folder: str | Path, dtype: Any = np.float32):
     """
     if is_gguf_path(folder):
         dtype = _check_dtype(dtype)
+        keep_quantized = _check_flag(keep_quantized, "keep_quantized")
         file = read_gguf(folder)
         tokenizer = gguf_tokenizer(file)
         config = read_gguf_config(file)
         if tokenizer.vocab_size > config.vocab_size:
             raise file.fail(f"its tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                             f"{config.vocab_size}: ids past {config.vocab_size - 1} have no embedding")
-        return _load_gguf(file, dtype), tokenizer
+        return _load_gguf(file, dtype, keep_quantized), tokenizer
     tokenizer = load_tokenizer(folder)
     check_tokenizer_fits(tokenizer, read_decoder_config(folder), Path(folder))
-    return load_causal_lm(folder, dtype=dtype), tokenizer
+    return load_causal_lm(folder, dtype=dtype, keep_quantized=keep_quantized), tokenizer
 
 
 def check_tokenizer_fits(tokenizer: Any, config: Any, folder: Path) -> None:

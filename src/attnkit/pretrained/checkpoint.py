@@ -23,15 +23,17 @@ from typing import Any
 import numpy as np
 
 from ..io import read_json
+from ..kernels.mxfp4 import check_scales, dequantize_mxfp4
+from ..kernels.packed import PackedWeight
 from ..models.config import DecoderConfig
 from ._extra import import_extra
 from .families import family
-from .mxfp4 import check_scales, dequantize_mxfp4
 from .tensor_map import TensorMap
 
 __all__ = ["TensorMap", "checkpoint_map", "checkpoint_tensors",
            "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
            "validate_checkpoint", "expected_parameter_shapes", "check_model_matches", "load_tensors_into",
+           "pack_mxfp4_tensors",
            "SINGLE_FILE", "INDEX_FILE", "HEAD_NAMES"]
 
 SINGLE_FILE = "model.safetensors"
@@ -322,16 +324,48 @@ def _load_mxfp4(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap, 
 
     The scales (a sixteenth of the blocks' size) are read and checked first: a NaN scale is refused by name
     before the blocks are read."""
+    blocks, scales, scales_name = _read_mxfp4(fh, index, name, mapping)  # (E, R, C / 32, 16), (E, R, C / 32)
+    for expert in range(blocks.shape[0]):  # one expert's matrix at a time bounds the float temporary
+        values = dequantize_mxfp4(blocks[expert], scales[expert], name=scales_name).T  # (C, R)
+        for target_name, value in mapping.convert(values[None]).items():
+            np.copyto(params[target_name][expert], value[0], casting="unsafe")
+
+
+def _read_mxfp4(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap
+                ) -> tuple[np.ndarray, np.ndarray, str]:
+    """An MXFP4 matrix's blocks (E, R, C / 32, 16) and scales (E, R, C / 32), and the scales' name. The scales
+    (a sixteenth of the blocks' size) are read and checked first: a NaN scale is refused by name before the
+    blocks are read."""
     scales_name = name[:-len(mapping.source)] + mapping.scales
     scales_header = index.tensors[scales_name]
     with open(scales_header.file, "rb") as sfh:
         scales = _read_tensor(sfh, scales_header, scales_name)  # (E, R, C / 32)
     check_scales(scales, scales_name)
-    blocks = _read_tensor(fh, index.tensors[name], name)  # (E, R, C / 32, 16)
-    for expert in range(blocks.shape[0]):  # one expert's matrix at a time bounds the float temporary
-        values = dequantize_mxfp4(blocks[expert], scales[expert], name=scales_name).T  # (C, R)
-        for target_name, value in mapping.convert(values[None]).items():
-            np.copyto(params[target_name][expert], value[0], casting="unsafe")
+    return _read_tensor(fh, index.tensors[name], name), scales, scales_name
+
+
+def pack_mxfp4_tensors(index: CheckpointIndex, stored: dict[str, TensorMap]
+                       ) -> tuple[dict[str, PackedWeight], dict[str, TensorMap]]:
+    """gpt-oss's MXFP4 expert matrices kept packed: packed weights (E, C, R) by attnkit parameter name (each
+    block's scale byte put before its 16 code bytes, the layout :mod:`attnkit.kernels.packed` reads as
+    ``"MXFP4"``), and the validated tensors left for :func:`load_tensors_into` (every float one).
+
+    Memory: the packed experts (their blocks and scales) and one matrix's blocks read twice while it is packed.
+    """
+    packed: dict[str, PackedWeight] = {}
+    rest: dict[str, TensorMap] = {}
+    for name, mapping in stored.items():
+        if not mapping.scales:
+            rest[name] = mapping
+            continue
+        with open(index.tensors[name].file, "rb") as fh:
+            blocks, scales, _ = _read_mxfp4(fh, index, name, mapping)  # (E, R, G, 16), (E, R, G)
+        rows = np.concatenate([scales[..., None], blocks], axis=-1)  # (E, R, G, 17)
+        del blocks
+        weight = PackedWeight(rows.reshape(*scales.shape[:-1], -1), "MXFP4", scales.shape[-1] * 32,
+                              transposed=True)  # (E, C, R)
+        packed.update(mapping.convert_packed(weight))
+    return packed, rest
 
 
 def expected_parameter_shapes(stored: dict[str, TensorMap]) -> dict[str, tuple[int, ...]]:

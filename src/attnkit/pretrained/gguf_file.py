@@ -34,13 +34,15 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.packed import PACKED_FORMATS, PackedWeight
 from ..models.config import DecoderConfig
 from ._extra import import_extra
 from .checkpoint import HEAD_NAMES, TensorMap, checkpoint_map
 from .hf_config import decoder_config_from_hf
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "GGUFFile", "read_gguf", "gguf_hf_config",
-           "read_gguf_config", "is_gguf_path", "validate_gguf_tensors", "load_gguf_tensors_into"]
+           "read_gguf_config", "is_gguf_path", "validate_gguf_tensors", "load_gguf_tensors_into",
+           "pack_gguf_tensors"]
 
 # GGUF architecture (general.architecture) -> Hugging Face model_type. Mistral's files say "llama": llama.cpp
 # runs them as Llama (no sliding window), and so does attnkit.
@@ -599,6 +601,53 @@ def _dequantize(gguf: Any, tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
     for start in range(0, rows.shape[0], step):
         flat[start:start + step] = gguf.quants.dequantize(rows[start:start + step], tensor.tensor_type)
     return out
+
+
+def _packed_tensor(fh: Any, tensor: Any) -> PackedWeight | None:
+    """A quantized matrix's blocks as a packed weight of its stored rows, read from the open file into an array
+    of their own (a model must not depend on the file staying as it is, and a plain read leaves no mapped page
+    resident); None for a float type or a vector, which stay dense."""
+    kind = tensor.tensor_type.name
+    if kind not in PACKED_FORMATS or len(tensor.shape) != 2:
+        return None
+    rows = np.empty((int(tensor.shape[1]), int(tensor.n_bytes) // int(tensor.shape[1])), np.uint8)  # (R, bytes)
+    fh.seek(int(tensor.data_offset))
+    if fh.readinto(memoryview(rows).cast("B")) != rows.nbytes:  # the header check saw it inside the file
+        raise ValueError(f"{fh.name}: tensor {tensor.name!r} was cut short while it was read")
+    return PackedWeight(rows, kind, int(tensor.shape[0]))  # (R, C) as stored
+
+
+def _fixed_packed(packed: PackedWeight, entry: _Entry, config: DecoderConfig) -> PackedWeight:
+    """llama.cpp's change undone on stored rows: q/k rows permuted back (whole rows move, blocks intact),
+    GPT-2's matrices read transposed."""
+    if entry.fix == "permute_q":
+        return PackedWeight(_reverse_permute(packed.blocks, config.num_heads), packed.kind, packed.columns)
+    if entry.fix == "permute_k":
+        return PackedWeight(_reverse_permute(packed.blocks, config.num_kv_heads), packed.kind, packed.columns)
+    if entry.fix == "transpose":
+        return packed.T
+    return packed
+
+
+def pack_gguf_tensors(file: GGUFFile, entries: dict[str, _Entry], config: DecoderConfig
+                      ) -> tuple[dict[str, PackedWeight], dict[str, _Entry]]:
+    """The quantized matrices of a validated file kept as they are stored: packed weights by attnkit parameter
+    name, and the entries left for :func:`load_gguf_tensors_into` (F32/F16/BF16 tensors, vectors, and any
+    matrix whose layout would cut its blocks).
+
+    Memory: the packed blocks, about the file's size (each tensor read once, with plain reads).
+    """
+    packed: dict[str, PackedWeight] = {}
+    dense: dict[str, _Entry] = {}
+    with open(file.path, "rb") as fh:
+        for name, entry in entries.items():
+            weight = _packed_tensor(fh, file.tensors[name])
+            parts = None if weight is None else entry.mapping.convert_packed(_fixed_packed(weight, entry, config))
+            if parts is None:
+                dense[name] = entry
+            else:
+                packed.update(parts)
+    return packed, dense
 
 
 def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entries: dict[str, _Entry],

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.packed import PackedWeight
+
 __all__ = ["TensorMap"]
 
 
@@ -136,6 +138,33 @@ class TensorMap:
             return {t: np.concatenate([grouped[:, o:o + n].reshape(-1, grouped.shape[-1]) for o, n in p]).T
                     for t, p in self._head_rows().items()}  # (In, heads * rows of the target)
         return {self.targets[0]: array}
+
+    def convert_packed(self, packed: PackedWeight) -> dict[str, PackedWeight] | None:
+        """:meth:`convert` of a packed checkpoint array, the parts still packed: each part a set of its stored
+        rows (whole blocks), each transpose the same blocks read the other way. None for a layout that would cut
+        through stored rows (the caller then dequantizes, and :meth:`convert` does it).
+
+        Layouts kept packed: ``copy``, ``transpose`` (a matrix); ``split`` and ``interleaved_split`` along the
+        stored rows (a transposed packed weight's last axis: GPT-2's ``c_attn``, gpt-oss's ``gate_up_proj``);
+        ``row_split_transpose`` along them (an untransposed matrix's first axis: Phi-3's fused ``qkv_proj``).
+        """
+        if self.stack_size:
+            return None
+        n = len(self.targets)
+        if self.layout == "copy":
+            return {self.targets[0]: packed}
+        if self.layout == "transpose" and packed.ndim == 2:
+            return {self.targets[0]: packed.T}
+        if self.layout in ("split", "interleaved_split") and packed.transposed:
+            width = packed.shape[-1] // n
+            cuts = [slice(i * width, (i + 1) * width) if self.layout == "split" else slice(i, None, n)
+                    for i in range(n)]
+            return {t: packed.take_rows(cut) for t, cut in zip(self.targets, cuts)}
+        if self.layout == "row_split_transpose" and packed.ndim == 2 and not packed.transposed:
+            ends = np.cumsum(self.sizes).tolist()
+            return {t: packed.take_rows(slice(end - size, end)).T for t, size, end in zip(self.targets, self.sizes,
+                                                                                             ends)}
+        return None
 
     def gather(self, params: dict[str, Any]) -> Any:
         """The checkpoint array made back from attnkit's parameters (the inverse of :meth:`convert`), contiguous."""
