@@ -75,7 +75,8 @@ def test_end_of_input_ends_the_chat(folder):
     (["--temperature", "-1"], "--temperature"),
     (["--top-p", "2"], "argument --top-p: must be a number in [0, 1], got 2"),
     (["--num-beams", "2"], "--num-beams: beam search settles its tokens only at the end"),
-    (["--chat-template", "missing.jinja"], "--chat-template 'missing.jinja' is not a file"),
+    (["--chat-template", "missing.jinja"], "--chat-template 'missing.jinja' is neither a file nor the name of"),
+    (["--chat-template", "."], "--chat-template '.' is not a file"),
 ])
 def test_bad_options_are_one_line_and_exit_2(folder, args, match):
     proc = run_attnkit(["chat", folder, *args], cwd=folder)

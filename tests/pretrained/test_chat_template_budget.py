@@ -46,8 +46,8 @@ def test_a_failing_template_is_one_error_with_its_own_message(source, message):
     ("{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s * 2 %}{% endfor %}",
      "a repeated string or list"),
     ("{{ 'a' * 10**10 }}", "a repeated string or list"),
-    ("{{ 'a'|center(10**10) }}", "an argument of the filter 'center' (10000000000)"),
-    ("{{ 'a'.ljust(10**10) }}", "an argument of ljust (10000000000)"),
+    ("{{ 'a'|center(10**10) }}", "a number given to the filter 'center' (10000000000)"),
+    ("{{ 'a'.ljust(10**10) }}", "a number given to ljust (10000000000)"),
     ("{% set piece = 'x' * 400 %}{% for i in range(100000) %}{{ piece }}{% endfor %}", "the rendered text"),
 ])
 def test_a_template_that_grows_without_end_is_refused_past_the_size_budget(source, what):
