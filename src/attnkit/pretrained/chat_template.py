@@ -71,8 +71,9 @@ def _template_error(exc: BaseException, jinja2: Any, seconds: float, compiling: 
         return exc
     if isinstance(exc, _OverTime):
         doing = "compiling" if compiling else "rendering"
+        hint = "" if compiling else " (a loop without end?)"
         return ChatTemplateError(f"chat template: {doing} took longer than the budget of {seconds:g} s; refusing "
-                                 f"it (a loop without end?)")
+                                 f"it{hint}")
     if isinstance(exc, tb.OverBudget):
         return ChatTemplateError(str(exc))
     if isinstance(exc, jinja2.exceptions.TemplateSyntaxError):
@@ -221,7 +222,6 @@ def _budgeted_environment() -> Any:
     class BudgetedSandbox(sandbox.ImmutableSandboxedEnvironment):
         code_generator_class = BudgetedCode
         intercepted_binops = frozenset(("+", "-", "*", "/", "//", "%", "**"))
-        optimized = False  # no constant folding: nothing of the template runs while it compiles
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             tb.check_binop(operator, left, right)
@@ -260,7 +260,8 @@ def _budgeted_environment() -> Any:
             result = sandbox.ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs)
             return _checked(result, f"the result of {what}")
 
-    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols],
+    # optimized=False: no constant folding, so nothing of the template runs while it compiles
+    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols], optimized=False,
                           finalize=jinja2.pass_context(_finalize))
     env.filters["tojson"] = _tojson
     env.filters = {name: _budgeted_filter(name, function) for name, function in env.filters.items()}
