@@ -450,6 +450,25 @@ def test_cli_refuses_a_bad_gguf_file_in_one_line(command, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "broken.gguf" in err and "truncated or corrupt" in err
 
 
+def test_chat_templates_are_read_from_the_header_alone(tokenizer_files, good_file, tmp_path):
+    """``read_chat_templates`` walks the metadata only: a file whose tensor data is cut off (which loading
+    refuses) still tells its template, and a file without one says so."""
+    from attnkit.pretrained import read_chat_templates
+    from attnkit.pretrained.gguf_file import read_gguf
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tokenizer_files["bpe_default"].read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="truncated"):
+        read_gguf(cut)
+    assert read_chat_templates(cut) == {"default": CHATML}
+    assert read_chat_templates(tokenizer_files["spm_gemma2"]) == {"default": LLAMA2}
+    assert read_chat_templates(good_file) == {}
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"nope")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_chat_templates(junk)
+
+
 def test_cli_chat_names_a_missing_chat_template(good_file, capsys):
     assert main(["chat", str(good_file)]) == 2
     err = capsys.readouterr().err.strip()

@@ -4,6 +4,7 @@ prompt on and off, contents with spaces and line breaks around them. The real te
 ``chat_templates/`` (their sources in ``chat_templates/SOURCES.md``)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,36 @@ def test_names_are_case_insensitive_and_other_spellings_lead_to_the_same_templat
     assert named_chat_template("gemma2") == named_chat_template("gemma3") == NAMED_CHAT_TEMPLATES["gemma"]
     assert named_chat_template("llama3.2") == NAMED_CHAT_TEMPLATES["llama3.1"]
     assert named_chat_template("vicuna") is None and named_chat_template("my_template.jinja") is None
+
+
+def test_the_tokenizer_takes_a_formats_name_after_its_own_templates_names():
+    from attnkit.pretrained import Tokenizer
+
+    tok = Tokenizer(None, {}, {"default": "{{ 'own' }}", "gemma": "{{ 'the folder s gemma' }}"})
+    assert tok.get_chat_template("llama3") == NAMED_CHAT_TEMPLATES["llama3"]
+    assert tok.get_chat_template("gemma") == "{{ 'the folder s gemma' }}"  # the folder's own name comes first
+    assert tok.get_chat_template("{{ 'a source' }}") == "{{ 'a source' }}"
+    bare = Tokenizer(None, {}, {})
+    with pytest.raises(ValueError, match="pass chat_template= a jinja template or the name of a family's format "
+                                         r"\(chatml, qwen2"):
+        bare.get_chat_template()
+
+
+@pytest.mark.parametrize("real", sorted(p.name for p in REAL.glob("*.jinja")))
+def test_attnkit_renders_each_real_template_as_transformers_does(real):
+    """The budgets and the sandbox without constant folding change nothing a real template renders."""
+    source = (REAL / real).read_text(encoding="utf-8")
+    template = compile_chat_template(source)
+    variables = {"bos_token": "<s>", "eos_token": "</s>", "date_string": "26 Jul 2024"}
+    for key, messages in CONVERSATIONS.items():
+        for add_generation_prompt in (True, False):
+            try:
+                expected = transformers_render(source, messages, add_generation_prompt=add_generation_prompt,
+                                               **variables)
+            except Exception as exc:  # noqa: BLE001 - a template that refuses this conversation: so must ours
+                with pytest.raises(ValueError, match=re.escape(str(exc)[:40])):
+                    render_chat_template(template, messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **variables)
+                continue
+            assert render_chat_template(template, messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **variables) == expected, (key, add_generation_prompt)
