@@ -199,11 +199,15 @@ def _chat_prompt(args: argparse.Namespace, config: Any, template: str | None) ->
     """``--chat``: the prompt ids of ``--system`` and ``--prompt`` rendered by the chat template (``template``,
     else the model's), and the end-of-sequence ids the chat uses (``generation_config.json``'s, else the
     tokenizer's ``eos_token``)."""
-    from ..pretrained import ChatTemplateError
-    from ..pretrained import load_tokenizer as load_chat_tokenizer
+    from ..pretrained import ChatTemplateError, load_tokenizer
+    from ..pretrained.gguf_file import is_gguf_path, read_gguf
+    from ..pretrained.gguf_tokenizer import gguf_tokenizer
 
     try:
-        tokenizer = load_chat_tokenizer(args.model_dir)
+        if is_gguf_path(args.model_dir):  # the tokenizer and templates its metadata describes
+            tokenizer = gguf_tokenizer(read_gguf(args.model_dir))
+        else:
+            tokenizer = load_tokenizer(args.model_dir)
         if template is not None:
             tokenizer.chat_templates["default"] = template
         tokenizer.get_chat_template()
