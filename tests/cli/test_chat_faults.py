@@ -62,7 +62,10 @@ def test_on_a_terminal_the_line_editor_drops_bytes_that_are_not_utf8(folder):
     ("{% if false %}x{% endif %}", "the chat template rendered nothing for this conversation"),
     ("{% for i in range(10**6) %}{% endfor %}", "Range too big"),
     ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
-     "is larger than the budget of 33,554,432 characters"),
+     "larger than the budget of 33,554,432 characters"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "chat template failed: it nests too deeply"),
+    ("{{ " + "9" * 5000 + " }}", "chat template cannot be compiled: ValueError: Exceeds the limit (4300 digits)"),
+    ("{{ 9 ** (9 ** 9) }}", "wider than the budget of 16,384 bits"),
 ])
 def test_a_failing_chat_template_is_a_message_and_the_chat_goes_on(folder, tmp_path, template, message):
     bad = with_template(folder, tmp_path / "bad", template)

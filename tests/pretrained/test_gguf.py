@@ -450,10 +450,50 @@ def test_cli_refuses_a_bad_gguf_file_in_one_line(command, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "broken.gguf" in err and "truncated or corrupt" in err
 
 
+def test_chat_templates_are_read_from_the_header_alone(tokenizer_files, good_file, tmp_path):
+    """``read_chat_templates`` walks the metadata only: a file whose tensor data is cut off (which loading
+    refuses) still tells its template, and a file without one says so."""
+    from attnkit.pretrained import read_chat_templates
+    from attnkit.pretrained.gguf_file import read_gguf
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tokenizer_files["bpe_default"].read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="truncated"):
+        read_gguf(cut)
+    assert read_chat_templates(cut) == {"default": CHATML}
+    assert read_chat_templates(tokenizer_files["spm_gemma2"]) == {"default": LLAMA2}
+    assert read_chat_templates(good_file) == {}
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"nope")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_chat_templates(junk)
+
+
 def test_cli_chat_names_a_missing_chat_template(good_file, capsys):
     assert main(["chat", str(good_file)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no tokenizer.chat_template in a GGUF file" in err
+
+
+@pytest.mark.parametrize("template", [None, "chatml"])
+def test_generate_chat_renders_with_a_gguf_files_tokenizer(tokenizer_files, tmp_path, template):
+    """``generate --chat`` on a GGUF file: its own template, or a named one, with the tokenizer its metadata
+    describes, gives the library's greedy reply."""
+    from attnkit.cli.chat import terminal_safe
+    from attnkit.pretrained import load
+    from cli_helpers import run_attnkit
+
+    path = tokenizer_files["bpe_default"]
+    model, tok = load(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                  return_dict=False, chat_template=template)
+    out = model.generate(np.array([ids]), max_new_tokens=4, do_sample=False, eos_token_id=list(tok.eos_token_ids))
+    reply = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    extra = [] if template is None else ["--chat-template", template]
+    proc = run_attnkit(["generate", str(path), "--prompt", "Hello", "--chat", "--max-new-tokens", "4", *extra],
+                       cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert reply and proc.stdout.rstrip("\n") == terminal_safe(reply)
 
 
 def test_a_real_process_streams_from_a_gguf_file_and_refuses_a_cut_one(tokenizer_files, tmp_path):

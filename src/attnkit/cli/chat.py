@@ -1,12 +1,14 @@
 r'''``attnkit chat``: talk to a Hugging Face chat model folder on attnkit, the reply streamed as it is generated.
 
-Each turn renders the whole conversation with the folder's chat template (as ``transformers`` renders it, with
-the assistant prompt added; ``--chat-template FILE`` replaces it), generates until an end-of-sequence id
-(``generation_config.json``'s list, else the tokenizer's ``eos_token``) or ``--max-new-tokens``, and prints the
-text piece by piece, never half of a character. Decoding follows ``generation_config.json`` unless a flag is
-given, as ``transformers`` does; ``--temperature 0`` means greedy, as in llama.cpp and ollama. On a terminal a
-banner shows the settings once (the context, the reply length, the threads, greedy or the sampling options).
-``--verbose`` reports loading and each reply's tokens per second on stderr.
+Each turn renders the whole conversation with the folder's chat template (as ``transformers`` renders it, with the
+assistant prompt added; ``--chat-template`` replaces it with a jinja FILE or the NAME of a family's format,
+:mod:`attnkit.cli._chat_template`; a model with neither is refused before its weights are read), generates until
+an end-of-sequence id (``generation_config.json``'s list, else the tokenizer's ``eos_token``) or
+``--max-new-tokens``, and prints the text piece by piece, never half of a character. Decoding follows
+``generation_config.json`` unless a flag is given, as ``transformers`` does; ``--temperature 0`` means greedy, as
+in llama.cpp and ollama. On a terminal a banner shows the settings once (the context, the reply length, the
+threads, greedy or the sampling options). ``--verbose`` reports loading and each reply's tokens per second on
+stderr.
 
 Typing (:mod:`attnkit.cli._chat_input`): a line ending in ``\`` continues on the next line; a line starting
 with ``"""`` opens a block of lines that ends at a line ending with ``"""`` (a block is always a message, never
@@ -38,6 +40,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from ._chat_input import BLOCK, MessageReader
+from ._chat_template import add_chat_template_argument, chat_template_option, require_chat_template
 from ._common import (
     UsageError,
     add_keep_quantized_argument,
@@ -87,8 +90,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_dir", metavar="MODEL_DIR",
                    help="a folder written by save_pretrained, or a GGUF file (llama.cpp, ollama)")
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message opening the conversation")
-    p.add_argument("--chat-template", metavar="FILE", default=None,
-                   help="a jinja chat template to use instead of the folder's")
+    add_chat_template_argument(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="reply length at most (default 512)")
     add_generation_arguments(p, streamed=True)
     add_threads_argument(p)
@@ -129,20 +131,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
                          "it; use attnkit generate --chat --num-beams N for one reply", PROG)
     options.pop("num_beams", None)
     return options
-
-
-def _read_template(path: str) -> str:
-    """The text of ``--chat-template`` (UTF-8, at most 1 MB), else a :class:`UsageError`."""
-    file = Path(path).expanduser()
-    shown = printable(repr(path))
-    if not file.is_file():
-        raise UsageError(f"--chat-template {shown} is not a file", PROG)
-    if file.stat().st_size > 2**20:
-        raise UsageError(f"--chat-template {shown} is larger than 1 MB; a chat template is a page of jinja", PROG)
-    try:
-        return file.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"--chat-template {shown} is not UTF-8 text (byte {exc.start + 1})", PROG) from None
 
 
 def terminal_safe(text: str) -> str:
@@ -330,7 +318,9 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
 
     check_model_path(args.model_dir, PROG)
     _options(args)  # flag errors before the (slow) load
-    template = None if args.chat_template is None else _read_template(args.chat_template)
+    template = None if args.chat_template is None else chat_template_option(args.chat_template, PROG)
+    if template is None:
+        require_chat_template(args.model_dir, PROG)  # before the (slow) load
     use_threads(args.threads)
     model, tokenizer = _load(args.model_dir, args.verbose, template, args.keep_quantized)
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]

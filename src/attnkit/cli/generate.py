@@ -1,13 +1,14 @@
 """``attnkit generate``: continue a prompt with a Hugging Face decoder folder (any supported family) on attnkit.
 
 The prompt is text (``--prompt``, tokenised with the folder's ``tokenizer.json`` through ``tokenizers``) or token
-ids (``--ids 1,2,3``, no tokenizer needed). ``--chat`` renders the prompt as a user message with the folder's
-chat template (``--system TEXT`` adds a system message before it and implies ``--chat``) and prints the reply
-only. The generation flags are ``attnkit chat``'s, with Hugging Face's names (:mod:`attnkit.cli._generation`):
-decoding is greedy unless a sampling flag is given (``--temperature`` above 0, ``--top-k``, ``--top-p``,
-``--min-p`` or ``--seed``); it stops at the model's end-of-sequence token, a ``--stop`` string or after
-``--max-new-tokens``. Text is printed as it is produced (beam search prints at the end); ``--json`` prints one
-object at the end::
+ids (``--ids 1,2,3``, no tokenizer needed). ``--chat`` renders the prompt as a user message with the folder's chat
+template (``--system TEXT`` adds a system message before it; ``--chat-template NAME|FILE`` replaces the template,
+:mod:`attnkit.cli._chat_template`; both imply ``--chat``; a model without a template is refused before its weights
+are read) and prints the reply only. The generation flags are ``attnkit chat``'s, with Hugging Face's names
+(:mod:`attnkit.cli._generation`): decoding is greedy unless a sampling flag is given (``--temperature`` above 0,
+``--top-k``, ``--top-p``, ``--min-p`` or ``--seed``); it stops at the model's end-of-sequence token, a ``--stop``
+string or after ``--max-new-tokens``. Text is printed as it is produced (beam search prints at the end);
+``--json`` prints one object at the end::
 
     {"ids": [...prompt ids, new ids...], "new_ids": [...], "text": "...prompt and continuation...",
      "new_text": "..."}
@@ -24,6 +25,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from ._chat_template import add_chat_template_argument, chat_template_option, require_chat_template
 from ._common import (
     UsageError,
     add_keep_quantized_argument,
@@ -89,6 +91,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="send --prompt as a user message through the folder's chat template; print the reply only")
     p.add_argument("--system", metavar="TEXT", default=None,
                    help="a system message before the prompt (implies --chat)")
+    add_chat_template_argument(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to add at most (default 32)")
     add_generation_arguments(p, greedy_unless_asked=True)
     p.add_argument("--length-penalty", type=_finite_float, default=1.0,
@@ -182,16 +185,33 @@ def _shown(text: str) -> str:
     return "\n".join("\t".join(printable(cell) for cell in line.split("\t")) for line in text.split("\n"))
 
 
-def _chat_prompt(args: argparse.Namespace, config: Any) -> tuple[list[int], list[int] | None]:
-    """``--chat``: the prompt ids of ``--system`` and ``--prompt`` rendered by the folder's chat template, and the
-    end-of-sequence ids the chat uses (``generation_config.json``'s, else the tokenizer's ``eos_token``)."""
-    from ..pretrained import ChatTemplateError
-    from ..pretrained import load_tokenizer as load_chat_tokenizer
-
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """``--chat``: the ``--chat-template`` given (None: the model's own, which must exist), checked before the
+    model is loaded."""
     if args.prompt is None:
-        raise UsageError("--chat and --system need --prompt (a message, rendered by the chat template)", PROG)
+        raise UsageError("--chat, --system and --chat-template need --prompt (a message, rendered by the chat "
+                         "template)", PROG)
+    if args.chat_template is not None:
+        return chat_template_option(args.chat_template, PROG)
+    require_chat_template(args.model_dir, PROG)
+    return None
+
+
+def _chat_prompt(args: argparse.Namespace, config: Any, template: str | None) -> tuple[list[int], list[int] | None]:
+    """``--chat``: the prompt ids of ``--system`` and ``--prompt`` rendered by the chat template (``template``,
+    else the model's), and the end-of-sequence ids the chat uses (``generation_config.json``'s, else the
+    tokenizer's ``eos_token``)."""
+    from ..pretrained import ChatTemplateError, load_tokenizer
+    from ..pretrained.gguf_file import is_gguf_path, read_gguf
+    from ..pretrained.gguf_tokenizer import gguf_tokenizer
+
     try:
-        tokenizer = load_chat_tokenizer(args.model_dir)
+        if is_gguf_path(args.model_dir):  # the tokenizer and templates its metadata describes
+            tokenizer = gguf_tokenizer(read_gguf(args.model_dir))
+        else:
+            tokenizer = load_tokenizer(args.model_dir)
+        if template is not None:
+            tokenizer.chat_templates["default"] = template
         tokenizer.get_chat_template()
     except (ValueError, KeyError, TypeError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -212,13 +232,14 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     out = sys.stdout if stdout is None else stdout
     check_model_path(args.model_dir, PROG)
     options = generation_kwargs(args, PROG, greedy_unless_asked=True)  # flag errors before the (slow) load
-    chat = args.chat or args.system is not None
+    chat = args.chat or args.system is not None or args.chat_template is not None
+    template = _chat_template(args) if chat else None
     use_threads(args.threads)
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
     model = model_for_command(args.model_dir, keep_quantized=args.keep_quantized)
     config = model.config
     if chat:
-        prompt, eos_ids = _chat_prompt(args, config)
+        prompt, eos_ids = _chat_prompt(args, config, template)
         options["eos_token_id"] = eos_ids
     else:
         prompt = prompt_ids(args, tokenizer, config)

@@ -17,7 +17,7 @@ sentence-transformers, which attnkit never imports).
 """
 from ._extra import PRETRAINED_INSTALL_HINT, default_model_dir
 from .bert import BertConfig, BertEncoder, bert_state_dict
-from .causal_lm import load, load_causal_lm, read_decoder_config
+from .causal_lm import load, load_causal_lm, read_chat_templates, read_decoder_config
 from .chat_template import ChatTemplateError
 from .hf_config import decoder_config_from_hf, supported_model_types
 from .sentence_encoder import SentenceEncoder, TokenBatch, l2_normalize, load_minilm, load_sentence_encoder, mean_pool
@@ -25,7 +25,8 @@ from .tokenizer import Tokenizer, load_tokenizer, read_generation_config
 
 __all__ = [
     "PRETRAINED_INSTALL_HINT", "default_model_dir",
-    "load", "load_causal_lm", "read_decoder_config", "decoder_config_from_hf", "supported_model_types",
+    "load", "load_causal_lm", "read_decoder_config", "read_chat_templates", "decoder_config_from_hf",
+    "supported_model_types",
     "Tokenizer", "load_tokenizer", "ChatTemplateError", "read_generation_config",
     "BertConfig", "BertEncoder", "bert_state_dict",
     "SentenceEncoder", "TokenBatch", "load_minilm", "load_sentence_encoder", "mean_pool", "l2_normalize",

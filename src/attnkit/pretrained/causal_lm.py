@@ -32,13 +32,14 @@ from .gguf_file import (
     pack_gguf_tensors,
     read_gguf,
     read_gguf_config,
+    read_gguf_strings,
     validate_gguf_tensors,
 )
 from .gguf_tokenizer import gguf_tokenizer
 from .hf_config import decoder_config_from_hf
-from .tokenizer import load_tokenizer, read_generation_config
+from .tokenizer import chat_templates_of_folder, load_tokenizer, read_generation_config
 
-__all__ = ["load", "load_causal_lm", "read_decoder_config"]
+__all__ = ["load", "load_causal_lm", "read_decoder_config", "read_chat_templates"]
 
 _DTYPES = (np.float16, np.float32, np.float64)
 
@@ -225,6 +226,30 @@ def load(folder: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = 
     tokenizer = load_tokenizer(folder)
     check_tokenizer_fits(tokenizer, read_decoder_config(folder), Path(folder))
     return load_causal_lm(folder, dtype=dtype, keep_quantized=keep_quantized), tokenizer
+
+
+def read_chat_templates(path: str | Path) -> dict[str, str]:
+    """The chat templates of a model folder or GGUF file, by name (``"default"`` is the one the tokenizer
+    renders with), read without the weights or the vocabulary: a folder's ``tokenizer_config.json``,
+    ``chat_template.jinja`` and ``additional_chat_templates/``, a GGUF file's ``tokenizer.chat_template`` keys
+    (its header alone). What the tokenizer :func:`load` returns would hold, in milliseconds rather than the
+    seconds a model takes to load.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such folder or file.
+    ValueError
+        A file that cannot be read (naming it).
+    """
+    prefix = "tokenizer.chat_template"
+    if is_gguf_path(path):
+        found = read_gguf_strings(path, lambda key: key == prefix or key.startswith(prefix + "."))
+        return {"default" if key == prefix else key[len(prefix) + 1:]: value for key, value in found.items()}
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder")
+    return chat_templates_of_folder(folder)
 
 
 def check_tokenizer_fits(tokenizer: Any, config: Any, folder: Path) -> None:

@@ -40,7 +40,7 @@ from ._extra import import_extra
 from .checkpoint import HEAD_NAMES, TensorMap, checkpoint_map
 from .hf_config import decoder_config_from_hf
 
-__all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "GGUFFile", "read_gguf", "gguf_hf_config",
+__all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "GGUFFile", "read_gguf", "read_gguf_strings", "gguf_hf_config",
            "read_gguf_config", "is_gguf_path", "validate_gguf_tensors", "load_gguf_tensors_into",
            "pack_gguf_tensors"]
 
@@ -202,6 +202,52 @@ def _check_header(path: Path, gguf: Any) -> None:
         if start + offset + nbytes > size:
             raise ValueError(f"{path} is truncated: tensor {name!r} needs bytes up to {start + offset + nbytes}, "
                              f"the file has {size}")
+
+
+def read_gguf_strings(path: str | os.PathLike, keys: Any) -> dict[str, str]:
+    """The string metadata of a GGUF file under the keys ``keys(key)`` accepts, read by walking the header alone
+    (no tensor, no vocabulary, no ``gguf`` package): what can be known of a file in milliseconds, before it is
+    loaded, such as its chat template (``tokenizer.chat_template``).
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ValueError
+        Naming the file: not a regular file, not GGUF, a version other than 2 and 3, a header whose lengths run
+        past the end of the file, or one of the strings asked for that is not UTF-8.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file; a GGUF model is one file")
+    with open(path, "rb") as fh:
+        if fh.read(4) != _MAGIC:
+            raise ValueError(f"{path} is not a GGUF file: it does not start with {_MAGIC!r}")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            header = _Header(data, path)
+            header.skip(4, "the magic")
+            version = header.uint(4, "the version")
+            if version not in _VERSIONS:
+                raise ValueError(f"{path}: GGUF version {version} is not read (attnkit reads versions 2 and 3, "
+                                 f"little-endian)")
+            header.uint(8, "the tensor count")
+            found = {}
+            for _ in range(header.uint(8, "the metadata count")):
+                raw = header.take(header.uint(8, "a metadata key"), "a metadata key")
+                key = raw.decode("utf-8", "replace")
+                kind = header.uint(4, f"metadata {key[:80]!r}")
+                if kind != 8 or not keys(key):
+                    header.skip_value(kind, f"metadata {key[:80]!r}")
+                    continue
+                value = header.take(header.uint(8, f"metadata {key[:80]!r}"), f"metadata {key[:80]!r}")
+                try:
+                    found[key] = value.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"{path}: metadata {key[:80]!r} is not UTF-8 text (byte {exc.start + 1})") \
+                        from None
+    return found
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:

@@ -21,8 +21,9 @@ import numpy as np
 from ..io import read_json, read_text
 from ._extra import import_extra
 from .chat_template import compile_chat_template, render_chat_template
+from .named_chat_templates import NAMED_CHAT_TEMPLATES, named_chat_template
 
-__all__ = ["Tokenizer", "load_tokenizer", "read_generation_config", "SPECIAL_TOKEN_NAMES"]
+__all__ = ["Tokenizer", "load_tokenizer", "read_generation_config", "chat_templates_of_folder", "SPECIAL_TOKEN_NAMES"]
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -221,7 +222,9 @@ class Tokenizer:
 
     # -- chat --------------------------------------------------------------------------------------------
     def get_chat_template(self, chat_template: str | None = None) -> str:
-        """The template source: ``chat_template`` itself, the folder's template of that name, or the default.
+        """The template source: the folder's template named ``chat_template``, else the format of that name
+        (:mod:`.named_chat_templates`: ``"chatml"``, ``"llama3"``, ...), else ``chat_template`` itself (a jinja
+        source); without ``chat_template``, the folder's default.
 
         Raises
         ------
@@ -229,11 +232,14 @@ class Tokenizer:
             The folder has no chat template (and none was passed).
         """
         if chat_template is not None:
-            return self.chat_templates.get(chat_template, chat_template)
+            if chat_template in self.chat_templates:
+                return self.chat_templates[chat_template]
+            return named_chat_template(chat_template) or chat_template
         if "default" not in self.chat_templates:
-            raise ValueError("this tokenizer has no chat template (no chat_template.jinja, no chat_template in "
-                             "tokenizer_config.json, no tokenizer.chat_template in a GGUF file); pass "
-                             "chat_template= a jinja template")
+            raise ValueError(f"this tokenizer has no chat template (no chat_template.jinja, no chat_template in "
+                             f"tokenizer_config.json, no tokenizer.chat_template in a GGUF file); pass "
+                             f"chat_template= a jinja template or the name of a family's format "
+                             f"({', '.join(NAMED_CHAT_TEMPLATES)})")
         return self.chat_templates["default"]
 
     def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],
@@ -257,7 +263,8 @@ class Tokenizer:
             With ``tokenize``: return ``{"input_ids", "attention_mask"}`` (lists, or lists of lists when
             batched); False returns the ids alone. Ignored when ``tokenize`` is False.
         chat_template : str, optional
-            A template name of the folder, or a template source; default the folder's default template.
+            A template name of the folder, the name of a family's format (``"chatml"``, ``"llama3"``, ``"gemma"``,
+            ... :mod:`.named_chat_templates`), or a template source; default the folder's default template.
         tools, documents : list of dict, optional
             JSON-schema tool descriptions and retrieval documents, passed to the template as they are.
         **template_kwargs
@@ -350,7 +357,14 @@ def _special_tokens(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
     return tokens
 
 
-def _chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
+def chat_templates_of_folder(folder: Path, config: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """A model folder's chat templates by name: ``tokenizer_config.json``'s ``chat_template`` (a string, or a
+    list of ``{"name", "template"}``), ``chat_template.jinja`` (the default, over the config's copy, as in
+    transformers) and ``additional_chat_templates/*.jinja``. ``config`` is the folder's
+    ``tokenizer_config.json`` when the caller has read it already."""
+    if config is None:
+        config_file = folder / "tokenizer_config.json"
+        config = read_json(config_file) if config_file.is_file() else {}
     templates: dict[str, str] = {}
     raw = config.get("chat_template")
     if isinstance(raw, str):
@@ -421,4 +435,4 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids):
         raise ValueError(f"generation_config.json's eos_token_id must be a non-negative int or a list of them, "
                          f"got {eos!r}")
-    return Tokenizer(backend, special, _chat_templates(folder, config), eos_ids)
+    return Tokenizer(backend, special, chat_templates_of_folder(folder, config), eos_ids)
