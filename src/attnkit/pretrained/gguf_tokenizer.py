@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ._extra import import_extra
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, special_token_ids
 from .tokenizer import Tokenizer
 
 __all__ = ["gguf_tokenizer", "GGUF_PRE_TOKENIZERS"]
@@ -73,35 +75,107 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _strings(file: GGUFFile, key: str, count: int | None = None) -> list[str]:
+    """An array of strings (its GGUF type is checked when the file is read): present, non-empty, and of
+    ``count`` items when given."""
     value = file.metadata.get(key)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or not value:
-        raise file.fail(f"metadata {key!r} must be a non-empty list of strings, got {type(value).__name__}")
+    if not value:
+        raise file.fail(f"metadata {key!r} must be a non-empty array of strings, and the file has "
+                        + ("none" if value is None else "an empty one"))
     if count is not None and len(value) != count:
         raise file.fail(f"metadata {key!r} has {len(value)} entries for {count} tokens")
     return value
 
 
-def _numbers(file: GGUFFile, key: str, count: int, default: Any) -> list:
+def _numbers(file: GGUFFile, key: str, count: int, default: Any) -> np.ndarray:
+    """A per-token array of numbers (its GGUF type is checked when the file is read), ``default`` for every
+    token when the file has none."""
     value = file.metadata.get(key)
     if value is None:
-        return [default] * count
-    if not isinstance(value, list) or len(value) != count or not all(isinstance(v, (int, float)) for v in value):
-        raise file.fail(f"metadata {key!r} must be a list of {count} numbers, one per token")
+        return np.full(count, default)
+    if len(value) != count:
+        raise file.fail(f"metadata {key!r} has {len(value)} entries; it must have one per token ({count}, the "
+                        f"length of tokenizer.ggml.tokens)")
     return value
 
 
-def _merges_from_scores(tokens: list[str], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """SentencePiece BPE merges rebuilt from the vocabulary: every split of a piece into two pieces is a merge,
-    ranked by the merged piece's score (best first), ties by the shorter left then right part, then by id;
-    the rule ``transformers`` uses, so both tokenize alike."""
-    vocab = {token: index for index, token in enumerate(tokens)}
+def _stored_merges(file: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges``: each two tokens of ``vocab`` joined by a space, whose concatenation is a token
+    too (``tokenizers`` would fail on anything else, or abort the process)."""
     merges = []
-    for token, score in scores.items():
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
-        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in merges]
+    for index, entry in enumerate(_strings(file, "tokenizer.ggml.merges")):
+        parts = entry.split(" ")
+        if len(parts) != 2:
+            raise file.fail(f"metadata 'tokenizer.ggml.merges' item {index} is {entry!r:.80}, not two tokens "
+                            f"joined by a space")
+        left, right = parts
+        for token in (left, right, left + right):
+            if token not in vocab:
+                raise file.fail(f"metadata 'tokenizer.ggml.merges' item {index} ({entry!r:.80}) needs the token "
+                                f"{token!r:.80}, which tokenizer.ggml.tokens does not hold")
+        merges.append((left, right))
+    return merges
+
+
+# The characters the merge rebuild may slice, per character of the vocabulary: it examines each split of a
+# piece whose two sides have lengths that occur in the vocabulary. A vocabulary of short pieces needs about its
+# longest piece's length (16 for a synthetic one of Gemma 3's size); past this budget the vocabulary is refused
+# rather than rebuilt in time and memory growing faster than its size.
+_SPLIT_BUDGET = 64
+
+
+def _merges_from_scores(file: GGUFFile, tokens: list[str], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges rebuilt from the vocabulary: every split of a piece into two pieces is a merge,
+    ranked by the merged piece's score (best first), ties by the longer left then right part, then by the
+    piece's place in ``scores`` and the parts' ids; the rule ``transformers`` uses, so both tokenize alike.
+
+    Pieces of one length are split at one place at a time (a list comprehension per length and place), only
+    where both sides have a length some piece has: a piece longer than any two others costs nothing. The
+    characters sliced are bounded by ``_SPLIT_BUDGET`` times the vocabulary's.
+
+    Raises
+    ------
+    ValueError
+        The rebuild would slice more than its budget (naming ``tokenizer.ggml.tokens``).
+    """
+    vocab = {token: index for index, token in enumerate(tokens)}
+    order = list(scores)
+    found = _splits(file, order, vocab)
+    if not found:
+        return []
+    place = np.array([p for p, _, _ in found])  # (M,) the merged piece's place in ``order``
+    left = [order[p][:i] for p, i, _ in found]
+    right = [order[p][i:] for p, i, _ in found]
+    score = np.array([scores[order[p]] for p in place.tolist()], dtype=np.float64)  # (M,)
+    left_length = np.array([i for _, i, _ in found])  # (M,)
+    right_length = np.array([n for _, _, n in found]) - left_length  # (M,)
+    rank = np.lexsort((np.array([vocab[t] for t in right]), np.array([vocab[t] for t in left]), place,
+                       -right_length, -left_length, -score))  # (M,) the last key sorts first
+    return [(left[k], right[k]) for k in rank.tolist()]
+
+
+def _splits(file: GGUFFile, order: list[str], vocab: dict[str, int]) -> list[tuple[int, int, int]]:
+    """Every (place in ``order``, split point, length) at which a piece splits into two pieces of ``vocab``."""
+    present = {len(token) for token in vocab}
+    lengths = sorted(present)
+    groups: dict[int, list[int]] = {}
+    for place, token in enumerate(order):
+        groups.setdefault(len(token), []).append(place)
+    budget = _SPLIT_BUDGET * sum(len(token) for token in vocab) + (1 << 20)
+    found = []
+    for n, places in groups.items():
+        group = [order[p] for p in places]
+        for i in lengths:
+            if i >= n:
+                break
+            if n - i not in present:
+                continue
+            budget -= n * len(group)
+            if budget < 0:
+                raise file.fail(f"metadata 'tokenizer.ggml.tokens' holds pieces that split in too many ways: "
+                                f"rebuilding their merges would slice more than {_SPLIT_BUDGET} times the "
+                                f"vocabulary's characters")
+            found.extend((p, i, n) for p, t in zip(places, group) if t[:i] in vocab and t[i:] in vocab)
+    return found
 
 
 def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
@@ -109,12 +183,7 @@ def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
     alphabet = set(spelling.values())
     vocab = {(token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))): index
              for index, token in enumerate(tokens)}
-    merges = []
-    for entry in _strings(file, "tokenizer.ggml.merges") if "tokenizer.ggml.merges" in file.metadata else []:
-        parts = entry.split(" ")
-        if len(parts) != 2:
-            raise file.fail(f"metadata 'tokenizer.ggml.merges' holds {entry!r}, not two tokens joined by a space")
-        merges.append((parts[0], parts[1]))
+    merges = _stored_merges(file, vocab) if "tokenizer.ggml.merges" in file.metadata else []
     backend = tk.Tokenizer(tk.models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
                                          end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
     pre = file.metadata.get("tokenizer.ggml.pre", "default")
@@ -133,7 +202,7 @@ def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
     return backend
 
 
-def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
+def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str], ids: dict[str, int]) -> Any:
     style = {"gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}.get(file.architecture, "llama")
     if style == "gemma":
         # Gemma stores pieces of two or more spaces as spaces, and its scores do not follow its merge order:
@@ -141,14 +210,13 @@ def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         scores = {token: -float(index) for index, token in enumerate(tokens)}
     else:
-        values = _numbers(file, "tokenizer.ggml.scores", len(tokens), 0.0)
-        scores = dict(zip(tokens, (float(v) for v in values)))
+        scores = dict(zip(tokens, _numbers(file, "tokenizer.ggml.scores", len(tokens), 0.0).tolist()))
     vocab = {token: index for index, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in file.metadata:
-        merges = [tuple(m.split(" ")) for m in _strings(file, "tokenizer.ggml.merges")]
+        merges = _stored_merges(file, vocab)
     else:
-        merges = _merges_from_scores(tokens, scores)
-    unk = file.metadata.get("tokenizer.ggml.unknown_token_id")
+        merges = _merges_from_scores(file, tokens, scores)
+    unk = ids.get("unknown_token_id")
     backend = tk.Tokenizer(tk.models.BPE(vocab, merges, dropout=None, fuse_unk=True, byte_fallback=True,
                                          unk_token=tokens[unk] if style == "gemma" and unk is not None else None))
     decoders = [tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
@@ -169,17 +237,8 @@ def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
     return backend
 
 
-def _special_tokens(file: GGUFFile, tokens: list[str]) -> dict[str, str]:
-    special = {}
-    for name, key in _SPECIAL_IDS:
-        index = file.metadata.get(f"tokenizer.ggml.{key}")
-        if index is None:
-            continue
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tokens):
-            raise file.fail(f"metadata tokenizer.ggml.{key} = {index!r} is not the id of one of its {len(tokens)} "
-                            f"tokens")
-        special[name] = tokens[index]
-    return special
+def _special_tokens(tokens: list[str], ids: dict[str, int]) -> dict[str, str]:
+    return {name: tokens[ids[key]] for name, key in _SPECIAL_IDS if key in ids}
 
 
 def _chat_templates(file: GGUFFile) -> dict[str, str]:
@@ -210,15 +269,16 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         raise file.fail(f"metadata tokenizer.ggml.model = {kind!r} is not a tokenizer attnkit rebuilds; it reads "
                         f"'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
     tokens = _strings(file, "tokenizer.ggml.tokens")
-    types = _numbers(file, "tokenizer.ggml.token_type", len(tokens), 1)
+    types = _numbers(file, "tokenizer.ggml.token_type", len(tokens), 1).tolist()
+    ids = special_token_ids(file)
     try:
-        backend = (_byte_level if kind == "gpt2" else _sentencepiece)(tk, file, tokens)
+        backend = _byte_level(tk, file, tokens) if kind == "gpt2" else _sentencepiece(tk, file, tokens, ids)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception type for a bad vocabulary
-        raise file.fail(f"its vocabulary cannot be built into a tokenizer: {exc}") from None
-    special = _special_tokens(file, tokens)
-    vocab = backend.get_vocab()
+        raise file.fail(f"its vocabulary (tokenizer.ggml.tokens, tokenizer.ggml.merges) cannot be built into a "
+                        f"tokenizer: {exc}") from None
+    special = _special_tokens(tokens, ids)
     named = set(special.values())
     control = [t for t, kind_ in zip(tokens, types) if kind_ == _CONTROL or t in named]
     if kind == "gpt2":  # a control token outside the byte alphabet is a mislabel, and no token of this vocabulary
@@ -226,7 +286,8 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         control = [t for t in control if set(t) <= alphabet]
     backend.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t in control])
     backend.add_tokens([tk.AddedToken(t, normalized=False, special=False)
-                        for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED and t in vocab])
+                        for t, kind_ in zip(tokens, types)
+                        if kind_ == _USER_DEFINED and backend.token_to_id(t) is not None])
     add_bos = file.metadata.get("tokenizer.ggml.add_bos_token", kind == "llama") and "bos_token" in special
     add_eos = file.metadata.get("tokenizer.ggml.add_eos_token", False) and "eos_token" in special
     single = ([f"{special['bos_token']}:0"] if add_bos else []) + ["$A:0"] + \
@@ -236,10 +297,5 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
     pieces = [special[n] for n, on in (("bos_token", add_bos), ("eos_token", add_eos)) if on]
     backend.post_processor = tk.processors.TemplateProcessing(
         single=" ".join(single), pair=" ".join(pair), special_tokens=[(t, backend.token_to_id(t)) for t in pieces])
-    eos_ids = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        index = file.metadata.get(f"tokenizer.ggml.{key}")
-        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(tokens) \
-                and index not in eos_ids:
-            eos_ids.append(index)
-    return Tokenizer(backend, special, _chat_templates(file), eos_ids)
+    eos_ids = dict.fromkeys(ids[key] for key in ("eos_token_id", "eot_token_id", "eom_token_id") if key in ids)
+    return Tokenizer(backend, special, _chat_templates(file), list(eos_ids))
