@@ -148,8 +148,10 @@ class _Cursor:
         if item in _DTYPES:  # one copy of the bytes, whatever the count
             dtype = _DTYPES[item]
             begin = self.skip(count * dtype.itemsize, what)
-            values = np.frombuffer(self.data, dtype, count, begin).copy()
-            return (values != 0 if item == 7 else values), f"array[{_TYPE_NAMES[item]}]"
+            stored = np.frombuffer(self.data, dtype, count, begin)  # a view of the mapping, released below
+            values = stored != 0 if item == 7 else stored.copy()
+            del stored
+            return values, f"array[{_TYPE_NAMES[item]}]"
         if item == _STRING:
             return self.texts(count, what), "array[string]"
         if item == _ARRAY:

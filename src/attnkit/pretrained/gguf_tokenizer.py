@@ -101,18 +101,19 @@ def _numbers(file: GGUFFile, key: str, count: int, default: Any) -> np.ndarray:
 def _stored_merges(file: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
     """``tokenizer.ggml.merges``: each two tokens of ``vocab`` joined by a space, whose concatenation is a token
     too (``tokenizers`` would fail on anything else, or abort the process)."""
-    merges = []
-    for index, entry in enumerate(_strings(file, "tokenizer.ggml.merges")):
-        parts = entry.split(" ")
-        if len(parts) != 2:
-            raise file.fail(f"metadata 'tokenizer.ggml.merges' item {index} is {entry!r:.80}, not two tokens "
-                            f"joined by a space")
-        left, right = parts
-        for token in (left, right, left + right):
-            if token not in vocab:
-                raise file.fail(f"metadata 'tokenizer.ggml.merges' item {index} ({entry!r:.80}) needs the token "
-                                f"{token!r:.80}, which tokenizer.ggml.tokens does not hold")
-        merges.append((left, right))
+    entries = _strings(file, "tokenizer.ggml.merges")
+    merges = [tuple(entry.split(" ")) for entry in entries]
+    wrong = [index for index, merge in enumerate(merges) if len(merge) != 2]
+    if wrong:
+        raise file.fail(f"metadata 'tokenizer.ggml.merges' item {wrong[0]} is {entries[wrong[0]]!r:.80}, not two "
+                        f"tokens joined by a space")
+    unknown = [index for index, (left, right) in enumerate(merges)
+               if left not in vocab or right not in vocab or left + right not in vocab]
+    if unknown:
+        left, right = merges[unknown[0]]
+        token = next(t for t in (left, right, left + right) if t not in vocab)
+        raise file.fail(f"metadata 'tokenizer.ggml.merges' item {unknown[0]} ({entries[unknown[0]]!r:.80}) needs the "
+                        f"token {token!r:.80}, which tokenizer.ggml.tokens does not hold")
     return merges
 
 
@@ -181,8 +182,11 @@ def _splits(file: GGUFFile, order: list[str], vocab: dict[str, int]) -> list[tup
 def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
-    vocab = {(token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))): index
-             for index, token in enumerate(tokens)}
+    if set().union(*tokens) <= alphabet:  # every token spelled in the byte alphabet, as converters write them
+        vocab = {token: index for index, token in enumerate(tokens)}
+    else:
+        vocab = {(token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))): index
+                 for index, token in enumerate(tokens)}
     merges = _stored_merges(file, vocab) if "tokenizer.ggml.merges" in file.metadata else []
     backend = tk.Tokenizer(tk.models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
                                          end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
