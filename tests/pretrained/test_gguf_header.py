@@ -134,7 +134,7 @@ def test_a_vocabulary_of_pieces_that_split_every_way_is_refused_within_a_budget(
     with pytest.raises(ValueError, match=r"ladder\.gguf: metadata 'tokenizer\.ggml\.tokens' holds pieces that split "
                                          r"in too many ways"):
         gguf_tokenizer(file)
-    assert peak <= 32 * size, (peak, size)  # refused once 64 characters per character of the file were sliced
+    assert peak <= 32 * size, (peak, size)  # the merges kept stop at 8 characters per character of the vocabulary
 
 
 def test_merges_rebuilt_from_scores_equal_transformers(tmp_path):

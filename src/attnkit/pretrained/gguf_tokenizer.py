@@ -118,10 +118,13 @@ def _stored_merges(file: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str
 
 
 # The characters the merge rebuild may slice, per character of the vocabulary: it examines each split of a
-# piece whose two sides have lengths that occur in the vocabulary. A vocabulary of short pieces needs about its
-# longest piece's length (16 for a synthetic one of Gemma 3's size); past this budget the vocabulary is refused
-# rather than rebuilt in time and memory growing faster than its size.
+# piece whose two sides have lengths that occur in the vocabulary. A vocabulary of short pieces needs less than
+# its pieces' typical length (9.5 for a synthetic one of Gemma 3's size, pieces of up to 31 characters); past
+# this budget the vocabulary is refused rather than rebuilt in time growing faster than its size. The merges
+# kept hold at most _MERGE_BUDGET characters per character of the vocabulary (about 1 for that synthetic one,
+# about 2 for published SentencePiece vocabularies: Llama 2's 61k merges of 32k pieces).
 _SPLIT_BUDGET = 64
+_MERGE_BUDGET = 8
 
 
 def _merges_from_scores(file: GGUFFile, tokens: list[str], scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -129,9 +132,9 @@ def _merges_from_scores(file: GGUFFile, tokens: list[str], scores: dict[str, flo
     ranked by the merged piece's score (best first), ties by the longer left then right part, then by the
     piece's place in ``scores`` and the parts' ids; the rule ``transformers`` uses, so both tokenize alike.
 
-    Pieces of one length are split at one place at a time (a list comprehension per length and place), only
-    where both sides have a length some piece has: a piece longer than any two others costs nothing. The
-    characters sliced are bounded by ``_SPLIT_BUDGET`` times the vocabulary's.
+    A piece is split only where both sides have a length some piece has (the split points of each length are
+    listed once), so a piece longer than any two others costs nothing. The characters sliced are bounded by
+    ``_SPLIT_BUDGET`` times the vocabulary's, those of the merges kept by ``_MERGE_BUDGET`` times.
 
     Raises
     ------
@@ -139,44 +142,34 @@ def _merges_from_scores(file: GGUFFile, tokens: list[str], scores: dict[str, flo
         The rebuild would slice more than its budget (naming ``tokenizer.ggml.tokens``).
     """
     vocab = {token: index for index, token in enumerate(tokens)}
-    order = list(scores)
-    found = _splits(file, order, vocab)
-    if not found:
-        return []
-    place = np.array([p for p, _, _ in found])  # (M,) the merged piece's place in ``order``
-    left = [order[p][:i] for p, i, _ in found]
-    right = [order[p][i:] for p, i, _ in found]
-    score = np.array([scores[order[p]] for p in place.tolist()], dtype=np.float64)  # (M,)
-    left_length = np.array([i for _, i, _ in found])  # (M,)
-    right_length = np.array([n for _, _, n in found]) - left_length  # (M,)
-    rank = np.lexsort((np.array([vocab[t] for t in right]), np.array([vocab[t] for t in left]), place,
-                       -right_length, -left_length, -score))  # (M,) the last key sorts first
-    return [(left[k], right[k]) for k in rank.tolist()]
-
-
-def _splits(file: GGUFFile, order: list[str], vocab: dict[str, int]) -> list[tuple[int, int, int]]:
-    """Every (place in ``order``, split point, length) at which a piece splits into two pieces of ``vocab``."""
     present = {len(token) for token in vocab}
     lengths = sorted(present)
-    groups: dict[int, list[int]] = {}
-    for place, token in enumerate(order):
-        groups.setdefault(len(token), []).append(place)
-    budget = _SPLIT_BUDGET * sum(len(token) for token in vocab) + (1 << 20)
-    found = []
-    for n, places in groups.items():
-        group = [order[p] for p in places]
-        for i in lengths:
-            if i >= n:
-                break
-            if n - i not in present:
-                continue
-            budget -= n * len(group)
-            if budget < 0:
-                raise file.fail(f"metadata 'tokenizer.ggml.tokens' holds pieces that split in too many ways: "
-                                f"rebuilding their merges would slice more than {_SPLIT_BUDGET} times the "
-                                f"vocabulary's characters")
-            found.extend((p, i, n) for p, t in zip(places, group) if t[:i] in vocab and t[i:] in vocab)
-    return found
+    points: dict[int, list[int]] = {}  # a piece's length -> where it may split
+    characters = sum(len(token) for token in vocab) + (1 << 16)
+    sliced, kept = _SPLIT_BUDGET * characters, _MERGE_BUDGET * characters
+    merges = []
+    for token, score in scores.items():
+        n = len(token)
+        if n not in points:
+            points[n] = [i for i in lengths if i < n and n - i in present]
+        sliced -= n * len(points[n])
+        if sliced < 0:  # checked before the slicing it pays for
+            raise _too_many_splits(file)
+        local = [(token[:i], token[i:], score) for i in points[n] if token[:i] in vocab and token[i:] in vocab]
+        kept -= n * len(local)
+        if kept < 0:
+            raise _too_many_splits(file)
+        if len(local) > 1:
+            local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _too_many_splits(file: GGUFFile) -> ValueError:
+    return file.fail(f"metadata 'tokenizer.ggml.tokens' holds pieces that split in too many ways: rebuilding their "
+                     f"merges would slice more than {_SPLIT_BUDGET} times the vocabulary's characters or keep more "
+                     f"than {_MERGE_BUDGET} times them")
 
 
 def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
