@@ -376,3 +376,59 @@ def transformers_gguf_model(folder: Path, file_name: str):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=file_name,
                                                                   dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+# -- raw files: any header, written byte by byte (fast for large arrays, and able to write what GGUFWriter won't) --
+_RAW_SCALARS = {"uint8": "<B", "int8": "<b", "uint16": "<H", "int16": "<h", "uint32": "<I", "int32": "<i",
+                "float32": "<f", "bool": "<?", "uint64": "<Q", "int64": "<q", "float64": "<d"}
+_RAW_IDS = {"uint8": 0, "int8": 1, "uint16": 2, "int16": 3, "uint32": 4, "int32": 5, "float32": 6, "bool": 7,
+            "string": 8, "array": 9, "uint64": 10, "int64": 11, "float64": 12}
+_RAW_DTYPES = {"uint8": "u1", "int8": "i1", "uint16": "<u2", "int16": "<i2", "uint32": "<u4", "int32": "<i4",
+               "float32": "<f4", "bool": "u1", "uint64": "<u8", "int64": "<i8", "float64": "<f8"}
+
+
+def _raw_text(text: str | bytes) -> bytes:
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    return len(data).to_bytes(8, "little") + data
+
+
+def _raw_value(kind: str, value: Any) -> bytes:
+    import struct
+
+    if kind == "string":
+        return _raw_text(value)
+    if kind in _RAW_SCALARS:
+        return struct.pack(_RAW_SCALARS[kind], value)
+    item = kind[len("array["):-1]
+    head = _RAW_IDS[item].to_bytes(4, "little") + len(value).to_bytes(8, "little")
+    if item == "string":
+        return head + b"".join(_raw_text(v) for v in value)
+    return head + np.ascontiguousarray(value, dtype=_RAW_DTYPES[item]).tobytes()
+
+
+def write_raw_gguf(path: Path, metadata: dict[str, tuple[str, Any]], tensors: tuple = (), *,
+                   offsets: list[int] | None = None, alignment: int = 32) -> Path:
+    """A GGUF file written field by field: ``metadata`` key -> (GGUF type name, value), e.g. ``("uint32", 7)``,
+    ``("array[string]", [...])``, or ``("raw", bytes)`` (the type id and the value's bytes, written as given);
+    ``tensors`` (name, float32 array) written as F32 in order. ``offsets`` replaces the data offsets the table
+    states (the data stays where it is written), to make a corrupt layout."""
+    out = [b"GGUF", (3).to_bytes(4, "little"), len(tensors).to_bytes(8, "little"), len(metadata).to_bytes(8, "little")]
+    for key, (kind, value) in metadata.items():
+        if kind == "raw":  # the value type id and the value's bytes, as given
+            out += [_raw_text(key), value]
+            continue
+        type_id = _RAW_IDS["array" if kind.startswith("array[") else kind]
+        out += [_raw_text(key), type_id.to_bytes(4, "little"), _raw_value(kind, value)]
+    data, at = [], 0
+    for index, (name, array) in enumerate(tensors):
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        offset = at if offsets is None else offsets[index]
+        out += [_raw_text(name), array.ndim.to_bytes(4, "little"),
+                *(int(n).to_bytes(8, "little") for n in reversed(array.shape)), (0).to_bytes(4, "little"),
+                offset.to_bytes(8, "little")]
+        blob = array.tobytes() + b"\0" * (-array.nbytes % alignment)
+        data.append(blob)
+        at += len(blob)
+    header = b"".join(out)
+    path.write_bytes(header + b"\0" * (-len(header) % alignment) + b"".join(data))
+    return path

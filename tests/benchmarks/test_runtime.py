@@ -133,6 +133,33 @@ def test_llama_bench_needs_a_gguf_file_and_an_executable(tmp_path, tiny_gguf):
     runtime.check_args(_options(tiny_gguf, llama_bench=sys.executable))  # accepted: an executable file
 
 
+@pytest.mark.parametrize("cut", ["header", "tensors"])
+def test_cli_runtime_on_a_corrupt_gguf_file_is_one_line_and_exit_2(tiny_gguf, tmp_path, capsys, cut):
+    from attnkit.cli import main
+
+    data = tiny_gguf.read_bytes()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(data[:3000] if cut == "header" else data[:-100])
+    assert main(["bench", "runtime", str(broken), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "broken.gguf is truncated" in err and "internal error" not in err
+    assert runtime.main([str(broken)]) == 2
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--prefill", "65"], "--prefill 65 is longer than the 64 positions"),
+    (["--prefill", "8", "--new", "49"], "--new 49 after the 16-token prompt is longer than the 64 positions"),
+])
+def test_cli_runtime_past_the_models_positions_is_one_line_and_exit_2(tmp_path, capsys, options, message):
+    from attnkit.cli import main
+
+    folder, _ = saved_model("gpt2", tmp_path)  # 64 learned positions
+    capsys.readouterr()  # transformers' progress bar while saving
+    assert main(["bench", "runtime", str(folder), *options, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "internal error" not in err
+
+
 def test_main_answers_bad_options_with_exit_2(capsys):
     assert runtime.main(["missing-folder"]) == 2
     assert capsys.readouterr().err.count("\n") == 1

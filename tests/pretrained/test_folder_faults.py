@@ -76,6 +76,27 @@ def test_special_ids_past_the_vocabulary_are_refused(chat_folder, tmp_path):
         load_causal_lm(folder)
 
 
+@pytest.mark.parametrize("file, key", [("config.json", "pad_token_id"), ("config.json", "bos_token_id"),
+                                       ("config.json", "eos_token_id"), ("generation_config.json", "bos_token_id")])
+def test_every_special_id_past_the_vocabulary_is_refused_naming_the_key(chat_folder, tmp_path, file, key):
+    """A pad_token_id past the vocabulary loaded, then every generate failed with an internal error."""
+    vocab = json.loads((chat_folder / "config.json").read_text())["vocab_size"]
+    folder = copy_with(chat_folder, tmp_path / "ids", file, **{key: vocab + 3})
+    expected = (f"'{key}' = {vocab + 3} is past the vocabulary (vocab_size = {vocab})" if file == "config.json"
+                else f"generation_config.json: {key} must be a token id in [0, {vocab}), got {vocab + 3}")
+    for loader in (load, load_causal_lm):
+        with pytest.raises(ValueError) as info:
+            loader(folder)
+        assert expected in str(info.value)
+
+
+def test_a_class_default_id_past_a_small_vocabulary_reads_as_none():
+    from attnkit.pretrained.hf_config import decoder_config_from_hf
+
+    # GPT-2's defaults are 50256; a config that states no ids and has 64 tokens has no such token
+    config = decoder_config_from_hf({"model_type": "gpt2", "vocab_size": 64, "n_embd": 8, "n_layer": 1, "n_head": 2})
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (None, None, None)
+
 
 def test_a_chat_template_that_is_not_utf8_is_refused_naming_the_file(chat_folder, tmp_path):
     folder = shutil.copytree(chat_folder, tmp_path / "latin1")

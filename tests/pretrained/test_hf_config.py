@@ -20,9 +20,10 @@ def saved(config) -> dict:
 
 
 def test_gpt2_keys_and_defaults():
-    cfg = decoder_config_from_hf(saved(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4,
+    # GPT-2's vocabulary, so the class's default special ids (50256, which save_pretrained writes) are tokens of it
+    cfg = decoder_config_from_hf(saved(transformers.GPT2Config(vocab_size=50257, n_embd=32, n_layer=3, n_head=4,
                                                                n_positions=40, layer_norm_epsilon=1e-4)))
-    assert (cfg.family, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads) == ("gpt2", 64, 32, 3, 4)
+    assert (cfg.family, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads) == ("gpt2", 50257, 32, 3, 4)
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.max_position_embeddings) == (4, 8, 128, 40)
     assert (cfg.norm.kind, cfg.norm.eps, cfg.activation, cfg.mlp, cfg.rotary) == (
         "layernorm", 1e-4, "gelu_tanh", "plain", None)

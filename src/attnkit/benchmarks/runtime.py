@@ -45,8 +45,8 @@ from ._support import engine_threads, import_torch, torch_missing_line
 from .decode import gemv_bandwidth, weights_read_per_token
 from .machine import describe, machine_info
 
-__all__ = ["main", "parse_args", "check_args", "run", "summary", "load_transformers", "llama_bench_command",
-           "parse_llama_bench", "PROMPT_TOKENS"]
+__all__ = ["main", "parse_args", "check_args", "load_model", "run", "summary", "load_transformers",
+           "llama_bench_command", "parse_llama_bench", "PROMPT_TOKENS"]
 
 PROMPT_TOKENS = 16  # the decode runs' prompt
 _LLAMA_TIMEOUT_S = 3600
@@ -88,6 +88,29 @@ def check_args(args: argparse.Namespace) -> None:
         binary = Path(args.llama_bench)
         if not binary.is_file() or not os.access(binary, os.X_OK):
             raise ValueError(f"--llama-bench must be an executable llama-bench binary, got {args.llama_bench!r}")
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """attnkit's float32 model of ``args.model`` (its quantized weights kept packed with ``--keep-quantized``), checked to run the lengths the options ask for.
+
+    Raises
+    ------
+    ValueError
+        The folder or file cannot be loaded (naming it and what is wrong: a corrupt or truncated GGUF file, a
+        config attnkit does not read, ...), or ``--prefill`` or the decode runs (``--new`` tokens after the
+        16-token prompt) are longer than the model's learned positions.
+    """
+    from ..pretrained import load_causal_lm
+
+    lm = load_causal_lm(Path(args.model), keep_quantized=getattr(args, "keep_quantized", False))
+    limit = lm.max_sequence_length
+    if limit is not None and args.prefill > limit:
+        raise ValueError(f"--prefill {args.prefill} is longer than the {limit} positions {args.model} has "
+                         f"(max_position_embeddings / context length)")
+    if limit is not None and PROMPT_TOKENS + args.new > limit:
+        raise ValueError(f"--new {args.new} after the {PROMPT_TOKENS}-token prompt is longer than the {limit} "
+                         f"positions {args.model} has (max_position_embeddings / context length)")
+    return lm
 
 
 # -- engines ---------------------------------------------------------------------------------------------
@@ -349,15 +372,13 @@ def summary(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Load the engines, measure the rounds, print the machine, the table and the ratios; return the figures."""
-    from ..pretrained import load_causal_lm
-
+def run(args: argparse.Namespace, lm: Any = None) -> dict[str, Any]:
+    """Load the engines (attnkit's with :func:`load_model` unless ``lm`` is that model already), measure the
+    rounds, print the machine, the table and the ratios; return the figures."""
     path = Path(args.model)
     for line in describe(machine_info(), threads=args.threads):
         print(line)
-    keep = getattr(args, "keep_quantized", False)
-    lm = load_causal_lm(path, keep_quantized=keep)
+    lm = load_model(args) if lm is None else lm
     torch = import_torch()
     hf, note = (None, torch_missing_line("no comparison with transformers")) if torch is None else \
         load_transformers(path, torch)
@@ -386,10 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m attnkit.benchmarks.runtime``."""
     try:
         args = parse_args(argv)
+        lm = load_model(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run(args)
+    run(args, lm)
     return 0
 
 

@@ -159,10 +159,11 @@ def _run_runtime(args: argparse.Namespace) -> int:
                                  keep_quantized=args.keep_quantized)
     try:
         runtime.check_args(options)
+        lm = runtime.load_model(options)  # a file that cannot be loaded, or lengths past its positions
     except ValueError as exc:
         raise UsageError(printable(str(exc))) from None
     out = output_folder(args.out)
-    figures = runtime.run(options)
+    figures = runtime.run(options, lm)
     text = (json.dumps(figures, indent=2) + "\n").encode()
     atomic_write(out / "runtime-benchmark.json", lambda f: f.write(text))
     return 0

@@ -390,7 +390,7 @@ def resolve_generation_options(model: Any, **given: Any) -> dict[str, Any]:
 
 def check_generation_config(config: Mapping[str, Any], vocab_size: int | None = None) -> GenerationConfig:
     """A model folder's ``generation_config.json`` as the :class:`GenerationConfig` it gives :func:`generate`,
-    checked as ``generate`` checks its arguments (and its eos and pad ids against ``vocab_size``), so that a
+    checked as ``generate`` checks its arguments (and its eos, pad and bos ids against ``vocab_size``), so that a
     folder whose defaults would be refused is refused when it loads.
 
     Raises
@@ -401,6 +401,7 @@ def check_generation_config(config: Mapping[str, Any], vocab_size: int | None = 
     options = GenerationConfig.from_dict(config)
     _token_set(options.eos_token_id, "eos_token_id", vocab_size)
     _token_set(options.pad_token_id, "pad_token_id", vocab_size, single=True)
+    _token_set(config.get("bos_token_id"), "bos_token_id", vocab_size, single=True)  # not generate's, but a token
     return options
 
 

@@ -2,8 +2,9 @@
 
 A GGUF file is one self-contained model: metadata (the architecture's numbers under llama.cpp's key names, the
 tokenizer's vocabulary and the chat template) and the tensors, many of them quantized. It is read with the
-format's own NumPy reader, the ``gguf`` package (the ``pretrained`` extra), which maps the file into memory;
-nothing else is imported (no torch, no transformers).
+header's own reader (:mod:`.gguf_header`, every length checked, at a cost bounded by the header's size) and the
+``gguf`` package (the ``pretrained`` extra) for the tensor types and dequantization; the file is mapped into
+memory, and nothing else is imported (no torch, no transformers).
 
 Loading reuses the Hugging Face path. The metadata becomes the ``config.json`` dict Hugging Face would have
 written (:func:`gguf_hf_config`), read by :func:`~attnkit.pretrained.decoder_config_from_hf`; each tensor the
@@ -28,7 +29,8 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +40,11 @@ from ..kernels.packed import PACKED_FORMATS, PackedWeight
 from ..models.config import DecoderConfig
 from ._extra import import_extra
 from .checkpoint import HEAD_NAMES, TensorMap, checkpoint_map
+from .gguf_header import GGUFHeader, check_metadata_types, check_tensor_layout, read_header
 from .hf_config import decoder_config_from_hf
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "GGUFFile", "read_gguf", "read_gguf_strings", "gguf_hf_config",
-           "read_gguf_config", "is_gguf_path", "validate_gguf_tensors", "load_gguf_tensors_into",
+           "read_gguf_config", "is_gguf_path", "special_token_ids", "validate_gguf_tensors", "load_gguf_tensors_into",
            "pack_gguf_tensors"]
 
 # GGUF architecture (general.architecture) -> Hugging Face model_type. Mistral's files say "llama": llama.cpp
@@ -62,9 +65,12 @@ _GPT2_TRANSPOSED = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "f
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
-# GGUF value types -> byte size (8 = string and 9 = array are variable).
+# GGUF value types -> byte size (8 = string and 9 = array are variable): what a walk over the header skips.
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_INT = 2**31 - 1  # no size of a real model comes near it (the config reader's bound)
+# Tensor types whose data gguf's reader gives as typed values rather than bytes.
+_ITEM_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+               "I32": np.int32, "I64": np.int64}
 
 
 @dataclass(frozen=True)
@@ -77,15 +83,20 @@ class GGUFFile:
     architecture : str
         ``general.architecture``, one of :data:`GGUF_ARCHITECTURES`.
     metadata : dict
-        Every key-value pair (strings, numbers, bools, lists of them).
+        Every key-value pair: a Python number, bool or str; a NumPy array for an array of numbers or bools; a
+        list of str for an array of strings.
     tensors : dict
         Tensor name -> ``gguf.ReaderTensor`` (type, shape, the memory-mapped bytes).
+    types : dict
+        Metadata key -> its GGUF type (``"uint32"``, ``"string"``, ``"array[float32]"``, ...), each key attnkit
+        reads checked against :data:`~attnkit.pretrained.gguf_header.METADATA_TYPES`.
     """
 
     path: Path
     architecture: str
     metadata: dict[str, Any]
     tensors: dict[str, Any]
+    types: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_type(self) -> str:
@@ -147,63 +158,6 @@ class _Header:
             raise ValueError(f"{self.path} is corrupt: {what} has the unknown GGUF value type {kind}")
 
 
-def _check_header(path: Path, gguf: Any) -> None:
-    """Walk the header (version, metadata, tensor table) and check every tensor's bytes lie inside the file.
-
-    Raises
-    ------
-    ValueError
-        Naming the file: an unsupported version (or byte order), a length or a tensor running past the end
-        (truncated), an unknown value or tensor type id, a tensor of more than four dimensions.
-    """
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        header = _Header(data, path)
-        size = header.size
-        header.skip(4, "the magic")
-        version = header.uint(4, "the version")
-        if version not in _VERSIONS:
-            raise ValueError(f"{path}: GGUF version {version} is not read (attnkit reads versions 2 and 3, "
-                             f"little-endian)")
-        tensors, keys = header.uint(8, "the tensor count"), header.uint(8, "the metadata count")
-        if keys > size // 12 or tensors > size // 24:  # the smallest entries take 12 and 24 bytes
-            raise header.truncated(f"a header of {keys} metadata entries and {tensors} tensors")
-        alignment = 32
-        for _ in range(keys):
-            key = header.take(header.uint(8, "a metadata key"), "a metadata key")
-            what = f"metadata {key[:80].decode('utf-8', 'replace')!r}"
-            kind = header.uint(4, what)
-            if key == b"general.alignment" and kind == 4:
-                alignment = header.uint(4, what)
-                if alignment == 0 or alignment & (alignment - 1):
-                    raise ValueError(f"{path} is corrupt: general.alignment = {alignment} is not a power of two")
-                continue
-            header.skip_value(kind, what)
-        table = []
-        for _ in range(tensors):
-            name = header.take(header.uint(8, "a tensor name"), "a tensor name").decode("utf-8", "replace")
-            dims = header.uint(4, f"tensor {name!r}")
-            if not 1 <= dims <= _MAX_DIMS:
-                raise ValueError(f"{path} is corrupt: tensor {name!r} has {dims} dimensions (GGUF allows 1 to 4)")
-            shape = [header.uint(8, f"tensor {name!r}") for _ in range(dims)]
-            type_id = header.uint(4, f"tensor {name!r}")
-            offset = header.uint(8, f"tensor {name!r}")
-            try:
-                kind = gguf.GGMLQuantizationType(type_id)
-                block, type_size = gguf.GGML_QUANT_SIZES[kind]
-            except (ValueError, KeyError):
-                raise ValueError(f"{path}: tensor {name!r} has tensor type id {type_id}, which no GGUF reader "
-                                 f"knows (attnkit reads {', '.join(GGUF_TENSOR_TYPES)})") from None
-            if shape[0] % block:
-                raise ValueError(f"{path} is corrupt: tensor {name!r} has rows of {shape[0]} values, not whole "
-                                 f"{kind.name} blocks of {block}")
-            table.append((name, offset, math.prod(shape) // block * type_size))
-        start = -(-header.at // alignment) * alignment  # the data begins at the next multiple of the alignment
-    for name, offset, nbytes in table:
-        if start + offset + nbytes > size:
-            raise ValueError(f"{path} is truncated: tensor {name!r} needs bytes up to {start + offset + nbytes}, "
-                             f"the file has {size}")
-
-
 def read_gguf_strings(path: str | os.PathLike, keys: Any) -> dict[str, str]:
     """The string metadata of a GGUF file under the keys ``keys(key)`` accepts, read by walking the header alone
     (no tensor, no vocabulary, no ``gguf`` package): what can be known of a file in milliseconds, before it is
@@ -260,8 +214,11 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     ValueError
         Naming the file: not a regular file, not GGUF (no ``GGUF`` magic), a version other than 2 and 3, a
         header whose lengths run past the end of the file or tensor data that does (truncated), an unknown value
-        or tensor type id, a file split in parts, or an architecture attnkit does not load. The header is
-        walked with every length checked before ``gguf`` parses it.
+        or tensor type id, a metadata key attnkit reads holding another GGUF type than it reads
+        (:data:`~attnkit.pretrained.gguf_header.METADATA_TYPES`), tensor data that is misaligned or overlaps
+        another tensor's, a file split in parts, or an architecture attnkit does not load. The header is read
+        by :func:`~attnkit.pretrained.gguf_header.read_header`, every length checked before it is used, at a
+        cost bounded by its size.
     ImportError
         ``gguf`` is not installed (naming ``pip install 'attnkit[pretrained]'``).
 
@@ -290,23 +247,15 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         raise FileNotFoundError(f"{path} does not exist")
     if not path.is_file():
         raise ValueError(f"{path} is not a regular file; a GGUF model is one file")
-    size = path.stat().st_size
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != _MAGIC:
         raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not {_MAGIC!r}")
     gguf = import_extra("gguf", "read GGUF files")
-    _check_header(path, gguf)
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, KeyError, ... on bad bytes
-        raise ValueError(f"{path} is truncated or corrupt ({size} bytes): its GGUF header cannot be read "
-                         f"({type(exc).__name__}: {exc})") from None
-    try:
-        metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    except Exception as exc:  # noqa: BLE001 - undecodable strings and the like
-        raise ValueError(f"{path}: its GGUF metadata cannot be decoded ({type(exc).__name__}: {exc})") from None
-    tensors = {t.name: t for t in reader.tensors}
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        header = read_header(path, data, gguf)
+    check_metadata_types(path, header)
+    metadata = header.metadata
     parts = metadata.get("split.count", 1)
     if parts != 1:
         raise ValueError(f"{path} is part of a GGUF split in {parts} files; merge them into one first "
@@ -315,7 +264,28 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not one attnkit loads; it loads "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
-    return GGUFFile(path, arch, metadata, tensors)
+    check_tensor_layout(path, header)
+    return GGUFFile(path, arch, metadata, _mapped_tensors(path, header, gguf), header.types)
+
+
+def _mapped_tensors(path: Path, header: GGUFHeader, gguf: Any) -> dict[str, Any]:
+    """Tensor name -> ``gguf.ReaderTensor`` whose ``data`` is a view of the memory-mapped file, typed as
+    ``gguf``'s own reader types it (float arrays for F16/F32/F64, integers for I8..I64, bytes in rows of
+    blocks for the rest)."""
+    mapped = np.memmap(path, mode="r")
+    tensors = {}
+    for entry in header.tensors:
+        begin = header.data_start + entry.offset
+        dims = tuple(reversed(entry.shape))  # NumPy order
+        dtype = _ITEM_TYPES.get(entry.kind.name)
+        if dtype is None:
+            dtype, dims = np.uint8, gguf.quants.quant_shape_to_byte_shape(dims, entry.kind)
+        data = mapped[begin:begin + entry.nbytes].view(dtype).reshape(dims)
+        tensors[entry.name] = gguf.ReaderTensor(
+            name=entry.name, tensor_type=entry.kind, shape=np.array(entry.shape, np.uint64),
+            n_elements=math.prod(entry.shape), n_bytes=entry.nbytes, data_offset=begin, data=data,
+            field=gguf.ReaderField(entry.at, entry.name))
+    return tensors
 
 
 class _Meta:
@@ -333,8 +303,8 @@ class _Meta:
         value = self.file.metadata.get(full, default)
         if value is ...:
             raise self.file.fail(f"the metadata has no {full!r}, which a {self.arch} model needs")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise self.file.fail(f"metadata {full!r} must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_INT:
+            raise self.file.fail(f"metadata {full!r} must be a positive integer up to {_MAX_INT}, got {value!r}")
         return value
 
     def float(self, key: str, default: Any = ...) -> float:
@@ -350,23 +320,50 @@ class _Meta:
 def _vocab_size(file: GGUFFile, meta: _Meta) -> int:
     """``{arch}.vocab_size``, else the tokenizer's token count (older converters write only the tokens)."""
     tokens = file.metadata.get("tokenizer.ggml.tokens")
-    default = len(tokens) if isinstance(tokens, list) and tokens else ...
-    return meta.int("vocab_size", default)
+    if tokens is None and meta.get("vocab_size") is None:
+        raise file.fail(f"the metadata has neither {file.architecture}.vocab_size nor tokenizer.ggml.tokens: the "
+                        f"vocabulary's size is unknown")
+    return meta.int("vocab_size", len(tokens) if tokens else ...)
+
+
+def special_token_ids(file: GGUFFile) -> dict[str, int]:
+    """Every ``tokenizer.ggml.*_token_id`` of the file (``"eos_token_id"`` -> its id), each checked to be a token
+    of the vocabulary: below the count of ``tokenizer.ggml.tokens`` and below ``{arch}.vocab_size`` (the rows of
+    the embedding), whichever the file holds.
+
+    Raises
+    ------
+    ValueError
+        Naming the file, the key, its id and the vocabulary's size.
+    """
+    bounds = []
+    tokens = file.metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list):
+        bounds.append((len(tokens), f"tokenizer.ggml.tokens holds {len(tokens)} tokens"))
+    vocab = file.metadata.get(f"{file.architecture}.vocab_size")
+    if isinstance(vocab, int) and vocab > 0:
+        bounds.append((vocab, f"{file.architecture}.vocab_size = {vocab}"))
+    ids = {}
+    for key, value in file.metadata.items():
+        if not (key.startswith("tokenizer.ggml.") and key.endswith("_token_id")):
+            continue
+        past = [why for bound, why in bounds if not 0 <= value < bound]
+        if past or value < 0:
+            raise file.fail(f"metadata {key!r} = {value} is not a token id of the vocabulary ("
+                            + ("; ".join(past) if past else "ids are non-negative") + ")")
+        ids[key[len("tokenizer.ggml."):]] = value
+    return ids
 
 
 def _special_ids(file: GGUFFile) -> dict[str, Any]:
     """bos, pad and the end-of-sequence ids: ``eos_token_id`` and the end-of-turn ids llama.cpp also stops at
     (``eot_token_id``, ``eom_token_id``), so ``generate`` stops where llama.cpp does."""
+    given = special_token_ids(file)
     ids: dict[str, Any] = {}
     for key, name in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):
-        value = file.metadata.get(f"tokenizer.ggml.{key}")
-        if value is not None:
-            ids[name] = value
-    eos = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = file.metadata.get(f"tokenizer.ggml.{key}")
-        if value is not None and value not in eos:
-            eos.append(value)
+        if key in given:
+            ids[name] = given[key]
+    eos = list(dict.fromkeys(given[key] for key in ("eos_token_id", "eot_token_id", "eom_token_id") if key in given))
     if eos:
         ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return ids
@@ -412,25 +409,53 @@ def _rope_scaling(file: GGUFFile, meta: _Meta, context: int) -> dict | None:
                     f"reads from GGUF (none, linear, yarn)")
 
 
+def _heads(meta: _Meta, hidden: int) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head width), their relations checked in the file's own keys."""
+    arch = meta.arch
+    heads = meta.int("attention.head_count")
+    kv = meta.int("attention.head_count_kv", heads)
+    if heads % kv:
+        raise meta.file.fail(f"metadata '{arch}.attention.head_count_kv' = {kv} must divide "
+                             f"'{arch}.attention.head_count' = {heads}")
+    if meta.get("attention.key_length") is None and hidden % heads:
+        raise meta.file.fail(f"metadata '{arch}.embedding_length' = {hidden} is not a multiple of "
+                             f"'{arch}.attention.head_count' = {heads}, and there is no '{arch}.attention.key_length' "
+                             f"to give the width of a head")
+    return heads, kv, meta.int("attention.key_length", hidden // heads)
+
+
+def _rotated(meta: _Meta, head_dim: int) -> int:
+    """The features of a head that rotate: ``rope.dimension_count`` (default all), even and at most the head's."""
+    arch = meta.arch
+    rotated = meta.int("rope.dimension_count", head_dim)
+    if rotated > head_dim or rotated % 2:
+        source = (f"'{arch}.attention.key_length'" if meta.get("attention.key_length") is not None else
+                  f"'{arch}.embedding_length' / '{arch}.attention.head_count'")
+        what = (f"metadata '{arch}.rope.dimension_count' = {rotated}" if meta.get("rope.dimension_count") is not None
+                else f"the head's width {head_dim} ({source}), all of which rotates,")
+        raise meta.file.fail(f"{what} must be an even number of at most the {head_dim} features of a head "
+                             f"({source})")
+    return rotated
+
+
 def _common(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
     """The keys every rotary family shares."""
     hidden = meta.int("embedding_length")
-    heads = meta.int("attention.head_count")
+    heads, kv, head_dim = _heads(meta, hidden)
     context = meta.int("context_length")
     config = {
         "model_type": file.model_type, "vocab_size": _vocab_size(file, meta), "hidden_size": hidden,
         "intermediate_size": meta.int("feed_forward_length"), "num_hidden_layers": meta.int("block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": meta.int("attention.head_count_kv", heads),
-        "head_dim": meta.int("attention.key_length", hidden // heads), "max_position_embeddings": context,
-        "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon"),
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "max_position_embeddings": context, "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.float("rope.freq_base", 10000.0),
         # llama.cpp writes the output projection only when it is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in file.tensors,
         **_special_ids(file),
     }
-    rotated = meta.get("rope.dimension_count")
-    if rotated is not None and rotated != config["head_dim"]:
-        config["partial_rotary_factor"] = meta.int("rope.dimension_count") / config["head_dim"]
+    rotated = _rotated(meta, head_dim)
+    if rotated != head_dim:
+        config["partial_rotary_factor"] = rotated / head_dim
     scaling = _rope_scaling(file, meta, context)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -468,11 +493,11 @@ def _gemma(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
     pattern = meta.get("attention.sliding_window_pattern", 6)
     if "layer_types" in config:
         return config
-    if isinstance(pattern, list):  # one flag per layer: True = sliding
-        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
-            raise file.fail(f"metadata gemma3.attention.sliding_window_pattern must be {layers} booleans or a "
-                            f"period, got {pattern!r:.80}")
-        config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    if isinstance(pattern, np.ndarray):  # one flag per layer (an array of bools): True = sliding
+        if len(pattern) != layers:
+            raise file.fail(f"metadata gemma3.attention.sliding_window_pattern must be {layers} bools (one per "
+                            f"layer, gemma3.block_count = {layers}) or a period, got {len(pattern)} bools")
+        config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern.tolist()]
     else:
         config["sliding_window_pattern"] = meta.int("attention.sliding_window_pattern", 6)
     return config
@@ -540,7 +565,31 @@ def read_gguf_config(file: GGUFFile) -> DecoderConfig:
     try:
         return decoder_config_from_hf(config)
     except ValueError as exc:
-        raise file.fail(f"its metadata describes a model attnkit does not load: {exc}") from None
+        raise file.fail(f"its metadata describes a model attnkit does not load: "
+                        f"{_in_gguf_terms(str(exc), file.architecture)}") from None
+
+
+# The Hugging Face (and DecoderConfig) names of what the metadata states -> the GGUF key (after "{arch}."), so a
+# message of the config reader names the file's own key.
+_GGUF_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "embedding_length", "n_embd": "embedding_length",
+    "intermediate_size": "feed_forward_length", "n_inner": "feed_forward_length",
+    "num_hidden_layers": "block_count", "n_layer": "block_count", "num_layers": "block_count",
+    "num_attention_heads": "attention.head_count", "n_head": "attention.head_count",
+    "num_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv", "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length", "max_position_embeddings": "context_length", "n_positions": "context_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon", "layer_norm_epsilon": "attention.layer_norm_epsilon",
+    "rope_theta": "rope.freq_base", "sliding_window": "attention.sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping",
+}
+_HF_NAME = re.compile(r"(?<![\w.])(" + "|".join(sorted(_GGUF_KEYS, key=len, reverse=True)) + r")(?![\w.])")
+
+
+def _in_gguf_terms(message: str, arch: str) -> str:
+    """A config reader's message with the Hugging Face names of metadata replaced by the file's GGUF keys."""
+    message = re.sub(r"^\w+ config: ", "", message)
+    return _HF_NAME.sub(lambda m: f"{arch}.{_GGUF_KEYS[m.group(1)]}", message)
 
 
 @dataclass(frozen=True)

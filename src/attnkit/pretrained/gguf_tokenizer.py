@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ._extra import import_extra
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, special_token_ids
 from .tokenizer import Tokenizer
 
 __all__ = ["gguf_tokenizer", "GGUF_PRE_TOKENIZERS"]
@@ -73,48 +75,112 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _strings(file: GGUFFile, key: str, count: int | None = None) -> list[str]:
+    """An array of strings (its GGUF type is checked when the file is read): present, non-empty, and of
+    ``count`` items when given."""
     value = file.metadata.get(key)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or not value:
-        raise file.fail(f"metadata {key!r} must be a non-empty list of strings, got {type(value).__name__}")
+    if not value:
+        raise file.fail(f"metadata {key!r} must be a non-empty array of strings, and the file has "
+                        + ("none" if value is None else "an empty one"))
     if count is not None and len(value) != count:
         raise file.fail(f"metadata {key!r} has {len(value)} entries for {count} tokens")
     return value
 
 
-def _numbers(file: GGUFFile, key: str, count: int, default: Any) -> list:
+def _numbers(file: GGUFFile, key: str, count: int, default: Any) -> np.ndarray:
+    """A per-token array of numbers (its GGUF type is checked when the file is read), ``default`` for every
+    token when the file has none."""
     value = file.metadata.get(key)
     if value is None:
-        return [default] * count
-    if not isinstance(value, list) or len(value) != count or not all(isinstance(v, (int, float)) for v in value):
-        raise file.fail(f"metadata {key!r} must be a list of {count} numbers, one per token")
+        return np.full(count, default)
+    if len(value) != count:
+        raise file.fail(f"metadata {key!r} has {len(value)} entries; it must have one per token ({count}, the "
+                        f"length of tokenizer.ggml.tokens)")
     return value
 
 
-def _merges_from_scores(tokens: list[str], scores: dict[str, float]) -> list[tuple[str, str]]:
+def _stored_merges(file: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges``: each two tokens of ``vocab`` joined by a space, whose concatenation is a token
+    too (``tokenizers`` would fail on anything else, or abort the process)."""
+    entries = _strings(file, "tokenizer.ggml.merges")
+    merges = [tuple(entry.split(" ")) for entry in entries]
+    wrong = [index for index, merge in enumerate(merges) if len(merge) != 2]
+    if wrong:
+        raise file.fail(f"metadata 'tokenizer.ggml.merges' item {wrong[0]} is {entries[wrong[0]]!r:.80}, not two "
+                        f"tokens joined by a space")
+    unknown = [index for index, (left, right) in enumerate(merges)
+               if left not in vocab or right not in vocab or left + right not in vocab]
+    if unknown:
+        left, right = merges[unknown[0]]
+        token = next(t for t in (left, right, left + right) if t not in vocab)
+        raise file.fail(f"metadata 'tokenizer.ggml.merges' item {unknown[0]} ({entries[unknown[0]]!r:.80}) needs the "
+                        f"token {token!r:.80}, which tokenizer.ggml.tokens does not hold")
+    return merges
+
+
+# The characters the merge rebuild may slice, per character of the vocabulary: it examines each split of a
+# piece whose two sides have lengths that occur in the vocabulary. A vocabulary of short pieces needs less than
+# its pieces' typical length (9.5 for a synthetic one of Gemma 3's size, pieces of up to 31 characters); past
+# this budget the vocabulary is refused rather than rebuilt in time growing faster than its size. The merges
+# kept hold at most _MERGE_BUDGET characters per character of the vocabulary (about 1 for that synthetic one,
+# about 2 for published SentencePiece vocabularies: Llama 2's 61k merges of 32k pieces).
+_SPLIT_BUDGET = 64
+_MERGE_BUDGET = 8
+
+
+def _merges_from_scores(file: GGUFFile, tokens: list[str], scores: dict[str, float]) -> list[tuple[str, str]]:
     """SentencePiece BPE merges rebuilt from the vocabulary: every split of a piece into two pieces is a merge,
-    ranked by the merged piece's score (best first), ties by the shorter left then right part, then by id;
-    the rule ``transformers`` uses, so both tokenize alike."""
+    ranked by the merged piece's score (best first), ties by the longer left then right part, then by the
+    piece's place in ``scores`` and the parts' ids; the rule ``transformers`` uses, so both tokenize alike.
+
+    A piece is split only where both sides have a length some piece has (the split points of each length are
+    listed once), so a piece longer than any two others costs nothing. The characters sliced are bounded by
+    ``_SPLIT_BUDGET`` times the vocabulary's, those of the merges kept by ``_MERGE_BUDGET`` times.
+
+    Raises
+    ------
+    ValueError
+        The rebuild would slice more than its budget (naming ``tokenizer.ggml.tokens``).
+    """
     vocab = {token: index for index, token in enumerate(tokens)}
+    present = {len(token) for token in vocab}
+    lengths = sorted(present)
+    points: dict[int, list[int]] = {}  # a piece's length -> where it may split
+    characters = sum(len(token) for token in vocab) + (1 << 16)
+    sliced, kept = _SPLIT_BUDGET * characters, _MERGE_BUDGET * characters
     merges = []
     for token, score in scores.items():
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
-        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+        n = len(token)
+        if n not in points:
+            points[n] = [i for i in lengths if i < n and n - i in present]
+        sliced -= n * len(points[n])
+        if sliced < 0:  # checked before the slicing it pays for
+            raise _too_many_splits(file)
+        local = [(token[:i], token[i:], score) for i in points[n] if token[:i] in vocab and token[i:] in vocab]
+        kept -= n * len(local)
+        if kept < 0:
+            raise _too_many_splits(file)
+        if len(local) > 1:
+            local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]
+
+
+def _too_many_splits(file: GGUFFile) -> ValueError:
+    return file.fail(f"metadata 'tokenizer.ggml.tokens' holds pieces that split in too many ways: rebuilding their "
+                     f"merges would slice more than {_SPLIT_BUDGET} times the vocabulary's characters or keep more "
+                     f"than {_MERGE_BUDGET} times them")
 
 
 def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
-    vocab = {(token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))): index
-             for index, token in enumerate(tokens)}
-    merges = []
-    for entry in _strings(file, "tokenizer.ggml.merges") if "tokenizer.ggml.merges" in file.metadata else []:
-        parts = entry.split(" ")
-        if len(parts) != 2:
-            raise file.fail(f"metadata 'tokenizer.ggml.merges' holds {entry!r}, not two tokens joined by a space")
-        merges.append((parts[0], parts[1]))
+    if set().union(*tokens) <= alphabet:  # every token spelled in the byte alphabet, as converters write them
+        vocab = {token: index for index, token in enumerate(tokens)}
+    else:
+        vocab = {(token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))): index
+                 for index, token in enumerate(tokens)}
+    merges = _stored_merges(file, vocab) if "tokenizer.ggml.merges" in file.metadata else []
     backend = tk.Tokenizer(tk.models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
                                          end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
     pre = file.metadata.get("tokenizer.ggml.pre", "default")
@@ -133,7 +199,7 @@ def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
     return backend
 
 
-def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
+def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str], ids: dict[str, int]) -> Any:
     style = {"gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}.get(file.architecture, "llama")
     if style == "gemma":
         # Gemma stores pieces of two or more spaces as spaces, and its scores do not follow its merge order:
@@ -141,14 +207,13 @@ def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         scores = {token: -float(index) for index, token in enumerate(tokens)}
     else:
-        values = _numbers(file, "tokenizer.ggml.scores", len(tokens), 0.0)
-        scores = dict(zip(tokens, (float(v) for v in values)))
+        scores = dict(zip(tokens, _numbers(file, "tokenizer.ggml.scores", len(tokens), 0.0).tolist()))
     vocab = {token: index for index, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in file.metadata:
-        merges = [tuple(m.split(" ")) for m in _strings(file, "tokenizer.ggml.merges")]
+        merges = _stored_merges(file, vocab)
     else:
-        merges = _merges_from_scores(tokens, scores)
-    unk = file.metadata.get("tokenizer.ggml.unknown_token_id")
+        merges = _merges_from_scores(file, tokens, scores)
+    unk = ids.get("unknown_token_id")
     backend = tk.Tokenizer(tk.models.BPE(vocab, merges, dropout=None, fuse_unk=True, byte_fallback=True,
                                          unk_token=tokens[unk] if style == "gemma" and unk is not None else None))
     decoders = [tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
@@ -169,17 +234,8 @@ def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
     return backend
 
 
-def _special_tokens(file: GGUFFile, tokens: list[str]) -> dict[str, str]:
-    special = {}
-    for name, key in _SPECIAL_IDS:
-        index = file.metadata.get(f"tokenizer.ggml.{key}")
-        if index is None:
-            continue
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tokens):
-            raise file.fail(f"metadata tokenizer.ggml.{key} = {index!r} is not the id of one of its {len(tokens)} "
-                            f"tokens")
-        special[name] = tokens[index]
-    return special
+def _special_tokens(tokens: list[str], ids: dict[str, int]) -> dict[str, str]:
+    return {name: tokens[ids[key]] for name, key in _SPECIAL_IDS if key in ids}
 
 
 def _chat_templates(file: GGUFFile) -> dict[str, str]:
@@ -210,15 +266,16 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         raise file.fail(f"metadata tokenizer.ggml.model = {kind!r} is not a tokenizer attnkit rebuilds; it reads "
                         f"'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
     tokens = _strings(file, "tokenizer.ggml.tokens")
-    types = _numbers(file, "tokenizer.ggml.token_type", len(tokens), 1)
+    types = _numbers(file, "tokenizer.ggml.token_type", len(tokens), 1).tolist()
+    ids = special_token_ids(file)
     try:
-        backend = (_byte_level if kind == "gpt2" else _sentencepiece)(tk, file, tokens)
+        backend = _byte_level(tk, file, tokens) if kind == "gpt2" else _sentencepiece(tk, file, tokens, ids)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception type for a bad vocabulary
-        raise file.fail(f"its vocabulary cannot be built into a tokenizer: {exc}") from None
-    special = _special_tokens(file, tokens)
-    vocab = backend.get_vocab()
+        raise file.fail(f"its vocabulary (tokenizer.ggml.tokens, tokenizer.ggml.merges) cannot be built into a "
+                        f"tokenizer: {exc}") from None
+    special = _special_tokens(tokens, ids)
     named = set(special.values())
     control = [t for t, kind_ in zip(tokens, types) if kind_ == _CONTROL or t in named]
     if kind == "gpt2":  # a control token outside the byte alphabet is a mislabel, and no token of this vocabulary
@@ -226,7 +283,8 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         control = [t for t in control if set(t) <= alphabet]
     backend.add_special_tokens([tk.AddedToken(t, normalized=False, special=True) for t in control])
     backend.add_tokens([tk.AddedToken(t, normalized=False, special=False)
-                        for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED and t in vocab])
+                        for t, kind_ in zip(tokens, types)
+                        if kind_ == _USER_DEFINED and backend.token_to_id(t) is not None])
     add_bos = file.metadata.get("tokenizer.ggml.add_bos_token", kind == "llama") and "bos_token" in special
     add_eos = file.metadata.get("tokenizer.ggml.add_eos_token", False) and "eos_token" in special
     single = ([f"{special['bos_token']}:0"] if add_bos else []) + ["$A:0"] + \
@@ -236,10 +294,5 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
     pieces = [special[n] for n, on in (("bos_token", add_bos), ("eos_token", add_eos)) if on]
     backend.post_processor = tk.processors.TemplateProcessing(
         single=" ".join(single), pair=" ".join(pair), special_tokens=[(t, backend.token_to_id(t)) for t in pieces])
-    eos_ids = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        index = file.metadata.get(f"tokenizer.ggml.{key}")
-        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(tokens) \
-                and index not in eos_ids:
-            eos_ids.append(index)
-    return Tokenizer(backend, special, _chat_templates(file), eos_ids)
+    eos_ids = dict.fromkeys(ids[key] for key in ("eos_token_id", "eot_token_id", "eom_token_id") if key in ids)
+    return Tokenizer(backend, special, _chat_templates(file), list(eos_ids))

@@ -126,17 +126,29 @@ class Reader:
         return value
 
     def token_ids(self, key: str, default: Any, *, many: bool) -> int | tuple[int, ...] | None:
+        """A special id (or, with ``many``, a list of them), each below ``vocab_size``: an id the config gives past
+        the vocabulary is refused naming the key; a default past it (transformers' class default, e.g. GPT-2's
+        50256, with a smaller vocabulary) is not the folder's statement and reads as None."""
         value = self.raw(key, default)
         if value is None:
             return None
         if many and isinstance(value, list):
             if not value or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
                 raise self._fail(key, "a non-negative integer, a non-empty list of them, or null", value)
-            return tuple(value) if len(value) > 1 else value[0]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            ids = tuple(value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise self._fail(key, "a non-negative integer" + (", a list of them" if many else "") + " or null",
                              value)
-        return value
+        else:
+            ids = (value,)
+        vocab = self.config.get("vocab_size")
+        past = [i for i in ids if isinstance(vocab, int) and i >= vocab]
+        if past and key in self.config:
+            raise ValueError(f"{self.family} config: {key!r} = {past[0]} is past the vocabulary (vocab_size = "
+                             f"{vocab}): no embedding row has that id")
+        if past:
+            return None
+        return ids if len(ids) > 1 else ids[0]
 
     def activation(self, key: str, default: Any = MISSING) -> str:
         value = self.raw(key, default)
