@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
-MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp", "patching", "linear_decode")
+MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp", "patching", "linear_decode", "busy_core")
 
 
 def _run(args, tmp_path, block_torch=False):

@@ -9,7 +9,6 @@ cache stores keys by column (slot); rotary positions are applied before the keys
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache, LatentCache
 from ..decoding.config import GenerationConfig
 from ..init import as_generator
-from ..kernels._threads import one_row_blas
+from ..kernels._threads import blas_on_free_cores, one_row_blas
 from ..kernels.linear import linear
 from ..layers.embedding import Embedding
 from ..layers.lm_block import make_block, make_norm
@@ -258,14 +257,15 @@ class CausalLM(Module):
             self.save_for_backward()
             return step.step(ids, positions, cache)  # (B, 1, V)
         weights: list[np.ndarray] = []
-        with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else nullcontext():
+        with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else blas_on_free_cores():
             h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None)  # (B, L, D)
         length = h.shape[1]
         if keep:
             h = h[:, -keep:]  # (B, min(keep, L), D)
-        # The (V, D) head is large enough for every BLAS thread to help, even for one token.
+        # The (V, D) head is large enough for every BLAS thread to help, even for one token (every free one).
         weight = self.head_weight.astype(h.dtype, copy=False)
-        logits = linear(h, weight.T)  # (B, L, V)
+        with blas_on_free_cores():
+            logits = linear(h, weight.T)  # (B, L, V)
         capped = None
         if self.config.final_logit_softcap is not None:
             cap = h.dtype.type(self.config.final_logit_softcap)
@@ -404,7 +404,7 @@ class CausalLM(Module):
                  stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
                  num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
                  pad_token_id: int | None = None, num_beams: int | None = None, length_penalty: float | None = None,
-                 early_stopping: bool | str | None = None) -> np.ndarray:
+                 early_stopping: bool | str | None = None, progress: bool | None = None) -> np.ndarray:
         """Decode new tokens with the KV cache, with Hugging Face's argument names and meanings.
 
         Every argument left as None takes :attr:`generation_config`'s value (the folder's
@@ -431,6 +431,8 @@ class CausalLM(Module):
         pad_token_id : int, optional
         num_beams, length_penalty, early_stopping : optional
             Beam search with Hugging Face's meanings (``num_beams > 1``).
+        progress : bool or None, default None
+            A line on stderr counting the steps: None on a terminal only, True always, False never.
 
         Returns
         -------
@@ -446,7 +448,7 @@ class CausalLM(Module):
                         min_new_tokens=min_new_tokens, stop_strings=stop_strings, tokenizer=tokenizer,
                         num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
                         pad_token_id=pad_token_id, num_beams=num_beams, length_penalty=length_penalty,
-                        early_stopping=early_stopping)
+                        early_stopping=early_stopping, progress=progress)
 
     def stream(self, prompt: Any, tokenizer: Any, *, skip_special_tokens: bool = True,
                **options: Any) -> Iterator[str]:

@@ -19,13 +19,12 @@ both give the same greedy tokens and logits to float32 rounding.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
 from ..attention.grouped_query import GroupedQueryAttention
-from ..kernels._threads import one_row_blas
+from ..kernels._threads import blas_on_free_cores, one_row_blas
 from ..kernels.activations import activation_forward
 from ..kernels.decode_step import one_query_attention, rms_norm_into, silu_gate_into
 from ..kernels.rotary import rotary_apply
@@ -110,14 +109,15 @@ class DecodeStep:
             h *= h.dtype.type(lm.config.embedding_scale)
         cos, sin = lm.rotary(positions, dtype=h.dtype)  # (B, 1, R) each
         buffers = self._buffers_for(h.shape[0], h.dtype)
-        with one_row_blas() if h.shape[0] == 1 else nullcontext():
+        with one_row_blas() if h.shape[0] == 1 else blas_on_free_cores():
             for index, layer in enumerate(lm.layers):
                 self._attention(index, layer, h, cos, sin, cache, buffers)
                 self._mlp(layer, h, buffers)
         norm = lm.norm
         rms_norm_into(h, norm._gain(), norm.eps, buffers.normed, buffers.scratch)
         weight = lm.head_weight.astype(h.dtype, copy=False)
-        logits = buffers.normed @ weight.T  # (B, V)
+        with blas_on_free_cores():
+            logits = buffers.normed @ weight.T  # (B, V)
         cap = lm.config.final_logit_softcap
         if cap is not None:
             logits /= cap
