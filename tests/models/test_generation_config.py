@@ -18,8 +18,9 @@ LM = DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, n
 
 def test_every_option_of_generate_is_a_field_and_nothing_else():
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    # progress= draws a line on stderr: how the call is watched, not what it generates
     arguments = set(inspect.signature(generate).parameters) - {"model", "input_ids", "attention_mask",
-                                                                 "generation_config", "tokenizer", "seed"}
+                                                                 "generation_config", "tokenizer", "seed", "progress"}
     assert fields == arguments
     stream = set(inspect.signature(generate_stream).parameters) - {"model", "input_ids", "attention_mask",
                                                                      "generation_config", "tokenizer", "seed"}

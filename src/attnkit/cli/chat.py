@@ -6,7 +6,8 @@ the assistant prompt added; ``--chat-template FILE`` replaces it), generates unt
 text piece by piece, never half of a character. Decoding follows ``generation_config.json`` unless a flag is
 given, as ``transformers`` does; ``--temperature 0`` means greedy, as in llama.cpp and ollama. On a terminal a
 banner shows the settings once (the context, the reply length, the threads, greedy or the sampling options).
-``--verbose`` reports loading and each reply's tokens per second on stderr.
+``--verbose`` reports loading and each reply's tokens per second on stderr. On a terminal, a line on stderr
+shows the weights loading (``--quiet`` hides it).
 
 Typing (:mod:`attnkit.cli._chat_input`): a line ending in ``\`` continues on the next line; a line starting
 with ``"""`` opens a block of lines that ends at a line ending with ``"""`` (a block is always a message, never
@@ -40,11 +41,13 @@ import numpy as np
 from ._chat_input import BLOCK, MessageReader
 from ._common import (
     UsageError,
+    add_quiet_argument,
     add_threads_argument,
     check_utf8,
     output_file,
     positive_int,
     printable,
+    progress_of,
     tolerant_input,
     use_threads,
 )
@@ -90,18 +93,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_generation_arguments(p, streamed=True)
     add_threads_argument(p)
     p.add_argument("--verbose", action="store_true", help="report loading and tokens/s on stderr")
+    add_quiet_argument(p)
     p.set_defaults(run=run)
     return p
 
 
-def _load(model_dir: str, verbose: bool, template: str | None = None) -> tuple[Any, Any]:
+def _load(model_dir: str, verbose: bool, template: str | None = None,
+          progress: bool | None = None) -> tuple[Any, Any]:
     from ..pretrained import load
 
     start = time.perf_counter()
     if verbose:
         print(f"loading {printable(model_dir)} ...", file=sys.stderr, flush=True)
     try:
-        model, tokenizer = load(model_dir)
+        model, tokenizer = load(model_dir, progress=progress)
         if template is not None:
             tokenizer.chat_templates["default"] = template
         tokenizer.get_chat_template()
@@ -327,7 +332,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     _options(args)  # flag errors before the (slow) load
     template = None if args.chat_template is None else _read_template(args.chat_template)
     use_threads(args.threads)
-    model, tokenizer = _load(args.model_dir, args.verbose, template)
+    model, tokenizer = _load(args.model_dir, args.verbose, template, progress_of(args))
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     interactive = src.isatty()
     reader = MessageReader(src, out, interactive, _say, commands=tuple(COMMANDS))

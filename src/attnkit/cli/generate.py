@@ -13,24 +13,34 @@ object at the end::
      "new_text": "..."}
 
 (``text`` and ``new_text`` are null without a tokenizer).
+
+On a terminal, stderr shows the waits (:mod:`attnkit._progress`; ``--quiet`` hides them): the weights loading,
+the prefill layer by layer, and the tokens or beam-search steps when the text does not appear as it comes (beam
+search, ``--json``, stdout not the terminal).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from .. import _progress
 from ._common import (
     UsageError,
+    add_quiet_argument,
     add_threads_argument,
     json_text,
     model_types_text,
     positive_int,
     printable,
+    progress_of,
     use_threads,
 )
 from ._generation import add_generation_arguments, generation_kwargs
@@ -97,6 +107,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "its current length (false, default) or at the longest length (never)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
     add_threads_argument(p)
+    add_quiet_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -111,13 +122,13 @@ def check_model_path(model_dir: str, prog: str = PROG) -> None:
     raise UsageError(f"{printable(repr(model_dir))} is not a folder nor a .gguf file", prog)
 
 
-def model_for_command(model_dir: str, prog: str = PROG) -> Any:
-    """The CausalLM of ``model_dir`` (a folder or a GGUF file); a missing or damaged one is a
-    :class:`UsageError` of ``prog`` (exit 2)."""
+def model_for_command(model_dir: str, prog: str = PROG, progress: bool | None = None) -> Any:
+    """The CausalLM of ``model_dir`` (a folder or a GGUF file), its loading shown as ``progress`` says; a missing
+    or damaged one is a :class:`UsageError` of ``prog`` (exit 2)."""
     from ..pretrained import load_causal_lm
 
     try:
-        return load_causal_lm(model_dir)
+        return load_causal_lm(model_dir, progress=progress)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise UsageError(f"cannot load the model {printable(repr(model_dir))}: {printable(message, 300)}",
@@ -211,9 +222,10 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     check_model_path(args.model_dir, PROG)
     options = generation_kwargs(args, PROG, greedy_unless_asked=True)  # flag errors before the (slow) load
     chat = args.chat or args.system is not None
+    progress = progress_of(args)
     use_threads(args.threads)
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
-    model = model_for_command(args.model_dir)
+    model = model_for_command(args.model_dir, progress=progress)
     config = model.config
     if chat:
         prompt, eos_ids = _chat_prompt(args, config)
@@ -226,10 +238,13 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     beams = options.get("num_beams", 1)
     _check_stops(options, model.generation_config.stop_strings, tokenizer, beams)
     if beams > 1:
-        stream = _beam_tokens(model, prompt, max_new, args, options)
+        stream = _beam_tokens(model, prompt, max_new, args, options, progress)
     else:
-        stream = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
-                                 tokenizer=tokenizer, **{k: v for k, v in options.items() if k != "num_beams"})
+        steps = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
+                                tokenizer=tokenizer, **{k: v for k, v in options.items() if k != "num_beams"})
+        # the prefill runs now, before the prompt is written: its line must not share a line with the text
+        stream = _prefilled(model, steps, len(prompt), max_new, progress,
+                            counted=args.json or not _progress.wanted(None, out))
     new: list[int] = []
     shown = ""
     prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
@@ -273,14 +288,51 @@ def _check_stops(options: dict[str, Any], configured: Any, tokenizer: Any, beams
                          "support: use --num-beams 1", PROG)
 
 
+def _prefilled(model: Any, steps: Iterator[np.ndarray], length: int, max_new: int, progress: bool | None,
+               counted: bool) -> Iterator[np.ndarray]:
+    """``steps`` with its first step (the prefill) taken now, under a line counting the layers it has gone
+    through; then the rest, under a line counting the tokens when ``counted`` (the text does not show them)."""
+    with _prefill_line(model, length, progress):
+        first = next(steps, None)
+    return _counted([] if first is None else [first], steps, max_new, progress if counted else False)
+
+
+@contextmanager
+def _prefill_line(model: Any, length: int, progress: bool | None):
+    """A line counting the layers the prompt's forward has gone through (each block's ``hook_resid_pre`` fires
+    once; the hooks are removed before the decoding steps, which run faster without any)."""
+    from ..explain.hooks import hook_names, hooks
+
+    with _progress.progress(model.config.num_layers, f"prefill ({length} tokens)", unit="layer",
+                            enabled=progress) as line:
+        if not line.enabled:
+            yield
+            return
+
+        def tick(value: np.ndarray, name: str) -> None:
+            line.update()
+
+        with hooks(model, {name: tick for name in hook_names(model) if name.endswith(".hook_resid_pre")}):
+            yield
+
+
+def _counted(head: Iterable[np.ndarray], rest: Iterator[np.ndarray], total: int,
+             progress: bool | None) -> Iterator[np.ndarray]:
+    with _progress.progress(total, "generating", unit="token", enabled=progress) as line:
+        for tokens in itertools.chain(head, rest):
+            line.update()
+            yield tokens
+
+
 def _beam_tokens(model: Any, prompt: list[int], max_new: int, args: argparse.Namespace,
-                 options: dict[str, Any]) -> list[np.ndarray]:
+                 options: dict[str, Any], progress: bool | None) -> list[np.ndarray]:
     """The best beam's new tokens, one (1,) array per token as the stream gives them, up to its eos."""
     from ..decoding.sampling import generate
 
     early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     out = generate(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
-                   length_penalty=args.length_penalty, early_stopping=early, **options)[0, len(prompt):]  # (T,)
+                   length_penalty=args.length_penalty, early_stopping=early, progress=progress,
+                   **options)[0, len(prompt):]  # (T,)
     eos = options.get("eos_token_id") or model.config.eos_token_id
     eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
     ends = [i for i, token in enumerate(out.tolist()) if token in eos]

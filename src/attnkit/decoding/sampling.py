@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _progress
 from .._validation import as_array, check_positive_int
 from .beam_search import lm_beam_search, next_token_logits
 from .config import GenerationConfig, check_temperature, check_top_k, check_unit
@@ -557,7 +558,7 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
              stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
              num_return_sequences: int | None = None, seed: Any = None, eos_token_id: Any = None,
              pad_token_id: int | None = None, num_beams: int | None = None, length_penalty: float | None = None,
-             early_stopping: bool | str | None = None) -> np.ndarray:
+             early_stopping: bool | str | None = None, progress: bool | None = None) -> np.ndarray:
     """Continue each prompt row by up to ``max_new_tokens`` tokens, greedily, by sampling or by beam search.
 
     Arguments have Hugging Face's names and meanings. Each one left as None takes the value of
@@ -619,6 +620,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
         ``True``: stop once every row has ``num_beams`` finished hypotheses; ``False``: once no open beam can
         beat the worst finished one at its current length; ``"never"``: only when that holds at the longest
         length (with ``length_penalty > 0``), which makes the search exact up to pruning.
+    progress : bool or None, default None
+        A line on stderr counting the steps (:mod:`attnkit._progress`; not one of Hugging Face's arguments):
+        None shows it when stderr is a terminal, True always, False never.
 
     Returns
     -------
@@ -652,9 +656,10 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
                  no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens, stop_strings=stop_strings,
                  num_return_sequences=num_return_sequences, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                  num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
+    _progress.check_progress(progress)
     copies = _resolve(model, given, generation_config)
     if copies["num_beams"] > 1:
-        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed, generation_config)
+        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed, generation_config, progress)
     stream = generate_stream(model, input_ids, attention_mask, generation_config=generation_config,
                              max_new_tokens=max_new_tokens,
                              do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -664,14 +669,18 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
                              num_return_sequences=num_return_sequences, seed=seed, eos_token_id=eos_token_id,
                              pad_token_id=pad_token_id)
     prompt = np.repeat(np.asarray(input_ids).astype(np.int64), copies["num_return_sequences"], axis=0)  # (B*n, L)
-    steps = list(stream)
+    steps = []
+    with _progress.progress(copies["max_new_tokens"], "generating", unit="token", enabled=progress) as line:
+        for tokens in stream:
+            steps.append(tokens)
+            line.update()
     if not steps:
         return prompt.copy()
     return np.concatenate([prompt, np.stack(steps, axis=1)], axis=1)  # (B * n, L + T)
 
 
 def _beam_generate(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any], tokenizer: Any,
-                   seed: Any, generation_config: GenerationConfig | None) -> np.ndarray:
+                   seed: Any, generation_config: GenerationConfig | None, progress: bool | None) -> np.ndarray:
     o, ids, mask, eos, pad, max_new, _ = _setup(model, input_ids, attention_mask, given, tokenizer, seed,
                                                 generation_config)
     if max_new == 0:
@@ -679,9 +688,13 @@ def _beam_generate(model: Any, input_ids: Any, attention_mask: Any, given: dict[
     processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
                       min_new_tokens=o["min_new_tokens"], padding=left_padding(mask))
 
-    def process(log_probs: np.ndarray, sequences: np.ndarray, step: int) -> np.ndarray:
-        return _process(log_probs, sequences, step, eos, **processing)
+    with _progress.progress(max_new, "beam search", unit="step", enabled=progress) as line:
 
-    return lm_beam_search(model, ids, mask, num_beams=o["num_beams"], max_new_tokens=max_new, eos=eos,
-                          pad_token_id=pad, length_penalty=o["length_penalty"], early_stopping=o["early_stopping"],
-                          num_return_sequences=o["num_return_sequences"], process=process)
+        def process(log_probs: np.ndarray, sequences: np.ndarray, step: int) -> np.ndarray:
+            line.update()  # called once per step, after the step's forward
+            return _process(log_probs, sequences, step, eos, **processing)
+
+        return lm_beam_search(model, ids, mask, num_beams=o["num_beams"], max_new_tokens=max_new, eos=eos,
+                              pad_token_id=pad, length_penalty=o["length_penalty"],
+                              early_stopping=o["early_stopping"], num_return_sequences=o["num_return_sequences"],
+                              process=process)

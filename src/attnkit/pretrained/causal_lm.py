@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _progress
 from ..decoding.config import GenerationConfig
 from ..decoding.sampling import check_generation_config
 from ..init import empty_init
@@ -65,7 +66,7 @@ def read_decoder_config(folder: str | Path):
     return decoder_config_from_hf(read_json(file))
 
 
-def load_causal_lm(path: str | Path, dtype: Any = np.float32):
+def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, progress: bool | None = None):
     """Load a Hugging Face causal LM folder onto attnkit.
 
     Parameters
@@ -78,6 +79,9 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     dtype : numpy float dtype, default float32
         Dtype of the weights and computations; F64/F32/F16/BF16 tensors are converted to it, GGUF tensors
         (any of ``GGUF_TENSOR_TYPES``) dequantized to float32 and converted to it.
+    progress : bool or None, default None
+        A line on stderr counting the bytes read, tensor by tensor (:mod:`attnkit._progress`): None shows it
+        when stderr is a terminal, True always, False never.
 
     Returns
     -------
@@ -97,7 +101,7 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
         an unknown architecture or metadata, a tensor type attnkit does not dequantize. Raised before any
         tensor is read.
     TypeError
-        ``dtype`` is not float16, float32 or float64.
+        ``dtype`` is not float16, float32 or float64, or ``progress`` is not None, True or False.
     ImportError
         ``safetensors`` (``gguf`` for a GGUF file) is not installed (naming ``pip install 'attnkit[pretrained]'``).
 
@@ -121,8 +125,9 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
     ((1, 3, 64), 2)
     """
     dtype = _check_dtype(dtype)
+    _progress.check_progress(progress)
     if is_gguf_path(path):
-        return _load_gguf(read_gguf(path), dtype)
+        return _load_gguf(read_gguf(path), dtype, progress)
     folder = Path(path)
     config = read_decoder_config(folder)
     index = read_checkpoint_index(folder)
@@ -138,12 +143,18 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32):
         model = CausalLM(config)
     params = dict(model.named_parameters())
     check_model_matches(params, stored)
-    load_tensors_into(params, index, stored)
+    with _weights_line(sum(index.tensors[name].nbytes for name in stored), progress) as line:
+        load_tensors_into(params, index, stored, step=line.update)
     model.generation_config = generation
     return model.eval()
 
 
-def _load_gguf(file: GGUFFile, dtype: np.dtype):
+def _weights_line(nbytes: int, progress: bool | None):
+    """The progress line of loading: the file's bytes of the tensors read so far, of ``nbytes``."""
+    return _progress.progress(nbytes, "loading weights", unit="B", enabled=progress, scale=True)
+
+
+def _load_gguf(file: GGUFFile, dtype: np.dtype, progress: bool | None = None):
     """A parsed GGUF file's model: its metadata and tensor table checked, then the model built and filled."""
     config = read_gguf_config(file)
     entries = validate_gguf_tensors(file, config)
@@ -154,15 +165,16 @@ def _load_gguf(file: GGUFFile, dtype: np.dtype):
         model = CausalLM(config)
     params = dict(model.named_parameters())
     check_model_matches(params, {name: entry.mapping for name, entry in entries.items()})
-    load_gguf_tensors_into(params, file, entries, config)
+    with _weights_line(sum(int(file.tensors[name].n_bytes) for name in entries), progress) as line:
+        load_gguf_tensors_into(params, file, entries, config, step=line.update)
     model.generation_config = GenerationConfig()
     return model.eval()
 
 
-def load(folder: str | Path, dtype: Any = np.float32):
+def load(folder: str | Path, dtype: Any = np.float32, *, progress: bool | None = None):
     """A Hugging Face causal LM folder (or a GGUF file) as ``(model, tokenizer)``: :func:`load_causal_lm` and
     :func:`~attnkit.pretrained.load_tokenizer` of the same folder (for a GGUF file, the tokenizer its metadata
-    describes).
+    describes). ``progress`` as :func:`load_causal_lm`'s.
 
     The tokenizer is read first, so a folder without a usable ``tokenizer.json`` (a GGUF file without a
     usable vocabulary) fails before any weight is read. Raises what those two functions raise.
@@ -184,10 +196,10 @@ def load(folder: str | Path, dtype: Any = np.float32):
         if tokenizer.vocab_size > config.vocab_size:
             raise file.fail(f"its tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                             f"{config.vocab_size}: ids past {config.vocab_size - 1} have no embedding")
-        return _load_gguf(file, dtype), tokenizer
+        return _load_gguf(file, dtype, _progress.check_progress(progress)), tokenizer
     tokenizer = load_tokenizer(folder)
     check_tokenizer_fits(tokenizer, read_decoder_config(folder), Path(folder))
-    return load_causal_lm(folder, dtype=dtype), tokenizer
+    return load_causal_lm(folder, dtype=dtype, progress=progress), tokenizer
 
 
 def check_tokenizer_fits(tokenizer: Any, config: Any, folder: Path) -> None:
