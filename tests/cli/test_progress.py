@@ -72,3 +72,12 @@ def test_bench_shows_the_runs_of_each_case_unless_quiet(tmp_path):
     assert "L = 16:" in shown and "L = 16" in out
     code, out, shown = run_on_terminal([*args, "--quiet"], tmp_path)
     assert code == 0 and shown == "", shown
+
+
+def test_demo_draws_one_line_on_a_terminal_and_plain_lines_with_no_progress(tmp_path):
+    pytest.importorskip("matplotlib")
+    code, _, shown = run_on_terminal(["demo", "--steps", "20", "--out", tmp_path / "a"], tmp_path)
+    assert code == 0, shown
+    assert "training (sort)" in shown and "\n" not in shown.replace("\r\n", "")  # redrawn in place
+    code, _, shown = run_on_terminal(["demo", "--steps", "20", "--out", tmp_path / "b", "--no-progress"], tmp_path)
+    assert code == 0 and "training (sort): step 20/20" in shown, shown
