@@ -48,9 +48,10 @@ chromium:
 		echo "browser tests: no $(CHROMIUM) and no root apt-get; they will be skipped (set ATTNKIT_CHROMIUM)"; \
 	fi
 
-# The documentation site (mkdocs.yml, docs/), built into site/; any warning is an error.
+# The documentation site (mkdocs.yml, docs/), built into site/; any warning is an error. Not --quiet: mkdocs 1.6
+# then drops warnings before --strict counts them, and a broken link or docstring passed unseen.
 docs: $(STAMP_TEST)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
 
 # Redraw docs/explorer.png (the explorer on all-MiniLM-L6-v2) and the other pictures after changing them.
 docs-screenshot: $(STAMP_TEST) chromium

@@ -1,8 +1,9 @@
 """Shared helpers of the command-line tests (``from cli_helpers import ...``): PNG checks, running
-``python -m attnkit`` in a real process with this source tree first on the path, and ``attnkit chat`` on a
-pseudo-terminal."""
+``python -m attnkit`` in a real process with this source tree first on the path (its stderr on a pseudo-terminal
+with :func:`run_on_terminal`), and ``attnkit chat`` on a pseudo-terminal."""
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import select
@@ -10,6 +11,8 @@ import signal
 import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +62,39 @@ def run_attnkit(args: list, cwd: Path, timeout: float = 300) -> subprocess.Compl
     proc = subprocess.run(argv, capture_output=True, timeout=timeout, cwd=cwd, env=env)
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode("utf-8", "replace"),
                                        proc.stderr.decode("utf-8", "replace"))
+
+
+def run_on_terminal(args: list, cwd: Path, stdin: bytes = b"", timeout: float = 300) -> tuple[int, str, str]:
+    """``python -m attnkit *args`` with its stderr on a pseudo-terminal of 100 columns (stdin and stdout pipes):
+    ``(exit code, stdout, what the terminal showed)``, the terminal's carriage returns kept."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    env.pop("ATTNKIT_TRACEBACK", None)
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "attnkit", *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=follower, cwd=cwd, env=env, close_fds=True)
+    os.close(follower)
+    shown = bytearray()
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the process closed its end
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:
+        stdout, _ = proc.communicate(stdin, timeout=timeout)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+        os.close(leader)
+    return proc.returncode, stdout.decode("utf-8", "replace"), bytes(shown).decode("utf-8", "replace")
 
 
 def assert_one_line_error(stderr: str, *fragments: str) -> None:

@@ -21,7 +21,7 @@ from .attention import (
 )
 from .attention_core import additive_attention, scaled_dot_product_attention
 from .core import BaseAttention, Module
-from .kernels._threads import get_num_threads, num_threads, set_num_threads
+from .kernels._threads import get_adaptive_threads, get_num_threads, num_threads, set_adaptive_threads, set_num_threads
 from .models import CausalLM, DecoderConfig
 from .positional import create_causal_mask, create_padding_mask, sinusoidal_encoding
 from .pretrained import load, load_causal_lm, load_tokenizer, supported_model_types
@@ -34,6 +34,6 @@ __all__ = [
     "Attention", "AdditiveAttention", "CausalAttention", "LearnedBiasAttention", "PhysicsGuidedAttention",
     "additive_attention", "scaled_dot_product_attention",
     "create_causal_mask", "create_padding_mask", "sinusoidal_encoding",
-    "set_num_threads", "get_num_threads", "num_threads",
+    "set_num_threads", "get_num_threads", "num_threads", "set_adaptive_threads", "get_adaptive_threads",
     "CausalLM", "DecoderConfig", "load", "load_causal_lm", "load_tokenizer", "supported_model_types",
 ]

@@ -1,12 +1,16 @@
-"""The CPU the process runs on: its model name, usable cores and data-cache sizes.
+"""The CPU the process runs on: its model name, usable cores, data-cache sizes and how busy its cores are.
 
-One reader for the kernels (tile sizes from the per-core L2, :mod:`attnkit.kernels._tile_sizes`) and for the
-benchmarks (which print where they ran, :mod:`attnkit.benchmarks.machine`).
+One reader for the kernels (tile sizes from the per-core L2, :mod:`attnkit.kernels._tile_sizes`; threads given up
+to other processes, :mod:`attnkit.kernels._threads`) and for the benchmarks (which print where they ran,
+:mod:`attnkit.benchmarks.machine`).
 
 Cache sizes come from the Linux sysfs cache topology (``/sys/devices/system/cpu/cpu0/cache/index*/``:
 ``level``, ``type``, ``size`` and ``shared_cpu_list``), else from ``os.sysconf`` (``SC_LEVEL1_DCACHE_SIZE``,
 ``SC_LEVEL2_CACHE_SIZE``, ``SC_LEVEL3_CACHE_SIZE``; glibc), else they are unknown and the callers use their
 documented fallbacks.
+
+How busy the cores are comes from the Linux ``/proc/stat`` counters (:func:`busy_seconds`); elsewhere it is
+unknown (None).
 """
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_model", "usable_cores", "cache_sizes", "l2_bytes", "SYSFS_CACHE", "FALLBACK_L2_BYTES"]
+__all__ = ["cpu_model", "usable_cores", "usable_cpu_ids", "cache_sizes", "l2_bytes", "busy_seconds", "SYSFS_CACHE",
+           "PROC_STAT", "FALLBACK_L2_BYTES"]
 
 SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
+PROC_STAT = Path("/proc/stat")
 # Per-core L2 assumed when neither sysfs nor sysconf knows it: the smallest L2 of current x86 server cores
 # (AMD Zen 2/3: 512 KiB; Intel Skylake-SP..Sapphire Rapids and Zen 4: 1-2 MiB), so tiles chosen for it
 # fit everywhere.
@@ -44,6 +50,51 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def usable_cpu_ids() -> frozenset[int] | None:
+    """The ids of the CPUs this process may run on (its affinity mask), or None where the OS does not say."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_seconds(cpus: frozenset[int] | None = None, stat: Path = PROC_STAT) -> float | None:
+    """CPU-seconds the CPUs ``cpus`` (None: all of them) have spent not idling since boot, whoever ran on them.
+
+    Read from the ``cpuN`` lines of ``/proc/stat``: user, nice, system, irq, softirq and steal time (steal is
+    time a virtual machine's CPU was not running: taken by the host); idle and iowait are idle. The counters
+    tick ``os.sysconf("SC_CLK_TCK")`` times a second (100 on Linux). None where there is no such file (not
+    Linux) or it cannot be read.
+
+    Examples
+    --------
+    >>> busy = busy_seconds()
+    >>> busy is None or busy > 0
+    True
+    """
+    try:
+        text = Path(stat).read_text(encoding="ascii", errors="replace")
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    total = 0
+    seen = False
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not (name.startswith("cpu") and name[3:].isdigit()):
+            continue
+        if cpus is not None and int(name[3:]) not in cpus:
+            continue
+        fields = rest.split()
+        if len(fields) < 5 or not all(f.isdigit() for f in fields[:8]):
+            continue
+        counts = [int(f) for f in fields[:8]] + [0] * (8 - len(fields[:8]))
+        user, nice, system, _idle, _iowait, irq, softirq, steal = counts
+        total += user + nice + system + irq + softirq + steal
+        seen = True
+    return total / tick if seen and tick > 0 else None
 
 
 def _size_bytes(text: str) -> int | None:

@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
-MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp", "patching", "linear_decode", "gguf_load")
+MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp", "patching", "linear_decode", "gguf_load",
+           "busy_core")
 
 
 def _run(args, tmp_path, block_torch=False):

@@ -88,9 +88,11 @@ def test_keyboard_interrupt_stops_a_long_call_within_a_few_tiles():
     script = """
         import os, signal, threading, time
         import numpy as np
+        import attnkit
         from attnkit.flex import ScoreMod
         from attnkit.kernels.tiled import flash_attention_forward
 
+        attnkit.set_adaptive_threads(False)  # both workers run, whatever else the machine runs
         # A process started in the background by a non-interactive shell (nohup, `cmd &` in CI scripts)
         # inherits SIGINT as ignored, and Python then installs no KeyboardInterrupt handler: restore it.
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -13,7 +13,7 @@ SRC = pathlib.Path(attnkit.__file__).parent
 
 # Bottom to top; a module may import from its own layer or any layer listed before it.
 LAYERS = (
-    ("_validation", "_aliases", "_cpu", "_display", "_arguments", "io", "init"),
+    ("_validation", "_aliases", "_cpu", "_display", "_progress", "_arguments", "io", "init"),
     ("kernels",),
     ("attention_core", "positional", "multi_head", "flex", "losses", "simple", "transformer_block"),
     ("core",),

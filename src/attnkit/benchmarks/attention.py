@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import _progress
+from ..kernels._threads import get_adaptive_threads, set_adaptive_threads
 from ..kernels.reference import attention_backward, attention_forward
 from ..kernels.tiled import flash_attention_backward, flash_attention_forward
 from . import naive
@@ -118,12 +120,13 @@ def _active(runners: dict, seq: int, args) -> tuple[list[str], dict[str, str]]:
     return active, skipped
 
 
-def _best_times(runners: dict, active: list[str], args) -> dict[str, float]:
-    """Best-of-``args.repeats`` seconds of each implementation, runs interleaved."""
+def _best_times(runners: dict, active: list[str], args, line: _progress.Progress) -> dict[str, float]:
+    """Best-of-``args.repeats`` seconds of each implementation, runs interleaved; each run a step of ``line``."""
     best = {name: float("inf") for name in active}
     for name in active:
         for _ in range(args.warmup):
             runners[name]()
+            line.update()
     for _ in range(args.repeats):  # interleaved, so that load changes hit every column alike
         for name in active:
             if args.settle:
@@ -131,6 +134,7 @@ def _best_times(runners: dict, active: list[str], args) -> dict[str, float]:
             t0 = time.perf_counter()
             runners[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
+            line.update()
     return best
 
 
@@ -143,7 +147,10 @@ def bench_case(seq, causal, mode, threads, args, torch=None) -> list[dict]:
     if torch is not None:
         runners["torch"] = _torch_runner(torch, q, k, v, g, causal, mode)
     active, skipped = _active(runners, seq, args)
-    best = _best_times(runners, active, args)
+    # cleared before the case's rows are printed: the line never shares the terminal with the table
+    with _progress.progress(len(active) * (args.warmup + args.repeats), f"L = {seq}", unit="run",
+                            enabled=False if args.quiet else None) as line:
+        best = _best_times(runners, active, args, line)
     flops = _flops(seq, args.heads, args.batch, args.dim, causal, mode)
     rows = []
     for name in args.impls:
@@ -252,6 +259,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-memory", action="store_true", help="skip tracemalloc peaks and the memory target")
     p.add_argument("--json", type=Path, help="write all results here")
     p.add_argument("--plot", type=Path, help="write a plot of time against L here (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress line on stderr while a case runs (it shows only on a terminal)")
     return p.parse_args(argv)
 
 
@@ -298,8 +307,13 @@ def run(args: argparse.Namespace) -> dict:
     info = machine_info()
     _print_header(args, info)
     results = []
-    for threads in args.threads:
-        results.extend(_run_threads(args, threads, torch))
+    adaptive = get_adaptive_threads()
+    set_adaptive_threads(False)  # each column runs on the threads it names, whatever else the machine runs
+    try:
+        for threads in args.threads:
+            results.extend(_run_threads(args, threads, torch))
+    finally:
+        set_adaptive_threads(adaptive)
     memory = None
     if not args.no_memory and args.memory_len:
         with blas_limit(args.threads[0]):

@@ -91,7 +91,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def load_model(args: argparse.Namespace) -> Any:
-    """attnkit's float32 model of ``args.model`` (its quantized weights kept packed with ``--keep-quantized``), checked to run the lengths the options ask for.
+    """attnkit's float32 model of ``args.model`` (its quantized weights kept packed with ``--keep-quantized``),
+    checked to run the lengths the options ask for.
 
     Raises
     ------
@@ -379,6 +380,7 @@ def run(args: argparse.Namespace, lm: Any = None) -> dict[str, Any]:
     for line in describe(machine_info(), threads=args.threads):
         print(line)
     lm = load_model(args) if lm is None else lm
+    keep = getattr(args, "keep_quantized", False)
     torch = import_torch()
     hf, note = (None, torch_missing_line("no comparison with transformers")) if torch is None else \
         load_transformers(path, torch)

@@ -40,7 +40,8 @@ __all__ = ["PROG", "query_labels", "write_explorer",
            "non_negative_float",
            "output_folder", "output_file", "printable", "check_argv_text", "check_utf8", "tolerant_input",
            "require_matplotlib", "save_figure",
-           "run_command", "IMAGE_SUFFIXES", "json_text", "model_types_text", "add_threads_argument", "use_threads"]
+           "run_command", "IMAGE_SUFFIXES", "json_text", "model_types_text", "add_threads_argument", "use_threads",
+           "add_quiet_argument", "progress_of"]
 
 PROG = "attnkit"
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -146,6 +147,19 @@ def use_threads(threads: int | None) -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=threads, user_api="blas")  # kept: the limit holds until the process ends
+
+
+# -- progress --------------------------------------------------------------------------------------------
+def add_quiet_argument(parser: Any) -> None:
+    """Add ``--quiet`` to a command with long waits (:func:`progress_of` reads it)."""
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress lines on stderr (they show only when stderr is a terminal)")
+
+
+def progress_of(args: Any) -> bool | None:
+    """The ``progress=`` argument of a command's long steps: False with ``--quiet``, else None (a line on stderr
+    when it is a terminal, nothing on a pipe or in a file; :mod:`attnkit._progress`)."""
+    return False if args.quiet else None
 
 
 # -- output paths ----------------------------------------------------------------------------------------

@@ -62,6 +62,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--memory-check", action="store_true",
                    help="also measure the tiled kernel's memory at L = 32768 (slow)")
     p.add_argument("--out", default="attnkit-bench", help="output folder (default attnkit-bench)")
+    p.add_argument("--quiet", action="store_true",
+                   help="attention: no progress line on stderr between the table's rows (it shows only on a "
+                        "terminal)")
     decode_options = p.add_argument_group("decode")
     decode_options.add_argument("--families", nargs="+", choices=_DECODE_FAMILIES, default=None,
                                 help="families to time (default: all)")
@@ -109,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         argv += ["--threads", *map(str, args.threads)]
     if not args.memory_check:
         argv += ["--memory-len", "0"]
+    if args.quiet:
+        argv += ["--quiet"]
     if importlib.util.find_spec("matplotlib") is None:
         print("# matplotlib is not installed: no plot (pip install 'attnkit[viz]')")
     else:

@@ -8,7 +8,7 @@ an end-of-sequence id (``generation_config.json``'s list, else the tokenizer's `
 ``generation_config.json`` unless a flag is given, as ``transformers`` does; ``--temperature 0`` means greedy, as
 in llama.cpp and ollama. On a terminal a banner shows the settings once (the context, the reply length, the
 threads, greedy or the sampling options). ``--verbose`` reports loading and each reply's tokens per second on
-stderr.
+stderr. On a terminal, a line on stderr shows the weights loading (``--quiet`` hides it).
 
 Typing (:mod:`attnkit.cli._chat_input`): a line ending in ``\`` continues on the next line; a line starting
 with ``"""`` opens a block of lines that ends at a line ending with ``"""`` (a block is always a message, never
@@ -44,12 +44,14 @@ from ._chat_template import add_chat_template_argument, chat_template_option, re
 from ._common import (
     UsageError,
     add_keep_quantized_argument,
+    add_quiet_argument,
     add_threads_argument,
     check_utf8,
     model_types_text,
     output_file,
     positive_int,
     printable,
+    progress_of,
     tolerant_input,
     use_threads,
 )
@@ -96,19 +98,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_threads_argument(p)
     add_keep_quantized_argument(p)
     p.add_argument("--verbose", action="store_true", help="report loading and tokens/s on stderr")
+    add_quiet_argument(p)
     p.set_defaults(run=run)
     return p
 
 
-def _load(model_dir: str, verbose: bool, template: str | None = None, keep_quantized: bool = False
-          ) -> tuple[Any, Any]:
+def _load(model_dir: str, verbose: bool, template: str | None = None, keep_quantized: bool = False,
+          progress: bool | None = None) -> tuple[Any, Any]:
     from ..pretrained import load
 
     start = time.perf_counter()
     if verbose:
         print(f"loading {printable(model_dir)} ...", file=sys.stderr, flush=True)
     try:
-        model, tokenizer = load(model_dir, keep_quantized=keep_quantized)
+        model, tokenizer = load(model_dir, keep_quantized=keep_quantized, progress=progress)
         if template is not None:
             tokenizer.chat_templates["default"] = template
         tokenizer.get_chat_template()
@@ -322,7 +325,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     if template is None:
         require_chat_template(args.model_dir, PROG)  # before the (slow) load
     use_threads(args.threads)
-    model, tokenizer = _load(args.model_dir, args.verbose, template, args.keep_quantized)
+    model, tokenizer = _load(args.model_dir, args.verbose, template, args.keep_quantized, progress_of(args))
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     interactive = src.isatty()
     reader = MessageReader(src, out, interactive, _say, commands=tuple(COMMANDS))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .. import _progress
 from ._common import (
     UsageError,
     bounded_int,
@@ -56,41 +57,33 @@ def _task_config(config_class: Any, args: argparse.Namespace, **fixed: Any) -> A
 
 # -- the token-tagging tasks (sort, reverse, copy_offset) ------------------------------------------------
 class _Progress:
-    """A tqdm bar with the running loss and accuracy, or plain lines every 10% without tqdm."""
+    """The training's progress: on a terminal, the one progress line (:mod:`attnkit._progress`) with the running
+    loss and accuracy as its detail; elsewhere (a pipe, a file, a log) or with ``--no-progress``, a plain line
+    every 10% of the steps."""
 
     def __init__(self, total: int, desc: str, plain: bool) -> None:
         self.total, self.desc = total, desc
-        self.bar = None
-        if not plain:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                print(f"({desc}: tqdm is not installed, printing plain progress lines; pip install 'attnkit[viz]')",
-                      file=sys.stderr)
-            else:
-                self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True,
-                                mininterval=0.25)
+        self.line = None if plain or not _progress.wanted(None) else _progress.progress(total, desc)
         self.every = max(1, total // 10)
         self.loss = self.acc = None
 
     def __call__(self, step: int, loss: float, acc: float | None = None) -> None:
-        k = 0.9 if step > 1 else 0.0  # exponential running means, for a readable bar
+        k = 0.9 if step > 1 else 0.0  # exponential running means, for a readable line
         self.loss = loss if self.loss is None else k * self.loss + (1 - k) * loss
         if acc is not None:
             self.acc = acc if self.acc is None else k * self.acc + (1 - k) * acc
-        if self.bar is not None:
-            self.bar.update(1)
+        if self.line is not None:
             if step % 10 == 0 or step == self.total:
-                shown = f"loss {self.loss:.4f}" + ("" if self.acc is None else f", acc {self.acc:6.1%}")
-                self.bar.set_postfix_str(shown, refresh=False)
+                self.line.set_detail(f"loss {self.loss:.4f}" + ("" if self.acc is None else f", acc {self.acc:6.1%}"))
+            self.line.update(1)
         elif step % self.every == 0 or step == self.total:
             shown = f"loss {self.loss:.4f}" + ("" if self.acc is None else f"  accuracy {self.acc:6.1%}")
             print(f"{self.desc}: step {step:>{len(str(self.total))}}/{self.total}  {shown}", file=sys.stderr,
                   flush=True)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        if self.line is not None:
+            self.line.close()
 
 
 def _with_progress(args: argparse.Namespace, steps: int, train: Callable[[_Progress], Any]) -> Any:
@@ -298,7 +291,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"peak Adam learning rate (default {d.lr}; dates: {DatesConfig().lr})")
     p.add_argument("--seq-len", type=bounded_int(1, MAX_SEQ_LEN), default=d.seq_len,
                    help=f"digits per sequence (default {d.seq_len})")
-    p.add_argument("--no-progress", action="store_true", help="print a line every 10%% instead of a progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="print a line every 10%% instead of a progress line (as on a pipe)")
     p.set_defaults(run=run)
     return p
 

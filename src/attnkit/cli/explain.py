@@ -1,5 +1,9 @@
 """``attnkit explain``: one offline HTML page that explains a causal LM's next-token prediction for a prompt, or
-why a sentence encoder (all-MiniLM-L6-v2 or a sentence-transformers folder) finds two sentences similar."""
+why a sentence encoder (all-MiniLM-L6-v2 or a sentence-transformers folder) finds two sentences similar.
+
+On a terminal, a line on stderr shows a causal LM's loading and then each step of the page (attributions,
+patching, generation), the patching's forwards as its detail; ``--quiet`` hides it, and nothing shows on a pipe.
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +16,13 @@ from .._display import is_byte_level_tokenizer
 from ._common import (
     UsageError,
     add_keep_quantized_argument,
+    add_quiet_argument,
     add_threads_argument,
     bounded_int,
     model_types_text,
     output_file,
     printable,
+    progress_of,
     use_threads,
 )
 
@@ -72,6 +78,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=bounded_int(1, 20), default=5, help="tokens per logit-lens cell (default 5)")
     add_keep_quantized_argument(p)
     add_threads_argument(p)
+    add_quiet_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -125,7 +132,8 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     page = output_file(args.html, HTML_SUFFIXES)
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None or args.corrupt is not None,
                                       prog=PROG)
-    model = model_for_command(args.model_dir, prog=PROG, keep_quantized=args.keep_quantized)
+    model = model_for_command(args.model_dir, prog=PROG, keep_quantized=args.keep_quantized,
+                              progress=progress_of(args))
     linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
     if linear:  # the page's rollout and flow compose softmax patterns
         raise UsageError(f"the page draws softmax attention patterns; layers {', '.join(map(str, linear))} of this "
@@ -157,7 +165,7 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     data = explain_html(model, np.array(ids, dtype=np.int64), page, token_text=piece, candidates=args.candidates,
                         top_k=args.top_k, title=f"{name}: {said}", byte_level=is_byte_level_tokenizer(tokenizer),
                         corrupt=None if corrupt is None else np.array(corrupt, dtype=np.int64),
-                        generate=args.generate or 0)
+                        generate=args.generate or 0, progress=progress_of(args))
     _report(name, model, ids, data, page)
     return 0
 

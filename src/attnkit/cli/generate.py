@@ -14,26 +14,36 @@ string or after ``--max-new-tokens``. Text is printed as it is produced (beam se
      "new_text": "..."}
 
 (``text`` and ``new_text`` are null without a tokenizer).
+
+On a terminal, stderr shows the waits (:mod:`attnkit._progress`; ``--quiet`` hides them): the weights loading,
+the prefill layer by layer, and the tokens or beam-search steps when the text does not appear as it comes (beam
+search, ``--json``, stdout not the terminal).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from .. import _progress
 from ._chat_template import add_chat_template_argument, chat_template_option, require_chat_template
 from ._common import (
     UsageError,
     add_keep_quantized_argument,
+    add_quiet_argument,
     add_threads_argument,
     json_text,
     model_types_text,
     positive_int,
     printable,
+    progress_of,
     use_threads,
 )
 from ._generation import add_generation_arguments, generation_kwargs
@@ -102,6 +112,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
     add_keep_quantized_argument(p)
     add_threads_argument(p)
+    add_quiet_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -116,13 +127,15 @@ def check_model_path(model_dir: str, prog: str = PROG) -> None:
     raise UsageError(f"{printable(repr(model_dir))} is not a folder nor a .gguf file", prog)
 
 
-def model_for_command(model_dir: str, prog: str = PROG, keep_quantized: bool = False) -> Any:
+def model_for_command(model_dir: str, prog: str = PROG, keep_quantized: bool = False,
+                      progress: bool | None = None) -> Any:
     """The CausalLM of ``model_dir`` (a folder or a GGUF file; quantized weights kept packed with
-    ``keep_quantized``); a missing or damaged one is a :class:`UsageError` of ``prog`` (exit 2)."""
+    ``keep_quantized``), its loading shown as ``progress`` says; a missing or damaged one is a
+    :class:`UsageError` of ``prog`` (exit 2)."""
     from ..pretrained import load_causal_lm
 
     try:
-        return load_causal_lm(model_dir, keep_quantized=keep_quantized)
+        return load_causal_lm(model_dir, keep_quantized=keep_quantized, progress=progress)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise UsageError(f"cannot load the model {printable(repr(model_dir))}: {printable(message, 300)}",
@@ -234,9 +247,10 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     options = generation_kwargs(args, PROG, greedy_unless_asked=True)  # flag errors before the (slow) load
     chat = args.chat or args.system is not None or args.chat_template is not None
     template = _chat_template(args) if chat else None
+    progress = progress_of(args)
     use_threads(args.threads)
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
-    model = model_for_command(args.model_dir, keep_quantized=args.keep_quantized)
+    model = model_for_command(args.model_dir, keep_quantized=args.keep_quantized, progress=progress)
     config = model.config
     if chat:
         prompt, eos_ids = _chat_prompt(args, config, template)
@@ -249,10 +263,13 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     beams = options.get("num_beams", 1)
     _check_stops(options, model.generation_config.stop_strings, tokenizer, beams)
     if beams > 1:
-        stream = _beam_tokens(model, prompt, max_new, args, options)
+        stream = _beam_tokens(model, prompt, max_new, args, options, progress)
     else:
-        stream = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
-                                 tokenizer=tokenizer, **{k: v for k, v in options.items() if k != "num_beams"})
+        steps = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
+                                tokenizer=tokenizer, **{k: v for k, v in options.items() if k != "num_beams"})
+        # the prefill runs now, before the prompt is written: its line must not share a line with the text
+        stream = _prefilled(model, steps, len(prompt), max_new, progress,
+                            counted=args.json or not _progress.wanted(None, out))
     new: list[int] = []
     shown = ""
     prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
@@ -296,14 +313,51 @@ def _check_stops(options: dict[str, Any], configured: Any, tokenizer: Any, beams
                          "support: use --num-beams 1", PROG)
 
 
+def _prefilled(model: Any, steps: Iterator[np.ndarray], length: int, max_new: int, progress: bool | None,
+               counted: bool) -> Iterator[np.ndarray]:
+    """``steps`` with its first step (the prefill) taken now, under a line counting the layers it has gone
+    through; then the rest, under a line counting the tokens when ``counted`` (the text does not show them)."""
+    with _prefill_line(model, length, progress):
+        first = next(steps, None)
+    return _counted([] if first is None else [first], steps, max_new, progress if counted else False)
+
+
+@contextmanager
+def _prefill_line(model: Any, length: int, progress: bool | None):
+    """A line counting the layers the prompt's forward has gone through (each block's ``hook_resid_pre`` fires
+    once; the hooks are removed before the decoding steps, which run faster without any)."""
+    from ..explain.hooks import hook_names, hooks
+
+    with _progress.progress(model.config.num_layers, f"prefill ({length} tokens)", unit="layer",
+                            enabled=progress) as line:
+        if not line.enabled:
+            yield
+            return
+
+        def tick(value: np.ndarray, name: str) -> None:
+            line.update()
+
+        with hooks(model, {name: tick for name in hook_names(model) if name.endswith(".hook_resid_pre")}):
+            yield
+
+
+def _counted(head: Iterable[np.ndarray], rest: Iterator[np.ndarray], total: int,
+             progress: bool | None) -> Iterator[np.ndarray]:
+    with _progress.progress(total, "generating", unit="token", enabled=progress) as line:
+        for tokens in itertools.chain(head, rest):
+            line.update()
+            yield tokens
+
+
 def _beam_tokens(model: Any, prompt: list[int], max_new: int, args: argparse.Namespace,
-                 options: dict[str, Any]) -> list[np.ndarray]:
+                 options: dict[str, Any], progress: bool | None) -> list[np.ndarray]:
     """The best beam's new tokens, one (1,) array per token as the stream gives them, up to its eos."""
     from ..decoding.sampling import generate
 
     early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     out = generate(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
-                   length_penalty=args.length_penalty, early_stopping=early, **options)[0, len(prompt):]  # (T,)
+                   length_penalty=args.length_penalty, early_stopping=early, progress=progress,
+                   **options)[0, len(prompt):]  # (T,)
     eos = options.get("eos_token_id") or model.config.eos_token_id
     eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
     ends = [i for i, token in enumerate(out.tolist()) if token in eos]

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _progress
 from .._validation import as_array, check_positive_int
 from .beam_search import lm_beam_search, next_token_logits
 from .config import MAX_DRAFT_TOKENS, GenerationConfig, check_temperature, check_top_k, check_unit
@@ -702,7 +703,8 @@ def _logits(model: Any, ids: np.ndarray, mask: np.ndarray, cache: Any, keep: int
 
 def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
              generation_config: GenerationConfig | None = None, tokenizer: Any = None, seed: Any = None,
-             past_key_values: Any = None, assistant_model: Any = None, **options: Any) -> np.ndarray:
+             past_key_values: Any = None, assistant_model: Any = None, progress: bool | None = None,
+             **options: Any) -> np.ndarray:
     """Continue each prompt row by up to ``max_new_tokens`` tokens, greedily, by sampling or by beam search.
 
     Arguments have Hugging Face's names and meanings. Each generation option (a field of
@@ -739,6 +741,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
         (:class:`~attnkit.decoding.speculative.DraftModel`), or a
         :class:`~attnkit.decoding.speculative.Proposer` of one's own (its ``proposed`` and ``kept`` counts tell
         the acceptance rate afterwards).
+    progress : bool or None, default None
+        A line on stderr counting the steps (:mod:`attnkit._progress`; not one of Hugging Face's arguments):
+        None shows it when stderr is a terminal, True always, False never.
     **options
         The generation options above.
 
@@ -773,23 +778,28 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
     True
     """
     given = _given(options, "generate")
+    _progress.check_progress(progress)
     copies = _resolve(model, given, generation_config)
     if copies["num_beams"] > 1:
         if past_key_values is not None or assistant_model is not None:
             raise ValueError("beam search (num_beams > 1) takes neither past_key_values nor assistant_model")
-        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed, generation_config)
+        return _beam_generate(model, input_ids, attention_mask, given, tokenizer, seed, generation_config, progress)
     stream = generate_stream(model, input_ids, attention_mask, generation_config=generation_config,
                              tokenizer=tokenizer, seed=seed, past_key_values=past_key_values,
                              assistant_model=assistant_model, **given)
     prompt = np.repeat(np.asarray(input_ids).astype(np.int64), copies["num_return_sequences"], axis=0)  # (B*n, L)
-    steps = list(stream)
+    steps = []
+    with _progress.progress(copies["max_new_tokens"], "generating", unit="token", enabled=progress) as line:
+        for tokens in stream:
+            steps.append(tokens)
+            line.update()
     if not steps:
         return prompt.copy()
     return np.concatenate([prompt, np.stack(steps, axis=1)], axis=1)  # (B * n, L + T)
 
 
 def _beam_generate(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any], tokenizer: Any,
-                   seed: Any, generation_config: GenerationConfig | None) -> np.ndarray:
+                   seed: Any, generation_config: GenerationConfig | None, progress: bool | None) -> np.ndarray:
     o, ids, mask, eos, pad, max_new, _ = _setup(model, input_ids, attention_mask, given, tokenizer, seed,
                                                 generation_config)
     if max_new == 0:
@@ -797,9 +807,13 @@ def _beam_generate(model: Any, input_ids: Any, attention_mask: Any, given: dict[
     processing = dict(repetition_penalty=o["repetition_penalty"], no_repeat_ngram_size=o["no_repeat_ngram_size"],
                       min_new_tokens=o["min_new_tokens"], padding=left_padding(mask))
 
-    def process(log_probs: np.ndarray, sequences: np.ndarray, step: int) -> np.ndarray:
-        return _process(log_probs, sequences, step, eos, **processing)
+    with _progress.progress(max_new, "beam search", unit="step", enabled=progress) as line:
 
-    return lm_beam_search(model, ids, mask, num_beams=o["num_beams"], max_new_tokens=max_new, eos=eos,
-                          pad_token_id=pad, length_penalty=o["length_penalty"], early_stopping=o["early_stopping"],
-                          num_return_sequences=o["num_return_sequences"], process=process)
+        def process(log_probs: np.ndarray, sequences: np.ndarray, step: int) -> np.ndarray:
+            line.update()  # called once per step, after the step's forward
+            return _process(log_probs, sequences, step, eos, **processing)
+
+        return lm_beam_search(model, ids, mask, num_beams=o["num_beams"], max_new_tokens=max_new, eos=eos,
+                              pad_token_id=pad, length_penalty=o["length_penalty"],
+                              early_stopping=o["early_stopping"], num_return_sequences=o["num_return_sequences"],
+                              process=process)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _progress
 from .._validation import check_positive_int
 from ._inputs import as_id_batch, check_position
 from .hooks import hooks
@@ -75,7 +76,7 @@ def _baseline(model, ids: np.ndarray, baseline: Any) -> np.ndarray:
 
 def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, baseline: Any = None, *,
                          target_position: int = -1, method: str = "gausslegendre",
-                         batch_size: int = 16, foil: Any = None) -> IntegratedGradients:
+                         batch_size: int = 16, foil: Any = None, progress: bool | None = None) -> IntegratedGradients:
     """Integrated gradients of ``log p(target)`` after ``target_position``, on the input token embeddings.
 
     With a ``foil`` the function explained is contrastive, ``log p(target) - log p(foil)``, which is the logit
@@ -103,6 +104,9 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
         Quadrature points per forward.
     foil : int, optional
         The contrasting token of the contrastive variant (why ``target`` rather than ``foil``).
+    progress : bool or None, default None
+        A line on stderr counting the quadrature points done (:mod:`attnkit._progress`): None shows it when
+        stderr is a terminal, True always, False never.
 
     Returns
     -------
@@ -165,12 +169,15 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
         return log_p, grads["g"]
 
     total_grad = np.zeros_like(end, dtype=np.float64)  # (P, D)
-    with model.input_gradients_only():
-        for first in range(0, len(alphas), batch_size):
-            chunk = slice(first, first + batch_size)
-            _, grad = log_prob_and_grad(alphas[chunk])  # (k, P, D)
-            total_grad += np.einsum("k,kpd->pd", weights[chunk], grad)
-    ends, _ = log_prob_and_grad(np.array([0.0, 1.0]), need_grad=False)  # f(baseline), f(input)
+    with _progress.progress(len(alphas) + 2, "integrated gradients", unit="point", enabled=progress) as line:
+        with model.input_gradients_only():
+            for first in range(0, len(alphas), batch_size):
+                chunk = slice(first, first + batch_size)
+                _, grad = log_prob_and_grad(alphas[chunk])  # (k, P, D)
+                total_grad += np.einsum("k,kpd->pd", weights[chunk], grad)
+                line.update(len(alphas[chunk]))
+        ends, _ = log_prob_and_grad(np.array([0.0, 1.0]), need_grad=False)  # f(baseline), f(input)
+        line.update(2)
     attributions = np.zeros(length)
     attributions[:position + 1] = ((end - start) * total_grad).sum(axis=-1)  # (P,)
     difference = float(ends[1] - ends[0])

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import viz
+from .. import _progress, viz
 from .._display import readable_token
 from .._validation import check_positive_int
 from ..io import atomic_write
@@ -56,7 +56,7 @@ def _rounded(values: np.ndarray, decimals: int = 6) -> list:
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
                  candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction",
                  max_bytes: int | None = None, corrupt: Any = None, byte_level: bool | None = None,
-                 generate: int = 0) -> dict:
+                 generate: int = 0, progress: bool | None = None) -> dict:
     """Explain ``lm``'s next-token prediction after ``ids`` in one offline HTML page.
 
     Parameters
@@ -93,6 +93,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     byte_level : bool, optional
         Whether the pieces are byte-level BPE's (:func:`attnkit._display.is_byte_level_tokenizer` tells from
         the tokenizer); None: judged piece by piece.
+    progress : bool or None, default None
+        A line on stderr naming each step as it runs, the patching's forwards as its detail
+        (:mod:`attnkit._progress`): None shows it when stderr is a terminal, True always, False never.
 
     Returns
     -------
@@ -133,6 +136,7 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         check_positive_int(value, name, maximum=vocab)
     if generate != 0:
         check_positive_int(generate, "generate")
+    _progress.check_progress(progress)
     if max_bytes is None:
         max_bytes = viz.HTML_SIZE_WARNING_BYTES  # read at call time, so it can be changed
     max_bytes = check_positive_int(max_bytes, "max_bytes")
@@ -150,25 +154,45 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     def readable(raw: str) -> str:
         return readable_token(raw, byte_level)
 
-    _, per_layer = lm(batch, output_attentions=True)  # N x (1, H, L, L)
-    weights = np.stack([w[0] for w in per_layer])  # (N, H, L, L)
-    lens = logit_lens(lm, batch[0], top_k=top_k)  # (N, L, K) each
-    best = logit_lens(lm, batch[0], top_k=candidates)  # the last layer is the model's own output
-    chosen = [dict(_candidate(lm, batch, int(token)), raw=piece(token), text=readable(piece(token)), prob=float(prob))
-              for token, prob in zip(best.token_ids[-1, -1], best.probs[-1, -1], strict=True)]
-    raw = [piece(i) for i in batch[0]]
-    data = {"tokens": [readable(t) for t in raw], "raw_tokens": raw,
-            "num_layers": weights.shape[0], "num_heads": weights.shape[1],
-            "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
-            "head_names": [f"head {j}" for j in range(weights.shape[1])],
-            "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
-            "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
-            # each id's text once: N x L x K cells repeat few distinct tokens
-            "vocab": {str(t): readable(piece(t)) for t in np.unique(lens.token_ids).tolist()},
-            "patching": None if corrupted is None else _patching(lm, batch, corrupted,
-                                                                 lambda i: readable(piece(i))),
-            "generation": None if not generate else _generation(lm, batch[0], generate, piece, readable)}
-    return _write_page(data, weights, target, title, top_k, max_bytes)
+    # the attention, the lenses, each candidate, rollout and flow, each patching, the generation, the page
+    steps = 4 + candidates + (2 if corrupted is not None else 0) + (1 if generate else 0) + 1
+    with _progress.progress(steps, "explain: attention", enabled=progress) as line:
+        _, per_layer = lm(batch, output_attentions=True)  # N x (1, H, L, L)
+        weights = np.stack([w[0] for w in per_layer])  # (N, H, L, L)
+        line.update()
+        line.set_desc("explain: logit lens")
+        lens = logit_lens(lm, batch[0], top_k=top_k)  # (N, L, K) each
+        best = logit_lens(lm, batch[0], top_k=candidates)  # the last layer is the model's own output
+        line.update(2)
+        line.set_desc("explain: attributions")
+        chosen = []
+        for token, prob in zip(best.token_ids[-1, -1], best.probs[-1, -1], strict=True):
+            chosen.append(dict(_candidate(lm, batch, int(token)), raw=piece(token), text=readable(piece(token)),
+                               prob=float(prob)))
+            line.update()
+        line.set_desc("explain: rollout and flow")
+        raw = [piece(i) for i in batch[0]]
+        data = {"tokens": [readable(t) for t in raw], "raw_tokens": raw,
+                "num_layers": weights.shape[0], "num_heads": weights.shape[1],
+                "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
+                "head_names": [f"head {j}" for j in range(weights.shape[1])],
+                "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
+                "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
+                # each id's text once: N x L x K cells repeat few distinct tokens
+                "vocab": {str(t): readable(piece(t)) for t in np.unique(lens.token_ids).tolist()},
+                "patching": None, "generation": None}
+        line.update()
+        if corrupted is not None:
+            line.set_desc("explain: patching")
+            data["patching"] = _patching(lm, batch, corrupted, lambda i: readable(piece(i)), line)
+        if generate:
+            line.set_desc("explain: generation")
+            data["generation"] = _generation(lm, batch[0], generate, piece, readable)
+            line.update()
+        line.set_desc("explain: writing the page")
+        data = _write_page(data, weights, target, title, top_k, max_bytes)
+        line.update()
+    return data
 
 
 def _candidate(lm, batch: np.ndarray, token: int) -> dict:
@@ -191,8 +215,10 @@ def _generation(lm, ids: np.ndarray, count: int, piece: Callable[[int], str],
             "method": "gradient_x_input", "attributions": _rounded(found.attributions)}
 
 
-def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, text: Callable[[int], str]) -> dict:
-    """Activation patching of the residual stream and of each head, for the page (see :func:`explain_html`)."""
+def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, text: Callable[[int], str],
+              line: _progress.Progress) -> dict:
+    """Activation patching of the residual stream and of each head, for the page (see :func:`explain_html`);
+    one step of ``line`` each, their forwards shown as its detail."""
     from .patching import activation_patching
 
     clean_logits, corrupt_logits = lm(clean)[0, -1], lm(corrupt)[0, -1]  # (V,) each
@@ -201,13 +227,16 @@ def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, text: Callable[[int], 
     if incorrect == correct:  # the corruption did not change the top token: compare with the runner-up
         incorrect = int(order[1])
     answers = (correct, incorrect)
+    found = {}
+    for hook in ("resid_pre", "z"):
+        found[hook] = _rounded(activation_patching(lm, clean[0], corrupt[0], answers, hook=hook,
+                                                   progress=line.enabled))
+        line.update()
     return {"correct": correct, "incorrect": incorrect, "correct_text": text(correct),
             "incorrect_text": text(incorrect),
             "clean_metric": float(clean_logits[correct] - clean_logits[incorrect]),
             "corrupt_metric": float(corrupt_logits[correct] - corrupt_logits[incorrect]),
-            "corrupt_tokens": [text(i) for i in corrupt[0]],
-            "resid_pre": _rounded(activation_patching(lm, clean[0], corrupt[0], answers, hook="resid_pre")),
-            "z": _rounded(activation_patching(lm, clean[0], corrupt[0], answers, hook="z"))}
+            "corrupt_tokens": [text(i) for i in corrupt[0]], **found}
 
 
 FLOW_MAX_TOKENS = 24  # the pages add attention flow up to this length (L * L max-flows: seconds, not minutes)

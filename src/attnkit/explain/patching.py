@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _progress
 from ._inputs import as_id_batch
 from .hooks import hooks, run_with_cache
 
@@ -46,7 +47,7 @@ def _metric(logits: np.ndarray, answers: tuple[int, int]) -> np.ndarray:
 
 
 def activation_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any,
-                        hook: str = "resid_pre") -> np.ndarray:
+                        hook: str = "resid_pre", *, progress: bool | None = None) -> np.ndarray:
     """The corrupted run's logit difference with one clean activation patched in, for every place.
 
     Parameters
@@ -59,6 +60,9 @@ def activation_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any
     hook : {"resid_pre", "attn_out", "mlp_out", "z"}
         What is patched: the residual stream entering block i, what block i's attention or MLP adds to it (at
         one position each), or one head's output ``z`` at every position.
+    progress : bool or None, default None
+        A line on stderr counting the forwards (:mod:`attnkit._progress`): None shows it when stderr is a
+        terminal, True always, False never.
 
     Returns
     -------
@@ -81,7 +85,16 @@ def activation_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any
     (2, 3)
     """
     clean, corrupt, answers, names = _check(model, clean_ids, corrupt_ids, answer_ids, hook)
+    with _progress.progress(len(names) + 1, f"activation patching ({hook})", unit="forward",
+                            enabled=progress) as line:
+        return _patch_layers(model, clean, corrupt, answers, names, hook, line)
+
+
+def _patch_layers(model, clean: np.ndarray, corrupt: np.ndarray, answers: tuple[int, int], names: list[str],
+                  hook: str, line: _progress.Progress) -> np.ndarray:
+    """:func:`activation_patching`'s forwards: the clean run's cache, then one batch of patched runs per layer."""
     _, cache = run_with_cache(model, clean, names=names)
+    line.update()
     rows = model.config.num_heads if hook == "z" else clean.shape[1]
     batch = np.repeat(corrupt, rows, axis=0)  # (R, L): row r is patched at place r
     place = np.arange(rows)
@@ -99,18 +112,20 @@ def activation_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any
 
         with hooks(model, {name: patch}):
             out[layer] = _metric(model(batch, logits_to_keep=1), answers)  # (R,)
+        line.update()
     return out
 
 
 def attribution_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any,
-                         hook: str = "resid_pre") -> np.ndarray:
+                         hook: str = "resid_pre", *, progress: bool | None = None) -> np.ndarray:
     """First-order estimate of :func:`activation_patching`'s change of the metric, from exact gradients.
 
     ``(clean - corrupt) . d metric / d activation``, the gradient taken at the corrupted run and the product
     summed over the features of each place (over D, or over the positions and Dh of a head for ``"z"``). Same
     arguments as :func:`activation_patching`; one forward of the clean prompt, one forward and one backward of the
     corrupted one. The backward forms the activations' gradients alone (``Module.input_gradients_only``); the model's
-    gradient buffers are left freed (zeros when read).
+    gradient buffers are left freed (zeros when read). ``progress`` counts the layers each of the three passes
+    has gone through (as :func:`activation_patching`'s).
 
     Returns
     -------
@@ -128,6 +143,24 @@ def attribution_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: An
     (2, 2)
     """
     clean, corrupt, answers, names = _check(model, clean_ids, corrupt_ids, answer_ids, hook)
+    with _progress.progress(3 * len(names), f"attribution patching ({hook})", unit="layer",
+                            enabled=progress) as line:
+        # each hook point is reached once per layer in each pass: forward, forward, backward
+        ticks = {name: _tick(line) for name in names} if line.enabled else {}
+        with hooks(model, ticks, backward=ticks):
+            return _attribute(model, clean, corrupt, answers, names, hook)
+
+
+def _tick(line: _progress.Progress):
+    """A hook that only counts (it leaves the value as it is)."""
+    def tick(value: np.ndarray, name: str) -> None:
+        line.update()
+    return tick
+
+
+def _attribute(model, clean: np.ndarray, corrupt: np.ndarray, answers: tuple[int, int], names: list[str],
+               hook: str) -> np.ndarray:
+    """:func:`attribution_patching`'s three passes."""
     # only the last position's logits enter the metric: the head runs on that row alone
     _, clean_cache = run_with_cache(model, clean, names=names, logits_to_keep=1)
     grads: dict[str, np.ndarray] = {}

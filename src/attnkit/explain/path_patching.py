@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _progress
 from .hooks import hooks, run_with_cache
 from .patching import _check, _metric
 
@@ -85,7 +86,7 @@ def _frozen_run(model, corrupt: np.ndarray, clean_z: np.ndarray, corrupt_cache: 
 
 
 def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, receivers: Any,
-                  receiver_input: Any = "q") -> np.ndarray:
+                  receiver_input: Any = "q", *, progress: bool | None = None) -> np.ndarray:
     """The corrupted run's logit difference when each head's clean output reaches only the receivers' inputs.
 
     Parameters
@@ -102,6 +103,9 @@ def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, rece
     receiver_input : {"q", "k", "v"} or a tuple of them, default "q"
         Which of the receivers' inputs carry the sender's change (``blocks.{i}.attn.hook_q`` / ``hook_k`` /
         ``hook_v``: after the projections and q/k norms, before the rotation).
+    progress : bool or None, default None
+        A line on stderr counting the forwards (:mod:`attnkit._progress`): None shows it when stderr is a
+        terminal, True always, False never.
 
     Returns
     -------
@@ -129,8 +133,17 @@ def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, rece
     table, inputs = _check_receivers(model, receivers, receiver_input)
     cfg = model.config
     names = [f"blocks.{i}.{p}" for i in range(cfg.num_layers) for p in ("attn.hook_z", "hook_mlp_out")]
-    _, clean_cache = run_with_cache(model, clean, names=names)
-    _, corrupt_cache = run_with_cache(model, corrupt, names=names)
+    with _progress.progress(2 + 2 * max(table), "path patching", unit="forward", enabled=progress) as line:
+        _, clean_cache = run_with_cache(model, clean, names=names)
+        _, corrupt_cache = run_with_cache(model, corrupt, names=names)
+        line.update(2)
+        return _send_and_receive(model, corrupt, answers, table, inputs, clean_cache, corrupt_cache, line)
+
+
+def _send_and_receive(model, corrupt: np.ndarray, answers: tuple[int, int], table: dict, inputs: tuple,
+                      clean_cache: dict, corrupt_cache: dict, line: _progress.Progress) -> np.ndarray:
+    """:func:`path_patching`'s two forwards per sender layer (steps 1 and 2): the metrics (N, H)."""
+    cfg = model.config
     out = np.full((cfg.num_layers, cfg.num_heads), np.nan)
     batch = np.repeat(corrupt, cfg.num_heads, axis=0)  # (R, L)
     for sender in range(max(table)):
@@ -145,4 +158,5 @@ def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, rece
 
         with hooks(model, {name: receive for name in kept}):
             out[sender] = _metric(model(batch, logits_to_keep=1), answers)  # (R,)
+        line.update(2)
     return out

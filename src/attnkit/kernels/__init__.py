@@ -17,12 +17,20 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference, tiled
-from ._threads import get_num_threads, num_threads, set_num_threads
+from ._threads import (
+    free_cores,
+    get_adaptive_threads,
+    get_num_threads,
+    num_threads,
+    set_adaptive_threads,
+    set_num_threads,
+)
 from .reference import causal_mask, masked_softmax
 from .registry import ATTENTION_KERNELS, kernel_for_context, resolve_kernel
 
 __all__ = ["ATTENTION_KERNELS", "attention_forward", "set_num_threads", "get_num_threads",
-           "num_threads", "attention_backward", "causal_mask", "masked_softmax",
+           "num_threads", "set_adaptive_threads", "get_adaptive_threads", "free_cores", "attention_backward",
+           "causal_mask", "masked_softmax",
            "reference", "tiled"]
 
 

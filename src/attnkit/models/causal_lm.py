@@ -9,7 +9,6 @@ cache stores keys by column (slot); rotary positions are applied before the keys
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache, LatentCache
 from ..decoding.config import GenerationConfig
 from ..init import as_generator
-from ..kernels._threads import one_row_blas
+from ..kernels._threads import blas_on_free_cores, one_row_blas
 from ..kernels.linear import linear, product
 from ..layers.embedding import Embedding
 from ..layers.lm_block import make_block, make_norm
@@ -286,15 +285,16 @@ class CausalLM(Module):
             self.save_for_backward()
             return self._step_forward(ids, mask, positions, cache, depth)  # (B, 1, V)
         weights: list[np.ndarray] = []
-        with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else nullcontext():
+        with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else blas_on_free_cores():
             h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None,
                              depth=depth)  # (B, L, D)
         length = h.shape[1]
         if keep:
             h = h[:, -keep:]  # (B, min(keep, L), D)
-        # The (V, D) head is large enough for every BLAS thread to help, even for one token.
+        # The (V, D) head is large enough for every BLAS thread to help, even for one token (every free one).
         weight = self.head_weight.astype(h.dtype, copy=False)
-        logits = linear(h, weight.T)  # (B, L, V)
+        with blas_on_free_cores():
+            logits = linear(h, weight.T)  # (B, L, V)
         capped = None
         if self.config.final_logit_softcap is not None:
             cap = h.dtype.type(self.config.final_logit_softcap)
@@ -329,7 +329,7 @@ class CausalLM(Module):
                   for name in set(self.layer_rotary) - {None}}
         layer_mask = None if mask.all() else mask  # (B, S) over every slot
         extra = {key: getattr(self, name).step(ids, h) for key, name in self.layer_inputs.items()}  # (B, N, P) each
-        with one_row_blas() if ids.shape[0] <= _ONE_ROW_TOKENS else nullcontext():
+        with one_row_blas() if ids.shape[0] <= _ONE_ROW_TOKENS else blas_on_free_cores():
             for index, layer in enumerate(list(self.layers)[:depth]):
                 inputs = {key: e[:, index] for key, e in extra.items()}  # (B, P) each
                 h = layer.step(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask,
@@ -455,7 +455,7 @@ class CausalLM(Module):
         return grad_h
 
     def generate(self, input_ids: Any, attention_mask: Any = None, *, generation_config: GenerationConfig | None = None,
-                 **options: Any) -> np.ndarray:
+                 progress: bool | None = None, **options: Any) -> np.ndarray:
         """Decode new tokens with the KV cache, with Hugging Face's argument names and meanings.
 
         :func:`attnkit.decoding.sampling.generate` on this model, which documents every argument: the generation
@@ -473,6 +473,8 @@ class CausalLM(Module):
             1 = real token.
         generation_config : GenerationConfig, optional
             Defaults that replace :attr:`generation_config`'s.
+        progress : bool or None, default None
+            A line on stderr counting the steps: None on a terminal only, True always, False never.
         **options
             As above.
 
@@ -483,7 +485,8 @@ class CausalLM(Module):
         """
         from ..decoding.sampling import generate
 
-        return generate(self, input_ids, attention_mask, generation_config=generation_config, **options)
+        return generate(self, input_ids, attention_mask, generation_config=generation_config, progress=progress,
+                        **options)
 
     def stream(self, prompt: Any, tokenizer: Any, *, skip_special_tokens: bool = True,
                **options: Any) -> Iterator[str]:

@@ -450,6 +450,8 @@ class DecoderConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON values (parts as dicts, tuples as lists); :meth:`from_dict` reads it back.
 
+        Examples
+        --------
         >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
         ...                     num_kv_heads=1, head_dim=4, intermediate_size=8)
         >>> DecoderConfig.from_dict(cfg.to_dict()) == cfg, cfg.to_dict()["norm"]["placement"]

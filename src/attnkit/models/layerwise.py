@@ -21,6 +21,9 @@ _MAX_SIZE = 2**31 - 1
 class LayerwiseConfig:
     """Settings that change from layer to layer (held by :class:`~attnkit.models.DecoderConfig` as ``layerwise``).
 
+    Every layer's output is multiplied by a learned scalar (``layer_scalar``), and every layer that owns its
+    values RMS-normalises them without a gain.
+
     Parameters
     ----------
     global_head_dim : int
@@ -40,9 +43,6 @@ class LayerwiseConfig:
         (see :class:`~attnkit.layers.per_layer_input.PerLayerInputs`); 0: none.
     per_layer_vocab_size : int
         The rows of the per-layer input embedding (ids at or past it are refused); with P > 0.
-
-    Every layer's output is multiplied by a learned scalar (``layer_scalar``), and every layer that owns its
-    values RMS-normalises them without a gain.
 
     Examples
     --------

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _progress
 from ..decoding.config import GenerationConfig
 from ..decoding.sampling import check_generation_config
 from ..init import empty_init
@@ -73,7 +74,8 @@ def read_decoder_config(folder: str | Path):
     return decoder_config_from_hf(read_json(file))
 
 
-def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = False):
+def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = False,
+                   progress: bool | None = None):
     """Load a Hugging Face causal LM folder onto attnkit.
 
     Parameters
@@ -93,6 +95,9 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized:
         instead of 4-8 times it, and every token pays a dequantization of the weights (``docs/benchmarks.md``).
         Float tensors (F32/F16/BF16), norms and biases are read as usual. Packed weights take no gradient (an
         input gradient, as the explanations take, is exact). With it off, everything is dequantized at load.
+    progress : bool or None, default None
+        A line on stderr counting the bytes read, tensor by tensor (:mod:`attnkit._progress`): None shows it
+        when stderr is a terminal, True always, False never.
 
     Returns
     -------
@@ -112,7 +117,7 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized:
         an unknown architecture or metadata, a tensor type attnkit does not dequantize. Raised before any
         tensor is read.
     TypeError
-        ``dtype`` is not float16, float32 or float64.
+        ``dtype`` is not float16, float32 or float64, or ``progress`` is not None, True or False.
     ImportError
         ``safetensors`` (``gguf`` for a GGUF file) is not installed (naming ``pip install 'attnkit[pretrained]'``).
 
@@ -137,8 +142,9 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized:
     """
     dtype = _check_dtype(dtype)
     keep_quantized = _check_flag(keep_quantized, "keep_quantized")
+    _progress.check_progress(progress)
     if is_gguf_path(path):
-        return _load_gguf(read_gguf(path), dtype, keep_quantized)
+        return _load_gguf(read_gguf(path), dtype, keep_quantized, progress)
     folder = Path(path)
     config = read_decoder_config(folder)
     index = read_checkpoint_index(folder)
@@ -152,7 +158,8 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized:
     if keep_quantized:
         packed, stored = pack_mxfp4_tensors(index, stored)
         _give_storage(model, packed)
-    load_tensors_into(dict(model.named_parameters()), index, stored)
+    with _weights_line(sum(index.tensors[name].nbytes for name in stored), progress) as line:
+        load_tensors_into(dict(model.named_parameters()), index, stored, step=line.update)
     model.generation_config = generation
     return model.eval()
 
@@ -182,7 +189,12 @@ def _give_storage(model: Any, packed: dict[str, Any]) -> None:
     model.allocate_parameters()
 
 
-def _load_gguf(file: GGUFFile, dtype: np.dtype, keep_quantized: bool = False):
+def _weights_line(nbytes: int, progress: bool | None):
+    """The progress line of loading: the file's bytes of the tensors read so far, of ``nbytes``."""
+    return _progress.progress(nbytes, "loading weights", unit="B", enabled=progress, scale=True)
+
+
+def _load_gguf(file: GGUFFile, dtype: np.dtype, keep_quantized: bool = False, progress: bool | None = None):
     """A parsed GGUF file's model: its metadata and tensor table checked, then the model built and filled."""
     config = read_gguf_config(file)
     entries = validate_gguf_tensors(file, config)
@@ -190,15 +202,17 @@ def _load_gguf(file: GGUFFile, dtype: np.dtype, keep_quantized: bool = False):
     if keep_quantized:
         packed, entries = pack_gguf_tensors(file, entries, config)
         _give_storage(model, packed)
-    load_gguf_tensors_into(dict(model.named_parameters()), file, entries, config)
+    with _weights_line(sum(int(file.tensors[name].n_bytes) for name in entries), progress) as line:
+        load_gguf_tensors_into(dict(model.named_parameters()), file, entries, config, step=line.update)
     model.generation_config = GenerationConfig()
     return model.eval()
 
 
-def load(folder: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = False):
+def load(folder: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = False,
+         progress: bool | None = None):
     """A Hugging Face causal LM folder (or a GGUF file) as ``(model, tokenizer)``: :func:`load_causal_lm` and
     :func:`~attnkit.pretrained.load_tokenizer` of the same folder (for a GGUF file, the tokenizer its metadata
-    describes).
+    describes). ``progress`` as :func:`load_causal_lm`'s.
 
     The tokenizer is read first, so a folder without a usable ``tokenizer.json`` (a GGUF file without a
     usable vocabulary) fails before any weight is read. ``keep_quantized`` is :func:`load_causal_lm`'s (a Q4
@@ -222,10 +236,10 @@ def load(folder: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = 
         if tokenizer.vocab_size > config.vocab_size:
             raise file.fail(f"its tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                             f"{config.vocab_size}: ids past {config.vocab_size - 1} have no embedding")
-        return _load_gguf(file, dtype, keep_quantized), tokenizer
+        return _load_gguf(file, dtype, keep_quantized, _progress.check_progress(progress)), tokenizer
     tokenizer = load_tokenizer(folder)
     check_tokenizer_fits(tokenizer, read_decoder_config(folder), Path(folder))
-    return load_causal_lm(folder, dtype=dtype, keep_quantized=keep_quantized), tokenizer
+    return load_causal_lm(folder, dtype=dtype, keep_quantized=keep_quantized, progress=progress), tokenizer
 
 
 def read_chat_templates(path: str | Path) -> dict[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -292,8 +293,10 @@ def _read_tensor(fh: Any, header: TensorHeader, name: str) -> np.ndarray:
     return array
 
 
-def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, stored: dict[str, TensorMap]) -> None:
-    """Read each validated tensor and copy it, converted, into ``params`` (attnkit name -> array, in place).
+def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, stored: dict[str, TensorMap],
+                      step: Callable[[int], None] | None = None) -> None:
+    """Read each validated tensor and copy it, converted, into ``params`` (attnkit name -> array, in place);
+    ``step(n)``, if given, after each tensor, ``n`` its bytes in the file (a progress line's unit).
 
     The files are read with plain reads, never mapped: a tensor whose layout and dtype equal its parameter's
     is read straight into the parameter, any other goes through one temporary of its own size. So loading
@@ -306,16 +309,24 @@ def load_tensors_into(params: dict[str, np.ndarray], index: CheckpointIndex, sto
         with open(file, "rb") as fh:
             for name in names:
                 header, mapping = index.tensors[name], stored[name]
-                if mapping.scales:
-                    _load_mxfp4(fh, index, name, mapping, params)
-                    continue
-                target = mapping.destination(params, mapping.targets[0])
-                if (mapping.layout == "copy" and _NUMPY_DTYPES[header.dtype] == target.dtype
-                        and target.flags.c_contiguous and target.nbytes == header.nbytes):
-                    _read_into(fh, header, target, name)
-                    continue
-                for target_name, value in mapping.convert(_read_tensor(fh, header, name)).items():
-                    np.copyto(mapping.destination(params, target_name), value, casting="unsafe")
+                _load_one(fh, index, name, mapping, params)
+                if step is not None:
+                    step(header.nbytes)
+
+
+def _load_one(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap, params: dict[str, np.ndarray]) -> None:
+    """Read one validated tensor from the open file ``fh`` into its parameters."""
+    header = index.tensors[name]
+    if mapping.scales:
+        _load_mxfp4(fh, index, name, mapping, params)
+        return
+    target = mapping.destination(params, mapping.targets[0])
+    if (mapping.layout == "copy" and _NUMPY_DTYPES[header.dtype] == target.dtype
+            and target.flags.c_contiguous and target.nbytes == header.nbytes):
+        _read_into(fh, header, target, name)
+        return
+    for target_name, value in mapping.convert(_read_tensor(fh, header, name)).items():
+        np.copyto(mapping.destination(params, target_name), value, casting="unsafe")
 
 
 def _load_mxfp4(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap, params: dict[str, np.ndarray]

@@ -30,6 +30,7 @@ import math
 import mmap
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -746,8 +747,9 @@ def pack_gguf_tensors(file: GGUFFile, entries: dict[str, _Entry], config: Decode
 
 
 def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entries: dict[str, _Entry],
-                           config: DecoderConfig) -> None:
-    """Dequantize each validated tensor alone (float32), undo llama.cpp's change, copy it into ``params``.
+                           config: DecoderConfig, step: Callable[[int], None] | None = None) -> None:
+    """Dequantize each validated tensor alone (float32), undo llama.cpp's change, copy it into ``params``;
+    ``step(n)``, if given, after each tensor, ``n`` its bytes in the file (a progress line's unit).
 
     The file stays memory-mapped: an F32 tensor is read in place; any other is dequantized, a few rows at a
     time, into one float32 array of its size, so loading costs the model's memory plus the largest tensor in
@@ -769,3 +771,5 @@ def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entrie
             values = values.T  # GPT-2's Conv1D layout (in, out)
         for target, value in entry.mapping.convert(values).items():
             np.copyto(params[target], value, casting="unsafe")
+        if step is not None:
+            step(int(tensor.n_bytes))
