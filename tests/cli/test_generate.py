@@ -111,7 +111,7 @@ def bad_folders(model_dirs, tmp_path_factory):
     (lambda d, b: [str(d[1]), "--ids", "1", "--stop", "x"], "--stop needs its tokenizer.json"),
     (lambda d, b: [str(d[1]), "--ids", "1", "--stop", ""], "--stop: must not be empty"),
     (lambda d, b: [str(d[0]), "--prompt", "w1", "--num-beams", "2", "--stop", "w"], "--stop cannot be combined"),
-    (lambda d, b: [str(d[1]), "--ids", "1", "--chat"], "--chat and --system need --prompt"),
+    (lambda d, b: [str(d[1]), "--ids", "1", "--chat"], "--chat, --system and --chat-template need --prompt"),
     (lambda d, b: [str(d[0]), "--prompt", "w1", "--system", "x"], "no chat template"),
     (lambda d, b: [str(d[1]), "--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
     (lambda d, b: [str(d[1])], "one of the arguments --prompt --ids is required"),

@@ -208,8 +208,20 @@ def _budgeted_environment() -> Any:
     ext = import_extra("jinja2.ext", "render chat templates")
     sandbox = import_extra("jinja2.sandbox", "render chat templates")
     compiler = import_extra("jinja2.compiler", "render chat templates")
+    # optimized=False: no constant folding, so nothing of the template runs while it compiles
+    env = _budgeted_sandbox(sandbox.ImmutableSandboxedEnvironment, compiler.CodeGenerator)(
+        trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols], optimized=False,
+        finalize=jinja2.pass_context(_finalize))
+    env.filters["tojson"] = _tojson
+    env.filters = {name: _budgeted_filter(name, function) for name, function in env.filters.items()}
+    return env
 
-    class BudgetedCode(compiler.CodeGenerator):
+
+def _budgeted_sandbox(immutable_sandbox: type, code_generator: type) -> type:
+    """The sandbox class whose binary operators, calls, ``str.format``, slices, ``~`` and text joins go through
+    the checks of :mod:`.template_budget`."""
+
+    class BudgetedCode(code_generator):
         """``a ~ b`` compiles to a checked join (jinja2 joins it directly, out of the sandbox's reach)."""
 
         def visit_Concat(self, node: Any, frame: Any) -> None:
@@ -219,7 +231,7 @@ def _budgeted_environment() -> Any:
                 self.write(", ")
             self.write("))")
 
-    class BudgetedSandbox(sandbox.ImmutableSandboxedEnvironment):
+    class BudgetedSandbox(immutable_sandbox):
         code_generator_class = BudgetedCode
         intercepted_binops = frozenset(("+", "-", "*", "/", "//", "%", "**"))
 
@@ -257,15 +269,10 @@ def _budgeted_environment() -> Any:
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             what = getattr(__obj, "__name__", "a call")
             args = tb.check_call(__obj, args, kwargs)
-            result = sandbox.ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs)
+            result = immutable_sandbox.call(__self, __context, __obj, *args, **kwargs)
             return _checked(result, f"the result of {what}")
 
-    # optimized=False: no constant folding, so nothing of the template runs while it compiles
-    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols], optimized=False,
-                          finalize=jinja2.pass_context(_finalize))
-    env.filters["tojson"] = _tojson
-    env.filters = {name: _budgeted_filter(name, function) for name, function in env.filters.items()}
-    return env
+    return BudgetedSandbox
 
 
 def _budgeted_filter(name: str, function: Callable) -> Callable:
