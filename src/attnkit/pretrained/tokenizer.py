@@ -22,7 +22,6 @@ import numpy as np
 from ..io import read_json, read_text
 from ._extra import import_extra
 from .chat_template import compile_chat_template, render_chat_template
-from .gguf_file import is_gguf_path
 
 __all__ = ["Tokenizer", "load_tokenizer", "read_generation_config", "SPECIAL_TOKEN_NAMES", "max_token_chars",
            "fewest_tokens"]
@@ -378,14 +377,13 @@ def _chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
 
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:
-    """The tokenizer of a Hugging Face model folder, or of a GGUF file (the one its metadata describes, with
-    ``tokenizer.chat_template``: :func:`~attnkit.pretrained.gguf_tokenizer.gguf_tokenizer`).
+    """The tokenizer of a Hugging Face model folder.
 
     Parameters
     ----------
     folder : str or Path
         Holds ``tokenizer.json``; optionally ``tokenizer_config.json``, ``special_tokens_map.json``,
-        ``chat_template.jinja`` and ``generation_config.json``. Or a ``.gguf`` file.
+        ``chat_template.jinja`` and ``generation_config.json``.
 
     Returns
     -------
@@ -401,11 +399,6 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     ImportError
         ``tokenizers`` is not installed (naming the ``pretrained`` extra).
     """
-    if is_gguf_path(folder):
-        from .gguf_file import read_gguf
-        from .gguf_tokenizer import gguf_tokenizer  # imports this module: imported here, not at the top
-
-        return gguf_tokenizer(read_gguf(folder))
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
