@@ -7,6 +7,7 @@ import io
 import json
 import os
 
+import numpy as np
 import pytest
 
 from attnkit.cli._chat_input import MessageReader, Typed
@@ -214,7 +215,8 @@ def test_the_banner_shows_the_settings_once(folder, tmp_path):
 def test_help_describes_typing_and_the_commands(tmp_path):
     proc = run_attnkit(["chat", "--help"], tmp_path)
     assert proc.returncode == 0
-    for words in ("/system TEXT", "/save PATH", "/load PATH", "/reset", "/exit", "/help",
+    for words in ("/system TEXT", "/save PATH", "/load PATH", "/reset", "/exit", "/help", "/set NAME VALUE", "/show",
+                  "/stats", "settings: max_new_tokens, temperature, top_k",
                   "a line ending in \\ continues", '""" opens a block'):
         assert words in proc.stdout
 
@@ -234,3 +236,78 @@ def test_ctrl_c_at_a_continuation_prompt_drops_the_unfinished_message(folder, tm
     shown, stderr, code = chat.finish()
     assert code == 0, stderr
     assert "(message dropped)" in shown and json.loads(saved.read_text()) == []
+
+
+# -- /set, /show and /save's suffix, on a pipe -----------------------------------------------------------
+def chat_lines(folder, args, lines, cwd):
+    import subprocess
+    import sys
+
+    from cli_helpers import SRC
+
+    proc = subprocess.run([sys.executable, "-m", "attnkit", "chat", str(folder), *map(str, args)],
+                          input="".join(line + "\n" for line in lines).encode(), capture_output=True, timeout=300,
+                          cwd=cwd, env=dict(os.environ, PYTHONPATH=str(SRC)))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.decode(), proc.stderr.decode()
+
+
+def test_set_changes_the_settings_and_the_next_reply_uses_them(folder, tmp_path):
+    saved = tmp_path / "chat.json"
+    out, err = chat_lines(folder, ["--temperature", "0.7", "--max-new-tokens", "20"], [
+        "/set max_new_tokens 5", "/set temperature 0", "/set stop NEVER\\tSEEN", "/set system Be\\nbrief.",
+        "/set repetition-penalty 1.5", "/show", "Hello", f"/save {saved}"], tmp_path)
+    system, user = {"role": "system", "content": "Be\nbrief."}, {"role": "user", "content": "Hello"}
+    from attnkit.pretrained import load
+
+    model, tok = load(folder)
+    ids = tok.apply_chat_template([system, user], add_generation_prompt=True, return_dict=False)
+    new = model.generate(np.array([ids]), max_new_tokens=5, do_sample=False, repetition_penalty=1.5,
+                         eos_token_id=list(tok.eos_token_ids))[0, len(ids):]
+    reply = tok.decode(new, skip_special_tokens=True)
+    assert json.loads(saved.read_text()) == [system, user, {"role": "assistant", "content": reply}]
+    assert err == ""
+    assert "(max_new_tokens set; context 128 tokens, replies up to 5 new tokens" in out
+    for line in ("  max_new_tokens 5", "  temperature 0 (greedy)", "  repetition_penalty 1.5", "  stop 'NEVER\\tSEEN'",
+                 "  system 'Be\\nbrief.'", "conversation: 1 message"):
+        assert f"\n{line}\n" in out, line
+    assert f"model {folder}: llama family, 2 layers, context 128 tokens, vocabulary" in out
+
+
+def test_a_value_the_flag_would_refuse_is_a_message_and_changes_nothing(folder, tmp_path):
+    refused = {"top_p 2": "argument --top-p: must be a number in [0, 1], got 2",
+               "temperature -1": "argument --temperature: must be a finite number >= 0, got -1",
+               "max_new_tokens 0": "argument --max-new-tokens: must be a positive integer, got 0",
+               "stop \\q": "argument --stop: invalid escape \\q at character 1",
+               "num_beams 2": "--num-beams cannot be combined with sampling options (--temperature)"}
+    for setting, words in refused.items():  # the command line says the same of the flag
+        flag, value = setting.split(" ")
+        proc = run_attnkit(["chat", folder, f"--{flag.replace('_', '-')}", value, "--temperature", "0.7"], tmp_path)
+        assert proc.returncode == 2 and words in proc.stderr, (setting, proc.stderr)
+    out, err = chat_lines(folder, ["--max-new-tokens", "4"], [
+        "/set temperature 0.7", *(f"/set {setting}" for setting in refused), "/set temperature", "/set colour red",
+        "/set", "/system \\x", "/show"], tmp_path)
+    said = err.splitlines()
+    for (setting, words), line in zip(refused.items(), said):
+        assert line.startswith(f"attnkit chat: /set {setting.split()[0]}: ") and words in line
+        assert line.endswith("; the settings are as they were")
+    assert said[len(refused):] == ["attnkit chat: /set temperature needs a value: /set temperature VALUE",
+                                   "attnkit chat: /system: invalid escape \\x at character 1 (escapes: \\n \\r \\t "
+                                   "\\\\ \\\" \\' \\uXXXX; \\\\ writes a backslash); the system message is as it was"]
+    assert "(unknown setting 'colour'; /set NAME VALUE, NAME one of: max_new_tokens, temperature" in out
+    for line in ("  temperature 0.7", "  top_p none", "  max_new_tokens 4", "  num_beams 1", "  stop none",
+                 "  system none"):
+        assert f"\n{line}\n" in out, line
+
+
+def test_save_adds_json_to_a_name_without_a_suffix_and_load_finds_it(folder, tmp_path):
+    out, err = chat_lines(folder, ["--max-new-tokens", "3", "--temperature", "0"], [
+        "Hello", "/save chat", "/save other.json", "/save notes.txt", "/reset", "/load chat", "/save again"],
+        tmp_path)
+    assert "(saved 2 messages to chat.json)" in out and "(saved 2 messages to other.json)" in out
+    assert "(loaded 2 messages from chat.json)" in out and "(saved 2 messages to again.json)" in out
+    assert "/save's file must end in one of .json, got 'notes.txt'; nothing was saved" in err
+    assert sorted(os.listdir(tmp_path)) == ["again.json", "chat.json", "other.json"]
+    conversation = read_conversation(tmp_path / "chat.json")
+    assert [m["role"] for m in conversation] == ["user", "assistant"]
+    assert read_conversation(tmp_path / "other.json") == read_conversation(tmp_path / "again.json") == conversation

@@ -184,3 +184,41 @@ def test_num_beams_beyond_the_bound_is_one_line(model_dirs, capsys, beams):
     assert main(["generate", str(llama), "--prompt", "w10 w11", "--num-beams", beams]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "--num-beams" in err and "1024" in err, err
+
+
+def test_a_prompt_longer_than_the_context_by_its_length_is_refused_before_it_is_tokenized(chat_folder, monkeypatch,
+                                                                                          capsys):
+    from attnkit.cli import generate as command
+    from attnkit.pretrained.tokenizer import Tokenizer
+
+    class Checked:
+        """The folder's tokenizer, failing the test when asked to tokenize more than 100,000 characters."""
+
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getattr__(self, name):
+            return getattr(self.backend, name)
+
+        def encode(self, text, *args, **kwargs):
+            assert len(text) < 100_000, f"tokenized {len(text)} characters"
+            return self.backend.encode(text, *args, **kwargs)
+
+    plain = command.tokenizer_for_command
+    monkeypatch.setattr(command, "tokenizer_for_command", lambda *args, **kwargs: Checked(plain(*args, **kwargs)))
+    chat_encode = Tokenizer.encode  # --chat and --system tokenize with the folder's chat tokenizer
+
+    def checked_encode(self, text, *args, **kwargs):
+        assert len(text) < 100_000, f"tokenized {len(text)} characters"
+        return chat_encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", checked_encode)
+    long = "word " * 2_000_000  # 10 MB: tokenizing it took 17 s and 2 GB
+    assert main(["generate", str(chat_folder), "--prompt", long]) == 2
+    assert ("the prompt has at least 769,231 tokens (10,000,000 characters, and a token of this vocabulary holds at "
+            "most 13), longer than the model's context of 128") in capsys.readouterr().err
+    assert main(["generate", str(chat_folder), "--prompt", "Hello", "--system", long]) == 2
+    assert "the conversation has at least 769,238 tokens (10,000,085 characters" in capsys.readouterr().err
+    assert main(["generate", str(chat_folder), "--prompt", long, "--chat"]) == 2
+    assert "the conversation has at least 769,235 tokens (10,000,050 characters" in capsys.readouterr().err
+    assert main(["generate", str(chat_folder), "--prompt", "Hello " * 10, "--max-new-tokens", "2"]) == 0  # fits

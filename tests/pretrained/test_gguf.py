@@ -439,6 +439,23 @@ def test_cli_chat_and_explain_take_a_gguf_file(tokenizer_files, tmp_path, monkey
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("name, flags, system", [("bpe_default", ["--chat"], None),
+                                                  ("spm_llama", ["--system", "Be brief."], "Be brief.")])
+def test_cli_generate_chat_renders_the_template_of_a_gguf_file(tokenizer_files, capsys, name, flags, system):
+    """``generate FILE.gguf --chat`` and ``--system`` render the prompt with the header's
+    ``tokenizer.chat_template``, as with a folder (ChatML; Llama 2's, which folds the system message into the
+    first turn)."""
+    path = tokenizer_files[name]
+    assert main(["generate", str(path), "--prompt", "Hello world", *flags, "--max-new-tokens", "4", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    model, tokenizer = load(path)
+    messages = ([] if system is None else [{"role": "system", "content": system}]) + [
+        {"role": "user", "content": "Hello world"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    expected = model.generate(np.array([prompt]), max_new_tokens=4, eos_token_id=list(tokenizer.eos_token_ids))
+    assert record["ids"] == expected[0].tolist()
+
+
 @pytest.mark.parametrize("command", [["generate", "--ids", "1"], ["chat"],
                                      ["explain", "--ids", "1", "--html", "x.html"]])
 def test_cli_refuses_a_bad_gguf_file_in_one_line(command, tmp_path, capsys):

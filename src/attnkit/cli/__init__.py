@@ -11,11 +11,13 @@ Commands::
     attnkit chat       chat with a Hugging Face chat model folder, replies streamed (``pretrained`` extra)
 
 Layout: ``_common.py`` holds what every command shares (:class:`UsageError`, the argument types
-``bounded_int`` / ``positive_int`` / ``non_negative_int`` / ``positive_float``, ``output_folder`` /
+``bounded_int`` / ``positive_int`` / ``non_negative_int`` / ``positive_float``, ``escaped_text`` (the backslash
+escapes of the text flags), ``output_folder`` /
 ``output_file``, ``printable`` for untrusted text, ``--threads`` (``add_threads_argument``, ``use_threads``)
 and ``run_command``, the one error handler); ``_generation.py`` the generation flags of ``generate`` and
 ``chat``, defined once with Hugging Face's names; ``_chat_input.py`` and ``_conversation.py`` what the chat
-reads at its prompt and its ``/save`` / ``/load`` files; each
+reads at its prompt and its ``/save`` / ``/load`` files; ``_speed.py`` the speed line both print (load time,
+prompt and generation rates); each
 command is one module with ``NAME``, ``add_parser(subparsers)`` (adds its parser and arguments, sets
 ``run`` as the parser's default) and ``run(args) -> int``. :data:`COMMANDS` lists them in ``--help``
 order. To add a command, write such a module (raise :class:`UsageError` for bad input, let a missing

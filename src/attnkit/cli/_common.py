@@ -11,6 +11,7 @@ internal error instead of its one line.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -39,6 +40,7 @@ __all__ = ["PROG", "query_labels", "write_explorer",
            "UsageError", "Parser", "bounded_int", "positive_int", "non_negative_int", "positive_float",
            "non_negative_float",
            "output_folder", "output_file", "printable", "check_argv_text", "check_utf8", "tolerant_input",
+           "unescape", "escaped_text", "ESCAPES",
            "require_matplotlib", "save_figure",
            "run_command", "IMAGE_SUFFIXES", "json_text", "model_types_text", "add_threads_argument", "use_threads",
            "add_quiet_argument", "progress_of"]
@@ -119,6 +121,86 @@ def add_keep_quantized_argument(parser: Any) -> None:
                         help="keep a GGUF file's quantized weights (and gpt-oss's MXFP4 experts) packed in memory: "
                              "about the file's size instead of 4-8x it, each token slower (every product "
                              "dequantizes its weight a block at a time)")
+
+
+# -- escapes in text flags ------------------------------------------------------------------------------
+# What llama.cpp's ``-p``/``--prompt`` and ``--reverse-prompt`` take (common.cpp's string_process_escapes), with
+# \uXXXX added; said in every text flag's help.
+ESCAPES = r'escapes: \n \r \t \\ \" \' \uXXXX'
+_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "'": "'"}
+_HEX4 = re.compile("[0-9a-fA-F]{4}")
+
+
+def unescape(text: str) -> str:
+    r"""``text`` with its backslash escapes replaced: ``\n``, ``\r``, ``\t``, ``\\``, ``\"``, ``\'`` and
+    ``\uXXXX`` (a surrogate pair of two ``\u`` escapes is one character), as llama.cpp reads its text flags.
+
+    Raises
+    ------
+    ValueError
+        Any other escape, a backslash at the end, or a ``\u`` escape that is not four hexadecimal digits or is
+        a lone surrogate (which is not text), naming the character where it starts.
+
+    Examples
+    --------
+    >>> unescape(r"a\n\tb \"q\" caf\u00e9 \ud83d\ude00 \\n")
+    'a\n\tb "q" café 😀 \\n'
+    >>> unescape(r"C:\dir")
+    Traceback (most recent call last):
+    ValueError: invalid escape \d at character 3 (escapes: \n \r \t \\ \" \' \uXXXX; \\ writes a backslash)
+    """
+    if "\\" not in text:
+        return text
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        j = text.find("\\", i)
+        if j < 0:
+            out.append(text[i:])
+            break
+        out.append(text[i:j])
+        code, i = _escape_at(text, j)
+        out.append(code)
+    return "".join(out)
+
+
+def _escape_at(text: str, j: int) -> tuple[str, int]:
+    """The character the escape starting at ``text[j]`` (a backslash) stands for, and where the text goes on."""
+    where = f"at character {j + 1} ({ESCAPES}; \\\\ writes a backslash)"
+    if j + 1 == len(text):
+        raise ValueError(f"a backslash ends the text {where}")
+    letter = text[j + 1]
+    if letter in _SIMPLE_ESCAPES:
+        return _SIMPLE_ESCAPES[letter], j + 2
+    if letter != "u":
+        raise ValueError(f"invalid escape \\{printable(letter)} {where}")
+    code = _hex4(text, j, where)
+    if 0xD800 <= code <= 0xDBFF and text.startswith("\\u", j + 6):  # a pair, as JSON writes 😀
+        low = _hex4(text, j + 6, where)
+        if 0xDC00 <= low <= 0xDFFF:
+            return chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)), j + 12
+    if 0xD800 <= code <= 0xDFFF:
+        raise ValueError(f"\\u{code:04x} is a lone surrogate, not a character, {where}")
+    return chr(code), j + 6
+
+
+def _hex4(text: str, j: int, where: str) -> int:
+    digits = text[j + 2:j + 6]
+    if not _HEX4.fullmatch(digits):
+        raise ValueError(f"\\u needs four hexadecimal digits, got {printable(repr(digits))} {where}")
+    return int(digits, 16)
+
+
+def escaped_text(text: str) -> str:
+    """An argparse type: text with the escapes of :func:`unescape` (an invalid one is a usage error that names
+    the flag)."""
+    try:
+        return unescape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+escaped_text.__name__ = "text"
 
 
 # -- threads ---------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ wrong, so that a hand-edited or foreign file is refused where it is read, not by
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,12 +56,7 @@ def read_conversation(path: str | Path) -> list[dict]:
     OSError
         The file cannot be read.
     """
-    file = Path(path)
-    if not file.is_file():  # a FIFO or a device would block or never end
-        raise ValueError("no such file" if not file.exists() else "not a regular file")
-    if file.stat().st_size > MAX_CONVERSATION_BYTES:
-        raise ValueError(f"larger than {MAX_CONVERSATION_BYTES // 2**20} MB; a conversation is text")
-    raw = file.read_bytes()[:MAX_CONVERSATION_BYTES + 1]
+    raw = _read_regular_file(Path(path))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -74,6 +71,26 @@ def read_conversation(path: str | Path) -> list[dict]:
         kind = "null" if data is None else type(data).__name__
         raise ValueError(f"must hold a JSON list of messages, got {kind}")
     return [_message(item, number) for number, item in enumerate(data, 1)]
+
+
+def _read_regular_file(file: Path) -> bytes:
+    """The bytes of ``file``, checked to be a regular file of at most :data:`MAX_CONVERSATION_BYTES` on the
+    descriptor that is read (opened without blocking), so that a FIFO or a device, which would block or never
+    end, is refused even when it replaces the file after a check by name."""
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ValueError("no such file") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > MAX_CONVERSATION_BYTES:
+            raise ValueError(f"larger than {MAX_CONVERSATION_BYTES // 2**20} MB; a conversation is text")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(MAX_CONVERSATION_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 def _message(item: object, number: int) -> dict:

@@ -3,7 +3,8 @@
 :func:`add_generation_arguments` adds them to a parser; :func:`generation_kwargs` turns the parsed flags into
 keyword arguments of :func:`attnkit.decoding.sampling.generate` (and ``generate_stream``). Each flag maps to
 the argument of the same name (``--stop`` to ``stop_strings``, repeatable); a flag not given is left out, so
-the folder's ``generation_config.json`` decides, as in ``transformers``.
+the folder's ``generation_config.json`` decides, as in ``transformers``. ``--stop`` takes the backslash escapes
+of :func:`attnkit.cli._common.unescape` (``--stop "\\n\\n"`` stops at a blank line), as llama.cpp's text flags do.
 
 Greedy or sampling: ``--temperature 0`` is greedy (as in llama.cpp and ollama), whatever other flag is given;
 any other ``--temperature``, or ``--top-k``, ``--top-p``, ``--min-p`` or ``--seed``, samples. With none of
@@ -16,12 +17,24 @@ import argparse
 from typing import Any
 
 from ..decoding.beam_search import MAX_NUM_BEAMS
-from ._common import UsageError, bounded_int, non_negative_float, non_negative_int, positive_float, printable
+from ._common import (
+    ESCAPES,
+    UsageError,
+    bounded_int,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    printable,
+    unescape,
+)
 
-__all__ = ["add_generation_arguments", "generation_kwargs", "unit_float", "SAMPLING_FLAGS"]
+__all__ = ["add_generation_arguments", "generation_kwargs", "unit_float", "SAMPLING_FLAGS", "GENERATION_OPTIONS"]
 
 # The flags that ask for sampling (besides a temperature above 0), by their argument names.
 SAMPLING_FLAGS = ("top_k", "top_p", "min_p", "seed")
+# Every flag add_generation_arguments adds, by its argument name (the chat's /set takes these names).
+GENERATION_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "stop",
+                      "min_new_tokens", "num_beams", "seed")
 
 
 def unit_float(text: str) -> float:
@@ -39,6 +52,10 @@ unit_float.__name__ = "number in [0, 1]"
 
 
 def _stop_string(text: str) -> str:
+    try:
+        text = unescape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
     return text
@@ -69,7 +86,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, greedy_unless_a
     g.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=None, metavar="N",
                    help="never repeat an N-gram of the text (0: off)")
     g.add_argument("--stop", type=_stop_string, action="append", default=None, metavar="TEXT",
-                   help="stop once the text ends in TEXT (repeatable; stop_strings)")
+                   help=f"stop once the text ends in TEXT (repeatable; stop_strings; {ESCAPES})")
     g.add_argument("--min-new-tokens", type=non_negative_int, default=None, metavar="N",
                    help="no end-of-sequence token before N new tokens")
     g.add_argument("--num-beams", type=bounded_int(1, MAX_NUM_BEAMS), default=None, metavar="N",
@@ -99,9 +116,7 @@ def generation_kwargs(args: argparse.Namespace, prog: str, *, greedy_unless_aske
     >>> generation_kwargs(p.parse_args(["--top-k", "5", "--seed", "1"]), "attnkit")
     {'top_k': 5, 'seed': 1, 'do_sample': True}
     """
-    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "stop",
-             "min_new_tokens", "num_beams", "seed")
-    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in GENERATION_OPTIONS if getattr(args, name) is not None}
     greedy = given.get("temperature") == 0  # greedy whatever else is given, as llama.cpp and ollama read it
     sampling = [] if greedy else [name for name in ("temperature", *SAMPLING_FLAGS) if name in given]
     if given.get("num_beams", 1) > 1:

@@ -8,7 +8,10 @@ are read) and prints the reply only. The generation flags are ``attnkit chat``'s
 (:mod:`attnkit.cli._generation`): decoding is greedy unless a sampling flag is given (``--temperature`` above 0,
 ``--top-k``, ``--top-p``, ``--min-p`` or ``--seed``); it stops at the model's end-of-sequence token, a ``--stop``
 string or after ``--max-new-tokens``. Text is printed as it is produced (beam search prints at the end);
-``--json`` prints one object at the end::
+``--prompt``, ``--system`` and ``--stop`` take backslash escapes (``\\n``, ``\\t``,
+``\\uXXXX``: :func:`~attnkit.cli._common.unescape`), as llama.cpp's text flags do. A prompt whose length in
+characters alone shows it cannot fit the context is refused before it is tokenized. ``--verbose`` prints the
+speed line of :mod:`attnkit.cli._speed` on stderr at the end. ``--json`` prints one object at the end::
 
     {"ids": [...prompt ids, new ids...], "new_ids": [...], "text": "...prompt and continuation...",
      "new_text": "..."}
@@ -25,6 +28,7 @@ import argparse
 import itertools
 import math
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,10 +39,12 @@ import numpy as np
 from .. import _progress
 from ._chat_template import add_chat_template_argument, chat_template_option, require_chat_template
 from ._common import (
+    ESCAPES,
     UsageError,
     add_keep_quantized_argument,
     add_quiet_argument,
     add_threads_argument,
+    escaped_text,
     json_text,
     model_types_text,
     positive_int,
@@ -47,6 +53,7 @@ from ._common import (
     use_threads,
 )
 from ._generation import add_generation_arguments, generation_kwargs
+from ._speed import Speed, Stopwatch
 
 __all__ = ["NAME", "add_parser", "run", "check_model_path", "model_for_command", "tokenizer_for_command", "parse_ids",
            "prompt_ids"]
@@ -95,12 +102,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_dir", metavar="MODEL_DIR",
                    help="a folder written by save_pretrained, or a GGUF file (llama.cpp, ollama)")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the folder's tokenizer.json)")
+    prompt.add_argument("--prompt", metavar="TEXT", type=escaped_text,
+                        help=f"prompt text (needs the folder's tokenizer.json; {ESCAPES})")
     prompt.add_argument("--ids", metavar="IDS", help="prompt token ids, comma-separated (no tokenizer needed)")
     p.add_argument("--chat", action="store_true",
                    help="send --prompt as a user message through the folder's chat template; print the reply only")
-    p.add_argument("--system", metavar="TEXT", default=None,
-                   help="a system message before the prompt (implies --chat)")
+    p.add_argument("--system", metavar="TEXT", type=escaped_text, default=None,
+                   help=f"a system message before the prompt (implies --chat; {ESCAPES})")
     add_chat_template_argument(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to add at most (default 32)")
     add_generation_arguments(p, greedy_unless_asked=True)
@@ -111,6 +119,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "its current length (false, default) or at the longest length (never)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
     add_keep_quantized_argument(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="at the end, report on stderr the load time, the prompt's and the generated tokens and "
+                        "their rates (tokens/s), as llama.cpp and ollama do")
     add_threads_argument(p)
     add_quiet_argument(p)
     p.set_defaults(run=run)
@@ -174,9 +185,26 @@ def tokenizer_for_command(model_dir: str, needed: bool, prog: str = PROG) -> Any
 
 def prompt_ids(args: argparse.Namespace, tokenizer: Any, config: Any, prog: str = PROG) -> list[int]:
     """The token ids of ``args.ids`` or ``args.prompt``, checked against the vocabulary and the context
-    (else a :class:`UsageError` of ``prog``)."""
-    ids = parse_ids(args.ids, prog) if args.ids is not None else tokenizer.encode(args.prompt).ids
-    return check_prompt_ids(ids, config, prog)
+    (else a :class:`UsageError` of ``prog``); a prompt whose characters alone show it cannot fit the context is
+    refused before it is tokenized (:func:`check_prompt_length`)."""
+    if args.ids is not None:
+        return check_prompt_ids(parse_ids(args.ids, prog), config, prog)
+    check_prompt_length(args.prompt, tokenizer, config, "the prompt", prog)
+    return check_prompt_ids(tokenizer.encode(args.prompt).ids, config, prog)
+
+
+def check_prompt_length(text: str, backend: Any, config: Any, what: str, prog: str = PROG) -> None:
+    """A :class:`UsageError` of ``prog`` when ``text`` needs more tokens than the model's context by its length
+    alone (:func:`attnkit.pretrained.tokenizer.fewest_tokens`): tokenizing 10 MB of text takes seconds and
+    gigabytes, counting its characters does not."""
+    from ..pretrained.tokenizer import fewest_tokens, max_token_chars
+
+    longest = max_token_chars(backend)
+    least = fewest_tokens(backend, text, longest)
+    limit = config.max_position_embeddings
+    if least > limit:
+        raise UsageError(f"{what} has at least {least:,} tokens ({len(text):,} characters, and a token of this "
+                         f"vocabulary holds at most {longest}), longer than the model's context of {limit}", prog)
 
 
 def check_prompt_ids(ids: list[int], config: Any, prog: str = PROG) -> list[int]:
@@ -212,8 +240,9 @@ def _chat_template(args: argparse.Namespace) -> str | None:
 
 def _chat_prompt(args: argparse.Namespace, config: Any, template: str | None) -> tuple[list[int], list[int] | None]:
     """``--chat``: the prompt ids of ``--system`` and ``--prompt`` rendered by the chat template (``template``,
-    else the model's), and the end-of-sequence ids the chat uses (``generation_config.json``'s, else the
-    tokenizer's ``eos_token``)."""
+    else the model's; a GGUF file's from its header), and the end-of-sequence ids the chat uses
+    (``generation_config.json``'s, else the tokenizer's ``eos_token``). A conversation whose length in characters
+    alone shows it cannot fit the context is refused before it is tokenized."""
     from ..pretrained import ChatTemplateError, load_tokenizer
     from ..pretrained.gguf_file import is_gguf_path, read_gguf
     from ..pretrained.gguf_tokenizer import gguf_tokenizer
@@ -232,10 +261,12 @@ def _chat_prompt(args: argparse.Namespace, config: Any, template: str | None) ->
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     messages.append({"role": "user", "content": args.prompt})
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except ChatTemplateError as exc:
         raise UsageError(str(exc), PROG) from None
-    return check_prompt_ids(list(ids), config), list(tokenizer.eos_token_ids) or None
+    check_prompt_length(text, tokenizer.backend, config, "the conversation", PROG)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return check_prompt_ids(ids, config), list(tokenizer.eos_token_ids) or None
 
 
 def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
@@ -249,8 +280,10 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     template = _chat_template(args) if chat else None
     progress = progress_of(args)
     use_threads(args.threads)
+    start = time.perf_counter()
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
     model = model_for_command(args.model_dir, keep_quantized=args.keep_quantized, progress=progress)
+    load_seconds = time.perf_counter() - start
     config = model.config
     if chat:
         prompt, eos_ids = _chat_prompt(args, config, template)
@@ -262,6 +295,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         max_new = min(max_new, model.max_sequence_length - len(prompt))
     beams = options.get("num_beams", 1)
     _check_stops(options, model.generation_config.stop_strings, tokenizer, beams)
+    watch = Stopwatch(len(prompt))
     if beams > 1:
         stream = _beam_tokens(model, prompt, max_new, args, options, progress)
     else:
@@ -278,7 +312,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         out.flush()
     eos = options.get("eos_token_id") or config.eos_token_id
     eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
-    for tokens in stream:
+    for tokens in watch.watch(stream):
         token = int(tokens[0])
         new.append(token)
         if args.json:
@@ -298,7 +332,18 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
                   "stopped_at_eos": bool(new) and new[-1] in eos}
         out.write(json_text(record))
     out.write("\n")
+    if args.verbose:
+        out.flush()
+        _report_speed(watch.speed(), load_seconds, beams)
     return 0
+
+
+def _report_speed(speed: Speed, load_seconds: float, beams: int) -> None:
+    """``--verbose``: the speed line on stderr. Beam search decides every token before it shows the first, so its
+    prompt's pass and decode steps cannot be timed apart: its line has no rates."""
+    if beams > 1:
+        speed = Speed(speed.prompt_tokens, 0.0, speed.new_tokens, 0, speed.prompt_seconds + speed.decode_seconds, 1)
+    print(speed.line(load_seconds), file=sys.stderr, flush=True)
 
 
 def _check_stops(options: dict[str, Any], configured: Any, tokenizer: Any, beams: int) -> None:

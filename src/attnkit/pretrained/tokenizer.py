@@ -12,6 +12,7 @@ Dimension letters: B batch, L padded length.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from ._extra import import_extra
 from .chat_template import compile_chat_template, render_chat_template
 from .named_chat_templates import NAMED_CHAT_TEMPLATES, named_chat_template
 
-__all__ = ["Tokenizer", "load_tokenizer", "read_generation_config", "chat_templates_of_folder", "SPECIAL_TOKEN_NAMES"]
+__all__ = ["Tokenizer", "load_tokenizer", "read_generation_config", "chat_templates_of_folder", "SPECIAL_TOKEN_NAMES",
+           "max_token_chars", "fewest_tokens"]
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -436,3 +438,61 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
         raise ValueError(f"generation_config.json's eos_token_id must be a non-negative int or a list of them, "
                          f"got {eos!r}")
     return Tokenizer(backend, special, chat_templates_of_folder(folder, config), eos_ids)
+
+
+# -- how many tokens a text needs at least, without tokenizing it --------------------------------------
+# Pre-tokenizers that keep every character of the text (each splits it, or maps characters one to one or one to
+# several); any other kind (Whitespace, BertPreTokenizer, CharDelimiterSplit, a split whose behavior is
+# "Removed") may drop characters, and then no bound holds.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts", "Sequence"}
+
+
+def max_token_chars(backend: Any) -> int | None:
+    """The most characters of text one token of ``backend`` (a ``tokenizers.Tokenizer``) stands for, or None
+    when no such bound holds.
+
+    A token's string in the vocabulary is at least as long as the text it covers: a byte-level token has one
+    character per byte (and a character is at least one byte), a SentencePiece token writes a space as one
+    ``▁``, a byte-fallback token ``<0xAB>`` covers one byte, an added token is its text. So the number of tokens
+    of a text is at least its length divided by the longest string of the vocabulary (:func:`fewest_tokens`).
+    None when the tokenizer could make one token of a run of any length: a pre-tokenizer that drops characters,
+    a BPE model that fuses unknown characters into one unknown token (without byte fallback), or a WordPiece,
+    WordLevel or Unigram model (an unknown word, or a run of unknown characters, is one token).
+    """
+    model = type(backend.model).__name__
+    if model != "BPE" or (backend.model.unk_token is not None and backend.model.fuse_unk
+                          and not backend.model.byte_fallback):
+        return None
+    if backend.pre_tokenizer is not None and not _keeps_every_character(
+            json.loads(backend.pre_tokenizer.__getstate__())):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max(map(len, vocab), default=None)
+
+
+def _keeps_every_character(pre_tokenizer: Mapping[str, Any]) -> bool:
+    if pre_tokenizer.get("type") not in _KEEPING_PRE_TOKENIZERS or pre_tokenizer.get("behavior") == "Removed":
+        return False
+    return all(_keeps_every_character(part) for part in pre_tokenizer.get("pretokenizers", ()))
+
+
+def fewest_tokens(backend: Any, text: str, max_chars: int | None) -> int:
+    """A number of tokens ``backend`` needs at least for ``text``, found without tokenizing it: the characters
+    of the text as the tokenizer's normalizer leaves them, divided by ``max_chars`` (:func:`max_token_chars`),
+    rounded up; 0 when ``max_chars`` is None.
+
+    Counting costs one pass of the normalizer (a few milliseconds per megabyte) where tokenizing a large text
+    costs seconds and gigabytes, so a text far longer than a model's context is refused before it is tokenized.
+
+    Examples
+    --------
+    >>> from attnkit.pretrained import default_model_dir
+    >>> tok = load_tokenizer(default_model_dir())  # WordPiece: an unknown word is one token, so no bound
+    >>> max_token_chars(tok.backend) is None, fewest_tokens(tok.backend, "a" * 1000, None)
+    (True, 0)
+    """
+    if max_chars is None or max_chars <= 0:
+        return 0
+    normalizer = backend.normalizer
+    length = len(text) if normalizer is None else len(normalizer.normalize_str(text))
+    return -(-length // max_chars)
