@@ -105,11 +105,12 @@ def test_bench_runtime_passes_its_options_and_writes_the_figures(tmp_path, monke
 
     seen, figures = {}, {"attnkit": {"prefill_tps": {"median": 1.0}}}
 
-    def fake_run(options):
+    def fake_run(options, lm=None):
         seen.update(vars(options))
         return figures
 
     monkeypatch.setattr(runtime, "run", fake_run)
+    monkeypatch.setattr(runtime, "load_model", lambda options: None)  # the file is four bytes: never loaded here
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert main(["bench", "runtime", str(gguf), "--threads", "2", "--prefill", "64", "--new", "5", "--repeats", "4",
