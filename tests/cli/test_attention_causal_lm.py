@@ -148,7 +148,7 @@ def test_a_large_page_is_a_sentence_not_a_python_warning(folders, tmp_path, caps
 
 def test_a_hybrid_model_draws_its_softmax_layers_and_refuses_a_gated_deltanet_one(tmp_path, capsys):
     """Qwen3.5's Gated DeltaNet layers have no softmax pattern: the page holds the gated attention layers (1 and
-    3) only, `--layer 0` is one line and exit 2, and `attnkit explain` (rollout and flow) refuses the model."""
+    3) only, and `--layer 0` is one line and exit 2."""
     folder = saved_model("qwen3_5_text", tmp_path)[0]
     page = tmp_path / "hybrid.html"
     assert main(["attention", str(folder), "--ids", "3,17,5,40", "--html", str(page)]) == 0
@@ -158,8 +158,26 @@ def test_a_hybrid_model_draws_its_softmax_layers_and_refuses_a_gated_deltanet_on
     expected = np.stack([w[0] for w in load_causal_lm(folder).attention_weights(np.array([[3, 17, 5, 40]]),
                                                                                 layers=[1, 3])])
     assert_page_weights(data["attention"], expected)
-    for argv in (["attention", str(folder), "--ids", "3,17", "--layer", "0", "--html", str(page)],
-                 ["explain", str(folder), "--ids", "3,17", "--html", str(tmp_path / "explain.html")]):
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert len(err.strip().splitlines()) == 1 and "Gated DeltaNet" in err, err
+    assert main(["attention", str(folder), "--ids", "3,17", "--layer", "0", "--html", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Gated DeltaNet" in err, err
+
+
+def test_explain_draws_a_hybrid_models_softmax_layers_and_says_why_it_has_no_rollout(tmp_path, capsys):
+    """`attnkit explain` on Qwen3.5 runs: the page draws the attention of layers 1 and 3 (equal to the model's
+    weights), leaves out rollout and flow (Gated DeltaNet token weights are no shares of attention to compose), and
+    its direct logit attribution gives layers 0 and 2 one share each, no heads."""
+    folder = saved_model("qwen3_5_text", tmp_path)[0]
+    page = tmp_path / "explain.html"
+    assert main(["explain", str(folder), "--ids", "3,17,5,40", "--html", str(page), "--candidates", "2"]) == 0
+    assert "note: layers 0, 2 are Gated DeltaNet layers" in capsys.readouterr().out
+    data = json.loads(re.search(r'id="attnkit-data" type="application/json">(.*?)</script>',
+                                page.read_text(encoding="utf-8"), flags=re.DOTALL).group(1))
+    assert data["attention_layers"] == [1, 3] and data["linear_layers"] == [0, 2]
+    assert data["rollout"] is None and data["flow"] is None
+    lm = load_causal_lm(folder)
+    expected = np.stack([w[0] for w in lm.attention_weights(np.array([[3, 17, 5, 40]]), layers=[1, 3])])
+    assert_page_weights(data["attention"], expected)
+    shares = data["candidates"][0]["dla"]
+    assert np.all(np.array(shares["heads"])[[0, 2]] == 0) and np.all(np.array(shares["linear_attn"])[[1, 3]] == 0)
+    assert np.abs(np.array(shares["linear_attn"])[[0, 2]]).min() > 0

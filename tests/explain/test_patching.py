@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-from attnkit.explain import activation_patching, attribution_patching  # noqa: E402
+from attnkit.explain import activation_patching, attribution_patching, run_with_cache  # noqa: E402
 from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
 from hf_models import TOL, float64_pair, hf_layers, hf_output_projection  # noqa: E402
 
@@ -151,8 +151,86 @@ def test_errors():
     for function in (activation_patching, attribution_patching):
         with pytest.raises(ValueError, match="hook must be one of 'resid_pre', 'attn_out', 'mlp_out', 'z', got 'q'"):
             function(lm, [1, 2], [1, 3], (4, 5), hook="q")
-        with pytest.raises(ValueError, match=r"must be one sequence each, of the same length, got shapes \(2,\) "
+        with pytest.raises(ValueError, match=r"clean_ids and corrupt_ids must have the same shape .* got \(2,\) "
                                              r"and \(3,\)"):
             function(lm, [1, 2], [1, 3, 4], (4, 5))
         with pytest.raises(ValueError, match=r"answer_ids must be two token ids \(correct, incorrect\) in \[0, 13\)"):
             function(lm, [1, 2], [1, 3], (4, 13))
+
+
+def _tiny(rng_seed=1):
+    cfg = DecoderConfig(family="llama", vocab_size=50, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,
+                        head_dim=4, intermediate_size=32)
+    lm = CausalLM(cfg, rng=rng_seed).astype(np.float64)
+    for weight in lm.parameters():  # initial weights are small: patches would barely move the metric
+        weight *= 6.0
+    return lm
+
+
+PAIRS_CLEAN = np.array([[3, 14, 15, 9, 26, 5], [7, 1, 15, 2, 8, 5], [3, 3, 33, 9, 4, 40]])
+PAIRS_CORRUPT = np.array([[3, 14, 40, 9, 26, 5], [7, 1, 20, 2, 8, 6], [3, 3, 33, 11, 4, 40]])
+
+
+@pytest.mark.parametrize("hook", ["resid_pre", "z"])
+def test_a_batch_of_pairs_is_the_mean_of_each_pair_alone(hook):
+    """The default metric over three prompt pairs (answers per pair) is the mean of each pair patched alone."""
+    lm = _tiny()
+    answers = np.array([[7, 21], [30, 2], [11, 12]])
+    together = activation_patching(lm, PAIRS_CLEAN, PAIRS_CORRUPT, answers, hook=hook)
+    alone = [activation_patching(lm, c, k, a, hook=hook) for c, k, a in zip(PAIRS_CLEAN, PAIRS_CORRUPT, answers)]
+    np.testing.assert_allclose(together, np.mean(alone, axis=0), rtol=0, atol=1e-12)
+    assert np.std(together) > 1e-3
+    estimate = attribution_patching(lm, PAIRS_CLEAN, PAIRS_CORRUPT, answers, hook=hook)
+    alone = [attribution_patching(lm, c, k, a, hook=hook) for c, k, a in zip(PAIRS_CLEAN, PAIRS_CORRUPT, answers)]
+    np.testing.assert_allclose(estimate, np.mean(alone, axis=0), rtol=0, atol=1e-12)
+
+
+def test_any_metric_of_the_logits():
+    """TransformerLens's normalised logit difference (0 at the corrupted run, 1 at the clean one), and a metric
+    over every position's logits (logits_to_keep=0), each against the same patch put in by hand with hooks."""
+    from attnkit.explain import hooks
+
+    lm = _tiny()
+    answers = np.array([[7, 21], [30, 2], [11, 12]])
+    rows = np.arange(3)
+
+    def difference(logits):
+        return np.mean(logits[rows, -1, answers[:, 0]] - logits[rows, -1, answers[:, 1]])
+
+    clean, corrupt = difference(lm(PAIRS_CLEAN)), difference(lm(PAIRS_CORRUPT))
+    normalised = activation_patching(lm, PAIRS_CLEAN, PAIRS_CORRUPT, hook="mlp_out",
+                                     metric=lambda logits: (difference(logits) - corrupt) / (clean - corrupt))
+    plain = activation_patching(lm, PAIRS_CLEAN, PAIRS_CORRUPT, answers, hook="mlp_out")
+    np.testing.assert_allclose(normalised, (plain - corrupt) / (clean - corrupt), rtol=0, atol=1e-10)
+
+    def mean_log_prob(logits):  # of token 7 at every position: needs every position's logits
+        shifted = logits - logits.max(-1, keepdims=True)
+        return np.mean(shifted[..., 7] - np.log(np.exp(shifted).sum(-1)))
+
+    found = activation_patching(lm, PAIRS_CLEAN, PAIRS_CORRUPT, hook="attn_out", metric=mean_log_prob,
+                                logits_to_keep=0)
+    _, clean_cache = run_with_cache(lm, PAIRS_CLEAN, names=["blocks.1.hook_attn_out"])
+
+    def put_back(value, name):
+        value = value.copy()
+        value[:, 2] = clean_cache[name][:, 2]
+        return value
+
+    with hooks(lm, {"blocks.1.hook_attn_out": put_back}):
+        want = mean_log_prob(lm(PAIRS_CORRUPT))
+    np.testing.assert_allclose(found[1, 2], want, rtol=0, atol=1e-12)
+
+
+def test_metric_arguments_are_checked():
+    lm = _tiny()
+    with pytest.raises(ValueError, match="give answer_ids or metric, not both"):
+        activation_patching(lm, [1, 2], [1, 3], (4, 5), metric=lambda logits: 0.0)
+    with pytest.raises(ValueError, match=r"give answer_ids \(correct, incorrect\) for the logit-difference metric"):
+        activation_patching(lm, [1, 2], [1, 3])
+    with pytest.raises(ValueError, match=r"metric must return one real number for the logits of a batch "
+                                         r"\(1, 1, 50\), got ndarray of shape \(1,\)"):
+        activation_patching(lm, [1, 2], [1, 3], metric=lambda logits: logits[:, -1, 4])
+    with pytest.raises(TypeError, match="metric must be callable"):
+        activation_patching(lm, [1, 2], [1, 3], metric="logit_diff")
+    with pytest.raises(ValueError, match=r"or one such pair per prompt \(2, 2\)"):
+        activation_patching(lm, [[1, 2], [2, 2]], [[1, 3], [2, 3]], [[4, 5], [4, 5], [4, 5]])

@@ -215,7 +215,7 @@ def test_a_quantization_other_than_gpt_oss_mxfp4_is_refused(hf_root, tmp_path):
 
 def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tmp_path):
     """attention_weights gives a Gated DeltaNet layer's effective token weights (signed, no softmax), which times
-    its values are the layer's core output; the explain page, which composes softmax patterns, refuses it."""
+    its values are the layer's core output; the explain page draws the softmax layers only and composes no rollout."""
     from attnkit.explain.page import explain_html
 
     folder, _ = saved_model("qwen3_5_text", hf_root)
@@ -226,8 +226,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
     expected, _ = layer.attention.token_weights(layer.attn_norm(lm.embed(ids)))
     np.testing.assert_allclose(linear, expected, rtol=1e-12, atol=1e-15)
     assert linear.min() < 0 and np.allclose(gated.sum(-1), 1.0)  # signed weights beside softmax rows
-    with pytest.raises(ValueError, match=r"layers \[0, 2\] of this qwen3_5_text model are Gated DeltaNet"):
-        explain_html(lm, [3, 9, 4], tmp_path / "page.html")
+    data = explain_html(lm, [3, 9, 4], tmp_path / "page.html")
+    assert (data["attention_layers"], data["linear_layers"], data["rollout"]) == ([1, 3], [0, 2], None)
 
 
 @pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),

@@ -134,11 +134,6 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
                                       prog=PROG)
     model = model_for_command(args.model_dir, prog=PROG, keep_quantized=args.keep_quantized,
                               progress=progress_of(args))
-    linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
-    if linear:  # the page's rollout and flow compose softmax patterns
-        raise UsageError(f"the page draws softmax attention patterns; layers {', '.join(map(str, linear))} of this "
-                         f"{model.config.family} model are Gated DeltaNet layers, which have none (attnkit "
-                         f"attention draws its softmax layers)", PROG)
     ids = prompt_ids(args, tokenizer, model.config, prog=PROG)
     corrupt = None
     if corrupting:
@@ -177,6 +172,11 @@ def _report(name: str, model: Any, ids: list[int], data: dict, page: Path) -> No
           f"{len(ids)} tokens")
     print(f"next token: {printable(repr(best['text']))} ({best['prob']:.1%}); explained the top "
           f"{len(data['candidates'])}")
+    if data["linear_layers"]:
+        print(f"note: layers {', '.join(map(str, data['linear_layers']))} are Gated DeltaNet layers, which have no "
+              f"softmax pattern: the page draws the attention of layers "
+              f"{', '.join(map(str, data['attention_layers']))}, leaves out the rollout and flow, and gives each "
+              f"Gated DeltaNet layer's whole output one share of the logit")
     patching = data["patching"]
     if patching is not None:
         print(f"patching: logit[{printable(repr(patching['correct_text']))}] - "

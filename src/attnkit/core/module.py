@@ -31,6 +31,8 @@ import numpy as np
 from ..init import empty_init_dtype, is_placeholder, uninitialised
 from ..io import ArrayArchive, save_arrays
 from ..kernels.packed import PackedWeight
+from . import exclusive as _exclusive
+from .exclusive import Holder, claim, release
 from .hooks import Hook, HookTable
 
 __all__ = ["Module", "ModuleList", "GradientBuffers"]
@@ -131,6 +133,7 @@ class Module:
 
     # -- hook points (installed by attnkit.explain.hooks) ----------------------------------------------
     _hook_table: HookTable | None = None  # the class default: no hooks, nothing to consult
+    _holder: Holder | None = None  # the class default: no thread holds the module (see core.exclusive)
     FORWARD_ONLY_HOOKS: tuple[str, ...] = ()
 
     def hook_points(self) -> tuple[str, ...]:
@@ -140,7 +143,11 @@ class Module:
     def hook_point(self, name: str, value: np.ndarray) -> np.ndarray:
         """``value`` through the forward hooks at point ``name``, or ``value`` itself when none are installed."""
         table = self._hook_table
-        return value if table is None else table.apply(name, value)
+        if table is None:
+            return value
+        if self._holder is not None:
+            self._holder.check()
+        return table.apply(name, value)
 
     def hook_backward(self, name: str, grad: np.ndarray) -> np.ndarray:
         """The gradient arriving at point ``name`` through its backward hooks; zeros if the last forward
@@ -148,6 +155,8 @@ class Module:
         table = self._hook_table
         if table is None:
             return grad
+        if self._holder is not None:
+            self._holder.check()
         grad = table.apply(name, grad, "backward")
         return np.zeros_like(grad) if name in table.replaced else grad
 
@@ -178,13 +187,40 @@ class Module:
 
     def save_for_backward(self, *values: Any) -> None:
         """Keep ``values`` for :meth:`backward`, replacing what the last forward kept; with no values keep
-        nothing (an inference-only forward, e.g. with a KV cache)."""
-        object.__setattr__(self, "_saved_tensors", values or None)
+        nothing (an inference-only forward, e.g. with a KV cache). Every forward passes here: a thread other than
+        the one holding the module (:meth:`exclusive`) is refused here."""
+        with _exclusive.lock:  # checked and written at once: a claim cannot come between them
+            if self._holder is not None:
+                self._holder.check()
+            object.__setattr__(self, "_saved_tensors", values or None)
 
     @property
     def saved_tensors(self) -> tuple | None:
-        """What the last forward kept for :meth:`backward`, or None."""
-        return self.__dict__.get("_saved_tensors")
+        """What the last forward kept for :meth:`backward`, or None (a thread other than the holder's is refused)."""
+        with _exclusive.lock:
+            if self._holder is not None:
+                self._holder.check()
+            return self.__dict__.get("_saved_tensors")
+
+    @contextmanager
+    def exclusive(self, what: str):
+        """A block in which only the calling thread may run this module and its children.
+
+        Another thread that runs them inside the block (a forward, ``generate``, a backward) gets a
+        ``RuntimeError`` naming this thread and ``what``; a block of another thread on any of them is refused the
+        same way, and blocks of the calling thread nest. :meth:`input_gradients_only` and
+        :func:`attnkit.explain.hooks` hold the model this way (see :mod:`attnkit.core.exclusive`).
+
+        Parameters
+        ----------
+        what : str
+            What the block is for, as the refusal names it (``"attnkit.explain.hooks"``).
+        """
+        taken = claim((mod for _, mod in self.named_modules()), what)
+        try:
+            yield self
+        finally:
+            release(taken)
 
     # -- registration -------------------------------------------------------------------------------
     def register_parameter(self, name: str, value: np.ndarray) -> None:
@@ -391,7 +427,8 @@ class Module:
         token embedding) skip forming their parameters' gradients: for a short prompt those products are most
         of a backward. The parameters' gradient buffers are meaningless inside the block and freed when it ends
         (reading one then gives zeros), whatever happens in it. Explanations (:mod:`attnkit.explain`) run
-        their backwards in one.
+        their backwards in one. The switch is the model's: inside the block only the calling thread may run the
+        module (:meth:`exclusive`).
 
         Examples
         --------
@@ -404,14 +441,15 @@ class Module:
         ((4, 3), [])
         """
         modules = [mod for _, mod in self.named_modules()]
-        for mod in modules:
-            mod.grads.wanted = False
-        try:
-            yield self
-        finally:
+        with self.exclusive("Module.input_gradients_only"):
             for mod in modules:
-                mod.grads.wanted = True
-            self.zero_grad(set_to_none=True)
+                mod.grads.wanted = False
+            try:
+                yield self
+            finally:
+                for mod in modules:
+                    mod.grads.wanted = True
+                self.zero_grad(set_to_none=True)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every existing gradient buffer of this module and its children (none is created).

@@ -8,10 +8,13 @@ the layers, and what each layer would predict.
   similarity.
 - :func:`logit_lens`: every block's output read through the final norm and the output head.
 - :func:`run_with_cache`, :func:`hooks`, :func:`hook_names`: activations by TransformerLens's names, read or
-  replaced under forward, ``generate`` and the exact backward.
+  replaced under forward, ``generate`` and the exact backward; the cache is an :class:`ActivationCache`, with
+  TransformerLens's ``accumulated_resid``, ``decompose_resid`` and ``logit_attrs``.
+- :func:`to_str_tokens`, :func:`test_prompt`: a prompt's tokens as text, and how the model ranks an answer.
 - :func:`activation_patching`, :func:`attribution_patching`: which layer, position or head carries the
-  difference between a clean and a corrupted prompt, patched or estimated from the exact gradient;
-  :func:`path_patching` the part of one head's effect that reaches later heads' queries, keys or values.
+  difference between clean and corrupted prompts (for any metric, over a batch of pairs), patched or estimated
+  from the exact gradient; :func:`path_patching` the part of one head's effect that reaches later heads' queries,
+  keys or values.
 - :func:`integrated_gradients`: input attributions along a path from a baseline, with the completeness gap.
 - :func:`generation_attribution`: per generated token, which tokens before it made the model choose it (inseq's
   matrix), with a contrastive variant against a foil.
@@ -20,6 +23,7 @@ the layers, and what each layer would predict.
   :func:`explain_similarity_html` the same for a sentence encoder and two sentences.
 """
 from .attribution import gradient_x_input, saliency
+from .cache import ActivationCache
 from .direct_logit import direct_logit_attribution
 from .flow import attention_flow
 from .generation import GenerationAttribution, generation_attribution
@@ -29,11 +33,13 @@ from .logit_lens import LogitLens, logit_lens
 from .page import encode_attention, explain_html, explain_similarity_html
 from .patching import activation_patching, attribution_patching
 from .path_patching import path_patching
+from .prompts import PromptTest, test_prompt, to_str_tokens
 from .rollout import attention_rollout
 from .similarity import SimilarityAttribution, similarity_attribution
 
-__all__ = ["GenerationAttribution", "IntegratedGradients", "LogitLens", "SimilarityAttribution",
-           "activation_patching", "attention_flow", "attention_rollout", "attribution_patching",
-           "direct_logit_attribution", "encode_attention", "explain_html", "explain_similarity_html",
-           "generation_attribution", "gradient_x_input", "hook_names", "hooks", "integrated_gradients", "logit_lens",
-           "path_patching", "run_with_cache", "saliency", "similarity_attribution"]
+__all__ = ["ActivationCache", "GenerationAttribution", "IntegratedGradients", "LogitLens", "PromptTest",
+           "SimilarityAttribution", "activation_patching", "attention_flow", "attention_rollout",
+           "attribution_patching", "direct_logit_attribution", "encode_attention", "explain_html",
+           "explain_similarity_html", "generation_attribution", "gradient_x_input", "hook_names", "hooks",
+           "integrated_gradients", "logit_lens", "path_patching", "run_with_cache", "saliency",
+           "similarity_attribution", "test_prompt", "to_str_tokens"]

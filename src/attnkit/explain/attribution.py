@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validation import as_array
 from ._inputs import as_id_batch, check_position
 
 
@@ -49,11 +50,12 @@ def embedding_gradient(lm, ids: Any, target_position: int = -1,
     if target_token is None:
         target = row.argmax(axis=-1)  # (B,)
     else:
-        target = np.broadcast_to(np.asarray(target_token), (b,)).astype(np.int64)
-        if np.asarray(target_token).dtype.kind not in "iu" or (target < 0).any() or \
-                (target >= lm.config.vocab_size).any():
+        given = as_array(target_token, "target_token")
+        if given.dtype.kind not in "iu" or given.shape not in ((), (b,)) or (given < 0).any() or \
+                (given >= lm.config.vocab_size).any():
             raise ValueError(f"target_token must be None or token ids in [0, {lm.config.vocab_size}) (an int or "
                              f"one per row), got {target_token!r}")
+        target = np.broadcast_to(given, (b,)).astype(np.int64)  # (B,)
     # d log softmax(z)[t] / dz = onehot(t) - softmax(z), at the explained position only.
     grad_logits = np.zeros(logits.shape, dtype=logits.dtype)  # (B, L, V)
     grad_row = -probs  # (B, V)

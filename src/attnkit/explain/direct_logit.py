@@ -1,6 +1,10 @@
 """Direct logit attribution: what each head, each MLP and the embeddings write into the residual stream,
 read straight through the final norm and the output head as a share of one logit.
 
+A head is one slice of its layer's ``hook_z`` through its rows of the output projection, whatever the attention
+(grouped-query, gated, latent, or reading an earlier layer's keys and values). A layer without heads (a Gated
+DeltaNet layer) is split no further: its whole output (``hook_attn_out``) is one share.
+
 The final norm is linear in its input once its scale is fixed, so with the scale taken from the run (frozen)
 every component's share is a dot product, and the shares sum to the logit. Post-norms on the branches (Gemma,
 OLMo 2) are frozen the same way, and Gemma 2's final soft-cap as the ratio ``logit / (logit before the cap)``.
@@ -13,32 +17,35 @@ from typing import Any
 
 import numpy as np
 
+from .._validation import as_array
 from ..kernels.linear import linear
-from ..kernels.norm import layer_norm_forward
-from ..kernels.rms_norm import rms_norm_forward
-from ..layers.layer_norm import LayerNorm
+from ._frozen_norm import frozen_norm
 from ._inputs import as_id_batch, check_position
+from .cache import output_factors
 from .hooks import run_with_cache
 
 __all__ = ["direct_logit_attribution"]
 
 
-def _frozen_norm(norm, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-    """``norm(x) = center(x) * scale + shift`` with ``scale`` (..., D) taken at ``x``: ``(scale, shift, center)``;
-    ``center`` is whether the norm subtracts the mean first (LayerNorm)."""
-    if isinstance(norm, LayerNorm):
-        _, _, rstd = layer_norm_forward(x, norm.gamma, norm.beta, norm.eps)  # (..., 1)
-        return (rstd * norm.gamma).astype(x.dtype), norm.beta.astype(x.dtype), True
-    gain = norm.gamma + norm.gamma.dtype.type(norm.offset)
-    _, _, rstd = rms_norm_forward(x, gain, norm.eps)  # (..., 1)
-    return (rstd * gain).astype(x.dtype), np.zeros(x.shape[-1], x.dtype), False
+def _head_shares(layer, z: np.ndarray, direction: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each head's share (B, H) of what ``layer``'s attention writes, and its output bias's share (B,).
 
-
-def _output_factors(model) -> np.ndarray:
-    """(N + 1,): how much of what layer i writes reaches the final norm (the product of the output scalars of
-    layers i..N-1; entry N is 1), for models whose layers scale their output (Gemma 4), else ones."""
-    scalars = [float(getattr(layer, "layer_scalar", np.ones(1))[0]) for layer in model.layers]
-    return np.append(np.cumprod(scalars[::-1])[::-1], 1.0)  # (N + 1,)
+    ``z`` (B, H, Dv) is ``hook_z`` at the explained position; head h's write is ``z_h @ W_O[h]`` with ``W_O``
+    (H * Dv, D) read as (H, Dv, D): Dv is the head's value width (``v_head_dim`` in latent attention, a global
+    layer's wider heads in Gemma 4), taken from ``z`` itself."""
+    attention = layer.attention
+    heads, width = z.shape[1:]
+    # each head's z alone in its rows of W_O's input, the other heads' zero: one product through W_O (dense or
+    # packed, whose rows cannot be cut per head) gives every head's write
+    alone = np.zeros((z.shape[0], heads, heads, width), z.dtype)  # (B, H, H, Dv)
+    alone[:, np.arange(heads), np.arange(heads)] = z
+    per_head = linear(alone.reshape(z.shape[0], heads, -1), attention.W_O)  # (B, H, D)
+    b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(per_head.shape[-1], z.dtype)  # (D,)
+    # the attention output's post-norm (Gemma, OLMo 2; an identity elsewhere), frozen at the output the run made
+    post_scale, _, _ = frozen_norm(layer.attn_post_norm, per_head.sum(axis=1) + b_o)  # (B, D)
+    per_head = per_head * post_scale[:, None]  # (B, H, D)
+    b_o = b_o * post_scale  # (B, D)
+    return np.einsum("bhd,bd->bh", per_head, direction), (b_o * direction).sum(axis=-1)  # (B, H), (B,)
 
 
 def direct_logit_attribution(model, input_ids: Any, target: Any, target_position: int = -1) -> dict[str, Any]:
@@ -58,14 +65,15 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     dict
         ``"embed"``: the token embeddings' share (times Gemma's ``embedding_scale``); ``"pos_embed"``: the learned
         position embeddings' (0 for rotary models); ``"heads"`` (N, H): each head's output through its slice of
-        the output projection (its query, key and value biases are in it); ``"mlp"`` (N,): each MLP's output,
-        its biases included; ``"per_layer"`` (N,): what each layer's per-layer input adds (Gemma 4; 0
-        otherwise); ``"bias"``: the attention output biases of every layer and the final LayerNorm's shift,
-        which belong to no head; ``"logit"``: the model's logit. Each is a float for one sequence, with a
-        leading (B,) for a batch; ``embed + pos_embed + heads.sum() + mlp.sum() + per_layer.sum() + bias ==
-        logit`` to rounding (about 1e-15 relative in float64). Where layers scale their output (Gemma 4's
-        ``layer_scalar``), a share is what reaches the final norm: times the scalars of its layer and every
-        later one.
+        the output projection (its query, key and value biases are in it; 0 in the rows of layers without
+        heads); ``"linear_attn"`` (N,): the whole output of each Gated DeltaNet layer, which has no heads (0 for
+        attention layers); ``"mlp"`` (N,): each MLP's output, its biases included; ``"per_layer"`` (N,): what
+        each layer's per-layer input adds (Gemma 4; 0 otherwise); ``"bias"``: the attention output biases of
+        every layer and the final LayerNorm's shift, which belong to no head; ``"logit"``: the model's logit.
+        Each is a float for one sequence, with a leading (B,) for a batch; ``embed + pos_embed + heads.sum() +
+        linear_attn.sum() + mlp.sum() + per_layer.sum() + bias == logit`` to rounding (about 1e-15 relative in
+        float64). Where layers scale their output (Gemma 4's ``layer_scalar``), a share is what reaches the
+        final norm: times the scalars of its layer and every later one.
 
     Notes
     -----
@@ -82,15 +90,16 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     >>> parts = direct_logit_attribution(lm, [1, 2, 3], target=4)
     >>> parts["heads"].shape, parts["mlp"].shape
     ((2, 2), (2,))
-    >>> total = parts["embed"] + parts["pos_embed"] + parts["heads"].sum() + parts["mlp"].sum() + parts["bias"]
+    >>> total = parts["embed"] + parts["pos_embed"] + parts["heads"].sum() + parts["linear_attn"].sum() + \\
+    ...     parts["mlp"].sum() + parts["bias"]
     >>> bool(abs(total - parts["logit"]) < 1e-12)
     True
     """
     cfg = model.config
-    batch, single = as_id_batch(input_ids, cfg.vocab_size)
+    batch, single = as_id_batch(input_ids, cfg.vocab_size, "input_ids")
     b = batch.shape[0]
     position = check_position(target_position, batch.shape[1])
-    targets = np.asarray(target)
+    targets = as_array(target, "target")
     if targets.dtype.kind not in "iu" or targets.ndim > 1 or (targets.ndim == 1 and targets.shape != (b,)) \
             or (targets < 0).any() or (targets >= cfg.vocab_size).any():
         raise ValueError(f"target must be a token id in [0, {cfg.vocab_size}) or one per row ({b},), got {target!r}")
@@ -99,45 +108,39 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     learned = cfg.rotary is None
     final = f"blocks.{n - 1}.hook_resid_post"  # the final norm's input
     names = ["hook_embed", *(["hook_pos_embed"] if learned else []), final]
-    names += [f"blocks.{i}.{p}" for i in range(n) for p in ("attn.hook_z", "hook_mlp_out", "hook_per_layer_out")]
+    names += [f"blocks.{i}.{p}" for i in range(n)
+              for p in ("attn.hook_z", "hook_attn_out", "hook_mlp_out", "hook_per_layer_out")]
     # the model is causal: the tokens after the explained position change nothing before it
-    wanted = set(names)  # a model without per-layer inputs has no hook_per_layer_out: asked for where it exists
+    wanted = set(names)  # only the points a layer has: no hook_z in a Gated DeltaNet layer, no per-layer input
     logits, cache = run_with_cache(model, batch[:, :position + 1], names=lambda name: name in wanted)
     at = {name: value[:, -1] for name, value in cache.items()}  # (B, D) or (B, H, Dh)
 
-    scale, shift, center = _frozen_norm(model.norm, at[final])  # (B, D), (D,)
+    scale, shift, center = frozen_norm(model.norm, at[final])  # (B, D), (D,)
     direction = model.head_weight[targets].astype(scale.dtype) * scale  # (B, D): d logit / d residual
     if center:
         direction = direction - direction.mean(axis=-1, keepdims=True)  # (B, D): center(c) . u == c . center(u)
     bias = model.head_weight[targets].astype(scale.dtype) @ shift  # (B,)
 
-    head_parts = np.empty((b, n, heads), scale.dtype)
+    head_parts, linear_parts = np.zeros((b, n, heads), scale.dtype), np.zeros((b, n), scale.dtype)
     mlp_parts, per_layer_parts = np.empty((b, n), scale.dtype), np.zeros((b, n), scale.dtype)
-    factors = _output_factors(model).astype(scale.dtype)  # (N + 1,)
+    factors = output_factors(model).astype(scale.dtype)  # (N + 1,)
     reaching = direction
     for i, layer in enumerate(model.layers):
-        attention = layer.attention
         direction = reaching * factors[i]  # (B, D): d logit / d what layer i writes
-        z = at[f"blocks.{i}.attn.hook_z"]  # (B, H, Dh)
-        # each head's z alone in its rows of W_O's input, the other heads' zero: one product through W_O (dense
-        # or packed, whose rows cannot be cut per head) gives every head's share
-        alone = np.zeros((b, heads, heads, attention.head_dim), z.dtype)  # (B, H, H, Dh)
-        alone[:, np.arange(heads), np.arange(heads)] = z
-        per_head = linear(alone.reshape(b, heads, -1), attention.W_O)  # (B, H, D)
-        b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(cfg.hidden_size, scale.dtype)
-        if cfg.norm.after:  # attention output -> its post-norm, frozen at the output the run made
-            post_scale, _, _ = _frozen_norm(layer.attn_post_norm, per_head.sum(axis=1) + b_o)  # (B, D)
-            per_head = per_head * post_scale[:, None]  # (B, H, D)
-            b_o = b_o * post_scale  # (B, D)
-        head_parts[:, i] = np.einsum("bhd,bd->bh", per_head, direction)  # (B, H)
-        bias = bias + (b_o * direction).sum(axis=-1)  # (B,)
+        if f"blocks.{i}.attn.hook_z" in at:
+            head_parts[:, i], layer_bias = _head_shares(layer, at[f"blocks.{i}.attn.hook_z"],
+                                                        direction)  # (B, H), (B,)
+            bias = bias + layer_bias
+        else:  # no heads: the layer's whole output is one share
+            linear_parts[:, i] = (at[f"blocks.{i}.hook_attn_out"] * direction).sum(axis=-1)  # (B,)
         mlp_parts[:, i] = (at[f"blocks.{i}.hook_mlp_out"] * direction).sum(axis=-1)  # (B,)
         if f"blocks.{i}.hook_per_layer_out" in at:
             per_layer_parts[:, i] = (at[f"blocks.{i}.hook_per_layer_out"] * direction).sum(axis=-1)  # (B,)
     direction = reaching * factors[0]  # (B, D): the embeddings pass through every layer's scalar
     parts = {"embed": (at["hook_embed"] * direction).sum(axis=-1),
              "pos_embed": (at["hook_pos_embed"] * direction).sum(axis=-1) if learned else np.zeros(b, scale.dtype),
-             "heads": head_parts, "mlp": mlp_parts, "per_layer": per_layer_parts, "bias": bias}
+             "heads": head_parts, "linear_attn": linear_parts, "mlp": mlp_parts, "per_layer": per_layer_parts,
+             "bias": bias}
     logit = logits[np.arange(b), -1, targets]  # (B,)
     if cfg.final_logit_softcap is not None:  # logit = C tanh(z / C): the parts of z, times the run's logit / z
         uncapped = sum(part.reshape(b, -1).sum(axis=-1) for part in parts.values())  # (B,): z itself

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._validation import check_positive_int
+from .._validation import as_array, check_positive_int
 from ._inputs import as_id_batch
 from .integrated_gradients import integrated_gradients
 
@@ -44,7 +44,7 @@ def _check_new(model, prompt: np.ndarray, new_ids: Any, max_new_tokens: Any) -> 
         raise ValueError("give the generation once: new_ids (the tokens generated) or max_new_tokens (decode "
                          f"greedily), got new_ids={new_ids!r} and max_new_tokens={max_new_tokens!r}")
     if new_ids is not None:
-        new, single = as_id_batch(new_ids, model.config.vocab_size)
+        new, single = as_id_batch(new_ids, model.config.vocab_size, "new_ids")
         if not single:
             raise ValueError(f"new_ids must be one sequence (G,), got shape {np.shape(new_ids)}")
         return new[0]
@@ -56,7 +56,7 @@ def _check_new(model, prompt: np.ndarray, new_ids: Any, max_new_tokens: Any) -> 
 def _check_foils(foil: Any, count: int, vocab: int) -> np.ndarray | None:
     if foil is None:
         return None
-    foils = np.asarray(foil)
+    foils = as_array(foil, "foil")
     if foils.dtype.kind not in "iu" or foils.ndim > 1 or (foils.ndim == 1 and foils.shape != (count,)) \
             or (foils < 0).any() or (foils >= vocab).any():
         raise ValueError(f"foil must be a token id in [0, {vocab}) or one per generated token ({count},), "
@@ -135,7 +135,7 @@ def generation_attribution(model, input_ids: Any, max_new_tokens: int | None = N
     >>> contrast.foils.tolist()
     [7, 7]
     """
-    prompt, single = as_id_batch(input_ids, model.config.vocab_size)
+    prompt, single = as_id_batch(input_ids, model.config.vocab_size, "input_ids")
     if not single:
         raise ValueError(f"input_ids must be one sequence (P,), got shape {np.shape(input_ids)}")
     if method not in GENERATION_METHODS:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _progress
-from .._validation import check_positive_int
+from .._validation import as_array, check_positive_int
 from ._inputs import as_id_batch, check_position
 from .hooks import hooks
 
@@ -67,7 +67,7 @@ def _baseline(model, ids: np.ndarray, baseline: Any) -> np.ndarray:
             raise ValueError(f"baseline token {baseline} is not in [0, {model.config.vocab_size})")
         row = model.embed.weight[int(baseline)] * model.dtype.type(model.config.embedding_scale)  # (D,)
         return np.broadcast_to(row, (length, width)).astype(model.dtype)
-    arr = np.asarray(baseline)
+    arr = as_array(baseline, "baseline")
     if arr.shape != (length, width) or arr.dtype.kind != "f":
         raise ValueError(f"baseline must be None, a token id or float embeddings of shape (L, D) = ({length}, "
                          f"{width}), got {type(baseline).__name__} of shape {arr.shape}")
@@ -126,7 +126,7 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
     >>> bool(abs(finer.completeness_gap) < abs(ig.completeness_gap) / 100)
     True
     """
-    batch, _ = as_id_batch(input_ids, model.config.vocab_size)
+    batch, _ = as_id_batch(input_ids, model.config.vocab_size, "input_ids")
     if batch.shape[0] != 1:
         raise ValueError(f"input_ids must be one sequence, got shape {np.shape(input_ids)}")
     vocab = model.config.vocab_size

@@ -2,10 +2,11 @@
 
 The page shows, for a prompt: which input tokens made the model say each of its most likely next tokens
 (gradient x input and saliency, with a picker for the output token), the logit lens, the attention rollout,
-one head's attention with a colour scale and its legend, a thumbnail of every head of every layer, and each
-head's, MLP's and the embeddings' direct share of the chosen token's logit; with a corrupted prompt, heat maps
-of the activation patching of the residual stream and of every head; with a generation, the attribution of each
-generated token to every token before it.
+one head's attention with a colour scale and its legend, a thumbnail of every head of every softmax-attention
+layer, and each head's, MLP's and the embeddings' direct share of the chosen token's logit; with a corrupted
+prompt, heat maps of the activation patching of the residual stream and of every head; with a generation, the
+attribution of each generated token to every token before it. A model with Gated DeltaNet layers (no softmax
+pattern) gets the attention of its other layers and no rollout or flow.
 Script, style and data are inline; the page requests nothing from the network.
 
 Attention weights are stored as :func:`attnkit.viz.encode_attention` stores them: 8 bits per weight relative
@@ -50,7 +51,10 @@ def _script_json(value: Any) -> str:
 
 
 def _rounded(values: np.ndarray, decimals: int = 6) -> list:
-    return np.round(np.asarray(values, dtype=np.float64), decimals).tolist()
+    """Rounded values as nested lists, NaN (a place a layer does not have) as None."""
+    rounded = np.round(np.asarray(values, dtype=np.float64), decimals)
+    missing = np.isnan(rounded)
+    return np.where(missing, None, rounded).tolist() if missing.any() else rounded.tolist()
 
 
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
@@ -100,13 +104,17 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     Returns
     -------
     dict
-        The data the page holds (``tokens``, ``raw_tokens``, ``rollout`` (L, L), ``flow`` (L, L; up to 24
-        tokens, else None: :func:`attention_flow` costs L * L maximum flows), ``candidates`` with their
+        The data the page holds (``tokens``, ``raw_tokens``, ``attention_layers`` (the layers whose attention it
+        draws: all but the Gated DeltaNet layers, listed in ``linear_layers``), ``rollout`` (L, L), ``flow``
+        (L, L; up to 24 tokens, else None: :func:`attention_flow` costs L * L maximum flows; both None for a model
+        with Gated DeltaNet layers, whose token weights are no shares of attention), ``candidates`` with their
         ``gradient_x_input`` and ``saliency`` (L,) and ``dla`` (:func:`direct_logit_attribution` of their logit:
-        ``heads`` (N, H), ``mlp`` (N,), ``embed`` (with the position embeddings), ``bias`` and ``logit``),
+        ``heads`` (N, H), ``linear_attn`` (N,), ``mlp`` (N,), ``embed`` (with the position embeddings), ``bias``
+        and ``logit``),
         ``lens`` and ``vocab``, the readable text of the token ids
         it shows, ``patching``: None without ``corrupt``, else the ``correct`` and ``incorrect`` ids and texts,
-        ``clean_metric``, ``corrupt_metric``, ``corrupt_tokens``, ``resid_pre`` (N, L) and ``z`` (N, H)),
+        ``clean_metric``, ``corrupt_metric``, ``corrupt_tokens``, ``resid_pre`` (N, L) and ``z`` (N, H), None in the
+        rows of layers without heads),
         ``generation``: None without ``generate``, else ``tokens`` and ``raw_tokens`` of all L + G tokens,
         ``prompt_length`` and ``attributions`` (G, L + G)) and ``bits``, the bits per stored attention weight:
         what the page shows is exactly this.
@@ -125,12 +133,10 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     batch, single = as_id_batch(ids, lm.config.vocab_size)
     if not single:
         raise ValueError(f"ids must be one sequence (L,), got shape {np.shape(ids)}")
+    # Gated DeltaNet layers have no softmax pattern: the page draws the other layers' attention, and leaves out
+    # rollout and flow, which compose every layer's pattern as shares of attention
     linear = [i for i, kind in enumerate(lm.config.layer_types) if kind == "linear_attention"]
-    if linear:  # rollout and flow compose softmax patterns, whose rows are shares of attention
-        raise ValueError(f"explain_html draws softmax attention patterns, but layers {linear} of this "
-                         f"{lm.config.family} model are Gated DeltaNet layers, which have none: their effective "
-                         f"token weights are signed and their rows do not sum to one (read them with "
-                         f"lm.attention_weights or GatedDeltaNet.token_weights)")
+    drawn = [i for i in range(lm.config.num_layers) if i not in linear]
     vocab = lm.config.vocab_size
     for name, value in (("candidates", candidates), ("top_k", top_k)):
         check_positive_int(value, name, maximum=vocab)
@@ -146,7 +152,7 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     piece = (lambda i: str(i)) if token_text is None else (lambda i: str(token_text(int(i))))
     corrupted = None
     if corrupt is not None:
-        corrupted, corrupt_single = as_id_batch(corrupt, vocab)
+        corrupted, corrupt_single = as_id_batch(corrupt, vocab, "corrupt")
         if not corrupt_single or corrupted.shape != batch.shape:
             raise ValueError(f"corrupt must be one sequence of the prompt's length {batch.shape[1]}, got shape "
                              f"{np.shape(corrupt)}")
@@ -157,8 +163,7 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     # the attention, the lenses, each candidate, rollout and flow, each patching, the generation, the page
     steps = 4 + candidates + (2 if corrupted is not None else 0) + (1 if generate else 0) + 1
     with _progress.progress(steps, "explain: attention", enabled=progress) as line:
-        _, per_layer = lm(batch, output_attentions=True)  # N x (1, H, L, L)
-        weights = np.stack([w[0] for w in per_layer])  # (N, H, L, L)
+        weights = np.stack([w[0] for w in lm.attention_weights(batch, layers=drawn)])  # (A, H, L, L)
         line.update()
         line.set_desc("explain: logit lens")
         lens = logit_lens(lm, batch[0], top_k=top_k)  # (N, L, K) each
@@ -172,11 +177,14 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
             line.update()
         line.set_desc("explain: rollout and flow")
         raw = [piece(i) for i in batch[0]]
+        composed = not linear
         data = {"tokens": [readable(t) for t in raw], "raw_tokens": raw,
-                "num_layers": weights.shape[0], "num_heads": weights.shape[1],
-                "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
+                "num_layers": lm.config.num_layers, "num_heads": weights.shape[1],
+                "layer_names": [f"layer {i}" for i in range(lm.config.num_layers)],
                 "head_names": [f"head {j}" for j in range(weights.shape[1])],
-                "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
+                "attention_layers": drawn, "linear_layers": linear,
+                "rollout": _rounded(attention_rollout(weights)) if composed else None,
+                "flow": _flow(weights) if composed else None, "candidates": chosen,
                 "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
                 # each id's text once: N x L x K cells repeat few distinct tokens
                 "vocab": {str(t): readable(piece(t)) for t in np.unique(lens.token_ids).tolist()},
@@ -201,7 +209,8 @@ def _candidate(lm, batch: np.ndarray, token: int) -> dict:
     parts = direct_logit_attribution(lm, batch[0], token)
     return {"id": token, "gradient_x_input": _rounded((grad * embeddings).sum(-1)[0]),
             "saliency": _rounded(np.sqrt((grad * grad).sum(-1))[0]),
-            "dla": {"heads": _rounded(parts["heads"]), "mlp": _rounded(parts["mlp"]),
+            "dla": {"heads": _rounded(parts["heads"]), "linear_attn": _rounded(parts["linear_attn"]),
+                    "mlp": _rounded(parts["mlp"]),
                     "embed": round(float(parts["embed"] + parts["pos_embed"]), 6),
                     "bias": round(float(parts["bias"]), 6), "logit": round(float(parts["logit"]), 6)}}
 
@@ -236,7 +245,7 @@ def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, text: Callable[[int], 
             "incorrect_text": text(incorrect),
             "clean_metric": float(clean_logits[correct] - clean_logits[incorrect]),
             "corrupt_metric": float(corrupt_logits[correct] - corrupt_logits[incorrect]),
-            "corrupt_tokens": [text(i) for i in corrupt[0]], **found}
+            "corrupt_tokens": [text(i) for i in corrupt[0]], **found}  # "z": None in rows of layers without heads
 
 
 FLOW_MAX_TOKENS = 24  # the pages add attention flow up to this length (L * L max-flows: seconds, not minutes)

@@ -6,24 +6,30 @@ head into chosen receiver heads' inputs. On the corrupted prompt, with the sende
 run, it runs twice:
 
 1. the sender's ``z`` is the clean one and every later component is frozen at its corrupted value (the heads'
-   ``z`` of the sender's layer and after, and the MLPs' outputs from the sender's layer on), so the sender's
-   change reaches the residual stream of each later layer directly and nothing else changes; the receivers'
-   inputs (``hook_q``, ``hook_k`` or ``hook_v``, computed from that residual stream) are kept;
+   ``z`` of the sender's layer and after, a later Gated DeltaNet layer's whole output, and the MLPs' and
+   per-layer inputs' outputs from the sender's layer on), so the sender's change reaches the residual stream of
+   each later layer directly and nothing else changes; the receivers' inputs (``hook_q``, ``hook_k`` or
+   ``hook_v``, computed from that residual stream) are kept;
 2. the corrupted prompt runs again with only those receiver inputs replaced by the kept ones, everything else
-   computed as usual, and the metric ``logit[correct] - logit[incorrect]`` is read.
+   computed as usual, and the metric (by default ``logit[correct] - logit[incorrect]``) is read.
 
-Shapes: N layers, L tokens, H query heads, Hkv key/value heads, Dh head width, R rows of one batch (one per
-sender head of a layer).
+Senders are the heads of layers that have them (a Gated DeltaNet layer sends nothing: its row is NaN); a receiver
+must have the input named (a layer that reuses an earlier layer's keys and values has no ``hook_k`` / ``hook_v``
+of its own).
+
+Shapes: B prompt pairs, N layers, L tokens, H query heads, Hkv key/value heads, Dh head width, R = H places of one
+batch (one per sender head of a layer), each B rows.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import _progress
-from .hooks import hooks, run_with_cache
-from .patching import _check, _metric
+from .hooks import absent_point_error, hook_names, hooks, run_with_cache
+from .patching import _check, _metric_of, _place_rows, patch_places
 
 __all__ = ["RECEIVER_INPUTS", "path_patching"]
 
@@ -31,7 +37,8 @@ RECEIVER_INPUTS = ("q", "k", "v")
 
 
 def _check_receivers(model, receivers: Any, receiver_input: Any) -> tuple[dict[int, dict[str, list[int]]], tuple]:
-    """``({layer: {input: heads}}, inputs)``: the query heads named, or for ``"k"`` / ``"v"`` their key/value heads."""
+    """``({layer: {input: heads}}, inputs)``: the query heads named, or for ``"k"`` / ``"v"`` their key/value heads;
+    a receiver layer without the input asked for is refused saying what the layer is."""
     inputs = (receiver_input,) if isinstance(receiver_input, str) else tuple(receiver_input)
     if not inputs or any(name not in RECEIVER_INPUTS for name in inputs) or len(set(inputs)) != len(inputs):
         raise ValueError(f"receiver_input must be 'q', 'k', 'v' or several of them, got {receiver_input!r}")
@@ -44,10 +51,15 @@ def _check_receivers(model, receivers: Any, receiver_input: Any) -> tuple[dict[i
             or any(not (0 < layer < cfg.num_layers and 0 <= head < cfg.num_heads) for layer, head in pairs):
         raise ValueError(f"receivers must be (layer, head) pairs with layer in [1, {cfg.num_layers}) and query head "
                          f"in [0, {cfg.num_heads}), got {receivers!r}")
-    group = cfg.num_heads // cfg.num_kv_heads  # query heads per key/value head
+    present = set(hook_names(model))
     table: dict[int, dict[str, list[int]]] = {}
     for layer, head in pairs:
+        attention = model.layers[int(layer)].attention
+        group = cfg.num_heads // getattr(attention, "num_kv_heads", cfg.num_heads)  # query heads per key/value head
         for name in inputs:
+            point = f"blocks.{int(layer)}.attn.hook_{name}"
+            if point not in present:
+                raise absent_point_error(model, point, f"receivers ({int(layer)}, {int(head)})")
             heads = table.setdefault(int(layer), {}).setdefault(name, [])
             index = int(head) if name == "q" else int(head) // group
             if index not in heads:
@@ -56,24 +68,21 @@ def _check_receivers(model, receivers: Any, receiver_input: Any) -> tuple[dict[i
 
 
 def _frozen_run(model, corrupt: np.ndarray, clean_z: np.ndarray, corrupt_cache: dict, sender_layer: int,
-                receivers: dict[int, list[int]], inputs: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Step 1 for every head of ``sender_layer`` at once (row r sends head r): the receivers' inputs (R, L, ., Dh)."""
-    rows = clean_z.shape[1]  # H
-    place = np.arange(rows)
+                receivers: dict[int, dict[str, list[int]]], inputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Step 1 for every head of ``sender_layer`` at once (rows r * B .. r * B + B - 1 send head r): the receivers'
+    inputs (R * B, L, ., Dh)."""
+    rows = clean_z.shape[2]  # H
 
     def send(z: np.ndarray, _: str) -> np.ndarray:
-        patched = z.copy()  # (R, L, H, Dh)
-        patched[place, :, place] = clean_z.transpose(1, 0, 2)  # head r of row r: (H, L, Dh)
-        return patched
+        return patch_places(z, clean_z, per_head=True)
 
     def freeze(value: np.ndarray, name: str) -> np.ndarray:
-        return np.repeat(corrupt_cache[name], rows, axis=0)  # (R, ...): the corrupted run's value
+        return np.tile(corrupt_cache[name], (rows,) + (1,) * (value.ndim - 1))  # (R * B, ...): the corrupted run's
 
     fns = {f"blocks.{sender_layer}.attn.hook_z": send}
     for layer in range(sender_layer, model.config.num_layers):
-        fns[f"blocks.{layer}.hook_mlp_out"] = freeze
-        if layer > sender_layer:
-            fns[f"blocks.{layer}.attn.hook_z"] = freeze
+        for name in _component_outputs(layer, corrupt_cache, sender_layer):
+            fns[name] = freeze
     wanted = [f"blocks.{layer}.attn.hook_{x}" for layer in receivers if layer > sender_layer for x in inputs]
     kept: dict[str, np.ndarray] = {}
 
@@ -81,21 +90,35 @@ def _frozen_run(model, corrupt: np.ndarray, clean_z: np.ndarray, corrupt_cache: 
         kept[name] = np.array(value)
 
     with hooks(model, fns), hooks(model, {name: keep for name in wanted}):
-        model(np.repeat(corrupt, rows, axis=0), logits_to_keep=1)
+        model(_place_rows(corrupt, rows), logits_to_keep=1)
     return kept
 
 
+def _component_outputs(layer: int, cache: dict, sender_layer: int) -> list[str]:
+    """What layer ``layer`` writes into the residual stream, by the points step 1 freezes: its heads' ``z`` (or a
+    Gated DeltaNet layer's whole output) after the sender's layer, its MLP's and per-layer input's outputs from the
+    sender's layer on."""
+    names = []
+    if layer > sender_layer:
+        z = f"blocks.{layer}.attn.hook_z"
+        names.append(z if z in cache else f"blocks.{layer}.hook_attn_out")
+    names += [name for name in (f"blocks.{layer}.hook_mlp_out", f"blocks.{layer}.hook_per_layer_out") if name in cache]
+    return names
+
+
 def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, receivers: Any,
-                  receiver_input: Any = "q", *, progress: bool | None = None) -> np.ndarray:
-    """The corrupted run's logit difference when each head's clean output reaches only the receivers' inputs.
+                  receiver_input: Any = "q", *, metric: Callable[[np.ndarray], Any] | None = None,
+                  progress: bool | None = None) -> np.ndarray:
+    """The corrupted runs' metric when each head's clean output reaches only the receivers' inputs.
 
     Parameters
     ----------
     model : CausalLM
-    clean_ids, corrupt_ids : array_like of int, (L,) or (1, L)
-        Two prompts of the same length, as for :func:`activation_patching`.
-    answer_ids : (int, int)
-        ``(correct, incorrect)``: the metric is ``logit[correct] - logit[incorrect]`` after the last token.
+    clean_ids, corrupt_ids : array_like of int, (L,) or (B, L)
+        Prompt pairs of the same length, as for :func:`activation_patching`.
+    answer_ids : (int, int) or array_like (B, 2), or None with ``metric``
+        ``(correct, incorrect)``: the metric is ``logit[correct] - logit[incorrect]`` after the last token,
+        averaged over the pairs.
     receivers : sequence of (int, int)
         The receiving query heads ``(layer, head)``, in layers after the first. For ``"k"`` and ``"v"`` the
         patched input is the head's key/value head, ``head // (H // Hkv)``: with grouped queries it feeds every
@@ -103,6 +126,8 @@ def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, rece
     receiver_input : {"q", "k", "v"} or a tuple of them, default "q"
         Which of the receivers' inputs carry the sender's change (``blocks.{i}.attn.hook_q`` / ``hook_k`` /
         ``hook_v``: after the projections and q/k norms, before the rotation).
+    metric : callable, optional
+        Instead of ``answer_ids``: ``metric(logits) -> float`` of a patched run's last-position logits (B, 1, V).
     progress : bool or None, default None
         A line on stderr counting the forwards (:mod:`attnkit._progress`): None shows it when stderr is a
         terminal, True always, False never.
@@ -111,11 +136,12 @@ def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, rece
     -------
     ndarray (N, H)
         Entry (i, h): the metric with sender head h of layer i patched along the path. NaN where layer i has no
-        receiver after it. Where no path carries the difference the entry is the corrupted metric.
+        receiver after it, or no heads (a Gated DeltaNet layer). Where no path carries the difference the entry is
+        the corrupted metric.
 
     Notes
     -----
-    The sender heads of one layer go through the model together, one row each: two forwards of H rows per
+    The sender heads of one layer go through the model together, B rows each: two forwards of H * B rows per
     sender layer. Freezing (step 1) is at the corrupted run's values, so a sender's path through the MLPs
     and through heads that are not receivers is cut, as is its direct path to the logits.
 
@@ -129,34 +155,42 @@ def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, rece
     >>> found.shape, bool(np.isnan(found[2]).all())
     ((3, 2), True)
     """
-    clean, corrupt, answers, _ = _check(model, clean_ids, corrupt_ids, answer_ids, "z")
+    clean, corrupt, answers, senders = _check(model, clean_ids, corrupt_ids, answer_ids, "z", metric)
+    score = _metric_of(metric, answers)
     table, inputs = _check_receivers(model, receivers, receiver_input)
-    cfg = model.config
-    names = [f"blocks.{i}.{p}" for i in range(cfg.num_layers) for p in ("attn.hook_z", "hook_mlp_out")]
+    _progress.check_progress(progress)
     with _progress.progress(2 + 2 * max(table), "path patching", unit="forward", enabled=progress) as line:
-        _, clean_cache = run_with_cache(model, clean, names=names)
-        _, corrupt_cache = run_with_cache(model, corrupt, names=names)
-        line.update(2)
-        return _send_and_receive(model, corrupt, answers, table, inputs, clean_cache, corrupt_cache, line)
+        return _send_and_receive(model, clean, corrupt, score, senders, table, inputs, line)
 
 
-def _send_and_receive(model, corrupt: np.ndarray, answers: tuple[int, int], table: dict, inputs: tuple,
-                      clean_cache: dict, corrupt_cache: dict, line: _progress.Progress) -> np.ndarray:
-    """:func:`path_patching`'s two forwards per sender layer (steps 1 and 2): the metrics (N, H)."""
+def _send_and_receive(model, clean: np.ndarray, corrupt: np.ndarray, score: Callable, senders: list, table: dict,
+                      inputs: tuple, line: _progress.Progress) -> np.ndarray:
+    """:func:`path_patching`'s runs: the two caches, then two forwards per sender layer; the metrics (N, H)."""
     cfg = model.config
+    present = set(hook_names(model))
+    names = [f"blocks.{i}.{p}" for i in range(cfg.num_layers)
+             for p in ("attn.hook_z", "hook_attn_out", "hook_mlp_out", "hook_per_layer_out")]
+    names = [name for name in names if name in present]
+    _, clean_cache = run_with_cache(model, clean, names=names)
+    _, corrupt_cache = run_with_cache(model, corrupt, names=names)
+    line.update(2)
     out = np.full((cfg.num_layers, cfg.num_heads), np.nan)
-    batch = np.repeat(corrupt, cfg.num_heads, axis=0)  # (R, L)
+    b, rows = clean.shape[0], cfg.num_heads
+    batch = _place_rows(corrupt, rows)  # (R * B, L)
     for sender in range(max(table)):
-        kept = _frozen_run(model, corrupt, clean_cache[f"blocks.{sender}.attn.hook_z"][0], corrupt_cache, sender,
-                           table, inputs)
+        if senders[sender] is None:  # no heads to send from
+            line.update(2)
+            continue
+        kept = _frozen_run(model, corrupt, clean_cache[senders[sender]], corrupt_cache, sender, table, inputs)
 
         def receive(value: np.ndarray, name: str, kept=kept) -> np.ndarray:
             heads = table[int(name.split(".")[1])][name[-1]]  # "blocks.{i}.attn.hook_q" -> layer i, input "q"
-            patched = value.copy()  # (R, L, H or Hkv, Dh)
+            patched = value.copy()  # (R * B, L, H or Hkv, Dh)
             patched[:, :, heads] = kept[name][:, :, heads]
             return patched
 
         with hooks(model, {name: receive for name in kept}):
-            out[sender] = _metric(model(batch, logits_to_keep=1), answers)  # (R,)
+            logits = model(batch, logits_to_keep=1)  # (R * B, 1, V)
+        out[sender] = [score(logits[r * b:(r + 1) * b]) for r in range(rows)]
         line.update(2)
     return out

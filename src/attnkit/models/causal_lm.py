@@ -163,6 +163,43 @@ class CausalLM(Module):
             points += block_hook_points(i, layer, layer.attention, layer.mlp)
         return points + [(final, self, final)]
 
+    def layer_kind(self, index: int) -> str:
+        """What layer ``index`` is, in words: its type (``config.layer_types``) and how its token mixer differs
+        (``"a linear_attention (Gated DeltaNet) layer"``, ``"a sliding_attention layer that reuses layer 1's keys
+        and values"``); the errors for a hook point a layer does not have say it."""
+        c = self.config
+        index = self._layer_index(index)
+        kind = c.layer_types[index]
+        if kind == "linear_attention":
+            return f"a {kind} (Gated DeltaNet) layer"
+        if c.latent is not None:
+            return f"a {kind} layer with multi-head latent attention"
+        owner = None if c.layerwise is None else c.layerwise.kv_owners(c.layer_types)[index]
+        if owner is not None:
+            return f"a {kind} layer that reuses layer {owner}'s keys and values"
+        return f"a {kind} layer"
+
+    def layer_hook_points(self, index: int) -> list[str]:
+        """The full hook names of layer ``index`` (``blocks.{index}.hook_resid_pre``, ``blocks.{index}.attn.hook_q``,
+        ...), in forward order: layers of different kinds have different points (:meth:`layer_kind`).
+
+        Examples
+        --------
+        >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
+        ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+        >>> CausalLM(cfg, rng=0).layer_hook_points(1)[:3]
+        ['blocks.1.hook_resid_pre', 'blocks.1.attn.hook_q', 'blocks.1.attn.hook_k']
+        """
+        index = self._layer_index(index)
+        layer = self.layers[index]
+        return [name for name, _, _ in block_hook_points(index, layer, layer.attention)]
+
+    def _layer_index(self, index: Any) -> int:
+        n = self.config.num_layers
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < n:
+            raise ValueError(f"index must be a layer index in [0, {n}), got {index!r}")
+        return int(index)
+
     @property
     def head_weight(self) -> np.ndarray:
         """The (V, D) matrix the logits are taken against (the embedding when tied)."""

@@ -1,0 +1,124 @@
+"""Every explanation runs on every family of the tiny-model registry (``hf_models.FAMILY_MODELS``): direct logit
+attribution sums to the logit, activation and path patching give the numbers the definitions give, and
+``attnkit explain`` writes its page, on grouped-query, latent (DeepSeek-V3), hybrid Gated DeltaNet (Qwen3.5,
+Qwen3-Next) and shared-KV (Gemma 4) models alike."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from attnkit.cli import main  # noqa: E402
+from attnkit.explain import (  # noqa: E402
+    activation_patching,
+    direct_logit_attribution,
+    hook_names,
+    path_patching,
+)
+from attnkit.pretrained import load_causal_lm  # noqa: E402
+from hf_models import FAMILY_MODELS, saved_model  # noqa: E402
+
+CLEAN = np.array([5, 17, 3, 60, 42, 9, 77, 21])
+CORRUPT = np.array([5, 17, 8, 60, 42, 30, 77, 21])  # differs at positions 2 and 5
+ANSWERS = (11, 40)
+
+
+@pytest.fixture(scope="module")
+def hf_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf_every_family")
+
+
+def shares_total(parts):
+    return parts["embed"] + parts["pos_embed"] + parts["heads"].sum(axis=(-2, -1)) + parts["linear_attn"].sum(-1) + \
+        parts["mlp"].sum(-1) + parts["per_layer"].sum(-1) + parts["bias"]
+
+
+def logit_difference(lm, ids):
+    logits = lm(np.asarray(ids)[None])[0, -1]
+    return logits[ANSWERS[0]] - logits[ANSWERS[1]]
+
+
+def with_heads(lm):
+    """The layers that have attention heads (``hook_z``)."""
+    names = set(hook_names(lm))
+    return [i for i in range(lm.config.num_layers) if f"blocks.{i}.attn.hook_z" in names]
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_direct_logit_attribution_sums_to_the_logit(name, hf_root):
+    lm = load_causal_lm(saved_model(name, hf_root)[0], dtype=np.float64)
+    parts = direct_logit_attribution(lm, CLEAN, target=7, target_position=5)
+    np.testing.assert_allclose(parts["logit"], lm(CLEAN[None])[0, 5, 7], rtol=1e-12, atol=1e-14)
+    assert abs(shares_total(parts) - parts["logit"]) < 1e-10
+    heads = with_heads(lm)
+    headless = sorted(set(range(lm.config.num_layers)) - set(heads))
+    # every head of a layer with heads writes something; a layer without heads is one share, never zero
+    assert np.abs(parts["heads"][heads]).min() > 0 and not parts["heads"][headless].any()
+    assert np.abs(parts["linear_attn"][headless]).min(initial=1.0) > 0 and not parts["linear_attn"][heads].any()
+    assert headless == [i for i, kind in enumerate(lm.config.layer_types) if kind == "linear_attention"]
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_activation_patching_gives_the_corrupted_metric_where_nothing_differs(name, hf_root):
+    """Block 0's input at a position where the prompts agree is the same in both runs: patching it there gives the
+    corrupted metric, and where they differ it moves it; a head's patch exists exactly where the layer has heads."""
+    lm = load_causal_lm(saved_model(name, hf_root)[0], dtype=np.float64)
+    corrupt_metric = logit_difference(lm, CORRUPT)
+    resid = activation_patching(lm, CLEAN, CORRUPT, ANSWERS, hook="resid_pre")  # (N, L)
+    np.testing.assert_allclose(resid[0, [0, 1, 3, 4, 6, 7]], corrupt_metric, rtol=0, atol=1e-10)
+    assert np.abs(resid[0, [2, 5]] - corrupt_metric).max() > 1e-6
+    z = activation_patching(lm, CLEAN, CORRUPT, ANSWERS, hook="z")  # (N, H)
+    heads = with_heads(lm)
+    assert not np.isnan(z[heads]).any()
+    assert np.isnan(np.delete(z, heads, axis=0)).all()
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_path_patching_runs_over_the_heads_that_exist(name, hf_root):
+    """Senders are the heads of the layers that have them, into the last attention layer's queries: with nothing to
+    carry (clean = corrupt) every path gives the corrupted metric, and with a difference some path moves it."""
+    lm = load_causal_lm(saved_model(name, hf_root)[0], dtype=np.float64)
+    heads = with_heads(lm)
+    receivers = [(heads[-1], 0), (heads[-1], lm.config.num_heads - 1)]
+    found = path_patching(lm, CLEAN, CORRUPT, ANSWERS, receivers)  # (N, H)
+    senders = [i for i in heads if i < heads[-1]]
+    assert not np.isnan(found[senders]).any() and np.isnan(np.delete(found, senders, axis=0)).all()
+    if not senders:  # a Gated DeltaNet layer, then the only attention layer: no head sends
+        return
+    assert np.nanmax(np.abs(found - logit_difference(lm, CORRUPT))) > 1e-9
+    same = path_patching(lm, CORRUPT, CORRUPT, ANSWERS, receivers)
+    np.testing.assert_allclose(same[senders], logit_difference(lm, CORRUPT), rtol=0, atol=1e-10)
+
+
+def _embedded(page) -> dict:
+    text = page.read_text(encoding="utf-8")
+    return json.loads(re.search(r'id="attnkit-data" type="application/json">(.*?)</script>', text,
+                                flags=re.DOTALL).group(1))
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_the_explain_command_writes_its_page(name, hf_root, tmp_path):
+    folder, _ = saved_model(name, hf_root)
+    page = tmp_path / f"{name}.html"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["explain", str(folder), "--ids", ",".join(map(str, CLEAN)), "--corrupt-ids",
+                     ",".join(map(str, CORRUPT)), "--html", str(page), "--candidates", "2"])
+    assert code == 0 and f"wrote {page}" in printed.getvalue()
+    data = _embedded(page)
+    lm = load_causal_lm(folder)
+    linear = [i for i, kind in enumerate(lm.config.layer_types) if kind == "linear_attention"]
+    assert data["linear_layers"] == linear and (data["rollout"] is None) == bool(linear)
+    for candidate in data["candidates"]:
+        parts = direct_logit_attribution(lm, CLEAN, candidate["id"])
+        np.testing.assert_allclose(candidate["dla"]["heads"], parts["heads"], atol=1e-6)
+        np.testing.assert_allclose(candidate["dla"]["linear_attn"], parts["linear_attn"], atol=1e-6)
+    patched = np.array(data["patching"]["z"], dtype=np.float64)  # None (no heads) reads as NaN
+    assert np.isnan(patched[linear]).all() and not np.isnan(np.delete(patched, linear, axis=0)).any()
