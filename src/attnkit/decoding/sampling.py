@@ -23,7 +23,7 @@ import numpy as np
 
 from .._validation import as_array, check_positive_int
 from .beam_search import lm_beam_search, next_token_logits
-from .config import GenerationConfig, check_temperature, check_top_k, check_unit
+from .config import GenerationConfig, check_repetition_penalty, check_temperature, check_top_k, check_unit
 
 __all__ = ["check_generation_config", "resolve_generation_options",
            "temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
@@ -248,6 +248,7 @@ def apply_repetition_penalty(logits: np.ndarray, sequences: np.ndarray, penalty:
     >>> apply_repetition_penalty(np.array([[2.0, -2.0, 1.0]]), np.array([[0, 1]]), 2.0)
     array([[ 1., -4.,  1.]])
     """
+    penalty = check_repetition_penalty(penalty)
     vocab = logits.shape[-1]
     if padding is not None:  # a pad column names the extra id V, dropped below
         sequences = np.where(np.arange(sequences.shape[1])[None] < padding[:, None], vocab, sequences)  # (B, S)

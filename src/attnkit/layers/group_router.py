@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_features, check_grad_output, check_positive_int, check_real
+from .._validation import check_factor, check_features, check_grad_output, check_positive_int
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import group_routing as _routing
@@ -101,7 +101,7 @@ class GroupLimitedRouter(Module):
 def check_routing(hidden_size, num_experts, top_k, num_groups, topk_groups, scaling) -> None:
     """Refuse routing that cannot work: groups not dividing the experts into groups of at least two (a group
     scores by its two best), more kept groups than groups, more experts per token than the kept groups hold,
-    a non-positive scaling."""
+    a scaling outside ``[2**-14, 65504]`` (:func:`attnkit._validation.check_factor`)."""
     for name, value in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k),
                         ("num_groups", num_groups), ("topk_groups", topk_groups)):
         check_positive_int(value, name)
@@ -113,5 +113,4 @@ def check_routing(hidden_size, num_experts, top_k, num_groups, topk_groups, scal
     if top_k > topk_groups * (num_experts // num_groups):
         raise ValueError(f"top_k ({top_k}) must fit in the kept groups: at most topk_groups * num_experts / "
                          f"num_groups = {topk_groups * (num_experts // num_groups)}")
-    if not check_real(scaling, "scaling") > 0:
-        raise ValueError(f"scaling must be positive, got {scaling!r}")
+    check_factor(scaling, "scaling")

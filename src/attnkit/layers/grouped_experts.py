@@ -5,14 +5,13 @@ k experts per token, F ``expert_intermediate_size``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from .._validation import check_features, check_grad_output, check_positive_int
+from .._validation import check_factor, check_features, check_grad_output, check_positive_int
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import experts as _experts
@@ -43,7 +42,7 @@ class GroupedExpertsConfig:
     normalize_weights : bool
         The chosen scores are divided by their sum (``norm_topk_prob``).
     routed_scaling_factor : float
-        Multiplies the routed weights.
+        Multiplies the routed weights; in ``[2**-14, 65504]`` (float16's normal range: 1e308 made every logit NaN).
     first_dense_layers : int
         The first layers keep a dense gated MLP of ``intermediate_size`` (``first_k_dense_replace``).
     """
@@ -65,10 +64,7 @@ class GroupedExpertsConfig:
         check_positive_int(self.first_dense_layers, "first_dense_layers", allow_zero=True)
         if not isinstance(self.normalize_weights, bool):
             raise TypeError(f"normalize_weights must be True or False, got {self.normalize_weights!r}")
-        factor = self.routed_scaling_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
-                or factor <= 0:
-            raise ValueError(f"routed_scaling_factor must be a finite positive number, got {factor!r}")
+        factor = check_factor(self.routed_scaling_factor, "routed_scaling_factor")
         check_routing(1, self.num_experts, self.num_experts_per_tok, self.num_groups, self.topk_groups, factor)
 
     def routed(self, layer: int) -> bool:

@@ -18,6 +18,7 @@ expert on disk, as DeepSeek publishes them and transformers saves them; in memor
 """
 from __future__ import annotations
 
+from ..._validation import check_factor
 from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
 from ...layers.grouped_experts import GroupedExpertsConfig
 from ...models.config import DecoderConfig, NormConfig, RotaryConfig
@@ -52,11 +53,18 @@ def _latent(read: Reader, hidden: int, heads: int, scaling: dict | None) -> Late
         if given != value:
             raise ValueError(f"{read.family} config: {key!r} ({given!r}) must be {value}, as transformers derives "
                              f"it from the qk_*_head_dim keys")
+    scale = yarn_softmax_scale(nope + rope, scaling)
+    try:
+        check_factor(scale, "the softmax scale")
+    except ValueError:
+        raise ValueError(f"{read.family} config: the softmax scale, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 "
+                         f"times the square of YaRN's mscale of mscale_all_dim, is {scale!r}; it must be in "
+                         f"[2**-14, 65504] (float16's normal range)") from None
     return LatentAttentionConfig(
         hidden_size=hidden, num_heads=heads, kv_lora_rank=_read_int(read, "kv_lora_rank"), qk_nope_head_dim=nope,
         qk_rope_head_dim=rope, v_head_dim=_read_int(read, "v_head_dim"),
         q_lora_rank=_read_int(read, "q_lora_rank", optional=True), attention_bias=read.bool("attention_bias", False),
-        rope_interleaved=read.bool("rope_interleave", True), attention_scale=yarn_softmax_scale(nope + rope, scaling))
+        rope_interleaved=read.bool("rope_interleave", True), attention_scale=scale)
 
 
 def _grouped_experts(read: Reader) -> GroupedExpertsConfig:
@@ -65,17 +73,15 @@ def _grouped_experts(read: Reader) -> GroupedExpertsConfig:
             raise ValueError(f"{read.family} config: {key!r} must be {value!r} (the routing attnkit and "
                              f"transformers implement), got {read.raw(key)!r}")
     experts = read.int("n_routed_experts", read.raw("num_local_experts", DEFAULTS["n_routed_experts"]))
-    first_dense = read.raw("first_k_dense_replace", DEFAULTS["first_k_dense_replace"])
-    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
-        raise ValueError(f"{read.family} config: 'first_k_dense_replace' must be a non-negative integer, got "
-                         f"{first_dense!r}")
+    first_dense = read.count("first_k_dense_replace", DEFAULTS["first_k_dense_replace"])
+    factor = read.factor("routed_scaling_factor", DEFAULTS["routed_scaling_factor"])
     try:
         return GroupedExpertsConfig(
             num_experts=experts, num_experts_per_tok=_read_int(read, "num_experts_per_tok"),
             expert_intermediate_size=_read_int(read, "moe_intermediate_size"),
             num_shared_experts=_read_int(read, "n_shared_experts"), num_groups=_read_int(read, "n_group"),
             topk_groups=_read_int(read, "topk_group"), normalize_weights=read.bool("norm_topk_prob", True),
-            routed_scaling_factor=read.float("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
+            routed_scaling_factor=factor,
             first_dense_layers=first_dense)
     except ValueError as error:
         raise ValueError(f"{read.family} config: {error}") from None
@@ -83,14 +89,14 @@ def _grouped_experts(read: Reader) -> GroupedExpertsConfig:
 
 def _read_config(read: Reader) -> DecoderConfig:
     family = read.family
-    hidden, heads, layers = read.int("hidden_size"), read.int("num_attention_heads"), read.int("num_hidden_layers")
+    hidden, heads, layers = read.int("hidden_size"), read.int("num_attention_heads"), read.layers()
     kv_heads = read.int("num_key_value_heads", heads, optional=True) or heads
     if kv_heads != heads:
         raise ValueError(f"{family} config: 'num_key_value_heads' ({kv_heads}) must equal num_attention_heads "
                          f"({heads}): every latent attention head has its own keys and values")
     max_positions = _read_int(read, "max_position_embeddings")
     rope = _read_int(read, "qk_rope_head_dim")
-    theta, scaling, partial = read_rope(read, max_positions, rope)
+    theta, scaling, partial = read_rope(read, max_positions)
     if partial != 1.0:
         raise ValueError(f"{family} config: 'partial_rotary_factor' must be 1 (the rotary part is qk_rope_head_dim "
                          f"wide), got {partial}")
@@ -98,7 +104,7 @@ def _read_config(read: Reader) -> DecoderConfig:
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=heads, head_dim=rope, intermediate_size=read.int("intermediate_size"),
-        max_position_embeddings=max_positions, norm=NormConfig(eps=read.float("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions, norm=NormConfig(eps=read.eps("rms_norm_eps", 1e-6)),
         activation=read.activation("hidden_act", "silu"),
         rotary=RotaryConfig(theta=theta, scaling=scaling, interleaved=latent.rope_interleaved),
         tie_word_embeddings=read.bool("tie_word_embeddings", DEFAULTS["tie_word_embeddings"]),

@@ -41,8 +41,8 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
                                 sliding_window=window if "sliding_attention" in types else None)
     return dict(attention=attention, layer_types=types, mlp="experts",
                 experts=ExpertsConfig(num_experts=experts, per_token=top_k,
-                                      swiglu_alpha=read.float("swiglu_alpha", 1.702),
-                                      swiglu_limit=read.float("swiglu_limit", 7.0)))
+                                      swiglu_alpha=read.factor("swiglu_alpha", 1.702),
+                                      swiglu_limit=read.factor("swiglu_limit", 7.0)))
 
 
 def _read_config(read: Reader) -> DecoderConfig:
