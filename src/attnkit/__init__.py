@@ -3,7 +3,7 @@
 Mask convention everywhere: boolean, ``True`` = may attend (or: is a real token). A query that may attend
 to nothing gets zero weights, zero output and zero gradient, never NaN.
 """
-__version__ = "0.2.0"
+__version__ = "0.5.0.dev0"
 
 from . import attention_core, core, init, interop, kernels, layers, multi_head, positional, transformer_block
 from .attention import (

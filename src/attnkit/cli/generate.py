@@ -26,6 +26,7 @@ import numpy as np
 
 from ._common import (
     UsageError,
+    add_dtype_argument,
     add_threads_argument,
     json_text,
     model_types_text,
@@ -73,7 +74,8 @@ def parse_ids(text: str, prog: str = PROG) -> list[int]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit generate`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help="continue a prompt with a Hugging Face causal-LM folder (needs the 'pretrained' extra)",
+        NAME, help="continue a prompt with a Hugging Face causal-LM folder or a GGUF file (the 'pretrained' "
+                                   "extra)",
         description="Continue a prompt with a Hugging Face decoder folder (config.json + model.safetensors, "
                     f"model_type {model_types_text()}) running on attnkit's NumPy layers. Greedy unless "
                     "a sampling flag (--temperature above 0, --top-k, --top-p, --min-p, --seed) is given; the "
@@ -96,6 +98,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="beam search: stop when every beam has finished (true), when no open beam can win at "
                         "its current length (false, default) or at the longest length (never)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
+    add_dtype_argument(p)
     add_threads_argument(p)
     p.set_defaults(run=run)
     return p
@@ -111,13 +114,13 @@ def check_model_path(model_dir: str, prog: str = PROG) -> None:
     raise UsageError(f"{printable(repr(model_dir))} is not a folder nor a .gguf file", prog)
 
 
-def model_for_command(model_dir: str, prog: str = PROG) -> Any:
-    """The CausalLM of ``model_dir`` (a folder or a GGUF file); a missing or damaged one is a
-    :class:`UsageError` of ``prog`` (exit 2)."""
+def model_for_command(model_dir: str, prog: str = PROG, dtype: Any = np.float32) -> Any:
+    """The CausalLM of ``model_dir`` (a folder or a GGUF file) in ``dtype`` (``--dtype``); a missing or damaged
+    one is a :class:`UsageError` of ``prog`` (exit 2)."""
     from ..pretrained import load_causal_lm
 
     try:
-        return load_causal_lm(model_dir)
+        return load_causal_lm(model_dir, dtype=dtype)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise UsageError(f"cannot load the model {printable(repr(model_dir))}: {printable(message, 300)}",
@@ -213,7 +216,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     chat = args.chat or args.system is not None
     use_threads(args.threads)
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
-    model = model_for_command(args.model_dir)
+    model = model_for_command(args.model_dir, dtype=args.dtype)
     config = model.config
     if chat:
         prompt, eos_ids = _chat_prompt(args, config)
