@@ -7,7 +7,7 @@ The main entry points are here: the attention functions and modules, :class:`Cau
 :class:`DecoderConfig`, and :func:`load` (a Hugging Face folder or a GGUF file as ``(model, tokenizer)``; its
 weights and tokenizer need the ``pretrained`` extra, imported when a model is loaded).
 """
-__version__ = "0.2.0"
+__version__ = "0.5.0.dev0"
 
 from . import attention_core, core, init, interop, kernels, layers, multi_head, positional, transformer_block
 from .attention import (

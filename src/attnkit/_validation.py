@@ -7,6 +7,7 @@ traceback from deep inside a kernel. Checks raise explicitly (never ``assert``, 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,10 @@ __all__ = [
     "check_mask",
     "check_positive_int",
     "check_real",
+    "check_factor",
+    "check_scale",
+    "FACTOR_RANGE",
+    "shown",
     "unbroadcast",
     "check_qkv",
     "check_qkv_shapes",
@@ -109,6 +114,32 @@ def check_ndim(x: np.ndarray, name: str, ndim: int | None = None, min_ndim: int 
         raise ValueError(f"{name} must be {want}, got shape {x.shape}")
 
 
+_LONG_INTEGER = 20  # digits past which an integer is described by its length in messages
+
+# Scales, multipliers and soft-caps of a model (a config's routed_scaling_factor, soft-caps, query_pre_attn_scalar,
+# SwiGLU's alpha and limit, the attention scale): float16's normal range. Real models use 0.01 to 100; a factor
+# past either end overflows or vanishes in the narrowest dtype a model runs in (DeepSeek's routed_scaling_factor of
+# 1e308 made every logit NaN; a soft-cap of 1e-320 is 0 in float32 and divides the scores by it).
+FACTOR_RANGE = (2.0 ** -14, 65504.0)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, except that an integer of more than 20 digits is described by its
+    length: ``an integer of 401 digits`` (Python refuses to print one of more than 4300).
+
+    >>> shown(3), shown("a"), shown(10**400)
+    ('3', "'a'", 'an integer of 401 digits')
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        magnitude = abs(value)
+        digits = max(1, int(magnitude.bit_length() * math.log10(2)) + 1)  # exact or one too many
+        if digits > 1 and magnitude < 10 ** (digits - 1):
+            digits -= 1
+        if digits > _LONG_INTEGER:
+            return f"{'a negative' if value < 0 else 'an'} integer of {digits} digits"
+    return repr(value)
+
+
 def check_positive_int(value: Any, name: str, allow_zero: bool = False, *, maximum: int | None = None) -> int:
     """``value`` as a Python int: the one check of a size, count or length argument.
 
@@ -122,25 +153,89 @@ def check_positive_int(value: Any, name: str, allow_zero: bool = False, *, maxim
     ValueError: num_heads must be positive, got 0
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {shown(value)}")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {value}")
+        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {shown(value)}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be at most {maximum}, got {value}")
+        raise ValueError(f"{name} must be at most {maximum}, got {shown(value)}")
     return int(value)
 
 
-def check_real(value: Any, name: str) -> float:
-    """``value`` as a finite Python float: TypeError for a non-number (bools included), ValueError for NaN/inf."""
+def _range_text(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if high is None and low == 0:
+        return "a finite positive number" if low_open else "a finite non-negative number"
+    if low is None and high is None:
+        return "a finite number"
+    if high is None:
+        return f"a finite number {'>' if low_open else '>='} {low:g}"
+    if low is None:
+        return f"a finite number {'<' if high_open else '<='} {high:g}"
+    return f"a finite number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def check_real(value: Any, name: str, *, low: float | None = None, high: float | None = None,
+               low_open: bool = False, high_open: bool = False, expected: str | None = None) -> float:
+    """``value`` as a finite Python float, optionally within ``[low, high]`` (each end open when asked): the one
+    conversion of every number attnkit reads from a file or takes as an argument. ``expected`` words the range
+    in messages (default: from the bounds).
+
+    Raises
+    ------
+    TypeError
+        ``value`` is not a real number (bools, strings, arrays and None included), naming ``name``.
+    ValueError
+        NaN, an infinity, an integer beyond a float's range (``10**400``: Python's own conversion would raise
+        ``OverflowError``) or a number outside the range, naming ``name`` and the range.
+
+    Examples
+    --------
+    >>> check_real(np.float32(0.5), "top_p", low=0, high=1)
+    0.5
+    >>> check_real(10**400, "rope_theta", low=0, low_open=True)
+    Traceback (most recent call last):
+    ValueError: rope_theta must be a finite positive number, got an integer of 401 digits
+    """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {shown(value)}")
     try:
         number = float(value)
     except OverflowError:  # a Python int beyond float's range
-        raise ValueError(f"{name} must be a finite number, got an integer of {len(str(abs(value)))} digits") from None
-    if not np.isfinite(number):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        number = math.inf
+    below = low is not None and (number <= low if low_open else number < low)
+    above = high is not None and (number >= high if high_open else number > high)
+    if not math.isfinite(number) or below or above:
+        expected = expected or _range_text(low, high, low_open, high_open)
+        raise ValueError(f"{name} must be {expected}, got {shown(value)}")
     return number
+
+
+def check_scale(value: Any, name: str = "scale") -> float:
+    """``value`` as the factor of the scores ``q k^T``: a number of magnitude at most 65504 (0 and negative
+    scales included), through :func:`check_real`. A scale of ±1e308 makes scores of inf and a NaN softmax; one
+    that large is nobody's (real ones are ``1 / sqrt(D)``), and float16's largest number bounds it as it bounds
+    :func:`check_factor`.
+
+    >>> check_scale(-0.25)
+    -0.25
+    >>> check_scale(-1e308)
+    Traceback (most recent call last):
+    ValueError: scale must be a finite number in [-65504, 65504], got -1e+308
+    """
+    return check_real(value, name, low=-FACTOR_RANGE[1], high=FACTOR_RANGE[1])
+
+
+def check_factor(value: Any, name: str) -> float:
+    """``value`` as a scale, multiplier or soft-cap of a model: a number in :data:`FACTOR_RANGE` (float16's normal
+    range, ``[2**-14, 65504]``), through :func:`check_real`.
+
+    >>> check_factor(2.5, "routed_scaling_factor")
+    2.5
+    >>> check_factor(1e308, "routed_scaling_factor")
+    Traceback (most recent call last):
+    ValueError: routed_scaling_factor must be a number in [2**-14, 65504] (float16's normal range), got 1e+308
+    """
+    return check_real(value, name, low=FACTOR_RANGE[0], high=FACTOR_RANGE[1],
+                      expected="a number in [2**-14, 65504] (float16's normal range)")
 
 
 def check_mask(mask: Any, name: str, target_shape: tuple[int, ...], target_desc: str = "scores") -> np.ndarray | None:
@@ -316,11 +411,13 @@ def check_head_size(features: int, num_heads: int, name: str = "d_model") -> int
 
 
 def check_eps(eps: Any, name: str = "eps") -> float:
-    """``eps`` as a float; ``ValueError`` unless it is a finite number > 0 (it keeps ``1 / sqrt(var + eps)`` finite)."""
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)) \
-            or not np.isfinite(eps) or eps <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {eps!r}")
-    return float(eps)
+    """``eps`` as a float; ``ValueError`` unless it is a number in (0, 65504]: above 0 it keeps
+    ``1 / sqrt(var + eps)`` finite, and it is added in the input's dtype (float16 too), where 1e308 overflows."""
+    expected = "a positive number up to 65504"
+    try:
+        return check_real(eps, name, low=0, low_open=True, high=FACTOR_RANGE[1], expected=expected)
+    except TypeError:
+        raise ValueError(f"{name} must be {expected}, got {shown(eps)}") from None
 
 
 def check_finite(x: np.ndarray, name: str) -> np.ndarray:

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import stat
+import sys
 import tempfile
 import threading
 import zipfile
@@ -532,7 +533,8 @@ def read_json(path: str | os.PathLike, *, expect: type | None = dict) -> Any:
     Raises
     ------
     ValueError
-        Not UTF-8, not JSON, nested too deeply for the parser, larger than 256 MiB, or not of type ``expect``.
+        Not UTF-8, not JSON, nested too deeply for the parser, larger than 256 MiB, holding an integer longer than
+        Python reads (4300 digits), or not of type ``expect``.
 
     Examples
     --------
@@ -558,6 +560,9 @@ def read_json(path: str | os.PathLike, *, expect: type | None = dict) -> Any:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
     except RecursionError:
         raise ValueError(f"{path} is not valid JSON: nested too deeply") from None
+    except ValueError:  # json's int() refuses a number of more than sys.get_int_max_str_digits() digits
+        raise ValueError(f"{path} is not a JSON file attnkit reads: it holds an integer of more than "
+                         f"{sys.get_int_max_str_digits()} digits") from None
     if expect is not None and not isinstance(value, expect):
         wanted = {dict: "a JSON object", list: "a JSON array"}.get(expect, expect.__name__)
         raise ValueError(f"{path} must hold {wanted}, got {type(value).__name__}")

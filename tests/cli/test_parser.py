@@ -105,7 +105,7 @@ BAD_COMMAND_LINES = {
     "bench sizes": (["bench", "--sizes", "-64"], "positive integer"),
     "bench repeats": (["bench", "--repeats", "0"], "positive integer"),
     "bench absurd sizes": (["bench", "--sizes", "9" * 30], "must be at most 1048576"),
-    "bench absurd threads": (["bench", "--threads", "100000"], "must be at most 4096"),
+    "bench absurd threads": (["bench", "--threads", "100000"], "must be at most 1024, got 100000"),
     "embed batch size": (["embed", "hello", "--batch-size", "0"], "positive integer"),
     "embed missing input": (["embed", "--input", "{tmp}/none.txt"], "is not a file"),
     "embed text and input": (["embed", "hi", "--input", "{file}"], "not both"),

@@ -222,10 +222,10 @@ def test_empty_batch_heads_or_queries_give_empty_results_with_sinks(kernel, shap
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("scale, error, message", [
-    (float("nan"), ValueError, r"scale must be a finite number, got nan"),
-    (float("inf"), ValueError, r"scale must be a finite number, got inf"),
-    (-np.inf, ValueError, r"scale must be a finite number, got -inf"),
-    (10 ** 400, ValueError, r"scale must be a finite number, got an integer of 401 digits"),
+    (float("nan"), ValueError, r"scale must be a finite number in \[-65504, 65504\], got nan"),
+    (float("inf"), ValueError, r"scale must be a finite number in \[-65504, 65504\], got inf"),
+    (-np.inf, ValueError, r"scale must be a finite number in \[-65504, 65504\], got -inf"),
+    (10 ** 400, ValueError, r"scale must be a finite number in \[-65504, 65504\], got an integer of 401 digits"),
     ("0.5", TypeError, r"scale must be a number, got str '0.5'"),
     (True, TypeError, r"scale must be a number, got bool True"),
     (np.bool_(False), TypeError, r"scale must be a number, got bool"),
@@ -236,6 +236,26 @@ def test_a_scale_that_is_not_a_finite_number_is_refused(kernel, scale, error, me
     q, k, v = _qkv()
     with pytest.raises(error, match=message):
         F.flex_attention(q, k, v, kernel=kernel, scale=scale)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scale", [1e308, -1e308, 65505.0, -1e5, np.float64(1e300)])
+def test_a_finite_scale_whose_scores_overflow_is_refused(kernel, scale):
+    """±1e308 is finite, yet its scores were inf and the output NaN on both kernels, silently: a scale is a
+    number of magnitude at most 65504 (float16's largest)."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"scale must be a finite number in \[-65504, 65504\], got "):
+        F.flex_attention(q, k, v, kernel=kernel, scale=scale)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scale", [65504.0, -65504])
+def test_a_scale_at_the_bound_still_gives_numbers(kernel, scale):
+    q, k, v = _qkv()
+    got, _ = F.flex_attention(q, k, v, kernel=kernel, scale=scale)
+    want, _ = F.flex_attention(q * float(scale), k, v, kernel=kernel, scale=1.0)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from attnkit.models import CausalLM, DecoderConfig
 
-HOSTILE = [10**30, 2**63, 2**31, -1, 0, 1e-300, 5e-324, 1e308, float("nan"), float("inf"), float("-inf"), -0.0,
+HOSTILE = [10**400, 10**30, 2**63, 2**31, -1, 0, 1e-300, 5e-324, 1e308, float("nan"), float("inf"), float("-inf"), -0.0,
            "3", "", [], [1, 2], (), np.array([]), np.array([[1, 2]]), True, 3.5, {}, None, object()]
 MEMORY_LIMIT = 64 * 2**20  # bytes traced at the peak of one call: a 16-wide two-layer model needs far less
 

@@ -140,7 +140,7 @@ def test_stop_strings_end_rows_as_transformers_does(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be a positive"),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be a finite positive"),
     (dict(no_repeat_ngram_size=-1), ValueError, "no_repeat_ngram_size must be non-negative, got -1"),
     (dict(min_new_tokens=1.5), TypeError, "min_new_tokens must be an integer, got float"),
     (dict(num_return_sequences=2), ValueError, "needs do_sample=True"),

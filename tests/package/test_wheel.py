@@ -98,7 +98,7 @@ def test_build_makes_an_sdist_and_a_wheel_of_this_version(built):
     _, wheel, sdist = built
     assert wheel.name == f"attnkit-{attnkit.__version__}-py3-none-any.whl"
     assert sdist.name == f"attnkit-{attnkit.__version__}.tar.gz"
-    assert attnkit.__version__ == "0.2.0"
+    assert attnkit.__version__ == "0.5.0.dev0"
 
 
 def test_the_wheel_depends_on_numpy_only_and_carries_its_data_and_license(built):
@@ -109,7 +109,7 @@ def test_the_wheel_depends_on_numpy_only_and_carries_its_data_and_license(built)
         meta = email.parser.Parser().parsestr(z.read(meta_name).decode("utf-8"))
     required = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
     assert [r.replace(" ", "") for r in required] == ["numpy>=2.0"]
-    assert meta["Version"] == "0.2.0"
+    assert meta["Version"] == "0.5.0.dev0"
     assert "attnkit/templates/attention_explorer.html" in names  # the explorer page's template
     assert "attnkit/py.typed" in names
     assert any(n.endswith((".dist-info/licenses/LICENSE", ".dist-info/LICENSE")) for n in names)
@@ -119,14 +119,14 @@ def test_the_wheel_depends_on_numpy_only_and_carries_its_data_and_license(built)
 def test_installed_environment_holds_attnkit_and_numpy_only(fresh_env):
     work, venv, _ = fresh_env
     listed = json.loads(_pip(venv, "list", "--format=json", cwd=work).stdout)
-    assert {p["name"].lower(): p["version"] for p in listed} == {"attnkit": "0.2.0", "numpy": np.__version__}
+    assert {p["name"].lower(): p["version"] for p in listed} == {"attnkit": "0.5.0.dev0", "numpy": np.__version__}
     assert "No broken requirements" in _pip(venv, "check", cwd=work).stdout
 
 
 def test_installed_command_prints_its_version(fresh_env):
     work, venv, _ = fresh_env
     out = _run([venv / "bin" / "attnkit", "--version"], cwd=work, env=_clean_env()).stdout
-    assert out.strip() == "attnkit 0.2.0"
+    assert out.strip() == "attnkit 0.5.0.dev0"
 
 
 def test_every_public_module_imports_from_the_installed_wheel(fresh_env):

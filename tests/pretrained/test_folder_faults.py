@@ -33,7 +33,7 @@ def copy_with(folder, target, file, **changes):
 @pytest.mark.parametrize("key, value, message", [
     ("temperature", -1, "temperature must be a finite positive number, got -1"),
     ("top_p", 1.5, "top_p must be"),
-    ("repetition_penalty", 0, "repetition_penalty must be a positive finite number, got 0"),
+    ("repetition_penalty", 0, "repetition_penalty must be a finite positive number, got 0"),
     ("max_new_tokens", -3, "max_new_tokens"),
     ("stop_strings", [""], "stop_strings must be a non-empty string or a list of them"),
     ("eos_token_id", 10**6, "eos_token_id must be a token id in [0, "),

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, check_features, check_grad_output, check_positive_int, check_real
+from .._validation import as_bool_mask, check_factor, check_features, check_grad_output, check_positive_int, check_real
 from ..core.hooks import hook_heads, hook_heads_backward
 from ..core.module import Module
 from ..flex import (
@@ -135,7 +135,7 @@ class LatentAttentionConfig:
         if not check_real(self.norm_eps, "norm_eps") >= 0:
             raise ValueError(f"norm_eps must be non-negative, got {self.norm_eps}")
         if self.attention_scale is not None:
-            check_real(self.attention_scale, "attention_scale")
+            check_factor(self.attention_scale, "attention_scale")
 
     @property
     def qk_head_dim(self) -> int:

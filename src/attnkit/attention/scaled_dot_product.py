@@ -19,6 +19,7 @@ from .._validation import (
     as_float_array,
     check_mask,
     check_qkv,
+    check_scale,
     returns_input_precision,
     unbroadcast,
 )
@@ -39,7 +40,7 @@ class ScaledDotProductAttention(BaseAttention):
         Probability of zeroing a weight after the softmax, in training mode only (inverted scaling:
         kept weights are divided by ``1 - dropout``). Backward uses the same dropped entries.
     scale : float, optional
-        Score multiplier; default ``1 / sqrt(Dk)``.
+        Score multiplier, of magnitude at most 65504 (``check_scale``); default ``1 / sqrt(Dk)``.
     is_causal : bool, default False
         Always apply the bottom-right-aligned causal mask (query i sees keys ``j <= i + Lk - Lq``).
     seed : int, optional
@@ -64,10 +65,8 @@ class ScaledDotProductAttention(BaseAttention):
         super().__init__()
         if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
-        if scale is not None and not np.isfinite(scale):
-            raise ValueError(f"scale must be a finite number, got {scale!r}")
         self.dropout = float(dropout)
-        self.scale = None if scale is None else float(scale)
+        self.scale = None if scale is None else check_scale(scale)
         self.is_causal = bool(is_causal)
         self._rng = as_generator(seed)  # draws one dropout seed per forward
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import _progress
-from ..kernels._threads import get_adaptive_threads, set_adaptive_threads
+from ..kernels._threads import get_adaptive_threads, set_adaptive_threads, thread_count_argument
 from ..kernels.reference import attention_backward, attention_forward
 from ..kernels.tiled import flash_attention_backward, flash_attention_forward
 from . import naive
@@ -240,7 +240,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.attention", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="lengths L")
-    p.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 1],
+    p.add_argument("--threads", type=thread_count_argument, nargs="+", default=[os.cpu_count() or 1],
                    help="thread counts to run (e.g. 2 1); BLAS, torch and the tiled kernel all get this many")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case (best is kept)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per case first")

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels._threads import thread_count_argument
 from ..pretrained.families import REGISTRY
 from ._support import engine_threads, import_torch, torch_missing_line
 from .machine import describe, machine_info
@@ -53,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line."""
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.decode", description=__doc__.split("\n")[0])
     p.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
-    p.add_argument("--threads", type=int, default=2, help="torch, BLAS and attnkit threads (default 2)")
+    p.add_argument("--threads", type=thread_count_argument, default=2,
+                   help="torch, BLAS and attnkit threads (default 2)")
     p.add_argument("--new", type=_at_least_two, default=32, help="greedy tokens per decode run (default 32)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prefill", type=int, default=1024, help="prefill length (default 1024)")

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels._threads import num_threads
+from ..kernels._threads import num_threads, thread_count_argument
 from ..layers import TransformerEncoder
 from ..optim import Adam
 from ._support import blas_limit, import_torch, torch_missing_line, write_json
@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The benchmark's options (``--help`` lists them)."""
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.encoder", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, nargs="+", default=[2],
+    p.add_argument("--threads", type=thread_count_argument, nargs="+", default=[2],
                    help="thread counts to run, e.g. 2 1 (default 2); torch, BLAS and attnkit's tiles alike")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)

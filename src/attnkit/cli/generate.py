@@ -41,6 +41,7 @@ from ._chat_template import add_chat_template_argument, chat_template_option, re
 from ._common import (
     ESCAPES,
     UsageError,
+    add_dtype_argument,
     add_keep_quantized_argument,
     add_quiet_argument,
     add_threads_argument,
@@ -93,7 +94,8 @@ def parse_ids(text: str, prog: str = PROG) -> list[int]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``attnkit generate`` and its arguments."""
     p = subparsers.add_parser(
-        NAME, help="continue a prompt with a Hugging Face causal-LM folder (needs the 'pretrained' extra)",
+        NAME, help="continue a prompt with a Hugging Face causal-LM folder or a GGUF file (the 'pretrained' "
+                                   "extra)",
         description="Continue a prompt with a Hugging Face decoder folder (config.json + model.safetensors, "
                     f"model_type {model_types_text()}) running on attnkit's NumPy layers. Greedy unless "
                     "a sampling flag (--temperature above 0, --top-k, --top-p, --min-p, --seed) is given; the "
@@ -122,6 +124,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="at the end, report on stderr the load time, the prompt's and the generated tokens and "
                         "their rates (tokens/s), as llama.cpp and ollama do")
+    add_dtype_argument(p)
     add_threads_argument(p)
     add_quiet_argument(p)
     p.set_defaults(run=run)
@@ -139,14 +142,14 @@ def check_model_path(model_dir: str, prog: str = PROG) -> None:
 
 
 def model_for_command(model_dir: str, prog: str = PROG, keep_quantized: bool = False,
-                      progress: bool | None = None) -> Any:
-    """The CausalLM of ``model_dir`` (a folder or a GGUF file; quantized weights kept packed with
-    ``keep_quantized``), its loading shown as ``progress`` says; a missing or damaged one is a
+                      progress: bool | None = None, dtype: Any = np.float32) -> Any:
+    """The CausalLM of ``model_dir`` (a folder or a GGUF file) in ``dtype`` (``--dtype``; quantized weights kept
+    packed with ``keep_quantized``), its loading shown as ``progress`` says; a missing or damaged one is a
     :class:`UsageError` of ``prog`` (exit 2)."""
     from ..pretrained import load_causal_lm
 
     try:
-        return load_causal_lm(model_dir, keep_quantized=keep_quantized, progress=progress)
+        return load_causal_lm(model_dir, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise UsageError(f"cannot load the model {printable(repr(model_dir))}: {printable(message, 300)}",
@@ -282,7 +285,8 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     use_threads(args.threads)
     start = time.perf_counter()
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
-    model = model_for_command(args.model_dir, keep_quantized=args.keep_quantized, progress=progress)
+    model = model_for_command(args.model_dir, keep_quantized=args.keep_quantized, progress=progress,
+                              dtype=args.dtype)
     load_seconds = time.perf_counter() - start
     config = model.config
     if chat:

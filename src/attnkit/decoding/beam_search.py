@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._validation import check_positive_int, check_real
+from .._validation import check_positive_int, check_real, shown
 
 __all__ = ["DecodingState", "greedy_search", "beam_search", "search_state", "lm_beam_search",
            "transformers_beam_search", "MAX_NUM_BEAMS", "check_num_beams", "useful_beams", "next_token_logits"]
@@ -37,7 +37,7 @@ def check_num_beams(num_beams: Any) -> int:
     value = check_positive_int(num_beams, "num_beams")
     if value > MAX_NUM_BEAMS:
         raise ValueError(f"num_beams must be at most {MAX_NUM_BEAMS} (each beam decodes a row of its own), "
-                         f"got {value}")
+                         f"got {shown(value)}")
     return value
 
 

@@ -8,7 +8,6 @@ folder whose defaults generate would refuse is refused then; a call's own argume
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_positive_int, check_real
-from .beam_search import check_num_beams
+from .beam_search import MAX_NUM_BEAMS, check_num_beams
 
-__all__ = ["GenerationConfig", "MAX_NEW_TOKENS", "MAX_DRAFT_TOKENS", "check_temperature", "check_top_k", "check_unit"]
+__all__ = ["GenerationConfig", "MAX_NEW_TOKENS", "MAX_DRAFT_TOKENS", "check_temperature", "check_top_k", "check_unit",
+           "check_repetition_penalty"]
 
 MAX_NEW_TOKENS = 2**31 - 1
 # Draft tokens per speculative round at most: a ring-buffer layer keeps this many slots beyond its window so a
@@ -26,21 +26,22 @@ MAX_NEW_TOKENS = 2**31 - 1
 MAX_DRAFT_TOKENS = 64
 
 
-# The warpers' checks, shared with the warpers themselves (attnkit.decoding.sampling).
+# The warpers' checks, shared with the warpers themselves (attnkit.decoding.sampling). Every number goes through
+# the one checked conversion (attnkit._validation.check_real): 10**400 is a ValueError naming it.
 def check_unit(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-            or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
+    return check_real(value, name, low=0.0, high=1.0, expected="a number in [0, 1]")
 
 
 def check_temperature(temperature: Any) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(temperature) or temperature <= 0:
-        hint = " (for greedy decoding use do_sample=False)" if isinstance(temperature, (int, float)) \
-            and temperature == 0 else ""
-        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}{hint}")
-    return float(temperature)
+    try:
+        return check_real(temperature, "temperature", low=0, low_open=True)
+    except ValueError as exc:
+        hint = " (for greedy decoding use do_sample=False)" if temperature == 0 else ""
+        raise ValueError(f"{exc}{hint}") from None
+
+
+def check_repetition_penalty(penalty: Any) -> float:
+    return check_real(penalty, "repetition_penalty", low=0, low_open=True)
 
 
 def check_top_k(top_k: Any) -> int:
@@ -65,7 +66,8 @@ class GenerationConfig:
     stop_strings : str or sequence of str, optional
         Text that ends a row (needs the tokenizer at the call); kept as a tuple.
     num_return_sequences : int, default 1
-        Sequences per prompt (more than one needs sampling or beams).
+        Sequences per prompt, at most 1024 (``MAX_NUM_BEAMS``: each is a row decoded); more than one needs
+        sampling or beams.
     eos_token_id : int or sequence of int, optional
         End-of-sequence ids (None: the model's; checked against the model's vocabulary at the call).
     pad_token_id : int, optional
@@ -142,9 +144,10 @@ class GenerationConfig:
                 self._set(name, check_positive_int(getattr(self, name), name, allow_zero=True))
         if self.max_new_tokens is None:
             raise ValueError("max_new_tokens must be an integer, got None")
-        if self.max_new_tokens > MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS}, got {self.max_new_tokens}")
-        self._set("num_return_sequences", check_positive_int(self.num_return_sequences, "num_return_sequences"))
+        check_positive_int(self.max_new_tokens, "max_new_tokens", allow_zero=True, maximum=MAX_NEW_TOKENS)
+        # every sequence is a row generate decodes, as every beam is: the same bound
+        self._set("num_return_sequences", check_positive_int(self.num_return_sequences, "num_return_sequences",
+                                                             maximum=MAX_NUM_BEAMS))
         if not isinstance(self.do_sample, (bool, np.bool_)):
             raise TypeError(f"do_sample must be True or False, got {self.do_sample!r}")
 
@@ -158,10 +161,8 @@ class GenerationConfig:
             raise ValueError("prompt_lookup_num_tokens and assistant_early_exit are two ways of drafting: give one")
 
     def _check_processors(self) -> None:
-        penalty = self.repetition_penalty
-        if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating))
-                                    or not math.isfinite(penalty) or penalty <= 0):
-            raise ValueError(f"repetition_penalty must be a positive finite number, got {penalty!r}")
+        if self.repetition_penalty is not None:
+            check_repetition_penalty(self.repetition_penalty)
         stops = self.stop_strings
         if stops is not None:
             stops = (stops,) if isinstance(stops, str) else stops

@@ -24,7 +24,14 @@ import numpy as np
 from .. import _progress
 from .._validation import as_array, check_positive_int
 from .beam_search import lm_beam_search, next_token_logits
-from .config import MAX_DRAFT_TOKENS, GenerationConfig, check_temperature, check_top_k, check_unit
+from .config import (
+    MAX_DRAFT_TOKENS,
+    GenerationConfig,
+    check_repetition_penalty,
+    check_temperature,
+    check_top_k,
+    check_unit,
+)
 from .speculative import DraftModel, PromptLookup, Proposer
 
 __all__ = ["check_generation_config", "resolve_generation_options",
@@ -250,6 +257,7 @@ def apply_repetition_penalty(logits: np.ndarray, sequences: np.ndarray, penalty:
     >>> apply_repetition_penalty(np.array([[2.0, -2.0, 1.0]]), np.array([[0, 1]]), 2.0)
     array([[ 1., -4.,  1.]])
     """
+    penalty = check_repetition_penalty(penalty)
     vocab = logits.shape[-1]
     if padding is not None:  # a pad column names the extra id V, dropped below
         sequences = np.where(np.arange(sequences.shape[1])[None] < padding[:, None], vocab, sequences)  # (B, S)

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from .._validation import check_real
+from .._validation import check_scale
 from ..kernels import attention_backward, attention_forward, tiled
 from ..kernels.flex import FlexContext, flex_backward, flex_forward
 from ..kernels.registry import resolve_kernel
@@ -71,8 +71,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     block_mask : BlockMask, optional
         From :func:`create_block_mask` with ``Q_LEN == Lq`` and ``KV_LEN == Lk``.
     scale : float, optional
-        A finite real number (``TypeError`` for a string or a bool, ``ValueError`` for NaN or inf). Default
-        ``1 / sqrt(D)`` (1 when D = 0).
+        A real number of magnitude at most 65504 (:func:`attnkit._validation.check_scale`: ``TypeError`` for a
+        string or a bool, ``ValueError`` for NaN, inf, 10**400 and ±1e308, whose scores overflow to inf and
+        whose softmax is NaN). Default ``1 / sqrt(D)`` (1 when D = 0).
     sinks : array of real numbers, shape (Hq,), optional
     enable_gqa : bool
         Allow ``Hkv`` dividing ``Hq`` (query head h reads K/V head ``h // (Hq / Hkv)``).
@@ -133,7 +134,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask: BlockMask | None = None,
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D else 1.0  # no features: every score is 0 whatever the scale
     else:
-        scale = check_real(scale, "scale")
+        scale = check_scale(scale)
     group = Hq // Hkv if Hkv else 1  # the kernels read each key/value head for its G query heads, without copies
     Lk = k.shape[2]
     described = _kernel_mask(block_mask, Lq, Lk)

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from .._validation import check_positive_int
+from .._validation import check_factor, check_positive_int
 
 __all__ = ["ScoreMod", "ALiBi", "RelativePositionBias", "softcap", "alibi", "alibi_slopes", "relative_position_bias",
            "additive_bias", "compose", "t5_relative_position_bucket", "as_score_mod"]
@@ -101,9 +101,7 @@ def as_score_mod(score_mod) -> ScoreMod | None:
 class _Softcap(ScoreMod):
     def __init__(self, cap: float):
         super().__init__()
-        if not (isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap)):
-            raise ValueError(f"softcap: cap must be a positive finite number, got {cap!r}")
-        self.cap = float(cap)
+        self.cap = check_factor(cap, "softcap: cap")
 
     # One new array per call, the rest in place: the kernel calls these on every tile.
     def forward(self, score, b, h, q_idx, kv_idx):
@@ -123,6 +121,9 @@ class _Softcap(ScoreMod):
 
 def softcap(cap: float) -> ScoreMod:
     """``cap * tanh(score / cap)`` (Gemma 2, Grok): scores squashed into ``(-cap, cap)``.
+
+    ``cap`` is a number in ``[2**-14, 65504]`` (:func:`attnkit._validation.check_factor`, ``ValueError``
+    otherwise): a cap of 1e-320 is 0 in float32 and divides the scores by it, one of 1e308 is inf.
 
     Examples
     --------

@@ -35,13 +35,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+from .._arguments import bounded_int
 from .._cpu import busy_seconds, usable_cpu_ids
 from .._validation import check_positive_int
 
-__all__ = ["MAX_NUM_THREADS", "LOAD_INTERVAL", "check_num_threads", "set_num_threads", "get_num_threads",
-           "num_threads", "default_num_threads", "set_adaptive_threads", "get_adaptive_threads", "free_cores",
-           "cores_left", "in_worker", "blas_limit", "blas_single_thread", "blas_on_free_cores", "one_row_blas",
-           "run_tasks", "check_stop", "TasksStopped"]
+__all__ = ["MAX_NUM_THREADS", "LOAD_INTERVAL", "check_num_threads", "thread_count_argument", "set_num_threads",
+           "get_num_threads", "num_threads", "default_num_threads", "set_adaptive_threads", "get_adaptive_threads",
+           "free_cores", "cores_left", "in_worker", "blas_limit", "blas_single_thread", "blas_on_free_cores",
+           "one_row_blas", "run_tasks", "check_stop", "TasksStopped"]
 
 _pool: ThreadPoolExecutor | None = None  # the process's helper threads, sized by the largest call so far
 _pool_size = 0
@@ -66,6 +67,11 @@ def check_num_threads(n: Any, name: str = "n") -> int:
     """``n`` as a thread count: an integer in [1, :data:`MAX_NUM_THREADS`] (``TypeError`` / ``ValueError``
     naming ``name`` otherwise). The one check of every thread count the kernels take."""
     return check_positive_int(n, name, maximum=MAX_NUM_THREADS)
+
+
+# The argparse type of every --threads flag (attnkit's commands, the benchmarks): the bound check_num_threads
+# applies, so a count the command line accepts is one the kernels run.
+thread_count_argument = bounded_int(1, MAX_NUM_THREADS)
 
 
 def set_num_threads(n: int | None) -> None:

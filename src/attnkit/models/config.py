@@ -11,11 +11,10 @@ MLP, which positions, how many key/value heads, which layers use a sliding windo
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .._validation import check_positive_int
+from .._validation import check_eps, check_factor, check_positive_int, check_real
 from ..attention.latent import LatentAttentionConfig
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
@@ -25,13 +24,14 @@ from ..layers.gated_deltanet import GatedDeltaNetConfig
 from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
+           "MAX_LAYERS",
            "TokenTaggerConfig", "ROPE_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 _LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention")
 
 
 _MAX_SIZE = 2**31 - 1  # no real model comes near it; beyond it a size could only allocate without end
-_MAX_LAYERS = 2**20  # one (tiny) entry per layer is built before a checkpoint is read
+MAX_LAYERS = 2**20  # one (tiny) entry per layer is built before a checkpoint is read
 
 
 def _check_choice(value: Any, name: str, allowed: tuple[str, ...]) -> None:
@@ -40,15 +40,25 @@ def _check_choice(value: Any, name: str, allowed: tuple[str, ...]) -> None:
 
 
 def _finite_positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-    return float(value)
+    try:
+        return check_real(value, name, low=0, low_open=True)
+    except TypeError:
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}") from None
 
 
 def _finite(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
+    try:
+        return check_real(value, name)
+    except TypeError:
+        raise ValueError(f"{name} must be a finite number, got {value!r}") from None
+
+
+def _factor(value: Any, name: str) -> float:
+    """A scale, multiplier or soft-cap (:func:`attnkit._validation.check_factor`: in ``[2**-14, 65504]``)."""
+    try:
+        return check_factor(value, name)
+    except TypeError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 def _check_flag(value: Any, name: str) -> None:
@@ -167,7 +177,7 @@ class NormConfig:
     def __post_init__(self) -> None:
         _check_choice(self.kind, "norm.kind", ("rmsnorm", "layernorm"))
         _check_choice(self.placement, "norm.placement", NORM_PLACEMENTS)
-        _finite_positive(self.eps, "norm.eps")
+        check_eps(self.eps, "norm.eps")
         _finite(self.offset, "norm.offset")
         if self.offset and self.kind != "rmsnorm":
             raise ValueError(f"norm.offset ({self.offset}) is an RMSNorm gain's offset; norm.kind is {self.kind!r}")
@@ -204,7 +214,9 @@ class AttentionConfig:
     scale : float, optional
         The factor of ``q k^T`` (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
     logit_softcap : float, optional
-        C: scores become ``C * tanh(scores / C)`` before the mask and softmax (Gemma 2).
+        C: scores become ``C * tanh(scores / C)`` before the mask and softmax (Gemma 2). Like every scale,
+        multiplier and soft-cap of a model, ``scale`` and C lie in ``[2**-14, 65504]`` (float16's normal range,
+        :data:`attnkit._validation.FACTOR_RANGE`): past it they overflow, or vanish, in float16.
     sinks : bool, default False
         Every query head has a learned sink logit ``sinks`` (Hq,) that joins its softmax and takes weight from
         the keys without contributing a value (gpt-oss).
@@ -232,7 +244,7 @@ class AttentionConfig:
             _check_choice(self.qk_norm, "attention.qk_norm", QK_NORMS)
         for name in ("scale", "logit_softcap"):
             if getattr(self, name) is not None:
-                _finite_positive(getattr(self, name), f"attention.{name}")
+                _factor(getattr(self, name), f"attention.{name}")
         if self.sliding_window is not None:
             check_positive_int(self.sliding_window, "attention.sliding_window", maximum=_MAX_SIZE)
 
@@ -302,9 +314,10 @@ class DecoderConfig:
     linear_attention : GatedDeltaNetConfig, optional
         The shape of the ``linear_attention`` layers (given exactly when there are some).
     embedding_scale : float, default 1.0
-        The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32).
+        The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32); in
+        ``[2**-14, 65504]``.
     final_logit_softcap : float, optional
-        C: the output logits become ``C * tanh(logits / C)`` (Gemma 2).
+        C: the output logits become ``C * tanh(logits / C)`` (Gemma 2); in ``[2**-14, 65504]``.
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
     layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention"}
@@ -376,7 +389,7 @@ class DecoderConfig:
                              f"supported_model_types() lists those with checkpoints), got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
-            check_positive_int(getattr(self, name), name, maximum=_MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
+            check_positive_int(getattr(self, name), name, maximum=MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         _check_choice(self.activation, "activation", ACTIVATIONS)
@@ -384,9 +397,9 @@ class DecoderConfig:
         _check_choice(self.residual, "residual", RESIDUALS)
         for name in ("mlp_bias", "tie_word_embeddings"):
             _check_flag(getattr(self, name), name)
-        _finite_positive(self.embedding_scale, "embedding_scale")
+        _factor(self.embedding_scale, "embedding_scale")
         if self.final_logit_softcap is not None:
-            _finite_positive(self.final_logit_softcap, "final_logit_softcap")
+            _factor(self.final_logit_softcap, "final_logit_softcap")
 
     def _check_parts(self) -> None:
         for name, kind in _PARTS.items():

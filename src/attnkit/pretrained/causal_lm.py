@@ -2,7 +2,8 @@
 :class:`CausalLM`.
 
 ``config.json`` becomes a :class:`~attnkit.models.DecoderConfig` (:mod:`.hf_config`), the safetensors headers
-are checked against it (:mod:`.checkpoint`), and only then is the model built and each tensor read into it.
+are checked against it (:mod:`.checkpoint`), then what its sizes make (the rotary tables), and only then is the
+model built and each tensor read into it.
 A path ending in ``.gguf`` that is a file is read by :mod:`.gguf_file` the same way (metadata, then the tensor
 table, then the model). Needs the ``pretrained`` extra (``safetensors``, or ``gguf`` for GGUF files); never
 imports torch or transformers.
@@ -28,6 +29,7 @@ from .checkpoint import (
 )
 from .gguf_file import (
     GGUFFile,
+    gguf_hf_config,
     is_gguf_path,
     load_gguf_tensors_into,
     pack_gguf_tensors,
@@ -37,7 +39,7 @@ from .gguf_file import (
     validate_gguf_tensors,
 )
 from .gguf_tokenizer import gguf_tokenizer
-from .hf_config import decoder_config_from_hf
+from .hf_config import check_rope_tables, read_decoder_keys
 from .tokenizer import chat_templates_of_folder, load_tokenizer, read_generation_config
 
 __all__ = ["load", "load_causal_lm", "read_decoder_config", "read_chat_templates"]
@@ -63,15 +65,35 @@ def read_decoder_config(folder: str | Path):
     FileNotFoundError
         The folder or its ``config.json`` does not exist.
     ValueError
-        ``config.json`` is not a JSON object, or describes a model attnkit does not load (naming the key).
+        ``config.json`` is not a JSON object, or describes a model attnkit does not load (naming the file and
+        the key).
     """
+    file, raw, config = _read_config_keys(folder)
+    _check_tables(file, config, raw)
+    return config
+
+
+def _read_config_keys(folder: str | Path) -> tuple[Path, dict, Any]:
+    """``(config.json's path, its dict, its DecoderConfig)`` read by :func:`~.hf_config.read_decoder_keys`:
+    checked, in time and memory that do not grow with the sizes it claims (errors name the file)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
     file = folder / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
-    return decoder_config_from_hf(read_json(file))
+    raw = read_json(file)
+    try:
+        return file, raw, read_decoder_keys(raw)
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc}") from None
+
+
+def _check_tables(file: Path, config: Any, raw: dict) -> None:
+    try:
+        check_rope_tables(config, raw)
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc}") from None
 
 
 def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = False,
@@ -127,6 +149,7 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized:
 
     >>> import json, tempfile
     >>> from safetensors.numpy import save_file
+    >>> from attnkit.pretrained import decoder_config_from_hf
     >>> from attnkit.pretrained.checkpoint import checkpoint_map
     >>> hf = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
     ...       "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -146,9 +169,12 @@ def load_causal_lm(path: str | Path, dtype: Any = np.float32, *, keep_quantized:
     if is_gguf_path(path):
         return _load_gguf(read_gguf(path), dtype, keep_quantized, progress)
     folder = Path(path)
-    config = read_decoder_config(folder)
+    # Loading validates before it allocates: the config's sizes meet the checkpoint's tensor shapes before
+    # anything is computed per feature, per layer or per expert (the rotary tables' check included).
+    file, raw, config = _read_config_keys(folder)
     index = read_checkpoint_index(folder)
     stored = validate_checkpoint(index, config)
+    _check_tables(file, config, raw)
     try:
         generation = check_generation_config(read_generation_config(folder), config.vocab_size)
     except (ValueError, TypeError) as exc:
@@ -198,6 +224,10 @@ def _load_gguf(file: GGUFFile, dtype: np.dtype, keep_quantized: bool = False, pr
     """A parsed GGUF file's model: its metadata and tensor table checked, then the model built and filled."""
     config = read_gguf_config(file)
     entries = validate_gguf_tensors(file, config)
+    try:
+        check_rope_tables(config, gguf_hf_config(file))
+    except ValueError as exc:
+        raise file.fail(f"its metadata describes a model attnkit does not load: {exc}") from None
     model = _empty_model(config, dtype, {name: entry.mapping for name, entry in entries.items()}, keep_quantized)
     if keep_quantized:
         packed, entries = pack_gguf_tensors(file, entries, config)
@@ -238,7 +268,7 @@ def load(folder: str | Path, dtype: Any = np.float32, *, keep_quantized: bool = 
                             f"{config.vocab_size}: ids past {config.vocab_size - 1} have no embedding")
         return _load_gguf(file, dtype, keep_quantized, _progress.check_progress(progress)), tokenizer
     tokenizer = load_tokenizer(folder)
-    check_tokenizer_fits(tokenizer, read_decoder_config(folder), Path(folder))
+    check_tokenizer_fits(tokenizer, _read_config_keys(folder)[2], Path(folder))
     return load_causal_lm(folder, dtype=dtype, keep_quantized=keep_quantized, progress=progress), tokenizer
 
 

@@ -202,10 +202,11 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
     ValueError
         A missing or unexpected tensor, a wrong shape or an unsupported dtype, naming the tensor.
     """
-    if config.num_layers > len(index.tensors):
-        # Every layer needs tensors of its own: refuse before building a map (or a model) for the claimed depth.
-        raise ValueError(f"{index.folder}: the config's num_hidden_layers = {config.num_layers} cannot match a "
-                         f"checkpoint of {len(index.tensors)} tensors")
+    for claim, units in _claimed_units(config):
+        if units > len(index.tensors):
+            # Each unit needs tensors of its own: refuse before building a map (or a model) for the claim.
+            raise ValueError(f"{index.folder}: the config's {claim} cannot match a checkpoint of "
+                             f"{len(index.tensors)} tensors")
     mxfp4 = any(n.endswith(_MXFP4_MARK) for n in index.tensors)
     maps, prefix = checkpoint_map(config, mxfp4=mxfp4)
     names = [n for n in index.tensors if not n.endswith(_IGNORED_SUFFIXES)]
@@ -255,6 +256,21 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
             raise ValueError(f"{header.file}: tensor {name!r} has shape {header.shape}, but the config implies "
                              f"{m.shape}")
     return stored
+
+
+def _claimed_units(config: DecoderConfig) -> list[tuple[str, int]]:
+    """The counts of ``config`` whose every unit has tensors of its own in a checkpoint (its layers, and experts
+    stored one tensor per expert), as ``(what is claimed, units)``: a checkpoint of T tensors holds at most T."""
+    claims = [(f"num_hidden_layers = {config.num_layers}", config.num_layers)]
+    part = config.grouped_experts
+    if part is not None:
+        routed = max(config.num_layers - part.first_dense_layers, 0)
+        claims.append((f"{part.num_experts} experts on each of {routed} routed layers", part.num_experts * routed))
+    moe = config.shared_experts
+    if moe is not None:
+        claims.append((f"{moe.num_experts} experts on each of {len(moe.layers)} sparse layers",
+                       moe.num_experts * len(moe.layers)))
+    return claims
 
 
 def _data_ranges(file: Path) -> tuple[int, dict[str, tuple[int, int]]]:

@@ -42,7 +42,7 @@ from ..models.config import DecoderConfig
 from ._extra import import_extra
 from .checkpoint import HEAD_NAMES, TensorMap, checkpoint_map
 from .gguf_header import GGUFHeader, check_metadata_types, check_tensor_layout, read_header
-from .hf_config import decoder_config_from_hf
+from .hf_config import read_decoder_keys
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "GGUFFile", "read_gguf", "read_gguf_strings", "gguf_hf_config",
            "read_gguf_config", "is_gguf_path", "special_token_ids", "validate_gguf_tensors", "load_gguf_tensors_into",
@@ -561,10 +561,12 @@ def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
 
 
 def read_gguf_config(file: GGUFFile) -> DecoderConfig:
-    """The :class:`~attnkit.models.DecoderConfig` of a parsed GGUF file (see :func:`gguf_hf_config`)."""
+    """The :class:`~attnkit.models.DecoderConfig` of a parsed GGUF file (see :func:`gguf_hf_config`), read by
+    :func:`~attnkit.pretrained.hf_config.read_decoder_keys` (the loader checks the rotary tables once the tensor
+    table has confirmed the sizes)."""
     config = gguf_hf_config(file)
     try:
-        return decoder_config_from_hf(config)
+        return read_decoder_keys(config)
     except ValueError as exc:
         raise file.fail(f"its metadata describes a model attnkit does not load: "
                         f"{_in_gguf_terms(str(exc), file.architecture)}") from None

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from ..models.config import DecoderConfig
 from .families import REGISTRY, family, model_types
+from .families._reader import check_rope_tables
 
-__all__ = ["decoder_config_from_hf", "supported_model_types", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["decoder_config_from_hf", "read_decoder_keys", "check_rope_tables", "supported_model_types",
+           "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
 
@@ -48,8 +50,9 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
     Raises
     ------
     ValueError
-        An unknown ``model_type``, a missing or wrongly typed key (named in the message), a rotary scaling
-        or architecture switch attnkit does not implement.
+        An unknown ``model_type``, a missing or wrongly typed key (named in the message), a number out of its
+        range (``10**400`` included), a rotary scaling whose cos/sin tables would not be finite, a rotary
+        scaling or architecture switch attnkit does not implement.
     TypeError
         If ``config`` is not a dict.
 
@@ -69,6 +72,25 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
     >>> decoder_config_from_hf({"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2,
     ...     "n_head": 4}).activation
     'gelu_tanh'
+    """
+    cfg = read_decoder_keys(config)
+    check_rope_tables(cfg, config)
+    return cfg
+
+
+def read_decoder_keys(config: dict) -> DecoderConfig:
+    """:func:`decoder_config_from_hf` without its last check, :func:`check_rope_tables`: every key is read and
+    checked, in time and memory that do not grow with any size the config claims.
+
+    The loaders read a folder's (or a GGUF file's) config with it, check its sizes against the checkpoint's
+    tensor shapes, and only then call :func:`check_rope_tables`, which computes a frequency per rotated
+    feature pair: so a claimed ``head_dim`` of 10**9 is refused by the tensor it contradicts, having cost
+    nothing.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`decoder_config_from_hf`, except a rotary scaling whose tables overflow.
     """
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict (a parsed config.json), got {type(config).__name__}")

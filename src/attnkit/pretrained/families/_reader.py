@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from ..._validation import check_eps, check_factor, check_real, shown
 from ...kernels import rotary as _rotary
+from ...models.config import MAX_LAYERS, DecoderConfig
 
 __all__ = ["Reader", "MISSING", "ROPE_KEYS", "COMMON_KEYS", "refuse_unknown_keys", "is_metadata_key",
-           "read_rope", "read_layer_types"]
+           "read_rope", "check_rope_tables", "read_layer_types"]
 
 MISSING = object()
 _MAX_SIZE = 2**31 - 1
@@ -95,7 +97,7 @@ class Reader:
         self.family = family
 
     def _fail(self, key: str, expected: str, value: Any) -> ValueError:
-        return ValueError(f"{self.family} config: {key!r} must be {expected}, got {value!r}")
+        return ValueError(f"{self.family} config: {key!r} must be {expected}, got {shown(value)}")
 
     def raw(self, key: str, default: Any = MISSING) -> Any:
         if key not in self.config:
@@ -104,20 +106,53 @@ class Reader:
             return default
         return self.config[key]
 
-    def int(self, key: str, default: Any = MISSING, *, optional: bool = False) -> int | None:
+    def int(self, key: str, default: Any = MISSING, *, optional: bool = False, minimum: int = 1,
+            maximum: int = _MAX_SIZE) -> int | None:
+        """A size or count in [``minimum``, ``maximum``] (null too when ``optional``). No size of a real model
+        comes near 2**31; a larger one could only allocate without end."""
         value = self.raw(key, default)
         if value is None and optional:
             return None
-        # No size of a real model comes near 2**31; a larger one could only allocate without end.
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_SIZE:
-            raise self._fail(key, f"a positive integer up to {_MAX_SIZE}" + (" or null" if optional else ""), value)
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+            raise self._fail(key, f"{kind} up to {maximum}" + (" or null" if optional else ""), value)
         return value
 
+    def count(self, key: str, default: Any = MISSING) -> int:
+        """A count that may be 0: an integer in [0, 2**31 - 1]."""
+        return self.int(key, default, minimum=0)
+
+    def layers(self, key: str = "num_hidden_layers") -> int:
+        """The depth, at most :data:`~attnkit.models.config.MAX_LAYERS` (2**20): read before anything is built
+        per layer, so that a claimed depth costs nothing until the checkpoint confirms it."""
+        return self.int(key, maximum=MAX_LAYERS)
+
     def float(self, key: str, default: Any = MISSING) -> float:
+        """A finite positive number, through the one checked conversion (:func:`attnkit._validation.check_real`):
+        ``10**400`` or ``1e999`` is refused naming the key, never an ``OverflowError``."""
         value = self.raw(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise self._fail(key, "a finite positive number", value)
-        return float(value)
+        try:
+            return check_real(value, repr(key), low=0, low_open=True)
+        except (TypeError, ValueError):
+            raise self._fail(key, "a finite positive number", value) from None
+
+    def eps(self, key: str, default: Any = MISSING) -> float:
+        """A norm's epsilon: a number in (0, 65504] (:func:`attnkit._validation.check_eps`), added to the variance
+        in the model's dtype."""
+        value = self.raw(key, default)
+        try:
+            return check_eps(value, repr(key))
+        except ValueError as exc:
+            raise ValueError(f"{self.family} config: {exc}") from None
+
+    def factor(self, key: str, default: Any = MISSING) -> float:
+        """A scale, multiplier or soft-cap: a number in float16's normal range, ``[2**-14, 65504]``
+        (:func:`attnkit._validation.check_factor`), whose use in a model can neither overflow nor vanish."""
+        value = self.raw(key, default)
+        try:
+            return check_factor(value, repr(key))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{self.family} config: {exc}") from None
 
     def bool(self, key: str, default: Any = MISSING) -> bool:
         value = self.raw(key, default)
@@ -180,20 +215,23 @@ def read_layer_types(read: Reader, layers: int, window: int | None) -> tuple[str
 def _divisors(read: Reader, key: str) -> tuple[float, ...]:
     """longrope's per-frequency divisors: a non-empty list of finite positive numbers."""
     value = read.raw(key)
-    if not isinstance(value, list) or not value or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in value):
+    if not isinstance(value, list) or not value:
         raise read._fail(key, "a non-empty list of finite positive numbers", value)
-    return tuple(float(v) for v in value)
+    try:
+        return tuple(check_real(v, f"{key!r}[{i}]", low=0, low_open=True) for i, v in enumerate(value))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{read.family} config: {exc}") from None
 
 
-def read_rope(read: Reader, max_positions: int, head_dim: int, aliases: Mapping[str, str] | None = None
+def read_rope(read: Reader, max_positions: int, aliases: Mapping[str, str] | None = None
               ) -> tuple[float, dict | None, float]:
     """(theta, normalised scaling or None, partial rotary factor) from either config style (``aliases``: the
     family's older names of rope types).
 
     As in Hugging Face, a non-empty ``rope_scaling`` takes the place of ``rope_parameters``; the theta comes
-    from that dict, else the top-level ``rope_theta``, else 10000. A scaling whose cos/sin tables would not be
-    finite is refused naming its key (:func:`_refuse_overflowing_tables`).
+    from that dict, else the top-level ``rope_theta``, else 10000. Every number is checked here, in time and
+    memory that do not grow with any size; whether the scaling's cos/sin tables are finite is
+    :func:`check_rope_tables`'s question, asked once the head widths are known to be real.
     """
     family = read.family
     scaling = read.raw("rope_scaling", None)
@@ -215,13 +253,16 @@ def read_rope(read: Reader, max_positions: int, head_dim: int, aliases: Mapping[
     if not isinstance(kind, str) or kind not in _ROPE_REQUIRED:
         raise ValueError(f"{family} config: {key}['rope_type'] {kind!r} is not supported; expected one of "
                          f"{', '.join(_ROPE_REQUIRED)}")
+    # transformers fills the top-level theta and partial factor into rope_parameters only where it has none
+    # (setdefault); a number the file holds is checked either way.
+    theta = read.float("rope_theta", 10000.0)
+    partial = read.float("partial_rotary_factor", 1.0)
     theta_value = params.pop("rope_theta", MISSING)
-    if theta_value is MISSING:
-        theta = read.float("rope_theta", 10000.0)
-    else:
+    if theta_value is not MISSING:
         theta = Reader({"rope_theta": theta_value}, f"{family} config: {key}").float("rope_theta")
-    partial_value = params.pop("partial_rotary_factor", read.raw("partial_rotary_factor", 1.0))
-    partial = Reader({"partial_rotary_factor": partial_value}, family).float("partial_rotary_factor")
+    partial_value = params.pop("partial_rotary_factor", MISSING)
+    if partial_value is not MISSING:
+        partial = Reader({"partial_rotary_factor": partial_value}, family).float("partial_rotary_factor")
     if kind == "default":
         return theta, None, partial
     if kind in ("yarn", "llama3", "longrope"):
@@ -247,9 +288,36 @@ def read_rope(read: Reader, max_positions: int, head_dim: int, aliases: Mapping[
     if unknown:
         raise ValueError(f"{family} config: {key} has keys attnkit does not implement for rope_type {kind!r}: "
                          f"{unknown}")
-    _refuse_overflowing_tables(f"{family} config: {key}", theta, normalised, int(head_dim * min(partial, 1.0)),
-                               max_positions)
     return theta, normalised, partial
+
+
+def check_rope_tables(cfg: DecoderConfig, config: Mapping[str, Any]) -> None:
+    """Refuse, naming the key of ``config`` (the parsed ``config.json`` ``cfg`` was read from), a rotary scaling
+    whose cos/sin tables would hold inf or NaN (:func:`_refuse_overflowing_tables`), for every rotary and head
+    width the layers use.
+
+    Apart from :func:`read_rope` because it computes one frequency per rotated feature pair: a claimed
+    ``head_dim`` of 10**9 would allocate gigabytes. Loading calls it once the checkpoint's tensor shapes have
+    confirmed the head widths; :func:`~attnkit.pretrained.decoder_config_from_hf` right after reading.
+    """
+    if cfg.rotary is None:
+        return
+    rope = config.get("rope_parameters")
+    per_type = isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values())
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    checked: list[tuple[Any, int]] = []
+    for layer in range(cfg.num_layers):
+        rotary = cfg.rotary_of(layer)
+        if rotary is None or rotary.scaling is None:
+            continue
+        use = (rotary, int(cfg.head_dim_of(layer) * min(rotary.partial_factor, 1.0)))
+        if use in checked:
+            continue
+        checked.append(use)
+        kind = "sliding_attention" if cfg.window_of(layer) is not None else "full_attention"
+        where = f"{key}[{kind!r}]" if per_type else key
+        _refuse_overflowing_tables(f"{cfg.family} config: {where}", rotary.theta, rotary.scaling, use[1],
+                                   cfg.max_position_embeddings)
 
 
 def _check_scaling(where: str, key: str, theta: float, normalised: dict, max_positions: int) -> None:

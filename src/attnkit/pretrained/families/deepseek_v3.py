@@ -19,6 +19,7 @@ transformers stacks them into ``gate_up_proj`` and ``down_proj``) and ``mlp.shar
 """
 from __future__ import annotations
 
+from ..._validation import check_factor
 from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
 from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
 from ..tensor_map import TensorMap
@@ -53,11 +54,18 @@ def _latent(read: Reader, hidden: int, heads: int, scaling: dict | None) -> Late
         if given != value:
             raise ValueError(f"{read.family} config: {key!r} ({given!r}) must be {value}, as transformers derives "
                              f"it from the qk_*_head_dim keys")
+    scale = yarn_softmax_scale(nope + rope, scaling)
+    try:
+        check_factor(scale, "the softmax scale")
+    except ValueError:
+        raise ValueError(f"{read.family} config: the softmax scale, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 "
+                         f"times the square of YaRN's mscale of mscale_all_dim, is {scale!r}; it must be in "
+                         f"[2**-14, 65504] (float16's normal range)") from None
     return LatentAttentionConfig(
         hidden_size=hidden, num_heads=heads, kv_lora_rank=_read_int(read, "kv_lora_rank"), qk_nope_head_dim=nope,
         qk_rope_head_dim=rope, v_head_dim=_read_int(read, "v_head_dim"),
         q_lora_rank=_read_int(read, "q_lora_rank", optional=True), attention_bias=read.bool("attention_bias", False),
-        rope_interleaved=read.bool("rope_interleave", True), attention_scale=yarn_softmax_scale(nope + rope, scaling))
+        rope_interleaved=read.bool("rope_interleave", True), attention_scale=scale)
 
 
 def _experts(read: Reader, layers: int) -> ExpertsConfig | None:
@@ -67,10 +75,7 @@ def _experts(read: Reader, layers: int) -> ExpertsConfig | None:
             raise ValueError(f"{read.family} config: {key!r} must be {value!r} (the routing attnkit and "
                              f"transformers implement), got {read.raw(key)!r}")
     experts = read.int("n_routed_experts", read.raw("num_local_experts", DEFAULTS["n_routed_experts"]))
-    first_dense = read.raw("first_k_dense_replace", DEFAULTS["first_k_dense_replace"])
-    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
-        raise ValueError(f"{read.family} config: 'first_k_dense_replace' must be a non-negative integer, got "
-                         f"{first_dense!r}")
+    first_dense = read.count("first_k_dense_replace", DEFAULTS["first_k_dense_replace"])
     width = _read_int(read, "moe_intermediate_size")
     if first_dense >= layers:
         return None
@@ -80,7 +85,7 @@ def _experts(read: Reader, layers: int) -> ExpertsConfig | None:
             moe_intermediate_size=width, layers=tuple(range(first_dense, layers)), router="sigmoid_group_topk",
             n_group=_read_int(read, "n_group"), topk_group=_read_int(read, "topk_group"),
             norm_topk_prob=read.bool("norm_topk_prob", True),
-            routed_scaling_factor=read.float("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
+            routed_scaling_factor=read.factor("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
             shared_expert_intermediate_size=_read_int(read, "n_shared_experts") * width)
     except ValueError as error:
         raise ValueError(f"{read.family} config: {error}") from None
@@ -88,14 +93,14 @@ def _experts(read: Reader, layers: int) -> ExpertsConfig | None:
 
 def _read_config(read: Reader) -> DecoderConfig:
     family = read.family
-    hidden, heads, layers = read.int("hidden_size"), read.int("num_attention_heads"), read.int("num_hidden_layers")
+    hidden, heads, layers = read.int("hidden_size"), read.int("num_attention_heads"), read.layers()
     kv_heads = read.int("num_key_value_heads", heads, optional=True) or heads
     if kv_heads != heads:
         raise ValueError(f"{family} config: 'num_key_value_heads' ({kv_heads}) must equal num_attention_heads "
                          f"({heads}): every latent attention head has its own keys and values")
     max_positions = _read_int(read, "max_position_embeddings")
     rope = _read_int(read, "qk_rope_head_dim")
-    theta, scaling, partial = read_rope(read, max_positions, rope)
+    theta, scaling, partial = read_rope(read, max_positions)
     if partial != 1.0:
         raise ValueError(f"{family} config: 'partial_rotary_factor' must be 1 (the rotary part is qk_rope_head_dim "
                          f"wide), got {partial}")
@@ -103,7 +108,7 @@ def _read_config(read: Reader) -> DecoderConfig:
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=heads, head_dim=rope, intermediate_size=read.int("intermediate_size"),
-        max_position_embeddings=max_positions, norm=NormConfig(eps=read.float("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions, norm=NormConfig(eps=read.eps("rms_norm_eps", 1e-6)),
         activation=read.activation("hidden_act", "silu"),
         rotary=RotaryConfig(theta=theta, scaling=scaling, interleaved=latent.rope_interleaved),
         tie_word_embeddings=read.bool("tie_word_embeddings", DEFAULTS["tie_word_embeddings"]),

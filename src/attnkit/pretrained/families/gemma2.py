@@ -54,7 +54,7 @@ class GemmaRules:
     qk_norm: bool = False
 
 
-def _gemma_rope(read: Reader, rules: GemmaRules, max_positions: int, head_dim: int
+def _gemma_rope(read: Reader, rules: GemmaRules, max_positions: int
                 ) -> tuple[float, dict | None, float, float | None, dict | None]:
     """(theta, scaling, partial factor) of the full layers, and the sliding layers' own theta and scaling (None:
     the same as the full layers')."""
@@ -71,12 +71,12 @@ def _gemma_rope(read: Reader, rules: GemmaRules, max_positions: int, head_dim: i
             sub.setdefault("rope_theta", default_theta)
             per_type[kind] = read_rope(Reader({"rope_parameters": sub,
                                             "max_position_embeddings": max_positions}, f"{family} {kind}"),
-                                   max_positions, head_dim)
+                                   max_positions)
         (theta, scaling, partial), (sliding_theta, sliding_scaling, _) = (per_type["full_attention"],
                                                                          per_type["sliding_attention"])
     else:
         theta, scaling, partial = read_rope(Reader({**read.config, "rope_theta": read.raw(
-            "rope_theta", rules.rope_theta)}, family), max_positions, head_dim)
+            "rope_theta", rules.rope_theta)}, family), max_positions)
         if rules.rope_per_layer_type:
             sliding_theta = read.float("rope_local_base_freq", 10000.0)
     return theta, scaling, partial, sliding_theta, sliding_scaling
@@ -89,7 +89,7 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
     family = read.family
     hidden = read.int("hidden_size")
     heads = read.int("num_attention_heads")
-    layers = read.int("num_hidden_layers")
+    layers = read.layers()
     kv_heads = read.int("num_key_value_heads", None, optional=True) or heads
     if heads % kv_heads:
         raise ValueError(f"{family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
@@ -107,7 +107,7 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
     elif window is None:
         raise ValueError(f"{family} config: layer_types has sliding_attention layers but sliding_window is null")
     head_dim = read.int("head_dim", 256)
-    theta, scaling, partial, sliding_theta, sliding_scaling = _gemma_rope(read, rules, max_positions, head_dim)
+    theta, scaling, partial, sliding_theta, sliding_scaling = _gemma_rope(read, rules, max_positions)
     bias = read.bool("attention_bias", False)
     act = read.raw("hidden_activation", None)
     activation = read.activation("hidden_activation") if act is not None else read.activation("hidden_act",
@@ -116,17 +116,17 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
     for key, name, default in (("attn_logit_softcapping", "attn_logit_softcap", rules.softcaps[0]),
                                ("final_logit_softcapping", "final_logit_softcap", rules.softcaps[1])):
         value = read.raw(key, default)
-        softcaps[name] = None if value is None else read.float(key, default)
+        softcaps[name] = None if value is None else read.factor(key, default)
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
-        norm=NormConfig(eps=read.float("rms_norm_eps", 1e-6), offset=1.0, placement="sandwich"),
+        norm=NormConfig(eps=read.eps("rms_norm_eps", 1e-6), offset=1.0, placement="sandwich"),
         activation=activation, mlp="gated",
         rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, sliding_theta=sliding_theta,
                             sliding_scaling=sliding_scaling),
         attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head" if rules.qk_norm else None,
-                                  scale=read.float("query_pre_attn_scalar", 256) ** -0.5,
+                                  scale=read.factor("query_pre_attn_scalar", 256) ** -0.5,
                                   logit_softcap=softcaps["attn_logit_softcap"], sliding_window=window),
         # Hugging Face multiplies by a float32 tensor of sqrt(hidden_size), in every dtype
         embedding_scale=float(np.float32(math.sqrt(hidden))),

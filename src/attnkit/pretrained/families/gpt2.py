@@ -34,11 +34,11 @@ def _read_config(read: Reader) -> DecoderConfig:
     if read.bool("scale_attn_by_inverse_layer_idx", False):
         raise ValueError("gpt2 config: scale_attn_by_inverse_layer_idx=true is not supported")
     return DecoderConfig(
-        family="gpt2", vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=read.int("n_layer"),
+        family="gpt2", vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=read.layers("n_layer"),
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
         intermediate_size=read.int("n_inner", None, optional=True) or 4 * hidden,
         max_position_embeddings=read.int("n_positions", 1024),
-        norm=NormConfig(kind="layernorm", eps=read.float("layer_norm_epsilon", 1e-5)),
+        norm=NormConfig(kind="layernorm", eps=read.eps("layer_norm_epsilon", 1e-5)),
         activation=read.activation("activation_function", "gelu_new"), mlp="plain", rotary=None,
         attention=AttentionConfig(bias=True, output_bias=True), mlp_bias=True,
         tie_word_embeddings=read.bool("tie_word_embeddings", True),

@@ -40,13 +40,13 @@ def _read_config(read: Reader) -> DecoderConfig:
         params.setdefault("rope_theta", legacy["rotary_emb_base"])
     params.setdefault("partial_rotary_factor", legacy.get("rotary_pct", 0.25))
     legacy["rope_parameters" if not legacy.get("rope_scaling") else "rope_scaling"] = params
-    theta, scaling, partial = read_rope(Reader(legacy, "gpt_neox"), max_positions, hidden // heads)
+    theta, scaling, partial = read_rope(Reader(legacy, "gpt_neox"), max_positions)
     bias = read.bool("attention_bias", True)
     return DecoderConfig(
         family="gpt_neox", vocab_size=read.int("vocab_size"), hidden_size=hidden,
-        num_layers=read.int("num_hidden_layers"), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+        num_layers=read.layers(), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
-        norm=NormConfig(kind="layernorm", eps=read.float("layer_norm_eps", 1e-5)),
+        norm=NormConfig(kind="layernorm", eps=read.eps("layer_norm_eps", 1e-5)),
         activation=read.activation("hidden_act", "gelu"), mlp="plain",
         rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial),
         attention=AttentionConfig(bias=bias, output_bias=bias), mlp_bias=True,

@@ -43,8 +43,8 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
                 experts=ExpertsConfig(num_experts=experts, num_experts_per_tok=top_k,
                                       moe_intermediate_size=read.int("intermediate_size"), layers=tuple(range(layers)),
                                       router="topk_softmax", router_bias=True, expert_bias=True,
-                                      swiglu_limit=read.float("swiglu_limit", 7.0),
-                                      swiglu_alpha=read.float("swiglu_alpha", 1.702)))
+                                      swiglu_limit=read.factor("swiglu_limit", 7.0),
+                                      swiglu_alpha=read.factor("swiglu_alpha", 1.702)))
 
 
 def _read_config(read: Reader) -> DecoderConfig:

@@ -42,7 +42,7 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
     family = read.family
     hidden = read.int("hidden_size")
     heads = read.int("num_attention_heads")
-    layers = read.int("num_hidden_layers")
+    layers = read.layers()
     kv_default = defaults["num_key_value_heads"] or heads
     kv_heads = read.int("num_key_value_heads", kv_default, optional=True) or heads
     head_dim = read.int("head_dim", defaults.get("head_dim"), optional=True)
@@ -55,7 +55,7 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
         raise ValueError(f"{family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
                          f"({heads})")
     max_positions = read.int("max_position_embeddings", defaults["max_position_embeddings"])
-    theta, scaling, partial = read_rope(read, max_positions, head_dim, rope_aliases)
+    theta, scaling, partial = read_rope(read, max_positions, rope_aliases)
     settings: dict[str, Any] = dict(attention=AttentionConfig(), mlp_bias=False, layer_types=())
     settings.update(fields(read, layers))
     skip = settings.pop("skip_rotary", ())
@@ -63,7 +63,7 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
-        norm=NormConfig(eps=read.float("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), placement=norm_placement),
+        norm=NormConfig(eps=read.eps("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), placement=norm_placement),
         activation=read.activation("hidden_act", "silu"),
         rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, skip_layers=skip),
         tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),

@@ -29,9 +29,7 @@ def qwen_windows(read: Reader, layers: int) -> tuple[int | None, tuple[str, ...]
         return (window if "sliding_attention" in given else None), given
     if window is None:
         return None, ()
-    first = read.raw("max_window_layers", 28)
-    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-        raise ValueError(f"{read.family} config: 'max_window_layers' must be a non-negative integer, got {first!r}")
+    first = read.count("max_window_layers", 28)
     types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
     return (window if "sliding_attention" in types else None), types
 
