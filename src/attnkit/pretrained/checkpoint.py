@@ -262,14 +262,11 @@ def _claimed_units(config: DecoderConfig) -> list[tuple[str, int]]:
     """The counts of ``config`` whose every unit has tensors of its own in a checkpoint (its layers, and experts
     stored one tensor per expert), as ``(what is claimed, units)``: a checkpoint of T tensors holds at most T."""
     claims = [(f"num_hidden_layers = {config.num_layers}", config.num_layers)]
-    part = config.grouped_experts
-    if part is not None:
-        routed = max(config.num_layers - part.first_dense_layers, 0)
-        claims.append((f"{part.num_experts} experts on each of {routed} routed layers", part.num_experts * routed))
-    moe = config.shared_experts
-    if moe is not None:
-        claims.append((f"{moe.num_experts} experts on each of {len(moe.layers)} sparse layers",
-                       moe.num_experts * len(moe.layers)))
+    experts = config.experts
+    if experts is not None:
+        # A checkpoint storing each expert's tensors holds at least E of them; one stacking them (gpt-oss) holds
+        # fewer, but every real one still has more tensors than experts, and 10**9 experts is refused either way.
+        claims.append((f"{experts.num_experts} experts", experts.num_experts))
     return claims
 
 
