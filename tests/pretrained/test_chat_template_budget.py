@@ -154,6 +154,43 @@ def test_a_template_within_budget_renders_and_leaves_no_pending_interrupt():
     assert threading.active_count() <= threads_before
 
 
+
+AFTER_A_DEADLINE = r"""
+import sys
+from attnkit.pretrained.chat_template import ChatTemplateError, compile_chat_template, render_chat_template
+source, seconds, compile_only = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "compile"
+try:
+    template = compile_chat_template(source, seconds=seconds)
+    if not compile_only:
+        render_chat_template(template, seconds=seconds, messages=[{"role": "user", "content": "hi"}])
+except ChatTemplateError:
+    pass
+def python_function():
+    return 1
+
+
+calls = []
+sys.setprofile(lambda frame, event, arg: calls.append(event))
+python_function()
+sys.setprofile(None)
+print("profiled", len(calls))
+"""
+
+
+@pytest.mark.parametrize("source, seconds, step", [
+    ("{{ messages|length }}", 5.0, "render"),  # finishes well before its deadline
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", 0.05, "render"),
+    ("".join(f"{{% macro m{i}(x) %}}{{{{ x ~ {i} }}}}{{% endmacro %}}" for i in range(300)), 0.001, "compile"),
+])
+def test_the_deadline_leaves_the_interpreter_as_it_found_it(source, seconds, step):
+    """Clearing an interrupt by setting NULL left CPython's eval breaker raised for good: the next profiled call
+    never got past its first instruction. A child process, so that a hang fails the test."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", AFTER_A_DEADLINE, source, str(seconds), step], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.stdout.split() == ["profiled", "3"], proc.stderr[-2000:]  # call, return; setprofile's c_call
+
+
 # -- text: no value longer than TEMPLATE_CHARS -----------------------------------------------------------
 @pytest.mark.parametrize("source, what, budget", [
     (DOUBLE.replace("OP", "+"), "a sum of strings or lists", TEXT_BUDGET),

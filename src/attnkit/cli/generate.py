@@ -308,27 +308,13 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         # the prefill runs now, before the prompt is written: its line must not share a line with the text
         stream = _prefilled(model, steps, len(prompt), max_new, progress,
                             counted=args.json or not _progress.wanted(None, out))
-    new: list[int] = []
-    shown = ""
     prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
     if not args.json and not chat:
         out.write(_shown(prompt_text) if tokenizer is not None else " ".join(map(str, prompt)))
         out.flush()
     eos = options.get("eos_token_id") or config.eos_token_id
     eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
-    for tokens in watch.watch(stream):
-        token = int(tokens[0])
-        new.append(token)
-        if args.json:
-            continue
-        if tokenizer is None:
-            out.write(f" {token}")
-        else:
-            text = tokenizer.decode(prompt + new)[len(prompt_text):]
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                out.write(_shown(text[len(shown):]))
-                shown = text
-        out.flush()
+    new = _write_stream(out, watch.watch(stream), tokenizer, prompt, prompt_text, quiet=args.json)
     if args.json:
         text = tokenizer.decode(prompt + new) if tokenizer is not None else None
         record = {"ids": prompt + new, "new_ids": new, "text": text,
@@ -340,6 +326,28 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         out.flush()
         _report_speed(watch.speed(), load_seconds, beams)
     return 0
+
+
+def _write_stream(out: TextIO, stream: Iterator[np.ndarray], tokenizer: Any, prompt: list[int], prompt_text: str,
+                  quiet: bool) -> list[int]:
+    """Write each new token of ``stream`` as it comes (its text, once a multi-byte character is whole; its id
+    without a tokenizer; nothing when ``quiet``) and return the new ids."""
+    new: list[int] = []
+    shown = ""
+    for tokens in stream:
+        token = int(tokens[0])
+        new.append(token)
+        if quiet:
+            continue
+        if tokenizer is None:
+            out.write(f" {token}")
+        else:
+            text = tokenizer.decode(prompt + new)[len(prompt_text):]
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                out.write(_shown(text[len(shown):]))
+                shown = text
+        out.flush()
+    return new
 
 
 def _report_speed(speed: Speed, load_seconds: float, beams: int) -> None:

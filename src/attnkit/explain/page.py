@@ -57,6 +57,31 @@ def _rounded(values: np.ndarray, decimals: int = 6) -> list:
     return np.where(missing, None, rounded).tolist() if missing.any() else rounded.tolist()
 
 
+def _checked_page_arguments(lm, batch: np.ndarray, path: Any, candidates: Any, top_k: Any, max_bytes: Any,
+                            corrupt: Any, generate: Any, progress: Any) -> tuple[int, Path, np.ndarray | None]:
+    """:func:`explain_html`'s arguments checked before any forward: the page's byte budget, its path and the
+    corrupted prompt's ids (1, L) or None."""
+    vocab = lm.config.vocab_size
+    for name, value in (("candidates", candidates), ("top_k", top_k)):
+        check_positive_int(value, name, maximum=vocab)
+    if generate != 0:
+        check_positive_int(generate, "generate")
+    _progress.check_progress(progress)
+    if max_bytes is None:
+        max_bytes = viz.HTML_SIZE_WARNING_BYTES  # read at call time, so it can be changed
+    max_bytes = check_positive_int(max_bytes, "max_bytes")
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
+    corrupted = None
+    if corrupt is not None:
+        corrupted, corrupt_single = as_id_batch(corrupt, vocab, "corrupt")
+        if not corrupt_single or corrupted.shape != batch.shape:
+            raise ValueError(f"corrupt must be one sequence of the prompt's length {batch.shape[1]}, got shape "
+                             f"{np.shape(corrupt)}")
+    return max_bytes, target, corrupted
+
+
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
                  candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction",
                  max_bytes: int | None = None, corrupt: Any = None, byte_level: bool | None = None,
@@ -137,25 +162,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     # rollout and flow, which compose every layer's pattern as shares of attention
     linear = [i for i, kind in enumerate(lm.config.layer_types) if kind == "linear_attention"]
     drawn = [i for i in range(lm.config.num_layers) if i not in linear]
-    vocab = lm.config.vocab_size
-    for name, value in (("candidates", candidates), ("top_k", top_k)):
-        check_positive_int(value, name, maximum=vocab)
-    if generate != 0:
-        check_positive_int(generate, "generate")
-    _progress.check_progress(progress)
-    if max_bytes is None:
-        max_bytes = viz.HTML_SIZE_WARNING_BYTES  # read at call time, so it can be changed
-    max_bytes = check_positive_int(max_bytes, "max_bytes")
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise ValueError(f"path's folder {str(target.parent)!r} does not exist (path={str(path)!r})")
+    max_bytes, target, corrupted = _checked_page_arguments(lm, batch, path, candidates, top_k, max_bytes, corrupt,
+                                                           generate, progress)
     piece = (lambda i: str(i)) if token_text is None else (lambda i: str(token_text(int(i))))
-    corrupted = None
-    if corrupt is not None:
-        corrupted, corrupt_single = as_id_batch(corrupt, vocab, "corrupt")
-        if not corrupt_single or corrupted.shape != batch.shape:
-            raise ValueError(f"corrupt must be one sequence of the prompt's length {batch.shape[1]}, got shape "
-                             f"{np.shape(corrupt)}")
 
     def readable(raw: str) -> str:
         return readable_token(raw, byte_level)

@@ -332,14 +332,17 @@ class _deadline:  # noqa: N801 - used as a context manager
     """Interrupt this thread with :class:`_OverTime` after ``seconds`` (CPython; elsewhere a no-op).
 
     A timer thread sets an asynchronous exception on this thread. Leaving the block (normally or not) cancels
-    the timer and, under the same lock, clears an exception set but not yet raised, so that it can never surface
-    after the block.
+    the timer under the same lock; an interrupt set but not yet raised is then let through inside ``__exit__``
+    and dropped there, so it can never surface after the block. It is never cleared by setting ``NULL``:
+    CPython keeps its eval-breaker flag raised after that, for good, and a profiled or traced call then never
+    gets past its first instruction (the process hangs in ``sys.setprofile``).
     """
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.lock = threading.Lock()
         self.done = False
+        self.fired = False
         self.thread = threading.get_ident()
         self.setter = getattr(getattr(ctypes, "pythonapi", None), "PyThreadState_SetAsyncExc", None)
         if sys.implementation.name != "cpython":
@@ -350,6 +353,7 @@ class _deadline:  # noqa: N801 - used as a context manager
     def _expire(self) -> None:
         with self.lock:
             if not self.done:
+                self.fired = True
                 self.setter(ctypes.c_ulong(self.thread), ctypes.py_object(_OverTime))
 
     def __enter__(self) -> _deadline:
@@ -357,9 +361,15 @@ class _deadline:  # noqa: N801 - used as a context manager
             self.timer.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: type | None, *exc: Any) -> None:
         with self.lock:
             self.done = True
             self.timer.cancel()
-            if self.setter is not None:
-                self.setter(ctypes.c_ulong(self.thread), None)  # clears one set but not yet raised
+        if self.fired and kind is not _OverTime:
+            # Set, and not raised yet (the block ended inside C code): a loop's backward jump is where CPython
+            # delivers it, so it arrives, and is dropped, here.
+            try:
+                for _ in range(1 << 20):
+                    pass
+            except _OverTime:
+                pass

@@ -6,9 +6,6 @@ Costs are asserted as ratios, never as wall-time thresholds: peak traced allocat
 the file's size, Python calls (``sys.setprofile``) against the count of items read, and, for the one cost only a
 clock shows (slicing characters inside C), the time of a long input against a short one's.
 """
-# This file's name sorts before test_gguf.py on purpose: after that file's comparisons with transformers' GGUF
-# loading ran in the same process, the measurements here (tracemalloc, counted calls) stopped making progress;
-# the cause is not found yet.
 from __future__ import annotations
 
 import re
