@@ -70,8 +70,8 @@ def loaded(monkeypatch):
 
     models, real = [], causal_lm.load_causal_lm
 
-    def spy(path, dtype=np.float32):
-        models.append(real(path, dtype=dtype))
+    def spy(path, dtype=np.float32, **options):
+        models.append(real(path, dtype=dtype, **options))
         return models[-1]
 
     monkeypatch.setattr(pretrained, "load_causal_lm", spy)

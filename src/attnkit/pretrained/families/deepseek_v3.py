@@ -79,14 +79,15 @@ def _experts(read: Reader, layers: int) -> ExpertsConfig | None:
     width = _read_int(read, "moe_intermediate_size")
     if first_dense >= layers:
         return None
+    # each read names its key; the try adds the family only to what ExpertsConfig itself checks
+    read_values = dict(
+        num_experts_per_tok=_read_int(read, "num_experts_per_tok"), n_group=_read_int(read, "n_group"),
+        topk_group=_read_int(read, "topk_group"), norm_topk_prob=read.bool("norm_topk_prob", True),
+        routed_scaling_factor=read.factor("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
+        shared_expert_intermediate_size=_read_int(read, "n_shared_experts") * width)
     try:
-        return ExpertsConfig(
-            num_experts=experts, num_experts_per_tok=_read_int(read, "num_experts_per_tok"),
-            moe_intermediate_size=width, layers=tuple(range(first_dense, layers)), router="sigmoid_group_topk",
-            n_group=_read_int(read, "n_group"), topk_group=_read_int(read, "topk_group"),
-            norm_topk_prob=read.bool("norm_topk_prob", True),
-            routed_scaling_factor=read.factor("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
-            shared_expert_intermediate_size=_read_int(read, "n_shared_experts") * width)
+        return ExpertsConfig(num_experts=experts, moe_intermediate_size=width, layers=tuple(range(first_dense, layers)),
+                             router="sigmoid_group_topk", **read_values)
     except ValueError as error:
         raise ValueError(f"{read.family} config: {error}") from None
 

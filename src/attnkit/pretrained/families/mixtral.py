@@ -45,4 +45,4 @@ FAMILY = Family(
         cfg, lambda cfg, hf, ak: mlp_tensors(cfg, hf, ak, moe="block_sparse_moe.", projections=("w1", "w3", "w2"))),
     architecture="MixtralForCausalLM", hf_config_class="MixtralConfig",
     # eight experts of width 768, two per token: the same active MLP width as the other families
-    benchmark=dict(BENCHMARK_SHAPE, intermediate_size=768, num_local_experts=8, num_experts_per_tok=2))
+    benchmark=dict(BENCHMARK_SHAPE, intermediate_size=768, num_local_experts=8, num_experts_per_tok=2, head_dim=64))
