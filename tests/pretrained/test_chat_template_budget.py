@@ -66,12 +66,16 @@ for source in json.loads(sys.stdin.read()):
 """
 
 
+def child_env() -> dict:
+    """The environment of a child process that imports the attnkit this test imported."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+
+
 def run_in_child(sources: list[str], timeout: float = 120) -> list[dict]:
     """Compile and render each source in a child process (1 GiB of address space to spare): per source, the
     error or the rendered length, the seconds taken and the peak memory traced."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(sources), capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=child_env())
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(sources), proc.stderr[-2000:]
     return results
@@ -154,7 +158,6 @@ def test_a_template_within_budget_renders_and_leaves_no_pending_interrupt():
     assert threading.active_count() <= threads_before
 
 
-
 AFTER_A_DEADLINE = r"""
 import sys
 from attnkit.pretrained.chat_template import ChatTemplateError, compile_chat_template, render_chat_template
@@ -185,9 +188,8 @@ print("profiled", len(calls))
 def test_the_deadline_leaves_the_interpreter_as_it_found_it(source, seconds, step):
     """Clearing an interrupt by setting NULL left CPython's eval breaker raised for good: the next profiled call
     never got past its first instruction. A child process, so that a hang fails the test."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", AFTER_A_DEADLINE, source, str(seconds), step], capture_output=True,
-                          text=True, timeout=60, env=env)
+                          text=True, timeout=60, env=child_env())
     assert proc.stdout.split() == ["profiled", "3"], proc.stderr[-2000:]  # call, return; setprofile's c_call
 
 
