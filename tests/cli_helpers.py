@@ -54,12 +54,14 @@ def assert_image(path: Path, size_inches: tuple[float, float]) -> None:
     assert pixels.std() > 0.05, f"{path} is blank"
 
 
-def run_attnkit(args: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m attnkit *args`` in a fresh process; ``args`` may hold bytes (passed to the OS as they are)."""
+def run_attnkit(args: list, cwd: Path, timeout: float = 300, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m attnkit *args`` in a fresh process; ``args`` may hold bytes (passed to the OS as they are);
+    ``stdin``: text piped to it (else it inherits the test's)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     env.pop("ATTNKIT_TRACEBACK", None)
     argv = [sys.executable, "-m", "attnkit", *args]
-    proc = subprocess.run(argv, capture_output=True, timeout=timeout, cwd=cwd, env=env)
+    proc = subprocess.run(argv, capture_output=True, timeout=timeout, cwd=cwd, env=env,
+                          input=None if stdin is None else stdin.encode())
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode("utf-8", "replace"),
                                        proc.stderr.decode("utf-8", "replace"))
 

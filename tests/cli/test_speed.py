@@ -21,7 +21,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
 
 LINE = re.compile(r"load (?P<load>\d+\.\d\d) s, "
-                  r"prompt (?P<prompt>\d+) tokens?(?: at (?P<prompt_rate>[\d.]+) tokens/s)?, "
+                  r"prompt (?P<prompt>\d+) tokens?(?: \((?P<cached>\d+) cached\))?"
+                  r"(?: at (?P<prompt_rate>[\d.]+) tokens/s)?, "
                   r"generated (?P<new>\d+) tokens?(?: at (?P<rate>[\d.]+) tokens/s)?, "
                   r"total (?P<total>\d+\.\d\d) s")
 
@@ -60,10 +61,11 @@ def test_chat_prints_the_speed_of_each_reply_and_stats_sums_the_session(endless)
     assert len(replies) == 2
     user = {"role": "user", "content": "Hello"}
     first_reply = greedy_reply(endless, [user], 6)
-    assert [r["prompt"] for r in replies] == [
-        prompt_length(endless, [user]),
-        prompt_length(endless, [user, {"role": "assistant", "content": first_reply},
-                                {"role": "user", "content": "how are you"}])]
+    lengths = [prompt_length(endless, [user]),
+               prompt_length(endless, [user, {"role": "assistant", "content": first_reply},
+                                       {"role": "user", "content": "how are you"}])]
+    assert [r["prompt"] + (r["cached"] or 0) for r in replies] == lengths
+    assert replies[0]["cached"] is None and replies[1]["cached"] >= lengths[0]  # the first turn came from the cache
     for reply in replies:
         assert reply["new"] == 6 and reply["prompt_rate"] > 0 and reply["rate"] > 0
         assert reply["total"] >= 0 and reply["load"] >= 0
@@ -74,6 +76,7 @@ def test_chat_prints_the_speed_of_each_reply_and_stats_sums_the_session(endless)
     session = fields(stats[4].split(": ", 1)[1])
     assert stats[4].startswith("session, 2 replies: ")
     assert session["prompt"] == replies[0]["prompt"] + replies[1]["prompt"] and session["new"] == 12
+    assert session["cached"] == replies[1]["cached"]
     assert fields(stats[2].split(": ", 1)[1]) == replies[0]  # after one reply, the session is that reply
 
 
@@ -98,7 +101,8 @@ def test_generate_verbose_prints_the_speed_line_on_stderr(endless, tmp_path):
 def test_the_rates_are_the_prompts_pass_and_the_decode_steps_apart():
     speed = Speed(prompt_tokens=100, prompt_seconds=0.5, new_tokens=11, decode_steps=10, decode_seconds=2.0, replies=1)
     line = fields(speed.line(1.25))
-    assert line == {"load": 1.25, "prompt": 100, "prompt_rate": 200.0, "new": 11, "rate": 5.0, "total": 2.5}
+    assert line == {"load": 1.25, "prompt": 100, "cached": None, "prompt_rate": 200.0, "new": 11, "rate": 5.0,
+                    "total": 2.5}
     both = fields((speed + speed).line(1.25))
     assert both == {**line, "prompt": 200, "new": 22, "total": 5.0}  # the rates of a sum are the same rates
     one = fields(Speed(100, 0.5, 1, 0, 0.0, 1).line(0))

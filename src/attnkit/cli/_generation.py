@@ -17,6 +17,7 @@ import argparse
 from typing import Any
 
 from ..decoding.beam_search import MAX_NUM_BEAMS
+from ..decoding.config import MAX_DRAFT_TOKENS
 from ._common import (
     ESCAPES,
     UsageError,
@@ -28,13 +29,19 @@ from ._common import (
     unescape,
 )
 
-__all__ = ["add_generation_arguments", "generation_kwargs", "unit_float", "SAMPLING_FLAGS", "GENERATION_OPTIONS"]
+__all__ = ["add_generation_arguments", "generation_kwargs", "unit_float", "SAMPLING_FLAGS", "GENERATION_OPTIONS",
+           "add_speculation_arguments", "speculation_kwargs", "SPECULATION_OPTIONS"]
 
 # The flags that ask for sampling (besides a temperature above 0), by their argument names.
 SAMPLING_FLAGS = ("top_k", "top_p", "min_p", "seed")
 # Every flag add_generation_arguments adds, by its argument name (the chat's /set takes these names).
 GENERATION_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "stop",
                       "min_new_tokens", "num_beams", "seed")
+# The speculative-decoding flags passed to generate as they are (--assistant-model is loaded by the command).
+SPECULATION_OPTIONS = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens",
+                       "assistant_early_exit")
+# The flags that each choose a way of drafting: one at most.
+_DRAFTS = ("prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit")
 
 
 def unit_float(text: str) -> float:
@@ -136,3 +143,49 @@ def generation_kwargs(args: argparse.Namespace, prog: str, *, greedy_unless_aske
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the speculative-decoding flags (Hugging Face's ``generate`` arguments, and ``--assistant-model``) to
+    ``parser``, in one group. One way of drafting at most; the command loads ``--assistant-model`` itself."""
+    g = parser.add_argument_group(
+        "speculative decoding", "draft tokens cheaply and check them all in one forward of the model: greedy output "
+        "is token for token the same, sampling keeps its distribution; one way of drafting at most")
+    draft = bounded_int(1, MAX_DRAFT_TOKENS)
+    g.add_argument("--prompt-lookup-num-tokens", type=draft, default=None, metavar="N",
+                   help="draft up to N tokens that followed the last words' earlier occurrence in the prompt or the "
+                        "text so far (prompt lookup: good for editing or answering from a given text)")
+    g.add_argument("--max-matching-ngram-size", type=bounded_int(1, 64), default=None, metavar="N",
+                   help="prompt lookup: match the last N tokens at most (default 2)")
+    g.add_argument("--assistant-model", metavar="PATH", default=None,
+                   help="a smaller model with the same tokenizer (a folder or a GGUF file) drafts the tokens")
+    g.add_argument("--assistant-early-exit", type=bounded_int(1, 1 << 16), default=None, metavar="N",
+                   help="the model's own first N layers, with its final norm and head, draft the tokens "
+                        "(self-speculation: no second model)")
+    g.add_argument("--num-assistant-tokens", type=draft, default=None, metavar="N",
+                   help="a drafting model's first round drafts N tokens (default 20); later rounds adapt it")
+
+
+def speculation_kwargs(args: argparse.Namespace, prog: str) -> dict[str, Any]:
+    """The keyword arguments of ``generate`` that the speculative flags in ``args`` ask for (flags not given are left
+    out; ``assistant_model``, a path, is not among them); a :class:`UsageError` of ``prog`` for two ways of
+    drafting, a flag without its way, or drafting with beam search.
+
+    Examples
+    --------
+    >>> p = argparse.ArgumentParser()
+    >>> add_speculation_arguments(p)
+    >>> speculation_kwargs(p.parse_args(["--prompt-lookup-num-tokens", "8"]), "attnkit")
+    {'prompt_lookup_num_tokens': 8}
+    """
+    asked = [name for name in _DRAFTS if getattr(args, name, None) is not None]
+    if len(asked) > 1:
+        raise UsageError(f"--{_flag(asked[0])} and --{_flag(asked[1])} are two ways of drafting: give one", prog)
+    if args.max_matching_ngram_size is not None and args.prompt_lookup_num_tokens is None:
+        raise UsageError("--max-matching-ngram-size needs --prompt-lookup-num-tokens", prog)
+    if args.num_assistant_tokens is not None and args.assistant_model is None and args.assistant_early_exit is None:
+        raise UsageError("--num-assistant-tokens needs --assistant-model or --assistant-early-exit", prog)
+    if asked and (getattr(args, "num_beams", None) or 1) > 1:
+        raise UsageError(f"--{_flag(asked[0])} cannot be combined with --num-beams (beam search keeps several "
+                         f"continuations, speculation checks one)", prog)
+    return {name: getattr(args, name) for name in SPECULATION_OPTIONS if getattr(args, name) is not None}

@@ -7,9 +7,11 @@ lines and ollama's ``prompt eval rate`` and ``eval rate`` show them::
 
     load 0.84 s, prompt 19 tokens at 412.3 tokens/s, generated 32 tokens at 38.1 tokens/s, total 0.86 s
 
-``prompt N tokens at R tokens/s``: the prompt's length over the time from the start of its pass to the first new
-token. ``generated N tokens at R tokens/s``: every new token; the rate is that of the decode steps, the tokens
-after the first over the time from the first new token to the last (as llama.cpp's eval rate counts its runs).
+``prompt N tokens at R tokens/s``: the prompt tokens its pass read over the time from the start of that pass to
+the first new token; ``(C cached)`` after N counts the prompt's first tokens that the cache already held (a chat's
+earlier turns, a ``--prompt-cache`` file), which the pass did not read again. ``generated N tokens at R
+tokens/s``: every new token; the rate is that of the decode steps, the tokens after the first over the time from
+the first new token to the last (as llama.cpp's eval rate counts its runs).
 A rate that was not measured (no new token, or one) is left out with its ``at``. ``load`` is the time the model
 and tokenizer took to load; ``total`` the prompt's pass and the decode steps.
 """
@@ -43,6 +45,8 @@ class Speed:
         From the first new token to the last, summed over replies.
     replies : int
         Replies counted.
+    cached_tokens : int
+        Prompt tokens not read because the cache held them from an earlier turn.
     """
 
     prompt_tokens: int = 0
@@ -51,11 +55,13 @@ class Speed:
     decode_steps: int = 0
     decode_seconds: float = 0.0
     replies: int = 0
+    cached_tokens: int = 0
 
     def __add__(self, other: Speed) -> Speed:
         return Speed(self.prompt_tokens + other.prompt_tokens, self.prompt_seconds + other.prompt_seconds,
                      self.new_tokens + other.new_tokens, self.decode_steps + other.decode_steps,
-                     self.decode_seconds + other.decode_seconds, self.replies + other.replies)
+                     self.decode_seconds + other.decode_seconds, self.replies + other.replies,
+                     self.cached_tokens + other.cached_tokens)
 
     def line(self, load_seconds: float) -> str:
         """One line: load time, prompt tokens and their rate, generated tokens and their rate, total time.
@@ -66,10 +72,13 @@ class Speed:
         'load 0.84 s, prompt 19 tokens at 380.0 tokens/s, generated 32 tokens at 38.8 tokens/s, total 0.85 s'
         >>> Speed(19, 0.0, 0, 0, 0.0, 1).line(0.84)
         'load 0.84 s, prompt 19 tokens, generated 0 tokens, total 0.00 s'
+        >>> Speed(4, 0.01, 2, 1, 0.02, 1, cached_tokens=120).line(0.84)
+        'load 0.84 s, prompt 4 tokens (120 cached) at 400.0 tokens/s, generated 2 tokens at 50.0 tokens/s, total 0.03 s'
         """
         prompt = _rate(self.prompt_tokens, self.prompt_seconds if self.new_tokens else 0.0)
         generated = _rate(self.decode_steps, self.decode_seconds)
-        return (f"load {load_seconds:.2f} s, prompt {_tokens(self.prompt_tokens)}{prompt}, generated "
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (f"load {load_seconds:.2f} s, prompt {_tokens(self.prompt_tokens)}{cached}{prompt}, generated "
                 f"{_tokens(self.new_tokens)}{generated}, total {self.prompt_seconds + self.decode_seconds:.2f} s")
 
 
@@ -96,8 +105,9 @@ class Stopwatch:
     (5, 3, 2, 1)
     """
 
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
         self.start = time.perf_counter()
         self.first: float | None = None
         self.last: float | None = None
@@ -114,5 +124,7 @@ class Stopwatch:
     def speed(self) -> Speed:
         """What was measured so far (a stream cut short counts the tokens it gave)."""
         if self.first is None or self.last is None:
-            return Speed(prompt_tokens=self.prompt_tokens, prompt_seconds=time.perf_counter() - self.start, replies=1)
-        return Speed(self.prompt_tokens, self.first - self.start, self.count, self.count - 1, self.last - self.first, 1)
+            return Speed(prompt_tokens=self.prompt_tokens, prompt_seconds=time.perf_counter() - self.start, replies=1,
+                         cached_tokens=self.cached_tokens)
+        return Speed(self.prompt_tokens, self.first - self.start, self.count, self.count - 1, self.last - self.first, 1,
+                     self.cached_tokens)

@@ -78,7 +78,14 @@ from ._common import (
     unescape,
     use_threads,
 )
-from ._generation import GENERATION_OPTIONS, add_generation_arguments, generation_kwargs
+from ._generation import (
+    GENERATION_OPTIONS,
+    add_generation_arguments,
+    add_speculation_arguments,
+    generation_kwargs,
+    speculation_kwargs,
+)
+from ._prompt_cache import add_prompt_cache_argument, open_prompt_cache, read_prompt
 from ._speed import Speed, Stopwatch
 
 __all__ = ["NAME", "add_parser", "run", "terminal_safe"]
@@ -128,6 +135,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_chat_template_argument(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="reply length at most (default 512)")
     add_generation_arguments(p, streamed=True)
+    add_speculation_arguments(p)
+    add_prompt_cache_argument(p, "the first message (the system message and the first message, rendered)")
     add_dtype_argument(p)
     add_threads_argument(p)
     add_keep_quantized_argument(p)
@@ -169,7 +178,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--num-beams: beam search settles its tokens only at the end, so a chat cannot stream "
                          "it; use attnkit generate --chat --num-beams N for one reply", PROG)
     options.pop("num_beams", None)
-    return options
+    return {**options, **speculation_kwargs(args, PROG)}
 
 
 def terminal_safe(text: str) -> str:
@@ -199,6 +208,12 @@ class _Session:
     max_token_chars: int | None  # the most characters one token stands for (None: no bound holds)
     last: Speed | None = None
     total: Speed = field(default_factory=Speed)
+    # The keys, values and states of the ids fed so far: the next turn's prompt starts with most of them, so only
+    # its new tail is read (generate crops the cache to the prefix the two share). Dropped, to be rebuilt, when a
+    # reply stops in the middle of a forward (its layers may then hold different lengths).
+    cache: Any = None
+    assistant: Any = None  # the draft model of --assistant-model
+    prompt_cache: str | None = None  # the --prompt-cache file, until the first prompt is saved to it
 
     @property
     def context(self) -> int:
@@ -244,6 +259,7 @@ def _reply(session: _Session, text: str) -> None:
     """Answer ``text`` after the conversation, streaming the reply. A turn that cannot be answered
     (:func:`_prompt_ids`) is said on stderr and changes nothing. Ctrl-C stops the reply: what was shown so far is
     kept as the assistant's message (it is what the user saw), or, when nothing was shown, the turn is dropped."""
+    from ..decoding.config import MAX_DRAFT_TOKENS
     from ..decoding.sampling import generate_stream
 
     model, tokenizer, args, out = session.model, session.tokenizer, session.args, session.out
@@ -252,9 +268,22 @@ def _reply(session: _Session, text: str) -> None:
     if ids is None:
         return
     eos = list(tokenizer.eos_token_ids) or None
+    cache, session.cache = session.cache, None  # held again only once this reply has run to its end
+    if cache is None:
+        cache = model.new_cache(1, max_length=session.context, rollback=MAX_DRAFT_TOKENS)
     watch = Stopwatch(len(ids))
+    cached = None
+    if session.prompt_cache is not None:  # the first prompt: read now, to be saved before the reply
+        try:
+            cached = len(ids) - 1 - read_prompt(session.prompt_cache, model, cache, ids, PROG)
+        except UsageError as exc:
+            _say(f"{exc}; the chat goes on without saving it")
+        session.prompt_cache = None
     steps = generate_stream(model, np.array([ids], dtype=np.int64), max_new_tokens=min(args.max_new_tokens,
-                            session.context - len(ids)), eos_token_id=eos, tokenizer=tokenizer, **_options(args))
+                            session.context - len(ids)), eos_token_id=eos, tokenizer=tokenizer, past_key_values=cache,
+                            assistant_model=session.assistant, **_options(args))
+    cached = cache.length if cached is None else cached  # generate_stream cropped it to the prefix it shares
+    watch.prompt_tokens, watch.cached_tokens = len(ids) - cached, cached
     pieces = []
     stopped = False
     try:
@@ -262,6 +291,7 @@ def _reply(session: _Session, text: str) -> None:
             pieces.append(piece)
             out.write(terminal_safe(piece))
             out.flush()
+        session.cache = cache
     except KeyboardInterrupt:
         steps.close()
         stopped = True
@@ -576,7 +606,8 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
 
     src = tolerant_input(sys.stdin if stdin is None else stdin)
     out = sys.stdout if stdout is None else stdout
-    from .generate import check_model_path
+    from ..decoding.config import MAX_DRAFT_TOKENS
+    from .generate import assistant_for_command, check_model_path
 
     check_model_path(args.model_dir, PROG)
     _options(args)  # flag errors before the (slow) load
@@ -587,9 +618,13 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     start = time.perf_counter()
     model, tokenizer = _load(args.model_dir, args.verbose, template, args.keep_quantized, progress_of(args),
                              args.dtype)
+    assistant = assistant_for_command(args, model, tokenizer, PROG)
     load_seconds = time.perf_counter() - start
     messages = [] if args.system is None else [{"role": "system", "content": args.system}]
-    session = _Session(model, tokenizer, args, messages, out, load_seconds, max_token_chars(tokenizer.backend))
+    session = _Session(model, tokenizer, args, messages, out, load_seconds, max_token_chars(tokenizer.backend),
+                       assistant=assistant, prompt_cache=args.prompt_cache)
+    if args.prompt_cache is not None:
+        session.cache = open_prompt_cache(args.prompt_cache, model, PROG, rollback=MAX_DRAFT_TOKENS)
     interactive = src.isatty()
     reader = MessageReader(src, out, interactive, _say, commands=tuple(COMMANDS))
     if interactive:

@@ -53,11 +53,12 @@ from ._common import (
     progress_of,
     use_threads,
 )
-from ._generation import add_generation_arguments, generation_kwargs
+from ._generation import add_generation_arguments, add_speculation_arguments, generation_kwargs, speculation_kwargs
+from ._prompt_cache import add_prompt_cache_argument, open_prompt_cache, read_prompt
 from ._speed import Speed, Stopwatch
 
 __all__ = ["NAME", "add_parser", "run", "check_model_path", "model_for_command", "tokenizer_for_command", "parse_ids",
-           "prompt_ids"]
+           "prompt_ids", "assistant_for_command"]
 
 NAME = "generate"
 PROG = f"attnkit {NAME}"
@@ -119,6 +120,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
                    help="beam search: stop when every beam has finished (true), when no open beam can win at "
                         "its current length (false, default) or at the longest length (never)")
+    add_speculation_arguments(p)
+    add_prompt_cache_argument(p, "the prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
     add_keep_quantized_argument(p)
     p.add_argument("--verbose", action="store_true",
@@ -154,6 +157,36 @@ def model_for_command(model_dir: str, prog: str = PROG, keep_quantized: bool = F
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise UsageError(f"cannot load the model {printable(repr(model_dir))}: {printable(message, 300)}",
                          prog) from None
+
+
+def assistant_for_command(args: argparse.Namespace, model: Any, tokenizer: Any, prog: str = PROG) -> Any:
+    """The draft model of ``--assistant-model`` (None without it), loaded as the model was (``--dtype``,
+    ``--keep-quantized``); a :class:`UsageError` of ``prog`` when it cannot load, or its tokenizer or vocabulary is
+    not the model's (its drafts would be other tokens). Also checks ``--assistant-early-exit`` against the model's
+    layers."""
+    early = getattr(args, "assistant_early_exit", None)
+    if early is not None and early >= model.config.num_layers:
+        raise UsageError(f"--assistant-early-exit {early}: the draft must be fewer layers than the model's "
+                         f"{model.config.num_layers}", prog)
+    path = getattr(args, "assistant_model", None)
+    if path is None:
+        return None
+    check_model_path(path, prog)
+    draft = model_for_command(path, prog, keep_quantized=args.keep_quantized, progress=progress_of(args),
+                              dtype=args.dtype)
+    if draft.config.vocab_size > model.config.vocab_size:
+        raise UsageError(f"--assistant-model {printable(repr(path))} has a vocabulary of {draft.config.vocab_size} "
+                         f"tokens, more than the model's {model.config.vocab_size}: it needs the same tokenizer", prog)
+    theirs = tokenizer_for_command(path, needed=False, prog=prog)
+    if tokenizer is not None and theirs is not None and _vocabulary(theirs) != _vocabulary(tokenizer):
+        raise UsageError(f"--assistant-model {printable(repr(path))} has another tokenizer than the model: its "
+                         f"drafts would be other tokens", prog)
+    return draft
+
+
+def _vocabulary(tokenizer: Any) -> dict[str, int]:
+    backend = getattr(tokenizer, "backend", tokenizer)  # attnkit's Tokenizer or a tokenizers.Tokenizer
+    return backend.get_vocab(with_added_tokens=True)
 
 
 def tokenizer_for_command(model_dir: str, needed: bool, prog: str = PROG) -> Any:
@@ -274,11 +307,9 @@ def _chat_prompt(args: argparse.Namespace, config: Any, template: str | None) ->
 
 def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     """Generate from ``args`` and stream the text (or the ids, without a tokenizer) to ``stdout``."""
-    from ..decoding.sampling import generate_stream
-
     out = sys.stdout if stdout is None else stdout
     check_model_path(args.model_dir, PROG)
-    options = generation_kwargs(args, PROG, greedy_unless_asked=True)  # flag errors before the (slow) load
+    options = _decoding_options(args)  # flag errors before the (slow) load
     chat = args.chat or args.system is not None or args.chat_template is not None
     template = _chat_template(args) if chat else None
     progress = progress_of(args)
@@ -287,6 +318,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     tokenizer = tokenizer_for_command(args.model_dir, needed=args.prompt is not None)
     model = model_for_command(args.model_dir, keep_quantized=args.keep_quantized, progress=progress,
                               dtype=args.dtype)
+    assistant = assistant_for_command(args, model, tokenizer)
     load_seconds = time.perf_counter() - start
     config = model.config
     if chat:
@@ -303,10 +335,9 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     if beams > 1:
         stream = _beam_tokens(model, prompt, max_new, args, options, progress)
     else:
-        steps = generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
-                                tokenizer=tokenizer, **{k: v for k, v in options.items() if k != "num_beams"})
+        steps = _steps(args, model, prompt, max_new, options, tokenizer, assistant, watch)
         # the prefill runs now, before the prompt is written: its line must not share a line with the text
-        stream = _prefilled(model, steps, len(prompt), max_new, progress,
+        stream = _prefilled(model, steps, watch.prompt_tokens, max_new, progress,
                             counted=args.json or not _progress.wanted(None, out))
     prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
     if not args.json and not chat:
@@ -326,6 +357,33 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         out.flush()
         _report_speed(watch.speed(), load_seconds, beams)
     return 0
+
+
+def _decoding_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``generate`` keyword arguments of the generation and speculation flags, checked together."""
+    options = generation_kwargs(args, PROG, greedy_unless_asked=True)
+    options.update(speculation_kwargs(args, PROG))
+    if args.prompt_cache is not None and options.get("num_beams", 1) > 1:
+        raise UsageError("--prompt-cache cannot be combined with --num-beams (beam search starts from the prompt "
+                         "alone)", PROG)
+    return options
+
+
+def _steps(args: argparse.Namespace, model: Any, prompt: list[int], max_new: int, options: dict[str, Any],
+           tokenizer: Any, assistant: Any, watch: Stopwatch) -> Iterator[np.ndarray]:
+    """The token stream of greedy or sampled decoding, from ``--prompt-cache``'s cache when given (the prompt is
+    read into it and saved first; ``watch`` then counts only the ids read)."""
+    from ..decoding.config import MAX_DRAFT_TOKENS
+    from ..decoding.sampling import generate_stream
+
+    cache = None
+    if args.prompt_cache is not None:
+        cache = open_prompt_cache(args.prompt_cache, model, PROG, rollback=MAX_DRAFT_TOKENS)
+        read = read_prompt(args.prompt_cache, model, cache, prompt, PROG)
+        watch.prompt_tokens, watch.cached_tokens = read + 1, len(prompt) - 1 - read
+    return generate_stream(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new, tokenizer=tokenizer,
+                           past_key_values=cache, assistant_model=assistant,
+                           **{k: v for k, v in options.items() if k != "num_beams"})
 
 
 def _write_stream(out: TextIO, stream: Iterator[np.ndarray], tokenizer: Any, prompt: list[int], prompt_text: str,

@@ -39,13 +39,15 @@ shared rotary key (C + R numbers per token), from which the layer attends direct
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._validation import check_positive_int
 
-__all__ = ["CachedKV", "KVCache", "CrossAttentionCache", "EncoderDecoderCache", "CachedLatent", "LatentCache"]
+__all__ = ["CachedKV", "KVCache", "CrossAttentionCache", "EncoderDecoderCache", "CachedLatent", "LatentCache",
+           "crop_to_prefix"]
 
 
 _FIRST_SLOTS = 256  # slots a full-attention layer starts with (before its first doubling)
@@ -398,6 +400,93 @@ class KVCache:
         self._keys[layer][:, :, slots % capacity] = keys
         self._values[layer][:, :, slots % capacity] = values
 
+    # ------------------------------------------------------------------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Everything the cache holds, as named arrays (copies), for a file: ``token_ids`` (B, n); for each layer
+        with keys and values ``layers.{i}.keys`` and ``.values`` (B, Hkv, S, Dh), its last S slots (all n for a
+        full layer, the ring's kept ones for a window); for each state layer each array field of its state
+        (``layers.{i}.state.{field}``). :meth:`load_arrays` puts them back into an empty cache of the same model.
+
+        Marks are not saved: a cache loaded back goes back only where its layers allow unmarked (see
+        :meth:`crop`). A state must be a dataclass of arrays and its ``length`` (as
+        :class:`~attnkit.layers.gated_deltanet.GatedDeltaNetCache` is) to be saved.
+        """
+        length = _consistent_length(self)
+        out = {"token_ids": self.token_ids.copy()}
+        for layer in self._holding:
+            if layer in self._states:
+                continue
+            if self.windows[layer] is None:
+                keys, values = self._keys[layer][:, :, :length].copy(), self._values[layer][:, :, :length].copy()
+            else:
+                keys, values, _ = self._ring_slots(layer)  # (B, Hkv, S, Dh): fancy indexing copies
+            out[f"layers.{layer}.keys"], out[f"layers.{layer}.values"] = keys, values
+        for layer, state in self._states.items():
+            out.update({f"layers.{layer}.state.{name}": array.copy() for name, array in _state_arrays(state, layer)})
+        return out
+
+    def check_arrays(self, arrays: dict[str, np.ndarray]) -> int:
+        """The checks of :meth:`load_arrays`, writing nothing: the names, shapes and dtypes of ``arrays`` are
+        those of this cache's layers holding the same number of positions (returned). Only shapes and dtypes are
+        read, so zero-memory stand-ins (``np.broadcast_to(np.zeros((), dtype), shape)``) of a file's headers can
+        be checked before anything is read from it."""
+        ids = _checked_ids(arrays, self.batch_size, self.max_length)
+        length = ids.shape[1]
+        expected = {"token_ids"}
+        for layer in self._holding:
+            if layer in self._states:
+                continue
+            heads, dim = self._shapes[layer]
+            capacity = length if self.windows[layer] is None else min(length, self._keys[layer].shape[2])
+            for part in ("keys", "values"):
+                name = f"layers.{layer}.{part}"
+                array = _checked_array(arrays, name, self.dtype)
+                held = array.shape[2] if array.ndim == 4 else -1
+                if array.shape[:2] + array.shape[3:] != (self.batch_size, heads, dim) or not capacity <= held <= length:
+                    raise ValueError(f"{name} must have shape ({self.batch_size}, {heads}, S, {dim}) with S in "
+                                     f"[{capacity}, {length}] (the slots layer {layer} keeps of {length}), got "
+                                     f"{array.shape}")
+                expected.add(name)
+        for layer, state in self._states.items():
+            for field, empty in _state_arrays(state, layer):
+                name = f"layers.{layer}.state.{field}"
+                array = _checked_array(arrays, name, empty.dtype)
+                if array.shape != empty.shape:
+                    raise ValueError(f"{name} must have shape {empty.shape}, got {array.shape}")
+                expected.add(name)
+        unknown = sorted(set(arrays) - expected)
+        if unknown:
+            raise ValueError(f"arrays holds {unknown[0]!r}, which no layer of this cache keeps")
+        return length
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Fill this empty cache with what :meth:`arrays` gave (of a cache of the same model, batch and dtype):
+        afterwards it holds the same ids, keys, values and states, and a forward through it gives the logits
+        the saved one would have. Everything is checked first (:meth:`check_arrays`); a ``ValueError`` says
+        which array is wrong and leaves the cache empty."""
+        if self.length or self.token_ids.shape[1]:
+            raise ValueError(f"load_arrays fills an empty cache; this one holds {self.length} positions")
+        length = self.check_arrays(arrays)
+        for layer in self._holding:
+            if layer in self._states:
+                continue
+            keys, values = arrays[f"layers.{layer}.keys"], arrays[f"layers.{layer}.values"]
+            if self.windows[layer] is None:
+                self._keys[layer] = self._empty(max(length, self._keys[layer].shape[2]), layer=layer)
+                self._values[layer] = self._empty(self._keys[layer].shape[2], layer=layer)
+                self._keys[layer][:, :, :length], self._values[layer][:, :, :length] = keys, values
+            else:
+                capacity = self._keys[layer].shape[2]
+                kept = min(length, capacity)
+                slots = np.arange(length - kept, length) % capacity  # (S,): where the kept slots live
+                self._keys[layer][:, :, slots] = keys[:, :, keys.shape[2] - kept:]
+                self._values[layer][:, :, slots] = values[:, :, values.shape[2] - kept:]
+        for layer, state in self._states.items():
+            fields = {field: arrays[f"layers.{layer}.state.{field}"].copy() for field, _ in _state_arrays(state, layer)}
+            self._states[layer] = dataclasses.replace(state, length=length, **fields)
+        self._lengths = [length] * self.num_layers
+        self.token_ids = arrays["token_ids"].copy()
+
     def reorder(self, index) -> None:
         """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows).
 
@@ -725,6 +814,40 @@ class LatentCache:
         self._lengths = [int(length)] * self.num_layers
         self.token_ids = self.token_ids[:, :int(length)]
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Everything the cache holds, as named arrays (copies), for a file: ``token_ids`` (B, n) and each layer's
+        ``layers.{i}.latent`` (B, n, C + R). :meth:`load_arrays` puts them back into an empty cache."""
+        length = _consistent_length(self)
+        out = {"token_ids": self.token_ids.copy()}
+        out.update({f"layers.{i}.latent": store[:, :length].copy() for i, store in enumerate(self._latents)})
+        return out
+
+    def check_arrays(self, arrays: dict[str, np.ndarray]) -> int:
+        """The checks of :meth:`load_arrays`, writing nothing; returns the positions held (see
+        :meth:`KVCache.check_arrays`)."""
+        length = _checked_ids(arrays, self.batch_size, self.max_length).shape[1]
+        for layer in range(self.num_layers):
+            name = f"layers.{layer}.latent"
+            array = _checked_array(arrays, name, self.dtype)
+            if array.shape != (self.batch_size, length, self.latent_dim):
+                raise ValueError(f"{name} must have shape {(self.batch_size, length, self.latent_dim)}, got "
+                                 f"{array.shape}")
+        unknown = sorted(set(arrays) - {"token_ids"} - {f"layers.{i}.latent" for i in range(self.num_layers)})
+        if unknown:
+            raise ValueError(f"arrays holds {unknown[0]!r}, which no layer of this cache keeps")
+        return length
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Fill this empty cache with what :meth:`arrays` gave, everything checked first (:meth:`check_arrays`)."""
+        if self.length or self.token_ids.shape[1]:
+            raise ValueError(f"load_arrays fills an empty cache; this one holds {self.length} positions")
+        length = self.check_arrays(arrays)
+        for layer in range(self.num_layers):
+            self._latents[layer] = self._empty(max(length, self._latents[layer].shape[1]))  # (B, S, C+R)
+            self._latents[layer][:, :length] = arrays[f"layers.{layer}.latent"]
+        self._lengths = [length] * self.num_layers
+        self.token_ids = arrays["token_ids"].copy()
+
     def reorder(self, index) -> None:
         """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows)."""
         index = _check_index(index, self.batch_size)
@@ -739,3 +862,89 @@ class LatentCache:
     def __repr__(self) -> str:
         return (f"LatentCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
                 f"latent_dim={self.latent_dim}, length={self.length}, max_length={self.max_length})")
+
+
+def _consistent_length(cache: Any) -> int:
+    """The length every layer and the recorded ids agree on; a ``ValueError`` for a cache left between layers
+    (a forward stopped part-way), which cannot be saved."""
+    length = cache.length
+    layers = [cache._lengths[i] for i in getattr(cache, "_holding", range(cache.num_layers))
+              if i not in getattr(cache, "_states", {})]
+    layers += [state.length for state in getattr(cache, "_states", {}).values()]
+    if any(n != length for n in layers) or cache.token_ids.shape[1] != length:
+        raise ValueError(f"the cache's layers hold different lengths ({sorted(set(layers))}, ids "
+                         f"{cache.token_ids.shape[1]}): a forward through it stopped part-way; it cannot be saved")
+    return length
+
+
+def _state_arrays(state: Any, layer: int) -> list[tuple[str, np.ndarray]]:
+    """The array fields of a state layer's state (a dataclass of arrays and its ``length``), by name."""
+    if not dataclasses.is_dataclass(state):
+        raise TypeError(f"layer {layer}'s state ({type(state).__name__}) is not a dataclass of arrays: it cannot "
+                        f"be saved or loaded")
+    return [(f.name, getattr(state, f.name)) for f in dataclasses.fields(state)
+            if isinstance(getattr(state, f.name), np.ndarray)]
+
+
+def _checked_array(arrays: Any, name: str, dtype: np.dtype) -> np.ndarray:
+    if name not in arrays:
+        raise ValueError(f"arrays has no {name!r}")
+    array = arrays[name]
+    if not isinstance(array, np.ndarray) or array.dtype != dtype:
+        raise ValueError(f"{name} must be a {np.dtype(dtype)} array, got "
+                         f"{getattr(array, 'dtype', type(array).__name__)}")
+    return array
+
+
+def _checked_ids(arrays: Any, batch_size: int, max_length: int | None) -> np.ndarray:
+    if not hasattr(arrays, "keys") or not hasattr(arrays, "__getitem__"):
+        raise TypeError(f"arrays must be a mapping of names to arrays, got {type(arrays).__name__}")
+    ids = _checked_array(arrays, "token_ids", np.dtype(np.int64))
+    if ids.ndim != 2 or ids.shape[0] != batch_size:
+        raise ValueError(f"token_ids must have shape ({batch_size}, n), got {ids.shape}")
+    if max_length is not None and ids.shape[1] > max_length:
+        raise ValueError(f"token_ids holds {ids.shape[1]} positions, more than the cache's max_length={max_length}")
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"token_ids must be ids >= 0, got {int(ids.min())}")
+    return ids
+
+def crop_to_prefix(cache: Any, ids: Any) -> Any:
+    """Crop ``cache`` to the longest prefix of ``ids`` it holds and can go back to, and return it, ready to be fed
+    the rest (``generate``'s ``past_key_values``).
+
+    At most ``L - 1`` positions are kept, so at least the last id is fed again (its logits give the next token).
+    Where the cache cannot go back to the whole shared prefix (a recurrent state, a ring past its window), it goes
+    back to the latest marked length within it, else to 0.
+
+    Parameters
+    ----------
+    cache : KVCache or LatentCache
+        Filled by a model's forward (which records ``token_ids``).
+    ids : int array (B, L)
+        The prompt about to be fed, B the cache's rows.
+
+    Examples
+    --------
+    >>> cache = KVCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2)
+    >>> _ = cache.update(0, np.ones((1, 1, 4, 2)), np.ones((1, 1, 4, 2)))
+    >>> cache.record(np.array([[5, 6, 7, 8]]))
+    >>> crop_to_prefix(cache, np.array([[5, 6, 9, 9, 9]])).length
+    2
+    """
+    for name in ("token_ids", "crop", "can_crop", "marks", "batch_size"):
+        if not hasattr(cache, name):
+            raise TypeError(f"past_key_values must be a cache from the model's new_cache, got {type(cache).__name__}")
+    ids = np.asarray(ids)
+    if cache.batch_size != ids.shape[0]:
+        raise ValueError(f"past_key_values holds {cache.batch_size} rows but the prompt has {ids.shape[0]} (with "
+                         f"num_return_sequences counted)")
+    held = cache.token_ids
+    if held.shape[1] != cache.length:
+        raise ValueError(f"past_key_values holds {cache.length} positions but recorded {held.shape[1]} ids: fill it "
+                         f"only through the model's forward or generate")
+    width = min(held.shape[1], ids.shape[1] - 1)
+    differs = np.flatnonzero((held[:, :width] != ids[:, :width]).any(axis=0))
+    shared = int(differs[0]) if differs.size else width
+    target = shared if cache.can_crop(shared) else max([at for at in cache.marks if at <= shared], default=0)
+    cache.crop(target)
+    return cache

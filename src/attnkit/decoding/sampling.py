@@ -24,6 +24,7 @@ import numpy as np
 from .. import _progress
 from .._validation import as_array, check_positive_int
 from .beam_search import lm_beam_search, next_token_logits
+from .cache import crop_to_prefix
 from .config import (
     MAX_DRAFT_TOKENS,
     GenerationConfig,
@@ -495,7 +496,7 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *,
                       min_new_tokens=o["min_new_tokens"], stop_strings=o["stop_strings"], tokenizer=tokenizer,
                       padding=left_padding(mask))
     proposer = _proposer(model, o, assistant_model)
-    cache = None if past_key_values is None else _reusable(past_key_values, model, ids)
+    cache = None if past_key_values is None else crop_to_prefix(past_key_values, ids)
     return _decode(model, ids, mask, max_new, sampling, processing, rng, eos, pad, cache=cache, proposer=proposer)
 
 
@@ -527,27 +528,6 @@ def _proposer(model: Any, o: dict[str, Any], assistant_model: Any) -> Proposer |
         raise TypeError(f"assistant_model must be a causal LM (forward and new_cache), got "
                         f"{type(assistant_model).__name__}")
     return DraftModel(assistant_model, o["num_assistant_tokens"], vocab_size=vocab)
-
-
-def _reusable(cache: Any, model: Any, ids: np.ndarray) -> Any:
-    """``past_key_values`` cropped to the longest prefix it shares with ``ids`` that it can go back to (at most
-    ``L - 1`` of them, so a token is fed), ready for the rest."""
-    for name in ("token_ids", "crop", "can_crop", "marks", "batch_size"):
-        if not hasattr(cache, name):
-            raise TypeError(f"past_key_values must be a cache from the model's new_cache, got {type(cache).__name__}")
-    if cache.batch_size != ids.shape[0]:
-        raise ValueError(f"past_key_values holds {cache.batch_size} rows but the prompt has {ids.shape[0]} (with "
-                         f"num_return_sequences counted)")
-    held = cache.token_ids
-    if held.shape[1] != cache.length:
-        raise ValueError(f"past_key_values holds {cache.length} positions but recorded {held.shape[1]} ids: fill it "
-                         f"only through the model's forward or generate")
-    width = min(held.shape[1], ids.shape[1] - 1)
-    differs = np.flatnonzero((held[:, :width] != ids[:, :width]).any(axis=0))
-    shared = int(differs[0]) if differs.size else width
-    target = shared if cache.can_crop(shared) else max([at for at in cache.marks if at <= shared], default=0)
-    cache.crop(target)
-    return cache
 
 
 def left_padding(mask: np.ndarray) -> np.ndarray:
