@@ -203,7 +203,9 @@ class MultiHeadLatentAttention(Module):
         Also return the weights (B, H, L, S), an array the caller owns (the reference kernel computes them).
     form : {"auto", "explicit", "absorbed"}
         Which computation runs: ``"auto"`` is the absorbed form with a cache (decoding) and the explicit form
-        without one (prefill, training). Only an explicit forward without a cache keeps what backward needs.
+        without one (prefill, training), or with hooks installed (so ``hook_k`` and ``hook_v`` fire in every
+        decoding step, and a replacement there is used). Only an explicit forward without a cache keeps what
+        backward needs.
 
     Hook points: see :meth:`hook_points`.
 
@@ -252,7 +254,8 @@ class MultiHeadLatentAttention(Module):
     def hook_points(self) -> tuple[str, ...]:
         """``hook_q`` (B, L, H, Dn+R) the query heads, their rotary part turned; ``hook_k`` (B, S, H, Dn+R) and
         ``hook_v`` (B, S, H, Dv) the key and value heads the explicit form expands from the latent (the
-        absorbed form, a cached decoding step, never forms them and passes neither point); ``hook_pattern``
+        absorbed form never forms them and passes neither point: ``form="auto"`` runs the explicit form whenever
+        hooks are installed); ``hook_pattern``
         (B, H, L, S) the attention weights, an ordinary softmax pattern in both forms (forward hooks only;
         asking for it runs the reference kernel); ``hook_z`` (B, L, H, Dv) each head's output before ``W_O``."""
         return ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
@@ -320,7 +323,7 @@ class MultiHeadLatentAttention(Module):
         else:
             latent = None
             key_mask = self._key_mask(mask, b, length)
-        if form == "absorbed" or (form == "auto" and cache is not None):
+        if form == "absorbed" or (form == "auto" and cache is not None and not hooked):
             if latent is None:
                 latent = np.concatenate([c, k_rope], axis=-1)  # (B, L, C+R)
             out, weights, ctx = self._absorbed(q, latent, key_mask, output_attentions)  # (B, H, L, Dv)
