@@ -53,11 +53,27 @@ def test_the_model_type_is_written_in_one_source_file():
         expected = [f"pretrained/families/{model_type}.py"]
         if model_type == "llama":  # the demos' and the distributed and patching benchmarks' own models are Llamas
             files = [f for f in files if not f.startswith(("demos/", "benchmarks/ddp", "benchmarks/patching"))]
-        # llama.cpp's architecture names are a namespace of their own, which often spells the same words
-        files = [f for f in files if not f.startswith(("pretrained/gguf_", "benchmarks/gguf_"))]
+        # llama.cpp's tokenizer and pre-tokenizer names are a namespace of their own, which often spells the same
+        # words; its architecture names are the families' (see the next test)
+        files = [f for f in files if not f.startswith(("pretrained/gguf_tokenizer", "pretrained/gguf_metadata",
+                                                       "benchmarks/gguf_"))]
         # and so are the names of the common chat templates (--chat-template qwen3), which users know by the model
         files = [f for f in files if f != "pretrained/named_chat_templates.py"]
         assert files == expected, (model_type, files)
+
+
+def test_each_gguf_architecture_is_named_in_its_familys_module_only():
+    """llama.cpp's ``general.architecture`` of a family is stated by the family (``Family.gguf``): the GGUF loader
+    spells none, and no two families claim one."""
+    src = ROOT / "src" / "attnkit"
+    strings = {str(p.relative_to(src)): _code_strings(p) for p in src.rglob("*.py")}
+    entries = {model_type: entry.gguf.name for model_type, entry in REGISTRY.items() if entry.gguf is not None}
+    assert len(set(entries.values())) == len(entries) >= 8
+    for model_type, name in entries.items():
+        files = sorted(f for f, found in strings.items() if name in found and f.startswith("pretrained/")
+                       and not f.startswith(("pretrained/gguf_tokenizer", "pretrained/gguf_metadata",
+                                             "pretrained/named_chat_templates")))
+        assert files == [f"pretrained/families/{model_type}.py"], (name, files)
 
 
 def test_an_unknown_family_is_refused_naming_those_there_are():

@@ -13,7 +13,9 @@ config implies (:func:`~attnkit.pretrained.checkpoint.checkpoint_map`) is found 
 range is checked before the model is built; then each is dequantized alone (``gguf.quants.dequantize``, float32)
 and copied into its parameter, so loading costs the model plus its largest tensor in float32.
 
-What llama.cpp's converter changed is undone here, so the model computes what llama.cpp computes:
+What llama.cpp's converter changed is undone here, so the model computes what llama.cpp computes; each family's
+module states it (``Family.gguf``, a :class:`~attnkit.pretrained.gguf_metadata.GGUFArchitecture`: the
+architecture's name, its metadata reader and the changes to undo), and this module spells no family's name:
 
 - ``llama``: the rows of q and k are permuted per head (GGML rotates adjacent pairs, Hugging Face the two
   halves of a head); the permutation is reversed. Llama 3's ``rope_freqs.weight`` (one divisor per rotary
@@ -41,28 +43,23 @@ from ..kernels.packed import PACKED_FORMATS, PackedWeight
 from ..models.config import DecoderConfig
 from ._extra import import_extra
 from .checkpoint import HEAD_NAMES, TensorMap, checkpoint_map
+from .families import REGISTRY
 from .gguf_header import GGUFHeader, check_metadata_types, check_tensor_layout, read_header
+from .gguf_metadata import GGUFArchitecture, special_token_ids
 from .hf_config import read_decoder_keys
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "GGUFFile", "read_gguf", "read_gguf_strings", "gguf_hf_config",
            "read_gguf_config", "is_gguf_path", "special_token_ids", "validate_gguf_tensors", "load_gguf_tensors_into",
-           "pack_gguf_tensors"]
+           "pack_gguf_tensors", "gguf_architecture"]
 
-# GGUF architecture (general.architecture) -> Hugging Face model_type. Mistral's files say "llama": llama.cpp
-# runs them as Llama (no sliding window), and so does attnkit.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "olmo2": "olmo2", "phi3": "phi3",
-                      "gemma2": "gemma2", "gemma3": "gemma3_text", "gpt2": "gpt2"}
+# GGUF architecture (general.architecture) -> Hugging Face model_type, from the families' own entries
+# (``Family.gguf``). Mistral's files say "llama": llama.cpp runs them as Llama (no sliding window), and so does
+# attnkit.
+GGUF_ARCHITECTURES = {f.gguf.name: f.model_type for f in REGISTRY.values() if f.gguf is not None}
 
 # The tensor types read (each dequantized by gguf.quants to float32).
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                      "Q6_K")
-
-# Tensors llama.cpp writes that are not weights of the model but rotary divisors, read into the config.
-_ROPE_TENSORS = {"llama": ("rope_freqs.weight",), "qwen2": ("rope_freqs.weight",), "qwen3": ("rope_freqs.weight",),
-                 "olmo2": ("rope_freqs.weight",), "phi3": ("rope_factors_short.weight", "rope_factors_long.weight")}
-
-# GPT-2's Conv1D matrices, which llama.cpp stores transposed.
-_GPT2_TRANSPOSED = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
@@ -107,6 +104,12 @@ class GGUFFile:
     def fail(self, what: str) -> ValueError:
         """A ``ValueError`` naming the file."""
         return ValueError(f"{self.path}: {what}")
+
+
+def gguf_architecture(file: GGUFFile) -> GGUFArchitecture:
+    """The entry of ``file``'s family (its ``general.architecture``) that says how its metadata and tensors are
+    read."""
+    return REGISTRY[GGUF_ARCHITECTURES[file.architecture]].gguf
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
@@ -289,254 +292,12 @@ def _mapped_tensors(path: Path, header: GGUFHeader, gguf: Any) -> dict[str, Any]
     return tensors
 
 
-class _Meta:
-    """Typed access to one architecture's metadata; every error names the file and the key."""
-
-    def __init__(self, file: GGUFFile) -> None:
-        self.file = file
-        self.arch = file.architecture
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.file.metadata.get(f"{self.arch}.{key}", default)
-
-    def int(self, key: str, default: Any = ...) -> int:
-        full = f"{self.arch}.{key}"
-        value = self.file.metadata.get(full, default)
-        if value is ...:
-            raise self.file.fail(f"the metadata has no {full!r}, which a {self.arch} model needs")
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_INT:
-            raise self.file.fail(f"metadata {full!r} must be a positive integer up to {_MAX_INT}, got {value!r}")
-        return value
-
-    def float(self, key: str, default: Any = ...) -> float:
-        full = f"{self.arch}.{key}"
-        value = self.file.metadata.get(full, default)
-        if value is ...:
-            raise self.file.fail(f"the metadata has no {full!r}, which a {self.arch} model needs")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise self.file.fail(f"metadata {full!r} must be a finite positive number, got {value!r}")
-        return float(value)
-
-
-def _vocab_size(file: GGUFFile, meta: _Meta) -> int:
-    """``{arch}.vocab_size``, else the tokenizer's token count (older converters write only the tokens)."""
-    tokens = file.metadata.get("tokenizer.ggml.tokens")
-    if tokens is None and meta.get("vocab_size") is None:
-        raise file.fail(f"the metadata has neither {file.architecture}.vocab_size nor tokenizer.ggml.tokens: the "
-                        f"vocabulary's size is unknown")
-    return meta.int("vocab_size", len(tokens) if tokens else ...)
-
-
-def special_token_ids(file: GGUFFile) -> dict[str, int]:
-    """Every ``tokenizer.ggml.*_token_id`` of the file (``"eos_token_id"`` -> its id), each checked to be a token
-    of the vocabulary: below the count of ``tokenizer.ggml.tokens`` and below ``{arch}.vocab_size`` (the rows of
-    the embedding), whichever the file holds.
-
-    Raises
-    ------
-    ValueError
-        Naming the file, the key, its id and the vocabulary's size.
-    """
-    bounds = []
-    tokens = file.metadata.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, list):
-        bounds.append((len(tokens), f"tokenizer.ggml.tokens holds {len(tokens)} tokens"))
-    vocab = file.metadata.get(f"{file.architecture}.vocab_size")
-    if isinstance(vocab, int) and vocab > 0:
-        bounds.append((vocab, f"{file.architecture}.vocab_size = {vocab}"))
-    ids = {}
-    for key, value in file.metadata.items():
-        if not (key.startswith("tokenizer.ggml.") and key.endswith("_token_id")):
-            continue
-        past = [why for bound, why in bounds if not 0 <= value < bound]
-        if past or value < 0:
-            raise file.fail(f"metadata {key!r} = {value} is not a token id of the vocabulary ("
-                            + ("; ".join(past) if past else "ids are non-negative") + ")")
-        ids[key[len("tokenizer.ggml."):]] = value
-    return ids
-
-
-def _special_ids(file: GGUFFile) -> dict[str, Any]:
-    """bos, pad and the end-of-sequence ids: ``eos_token_id`` and the end-of-turn ids llama.cpp also stops at
-    (``eot_token_id``, ``eom_token_id``), so ``generate`` stops where llama.cpp does."""
-    given = special_token_ids(file)
-    ids: dict[str, Any] = {}
-    for key, name in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):
-        if key in given:
-            ids[name] = given[key]
-    eos = list(dict.fromkeys(given[key] for key in ("eos_token_id", "eot_token_id", "eom_token_id") if key in given))
-    if eos:
-        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    return ids
-
-
-def _rope_factors(file: GGUFFile, name: str) -> list[float]:
-    """A small F32/F16 tensor of rotary divisors as a list (the config holds them, not the model)."""
-    gguf = import_extra("gguf", "read GGUF files")
-    tensor = file.tensors[name]
-    if tensor.tensor_type.name not in ("F32", "F16") or len(tensor.shape) != 1:
-        raise file.fail(f"tensor {name!r} must be a vector of F32 or F16 divisors, got {tensor.tensor_type.name} "
-                        f"of shape {tuple(int(n) for n in tensor.shape)}")
-    return [float(v) for v in gguf.quants.dequantize(tensor.data, tensor.tensor_type)]
-
-
-def _rope_scaling(file: GGUFFile, meta: _Meta, context: int) -> dict | None:
-    """The Hugging Face ``rope_scaling`` of ``{arch}.rope.scaling.*`` (and of Llama 3's ``rope_freqs``)."""
-    if "rope_freqs.weight" in _ROPE_TENSORS.get(file.architecture, ()) and "rope_freqs.weight" in file.tensors:
-        # llama.cpp divides each rotary frequency by its entry: longrope's divisors, the same at every length.
-        divisors = _rope_factors(file, "rope_freqs.weight")
-        return {"rope_type": "longrope", "short_factor": divisors, "long_factor": divisors,
-                "original_max_position_embeddings": context, "attention_factor": 1.0}
-    kind = meta.get("rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": meta.float("rope.scaling.factor")}
-    if kind == "yarn":
-        for key in ("rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor",
-                    "rope.scaling.yarn_attn_factor"):
-            if meta.get(key) is not None:  # llama.cpp's own YaRN knobs, with no Hugging Face equivalent read here
-                raise file.fail(f"metadata {file.architecture}.{key} is not read by attnkit (YaRN is read from "
-                                f"its factor, original context and beta_fast / beta_slow)")
-        scaling = {"rope_type": "yarn", "factor": meta.float("rope.scaling.factor"),
-                   "original_max_position_embeddings": meta.int("rope.scaling.original_context_length")}
-        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
-            if meta.get(key) is not None:
-                scaling[name] = meta.float(key)
-        return scaling
-    if kind == "longrope" and file.architecture == "phi3":
-        return None  # read from its tensors by _phi3
-    raise file.fail(f"metadata {file.architecture}.rope.scaling.type = {kind!r} is not a rotary scaling attnkit "
-                    f"reads from GGUF (none, linear, yarn)")
-
-
-def _heads(meta: _Meta, hidden: int) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head width), their relations checked in the file's own keys."""
-    arch = meta.arch
-    heads = meta.int("attention.head_count")
-    kv = meta.int("attention.head_count_kv", heads)
-    if heads % kv:
-        raise meta.file.fail(f"metadata '{arch}.attention.head_count_kv' = {kv} must divide "
-                             f"'{arch}.attention.head_count' = {heads}")
-    if meta.get("attention.key_length") is None and hidden % heads:
-        raise meta.file.fail(f"metadata '{arch}.embedding_length' = {hidden} is not a multiple of "
-                             f"'{arch}.attention.head_count' = {heads}, and there is no '{arch}.attention.key_length' "
-                             f"to give the width of a head")
-    return heads, kv, meta.int("attention.key_length", hidden // heads)
-
-
-def _rotated(meta: _Meta, head_dim: int) -> int:
-    """The features of a head that rotate: ``rope.dimension_count`` (default all), even and at most the head's."""
-    arch = meta.arch
-    rotated = meta.int("rope.dimension_count", head_dim)
-    if rotated > head_dim or rotated % 2:
-        source = (f"'{arch}.attention.key_length'" if meta.get("attention.key_length") is not None else
-                  f"'{arch}.embedding_length' / '{arch}.attention.head_count'")
-        what = (f"metadata '{arch}.rope.dimension_count' = {rotated}" if meta.get("rope.dimension_count") is not None
-                else f"the head's width {head_dim} ({source}), all of which rotates,")
-        raise meta.file.fail(f"{what} must be an even number of at most the {head_dim} features of a head "
-                             f"({source})")
-    return rotated
-
-
-def _common(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
-    """The keys every rotary family shares."""
-    hidden = meta.int("embedding_length")
-    heads, kv, head_dim = _heads(meta, hidden)
-    context = meta.int("context_length")
-    config = {
-        "model_type": file.model_type, "vocab_size": _vocab_size(file, meta), "hidden_size": hidden,
-        "intermediate_size": meta.int("feed_forward_length"), "num_hidden_layers": meta.int("block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "max_position_embeddings": context, "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta.float("rope.freq_base", 10000.0),
-        # llama.cpp writes the output projection only when it is not the embedding matrix
-        "tie_word_embeddings": "output.weight" not in file.tensors,
-        **_special_ids(file),
-    }
-    rotated = _rotated(meta, head_dim)
-    if rotated != head_dim:
-        config["partial_rotary_factor"] = rotated / head_dim
-    scaling = _rope_scaling(file, meta, context)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
-    return config
-
-
-def _gemma(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
-    """Gemma 2 / 3. llama.cpp keeps no ``query_pre_attn_scalar``: it scales scores by ``head_dim ** -0.5``, except
-    in the 27B models (46 and 62 layers), which scale by ``(hidden_size / heads) ** -0.5``, as their configs say."""
-    config = _common(file, meta)
-    three = file.architecture == "gemma3"
-    config.pop("rope_scaling", None)
-    config.pop("rope_theta")
-    big = config["num_hidden_layers"] == (62 if three else 46)
-    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if big
-                                       else config["head_dim"])
-    layers = config["num_hidden_layers"]
-    if three and not meta.get("attention.sliding_window"):  # llama.cpp: no window, no sliding layer
-        config["sliding_window"] = None
-        config["layer_types"] = ["full_attention"] * layers
-    else:
-        config["sliding_window"] = meta.int("attention.sliding_window")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        config[key] = meta.float(key) if meta.get(key) is not None else None
-    if not three:
-        config["rope_theta"] = meta.float("rope.freq_base", 10000.0)
-        return config
-    # Gemma 3: full layers rotate with the file's base (and scaling), sliding ones with base 10000 unscaled.
-    full = {"rope_type": "default", "rope_theta": meta.float("rope.freq_base", 1000000.0)}
-    scaling = _rope_scaling(file, meta, config["max_position_embeddings"])
-    if scaling is not None:
-        full.update(scaling)
-    config["rope_parameters"] = {"full_attention": full, "sliding_attention": {
-        "rope_type": "default", "rope_theta": meta.float("rope.freq_base_swa", 10000.0)}}
-    pattern = meta.get("attention.sliding_window_pattern", 6)
-    if "layer_types" in config:
-        return config
-    if isinstance(pattern, np.ndarray):  # one flag per layer (an array of bools): True = sliding
-        if len(pattern) != layers:
-            raise file.fail(f"metadata gemma3.attention.sliding_window_pattern must be {layers} bools (one per "
-                            f"layer, gemma3.block_count = {layers}) or a period, got {len(pattern)} bools")
-        config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern.tolist()]
-    else:
-        config["sliding_window_pattern"] = meta.int("attention.sliding_window_pattern", 6)
-    return config
-
-
-def _phi3(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
-    """Phi-3: partial rotary from ``rope.dimension_count``, a window, longrope's divisors as tensors."""
-    config = _common(file, meta)
-    if meta.get("attention.sliding_window") is not None:
-        config["sliding_window"] = meta.int("attention.sliding_window")
-    present = [name for name in _ROPE_TENSORS["phi3"] if name in file.tensors]
-    if len(present) == 1:
-        raise file.fail(f"tensor {present[0]!r} comes without its pair: longrope needs both "
-                        f"{' and '.join(_ROPE_TENSORS['phi3'])}")
-    if present:
-        config["rope_scaling"] = {
-            "rope_type": "longrope", "short_factor": _rope_factors(file, "rope_factors_short.weight"),
-            "long_factor": _rope_factors(file, "rope_factors_long.weight"),
-            "original_max_position_embeddings": meta.int("rope.scaling.original_context_length")}
-        if meta.get("rope.scaling.attn_factor") is not None:
-            config["rope_scaling"]["attention_factor"] = meta.float("rope.scaling.attn_factor")
-    return config
-
-
-def _gpt2(file: GGUFFile, meta: _Meta) -> dict[str, Any]:
-    """GPT-2: LayerNorm, learned positions, tanh-GELU (the GELU llama.cpp computes)."""
-    return {"model_type": "gpt2", "vocab_size": _vocab_size(file, meta), "n_embd": meta.int("embedding_length"),
-            "n_layer": meta.int("block_count"), "n_head": meta.int("attention.head_count"),
-            "n_positions": meta.int("context_length"), "n_inner": meta.int("feed_forward_length"),
-            "layer_norm_epsilon": meta.float("attention.layer_norm_epsilon"), "activation_function": "gelu_new",
-            "tie_word_embeddings": "output.weight" not in file.tensors, **_special_ids(file)}
-
-
 def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
     """The Hugging Face ``config.json`` dict a GGUF file's metadata describes.
 
-    Biases are read from the tensors (llama.cpp loads them when present): ``blk.0.attn_q.bias`` sets
-    ``attention_bias``, ``blk.0.ffn_up.bias`` Llama's ``mlp_bias``.
+    The family's :class:`~attnkit.pretrained.gguf_metadata.GGUFArchitecture` reads it. Biases are read from the
+    tensors (llama.cpp loads them when present): ``blk.0.attn_q.bias`` sets ``attention_bias``,
+    ``blk.0.ffn_up.bias`` Llama's ``mlp_bias``.
 
     Raises
     ------
@@ -544,20 +305,7 @@ def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
         A required key missing or of the wrong type, or a rotary scaling attnkit does not read (naming the file
         and the key).
     """
-    meta = _Meta(file)
-    if file.architecture == "gpt2":
-        return _gpt2(file, meta)
-    if file.architecture in ("gemma2", "gemma3"):
-        config = _gemma(file, meta)
-    elif file.architecture == "phi3":
-        config = _phi3(file, meta)
-    else:
-        config = _common(file, meta)
-    if file.architecture in ("llama", "qwen3", "olmo2", "gemma2", "gemma3"):
-        config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
-    if file.architecture == "llama":
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in file.tensors
-    return config
+    return gguf_architecture(file).hf_config(file)
 
 
 def read_gguf_config(file: GGUFFile) -> DecoderConfig:
@@ -606,6 +354,7 @@ class _Entry:
 def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
     """GGUF tensor name -> its entry, for every tensor ``config`` needs (names from ``gguf``'s own table)."""
     gguf = import_extra("gguf", "read GGUF files")
+    arch = gguf_architecture(file)
     maps, prefix = checkpoint_map(config)
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH[file.architecture.upper()], config.num_layers)
     entries: dict[str, _Entry] = {}
@@ -618,16 +367,7 @@ def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
             if base is None:
                 raise RuntimeError(f"gguf has no {file.architecture} tensor name for {prefix + m.source}")
             name = f"{base}.{suffix}"
-        fix = ""
-        if file.architecture == "llama" and ".attn_q." in name:
-            fix = "permute_q"
-        elif file.architecture == "llama" and ".attn_k." in name:
-            fix = "permute_k"
-        elif file.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):
-            fix = "norm_offset"
-        elif file.architecture == "gpt2" and name.endswith(_GPT2_TRANSPOSED):
-            fix = "transpose"
-        entries[name] = _Entry(m, fix)
+        entries[name] = _Entry(m, arch.fix(name))
     return entries
 
 
@@ -658,7 +398,7 @@ def validate_gguf_tensors(file: GGUFFile, config: DecoderConfig) -> dict[str, _E
         raise file.fail(f"the file has no tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more missing)"
                                                                     if len(missing) > 1 else "")
                         + f" needed by this {file.architecture} model")
-    consumed = _ROPE_TENSORS.get(file.architecture, ())
+    consumed = gguf_architecture(file).rope_tensors
     unexpected = [name for name in file.tensors if name not in entries and name not in consumed]
     if unexpected:
         raise file.fail(f"unexpected tensor {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)"

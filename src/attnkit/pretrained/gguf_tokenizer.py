@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ._extra import import_extra
-from .gguf_file import GGUFFile, special_token_ids
+from .gguf_file import GGUFFile, gguf_architecture, special_token_ids
 from .tokenizer import Tokenizer
 
 __all__ = ["gguf_tokenizer", "GGUF_PRE_TOKENIZERS"]
@@ -200,7 +200,7 @@ def _byte_level(tk: Any, file: GGUFFile, tokens: list[str]) -> Any:
 
 
 def _sentencepiece(tk: Any, file: GGUFFile, tokens: list[str], ids: dict[str, int]) -> Any:
-    style = {"gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}.get(file.architecture, "llama")
+    style = gguf_architecture(file).tokenizer_style
     if style == "gemma":
         # Gemma stores pieces of two or more spaces as spaces, and its scores do not follow its merge order:
         # the order of the tokens does.

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...models.config import DecoderConfig
+from ..gguf_metadata import GGUFArchitecture
 from ..tensor_map import TensorMap
 from ._reader import Reader, refuse_unknown_keys
 
@@ -52,6 +53,9 @@ class Family:
     unused_tensors : callable (DecoderConfig) -> frozenset of str, optional
         Checkpoint tensors (under the base prefix) that may be present and are not read, as transformers
         ignores them (Gemma 4's key/value projections of the layers that reuse another layer's).
+    gguf : GGUFArchitecture, optional
+        How llama.cpp's GGUF files of this family are read (its ``general.architecture`` name, metadata reader
+        and what the converter changed); None where attnkit reads no GGUF file of it.
     summary : str
         What the family is, as a difference from Llama where it is one: the first paragraph of its module's
         docstring (filled in by the registry).
@@ -66,6 +70,7 @@ class Family:
     benchmark: dict[str, Any] = field(default_factory=dict)
     quantizations: tuple[str, ...] = ()
     unused_tensors: Callable[[DecoderConfig], frozenset[str]] | None = None
+    gguf: GGUFArchitecture | None = None
     summary: str = ""
 
     def config_from_hf(self, config: dict) -> DecoderConfig:

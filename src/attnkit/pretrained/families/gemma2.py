@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rope_scaling
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_layer_types, read_rope
 from .llama import BENCHMARK_SHAPE, plain_tensors
+from .llama import GGUF_ATTENTION_BIAS as GGUF_BIASES
 
 __all__ = ["FAMILY", "GEMMA_KEYS", "GemmaRules", "gemma_config"]
 
@@ -139,7 +142,50 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
     )
 
 
+def gemma_gguf_config(file: Any, meta: GGUFMetadata, three: bool = False) -> dict[str, Any]:
+    """Gemma 2 (``three``: Gemma 3) from GGUF metadata. llama.cpp keeps no ``query_pre_attn_scalar``: it scales
+    scores by ``head_dim ** -0.5``, except in the 27B models (46 and 62 layers), which scale by
+    ``(hidden_size / heads) ** -0.5``, as their configs say."""
+    config = common_config(file, meta)
+    config.pop("rope_scaling", None)
+    config.pop("rope_theta")
+    big = config["num_hidden_layers"] == (62 if three else 46)
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if big
+                                       else config["head_dim"])
+    layers = config["num_hidden_layers"]
+    if three and not meta.get("attention.sliding_window"):  # llama.cpp: no window, no sliding layer
+        config["sliding_window"] = None
+        config["layer_types"] = ["full_attention"] * layers
+    else:
+        config["sliding_window"] = meta.int("attention.sliding_window")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        config[key] = meta.float(key) if meta.get(key) is not None else None
+    if not three:
+        config["rope_theta"] = meta.float("rope.freq_base", 10000.0)
+        return config
+    # Gemma 3: full layers rotate with the file's base (and scaling), sliding ones with base 10000 unscaled.
+    full = {"rope_type": "default", "rope_theta": meta.float("rope.freq_base", 1000000.0)}
+    scaling = rope_scaling(file, meta, config["max_position_embeddings"])
+    if scaling is not None:
+        full.update(scaling)
+    config["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+        "rope_type": "default", "rope_theta": meta.float("rope.freq_base_swa", 10000.0)}}
+    pattern = meta.get("attention.sliding_window_pattern", 6)
+    if "layer_types" in config:
+        return config
+    if isinstance(pattern, np.ndarray):  # one flag per layer (an array of bools): True = sliding
+        if len(pattern) != layers:
+            raise file.fail(f"metadata {meta.arch}.attention.sliding_window_pattern must be {layers} bools (one per "
+                            f"layer, {meta.arch}.block_count = {layers}) or a period, got {len(pattern)} bools")
+        config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern.tolist()]
+    else:
+        config["sliding_window_pattern"] = meta.int("attention.sliding_window_pattern", 6)
+    return config
+
+
 FAMILY = Family(
     model_type="gemma2", keys=frozenset(GEMMA_KEYS), read_config=gemma_config,
     tensors=plain_tensors, architecture="Gemma2ForCausalLM", hf_config_class="Gemma2Config",
-    benchmark=dict(BENCHMARK_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512))
+    benchmark=dict(BENCHMARK_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512),
+    gguf=GGUFArchitecture("gemma2", gemma_gguf_config, bias_flags=GGUF_BIASES, norm_offset=True,
+                          tokenizer_style="gemma"))

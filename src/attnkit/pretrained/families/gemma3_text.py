@@ -4,8 +4,9 @@ scaling) per layer type (``rope_parameters`` keyed by layer type, or ``rope_loca
 layers), no soft-caps by default, and a context of 131072 positions."""
 from __future__ import annotations
 
+from ..gguf_metadata import GGUFArchitecture
 from . import Family
-from .gemma2 import GEMMA_KEYS, GemmaRules, gemma_config
+from .gemma2 import GEMMA_KEYS, GGUF_BIASES, GemmaRules, gemma_config, gemma_gguf_config
 from .llama import BENCHMARK_SHAPE, plain_tensors
 
 __all__ = ["FAMILY"]
@@ -18,4 +19,7 @@ FAMILY = Family(
     keys=frozenset(GEMMA_KEYS + ("sliding_window_pattern", "rope_local_base_freq")),
     read_config=lambda read: gemma_config(read, RULES),
     tensors=plain_tensors, architecture="Gemma3ForCausalLM", hf_config_class="Gemma3TextConfig",
-    benchmark=dict(BENCHMARK_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512))
+    benchmark=dict(BENCHMARK_SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=512),
+    gguf=GGUFArchitecture("gemma3", lambda file, meta: gemma_gguf_config(file, meta, three=True),
+                          bias_flags=GGUF_BIASES, norm_offset=True,
+                          tokenizer_style="gemma"))

@@ -7,7 +7,10 @@ q, k, v), ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``; ``ln_f``; ``l
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ...models.config import AttentionConfig, DecoderConfig, NormConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, special_ids, vocab_size
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import Reader
@@ -76,8 +79,19 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return maps, "transformer."
 
 
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """GPT-2: LayerNorm, learned positions, tanh-GELU (the GELU llama.cpp computes)."""
+    return {"model_type": "gpt2", "vocab_size": vocab_size(file, meta), "n_embd": meta.int("embedding_length"),
+            "n_layer": meta.int("block_count"), "n_head": meta.int("attention.head_count"),
+            "n_positions": meta.int("context_length"), "n_inner": meta.int("feed_forward_length"),
+            "layer_norm_epsilon": meta.float("attention.layer_norm_epsilon"), "activation_function": "gelu_new",
+            "tie_word_embeddings": "output.weight" not in file.tensors, **special_ids(file)}
+
+
 FAMILY = Family(
     model_type="gpt2", keys=frozenset(KEYS), read_config=_read_config,
     tensors=_tensors, architecture="GPT2LMHeadModel", hf_config_class="GPT2Config",
     benchmark=dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, resid_pdrop=0.0,
-                   embd_pdrop=0.0, attn_pdrop=0.0))
+                   embd_pdrop=0.0, attn_pdrop=0.0),
+    gguf=GGUFArchitecture("gpt2", _gguf_config, transposed=("attn_qkv.weight", "attn_output.weight", "ffn_up.weight",
+                                                          "ffn_down.weight")))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ..gguf_metadata import GGUFArchitecture
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
@@ -144,7 +145,15 @@ def plain_tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorM
     return rotary_tensors(cfg)
 
 
+# GGUF: Llama 3's rope_freqs.weight holds one divisor per rotary frequency (read as a scaling), and llama.cpp
+# loads the attention's biases when the file has them.
+LLAMA3_ROPE_TENSORS = ("rope_freqs.weight",)
+GGUF_ATTENTION_BIAS = (("attention_bias", "blk.0.attn_q.bias"),)
+
+
 FAMILY = Family(
     model_type="llama", keys=frozenset(COMMON_KEYS + ("attention_bias", "mlp_bias")),
     read_config=lambda read: rotary_config(read, DEFAULTS, _fields), tensors=plain_tensors,
-    architecture="LlamaForCausalLM", hf_config_class="LlamaConfig", benchmark=dict(BENCHMARK_SHAPE))
+    architecture="LlamaForCausalLM", hf_config_class="LlamaConfig", benchmark=dict(BENCHMARK_SHAPE),
+    gguf=GGUFArchitecture("llama", rope_tensors=LLAMA3_ROPE_TENSORS, permuted_qk=True,
+                          bias_flags=(*GGUF_ATTENTION_BIAS, ("mlp_bias", "blk.0.ffn_up.bias"))))

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...models.config import AttentionConfig
+from ..gguf_metadata import GGUFArchitecture
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
+from .llama import BENCHMARK_SHAPE, GGUF_ATTENTION_BIAS, LLAMA3_ROPE_TENSORS, plain_tensors, rotary_config
 
 __all__ = ["FAMILY"]
 
@@ -24,4 +25,5 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
 FAMILY = Family(
     model_type="olmo2", keys=frozenset(COMMON_KEYS + ("attention_bias",)),
     read_config=lambda read: rotary_config(read, DEFAULTS, _fields, norm_placement="post"), tensors=plain_tensors,
-    architecture="Olmo2ForCausalLM", hf_config_class="Olmo2Config", benchmark=dict(BENCHMARK_SHAPE))
+    architecture="Olmo2ForCausalLM", hf_config_class="Olmo2Config", benchmark=dict(BENCHMARK_SHAPE),
+    gguf=GGUFArchitecture("olmo2", rope_tensors=LLAMA3_ROPE_TENSORS, bias_flags=GGUF_ATTENTION_BIAS))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rope_factors
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -49,7 +50,28 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return fused, prefix
 
 
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """Phi-3: partial rotary from ``rope.dimension_count``, a window, longrope's divisors as tensors."""
+    config = common_config(file, meta)
+    if meta.get("attention.sliding_window") is not None:
+        config["sliding_window"] = meta.int("attention.sliding_window")
+    present = [name for name in meta.architecture.rope_tensors if name in file.tensors]
+    if len(present) == 1:
+        raise file.fail(f"tensor {present[0]!r} comes without its pair: longrope needs both "
+                        f"{' and '.join(meta.architecture.rope_tensors)}")
+    if present:
+        config["rope_scaling"] = {
+            "rope_type": "longrope", "short_factor": rope_factors(file, "rope_factors_short.weight"),
+            "long_factor": rope_factors(file, "rope_factors_long.weight"),
+            "original_max_position_embeddings": meta.int("rope.scaling.original_context_length")}
+        if meta.get("rope.scaling.attn_factor") is not None:
+            config["rope_scaling"]["attention_factor"] = meta.float("rope.scaling.attn_factor")
+    return config
+
+
 FAMILY = Family(
     model_type="phi3", keys=frozenset(COMMON_KEYS + ("sliding_window",)),
     read_config=lambda read: rotary_config(read, DEFAULTS, _fields, rope_aliases=_ROPE_ALIASES), tensors=_tensors,
-    architecture="Phi3ForCausalLM", hf_config_class="Phi3Config", benchmark=dict(BENCHMARK_SHAPE))
+    architecture="Phi3ForCausalLM", hf_config_class="Phi3Config", benchmark=dict(BENCHMARK_SHAPE),
+    gguf=GGUFArchitecture("phi3", _gguf_config, rope_tensors=("rope_factors_short.weight", "rope_factors_long.weight"),
+                          tokenizer_style="phi3"))

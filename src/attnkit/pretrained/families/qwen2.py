@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...models.config import AttentionConfig
+from ..gguf_metadata import GGUFArchitecture
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_layer_types
-from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
+from .llama import BENCHMARK_SHAPE, LLAMA3_ROPE_TENSORS, plain_tensors, rotary_config
 
 __all__ = ["FAMILY", "WINDOW_KEYS", "qwen_windows"]
 
@@ -42,4 +43,5 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
 FAMILY = Family(
     model_type="qwen2", keys=frozenset(COMMON_KEYS + WINDOW_KEYS),
     read_config=lambda read: rotary_config(read, DEFAULTS, _fields), tensors=plain_tensors,
-    architecture="Qwen2ForCausalLM", hf_config_class="Qwen2Config", benchmark=dict(BENCHMARK_SHAPE))
+    architecture="Qwen2ForCausalLM", hf_config_class="Qwen2Config", benchmark=dict(BENCHMARK_SHAPE),
+    gguf=GGUFArchitecture("qwen2", rope_tensors=LLAMA3_ROPE_TENSORS))

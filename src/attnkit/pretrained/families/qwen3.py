@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...models.config import AttentionConfig
+from ..gguf_metadata import GGUFArchitecture
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
+from .llama import BENCHMARK_SHAPE, GGUF_ATTENTION_BIAS, LLAMA3_ROPE_TENSORS, plain_tensors, rotary_config
 from .qwen2 import DEFAULTS as QWEN2_DEFAULTS
 from .qwen2 import WINDOW_KEYS, qwen_windows
 
@@ -28,4 +29,5 @@ FAMILY = Family(
     model_type="qwen3",
     keys=frozenset(COMMON_KEYS + WINDOW_KEYS + ("attention_bias",)),
     read_config=lambda read: rotary_config(read, DEFAULTS, _fields), tensors=plain_tensors,
-    architecture="Qwen3ForCausalLM", hf_config_class="Qwen3Config", benchmark=dict(BENCHMARK_SHAPE, head_dim=64))
+    architecture="Qwen3ForCausalLM", hf_config_class="Qwen3Config", benchmark=dict(BENCHMARK_SHAPE, head_dim=64),
+    gguf=GGUFArchitecture("qwen3", rope_tensors=LLAMA3_ROPE_TENSORS, bias_flags=GGUF_ATTENTION_BIAS))
