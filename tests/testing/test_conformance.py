@@ -213,3 +213,10 @@ def test_a_case_of_the_users_own_runs():
     case = Case("wide heads", 1, 2, 1, 3, 5, 64, 64, AttentionSpec(causal=True, scale=0.125), seed=3)
     report = check_attention(planted(top_left=True), cases=[case], dtypes=("float32",))
     assert report.result("wide heads", "float32").finding == "causal corner at the top left (query i sees keys j <= i)"
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    from attnkit.testing import conformance
+    assert doctest.testmod(conformance).failed == 0 and doctest.testmod(conformance).attempted >= 3

@@ -54,7 +54,7 @@ def _refuse(spec: AttentionSpec, owner: str, **features: bool) -> None:
             raise NotImplementedError(f"{owner} has no argument for {feature.replace('_', ' ')}")
 
 
-def _dense_mask(spec: AttentionSpec, seq_q: int):
+def _dense_mask(spec: AttentionSpec):
     """The spec's key padding and mask as one torch boolean (B, 1, Lq|1, Lk), True = may attend, or None."""
     import torch
 
@@ -110,7 +110,7 @@ def torch_sdpa(backend: str | None = None):
         try:
             with chosen:
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=_dense_mask(spec, q.shape[2]), dropout_p=spec.dropout_p,
+                    q, k, v, attn_mask=_dense_mask(spec), dropout_p=spec.dropout_p,
                     is_causal=spec.causal, scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1])
         except RuntimeError as exc:
             if any(text in str(exc) for text in _NO_KERNEL):
@@ -132,7 +132,7 @@ def _flex_mask_mod(spec: AttentionSpec):
     if spec.window is not None:
         window = spec.window
         parts.append(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < window)
-    dense = _dense_mask(spec, 0)
+    dense = _dense_mask(spec)
     if dense is not None:
         parts.append(lambda b, h, q_idx, kv_idx: dense[b, 0, q_idx if dense.shape[2] > 1 else 0, kv_idx])
     if not parts:

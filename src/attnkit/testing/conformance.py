@@ -54,7 +54,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # arrays inside: equality would be ambiguous, so it is identity
 class AttentionSpec:
     """What one case asks the function to compute (the arrays are NumPy, whatever the function's framework).
 
@@ -107,7 +107,7 @@ class AttentionSpec:
         return allowed
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Case:
     """One point of the grid: the shapes, the spec and the seed of its random inputs."""
 
