@@ -71,7 +71,8 @@ def page(rows: dict, versions: str) -> str:
         "the **logits**, the last **hidden** state (the head's input, after the final norm) and the **grad**ient of "
         "the mean next-token cross-entropy with respect to the token-embedding matrix (every layer's backward "
         "reaches it). Each number is `max |a - b| / max |b|` (`attnkit.testing.error_tables`).", "",
-        f"Measured with {versions}. `tests/testing/test_error_tables.py` recomputes a few families and fails "
+        f"Measured with {versions}. `tests/testing/test_error_tables.py` recomputes one model of each family type "
+        "and fails "
         f"when a number passes its bound in `tests/testing/error_bounds.json` ({MARGIN:g} times the number "
         "here, at least 1e-6, or 1e-2 for the bfloat16 comparisons).", "",
         "## Float32 weights", "",
