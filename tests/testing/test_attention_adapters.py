@@ -2,6 +2,9 @@
 pages (docs/conformance/) report about each holds on the installed versions, on a few cases in float32."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from attnkit.testing import check_attention, default_cases
@@ -9,6 +12,7 @@ from attnkit.testing.attention_adapters import sdpa_backends, torch_flex_attenti
 
 torch = pytest.importorskip("torch")
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "conformance"
 TOP_LEFT = "causal corner at the top left (query i sees keys j <= i)"
 
 
@@ -76,3 +80,28 @@ def test_transformers_sdpa_refuses_soft_cap_and_ignores_sinks():
     assert [r.status for r in report.results] == ["pass", "pass", "error", "differs"]
     assert "does not support `softcap`" in report.result("soft-cap 2", "float32").detail
     assert report.result("sinks", "float32").finding == "sinks ignored"
+
+
+def _without_numbers(table: str) -> str:
+    """A report table with its errors removed: the marks, statuses and findings stay."""
+    return re.sub(r"([✓✗]) [0-9.e+-]+(?: / [0-9.e+-]+)?", r"\1", table)
+
+
+def _published_table(page: str, heading: str) -> str:
+    text = (DOCS / page).read_text(encoding="utf-8")
+    section = text[text.index(f"## {heading}\n"):].split("\n\n")  # heading, table, prose, ...
+    return section[1]
+
+
+@pytest.mark.parametrize("page, heading, adapter", [
+    ("torch-sdpa.md", "Backend: math", lambda: torch_sdpa("math")),
+    ("transformers.md", "eager_attention_forward", lambda: transformers_attention("eager")),
+    ("transformers.md", "sdpa_attention_forward", lambda: transformers_attention("sdpa")),
+])
+def test_the_published_conformance_tables_are_current(page, heading, adapter):
+    """Every mark, status and finding of the checked-in page is what the suite finds now (make
+    conformance-pages rewrites the pages when the suite or a referee changes)."""
+    pytest.importorskip("transformers")
+    published, table = _published_table(page, heading), check_attention(adapter()).table()
+    assert published.startswith("| case |") and published.count("\n") == len(default_cases()) + 1
+    assert _without_numbers(published) == _without_numbers(table)
