@@ -4,6 +4,7 @@ a window ignored or one key wider, a wrong gradient) is named in exactly the cas
 there. The planted functions are a plain PyTorch attention written here, independent of attnkit."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -43,9 +44,11 @@ class _ScaledGradient(torch.autograd.Function):
 
 
 def planted(*, top_left=False, dead="zero", default_scale=None, interleave=False, window_delta=0,
-            ignore_window=False, grad_factor=1.0):
-    """A plain PyTorch attention in the suite's convention, with at most one planted difference."""
+            ignore_window=False, grad_factor=1.0, ignore=()):
+    """A plain PyTorch attention in the suite's convention, with at most one planted difference (``ignore``:
+    spec fields it never reads)."""
     def attend(q, k, v, spec: AttentionSpec):
+        spec = dataclasses.replace(spec, **{name: None for name in ignore})
         (_, hq, lq, d), hkv, lk = q.shape, k.shape[1], k.shape[2]
         group = hq // hkv
         k, v = ((x.repeat(1, group, 1, 1) if interleave else x.repeat_interleave(group, 1)) for x in (k, v))
@@ -115,6 +118,10 @@ def test_a_correct_function_passes_every_case_with_its_dtypes_rounding_error():
     (dict(ignore_window=True), "window ignored", WINDOWS),
     (dict(window_delta=1), "window one key wider", WINDOWS),
     (dict(window_delta=-1), "window one key narrower", WINDOWS),
+    (dict(ignore=("key_padding",)), "key padding ignored", {"key padding", "causal + left padding (dead rows)"}),
+    (dict(ignore=("softcap",)), "soft-cap ignored", {"soft-cap 2"}),
+    (dict(ignore=("sinks",)), "sinks ignored", {"sinks"}),
+    (dict(ignore=("alibi_slopes",)), "ALiBi ignored", {"ALiBi"}),
 ])
 def test_each_planted_difference_is_named_where_it_shows_and_nowhere_else(planted_difference, finding, where):
     report = check_attention(planted(**planted_difference), dtypes=DTYPES)
