@@ -222,13 +222,6 @@ def test_a_case_of_the_users_own_runs():
     assert report.result("wide heads", "float32").finding == "causal corner at the top left (query i sees keys j <= i)"
 
 
-def test_the_docstring_examples_run():
-    import doctest
-
-    from attnkit.testing import conformance
-    assert doctest.testmod(conformance).failed == 0 and doctest.testmod(conformance).attempted >= 3
-
-
 def _attnkit_tiled(q, k, v, spec: AttentionSpec):
     """attnkit's own tiled kernel through its flex API (its masks and modifiers, not the suite's), gradients
     included: the twin of the float64 reference over the whole grid."""
