@@ -6,7 +6,7 @@ STAMP_TEST := $(VENV)/.installed-test
 STAMP_DEMO := $(VENV)/.installed-demo
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test demo docs docs-screenshot chromium venv clean
+.PHONY: test demo docs docs-screenshot conformance-pages chromium venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ docs-screenshot: $(STAMP_TEST) chromium
 	$(BIN)/python docs/tools/explorer_screenshot.py docs/explorer.png
 	$(BIN)/python docs/tools/explain_screenshot.py docs/explain-minilm.png
 	$(BIN)/python docs/tools/flex_pictures.py docs/flex-block-mask.png
+
+# Rerun the conformance suite on torch SDPA, flex_attention and transformers' attention functions and rewrite
+# docs/conformance/*.md (about half a minute), and the error tables against transformers (docs/conformance/
+# error-tables.md and their bounds, tests/testing/error_bounds.json; a few minutes).
+conformance-pages: $(STAMP_TEST)
+	PYTHONPATH=src $(BIN)/python docs/tools/conformance_pages.py docs/conformance
+	PYTHONPATH=src:tests $(BIN)/python docs/tools/error_tables.py
 
 # make demo DEMO_ARGS="--task reverse --steps 400" passes options on (see .venv/bin/attnkit demo --help).
 demo: $(STAMP_DEMO)
