@@ -12,7 +12,9 @@
   (built on :class:`~attnkit.attention.GroupedQueryAttention`);
 - :class:`GatedDeltaNet`, the linear-attention layer of Qwen3-Next and Qwen3.5, and its
   :class:`GatedDeltaNetCache`; :class:`GatedDeltaNetMixer` is it as a decoder block's token mixer, shaped by a
-  :class:`GatedDeltaNetConfig`.
+  :class:`GatedDeltaNetConfig`;
+- :class:`ShortConv`, LFM2's gated short convolution, and its :class:`ShortConvCache`; :class:`ShortConvMixer` is
+  it as a decoder block's token mixer, shaped by a :class:`ShortConvConfig`.
 
 Every layer's ``forward`` saves what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
@@ -34,6 +36,7 @@ from .projection import Projection
 from .rms_norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .router import Router
+from .short_conv import ShortConv, ShortConvCache, ShortConvConfig, ShortConvMixer
 from .transformer import Transformer
 
 __all__ = [
@@ -44,4 +47,5 @@ __all__ = [
     "RMSNorm", "GatedMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
     "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
+    "ShortConv", "ShortConvCache", "ShortConvConfig", "ShortConvMixer",
 ]
