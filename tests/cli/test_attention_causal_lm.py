@@ -163,6 +163,21 @@ def test_a_hybrid_model_draws_its_softmax_layers_and_refuses_a_gated_deltanet_on
     assert len(err.strip().splitlines()) == 1 and "Gated DeltaNet" in err, err
 
 
+def test_a_short_convolution_model_draws_its_attention_layers_and_refuses_a_convolution_one(tmp_path, capsys):
+    """LFM2's short-convolution layers have no attention pattern: the page holds layers 1 and 3, `--layer 2` is
+    one line and exit 2, and `attnkit explain` says what its layers 0 and 2 are."""
+    folder = saved_model("lfm2", tmp_path)[0]
+    page = tmp_path / "conv.html"
+    assert main(["attention", str(folder), "--ids", "3,17,5,40", "--html", str(page)]) == 0
+    assert "layers 0, 2 are short-convolution layers" in capsys.readouterr().out
+    assert embedded(page)["layer_names"] == ["layer 1", "layer 3"]
+    assert main(["attention", str(folder), "--ids", "3,17", "--layer", "2", "--html", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--layer 2 is a short-convolution layer" in err, err
+    assert main(["explain", str(folder), "--ids", "3,17,5,40", "--html", str(page), "--candidates", "2"]) == 0
+    assert "note: layers 0, 2 are short-convolution layers" in capsys.readouterr().out
+
+
 def test_explain_draws_a_hybrid_models_softmax_layers_and_says_why_it_has_no_rollout(tmp_path, capsys):
     """`attnkit explain` on Qwen3.5 runs: the page draws the attention of layers 1 and 3 (equal to the model's
     weights), leaves out rollout and flow (Gated DeltaNet token weights are no shares of attention to compose), and

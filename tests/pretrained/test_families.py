@@ -27,7 +27,7 @@ from hf_models import (  # noqa: E402
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
-                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text")
+                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 

@@ -67,13 +67,14 @@ from .layerwise import (
     PerLayerInputs,
 )
 from .models import CausalLM, Seq2SeqTransformer
+from .short_conv import ShortConv, ShortConvMixer
 
 __all__ = [
     "from_numpy", "to_numpy",
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero",
-    "GatedDeltaNet", "GatedDeltaNetMixer",
+    "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
