@@ -237,8 +237,7 @@ class ShortConv(Module):
         window = np.concatenate([cache.conv_state.astype(x.dtype, copy=False), (gate_in * values)[:, None]],
                                 axis=1)  # (B, K, D)
         u = np.einsum("bkd,dk->bd", window, p["conv_weight"].astype(x.dtype, copy=False))  # (B, D)
-        if self.bias:
-            u += p["conv_bias"].astype(x.dtype, copy=False)
+        u += p.get("conv_bias", x.dtype.type(0))
         cache.conv_state = window[:, 1:].astype(cache.conv_state.dtype)  # (B, K - 1, D), a fresh array
         cache.length += 1
         return linear(gate_out * u, p["W_out"], p.get("b_out")).astype(x.dtype, copy=False)  # (B, D)
@@ -259,13 +258,10 @@ class ShortConv(Module):
         d_in = np.concatenate([d_h * values, d_gate_out, d_h * gate_in], axis=-1)  # (B, L, 3 D)
         grad_x, grad_w_in, grad_b_in = linear_backward(d_in, x, p["W_in"].astype(x.dtype, copy=False),
                                                        need_bias=self.bias)  # (B, L, D)
-        self.grads["W_in"] += grad_w_in
-        self.grads["conv_weight"] += grad_conv
-        self.grads["W_out"] += grad_w_out
-        if self.bias:
-            self.grads["b_in"] += grad_b_in
-            self.grads["conv_bias"] += grad_conv_bias
-            self.grads["b_out"] += grad_b_out
+        grads = dict(W_in=grad_w_in, conv_weight=grad_conv, W_out=grad_w_out, b_in=grad_b_in,
+                     conv_bias=grad_conv_bias, b_out=grad_b_out)
+        for name in self._parameters:  # the biases' only where the layer has them
+            self.grads[name] += grads[name]
         return grad_x if padding is None else grad_x * padding  # a zeroed input has no gradient
 
 

@@ -23,6 +23,16 @@ from .llama import BENCHMARK_SHAPE, rotary_config
 
 __all__ = ["FAMILY"]
 
+# LiquidAI's own config.json files carry their training code's names beside transformers'; transformers ignores
+# them. A repeated size must equal the one read and a switch must hold the value the architecture has; the
+# initialisation settings change no forward pass, and transformers reads the norm's epsilon and the rotary base
+# from norm_eps and rope_theta / rope_parameters, not from block_norm_eps and theta (nor does attnkit).
+_REPEATS = {"block_dim": "hidden_size", "conv_dim": "hidden_size", "conv_dim_out": "hidden_size",
+            "num_heads": "num_attention_heads"}
+_SETTLED = {"block_use_swiglu": True, "use_pos_enc": True}
+_IGNORED = ("block_mlp_init_scale", "block_out_init_scale", "block_use_xavier_init", "conv_use_xavier_init",
+            "block_norm_eps", "theta")
+
 DEFAULTS = {"max_position_embeddings": 128000, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
             "num_key_value_heads": 8}
 KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -30,7 +40,7 @@ KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "
         "conv_bias", "conv_L_cache", "block_multiple_of", "block_ffn_dim_multiplier", "block_auto_adjust_ff_dim",
         "full_attn_idxs", "layer_types",
         # the older names transformers' config still reads (and drops): intermediate_size, tie_word_embeddings
-        "block_ff_dim", "tie_embedding")
+        "block_ff_dim", "tie_embedding") + tuple(_REPEATS) + tuple(_SETTLED) + _IGNORED
 
 
 def _layer_types(read: Reader, layers: int) -> tuple[str, ...]:
@@ -59,7 +69,7 @@ def _mlp_width(read: Reader) -> int:
     width = int(2 * width / 3)
     multiplier = read.raw("block_ffn_dim_multiplier", 1.0)
     if multiplier is not None:
-        width = int(read.float("block_ffn_dim_multiplier") * width)
+        width = int(read.float("block_ffn_dim_multiplier", 1.0) * width)
         step = read.int("block_multiple_of", 256)
         width = step * ((width + step - 1) // step)
     if width < 1:
@@ -68,8 +78,22 @@ def _mlp_width(read: Reader) -> int:
     return width
 
 
+def _check_training_keys(read: Reader) -> None:
+    """LiquidAI's repeated sizes equal transformers' and its switches hold LFM2's values (module comment)."""
+    for key, same in _REPEATS.items():
+        if key in read.config and read.int(key) != read.int(same):
+            raise ValueError(f"{read.family} config: {key!r} ({read.config[key]}) must equal {same!r} "
+                             f"({read.config[same]}): transformers builds the model from {same!r}")
+    for key, value in _SETTLED.items():
+        if read.bool(key, value) != value:
+            raise ValueError(f"{read.family} config: {key!r} must be {str(value).lower()}: LFM2 "
+                             f"{'has a SwiGLU MLP' if key == 'block_use_swiglu' else 'rotates its queries and keys'}")
+
+
 def _config(read: Reader) -> DecoderConfig:
+    _check_training_keys(read)
     config = dict(read.config, rms_norm_eps=read.eps("norm_eps", 1e-5), intermediate_size=_mlp_width(read))
+    config.setdefault("pad_token_id", 0)  # transformers' LFM2 default (Llama's is none)
     if "tie_embedding" in config:
         config["tie_word_embeddings"] = read.bool("tie_embedding")
     if not any(key in config for key in ("rope_theta", "rope_scaling", "rope_parameters")):
