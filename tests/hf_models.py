@@ -181,6 +181,15 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                      bos_token_id=1, eos_token_id=EOS, conv_bias=True, conv_L_cache=4,
                                      block_auto_adjust_ff_dim=False, full_attn_idxs=[1], tie_word_embeddings=False,
                                      rope_parameters={"rope_type": "default", "rope_theta": 500.0}), {}),
+    # Bamba: Mamba-2 layers (4 heads of 16, 2 groups of 8 state channels, kernel 3, chunks of 4) beside attention
+    "bamba": ("BambaConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, attn_layer_indices=[1],
+                                  mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3,
+                                  mamba_chunk_size=4), {}),
+    # one group, projection biases, no convolution bias, attention and MLP biases, a tied head
+    "bamba_bias": ("BambaConfig", dict(_COMMON, num_key_value_heads=1, attn_layer_indices=[1], mamba_n_heads=2,
+                                       mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=3, mamba_proj_bias=True,
+                                       mamba_conv_bias=False, attention_bias=True, mlp_bias=True,
+                                       tie_word_embeddings=True), {}),
     # Qwen3-MoE: Qwen3's attention, layer 1 dense, the others the top 2 of a softmax over 4 experts (not
     # renormalised)
     "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -222,7 +231,8 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                  "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe", "qwen3_moe_window", "mixtral",
-                 "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias")
+                 "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba",
+                 "bamba_bias")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config",)
 

@@ -70,6 +70,18 @@ def test_a_short_convolution_layer_has_its_own_points_and_no_attention_ones(hf_r
         run_with_cache(lm, CLEAN, names=["blocks.0.attn.hook_q"])
 
 
+def test_a_mamba2_layer_has_its_own_points_and_no_attention_ones(hf_root):
+    lm = model("bamba", hf_root)
+    assert lm.layer_kind(2) == "a mamba2 (Mamba-2 state space) layer"
+    assert lm.layer_hook_points(2)[1:3] == ["blocks.2.attn.hook_conv_out", "blocks.2.attn.hook_ssm_out"]
+    _, cache = run_with_cache(lm, CLEAN, names=["blocks.0.attn.hook_ssm_out"])
+    shape = lm.config.mamba2
+    assert cache["blocks.0.attn.hook_ssm_out"].shape == (1, len(CLEAN), shape.num_heads, shape.head_dim)
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.hook_z': layer 0 is a mamba2 \(Mamba-2 state space\) "
+                                         r"layer: it has points .*attn.hook_ssm_out"):
+        run_with_cache(lm, CLEAN, names=["blocks.0.attn.hook_z"])
+
+
 def test_a_layer_reusing_keys_and_values_says_it_has_none_of_its_own(hf_root):
     lm = model("gemma4_text", hf_root)  # layers 3 and 4 reuse layers 2's and 1's keys and values
     assert lm.layer_kind(3) == "a sliding_attention layer that reuses layer 2's keys and values"

@@ -95,6 +95,27 @@ def test_every_gradient_passes_finite_differences_with_padding(groups, bias):
         assert_gradient(loss, value, layer.grads[name], name)
 
 
+def test_a_replaced_hook_value_is_a_constant_for_the_gradient():
+    """A forward hook that replaces the scan's output cuts the gradient there: what backward returns is the
+    gradient of the hooked function (finite differences through the same hook), and a backward hook sees it."""
+    layer, rng = _layer(), make_rng(6)
+    x, grad_y = randn(rng, 2, 5, 6), randn(rng, 2, 5, 6)
+    constant, seen = randn(rng, 2, 5, 2, 3), []
+    layer.add_hook("hook_ssm_out", lambda value, name: constant, full_name="ssm_out")
+    layer.add_hook("hook_conv_out", lambda grad, name: seen.append(grad.shape), full_name="conv_out",
+                   direction="backward")
+    layer(x)
+    grad_x = layer.backward(grad_y)
+    assert seen == [(2, 5, layer.conv_dim)]
+
+    def loss():
+        return np.sum(layer(x) * grad_y)
+
+    assert_gradient(loss, x, grad_x, "x")  # only the gate z still depends on x
+    assert_gradient(loss, layer.W_in, layer.grads["W_in"], "W_in")
+    assert not layer.grads["A_log"].any()
+
+
 @pytest.mark.parametrize("prefill", [0, 1, 5])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_steps_and_cached_chunks_equal_the_whole_forward(prefill, dtype):

@@ -27,6 +27,7 @@ from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
 from .identity import Identity
 from .layer_norm import LayerNorm
+from .mamba2 import Mamba2Mixer
 from .per_layer_input import PerLayerInputBranch
 from .rms_norm import RMSNorm
 from .short_conv import ShortConvMixer
@@ -61,7 +62,8 @@ MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttent
                                             "sliding_attention": GroupedQueryAttention,
                                             "gated_attention": GatedAttention,
                                             "linear_attention": GatedDeltaNetMixer,
-                                            "short_conv": ShortConvMixer}
+                                            "short_conv": ShortConvMixer,
+                                            "mamba2": Mamba2Mixer}
 """The token mixer of each layer type (``DecoderConfig.layer_types``): ``build(config, layer_index, rng=...)``.
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``

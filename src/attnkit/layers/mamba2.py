@@ -202,6 +202,11 @@ class Mamba2(Module):
         return (f"hidden_size={self.hidden_size}, num_heads={s.num_heads}, head_dim={s.head_dim}, "
                 f"state_size={s.state_size}, n_groups={s.n_groups}")
 
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_conv_out`` (B, L, Cc): the convolved x, B and C channels the scan reads; ``hook_ssm_out``
+        (B, L, H, P): the scan's output with the skip ``D x``, before the gate and the norm."""
+        return ("hook_conv_out", "hook_ssm_out")
+
     def new_cache(self, batch_size: int, dtype: Any = None) -> Mamba2Cache:
         """An empty cache for ``batch_size`` sequences, in ``dtype`` (default: the parameters' dtype)."""
         b, s = check_positive_int(batch_size, "batch_size"), self.shape
@@ -265,6 +270,7 @@ class Mamba2(Module):
             activation="silu")  # (B, L, Cc)
         if padding is not None:
             conv_out = conv_out * padding  # a padded position's channels stay zero after the convolution too
+        conv_out = self.hook_point("hook_conv_out", conv_out)
         q, k, v, g, xs, dt, pre, rate = self._scan_inputs(conv_out, dt_raw)
         state = None if cache is None else cache.ssm_state
         if cache is not None and x.shape[1] == 1:
@@ -272,7 +278,7 @@ class Mamba2(Module):
         else:
             o, state, scan_ctx = _ssd.chunked_forward(q, k, v, g, state, chunk_size=self.shape.chunk_size)
         skip = p["D_skip"].astype(xs.dtype, copy=False)[:, None]  # (H, 1)
-        y = (o.transpose(0, 2, 1, 3) + skip * xs).reshape(z.shape)  # (B, L, I)
+        y = self.hook_point("hook_ssm_out", o.transpose(0, 2, 1, 3) + skip * xs).reshape(z.shape)  # (B, L, I)
         normed, norm_saved = self._gated_norm(y, z)  # (B, L, I)
         out = linear(normed, p["W_out"], p.get("b_out")).astype(x.dtype, copy=False)  # (B, L, D)
         if cache is None:
@@ -302,7 +308,7 @@ class Mamba2(Module):
         d_gated, _ = rms_norm_backward(d_unit, x_hat, rstd, np.ones(x_hat.shape[-1], x_hat.dtype))
         d_gated = d_gated.reshape(y.shape)  # (B, L, I)
         dz = activation_backward(d_gated * y, z, act, "silu")  # (B, L, I)
-        d_y = (d_gated * act).reshape(xs.shape)  # (B, L, H, P)
+        d_y = self.hook_backward("hook_ssm_out", (d_gated * act).reshape(xs.shape))  # (B, L, H, P)
         grads["D_skip"] = np.einsum("blhp,blhp->h", d_y, xs)
         dq, dk, dv, dg, _ = _ssd.chunked_backward(d_y.transpose(0, 2, 1, 3), scan_ctx)  # (B, H, L, *)
         dv = dv.transpose(0, 2, 1, 3)  # (B, L, H, P)
@@ -316,7 +322,8 @@ class Mamba2(Module):
         group_shape = (b, s.n_groups, s.num_heads // s.n_groups, length, s.state_size)
         d_b, d_c = (t.reshape(group_shape).sum(axis=2).transpose(0, 2, 1, 3).reshape(b, length, -1)
                     for t in (dk, dq))  # (B, L, G N) each
-        d_conv_out = np.concatenate([d_xs.reshape(b, length, -1), d_b, d_c], axis=-1)  # (B, L, Cc)
+        d_conv_out = self.hook_backward("hook_conv_out", np.concatenate([d_xs.reshape(b, length, -1), d_b, d_c],
+                                                                        axis=-1))  # (B, L, Cc)
         if padding is not None:
             d_conv_out = d_conv_out * padding
         d_xbc, grads["conv_weight"], _, grads["conv_bias"] = _conv.causal_conv_backward(d_conv_out, p["conv_weight"],

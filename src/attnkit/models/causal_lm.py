@@ -174,6 +174,8 @@ class CausalLM(Module):
             return f"a {kind} (Gated DeltaNet) layer"
         if kind == "short_conv":
             return f"a {kind} (gated short convolution) layer"
+        if kind == "mamba2":
+            return f"a {kind} (Mamba-2 state space) layer"
         if c.latent is not None:
             return f"a {kind} layer with multi-head latent attention"
         owner = None if c.layerwise is None else c.layerwise.kv_owners(c.layer_types)[index]

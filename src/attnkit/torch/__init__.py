@@ -66,6 +66,7 @@ from .layerwise import (
     PerLayerInputBranch,
     PerLayerInputs,
 )
+from .mamba2 import Mamba2, Mamba2Mixer
 from .models import CausalLM, Seq2SeqTransformer
 from .short_conv import ShortConv, ShortConvMixer
 
@@ -74,7 +75,7 @@ __all__ = [
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero",
-    "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer",
+    "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
