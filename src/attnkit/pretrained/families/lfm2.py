@@ -1,9 +1,9 @@
-"""LFM2 (LiquidAI): Qwen3's attention (per-head q/k RMSNorm, no biases) in the layers ``layer_types`` marks
-"full_attention" (or ``full_attn_idxs`` lists), and in the others ("conv") a gated short convolution over
-``conv_L_cache`` tokens (:class:`~attnkit.layers.short_conv.ShortConv`, biases with ``conv_bias``); the gated
-SiLU MLP's width is ``intermediate_size`` scaled by 2/3, ``block_ffn_dim_multiplier`` and rounded up to a
-multiple of ``block_multiple_of`` (unless ``block_auto_adjust_ff_dim`` is false); the RMSNorm epsilon is
-``norm_eps``, the rotary base 1e6, the head tied by default.
+"""LFM2 (LiquidAI): Qwen3 (per-head q/k RMSNorm, no biases), except that only the layers ``layer_types`` marks
+"full_attention" (or ``full_attn_idxs`` lists) attend, the others ("conv") mixing tokens by a gated short
+convolution over ``conv_L_cache`` tokens (:class:`~attnkit.layers.short_conv.ShortConv`, biases with
+``conv_bias``); the gated SiLU MLP's width is ``intermediate_size`` scaled by 2/3, ``block_ffn_dim_multiplier``
+and rounded up to a multiple of ``block_multiple_of`` (unless ``block_auto_adjust_ff_dim`` is false); the RMSNorm
+epsilon is ``norm_eps``, the rotary base 1e6, the head tied by default.
 
 Checkpoint (under ``model.``): ``embed_tokens``; per layer ``operator_norm`` (the mixer's input norm), either
 ``self_attn.{q,k,v,out}_proj`` with ``self_attn.{q,k}_layernorm`` or ``conv.in_proj``, ``conv.conv`` and
