@@ -170,6 +170,26 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                         moe_intermediate_size=12, shared_expert_intermediate_size=8,
                                                         decoder_sparse_step=2, tie_word_embeddings=True,
                                                         layer_types=["linear_attention", "full_attention"]), {}),
+    # LFM2: gated short convolutions (kernel 3) beside Qwen3-style attention, the MLP width adjusted to 48
+    "lfm2": ("Lfm2Config", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                bos_token_id=1, eos_token_id=EOS, block_multiple_of=16, block_ffn_dim_multiplier=1.5,
+                                layer_types=["conv", "full_attention", "conv", "full_attention"]), {}),
+    # biases in the convolution layers, kernel 4, full_attn_idxs, the MLP width as given, an untied head
+    "lfm2_bias": ("Lfm2Config", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                                     bos_token_id=1, eos_token_id=EOS, conv_bias=True, conv_L_cache=4,
+                                     block_auto_adjust_ff_dim=False, full_attn_idxs=[1], tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 500.0}), {}),
+    # Bamba: Mamba-2 layers (4 heads of 16, 2 groups of 8 state channels, kernel 3, chunks of 4) beside attention
+    "bamba": ("BambaConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, attn_layer_indices=[1],
+                                  mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3,
+                                  mamba_chunk_size=4), {}),
+    # one group, projection biases, no convolution bias, attention and MLP biases, a tied head
+    "bamba_bias": ("BambaConfig", dict(_COMMON, num_key_value_heads=1, attn_layer_indices=[1], mamba_n_heads=2,
+                                       mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=3, mamba_proj_bias=True,
+                                       mamba_conv_bias=False, attention_bias=True, mlp_bias=True,
+                                       tie_word_embeddings=True), {}),
     # Qwen3-MoE: Qwen3's attention, layer 1 dense, the others the top 2 of a softmax over 4 experts (not
     # renormalised)
     "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -211,7 +231,8 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                  "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe", "qwen3_moe_window", "mixtral",
-                 "deepseek_v3", "deepseek_v3_plain")
+                 "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba",
+                 "bamba_bias")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config",)
 

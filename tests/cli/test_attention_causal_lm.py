@@ -163,6 +163,27 @@ def test_a_hybrid_model_draws_its_softmax_layers_and_refuses_a_gated_deltanet_on
     assert len(err.strip().splitlines()) == 1 and "Gated DeltaNet" in err, err
 
 
+def test_short_convolution_and_mamba2_models_draw_their_attention_layers_and_refuse_the_others(tmp_path, capsys):
+    """LFM2's short-convolution and Bamba's Mamba-2 layers have no attention pattern: the page holds LFM2's layers
+    1 and 3, `--layer` naming another is one line and exit 2, and `attnkit explain` says what the layers are."""
+    folder = saved_model("lfm2", tmp_path)[0]
+    page = tmp_path / "conv.html"
+    assert main(["attention", str(folder), "--ids", "3,17,5,40", "--html", str(page)]) == 0
+    assert "layers 0, 2 are short-convolution layers" in capsys.readouterr().out
+    assert embedded(page)["layer_names"] == ["layer 1", "layer 3"]
+    assert main(["attention", str(folder), "--ids", "3,17", "--layer", "2", "--html", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--layer 2 is a short-convolution layer" in err, err
+    assert main(["explain", str(folder), "--ids", "3,17,5,40", "--html", str(page), "--candidates", "2"]) == 0
+    assert "note: layers 0, 2 are short-convolution layers" in capsys.readouterr().out
+    bamba = saved_model("bamba", tmp_path)[0]
+    assert main(["attention", str(bamba), "--ids", "3,17", "--layer", "0", "--html", str(page)]) == 2
+    assert "--layer 0 is a Mamba-2 layer, which has no attention pattern; its softmax layers are 1" in \
+        capsys.readouterr().err
+    assert main(["explain", str(bamba), "--ids", "3,17,5,40", "--html", str(page), "--candidates", "2"]) == 0
+    assert "note: layers 0, 2 are Mamba-2 layers" in capsys.readouterr().out
+
+
 def test_explain_draws_a_hybrid_models_softmax_layers_and_says_why_it_has_no_rollout(tmp_path, capsys):
     """`attnkit explain` on Qwen3.5 runs: the page draws the attention of layers 1 and 3 (equal to the model's
     weights), leaves out rollout and flow (Gated DeltaNet token weights are no shares of attention to compose), and

@@ -22,6 +22,7 @@ from attnkit.explain import (  # noqa: E402
     hook_names,
     path_patching,
 )
+from attnkit.models.config import STATE_LAYER_TYPES  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import FAMILY_MODELS, saved_model  # noqa: E402
 
@@ -62,7 +63,7 @@ def test_direct_logit_attribution_sums_to_the_logit(name, hf_root):
     # every head of a layer with heads writes something; a layer without heads is one share, never zero
     assert np.abs(parts["heads"][heads]).min() > 0 and not parts["heads"][headless].any()
     assert np.abs(parts["linear_attn"][headless]).min(initial=1.0) > 0 and not parts["linear_attn"][heads].any()
-    assert headless == [i for i, kind in enumerate(lm.config.layer_types) if kind == "linear_attention"]
+    assert headless == [i for i, kind in enumerate(lm.config.layer_types) if kind in STATE_LAYER_TYPES]
 
 
 @pytest.mark.parametrize("name", FAMILY_MODELS)
@@ -114,7 +115,7 @@ def test_the_explain_command_writes_its_page(name, hf_root, tmp_path):
     assert code == 0 and f"wrote {page}" in printed.getvalue()
     data = _embedded(page)
     lm = load_causal_lm(folder)
-    linear = [i for i, kind in enumerate(lm.config.layer_types) if kind == "linear_attention"]
+    linear = [i for i, kind in enumerate(lm.config.layer_types) if kind in STATE_LAYER_TYPES]
     assert data["linear_layers"] == linear and (data["rollout"] is None) == bool(linear)
     for candidate in data["candidates"]:
         parts = direct_logit_attribution(lm, CLEAN, candidate["id"])

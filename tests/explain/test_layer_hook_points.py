@@ -54,6 +54,34 @@ def test_a_gated_deltanet_layer_says_it_has_no_attention_points(hf_root):
         lm.layer_hook_points(4)
 
 
+def test_a_short_convolution_layer_has_its_own_points_and_no_attention_ones(hf_root):
+    lm = model("lfm2", hf_root)
+    assert lm.layer_kind(0) == "a short_conv (gated short convolution) layer"
+    assert lm.layer_hook_points(0) == ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_conv_in",
+                                       "blocks.0.attn.hook_conv_out", *(f"blocks.0.{p}" for p in BLOCK[1:])]
+    logits, cache = run_with_cache(lm, CLEAN, names=["blocks.2.attn.hook_conv_in", "blocks.2.attn.hook_conv_out"])
+    assert cache["blocks.2.attn.hook_conv_in"].shape == (1, len(CLEAN), lm.config.hidden_size)
+    # a zero convolution output makes the (bias-free) layer add nothing: the model with that branch cut
+    with hooks(lm, {"blocks.2.attn.hook_conv_out": lambda value, name: np.zeros_like(value)}):
+        cut, cut_cache = run_with_cache(lm, CLEAN, names=["blocks.2.hook_attn_out"])
+    assert not cut_cache["blocks.2.hook_attn_out"].any() and not np.allclose(cut, logits)
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.hook_q': layer 0 is a short_conv \(gated short "
+                                         r"convolution\) layer: it has points .*attn.hook_conv_in"):
+        run_with_cache(lm, CLEAN, names=["blocks.0.attn.hook_q"])
+
+
+def test_a_mamba2_layer_has_its_own_points_and_no_attention_ones(hf_root):
+    lm = model("bamba", hf_root)
+    assert lm.layer_kind(2) == "a mamba2 (Mamba-2 state space) layer"
+    assert lm.layer_hook_points(2)[1:3] == ["blocks.2.attn.hook_conv_out", "blocks.2.attn.hook_ssm_out"]
+    _, cache = run_with_cache(lm, CLEAN, names=["blocks.0.attn.hook_ssm_out"])
+    shape = lm.config.mamba2
+    assert cache["blocks.0.attn.hook_ssm_out"].shape == (1, len(CLEAN), shape.num_heads, shape.head_dim)
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.hook_z': layer 0 is a mamba2 \(Mamba-2 state space\) "
+                                         r"layer: it has points .*attn.hook_ssm_out"):
+        run_with_cache(lm, CLEAN, names=["blocks.0.attn.hook_z"])
+
+
 def test_a_layer_reusing_keys_and_values_says_it_has_none_of_its_own(hf_root):
     lm = model("gemma4_text", hf_root)  # layers 3 and 4 reuse layers 2's and 1's keys and values
     assert lm.layer_kind(3) == "a sliding_attention layer that reuses layer 2's keys and values"

@@ -1,8 +1,12 @@
-"""The short causal depthwise convolution with SiLU: its gradients pass float64 finite differences, it equals
-Hugging Face's ``causal_conv1d_fn`` / ``causal_conv1d_update``, and a carried state continues a sequence."""
+"""The short causal depthwise convolution, with SiLU or none and with or without a bias: its gradients pass
+float64 finite differences, it equals Hugging Face's ``causal_conv1d_fn`` / ``causal_conv1d_update`` (Qwen3-Next's
+and LFM2's), and a carried state continues a sequence."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from transformers.models.lfm2.modeling_lfm2 import causal_conv1d_fn as lfm2_conv_fn
+from transformers.models.lfm2.modeling_lfm2 import causal_conv1d_update as lfm2_conv_update
 from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn, causal_conv1d_update
 
 import torch
@@ -15,13 +19,41 @@ def test_gradients_pass_finite_differences():
     rng = make_rng(1)
     x, w, state, grad_y = randn(rng, 2, 6, 3), randn(rng, 3, 4), randn(rng, 2, 3, 3), randn(rng, 2, 6, 3)
     y, _, saved = causal_conv_forward(x, w, state)
-    grad_x, grad_w, grad_state = causal_conv_backward(grad_y, w, saved)
+    grad_x, grad_w, grad_state, _ = causal_conv_backward(grad_y, w, saved)
 
     def loss():
         return np.sum(causal_conv_forward(x, w, state)[0] * grad_y)
 
     for name, arr, grad in (("x", x, grad_x), ("weight", w, grad_w), ("state", state, grad_state)):
         assert_gradient(loss, arr, grad, name)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_gradients_with_a_bias_pass_finite_differences(activation):
+    rng = make_rng(4)
+    x, w, b, state = randn(rng, 2, 5, 3), randn(rng, 3, 3), randn(rng, 3), randn(rng, 2, 2, 3)
+    grad_y = randn(rng, 2, 5, 3)
+    _, _, saved = causal_conv_forward(x, w, state, bias=b, activation=activation)
+    grad_x, grad_w, grad_state, grad_b = causal_conv_backward(grad_y, w, saved)
+
+    def loss():
+        return np.sum(causal_conv_forward(x, w, state, bias=b, activation=activation)[0] * grad_y)
+
+    for name, arr, grad in (("x", x, grad_x), ("weight", w, grad_w), ("state", state, grad_state), ("bias", b, grad_b)):
+        assert_gradient(loss, arr, grad, name)
+
+
+def test_without_activation_equals_lfm2s_convolution_whole_and_step_by_step():
+    rng = make_rng(5)
+    x, w, b = randn(rng, 2, 7, 4, dtype=np.float32), randn(rng, 4, 3, dtype=np.float32), randn(rng, 4, dtype=np.float32)
+    ref = lfm2_conv_fn(torch.tensor(x).transpose(1, 2), torch.tensor(w), torch.tensor(b)).transpose(1, 2)
+    y, _, _ = causal_conv_forward(x, w, bias=b, activation=None)
+    assert_close_rel(y, to_numpy(ref), np.float32, "lfm2 conv y")
+    hf_state, ours_state = torch.zeros(2, 4, 3), np.zeros((2, 2, 4), np.float32)
+    for t in range(7):
+        hf_y = lfm2_conv_update(torch.tensor(x[:, t:t + 1]).transpose(1, 2), hf_state, torch.tensor(w), torch.tensor(b))
+        y_t, ours_state, _ = causal_conv_forward(x[:, t:t + 1], w, ours_state, bias=b, activation=None)
+        assert_close_rel(y_t, to_numpy(hf_y.transpose(1, 2)), np.float32, "lfm2 conv step")
 
 
 def test_equals_hugging_face_whole_and_step_by_step():
@@ -32,7 +64,7 @@ def test_equals_hugging_face_whole_and_step_by_step():
     grad_y = randn(rng, 2, 9, 5, dtype=np.float32)
     ref.backward(torch.tensor(grad_y))
     y, state, saved = causal_conv_forward(x, w)
-    grad_x, grad_w, _ = causal_conv_backward(grad_y, w, saved)
+    grad_x, grad_w, _, _ = causal_conv_backward(grad_y, w, saved)
     assert y.dtype == np.float32 and grad_x.dtype == np.float32
     assert_close_rel(y, to_numpy(ref), np.float32, "conv y")
     assert_close_rel(grad_x, to_numpy(tx.grad), np.float32, "conv grad x")

@@ -27,7 +27,8 @@ from hf_models import (  # noqa: E402
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
-                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text")
+                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias",
+                     "bamba", "bamba_bias")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -113,7 +114,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
 @pytest.mark.parametrize("name, key", [("olmo2", "use_sliding_window"), ("smollm3", "qk_layernorm"),
                                        ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode"),
                                        ("phi3", "attention_bias"), ("gpt_oss", "num_experts"),
-                                       ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob")])
+                                       ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob"),
+                                       ("lfm2", "rms_norm_eps"), ("bamba", "head_dim_ratio")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -232,7 +234,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
 
 @pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),
                                                       ("qwen3_next", "Qwen3NextConfig"),
-                                                      ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig")])
+                                                      ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig"),
+                                                      ("lfm2", "Lfm2Config"), ("bamba", "BambaConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -244,6 +247,25 @@ def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_
     full = json.loads(getattr(transformers, config_class)(**sizes).to_json_string())
     assert family(model_type).config_from_hf(dict(sizes, model_type=model_type)) == \
         family(model_type).config_from_hf(full)
+
+
+# the keys LiquidAI's LFM2 config.json files carry beside transformers' (LFM2-2.6B's values, at the tiny sizes)
+LIQUID_KEYS = dict(block_dim=32, conv_dim=32, conv_dim_out=32, num_heads=4, block_ff_dim=48, block_use_swiglu=True,
+                   use_pos_enc=True, block_mlp_init_scale=1.0, block_out_init_scale=1.0, block_use_xavier_init=True,
+                   conv_use_xavier_init=True, block_norm_eps=1e-5, theta=1e6, tie_embedding=True)
+
+
+def test_lfm2_reads_liquidais_own_config_keys_and_refuses_a_repeat_that_disagrees(hf_root, tmp_path):
+    folder, _ = saved_model("lfm2", hf_root)
+    ids = np.array([[3, 4, 5, 6]])
+    expected = load_causal_lm(folder)(ids)
+    np.testing.assert_array_equal(load_causal_lm(edit_config(folder, tmp_path / "liquid", **LIQUID_KEYS))(ids),
+                                  expected)
+    for key, value, said in (("conv_dim", 16, r"'conv_dim' \(16\) must equal 'hidden_size' \(32\)"),
+                             ("num_heads", 8, r"'num_heads' \(8\) must equal 'num_attention_heads' \(4\)"),
+                             ("block_use_swiglu", False, "'block_use_swiglu' must be true")):
+        with pytest.raises(ValueError, match=said):
+            load_causal_lm(edit_config(folder, tmp_path / key, **{**LIQUID_KEYS, key: value}))
 
 
 def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transformers_does(hf_root, tmp_path):

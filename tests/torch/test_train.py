@@ -191,6 +191,14 @@ FAMILY_CONFIGS = {
     "mixtral": {"model_type": "mixtral", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 8,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 3,
                 "num_experts_per_tok": 2, "max_position_embeddings": 64},
+    "lfm2": {"model_type": "lfm2", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "conv_bias": True,
+             "block_auto_adjust_ff_dim": False, "layer_types": ["conv", "full_attention"],
+             "max_position_embeddings": 64},
+    "bamba": {"model_type": "bamba", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_indices": [1],
+              "mamba_n_heads": 4, "mamba_d_state": 4, "mamba_n_groups": 2, "mamba_d_conv": 3, "mamba_chunk_size": 4,
+              "max_position_embeddings": 64},
 }
 
 

@@ -11,7 +11,7 @@ from attnkit import layers as L
 from attnkit.attention.grouped_query import GroupedQueryAttention
 from attnkit.attention.latent import LatentAttentionConfig
 from attnkit.attention.multi_head_attention import MultiHeadAttention
-from attnkit.layers import GatedDeltaNetConfig
+from attnkit.layers import GatedDeltaNetConfig, Mamba2Config, ShortConvConfig
 from attnkit.layers.gated_mlp import GatedMLP
 from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
@@ -246,6 +246,27 @@ def test_gated_deltanet(padded):
     check_parity(layer, [randn(2, 7, 16)], dict(attention_mask=mask))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_short_conv(padded, bias):
+    layer = L.ShortConv(16, kernel_size=3, bias=bias, rng=0)
+    for _, p in layer.named_parameters():
+        p += 0.3 * np.random.default_rng(p.size).normal(size=p.shape)
+    mask = left_padding(2, 7, [7, 4]) if padded else None
+    check_parity(layer, [randn(2, 7, 16)], dict(attention_mask=mask))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("groups, bias", [(1, False), (2, True)])
+def test_mamba2(padded, groups, bias):
+    layer = L.Mamba2(16, Mamba2Config(num_heads=4, head_dim=3, state_size=2, n_groups=groups, conv_kernel_size=3,
+                                      conv_bias=not bias, proj_bias=bias, chunk_size=3), rng=0)
+    for _, p in layer.named_parameters():
+        p += 0.3 * np.random.default_rng(p.size).normal(size=p.shape)
+    mask = left_padding(2, 7, [7, 4]) if padded else None
+    check_parity(layer, [randn(2, 7, 16)], dict(attention_mask=mask))
+
+
 @pytest.mark.parametrize("normalise", [True, False])
 def test_gated_attention_and_shared_experts(normalise):
     from attnkit.attention.gated import GatedAttention
@@ -313,6 +334,12 @@ FAMILIES = {
                        linear_attention=GatedDeltaNetConfig(2, 4, 4, 3),
                        experts=ExpertsConfig(3, 2, 5, layers=(0, 1), norm_topk_prob=False,
                                              shared_expert_intermediate_size=6, shared_expert_gate=True)),
+    "lfm2": dict(family="lfm2", attention=AttentionConfig(qk_norm="head"), num_layers=3,
+                 layer_types=("short_conv", "full_attention", "short_conv"), short_conv=ShortConvConfig(3, bias=True)),
+    "bamba": dict(family="bamba", rotary=RotaryConfig(partial_factor=0.5), num_layers=3,
+                  layer_types=("mamba2", "full_attention", "mamba2"),
+                  mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
+                                      chunk_size=2)),
 }
 
 

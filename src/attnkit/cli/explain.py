@@ -178,10 +178,13 @@ def _report(name: str, model: Any, ids: list[int], data: dict, page: Path) -> No
     print(f"next token: {printable(repr(best['text']))} ({best['prob']:.1%}); explained the top "
           f"{len(data['candidates'])}")
     if data["linear_layers"]:
-        print(f"note: layers {', '.join(map(str, data['linear_layers']))} are Gated DeltaNet layers, which have no "
+        kinds = sorted({model.config.layer_types[i] for i in data["linear_layers"]})
+        kind = " and ".join({"linear_attention": "Gated DeltaNet", "short_conv": "short-convolution",
+                             "mamba2": "Mamba-2"}[k] for k in kinds)
+        print(f"note: layers {', '.join(map(str, data['linear_layers']))} are {kind} layers, which have no "
               f"softmax pattern: the page draws the attention of layers "
               f"{', '.join(map(str, data['attention_layers']))}, leaves out the rollout and flow, and gives each "
-              f"Gated DeltaNet layer's whole output one share of the logit")
+              f"{kind} layer's whole output one share of the logit")
     patching = data["patching"]
     if patching is not None:
         print(f"patching: logit[{printable(repr(patching['correct_text']))}] - "

@@ -33,6 +33,7 @@ from .. import _progress, viz
 from .._display import readable_token
 from .._validation import check_positive_int
 from ..io import atomic_write
+from ..models.config import STATE_LAYER_TYPES
 from ..viz import encode_attention, fit_attention
 from ._inputs import as_id_batch
 from .attribution import embedding_gradient
@@ -130,9 +131,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     -------
     dict
         The data the page holds (``tokens``, ``raw_tokens``, ``attention_layers`` (the layers whose attention it
-        draws: all but the Gated DeltaNet layers, listed in ``linear_layers``), ``rollout`` (L, L), ``flow``
-        (L, L; up to 24 tokens, else None: :func:`attention_flow` costs L * L maximum flows; both None for a model
-        with Gated DeltaNet layers, whose token weights are no shares of attention), ``candidates`` with their
+        draws: all but the Gated DeltaNet and short-convolution layers, listed in ``linear_layers``), ``rollout``
+        (L, L), ``flow`` (L, L; up to 24 tokens, else None: :func:`attention_flow` costs L * L maximum flows; both
+        None for a model with such layers, which have no shares of attention), ``candidates`` with their
         ``gradient_x_input`` and ``saliency`` (L,) and ``dla`` (:func:`direct_logit_attribution` of their logit:
         ``heads`` (N, H), ``linear_attn`` (N,), ``mlp`` (N,), ``embed`` (with the position embeddings), ``bias``
         and ``logit``),
@@ -158,9 +159,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     batch, single = as_id_batch(ids, lm.config.vocab_size)
     if not single:
         raise ValueError(f"ids must be one sequence (L,), got shape {np.shape(ids)}")
-    # Gated DeltaNet layers have no softmax pattern: the page draws the other layers' attention, and leaves out
-    # rollout and flow, which compose every layer's pattern as shares of attention
-    linear = [i for i, kind in enumerate(lm.config.layer_types) if kind == "linear_attention"]
+    # Gated DeltaNet and short-convolution layers have no softmax pattern: the page draws the other layers'
+    # attention, and leaves out rollout and flow, which compose every layer's pattern as shares of attention
+    linear = [i for i, kind in enumerate(lm.config.layer_types) if kind in STATE_LAYER_TYPES]
     drawn = [i for i in range(lm.config.num_layers) if i not in linear]
     max_bytes, target, corrupted = _checked_page_arguments(lm, batch, path, candidates, top_k, max_bytes, corrupt,
                                                            generate, progress)

@@ -12,7 +12,11 @@
   (built on :class:`~attnkit.attention.GroupedQueryAttention`);
 - :class:`GatedDeltaNet`, the linear-attention layer of Qwen3-Next and Qwen3.5, and its
   :class:`GatedDeltaNetCache`; :class:`GatedDeltaNetMixer` is it as a decoder block's token mixer, shaped by a
-  :class:`GatedDeltaNetConfig`.
+  :class:`GatedDeltaNetConfig`;
+- :class:`ShortConv`, LFM2's gated short convolution, and its :class:`ShortConvCache`; :class:`ShortConvMixer` is
+  it as a decoder block's token mixer, shaped by a :class:`ShortConvConfig`;
+- :class:`Mamba2`, the Mamba-2 mixer of the state-space hybrids (the SSD scan), and its :class:`Mamba2Cache`;
+  :class:`Mamba2Mixer` is it as a decoder block's token mixer, shaped by a :class:`Mamba2Config`.
 
 Every layer's ``forward`` saves what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
@@ -29,11 +33,13 @@ from .gated_mlp import GatedMLP
 from .identity import Identity, Zero
 from .layer_norm import LayerNorm
 from .lm_block import LMBlock, ParallelLMBlock
+from .mamba2 import Mamba2, Mamba2Cache, Mamba2Config, Mamba2Mixer
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .projection import Projection
 from .rms_norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .router import Router
+from .short_conv import ShortConv, ShortConvCache, ShortConvConfig, ShortConvMixer
 from .transformer import Transformer
 
 __all__ = [
@@ -44,4 +50,6 @@ __all__ = [
     "RMSNorm", "GatedMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
     "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
+    "ShortConv", "ShortConvCache", "ShortConvConfig", "ShortConvMixer",
+    "Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer",
 ]

@@ -373,7 +373,7 @@ class GatedDeltaNet(Module):
         dk = _delta.l2_normalize_backward(dk.reshape(heads).sum(axis=2), kn, k_rstd)  # (B, Hk, L, Dk)
         d_mixed = np.concatenate([t.transpose(0, 2, 1, 3).reshape(bsz, length, -1) for t in (dq, dk, dv)],
                                  axis=-1)  # (B, L, Cc)
-        d_conv_in, grad_conv, _ = _conv.causal_conv_backward(d_mixed, p["conv_weight"], conv_saved)  # (B, L, Cc)
+        d_conv_in, grad_conv, _, _ = _conv.causal_conv_backward(d_mixed, p["conv_weight"], conv_saved)  # (B, L, Cc)
         dg = dg.transpose(0, 2, 1)  # (B, L, Hv)
         db = dbeta.transpose(0, 2, 1) * beta * (1.0 - beta)  # (B, L, Hv)
         d_pre = -rate * dg * _sigmoid(pre)  # (B, L, Hv): softplus' = sigmoid

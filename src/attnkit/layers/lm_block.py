@@ -27,8 +27,10 @@ from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
 from .identity import Identity
 from .layer_norm import LayerNorm
+from .mamba2 import Mamba2Mixer
 from .per_layer_input import PerLayerInputBranch
 from .rms_norm import RMSNorm
+from .short_conv import ShortConvMixer
 
 __all__ = ["LMBlock", "ParallelLMBlock", "LayerwiseBlock", "PerLayerInputBlock", "BLOCKS", "MIXERS",
            "SHARED_KV_MIXERS", "MLPS", "make_norm", "make_block"]
@@ -59,7 +61,9 @@ MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
                                             "sliding_attention": GroupedQueryAttention,
                                             "gated_attention": GatedAttention,
-                                            "linear_attention": GatedDeltaNetMixer}
+                                            "linear_attention": GatedDeltaNetMixer,
+                                            "short_conv": ShortConvMixer,
+                                            "mamba2": Mamba2Mixer}
 """The token mixer of each layer type (``DecoderConfig.layer_types``): ``build(config, layer_index, rng=...)``.
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``

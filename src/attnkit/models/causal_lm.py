@@ -26,7 +26,7 @@ from ..layers.embedding import Embedding
 from ..layers.lm_block import make_block, make_norm
 from ..layers.per_layer_input import PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
-from .config import DecoderConfig
+from .config import STATE_LAYER_TYPES, DecoderConfig
 
 __all__ = ["CausalLM", "EarlyExit", "positions_from_mask"]
 
@@ -172,6 +172,10 @@ class CausalLM(Module):
         kind = c.layer_types[index]
         if kind == "linear_attention":
             return f"a {kind} (Gated DeltaNet) layer"
+        if kind == "short_conv":
+            return f"a {kind} (gated short convolution) layer"
+        if kind == "mamba2":
+            return f"a {kind} (Mamba-2 state space) layer"
         if c.latent is not None:
             return f"a {kind} layer with multi-head latent attention"
         owner = None if c.layerwise is None else c.layerwise.kv_owners(c.layer_types)[index]
@@ -235,7 +239,7 @@ class CausalLM(Module):
         if c.latent is not None:
             return LatentCache(n, batch_size, c.latent.latent_dim, self.dtype, max_length=max_length)
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
-                  if i < n and c.layer_types[i] == "linear_attention"}
+                  if i < n and c.layer_types[i] in STATE_LAYER_TYPES}
         shapes = None if c.layerwise is None else c.layerwise.cache_shapes(c)[:n]
         return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
                        windows=[c.window_of(i) for i in range(n)], states=states, rollback=rollback,

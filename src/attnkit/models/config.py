@@ -21,13 +21,17 @@ from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
 from ..layers.experts import ExpertsConfig
 from ..layers.gated_deltanet import GatedDeltaNetConfig
+from ..layers.mamba2 import Mamba2Config
+from ..layers.short_conv import ShortConvConfig
 from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
            "MAX_LAYERS",
-           "TokenTaggerConfig", "ROPE_TYPES"]
+           "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
-_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "short_conv", "mamba2")
+STATE_LAYER_TYPES = ("linear_attention", "short_conv", "mamba2")
+"""The layer types whose cache entry is a fixed-size state (their mixer's ``new_cache``), not keys and values."""
 
 
 _MAX_SIZE = 2**31 - 1  # no real model comes near it; beyond it a size could only allocate without end
@@ -257,8 +261,9 @@ MLP_KINDS = ("gated", "plain")
 RESIDUALS = ("sequential", "parallel")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
-          "linear_attention": GatedDeltaNetConfig, "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig}
-_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent")
+          "linear_attention": GatedDeltaNetConfig, "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig,
+          "short_conv": ShortConvConfig, "mamba2": Mamba2Config}
+_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent", "short_conv", "mamba2")
 
 
 @dataclass(frozen=True)
@@ -320,10 +325,13 @@ class DecoderConfig:
         C: the output logits become ``C * tanh(logits / C)`` (Gemma 2); in ``[2**-14, 65504]``.
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
-    layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention"}
+    layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention", \
+"short_conv", "mamba2"}
         Each layer's token mixer; default: every layer full. ``gated_attention``: full attention whose heads'
         outputs pass through a sigmoid gate (Qwen3-Next, Qwen3.5); ``linear_attention``: a Gated DeltaNet layer
-        shaped by ``linear_attention`` (its cache entry is a fixed-size state, not keys and values).
+        shaped by ``linear_attention``; ``short_conv``: LFM2's gated short convolution shaped by ``short_conv``;
+        ``mamba2``: a Mamba-2 mixer shaped by ``mamba2`` (the cache entry of these three is a fixed-size state, not
+        keys and values: :data:`STATE_LAYER_TYPES`).
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
     layerwise : LayerwiseConfig, optional
@@ -336,6 +344,10 @@ class DecoderConfig:
         attention; its ``hidden_size`` and heads are this config's, ``head_dim`` is its rotary width R,
         ``rotary.interleaved`` its ``rope_interleaved``, the ``attention`` part stays the default (the latent part
         holds its biases and scale), and the cache is a :class:`~attnkit.decoding.cache.LatentCache`.
+    short_conv : ShortConvConfig, optional
+        The shape of the ``short_conv`` layers (given exactly when there are some).
+    mamba2 : Mamba2Config, optional
+        The shape of the ``mamba2`` layers (given exactly when there are some).
 
     Examples
     --------
@@ -374,6 +386,8 @@ class DecoderConfig:
     pad_token_id: int | None = None
     layerwise: LayerwiseConfig | None = None
     latent: LatentAttentionConfig | None = None
+    short_conv: ShortConvConfig | None = None
+    mamba2: Mamba2Config | None = None
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
@@ -453,6 +467,11 @@ class DecoderConfig:
         if ("linear_attention" in types) != (self.linear_attention is not None):
             raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
                              f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
+        for kind, what in (("short_conv", "the short-convolution layers' shape"),
+                           ("mamba2", "the Mamba-2 layers' shape")):
+            if (kind in types) != (getattr(self, kind) is not None):
+                raise ValueError(f"{kind} ({what}) must be given exactly when layer_types has {kind} layers, got "
+                                 f"{getattr(self, kind)!r} for {types}")
         moe = self.experts
         if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp != "gated"):
             raise ValueError(f"experts.layers must be layer indices below num_layers ({self.num_layers}) and the "

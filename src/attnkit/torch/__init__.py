@@ -66,14 +66,16 @@ from .layerwise import (
     PerLayerInputBranch,
     PerLayerInputs,
 )
+from .mamba2 import Mamba2, Mamba2Mixer
 from .models import CausalLM, Seq2SeqTransformer
+from .short_conv import ShortConv, ShortConvMixer
 
 __all__ = [
     "from_numpy", "to_numpy",
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero",
-    "GatedDeltaNet", "GatedDeltaNetMixer",
+    "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",

@@ -1,0 +1,368 @@
+"""``Mamba2``: the Mamba-2 mixer of the state-space hybrids (Bamba, Granite 4 hybrid, Nemotron-H, Falcon-H1), with
+its cache.
+
+Dimension letters: B batch, L length, D ``hidden_size``, H heads, P head dim, I = H P the inner width, G groups
+(of heads sharing their B and C projections), N state size, K the convolution's kernel size,
+Cc = I + 2 G N the convolved channels (x, B, C side by side).
+
+The layer, in order (Hugging Face's ``BambaMixer`` / ``GraniteMoeHybridMambaLayer`` on its PyTorch path)::
+
+    z, xBC, dt = split(x W_in + b_in)                    # (B, L, I), (B, L, Cc), (B, L, H)
+    xBC = silu(causal_conv(xBC) + conv_bias)             # :mod:`attnkit.kernels.causal_conv`
+    xs, Bm, Cm = split(xBC)                              # (B, L, H, P), (B, L, G, N) twice
+    dt = softplus(dt + dt_bias);  A = -exp(A_log)        # (B, L, H), (H,)
+    y = ssd(q=Cm, k=Bm, v=dt xs, g=dt A) + D_skip xs     # :mod:`attnkit.kernels.ssd`, per head
+    out = (gamma * group_rms_norm(y * silu(z))) W_out + b_out
+
+The gate multiplies before the norm (``norm_before_gate=False``), and the norm is over each of the G groups of
+I / G features. A padded position's input, and its convolution's output, are zeroed (as Hugging Face does), so it
+leaves the state as it found it. What decoding keeps is fixed-size: the convolution's last K - 1 inputs and the
+scan's state (:class:`Mamba2Cache`).
+
+Parameter names and a Hugging Face checkpoint (``mamba.`` of a layer; linear weights stored ``(In, Out)``, the
+transpose of ``nn.Linear.weight``):
+
+================  ================================  ==========================================
+attnkit           Hugging Face                      shape
+================  ================================  ==========================================
+``W_in``          ``in_proj.weight.T``              (D, I + Cc + H): z, x, B, C, dt columns
+``b_in``          ``in_proj.bias``                  (I + Cc + H,), with ``proj_bias``
+``conv_weight``   ``conv1d.weight[:, 0, :]``        (Cc, K)
+``conv_bias``     ``conv1d.bias``                   (Cc,), with ``conv_bias``
+``dt_bias``       ``dt_bias``                       (H,)
+``A_log``         ``A_log``                         (H,)
+``D_skip``        ``D``                             (H,)
+``norm_gamma``    ``norm.weight``                   (I,)
+``W_out``         ``out_proj.weight.T``             (I, D)
+``b_out``         ``out_proj.bias``                 (D,), with ``proj_bias``
+================  ================================  ==========================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._validation import as_bool_mask, check_eps, check_features, check_grad_output, check_ndim, check_positive_int
+from ..core.module import Module
+from ..init import as_generator, normal
+from ..kernels import causal_conv as _conv
+from ..kernels import ssd as _ssd
+from ..kernels.activations import activation_backward, activation_forward
+from ..kernels.linear import linear, linear_backward
+from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
+
+__all__ = ["Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer"]
+
+
+@dataclass
+class Mamba2Cache:
+    """What decoding keeps for one :class:`Mamba2` layer: a fixed size, whatever the length so far.
+
+    Attributes
+    ----------
+    conv_state : (B, K - 1, Cc), the last K - 1 inputs of the convolution (zeros before the first token)
+    ssm_state : (B, H, N, P), the scan's state
+    length : int, the number of positions seen
+    """
+
+    conv_state: np.ndarray
+    ssm_state: np.ndarray
+    length: int = 0
+
+    def reorder(self, index: Any) -> None:
+        """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows)."""
+        index, batch = np.asarray(index), self.conv_state.shape[0]
+        if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
+            raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
+                             f"and dtype {index.dtype}")
+        if index.min() < -batch or index.max() >= batch:
+            raise ValueError(f"index must hold rows in [0, {batch}), got {index.min()}..{index.max()}")
+        self.conv_state = self.conv_state[index]  # (B', K - 1, Cc)
+        self.ssm_state = self.ssm_state[index]  # (B', H, N, P)
+
+    def copy(self) -> Mamba2Cache:
+        """An independent copy (what :meth:`attnkit.decoding.cache.KVCache.mark` keeps)."""
+        return Mamba2Cache(self.conv_state.copy(), self.ssm_state.copy(), self.length)
+
+    def cleared(self) -> Mamba2Cache:
+        """The state of no position yet (zeros), with this one's shapes and dtypes."""
+        return Mamba2Cache(np.zeros_like(self.conv_state), np.zeros_like(self.ssm_state), 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the same for every length."""
+        return self.conv_state.nbytes + self.ssm_state.nbytes
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """The shape of a decoder's Mamba-2 layers, with the names of ``transformers``' Bamba / Granite 4 hybrid
+    configs in parentheses.
+
+    Attributes
+    ----------
+    num_heads, head_dim : int
+        H (``mamba_n_heads``) and P (``mamba_d_head``).
+    state_size : int
+        N (``mamba_d_state``).
+    n_groups : int, default 1
+        G (``mamba_n_groups``), dividing H.
+    conv_kernel_size : int, default 4
+        K (``mamba_d_conv``).
+    conv_bias, proj_bias : bool
+        The convolution's bias (``mamba_conv_bias``, default True) and the projections' (``mamba_proj_bias``).
+    chunk_size : int, default 64
+        C of the chunked scan; any C gives the same result up to rounding.
+    """
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel_size: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel_size", "chunk_size"):
+            check_positive_int(getattr(self, name), name)
+        for name in ("conv_bias", "proj_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"n_groups ({self.n_groups}) must divide num_heads ({self.num_heads})")
+
+
+class Mamba2(Module):
+    """The Mamba-2 mixer: projections, short convolution with SiLU, the SSD scan, gated group RMSNorm, output.
+
+    Parameters
+    ----------
+    hidden_size : int
+        D.
+    shape : Mamba2Config
+    eps : float, default 1e-6
+        The gated norm's epsilon (``rms_norm_eps``).
+    rng : numpy.random.Generator or int, optional
+        Source of the initial weights: ``N(0, 0.02^2)`` projections, ``U(-1/sqrt(K), 1/sqrt(K))`` convolution,
+        zero biases, ``dt_bias`` and ``D_skip`` ones, ``A_log = log(1..H)``, ``norm_gamma`` ones.
+
+    Attributes
+    ----------
+    The module docstring's table; ``grads`` with the same names.
+
+    Shapes
+    ------
+    x : (B, L, D) -> y : (B, L, D), in ``x``'s float dtype.
+
+    Examples
+    --------
+    >>> layer = Mamba2(8, Mamba2Config(num_heads=2, head_dim=3, state_size=4, chunk_size=2), rng=0)
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 8))
+    >>> y = layer(x)
+    >>> y.shape, layer.backward(np.ones_like(y)).shape
+    ((2, 5, 8), (2, 5, 8))
+    >>> cache = layer.new_cache(2)
+    >>> steps = np.stack([layer.step(x[:, t], cache=cache) for t in range(5)], axis=1)
+    >>> bool(np.allclose(steps, y)), cache.length
+    (True, 5)
+    """
+
+    def __init__(self, hidden_size: int, shape: Mamba2Config, *, eps: float = 1e-6,
+                 rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        if not isinstance(shape, Mamba2Config):
+            raise TypeError(f"shape must be a Mamba2Config, got {type(shape).__name__}")
+        d = self.hidden_size = check_positive_int(hidden_size, "hidden_size")
+        self.shape, self.eps = shape, check_eps(eps)
+        h, n, g = shape.num_heads, shape.state_size, shape.n_groups
+        inner = self.inner_size = h * shape.head_dim
+        self.conv_dim = inner + 2 * g * n
+        self.widths = (inner, self.conv_dim, h)  # z, xBC, dt
+        gen = as_generator(rng)
+        self.register_parameter("W_in", normal(gen, (d, sum(self.widths)), std=0.02))
+        taps = shape.conv_kernel_size
+        self.register_parameter("conv_weight", gen.uniform(-1.0, 1.0, (self.conv_dim, taps)) / np.sqrt(taps))
+        self.register_parameter("dt_bias", np.ones(h))
+        self.register_parameter("A_log", np.log(np.arange(1.0, h + 1.0)))
+        self.register_parameter("D_skip", np.ones(h))
+        self.register_parameter("norm_gamma", np.ones(inner))
+        self.register_parameter("W_out", normal(gen, (inner, d), std=0.02))
+        if shape.conv_bias:
+            self.register_parameter("conv_bias", np.zeros(self.conv_dim))
+        if shape.proj_bias:
+            self.register_parameter("b_in", np.zeros(sum(self.widths)))
+            self.register_parameter("b_out", np.zeros(d))
+
+    def extra_repr(self) -> str:
+        s = self.shape
+        return (f"hidden_size={self.hidden_size}, num_heads={s.num_heads}, head_dim={s.head_dim}, "
+                f"state_size={s.state_size}, n_groups={s.n_groups}")
+
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_conv_out`` (B, L, Cc): the convolved x, B and C channels the scan reads; ``hook_ssm_out``
+        (B, L, H, P): the scan's output with the skip ``D x``, before the gate and the norm."""
+        return ("hook_conv_out", "hook_ssm_out")
+
+    def new_cache(self, batch_size: int, dtype: Any = None) -> Mamba2Cache:
+        """An empty cache for ``batch_size`` sequences, in ``dtype`` (default: the parameters' dtype)."""
+        b, s = check_positive_int(batch_size, "batch_size"), self.shape
+        dtype = self._parameters["W_out"].dtype if dtype is None else dtype
+        return Mamba2Cache(np.zeros((b, s.conv_kernel_size - 1, self.conv_dim), dtype),
+                           np.zeros((b, s.num_heads, s.state_size, s.head_dim), dtype))
+
+    def _check_padding(self, attention_mask: Any, x: np.ndarray) -> np.ndarray | None:
+        """``attention_mask`` as x's dtype (B, L, 1): 1 for a real token, 0 for padding; None without padding."""
+        mask = as_bool_mask(attention_mask, "attention_mask", allow_int=True)
+        if mask is None or mask.all():
+            return None
+        if mask.shape != x.shape[:2]:
+            raise ValueError(f"Mamba2: attention_mask must have shape (B, L) = {x.shape[:2]}, got {mask.shape}")
+        return mask[..., None].astype(x.dtype)  # (B, L, 1)
+
+    def _scan_inputs(self, xbc: np.ndarray, dt_raw: np.ndarray):
+        """The convolved channels and the raw step sizes as the scan's q, k (B, H, L, N), v (B, H, L, P), g
+        (B, H, L), with xs (B, L, H, P), dt and softplus's input (B, L, H)."""
+        s, p = self.shape, self._parameters
+        b, length = xbc.shape[:2]
+        gn = s.n_groups * s.state_size
+        xs = xbc[..., :self.inner_size].reshape(b, length, s.num_heads, s.head_dim)  # (B, L, H, P)
+        per_group = s.num_heads // s.n_groups
+        heads = [np.repeat(part.reshape(b, length, s.n_groups, s.state_size), per_group, axis=2).transpose(0, 2, 1, 3)
+                 for part in (xbc[..., self.inner_size + gn:], xbc[..., self.inner_size:self.inner_size + gn])]
+        pre = dt_raw + p["dt_bias"].astype(dt_raw.dtype, copy=False)  # (B, L, H)
+        dt = np.logaddexp(dt_raw.dtype.type(0), pre)  # (B, L, H): softplus
+        rate = -np.exp(p["A_log"].astype(dt.dtype, copy=False))  # (H,): A
+        v = (xs * dt[..., None]).transpose(0, 2, 1, 3)  # (B, H, L, P)
+        return heads[0], heads[1], v, (dt * rate).transpose(0, 2, 1), xs, dt, pre, rate
+
+    def _gated_norm(self, y: np.ndarray, z: np.ndarray):
+        """``gamma * group_rms_norm(y * silu(z))`` (B, L, I) and what its backward needs."""
+        act = activation_forward(z, "silu")  # (B, L, I)
+        gated = y * act  # (B, L, I)
+        groups = gated.reshape(gated.shape[:2] + (self.shape.n_groups, -1))  # (B, L, G, I / G)
+        unit, x_hat, rstd = rms_norm_forward(groups, np.ones(groups.shape[-1], gated.dtype), self.eps)
+        unit = unit.reshape(gated.shape)  # (B, L, I)
+        return unit * self._parameters["norm_gamma"].astype(unit.dtype, copy=False), (y, z, act, unit, x_hat, rstd)
+
+    def forward(self, x: Any, cache: Mamba2Cache | None = None, *, attention_mask: Any = None) -> np.ndarray:
+        """Run the layer over ``x`` (B, L, D).
+
+        Without a cache the sequence starts from zero states and the forward keeps what :meth:`backward` needs.
+        With a ``cache`` it continues from the cache's states and writes the new ones back: one position runs the
+        recurrent scan, more the chunked one; a cached forward is inference and keeps nothing for backward.
+        ``attention_mask`` (B, L) bool or 0/1, ``True`` = real token; None: all real.
+        """
+        x = check_features(x, "x", self.hidden_size, "Mamba2", "hidden_size")
+        check_ndim(x, "x", 3, expected="(B, L, hidden_size)")
+        if cache is not None and cache.conv_state.shape[0] != x.shape[0]:
+            raise ValueError(f"Mamba2: the cache holds {cache.conv_state.shape[0]} sequences but x has "
+                             f"{x.shape[0]} (x: {x.shape})")
+        p = self._parameters
+        padding = self._check_padding(attention_mask, x)
+        inputs = x if padding is None else x * padding  # (B, L, D)
+        z, xbc, dt_raw = np.split(linear(inputs, p["W_in"], p.get("b_in")), np.cumsum(self.widths)[:-1], axis=-1)
+        conv_out, conv_state, conv_saved = _conv.causal_conv_forward(
+            xbc, p["conv_weight"], None if cache is None else cache.conv_state, bias=p.get("conv_bias"),
+            activation="silu")  # (B, L, Cc)
+        if padding is not None:
+            conv_out = conv_out * padding  # a padded position's channels stay zero after the convolution too
+        conv_out = self.hook_point("hook_conv_out", conv_out)
+        q, k, v, g, xs, dt, pre, rate = self._scan_inputs(conv_out, dt_raw)
+        state = None if cache is None else cache.ssm_state
+        if cache is not None and x.shape[1] == 1:
+            o, state = _ssd.recurrent_forward(q, k, v, g, state)  # (B, H, 1, P)
+        else:
+            o, state, scan_ctx = _ssd.chunked_forward(q, k, v, g, state, chunk_size=self.shape.chunk_size)
+        skip = p["D_skip"].astype(xs.dtype, copy=False)[:, None]  # (H, 1)
+        y = self.hook_point("hook_ssm_out", o.transpose(0, 2, 1, 3) + skip * xs).reshape(z.shape)  # (B, L, I)
+        normed, norm_saved = self._gated_norm(y, z)  # (B, L, I)
+        out = linear(normed, p["W_out"], p.get("b_out")).astype(x.dtype, copy=False)  # (B, L, D)
+        if cache is None:
+            self.save_for_backward(inputs, padding, conv_saved, (q, k, xs, dt, pre, rate), scan_ctx, norm_saved,
+                                   normed)
+        else:
+            cache.conv_state = conv_state.astype(cache.conv_state.dtype, copy=False)
+            cache.ssm_state = state.astype(cache.ssm_state.dtype, copy=False)
+            cache.length += x.shape[1]
+            self.save_for_backward()
+        return out
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        """Add every parameter's gradient into ``self.grads``; return ``grad_x`` (B, L, D)."""
+        if self.saved_tensors is None:
+            raise RuntimeError("Mamba2.backward called before a forward without a cache")
+        x, padding, conv_saved, scan_inputs, scan_ctx, norm_saved, normed = self.saved_tensors
+        q, k, xs, dt, pre, rate = scan_inputs
+        y, z, act, unit, x_hat, rstd = norm_saved
+        s, p = self.shape, self._parameters
+        dy = check_grad_output(grad_output, x.shape, x.dtype, "Mamba2")
+        grads: dict[str, np.ndarray | None] = {}
+        d_normed, grads["W_out"], grads["b_out"] = linear_backward(dy, normed, p["W_out"].astype(x.dtype, copy=False),
+                                                                   need_bias=s.proj_bias)  # (B, L, I)
+        grads["norm_gamma"] = np.einsum("bli,bli->i", d_normed, unit)
+        d_unit = (d_normed * p["norm_gamma"].astype(d_normed.dtype, copy=False)).reshape(x_hat.shape)
+        d_gated, _ = rms_norm_backward(d_unit, x_hat, rstd, np.ones(x_hat.shape[-1], x_hat.dtype))
+        d_gated = d_gated.reshape(y.shape)  # (B, L, I)
+        dz = activation_backward(d_gated * y, z, act, "silu")  # (B, L, I)
+        d_y = self.hook_backward("hook_ssm_out", (d_gated * act).reshape(xs.shape))  # (B, L, H, P)
+        grads["D_skip"] = np.einsum("blhp,blhp->h", d_y, xs)
+        dq, dk, dv, dg, _ = _ssd.chunked_backward(d_y.transpose(0, 2, 1, 3), scan_ctx)  # (B, H, L, *)
+        dv = dv.transpose(0, 2, 1, 3)  # (B, L, H, P)
+        d_xs = d_y * p["D_skip"].astype(d_y.dtype, copy=False)[:, None] + dv * dt[..., None]  # (B, L, H, P)
+        dg = dg.transpose(0, 2, 1)  # (B, L, H)
+        d_dt = np.einsum("blhp,blhp->blh", dv, xs) + dg * rate  # (B, L, H)
+        grads["A_log"] = np.einsum("blh,blh->h", dg, dt) * rate  # dA / dA_log = A
+        d_pre = d_dt * (0.5 * (1.0 + np.tanh(0.5 * pre)))  # (B, L, H): softplus' = sigmoid
+        grads["dt_bias"] = d_pre.sum(axis=(0, 1))
+        b, length = xs.shape[:2]
+        group_shape = (b, s.n_groups, s.num_heads // s.n_groups, length, s.state_size)
+        d_b, d_c = (t.reshape(group_shape).sum(axis=2).transpose(0, 2, 1, 3).reshape(b, length, -1)
+                    for t in (dk, dq))  # (B, L, G N) each
+        d_conv_out = self.hook_backward("hook_conv_out", np.concatenate([d_xs.reshape(b, length, -1), d_b, d_c],
+                                                                        axis=-1))  # (B, L, Cc)
+        if padding is not None:
+            d_conv_out = d_conv_out * padding
+        d_xbc, grads["conv_weight"], _, grads["conv_bias"] = _conv.causal_conv_backward(d_conv_out, p["conv_weight"],
+                                                                                       conv_saved)  # (B, L, Cc)
+        d_proj = np.concatenate([dz, d_xbc, d_pre], axis=-1)  # (B, L, I + Cc + H)
+        grad_x, grads["W_in"], grads["b_in"] = linear_backward(d_proj, x, p["W_in"].astype(x.dtype, copy=False),
+                                                               need_bias=s.proj_bias)  # (B, L, D)
+        for name in self._parameters:  # the biases' only where the layer has them
+            self.grads[name] += grads[name]
+        return grad_x if padding is None else grad_x * padding  # a zeroed input has no gradient
+
+
+class Mamba2Mixer(Mamba2):
+    """A :class:`Mamba2` as the token mixer of a decoder block (a ``"mamba2"`` layer).
+
+    It speaks the mixers' protocol: ``forward(x, *, rotary, attention_mask, cache, output_attentions)``, where
+    ``rotary`` is ignored, ``attention_mask`` is the model's (B, P + L) mask over every column (the layer reads the
+    new L) and ``cache`` the model's :class:`~attnkit.decoding.cache.KVCache`, whose
+    :meth:`~attnkit.decoding.cache.KVCache.state` for this layer is its :class:`Mamba2Cache`. It has no attention
+    weights: ``output_attentions=True`` is refused.
+
+    Parameters
+    ----------
+    config : DecoderConfig
+        Reads ``hidden_size``, ``norm.eps`` and ``mamba2`` (a :class:`Mamba2Config`).
+    layer_index : int
+    rng : numpy.random.Generator or int, optional
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        super().__init__(config.hidden_size, config.mamba2, eps=config.norm.eps, rng=rng)
+        self.layer_index = layer_index
+
+    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
+                output_attentions: bool = False) -> np.ndarray:
+        """The layer's output (B, L, D)."""
+        if output_attentions:
+            raise ValueError(f"layer {self.layer_index} is a Mamba-2 layer: it has no attention weights")
+        length = np.shape(x)[1]
+        mask = None if attention_mask is None else np.asarray(attention_mask)[:, -length:]  # (B, L)
+        state = None if cache is None else cache.state(self.layer_index)
+        return super().forward(x, state, attention_mask=mask)  # (B, L, D)
