@@ -21,7 +21,7 @@ LAYERS = (
     ("decoding", "optim"),
     ("models",),
     ("pretrained", "interop", "torch"),
-    ("explain", "viz", "demos", "benchmarks"),
+    ("explain", "viz", "demos", "benchmarks", "testing"),
     ("cli", "__main__"),
 )
 LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names}
