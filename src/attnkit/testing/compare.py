@@ -220,16 +220,9 @@ def _row(name: str, a: np.ndarray, b: np.ndarray, ref: np.ndarray, base_a: np.nd
 
 
 def _first(rows: list[Row]) -> Row | None:
-    """The first diverging row: the first op of the first layer whose residual diverges, unless an op diverged
-    before it (then that op); ``embed`` first and ``logits`` last."""
-    diverging = [r for r in rows if r.diverges]
-    if not diverging:
-        return None
-    resid = next((r for r in diverging if r.op == "resid"), None)
-    first = diverging[0]
-    if resid is not None and first.layer == resid.layer:
-        return first
-    return first
+    """The first diverging row in forward order: inside the first layer whose residual stream diverges, its
+    first diverging op (or an earlier layer's op that diverged without moving its residual stream)."""
+    return next((r for r in rows if r.diverges), None)
 
 
 def compare(a: Any, b: Any, input_ids: Any, *, reference: Any = None) -> Comparison:
