@@ -116,11 +116,11 @@ class Comparison:
         inside = None if self.first is None else self.first.layer
         return [r for r in self.rows if r.layer is None or r.op == "resid" or r.layer == inside]
 
-    def table(self) -> str:
-        """The table of :meth:`table_rows` and the verdict line, as text."""
+    def table(self, every_row: bool = False) -> str:
+        """The table of :meth:`table_rows` (every row with ``every_row``) and the verdict line, as text."""
         head = f"{'layer':>5}  {'op':<9} {'max abs':>10} {'max rel':>10} {'A vs f64':>10} {'B vs f64':>10}"
         lines = [f"A: {self.a}", f"B: {self.b}", head]
-        for r in self.table_rows():
+        for r in (self.rows if every_row else self.table_rows()):
             mark = "  <-" if r is self.first else ("  !" if r.diverges else "")
             layer = "" if r.layer is None else str(r.layer)
             lines.append(f"{layer:>5}  {r.op:<9} {r.max_abs:>10.3g} {r.max_rel:>10.3g} {r.error_a:>10.3g} "

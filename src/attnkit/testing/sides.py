@@ -332,8 +332,14 @@ def transformers_side(model: Any, name: str | None = None) -> TorchSide:
         import torch
 
         folder = str(model)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
-                                                                  dtype=torch.float32).eval()
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # one line per error on the command line, no bars
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
+                                                                      dtype=torch.float32).eval()
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
         name = name or f"transformers float32 ({folder})"
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if implementation != "eager":
@@ -351,8 +357,9 @@ def load_torch_weights(module: Any, folder: str | Path, name_map: Mapping[str, s
     ``name_map`` maps the module's state-dict names to the folder's tensor names; a name it leaves out is looked
     up as it is. Every tensor of the module's state dict must be found, with the same shape.
     """
-    import torch
     from safetensors.torch import load_file
+
+    import torch
 
     stored: dict[str, Any] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
