@@ -143,3 +143,16 @@ def test_bad_sides_are_refused_naming_what_was_wrong(llama, tmp_path):
         transformers_side(type(hf).from_pretrained(folder, attn_implementation="sdpa"))
     with pytest.raises(ValueError, match="input_ids must be"):
         compare(AttnkitSide(folder), AttnkitSide(folder), [[0.5, 1.5]])
+
+
+def test_a_gguf_file_is_a_side_and_its_own_reference(llama, tmp_path):
+    pytest.importorskip("gguf")
+    from gguf_models import write_gguf
+
+    _, hf, _, _ = llama
+    path = tmp_path / "tiny.gguf"
+    write_gguf(hf, path)
+    result = compare(transformers_side(hf), AttnkitSide(path), IDS)  # the reference: the GGUF file in float64
+    assert result.verdict() == "no divergence", result.table()
+    assert result.b == f"attnkit float32 ({path})"
+    assert {"layers.1.rotary_q", "layers.1.scores", "logits"} <= {r.name for r in result.rows}

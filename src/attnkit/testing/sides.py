@@ -150,7 +150,7 @@ class TorchSide:
     """
 
     def __init__(self, module: Any, points: Mapping[str, str] | None = None, name: str | None = None) -> None:
-        import torch
+        torch = _torch()
 
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -191,7 +191,7 @@ class TorchSide:
         return self.module(self._torch.from_numpy(ids))
 
     def trace(self, ids: Any) -> dict[str, np.ndarray]:
-        import torch
+        torch = _torch()
 
         self._torch = torch
         ids = _ids_2d(ids)
@@ -202,6 +202,16 @@ class TorchSide:
         if isinstance(logits, torch.Tensor):
             found.setdefault("logits", logits)
         return with_scores({key: _to_numpy(value) for key, value in found.items()})
+
+
+def _torch() -> Any:
+    """PyTorch, or an ImportError saying how to install it."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError("a PyTorch or transformers side needs PyTorch, which is not installed: "
+                          "pip install 'attnkit[torch]'") from exc
+    return torch
 
 
 def _numpy_dtype(torch_dtype: Any) -> np.dtype:
@@ -329,7 +339,7 @@ def transformers_side(model: Any, name: str | None = None) -> TorchSide:
         from ..pretrained._extra import import_extra
 
         transformers = import_extra("transformers", "run a transformers model")
-        import torch
+        torch = _torch()
 
         folder = str(model)
         bars = transformers.utils.logging.is_progress_bar_enabled()
@@ -357,10 +367,10 @@ def load_torch_weights(module: Any, folder: str | Path, name_map: Mapping[str, s
     ``name_map`` maps the module's state-dict names to the folder's tensor names; a name it leaves out is looked
     up as it is. Every tensor of the module's state dict must be found, with the same shape.
     """
-    from safetensors.torch import load_file
+    torch = _torch()
+    from ..pretrained._extra import import_extra
 
-    import torch
-
+    load_file = import_extra("safetensors.torch", "read a folder's weights into a PyTorch module").load_file
     stored: dict[str, Any] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         stored.update(load_file(str(file)))

@@ -2,28 +2,20 @@
 
 A trace is a dict of name to array, every array with its batch axis first:
 
-==================  ===================  =============================================================================
-name                shape                what it is
-==================  ===================  =============================================================================
-``embed``           (B, L, D)            the residual stream entering layer 0 (embeddings, scaled where the family
-                                         scales them)
-``layers.{i}.norm``  (B, L, D)            the attention's input norm's output
-``layers.{i}.q``    (B, L, H, Dh)        the query heads after the projection (and the q norm, if any)
-``layers.{i}.k``    (B, L, Hkv, Dh)      the key heads after the projection (and the k norm, if any)
-``layers.{i}.v``    (B, L, Hkv, Dh)      the value heads
-``layers.{i}.rotary_q``  (B, L, H, Dh)   the query heads after the rotary embedding (rotary layers)
-``layers.{i}.rotary_k``  (B, L, Hkv, Dh) the key heads after the rotary embedding
-``layers.{i}.scores``  (B, H, L, S)      the attention logits as the softmax sees them (scaled, soft-capped,
-                                         masked), each row less its mean over the keys it attends; masked keys -inf
-``layers.{i}.probs``   (B, H, L, S)      the attention probabilities
-``layers.{i}.heads``   (B, L, H, Dh)     each head's output, as the output projection reads it
-``layers.{i}.attn_out``  (B, L, D)       what the attention branch adds to the residual stream (after its
-                                         post-norm, if any)
-``layers.{i}.router``  (B, L, k)         a mixture of experts' weights of the chosen experts
-``layers.{i}.mlp``  (B, L, D)            what the MLP branch adds to the residual stream (after its post-norm)
-``layers.{i}.resid``  (B, L, D)          the residual stream leaving layer i
-``logits``          (B, L, V)            the output logits
-==================  ===================  =============================================================================
+- ``embed`` (B, L, D): the residual stream entering layer 0 (embeddings, scaled where the family scales them);
+- ``layers.{i}.norm`` (B, L, D): the attention's input norm's output;
+- ``layers.{i}.q`` (B, L, H, Dh), ``k`` and ``v`` (B, L, Hkv, Dh): the heads after the projections (and the q/k
+  norms, if any);
+- ``layers.{i}.rotary_q`` (B, L, H, Dh), ``rotary_k`` (B, L, Hkv, Dh): after the rotary embedding (rotary layers);
+- ``layers.{i}.scores`` (B, H, L, S): the attention logits as the softmax sees them (scaled, soft-capped, masked),
+  each row less its mean over the keys it attends; the keys it does not attend -inf;
+- ``layers.{i}.probs`` (B, H, L, S): the attention probabilities;
+- ``layers.{i}.heads`` (B, L, H, Dh): each head's output, as the output projection reads it;
+- ``layers.{i}.attn_out`` (B, L, D): what the attention branch adds to the residual stream (after its post-norm);
+- ``layers.{i}.router`` (B, L, k): a mixture of experts' weights of its chosen experts;
+- ``layers.{i}.mlp`` (B, L, D): what the MLP branch adds to the residual stream (after its post-norm);
+- ``layers.{i}.resid`` (B, L, D): the residual stream leaving layer i;
+- ``logits`` (B, L, V).
 
 ``scores`` are made from ``probs`` (:func:`scores_from_probs`) on every side, so that every implementation can
 give them (transformers' eager attention and most user code return the probabilities, not the logits): a row's
