@@ -29,10 +29,10 @@ order. To add a command, write such a module (raise :class:`UsageError` for bad 
 extra raise an ``ImportError`` whose message names ``pip install``) and add it to :data:`COMMANDS`.
 A demo task is a row of :data:`attnkit.cli.demo.DEMO_TASKS`.
 
-Exit status: 0 success; 1 a missing optional dependency (the message names the install command) or an
-internal error; 2 a bad command line or bad input files (a number out of range, an output folder that
-cannot be written, a missing or damaged model file), reported as one line on stderr without a traceback;
-130 interrupted.
+Exit status: 0 success; 1 a missing optional dependency (the message names the install command), an
+internal error, or (``compare``) a divergence found; 2 a bad command line or bad input files (a number out of
+range, an output folder that cannot be written, a missing or damaged model file), reported as one line on stderr
+without a traceback; 130 interrupted.
 """
 from __future__ import annotations
 

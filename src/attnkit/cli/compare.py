@@ -137,7 +137,7 @@ def _check_model_path(path: str) -> None:
         raise UsageError(f"{printable(repr(path), 80)} is not a model folder nor a .gguf file", PROG)
 
 
-def _side(kind: str, path: str, args: argparse.Namespace) -> Any:
+def _side(kind: str, path: str, args: argparse.Namespace, oracle: Any, reference: str) -> Any:
     import numpy as np
 
     from .. import testing
@@ -146,7 +146,10 @@ def _side(kind: str, path: str, args: argparse.Namespace) -> Any:
         return testing.RecordedSide(path)
     _check_model_path(path)
     if kind in ("attnkit", "attnkit64"):
-        return testing.AttnkitSide(path, dtype=np.float64 if kind == "attnkit64" else np.float32)
+        dtype = np.float64 if kind == "attnkit64" else np.float32
+        if Path(path).resolve() == Path(reference).resolve():  # the reference's weights, loaded once
+            return testing.AttnkitSide(oracle.model_in(dtype), name=f"attnkit {np.dtype(dtype).name} ({path})")
+        return testing.AttnkitSide(path, dtype=dtype)
     if kind == "transformers":
         return testing.transformers_side(path)
     return testing.torch_side_from_folder(_factory(args.torch), path, _name_map(args.name_map))
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         oracle = testing.Reference(reference)
         ids = _ids(args, reference, oracle.model.config.vocab_size)
-        a, b = (_side(kind, path, args) for kind, path in specs)
+        a, b = (_side(kind, path, args, oracle, reference) for kind, path in specs)
         result = testing.compare(a, b, ids, reference=oracle)
     except (ValueError, TypeError, KeyError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc

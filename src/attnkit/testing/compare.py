@@ -56,15 +56,19 @@ class Reference:
         self._models: dict[np.dtype, Any] = {np.dtype(np.float64): model}
         self._traces: dict[tuple, dict[str, np.ndarray]] = {}
 
+    def model_in(self, dtype: Any) -> Any:
+        """The model in ``dtype`` (a float64 copy converted once, kept)."""
+        dtype = np.dtype(dtype)
+        if dtype not in self._models:
+            self._models[dtype] = copy.deepcopy(self.model).astype(dtype)
+        return self._models[dtype]
+
     def trace(self, dtype: Any, ids: Any) -> dict[str, np.ndarray]:
         """attnkit's trace of ``ids`` in ``dtype`` (float16, float32 or float64), kept for later calls."""
-        dtype = np.dtype(dtype)
         ids = _ids_2d(ids)
-        key = (dtype, ids.shape, ids.tobytes())
+        key = (np.dtype(dtype), ids.shape, ids.tobytes())
         if key not in self._traces:
-            if dtype not in self._models:
-                self._models[dtype] = copy.deepcopy(self.model).astype(dtype)
-            self._traces[key] = AttnkitSide(self._models[dtype]).trace(ids)
+            self._traces[key] = AttnkitSide(self.model_in(dtype)).trace(ids)
         return self._traces[key]
 
 
@@ -85,6 +89,7 @@ class Row:
 
     @property
     def diverges(self) -> bool:
+        """Whether either side's error exceeds its limit."""
         return self.error_a > self.limit_a or self.error_b > self.limit_b
 
 
@@ -101,6 +106,7 @@ class Comparison:
 
     @property
     def diverged(self) -> bool:
+        """Whether any compared tensor diverges."""
         return self.first is not None
 
     def verdict(self) -> str:

@@ -236,7 +236,8 @@ class _TransformersSide(TorchSide):
     def _run(self, ids: np.ndarray) -> Any:
         torch = self._torch
         modeling = {sys.modules[type(layer.self_attn).__module__] for layer in self.module.model.layers}
-        originals = {mod: mod.eager_attention_forward for mod in modeling}
+        # a modeling module without the function (its attention not the eager kind) gives no heads or probabilities
+        originals = {mod: mod.eager_attention_forward for mod in modeling if hasattr(mod, "eager_attention_forward")}
         for mod, original in originals.items():
             mod.eager_attention_forward = _recording_attention(original, self._found)
         try:
@@ -291,7 +292,9 @@ def _recording_attention(original: Callable, found: dict[str, Any]) -> Callable:
     probabilities and the heads' outputs of the calling layer."""
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         out, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
-        layer = module.layer_idx
+        layer = getattr(module, "layer_idx", None)
+        if layer is None or weights is None:
+            return out, weights
         found[layer_name(layer, "rotary_q")] = query.transpose(1, 2)  # (B, L, H, Dh)
         found[layer_name(layer, "rotary_k")] = key.transpose(1, 2)  # (B, S, Hkv, Dh)
         found[layer_name(layer, "probs")] = weights[..., :key.shape[2]]  # (B, H, L, S) without sink columns
