@@ -136,6 +136,20 @@ def window_off_by_one(hf, i, rng, window):
     return _eager_of_layer(hf, i, widen)
 
 
+@contextmanager
+def router_not_renormalised(hf, i, rng):
+    """Layer i's mixture of experts weights its k experts by their softmax probabilities, not renormalised."""
+    def raw(_module, _inputs, output):
+        logits, _, indices = output
+        return logits, logits.float().softmax(-1).gather(-1, indices).to(logits.dtype), indices
+
+    handle = hf.model.layers[i].mlp.gate.register_forward_hook(raw)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _applicable(name, hf, reference):
     """(fault, layers it applies to, the op it must be found at) for one family."""
     n = len(hf.model.layers)
@@ -152,10 +166,25 @@ def _applicable(name, hf, reference):
         out.append((swapped_softcap, list(layers), "scores"))
     if 1 < kv < heads:
         out.append((wrong_gqa_mapping, list(layers), "scores"))
+    routed = [j for j in layers if getattr(hf.model.layers[j].mlp, "gate", None) is not None
+              and getattr(hf.model.layers[j].mlp.gate, "norm_topk_prob", True)]
+    if routed:
+        out.append((router_not_renormalised, routed, "router"))
     windowed = [j for j in layers if reference.model.layers[j].attention.window]
     if windowed:
         out.append((window_off_by_one, windowed, "scores"))
     return out
+
+
+def draw_trial(rng, models):
+    """(family, fault, layer, op): a fault kind drawn uniformly, then a family it applies to, then a layer."""
+    options = [(name, fault, layers, op) for name in FAMILIES
+               for fault, layers, op in _applicable(name, models[name][0], models[name][2])]
+    kinds = sorted({fault.__name__ for _, fault, _, _ in options})
+    kind = kinds[rng.integers(len(kinds))]
+    fitting = [option for option in options if option[1].__name__ == kind]
+    name, fault, layers, op = fitting[rng.integers(len(fitting))]
+    return name, fault, int(rng.choice(layers)), op
 
 
 def test_an_injected_fault_is_found_at_its_layer_and_operation(models):
@@ -163,11 +192,8 @@ def test_an_injected_fault_is_found_at_its_layer_and_operation(models):
     prompts = [rng.integers(2, VOCAB - 1, size=LENGTH) for _ in range(4)]
     found, misses, kinds = 0, [], set()
     for _ in range(TRIALS):
-        name = FAMILIES[rng.integers(len(FAMILIES))]
+        name, fault, layer, op = draw_trial(rng, models)
         hf, attnkit32, reference = models[name]
-        options = _applicable(name, hf, reference)
-        fault, layers, op = options[rng.integers(len(options))]
-        layer = int(rng.choice(layers))
         ids = prompts[rng.integers(len(prompts))]
         extra = {"window": reference.model.layers[layer].attention.window} if fault is window_off_by_one else {}
         with fault(hf, layer, rng, **extra):
@@ -177,7 +203,7 @@ def test_an_injected_fault_is_found_at_its_layer_and_operation(models):
             found += 1
         else:
             misses.append((name, fault.__name__, layer, op, result.verdict()))
-    assert len(kinds) == 7
+    assert len(kinds) == 8
     assert found >= 0.99 * TRIALS, misses
     # the faults are undone: the copy agrees again
     for name in FAMILIES:
@@ -194,6 +220,7 @@ def test_equal_implementations_do_not_diverge(models, name):
     # every layer's operations were compared, and were within a third of their limits
     ops = {r.op for r in result.rows if r.layer == 0}
     assert {"q", "k", "v", "rotary_q", "scores", "probs", "heads", "attn_out", "mlp", "resid"} <= ops
+    assert ("router" in ops) == (name == "mixtral")
     assert max(max(r.error_a / r.limit_a, r.error_b / r.limit_b) for r in result.rows) < 0.5
     # attnkit in float64 against transformers in float32: the float64 side is held to its own rounding
     assert not compare(transformers_side(hf), reference.model, ids, reference=reference).diverged

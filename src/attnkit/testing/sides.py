@@ -257,13 +257,19 @@ class _TransformersSide(TorchSide):
                 norm = getattr(layer.self_attn, f"{op}_norm", None)
                 if norm is not None:
                     handles.append(norm.register_forward_pre_hook(_layout_probe(layer_name(i, op), heads_first)))
+            router = getattr(getattr(layer, "mlp", None), "gate", None)
+            if router is not None:  # a mixture of experts' router: (logits, weights, indices)
+                handles.append(router.register_forward_hook(_router_weights(layer_name(i, "router"), found)))
         try:
             with super()._recording(found):
                 yield
         finally:
             for handle in handles:
                 handle.remove()
+        batch, length = found["embed"].shape[:2] if "embed" in found else (0, 0)
         for i, layer in enumerate(layers):
+            if layer_name(i, "router") in found:
+                found[layer_name(i, "router")] = found[layer_name(i, "router")].reshape(batch, length, -1)  # (B, L, k)
             head_dim = layer.self_attn.head_dim
             for op in ("q", "k", "v"):
                 key = layer_name(i, op)
@@ -275,6 +281,15 @@ class _TransformersSide(TorchSide):
 def _first_input(found: dict[str, Any]) -> Callable:
     def hook(_module, args, kwargs):
         found["embed"] = args[0] if args else kwargs["hidden_states"]
+    return hook
+
+
+def _router_weights(key: str, found: dict[str, Any]) -> Callable:
+    """A forward hook keeping a router's chosen experts' weights (B*L, k), when it returns (logits, weights,
+    indices)."""
+    def hook(_module, _inputs, output):
+        if isinstance(output, tuple) and len(output) == 3:
+            found[key] = output[1]
     return hook
 
 
