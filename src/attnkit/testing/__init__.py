@@ -2,10 +2,10 @@
 
 :func:`compare` runs the same token ids through two implementations (attnkit in float32 or float64, a
 transformers model, a PyTorch module, recorded activations) and finds the first operation where they part,
-judging each against attnkit's float64 run (:mod:`attnkit.testing.compare`); the names it compares are in
+judging each against attnkit's float64 run (:mod:`attnkit.testing.divergence`); the names it compares are in
 :mod:`attnkit.testing.trace`. ``attnkit compare`` is its command line.
 """
-from .compare import FACTOR, FLOOR_ULPS, Comparison, Reference, Row, as_side, compare
+from .divergence import FACTOR, FLOOR_ULPS, Comparison, Reference, Row, as_side, compare
 from .sides import (
     AttnkitSide,
     RecordedSide,
