@@ -16,22 +16,19 @@ from attnkit.testing import transformers_side  # noqa: E402
 from cli_helpers import assert_one_line_error, run_attnkit  # noqa: E402
 from hf_models import saved_model, write_word_tokenizer  # noqa: E402
 
-TORCH_LLAMA = Path(__file__).resolve().parents[1] / "testing" / "torch_llama.py"
+TORCH_LLAMA = Path(__file__).resolve().parents[1] / "torch_llama.py"
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A tiny Llama folder with a word tokenizer (token i is ``w{i}``), its transformers model and the name map
-    of tests/testing/torch_llama.py as a JSON file."""
-    import sys
-
+    of tests/torch_llama.py as a JSON file."""
     folder, hf = saved_model("llama_sharded", tmp_path_factory.mktemp("cli_compare"))
     write_word_tokenizer(folder)
-    sys.path.insert(0, str(TORCH_LLAMA.parent))
-    import torch_llama
+    from torch_llama import name_map
 
     names = folder.parent / "names.json"
-    names.write_text(json.dumps(torch_llama.name_map(json.loads((folder / "config.json").read_text()))))
+    names.write_text(json.dumps(name_map(json.loads((folder / "config.json").read_text()))))
     return folder, hf, names
 
 

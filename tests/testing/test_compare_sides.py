@@ -4,8 +4,6 @@ float64; the rule's floor; the scores made from probabilities; and the errors of
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,9 +22,7 @@ from attnkit.testing import (  # noqa: E402
     transformers_side,
 )
 from hf_models import saved_model  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-import torch_llama  # noqa: E402
+from torch_llama import build, build_broken, build_shifted, name_map  # noqa: E402
 
 IDS = np.array([5, 17, 3, 44, 9, 60, 2, 31])
 
@@ -77,12 +73,12 @@ def test_recordings_without_a_batch_axis_or_with_merged_heads_are_aligned(llama)
         compare(bare, AttnkitSide(folder), IDS, reference=reference)
 
 
-@pytest.mark.parametrize("factory, layer, op", [(torch_llama.build, None, None),
-                                                (torch_llama.build_broken, 1, "scores"),
-                                                (torch_llama.build_shifted, 0, "rotary_q")])
+@pytest.mark.parametrize("factory, layer, op", [(build, None, None),
+                                                (build_broken, 1, "scores"),
+                                                (build_shifted, 0, "rotary_q")])
 def test_a_users_pytorch_llama_is_checked_through_its_points_and_records(llama, factory, layer, op):
     folder, _, config, reference = llama
-    side = torch_side_from_folder(factory, folder, torch_llama.name_map(config))
+    side = torch_side_from_folder(factory, folder, name_map(config))
     result = compare(side, AttnkitSide(folder), IDS, reference=reference)
     compared = {r.op for r in result.rows if r.layer == 0}
     assert {"norm", "q", "k", "v", "rotary_q", "rotary_k", "scores", "probs", "mlp", "resid"} == compared
