@@ -136,6 +136,9 @@ class TorchSide:
     """A PyTorch module as a side: forward hooks on the submodules named for trace names, and the values the
     module records itself.
 
+    A module records values no submodule outputs (rotated heads, probabilities) by calling its attribute
+    ``attnkit_record(trace_name, tensor)``: the side sets it for the run when the module has it (None otherwise).
+
     Parameters
     ----------
     module : torch.nn.Module
@@ -144,9 +147,7 @@ class TorchSide:
         Trace name (``"layers.0.norm"``) to the dotted path of the submodule whose output it is (the first element
         of a tuple output). Default: the module's ``attnkit_points`` attribute, else none.
     name : str, optional
-
-    A module records values no submodule outputs (rotated heads, probabilities) by calling its attribute
-    ``attnkit_record(trace_name, tensor)``: the side sets it for the run when the module has it (None otherwise).
+        Shown in the table (default: the module's class and dtype).
     """
 
     def __init__(self, module: Any, points: Mapping[str, str] | None = None, name: str | None = None) -> None:
