@@ -47,8 +47,20 @@ def _causal_lm_files(root: pathlib.Path) -> None:
     write_gguf(model, root / "model-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
 
 
+def _compare_files(root: pathlib.Path) -> None:
+    """What the compare guide opens: ``tiny-llama`` (a tiny random Llama saved by transformers, 96 tokens, with
+    a word-level tokenizer: token i is the word ``w{i}``)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_models import build_hf_model, write_word_tokenizer
+
+    folder = root / "tiny-llama"
+    build_hf_model("llama_sharded").save_pretrained(folder)
+    write_word_tokenizer(folder)
+
+
 # Pages whose examples open files: made in the test's folder before the page runs.
-PREPARE = {"guides/causal-lm.md": _causal_lm_files}
+PREPARE = {"guides/causal-lm.md": _causal_lm_files, "guides/compare.md": _compare_files}
 
 
 def _pages() -> list[str]:

