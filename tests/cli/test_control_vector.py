@@ -144,3 +144,27 @@ def test_a_real_process_reports_a_bad_file_without_a_traceback(word_model, bad_f
                        cwd=bad_files)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("attnkit generate: error: --control-vector") and len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("beams", ["1", "2"])
+def test_on_a_terminal_the_progress_lines_run_inside_the_steering(word_model, vectors, capsys, tmp_path, beams):
+    """The prefill line counts layers with hooks of its own, nested in the steering's; beam search is steered too."""
+    from cli_helpers import run_on_terminal
+
+    (happy_file, happy), _ = vectors
+    lm = load_causal_lm(word_model)
+    with steering(lm, 6.0 * happy):
+        expected = generate(lm, np.array([[3, 4, 5]]), max_new_tokens=6, num_beams=int(beams))[0].tolist()
+    code, out, shown = run_on_terminal(["generate", word_model, "--ids", "3,4,5", "--max-new-tokens", 6,
+                                        "--num-beams", beams, "--control-vector", f"{happy_file}:6"], tmp_path)
+    assert code == 0, shown
+    assert ("prefill (3 tokens)" if beams == "1" else "beam search") in shown
+    assert out.split() == [f"w{i}" for i in expected]
+
+
+def test_chat_shows_the_steering_in_its_settings(chat_folder, vectors, capsys, monkeypatch):
+    (happy_file, _), (calm_file, _) = vectors
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/show\n"))
+    assert main(["chat", str(chat_folder), "--control-vector", f"{happy_file}:0.8", "--control-vector",
+                 f"{calm_file}:-0.3", "--control-vector-layer-range", "1", "1"]) == 0
+    assert "; steered by happy.gguf x0.8, calm.gguf x-0.3 (layers 1 to 1)" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._arguments import UsageError, printable
 
-__all__ = ["add_control_vector_arguments", "control_vector_option", "steering_for_command"]
+__all__ = ["add_control_vector_arguments", "control_vector_option", "steering_for_command", "steering_text"]
 
 
 def _file_and_scale(text: str) -> tuple[str, float]:
@@ -98,3 +98,14 @@ def steering_for_command(model: Any, vector: Any, args: argparse.Namespace, prog
                          f"{config.num_layers} layers (0 to {config.num_layers - 1})", prog)
     layer_range = args.control_vector_layer_range
     return steering(model, vector, layer_range=None if layer_range is None else tuple(layer_range))
+
+
+def steering_text(args: argparse.Namespace) -> str:
+    """The steering flags in words for a settings line (``"steered by happy.gguf x0.8 (layers 1 to 3)"``), or ""."""
+    if not getattr(args, "control_vector", None):
+        return ""
+    from pathlib import Path
+
+    files = ", ".join(f"{printable(Path(file).name, 60)} x{scale:g}" for file, scale in args.control_vector)
+    layers = args.control_vector_layer_range
+    return f"steered by {files}" + ("" if layers is None else f" (layers {layers[0]} to {layers[1]})")

@@ -79,7 +79,12 @@ from ._common import (
     unescape,
     use_threads,
 )
-from ._control_vector import add_control_vector_arguments, control_vector_option, steering_for_command
+from ._control_vector import (
+    add_control_vector_arguments,
+    control_vector_option,
+    steering_for_command,
+    steering_text,
+)
 from ._generation import GENERATION_OPTIONS, add_generation_arguments, generation_kwargs
 from ._speed import Speed, Stopwatch
 
@@ -302,6 +307,8 @@ def _settings(model: Any, args: argparse.Namespace) -> str:
     if stops:
         stops = [stops] if isinstance(stops, str) else stops
         decoding += "; stops at " + ", ".join(printable(repr(stop), 40) for stop in stops)
+    steered = steering_text(args)
+    decoding += f"; {steered}" if steered else ""
     threads = get_num_threads()
     return (f"context {model.config.max_position_embeddings} tokens, replies up to {args.max_new_tokens} new "
             f"tokens, {threads} thread{'s' if threads != 1 else ''}; {decoding}")
