@@ -409,3 +409,16 @@ def test_saving_is_atomic_and_refuses_layer_zero(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="layer 0, which llama.cpp refuses"):
         save_control_vector(ControlVector({0: ONES, 1: ONES}), path)
     assert path.read_bytes() == before
+
+
+def test_a_tokenizers_tokenizer_gives_the_same_vector_as_the_folders(root):
+    """``tokenizers.Tokenizer.encode`` returns an Encoding (its ``ids``), attnkit's and transformers' a list."""
+    from tokenizers import Tokenizer
+
+    folder, _, tok = text_model(root, "llama")
+    lm = load_causal_lm(folder)
+    plain = control_vector(lm, load_tokenizer(folder), PAIRS)
+    for other in (Tokenizer.from_file(str(folder / "tokenizer.json")), tok):
+        again = control_vector(lm, other, PAIRS)
+        for layer in plain.layers:
+            np.testing.assert_array_equal(again.directions[layer], plain.directions[layer])

@@ -172,7 +172,7 @@ def _layers(layers: Any, num_layers: int) -> list[int]:
     end; in the order given."""
     if layers is None:
         return list(range(num_layers - 1, 0, -1))
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) and not isinstance(layers, range):
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise TypeError(f"layers must be a sequence of int layer indexes, got {type(layers).__name__}")
     out = []
     for layer in layers:
@@ -189,7 +189,8 @@ def _layers(layers: Any, num_layers: int) -> list[int]:
 def _encoded(tokenizer: Any, texts: list[str], vocab_size: int) -> list[list[int]]:
     rows = []
     for text in texts:
-        ids = [int(i) for i in tokenizer.encode(text)]
+        encoded = tokenizer.encode(text)
+        ids = [int(i) for i in getattr(encoded, "ids", encoded)]  # a tokenizers.Tokenizer gives an Encoding
         if not ids:
             raise ValueError(f"the prompt {text!r:.60} has no tokens")
         if min(ids) < 0 or max(ids) >= vocab_size:
@@ -248,9 +249,10 @@ def direction_of(states: np.ndarray, method: str) -> np.ndarray:
         centre = (positive + negative) / 2  # (N, D)
         train = np.stack([positive - centre, negative - centre], axis=1).reshape(states.shape)  # (2N, D)
     direction = first_component(train).astype(np.float32)  # (D,)
-    above = positive @ direction.astype(np.float64) > negative @ direction.astype(np.float64)  # (N,)
-    below = positive @ direction.astype(np.float64) < negative @ direction.astype(np.float64)  # (N,)
-    return -direction if below.mean() > above.mean() else direction
+    unit = direction.astype(np.float64)  # (D,)
+    on_positive, on_negative = positive @ unit, negative @ unit  # (N,) each: the projections
+    flip = (on_positive < on_negative).mean() > (on_positive > on_negative).mean()
+    return -direction if flip else direction
 
 
 def control_vector(model: Any, tokenizer: Any, pairs: Any, *, layers: Any = None, method: str = "pca_diff",
@@ -267,8 +269,8 @@ def control_vector(model: Any, tokenizer: Any, pairs: Any, *, layers: Any = None
     ----------
     model : CausalLM
     tokenizer : Tokenizer
-        Anything with ``encode(text) -> ids`` (the tokenizer's own special tokens are added, as repeng's call of a
-        transformers tokenizer adds them).
+        Anything with ``encode(text) -> ids`` (attnkit's, transformers', or a ``tokenizers.Tokenizer``); the
+        tokenizer's own special tokens are added, as repeng's call of a transformers tokenizer adds them.
     pairs : sequence of (str, str)
         ``(positive, negative)`` prompts, or objects with ``.positive`` and ``.negative`` (repeng's
         ``DatasetEntry``); ``"pca_diff"`` needs two pairs at least (PCA centres the differences).
