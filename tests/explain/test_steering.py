@@ -422,3 +422,28 @@ def test_a_tokenizers_tokenizer_gives_the_same_vector_as_the_folders(root):
         again = control_vector(lm, other, PAIRS)
         for layer in plain.layers:
             np.testing.assert_array_equal(again.directions[layer], plain.directions[layer])
+
+
+@pytest.mark.parametrize("rows, width", [(3, 8), (12, 5), (2, 2), (40, 40)])
+def test_the_first_component_is_scikit_learns_with_its_sign(rows, width):
+    """PCA(n_components=1) as repeng calls it (centred rows, the largest entry positive), in float64."""
+    decomposition = pytest.importorskip("sklearn.decomposition", reason="scikit-learn is PCA's referee (test extra)")
+    from attnkit.explain.steering import first_component
+
+    train = np.random.default_rng(rows * width).standard_normal((rows, width)) * np.linspace(3, 1, width)
+    reference = decomposition.PCA(n_components=1, svd_solver="full").fit(train).components_[0]
+    np.testing.assert_allclose(first_component(train), reference, rtol=0, atol=1e-12)
+    assert first_component(train)[np.argmax(np.abs(reference))] > 0
+
+
+def test_a_tied_vote_keeps_the_components_sign():
+    """Two pairs, one on each side of the line: the vote ties and the sign is PCA's (largest entry positive), as
+    repeng keeps it; one more pair like the first flips it."""
+    from attnkit.explain.steering import direction_of
+
+    axis = np.array([0.0, -3.0, 1.0]) / np.sqrt(10)
+    states = np.array([axis, -axis, -2 * axis, 2 * axis])  # pair 0: positive above; pair 1: positive below
+    tied = direction_of(states, "pca_center")
+    np.testing.assert_allclose(tied, -axis, rtol=0, atol=1e-7)  # -axis has its largest entry (+3) positive
+    flipped = direction_of(np.concatenate([states, [3 * axis, -3 * axis]]), "pca_center")
+    np.testing.assert_allclose(flipped, axis, rtol=0, atol=1e-7)  # positives below -axis in two pairs of three
