@@ -168,3 +168,21 @@ def test_chat_shows_the_steering_in_its_settings(chat_folder, vectors, capsys, m
     assert main(["chat", str(chat_folder), "--control-vector", f"{happy_file}:0.8", "--control-vector",
                  f"{calm_file}:-0.3", "--control-vector-layer-range", "1", "1"]) == 0
     assert "; steered by happy.gguf x0.8, calm.gguf x-0.3 (layers 1 to 1)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_prompt_cache_file_is_refused_with_a_control_vector(command, word_model, chat_folder, vectors, tmp_path,
+                                                              capsys):
+    """A cache file holds the keys and values of the model that wrote it: a steered model is another model."""
+    from attnkit.cli import build_parser
+
+    prompt = ["--prompt", "w3"] if command == "generate" else []
+    if not hasattr(build_parser().parse_args([command, "x", *prompt]), "prompt_cache"):
+        pytest.skip(f"attnkit {command} has no --prompt-cache in this tree")
+    (happy_file, _), _ = vectors
+    folder = word_model if command == "generate" else chat_folder
+    assert main([command, str(folder), *prompt, "--prompt-cache", str(tmp_path / "cache.bin"), "--control-vector",
+                 str(happy_file)]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt-cache cannot be combined with --control-vector" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cache.bin").exists()

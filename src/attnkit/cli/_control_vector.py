@@ -4,7 +4,8 @@
 steered, both included).
 
 The files are read and checked before the model's weights are (:func:`attnkit.explain.load_control_vector`); their
-width and layers against the model once it is loaded. Every fault is one line and exit 2.
+width and layers against the model once it is loaded. Every fault is one line and exit 2. A ``--prompt-cache``
+file is refused with them: it holds the keys and values of the unsteered model (or of another steering).
 """
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ def control_vector_option(args: argparse.Namespace, prog: str) -> Any:
         if args.control_vector_layer_range is not None:
             raise UsageError("--control-vector-layer-range needs --control-vector", prog)
         return None
+    if getattr(args, "prompt_cache", None) is not None:
+        raise UsageError("--prompt-cache cannot be combined with --control-vector: a cache file holds the keys and "
+                         "values of one model, and a steered model is another one", prog)
     start_end = args.control_vector_layer_range
     if start_end is not None and start_end[0] > start_end[1]:
         raise UsageError(f"--control-vector-layer-range: START {start_end[0]} is after END {start_end[1]}", prog)
