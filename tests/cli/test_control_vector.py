@@ -73,23 +73,28 @@ def test_a_layer_range_that_leaves_the_vectors_layers_out_steers_nothing(word_mo
                          "--control-vector-layer-range", "1", "9") != plain
 
 
-def test_chat_replies_are_steered(chat_folder, vectors, capsys, monkeypatch):
+def test_chat_replies_are_steered_turn_after_turn(chat_folder, vectors, capsys, monkeypatch):
+    """Each reply is the library's steered greedy reply to the whole conversation so far."""
+    from attnkit.cli.chat import terminal_safe
+
     (happy_file, happy), _ = vectors
     model, tok = load(chat_folder)
-    ids = tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
-                                  return_dict=False)
 
-    def reply(scale):
+    def reply(messages, scale):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         with steering(model, scale * happy):
             out = model.generate(np.array([ids]), max_new_tokens=10, do_sample=False,
                                  eos_token_id=list(tok.eos_token_ids))
         return tok.decode(out[0, len(ids):], skip_special_tokens=True)
 
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n"))
+    first = reply([{"role": "user", "content": "Hello"}], 8.0)
+    second = reply([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first},
+                    {"role": "user", "content": "how are you"}], 8.0)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nhow are you\n"))
     assert main(["chat", str(chat_folder), "--temperature", "0", "--max-new-tokens", "10",
                  "--control-vector", f"{happy_file}:8"]) == 0
-    shown = capsys.readouterr().out
-    assert shown.strip() == reply(8.0).strip() and reply(8.0) != reply(0.0)
+    assert capsys.readouterr().out == f"{terminal_safe(first)}\n{terminal_safe(second)}\n"
+    assert first != reply([{"role": "user", "content": "Hello"}], 0.0)
 
 
 @pytest.fixture(scope="module")
