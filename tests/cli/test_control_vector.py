@@ -191,3 +191,21 @@ def test_a_prompt_cache_file_is_refused_with_a_control_vector(command, word_mode
     err = capsys.readouterr().err
     assert "--prompt-cache cannot be combined with --control-vector" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "cache.bin").exists()
+
+
+@pytest.mark.parametrize("flags", [["--assistant-early-exit", "1"], ["--prompt-lookup-num-tokens", "3"]])
+def test_speculative_decoding_keeps_the_steered_greedy_tokens(flags, word_model, vectors, capsys):
+    """Drafts are checked by the steered model, so greedy speculation gives the steered greedy tokens."""
+    from attnkit.cli import build_parser
+
+    if not hasattr(build_parser().parse_args(["generate", "x", "--ids", "1"]), flags[0][2:].replace("-", "_")):
+        pytest.skip(f"attnkit generate has no {flags[0]} in this tree")
+    (happy_file, _), _ = vectors
+    import json
+
+    def ids(*more):
+        assert main(["generate", str(word_model), "--prompt", "w3 w4 w5 w3 w4", "--max-new-tokens", "10", "--json",
+                     "--control-vector", f"{happy_file}:6", *more]) == 0
+        return json.loads(capsys.readouterr().out)["ids"]
+
+    assert ids(*flags) == ids()
