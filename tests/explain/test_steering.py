@@ -64,7 +64,7 @@ def text_model(root, kind):
     BPE tokenizer (pad token set), saved with both; attnkit loads the folder."""
     from text_models import write_chat_tokenizer
 
-    folder = root / kind
+    folder = root / "text_models" / kind  # apart from saved_model's folders, which share names ("gpt2", "qwen3")
     if (folder / "config.json").exists():
         tok = transformers.AutoTokenizer.from_pretrained(folder)
         return folder, transformers.AutoModelForCausalLM.from_pretrained(folder).eval(), tok
