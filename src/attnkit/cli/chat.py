@@ -9,9 +9,10 @@ an end-of-sequence id (``generation_config.json``'s list, else the tokenizer's `
 ``generation_config.json`` unless a flag is given, as ``transformers`` does; ``--temperature 0`` means greedy, as
 in llama.cpp and ollama. On a terminal a banner shows the settings once (the context, the reply length, the
 threads, greedy or the sampling options). ``--system`` and ``--stop`` take backslash escapes (``\n``, ``\t``,
-``\uXXXX``: :func:`~attnkit.cli._common.unescape`). ``--verbose`` reports loading and, after each reply, its
-speed line on stderr (:mod:`attnkit.cli._speed`: the load time, the prompt's tokens and rate, the generated tokens
-and rate). On a terminal, a line on stderr shows the weights loading (``--quiet`` hides it).
+``\uXXXX``: :func:`~attnkit.cli._common.unescape`). ``--control-vector FILE[:SCALE]`` (repeatable) steers every
+reply with llama.cpp control-vector files (:mod:`attnkit.cli._control_vector`). ``--verbose`` reports loading
+and, after each reply, its speed line on stderr (:mod:`attnkit.cli._speed`: the load time, the prompt's tokens and
+rate, the generated tokens and rate). On a terminal, a line on stderr shows the weights loading (``--quiet`` hides it).
 
 Typing (:mod:`attnkit.cli._chat_input`): a line ending in ``\`` continues on the next line; a line starting
 with ``"""`` opens a block of lines that ends at a line ending with ``"""`` (a block is always a message, never
@@ -78,6 +79,12 @@ from ._common import (
     unescape,
     use_threads,
 )
+from ._control_vector import (
+    add_control_vector_arguments,
+    control_vector_option,
+    steering_for_command,
+    steering_text,
+)
 from ._generation import (
     GENERATION_OPTIONS,
     add_generation_arguments,
@@ -137,6 +144,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_generation_arguments(p, streamed=True)
     add_speculation_arguments(p)
     add_prompt_cache_argument(p, "the first message (the system message and the first message, rendered)")
+    add_control_vector_arguments(p)
     add_dtype_argument(p)
     add_threads_argument(p)
     add_keep_quantized_argument(p)
@@ -329,6 +337,8 @@ def _settings(model: Any, args: argparse.Namespace) -> str:
     if stops:
         stops = [stops] if isinstance(stops, str) else stops
         decoding += "; stops at " + ", ".join(printable(repr(stop), 40) for stop in stops)
+    steered = steering_text(args)
+    decoding += f"; {steered}" if steered else ""
     threads = get_num_threads()
     return (f"context {model.config.max_position_embeddings} tokens, replies up to {args.max_new_tokens} new "
             f"tokens, {threads} thread{'s' if threads != 1 else ''}; {decoding}")
@@ -614,6 +624,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     template = None if args.chat_template is None else chat_template_option(args.chat_template, PROG)
     if template is None:
         require_chat_template(args.model_dir, PROG)  # before the (slow) load
+    vector = control_vector_option(args, PROG)  # the files read before the (slow) load too
     use_threads(args.threads)
     start = time.perf_counter()
     model, tokenizer = _load(args.model_dir, args.verbose, template, args.keep_quantized, progress_of(args),
@@ -625,6 +636,13 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
                        assistant=assistant, prompt_cache=args.prompt_cache)
     if args.prompt_cache is not None:
         session.cache = open_prompt_cache(args.prompt_cache, model, PROG, rollback=MAX_DRAFT_TOKENS)
+    with steering_for_command(model, vector, args, PROG):  # every reply of the session is steered
+        return _converse(session, src, out)
+
+
+def _converse(session: _Session, src: TextIO, out: TextIO) -> int:
+    """Read a message or a command at a time until the end of input or /exit, answering each message."""
+    model, args = session.model, session.args
     interactive = src.isatty()
     reader = MessageReader(src, out, interactive, _say, commands=tuple(COMMANDS))
     if interactive:

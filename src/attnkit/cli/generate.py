@@ -10,7 +10,9 @@ are read) and prints the reply only. The generation flags are ``attnkit chat``'s
 string or after ``--max-new-tokens``. Text is printed as it is produced (beam search prints at the end);
 ``--prompt``, ``--system`` and ``--stop`` take backslash escapes (``\\n``, ``\\t``,
 ``\\uXXXX``: :func:`~attnkit.cli._common.unescape`), as llama.cpp's text flags do. A prompt whose length in
-characters alone shows it cannot fit the context is refused before it is tokenized. ``--verbose`` prints the
+characters alone shows it cannot fit the context is refused before it is tokenized. ``--control-vector
+FILE[:SCALE]`` (repeatable) steers every step with llama.cpp control-vector files, as llama.cpp does
+(:mod:`attnkit.cli._control_vector`). ``--verbose`` prints the
 speed line of :mod:`attnkit.cli._speed` on stderr at the end. ``--json`` prints one object at the end::
 
     {"ids": [...prompt ids, new ids...], "new_ids": [...], "text": "...prompt and continuation...",
@@ -53,6 +55,7 @@ from ._common import (
     progress_of,
     use_threads,
 )
+from ._control_vector import add_control_vector_arguments, control_vector_option, steering_for_command
 from ._generation import add_generation_arguments, add_speculation_arguments, generation_kwargs, speculation_kwargs
 from ._prompt_cache import add_prompt_cache_argument, open_prompt_cache, read_prompt
 from ._speed import Speed, Stopwatch
@@ -122,6 +125,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "its current length (false, default) or at the longest length (never)")
     add_speculation_arguments(p)
     add_prompt_cache_argument(p, "the prompt")
+    add_control_vector_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, new_ids, text, new_text)")
     add_keep_quantized_argument(p)
     p.add_argument("--verbose", action="store_true",
@@ -312,6 +316,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     options = _decoding_options(args)  # flag errors before the (slow) load
     chat = args.chat or args.system is not None or args.chat_template is not None
     template = _chat_template(args) if chat else None
+    vector = control_vector_option(args, PROG)  # the files read before the (slow) load
     progress = progress_of(args)
     use_threads(args.threads)
     start = time.perf_counter()
@@ -331,21 +336,22 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         max_new = min(max_new, model.max_sequence_length - len(prompt))
     beams = options.get("num_beams", 1)
     _check_stops(options, model.generation_config.stop_strings, tokenizer, beams)
-    watch = Stopwatch(len(prompt))
-    if beams > 1:
-        stream = _beam_tokens(model, prompt, max_new, args, options, progress)
-    else:
-        steps = _steps(args, model, prompt, max_new, options, tokenizer, assistant, watch)
-        # the prefill runs now, before the prompt is written: its line must not share a line with the text
-        stream = _prefilled(model, steps, watch.prompt_tokens, max_new, progress,
-                            counted=args.json or not _progress.wanted(None, out))
-    prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
-    if not args.json and not chat:
-        out.write(_shown(prompt_text) if tokenizer is not None else " ".join(map(str, prompt)))
-        out.flush()
-    eos = options.get("eos_token_id") or config.eos_token_id
-    eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
-    new = _write_stream(out, watch.watch(stream), tokenizer, prompt, prompt_text, quiet=args.json)
+    with steering_for_command(model, vector, args, PROG):  # every forward below, the prefill and each step
+        watch = Stopwatch(len(prompt))
+        if beams > 1:
+            stream = _beam_tokens(model, prompt, max_new, args, options, progress)
+        else:
+            steps = _steps(args, model, prompt, max_new, options, tokenizer, assistant, watch)
+            # the prefill runs now, before the prompt is written: its line must not share a line with the text
+            stream = _prefilled(model, steps, watch.prompt_tokens, max_new, progress,
+                                counted=args.json or not _progress.wanted(None, out))
+        prompt_text = tokenizer.decode(prompt) if tokenizer is not None else ""
+        if not args.json and not chat:
+            out.write(_shown(prompt_text) if tokenizer is not None else " ".join(map(str, prompt)))
+            out.flush()
+        eos = options.get("eos_token_id") or config.eos_token_id
+        eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
+        new = _write_stream(out, watch.watch(stream), tokenizer, prompt, prompt_text, quiet=args.json)
     if args.json:
         text = tokenizer.decode(prompt + new) if tokenizer is not None else None
         record = {"ids": prompt + new, "new_ids": new, "text": text,

@@ -19,11 +19,16 @@ the layers, and what each layer would predict.
 - :func:`generation_attribution`: per generated token, which tokens before it made the model choose it (inseq's
   matrix), with a contrastive variant against a foil.
 - :func:`direct_logit_attribution`: each head's, MLP's and the embeddings' share of a logit, summing to it.
+- :func:`control_vector`, :func:`steering`: steering with control vectors (a :class:`ControlVector`): computed
+  from contrastive prompt pairs as repeng computes them, added to each layer's output inside ``generate`` as
+  llama.cpp adds them; :func:`load_control_vector` and :func:`save_control_vector` read and write llama.cpp's
+  control-vector GGUF files.
 - :func:`explain_html`: all of it, with the attention of every head, in one offline HTML page;
   :func:`explain_similarity_html` the same for a sentence encoder and two sentences.
 """
 from .attribution import gradient_x_input, saliency
 from .cache import ActivationCache
+from .control_vector_file import load_control_vector, save_control_vector
 from .direct_logit import direct_logit_attribution
 from .flow import attention_flow
 from .generation import GenerationAttribution, generation_attribution
@@ -36,10 +41,11 @@ from .path_patching import path_patching
 from .prompts import PromptTest, test_prompt, to_str_tokens
 from .rollout import attention_rollout
 from .similarity import SimilarityAttribution, similarity_attribution
+from .steering import ControlVector, control_vector, steering
 
-__all__ = ["ActivationCache", "GenerationAttribution", "IntegratedGradients", "LogitLens", "PromptTest",
-           "SimilarityAttribution", "activation_patching", "attention_flow", "attention_rollout",
-           "attribution_patching", "direct_logit_attribution", "encode_attention", "explain_html",
+__all__ = ["ActivationCache", "ControlVector", "GenerationAttribution", "IntegratedGradients", "LogitLens",
+           "PromptTest", "SimilarityAttribution", "activation_patching", "attention_flow", "attention_rollout",
+           "attribution_patching", "control_vector", "direct_logit_attribution", "encode_attention", "explain_html",
            "explain_similarity_html", "generation_attribution", "gradient_x_input", "hook_names", "hooks",
-           "integrated_gradients", "logit_lens", "path_patching", "run_with_cache", "saliency",
-           "similarity_attribution", "test_prompt", "to_str_tokens"]
+           "integrated_gradients", "load_control_vector", "logit_lens", "path_patching", "run_with_cache",
+           "saliency", "save_control_vector", "similarity_attribution", "steering", "test_prompt", "to_str_tokens"]
