@@ -8,6 +8,7 @@ activations.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -23,6 +24,22 @@ NOT_LOADED = {
     "gpt_neox_sequential": "its GPT-NeoX adapter needs the attention biases (attention_bias=False fails an assert "
                            "in split_qkv_matrix)",
 }
+
+
+@contextlib.contextmanager
+def offline():
+    """``HF_HUB_OFFLINE`` set while TransformerLens boots, and restored. Booting needs nothing from the hub without it
+    too (it succeeds with every HTTP proxy pointed at a closed port); this keeps a future hub call from waiting on
+    the network."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
 
 
 def tokenizer_for(folder: Path):
@@ -49,8 +66,7 @@ def boot(name: str, root: Path):
         return _BRIDGES[name]
     folder, hf = saved_model(name, root)
     tokenizer = tokenizer_for(folder)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    with warnings.catch_warnings():  # TransformerLens's own deprecation notices are not attnkit's to fix
+    with offline(), warnings.catch_warnings():  # TransformerLens's own notices are not attnkit's to fix
         warnings.simplefilter("ignore")
         # a copy: the bridge wraps the model's modules, and other tests share this one
         bridge = TransformerBridge.boot_transformers(str(folder), hf_model=copy.deepcopy(hf), tokenizer=tokenizer,

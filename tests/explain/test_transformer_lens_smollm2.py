@@ -18,7 +18,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("transformer_lens", reason="TransformerLens is the referee: pip install --no-deps "
                     "transformer-lens==4.3.0 and its imported dependencies (see constraints.txt)")
 from attnkit.explain import detect_head, run_with_cache  # noqa: E402
-from lens_referee import compare, lens_cache  # noqa: E402
+from lens_referee import compare, lens_cache, offline  # noqa: E402
 
 # a repeated sentence: the second copy is where induction heads look back
 TEXT = ("Mr. Dursley was the director of a firm called Grunnings, which made drills. "
@@ -48,7 +48,7 @@ def pair(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("smollm2_lens")
     (folder / "model.gguf").symlink_to(_checkpoint())
-    with warnings.catch_warnings():  # transformers' and TransformerLens's notices are not attnkit's to fix
+    with offline(), warnings.catch_warnings():  # transformers' and TransformerLens's notices are not attnkit's
         warnings.simplefilter("ignore")
         AutoTokenizer.from_pretrained(folder, gguf_file="model.gguf").save_pretrained(folder)
         hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", attn_implementation="eager",
