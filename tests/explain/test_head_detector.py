@@ -124,6 +124,10 @@ def test_bad_arguments_are_named():
         detect_head(lm, [ids, ids[:4]], np.eye(8))
     with pytest.raises(ValueError, match="several prompts"):
         detect_head(lm, [ids, ids[:4]], "induction_head", cache=run_with_cache(lm, ids)[1])
+    with pytest.raises(ValueError, match="cache must be of this one prompt: it holds 2 of 8 tokens"):
+        detect_head(lm, ids, "induction_head", cache=run_with_cache(lm, np.stack([ids, ids]))[1])
+    with pytest.raises(ValueError, match="it holds 1 of 8 tokens, input_ids is 1 of 5"):
+        detect_head(lm, ids[:5], "induction_head", cache=run_with_cache(lm, ids)[1])
     with pytest.raises(ValueError, match="at least 2 tokens"):
         detect_head(lm, [3], "induction_head")
     with pytest.raises(ValueError, match=r"heads must be \(layer, head\)"):

@@ -240,9 +240,10 @@ def detect_head(model, input_ids: Any, detection_pattern: Any, heads: Any = None
             if missing:
                 raise ValueError(f"cache must hold every layer's attention pattern; it has no {missing[0]}")
             found = {pattern_names[i]: cache[pattern_names[i]] for i in with_heads}
-            if found[pattern_names[with_heads[0]]].shape[-1] != ids.shape[1]:
-                raise ValueError(f"cache is of a prompt of {found[pattern_names[with_heads[0]]].shape[-1]} tokens, "
-                                 f"input_ids has {ids.shape[1]}")
+            shape = found[pattern_names[with_heads[0]]].shape  # (B, H, L, L)
+            if shape[0] != 1 or shape[-1] != ids.shape[1]:
+                raise ValueError(f"cache must be of this one prompt: it holds {shape[0]} of {shape[-1]} tokens, "
+                                 f"input_ids is 1 of {ids.shape[1]}")
         else:
             found = run_with_cache(model, ids, names=[pattern_names[i] for i in with_heads])[1]
         patterns = np.stack([found[pattern_names[i]] for i in with_heads], axis=1)  # (B, N', H, L, L)
