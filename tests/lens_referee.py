@@ -115,8 +115,9 @@ def lens_name(name: str, lens: dict) -> str | None:
 
 def in_attnkit_layout(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """TransformerLens's array in attnkit's layout: as it is; with heads and positions swapped (its DeepSeek-V3
-    ``hook_q`` / ``hook_k`` / ``hook_v`` and Qwen3's normed q/k are (B, H, L, Dh)); or the same values read in
-    attnkit's shape (the router's (B*L, k), DeepSeek-V3's ``hook_z``). Equal values are then equal activations: the
+    ``hook_q`` / ``hook_k`` / ``hook_v`` and the normed q/k of Qwen3, Gemma 3, Qwen3.5, Qwen3-Next and Qwen3-MoE are
+    (B, H, L, Dh)); or the same values read in attnkit's shape (OLMo 2's normed q/k (B, L, H*Dh), the experts
+    (B*L, k), DeepSeek-V3's ``hook_z``). Equal values are then equal activations: the
     comparison itself decides."""
     if value.shape == shape:
         return value
