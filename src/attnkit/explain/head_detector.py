@@ -100,7 +100,7 @@ def _check_measure(error_measure: Any) -> str:
 
 def _scores(patterns: np.ndarray, detection: np.ndarray, exclude_bos: bool, exclude_current_token: bool,
             error_measure: str) -> np.ndarray:
-    """Scores (...) of attention patterns (..., L, L) against one detection pattern (L, L)."""
+    """Scores (...) of attention patterns (..., L, L) against detection patterns broadcastable to them."""
     length = patterns.shape[-1]
     keep = np.ones((length, length), dtype=bool)  # (L, L): the query-key pairs compared
     if exclude_bos:
@@ -232,6 +232,8 @@ def detect_head(model, input_ids: Any, detection_pattern: Any, heads: Any = None
     names = set(hook_names(model))
     pattern_names = [f"blocks.{i}.attn.hook_pattern" for i in range(config.num_layers)]
     with_heads = [i for i, name in enumerate(pattern_names) if name in names]
+    if not with_heads:
+        raise ValueError(f"{type(model).__name__} has no layer with attention heads (hook_pattern) to score")
     chosen = _layer_heads(heads, config.num_layers, config.num_heads)  # (N, H)
     totals = []
     for ids in batches:
@@ -246,15 +248,16 @@ def detect_head(model, input_ids: Any, detection_pattern: Any, heads: Any = None
                                  f"input_ids is 1 of {ids.shape[1]}")
         else:
             found = run_with_cache(model, ids, names=[pattern_names[i] for i in with_heads])[1]
-        patterns = np.stack([found[pattern_names[i]] for i in with_heads], axis=1)  # (B, N', H, L, L)
         if named:
             detection = np.stack([_PATTERNS[detection_pattern](row) for row in ids])  # (B, L, L)
         else:
             detection = as_array(detection_pattern, "detection_pattern")
             _check_detection(detection, ids.shape[1])
             detection = detection[None]  # (1, L, L)
-        scores = _scores(patterns, detection[:, None, None], bool(exclude_bos), bool(exclude_current_token), measure)
-        totals.append(scores)  # (B, N', H)
+        # layer by layer: the patterns are (B, H, L, L) each, and a stack of them all would copy the cache
+        layers = [_scores(found[pattern_names[i]], detection[:, None], bool(exclude_bos), bool(exclude_current_token),
+                          measure) for i in with_heads]  # each (B, H)
+        totals.append(np.stack(layers, axis=1))  # (B, N', H)
     per_prompt = np.concatenate(totals)  # (prompts, N', H)
     out = np.full((config.num_layers, config.num_heads), np.nan, dtype=per_prompt.dtype)  # (N, H)
     out[with_heads] = per_prompt.mean(axis=0)
