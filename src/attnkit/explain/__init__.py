@@ -18,6 +18,8 @@ the layers, and what each layer would predict.
 - :func:`integrated_gradients`: input attributions along a path from a baseline, with the completeness gap.
 - :func:`generation_attribution`: per generated token, which tokens before it made the model choose it (inseq's
   matrix), with a contrastive variant against a foil.
+- :func:`detect_head`: TransformerLens's head detector, every head's score as a previous-token, duplicate-token or
+  induction head (:mod:`attnkit.explain.head_detector` has its detection patterns).
 - :func:`direct_logit_attribution`: each head's, MLP's and the embeddings' share of a logit, summing to it.
 - :func:`control_vector`, :func:`steering`: steering with control vectors (a :class:`ControlVector`): computed
   from contrastive prompt pairs as repeng computes them, added to each layer's output inside ``generate`` as
@@ -32,6 +34,7 @@ from .control_vector_file import load_control_vector, save_control_vector
 from .direct_logit import direct_logit_attribution
 from .flow import attention_flow
 from .generation import GenerationAttribution, generation_attribution
+from .head_detector import detect_head
 from .hooks import hook_names, hooks, run_with_cache
 from .integrated_gradients import IntegratedGradients, integrated_gradients
 from .logit_lens import LogitLens, logit_lens
@@ -45,7 +48,8 @@ from .steering import ControlVector, control_vector, steering
 
 __all__ = ["ActivationCache", "ControlVector", "GenerationAttribution", "IntegratedGradients", "LogitLens",
            "PromptTest", "SimilarityAttribution", "activation_patching", "attention_flow", "attention_rollout",
-           "attribution_patching", "control_vector", "direct_logit_attribution", "encode_attention", "explain_html",
+           "attribution_patching", "control_vector", "detect_head", "direct_logit_attribution", "encode_attention",
+           "explain_html",
            "explain_similarity_html", "generation_attribution", "gradient_x_input", "hook_names", "hooks",
            "integrated_gradients", "load_control_vector", "logit_lens", "path_patching", "run_with_cache",
            "saliency", "save_control_vector", "similarity_attribution", "steering", "test_prompt", "to_str_tokens"]
