@@ -31,6 +31,11 @@ ATTNKIT_ONLY = {
     # DeepSeek-V3's bridge routes through no expert hooks
     "deepseek_v3": {"mlp.hook_expert_indices", "mlp.hook_router_weights"},
     "deepseek_v3_plain": {"mlp.hook_expert_indices", "mlp.hook_router_weights"},
+    # the short-convolution and Mamba-2 layers: the bridge hooks neither their insides nor their output
+    "lfm2": {"attn.hook_conv_in", "attn.hook_conv_out", "hook_attn_out"},
+    "lfm2_bias": {"attn.hook_conv_in", "attn.hook_conv_out", "hook_attn_out"},
+    "bamba": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out"},
+    "bamba_bias": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out"},
 }
 
 
