@@ -181,6 +181,11 @@ DECODER_VARIANTS = {
     # OLMo 2: q/k RMSNorm over the whole projection, post-norms only
     "olmo2": dict(family="olmo2", norm=NormConfig(placement="post"),
                   attention=AttentionConfig(bias=True, output_bias=True, qk_norm="projection")),
+    # OLMo 3: OLMo 2's norms, a sliding layer with a rotary base of its own, linear scaling on the full layer
+    "olmo3": dict(family="olmo3", norm=NormConfig(placement="post"),
+                  layer_types=("sliding_attention", "full_attention"),
+                  rotary=RotaryConfig(scaling={"rope_type": "linear", "factor": 2.0}, sliding_theta=7.0),
+                  attention=AttentionConfig(qk_norm="projection", sliding_window=2)),
     # SmolLM3: a NoPE layer beside a rotary one, the NoPE layer sliding
     "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
                     rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),

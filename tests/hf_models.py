@@ -71,6 +71,13 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                            tie_word_embeddings=True, rope_parameters={"rope_type": "linear",
                                                                                       "factor": 2.0,
                                                                                       "rope_theta": 500.0}), {}),
+    # OLMo 3: OLMo 2 with sliding layers, linear scaling on the full layers only, a base of its own on the sliding
+    "olmo3": ("Olmo3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, sliding_window=3,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 1000.0},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 50.0}}), {}),
     # SmolLM3: every second layer without rotary; with a window on a NoPE layer
     "smollm3": ("SmolLM3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                       tie_word_embeddings=False, pad_token_id=None), {}),
@@ -207,7 +214,7 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "ministral", "qwen2_mixed", "qwen2_layer_types", "llama_sharded",
-                 "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
+                 "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "olmo3", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                  "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe", "qwen3_moe_window", "mixtral",

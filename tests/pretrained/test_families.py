@@ -27,7 +27,7 @@ from hf_models import (  # noqa: E402
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
-                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text")
+                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "olmo3")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -113,7 +113,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
 @pytest.mark.parametrize("name, key", [("olmo2", "use_sliding_window"), ("smollm3", "qk_layernorm"),
                                        ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode"),
                                        ("phi3", "attention_bias"), ("gpt_oss", "num_experts"),
-                                       ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob")])
+                                       ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob"),
+                                       ("olmo3", "use_sliding_window")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -232,7 +233,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
 
 @pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),
                                                       ("qwen3_next", "Qwen3NextConfig"),
-                                                      ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig")])
+                                                      ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig"),
+                                                      ("olmo3", "Olmo3Config")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -240,10 +242,29 @@ def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_
 
     from attnkit.pretrained.families import family
 
-    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=8)
+    # a vocabulary that holds every family's default special ids (GLM-4's 151329, ...)
+    sizes = dict(vocab_size=160000, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                 num_attention_heads=8)
     full = json.loads(getattr(transformers, config_class)(**sizes).to_json_string())
     assert family(model_type).config_from_hf(dict(sizes, model_type=model_type)) == \
         family(model_type).config_from_hf(full)
+
+
+@pytest.mark.parametrize("model_type, config_class, keys", [
+    # OLMo 3 reads the older keys into its full layers only
+    ("olmo3", "Olmo3Config", dict(rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+])
+def test_older_rotary_keys_read_as_transformers_reads_them(model_type, config_class, keys):
+    import transformers
+
+    from attnkit.pretrained.families import family
+
+    sizes = dict(vocab_size=160000, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                 num_attention_heads=8)
+    full = json.loads(getattr(transformers, config_class)(**sizes, **keys).to_json_string())
+    ours = family(model_type).config_from_hf(dict(sizes, model_type=model_type, **keys))
+    assert ours == family(model_type).config_from_hf(full)
+    assert ours.rotary != ours.rotary.sliding()
 
 
 def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transformers_does(hf_root, tmp_path):
