@@ -186,6 +186,10 @@ DECODER_VARIANTS = {
                   layer_types=("sliding_attention", "full_attention"),
                   rotary=RotaryConfig(scaling={"rope_type": "linear", "factor": 2.0}, sliding_theta=7.0),
                   attention=AttentionConfig(qk_norm="projection", sliding_window=2)),
+    # GLM-4: norms before and after each branch, interleaved rotary pairs on half of each head, q/k/v biases only
+    "glm4": dict(family="glm4", norm=NormConfig(placement="sandwich"), rotary=RotaryConfig(partial_factor=0.5,
+                                                                                          interleaved=True),
+                 attention=AttentionConfig(bias=True)),
     # SmolLM3: a NoPE layer beside a rotary one, the NoPE layer sliding
     "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
                     rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),

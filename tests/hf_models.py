@@ -78,6 +78,9 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                                       "rope_theta": 1000.0},
                                                    "sliding_attention": {"rope_type": "default",
                                                                          "rope_theta": 50.0}}), {}),
+    # GLM-4: norms before and after each branch, interleaved rotary on half of each head, q/k/v biases, fused
+    # gate_up_proj
+    "glm4": ("Glm4Config", dict(_COMMON, num_key_value_heads=2, head_dim=8, pad_token_id=0), {}),
     # SmolLM3: every second layer without rotary; with a window on a NoPE layer
     "smollm3": ("SmolLM3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                       tie_word_embeddings=False, pad_token_id=None), {}),
@@ -214,11 +217,12 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
                  "llama_llama3", "mistral_window", "ministral", "qwen2_mixed", "qwen2_layer_types", "llama_sharded",
-                 "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "olmo3", "smollm3", "smollm3_window", "gpt_neox",
+                 "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                  "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe", "qwen3_moe_window", "mixtral",
-                 "deepseek_v3", "deepseek_v3_plain")
+                 "deepseek_v3", "deepseek_v3_plain",
+                 "olmo3", "glm4")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config",)
 

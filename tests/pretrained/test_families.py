@@ -27,7 +27,7 @@ from hf_models import (  # noqa: E402
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
-                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "olmo3")
+                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "olmo3", "glm4")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -114,7 +114,7 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode"),
                                        ("phi3", "attention_bias"), ("gpt_oss", "num_experts"),
                                        ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob"),
-                                       ("olmo3", "use_sliding_window")])
+                                       ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -234,7 +234,7 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
 @pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),
                                                       ("qwen3_next", "Qwen3NextConfig"),
                                                       ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig"),
-                                                      ("olmo3", "Olmo3Config")])
+                                                      ("olmo3", "Olmo3Config"), ("glm4", "Glm4Config")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""

@@ -21,7 +21,8 @@ from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
 
-__all__ = ["FAMILY", "BENCHMARK_SHAPE", "rotary_config", "rotary_tensors", "gated_mlp_tensors", "plain_tensors"]
+__all__ = ["FAMILY", "BENCHMARK_SHAPE", "rotary_config", "rotary_tensors", "gated_mlp_tensors",
+           "fused_gated_mlp_tensors", "plain_tensors"]
 
 DEFAULTS = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             "num_key_value_heads": None}
@@ -97,6 +98,15 @@ def gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
         if cfg.mlp_bias:
             maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (ak + "mlp.b_" + name,), "copy"))
     return maps
+
+
+def fused_gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    """A gated MLP whose gate and up projections are one ``gate_up_proj`` (2F, D), gate rows first (Phi-3,
+    GLM-4), split on load; and ``down_proj``."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return [TensorMap(hf + "mlp.gate_up_proj.weight", (2 * f, d), (ak + "mlp.W_gate", ak + "mlp.W_up"),
+                      "row_split_transpose", sizes=(f, f)),
+            TensorMap(hf + "mlp.down_proj.weight", (d, f), (ak + "mlp.W_down",), "transpose")]
 
 
 def rotary_tensors(cfg: DecoderConfig, mlp: Callable[[DecoderConfig, str, str], list[TensorMap]] = gated_mlp_tensors
