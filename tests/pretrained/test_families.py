@@ -27,7 +27,8 @@ from hf_models import (  # noqa: E402
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
-                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "olmo3", "glm4")
+                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "olmo3", "glm4", "granite", "seed_oss",
+                     "exaone4", "ernie4_5", "hunyuan_v1_dense")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -114,7 +115,10 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode"),
                                        ("phi3", "attention_bias"), ("gpt_oss", "num_experts"),
                                        ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob"),
-                                       ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias")])
+                                       ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias"),
+                                       ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
+                                       ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
+                                       ("hunyuan_v1_dense", "qk_layernorm")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -234,7 +238,10 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
 @pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),
                                                       ("qwen3_next", "Qwen3NextConfig"),
                                                       ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig"),
-                                                      ("olmo3", "Olmo3Config"), ("glm4", "Glm4Config")])
+                                                      ("olmo3", "Olmo3Config"), ("glm4", "Glm4Config"),
+                                                      ("granite", "GraniteConfig"), ("seed_oss", "SeedOssConfig"),
+                                                      ("ernie4_5", "Ernie4_5Config"),
+                                                      ("hunyuan_v1_dense", "HunYuanDenseV1Config")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -250,11 +257,15 @@ def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_
         family(model_type).config_from_hf(full)
 
 
-@pytest.mark.parametrize("model_type, config_class, keys", [
-    # OLMo 3 reads the older keys into its full layers only
-    ("olmo3", "Olmo3Config", dict(rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+@pytest.mark.parametrize("model_type, config_class, keys, rotary", [
+    # OLMo 3 reads the older keys into its full layers only: the sliding ones keep the default of base 500000
+    ("olmo3", "Olmo3Config", dict(rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     dict(theta=1000.0, sliding_theta=500000.0, sliding_scaling=None)),
+    # HunYuan's "dynamic" scaling with an alpha is the default rotary of base theta * alpha ** (Dh / (Dh - 2))
+    ("hunyuan_v1_dense", "HunYuanDenseV1Config", dict(rope_theta=1000.0, rope_scaling={
+        "type": "dynamic", "alpha": 50.0, "factor": 1.0}), dict(theta=1000.0 * 50.0 ** (8 / 6), scaling=None)),
 ])
-def test_older_rotary_keys_read_as_transformers_reads_them(model_type, config_class, keys):
+def test_older_rotary_keys_read_as_transformers_reads_them(model_type, config_class, keys, rotary):
     import transformers
 
     from attnkit.pretrained.families import family
@@ -264,7 +275,7 @@ def test_older_rotary_keys_read_as_transformers_reads_them(model_type, config_cl
     full = json.loads(getattr(transformers, config_class)(**sizes, **keys).to_json_string())
     ours = family(model_type).config_from_hf(dict(sizes, model_type=model_type, **keys))
     assert ours == family(model_type).config_from_hf(full)
-    assert ours.rotary != ours.rotary.sliding()
+    assert {name: getattr(ours.rotary, name) for name in rotary} == pytest.approx(rotary)
 
 
 def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transformers_does(hf_root, tmp_path):

@@ -26,7 +26,7 @@ from .experts import ExpertsConfig, MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache, GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
-from .identity import Identity, Zero
+from .identity import Identity, Scale, Zero
 from .layer_norm import LayerNorm
 from .lm_block import LMBlock, ParallelLMBlock
 from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
@@ -42,6 +42,6 @@ __all__ = [
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
     "RMSNorm", "GatedMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
-    "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero",
+    "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
 ]

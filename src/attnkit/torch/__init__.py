@@ -55,6 +55,7 @@ from .layers import (
     RMSNorm,
     RotaryEmbedding,
     Router,
+    Scale,
     SinusoidalPositionalEncoding,
     Zero,
 )
@@ -72,7 +73,7 @@ __all__ = [
     "from_numpy", "to_numpy",
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
     "Embedding", "Projection",
-    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero",
+    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetMixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",

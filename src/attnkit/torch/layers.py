@@ -21,6 +21,7 @@ from ..layers.experts import GatedSharedExpert as _GatedSharedExpert
 from ..layers.experts import MixtureOfExperts as _MixtureOfExperts
 from ..layers.gated_mlp import GatedMLP as _GatedMLP
 from ..layers.identity import Identity as _Identity
+from ..layers.identity import Scale as _Scale
 from ..layers.identity import Zero as _Zero
 from ..layers.rms_norm import RMSNorm as _RMSNorm
 from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
@@ -28,7 +29,7 @@ from ..layers.router import Router as _Router
 from ._twin import TwinModule, as_tensor
 
 __all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
-           "Embedding", "Projection", "Dropout", "Identity", "Zero", "SinusoidalPositionalEncoding",
+           "Embedding", "Projection", "Dropout", "Identity", "Zero", "Scale", "SinusoidalPositionalEncoding",
            "RotaryEmbedding", "activation"]
 
 
@@ -439,6 +440,18 @@ class Identity(TwinModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class Scale(TwinModule):
+    """Twin of :class:`attnkit.layers.identity.Scale`: its input times a fixed factor, in the input's dtype."""
+
+    numpy_class = _Scale
+
+    def setup(self, source) -> None:
+        self.factor = source.factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor(self.factor, dtype=x.dtype, device=x.device)
 
 
 class Zero(TwinModule):
