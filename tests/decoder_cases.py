@@ -205,6 +205,8 @@ DECODER_VARIANTS = {
     # HunYuan: per-head q/k norms after the rotation, biases
     "hunyuan_v1_dense": dict(family="hunyuan_v1_dense",
                              attention=AttentionConfig(bias=True, output_bias=True, qk_norm="head_after_rotary")),
+    # Apertus: the ungated xIELU MLP with its learned slopes, per-head q/k norms
+    "apertus": dict(family="apertus", mlp="xielu", attention=AttentionConfig(qk_norm="head")),
     # SmolLM3: a NoPE layer beside a rotary one, the NoPE layer sliding
     "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
                     rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),

@@ -97,6 +97,11 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(_COMMON, num_key_value_heads=2, head_dim=8, attention_bias=True,
                                                       rope_parameters={"rope_type": "dynamic", "alpha": 20.0,
                                                                        "factor": 1.0, "rope_theta": 1000.0}), {}),
+    # Apertus: an ungated MLP with xIELU's learned slopes, per-head q/k norms, llama3 scaling
+    "apertus": ("ApertusConfig", dict(_COMMON, num_key_value_heads=2, head_dim=8,
+                                      rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 16}), {}),
     # SmolLM3: every second layer without rotary; with a window on a NoPE layer
     "smollm3": ("SmolLM3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                       tie_word_embeddings=False, pad_token_id=None), {}),
@@ -238,7 +243,7 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                  "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe", "qwen3_moe_window", "mixtral",
                  "deepseek_v3", "deepseek_v3_plain",
-                 "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense")
+                 "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config",)
 

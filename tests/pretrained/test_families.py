@@ -28,7 +28,7 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "olmo3", "glm4", "granite", "seed_oss",
-                     "exaone4", "ernie4_5", "hunyuan_v1_dense")
+                     "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -48,8 +48,9 @@ def test_gradients_match_hf_autograd(name, hf_root):
     lm(ids, mask)
     lm.backward(g)
     hf.zero_grad()
-    # Gemma 4's layer scalars are buffers in torch and parameters in attnkit: torch differentiates them on request
-    scalars = {n: b for n, b in hf.named_buffers() if n.endswith("layer_scalar")}
+    # Gemma 4's layer scalars and xIELU's beta and eps (Apertus) are buffers in torch and parameters in attnkit:
+    # torch differentiates them on request
+    scalars = {n: b for n, b in hf.named_buffers() if n.endswith(("layer_scalar", "act_fn.beta", "act_fn.eps"))}
     for buffer in scalars.values():
         buffer.requires_grad_(True)
     out = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask.astype(np.int64)),
@@ -118,7 +119,7 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias"),
                                        ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
                                        ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
-                                       ("hunyuan_v1_dense", "qk_layernorm")])
+                                       ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -241,7 +242,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
                                                       ("olmo3", "Olmo3Config"), ("glm4", "Glm4Config"),
                                                       ("granite", "GraniteConfig"), ("seed_oss", "SeedOssConfig"),
                                                       ("ernie4_5", "Ernie4_5Config"),
-                                                      ("hunyuan_v1_dense", "HunYuanDenseV1Config")])
+                                                      ("hunyuan_v1_dense", "HunYuanDenseV1Config"),
+                                                      ("apertus", "ApertusConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""

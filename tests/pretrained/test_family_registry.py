@@ -61,8 +61,8 @@ def test_the_model_type_is_written_in_one_source_file():
 
 
 def test_an_unknown_family_is_refused_naming_those_there_are():
-    with pytest.raises(ValueError, match="model_type 'bert' is not supported; attnkit loads deepseek_v3, ernie4_5, "
-                                         "exaone4, gemma2"):
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported; attnkit loads apertus, deepseek_v3, "
+                                         "ernie4_5, exaone4, gemma2"):
         family("bert")
 
 

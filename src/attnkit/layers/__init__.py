@@ -35,13 +35,14 @@ from .rms_norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .router import Router
 from .transformer import Transformer
+from .xielu_mlp import XIELUMLP
 
 __all__ = [
     "Projection", "LayerNorm", "FeedForward", "Dropout", "Embedding",
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
+    "RMSNorm", "GatedMLP", "XIELUMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
     "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
 ]

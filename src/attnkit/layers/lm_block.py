@@ -29,6 +29,7 @@ from .identity import Identity, Scale
 from .layer_norm import LayerNorm
 from .per_layer_input import PerLayerInputBranch
 from .rms_norm import RMSNorm
+from .xielu_mlp import XIELUMLP
 
 __all__ = ["LMBlock", "ParallelLMBlock", "LayerwiseBlock", "PerLayerInputBlock", "BLOCKS", "MIXERS",
            "SHARED_KV_MIXERS", "MLPS", "make_norm", "make_block"]
@@ -53,7 +54,8 @@ def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> 
     return MultiHeadLatentAttention(config.latent, layer_index, rng=rng)
 
 
-MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "experts": MixtureOfExperts}
+MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "xielu": XIELUMLP,
+                                          "experts": MixtureOfExperts}
 """The MLP of each kind ``DecoderConfig.mlp_of(layer)`` names: ``build(config, rng=...)``."""
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,

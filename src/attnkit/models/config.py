@@ -254,7 +254,7 @@ class AttentionConfig:
         return None if self.logit_softcap is None else softcap(self.logit_softcap)
 
 
-MLP_KINDS = ("gated", "plain")
+MLP_KINDS = ("gated", "plain", "xielu")
 RESIDUALS = ("sequential", "parallel")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
@@ -294,9 +294,10 @@ class DecoderConfig:
     max_position_embeddings : int, default 2048
         The longest context the model was trained for (the size of GPT-2's position table).
     activation : {"silu", "gelu", "gelu_tanh", "relu"}, default "silu"
-    mlp : {"gated", "plain"}, default "gated"
+    mlp : {"gated", "plain", "xielu"}, default "gated"
         The MLP of the layers without experts: ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for
-        silu); ``plain``: ``act(x W1 + b1) W2 + b2``.
+        silu); ``plain``: ``act(x W1 + b1) W2 + b2``; ``xielu``: ``xielu(x W_up) W_down`` without biases, the
+        xIELU activation with two learned slopes of its own (Apertus; ``activation`` is not read).
     mlp_bias : bool, default False
         Biases in a gated MLP (a plain MLP always has them).
     residual : {"sequential", "parallel"}, default "sequential"

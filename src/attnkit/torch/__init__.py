@@ -43,6 +43,7 @@ from .blocks import (
 )
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetMixer
 from .layers import (
+    XIELUMLP,
     Dropout,
     Embedding,
     FeedForward,
@@ -71,7 +72,7 @@ from .models import CausalLM, Seq2SeqTransformer
 
 __all__ = [
     "from_numpy", "to_numpy",
-    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
+    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "XIELUMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetMixer",
