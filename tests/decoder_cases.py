@@ -181,6 +181,32 @@ DECODER_VARIANTS = {
     # OLMo 2: q/k RMSNorm over the whole projection, post-norms only
     "olmo2": dict(family="olmo2", norm=NormConfig(placement="post"),
                   attention=AttentionConfig(bias=True, output_bias=True, qk_norm="projection")),
+    # OLMo 3: OLMo 2's norms, a sliding layer with a rotary base of its own, linear scaling on the full layer
+    "olmo3": dict(family="olmo3", norm=NormConfig(placement="post"),
+                  layer_types=("sliding_attention", "full_attention"),
+                  rotary=RotaryConfig(scaling={"rope_type": "linear", "factor": 2.0}, sliding_theta=7.0),
+                  attention=AttentionConfig(qk_norm="projection", sliding_window=2)),
+    # GLM-4: norms before and after each branch, interleaved rotary pairs on half of each head, q/k/v biases only
+    "glm4": dict(family="glm4", norm=NormConfig(placement="sandwich"), rotary=RotaryConfig(partial_factor=0.5,
+                                                                                          interleaved=True),
+                 attention=AttentionConfig(bias=True)),
+    # Granite: scaled embeddings, scores, branch outputs and logits, biases on every projection
+    "granite": dict(family="granite", embedding_scale=1.5, residual_scale=0.4, logit_scale=0.7, mlp_bias=True,
+                    attention=AttentionConfig(bias=True, output_bias=True, scale=0.3)),
+    # Seed-OSS: the output bias without the q/k/v biases (each has its own switch), MLP biases
+    "seed_oss": dict(family="seed_oss", mlp_bias=True, attention=AttentionConfig(output_bias=True)),
+    # EXAONE 4: post-norms, per-head q/k norms, a sliding layer with rotary and a full one without
+    "exaone4": dict(family="exaone4", norm=NormConfig(placement="post"), rotary=RotaryConfig(skip_layers=(1,)),
+                    layer_types=("sliding_attention", "full_attention"),
+                    attention=AttentionConfig(qk_norm="head", sliding_window=2)),
+    # ERNIE 4.5: interleaved rotary over the whole head, biases on every projection
+    "ernie4_5": dict(family="ernie4_5", mlp_bias=True, rotary=RotaryConfig(interleaved=True),
+                     attention=AttentionConfig(bias=True, output_bias=True)),
+    # HunYuan: per-head q/k norms after the rotation, biases
+    "hunyuan_v1_dense": dict(family="hunyuan_v1_dense",
+                             attention=AttentionConfig(bias=True, output_bias=True, qk_norm="head_after_rotary")),
+    # Apertus: the ungated xIELU MLP with its learned slopes, per-head q/k norms
+    "apertus": dict(family="apertus", mlp="xielu", attention=AttentionConfig(qk_norm="head")),
     # SmolLM3: a NoPE layer beside a rotary one, the NoPE layer sliding
     "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
                     rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),

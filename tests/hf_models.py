@@ -71,6 +71,37 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                            tie_word_embeddings=True, rope_parameters={"rope_type": "linear",
                                                                                       "factor": 2.0,
                                                                                       "rope_theta": 500.0}), {}),
+    # OLMo 3: OLMo 2 with sliding layers, linear scaling on the full layers only, a base of its own on the sliding
+    "olmo3": ("Olmo3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, sliding_window=3,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 1000.0},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 50.0}}), {}),
+    # GLM-4: norms before and after each branch, interleaved rotary on half of each head, q/k/v biases, fused
+    # gate_up_proj
+    "glm4": ("Glm4Config", dict(_COMMON, num_key_value_heads=2, head_dim=8, pad_token_id=0), {}),
+    # Granite: scaled embeddings, scores, branch outputs and logits; biases everywhere
+    "granite": ("GraniteConfig", dict(_COMMON, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                                      embedding_multiplier=2.5, attention_multiplier=0.3, residual_multiplier=0.4,
+                                      logits_scaling=2.5), {}),
+    # Seed-OSS: q/k/v biases and an output bias of their own switch, a gated MLP with biases
+    "seed_oss": ("SeedOssConfig", dict(_COMMON, num_key_value_heads=2, head_dim=12, attention_out_bias=True,
+                                       mlp_bias=True, pad_token_id=0), {}),
+    # EXAONE 4: OLMo 2's post-norms, per-head q/k norms, sliding layers and a full layer without rotary
+    "exaone4": ("Exaone4Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, sliding_window=3,
+                                      sliding_window_pattern=2), {}),
+    # ERNIE 4.5: interleaved rotary over the whole head, biases on every projection, a tied head
+    "ernie4_5": ("Ernie4_5Config", dict(_COMMON, num_key_value_heads=2, head_dim=8, use_bias=True), {}),
+    # HunYuan: per-head q/k norms after the rotation, the "dynamic" scaling with a fixed alpha, biases
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(_COMMON, num_key_value_heads=2, head_dim=8, attention_bias=True,
+                                                      rope_parameters={"rope_type": "dynamic", "alpha": 20.0,
+                                                                       "factor": 1.0, "rope_theta": 1000.0}), {}),
+    # Apertus: an ungated MLP with xIELU's learned slopes, per-head q/k norms, llama3 scaling
+    "apertus": ("ApertusConfig", dict(_COMMON, num_key_value_heads=2, head_dim=8,
+                                      rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 16}), {}),
     # SmolLM3: every second layer without rotary; with a window on a NoPE layer
     "smollm3": ("SmolLM3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                       tie_word_embeddings=False, pad_token_id=None), {}),
@@ -231,8 +262,8 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                  "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe", "qwen3_moe_window", "mixtral",
-                 "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba",
-                 "bamba_bias")
+                 "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
+                 "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config",)
 

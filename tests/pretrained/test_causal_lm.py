@@ -79,10 +79,11 @@ def test_greedy_tokens_equal_hf_generate(name, hf_root):
 
 @pytest.mark.parametrize("name", ["mistral_window", "qwen2_mixed", "qwen2_layer_types", "llama_dynamic", "gpt2",
                                   "qwen3_window", "smollm3_window", "gemma2", "gemma3_text", "gemma4_text",
+                                  "olmo3", "glm4", "granite",
                                   "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                                   "qwen3_5_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window", "mixtral",
-                                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba",
-                                  "bamba_bias"])
+                                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
+                                  "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus"])
 def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root):
     lm, _ = loaded(name, hf_root)
     ids, mask = left_padded_batch(np.random.default_rng(2), (3, 2))
@@ -100,8 +101,9 @@ def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root)
 # biases, so those biases reach the convolution window of a row's first real tokens.
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2_untied", "qwen2_mixed", "mistral_window", "qwen3", "olmo2",
                                   "gpt_neox", "gpt_oss", "qwen3_5_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window",
-                                  "mixtral", "gemma4_text", "deepseek_v3", "deepseek_v3_plain", "lfm2",
-                                  "bamba"])
+                                  "mixtral", "gemma4_text", "deepseek_v3", "deepseek_v3_plain", "lfm2", "bamba",
+                                  "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
+                                  "apertus"])
 def test_left_padded_batch_equals_each_row_alone(name, hf_root):
     lm, _ = loaded(name, hf_root)
     lengths = (6, 2, 4)
@@ -181,8 +183,9 @@ BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, length_penalty=0.5, early_
 
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_mixed", "mistral_window", "gemma2", "phi3_longrope",
                                   "gpt_oss", "qwen3_5_text", "qwen3_next", "qwen3_moe", "mixtral", "gemma4_text",
-                                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba",
-                                  "bamba_bias"])
+                                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
+                                  "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
+                                  "apertus"])
 @pytest.mark.parametrize("setting", range(len(BEAM_SETTINGS)))
 def test_beam_search_equals_transformers(name, setting, hf_root):
     """Sequences equal to transformers' generate(num_beams=...) token for token, on a left-padded batch, with

@@ -238,3 +238,18 @@ def test_missing_safetensors_names_the_install_command(hf_root, monkeypatch):
     monkeypatch.setattr(importlib, "import_module", without_safetensors)
     with pytest.raises(ImportError, match=r"pip install 'attnkit\[pretrained\]'"):
         load_causal_lm(folder)
+
+
+@pytest.mark.parametrize("shape, sizes", [((), (1,)), ((6, 1, 3), (6, 3))])
+def test_a_reshaped_tensor_gathers_back_to_its_checkpoint_shape(shape, sizes):
+    """xIELU's 0-d beta (Apertus) and a depthwise convolution's (C, 1, K) weight go back to the checkpoint's own
+    shape when saved."""
+    from attnkit.pretrained.tensor_map import TensorMap
+
+    m = TensorMap("t", shape, ("p",), "reshape", sizes=sizes)
+    stored = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    params = m.convert(stored)
+    assert params["p"].shape == sizes
+    back = m.gather(params)
+    assert back.shape == shape and back.flags.c_contiguous
+    np.testing.assert_array_equal(back, stored)

@@ -27,8 +27,9 @@ from hf_models import (  # noqa: E402
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
-                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias",
-                     "bamba", "bamba_bias")
+                     "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
+                     "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
+                     "apertus")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -48,8 +49,9 @@ def test_gradients_match_hf_autograd(name, hf_root):
     lm(ids, mask)
     lm.backward(g)
     hf.zero_grad()
-    # Gemma 4's layer scalars are buffers in torch and parameters in attnkit: torch differentiates them on request
-    scalars = {n: b for n, b in hf.named_buffers() if n.endswith("layer_scalar")}
+    # Gemma 4's layer scalars and xIELU's beta and eps (Apertus) are buffers in torch and parameters in attnkit:
+    # torch differentiates them on request
+    scalars = {n: b for n, b in hf.named_buffers() if n.endswith(("layer_scalar", "act_fn.beta", "act_fn.eps"))}
     for buffer in scalars.values():
         buffer.requires_grad_(True)
     out = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask.astype(np.int64)),
@@ -115,7 +117,11 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("gpt_neox", "num_key_value_heads"), ("gemma3_text", "rope_scaling_mode"),
                                        ("phi3", "attention_bias"), ("gpt_oss", "num_experts"),
                                        ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob"),
-                                       ("lfm2", "rms_norm_eps"), ("bamba", "head_dim_ratio")])
+                                       ("lfm2", "rms_norm_eps"), ("bamba", "head_dim_ratio"),
+                                       ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias"),
+                                       ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
+                                       ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
+                                       ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -235,7 +241,12 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
 @pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),
                                                       ("qwen3_next", "Qwen3NextConfig"),
                                                       ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig"),
-                                                      ("lfm2", "Lfm2Config"), ("bamba", "BambaConfig")])
+                                                      ("lfm2", "Lfm2Config"), ("bamba", "BambaConfig"),
+                                                      ("olmo3", "Olmo3Config"), ("glm4", "Glm4Config"),
+                                                      ("granite", "GraniteConfig"), ("seed_oss", "SeedOssConfig"),
+                                                      ("ernie4_5", "Ernie4_5Config"),
+                                                      ("hunyuan_v1_dense", "HunYuanDenseV1Config"),
+                                                      ("apertus", "ApertusConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -243,7 +254,9 @@ def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_
 
     from attnkit.pretrained.families import family
 
-    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=8)
+    # a vocabulary that holds every family's default special ids (GLM-4's 151329, ...)
+    sizes = dict(vocab_size=160000, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                 num_attention_heads=8)
     full = json.loads(getattr(transformers, config_class)(**sizes).to_json_string())
     assert family(model_type).config_from_hf(dict(sizes, model_type=model_type)) == \
         family(model_type).config_from_hf(full)
@@ -266,6 +279,27 @@ def test_lfm2_reads_liquidais_own_config_keys_and_refuses_a_repeat_that_disagree
                              ("block_use_swiglu", False, "'block_use_swiglu' must be true")):
         with pytest.raises(ValueError, match=said):
             load_causal_lm(edit_config(folder, tmp_path / key, **{**LIQUID_KEYS, key: value}))
+
+
+@pytest.mark.parametrize("model_type, config_class, keys, rotary", [
+    # OLMo 3 reads the older keys into its full layers only: the sliding ones keep the default of base 500000
+    ("olmo3", "Olmo3Config", dict(rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     dict(theta=1000.0, sliding_theta=500000.0, sliding_scaling=None)),
+    # HunYuan's "dynamic" scaling with an alpha is the default rotary of base theta * alpha ** (Dh / (Dh - 2))
+    ("hunyuan_v1_dense", "HunYuanDenseV1Config", dict(rope_theta=1000.0, rope_scaling={
+        "type": "dynamic", "alpha": 50.0, "factor": 1.0}), dict(theta=1000.0 * 50.0 ** (8 / 6), scaling=None)),
+])
+def test_older_rotary_keys_read_as_transformers_reads_them(model_type, config_class, keys, rotary):
+    import transformers
+
+    from attnkit.pretrained.families import family
+
+    sizes = dict(vocab_size=160000, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                 num_attention_heads=8)
+    full = json.loads(getattr(transformers, config_class)(**sizes, **keys).to_json_string())
+    ours = family(model_type).config_from_hf(dict(sizes, model_type=model_type, **keys))
+    assert ours == family(model_type).config_from_hf(full)
+    assert {name: getattr(ours.rotary, name) for name in rotary} == pytest.approx(rotary)
 
 
 def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transformers_does(hf_root, tmp_path):

@@ -59,6 +59,14 @@ class NoQKNorm:
         """The input gradients of :meth:`on_heads` (the norm weights' go into ``attention.grads``)."""
         return dq, dk
 
+    def on_rotated(self, attention, q: np.ndarray, k: np.ndarray, saved):
+        """(q, k, saved) after the step on the heads after the rotation (B, H, L, Dh)."""
+        return q, k, saved
+
+    def on_rotated_backward(self, attention, dq: np.ndarray, dk: np.ndarray, saved):
+        """The input gradients of :meth:`on_rotated`."""
+        return dq, dk
+
     def on_projection_backward(self, attention, dq: np.ndarray, dk: np.ndarray, saved):
         """The input gradients of :meth:`on_projection`."""
         return dq, dk
@@ -107,7 +115,21 @@ class ProjectionQKNorm(NoQKNorm):
         return self._backward(attention, dq, dk, saved)
 
 
-QK_NORMS = {None: NoQKNorm, "head": HeadQKNorm, "projection": ProjectionQKNorm}
+class RotatedHeadQKNorm(NoQKNorm):
+    """RMSNorm of each head's Dh features after the rotation, one weight per feature shared by the heads
+    (HunYuan)."""
+
+    scope = "head_after_rotary"
+
+    def on_rotated(self, attention, q, k, saved):
+        return self._forward(attention, q, k)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
+
+    def on_rotated_backward(self, attention, dq, dk, saved):
+        return self._backward(attention, dq, dk, saved)
+
+
+QK_NORMS = {None: NoQKNorm, "head": HeadQKNorm, "projection": ProjectionQKNorm,
+            "head_after_rotary": RotatedHeadQKNorm}
 """The q/k normalisation of each ``AttentionConfig.qk_norm``: where in the projection it acts, chosen when the
 layer is built."""
 
@@ -203,7 +225,8 @@ class GroupedQueryAttention(Module):
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_q``, ``hook_k``, ``hook_v`` (B, L, H, Dh) after the projections and q/k norms (K and V: the
-        Hkv key/value heads); ``hook_rot_q``, ``hook_rot_k`` after the rotation (rotary layers only);
+        Hkv key/value heads); ``hook_rot_q``, ``hook_rot_k`` after the rotation and a q/k norm that follows it
+        (rotary layers only);
         ``hook_pattern`` (B, Hq, L, S) the attention weights (forward hooks only; asking for it runs the
         reference kernel); ``hook_z`` (B, L, Hq, Dh) each head's output as the output projection reads it
         (after the gate of a gated layer)."""
@@ -261,8 +284,9 @@ class GroupedQueryAttention(Module):
             cos, sin = rotary
             q = _rotary.rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             k = _rotary.rotary_apply(k, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
-            if hooked:
-                q, k = hook_heads(self, "hook_rot_q", q), hook_heads(self, "hook_rot_k", k)
+        q, k, normed = self.qk_norm.on_rotated(self, q, k, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
+        if rotary is not None and hooked:
+            q, k = hook_heads(self, "hook_rot_q", q), hook_heads(self, "hook_rot_k", k)
         if cache is not None:
             kept = cache.update(self.layer_index, k, v)
             k, v = kept.keys, kept.values  # (B, Hkv, S, Dh)
@@ -333,6 +357,7 @@ class GroupedQueryAttention(Module):
         if rotary is not None:
             q = _rotary.rotary_apply(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
             k = _rotary.rotary_apply(k, *rotary, self.interleaved)  # (B, Hkv, 1, Dh)
+        q, k, _ = self.qk_norm.on_rotated(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
         kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
         key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
         heads = self._attend_step(q, kept.keys, kept.values, key_mask)  # (B, Hq, Dh)
@@ -390,9 +415,10 @@ class GroupedQueryAttention(Module):
             dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
             for name, grad in zip(self._sink_names, dsinks):
                 self.grads[name] += grad
+        if rotary is not None and hooked:
+            dq, dk = hook_heads_backward(self, "hook_rot_q", dq), hook_heads_backward(self, "hook_rot_k", dk)
+        dq, dk = self.qk_norm.on_rotated_backward(self, dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)
         if rotary is not None:
-            if hooked:
-                dq, dk = hook_heads_backward(self, "hook_rot_q", dq), hook_heads_backward(self, "hook_rot_k", dk)
             cos, sin = rotary
             dq = _rotary.rotary_backward(dq, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             dk = _rotary.rotary_backward(dk, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)

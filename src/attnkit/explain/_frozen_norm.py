@@ -2,7 +2,8 @@
 
 ``norm(x) = center(x) * scale + shift`` with ``scale = gain / rms(x)`` (or ``/ std(x)``) taken at the run's ``x``:
 direct logit attribution and the cache's ``apply_ln`` (TransformerLens's "cached scale") split a residual stream
-this way. An absent norm (:class:`~attnkit.layers.identity.Identity`) has scale 1 and no shift.
+this way. An absent norm (:class:`~attnkit.layers.identity.Identity`) has scale 1 and no shift, a fixed factor
+(:class:`~attnkit.layers.identity.Scale`, Granite's residual multiplier) that factor and no shift.
 
 Shapes: D model width; ``x`` (..., D).
 """
@@ -12,7 +13,7 @@ import numpy as np
 
 from ..kernels.norm import layer_norm_forward
 from ..kernels.rms_norm import rms_norm_forward
-from ..layers.identity import Identity
+from ..layers.identity import Identity, Scale
 from ..layers.layer_norm import LayerNorm
 
 __all__ = ["frozen_norm"]
@@ -23,6 +24,8 @@ def frozen_norm(norm, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
     mean first (LayerNorm)."""
     if isinstance(norm, Identity):
         return np.ones_like(x), np.zeros(x.shape[-1], x.dtype), False
+    if isinstance(norm, Scale):
+        return np.full_like(x, norm.factor), np.zeros(x.shape[-1], x.dtype), False
     if isinstance(norm, LayerNorm):
         _, _, rstd = layer_norm_forward(x, norm.gamma, norm.beta, norm.eps)  # (..., 1)
         return (rstd * norm.gamma).astype(x.dtype), norm.beta.astype(x.dtype), True

@@ -41,8 +41,10 @@ def _head_shares(layer, z: np.ndarray, direction: np.ndarray) -> tuple[np.ndarra
     alone[:, np.arange(heads), np.arange(heads)] = z
     per_head = linear(alone.reshape(z.shape[0], heads, -1), attention.W_O)  # (B, H, D)
     b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(per_head.shape[-1], z.dtype)  # (D,)
-    # the attention output's post-norm (Gemma, OLMo 2; an identity elsewhere), frozen at the output the run made
+    # the attention output's post-norm (Gemma, OLMo 2; an identity elsewhere), frozen at the output the run made,
+    # and the branch's scale (Granite's residual multiplier; an identity elsewhere)
     post_scale, _, _ = frozen_norm(layer.attn_post_norm, per_head.sum(axis=1) + b_o)  # (B, D)
+    post_scale = post_scale * frozen_norm(layer.attn_scale, post_scale)[0]  # (B, D)
     per_head = per_head * post_scale[:, None]  # (B, H, D)
     b_o = b_o * post_scale  # (B, D)
     return np.einsum("bhd,bd->bh", per_head, direction), (b_o * direction).sum(axis=-1)  # (B, H), (B,)
@@ -116,10 +118,11 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     at = {name: value[:, -1] for name, value in cache.items()}  # (B, D) or (B, H, Dh)
 
     scale, shift, center = frozen_norm(model.norm, at[final])  # (B, D), (D,)
-    direction = model.head_weight[targets].astype(scale.dtype) * scale  # (B, D): d logit / d residual
+    rows = model.head_weight[targets].astype(scale.dtype) * scale.dtype.type(cfg.logit_scale)  # (B, D)
+    direction = rows * scale  # (B, D): d logit / d residual
     if center:
         direction = direction - direction.mean(axis=-1, keepdims=True)  # (B, D): center(c) . u == c . center(u)
-    bias = model.head_weight[targets].astype(scale.dtype) @ shift  # (B,)
+    bias = rows @ shift  # (B,)
 
     head_parts, linear_parts = np.zeros((b, n, heads), scale.dtype), np.zeros((b, n), scale.dtype)
     mlp_parts, per_layer_parts = np.empty((b, n), scale.dtype), np.zeros((b, n), scale.dtype)

@@ -30,7 +30,7 @@ from .experts import ExpertsConfig, MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache, GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
-from .identity import Identity, Zero
+from .identity import Identity, Scale, Zero
 from .layer_norm import LayerNorm
 from .lm_block import LMBlock, ParallelLMBlock
 from .mamba2 import Mamba2, Mamba2Cache, Mamba2Config, Mamba2Mixer
@@ -41,14 +41,15 @@ from .rotary import RotaryEmbedding
 from .router import Router
 from .short_conv import ShortConv, ShortConvCache, ShortConvConfig, ShortConvMixer
 from .transformer import Transformer
+from .xielu_mlp import XIELUMLP
 
 __all__ = [
     "Projection", "LayerNorm", "FeedForward", "Dropout", "Embedding",
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
-    "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero",
+    "RMSNorm", "GatedMLP", "XIELUMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
+    "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
     "ShortConv", "ShortConvCache", "ShortConvConfig", "ShortConvMixer",
     "Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer",

@@ -1,5 +1,5 @@
-"""``Identity`` and ``Zero``: the parts a block holds where its architecture has none (a norm it does not place,
-a branch it does not add)."""
+"""``Identity``, ``Zero`` and ``Scale``: the parts a block holds where its architecture has none (a norm it does
+not place, a branch it does not add) or a fixed factor (Granite's residual multiplier)."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +8,7 @@ import numpy as np
 
 from ..core.module import Module
 
-__all__ = ["Identity", "Zero"]
+__all__ = ["Identity", "Zero", "Scale"]
 
 
 class Identity(Module):
@@ -66,3 +66,47 @@ class Zero(Module):
     def backward(self, grad_output: Any) -> Any:
         """Zeros of ``grad_output``'s shape and dtype: nothing reaches the input."""
         return np.zeros_like(grad_output)
+
+
+class Scale(Module):
+    """Multiplies its input by a fixed factor (no parameter); its backward multiplies the gradient by it.
+
+    A residual branch whose output is scaled before it joins the stream (Granite's ``residual_multiplier``)
+    holds a ``Scale`` after its post-norm; the other architectures hold an :class:`Identity` there.
+
+    Parameters
+    ----------
+    factor : float
+        Applied in the input's dtype (``x * dtype(factor)``).
+
+    Shapes
+    ------
+    x : any float array -> the same shape and dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> Scale(0.5)(np.ones(2, np.float32)), Scale(0.5).backward(np.ones(2))
+    (array([0.5, 0.5], dtype=float32), array([0.5, 0.5]))
+    """
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = float(factor)
+
+    def extra_repr(self) -> str:
+        return f"factor={self.factor}"
+
+    def forward(self, x: Any) -> Any:
+        """``x * factor`` in ``x``'s dtype."""
+        x = np.asarray(x)
+        return x * x.dtype.type(self.factor)
+
+    def step(self, x: Any, **kwargs: Any) -> Any:
+        """:meth:`forward` of a decoding step's rows."""
+        return self.forward(x)
+
+    def backward(self, grad_output: Any) -> Any:
+        """``grad_output * factor``."""
+        g = np.asarray(grad_output)
+        return g * g.dtype.type(self.factor)

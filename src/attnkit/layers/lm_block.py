@@ -25,12 +25,13 @@ from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP
-from .identity import Identity
+from .identity import Identity, Scale
 from .layer_norm import LayerNorm
 from .mamba2 import Mamba2Mixer
 from .per_layer_input import PerLayerInputBranch
 from .rms_norm import RMSNorm
 from .short_conv import ShortConvMixer
+from .xielu_mlp import XIELUMLP
 
 __all__ = ["LMBlock", "ParallelLMBlock", "LayerwiseBlock", "PerLayerInputBlock", "BLOCKS", "MIXERS",
            "SHARED_KV_MIXERS", "MLPS", "make_norm", "make_block"]
@@ -55,7 +56,8 @@ def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> 
     return MultiHeadLatentAttention(config.latent, layer_index, rng=rng)
 
 
-MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "experts": MixtureOfExperts}
+MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "xielu": XIELUMLP,
+                                          "experts": MixtureOfExperts}
 """The MLP of each kind ``DecoderConfig.mlp_of(layer)`` names: ``build(config, rng=...)``."""
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
@@ -79,9 +81,10 @@ class LMBlock(Module):
     """One decoder layer with sequential residuals: ``x = x + attention(x)``, then ``x = x + mlp(x)``, each branch
     between its norms.
 
-    Each branch is ``post_norm(sublayer(pre_norm(x)))``; ``config.norm.placement`` decides which of the two
-    norms exist (``pre``: the input's, Llama; ``post``: the output's, OLMo 2; ``sandwich``: both, Gemma), the
-    others are identities.
+    Each branch is ``scale(post_norm(sublayer(pre_norm(x))))``; ``config.norm.placement`` decides which of the
+    two norms exist (``pre``: the input's, Llama; ``post``: the output's, OLMo 2; ``sandwich``: both, Gemma), the
+    others are identities; ``scale`` is a :class:`~attnkit.layers.identity.Scale` by ``config.residual_scale``
+    (Granite), an identity where it is 1.
 
     Parameters
     ----------
@@ -94,8 +97,8 @@ class LMBlock(Module):
 
     Attributes
     ----------
-    attn_norm, attention, attn_post_norm, mlp_norm, mlp, mlp_post_norm : Module
-        Absent norms are :class:`~attnkit.layers.identity.Identity`.
+    attn_norm, attention, attn_post_norm, attn_scale, mlp_norm, mlp, mlp_post_norm, mlp_scale : Module
+        Absent norms and scales are :class:`~attnkit.layers.identity.Identity`.
 
     Shapes
     ------
@@ -119,12 +122,17 @@ class LMBlock(Module):
         def norm(present: bool) -> Module:
             return make_norm(config) if present else Identity()
 
+        def scale() -> Module:
+            return Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
+
         self.attn_norm = norm(config.norm.before)
         self.attention = self.mixer_of(config, layer_index)(config, layer_index, rng=gen)
         self.attn_post_norm = norm(config.norm.after)
+        self.attn_scale = scale()
         self.mlp_norm = norm(config.norm.before)
         self.mlp = MLPS[config.mlp_of(layer_index)](config, rng=gen)
         self.mlp_post_norm = norm(config.norm.after)
+        self.mlp_scale = scale()
 
     @staticmethod
     def mixer_of(config, layer_index: int) -> Callable[..., Module]:
@@ -134,7 +142,7 @@ class LMBlock(Module):
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre`` (the block's input), ``hook_attn_out`` and ``hook_mlp_out`` (what each branch adds
-        to the residual stream, after its post-norm if any), ``hook_resid_mid`` (the residual between the
+        to the residual stream, after its post-norm and scale if any), ``hook_resid_mid`` (the residual between the
         branches), ``hook_resid_post`` (the output); all (B, L, D)."""
         return ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 
@@ -144,19 +152,19 @@ class LMBlock(Module):
         weights = None
         if kwargs["output_attentions"]:
             attended, weights = attended
-        return self.hook_point("hook_attn_out", self.attn_post_norm(attended)), weights  # (B, L, D)
+        return self.hook_point("hook_attn_out", self.attn_scale(self.attn_post_norm(attended))), weights  # (B, L, D)
 
     def _attention_branch_backward(self, g: np.ndarray) -> np.ndarray:
-        g = self.attn_post_norm.backward(self.hook_backward("hook_attn_out", g))
+        g = self.attn_post_norm.backward(self.attn_scale.backward(self.hook_backward("hook_attn_out", g)))
         return self.attn_norm.backward(self.attention.backward(g))  # (B, L, D)
 
     def _mlp_branch(self, x: np.ndarray) -> np.ndarray:
         h = self.mlp(self.mlp_norm(x))  # (B, L, D)
-        return self.hook_point("hook_mlp_out", self.mlp_post_norm(h))
+        return self.hook_point("hook_mlp_out", self.mlp_scale(self.mlp_post_norm(h)))
 
     def _mlp_branch_backward(self, g: np.ndarray) -> np.ndarray:
-        g = self.mlp.backward(self.mlp_post_norm.backward(self.hook_backward("hook_mlp_out", g)))  # (B, L, D)
-        return self.mlp_norm.backward(g)
+        g = self.mlp_post_norm.backward(self.mlp_scale.backward(self.hook_backward("hook_mlp_out", g)))
+        return self.mlp_norm.backward(self.mlp.backward(g))  # (B, L, D)
 
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
                 output_attentions: bool = False):
@@ -183,10 +191,11 @@ class LMBlock(Module):
         return self._residuals_step(x, dict(rotary=rotary, attention_mask=attention_mask, cache=cache))
 
     def _attention_step(self, x: np.ndarray, kwargs: dict) -> np.ndarray:
-        return self.attn_post_norm.step(self.attention.step(self.attn_norm.step(x), **kwargs))  # (B, D)
+        attended = self.attention.step(self.attn_norm.step(x), **kwargs)  # (B, D)
+        return self.attn_scale.step(self.attn_post_norm.step(attended))  # (B, D)
 
     def _mlp_step(self, x: np.ndarray) -> np.ndarray:
-        return self.mlp_post_norm.step(self.mlp.step(self.mlp_norm.step(x)))  # (B, D)
+        return self.mlp_scale.step(self.mlp_post_norm.step(self.mlp.step(self.mlp_norm.step(x))))  # (B, D)
 
     def _residuals_step(self, x: np.ndarray, kwargs: dict) -> np.ndarray:
         x = x + self._attention_step(x, kwargs)  # (B, D)

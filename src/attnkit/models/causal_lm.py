@@ -23,6 +23,7 @@ from ..init import as_generator
 from ..kernels._threads import blas_on_free_cores, one_row_blas
 from ..kernels.linear import linear, product
 from ..layers.embedding import Embedding
+from ..layers.identity import Identity, Scale
 from ..layers.lm_block import make_block, make_norm
 from ..layers.per_layer_input import PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
@@ -69,7 +70,8 @@ class CausalLM(Module):
     ----------
     embed.weight (V, D); pos_embed.weight (P, D) for learned positions; ``layers.{i}`` blocks; ``norm``;
     head.weight (V, D) unless ``tie_word_embeddings`` (then the embedding is the head). Logits are
-    ``final_hidden @ weight.T``.
+    ``head_scale(final_hidden @ weight.T)``: ``head_scale`` a :class:`~attnkit.layers.identity.Scale` by
+    ``config.logit_scale`` (Granite), an identity where it is 1.
 
     Shapes
     ------
@@ -133,6 +135,8 @@ class CausalLM(Module):
         # A decoding step's head product is one row against the (V, D) head: stored column-major, its
         # transpose (D, V) is the contiguous array, which a matrix-vector product streams fastest.
         self.head_owner = "embed" if config.tie_word_embeddings else "head"
+        # the logits times config.logit_scale (Granite's 1 / logits_scaling), before a soft-cap
+        self.head_scale = Identity() if config.logit_scale == 1.0 else Scale(config.logit_scale)
         getattr(self, self.head_owner).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config = GenerationConfig()
@@ -336,6 +340,7 @@ class CausalLM(Module):
         weight = self.head_weight.astype(h.dtype, copy=False)
         with blas_on_free_cores():
             logits = linear(h, weight.T)  # (B, L, V)
+        logits = self.head_scale(logits)  # (B, L, V)
         capped = None
         if self.config.final_logit_softcap is not None:
             cap = h.dtype.type(self.config.final_logit_softcap)
@@ -377,6 +382,7 @@ class CausalLM(Module):
                                cache=cache, **inputs)  # (B, D)
         normed = self.norm.step(h)  # (B, D)
         logits = product(normed, self.head_weight.astype(h.dtype, copy=False).T)  # (B, V)
+        logits = self.head_scale.step(logits)  # (B, V)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits /= cap
@@ -473,6 +479,7 @@ class CausalLM(Module):
         g = check_grad_output(grad_logits, h.shape[:-1] + (self.config.vocab_size,), h.dtype, "CausalLM")
         if capped is not None:
             g = g * (1 - capped * capped)  # (B, L, V): d(C tanh(z / C)) / dz
+        g = self.head_scale.backward(g)  # (B, L, V)
         flat_g = g.reshape(-1, g.shape[-1])  # (B*L, V)
         weight = self.head_weight.astype(h.dtype, copy=False)
         owner = getattr(self, self.head_owner)

@@ -197,7 +197,7 @@ class NormConfig:
         return self.placement != "pre"
 
 
-QK_NORMS = ("head", "projection")
+QK_NORMS = ("head", "projection", "head_after_rotary")
 
 
 @dataclass(frozen=True)
@@ -211,10 +211,11 @@ class AttentionConfig:
         Biases on the query, key and value projections.
     output_bias : bool, default False
         Bias on the output projection.
-    qk_norm : {None, "head", "projection"}, default None
+    qk_norm : {None, "head", "projection", "head_after_rotary"}, default None
         RMS-normalise queries and keys with learned weights (``q_norm``, ``k_norm``) before the rotary
         embedding: ``head``, over each head's Dh features, one weight per feature shared by the heads (Qwen3);
-        ``projection``, over the whole projection, Hq*Dh and Hkv*Dh weights (OLMo 2).
+        ``projection``, over the whole projection, Hq*Dh and Hkv*Dh weights (OLMo 2); or after it,
+        ``head_after_rotary``, per head as ``head`` (HunYuan).
     scale : float, optional
         The factor of ``q k^T`` (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
     logit_softcap : float, optional
@@ -257,7 +258,7 @@ class AttentionConfig:
         return None if self.logit_softcap is None else softcap(self.logit_softcap)
 
 
-MLP_KINDS = ("gated", "plain")
+MLP_KINDS = ("gated", "plain", "xielu")
 RESIDUALS = ("sequential", "parallel")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
@@ -298,9 +299,10 @@ class DecoderConfig:
     max_position_embeddings : int, default 2048
         The longest context the model was trained for (the size of GPT-2's position table).
     activation : {"silu", "gelu", "gelu_tanh", "relu"}, default "silu"
-    mlp : {"gated", "plain"}, default "gated"
+    mlp : {"gated", "plain", "xielu"}, default "gated"
         The MLP of the layers without experts: ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for
-        silu); ``plain``: ``act(x W1 + b1) W2 + b2``.
+        silu); ``plain``: ``act(x W1 + b1) W2 + b2``; ``xielu``: ``xielu(x W_up) W_down`` without biases, the
+        xIELU activation with two learned slopes of its own (Apertus; ``activation`` is not read).
     mlp_bias : bool, default False
         Biases in a gated MLP (a plain MLP always has them).
     residual : {"sequential", "parallel"}, default "sequential"
@@ -323,6 +325,12 @@ class DecoderConfig:
         ``[2**-14, 65504]``.
     final_logit_softcap : float, optional
         C: the output logits become ``C * tanh(logits / C)`` (Gemma 2); in ``[2**-14, 65504]``.
+    residual_scale : float, default 1.0
+        Each branch's output (after its post-norm) is multiplied by it before it joins the residual stream
+        (Granite's ``residual_multiplier``); in ``[2**-14, 65504]``.
+    logit_scale : float, default 1.0
+        The head's logits are multiplied by it, before a soft-cap (Granite: ``1 / logits_scaling``); in
+        ``[2**-14, 65504]``.
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
     layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention", \
@@ -379,6 +387,8 @@ class DecoderConfig:
     linear_attention: GatedDeltaNetConfig | None = None
     embedding_scale: float = 1.0
     final_logit_softcap: float | None = None
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
     tie_word_embeddings: bool = False
     layer_types: tuple[str, ...] = field(default=())
     bos_token_id: int | tuple[int, ...] | None = None
@@ -411,7 +421,8 @@ class DecoderConfig:
         _check_choice(self.residual, "residual", RESIDUALS)
         for name in ("mlp_bias", "tie_word_embeddings"):
             _check_flag(getattr(self, name), name)
-        _factor(self.embedding_scale, "embedding_scale")
+        for name in ("embedding_scale", "residual_scale", "logit_scale"):
+            _factor(getattr(self, name), name)
         if self.final_logit_softcap is not None:
             _factor(self.final_logit_softcap, "final_logit_softcap")
 

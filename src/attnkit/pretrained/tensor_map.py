@@ -193,6 +193,6 @@ class TensorMap:
                 parts = [p.T for p in parts]  # (H*Dh, In) each
             grouped = [p.reshape(self.heads, -1, *p.shape[1:]) for p in parts]  # (H, Dh, ...) each
             return np.ascontiguousarray(np.stack(grouped, axis=1).reshape(self.shape))  # (H*parts*Dh, ...)
-        if self.layout == "reshape":
-            return np.ascontiguousarray(parts[0].reshape(self.shape))
+        if self.layout == "reshape":  # np.array, not np.ascontiguousarray, which makes a 0-d array 1-d
+            return np.array(parts[0].reshape(self.shape), order="C")
         return np.ascontiguousarray(parts[0])

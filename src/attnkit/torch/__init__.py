@@ -43,6 +43,7 @@ from .blocks import (
 )
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetMixer
 from .layers import (
+    XIELUMLP,
     Dropout,
     Embedding,
     FeedForward,
@@ -55,6 +56,7 @@ from .layers import (
     RMSNorm,
     RotaryEmbedding,
     Router,
+    Scale,
     SinusoidalPositionalEncoding,
     Zero,
 )
@@ -72,9 +74,9 @@ from .short_conv import ShortConv, ShortConvMixer
 
 __all__ = [
     "from_numpy", "to_numpy",
-    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
+    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "XIELUMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
     "Embedding", "Projection",
-    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero",
+    "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",

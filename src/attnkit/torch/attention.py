@@ -178,6 +178,8 @@ class GroupedQueryAttention(TwinModule):
             cos, sin = rotary
             q = rotary_apply(q, cos, sin, self.interleaved)  # (B, Hq, L, Dh)
             k = rotary_apply(k, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
+        if self.qk_norm_scope == "head_after_rotary":  # per head, after the rotation (HunYuan)
+            q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")  # as above
         mask = _bool_mask(attention_mask, x.device, "attention_mask")
         if mask is not None:
             if mask.shape != (x.shape[0], x.shape[1]):

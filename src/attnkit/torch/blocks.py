@@ -180,7 +180,7 @@ class Transformer(TwinModule):
 
 class LMBlock(TwinModule):
     """Twin of :class:`attnkit.layers.lm_block.LMBlock`: ``x + attention(x)``, then ``+ mlp(x)``, each branch between
-    its norms (identities where the architecture has none).
+    its norms and then its scale (identities where the architecture has none).
 
     Shapes
     ------
@@ -199,10 +199,10 @@ class LMBlock(TwinModule):
 
     def _attention_branch(self, x: torch.Tensor, rotary, attention_mask) -> torch.Tensor:
         attended = self.attention(self.attn_norm(x), rotary=rotary, attention_mask=attention_mask)  # (B, L, D)
-        return self.attn_post_norm(attended)
+        return self.attn_scale(self.attn_post_norm(attended))
 
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp_post_norm(self.mlp(self.mlp_norm(x)))  # (B, L, D)
+        return self.mlp_scale(self.mlp_post_norm(self.mlp(self.mlp_norm(x))))  # (B, L, D)
 
     def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None) -> torch.Tensor:
         x = x + self._attention_branch(x, rotary, attention_mask)  # (B, L, D)

@@ -21,14 +21,17 @@ from ..layers.experts import GatedSharedExpert as _GatedSharedExpert
 from ..layers.experts import MixtureOfExperts as _MixtureOfExperts
 from ..layers.gated_mlp import GatedMLP as _GatedMLP
 from ..layers.identity import Identity as _Identity
+from ..layers.identity import Scale as _Scale
 from ..layers.identity import Zero as _Zero
 from ..layers.rms_norm import RMSNorm as _RMSNorm
 from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
 from ..layers.router import Router as _Router
+from ..layers.xielu_mlp import XIELUMLP as _XIELUMLP
 from ._twin import TwinModule, as_tensor
 
-__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
-           "Embedding", "Projection", "Dropout", "Identity", "Zero", "SinusoidalPositionalEncoding",
+__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "XIELUMLP", "Router", "MixtureOfExperts",
+           "GatedSharedExpert",
+           "Embedding", "Projection", "Dropout", "Identity", "Zero", "Scale", "SinusoidalPositionalEncoding",
            "RotaryEmbedding", "activation"]
 
 
@@ -157,6 +160,24 @@ class GatedMLP(TwinModule):
         b = (self.b_gate, self.b_up, self.b_down) if self.bias else (None, None, None)
         gate = activation(_linear(x, self.W_gate, b[0]), self.activation)  # (..., F)
         return _linear(gate * _linear(x, self.W_up, b[1]), self.W_down, b[2])  # (..., D)
+
+
+class XIELUMLP(TwinModule):
+    """Twin of :class:`attnkit.layers.xielu_mlp.XIELUMLP`: ``xielu(x W_up) W_down``, xIELU's slopes learned.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+    """
+
+    numpy_class = _XIELUMLP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.W_up  # (..., F)
+        a_p, a_n = F.softplus(self.alpha_p), self.beta + F.softplus(self.alpha_n)  # (1,) each
+        negative = torch.expm1(torch.minimum(h, self.eps)) - h  # (..., F)
+        a = torch.where(h > 0, a_p * h * h, a_n * negative) + self.beta * h  # (..., F)
+        return a @ self.W_down  # (..., D)
 
 
 class Router(TwinModule):
@@ -439,6 +460,18 @@ class Identity(TwinModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class Scale(TwinModule):
+    """Twin of :class:`attnkit.layers.identity.Scale`: its input times a fixed factor, in the input's dtype."""
+
+    numpy_class = _Scale
+
+    def setup(self, source) -> None:
+        self.factor = source.factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor(self.factor, dtype=x.dtype, device=x.device)
 
 
 class Zero(TwinModule):

@@ -115,6 +115,7 @@ class CausalLM(TwinModule):
             h = layer(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask, **inputs)  # (B, L, D)
         h = self.norm(h)  # (B, L, D)
         logits = h @ self.head_weight.to(h.dtype).T  # (B, L, V)
+        logits = self.head_scale(logits)  # (B, L, V)
         if config.final_logit_softcap is not None:
             cap = torch.tensor(config.final_logit_softcap, dtype=logits.dtype)
             logits = torch.tanh(logits / cap) * cap  # (B, L, V)

@@ -19,7 +19,7 @@ from ...kernels import rotary as _rotary
 from ...models.config import MAX_LAYERS, DecoderConfig
 
 __all__ = ["Reader", "MISSING", "ROPE_KEYS", "COMMON_KEYS", "refuse_unknown_keys", "is_metadata_key",
-           "read_rope", "check_rope_tables", "read_layer_types"]
+           "read_rope", "read_rope_by_layer_type", "per_layer_type", "check_rope_tables", "read_layer_types"]
 
 MISSING = object()
 _MAX_SIZE = 2**31 - 1
@@ -289,6 +289,34 @@ def read_rope(read: Reader, max_positions: int, aliases: Mapping[str, str] | Non
         raise ValueError(f"{family} config: {key} has keys attnkit does not implement for rope_type {kind!r}: "
                          f"{unknown}")
     return theta, normalised, partial
+
+
+def read_rope_by_layer_type(read: Reader, max_positions: int, default_thetas: Mapping[str, float]
+                            ) -> dict[str, tuple[float, dict | None, float]]:
+    """:func:`read_rope` of each layer type of a ``rope_parameters`` keyed by layer type (``{"full_attention":
+    {...}, "sliding_attention": {...}}``, as Gemma 3 and OLMo 3 write it): layer type -> (theta, normalised
+    scaling or None, partial factor), a type the file leaves out reading as the default rotary with its
+    ``default_thetas`` base. A layer type outside ``default_thetas`` is refused by name."""
+    params = read.raw("rope_parameters")
+    unknown = sorted(set(params) - set(default_thetas))
+    if unknown:
+        raise ValueError(f"{read.family} config: 'rope_parameters' has layer types attnkit does not know: {unknown}")
+    out = {}
+    for kind, theta in default_thetas.items():
+        sub = params.get(kind) or {}
+        if not isinstance(sub, dict):
+            raise ValueError(f"{read.family} config: rope_parameters[{kind!r}] must be a dict, got {sub!r}")
+        sub = dict(sub)
+        sub.setdefault("rope_theta", theta)
+        out[kind] = read_rope(Reader({"rope_parameters": sub, "max_position_embeddings": max_positions},
+                                     f"{read.family} {kind}"), max_positions)
+    return out
+
+
+def per_layer_type(read: Reader) -> bool:
+    """Whether ``rope_parameters`` is keyed by layer type (its values are dicts)."""
+    params = read.raw("rope_parameters", None)
+    return isinstance(params, dict) and any(isinstance(v, dict) for v in params.values())
 
 
 def check_rope_tables(cfg: DecoderConfig, config: Mapping[str, Any]) -> None:

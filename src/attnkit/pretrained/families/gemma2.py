@@ -16,7 +16,7 @@ import numpy as np
 from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rope_scaling
 from . import Family
-from ._reader import COMMON_KEYS, Reader, read_layer_types, read_rope
+from ._reader import COMMON_KEYS, Reader, per_layer_type, read_layer_types, read_rope, read_rope_by_layer_type
 from .llama import BENCHMARK_SHAPE, plain_tensors
 from .llama import GGUF_ATTENTION_BIAS as GGUF_BIASES
 
@@ -61,25 +61,15 @@ def _gemma_rope(read: Reader, rules: GemmaRules, max_positions: int
                 ) -> tuple[float, dict | None, float, float | None, dict | None]:
     """(theta, scaling, partial factor) of the full layers, and the sliding layers' own theta and scaling (None:
     the same as the full layers')."""
-    family = read.family
     sliding_theta, sliding_scaling = None, None
-    params = read.raw("rope_parameters", None)
-    if rules.rope_per_layer_type and isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ValueError(f"{family} config: 'rope_parameters' has layer types attnkit does not know: {unknown}")
-        per_type = {}
-        for kind, default_theta in (("full_attention", rules.rope_theta), ("sliding_attention", 10000.0)):
-            sub = dict(params.get(kind) or {})
-            sub.setdefault("rope_theta", default_theta)
-            per_type[kind] = read_rope(Reader({"rope_parameters": sub,
-                                            "max_position_embeddings": max_positions}, f"{family} {kind}"),
-                                   max_positions)
+    if rules.rope_per_layer_type and per_layer_type(read):
+        per_type = read_rope_by_layer_type(read, max_positions, {"full_attention": rules.rope_theta,
+                                                                 "sliding_attention": 10000.0})
         (theta, scaling, partial), (sliding_theta, sliding_scaling, _) = (per_type["full_attention"],
                                                                          per_type["sliding_attention"])
     else:
         theta, scaling, partial = read_rope(Reader({**read.config, "rope_theta": read.raw(
-            "rope_theta", rules.rope_theta)}, family), max_positions)
+            "rope_theta", rules.rope_theta)}, read.family), max_positions)
         if rules.rope_per_layer_type:
             sliding_theta = read.float("rope_local_base_freq", 10000.0)
     return theta, scaling, partial, sliding_theta, sliding_scaling

@@ -13,6 +13,7 @@ differ left open; the other rotary families call them with their differences.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
@@ -21,7 +22,8 @@ from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
 
-__all__ = ["FAMILY", "BENCHMARK_SHAPE", "rotary_config", "rotary_tensors", "gated_mlp_tensors", "plain_tensors"]
+__all__ = ["FAMILY", "BENCHMARK_SHAPE", "rotary_config", "rotary_tensors", "gated_mlp_tensors",
+           "fused_gated_mlp_tensors", "plain_tensors"]
 
 DEFAULTS = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             "num_key_value_heads": None}
@@ -34,12 +36,15 @@ BENCHMARK_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layer
 
 
 def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[Reader, int], dict[str, Any]],
-                  *, rope_aliases: Mapping[str, str] | None = None, norm_placement: str = "pre") -> DecoderConfig:
+                  *, rope_aliases: Mapping[str, str] | None = None, norm_placement: str = "pre",
+                  rotary: Callable[[Reader, int], RotaryConfig] | None = None) -> DecoderConfig:
     """The DecoderConfig of a Llama-like family: sizes, heads and rotary read by Llama's rules with the family's
     ``defaults``, and ``fields(read, num_layers)``: the DecoderConfig fields where the family differs (its
-    ``attention`` part, ``layer_types``, ``mlp`` and ``experts``, ``mlp_bias``, and ``skip_rotary``: the layers
-    without rotary; Llama's own: no biases, no window). ``norm_placement`` is the family's
-    :class:`~attnkit.models.config.NormConfig` placement."""
+    ``attention`` part, ``layer_types``, ``mlp`` and ``experts``, ``mlp_bias``, ``embedding_scale`` and the
+    other scalars, and ``skip_rotary``: the layers without rotary; Llama's own: no biases, no window).
+    ``norm_placement`` is the family's :class:`~attnkit.models.config.NormConfig` placement; ``rotary(read,
+    max_position_embeddings)`` its rotary part where it is not :func:`read_rope`'s default layout (the
+    interleaved pairs of GLM-4, a base per layer type)."""
     family = read.family
     hidden = read.int("hidden_size")
     heads = read.int("num_attention_heads")
@@ -56,7 +61,11 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
         raise ValueError(f"{family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
                          f"({heads})")
     max_positions = read.int("max_position_embeddings", defaults["max_position_embeddings"])
-    theta, scaling, partial = read_rope(read, max_positions, rope_aliases)
+    if rotary is None:
+        theta, scaling, partial = read_rope(read, max_positions, rope_aliases)
+        part = RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial)
+    else:
+        part = rotary(read, max_positions)
     settings: dict[str, Any] = dict(attention=AttentionConfig(), mlp_bias=False, layer_types=())
     settings.update(fields(read, layers))
     skip = settings.pop("skip_rotary", ())
@@ -66,11 +75,11 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
         intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
         norm=NormConfig(eps=read.eps("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), placement=norm_placement),
         activation=read.activation("hidden_act", "silu"),
-        rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, skip_layers=skip),
+        rotary=replace(part, skip_layers=skip),
         tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),
         bos_token_id=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
-        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        pad_token_id=read.token_ids("pad_token_id", defaults.get("pad_token_id"), many=False),
         **settings,
     )
 
@@ -90,6 +99,15 @@ def gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
         if cfg.mlp_bias:
             maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (ak + "mlp.b_" + name,), "copy"))
     return maps
+
+
+def fused_gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    """A gated MLP whose gate and up projections are one ``gate_up_proj`` (2F, D), gate rows first (Phi-3,
+    GLM-4), split on load; and ``down_proj``."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return [TensorMap(hf + "mlp.gate_up_proj.weight", (2 * f, d), (ak + "mlp.W_gate", ak + "mlp.W_up"),
+                      "row_split_transpose", sizes=(f, f)),
+            TensorMap(hf + "mlp.down_proj.weight", (d, f), (ak + "mlp.W_down",), "transpose")]
 
 
 def rotary_tensors(cfg: DecoderConfig, mlp: Callable[[DecoderConfig, str, str], list[TensorMap]] = gated_mlp_tensors

@@ -11,7 +11,7 @@ from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rope_
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .llama import BENCHMARK_SHAPE, rotary_config, rotary_tensors
+from .llama import BENCHMARK_SHAPE, fused_gated_mlp_tensors, rotary_config, rotary_tensors
 
 __all__ = ["FAMILY"]
 
@@ -26,17 +26,10 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
                 layer_types=("sliding_attention",) * layers if window is not None else ())
 
 
-def _fused_mlp(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    return [TensorMap(hf + "mlp.gate_up_proj.weight", (2 * f, d), (ak + "mlp.W_gate", ak + "mlp.W_up"),
-                      "row_split_transpose", sizes=(f, f)),
-            TensorMap(hf + "mlp.down_proj.weight", (d, f), (ak + "mlp.W_down",), "transpose")]
-
-
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """Llama's tensors with each layer's q_proj, k_proj and v_proj replaced by one qkv_proj, in q_proj's place."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    maps, prefix = rotary_tensors(cfg, _fused_mlp)
+    maps, prefix = rotary_tensors(cfg, fused_gated_mlp_tensors)
     fused = []
     for m in maps:
         layer, _, rest = m.source.partition(".self_attn.")
