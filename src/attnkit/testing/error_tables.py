@@ -10,7 +10,9 @@ For one causal LM saved by transformers, :func:`measure_model` runs the same tok
 and measures three quantities: the logits, the last hidden state (the head's input, after the final norm) and
 the gradient of the loss (mean next-token cross-entropy) with respect to the token-embedding matrix, which
 every layer's backward reaches. Each error is ``max |a - b| / max |b|`` (:func:`relative_error`), ``b`` the
-second named side.
+second named side. The embedding gradient's row of the model's ``pad_token_id`` is left out: transformers'
+``nn.Embedding(padding_idx=...)`` gives that row no gradient by convention (it is never trained), while attnkit
+gives every row its exact gradient, and the two differ wherever the pad id appears among the tokens.
 
 ================================  ===========================================================================
 comparison (key)                  meaning
@@ -127,6 +129,10 @@ def measure_model(folder: str | Path, model, input_ids: np.ndarray,
             "ak32": _attnkit_run(Path(folder), np.float32, ids), "ak64": _attnkit_run(Path(folder), np.float64, ids),
             "ak32_bf16w": _attnkit_run(bf16_folder, np.float32, ids),
             "ak64_bf16w": _attnkit_run(bf16_folder, np.float64, ids)}
+    pad = getattr(model.config, "pad_token_id", None)
+    if isinstance(pad, int) and 0 <= pad < runs["ak32"]["grad"].shape[0]:  # see the module's docstring
+        for run in runs.values():
+            run["grad"] = np.delete(run["grad"], pad, axis=0)  # (V - 1, D)
     pairs = {"ak32_vs_hf32": ("ak32", "hf32"), "hf32_vs_ak64": ("hf32", "ak64"), "ak32_vs_ak64": ("ak32", "ak64"),
              "ak32_vs_hfbf16": ("ak32_bf16w", "hfbf16"), "hfbf16_vs_ak64": ("hfbf16", "ak64_bf16w"),
              "ak32_vs_ak64_bf16w": ("ak32_bf16w", "ak64_bf16w"), "ak32_vs_hf32_bf16w": ("ak32_bf16w", "hf32_bf16w")}
