@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -64,7 +65,10 @@ def boot(name: str, root: Path):
 
     if name in _BRIDGES:
         return _BRIDGES[name]
-    folder, hf = saved_model(name, root)
+    shared, hf = saved_model(name, root)
+    folder = Path(root) / "lens" / name  # a copy: the tokenizer written into it must not reach other tests' folder
+    if not folder.exists():
+        shutil.copytree(shared, folder)
     tokenizer = tokenizer_for(folder)
     with offline(), warnings.catch_warnings():  # TransformerLens's own notices are not attnkit's to fix
         warnings.simplefilter("ignore")
@@ -87,7 +91,7 @@ def lens_cache(bridge, ids: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def lens_name(name: str, lens: dict) -> str | None:
+def lens_name(name: str, lens: dict, norm_after_rotary: bool = False) -> str | None:
     """TransformerLens's name for attnkit's hook point ``name``, or None where it has no such point.
 
     The same name except: a query or key after a q/k norm (Qwen3, OLMo 2, Gemma 3/4, Qwen3.5, Qwen3-Next), and
@@ -97,10 +101,14 @@ def lens_name(name: str, lens: dict) -> str | None:
     a Gated DeltaNet layer's ``hook_attn_out`` is its ``linear_attn.hook_out``; the router's weights of the chosen
     experts (B, L, k) are its ``mlp.hook_expert_weights`` (B*L, E) (every expert's, zero where not chosen) at the
     chosen experts; Gemma 4's ``hook_per_layer_out`` its
-    ``post_per_layer_input_norm.hook_out``."""
+    ``post_per_layer_input_norm.hook_out``. Where the q/k norm follows the rotation (HunYuan), attnkit's
+    ``hook_q`` / ``hook_k`` are the projections, TransformerLens's own ``hook_q`` / ``hook_k``, and its
+    ``hook_rot_q`` / ``hook_rot_k`` (rotated, then normed) are TransformerLens's ``q_norm`` / ``k_norm.hook_out``."""
     head, _, point = name.rpartition(".")
     candidates = [name]
-    if point in ("hook_q", "hook_k", "hook_v") and head.endswith(".attn"):
+    if point in ("hook_q", "hook_k", "hook_v") and head.endswith(".attn") and not norm_after_rotary:
+        candidates.insert(0, f"{head}.{point[-1]}_norm.hook_out")
+    elif point in ("hook_rot_q", "hook_rot_k") and head.endswith(".attn") and norm_after_rotary:
         candidates.insert(0, f"{head}.{point[-1]}_norm.hook_out")
     elif name == "ln_final.hook_normalized":
         candidates = ["ln_final.hook_out"]
@@ -144,7 +152,7 @@ def compare(lm, cache, lens: dict) -> tuple[dict[str, float], list[str]]:
     diffs, absent = {}, []
     order = interleaved_rotary_order(lm.config)
     for name, ours in cache.items():
-        other = lens_name(name, lens)
+        other = lens_name(name, lens, getattr(lm.config.attention, "qk_norm", None) == "head_after_rotary")
         if other is None:
             absent.append(name)
             continue

@@ -3,6 +3,7 @@ on each kind of side: attnkit, transformers, a PyTorch module from a .py file wi
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,9 @@ TORCH_LLAMA = Path(__file__).resolve().parents[1] / "torch_llama.py"
 def model(tmp_path_factory):
     """A tiny Llama folder with a word tokenizer (token i is ``w{i}``), its transformers model and the name map
     of tests/torch_llama.py as a JSON file."""
-    folder, hf = saved_model("llama_sharded", tmp_path_factory.mktemp("cli_compare"))
+    root = tmp_path_factory.mktemp("cli_compare")
+    shared, hf = saved_model("llama_sharded", root)
+    folder = shutil.copytree(shared, root / "llama_words")  # a copy: other tests share the saved folder as it is
     write_word_tokenizer(folder)
     from torch_llama import name_map
 
