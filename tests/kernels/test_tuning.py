@@ -99,12 +99,14 @@ def test_the_valid_variant_of_those_files_is_used(cache):
 def test_attnkit_tune_0_uses_the_defaults_whatever_the_file(value, cache, monkeypatch):
     tuning.save_choices(cache, TUNED)
     monkeypatch.setenv("ATTNKIT_TUNE", value)
+    tuning.forget_cached()  # the environment is read with the file, once
     assert tuning.current_choices() == DEFAULT_CHOICES and tuning.choices_source() == "defaults (ATTNKIT_TUNE=0)"
     assert default_blocks(8, 4096, 4096) == default_blocks(8, 4096, 4096, l2=l2_bytes())
 
 
 def test_a_bad_attnkit_tune_is_named(cache, monkeypatch):
     monkeypatch.setenv("ATTNKIT_TUNE", "maybe")
+    tuning.forget_cached()
     with pytest.raises(ValueError, match="ATTNKIT_TUNE must be 0 .* got 'maybe'"):
         tuning.current_choices()
 

@@ -147,8 +147,7 @@ def default_num_threads() -> int:
     if _num_threads is not None:
         return _num_threads
     tuned = current_choices().num_threads
-    usable = _usable_count()
-    return usable if tuned is None else min(tuned, usable)
+    return _usable_count() if tuned is None else min(tuned, _usable_count())
 
 
 def set_adaptive_threads(enabled: bool) -> None:

@@ -9,7 +9,7 @@ and were up to 2x off on an Intel Xeon; :mod:`attnkit.kernels.calibration` measu
 Which choices the kernels use (:func:`current_choices`):
 
 * the choices :func:`pinned` holds, inside its ``with`` block (the calibration and tests);
-* else the defaults when the environment variable ``ATTNKIT_TUNE`` is ``0``;
+* else the defaults when the environment variable ``ATTNKIT_TUNE`` is ``0`` (read with the file, once);
 * else the cached file of this machine (:func:`cache_path`), read once per process, when it is valid: our
   format, this machine's key (:func:`machine_key`: CPU model, core counts, NumPy, its BLAS, Python and attnkit
   versions) and every value in range; anything else (missing, foreign, corrupt, another machine's, a version
@@ -110,40 +110,43 @@ def tuning_enabled() -> bool:
 
 
 def current_choices() -> Choices:
-    """The choices the kernels use now (see the module docstring for the order); cheap after the first call."""
+    """The choices the kernels use now (see the module docstring for the order).
+
+    ``ATTNKIT_TUNE`` and the file are read on the first call (and after :func:`forget_cached`); every later call
+    is a lookup, cheap enough for every product and thread count.
+    """
     if _pins:
         return _pins[-1]
-    if not tuning_enabled():
-        return DEFAULT_CHOICES
-    return _cached()[0]
+    return (_loaded or _load())[0]
 
 
 def choices_source() -> str:
     """Where :func:`current_choices` comes from, in words (``attnkit bench`` and ``attnkit tune`` print it)."""
     if _pins:
         return "pinned"
-    if not tuning_enabled():
-        return f"defaults ({ENV_TUNE}=0)"
-    return _cached()[1]
+    return (_loaded or _load())[1]
 
 
-def _cached() -> tuple[Choices, str]:
+def _load() -> tuple[Choices, str]:
     global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                path = cache_path()
-                try:
-                    _loaded = load_choices(path), f"tuned ({path})"
-                except FileNotFoundError:
-                    _loaded = DEFAULT_CHOICES, "defaults (not tuned on this machine: run 'attnkit tune')"
-                except (OSError, ValueError) as exc:
-                    _loaded = DEFAULT_CHOICES, f"defaults (ignored {path}: {exc})"
-    return _loaded
+    with _lock:
+        if _loaded is None:
+            if not tuning_enabled():
+                _loaded = DEFAULT_CHOICES, f"defaults ({ENV_TUNE}=0)"
+                return _loaded
+            path = cache_path()
+            try:
+                _loaded = load_choices(path), f"tuned ({path})"
+            except FileNotFoundError:
+                _loaded = DEFAULT_CHOICES, "defaults (not tuned on this machine: run 'attnkit tune')"
+            except (OSError, ValueError) as exc:
+                _loaded = DEFAULT_CHOICES, f"defaults (ignored {path}: {exc})"
+        return _loaded
 
 
 def forget_cached() -> None:
-    """Read the cache file again at the next :func:`current_choices` (after ``attnkit tune`` wrote it)."""
+    """Read ``ATTNKIT_TUNE`` and the cache file again at the next :func:`current_choices` (after ``attnkit tune``
+    wrote the file, or the environment changed)."""
     global _loaded
     with _lock:
         _loaded = None
