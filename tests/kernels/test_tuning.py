@@ -212,3 +212,15 @@ def test_decoding_steps_keep_blas_on_one_thread_up_to_the_tuned_tokens(monkeypat
     with pinned(Choices(single_blas_rows=0)):
         assert [_threads.decode_blas(n) for n in (1, 2)] == ["free", "free"]
     assert [_threads.decode_blas(n) for n in (1, 2)] == ["measured", "free"]  # untuned: as before tuning
+
+
+def test_every_benchmark_says_which_choices_it_ran_with():
+    """attnkit bench and the benchmark modules print attnkit.benchmarks.machine.describe() first."""
+    from attnkit.benchmarks.machine import describe, machine_info
+
+    line = next(x for x in describe() if x.startswith("# tuning: "))
+    assert line.endswith("threads all; defaults (ATTNKIT_TUNE=0)") and "split from 256 rows" in line
+    with pinned(TUNED):
+        assert "# tuning: tiles for 256 KiB / 2048 KiB (fwd / bwd); split from 512 rows; 1 BLAS thread to 4 tokens; " \
+               "threads 1; pinned" in describe()
+        assert machine_info()["tuning"].startswith("tiles for 256 KiB")
