@@ -31,8 +31,8 @@ def fake_calibration(monkeypatch):
     """calibrate() without timing: the planted choices, and what it was asked."""
     asked = []
 
-    def fake(measure=None, busy=None, repeats=3, usable=None):
-        asked.append({"repeats": repeats, "ignores_load": busy is not None and busy() is False})
+    def fake(measure=None, busy=None, repeats=3, usable=None, keep=None):
+        asked.append({"repeats": repeats, "ignores_load": busy is not None and busy() is False, "keep": keep})
         return calibration.Calibration(PLANTED, {"num_threads": [[None, 0.2], [1, 0.1]]}, False, 0.01)
 
     monkeypatch.setattr(calibration, "calibrate", fake)
@@ -43,7 +43,7 @@ def test_tune_writes_the_choices_the_kernels_then_use(cache, fake_calibration, c
     assert main(["tune", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
     assert "num_threads: default 200.00 ms; 1 100.00 ms" in out and str(cache) in out
-    assert fake_calibration == [{"repeats": 2, "ignores_load": False}]
+    assert fake_calibration == [{"repeats": 2, "ignores_load": False, "keep": tuning.DEFAULT_CHOICES}]
     assert json.loads(cache.read_text())["choices"]["split_rows"] == 512
     assert tuning.current_choices() == PLANTED  # read again after the write
     assert main(["tune", "--show"]) == 0
@@ -53,7 +53,13 @@ def test_tune_writes_the_choices_the_kernels_then_use(cache, fake_calibration, c
 
 def test_ignore_load_takes_every_measurement(cache, fake_calibration):
     assert main(["tune", "--ignore-load"]) == 0
-    assert fake_calibration == [{"repeats": 3, "ignores_load": True}]
+    assert fake_calibration == [{"repeats": 3, "ignores_load": True, "keep": tuning.DEFAULT_CHOICES}]
+
+
+def test_a_second_tune_keeps_the_first_ones_choices_where_the_machine_is_busy(cache, fake_calibration):
+    """calibrate() is given the cached choices to keep for what it measures beside a busy core."""
+    assert main(["tune"]) == 0 and main(["tune"]) == 0
+    assert [a["keep"] for a in fake_calibration] == [tuning.DEFAULT_CHOICES, PLANTED]
 
 
 def test_tune_with_tuning_off_writes_and_says_it_is_not_used(cache, fake_calibration, capsys, monkeypatch):

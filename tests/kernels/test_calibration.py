@@ -83,7 +83,13 @@ def test_a_busy_machine_keeps_every_default():
                       product={128: (0.1, 1.0)}, decode={2: (0.1, 1.0)})
     result = _calibrate(planted, busy=True)
     assert result.busy and result.choices == DEFAULT_CHOICES
-    assert {f"{s}_kept_default" for s in ("tile_l2_forward", "split_rows", "num_threads")} <= set(result.trials)
+    assert {f"{s}_kept" for s in ("tile_l2_forward", "split_rows", "num_threads")} <= set(result.trials)
+
+
+def test_a_busy_machine_keeps_the_previous_tune():
+    previous = Choices(tile_l2_backward=256 << 10, split_rows=1024, num_threads=1)
+    result = calibrate(Planted({("num_threads", 1): 2.0}), busy=lambda: True, usable=2, keep=previous)
+    assert result.choices == previous and result.trials["split_rows_kept"] == [["busy", 1024]]
 
 
 def test_one_busy_phase_keeps_only_its_default():

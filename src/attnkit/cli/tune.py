@@ -29,7 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "many tokens a decoding step keeps BLAS on one thread; the thread count), each a fixed set "
                     "of candidates timed best of --repeats, a candidate replacing the default only if it takes "
                     "less than 90%% of its time; choices measured while other processes used a core keep their "
-                    "default. Writes them to $XDG_CACHE_HOME/attnkit (else ~/.cache/attnkit), one file per CPU "
+                    "previous value (the last tune's, else the default). Writes them to $XDG_CACHE_HOME/attnkit "
+                    "(else ~/.cache/attnkit), one file per CPU "
                     "model, core count and library versions; attnkit then uses them in every process on this "
                     "machine (ATTNKIT_TUNE=0: the defaults).")
     p.add_argument("--show", action="store_true", help="print the choices in use and where they come from; "
@@ -53,7 +54,11 @@ def run(args: argparse.Namespace) -> int:
     _check_writable(path)
     from ..kernels.calibration import calibrate
 
-    result = calibrate(busy=(lambda: False) if args.ignore_load else None, repeats=args.repeats)
+    try:  # a choice measured beside a busy core keeps the last quiet tune's value
+        keep = tuning.load_choices(path)
+    except (OSError, ValueError):
+        keep = tuning.DEFAULT_CHOICES
+    result = calibrate(busy=(lambda: False) if args.ignore_load else None, repeats=args.repeats, keep=keep)
     for line in _trial_lines(result.trials):
         print(line)
     try:
@@ -62,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot write the tuning file {printable(str(path))}: {exc.strerror or exc}") from None
     tuning.forget_cached()
     print(f"measured in {result.seconds:.1f} s"
-          + ("; other processes used a core meanwhile: the choices measured then kept their defaults (run again "
-             "on a quieter machine, or with --ignore-load)" if result.busy else ""))
+          + ("; other processes used a core meanwhile: the choices measured then kept their previous values (run "
+             "again on a quieter machine, or with --ignore-load)" if result.busy else ""))
     print(f"chosen: {tuning.describe_choices(result.choices, 'written to ' + printable(str(path)))}")
     if not enabled:
         print(f"note: {tuning.ENV_TUNE}=0 is set here: attnkit uses the defaults until it is unset")
@@ -93,8 +98,10 @@ def _trial_lines(trials: dict[str, list]) -> list[str]:
     """One line per choice: each candidate's best time (ms)."""
     lines = []
     for setting, rows in trials.items():
-        if setting.endswith("_kept_default"):
-            lines.append(f"{setting[:-len('_kept_default')]}: measured while busy, default kept")
+        if setting.endswith("_kept"):
+            kept = rows[0][1]
+            lines.append(f"{setting[:-len('_kept')]}: measured beside a busy core: kept "
+                         f"{'the default' if kept is None else _value(kept)}")
             continue
         parts = []
         for candidate, seconds in rows:

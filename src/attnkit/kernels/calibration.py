@@ -24,7 +24,8 @@ What is measured, in order (each with the choices found before it pinned):
 * ``num_threads``: the kernels' thread count, candidates the powers of two below the usable cores and the
   cores themselves; timed: the attention forward and backward and a 1024-row product.
 
-A choice measured while other processes used half a core or more keeps its default: a busy core makes fewer
+A choice measured while other processes used half a core or more keeps its default (or, with ``keep``, the
+value cached before): a busy core makes fewer
 threads look faster (OpenBLAS's threads wait for a descheduled one: one-row products took 40x as long on two
 threads as on one beside other work here) and every timing noisy, and the run-time load following of
 :mod:`attnkit.kernels._threads` already handles a busy machine.
@@ -263,7 +264,7 @@ def _single_blas_rows(measure: Measure, trials: dict) -> int:
 
 
 def calibrate(measure: Measure | None = None, busy: Callable[[], bool] | None = None, repeats: int = 3,
-              usable: int | None = None) -> Calibration:
+              usable: int | None = None, keep: Choices = DEFAULT_CHOICES) -> Calibration:
     """Measure every choice (see the module docstring) and return them with the timings.
 
     Parameters
@@ -272,12 +273,15 @@ def calibrate(measure: Measure | None = None, busy: Callable[[], bool] | None = 
         ``measure(setting, candidate) -> seconds``; default :class:`Workloads` (the real kernels).
     busy : callable, optional
         Asked before the first choice and after each: whether other processes took a core since it was last
-        asked; if so, that choice keeps its default. Default :class:`LoadWatch` (half a core or more used by
-        others, from ``/proc/stat``); ``lambda: False`` takes every measurement as it comes.
+        asked; if so, that choice takes its value in ``keep``. Default :class:`LoadWatch` (half a core or more
+        used by others, from ``/proc/stat``); ``lambda: False`` takes every measurement as it comes.
     repeats : int
         Timed runs per candidate for the default ``measure``.
     usable : int, optional
         The cores to calibrate for (default: those this process may run on).
+    keep : Choices
+        What a choice measured beside a busy core keeps: the defaults, or (``attnkit tune``) the choices cached
+        before, so a busy re-run does not undo a quiet one.
     """
     start = time.perf_counter()
     usable = usable_cores() if usable is None else usable
@@ -289,14 +293,14 @@ def calibrate(measure: Measure | None = None, busy: Callable[[], bool] | None = 
     _threads.set_adaptive_threads(False)  # every candidate on the threads it names, whatever the load
     try:
         with pinned(DEFAULT_CHOICES):
-            choices, was_busy = _measure_all(measure, busy, trials, usable, workloads)
+            choices, was_busy = _measure_all(measure, busy, trials, usable, workloads, keep)
     finally:
         _threads.set_adaptive_threads(adaptive)
     return Calibration(choices, trials, was_busy, time.perf_counter() - start)
 
 
 def _measure_all(measure: Measure, busy: Callable[[], bool], trials: dict, usable: int,
-                 workloads: Workloads | None) -> tuple[Choices, bool]:
+                 workloads: Workloads | None, keep: Choices) -> tuple[Choices, bool]:
     """Every choice in turn, each with those before it pinned; whether a thread measurement met a busy core."""
     choices = DEFAULT_CHOICES
 
@@ -320,9 +324,10 @@ def _measure_all(measure: Measure, busy: Callable[[], bool], trials: dict, usabl
     busy()  # each phase's load is read from its start
     for setting, measured in phases:
         value = measured()
-        if busy():  # a busy core makes fewer threads look faster, and any timing noisy: keep the default
+        if busy():  # a busy core makes fewer threads look faster, and any timing noisy: keep what was
             was_busy = True
-            trials[setting + "_kept_default"] = [["busy", True]]
+            trials[setting + "_kept"] = [["busy", getattr(keep, setting)]]
+            found(**{setting: getattr(keep, setting)})
         else:
             found(**{setting: value})
     return choices, was_busy
