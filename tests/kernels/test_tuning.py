@@ -224,3 +224,9 @@ def test_every_benchmark_says_which_choices_it_ran_with():
         assert "# tuning: tiles for 256 KiB / 2048 KiB (fwd / bwd); split from 512 rows; 1 BLAS thread to 4 tokens; " \
                "threads 1; pinned" in describe()
         assert machine_info()["tuning"].startswith("tiles for 256 KiB")
+
+
+def test_the_described_decoding_blas_choice_reads_right_at_every_value():
+    lines = [tuning.describe_choices(Choices(single_blas_rows=n), "x") for n in (None, 0, 2)]
+    assert ["1 token if faster" in lines[0], "BLAS threaded at every size" in lines[1],
+            "1 BLAS thread to 2 tokens" in lines[2]] == [True, True, True]

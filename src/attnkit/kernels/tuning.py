@@ -262,8 +262,9 @@ def describe_choices(choices: Choices | None = None, source: str | None = None) 
     c = current_choices() if choices is None else choices
     source = choices_source() if source is None else source
     split = "never split" if c.split_rows >= _MAX_ROWS else f"split from {c.split_rows} rows"
-    single = "1 BLAS thread: 1 token if faster" if c.single_blas_rows is None else \
-        f"1 BLAS thread to {c.single_blas_rows} tokens"
+    single = ("1 BLAS thread: 1 token if faster" if c.single_blas_rows is None
+              else "BLAS threaded at every size" if c.single_blas_rows == 0
+              else f"1 BLAS thread to {c.single_blas_rows} tokens")
     threads = "all" if c.num_threads is None else str(c.num_threads)
     return (f"tiles for {_kib(c.tile_l2_forward)} / {_kib(c.tile_l2_backward)} (fwd / bwd); {split}; {single}; "
             f"threads {threads}; {source}")
