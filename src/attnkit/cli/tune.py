@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "sizes, forward and backward; from how many rows products are split over threads; up to how "
                     "many tokens a decoding step keeps BLAS on one thread; the thread count), each a fixed set "
                     "of candidates timed best of --repeats, a candidate replacing the default only if it takes "
-                    "less than 90%% of its time; choices measured while other processes used a core keep their "
+                    "less than 90% of its time; choices measured while other processes used a core keep their "
                     "previous value (the last tune's, else the default). Writes them to $XDG_CACHE_HOME/attnkit "
                     "(else ~/.cache/attnkit), one file per CPU "
                     "model, core count and library versions; attnkit then uses them in every process on this "
