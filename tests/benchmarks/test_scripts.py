@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp", "patching", "linear_decode", "gguf_load",
-           "busy_core")
+           "busy_core", "tuning")
 
 
 def _run(args, tmp_path, block_torch=False):

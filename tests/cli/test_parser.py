@@ -17,7 +17,8 @@ def _command_names():
 
 
 def test_commands_follow_the_module_pattern():
-    assert _command_names() == ["demo", "attention", "explain", "bench", "embed", "generate", "chat", "compare"]
+    assert _command_names() == ["demo", "attention", "explain", "bench", "tune", "embed", "generate", "chat",
+                               "compare"]
     sub = build_parser()._subparsers._group_actions[0]
     assert list(sub.choices) == _command_names()
     for command in COMMANDS:
@@ -49,7 +50,8 @@ def test_a_command_added_to_commands_is_registered(monkeypatch, capsys):
     assert_one_line_error(capsys.readouterr().err, "attnkit hello: error: argument --times: must be at most 3")
     assert main([]) == 2
     assert_one_line_error(capsys.readouterr().err,
-                          "choose a command: demo, attention, explain, bench, embed, generate, chat, compare, hello")
+                          "choose a command: demo, attention, explain, bench, tune, embed, generate, chat, compare, "
+                          "hello")
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["attention"], ["explain"], ["bench"], ["embed"], ["generate"]])

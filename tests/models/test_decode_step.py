@@ -92,3 +92,22 @@ def test_a_hook_sends_the_step_through_the_modules_that_call_it(tmp_path, name):
         lm(np.array(ids), cache=cache)
     d = lm.config.hidden_size
     assert seen == [(1, 3, d), (1, 1, d), (1, 1, d)]
+
+
+def test_the_decoding_blas_threads_are_chosen_by_the_tokens_of_a_call(tmp_path, monkeypatch):
+    """A model forward asks kernels._threads.decode_blas with its token count (B * L), so the tuned
+    single_blas_rows decides batch-1 and small-batch decoding steps alike."""
+    from contextlib import nullcontext
+
+    from attnkit.models import causal_lm
+
+    folder, _ = saved_model("llama_gqa", tmp_path)
+    lm = load_causal_lm(folder)
+    asked = []
+    monkeypatch.setattr(causal_lm, "decode_blas", lambda tokens: asked.append(tokens) or nullcontext())
+    ids = np.array([[1, 2, 3, 4]] * 3)  # (3, 4)
+    cache = lm.new_cache(3)
+    lm(ids, cache=cache)  # a prefill of 3 x 4 tokens
+    lm(ids[:, :1], cache=cache)  # a step: one token per row
+    lm(ids[:1, :1])  # one token, no cache
+    assert asked == [12, 3, 1]

@@ -1,4 +1,6 @@
-"""Where a benchmark ran: CPU model, cores, caches, the BLAS library and kernel, thread counts, versions.
+"""Where a benchmark ran: CPU model, cores, caches, the BLAS library and kernel, thread counts, the kernels'
+tuned choices (:mod:`attnkit.kernels.tuning`: tile sizes, product splits, threads, and whether they were
+measured here by ``attnkit tune`` or are the defaults), versions.
 
 Every benchmark prints :func:`describe` at the top of its output and stores :func:`machine_info` in its
 JSON report, so a table can always be traced to the machine that produced it.
@@ -49,6 +51,7 @@ def _torch_version() -> str | None:
 def machine_info() -> dict[str, Any]:
     """Everything :func:`describe` prints, as a JSON-ready dict."""
     from ..kernels._threads import default_num_threads
+    from ..kernels.tuning import describe_choices
 
     try:
         load = os.getloadavg()[0]
@@ -57,7 +60,7 @@ def machine_info() -> dict[str, Any]:
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "cpu": cpu_model(), "machine": platform.machine(), "cores": os.cpu_count(),
             "usable_cores": usable_cores(), "caches": cache_sizes(), "blas": blas_info(),
-            "attnkit_threads": default_num_threads(), "python": platform.python_version(),
+            "attnkit_threads": default_num_threads(), "tuning": describe_choices(), "python": platform.python_version(),
             "numpy": np.__version__, "torch": _torch_version(), "load_average": load,
             "openblas_env": {k: os.environ[k] for k in OPENBLAS_OVERRIDES if k in os.environ}}
 
@@ -101,6 +104,8 @@ def describe(info: dict[str, Any] | None = None, threads: Any = None) -> list[st
              f"# threads: attnkit default {info['attnkit_threads']}"
              + ("" if threads is None else f", this run {_join(threads)}"),
              f"# python {info['python']}, numpy {info['numpy']}, torch {info['torch'] or 'not installed'}"]
+    if info.get("tuning"):
+        lines.insert(4, f"# tuning: {info['tuning']}")
     if info["openblas_env"]:
         lines.append(f"# WARNING: {info['openblas_env']} set; OpenBLAS may use slower kernels "
                      f"(run with env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE)")

@@ -6,6 +6,7 @@ Commands::
     attnkit attention  draw the attention heatmaps of a demo model, MiniLM or a causal LM for an input
     attnkit explain    explain a causal LM's next-token prediction in one offline HTML page
     attnkit bench      time attnkit's attention kernels against naive NumPy and PyTorch
+    attnkit tune       measure tile sizes, product splits and threads on this machine, and cache them
     attnkit embed      sentence embeddings with all-MiniLM-L6-v2
     attnkit generate   continue a prompt with a causal LM (a Hugging Face folder or a GGUF file)
     attnkit chat       chat with a causal LM's chat template, replies streamed
@@ -40,12 +41,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import attention, bench, chat, compare, demo, embed, explain, generate
+from ..kernels.tuning import tuning_enabled
+from . import attention, bench, chat, compare, demo, embed, explain, generate, tune
 from ._common import PROG, Parser, UsageError, check_argv_text, run_command
 
 __all__ = ["main", "build_parser", "UsageError", "COMMANDS", "DESCRIPTION"]
 
-COMMANDS = (demo, attention, explain, bench, embed, generate, chat, compare)
+COMMANDS = (demo, attention, explain, bench, tune, embed, generate, chat, compare)
 
 DESCRIPTION = ("attnkit: the attention mechanisms of the Transformer in NumPy. Start with 'attnkit demo'. The "
                "model commands (attention, explain, generate, chat) read causal LMs from Hugging Face folders or "
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse_and_run(argv: Sequence[str]) -> int:
     check_argv_text(argv)
+    try:
+        tuning_enabled()  # ATTNKIT_TUNE is read by the first kernel call: a bad value is a usage error here
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -29,11 +29,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         NAME, help="time the attention kernels (or every model family's decoding) against PyTorch",
         description="attnkit bench [attention]: the attention benchmark (attnkit.benchmarks.attention): "
-                    "attnkit's tiled and reference "
-                    "kernels, a naive NumPy version and PyTorch (skipped, with a line saying so, when torch is "
-                    "not installed), forward and forward+backward, causal and not, float32. Prints where it ran "
-                    "(CPU, caches, BLAS and its kernel, threads), the table, and writes "
-                    "OUT/attention-benchmark.json (and .png with matplotlib). Run it with "
+                    "attnkit's tiled and reference kernels, a naive NumPy version and PyTorch (skipped, with a "
+                    "line saying so, when torch is not installed), forward and forward+backward, causal and not, "
+                    "float32. Prints where it ran (CPU, caches, BLAS and its kernel, threads, the tuned choices of "
+                    "attnkit tune or the defaults), the table, and writes OUT/attention-benchmark.json (and .png "
+                    "with matplotlib). Run it with "
                     "'env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE' where those are set. The encoder and MiniLM "
                     "benchmarks: python -m attnkit.benchmarks.encoder / .minilm. "
                     "attnkit bench decode: every decoder family's greedy decoding (tokens/s at each --batches) and "

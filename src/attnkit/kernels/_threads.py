@@ -38,11 +38,12 @@ from typing import Any
 from .._arguments import bounded_int
 from .._cpu import busy_seconds, usable_cpu_ids
 from .._validation import check_positive_int
+from .tuning import current_choices
 
 __all__ = ["MAX_NUM_THREADS", "LOAD_INTERVAL", "check_num_threads", "thread_count_argument", "set_num_threads",
            "get_num_threads", "num_threads", "default_num_threads", "set_adaptive_threads", "get_adaptive_threads",
            "free_cores", "cores_left", "in_worker", "blas_limit", "blas_single_thread", "blas_on_free_cores",
-           "one_row_blas", "run_tasks", "check_stop", "TasksStopped"]
+           "one_row_blas", "decode_blas", "run_tasks", "check_stop", "TasksStopped"]
 
 _pool: ThreadPoolExecutor | None = None  # the process's helper threads, sized by the largest call so far
 _pool_size = 0
@@ -136,15 +137,17 @@ def num_threads(n: int | None):
 
 
 def default_num_threads() -> int:
-    """The number of tile threads used when the caller does not say: :func:`set_num_threads`'s value, or
-    else the cores this process may run on, at most :data:`MAX_NUM_THREADS`.
+    """The number of tile threads used when the caller does not say: :func:`set_num_threads`'s value, else the
+    count ``attnkit tune`` measured best on this machine (:mod:`attnkit.kernels.tuning`; never above the cores
+    this process may run on), else those cores, at most :data:`MAX_NUM_THREADS`.
 
     ``os.sched_getaffinity`` where the platform has it (containers and ``taskset`` restrict it), else
     ``os.cpu_count()``.
     """
     if _num_threads is not None:
         return _num_threads
-    return _usable_count()
+    tuned = current_choices().num_threads
+    return _usable_count() if tuned is None else min(tuned, _usable_count())
 
 
 def set_adaptive_threads(enabled: bool) -> None:
@@ -415,6 +418,23 @@ def one_row_blas():
     ``single`` or ``all``) decides instead. "All" means all of the free cores (:func:`blas_on_free_cores`).
     """
     return blas_single_thread() if _one_row_prefers_single() else blas_on_free_cores()
+
+
+def decode_blas(tokens: int):
+    """Context manager for a model forward over ``tokens`` tokens (B * L): BLAS on one thread for a decoding
+    step small enough, else on the free cores (:func:`blas_on_free_cores`).
+
+    "Small enough" is the tuned ``single_blas_rows`` (:mod:`attnkit.kernels.tuning`: the most rows at which one
+    BLAS thread was not slower than all of them, measured by ``attnkit tune``); without a tuning, one token,
+    as :func:`one_row_blas` decides. ``ATTNKIT_ONE_ROW_BLAS`` still decides one token when set.
+    """
+    limit = current_choices().single_blas_rows
+    if tokens <= 1 and (limit is None or os.environ.get("ATTNKIT_ONE_ROW_BLAS", "auto").strip().lower()
+                        not in ("", "auto")):
+        return one_row_blas()
+    if limit is not None and tokens <= limit:
+        return blas_single_thread()
+    return blas_on_free_cores()
 
 
 def _one_row_prefers_single() -> bool:

@@ -17,14 +17,14 @@ import numpy as np
 
 from ._threads import default_num_threads, in_worker, run_tasks
 from .packed import PackedWeight, packed_product
+from .tuning import current_choices
 
-__all__ = ["linear", "linear_backward", "product"]
+__all__ = ["linear", "linear_backward", "product", "split_product"]
 
-# A product runs split when it has at least this many rows (blocks of at least half as many) and this much work
-# (multiply-adds): below them one BLAS call on BLAS's own threads was faster (15-30% at 256 rows of a
-# SmolLM-135M projection: handing work to a thread costs about 0.1 ms, and each thread packs the whole
-# right-hand side).
-_SPLIT_ROWS = 256
+# A product runs split when it has at least ``split_rows`` rows (blocks of at least half as many) and this much
+# work (multiply-adds): below them one BLAS call on BLAS's own threads was faster (15-30% at 256 rows of a
+# SmolLM-135M projection on AMD EPYC: handing work to a thread costs about 0.1 ms, and each thread packs the
+# whole right-hand side). The row count is a tuned choice (:mod:`attnkit.kernels.tuning`, default 256).
 _SPLIT_WORK = 1 << 25  # about 0.3 ms of one thread's BLAS: far above the hand-off
 
 
@@ -32,9 +32,9 @@ def product(a: np.ndarray, b: np.ndarray | PackedWeight) -> np.ndarray:
     """``a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N), split by rows over attnkit's threads when large.
 
     Every row is computed by the same single-threaded BLAS kernel whatever the split, in NumPy's result dtype.
-    Small products (fewer than 256 rows or 2**25 multiply-adds), one configured thread, or a call from inside
-    one of attnkit's workers take one plain ``a @ b``. A packed ``b`` is multiplied by
-    :func:`~attnkit.kernels.packed.packed_product` (blocks of its rows dequantized in turn).
+    Small products (fewer than the tuned ``split_rows``, 256 by default, or 2**25 multiply-adds), one
+    configured thread, or a call from inside one of attnkit's workers take one plain ``a @ b``. A packed ``b``
+    is multiplied by :func:`~attnkit.kernels.packed.packed_product` (blocks of its rows dequantized in turn).
 
     Returns
     -------
@@ -42,10 +42,22 @@ def product(a: np.ndarray, b: np.ndarray | PackedWeight) -> np.ndarray:
     """
     if not isinstance(b, np.ndarray):  # a PackedWeight
         return packed_product(a, b)
-    rows = a.shape[0]
-    workers = min(default_num_threads(), rows // (_SPLIT_ROWS // 2))
-    if rows < _SPLIT_ROWS or rows * a.shape[1] * b.shape[1] < _SPLIT_WORK or workers < 2 or in_worker():
+    rows, split_rows = a.shape[0], current_choices().split_rows
+    workers = min(default_num_threads(), rows // max(1, split_rows // 2))
+    if rows < split_rows or rows * a.shape[1] * b.shape[1] < _SPLIT_WORK or workers < 2 or in_worker():
         return a @ b
+    return split_product(a, b, workers)
+
+
+def split_product(a: np.ndarray, b: np.ndarray, workers: int) -> np.ndarray:
+    """``a @ b`` (M, K) x (K, N) cut into ``workers`` blocks of rows, each one single-threaded BLAS call on one of
+    attnkit's threads (:func:`product` decides when; the calibration times it against a plain ``a @ b``).
+
+    Returns
+    -------
+    ndarray (M, N)
+    """
+    rows = a.shape[0]
     out = np.empty((rows, b.shape[1]), np.result_type(a.dtype, b.dtype))  # (M, N)
     cuts = [rows * i // workers for i in range(workers + 1)]
 

@@ -20,7 +20,7 @@ from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache, LatentCache
 from ..decoding.config import GenerationConfig
 from ..init import as_generator
-from ..kernels._threads import blas_on_free_cores, one_row_blas
+from ..kernels._threads import blas_on_free_cores, decode_blas
 from ..kernels.linear import linear, product
 from ..layers.embedding import Embedding
 from ..layers.identity import Identity, Scale
@@ -31,13 +31,13 @@ from .config import STATE_LAYER_TYPES, DecoderConfig
 
 __all__ = ["CausalLM", "EarlyExit", "positions_from_mask"]
 
-# A call of this many tokens (B * L: a batch-1 decoding step) is a chain of matrix-vector products whose cost is
-# reading the weights; whether a second BLAS thread helps there depends on the machine, which
-# kernels._threads.one_row_blas measures once. From two rows on, OpenBLAS runs a small-M GEMM that is bound by
-# arithmetic, not memory, and two threads pay: a (576, 1536) weight at 8 rows took 276 us on one thread and
-# 164 us on two (AMD EPYC, SkylakeX kernel), and batch-8 decoding of a SmolLM-135M shape went from 58-68 to
-# 74-75 tokens/s. The output head always threads (see forward).
-_ONE_ROW_TOKENS = 1
+# A call of one token (B * L: a batch-1 decoding step) is a chain of matrix-vector products whose cost is reading
+# the weights; whether a second BLAS thread helps there depends on the machine, which kernels._threads.one_row_blas
+# measures once. From two rows on, OpenBLAS runs a small-M GEMM that is bound by arithmetic, not memory, and two
+# threads paid on AMD EPYC: a (576, 1536) weight at 8 rows took 276 us on one thread and 164 us on two (SkylakeX
+# kernel), and batch-8 decoding of a SmolLM-135M shape went from 58-68 to 74-75 tokens/s. Up to how many tokens
+# one thread is kept is a tuned choice (kernels._threads.decode_blas, attnkit tune). The output head always
+# threads (see forward).
 
 
 def positions_from_mask(attention_mask: np.ndarray, length: int) -> np.ndarray:
@@ -330,7 +330,7 @@ class CausalLM(Module):
             self.save_for_backward()
             return self._step_forward(ids, mask, positions, cache, depth)  # (B, 1, V)
         weights: list[np.ndarray] = []
-        with one_row_blas() if ids.size <= _ONE_ROW_TOKENS else blas_on_free_cores():
+        with decode_blas(ids.size):
             h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None,
                              depth=depth)  # (B, L, D)
         length = h.shape[1]
@@ -375,7 +375,7 @@ class CausalLM(Module):
                   for name in set(self.layer_rotary) - {None}}
         layer_mask = None if mask.all() else mask  # (B, S) over every slot
         extra = {key: getattr(self, name).step(ids, h) for key, name in self.layer_inputs.items()}  # (B, N, P) each
-        with one_row_blas() if ids.shape[0] <= _ONE_ROW_TOKENS else blas_on_free_cores():
+        with decode_blas(ids.shape[0]):
             for index, layer in enumerate(list(self.layers)[:depth]):
                 inputs = {key: e[:, index] for key, e in extra.items()}  # (B, P) each
                 h = layer.step(h, rotary=tables.get(self.layer_rotary[index]), attention_mask=layer_mask,

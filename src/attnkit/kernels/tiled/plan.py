@@ -16,6 +16,7 @@ from .._threads import check_num_threads, default_num_threads, run_tasks
 from .._tile_sizes import choose_heads, choose_tiles, heads_override, tile_override
 from ..dropout import keep_mask
 from ..flex import checked_scores, score_index
+from ..tuning import current_choices
 
 _LAZY_SHIFT = 16.0  # exp(s - m) may reach e^16 before the shift m is moved (float32-safe)
 
@@ -125,7 +126,8 @@ class _TilePlan:
 def _tile_plan(request: _PlanRequest) -> _TilePlan:
     """The tile lengths of one call and how many heads share a tile.
 
-    Keywords (``fixed``) win over ``ATTNKIT_TILE_*``, which win over the cost model; with a sliding window
+    Keywords (``fixed``) win over ``ATTNKIT_TILE_*``, which win over the cost model (for the request's
+    ``l2``, else the cache size ``attnkit tune`` measured for the pass, else the machine's L2); with a sliding window
     the model's key tile is at most the window rounded up to a power of two (at least 64); the block the
     tasks run over is halved (down to 64) until every thread has two tasks, unless a keyword or the
     environment set it; a causal forward over several query blocks takes key tiles no longer than them.
@@ -133,6 +135,9 @@ def _tile_plan(request: _PlanRequest) -> _TilePlan:
     r = request
     n_heads = math.prod(r.lead)
     env_q, env_k = tile_override()
+    if r.l2 is None:  # the cache size the tiles are modelled for: measured by attnkit tune, else the L2
+        tuned = current_choices()
+        r = replace(r, l2=tuned.tile_l2_forward if r.split == "q" else tuned.tile_l2_backward)
     block_q, block_k = choose_tiles(n_heads, r.head_dim, r.value_dim, r.itemsize, r.l2)
     set_q, set_k = r.fixed[0] or env_q, r.fixed[1] or env_k
     if r.window is not None:  # each query tile sees about W keys: wider key tiles compute masked entries
