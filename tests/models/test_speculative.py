@@ -60,9 +60,12 @@ def test_greedy_stays_the_same_with_stops_eos_and_processors(tmp_path, name):
 def test_prompt_lookup_drafts_what_followed_the_last_match():
     lookup = PromptLookup(3, max_ngram=2)
     mask = np.ones((2, 8), bool)
-    seqs = np.array([[1, 2, 3, 4, 1, 2, 9, 1], [5, 6, 7, 5, 6, 7, 8, 6]])
-    # row 0: "9 1" never seen, "1" last seen at 4 -> 2 9 1; row 1: "8 6" unseen, "6" at 4 -> 7 8 6
-    assert lookup.propose(seqs, mask).tolist() == [[2, 9, 1], [7, 8, 6]]
+    seqs = np.array([[1, 2, 9, 4, 5, 6, 2, 9], [5, 6, 7, 5, 6, 7, 8, 6]])
+    # row 0: "2 9" last seen at 1 -> 4 5 6; row 1: "8 6" unseen, and a one-token match is not used -> no draft
+    # (a row without one is padded with its last token, which the model rejects there)
+    assert lookup.propose(seqs, mask).tolist() == [[4, 5, 6], [6, 6, 6]]
+    # a one-token match only when asked for: "6" last seen at 4 -> 7 8 6
+    assert PromptLookup(3, max_ngram=1).propose(seqs[1:], mask[1:]).tolist() == [[7, 8, 6]]
     mask[1, :3] = False  # padding is not text
     assert lookup.propose(np.array([[1, 2, 3, 4, 5, 6, 7, 8]]), mask[:1]) is None
 

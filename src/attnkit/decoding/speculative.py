@@ -21,8 +21,8 @@ Three proposers, with Hugging Face's option names:
 
 A proposer learns from how many of its tokens were kept (``accepted``): :class:`DraftModel` drafts two tokens
 more after a round that kept them all and one fewer after one that did not (Hugging Face's "heuristic"
-schedule), and every proposer pauses after rounds that keep nothing, so a conversation it cannot predict costs
-little more than decoding without it.
+schedule), and every proposer pauses after rounds that keep fewer than two tokens, so a conversation it cannot
+predict costs little more than decoding without it.
 """
 from __future__ import annotations
 
@@ -36,10 +36,15 @@ from .config import MAX_DRAFT_TOKENS
 
 __all__ = ["Proposer", "PromptLookup", "DraftModel"]
 
-# After this many rounds in a row that kept no draft token, a proposer stays quiet for as many rounds as it has
-# failed (doubling up to _LONGEST_PAUSE): on text it cannot predict, decoding runs almost as without it.
+# After this many rounds in a row that did not pay, a proposer stays quiet for as many rounds as it has failed
+# (doubling up to _LONGEST_PAUSE): on text it cannot predict, decoding runs almost as without it. A round pays
+# when it keeps at least _KEPT_TO_PAY tokens: on a CPU, verifying a draft costs about two decoding steps more than
+# one step (a product of a few rows costs several times a one-row GEMV in OpenBLAS), so a round that keeps one
+# token loses time. Measured on SmolLM2-135M (docs/benchmarks.md): with a pause of at most 16 rounds and one kept
+# token counting as success, free chat ran at 0.85x plain decoding; the pause of 64 bounds that loss at about 3%.
 _FAILURES_BEFORE_PAUSE = 2
-_LONGEST_PAUSE = 16
+_LONGEST_PAUSE = 64
+_KEPT_TO_PAY = 2
 
 
 class Proposer:
@@ -47,7 +52,8 @@ class Proposer:
 
     ``propose(sequences, mask)`` -> (B, K) int64 drafts for every row, or None for no draft this round;
     ``accepted(count, proposed)`` after the round: how many of the K were kept (the fewest over the rows).
-    This base class pauses after rounds that keep nothing; subclasses implement :meth:`_draft`. A proposer can be
+    This base class pauses after rounds that do not pay (that keep fewer than two tokens, or fewer than were
+    proposed when that is less); subclasses implement :meth:`_draft`. A proposer can be
     passed to ``generate`` as ``assistant_model``.
 
     Attributes
@@ -72,7 +78,7 @@ class Proposer:
         """Learn that ``count`` of the ``proposed`` draft tokens were kept."""
         self.proposed += proposed
         self.kept += count
-        if count:
+        if count >= min(_KEPT_TO_PAY, proposed):
             self._failures = 0
             return
         self._failures += 1
@@ -92,7 +98,10 @@ class PromptLookup(Proposer):
     num_tokens : int
         K, the tokens drafted per round at most (Hugging Face's ``prompt_lookup_num_tokens``).
     max_ngram : int, default 2
-        The longest n-gram matched (``max_matching_ngram_size``); shorter ones are tried when it does not occur.
+        The longest n-gram matched (``max_matching_ngram_size``); shorter ones down to two tokens are tried when
+        it does not occur (one token only when ``max_ngram`` is 1). Hugging Face also drafts after a one-token
+        match; on a CPU such drafts are mostly rejected and each costs about two decoding steps (free chat with
+        SmolLM2-135M: 0.87x plain decoding with them, 1.01x without; docs/benchmarks.md).
 
     Examples
     --------
@@ -120,7 +129,7 @@ class PromptLookup(Proposer):
     def _continuation(self, ids: np.ndarray, start: int) -> np.ndarray:
         """What followed the last earlier occurrence of the last n-gram of ``ids[start:]`` (longest n first)."""
         text = ids[start:]
-        for n in range(min(self.max_ngram, len(text) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(text) - 1), min(2, self.max_ngram) - 1, -1):
             windows = sliding_window_view(text[:-1], n)  # (T - n, n): every n-gram that has a successor
             hits = np.flatnonzero((windows == text[-n:]).all(axis=1))
             if hits.size:
