@@ -184,6 +184,15 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                linear_key_head_dim=8, linear_value_head_dim=6,
                                                layer_types=["linear_attention", "full_attention",
                                                             "linear_attention", "full_attention"]), {}),
+    # Qwen3.5-MoE: Qwen3.5's layers, every MLP top-2-of-4 experts (renormalised) and a gated shared expert
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict({k: v for k, v in _COMMON.items() if k != "intermediate_size"},
+                                                      num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                                      linear_num_key_heads=2, linear_num_value_heads=4,
+                                                      linear_key_head_dim=8, linear_value_head_dim=6, num_experts=4,
+                                                      num_experts_per_tok=2, moe_intermediate_size=16,
+                                                      shared_expert_intermediate_size=24,
+                                                      layer_types=["linear_attention", "full_attention",
+                                                                   "linear_attention", "full_attention"]), {}),
     # Qwen3-Next: Qwen3.5's layers with fused projections; layer 2 dense, the others top-2-of-4 experts and a
     # shared expert (renormalised top-k)
     "qwen3_next": ("Qwen3NextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
@@ -261,7 +270,8 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "qwen3", "qwen3_window", "olmo2", "olmo2_bias_mqa", "smollm3", "smollm3_window", "gpt_neox",
                  "gpt_neox_sequential", "gemma2", "gemma2_mqa_untied", "gemma3_text", "gemma4_text",
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
-                 "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe", "qwen3_moe_window", "mixtral",
+                 "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe",
+                 "qwen3_moe_window", "mixtral",
                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
                  "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
 

@@ -81,7 +81,8 @@ def test_greedy_tokens_equal_hf_generate(name, hf_root):
                                   "qwen3_window", "smollm3_window", "gemma2", "gemma3_text", "gemma4_text",
                                   "olmo3", "glm4", "granite",
                                   "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
-                                  "qwen3_5_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window", "mixtral",
+                                  "qwen3_5_text",
+                                  "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window", "mixtral",
                                   "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
                                   "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus"])
 def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root):
@@ -100,7 +101,8 @@ def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root)
 # Not lfm2_bias and bamba_bias: as in transformers, a padded position's input is zeroed before projections with
 # biases, so those biases reach the convolution window of a row's first real tokens.
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2_untied", "qwen2_mixed", "mistral_window", "qwen3", "olmo2",
-                                  "gpt_neox", "gpt_oss", "qwen3_5_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window",
+                                  "gpt_neox", "gpt_oss", "qwen3_5_text",
+                                  "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window",
                                   "mixtral", "gemma4_text", "deepseek_v3", "deepseek_v3_plain", "lfm2", "bamba",
                                   "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                                   "apertus"])
@@ -182,7 +184,8 @@ BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, length_penalty=0.5, early_
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_mixed", "mistral_window", "gemma2", "phi3_longrope",
-                                  "gpt_oss", "qwen3_5_text", "qwen3_next", "qwen3_moe", "mixtral", "gemma4_text",
+                                  "gpt_oss", "qwen3_5_text",
+                                  "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "mixtral", "gemma4_text",
                                   "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
                                   "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                                   "apertus"])

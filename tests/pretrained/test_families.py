@@ -26,7 +26,8 @@ from hf_models import (  # noqa: E402
 
 NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_sequential", "gemma2",
                      "gemma2_mqa_untied", "gemma3_text", "phi3_longrope", "phi3_partial_window",
-                     "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_next", "qwen3_next_unnormalised",
+                     "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
+                     "qwen3_next_unnormalised",
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
                      "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                      "apertus")
@@ -91,6 +92,7 @@ def test_gradients_match_hf_autograd(name, hf_root):
 
 # the checkpoint's name of a mixture's module and of each expert's gate, up and down matrices
 EXPERT_NAMES = {"qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+                "qwen3_5_moe_text": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
 
@@ -118,6 +120,7 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("phi3", "attention_bias"), ("gpt_oss", "num_experts"),
                                        ("qwen3_moe", "shared_expert_intermediate_size"), ("mixtral", "norm_topk_prob"),
                                        ("lfm2", "rms_norm_eps"), ("bamba", "head_dim_ratio"),
+                                       ("qwen3_5_moe_text", "decoder_sparse_step"),
                                        ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias"),
                                        ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
                                        ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
@@ -240,6 +243,7 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
 
 @pytest.mark.parametrize("model_type, config_class", [("qwen3_5_text", "Qwen3_5TextConfig"),
                                                       ("qwen3_next", "Qwen3NextConfig"),
+                                                      ("qwen3_5_moe_text", "Qwen3_5MoeTextConfig"),
                                                       ("qwen3_moe", "Qwen3MoeConfig"), ("mixtral", "MixtralConfig"),
                                                       ("lfm2", "Lfm2Config"), ("bamba", "BambaConfig"),
                                                       ("olmo3", "Olmo3Config"), ("glm4", "Glm4Config"),
