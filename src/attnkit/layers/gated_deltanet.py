@@ -50,6 +50,7 @@ from ..kernels import causal_conv as _conv
 from ..kernels import delta_rule as _delta
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import gated_rms_norm_backward, gated_rms_norm_forward
+from .recurrent_state import RecurrentState
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer"]
 
@@ -57,7 +58,7 @@ _INPUTS = ("W_qkv", "W_z", "W_b", "W_a")
 
 
 @dataclass
-class GatedDeltaNetCache:
+class GatedDeltaNetCache(RecurrentState):
     """What decoding keeps for one :class:`GatedDeltaNet` layer: a fixed size, whatever the length so far.
 
     Attributes
@@ -70,35 +71,6 @@ class GatedDeltaNetCache:
     conv_state: np.ndarray
     recurrent_state: np.ndarray
     length: int = 0
-
-    def reorder(self, index: Any) -> None:
-        """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows).
-
-        Parameters
-        ----------
-        index : (B',) int
-        """
-        index, batch = np.asarray(index), self.conv_state.shape[0]
-        if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
-            raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
-                             f"and dtype {index.dtype}")
-        if index.min() < -batch or index.max() >= batch:
-            raise ValueError(f"index must hold rows in [0, {batch}), got {index.min()}..{index.max()}")
-        self.conv_state = self.conv_state[index]  # (B', K - 1, Cc)
-        self.recurrent_state = self.recurrent_state[index]  # (B', Hv, Dk, Dv)
-
-    def copy(self) -> GatedDeltaNetCache:
-        """An independent copy (what :meth:`attnkit.decoding.cache.KVCache.mark` keeps)."""
-        return GatedDeltaNetCache(self.conv_state.copy(), self.recurrent_state.copy(), self.length)
-
-    def cleared(self) -> GatedDeltaNetCache:
-        """The state of no position yet (zeros), with this one's shapes and dtypes."""
-        return GatedDeltaNetCache(np.zeros_like(self.conv_state), np.zeros_like(self.recurrent_state), 0)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the same for every length."""
-        return self.conv_state.nbytes + self.recurrent_state.nbytes
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,13 @@ from ..kernels import ssd as _ssd
 from ..kernels.activations import activation_backward, activation_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
+from .recurrent_state import RecurrentState
 
 __all__ = ["Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer"]
 
 
 @dataclass
-class Mamba2Cache:
+class Mamba2Cache(RecurrentState):
     """What decoding keeps for one :class:`Mamba2` layer: a fixed size, whatever the length so far.
 
     Attributes
@@ -70,30 +71,6 @@ class Mamba2Cache:
     conv_state: np.ndarray
     ssm_state: np.ndarray
     length: int = 0
-
-    def reorder(self, index: Any) -> None:
-        """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows)."""
-        index, batch = np.asarray(index), self.conv_state.shape[0]
-        if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
-            raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
-                             f"and dtype {index.dtype}")
-        if index.min() < -batch or index.max() >= batch:
-            raise ValueError(f"index must hold rows in [0, {batch}), got {index.min()}..{index.max()}")
-        self.conv_state = self.conv_state[index]  # (B', K - 1, Cc)
-        self.ssm_state = self.ssm_state[index]  # (B', H, N, P)
-
-    def copy(self) -> Mamba2Cache:
-        """An independent copy (what :meth:`attnkit.decoding.cache.KVCache.mark` keeps)."""
-        return Mamba2Cache(self.conv_state.copy(), self.ssm_state.copy(), self.length)
-
-    def cleared(self) -> Mamba2Cache:
-        """The state of no position yet (zeros), with this one's shapes and dtypes."""
-        return Mamba2Cache(np.zeros_like(self.conv_state), np.zeros_like(self.ssm_state), 0)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the same for every length."""
-        return self.conv_state.nbytes + self.ssm_state.nbytes
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,13 @@ from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
 from ..kernels.linear import linear, linear_backward
+from .recurrent_state import RecurrentState
 
 __all__ = ["ShortConv", "ShortConvCache", "ShortConvConfig", "ShortConvMixer"]
 
 
 @dataclass
-class ShortConvCache:
+class ShortConvCache(RecurrentState):
     """What decoding keeps for one :class:`ShortConv` layer: the convolution's last K - 1 inputs.
 
     Attributes
@@ -56,34 +57,6 @@ class ShortConvCache:
 
     conv_state: np.ndarray
     length: int = 0
-
-    def reorder(self, index: Any) -> None:
-        """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows).
-
-        Parameters
-        ----------
-        index : (B',) int
-        """
-        index, batch = np.asarray(index), self.conv_state.shape[0]
-        if index.ndim != 1 or index.dtype.kind not in "iu" or index.size == 0:
-            raise ValueError(f"index must be a non-empty 1-D integer array, got shape {index.shape} "
-                             f"and dtype {index.dtype}")
-        if index.min() < -batch or index.max() >= batch:
-            raise ValueError(f"index must hold rows in [0, {batch}), got {index.min()}..{index.max()}")
-        self.conv_state = self.conv_state[index]  # (B', K - 1, D)
-
-    def copy(self) -> ShortConvCache:
-        """An independent copy (what :meth:`attnkit.decoding.cache.KVCache.mark` keeps)."""
-        return ShortConvCache(self.conv_state.copy(), self.length)
-
-    def cleared(self) -> ShortConvCache:
-        """The state of no position yet (zeros), with this one's shape and dtype."""
-        return ShortConvCache(np.zeros_like(self.conv_state), 0)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the same for every length."""
-        return self.conv_state.nbytes
 
 
 @dataclass(frozen=True)
