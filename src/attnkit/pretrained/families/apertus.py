@@ -4,14 +4,13 @@ per-head RMSNorms of queries and keys before the rotation (``q_norm``, ``k_norm`
 ``attention_layernorm`` and ``feedforward_layernorm``, and llama3 rotary scaling of base 12000000 by default."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .llama import BENCHMARK_SHAPE, rotary_config, rotary_tensors
+from .llama import BENCHMARK_SHAPE, rotary_config, rotary_tensors, with_norm_names
 
 __all__ = ["FAMILY"]
 
@@ -52,13 +51,7 @@ def _xielu_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """Llama's checkpoint with the xIELU MLP and Apertus's norm names."""
     maps, prefix = rotary_tensors(cfg, _xielu_mlp_tensors)
-    renamed = []
-    for m in maps:
-        layer, dot, name = m.source.rpartition(".weight")[0].rpartition(".")
-        if name in _NORM_NAMES:
-            m = dataclasses.replace(m, source=f"{layer}{dot}{_NORM_NAMES[name]}.weight")
-        renamed.append(m)
-    return renamed, prefix
+    return with_norm_names(maps, _NORM_NAMES), prefix
 
 
 FAMILY = Family(

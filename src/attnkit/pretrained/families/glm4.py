@@ -5,14 +5,13 @@ of each head (``partial_rotary_factor`` 0.5), biases on q, k and v but not on th
 default true), a fused ``gate_up_proj`` as Phi-3's, and ``head_dim`` 128 by default."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig, RotaryConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
-from .llama import BENCHMARK_SHAPE, fused_gated_mlp_tensors, rotary_config, rotary_tensors
+from .llama import BENCHMARK_SHAPE, fused_gated_mlp_tensors, rotary_config, rotary_tensors, with_norm_names
 
 __all__ = ["FAMILY"]
 
@@ -41,13 +40,7 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """Llama's sandwich-norm checkpoint with GLM-4's norm names and the fused gate and up projection."""
     maps, prefix = rotary_tensors(cfg, fused_gated_mlp_tensors)
-    renamed = []
-    for m in maps:
-        layer, dot, name = m.source.rpartition(".weight")[0].rpartition(".")
-        if name in _NORM_NAMES:
-            m = dataclasses.replace(m, source=f"{layer}{dot}{_NORM_NAMES[name]}.weight")
-        renamed.append(m)
-    return renamed, prefix
+    return with_norm_names(maps, _NORM_NAMES), prefix
 
 
 FAMILY = Family(

@@ -157,6 +157,17 @@ def rotary_tensors(cfg: DecoderConfig, mlp: Callable[[DecoderConfig, str, str], 
     return maps, "model."
 
 
+def with_norm_names(maps: list[TensorMap], names: Mapping[str, str]) -> list[TensorMap]:
+    """``maps`` with each layer norm's checkpoint name renamed as ``names`` says (``{"input_layernorm":
+    "attention_layernorm"}``: ``layers.{i}.input_layernorm.weight`` becomes ``layers.{i}.attention_layernorm.weight``),
+    for a family that names Llama's norms its own way."""
+    renamed = []
+    for m in maps:
+        layer, dot, name = m.source.rpartition(".weight")[0].rpartition(".")
+        renamed.append(replace(m, source=f"{layer}{dot}{names[name]}.weight") if name in names else m)
+    return renamed
+
+
 def plain_tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """:func:`rotary_tensors` with the gated MLP: the checkpoint of every family that differs from Llama only
     in its configuration (``mxfp4`` is for families with MXFP4 experts; the registry refuses it for others)."""
