@@ -41,7 +41,7 @@ GENERATION_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_pena
 SPECULATION_OPTIONS = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens",
                        "assistant_early_exit")
 # The flags that each choose a way of drafting: one at most.
-_DRAFTS = ("prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit")
+_DRAFTS = ("prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit", "draft_mtp")
 
 
 def unit_float(text: str) -> float:
@@ -162,6 +162,9 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--assistant-early-exit", type=bounded_int(1, 1 << 16), default=None, metavar="N",
                    help="the model's own first N layers, with its final norm and head, draft the tokens "
                         "(self-speculation: no second model)")
+    g.add_argument("--draft-mtp", action="store_true", default=None,
+                   help="the checkpoint's multi-token-prediction layers (DeepSeek-V3's) draft one token each from "
+                        "the model's own hidden states (safetensors folders that hold them)")
     g.add_argument("--num-assistant-tokens", type=draft, default=None, metavar="N",
                    help="a drafting model's first round drafts N tokens (default 20); later rounds adapt it")
 

@@ -167,11 +167,17 @@ def assistant_for_command(args: argparse.Namespace, model: Any, tokenizer: Any, 
     """The draft model of ``--assistant-model`` (None without it), loaded as the model was (``--dtype``,
     ``--keep-quantized``); a :class:`UsageError` of ``prog`` when it cannot load, or its tokenizer or vocabulary is
     not the model's (its drafts would be other tokens). Also checks ``--assistant-early-exit`` against the model's
-    layers."""
+    layers. With ``--draft-mtp``, the multi-token-prediction layers of the model's own folder."""
     early = getattr(args, "assistant_early_exit", None)
     if early is not None and early >= model.config.num_layers:
         raise UsageError(f"--assistant-early-exit {early}: the draft must be fewer layers than the model's "
                          f"{model.config.num_layers}", prog)
+    if getattr(args, "draft_mtp", None):
+        from ..pretrained.multi_token import load_multi_token_predictor
+        try:
+            return load_multi_token_predictor(args.model_dir, model)
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"--draft-mtp: {exc}", prog) from None
     path = getattr(args, "assistant_model", None)
     if path is None:
         return None

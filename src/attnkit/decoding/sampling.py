@@ -33,7 +33,7 @@ from .config import (
     check_top_k,
     check_unit,
 )
-from .speculative import DraftModel, PromptLookup, Proposer
+from .speculative import DraftModel, MultiTokenDraft, PromptLookup, Proposer
 
 __all__ = ["check_generation_config", "resolve_generation_options",
            "temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
@@ -517,6 +517,11 @@ def _proposer(model: Any, o: dict[str, Any], assistant_model: Any) -> Proposer |
         return PromptLookup(o["prompt_lookup_num_tokens"], o["max_matching_ngram_size"] or 2)
     if isinstance(assistant_model, Proposer):
         return assistant_model
+    if callable(getattr(assistant_model, "draft", None)) and getattr(assistant_model, "model", None) is not None:
+        if assistant_model.model is not model:
+            raise ValueError("assistant_model is the multi-token-prediction layers of another model: they read "
+                             "the final hidden states of the model they were loaded for")
+        return MultiTokenDraft(assistant_model)
     if assistant_model is None:
         early_exit = getattr(model, "early_exit", None)
         if early_exit is None:
@@ -661,8 +666,14 @@ def _rounds(model, cache, rows: _Rows, proposer: Proposer | None, switch: int | 
             cache.mark()  # a recurrent state cannot forget a rejected draft: keep the state before it
         feed = pending if drafts is None else np.concatenate([pending, drafts], axis=1)  # (B, P + K)
         count = feed.shape[1] - pending.shape[1]
-        logits = _logits(model, feed, np.concatenate([rows.mask, np.ones((batch, count), bool)], axis=1), cache,
-                         count + 1)  # (B, K + 1, V): after the last pending token and after each draft
+        feed_mask = np.concatenate([rows.mask, np.ones((batch, count), bool)], axis=1)  # (B, T + K)
+        if proposer is not None and proposer.reads_hidden:
+            logits, hidden = model.forward(feed, feed_mask, cache=cache, logits_to_keep=count + 1,
+                                           return_hidden=True)  # (B, K + 1, V), (B, P + K, D)
+            proposer.observe(hidden, start)
+        else:
+            logits = _logits(model, feed, feed_mask, cache, count + 1)  # (B, K + 1, V): after the last pending
+            # token and after each draft
         kept = 0
         for i in range(count + 1):
             draft = drafts[:, i] if i < count else None

@@ -17,7 +17,10 @@ Three proposers, with Hugging Face's option names:
 - :class:`DraftModel` (``assistant_model``): a smaller model with the same tokenizer, decoding K tokens greedily
   with a cache of its own;
 - the same with ``assistant_early_exit=N``: the model's first N layers, then its final norm and head
-  (:meth:`~attnkit.models.CausalLM.early_exit`), so no second model is needed.
+  (:meth:`~attnkit.models.CausalLM.early_exit`), so no second model is needed;
+- :class:`MultiTokenDraft` (``assistant_model=`` a :class:`~attnkit.models.multi_token.MultiTokenPredictor`):
+  the multi-token-prediction layers a checkpoint carries (DeepSeek-V3's), reading the model's own final hidden
+  states: one token per layer, as transformers' ``use_mtp=True``.
 
 A proposer learns from how many of its tokens were kept (``accepted``): :class:`DraftModel` drafts two tokens
 more after a round that kept them all and one fewer after one that did not (Hugging Face's "heuristic"
@@ -34,7 +37,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from .._validation import check_positive_int
 from .config import MAX_DRAFT_TOKENS
 
-__all__ = ["Proposer", "PromptLookup", "DraftModel"]
+__all__ = ["Proposer", "PromptLookup", "DraftModel", "MultiTokenDraft"]
 
 # After this many rounds in a row that did not pay, a proposer stays quiet for as many rounds as it has failed
 # (doubling up to _LONGEST_PAUSE): on text it cannot predict, decoding runs almost as without it. A round pays
@@ -56,11 +59,16 @@ class Proposer:
     proposed when that is less); subclasses implement :meth:`_draft`. A proposer can be
     passed to ``generate`` as ``assistant_model``.
 
+    A proposer with ``reads_hidden = True`` also sees the model's final hidden states of every position it runs
+    (``observe(hidden, start)``, hidden (B, F, D) of positions ``start ..``), before it is asked to propose.
+
     Attributes
     ----------
     proposed, kept : int
         Draft tokens proposed and kept so far (their ratio is the acceptance rate).
     """
+
+    reads_hidden = False
 
     def __init__(self) -> None:
         self._failures = 0
@@ -84,6 +92,10 @@ class Proposer:
         self._failures += 1
         if self._failures >= _FAILURES_BEFORE_PAUSE:
             self._quiet = min(2 ** (self._failures - _FAILURES_BEFORE_PAUSE), _LONGEST_PAUSE)
+
+    def observe(self, hidden: np.ndarray, start: int) -> None:
+        """The model's final hidden states (B, F, D) of positions ``start .. start + F - 1``, just computed (only
+        called when ``reads_hidden``)."""
 
     def _draft(self, sequences: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
         raise NotImplementedError
@@ -200,3 +212,60 @@ class DraftModel(Proposer):
                 return cache
         self._cache = self.model.new_cache(ids.shape[0], rollback=MAX_DRAFT_TOKENS)
         return self._cache
+
+
+class MultiTokenDraft(Proposer):
+    """Draft with a checkpoint's multi-token-prediction layers: one token per layer, from the model's own final
+    hidden states (transformers' ``generate(..., use_mtp=True)``).
+
+    Prediction layer ``k`` at slot ``s`` reads the hidden state at position ``s`` (layer 0: the model's) and token
+    ``s + k + 1``; its own cache keeps the slots every layer computed from kept tokens only, so each round feeds
+    the slots of the tokens kept since, and the next layers' slots that read a draft are run again.
+
+    Parameters
+    ----------
+    predictor : MultiTokenPredictor
+        From :func:`attnkit.pretrained.load_multi_token_predictor` (or built on the model).
+
+    Shapes
+    ------
+    As :class:`Proposer`: drafts (B, M), M the predictor's layers.
+    """
+
+    reads_hidden = True
+
+    def __init__(self, predictor: Any) -> None:
+        super().__init__()
+        self.predictor = predictor
+        self._cache = None
+        self._hidden: np.ndarray | None = None  # (B, N, D): the model's hidden states of positions _start ..
+        self._start = 0
+
+    def observe(self, hidden: np.ndarray, start: int) -> None:
+        held = self._hidden
+        if held is not None and held.shape[0] == hidden.shape[0] and self._start <= start <= \
+                self._start + held.shape[1]:
+            self._hidden = np.concatenate([held[:, :start - self._start], hidden], axis=1)  # (B, N, D)
+            return
+        # a new sequence, or positions the buffer cannot reach: start again from these
+        self._hidden, self._start, self._cache = hidden, start, None
+
+    def _draft(self, sequences: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        batch, length = sequences.shape
+        cache = self._cache
+        if cache is None or cache.batch_size != batch:
+            cache = self._cache = self.predictor.new_cache(batch)
+        done = cache.length  # slots every layer computed from kept tokens
+        held = self._hidden
+        # the model has run positions 0 .. length - 2 (the last token is not fed yet): slot s reads position s
+        if held is None or self._start > done or self._start + held.shape[1] < length - 1 or done >= length - 1:
+            return None
+        hidden = held[:, done - self._start:length - 1 - self._start]  # (B, L, D): slots done .. length - 2
+        positions = np.maximum(np.cumsum(mask, axis=1, dtype=np.int64) - 1, 0)  # (B, T)
+        _, drafts = self.predictor.draft(sequences[:, done + 1:], hidden, mask[:, :length - 1],
+                                         position_ids=positions[:, done + 1:], cache=cache)  # (B, M)
+        # layer k's slot s read token s + k + 1: slots past length - 1 - M read a draft in some layer
+        keep = max(done, length - self.predictor.num_layers)
+        cache.crop(keep)
+        self._hidden, self._start = held[:, keep - self._start:], keep
+        return drafts

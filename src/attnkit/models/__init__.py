@@ -4,6 +4,7 @@
 - :class:`DecoderConfig`: the architecture of a decoder-only language model, read from a Hugging Face
   ``config.json`` by :mod:`attnkit.pretrained` (one module per family in :mod:`attnkit.pretrained.families`);
 - :class:`CausalLM`: the decoder-only language model a :class:`DecoderConfig` describes;
+- :class:`MultiTokenPredictor`: a checkpoint's multi-token-prediction layers on a :class:`CausalLM` (a draft);
 - :class:`Seq2SeqTransformer`: embeddings + encoder-decoder Transformer + head, with greedy and beam search.
 """
 from .causal_lm import CausalLM
@@ -17,9 +18,11 @@ from .config import (
     TokenTaggerConfig,
 )
 from .layerwise import LayerwiseConfig
+from .multi_token import MultiTokenPredictor
 from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "ExpertsConfig", "LayerwiseConfig", "NormConfig",
+__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "ExpertsConfig", "LayerwiseConfig", "MultiTokenPredictor",
+           "NormConfig",
            "RotaryConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

@@ -300,7 +300,8 @@ class CausalLM(Module):
         return ids, mask, positions
 
     def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
-                cache: KVCache | LatentCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0):
+                cache: KVCache | LatentCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0,
+                return_hidden: bool = False):
         """Logits (B, L, V) of the next token after every position; with a cache, only the new tokens are fed.
 
         ``logits_to_keep=n`` (``transformers``' name) computes the logits of the last n positions only,
@@ -312,13 +313,23 @@ class CausalLM(Module):
         is ``(logits, weights)``: weights a list of ``num_layers`` arrays (B, Hq, L, S) (S = L without a cache;
         with one, the slots the layer keeps), query head ``h`` in row ``h``, arrays the caller owns; backward
         is unchanged.
+
+        With ``return_hidden=True`` the final hidden state of every position fed, after the final norm (what the
+        head reads, transformers' ``hidden_states[-1]``), comes last: ``(logits, hidden)`` or
+        ``(logits, weights, hidden)``, hidden (B, L, D) whatever ``logits_to_keep`` is (multi-token prediction
+        reads it: :class:`~attnkit.models.multi_token.MultiTokenPredictor`).
         """
-        return self._forward(input_ids, attention_mask, position_ids, cache, output_attentions, logits_to_keep,
-                             len(self.layers))
+        if not isinstance(return_hidden, (bool, np.bool_)):
+            raise TypeError(f"return_hidden must be True or False, got {type(return_hidden).__name__}")
+        out = self._forward(input_ids, attention_mask, position_ids, cache, output_attentions, logits_to_keep,
+                            len(self.layers), bool(return_hidden))
+        return out if return_hidden else out[:-1] if output_attentions else out[0]
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, output_attentions: bool, logits_to_keep,
-                 depth: int):
-        """:meth:`forward` through the first ``depth`` blocks (all of them, or an :meth:`early_exit`'s)."""
+                 depth: int, return_hidden: bool = False) -> tuple:
+        """:meth:`forward` through the first ``depth`` blocks (all of them, or an :meth:`early_exit`'s):
+        ``(logits, hidden)``, or ``(logits, weights, hidden)`` with ``output_attentions``; hidden None unless
+        ``return_hidden``."""
         ids, mask, positions = self._check_inputs(input_ids, attention_mask, position_ids, cache)
         keep = check_positive_int(logits_to_keep, "logits_to_keep", allow_zero=True)
         if cache is not None:
@@ -328,12 +339,15 @@ class CausalLM(Module):
             cache.record(ids)
         if self._steps(ids, cache, output_attentions):
             self.save_for_backward()
-            return self._step_forward(ids, mask, positions, cache, depth)  # (B, 1, V)
+            logits, normed = self._step_forward(ids, mask, positions, cache, depth)  # (B, 1, V), (B, D)
+            return logits, (normed[:, None] if return_hidden else None)
         weights: list[np.ndarray] = []
         with decode_blas(ids.size):
             h = self._hidden(ids, mask, positions, cache, weights if output_attentions else None,
                              depth=depth)  # (B, L, D)
         length = h.shape[1]
+        # the caller's own copy where backward keeps h
+        hidden = (h.copy() if cache is None else h) if return_hidden else None  # (B, L, D)
         if keep:
             h = h[:, -keep:]  # (B, min(keep, L), D)
         # The (V, D) head is large enough for every BLAS thread to help, even for one token (every free one).
@@ -350,7 +364,7 @@ class CausalLM(Module):
             self.save_for_backward(h, capped, length)
         else:
             self.save_for_backward()
-        return (logits, weights) if output_attentions else logits
+        return (logits, weights, hidden) if output_attentions else (logits, hidden)
 
     def _steps(self, ids, cache, output_attentions: bool) -> bool:
         """Whether this call is a decoding step the layers' own ``step`` methods run: one token per row, a
@@ -366,7 +380,7 @@ class CausalLM(Module):
 
     def _step_forward(self, ids, mask, positions, cache, depth: int) -> np.ndarray:
         """:meth:`forward` of one token per row with a cache, through every layer's ``step``: the same parts in
-        the same order on (B, D) rows, nothing saved. Logits (B, 1, V)."""
+        the same order on (B, D) rows, nothing saved. Logits (B, 1, V) and the normed hidden state (B, D)."""
         h = self.embed.weight[ids[:, 0]].astype(self.dtype, copy=True)  # (B, D)
         h *= h.dtype.type(self.config.embedding_scale)  # a scale of 1 changes no bit
         for name in self.position_tables:
@@ -388,7 +402,7 @@ class CausalLM(Module):
             logits /= cap
             np.tanh(logits, out=logits)
             logits *= cap
-        return logits[:, None]  # (B, 1, V)
+        return logits[:, None], normed  # (B, 1, V), (B, D)
 
     def layer_outputs(self, input_ids: Any, attention_mask: Any = None, *,
                       position_ids: Any = None) -> list[np.ndarray]:
@@ -600,7 +614,7 @@ class EarlyExit:
                 cache: KVCache | LatentCache | None = None, logits_to_keep: int = 0) -> np.ndarray:
         """Logits (B, L, V) after the first ``num_layers`` blocks (see :meth:`CausalLM.forward`)."""
         return self.model._forward(input_ids, attention_mask, position_ids, cache, False, logits_to_keep,
-                                   self.num_layers)
+                                   self.num_layers)[0]
 
     __call__ = forward
 

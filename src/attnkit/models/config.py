@@ -356,6 +356,10 @@ class DecoderConfig:
         The shape of the ``short_conv`` layers (given exactly when there are some).
     mamba2 : Mamba2Config, optional
         The shape of the ``mamba2`` layers (given exactly when there are some).
+    mtp_layers : int, default 0
+        Multi-token-prediction layers the checkpoint may carry after the last layer (DeepSeek-V3's
+        ``num_nextn_predict_layers``): not part of the model's forward; read on request as a draft for speculative
+        decoding (:func:`attnkit.pretrained.load_multi_token_predictor`).
 
     Examples
     --------
@@ -398,6 +402,7 @@ class DecoderConfig:
     latent: LatentAttentionConfig | None = None
     short_conv: ShortConvConfig | None = None
     mamba2: Mamba2Config | None = None
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
@@ -414,6 +419,7 @@ class DecoderConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
             check_positive_int(getattr(self, name), name, maximum=MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
+        check_positive_int(self.mtp_layers, "mtp_layers", allow_zero=True, maximum=MAX_LAYERS)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         _check_choice(self.activation, "activation", ACTIVATIONS)

@@ -20,12 +20,14 @@ from .bert import BertConfig, BertEncoder, bert_state_dict
 from .causal_lm import load, load_causal_lm, read_chat_templates, read_decoder_config
 from .chat_template import ChatTemplateError
 from .hf_config import decoder_config_from_hf, supported_model_types
+from .multi_token import load_multi_token_predictor
 from .sentence_encoder import SentenceEncoder, TokenBatch, l2_normalize, load_minilm, load_sentence_encoder, mean_pool
 from .tokenizer import Tokenizer, load_tokenizer, read_generation_config
 
 __all__ = [
     "PRETRAINED_INSTALL_HINT", "default_model_dir",
-    "load", "load_causal_lm", "read_decoder_config", "read_chat_templates", "decoder_config_from_hf",
+    "load", "load_causal_lm", "load_multi_token_predictor", "read_decoder_config", "read_chat_templates",
+    "decoder_config_from_hf",
     "supported_model_types",
     "Tokenizer", "load_tokenizer", "ChatTemplateError", "read_generation_config",
     "BertConfig", "BertEncoder", "bert_state_dict",

@@ -228,11 +228,21 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
     unused = family(config.family).unused_tensors
     if unused is not None:
         ignorable |= {(prefix if prefixed else "") + n for n in unused(config)}
+    if family(config.family).mtp_tensors is not None:  # read on request only (load_multi_token_predictor)
+        mtp_maps, mtp_copies = family(config.family).mtp_tensors(config)
+        ignorable |= {(prefix if prefixed else "") + n for n in [m.source for m in mtp_maps] + list(mtp_copies)}
     unexpected = [n for n in names if n not in stored and n not in companions and n not in ignorable]
     if unexpected:
         raise ValueError(f"{index.folder}: unexpected tensor {unexpected[0]!r}"
                          + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                          + f" for this {config.family} config")
+    check_headers(index, stored)
+    return stored
+
+
+def check_headers(index: CheckpointIndex, stored: dict[str, TensorMap]) -> None:
+    """Every stored tensor's dtype and shape against its map (MXFP4 pairs as their blocks and scales), naming the
+    first that differs."""
     for name, m in stored.items():
         header = index.tensors[name]
         if m.scales:
@@ -255,7 +265,6 @@ def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[s
         if header.shape != m.shape:
             raise ValueError(f"{header.file}: tensor {name!r} has shape {header.shape}, but the config implies "
                              f"{m.shape}")
-    return stored
 
 
 def _claimed_units(config: DecoderConfig) -> list[tuple[str, int]]:

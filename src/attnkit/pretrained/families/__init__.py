@@ -53,6 +53,11 @@ class Family:
     unused_tensors : callable (DecoderConfig) -> frozenset of str, optional
         Checkpoint tensors (under the base prefix) that may be present and are not read, as transformers
         ignores them (Gemma 4's key/value projections of the layers that reuse another layer's).
+    mtp_tensors : callable (DecoderConfig) -> (list of TensorMap, frozenset of str), optional
+        The multi-token-prediction layers' tensors a checkpoint may hold after its last layer (under the base
+        prefix), mapped to a :class:`~attnkit.models.multi_token.MultiTokenPredictor`'s parameters, and the ones
+        among them that are not read; skipped when the model is loaded, read by
+        :func:`~attnkit.pretrained.load_multi_token_predictor`. None where the family has none.
     gguf : GGUFArchitecture, optional
         How llama.cpp's GGUF files of this family are read (its ``general.architecture`` name, metadata reader
         and what the converter changed); None where attnkit reads no GGUF file of it.
@@ -70,6 +75,7 @@ class Family:
     benchmark: dict[str, Any] = field(default_factory=dict)
     quantizations: tuple[str, ...] = ()
     unused_tensors: Callable[[DecoderConfig], frozenset[str]] | None = None
+    mtp_tensors: Callable[[DecoderConfig], tuple[list[TensorMap], frozenset[str]]] | None = None
     gguf: GGUFArchitecture | None = None
     summary: str = ""
 
