@@ -19,14 +19,12 @@ transformers stacks them into ``gate_up_proj`` and ``down_proj``) and ``mlp.shar
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..._validation import check_factor
 from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
 from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
-from ...models.multi_token import mtp_config
 from ..tensor_map import TensorMap
 from . import Family
+from ._multi_token import MTP_KEYS, mtp_layer_count, multi_token_tensors
 from ._reader import COMMON_KEYS, Reader, read_rope
 from .llama import BENCHMARK_SHAPE
 from .qwen3_moe import mlp_tensors
@@ -43,8 +41,6 @@ DEFAULTS = dict(max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, ti
 _FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 # parallelism, training losses and the multi-token-prediction heads: none changes the next-token forward
 _INERT = ("ep_size", "aux_loss_alpha", "seq_aux", "output_router_logits", "auto_map")
-# transformers writes num_mtp_layers (default 1), DeepSeek's own config.json num_nextn_predict_layers
-_MTP_KEYS = ("num_mtp_layers", "num_nextn_predict_layers")
 
 
 def _read_int(read: Reader, key: str, *, optional: bool = False) -> int | None:
@@ -120,16 +116,7 @@ def _read_config(read: Reader) -> DecoderConfig:
         bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
         pad_token_id=read.token_ids("pad_token_id", None, many=False),
-        latent=latent, experts=_experts(read, layers), mtp_layers=_mtp_layers(read))
-
-
-def _mtp_layers(read: Reader) -> int:
-    """The multi-token-prediction layers the config declares (under either of its names, which must agree)."""
-    given = {key: read.count(key) for key in _MTP_KEYS if read.raw(key, None) is not None}
-    if len(set(given.values())) > 1:
-        raise ValueError(f"{read.family} config: {' and '.join(f'{k!r} ({v})' for k, v in given.items())} name the "
-                         f"same count and must agree")
-    return next(iter(given.values()), 1)
+        latent=latent, experts=_experts(read, layers), mtp_layers=mtp_layer_count(read))
 
 
 def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
@@ -161,43 +148,15 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     d, v = cfg.hidden_size, cfg.vocab_size
     maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
     for i in range(cfg.num_layers):
-        maps += _layer_tensors(cfg, f"layers.{i}.", f"layers.{i}.")
+        hf = ak = f"layers.{i}."
+        maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
+        maps += _attention_tensors(cfg, hf, ak)
+        maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
+        maps += mlp_tensors(cfg, hf, ak, shared="shared_experts")
     maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
     if not cfg.tie_word_embeddings:
         maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
     return maps, "model."
-
-
-def _layer_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    """Decoder layer ``hf`` (``layers.{i}.``): its norms, latent attention and MLP, into block ``ak``."""
-    d = cfg.hidden_size
-    return [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
-            *_attention_tensors(cfg, hf, ak),
-            TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"),
-            *mlp_tensors(cfg, hf, ak, shared="shared_experts")]
-
-
-def _mtp_tensors(cfg: DecoderConfig) -> tuple[list[TensorMap], frozenset[str]]:
-    """The multi-token-prediction layers after the last decoder layer (``layers.{num_layers + k}.``), into a
-    :class:`~attnkit.models.multi_token.MultiTokenPredictor`'s names, and the tensors there that are not read: each
-    layer's copies of the embedding and head (``embed_tokens``, ``shared_head.head``), which are the model's."""
-    if not cfg.mtp_layers:
-        return [], frozenset()
-    layers = mtp_config(cfg)
-    d = cfg.hidden_size
-    maps, copies = [], set()
-    for k in range(layers.num_layers):
-        hf, ak = f"layers.{cfg.num_layers + k}.", f"layers.{k}."
-        # mlp_tensors tells an expert layer by the index in its name: name the layer as the predictor counts it
-        block = [replace(m, source=hf + m.source[len(ak):])
-                 for m in _layer_tensors(layers, ak, ak + "block.")]
-        maps += [TensorMap(hf + "enorm.weight", (d,), (ak + "enorm.gamma",), "copy"),
-                 TensorMap(hf + "hnorm.weight", (d,), (ak + "hnorm.gamma",), "copy"),
-                 TensorMap(hf + "eh_proj.weight", (d, 2 * d), (ak + "eh_proj.W",), "transpose"),
-                 *block,
-                 TensorMap(hf + "shared_head.norm.weight", (d,), (ak + "post_norm.gamma",), "copy")]
-        copies |= {hf + "embed_tokens.weight", hf + "shared_head.head.weight"}
-    return maps, frozenset(copies)
 
 
 def _keys() -> frozenset[str]:
@@ -205,11 +164,12 @@ def _keys() -> frozenset[str]:
            "qk_head_dim", "rope_interleave", "moe_intermediate_size", "n_routed_experts", "num_local_experts",
            "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
            "routed_scaling_factor", "first_k_dense_replace")
-    return frozenset(COMMON_KEYS + own + tuple(_FIXED) + _INERT + _MTP_KEYS)
+    return frozenset(COMMON_KEYS + own + tuple(_FIXED) + _INERT + MTP_KEYS)
 
 
 FAMILY = Family(
-    model_type="deepseek_v3", keys=_keys(), read_config=_read_config, tensors=_tensors, mtp_tensors=_mtp_tensors,
+    model_type="deepseek_v3", keys=_keys(), read_config=_read_config, tensors=_tensors,
+    mtp_tensors=lambda cfg: multi_token_tensors(cfg, _tensors),
     architecture="DeepseekV3ForCausalLM", hf_config_class="DeepseekV3Config",
     # the shared shape's width and depth, 9 heads of latent attention, and after one dense layer eight experts of
     # width 512, two per token plus one shared: the active MLP width of the other families (1536)
