@@ -13,7 +13,7 @@ from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
 from .llama import BENCHMARK_SHAPE, fused_gated_mlp_tensors, rotary_config, rotary_tensors, with_norm_names
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "half_rotary"]
 
 DEFAULTS = {"max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": None,
             "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "num_key_value_heads": 2,
@@ -25,12 +25,13 @@ _NORM_NAMES = {"post_attention_layernorm": "post_self_attn_layernorm",
                "post_feedforward_layernorm": "post_mlp_layernorm"}
 
 
-def _rotary(read: Reader, max_positions: int) -> RotaryConfig:
-    """Llama's rotary settings, half of each head by default, its pairs interleaved."""
+def half_rotary(read: Reader, max_positions: int, *, interleaved: bool = True) -> RotaryConfig:
+    """Llama's rotary settings, half of each head by default (``partial_rotary_factor`` 0.5), its pairs
+    interleaved (GLM-4) or the two halves of the rotated part (GLM-4.5, ``interleaved=False``)."""
     config = dict(read.config)
     config.setdefault("partial_rotary_factor", 0.5)  # transformers' default, beneath rope_parameters' own
     theta, scaling, partial = read_rope(Reader(config, read.family), max_positions)
-    return RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, interleaved=True)
+    return RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, interleaved=interleaved)
 
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
@@ -45,6 +46,6 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
 
 FAMILY = Family(
     model_type="glm4", keys=frozenset(COMMON_KEYS + ("attention_bias",)),
-    read_config=lambda read: rotary_config(read, DEFAULTS, _fields, norm_placement="sandwich", rotary=_rotary),
+    read_config=lambda read: rotary_config(read, DEFAULTS, _fields, norm_placement="sandwich", rotary=half_rotary),
     tensors=_tensors, architecture="Glm4ForCausalLM", hf_config_class="Glm4Config",
     benchmark=dict(BENCHMARK_SHAPE, head_dim=64))
