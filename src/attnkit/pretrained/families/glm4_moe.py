@@ -1,9 +1,9 @@
-"""GLM-4.5 (``glm4_moe``, also GLM-4.6): Llama's grouped-query attention with biases on q, k and v but not on the
-output (``attention_bias``), RMS-normalised queries and keys per head before the rotary embedding with
-``use_qk_norm`` (Qwen3's), the rotary embedding on the first half of each head (``partial_rotary_factor`` 0.5) in
-Llama's two-halves layout, and after ``first_k_dense_replace`` dense layers DeepSeek-V3's mixture of experts:
-sigmoid scores, ``num_experts_per_tok`` experts chosen by score plus a correction bias within the ``topk_group``
-best of ``n_group`` groups, weighed by their uncorrected scores (normalised when ``norm_topk_prob``) times
+"""GLM-4.5 (``glm4_moe``, also GLM-4.6): Llama, except biases on q, k and v but not on the output
+(``attention_bias``), RMS-normalised queries and keys per head before the rotary embedding with ``use_qk_norm``
+(Qwen3's), the rotary embedding on the first half of each head (``partial_rotary_factor`` 0.5) in Llama's
+two-halves layout, and after ``first_k_dense_replace`` dense layers DeepSeek-V3's mixture of experts: sigmoid
+scores, ``num_experts_per_tok`` experts chosen by score plus a correction bias within the ``topk_group`` best of
+``n_group`` groups, weighed by their uncorrected scores (normalised when ``norm_topk_prob``) times
 ``routed_scaling_factor``, beside ``n_shared_experts`` shared experts.
 
 Checkpoint (under ``model.``): Llama's (Qwen3's ``self_attn.{q,k}_norm`` with ``use_qk_norm``) with DeepSeek-V3's
