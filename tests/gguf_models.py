@@ -8,6 +8,9 @@ the ``gguf`` package's own ``GGUFWriter``: llama.cpp's metadata keys, its tensor
   Hugging Face's half-split rotary layout to GGML's interleaved one;
 - Gemma 2 / 3: every RMSNorm weight stored as ``1 + w`` (GGML's RMSNorm multiplies by the weight alone);
 - GPT-2: the ``Conv1D`` weights stored as (out, in), like every other GGML matrix;
+- LFM2: the short convolution's (C, 1, K) weights stored as (C, K), the key/value head count one per layer (0
+  for a convolution), the MLP's width as adjusted;
+- OLMo 3, written as ``olmo2``: the full layers' rotary base and scaling, the window and one flag per layer;
 - a tied head written once (no ``output.weight``).
 
 Matrices are stored in the requested quantisation type (``gguf.quants.quantize`` where it implements it), and
@@ -27,7 +30,8 @@ from gguf import GGMLQuantizationType as Q
 
 # The HF model_type -> the GGUF architecture llama.cpp's converter writes.
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2"}
+         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "olmo3": "olmo2", "glm4": "glm4",
+         "lfm2": "lfm2"}
 
 # Byte offsets of the float16 scale fields in each K-quant block (the rest is quantized bits).
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -89,11 +93,40 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(heads)
+    params = cfg.rope_parameters
+    if model_type == "lfm2":  # LFM2Model.set_gguf_parameters
+        writer.add_head_count_kv([cfg.num_key_value_heads if kind != "conv" else 0 for kind in cfg.layer_types])
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_shortconv_l_cache(cfg.conv_L_cache)
+        writer.add_layer_norm_rms_eps(cfg.norm_eps)
+        width = cfg.intermediate_size
+        if cfg.block_auto_adjust_ff_dim:
+            width = int(2 * width / 3)
+            if cfg.block_ffn_dim_multiplier is not None:
+                width = int(cfg.block_ffn_dim_multiplier * width)
+            width = cfg.block_multiple_of * ((width + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+        writer.add_feed_forward_length(width)
+        writer.add_rope_freq_base(params["rope_theta"])
+        return
+    writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    params = cfg.rope_parameters
+    if model_type == "olmo3":  # Olmo2Model: the full layers' rotary, the window, a flag per layer
+        full = params["full_attention"]
+        assert params["sliding_attention"] == {"rope_type": "default", "rope_theta": full["rope_theta"]}, \
+            "llama.cpp rotates OLMo 3's sliding layers with the full layers' base, unscaled"
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type", "default") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(full["factor"])
+            writer.add_rope_scaling_attn_factors(full["attention_factor"])
+            writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        elif full.get("rope_type", "default") != "default":
+            raise NotImplementedError("llama.cpp's converter writes OLMo 3's YaRN only")
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in cfg.layer_types])
+        return
     if model_type == "gemma3_text":
         full, sliding = params["full_attention"], params["sliding_attention"]
         writer.add_rope_freq_base(full["rope_theta"])
@@ -128,9 +161,11 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
             raise NotImplementedError(f"this test converter does not write rope_type {kind}")
     if model_type in ("llama", "mistral"):
         writer.add_rope_dimension_count(head_dim)
-    if model_type in ("qwen3", "gemma2", "gemma3_text"):
+    if model_type in ("qwen3", "gemma2", "gemma3_text", "glm4"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if model_type == "glm4":  # Glm4Model: the rotated half of each head
+        writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 0.5)))
     if model_type == "phi3":
         writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
         if cfg.sliding_window is not None:
@@ -186,6 +221,8 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
                 w = llama_permute(w, cfg.num_attention_heads)
             elif gguf_name.endswith("attn_k.weight") or gguf_name.endswith("attn_k.bias"):
                 w = llama_permute(w, cfg.num_key_value_heads)
+        if model_type == "lfm2" and gguf_name.endswith("shortconv.conv.weight"):
+            w = w.squeeze(1)  # (C, 1, K) -> (C, K): "conv op requires 2d tensor"
         if model_type in ("gemma2", "gemma3_text") and gguf_name.endswith("norm.weight"):
             w = w + 1.0
         if model_type == "gpt2" and gguf_name.endswith(("attn_qkv.weight", "attn_output.weight", "ffn_up.weight",
@@ -335,6 +372,23 @@ FLOAT_ONLY = {
                                                                                    "rope_theta": 1000.0},
                                                                 "sliding_attention": {"rope_type": "default",
                                                                                       "rope_theta": 10000.0}})),
+    # OLMo 3 as llama.cpp writes it (olmo2): YaRN with its attention factor on the full layers, the sliding ones
+    # with the same base unscaled, the default pattern (each fourth layer full)
+    "olmo3_yarn": ("Olmo3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, sliding_window=3,
+                                       rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                           "original_max_position_embeddings": 16,
+                                                                           "attention_factor": 1.3,
+                                                                           "rope_theta": 1000.0},
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1000.0}})),
+    # full and sliding layers in an order of their own, biases, a tied head, no scaling
+    "olmo3_layer_types": ("Olmo3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, sliding_window=2,
+                                              attention_bias=True, tie_word_embeddings=True,
+                                              layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                              rope_parameters={"full_attention": {"rope_type": "default",
+                                                                                  "rope_theta": 500.0},
+                                                               "sliding_attention": {"rope_type": "default",
+                                                                                     "rope_theta": 500.0}})),
     # sliding and full layers in an order of their own: one flag per layer in the metadata
     "gemma3_layer_types": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
                                                     query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,

@@ -23,6 +23,7 @@ architecture's name, its metadata reader and the changes to undo), and this modu
 - ``gemma2`` / ``gemma3``: every RMSNorm weight is stored as ``1 + w``; ``1`` is subtracted.
 - ``gpt2``: the ``Conv1D`` matrices are stored (out, in) like every GGML matrix; they are transposed back.
 - ``phi3``: ``longrope``'s divisors are the tensors ``rope_factors_short`` / ``rope_factors_long``.
+- ``lfm2``: the short convolution's weights (C, 1, K) are stored as (C, K).
 
 Dimension letters: V vocabulary, D hidden size, Hq/Hkv heads, Dh head features, R rotated features.
 """
@@ -348,7 +349,7 @@ class _Entry:
     """One GGUF tensor and where it goes: its map (Hugging Face layout) and the change llama.cpp made."""
 
     mapping: TensorMap
-    fix: str  # "", "permute_q", "permute_k", "norm_offset", "transpose"
+    fix: str  # "", "permute_q", "permute_k", "norm_offset", "transpose", "squeeze"
 
 
 def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
@@ -410,7 +411,11 @@ def validate_gguf_tensors(file: GGUFFile, config: DecoderConfig) -> dict[str, _E
         if kind not in GGUF_TENSOR_TYPES:
             raise file.fail(f"tensor {name!r} is of type {kind}, which attnkit does not dequantize; it reads "
                             f"{', '.join(GGUF_TENSOR_TYPES)}")
-        expected = entry.mapping.shape[::-1] if entry.fix == "transpose" else entry.mapping.shape
+        expected = entry.mapping.shape
+        if entry.fix == "transpose":
+            expected = expected[::-1]
+        elif entry.fix == "squeeze":
+            expected = expected[:1] + expected[2:]  # (C, 1, K) stored as (C, K)
         if _stored_shape(tensor) != expected:
             raise file.fail(f"tensor {name!r} has shape {_stored_shape(tensor)}, but the metadata implies {expected}")
     return entries
@@ -479,7 +484,7 @@ def pack_gguf_tensors(file: GGUFFile, entries: dict[str, _Entry], config: Decode
     dense: dict[str, _Entry] = {}
     with open(file.path, "rb") as fh:
         for name, entry in entries.items():
-            weight = _packed_tensor(fh, file.tensors[name])
+            weight = None if entry.fix == "squeeze" else _packed_tensor(fh, file.tensors[name])
             parts = None if weight is None else entry.mapping.convert_packed(_fixed_packed(weight, entry, config))
             if parts is None:
                 dense[name] = entry
@@ -511,6 +516,8 @@ def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entrie
             values = values - np.float32(1.0)
         elif entry.fix == "transpose":
             values = values.T  # GPT-2's Conv1D layout (in, out)
+        elif entry.fix == "squeeze":
+            values = values.reshape(entry.mapping.shape)  # (C, K) -> (C, 1, K)
         for target, value in entry.mapping.convert(values).items():
             np.copyto(params[target], value, casting="unsafe")
         if step is not None:

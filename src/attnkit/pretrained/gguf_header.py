@@ -51,8 +51,11 @@ METADATA_TYPES: dict[str, tuple[frozenset[str], str]] = {
     "split.count": _INTEGER,
     **{f"{{arch}}.{key}": _INTEGER for key in (
         "vocab_size", "context_length", "embedding_length", "block_count", "feed_forward_length",
-        "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.sliding_window",
-        "rope.dimension_count", "rope.scaling.original_context_length")},
+        "attention.head_count", "attention.key_length", "attention.sliding_window", "rope.dimension_count",
+        "rope.scaling.original_context_length", "shortconv.l_cache")},
+    # LFM2: one count per layer, 0 for its convolution layers
+    "{arch}.attention.head_count_kv": (_INTEGER[0] | {f"array[{t}]" for t in _INTEGERS},
+                                       "an integer, or an array of integers (one per layer)"),
     **{f"{{arch}}.{key}": _NUMBER for key in (
         "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attn_logit_softcapping",
         "final_logit_softcapping", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",

@@ -43,6 +43,9 @@ class GGUFArchitecture:
         Every RMSNorm weight is stored as ``1 + w``: 1 is subtracted.
     transposed : tuple of str
         Tensor-name endings stored transposed (GPT-2's ``Conv1D`` matrices): read back transposed.
+    squeezed : tuple of str
+        Tensor-name endings stored without their unit second axis (LFM2's convolution weights, (C, 1, K) as
+        (C, K)): read back with it.
     tokenizer_style : str
         How a SentencePiece vocabulary's spaces are read: ``"llama"``, ``"gemma"`` (no space prepended) or
         ``"phi3"`` (a normalizer's prefix space).
@@ -55,6 +58,7 @@ class GGUFArchitecture:
     permuted_qk: bool = False
     norm_offset: bool = False
     transposed: tuple[str, ...] = ()
+    squeezed: tuple[str, ...] = ()
     tokenizer_style: str = "llama"
 
     def hf_config(self, file: Any) -> dict[str, Any]:
@@ -67,7 +71,7 @@ class GGUFArchitecture:
 
     def fix(self, name: str) -> str:
         """What llama.cpp changed in tensor ``name``, to undo: ``"permute_q"``, ``"permute_k"``,
-        ``"norm_offset"``, ``"transpose"`` or ``""``."""
+        ``"norm_offset"``, ``"transpose"``, ``"squeeze"`` or ``""``."""
         if self.permuted_qk and ".attn_q." in name:
             return "permute_q"
         if self.permuted_qk and ".attn_k." in name:
@@ -76,6 +80,8 @@ class GGUFArchitecture:
             return "norm_offset"
         if self.transposed and name.endswith(self.transposed):
             return "transpose"
+        if self.squeezed and name.endswith(self.squeezed):
+            return "squeeze"
         return ""
 
 
@@ -198,7 +204,9 @@ def rope_scaling(file: Any, meta: GGUFMetadata, context: int) -> dict | None:
                                 f"its factor, original context and beta_fast / beta_slow)")
         scaling = {"rope_type": "yarn", "factor": meta.float("rope.scaling.factor"),
                    "original_max_position_embeddings": meta.int("rope.scaling.original_context_length")}
-        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+        # the converter writes Hugging Face's attention_factor here (OLMo 3): the softmax's YaRN scale as given
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                          ("rope.scaling.attn_factor", "attention_factor")):
             if meta.get(key) is not None:
                 scaling[name] = meta.float(key)
         return scaling

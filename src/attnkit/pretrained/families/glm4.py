@@ -8,10 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig, RotaryConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rotated_features
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
-from .llama import BENCHMARK_SHAPE, fused_gated_mlp_tensors, rotary_config, rotary_tensors, with_norm_names
+from .llama import (
+    BENCHMARK_SHAPE,
+    GGUF_ATTENTION_BIAS,
+    fused_gated_mlp_tensors,
+    rotary_config,
+    rotary_tensors,
+    with_norm_names,
+)
 
 __all__ = ["FAMILY", "half_rotary"]
 
@@ -44,8 +52,18 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return with_norm_names(maps, _NORM_NAMES), prefix
 
 
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """The common keys, the rotated fraction always stated: without it GLM-4 rotates half of each head, while
+    llama.cpp rotates ``rope.dimension_count`` features (default all). llama.cpp keeps the interleaved pairs and
+    the fused ``ffn_up`` (gate and up) as they are."""
+    config = common_config(file, meta)
+    config["partial_rotary_factor"] = rotated_features(meta, config["head_dim"]) / config["head_dim"]
+    return config
+
+
 FAMILY = Family(
     model_type="glm4", keys=frozenset(COMMON_KEYS + ("attention_bias",)),
     read_config=lambda read: rotary_config(read, DEFAULTS, _fields, norm_placement="sandwich", rotary=half_rotary),
     tensors=_tensors, architecture="Glm4ForCausalLM", hf_config_class="Glm4Config",
-    benchmark=dict(BENCHMARK_SHAPE, head_dim=64))
+    benchmark=dict(BENCHMARK_SHAPE, head_dim=64),
+    gguf=GGUFArchitecture("glm4", _gguf_config, bias_flags=GGUF_ATTENTION_BIAS))
