@@ -11,6 +11,8 @@ the ``gguf`` package's own ``GGUFWriter``: llama.cpp's metadata keys, its tensor
 - LFM2: the short convolution's (C, 1, K) weights stored as (C, K), the key/value head count one per layer (0
   for a convolution), the MLP's width as adjusted;
 - OLMo 3, written as ``olmo2``: the full layers' rotary base and scaling, the window and one flag per layer;
+- GLM-4.5 (``glm4moe``): each matrix's experts stacked in one tensor, the mixture as ``expert_*`` keys, and a
+  multi-token-prediction block after the model's (``nextn_predict_layers``), as its checkpoints carry one;
 - a tied head written once (no ``output.weight``).
 
 Matrices are stored in the requested quantisation type (``gguf.quants.quantize`` where it implements it), and
@@ -31,7 +33,10 @@ from gguf import GGMLQuantizationType as Q
 # The HF model_type -> the GGUF architecture llama.cpp's converter writes.
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
          "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "olmo3": "olmo2", "glm4": "glm4",
-         "lfm2": "lfm2"}
+         "lfm2": "lfm2", "glm4_moe": "glm4moe"}
+# the multi-token-prediction block's own tensors (llama.cpp's NEXTN tensors) and their shapes in units of (V, D)
+NEXTN = {"eh_proj.weight": ("D", "2D"), "embed_tokens.weight": ("V", "D"), "enorm.weight": ("D",),
+         "hnorm.weight": ("D",), "shared_head.head.weight": ("V", "D"), "shared_head.norm.weight": ("D",)}
 
 # Byte offsets of the float16 scale fields in each K-quant block (the rest is quantized bits).
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -92,7 +97,8 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
+    # GLM-4.5's blocks include the multi-token-prediction one
+    writer.add_block_count(cfg.num_hidden_layers + (model_type == "glm4_moe"))
     writer.add_head_count(heads)
     params = cfg.rope_parameters
     if model_type == "lfm2":  # LFM2Model.set_gguf_parameters
@@ -161,10 +167,22 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
             raise NotImplementedError(f"this test converter does not write rope_type {kind}")
     if model_type in ("llama", "mistral"):
         writer.add_rope_dimension_count(head_dim)
-    if model_type in ("qwen3", "gemma2", "gemma3_text", "glm4"):
+    if model_type == "glm4_moe":  # Glm4MoeModel.set_gguf_parameters, and TextModel's expert groups
+        writer.add_expert_count(cfg.n_routed_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_count(cfg.n_shared_experts)
+        writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+        writer.add_expert_group_count(cfg.n_group)
+        writer.add_expert_group_used_count(cfg.topk_group)
+        writer.add_nextn_predict_layers(1)
+    if model_type in ("qwen3", "gemma2", "gemma3_text", "glm4", "glm4_moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if model_type == "glm4":  # Glm4Model: the rotated half of each head
+    if model_type in ("glm4", "glm4_moe"):  # Glm4Model, Glm4MoeModel: the rotated half of each head
         writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 0.5)))
     if model_type == "phi3":
         writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
@@ -177,6 +195,28 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
             writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         if cfg.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+
+
+def _glm4_moe_tensors(tensors: dict[str, np.ndarray], cfg: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The tensors as Glm4MoeModel converts them: each expert matrix stacked (E, ...) under the name without an
+    expert index (transformers fuses gate and up in memory: split back), the routing bias as
+    ``e_score_correction.bias``, and a multi-token-prediction layer after the last (the last layer's tensors
+    under the next index, with the NEXTN tensors, random) as GLM-4.5's checkpoints carry it."""
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # (E, 2F, D): gate rows, then up rows
+            base, f = name[:-len("gate_up_proj")], w.shape[1] // 2
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w[:, :f], w[:, f:]
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = w
+        else:
+            out[name.replace("e_score_correction_bias", "e_score_correction.bias")] = w
+    last, after = f"model.layers.{cfg.num_hidden_layers - 1}.", f"model.layers.{cfg.num_hidden_layers}."
+    out.update({after + n[len(last):]: w for n, w in list(out.items()) if n.startswith(last)})
+    sizes = {"V": cfg.vocab_size, "D": cfg.hidden_size, "2D": 2 * cfg.hidden_size}
+    out.update({after + n: rng.standard_normal([sizes[u] for u in units]).astype(np.float32)
+                for n, units in NEXTN.items()})
+    return out
 
 
 def _tensor_name(name_map: Any, hf_name: str) -> str | None:
@@ -204,10 +244,15 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
     tokenizer = tokenizer or plain_vocabulary(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     _add_tokenizer(writer, tokenizer)
     writer.add_file_type(int(qtype) if qtype in (Q.F32, Q.F16) else 7)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    tensors = _hf_tensors(model)
+    blocks = cfg.num_hidden_layers
+    if model_type == "glm4_moe":
+        tensors, blocks = _glm4_moe_tensors(tensors, cfg, rng), blocks + 1
+    model_arch = next(a for a, known in gguf.MODEL_ARCH_NAMES.items() if known == arch)  # glm4moe is GLM4_MOE
+    name_map = gguf.get_tensor_name_map(model_arch, blocks)
     stored = {}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    for hf_name, w in _hf_tensors(model).items():
+    for hf_name, w in tensors.items():
         hf_name = hf_name.removeprefix("model.").removeprefix("transformer.")
         if hf_name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
             continue

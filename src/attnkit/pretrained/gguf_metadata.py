@@ -46,6 +46,12 @@ class GGUFArchitecture:
     squeezed : tuple of str
         Tensor-name endings stored without their unit second axis (LFM2's convolution weights, (C, 1, K) as
         (C, K)): read back with it.
+    renamed : tuple of (str, str)
+        Hugging Face name endings the converter renames before it looks the name up in ``gguf``'s table
+        (DeepSeek-V3's ``e_score_correction_bias`` as ``e_score_correction.bias``).
+    nextn_blocks : bool
+        The file keeps ``{arch}.nextn_predict_layers`` multi-token-prediction blocks after the model's (GLM-4.5):
+        their tensors are not read.
     tokenizer_style : str
         How a SentencePiece vocabulary's spaces are read: ``"llama"``, ``"gemma"`` (no space prepended) or
         ``"phi3"`` (a normalizer's prefix space).
@@ -59,6 +65,8 @@ class GGUFArchitecture:
     norm_offset: bool = False
     transposed: tuple[str, ...] = ()
     squeezed: tuple[str, ...] = ()
+    renamed: tuple[tuple[str, str], ...] = ()
+    nextn_blocks: bool = False
     tokenizer_style: str = "llama"
 
     def hf_config(self, file: Any) -> dict[str, Any]:

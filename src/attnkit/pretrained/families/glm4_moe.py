@@ -10,12 +10,17 @@ Checkpoint (under ``model.``): Llama's (Qwen3's ``self_attn.{q,k}_norm`` with ``
 expert layers: ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{j}.{gate,up,down}_proj``
 and ``mlp.shared_experts.{gate,up,down}_proj``. The multi-token-prediction layer published after the last one
 (``layers.{num_hidden_layers}``, for speculative decoding) is not read, as transformers ignores it.
+
+llama.cpp's GGUF files (``glm4moe``) keep that layer as the last ``nextn_predict_layers`` blocks (not read either),
+state the mixture as ``expert_*`` keys (``leading_dense_block_count`` the dense layers) and stack each matrix's
+experts in one tensor.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rotated_features
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -62,12 +67,49 @@ def _mtp_tensors(cfg: DecoderConfig) -> frozenset[str]:
     return frozenset(layer + [after + name for name in _MTP_TENSORS])
 
 
+_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def _gguf_count(file: Any, meta: GGUFMetadata, key: str, default: int, below: int | None = None) -> int:
+    """A count that may be 0 (``meta.int`` wants a positive one), below ``below`` if given."""
+    value = meta.get(key, default)
+    if value < 0 or (below is not None and value >= below):
+        bound = "" if below is None else f" and below {below}"
+        raise file.fail(f"metadata {meta.arch}.{key} = {value} must be 0 or more{bound}")
+    return int(value)
+
+
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """transformers' config of a ``glm4moe`` file: the blocks less the multi-token-prediction ones, the rotated
+    fraction always stated (the reader's default is half), the mixture from llama.cpp's ``expert_*`` keys (a
+    sigmoid router; without ``expert_weights_norm`` llama.cpp leaves the weights unnormalised)."""
+    config = common_config(file, meta)
+    config["partial_rotary_factor"] = rotated_features(meta, config["head_dim"]) / config["head_dim"]
+    blocks = config["num_hidden_layers"]
+    extra = _gguf_count(file, meta, "nextn_predict_layers", 0, below=blocks)
+    gating = meta.get("expert_gating_func", _SIGMOID)
+    if gating != _SIGMOID:
+        raise file.fail(f"metadata {meta.arch}.expert_gating_func = {gating} is not the sigmoid router ({_SIGMOID}) "
+                        f"GLM-4.5 has")
+    return dict(config, num_hidden_layers=blocks - extra, num_nextn_predict_layers=extra,
+                n_routed_experts=meta.int("expert_count"), num_experts_per_tok=meta.int("expert_used_count"),
+                moe_intermediate_size=meta.int("expert_feed_forward_length"),
+                n_shared_experts=meta.int("expert_shared_count"),
+                first_k_dense_replace=_gguf_count(file, meta, "leading_dense_block_count", 0),
+                n_group=meta.int("expert_group_count", 1), topk_group=meta.int("expert_group_used_count", 1),
+                routed_scaling_factor=meta.float("expert_weights_scale", 1.0),
+                norm_topk_prob=bool(meta.get("expert_weights_norm", False)))
+
+
 FAMILY = Family(
     model_type="glm4_moe",
     keys=frozenset(COMMON_KEYS + ("attention_bias", "use_qk_norm") + _MOE_KEYS + _INERT),
     read_config=lambda read: rotary_config(
         read, DEFAULTS, _fields, rotary=lambda r, positions: half_rotary(r, positions, interleaved=False)),
     tensors=_tensors, unused_tensors=_mtp_tensors,
+    gguf=GGUFArchitecture("glm4moe", _gguf_config, bias_flags=(("attention_bias", "blk.0.attn_q.bias"),
+                                                               ("use_qk_norm", "blk.0.attn_q_norm.weight")),
+                          renamed=(("e_score_correction_bias", "e_score_correction.bias"),), nextn_blocks=True),
     architecture="Glm4MoeForCausalLM", hf_config_class="Glm4MoeConfig",
     # the shared shape with q/k norms and biases, and after one dense layer eight experts of width 512, two per
     # token plus one shared: the active MLP width of the other families (1536)
