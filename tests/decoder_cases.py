@@ -190,6 +190,13 @@ DECODER_VARIANTS = {
     "glm4": dict(family="glm4", norm=NormConfig(placement="sandwich"), rotary=RotaryConfig(partial_factor=0.5,
                                                                                           interleaved=True),
                  attention=AttentionConfig(bias=True)),
+    # GLM-4.5: q/k/v biases, per-head q/k norms, rotary on half of each head, a dense layer and then group-routed
+    # sigmoid experts beside a shared expert
+    "glm4_moe": dict(family="glm4_moe", rotary=RotaryConfig(partial_factor=0.5),
+                     attention=AttentionConfig(bias=True, qk_norm="head"),
+                     experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3, layers=(1,),
+                                           router="sigmoid_group_topk", n_group=2, topk_group=1,
+                                           routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
     # Granite: scaled embeddings, scores, branch outputs and logits, biases on every projection
     "granite": dict(family="granite", embedding_scale=1.5, residual_scale=0.4, logit_scale=0.7, mlp_bias=True,
                     attention=AttentionConfig(bias=True, output_bias=True, scale=0.3)),

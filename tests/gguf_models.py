@@ -8,10 +8,15 @@ the ``gguf`` package's own ``GGUFWriter``: llama.cpp's metadata keys, its tensor
   Hugging Face's half-split rotary layout to GGML's interleaved one;
 - Gemma 2 / 3: every RMSNorm weight stored as ``1 + w`` (GGML's RMSNorm multiplies by the weight alone);
 - GPT-2: the ``Conv1D`` weights stored as (out, in), like every other GGML matrix;
-- a tied head written once (no ``output.weight``);
+- LFM2: the short convolution's (C, 1, K) weights stored as (C, K), the key/value head count one per layer (0
+  for a convolution), the MLP's width as adjusted;
+- OLMo 3, written as ``olmo2``: the full layers' rotary base and scaling, the window and one flag per layer;
+- GLM-4.5 (``glm4moe``): each matrix's experts stacked in one tensor, the mixture as ``expert_*`` keys, and a
+  multi-token-prediction block after the model's (``nextn_predict_layers``), as its checkpoints carry one;
 - Qwen3.5 (``qwen35``): every RMSNorm but the Gated DeltaNet's stored as ``1 + w``, ``A_log`` as ``-exp(A_log)``,
   ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed to (C, K), and, when there are more value heads than key
-  heads, the value heads reordered from grouped (by key head) to tiled.
+  heads, the value heads reordered from grouped (by key head) to tiled;
+- a tied head written once (no ``output.weight``).
 
 Matrices are stored in the requested quantisation type (``gguf.quants.quantize`` where it implements it), and
 vectors in F32 as llama.cpp keeps them. The K-quants (Q2_K .. Q6_K) have no quantizer in ``gguf``: their
@@ -30,7 +35,12 @@ from gguf import GGMLQuantizationType as Q
 
 # The HF model_type -> the GGUF architecture llama.cpp's converter writes.
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "qwen3_5_text": "qwen35"}
+         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "olmo3": "olmo2", "glm4": "glm4",
+         "lfm2": "lfm2", "glm4_moe": "glm4moe",
+         "qwen3_5_text": "qwen35"}
+# the multi-token-prediction block's own tensors (llama.cpp's NEXTN tensors) and their shapes in units of (V, D)
+NEXTN = {"eh_proj.weight": ("D", "2D"), "embed_tokens.weight": ("V", "D"), "enorm.weight": ("D",),
+         "hnorm.weight": ("D",), "shared_head.head.weight": ("V", "D"), "shared_head.norm.weight": ("D",)}
 
 # Byte offsets of the float16 scale fields in each K-quant block (the rest is quantized bits).
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -91,12 +101,42 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    # GLM-4.5's blocks include the multi-token-prediction one
+    writer.add_block_count(cfg.num_hidden_layers + (model_type == "glm4_moe"))
     writer.add_head_count(heads)
+    params = cfg.rope_parameters
+    if model_type == "lfm2":  # LFM2Model.set_gguf_parameters
+        writer.add_head_count_kv([cfg.num_key_value_heads if kind != "conv" else 0 for kind in cfg.layer_types])
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_shortconv_l_cache(cfg.conv_L_cache)
+        writer.add_layer_norm_rms_eps(cfg.norm_eps)
+        width = cfg.intermediate_size
+        if cfg.block_auto_adjust_ff_dim:
+            width = int(2 * width / 3)
+            if cfg.block_ffn_dim_multiplier is not None:
+                width = int(cfg.block_ffn_dim_multiplier * width)
+            width = cfg.block_multiple_of * ((width + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+        writer.add_feed_forward_length(width)
+        writer.add_rope_freq_base(params["rope_theta"])
+        return
+    writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    params = cfg.rope_parameters
+    if model_type == "olmo3":  # Olmo2Model: the full layers' rotary, the window, a flag per layer
+        full = params["full_attention"]
+        assert params["sliding_attention"] == {"rope_type": "default", "rope_theta": full["rope_theta"]}, \
+            "llama.cpp rotates OLMo 3's sliding layers with the full layers' base, unscaled"
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type", "default") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(full["factor"])
+            writer.add_rope_scaling_attn_factors(full["attention_factor"])
+            writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        elif full.get("rope_type", "default") != "default":
+            raise NotImplementedError("llama.cpp's converter writes OLMo 3's YaRN only")
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in cfg.layer_types])
+        return
     if model_type == "gemma3_text":
         full, sliding = params["full_attention"], params["sliding_attention"]
         writer.add_rope_freq_base(full["rope_theta"])
@@ -131,9 +171,23 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
             raise NotImplementedError(f"this test converter does not write rope_type {kind}")
     if model_type in ("llama", "mistral"):
         writer.add_rope_dimension_count(head_dim)
-    if model_type in ("qwen3", "gemma2", "gemma3_text", "qwen3_5_text"):
+    if model_type == "glm4_moe":  # Glm4MoeModel.set_gguf_parameters, and TextModel's expert groups
+        writer.add_expert_count(cfg.n_routed_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_count(cfg.n_shared_experts)
+        writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+        writer.add_expert_group_count(cfg.n_group)
+        writer.add_expert_group_used_count(cfg.topk_group)
+        writer.add_nextn_predict_layers(1)
+    if model_type in ("qwen3", "gemma2", "gemma3_text", "glm4", "glm4_moe", "qwen3_5_text"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if model_type in ("glm4", "glm4_moe"):  # Glm4Model, Glm4MoeModel: the rotated half of each head
+        writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 0.5)))
     if model_type == "qwen3_5_text":
         full = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
         interval = full[0] + 1
@@ -192,6 +246,28 @@ def _qwen35_tensor(hf_name: str, w: np.ndarray, cfg: Any) -> tuple[str, np.ndarr
     return hf_name, w
 
 
+def _glm4_moe_tensors(tensors: dict[str, np.ndarray], cfg: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The tensors as Glm4MoeModel converts them: each expert matrix stacked (E, ...) under the name without an
+    expert index (transformers fuses gate and up in memory: split back), the routing bias as
+    ``e_score_correction.bias``, and a multi-token-prediction layer after the last (the last layer's tensors
+    under the next index, with the NEXTN tensors, random) as GLM-4.5's checkpoints carry it."""
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # (E, 2F, D): gate rows, then up rows
+            base, f = name[:-len("gate_up_proj")], w.shape[1] // 2
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w[:, :f], w[:, f:]
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = w
+        else:
+            out[name.replace("e_score_correction_bias", "e_score_correction.bias")] = w
+    last, after = f"model.layers.{cfg.num_hidden_layers - 1}.", f"model.layers.{cfg.num_hidden_layers}."
+    out.update({after + n[len(last):]: w for n, w in list(out.items()) if n.startswith(last)})
+    sizes = {"V": cfg.vocab_size, "D": cfg.hidden_size, "2D": 2 * cfg.hidden_size}
+    out.update({after + n: rng.standard_normal([sizes[u] for u in units]).astype(np.float32)
+                for n, units in NEXTN.items()})
+    return out
+
+
 def _tensor_name(name_map: Any, hf_name: str) -> str | None:
     if hf_name == "lm_head.weight":
         return "output.weight"
@@ -220,10 +296,15 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
     tokenizer = tokenizer or plain_vocabulary(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     _add_tokenizer(writer, tokenizer)
     writer.add_file_type(int(qtype) if qtype in (Q.F32, Q.F16) else 7)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    tensors = _hf_tensors(model)
+    blocks = cfg.num_hidden_layers
+    if model_type == "glm4_moe":
+        tensors, blocks = _glm4_moe_tensors(tensors, cfg, rng), blocks + 1
+    model_arch = next(a for a, known in gguf.MODEL_ARCH_NAMES.items() if known == arch)  # glm4moe is GLM4_MOE
+    name_map = gguf.get_tensor_name_map(model_arch, blocks)
     stored = {}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    for hf_name, w in _hf_tensors(model).items():
+    for hf_name, w in tensors.items():
         hf_name = hf_name.removeprefix("model.").removeprefix("transformer.")
         if hf_name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
             continue
@@ -239,6 +320,8 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
                 w = llama_permute(w, cfg.num_attention_heads)
             elif gguf_name.endswith("attn_k.weight") or gguf_name.endswith("attn_k.bias"):
                 w = llama_permute(w, cfg.num_key_value_heads)
+        if model_type == "lfm2" and gguf_name.endswith("shortconv.conv.weight"):
+            w = w.squeeze(1)  # (C, 1, K) -> (C, K): "conv op requires 2d tensor"
         if model_type in ("gemma2", "gemma3_text") and gguf_name.endswith("norm.weight"):
             w = w + 1.0
         if model_type == "gpt2" and gguf_name.endswith(("attn_qkv.weight", "attn_output.weight", "ffn_up.weight",
@@ -388,6 +471,23 @@ FLOAT_ONLY = {
                                                                                    "rope_theta": 1000.0},
                                                                 "sliding_attention": {"rope_type": "default",
                                                                                       "rope_theta": 10000.0}})),
+    # OLMo 3 as llama.cpp writes it (olmo2): YaRN with its attention factor on the full layers, the sliding ones
+    # with the same base unscaled, the default pattern (each fourth layer full)
+    "olmo3_yarn": ("Olmo3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, sliding_window=3,
+                                       rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                           "original_max_position_embeddings": 16,
+                                                                           "attention_factor": 1.3,
+                                                                           "rope_theta": 1000.0},
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1000.0}})),
+    # full and sliding layers in an order of their own, biases, a tied head, no scaling
+    "olmo3_layer_types": ("Olmo3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, sliding_window=2,
+                                              attention_bias=True, tie_word_embeddings=True,
+                                              layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                              rope_parameters={"full_attention": {"rope_type": "default",
+                                                                                  "rope_theta": 500.0},
+                                                               "sliding_attention": {"rope_type": "default",
+                                                                                     "rope_theta": 500.0}})),
     # Qwen3.5: more value heads than key heads (reordered by the converter), then as many
     "qwen3_5_text": ("Qwen3_5TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
                                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,

@@ -263,6 +263,20 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                    norm_topk_prob=False, routed_scaling_factor=1.5,
                                                    rope_interleave=False, attention_bias=True,
                                                    tie_word_embeddings=True, pad_token_id=0), {}),
+    # GLM-4.5: q/k norms per head, q/k/v biases, rotary on half of each head (two halves), one dense layer, then 3
+    # of 8 experts within the 2 best of 4 groups, scaled, beside one shared expert
+    "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, use_qk_norm=True,
+                                       attention_bias=True, moe_intermediate_size=8, n_routed_experts=8,
+                                       num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+                                       first_k_dense_replace=1, routed_scaling_factor=2.5, pad_token_id=0,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                                        "partial_rotary_factor": 0.5}), {}),
+    # no q/k norms or biases, wider heads, one key/value head, every layer routed (one group, weights not
+    # renormalised), two shared experts, a tied head
+    "glm4_moe_plain": ("Glm4MoeConfig", dict(_COMMON, num_key_value_heads=1, head_dim=12, moe_intermediate_size=6,
+                                             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+                                             first_k_dense_replace=0, norm_topk_prob=False,
+                                             tie_word_embeddings=True, pad_token_id=0), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
@@ -273,9 +287,10 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe",
                  "qwen3_moe_window", "mixtral",
                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
-                 "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
+                 "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus",
+                 "glm4_moe", "glm4_moe_plain")
 
-_LOOPED_EXPERTS = ("DeepseekV3Config",)
+_LOOPED_EXPERTS = ("DeepseekV3Config", "Glm4MoeConfig")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

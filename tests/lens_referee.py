@@ -164,6 +164,8 @@ def compare(lm, cache, lens: dict) -> tuple[dict[str, float], list[str]]:
         if order is not None and name.endswith(("attn.hook_q", "attn.hook_k")):
             ours = ours[..., order]
         if ours.dtype.kind in "iu":
+            if name.endswith("hook_expert_indices"):  # the chosen experts as a set: torch's top-k leaves them unsorted
+                ours, theirs = np.sort(ours, axis=-1), np.sort(theirs, axis=-1)
             diffs[name] = float(np.abs(ours - theirs).max())
             continue
         scale = max(1.0, float(np.abs(theirs).max()))

@@ -30,7 +30,7 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "qwen3_next_unnormalised",
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
                      "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                     "apertus")
+                     "apertus", "glm4_moe", "glm4_moe_plain")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -87,14 +87,18 @@ def test_gradients_match_hf_autograd(name, hf_root):
             err = np.max(np.abs(got - expected)) / max(scale, 1e-30)
             assert err <= GRAD_TOL, (target, m.index, err)
             checked.add(target)
-    assert checked == set(ours)
+    # the router's correction bias is a buffer in torch; it only chooses experts, so its gradient is zero
+    biases = {n for n in ours if n.endswith("e_score_correction_bias")}
+    assert not any(ours[n].any() for n in biases)
+    assert checked | biases == set(ours)
 
 
 # the checkpoint's name of a mixture's module and of each expert's gate, up and down matrices
 EXPERT_NAMES = {"qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_5_moe_text": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-                "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
+                "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+                "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> dict:
@@ -124,7 +128,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias"),
                                        ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
                                        ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
-                                       ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta")])
+                                       ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta"),
+                                       ("glm4_moe", "scoring_func")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -250,7 +255,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
                                                       ("granite", "GraniteConfig"), ("seed_oss", "SeedOssConfig"),
                                                       ("ernie4_5", "Ernie4_5Config"),
                                                       ("hunyuan_v1_dense", "HunYuanDenseV1Config"),
-                                                      ("apertus", "ApertusConfig")])
+                                                      ("apertus", "ApertusConfig"),
+                                                      ("glm4_moe", "Glm4MoeConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -325,3 +331,46 @@ def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transform
         else:
             with pytest.raises(ValueError, match="unexpected tensor 'model.layers.2.self_attn.z_proj.weight'"):
                 load_causal_lm(target)
+
+
+def _with_extra_layer(folder, target, index: int, extra: tuple[str, ...]):
+    """A copy of a saved GLM-4.5 folder whose checkpoint also holds layer ``index``: the last layer's tensors
+    under that index, and ``extra`` (names under the layer) as a multi-token-prediction layer adds them."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(folder, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    last = json.loads((target / "config.json").read_text())["num_hidden_layers"] - 1
+    before, after = f"model.layers.{last}.", f"model.layers.{index}."
+    tensors.update({after + n[len(before):]: v for n, v in list(tensors.items()) if n.startswith(before)})
+    rng = np.random.default_rng(0)
+    tensors.update({after + name: rng.standard_normal((4, 4)).astype(np.float32) for name in extra})
+    save_file(tensors, str(target / "model.safetensors"))
+    return target
+
+
+MTP_NAMES = ("eh_proj.weight", "embed_tokens.weight", "enorm.weight", "hnorm.weight", "shared_head.head.weight",
+             "shared_head.norm.weight")
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4_moe_plain"])
+def test_glm4_moe_leaves_the_multi_token_prediction_layer_unread(name, hf_root, tmp_path):
+    """GLM-4.5 publishes a multi-token-prediction layer after the last one (layers.92 of 92), which transformers
+    ignores: the folder loads, with the logits of the folder without it."""
+    folder, _ = saved_model(name, hf_root)
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    ids, mask = left_padded_batch(np.random.default_rng(3), (5, 3))
+    plain = load_causal_lm(folder)(ids, mask)
+    with_mtp = load_causal_lm(_with_extra_layer(folder, tmp_path / "mtp", layers, MTP_NAMES))(ids, mask)
+    np.testing.assert_array_equal(with_mtp, plain)
+
+
+@pytest.mark.parametrize("index, extra", [(4, MTP_NAMES), (3, ("eh_proj.weight", "other.weight"))])
+def test_glm4_moe_refuses_tensors_past_the_multi_token_prediction_layer(index, extra, hf_root, tmp_path):
+    """Only the one layer after the last, and only its known tensors, are left unread: a second such layer, or an
+    unknown tensor in it, is refused by name."""
+    folder, _ = saved_model("glm4_moe", hf_root)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.[34]\."):
+        load_causal_lm(_with_extra_layer(folder, tmp_path / "extra", index, extra))

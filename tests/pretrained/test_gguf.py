@@ -31,7 +31,8 @@ from text_models import CHATML, CORPUS, LLAMA2, write_chat_tokenizer  # noqa: E4
 TOL = 2e-5  # max |ours - theirs| / max |theirs| over the logits
 # hf_models specs llama.cpp reads whole but transformers' GGUF loader does not (see the module docstring).
 FLOAT_ONLY_HF = ("gpt2", "llama_gqa", "llama_yarn", "llama_llama3", "llama_linear", "qwen3", "olmo2",
-                 "olmo2_bias_mqa", "phi3_longrope", "phi3_partial_window")
+                 "olmo2_bias_mqa", "phi3_longrope", "phi3_partial_window", "glm4", "lfm2", "lfm2_bias", "glm4_moe",
+                 "glm4_moe_plain")
 TEXTS = [" Héllo wörld, naïve café", "  two leading spaces", "日本語の文章です。", "emoji \U0001f600\U0001f680 €£¥",
          "mixed: Crème brûlée 😀 日本 \n\tnew line", "<|im_start|>user\nhi<|im_end|>", ""]
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
@@ -106,6 +107,30 @@ def test_mistral_is_written_and_read_as_llama(root):
     path = _written(root, "mistral", gm.build_model("mistral"))
     file = read_gguf(path)
     assert file.architecture == "llama" and load_causal_lm(path).config.family == "llama"
+
+
+@pytest.mark.parametrize("name, family, types, window", [
+    ("olmo3_yarn", "olmo3", ("sliding_attention",) * 3 + ("full_attention",), 3),
+    ("olmo3_layer_types", "olmo3", ("full_attention", "sliding_attention", "full_attention"), 2),
+    ("olmo2", "olmo2", ("full_attention",) * 2, None)])
+def test_olmo3_is_written_as_olmo2_and_read_back_as_olmo3(name, family, types, window, root):
+    """llama.cpp has no olmo3 architecture: its olmo2 files with a window and per-layer flags are OLMo 3's."""
+    model = gm.build_model(name) if name in gm.FLOAT_ONLY else build_hf_model(name)
+    path = _written(root, f"float_{name}", model)
+    config = load_causal_lm(path).config
+    assert read_gguf(path).architecture == "olmo2"
+    assert (config.family, config.layer_types, config.attention.sliding_window) == (family, types, window)
+
+
+def test_glm4moe_leaves_only_the_declared_multi_token_prediction_blocks_unread(tmp_path, monkeypatch):
+    """llama.cpp keeps GLM-4.5's multi-token-prediction layer as a block after the model's; the float test reads
+    past it as nextn_predict_layers says. A file that does not declare it has one more layer, whose NEXTN
+    tensors are unexpected."""
+    monkeypatch.setattr(gguf.GGUFWriter, "add_nextn_predict_layers", lambda self, count: None)
+    path = tmp_path / "undeclared.gguf"
+    gm.write_gguf(build_hf_model("glm4_moe"), path)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'blk\.3\.nextn\."):
+        load_causal_lm(path)
 
 
 # -- quantisation ------------------------------------------------------------------------------------------
@@ -334,7 +359,8 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path, no_model_built):
 def test_an_unknown_architecture_is_refused(tmp_path, no_model_built):
     path = _raw_file(tmp_path / "mamba.gguf", "mamba", [("token_embd.weight", np.zeros((4, 8), np.float32), None)])
     with pytest.raises(ValueError, match=r"mamba\.gguf: GGUF architecture 'mamba' is not one attnkit loads; it "
-                                         r"loads gemma2, gemma3, gpt2, llama, olmo2, phi3, qwen2, qwen3, qwen35$"):
+                                         r"loads gemma2, gemma3, glm4, glm4moe, gpt2, lfm2, llama, olmo2, phi3, qwen2, "
+                                         r"qwen3, qwen35$"):
         load_causal_lm(path)
 
 

@@ -23,6 +23,9 @@ architecture's name, its metadata reader and the changes to undo), and this modu
 - ``gemma2`` / ``gemma3``: every RMSNorm weight is stored as ``1 + w``; ``1`` is subtracted.
 - ``gpt2``: the ``Conv1D`` matrices are stored (out, in) like every GGML matrix; they are transposed back.
 - ``phi3``: ``longrope``'s divisors are the tensors ``rope_factors_short`` / ``rope_factors_long``.
+- ``lfm2``: the short convolution's weights (C, 1, K) are stored as (C, K).
+- a mixture's experts, one tensor per expert in Hugging Face's checkpoints, are one (E, ...) tensor per matrix
+  (``ffn_gate_exps``, ...); GLM-4.5's multi-token-prediction blocks after the model's are left unread.
 
 Dimension letters: V vocabulary, D hidden size, Hq/Hkv heads, Dh head features, R rotated features.
 """
@@ -33,7 +36,7 @@ import mmap
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -345,10 +348,12 @@ def _in_gguf_terms(message: str, arch: str) -> str:
 
 @dataclass(frozen=True)
 class _Entry:
-    """One GGUF tensor and where it goes: its map (Hugging Face layout) and the change llama.cpp made."""
+    """One GGUF tensor and where it goes: its map (Hugging Face layout) and the change llama.cpp made; for a
+    stack of experts (E, ...) in one tensor, every expert's map, in order (``mapping`` the first)."""
 
     mapping: TensorMap
-    fix: str  # "", "permute_q", "permute_k", "norm_offset", "transpose"
+    fix: str  # "", "permute_q", "permute_k", "norm_offset", "transpose", "squeeze"
+    stacked: tuple[TensorMap, ...] = ()
 
 
 def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
@@ -356,7 +361,9 @@ def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
     gguf = import_extra("gguf", "read GGUF files")
     arch = gguf_architecture(file)
     maps, prefix = checkpoint_map(config)
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH[file.architecture.upper()], config.num_layers)
+    # by llama.cpp's name, not the enum's (glm4moe is GLM4_MOE)
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == file.architecture)
+    table = gguf.get_tensor_name_map(model_arch, config.num_layers)
     entries: dict[str, _Entry] = {}
     for m in maps:
         if m.source in HEAD_NAMES:
@@ -366,6 +373,10 @@ def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
             for old, new in arch.renamed:
                 if source.endswith(old):
                     source = source[:-len(old)] + new
+            if m.stack_size:  # one expert's matrix: the converter stacks them under the name without the index
+                parts = source.split(".")
+                del parts[len(parts) - 1 - parts[::-1].index(str(m.stack_index))]
+                source = ".".join(parts)
             # a name gguf maps whole has no .weight / .bias of its own (Mamba's and Gated DeltaNet's A_log)
             name = table.get_name(source)
             if name is None:
@@ -374,7 +385,11 @@ def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
                 if base is None:
                     raise RuntimeError(f"gguf has no {file.architecture} tensor name for {prefix + m.source}")
                 name = f"{base}.{suffix}"
-        entries[name] = _Entry(m, arch.fix(name))
+        if m.stack_size:
+            first = entries.get(name)
+            entries[name] = _Entry(m, "", (m,)) if first is None else replace(first, stacked=first.stacked + (m,))
+        else:
+            entries[name] = _Entry(m, arch.fix(name))
     return entries
 
 
@@ -405,7 +420,12 @@ def validate_gguf_tensors(file: GGUFFile, config: DecoderConfig) -> dict[str, _E
         raise file.fail(f"the file has no tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more missing)"
                                                                     if len(missing) > 1 else "")
                         + f" needed by this {file.architecture} model")
-    consumed = gguf_architecture(file).rope_tensors
+    arch = gguf_architecture(file)
+    consumed = set(arch.rope_tensors)
+    if arch.nextn_blocks:
+        extra = file.metadata.get(f"{file.architecture}.nextn_predict_layers", 0)
+        blocks = tuple(f"blk.{i}." for i in range(config.num_layers, config.num_layers + extra))
+        consumed |= {name for name in file.tensors if name.startswith(blocks)}
     unexpected = [name for name in file.tensors if name not in entries and name not in consumed]
     if unexpected:
         raise file.fail(f"unexpected tensor {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)"
@@ -417,7 +437,13 @@ def validate_gguf_tensors(file: GGUFFile, config: DecoderConfig) -> dict[str, _E
         if kind not in GGUF_TENSOR_TYPES:
             raise file.fail(f"tensor {name!r} is of type {kind}, which attnkit does not dequantize; it reads "
                             f"{', '.join(GGUF_TENSOR_TYPES)}")
-        expected = entry.mapping.shape[::-1] if entry.fix == "transpose" else entry.mapping.shape
+        expected = entry.mapping.shape
+        if entry.stacked:
+            expected = (len(entry.stacked), *expected)  # (E, ...)
+        elif entry.fix == "transpose":
+            expected = expected[::-1]
+        elif entry.fix == "squeeze":
+            expected = expected[:1] + expected[2:]  # (C, 1, K) stored as (C, K)
         if entry.fix == "restore" and math.prod(_stored_shape(tensor)) == math.prod(expected):
             continue  # the family's restore gives the shape back (a squeezed convolution, a reshaped vector)
         if _stored_shape(tensor) != expected:
@@ -488,8 +514,8 @@ def pack_gguf_tensors(file: GGUFFile, entries: dict[str, _Entry], config: Decode
     dense: dict[str, _Entry] = {}
     with open(file.path, "rb") as fh:
         for name, entry in entries.items():
-            # a family's own restore works on values: such a tensor is read dense
-            weight = None if entry.fix == "restore" else _packed_tensor(fh, file.tensors[name])
+            # a family's own restore, and a squeezed convolution, work on values: such a tensor is read dense
+            weight = None if entry.fix in ("squeeze", "restore") else _packed_tensor(fh, file.tensors[name])
             parts = None if weight is None else entry.mapping.convert_packed(_fixed_packed(weight, entry, config))
             if parts is None:
                 dense[name] = entry
@@ -524,7 +550,10 @@ def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entrie
             values = values - np.float32(1.0)
         elif entry.fix == "transpose":
             values = values.T  # GPT-2's Conv1D layout (in, out)
-        for target, value in entry.mapping.convert(values).items():
-            np.copyto(params[target], value, casting="unsafe")
+        elif entry.fix == "squeeze":
+            values = values.reshape(entry.mapping.shape)  # (C, K) -> (C, 1, K)
+        for m in entry.stacked or (entry.mapping,):
+            for target, value in m.convert(values[m.stack_index] if entry.stacked else values).items():
+                np.copyto(m.destination(params, target), value, casting="unsafe")
         if step is not None:
             step(int(tensor.n_bytes))

@@ -43,14 +43,20 @@ class GGUFArchitecture:
         Every RMSNorm weight is stored as ``1 + w``: 1 is subtracted.
     transposed : tuple of str
         Tensor-name endings stored transposed (GPT-2's ``Conv1D`` matrices): read back transposed.
+    squeezed : tuple of str
+        Tensor-name endings stored without their unit second axis (LFM2's convolution weights, (C, 1, K) as
+        (C, K)): read back with it.
+    renamed : tuple of (str, str)
+        Hugging Face name endings the converter renames before it looks the name up in ``gguf``'s table
+        (DeepSeek-V3's ``e_score_correction_bias`` as ``e_score_correction.bias``).
+    nextn_blocks : bool
+        The file keeps ``{arch}.nextn_predict_layers`` multi-token-prediction blocks after the model's (GLM-4.5):
+        their tensors are not read.
     tokenizer_style : str
         How a SentencePiece vocabulary's spaces are read: ``"llama"``, ``"gemma"`` (no space prepended) or
         ``"phi3"`` (a normalizer's prefix space).
     plain_norms : tuple of str
         With ``norm_offset``, the norm weights (name endings) stored as they are (Qwen3.5's Gated DeltaNet norm).
-    renamed : tuple of (str, str)
-        Hugging Face name endings the converter renames before it looks the GGUF name up (``"dt_bias"`` ->
-        ``"dt_proj.bias"``).
     restored : tuple of str
         Tensor-name endings the converter changed in a way of the family's own: read back by ``restore``.
     restore : callable (name, values, DecoderConfig) -> ndarray, optional
@@ -65,9 +71,11 @@ class GGUFArchitecture:
     permuted_qk: bool = False
     norm_offset: bool = False
     transposed: tuple[str, ...] = ()
+    squeezed: tuple[str, ...] = ()
+    renamed: tuple[tuple[str, str], ...] = ()
+    nextn_blocks: bool = False
     tokenizer_style: str = "llama"
     plain_norms: tuple[str, ...] = ()
-    renamed: tuple[tuple[str, str], ...] = ()
     restored: tuple[str, ...] = ()
     restore: Callable[[str, Any, Any], Any] | None = None
 
@@ -81,7 +89,7 @@ class GGUFArchitecture:
 
     def fix(self, name: str) -> str:
         """What llama.cpp changed in tensor ``name``, to undo: ``"restore"`` (the family's own), ``"permute_q"``,
-        ``"permute_k"``, ``"norm_offset"``, ``"transpose"`` or ``""``."""
+        ``"permute_k"``, ``"norm_offset"``, ``"transpose"``, ``"squeeze"`` or ``""``."""
         if self.restored and name.endswith(self.restored):
             return "restore"
         if self.permuted_qk and ".attn_q." in name:
@@ -93,6 +101,8 @@ class GGUFArchitecture:
             return "norm_offset"
         if self.transposed and name.endswith(self.transposed):
             return "transpose"
+        if self.squeezed and name.endswith(self.squeezed):
+            return "squeeze"
         return ""
 
 
@@ -215,7 +225,9 @@ def rope_scaling(file: Any, meta: GGUFMetadata, context: int) -> dict | None:
                                 f"its factor, original context and beta_fast / beta_slow)")
         scaling = {"rope_type": "yarn", "factor": meta.float("rope.scaling.factor"),
                    "original_max_position_embeddings": meta.int("rope.scaling.original_context_length")}
-        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+        # the converter writes Hugging Face's attention_factor here (OLMo 3): the softmax's YaRN scale as given
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                          ("rope.scaling.attn_factor", "attention_factor")):
             if meta.get(key) is not None:
                 scaling[name] = meta.float(key)
         return scaling

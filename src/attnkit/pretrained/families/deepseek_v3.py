@@ -29,7 +29,7 @@ from ._reader import COMMON_KEYS, Reader, read_rope
 from .llama import BENCHMARK_SHAPE
 from .qwen3_moe import mlp_tensors
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "group_routed_experts"]
 
 # transformers' DeepseekV3Config defaults (DeepSeek-V3's own shape) for the keys a config.json may leave out
 DEFAULTS = dict(max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
@@ -68,23 +68,26 @@ def _latent(read: Reader, hidden: int, heads: int, scaling: dict | None) -> Late
         rope_interleaved=read.bool("rope_interleave", True), attention_scale=scale)
 
 
-def _experts(read: Reader, layers: int) -> ExpertsConfig | None:
-    """The mixture of the layers from ``first_k_dense_replace`` on (None when there are none)."""
+def group_routed_experts(read: Reader, layers: int, defaults: dict = DEFAULTS) -> ExpertsConfig | None:
+    """DeepSeek-V3's mixture (sigmoid scores, a bias-corrected choice within the best groups, shared experts) on
+    the layers from ``first_k_dense_replace`` on, its sizes read with the family's ``defaults`` (None when every
+    layer is dense). GLM-4.5 reads its mixture alike."""
     for key, value in _FIXED.items():
         if read.raw(key, value) != value:
             raise ValueError(f"{read.family} config: {key!r} must be {value!r} (the routing attnkit and "
                              f"transformers implement), got {read.raw(key)!r}")
-    experts = read.int("n_routed_experts", read.raw("num_local_experts", DEFAULTS["n_routed_experts"]))
-    first_dense = read.count("first_k_dense_replace", DEFAULTS["first_k_dense_replace"])
-    width = _read_int(read, "moe_intermediate_size")
+    experts = read.int("n_routed_experts", read.raw("num_local_experts", defaults["n_routed_experts"]))
+    first_dense = read.count("first_k_dense_replace", defaults["first_k_dense_replace"])
+    width = read.int("moe_intermediate_size", defaults["moe_intermediate_size"])
     if first_dense >= layers:
         return None
     # each read names its key; the try adds the family only to what ExpertsConfig itself checks
     read_values = dict(
-        num_experts_per_tok=_read_int(read, "num_experts_per_tok"), n_group=_read_int(read, "n_group"),
-        topk_group=_read_int(read, "topk_group"), norm_topk_prob=read.bool("norm_topk_prob", True),
-        routed_scaling_factor=read.factor("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
-        shared_expert_intermediate_size=_read_int(read, "n_shared_experts") * width)
+        num_experts_per_tok=read.int("num_experts_per_tok", defaults["num_experts_per_tok"]),
+        n_group=read.int("n_group", defaults["n_group"]), topk_group=read.int("topk_group", defaults["topk_group"]),
+        norm_topk_prob=read.bool("norm_topk_prob", True),
+        routed_scaling_factor=read.factor("routed_scaling_factor", defaults["routed_scaling_factor"]),
+        shared_expert_intermediate_size=read.int("n_shared_experts", defaults["n_shared_experts"]) * width)
     try:
         return ExpertsConfig(num_experts=experts, moe_intermediate_size=width, layers=tuple(range(first_dense, layers)),
                              router="sigmoid_group_topk", **read_values)
@@ -116,7 +119,7 @@ def _read_config(read: Reader) -> DecoderConfig:
         bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
         pad_token_id=read.token_ids("pad_token_id", None, many=False),
-        latent=latent, experts=_experts(read, layers), mtp_layers=mtp_layer_count(read))
+        latent=latent, experts=group_routed_experts(read, layers), mtp_layers=mtp_layer_count(read))
 
 
 def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:

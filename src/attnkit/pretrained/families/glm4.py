@@ -8,12 +8,20 @@ from __future__ import annotations
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig, RotaryConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rotated_features
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
-from .llama import BENCHMARK_SHAPE, fused_gated_mlp_tensors, rotary_config, rotary_tensors, with_norm_names
+from .llama import (
+    BENCHMARK_SHAPE,
+    GGUF_ATTENTION_BIAS,
+    fused_gated_mlp_tensors,
+    rotary_config,
+    rotary_tensors,
+    with_norm_names,
+)
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "half_rotary"]
 
 DEFAULTS = {"max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": None,
             "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "num_key_value_heads": 2,
@@ -25,12 +33,13 @@ _NORM_NAMES = {"post_attention_layernorm": "post_self_attn_layernorm",
                "post_feedforward_layernorm": "post_mlp_layernorm"}
 
 
-def _rotary(read: Reader, max_positions: int) -> RotaryConfig:
-    """Llama's rotary settings, half of each head by default, its pairs interleaved."""
+def half_rotary(read: Reader, max_positions: int, *, interleaved: bool = True) -> RotaryConfig:
+    """Llama's rotary settings, half of each head by default (``partial_rotary_factor`` 0.5), its pairs
+    interleaved (GLM-4) or the two halves of the rotated part (GLM-4.5, ``interleaved=False``)."""
     config = dict(read.config)
     config.setdefault("partial_rotary_factor", 0.5)  # transformers' default, beneath rope_parameters' own
     theta, scaling, partial = read_rope(Reader(config, read.family), max_positions)
-    return RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, interleaved=True)
+    return RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, interleaved=interleaved)
 
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
@@ -43,8 +52,18 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return with_norm_names(maps, _NORM_NAMES), prefix
 
 
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """The common keys, the rotated fraction always stated: without it GLM-4 rotates half of each head, while
+    llama.cpp rotates ``rope.dimension_count`` features (default all). llama.cpp keeps the interleaved pairs and
+    the fused ``ffn_up`` (gate and up) as they are."""
+    config = common_config(file, meta)
+    config["partial_rotary_factor"] = rotated_features(meta, config["head_dim"]) / config["head_dim"]
+    return config
+
+
 FAMILY = Family(
     model_type="glm4", keys=frozenset(COMMON_KEYS + ("attention_bias",)),
-    read_config=lambda read: rotary_config(read, DEFAULTS, _fields, norm_placement="sandwich", rotary=_rotary),
+    read_config=lambda read: rotary_config(read, DEFAULTS, _fields, norm_placement="sandwich", rotary=half_rotary),
     tensors=_tensors, architecture="Glm4ForCausalLM", hf_config_class="Glm4Config",
-    benchmark=dict(BENCHMARK_SHAPE, head_dim=64))
+    benchmark=dict(BENCHMARK_SHAPE, head_dim=64),
+    gguf=GGUFArchitecture("glm4", _gguf_config, bias_flags=GGUF_ATTENTION_BIAS))

@@ -9,13 +9,19 @@ Checkpoint (under ``model.``): ``embed_tokens``; per layer ``operator_norm`` (th
 ``self_attn.{q,k,v,out}_proj`` with ``self_attn.{q,k}_layernorm`` or ``conv.in_proj``, ``conv.conv`` and
 ``conv.out_proj`` (with biases when ``conv_bias``), ``ffn_norm`` and ``feed_forward.w1`` (gate), ``w3`` (up),
 ``w2`` (down); the final norm ``embedding_norm``; ``lm_head`` when untied.
+
+llama.cpp's GGUF files (``lfm2``) state the layer kinds as the key/value head counts, one per layer (0 for a
+convolution), the MLP's width as adjusted, and store each convolution's weights (C, 1, K) as (C, K).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ...layers.short_conv import ShortConvConfig
 from ...models.config import AttentionConfig, DecoderConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, rope_scaling, special_ids, vocab_size
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import Reader
@@ -151,6 +157,35 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return maps, "model."
 
 
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """transformers' config of an ``lfm2`` file: the layers with key/value heads attend, the others convolve."""
+    arch, layers = meta.arch, meta.int("block_count")
+    heads = meta.int("attention.head_count")
+    kv = meta.get("attention.head_count_kv", heads)
+    counts = [int(n) for n in kv.tolist()] if isinstance(kv, np.ndarray) else [kv] * layers
+    attending = sorted({n for n in counts if n})
+    if len(counts) != layers or len(attending) > 1 or any(n < 0 for n in counts):
+        raise file.fail(f"metadata {arch}.attention.head_count_kv must hold one count per layer ({arch}.block_count "
+                        f"= {layers}), 0 for a convolution and one count for every attention layer, got {kv!r}")
+    context = meta.int("context_length")
+    config = {
+        "model_type": file.model_type, "vocab_size": vocab_size(file, meta),
+        "hidden_size": meta.int("embedding_length"),
+        # the width as llama.cpp computes with it: already adjusted
+        "intermediate_size": meta.int("feed_forward_length"), "block_auto_adjust_ff_dim": False,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": attending[0] if attending else heads, "max_position_embeddings": context,
+        "norm_eps": meta.float("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.float("rope.freq_base", 1000000.0), "conv_L_cache": meta.int("shortconv.l_cache", 3),
+        "conv_bias": any(name.endswith("shortconv.in_proj.bias") for name in file.tensors),
+        "layer_types": ["full_attention" if n else "conv" for n in counts],
+        "tie_word_embeddings": "output.weight" not in file.tensors, **special_ids(file)}
+    scaling = rope_scaling(file, meta, context)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
 FAMILY = Family(
     model_type="lfm2", keys=frozenset(KEYS), read_config=_config, tensors=_tensors,
     architecture="Lfm2ForCausalLM", hf_config_class="Lfm2Config",
@@ -158,4 +193,5 @@ FAMILY = Family(
     benchmark=dict({k: v for k, v in BENCHMARK_SHAPE.items() if k != "rms_norm_eps"}, norm_eps=1e-5,
                    block_auto_adjust_ff_dim=False,
                    layer_types=["full_attention" if i % 3 == 2 else "conv"
-                                for i in range(BENCHMARK_SHAPE["num_hidden_layers"])]))
+                                for i in range(BENCHMARK_SHAPE["num_hidden_layers"])]),
+    gguf=GGUFArchitecture("lfm2", _gguf_config, squeezed=("shortconv.conv.weight",)))
