@@ -85,7 +85,7 @@ def test_gradients_match_hf_autograd(name, hf_root):
                 # near zero (float64 finite differences agree with attnkit's), measured against the other scalars'.
                 scale = max(np.max(np.abs(v)) for k, v in ours.items() if k.endswith("layer_scalar"))
             err = np.max(np.abs(got - expected)) / max(scale, 1e-30)
-            assert err <= GRAD_TOL, (target, m.index, err)
+            assert err <= GRAD_TOL, (target, m.source, err)
             checked.add(target)
     # the router's correction bias is a buffer in torch; it only chooses experts, so its gradient is zero
     biases = {n for n in ours if n.endswith("e_score_correction_bias")}

@@ -1,8 +1,10 @@
-"""Multi-token prediction: DeepSeek-V3's prediction layers read from a checkpoint equal transformers' ``MtpModel``
+"""Multi-token prediction: DeepSeek-V3's and GLM-4.5's prediction layers read from a checkpoint equal transformers'
+``MtpModel``
 (its ``generate(..., use_mtp=True)`` draft), the model itself loads with them present, greedy decoding that drafts
 with them is token for token plain greedy decoding, and a checkpoint without them is refused by name."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -28,21 +30,20 @@ def hf_root(tmp_path_factory):
     return tmp_path_factory.mktemp("hf_multi_token")
 
 
-@pytest.fixture(scope="module")
-def with_mtp(hf_root, tmp_path_factory):
-    """(folder, hf model in float64, transformers' MtpModel in float64): the tiny DeepSeek-V3 of the test models
-    with one prediction layer written after its last layer, as DeepSeek publishes it (the layer's block from a
-    model one layer deeper, saved by transformers; enorm, hnorm, eh_proj, shared_head.norm and the copies of the
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def with_mtp(request, hf_root, tmp_path_factory):
+    """(folder, hf model in float64, transformers' MtpModel in float64): a tiny model of the test models with one
+    prediction layer written after its last layer, as DeepSeek and GLM publish it (the layer's block from a model
+    one layer deeper, saved by transformers; enorm, hnorm, eh_proj, shared_head.norm and the copies of the
     embedding and head beside it)."""
     from safetensors.numpy import load_file, save_file
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     from transformers.modeling_layers import MtpModel
 
-    folder, hf = saved_model("deepseek_v3", hf_root)
-    hf = hf.double()
+    folder, shared = saved_model(request.param, hf_root)
+    hf = copy.deepcopy(shared).double()  # the shared model stays as the other tests built it
     n = hf.config.num_hidden_layers
     torch.manual_seed(3)
-    deeper = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict({**hf.config.to_dict(), "num_hidden_layers": n + 1}))
+    deeper = type(hf)(type(hf.config).from_dict({**hf.config.to_dict(), "num_hidden_layers": n + 1}))
     with torch.no_grad():
         for name, p in deeper.named_parameters():
             if "norm" in name:
@@ -58,9 +59,9 @@ def with_mtp(hf_root, tmp_path_factory):
             part.weight.mul_(0.5 + torch.rand(hf.config.hidden_size, dtype=torch.float64))
         for p in mtp.parameters():
             p.copy_(p.float().double())  # as the float32 file stores them
-    root = tmp_path_factory.mktemp("mtp")
+    root = tmp_path_factory.mktemp(f"mtp_{request.param}")
     deeper.save_pretrained(root / "deeper")
-    target = root / "deepseek_v3_mtp"
+    target = root / f"{request.param}_mtp"
     shutil.copytree(folder, target)
     tensors = load_file(str(target / "model.safetensors"))
     prefix = f"model.layers.{n}."
@@ -70,14 +71,14 @@ def with_mtp(hf_root, tmp_path_factory):
                        ("shared_head.norm", layer.post_norm)):
         tensors[f"{prefix}{name}.weight"] = part.weight.detach().numpy().astype(np.float32)
     tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
-    tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"]
+    tensors[prefix + "shared_head.head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     save_file(tensors, str(target / "model.safetensors"))
     return target, hf, mtp
 
 
 def test_the_model_loads_past_its_prediction_layers_and_is_unchanged(with_mtp, hf_root):
-    target, _, _ = with_mtp
-    plain = load_causal_lm(saved_model("deepseek_v3", hf_root)[0])
+    target, hf, _ = with_mtp
+    plain = load_causal_lm(saved_model(hf.config.model_type, hf_root)[0])
     lm = load_causal_lm(target)
     assert lm.config.mtp_layers == 1
     np.testing.assert_array_equal(lm(IDS), plain(IDS))

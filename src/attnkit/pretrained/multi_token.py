@@ -1,4 +1,4 @@
-"""Read a checkpoint's multi-token-prediction layers (DeepSeek-V3's ``layers.{num_layers + k}``) as a
+"""Read a checkpoint's multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's ``layers.{num_layers + k}``) as a
 :class:`~attnkit.models.multi_token.MultiTokenPredictor` of a loaded model: the draft of
 ``generate(..., assistant_model=predictor)`` and ``attnkit generate --draft-mtp``.
 
@@ -54,7 +54,7 @@ def load_multi_token_predictor(path: str | Path, model: Any) -> MultiTokenPredic
     spec = family(config.family).mtp_tensors
     if spec is None:
         raise ValueError(f"{config.family} checkpoints have no multi-token-prediction layers attnkit reads (they "
-                         f"are read for deepseek_v3)")
+                         f"are read for deepseek_v3 and glm4_moe)")
     if not config.mtp_layers:
         raise ValueError(f"{path}: the config declares no multi-token-prediction layers (num_mtp_layers = 0)")
     folder = Path(path)

@@ -9,7 +9,8 @@ scores, ``num_experts_per_tok`` experts chosen by score plus a correction bias w
 Checkpoint (under ``model.``): Llama's (Qwen3's ``self_attn.{q,k}_norm`` with ``use_qk_norm``) with DeepSeek-V3's
 expert layers: ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{j}.{gate,up,down}_proj``
 and ``mlp.shared_experts.{gate,up,down}_proj``. The multi-token-prediction layer published after the last one
-(``layers.{num_hidden_layers}``, for speculative decoding) is not read, as transformers ignores it.
+(``layers.{num_hidden_layers}``) is skipped when the model loads, as transformers skips it, and read on request as a
+speculative draft (:func:`~attnkit.pretrained.load_multi_token_predictor`).
 
 llama.cpp's GGUF files (``glm4moe``) keep that layer as the last ``nextn_predict_layers`` blocks (not read either),
 state the mixture as ``expert_*`` keys (``leading_dense_block_count`` the dense layers) and stack each matrix's
@@ -23,6 +24,7 @@ from ...models.config import AttentionConfig, DecoderConfig
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rotated_features
 from ..tensor_map import TensorMap
 from . import Family
+from ._multi_token import MTP_KEYS, mtp_layer_count, multi_token_tensors
 from ._reader import COMMON_KEYS, Reader
 from .deepseek_v3 import group_routed_experts
 from .glm4 import half_rotary
@@ -40,31 +42,21 @@ DEFAULTS = {"max_position_embeddings": 131072, "tie_word_embeddings": False, "bo
 _MOE_KEYS = ("moe_intermediate_size", "n_routed_experts", "num_local_experts", "num_experts_per_tok",
              "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob",
              "routed_scaling_factor")
-# the router's training loss and the multi-token-prediction layers: neither changes the next-token forward
-_INERT = ("output_router_logits", "num_nextn_predict_layers", "num_mtp_layers")
-# the multi-token-prediction layer's own tensors beside an ordinary decoder layer's (llama.cpp's NEXTN tensors)
-_MTP_TENSORS = ("eh_proj.weight", "embed_tokens.weight", "enorm.weight", "hnorm.weight", "shared_head.head.weight",
-                "shared_head.norm.weight")
+# the router's training loss: it changes no forward
+_INERT = ("output_router_logits",)
 
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
     attention = AttentionConfig(bias=read.bool("attention_bias", False),
                                 qk_norm="head" if read.bool("use_qk_norm", False) else None)
     experts = group_routed_experts(read, layers, DEFAULTS)
-    return dict(attention=attention, **({} if experts is None else dict(experts=experts)))
+    return dict(attention=attention, mtp_layers=mtp_layer_count(read),
+                **({} if experts is None else dict(experts=experts)))
 
 
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
     """Llama's checkpoint with DeepSeek-V3's expert layers (shared experts under ``shared_experts``)."""
     return rotary_tensors(cfg, lambda c, hf, ak: mlp_tensors(c, hf, ak, shared="shared_experts"))
-
-
-def _mtp_tensors(cfg: DecoderConfig) -> frozenset[str]:
-    """The tensors of the multi-token-prediction layer after the last decoder layer, as GLM-4.5 publishes it:
-    the last layer's own (attention and experts) under the next index, and the predictor's projections."""
-    last, after = f"layers.{cfg.num_layers - 1}.", f"layers.{cfg.num_layers}."
-    layer = [after + m.source[len(last):] for m in _tensors(cfg)[0] if m.source.startswith(last)]
-    return frozenset(layer + [after + name for name in _MTP_TENSORS])
 
 
 _SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
@@ -103,10 +95,10 @@ def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
 
 FAMILY = Family(
     model_type="glm4_moe",
-    keys=frozenset(COMMON_KEYS + ("attention_bias", "use_qk_norm") + _MOE_KEYS + _INERT),
+    keys=frozenset(COMMON_KEYS + ("attention_bias", "use_qk_norm") + _MOE_KEYS + _INERT + MTP_KEYS),
     read_config=lambda read: rotary_config(
         read, DEFAULTS, _fields, rotary=lambda r, positions: half_rotary(r, positions, interleaved=False)),
-    tensors=_tensors, unused_tensors=_mtp_tensors,
+    tensors=_tensors, mtp_tensors=lambda cfg: multi_token_tensors(cfg, _tensors),
     gguf=GGUFArchitecture("glm4moe", _gguf_config, bias_flags=(("attention_bias", "blk.0.attn_q.bias"),
                                                                ("use_qk_norm", "blk.0.attn_q_norm.weight")),
                           renamed=(("e_score_correction_bias", "e_score_correction.bias"),), nextn_blocks=True),
