@@ -1,0 +1,119 @@
+"""DeepSeek Sparse Attention's lightning indexer: its scores, the top-k selection and its training loss
+(unchecked kernels).
+
+Dimension letters: B batch, L queries, S keys, Hi the indexer's heads, Di their width.
+
+The indexer scores query t against key s with a few small ReLU heads, weighted per query and summed::
+
+    I[b, t, s] = sum_h w[b, t, h] * relu(scale * q[b, t, h] . k[b, s])
+
+(one key per token shared by every head, as multi-query attention). Each query then keeps the ``top_k`` keys
+of highest score among those it may see; attention runs over those only. The selection is discrete: no
+gradient flows through it. The indexer learns from its own loss, the KL divergence from the main
+attention's distribution (summed over heads, renormalised over the keys considered) to the softmax of its
+scores (DeepSeek-V3.2's paper, eq. 3 and 4).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["index_scores", "index_scores_backward", "top_k_selection", "indexer_kl", "indexer_kl_backward"]
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """float32 at least (``transformers`` scores in float32 whatever the model's dtype), float64 stays."""
+    return np.promote_types(dtype, np.float32)
+
+
+def index_scores(q: np.ndarray, k: np.ndarray, w: np.ndarray, scale: float) -> np.ndarray:
+    """``I = sum_h w_h relu(scale q_h . k)``: (B, L, S) in at least float32.
+
+    q (B, L, Hi, Di), k (B, S, Di), w (B, L, Hi).
+    """
+    dtype = _compute_dtype(np.result_type(q, k, w))
+    q, k, w = (a.astype(dtype, copy=False) for a in (q, k, w))
+    s = q @ (k.swapaxes(-1, -2) * dtype.type(scale))[:, None]  # (B, L, Hi, S)
+    np.maximum(s, 0, out=s)
+    return (w[:, :, None, :] @ s)[:, :, 0]  # (B, L, S)
+
+
+def index_scores_backward(grad: np.ndarray, q: np.ndarray, k: np.ndarray, w: np.ndarray, scale: float):
+    """Gradients of :func:`index_scores`: ``(dq, dk, dw)`` shaped as q, k, w, in the scores' dtype.
+
+    The per-head scores (B, L, Hi, S) are recomputed (one product) rather than kept by the forward: they are
+    Hi times the size of the index scores, and the forward runs on every inference step.
+    """
+    dtype = _compute_dtype(np.result_type(q, k, w, grad))
+    q, k, w, grad = (a.astype(dtype, copy=False) for a in (q, k, w, grad))
+    s = q @ (k.swapaxes(-1, -2) * dtype.type(scale))[:, None]  # (B, L, Hi, S)
+    r = np.maximum(s, 0)  # (B, L, Hi, S)
+    dw = (r @ grad[:, :, :, None])[..., 0]  # (B, L, Hi)
+    ds = w[..., None] * grad[:, :, None, :]  # (B, L, Hi, S)
+    ds *= s > 0
+    ds *= dtype.type(scale)
+    dq = ds @ k[:, None]  # (B, L, Hi, Di)
+    dk = np.einsum("blhs,blhd->bsd", ds, q, optimize=True)  # (B, S, Di)
+    return dq, dk, dw
+
+
+def top_k_selection(scores: np.ndarray, allowed: np.ndarray, top_k: int) -> np.ndarray:
+    """The keys each query keeps: the ``top_k`` highest scores among its ``allowed`` keys, (B, L, S) bool.
+
+    A query with at most ``top_k`` allowed keys keeps all of them (``top_k >= S``: the selection is
+    ``allowed`` itself, and attention is dense). Equal scores at the boundary are broken by position as
+    :func:`numpy.argpartition` breaks them (``torch.topk`` breaks them its own way: a tie is the one place
+    the two may choose differently).
+
+    scores (B, L, S) real; allowed bool broadcastable to (B, L, S).
+    """
+    allowed = np.broadcast_to(allowed, scores.shape)
+    if top_k >= scores.shape[-1]:
+        return allowed.copy()
+    ranked = np.where(allowed, scores, -np.inf)  # (B, L, S)
+    best = np.argpartition(-ranked, top_k - 1, axis=-1)[..., :top_k]  # (B, L, top_k)
+    chosen = np.zeros(scores.shape, dtype=bool)  # (B, L, S)
+    np.put_along_axis(chosen, best, True, axis=-1)
+    chosen &= allowed
+    return chosen
+
+
+def _normalised_target(target: np.ndarray, support: np.ndarray) -> np.ndarray:
+    """``target`` (B, L, S) kept on ``support`` and L1-normalised per row; an empty row stays zero."""
+    p = np.where(support, target, 0)  # (B, L, S)
+    total = p.sum(axis=-1, keepdims=True)  # (B, L, 1)
+    return np.divide(p, total, out=np.zeros_like(p), where=total > 0)  # (B, L, S)
+
+
+def _log_softmax(scores: np.ndarray, support: np.ndarray) -> np.ndarray:
+    """Log-softmax of ``scores`` over ``support`` per row (-inf off it; an empty row is all -inf)."""
+    masked = np.where(support, scores, -np.inf)  # (B, L, S)
+    top = masked.max(axis=-1, keepdims=True)  # (B, L, 1)
+    top = np.where(np.isfinite(top), top, 0)
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.exp(masked - top).sum(axis=-1, keepdims=True)) + top  # (B, L, 1)
+    return masked - np.where(np.isfinite(lse), lse, 0)  # (B, L, S): an empty row stays -inf, not NaN
+
+
+def indexer_kl(scores: np.ndarray, target: np.ndarray, support: np.ndarray) -> float:
+    """``sum_{b,t} KL(p_t || softmax(I_t))`` over each row's ``support`` (B, L, S) bool.
+
+    ``p_t`` is ``target`` (B, L, S), non-negative (the main attention's weights summed over heads), kept on the
+    support and normalised to sum to one; a row whose support is empty or whose target there is zero adds 0.
+    """
+    dtype = _compute_dtype(np.result_type(scores, target))
+    p = _normalised_target(target.astype(dtype, copy=False), support)  # (B, L, S)
+    log_q = _log_softmax(scores.astype(dtype, copy=False), support)  # (B, L, S)
+    live = p > 0
+    with np.errstate(divide="ignore"):
+        terms = np.where(live, p * (np.log(np.where(live, p, 1)) - np.where(live, log_q, 0)), 0)  # (B, L, S)
+    return float(terms.sum())
+
+
+def indexer_kl_backward(scores: np.ndarray, target: np.ndarray, support: np.ndarray) -> np.ndarray:
+    """Gradient of :func:`indexer_kl` with respect to ``scores``: ``softmax(I_t) - p_t`` on the support of each
+    row whose target is not zero, 0 elsewhere; (B, L, S) in the scores' compute dtype."""
+    dtype = _compute_dtype(np.result_type(scores, target))
+    p = _normalised_target(target.astype(dtype, copy=False), support)  # (B, L, S)
+    q = np.exp(_log_softmax(scores.astype(dtype, copy=False), support))  # (B, L, S)
+    has_target = p.sum(axis=-1, keepdims=True) > 0  # (B, L, 1)
+    return np.where(support & has_target, q - p, 0).astype(dtype, copy=False)  # (B, L, S)
