@@ -295,7 +295,8 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe",
                  "qwen3_moe_window", "mixtral",
                  "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2", "lfm2_bias", "bamba",
-                 "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
+                 "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
+                 "apertus")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config", "DeepseekV32Config")
 

@@ -1,7 +1,8 @@
 """DeepSeek-V3 and V3.2 as whole models (latent attention, sparse in V3.2, + group-routed shared experts): every
-parameter's gradient by float64 finite differences and against transformers' autograd, the absorbed (cached) decoding equal to the
-explicit forward, the latent cache's size, attention weights against transformers' eager attention, and the
-hook points. Logits, greedy, beam, cached and padded-row parity are in test_causal_lm.py (FAMILY_MODELS)."""
+parameter's gradient by float64 finite differences and against transformers' autograd, the absorbed (cached)
+decoding equal to the explicit forward, the latent cache's size, attention weights against transformers' eager
+attention, and the hook points. Logits, greedy, beam, cached and padded-row parity are in test_causal_lm.py
+(FAMILY_MODELS)."""
 from __future__ import annotations
 
 import dataclasses
