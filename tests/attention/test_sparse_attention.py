@@ -92,6 +92,29 @@ def test_top_k_keeps_the_best_allowed_keys_and_all_when_fewer():
     assert (kernel.top_k_selection(scores, allowed, 5) == allowed).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_gathered_attention_equals_attention_masked_to_the_chosen_keys(dtype):
+    """The inference kernel scores only each query's K gathered keys; a query with no valid key gets zeros."""
+    rng = make_rng(11)
+    b, h, length, s, width, dv = 2, 3, 5, 9, 6, 4
+    q, kv = randn(rng, b, h, length, width), randn(rng, b, s, width)
+    scores = randn(rng, b, length, s)
+    allowed = rng.random((b, length, s)) < 0.6
+    allowed[1, 2] = False  # nothing to attend to
+    indices, valid = kernel.top_k_indices(scores, allowed, 3)
+    chosen = kernel.top_k_selection(scores, allowed, 3)
+    logits = np.einsum("bhld,bsd->bhls", q, kv) * 0.3
+    logits = np.where(chosen[:, None], logits, -np.inf)
+    alive = chosen.any(-1)[:, None, :, None]
+    p = np.exp(logits - np.where(alive, logits.max(-1, keepdims=True), 0))
+    p = np.where(alive, p / np.where(alive, p.sum(-1, keepdims=True), 1), 0)
+    reference = p @ kv[:, None, :, :dv]
+    out = kernel.gathered_attention(q.astype(dtype), kv.astype(dtype), indices, valid, 0.3, dv, block=2)
+    assert out.dtype == dtype and out.shape == (b, h, length, dv)
+    assert max_rel_diff(out, reference) < (1e-15 if dtype == np.float64 else 2e-3)
+    assert not out[1, :, 2].any()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # sparse latent attention
 def _dense_reference(attn, x, mask, rotary):

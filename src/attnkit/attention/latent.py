@@ -47,6 +47,7 @@ from ..flex import (
     sliding_window_mask,
 )
 from ..init import as_generator, normal
+from ..kernels import indexer as _indexer
 from ..kernels import latent as _latent
 from ..kernels import rotary as _rotary
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
@@ -383,15 +384,19 @@ class MultiHeadLatentAttention(Module):
                              f"(past + new tokens), got {mask.shape}")
         return mask
 
-    def _select(self, x, q_saved, rotary, index_keys, key_mask) -> np.ndarray:
-        """The keys each new token attends to (B, L, S) bool: the indexer's ``index_topk`` best among the keys
-        it may see (causal, not padding). Without a cache the indexer keeps what its own backward needs."""
+    def _select(self, x, q_saved, rotary, index_keys, key_mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The keys each new token attends to: the indexer's ``index_topk`` best among the keys it may see (causal,
+        not padding), as a mask (B, L, S) bool and as ``(indices, valid)`` (B, L, K). Without a cache the indexer
+        keeps what its own backward needs."""
         scores = self.indexer(x, q_saved[0], rotary=rotary, keys=index_keys)  # (B, L, S)
         length, seq_k = scores.shape[1:]
         allowed = np.arange(seq_k)[None, :] <= np.arange(length)[:, None] + (seq_k - length)  # (L, S)
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, :]  # (B, L, S)
-        return self.indexer.select(scores, allowed)  # (B, L, S)
+        indices, valid = self.indexer.choose(scores, allowed)  # (B, L, K) each
+        chosen = np.zeros(scores.shape, dtype=bool)  # (B, L, S)
+        np.put_along_axis(chosen, indices, valid, axis=-1)
+        return chosen, indices, valid
 
     def _explicit(self, q: np.ndarray, c: np.ndarray, k_rope: np.ndarray, key_mask, selection,
                   need_weights: bool):
@@ -411,15 +416,21 @@ class MultiHeadLatentAttention(Module):
                                                  q.dtype)  # (H, Dn, C), (H, C, Dv)
         q_abs = _latent.absorb_queries(q, w_uk, cfg.qk_nope_head_dim)  # (B, H, L, C+R)
         k = latent.astype(q.dtype, copy=False)[:, None]  # (B, 1, S, C+R): one head shared by all H queries
+        table = self._hook_table
+        if selection is not None and not need_weights and (table is None or "hook_pattern" not in table.forward):
+            # only each query's K chosen latents are gathered and scored (L*K products, not L*S)
+            out_latent = _indexer.gathered_attention(q_abs, k[:, 0], *selection[1:], self.config.scale,
+                                                     cfg.kv_lora_rank)  # (B, H, L, C)
+            return _latent.absorbed_values(out_latent, w_uv), None, None  # (B, H, L, Dv)
         out_latent, weights, ctx = self._attend(q_abs, k, k[..., :cfg.kv_lora_rank], key_mask, selection,
                                                 need_weights)  # (B, H, L, C)
         return _latent.absorbed_values(out_latent, w_uv), weights, ctx  # (B, H, L, Dv)
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None,
-                selection: np.ndarray | None, need_weights: bool):
+                selection: tuple | None, need_weights: bool):
         """Causal (windowed, padded) attention through :func:`attnkit.flex.flex_attention`: ``(out, weights or
-        None, ctx)``; with a ``selection`` (B, L, S) only over the keys chosen (a boolean mask the tiled kernel
-        reads tile by tile, skipping the tiles where no query chose a key).
+        None, ctx)``; with a ``selection`` (its mask (B, L, S), indices, valid) only over the keys chosen (the mask,
+        which the tiled kernel reads tile by tile, skipping the tiles where no query chose a key).
 
         One query after every key it may see (a decoding step) needs no mask; the kernel is flex's ``"auto"``
         (:func:`attnkit.kernels.registry.resolve_kernel`: the reference kernel for that one row of scores or when
@@ -430,7 +441,7 @@ class MultiHeadLatentAttention(Module):
         if length == 1 and key_mask is None and selection is None and (not window or window >= seq_k):
             block_mask = None
         elif selection is not None:  # within the causal band and the key mask already; the band skips tiles
-            mask = and_masks(causal_lower_right(length, seq_k), boolean_mask(selection[:, None]))
+            mask = and_masks(causal_lower_right(length, seq_k), boolean_mask(selection[0][:, None]))
             block_mask = create_block_mask(mask, b, None, length, seq_k)
         else:
             mask = sliding_window_mask(window, offset=seq_k - length) if window else causal_lower_right(length, seq_k)

@@ -138,6 +138,11 @@ class LightningIndexer(Module):
         (B, L, S) bool, ``True`` = attended."""
         return _indexer.top_k_selection(scores, allowed, self.top_k)
 
+    def choose(self, scores: np.ndarray, allowed: np.ndarray):
+        """The same choice as indices: ``(indices, valid)`` (B, L, K), K = min(``top_k``, S), ``valid`` False where a
+        query has fewer allowed keys (:func:`attnkit.kernels.indexer.top_k_indices`)."""
+        return _indexer.top_k_indices(scores, allowed, self.top_k)
+
     def backward(self, grad_scores: Any):
         """Add every parameter's gradient into ``self.grads`` from ``grad_scores`` (B, L, L); return
         ``(grad_x, grad_a)``. Only after a forward without ``keys``."""

@@ -8,6 +8,8 @@ Three pairs of lines, each timed in the same run with the engines alternating (b
 - the whole layer (:class:`~attnkit.attention.latent.MultiHeadLatentAttention`, the training form): dense against
   sparse, the sparse one including its lightning indexer (every query against every key, few narrow heads) and
   the top-k choice;
+- the whole layer's inference form (absorbed, as in cached decoding and prefill): dense against sparse, which
+  gathers each query's chosen latents and scores only those;
 - PyTorch's ``scaled_dot_product_attention``: causal against the same selection as a boolean mask (what
   ``transformers``' DeepSeek-V3.2 does on CPU).
 
@@ -86,16 +88,16 @@ def _layer_calls(args, x, rotary, grad) -> tuple[dict[str, Any], np.ndarray]:
     for name in dense._parameters:
         dense._parameters[name] = sparse._parameters[name]
 
-    def step(layer, backward):
+    def step(layer, mode):
         def call():
-            layer(x, rotary=rotary)
-            if backward:
+            layer(x, rotary=rotary, form="absorbed" if mode == "absorbed fwd" else "explicit")
+            if mode == "fwd+bwd":
                 layer.backward(grad)
         return call
     _, weights = sparse(x[:, :], rotary=rotary, output_attentions=True)
     selection = weights[:, 0] > 0  # (B, L, L): the keys the indexer chose
-    return {f"{kind} {mode}": step(layer, mode == "fwd+bwd") for kind, layer in (("dense", dense), ("sparse", sparse))
-            for mode in ("fwd", "fwd+bwd")}, selection
+    return {f"{kind} {mode}": step(layer, mode) for kind, layer in (("dense", dense), ("sparse", sparse))
+            for mode in ("fwd", "fwd+bwd", "absorbed fwd")}, selection
 
 
 def _kernel_calls(q, k, v, grad, selection) -> tuple[dict[str, Any], float]:
@@ -137,9 +139,10 @@ def _torch_calls(torch, q, k, v, grad, selection) -> dict[str, Any]:
 
 
 def _print_pair(label: str, times: dict[str, float], figures: dict[str, float]) -> None:
-    for mode in ("fwd", "fwd+bwd"):
+    modes = sorted({name.split(" ", 1)[1] for name in times}, key=("fwd", "fwd+bwd", "absorbed fwd").index)
+    for mode in modes:
         dense, sparse = times[f"dense {mode}"], times[f"sparse {mode}"]
-        key = label.replace(" ", "_") + "_" + mode.replace("+", "")
+        key = label.replace(" ", "_") + "_" + mode.replace("+", "").replace(" ", "_")
         figures[key + "_dense_ms"], figures[key + "_sparse_ms"] = dense, sparse
         print(f"{label + ' ' + mode:>28} {dense:10.1f} {sparse:10.1f} {sparse / dense:7.3f}x")
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["index_scores", "index_scores_backward", "top_k_selection", "indexer_kl", "indexer_kl_backward"]
+__all__ = ["index_scores", "index_scores_backward", "top_k_indices", "top_k_selection", "gathered_attention",
+           "indexer_kl", "indexer_kl_backward"]
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -32,9 +33,19 @@ def index_scores(q: np.ndarray, k: np.ndarray, w: np.ndarray, scale: float) -> n
     """
     dtype = _compute_dtype(np.result_type(q, k, w))
     q, k, w = (a.astype(dtype, copy=False) for a in (q, k, w))
-    s = q @ (k.swapaxes(-1, -2) * dtype.type(scale))[:, None]  # (B, L, Hi, S)
+    s = _head_scores(q, k, scale)  # (B, L, Hi, S)
     np.maximum(s, 0, out=s)
-    return (w[:, :, None, :] @ s)[:, :, 0]  # (B, L, S)
+    s *= w[..., None]
+    return s.sum(axis=2)  # (B, L, S)
+
+
+def _head_scores(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
+    """``scale q_h . k`` for every query head and key, (B, L, Hi, S): one product of (L*Hi, Di) by (Di, S) per
+    batch row (a matmul broadcast over L would be L small products)."""
+    b, length, heads, width = q.shape
+    s = q.reshape(b, length * heads, width) @ k.swapaxes(-1, -2)  # (B, L*Hi, S)
+    s *= q.dtype.type(scale)
+    return s.reshape(b, length, heads, -1)  # (B, L, Hi, S)
 
 
 def index_scores_backward(grad: np.ndarray, q: np.ndarray, k: np.ndarray, w: np.ndarray, scale: float):
@@ -45,15 +56,62 @@ def index_scores_backward(grad: np.ndarray, q: np.ndarray, k: np.ndarray, w: np.
     """
     dtype = _compute_dtype(np.result_type(q, k, w, grad))
     q, k, w, grad = (a.astype(dtype, copy=False) for a in (q, k, w, grad))
-    s = q @ (k.swapaxes(-1, -2) * dtype.type(scale))[:, None]  # (B, L, Hi, S)
+    s = _head_scores(q, k, scale)  # (B, L, Hi, S)
+    b, length, heads, width = q.shape
     r = np.maximum(s, 0)  # (B, L, Hi, S)
-    dw = (r @ grad[:, :, :, None])[..., 0]  # (B, L, Hi)
-    ds = w[..., None] * grad[:, :, None, :]  # (B, L, Hi, S)
+    dw = np.einsum("blhs,bls->blh", r, grad, optimize=True)  # (B, L, Hi)
+    ds = np.multiply(w[..., None], grad[:, :, None, :], out=r)  # (B, L, Hi, S), r's memory: not read again
     ds *= s > 0
     ds *= dtype.type(scale)
-    dq = ds @ k[:, None]  # (B, L, Hi, Di)
-    dk = np.einsum("blhs,blhd->bsd", ds, q, optimize=True)  # (B, S, Di)
+    ds = ds.reshape(b, length * heads, -1)  # (B, L*Hi, S)
+    dq = (ds @ k).reshape(q.shape)  # (B, L, Hi, Di)
+    dk = ds.swapaxes(-1, -2) @ q.reshape(b, length * heads, width)  # (B, S, Di)
     return dq, dk, dw
+
+
+def top_k_indices(scores: np.ndarray, allowed: np.ndarray, top_k: int):
+    """The ``min(top_k, S)`` best-scored allowed keys of each query: ``(indices, valid)``, both (B, L, K), in no
+    particular order; ``valid`` is False where a query has fewer allowed keys than K (its index is then some
+    other key, to be ignored)."""
+    allowed = np.broadcast_to(allowed, scores.shape)
+    ranked = np.where(allowed, scores, -np.inf)  # (B, L, S)
+    if top_k >= scores.shape[-1]:
+        best = np.broadcast_to(np.arange(scores.shape[-1]), scores.shape)  # (B, L, S)
+    else:
+        best = np.argpartition(-ranked, top_k - 1, axis=-1)[..., :top_k]  # (B, L, K)
+    return best, np.take_along_axis(allowed, best, axis=-1)  # (B, L, K) each
+
+
+def gathered_attention(q: np.ndarray, kv: np.ndarray, indices: np.ndarray, valid: np.ndarray, scale: float,
+                       value_dim: int, block: int = 128) -> np.ndarray:
+    """Attention of each query over its own K keys only, gathered (inference: no backward).
+
+    q (B, H, L, Dk) against one key/value head shared by the H query heads, ``kv`` (B, S, Dk) whose first
+    ``value_dim`` features are the values (latent attention's absorbed form: keys ``[c, k_r]``, values ``c``);
+    ``indices``/``valid`` (B, L, K) from :func:`top_k_indices`. Costs L*K instead of L*S products; a query with no
+    valid key gets zeros. Returns (B, H, L, value_dim) in q's dtype (float16 computed in float32).
+    """
+    dtype = q.dtype
+    compute = _compute_dtype(np.result_type(q, kv))
+    q, kv = q.astype(compute, copy=False), kv.astype(compute, copy=False)
+    b, heads, length, _ = q.shape
+    out = np.zeros((b, length, heads, value_dim), dtype=compute)  # (B, L, H, Dv)
+    rows = np.arange(b)[:, None, None]  # (B, 1, 1)
+    for q0 in range(0, length, block):  # blocks of queries bound the gathered keys to block * K rows
+        q1 = min(length, q0 + block)
+        keys = kv[rows, indices[:, q0:q1]]  # (B, l, K, Dk)
+        qb = q[:, :, q0:q1].transpose(0, 2, 1, 3)  # (B, l, H, Dk)
+        s = qb @ keys.swapaxes(-1, -2)  # (B, l, H, K)
+        s *= q.dtype.type(scale)
+        ok = valid[:, q0:q1, None, :]  # (B, l, 1, K)
+        s = np.where(ok, s, -np.inf)
+        top = s.max(axis=-1, keepdims=True)  # (B, l, H, 1)
+        alive = np.isfinite(top)
+        p = np.exp(s - np.where(alive, top, 0))  # (B, l, H, K)
+        total = p.sum(axis=-1, keepdims=True)  # (B, l, H, 1)
+        p /= np.where(alive, total, 1)
+        out[:, q0:q1] = p @ keys[..., :value_dim]  # (B, l, H, Dv)
+    return out.transpose(0, 2, 1, 3).astype(dtype, copy=False)  # (B, H, L, Dv)
 
 
 def top_k_selection(scores: np.ndarray, allowed: np.ndarray, top_k: int) -> np.ndarray:
@@ -69,8 +127,7 @@ def top_k_selection(scores: np.ndarray, allowed: np.ndarray, top_k: int) -> np.n
     allowed = np.broadcast_to(allowed, scores.shape)
     if top_k >= scores.shape[-1]:
         return allowed.copy()
-    ranked = np.where(allowed, scores, -np.inf)  # (B, L, S)
-    best = np.argpartition(-ranked, top_k - 1, axis=-1)[..., :top_k]  # (B, L, top_k)
+    best, _ = top_k_indices(scores, allowed, top_k)  # (B, L, top_k)
     chosen = np.zeros(scores.shape, dtype=bool)  # (B, L, S)
     np.put_along_axis(chosen, best, True, axis=-1)
     chosen &= allowed
