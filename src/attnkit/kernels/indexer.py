@@ -15,7 +15,11 @@ scores (DeepSeek-V3.2's paper, eq. 3 and 4).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
+
+from ._threads import get_num_threads, run_tasks
 
 __all__ = ["index_scores", "index_scores_backward", "top_k_indices", "top_k_selection", "gathered_attention",
            "indexer_kl", "indexer_kl_backward"]
@@ -89,29 +93,33 @@ def gathered_attention(q: np.ndarray, kv: np.ndarray, indices: np.ndarray, valid
     q (B, H, L, Dk) against one key/value head shared by the H query heads, ``kv`` (B, S, Dk) whose first
     ``value_dim`` features are the values (latent attention's absorbed form: keys ``[c, k_r]``, values ``c``);
     ``indices``/``valid`` (B, L, K) from :func:`top_k_indices`. Costs L*K instead of L*S products; a query with no
-    valid key gets zeros. Returns (B, H, L, value_dim) in q's dtype (float16 computed in float32).
+    valid key gets zeros. Blocks of ``block`` queries (which bound the gathered keys to block * K rows) run on
+    attnkit's threads. Returns (B, H, L, value_dim) in q's dtype (float16 computed in float32).
     """
     dtype = q.dtype
     compute = _compute_dtype(np.result_type(q, kv))
     q, kv = q.astype(compute, copy=False), kv.astype(compute, copy=False)
     b, heads, length, _ = q.shape
     out = np.zeros((b, length, heads, value_dim), dtype=compute)  # (B, L, H, Dv)
-    rows = np.arange(b)[:, None, None]  # (B, 1, 1)
-    for q0 in range(0, length, block):  # blocks of queries bound the gathered keys to block * K rows
-        q1 = min(length, q0 + block)
-        keys = kv[rows, indices[:, q0:q1]]  # (B, l, K, Dk)
-        qb = q[:, :, q0:q1].transpose(0, 2, 1, 3)  # (B, l, H, Dk)
-        s = qb @ keys.swapaxes(-1, -2)  # (B, l, H, K)
-        s *= q.dtype.type(scale)
-        ok = valid[:, q0:q1, None, :]  # (B, l, 1, K)
-        s = np.where(ok, s, -np.inf)
-        top = s.max(axis=-1, keepdims=True)  # (B, l, H, 1)
-        alive = np.isfinite(top)
-        p = np.exp(s - np.where(alive, top, 0))  # (B, l, H, K)
-        total = p.sum(axis=-1, keepdims=True)  # (B, l, H, 1)
-        p /= np.where(alive, total, 1)
-        out[:, q0:q1] = p @ keys[..., :value_dim]  # (B, l, H, Dv)
+    blocks = [(q0, min(length, q0 + block)) for q0 in range(0, length, block)]
+    run_tasks(blocks, partial(_gathered_block, q, kv, indices, valid, scale, out), get_num_threads())
     return out.transpose(0, 2, 1, 3).astype(dtype, copy=False)  # (B, H, L, Dv)
+
+
+def _gathered_block(q, kv, indices, valid, scale: float, out: np.ndarray, rows_of_block: tuple[int, int],
+                    worker: int) -> None:
+    """Queries ``q0:q1`` of :func:`gathered_attention`, written into ``out`` (B, L, H, Dv) (by any worker)."""
+    q0, q1 = rows_of_block
+    rows = np.arange(q.shape[0])[:, None, None]  # (B, 1, 1)
+    keys = kv[rows, indices[:, q0:q1]]  # (B, l, K, Dk)
+    s = q[:, :, q0:q1].transpose(0, 2, 1, 3) @ keys.swapaxes(-1, -2)  # (B, l, H, K)
+    s *= q.dtype.type(scale)
+    s = np.where(valid[:, q0:q1, None, :], s, -np.inf)  # (B, l, H, K)
+    top = s.max(axis=-1, keepdims=True)  # (B, l, H, 1)
+    alive = np.isfinite(top)
+    p = np.exp(s - np.where(alive, top, 0))  # (B, l, H, K)
+    p /= np.where(alive, p.sum(axis=-1, keepdims=True), 1)
+    out[:, q0:q1] = p @ keys[..., :out.shape[-1]]  # (B, l, H, Dv)
 
 
 def top_k_selection(scores: np.ndarray, allowed: np.ndarray, top_k: int) -> np.ndarray:
