@@ -20,6 +20,12 @@ head shared by all H query heads, keys C + R wide, values the C-wide ``c``); and
 once per cached token. Both are the same sums regrouped, equal to round-off; the softmax scale is the
 explicit form's ``(Dn + R) ** -0.5`` (times DeepSeek's YaRN ``mscale**2``) in both.
 
+DeepSeek Sparse Attention (DeepSeek-V3.2, ``index_topk``) adds a
+:class:`~attnkit.attention.lightning_indexer.LightningIndexer`: each query attends to the ``index_topk`` keys it
+scores best only. The explicit form passes the choice to the tiled kernel as a boolean mask (exact gradients
+given the choice; the indexer gets none, as the choice is discrete); the absorbed form gathers each query's
+chosen latents and scores only those. The indexer's key (Di features) is cached after the latent.
+
 A cache therefore holds C + R numbers per token and layer (DeepSeek-V3: 512 + 64 = 576), against
 ``2 * Hkv * Dh`` for Llama-style grouped-query attention (8 key/value heads of 128 at DeepSeek-V3's width
 7168: 2048, 3.6x more) and ``H * (Dn + R + Dv)`` for the keys and values MLA's explicit form attends to
