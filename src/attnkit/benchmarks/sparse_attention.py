@@ -9,7 +9,7 @@ Three pairs of lines, each timed in the same run with the engines alternating (b
   sparse, the sparse one including its lightning indexer (every query against every key, few narrow heads) and
   the top-k choice;
 - the whole layer's inference form (absorbed, as in cached decoding and prefill): dense against sparse, which
-  gathers each query's chosen latents and scores only those;
+  gathers each query's chosen latents and scores only those; and one decoding step after L - 1 cached tokens;
 - PyTorch's ``scaled_dot_product_attention``: causal against the same selection as a boolean mask (what
   ``transformers``' DeepSeek-V3.2 does on CPU).
 
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..attention.latent import LatentAttentionConfig, MultiHeadLatentAttention
+from ..decoding.cache import LatentCache
 from ..flex import (
     and_masks,
     boolean_mask,
@@ -96,8 +97,24 @@ def _layer_calls(args, x, rotary, grad) -> tuple[dict[str, Any], np.ndarray]:
         return call
     _, weights = sparse(x[:, :], rotary=rotary, output_attentions=True)
     selection = weights[:, 0] > 0  # (B, L, L): the keys the indexer chose
-    return {f"{kind} {mode}": step(layer, mode) for kind, layer in (("dense", dense), ("sparse", sparse))
-            for mode in ("fwd", "fwd+bwd", "absorbed fwd")}, selection
+    calls = {f"{kind} {mode}": step(layer, mode) for kind, layer in (("dense", dense), ("sparse", sparse))
+             for mode in ("fwd", "fwd+bwd", "absorbed fwd")}
+    calls.update({f"{kind} decode step": _decode_step(layer, x, rotary) for kind, layer in (("dense", dense),
+                                                                                           ("sparse", sparse))})
+    return calls, selection
+
+
+def _decode_step(layer, x, rotary):
+    """One cached token after the first L - 1 (then the cache is cropped back, ready for the next call)."""
+    length = x.shape[1]
+    cache = LatentCache(1, 1, layer.config.cache_dim, np.float32, max_length=length)
+    layer(x[:, :-1], rotary=tuple(t[:, :-1] for t in rotary), cache=cache)
+    last = tuple(t[:, -1:] for t in rotary)
+
+    def call():
+        layer(x[:, -1:], rotary=last, cache=cache)
+        cache.crop(length - 1)
+    return call
 
 
 def _kernel_calls(q, k, v, grad, selection) -> tuple[dict[str, Any], float]:
@@ -139,7 +156,8 @@ def _torch_calls(torch, q, k, v, grad, selection) -> dict[str, Any]:
 
 
 def _print_pair(label: str, times: dict[str, float], figures: dict[str, float]) -> None:
-    modes = sorted({name.split(" ", 1)[1] for name in times}, key=("fwd", "fwd+bwd", "absorbed fwd").index)
+    modes = sorted({name.split(" ", 1)[1] for name in times},
+                   key=("fwd", "fwd+bwd", "absorbed fwd", "decode step").index)
     for mode in modes:
         dense, sparse = times[f"dense {mode}"], times[f"sparse {mode}"]
         key = label.replace(" ", "_") + "_" + mode.replace("+", "").replace(" ", "_")
