@@ -277,6 +277,28 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
                                              first_k_dense_replace=0, norm_topk_prob=False,
                                              tie_word_embeddings=True, pad_token_id=0), {}),
+    # DeepSeek-V3.2: DeepSeek-V3's layers with sparse attention, each query keeping the 4 best of the keys an
+    # 8-head indexer scores (fewer than the tests' lengths, so the choice matters)
+    "deepseek_v32": ("DeepseekV32Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=12,
+                                               kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                                               moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=3,
+                                               n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1,
+                                               routed_scaling_factor=2.5, pad_token_id=0, index_topk=4,
+                                               index_n_heads=8, index_head_dim=8,
+                                               rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                "rope_theta": 1000.0, "mscale": 1.0,
+                                                                "mscale_all_dim": 0.8,
+                                                                "original_max_position_embeddings": 16}), {}),
+    # three of the 6-wide indexer's keys per query, every feature rotated; the MLP layers named by mlp_layer_types
+    # (experts first), biases, unnormalised expert weights, a tied head
+    "deepseek_v32_mixed": ("DeepseekV32Config", dict(_COMMON, num_key_value_heads=4, q_lora_rank=8, kv_lora_rank=6,
+                                                     qk_nope_head_dim=4, qk_rope_head_dim=6, v_head_dim=7,
+                                                     moe_intermediate_size=6, n_routed_experts=4,
+                                                     num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                     n_shared_experts=1, mlp_layer_types=["sparse", "dense"],
+                                                     norm_topk_prob=False, routed_scaling_factor=1.5,
+                                                     attention_bias=True, tie_word_embeddings=True, pad_token_id=0,
+                                                     index_topk=3, index_n_heads=8, index_head_dim=6), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
@@ -286,11 +308,11 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "phi3", "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                  "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe",
                  "qwen3_moe_window", "mixtral",
-                 "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
-                 "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus",
-                 "glm4_moe", "glm4_moe_plain")
+                 "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2", "lfm2_bias", "bamba",
+                 "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
+                 "apertus", "glm4_moe", "glm4_moe_plain")
 
-_LOOPED_EXPERTS = ("DeepseekV3Config", "Glm4MoeConfig")
+_LOOPED_EXPERTS = ("DeepseekV3Config", "DeepseekV32Config", "Glm4MoeConfig")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

@@ -24,6 +24,8 @@ NOT_LOADED = {
     "ministral": "its architecture list has Ministral3 only, not MinistralForCausalLM",
     "gpt_neox_sequential": "its GPT-NeoX adapter needs the attention biases (attention_bias=False fails an assert "
                            "in split_qkv_matrix)",
+    "deepseek_v32": "no adapter for DeepseekV32ForCausalLM",
+    "deepseek_v32_mixed": "no adapter for DeepseekV32ForCausalLM",
 }
 
 

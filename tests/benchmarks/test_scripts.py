@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 MODULES = ("attention", "encoder", "minilm", "decode", "window", "ddp", "patching", "linear_decode", "gguf_load",
-           "busy_core", "tuning")
+           "busy_core", "tuning", "sparse_attention")
 
 
 def _run(args, tmp_path, block_torch=False):
@@ -103,3 +103,19 @@ def test_the_speculative_benchmark_measures_every_method_against_plain_decoding(
     assert rows["plain"]["speedup"] == 1.0 and rows["draft model"]["acceptance"] == 1.0  # the model drafts itself
     assert all(row["equal"] == 1.0 and row["tokens_per_s"] > 0 for row in rows.values())
     assert set(speculative.PROMPTS) == {"edit", "document", "chat"}
+
+
+def test_sparse_attention_benchmark_times_both_engines_on_the_same_selection(capsys):
+    pytest.importorskip("torch")
+    from attnkit.benchmarks import sparse_attention
+
+    figures = sparse_attention.run(sparse_attention.parse_args(
+        ["--length", "64", "--top-k", "8", "--hidden", "32", "--heads", "2", "--index-heads", "2", "--index-dim",
+         "16", "--threads", "1", "--repeats", "1"]))
+    out = capsys.readouterr().out
+    assert out.startswith("# machine: ") and "# BLAS: " in out and "torch sdpa fwd+bwd" in out
+    assert all(figures[f"{engine}_{mode}_{kind}_ms"] > 0 for engine in ("attnkit_kernel", "attnkit_layer",
+                                                                         "torch_sdpa")
+               for mode in ("fwd", "fwdbwd") for kind in ("dense", "sparse"))
+    assert figures["attnkit_layer_absorbed_fwd_sparse_ms"] > 0 and figures["attnkit_layer_decode_step_sparse_ms"] > 0
+    assert 0.0 <= figures["skipped_causal_tiles"] <= 1.0

@@ -83,9 +83,10 @@ def test_greedy_tokens_equal_hf_generate(name, hf_root):
                                   "phi3_longrope", "phi3_partial_window", "gpt_oss", "gpt_oss_clamped",
                                   "qwen3_5_text",
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window", "mixtral",
-                                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
-                                  "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus",
-                                  "glm4_moe", "glm4_moe_plain"])
+                                  "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2",
+                                  "lfm2_bias", "bamba", "bamba_bias", "seed_oss", "exaone4", "ernie4_5",
+                                  "hunyuan_v1_dense", "apertus", "glm4_moe",
+                                  "glm4_moe_plain"])
 def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root):
     lm, _ = loaded(name, hf_root)
     ids, mask = left_padded_batch(np.random.default_rng(2), (3, 2))
@@ -104,7 +105,8 @@ def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root)
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2_untied", "qwen2_mixed", "mistral_window", "qwen3", "olmo2",
                                   "gpt_neox", "gpt_oss", "qwen3_5_text",
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window",
-                                  "mixtral", "gemma4_text", "deepseek_v3", "deepseek_v3_plain", "lfm2", "bamba",
+                                  "mixtral", "gemma4_text", "deepseek_v3", "deepseek_v3_plain", "deepseek_v32",
+                                  "deepseek_v32_mixed", "lfm2", "bamba",
                                   "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                                   "apertus", "glm4_moe", "glm4_moe_plain"])
 def test_left_padded_batch_equals_each_row_alone(name, hf_root):
@@ -187,9 +189,10 @@ BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, length_penalty=0.5, early_
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "qwen2_mixed", "mistral_window", "gemma2", "phi3_longrope",
                                   "gpt_oss", "qwen3_5_text",
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "mixtral", "gemma4_text",
-                                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
-                                  "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                                  "apertus", "glm4_moe", "glm4_moe_plain"])
+                                  "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2",
+                                  "lfm2_bias", "bamba", "bamba_bias", "olmo3", "glm4", "granite", "seed_oss",
+                                  "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "glm4_moe",
+                                  "glm4_moe_plain"])
 @pytest.mark.parametrize("setting", range(len(BEAM_SETTINGS)))
 def test_beam_search_equals_transformers(name, setting, hf_root):
     """Sequences equal to transformers' generate(num_beams=...) token for token, on a left-padded batch, with

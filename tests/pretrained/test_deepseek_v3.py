@@ -1,10 +1,12 @@
-"""DeepSeek-V3 as a whole model (latent attention + group-routed shared experts): every parameter's gradient by
-float64 finite differences and against transformers' autograd, the absorbed (cached) decoding equal to the
-explicit forward, the latent cache's size, attention weights against transformers' eager attention, and the
-hook points. Logits, greedy, beam, cached and padded-row parity are in test_causal_lm.py (FAMILY_MODELS)."""
+"""DeepSeek-V3 and V3.2 as whole models (latent attention, sparse in V3.2, + group-routed shared experts): every
+parameter's gradient by float64 finite differences and against transformers' autograd, the absorbed (cached)
+decoding equal to the explicit forward, the latent cache's size, attention weights against transformers' eager
+attention, and the hook points. Logits, greedy, beam, cached and padded-row parity are in test_causal_lm.py
+(FAMILY_MODELS)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from hf_models import left_padded_batch, positions_from_mask, saved_model  # noq
 
 from helpers import assert_gradient, make_rng, randn  # noqa: E402
 
-SPECS = ("deepseek_v3", "deepseek_v3_plain")
+SPECS = ("deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed")
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +46,17 @@ def _tiny(q_lora: bool) -> DecoderConfig:
                          rotary=RotaryConfig(theta=100.0, interleaved=q_lora), latent=latent, experts=experts)
 
 
-@pytest.mark.parametrize("q_lora", [True, False])
+def _tiny_sparse() -> DecoderConfig:
+    """DeepSeek-V3.2: the q_lora model with an indexer keeping 2 keys per query."""
+    cfg = _tiny(True)
+    return dataclasses.replace(cfg, family="deepseek_v32", latent=dataclasses.replace(
+        cfg.latent, index_topk=2, index_n_heads=4, index_head_dim=3))
+
+
+@pytest.mark.parametrize("q_lora", [True, False, "sparse"])
 def test_whole_model_gradients_by_finite_differences(q_lora):
-    rng = make_rng(41, q_lora)
-    lm = CausalLM(_tiny(q_lora), rng=rng).astype(np.float64)
+    rng = make_rng(41, 2 if q_lora == "sparse" else q_lora)
+    lm = CausalLM(_tiny_sparse() if q_lora == "sparse" else _tiny(q_lora), rng=rng).astype(np.float64)
     for name, p in lm.named_parameters():  # larger weights than the init, so that every path matters
         p[...] = (1.0 + 0.3 * rng.standard_normal(p.shape)) if name.endswith(("gamma", "norm")) else \
             0.4 * rng.standard_normal(p.shape)
@@ -65,7 +74,10 @@ def test_whole_model_gradients_by_finite_differences(q_lora):
     routed = [name for name in grads if name.endswith("W_router")]
     assert routed and all(np.abs(grads[name]).max() > 1e-3 for name in routed)  # the router does get a gradient
     for name, p in lm.named_parameters():
-        assert_gradient(loss, p, grads[name], name)
+        if ".indexer." in name:  # it only chooses the keys (held by the probes' small steps): no gradient
+            assert not grads[name].any(), name
+        else:
+            assert_gradient(loss, p, grads[name], name)
 
 
 class _Float64Router:
@@ -81,6 +93,8 @@ def _hf_gradients(hf) -> dict[str, np.ndarray]:
     the per-expert tensors of disk."""
     grads = {}
     for name, p in hf.named_parameters():
+        if p.grad is None:  # DeepSeek-V3.2's indexer: it only chooses, under no_grad
+            continue
         grad = p.grad.double().numpy()
         if name.endswith("experts.gate_up_proj"):
             f = grad.shape[1] // 2
@@ -111,6 +125,7 @@ def test_gradients_match_transformers_autograd(name, dtype, tol, hf_root, monkey
     lm.backward(g)
     if dtype == np.float64:
         monkeypatch.setattr(hf_deepseek, "torch", _Float64Router())
+        monkeypatch.setattr(sys.modules[type(hf).__module__], "torch", _Float64Router())
         hf.double().set_attn_implementation("sdpa")  # eager softmax of a fully masked row is NaN in float64
     try:
         hf.zero_grad()
@@ -132,9 +147,10 @@ def test_gradients_match_transformers_autograd(name, dtype, tol, hf_root, monkey
             err = np.max(np.abs(mine - expected)) / max(np.max(np.abs(expected)), 1e-30)
             assert err <= tol, (target, m.stack_index, err)
             checked.add(target)
-    biases = {n for n in ours if n.endswith("e_score_correction_bias")}
-    assert checked | biases == set(ours)
-    assert biases and not any(ours[n].any() for n in biases)  # it only chooses: a zero gradient
+    # the routing correction and the sparse attention's indexer only choose: a zero gradient
+    choosers = {n for n in ours if n.endswith("e_score_correction_bias") or ".indexer." in n}
+    assert checked | choosers == set(ours)
+    assert choosers and not any(ours[n].any() for n in choosers)
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -260,3 +276,29 @@ def test_a_part_must_be_its_dataclass(name, value):
 def test_the_parts_survive_to_dict():
     cfg = _tiny(False)
     assert DecoderConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_deepseek_v32_caches_the_indexers_keys_beside_the_latent(hf_root):
+    """Cached decoding selects over the cached index keys: the cache holds C + R + Di numbers per token and layer."""
+    lm = load_causal_lm(saved_model("deepseek_v32", hf_root)[0])
+    latent = lm.config.latent
+    cache = lm.new_cache(3, max_length=8)
+    lm(np.ones((3, 8), dtype=np.int64), cache=cache)
+    per_token_layer = cache.nbytes // (3 * 8 * lm.config.num_layers)
+    assert per_token_layer == (latent.kv_lora_rank + latent.qk_rope_head_dim + latent.index_head_dim) * 4
+    assert DecoderConfig.from_dict(lm.config.to_dict()) == lm.config and latent.index_topk == 4
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(layer_types=["full_attention"] * 3), "'layer_types' must be 3 x 'indexed_attention'"),
+    (dict(mlp_layer_types=["dense", "moe", "sparse"]), "'mlp_layer_types' must list 3 of"),
+    (dict(q_lora_rank=None), "'q_lora_rank' must be a positive integer"),
+    (dict(mlp_bias=True), "'mlp_bias' must be false"),
+    (dict(index_head_dim=2), "index_head_dim \\(2\\) must be at least qk_rope_head_dim \\(4\\)"),
+    (dict(index_topk=0), "'index_topk' must be a positive integer"),
+])
+def test_deepseek_v32_config_errors_name_the_key(change, match, hf_root, tmp_path):
+    from hf_models import edit_config
+
+    with pytest.raises(ValueError, match=match):
+        load_causal_lm(edit_config(saved_model("deepseek_v32", hf_root)[0], tmp_path / "edited", **change))

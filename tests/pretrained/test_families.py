@@ -129,7 +129,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
                                        ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
                                        ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta"),
-                                       ("glm4_moe", "scoring_func")])
+                                       ("glm4_moe", "scoring_func"),
+                                       ("deepseek_v32", "rope_interleave")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -256,7 +257,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
                                                       ("ernie4_5", "Ernie4_5Config"),
                                                       ("hunyuan_v1_dense", "HunYuanDenseV1Config"),
                                                       ("apertus", "ApertusConfig"),
-                                                      ("glm4_moe", "Glm4MoeConfig")])
+                                                      ("glm4_moe", "Glm4MoeConfig"),
+                                                      ("deepseek_v32", "DeepseekV32Config")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""

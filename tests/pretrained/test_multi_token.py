@@ -30,7 +30,7 @@ def hf_root(tmp_path_factory):
     return tmp_path_factory.mktemp("hf_multi_token")
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32", "glm4_moe"])
 def with_mtp(request, hf_root, tmp_path_factory):
     """(folder, hf model in float64, transformers' MtpModel in float64): a tiny model of the test models with one
     prediction layer written after its last layer, as DeepSeek and GLM publish it (the layer's block from a model

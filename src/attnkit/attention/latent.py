@@ -20,6 +20,12 @@ head shared by all H query heads, keys C + R wide, values the C-wide ``c``); and
 once per cached token. Both are the same sums regrouped, equal to round-off; the softmax scale is the
 explicit form's ``(Dn + R) ** -0.5`` (times DeepSeek's YaRN ``mscale**2``) in both.
 
+DeepSeek Sparse Attention (DeepSeek-V3.2, ``index_topk``) adds a
+:class:`~attnkit.attention.lightning_indexer.LightningIndexer`: each query attends to the ``index_topk`` keys it
+scores best only. The explicit form passes the choice to the tiled kernel as a boolean mask (exact gradients
+given the choice; the indexer gets none, as the choice is discrete); the absorbed form gathers each query's
+chosen latents and scores only those. The indexer's key (Di features) is cached after the latent.
+
 A cache therefore holds C + R numbers per token and layer (DeepSeek-V3: 512 + 64 = 576), against
 ``2 * Hkv * Dh`` for Llama-style grouped-query attention (8 key/value heads of 128 at DeepSeek-V3's width
 7168: 2048, 3.6x more) and ``H * (Dn + R + Dv)`` for the keys and values MLA's explicit form attends to
@@ -38,6 +44,7 @@ from ..core.hooks import hook_heads, hook_heads_backward
 from ..core.module import Module
 from ..flex import (
     and_masks,
+    boolean_mask,
     causal_lower_right,
     create_block_mask,
     flex_attention,
@@ -46,11 +53,13 @@ from ..flex import (
     sliding_window_mask,
 )
 from ..init import as_generator, normal
+from ..kernels import indexer as _indexer
 from ..kernels import latent as _latent
 from ..kernels import rotary as _rotary
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
+from .lightning_indexer import LightningIndexer, half_split_rotary
 
 __all__ = ["LatentAttentionConfig", "MultiHeadLatentAttention", "yarn_softmax_scale"]
 
@@ -108,6 +117,10 @@ class LatentAttentionConfig:
         The softmax scale; None: ``(Dn + R) ** -0.5`` (see :func:`yarn_softmax_scale` for DeepSeek's YaRN one).
     sliding_window : int, optional
         W: each query sees itself and the W - 1 tokens before it.
+    index_topk, index_n_heads, index_head_dim : int, optional
+        DeepSeek Sparse Attention: a :class:`~attnkit.attention.lightning_indexer.LightningIndexer` of
+        ``index_n_heads`` heads ``index_head_dim`` wide (at least R) picks the ``index_topk`` keys each query
+        attends to (all three or none; needs ``q_lora_rank``, excludes ``sliding_window``).
     """
 
     hidden_size: int
@@ -122,12 +135,15 @@ class LatentAttentionConfig:
     rope_interleaved: bool = True
     attention_scale: float | None = None
     sliding_window: int | None = None
+    index_topk: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "v_head_dim"):
             check_positive_int(getattr(self, name), name)
-        for name in ("q_lora_rank", "sliding_window"):
+        for name in ("q_lora_rank", "sliding_window", "index_topk", "index_n_heads", "index_head_dim"):
             if getattr(self, name) is not None:
                 check_positive_int(getattr(self, name), name)
         if self.qk_rope_head_dim % 2:
@@ -136,6 +152,17 @@ class LatentAttentionConfig:
             raise ValueError(f"norm_eps must be non-negative, got {self.norm_eps}")
         if self.attention_scale is not None:
             check_factor(self.attention_scale, "attention_scale")
+        indexer = (self.index_topk, self.index_n_heads, self.index_head_dim)
+        if any(v is not None for v in indexer):
+            if None in indexer:
+                raise ValueError(f"index_topk, index_n_heads and index_head_dim go together (the sparse attention "
+                                 f"indexer), got {indexer}")
+            if not self.q_lora_rank or self.sliding_window:
+                raise ValueError("the sparse attention indexer reads the normalised query latent: it needs "
+                                 "q_lora_rank, and no sliding_window")
+            if self.index_head_dim < self.qk_rope_head_dim:
+                raise ValueError(f"index_head_dim ({self.index_head_dim}) must be at least qk_rope_head_dim "
+                                 f"({self.qk_rope_head_dim}): the indexer turns that many of its features")
 
     @property
     def qk_head_dim(self) -> int:
@@ -146,6 +173,11 @@ class LatentAttentionConfig:
     def latent_dim(self) -> int:
         """C + R, what a cache keeps per token: the normalised latent and the rotated shared key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """What a cache keeps per token: the latent (C + R), then the indexer's key (Di) with one."""
+        return self.latent_dim + (self.index_head_dim or 0)
 
     @property
     def scale(self) -> float:
@@ -241,6 +273,9 @@ class MultiHeadLatentAttention(Module):
             biases = (["b_QA"] if cfg.q_lora_rank else []) + ["b_KVA", "b_O"]
             for name in biases:
                 self.register_parameter(name, np.zeros(self._parameters["W_" + name[2:]].shape[1]))
+        if cfg.index_topk:
+            self.indexer = LightningIndexer(d, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
+                                            cfg.qk_rope_head_dim, cfg.index_topk, rng=gen)
 
     def extra_repr(self) -> str:
         cfg = self.config
@@ -315,23 +350,29 @@ class MultiHeadLatentAttention(Module):
         if hooked:
             q = hook_heads(self, "hook_q", q)
         c, k_rope, c_norm = self._latent(x, cos, sin)  # (B, L, C), (B, L, R)
+        sparse = "indexer" in self._modules
+        index_rotary = half_split_rotary(cos, sin, self.config.rope_interleaved) if sparse else None
         if cache is not None:
-            kept = cache.update(self.layer_index, np.concatenate([c, k_rope], axis=-1))  # (B, S, C+R)
-            latent, slots = kept.latent, kept.slots
+            new = [c, k_rope] + ([self.indexer.keys(x, index_rotary)] if sparse else [])
+            kept = cache.update(self.layer_index, np.concatenate(new, axis=-1))  # (B, S, C+R[+Di])
+            latent, slots = kept.latent[..., :self.config.latent_dim], kept.slots  # (B, S, C+R)
+            index_keys = kept.latent[..., self.config.latent_dim:] if sparse else None  # (B, S, Di)
             key_mask = self._key_mask(mask, b, int(slots[-1]) + 1)
             key_mask = None if key_mask is None else key_mask[:, slots]  # (B, S)
         else:
-            latent = None
+            latent = index_keys = None
             key_mask = self._key_mask(mask, b, length)
+        selection = self._select(x, q_saved, index_rotary, index_keys, key_mask) if sparse else None
         if form == "absorbed" or (form == "auto" and cache is not None and not hooked):
             if latent is None:
                 latent = np.concatenate([c, k_rope], axis=-1)  # (B, L, C+R)
-            out, weights, ctx = self._absorbed(q, latent, key_mask, output_attentions)  # (B, H, L, Dv)
+            out, weights, ctx = self._absorbed(q, latent, key_mask, selection, output_attentions)  # (B, H, L, Dv)
         else:
             if latent is not None:  # the cache's (B, S, C) and (B, S, R), in x's dtype
                 latent = latent.astype(x.dtype, copy=False)
                 c, k_rope = latent[..., :self.config.kv_lora_rank], latent[..., self.config.kv_lora_rank:]
-            out, weights, ctx = self._explicit(q, c, k_rope, key_mask, output_attentions)  # (B, H, L, Dv)
+            out, weights, ctx = self._explicit(q, c, k_rope, key_mask, selection,
+                                               output_attentions)  # (B, H, L, Dv)
         merged = out.transpose(0, 2, 1, 3)  # (B, L, H, Dv)
         if hooked:
             merged = self.hook_point("hook_z", merged)
@@ -349,16 +390,31 @@ class MultiHeadLatentAttention(Module):
                              f"(past + new tokens), got {mask.shape}")
         return mask
 
-    def _explicit(self, q: np.ndarray, c: np.ndarray, k_rope: np.ndarray, key_mask, need_weights: bool):
+    def _select(self, x, q_saved, rotary, index_keys, key_mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The keys each new token attends to: the indexer's ``index_topk`` best among the keys it may see (causal,
+        not padding), as a mask (B, L, S) bool and as ``(indices, valid)`` (B, L, K). Without a cache the indexer
+        keeps what its own backward needs."""
+        scores = self.indexer(x, q_saved[0], rotary=rotary, keys=index_keys)  # (B, L, S)
+        length, seq_k = scores.shape[1:]
+        allowed = np.arange(seq_k)[None, :] <= np.arange(length)[:, None] + (seq_k - length)  # (L, S)
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, :]  # (B, L, S)
+        indices, valid = self.indexer.choose(scores, allowed)  # (B, L, K) each
+        chosen = np.zeros(scores.shape, dtype=bool)  # (B, L, S)
+        np.put_along_axis(chosen, indices, valid, axis=-1)
+        return chosen, indices, valid
+
+    def _explicit(self, q: np.ndarray, c: np.ndarray, k_rope: np.ndarray, key_mask, selection,
+                  need_weights: bool):
         """Up-project the latent to H key heads ``[c W_UK_h, k_r]`` and value heads ``c W_UV_h``, and attend."""
         cfg = self.config
         k, v = _latent.expand_latent(c, k_rope, self._parameters["W_KVB"], cfg.num_heads,
                                      cfg.qk_nope_head_dim)  # (B, H, S, Dn+R), (B, H, S, Dv)
         if self._hook_table is not None:
             k, v = hook_heads(self, "hook_k", k), hook_heads(self, "hook_v", v)
-        return self._attend(q, k, v, key_mask, need_weights)
+        return self._attend(q, k, v, key_mask, selection, need_weights)
 
-    def _absorbed(self, q: np.ndarray, latent: np.ndarray, key_mask, need_weights: bool):
+    def _absorbed(self, q: np.ndarray, latent: np.ndarray, key_mask, selection, need_weights: bool):
         """Attend in the latent space: queries ``[q_nope_h W_UK_h^T, q_rope_h]`` against the one key/value head
         ``[c, k_r]`` / ``c``, then ``W_UV_h`` on each head's averaged latent."""
         cfg = self.config
@@ -366,14 +422,21 @@ class MultiHeadLatentAttention(Module):
                                                  q.dtype)  # (H, Dn, C), (H, C, Dv)
         q_abs = _latent.absorb_queries(q, w_uk, cfg.qk_nope_head_dim)  # (B, H, L, C+R)
         k = latent.astype(q.dtype, copy=False)[:, None]  # (B, 1, S, C+R): one head shared by all H queries
-        out_latent, weights, ctx = self._attend(q_abs, k, k[..., :cfg.kv_lora_rank], key_mask,
+        table = self._hook_table
+        if selection is not None and not need_weights and (table is None or "hook_pattern" not in table.forward):
+            # only each query's K chosen latents are gathered and scored (L*K products, not L*S)
+            out_latent = _indexer.gathered_attention(q_abs, k[:, 0], *selection[1:], self.config.scale,
+                                                     cfg.kv_lora_rank)  # (B, H, L, C)
+            return _latent.absorbed_values(out_latent, w_uv), None, None  # (B, H, L, Dv)
+        out_latent, weights, ctx = self._attend(q_abs, k, k[..., :cfg.kv_lora_rank], key_mask, selection,
                                                 need_weights)  # (B, H, L, C)
         return _latent.absorbed_values(out_latent, w_uv), weights, ctx  # (B, H, L, Dv)
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None,
-                need_weights: bool):
+                selection: tuple | None, need_weights: bool):
         """Causal (windowed, padded) attention through :func:`attnkit.flex.flex_attention`: ``(out, weights or
-        None, ctx)``.
+        None, ctx)``; with a ``selection`` (its mask (B, L, S), indices, valid) only over the keys chosen (the mask,
+        which the tiled kernel reads tile by tile, skipping the tiles where no query chose a key).
 
         One query after every key it may see (a decoding step) needs no mask; the kernel is flex's ``"auto"``
         (:func:`attnkit.kernels.registry.resolve_kernel`: the reference kernel for that one row of scores or when
@@ -381,8 +444,11 @@ class MultiHeadLatentAttention(Module):
         """
         b, _, length, _ = q.shape
         seq_k, window = k.shape[2], self.config.sliding_window
-        if length == 1 and key_mask is None and (not window or window >= seq_k):
+        if length == 1 and key_mask is None and selection is None and (not window or window >= seq_k):
             block_mask = None
+        elif selection is not None:  # within the causal band and the key mask already; the band skips tiles
+            mask = and_masks(causal_lower_right(length, seq_k), boolean_mask(selection[0][:, None]))
+            block_mask = create_block_mask(mask, b, None, length, seq_k)
         else:
             mask = sliding_window_mask(window, offset=seq_k - length) if window else causal_lower_right(length, seq_k)
             if key_mask is not None:

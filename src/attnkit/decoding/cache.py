@@ -704,7 +704,7 @@ class LatentCache:
     batch_size : int
         B.
     latent_dim : int
-        C + R (``LatentAttentionConfig.latent_dim``).
+        C + R (``LatentAttentionConfig.cache_dim``: the latent and rotary key, then a sparse attention indexer's key).
     dtype : numpy dtype, default float32
     max_length : int, optional
         Bound on the slots of every layer (memory follows what is written, doubling from 256 slots up to it).

@@ -241,7 +241,7 @@ class CausalLM(Module):
         n = c.num_layers if num_layers is None else check_positive_int(num_layers, "num_layers",
                                                                        maximum=c.num_layers)
         if c.latent is not None:
-            return LatentCache(n, batch_size, c.latent.latent_dim, self.dtype, max_length=max_length)
+            return LatentCache(n, batch_size, c.latent.cache_dim, self.dtype, max_length=max_length)
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
                   if i < n and c.layer_types[i] in STATE_LAYER_TYPES}
         shapes = None if c.layerwise is None else c.layerwise.cache_shapes(c)[:n]

@@ -153,7 +153,7 @@ class MultiTokenPredictor(Module):
         """An empty cache of the M layers (the model's kind: latents for latent attention, else keys and values)."""
         c, dtype = self.config, self.model.dtype
         if c.latent is not None:
-            return LatentCache(c.num_layers, batch_size, c.latent.latent_dim, dtype, max_length=max_length)
+            return LatentCache(c.num_layers, batch_size, c.latent.cache_dim, dtype, max_length=max_length)
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype, max_length=max_length,
                        windows=[c.window_of(i) for i in range(c.num_layers)], rollback=rollback)
 

@@ -54,7 +54,7 @@ def load_multi_token_predictor(path: str | Path, model: Any) -> MultiTokenPredic
     spec = family(config.family).mtp_tensors
     if spec is None:
         raise ValueError(f"{config.family} checkpoints have no multi-token-prediction layers attnkit reads (they "
-                         f"are read for deepseek_v3 and glm4_moe)")
+                         f"are read for deepseek_v3, deepseek_v32 and glm4_moe)")
     if not config.mtp_layers:
         raise ValueError(f"{path}: the config declares no multi-token-prediction layers (num_mtp_layers = 0)")
     folder = Path(path)

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.nn.functional as F
+
 import torch
 
 from ..attention.gated import GatedAttention as _GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention as _GroupedQueryAttention
 from ..attention.latent import MultiHeadLatentAttention as _MultiHeadLatentAttention
+from ..attention.lightning_indexer import KEY_NORM_EPS
+from ..attention.lightning_indexer import LightningIndexer as _LightningIndexer
 from ..attention.multi_head_attention import MultiHeadAttention as _MultiHeadAttention
 from ..attention.scaled_dot_product import ScaledDotProductAttention as _ScaledDotProductAttention
 from ._twin import TwinModule, as_tensor, attend, causal_band
 from .layers import _linear, _rms, rotary_apply
 
-__all__ = ["ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "MultiHeadLatentAttention"]
+__all__ = ["ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "MultiHeadLatentAttention",
+           "LightningIndexer"]
 
 
 def _split(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -262,15 +267,65 @@ class MultiHeadLatentAttention(TwinModule):
         q = _split(q, h)  # (B, H, L, Dn+R)
         cos, sin = rotary
         q = torch.cat([q[..., :dn], rotary_apply(q[..., dn:], cos, sin, cfg.rope_interleaved)], dim=-1)
+        mask = _bool_mask(attention_mask, x.device, "attention_mask")
+        mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, S)
+        if cfg.index_topk:  # only the keys the indexer chose (it has no gradient from attention)
+            chosen = self.indexer.select(x, a, cos, sin, cfg.rope_interleaved, mask)  # (B, 1, L, S)
+            mask = chosen if mask is None else mask & chosen  # (B, 1, L, S)
         kv_a = _linear(x, self.W_KVA, getattr(self, "b_KVA", None))  # (B, L, C+R)
         c = _rms(kv_a[..., :c_width], self.kv_a_norm, cfg.norm_eps)  # (B, L, C)
         k_rope = rotary_apply(kv_a[:, None, :, c_width:], cos, sin, cfg.rope_interleaved)  # (B, 1, L, R)
         kv = (c @ self.W_KVB.to(c.dtype)).view(b, length, h, -1).transpose(1, 2)  # (B, H, L, Dn+Dv)
         k = torch.cat([kv[..., :dn], k_rope.expand(b, h, length, -1)], dim=-1)  # (B, H, L, Dn+R)
-        mask = _bool_mask(attention_mask, x.device, "attention_mask")
-        mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, S)
         out = attend(q, k, kv[..., dn:], mask, causal=True, window=cfg.sliding_window, scale=cfg.scale)
         return _linear(_merge(out), self.W_O, getattr(self, "b_O", None))  # (B, L, D)
+
+
+class LightningIndexer(TwinModule):
+    """Twin of :class:`attnkit.attention.lightning_indexer.LightningIndexer`: its scores and top-k selection,
+    outside autograd (the choice is discrete), as ``transformers``' indexer.
+
+    Shapes
+    ------
+    x (B, L, D), a (B, L, Cq), cos/sin (B, L, R) in the attention's layout, mask (B, 1, 1, L) bool or None
+    -> the chosen keys (B, 1, L, L) bool.
+    """
+
+    numpy_class = _LightningIndexer
+
+    def setup(self, source) -> None:
+        self.heads, self.head_dim, self.top_k, self.scale = source.num_heads, source.head_dim, source.top_k, \
+            source.scale
+
+    @torch.no_grad()
+    def scores(self, x: torch.Tensor, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index scores (B, L, L); ``cos``/``sin`` (B, L, R) half-split."""
+        b, length, _ = x.shape
+        q = _linear(a, self.W_QB).view(b, length, self.heads, self.head_dim).transpose(1, 2)  # (B, Hi, L, Di)
+        q = rotary_apply(q, cos, sin, False)  # (B, Hi, L, Di)
+        k = F.layer_norm(_linear(x, self.W_K), (self.head_dim,), self.k_norm, self.k_norm_bias, KEY_NORM_EPS)
+        k = rotary_apply(k[:, None], cos, sin, False)  # (B, 1, L, Di)
+        s = torch.relu(q @ k.transpose(-1, -2) * self.scale)  # (B, Hi, L, L)
+        w = _linear(x, self.W_weights) * self.heads ** -0.5  # (B, L, Hi)
+        return torch.einsum("blh,bhls->bls", w, s)  # (B, L, L)
+
+    @torch.no_grad()
+    def select(self, x: torch.Tensor, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """The ``top_k`` best-scored keys of each query among those it may see: (B, 1, L, L) bool."""
+        if interleaved:  # the same angles, half-split
+            cos, sin = (torch.cat([t[..., 0::2], t[..., 0::2]], dim=-1) for t in (cos, sin))
+        scores = self.scores(x, a, cos, sin)  # (B, L, L)
+        length = scores.shape[-1]
+        allowed = causal_band(length, length, None, x.device)[None]  # (1, L, L)
+        if mask is not None:
+            allowed = allowed & mask[:, 0]  # (B, L, L)
+        allowed = allowed.expand_as(scores)  # (B, L, L)
+        if self.top_k >= length:
+            return allowed[:, None]
+        best = scores.masked_fill(~allowed, float("-inf")).topk(self.top_k, dim=-1).indices  # (B, L, k)
+        chosen = torch.zeros_like(allowed).scatter(-1, best, True)  # (B, L, L)
+        return (chosen & allowed)[:, None]  # (B, 1, L, L)
 
 
 def _scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

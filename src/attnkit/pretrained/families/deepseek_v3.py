@@ -29,7 +29,7 @@ from ._reader import COMMON_KEYS, Reader, read_rope
 from .llama import BENCHMARK_SHAPE
 from .qwen3_moe import mlp_tensors
 
-__all__ = ["FAMILY", "group_routed_experts"]
+__all__ = ["FAMILY", "attention_tensors", "group_routed_experts", "keys", "model_tensors", "read_config"]
 
 # transformers' DeepseekV3Config defaults (DeepSeek-V3's own shape) for the keys a config.json may leave out
 DEFAULTS = dict(max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
@@ -47,7 +47,7 @@ def _read_int(read: Reader, key: str, *, optional: bool = False) -> int | None:
     return read.int(key, DEFAULTS[key], optional=optional)
 
 
-def _latent(read: Reader, hidden: int, heads: int, scaling: dict | None) -> LatentAttentionConfig:
+def _latent(read: Reader, hidden: int, heads: int, scaling: dict | None, **indexer: int) -> LatentAttentionConfig:
     nope, rope = _read_int(read, "qk_nope_head_dim"), _read_int(read, "qk_rope_head_dim")
     for key, value in (("head_dim", rope), ("qk_head_dim", nope + rope)):  # derived keys transformers writes
         given = read.raw(key, value)
@@ -65,13 +65,14 @@ def _latent(read: Reader, hidden: int, heads: int, scaling: dict | None) -> Late
         hidden_size=hidden, num_heads=heads, kv_lora_rank=_read_int(read, "kv_lora_rank"), qk_nope_head_dim=nope,
         qk_rope_head_dim=rope, v_head_dim=_read_int(read, "v_head_dim"),
         q_lora_rank=_read_int(read, "q_lora_rank", optional=True), attention_bias=read.bool("attention_bias", False),
-        rope_interleaved=read.bool("rope_interleave", True), attention_scale=scale)
+        rope_interleaved=read.bool("rope_interleave", True), attention_scale=scale, **indexer)
 
 
-def group_routed_experts(read: Reader, layers: int, defaults: dict = DEFAULTS) -> ExpertsConfig | None:
+def group_routed_experts(read: Reader, layers: int, defaults: dict = DEFAULTS,
+                         sparse: tuple[int, ...] | None = None) -> ExpertsConfig | None:
     """DeepSeek-V3's mixture (sigmoid scores, a bias-corrected choice within the best groups, shared experts) on
-    the layers from ``first_k_dense_replace`` on, its sizes read with the family's ``defaults`` (None when every
-    layer is dense). GLM-4.5 reads its mixture alike."""
+    the layers from ``first_k_dense_replace`` on, or on the ``sparse`` ones, its sizes read with the family's
+    ``defaults`` (None when every layer is dense). GLM-4.5 reads its mixture alike."""
     for key, value in _FIXED.items():
         if read.raw(key, value) != value:
             raise ValueError(f"{read.family} config: {key!r} must be {value!r} (the routing attnkit and "
@@ -79,7 +80,8 @@ def group_routed_experts(read: Reader, layers: int, defaults: dict = DEFAULTS) -
     experts = read.int("n_routed_experts", read.raw("num_local_experts", defaults["n_routed_experts"]))
     first_dense = read.count("first_k_dense_replace", defaults["first_k_dense_replace"])
     width = read.int("moe_intermediate_size", defaults["moe_intermediate_size"])
-    if first_dense >= layers:
+    sparse = tuple(range(first_dense, layers)) if sparse is None else sparse
+    if not sparse:
         return None
     # each read names its key; the try adds the family only to what ExpertsConfig itself checks
     read_values = dict(
@@ -89,26 +91,29 @@ def group_routed_experts(read: Reader, layers: int, defaults: dict = DEFAULTS) -
         routed_scaling_factor=read.factor("routed_scaling_factor", defaults["routed_scaling_factor"]),
         shared_expert_intermediate_size=read.int("n_shared_experts", defaults["n_shared_experts"]) * width)
     try:
-        return ExpertsConfig(num_experts=experts, moe_intermediate_size=width, layers=tuple(range(first_dense, layers)),
+        return ExpertsConfig(num_experts=experts, moe_intermediate_size=width, layers=sparse,
                              router="sigmoid_group_topk", **read_values)
     except ValueError as error:
         raise ValueError(f"{read.family} config: {error}") from None
 
 
-def _read_config(read: Reader) -> DecoderConfig:
+def read_config(read: Reader, *, indexer: dict | None = None, sparse: tuple[int, ...] | None = None,
+                max_positions_default: int = DEFAULTS["max_position_embeddings"]) -> DecoderConfig:
+    """DeepSeek-V3's config; DeepSeek-V3.2 adds its sparse attention ``indexer`` (the latent part's ``index_*``
+    fields), the ``sparse`` layers of its mixture and its longer default context."""
     family = read.family
     hidden, heads, layers = read.int("hidden_size"), read.int("num_attention_heads"), read.layers()
     kv_heads = read.int("num_key_value_heads", heads, optional=True) or heads
     if kv_heads != heads:
         raise ValueError(f"{family} config: 'num_key_value_heads' ({kv_heads}) must equal num_attention_heads "
                          f"({heads}): every latent attention head has its own keys and values")
-    max_positions = _read_int(read, "max_position_embeddings")
+    max_positions = read.int("max_position_embeddings", max_positions_default)
     rope = _read_int(read, "qk_rope_head_dim")
     theta, scaling, partial = read_rope(read, max_positions)
     if partial != 1.0:
         raise ValueError(f"{family} config: 'partial_rotary_factor' must be 1 (the rotary part is qk_rope_head_dim "
                          f"wide), got {partial}")
-    latent = _latent(read, hidden, heads, scaling)
+    latent = _latent(read, hidden, heads, scaling, **(indexer or {}))
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=heads, head_dim=rope, intermediate_size=read.int("intermediate_size"),
@@ -119,10 +124,10 @@ def _read_config(read: Reader) -> DecoderConfig:
         bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
         pad_token_id=read.token_ids("pad_token_id", None, many=False),
-        latent=latent, experts=group_routed_experts(read, layers), mtp_layers=mtp_layer_count(read))
+        latent=latent, experts=group_routed_experts(read, layers, sparse=sparse), mtp_layers=mtp_layer_count(read))
 
 
-def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+def attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     lat = cfg.latent
     d, q_width = cfg.hidden_size, cfg.num_heads * lat.qk_head_dim
     hf, ak = hf + "self_attn.", ak + "attention."
@@ -146,14 +151,14 @@ def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     return maps
 
 
-def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    """Llama's embedding, norms and head around each layer's latent attention and MLP (dense or experts)."""
+def model_tensors(cfg: DecoderConfig, mxfp4: bool = False, attention=attention_tensors) -> tuple[list[TensorMap], str]:
+    """Llama's embedding, norms and head around each layer's latent ``attention`` and MLP (dense or experts)."""
     d, v = cfg.hidden_size, cfg.vocab_size
     maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
     for i in range(cfg.num_layers):
         hf = ak = f"layers.{i}."
         maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
-        maps += _attention_tensors(cfg, hf, ak)
+        maps += attention(cfg, hf, ak)
         maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
         maps += mlp_tensors(cfg, hf, ak, shared="shared_experts")
     maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
@@ -162,7 +167,7 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return maps, "model."
 
 
-def _keys() -> frozenset[str]:
+def keys() -> frozenset[str]:
     own = ("attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
            "qk_head_dim", "rope_interleave", "moe_intermediate_size", "n_routed_experts", "num_local_experts",
            "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
@@ -171,8 +176,8 @@ def _keys() -> frozenset[str]:
 
 
 FAMILY = Family(
-    model_type="deepseek_v3", keys=_keys(), read_config=_read_config, tensors=_tensors,
-    mtp_tensors=lambda cfg: multi_token_tensors(cfg, _tensors),
+    model_type="deepseek_v3", keys=keys(), read_config=read_config, tensors=model_tensors,
+    mtp_tensors=lambda cfg: multi_token_tensors(cfg, model_tensors),
     architecture="DeepseekV3ForCausalLM", hf_config_class="DeepseekV3Config",
     # the shared shape's width and depth, 9 heads of latent attention, and after one dense layer eight experts of
     # width 512, two per token plus one shared: the active MLP width of the other families (1536)
