@@ -43,7 +43,9 @@ def with_mtp(request, hf_root, tmp_path_factory):
     hf = copy.deepcopy(shared).double()  # the shared model stays as the other tests built it
     n = hf.config.num_hidden_layers
     torch.manual_seed(3)
-    deeper = type(hf)(type(hf.config).from_dict({**hf.config.to_dict(), "num_hidden_layers": n + 1}))
+    per_layer = ("layer_types", "mlp_layer_types")  # derived again for the deeper model
+    deeper = type(hf)(type(hf.config).from_dict({**{k: v for k, v in hf.config.to_dict().items() if k not in per_layer},
+                                                 "num_hidden_layers": n + 1}))
     with torch.no_grad():
         for name, p in deeper.named_parameters():
             if "norm" in name:
@@ -51,14 +53,23 @@ def with_mtp(request, hf_root, tmp_path_factory):
         for name, b in deeper.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.add_(torch.randn_like(b) * 0.05)
-    mtp = MtpModel(hf, 1).double().eval()
-    layer = mtp.layers[0]
-    layer.mtp_block.load_state_dict(deeper.model.layers[n].double().state_dict())
-    with torch.no_grad():
-        for part in (layer.enorm, layer.hnorm, layer.post_norm):
-            part.weight.mul_(0.5 + torch.rand(hf.config.hidden_size, dtype=torch.float64))
-        for p in mtp.parameters():
-            p.copy_(p.float().double())  # as the float32 file stores them
+    d = hf.config.hidden_size
+    gen = np.random.default_rng(3)
+    bound = (2 * d) ** -0.5  # nn.Linear's initial range
+    extra = {"enorm": 0.5 + gen.random(d), "hnorm": 0.5 + gen.random(d), "shared_head.norm": 0.5 + gen.random(d),
+             "eh_proj": gen.uniform(-bound, bound, (d, 2 * d))}
+    extra = {name: w.astype(np.float32) for name, w in extra.items()}
+    mtp = None
+    if getattr(hf.config, "num_mtp_layers", None) is not None:  # transformers' MtpModel, where it has one
+        mtp = MtpModel(hf, 1).double().eval()
+        layer = mtp.layers[0]
+        layer.mtp_block.load_state_dict(deeper.model.layers[n].double().state_dict())
+        with torch.no_grad():
+            for name, part in (("enorm", layer.enorm), ("hnorm", layer.hnorm), ("eh_proj", layer.eh_proj),
+                               ("shared_head.norm", layer.post_norm)):
+                part.weight.copy_(torch.from_numpy(extra[name].astype(np.float64)))
+            for p in mtp.parameters():
+                p.copy_(p.float().double())  # as the float32 file stores them
     root = tmp_path_factory.mktemp(f"mtp_{request.param}")
     deeper.save_pretrained(root / "deeper")
     target = root / f"{request.param}_mtp"
@@ -67,9 +78,7 @@ def with_mtp(request, hf_root, tmp_path_factory):
     prefix = f"model.layers.{n}."
     tensors.update({k: v for k, v in load_file(str(root / "deeper" / "model.safetensors")).items()
                     if k.startswith(prefix)})
-    for name, part in (("enorm", layer.enorm), ("hnorm", layer.hnorm), ("eh_proj", layer.eh_proj),
-                       ("shared_head.norm", layer.post_norm)):
-        tensors[f"{prefix}{name}.weight"] = part.weight.detach().numpy().astype(np.float32)
+    tensors.update({f"{prefix}{name}.weight": w for name, w in extra.items()})
     tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
     tensors[prefix + "shared_head.head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     save_file(tensors, str(target / "model.safetensors"))
@@ -88,6 +97,8 @@ def test_prediction_layers_equal_transformers_mtp_model(with_mtp):
     from transformers.cache_utils import MtpCache
 
     target, hf, mtp = with_mtp
+    if mtp is None:
+        pytest.skip(f"transformers has no multi-token prediction for {hf.config.model_type} (no num_mtp_layers)")
     lm = load_causal_lm(target, dtype=np.float64)
     predictor = load_multi_token_predictor(target, lm)
     with torch.no_grad():
