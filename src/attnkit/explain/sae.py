@@ -589,7 +589,8 @@ def _spliced(model: Any, sae_list: Any, use_error_term: bool, forward: Any, back
 
 
 def run_with_cache_with_saes(model: Any, input_ids: Any, saes: Any, *, use_error_term: bool = False,
-                             attention_mask: Any = None, names: Any = None) -> tuple[np.ndarray, ActivationCache]:
+                             attention_mask: Any = None, names: Any = None,
+                             forward: Mapping[str, Callable] | None = None) -> tuple[np.ndarray, ActivationCache]:
     """The logits and activations of one forward with SAEs spliced in (SAELens's ``run_with_cache_with_saes``).
 
     Parameters
@@ -602,6 +603,9 @@ def run_with_cache_with_saes(model: Any, input_ids: Any, saes: Any, *, use_error
     attention_mask : array_like (B, L), optional
     names : list of str or callable, optional
         Which of the model's points to keep as well (default all; a spliced point holds what the SAE passed on).
+    forward : mapping of str to callable, optional
+        Forward hooks during the run, as :func:`saes` takes them (feature hooks: ablation, steering); the cache
+        holds the values after them.
 
     Returns
     -------
@@ -630,7 +634,7 @@ def run_with_cache_with_saes(model: Any, input_ids: Any, saes: Any, *, use_error
     def keep(value: np.ndarray, name: str) -> None:
         found[name] = np.array(value)
 
-    with _spliced(model, saes, use_error_term, None, None, found), hooks(model, {n: keep for n in chosen}):
+    with _spliced(model, saes, use_error_term, forward, None, found), hooks(model, {n: keep for n in chosen}):
         logits = model(ids, attention_mask)
     order = {name: i for i, name in enumerate(everything)}
 
