@@ -305,3 +305,21 @@ def test_splice_argument_errors(lm):
     with pytest.raises(ValueError, match="before blocks.1.hook_resid_pre"):
         run_with_cache_with_saes(lm, IDS, [random_sae("blocks.1.hook_resid_pre", architecture="transcoder",
                                                       hook_name_out="blocks.0.hook_mlp_out")])
+
+
+def test_loading_and_splicing_import_neither_sae_lens_nor_torch(tmp_path):
+    """SAELens is a test-only referee: attnkit reads its folders itself."""
+    import subprocess
+    import sys
+
+    folder = write_folder(tmp_path / "sae", *standard_files())
+    code = ("import sys, numpy as np\n"
+            "from attnkit.explain import load_sae, run_with_cache_with_saes\n"
+            "from attnkit.models import CausalLM, DecoderConfig\n"
+            f"sae = load_sae({str(folder)!r})\n"
+            f"lm = CausalLM(DecoderConfig(family='llama', vocab_size=11, hidden_size={D}, num_layers=1, num_heads=2,"
+            " num_kv_heads=1, head_dim=4, intermediate_size=16), rng=0)\n"
+            "run_with_cache_with_saes(lm, np.array([[1, 2, 3]]), [sae])\n"
+            "print(sorted(m for m in ('sae_lens', 'torch', 'transformer_lens') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
