@@ -82,6 +82,20 @@ def test_a_splice_is_the_reconstruction_in_place_of_the_value(lm, where):
     assert list(cache)[:1] == ["hook_embed"]
 
 
+def test_generation_with_the_error_term_is_the_models(lm):
+    """Every decoding step runs the splice on its new positions only; with the error term the greedy tokens are the
+    model's, without it (the reconstruction alone) they differ."""
+    prompt = IDS[:1]
+    plain = lm.generate(prompt, max_new_tokens=8, do_sample=False)
+    sae = SPLICES["mlp_out_topk"]()
+    with saes(lm, [sae], use_error_term=True):
+        kept = lm.generate(prompt, max_new_tokens=8, do_sample=False)
+    with saes(lm, [sae, SPLICES["resid_post"]()]):
+        changed = lm.generate(prompt, max_new_tokens=8, do_sample=False)
+    np.testing.assert_array_equal(kept, plain)
+    assert (changed != plain).any()
+
+
 def test_feature_hooks_ablate_and_steer_what_reaches_the_model(lm):
     """With the error term the point passes on ``x + (edited - clean features) @ W_dec``: zeroing a feature takes
     its decoder row away, adding to one adds the row."""
@@ -119,10 +133,12 @@ def embedding_fd(lm, splices, error, direction, eps=1e-6):
 
 
 def test_gradients_through_every_splice_match_finite_differences(lm):
-    """Three splices in a row (an SAE, a transcoder after it, a TopK SAE after both): every feature's gradient, and
-    the input embeddings' (which reaches them through each encoder), match central differences in float64."""
-    chain = [SPLICES["resid_post"](), random_sae("blocks.1.hook_resid_mid", architecture="jumprelu_transcoder",
-                                                 seed=5, hook_name_out="blocks.1.hook_mlp_out"),
+    """Four splices in a row (an SAE on block 0's output, a JumpReLU SAE on block 1's head outputs, a transcoder
+    after it, a TopK SAE after all): every feature's gradient, and the input embeddings' (which reaches them through
+    each encoder), match central differences in float64."""
+    chain = [SPLICES["resid_post"](), SPLICES["hook_z"](),
+             random_sae("blocks.1.hook_resid_mid", architecture="jumprelu_transcoder", seed=5,
+                        hook_name_out="blocks.1.hook_mlp_out"),
              random_sae("blocks.1.hook_resid_post", architecture="topk", k=5, seed=6)]
     target = np.full(2, 3)
     result = feature_attribution(lm, IDS, chain, target_token=target, use_error_term=False)
@@ -247,7 +263,7 @@ def standard_files(d_in=D, s=6):
 
 def test_load_sae_reads_a_folder(tmp_path):
     cfg, tensors = standard_files()
-    sae = load_sae(write_folder(tmp_path / "sae", cfg, tensors))
+    sae = SAE.load_from_disk(write_folder(tmp_path / "sae", cfg, tensors))
     assert sae.W_enc.dtype == np.float32 and not sae.W_enc.flags.writeable
     np.testing.assert_array_equal(sae.W_dec, tensors["W_dec"].astype(np.float32))
     assert (sae.hook_name, sae.d_in, sae.d_sae, sae.is_transcoder) == ("blocks.0.hook_resid_post", D, 6, False)
@@ -262,7 +278,8 @@ def test_load_sae_reads_a_folder(tmp_path):
     (lambda c, t: t.pop("b_dec"), "no tensor 'b_dec'"),
     (lambda c, t: t.update(W_skip=np.zeros((D, D))), "unexpected tensor 'W_skip'"),
     (lambda c, t: c.update(architecture="jumprelu"), "no tensor 'threshold'"),
-    (lambda c, t: c.update(architecture="topk", k=0), "k must be an int"),
+    (lambda c, t: c.update(architecture="topk", k=0), "k must be an int in \\[1, d_sae = 6\\]"),
+    (lambda c, t: c.update(architecture="topk"), "k must be an int"),
     (lambda c, t: c.update(architecture="transcoder", d_out=D), "apply_b_dec_to_input must be False"),
 ])
 def test_load_sae_refuses_by_name(tmp_path, edit, message):

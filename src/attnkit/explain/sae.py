@@ -175,6 +175,11 @@ class SAE:
         return (f"SAE(architecture={self.architecture!r}, hook_name={self.hook_name!r}{out}, d_in={self.d_in}, "
                 f"d_sae={self.d_sae})")
 
+    @classmethod
+    def load_from_disk(cls, path: str | os.PathLike) -> SAE:
+        """SAELens's name for :func:`load_sae`."""
+        return load_sae(path)
+
     # -- the computation -----------------------------------------------------------------------------------
     def _weights(self, dtype: np.dtype) -> tuple[np.ndarray, ...]:
         """W_enc, b_enc, W_dec, b_dec and the decoder rows' norms (S,) in ``dtype`` (the activation's)."""
@@ -315,11 +320,15 @@ def load_sae(path: str | os.PathLike) -> SAE:
                          f"(a skip transcoder's W_skip or a training SAE's log_threshold is not read)")
     with open(weights, "rb") as fh:
         arrays = {name: read_tensor(fh, headers[name], name) for name in expected}
-    return SAE(arrays["W_enc"], arrays["b_enc"], arrays["W_dec"], arrays["b_dec"], hook_name=options["hook_name"],
-               architecture=options["architecture"], threshold=arrays.get("threshold"), k=options["k"],
-               apply_b_dec_to_input=options["apply_b_dec_to_input"],
-               rescale_acts_by_decoder_norm=options["rescale_acts_by_decoder_norm"],
-               hook_name_out=options["hook_name_out"], cfg=cfg)
+    try:
+        return SAE(arrays["W_enc"], arrays["b_enc"], arrays["W_dec"], arrays["b_dec"],
+                   hook_name=options["hook_name"], architecture=options["architecture"],
+                   threshold=arrays.get("threshold"), k=options["k"],
+                   apply_b_dec_to_input=options["apply_b_dec_to_input"],
+                   rescale_acts_by_decoder_norm=options["rescale_acts_by_decoder_norm"],
+                   hook_name_out=options["hook_name_out"], cfg=cfg)
+    except ValueError as exc:
+        raise ValueError(f"{folder}: {exc}") from None
 
 
 def _check_cfg(path: Path, cfg: dict) -> dict[str, Any]:
@@ -360,6 +369,8 @@ def _check_cfg(path: Path, cfg: dict) -> dict[str, Any]:
     if not isinstance(apply, bool):
         raise ValueError(f"{path}: apply_b_dec_to_input must be true or false, got {apply!r}")
     k = cfg.get("k") if architecture == "topk" else None
+    if architecture == "topk" and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= sizes["d_sae"]):
+        raise ValueError(f"{path}: k must be an int in [1, d_sae = {sizes['d_sae']}] for a topk SAE, got {k!r}")
     return {"architecture": architecture, "hook_name": hook_name, "hook_name_out": hook_name_out,
             "d_out": d_out, "apply_b_dec_to_input": apply, "k": k,
             "rescale_acts_by_decoder_norm": bool(cfg.get("rescale_acts_by_decoder_norm", False)) and
@@ -395,7 +406,9 @@ class _Splice:
         self.user_backward = {p: user_backward.pop(f"{self.prefix}.{p}") for p in _HOOKABLE["backward"]
                               if f"{self.prefix}.{p}" in user_backward}
         self.captured: np.ndarray | None = None
-        self.saved: tuple | None = None
+        self.saved: tuple | None = None  # what the backward needs: (open, pre replaced, acts replaced, input shape)
+        self.acts: np.ndarray | None = None  # the last forward's features (B, L, S), after the feature hooks
+        self.error: np.ndarray | None = None  # and its error term (B, L, D_out), or None without one
         self.input_grad: np.ndarray | None = None
         self.feature_grad: np.ndarray | None = None
         self.output_grad: np.ndarray | None = None
@@ -445,7 +458,8 @@ class _Splice:
             clean = recons if not (pre_cut or acts_cut) else sae.decode(sae.activate(clean_pre))
             error = value.reshape(recons.shape) - clean  # (B, L, D_out)
             out = recons + error
-        self.saved = (opened, pre_cut, acts_cut, source.shape, acts, error)
+        self.saved = (opened, pre_cut, acts_cut, source.shape)
+        self.acts, self.error = acts, error
         if self.keep is not None:
             found = {"hook_sae_input": x, "hook_sae_acts_pre": pre, "hook_sae_acts_post": acts,
                      "hook_sae_recons": recons, "hook_sae_error": error, "hook_sae_output": out}
@@ -460,7 +474,7 @@ class _Splice:
         if self.saved is None:
             raise RuntimeError(f"{self.sae!r}: backward without a forward through the SAE")
         sae = self.sae
-        opened, pre_cut, acts_cut, source_shape, _, _ = self.saved
+        opened, pre_cut, acts_cut, source_shape = self.saved
         self.output_grad = np.array(grad)
         w_enc, _, w_dec, _, norms = sae._weights(grad.dtype)
         g = grad.reshape(grad.shape[:2] + (-1,))  # (B, L, D_out)
@@ -720,7 +734,7 @@ def feature_attribution(model: Any, input_ids: Any, saes: Any, *, target_positio
         result = FeatureAttribution(metric, {}, {}, {}, {}, {}, target.astype(np.int64))
         for splice in splices:
             sae, name = splice.sae, splice.prefix
-            acts, error = splice.saved[4], splice.saved[5]
+            acts, error = splice.acts, splice.error
             g_out = splice.output_grad.reshape(acts.shape[:2] + (-1,))  # (B, L, D_out)
             result.activations[name] = acts
             result.gradients[name] = splice.feature_grad
