@@ -42,6 +42,9 @@ SPLICES = {
     "final_norm": lambda: random_sae("ln_final.hook_normalized", seed=3, rescale_acts_by_decoder_norm=False),
     "transcoder": lambda: random_sae("blocks.0.hook_resid_mid", architecture="transcoder", seed=4,
                                      hook_name_out="blocks.0.hook_mlp_out"),
+    "layer_norm": lambda: random_sae("blocks.1.hook_resid_pre", seed=8, normalize_activations="layer_norm"),
+    "norm_rescale": lambda: random_sae("blocks.0.hook_attn_out", architecture="topk", k=6, seed=9,
+                                       normalize_activations="constant_norm_rescale"),
 }
 
 
@@ -51,7 +54,7 @@ def test_the_error_term_keeps_the_models_logits(lm, where):
     logits, cache = run_with_cache_with_saes(lm, IDS, [sae], use_error_term=True)
     np.testing.assert_allclose(logits, lm(IDS), rtol=0, atol=1e-12)
     error = cache[f"{sae.output_hook_name}.hook_sae_error"]
-    assert np.abs(error).max() > 0.1  # the reconstruction alone is far off: the error term carries the difference
+    assert np.abs(error).max() > 1e-2  # the reconstruction alone is off: the error term carries the difference
     spliced, _ = run_with_cache_with_saes(lm, IDS, [sae], names=[])
     assert np.abs(spliced - logits).max() > 1e-3
 
@@ -169,6 +172,35 @@ def test_gradients_through_every_splice_match_finite_differences(lm):
     np.testing.assert_allclose((grad * direction).sum(), embedding_fd(lm, chain, False, direction), rtol=1e-6)
 
 
+def test_gradients_through_normalising_saes_match_finite_differences(lm):
+    """SAELens's two normalisations of each position (layer norm, constant norm), undone on the output: the
+    features' and the input embeddings' gradients through both equal central differences."""
+    chain = [SPLICES["norm_rescale"](), SPLICES["layer_norm"](),
+             random_sae("ln_final.hook_normalized", seed=10, normalize_activations="layer_norm")]
+    result = feature_attribution(lm, IDS, chain, target_token=3, use_error_term=False)
+    for sae in chain:
+        name = sae.output_hook_name
+        b, pos, f = np.argwhere(result.activations[name] > 0)[-1]
+
+        def run(delta, b=b, pos=pos, f=f, name=name):
+            def nudge(value, _):
+                value = value.copy()
+                value[b, pos, f] += delta
+                return value
+            with saes(lm, chain, forward={f"{name}.hook_sae_acts_post": nudge}):
+                return lm(IDS)[b, -1, 3]
+        fd = (run(1e-6) - run(-1e-6)) / 2e-6
+        np.testing.assert_allclose(result.gradients[name][b, pos, f], fd, rtol=1e-6, atol=1e-9)
+    with saes(lm, chain):
+        lm(IDS)
+        grad_logits = np.zeros((2, IDS.shape[1], 11))
+        grad_logits[:, -1, 3] = 1.0
+        with lm.input_gradients_only():
+            grad = lm.backward(grad_logits)  # (B, L, D)
+    direction = np.random.default_rng(11).normal(size=grad.shape)
+    np.testing.assert_allclose((grad * direction).sum(), embedding_fd(lm, chain, False, direction), rtol=1e-6)
+
+
 def test_a_replaced_feature_is_a_constant_of_the_backward(lm):
     """Ablating every feature of the first SAE leaves the model's input nothing to change through it: the input
     embeddings' gradient is then that of the path around the splice (zero for a resid_post SAE without error)."""
@@ -183,11 +215,12 @@ def test_a_replaced_feature_is_a_constant_of_the_backward(lm):
     assert not grad.any()
 
 
+@pytest.mark.parametrize("normalize", ["none", "layer_norm"])
 @pytest.mark.parametrize("use_error_term", [True, False])
-def test_attributions_sum_to_the_logit_difference_at_the_final_norm(lm, use_error_term):
-    """Logits are linear in the final norm's output, so features, error and b_dec account for the whole logit
-    difference of the spliced model."""
-    sae = SPLICES["final_norm"]()
+def test_attributions_sum_to_the_logit_difference_at_the_final_norm(lm, use_error_term, normalize):
+    """Logits are linear in the final norm's output, so features, error and b_dec (with a layer-norm SAE's restored
+    mean) account for the whole logit difference of the spliced model."""
+    sae = random_sae("ln_final.hook_normalized", seed=3, normalize_activations=normalize)
     result = feature_attribution(lm, IDS, [sae], target_token=[3, 5], incorrect_token=7,
                                  use_error_term=use_error_term)
     name = "ln_final.hook_normalized"
@@ -270,7 +303,9 @@ def test_load_sae_reads_a_folder(tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c, t: c.update(normalize_activations="layer_norm"), "normalize_activations 'layer_norm'"),
+    (lambda c, t: c.update(normalize_activations="covariance_whitening"), "'covariance_whitening' is not supp"),
+    (lambda c, t: c.update(normalize_activations="layer_norm", architecture="transcoder", d_out=D,
+                           apply_b_dec_to_input=False), "'layer_norm' on a transcoder"),
     (lambda c, t: c.update(normalize_activations="expected_average_only_in"), "expected_average_only_in"),
     (lambda c, t: c.update(architecture="gated"), "architecture 'gated'"),
     (lambda c, t: c.update(metadata={}), "no hook name"),

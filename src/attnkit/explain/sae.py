@@ -51,6 +51,10 @@ __all__ = ["SAE", "FeatureAttribution", "feature_attribution", "load_sae", "run_
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
 ARCHITECTURES = ("standard", "jumprelu", "topk", "transcoder", "jumprelu_transcoder")
+# SAELens's normalisations of each position, undone on the output: none; (x - mean) / (std + 1e-5), std with
+# Bessel's correction, out = recons * std + mean; x * sqrt(D) / |x|, out = recons * |x| / sqrt(D).
+NORMALIZATIONS = ("none", "layer_norm", "constant_norm_rescale")
+_LN_EPS = 1e-5
 SAE_POINTS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error",
               "hook_sae_output")
 _HOOKABLE = {"forward": ("hook_sae_acts_pre", "hook_sae_acts_post"), "backward": ("hook_sae_acts_post",)}
@@ -82,6 +86,8 @@ class SAE:
         TopK's k (``"topk"`` only).
     apply_b_dec_to_input : bool, default True
         Subtract ``b_dec`` from the input before encoding (never for a transcoder).
+    normalize_activations : {"none", "layer_norm", "constant_norm_rescale"}
+        SAELens's normalisation of each position's input, undone on its output (SAEs only).
     rescale_acts_by_decoder_norm : bool, default False
         TopK's scaling of the pre-activations by the decoder rows' norms.
     hook_name_out : str, optional
@@ -109,7 +115,8 @@ class SAE:
     def __init__(self, W_enc: Any, b_enc: Any, W_dec: Any, b_dec: Any, *, hook_name: str,
                  architecture: str = "standard", threshold: Any = None, k: int | None = None,
                  apply_b_dec_to_input: bool = True, rescale_acts_by_decoder_norm: bool = False,
-                 hook_name_out: str | None = None, cfg: Mapping | None = None) -> None:
+                 hook_name_out: str | None = None, normalize_activations: str = "none",
+                 cfg: Mapping | None = None) -> None:
         if architecture not in ARCHITECTURES:
             raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}, got {architecture!r}")
         if not isinstance(hook_name, str) or not hook_name:
@@ -150,6 +157,12 @@ class SAE:
         if rescale_acts_by_decoder_norm and architecture != "topk":
             raise ValueError("rescale_acts_by_decoder_norm is TopK's option")
         self.rescale_acts_by_decoder_norm = bool(rescale_acts_by_decoder_norm)
+        if normalize_activations not in NORMALIZATIONS:
+            raise ValueError(f"normalize_activations must be one of {', '.join(NORMALIZATIONS)}, got "
+                             f"{normalize_activations!r}")
+        if normalize_activations != "none" and self.is_transcoder:
+            raise ValueError(f"normalize_activations {normalize_activations!r} is for SAEs, not transcoders")
+        self.normalize_activations = normalize_activations
         self.cfg = dict(cfg) if cfg is not None else {}
 
     @property
@@ -192,10 +205,46 @@ class SAE:
             self._cast = cached
         return cached[1]
 
-    def encode_pre(self, x: Any) -> np.ndarray:
-        """The pre-activations ``(x - b_dec) @ W_enc + b_enc`` (..., S), in ``x``'s float dtype (TopK's scaled by
-        the decoder rows' norms with ``rescale_acts_by_decoder_norm``)."""
+    def normalize(self, x: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """``(x normalised (..., D), scale (..., 1), shift (..., 1))``: the input the encoder reads, and how the
+        output is restored (``recons * scale + shift``); scale and shift None without a normalisation."""
         x = _activation(x, self.d_in, "x")
+        if self.normalize_activations == "layer_norm":
+            shift = x.mean(axis=-1, keepdims=True)  # (..., 1)
+            centred = x - shift  # (..., D)
+            scale = np.sqrt((centred * centred).sum(axis=-1, keepdims=True) / (x.shape[-1] - 1))  # (..., 1)
+            return centred / (scale + _LN_EPS), scale, shift
+        if self.normalize_activations == "constant_norm_rescale":
+            root = x.dtype.type(np.sqrt(x.shape[-1]))  # in x's dtype: a float64 scalar would widen float32
+            scale = np.linalg.norm(x, axis=-1, keepdims=True) / root  # (..., 1)
+            return x / scale, scale, np.zeros_like(scale)
+        return x, None, None
+
+    def normalize_backward(self, x: np.ndarray, grad_xn: np.ndarray, grad_scale: np.ndarray,
+                           grad_shift: np.ndarray) -> np.ndarray:
+        """The gradient (..., D) with respect to x of what reached :meth:`normalize`'s outputs: ``grad_xn``
+        (..., D) the normalised input's, ``grad_scale`` and ``grad_shift`` (..., 1) those of scale and shift."""
+        d = x.shape[-1]
+        if self.normalize_activations == "layer_norm":
+            centred = x - x.mean(axis=-1, keepdims=True)  # (..., D)
+            std = np.sqrt((centred * centred).sum(axis=-1, keepdims=True) / (d - 1))  # (..., 1)
+            d_std = centred / ((d - 1) * std)  # (..., D): d std / dx (centred already)
+            a = std + _LN_EPS
+            g_centred = grad_xn / a - (grad_xn * centred).sum(axis=-1, keepdims=True) / (a * a) * d_std
+            g = g_centred - g_centred.mean(axis=-1, keepdims=True)  # through the centring
+            return g + grad_scale * d_std + grad_shift / d
+        root = x.dtype.type(np.sqrt(d))
+        norm = np.linalg.norm(x, axis=-1, keepdims=True)  # (..., 1)
+        unit = x / norm  # (..., D)
+        g = root * (grad_xn - unit * (unit * grad_xn).sum(axis=-1, keepdims=True)) / norm
+        return g + grad_scale * unit / root
+
+    def encode_pre(self, x: Any) -> np.ndarray:
+        """The pre-activations ``(x - b_dec) @ W_enc + b_enc`` (..., S) of x normalised, in ``x``'s float dtype
+        (TopK's scaled by the decoder rows' norms with ``rescale_acts_by_decoder_norm``)."""
+        return self._pre(self.normalize(x)[0])
+
+    def _pre(self, x: np.ndarray) -> np.ndarray:
         w_enc, b_enc, _, b_dec, norms = self._weights(x.dtype)
         if self.apply_b_dec_to_input:
             x = x - b_dec  # (..., D)
@@ -224,7 +273,8 @@ class SAE:
         return self.activate(self.encode_pre(x))
 
     def decode(self, acts: Any) -> np.ndarray:
-        """The reconstruction ``acts @ W_dec + b_dec`` (..., D_out) of feature activations (..., S)."""
+        """The reconstruction ``acts @ W_dec + b_dec`` (..., D_out) of feature activations (..., S); for a
+        normalising SAE in the normalised space (SAELens's ``hook_sae_recons``: :meth:`__call__` restores it)."""
         acts = _activation(acts, self.d_sae, "acts")
         _, _, w_dec, b_dec, norms = self._weights(acts.dtype)
         if self.rescale_acts_by_decoder_norm:
@@ -232,8 +282,10 @@ class SAE:
         return acts @ w_dec + b_dec  # (..., D_out)
 
     def __call__(self, x: Any) -> np.ndarray:
-        """``decode(encode(x))``: the reconstruction (..., D_out)."""
-        return self.decode(self.encode(x))
+        """The output (..., D_out): ``decode(encode(x))``, the normalisation undone."""
+        xn, scale, shift = self.normalize(x)
+        recons = self.decode(self.activate(self._pre(xn)))
+        return recons if scale is None else recons * scale + shift
 
 
 def _weight(value: Any, name: str, ndim: int) -> np.ndarray:
@@ -268,7 +320,8 @@ def load_sae(path: str | os.PathLike) -> SAE:
     ``SAE.save_model`` writes and ``SAE.load_from_disk`` reads).
 
     The config is checked before any weight is read: a supported architecture (``standard``, ``jumprelu``,
-    ``topk``, ``transcoder``, ``jumprelu_transcoder``), ``normalize_activations`` ``"none"``, the hook names; then
+    ``topk``, ``transcoder``, ``jumprelu_transcoder``), ``normalize_activations`` ``"none"``, ``"layer_norm"`` or
+    ``"constant_norm_rescale"`` (SAEs), the hook names; then
     every tensor's name, dtype and shape from the safetensors header against ``d_in``, ``d_sae``, ``d_out``.
 
     Parameters
@@ -326,7 +379,7 @@ def load_sae(path: str | os.PathLike) -> SAE:
                    threshold=arrays.get("threshold"), k=options["k"],
                    apply_b_dec_to_input=options["apply_b_dec_to_input"],
                    rescale_acts_by_decoder_norm=options["rescale_acts_by_decoder_norm"],
-                   hook_name_out=options["hook_name_out"], cfg=cfg)
+                   hook_name_out=options["hook_name_out"], normalize_activations=options["norm"], cfg=cfg)
     except ValueError as exc:
         raise ValueError(f"{folder}: {exc}") from None
 
@@ -338,10 +391,12 @@ def _check_cfg(path: Path, cfg: dict) -> dict[str, Any]:
         raise ValueError(f"{path}: architecture {architecture!r} is not one attnkit runs (it runs "
                          f"{', '.join(ARCHITECTURES)})")
     norm = cfg.get("normalize_activations", "none")
-    if norm != "none":
-        raise ValueError(f"{path}: normalize_activations {norm!r} is not supported (attnkit runs 'none'; "
-                         f"SAELens's from_pretrained folds 'expected_average_only_in' into the weights, and "
-                         f"'layer_norm' and 'constant_norm_rescale' rescale each position)")
+    if norm not in NORMALIZATIONS:
+        raise ValueError(f"{path}: normalize_activations {norm!r} is not supported (attnkit runs "
+                         f"{', '.join(NORMALIZATIONS)}; SAELens's from_pretrained folds 'expected_average_only_in' "
+                         f"into the weights with a scaling factor the folder does not hold)")
+    if norm != "none" and architecture.endswith("transcoder"):
+        raise ValueError(f"{path}: normalize_activations {norm!r} on a transcoder is not supported")
     reshape = cfg.get("reshape_activations", "none")
     if reshape not in ("none", "hook_z"):
         raise ValueError(f"{path}: reshape_activations {reshape!r} is not 'none' or 'hook_z'")
@@ -371,7 +426,7 @@ def _check_cfg(path: Path, cfg: dict) -> dict[str, Any]:
     k = cfg.get("k") if architecture == "topk" else None
     if architecture == "topk" and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= sizes["d_sae"]):
         raise ValueError(f"{path}: k must be an int in [1, d_sae = {sizes['d_sae']}] for a topk SAE, got {k!r}")
-    return {"architecture": architecture, "hook_name": hook_name, "hook_name_out": hook_name_out,
+    return {"architecture": architecture, "hook_name": hook_name, "hook_name_out": hook_name_out, "norm": norm,
             "d_out": d_out, "apply_b_dec_to_input": apply, "k": k,
             "rescale_acts_by_decoder_norm": bool(cfg.get("rescale_acts_by_decoder_norm", False)) and
             architecture == "topk", **sizes}
@@ -412,6 +467,7 @@ class _Splice:
         self.input_grad: np.ndarray | None = None
         self.feature_grad: np.ndarray | None = None
         self.output_grad: np.ndarray | None = None
+        self.recons_grad: np.ndarray | None = None
         self.forward_hook = _passing(self.splice) if not sae.is_transcoder else self.splice
 
     def _user(self, point: str, value: np.ndarray, direction: str) -> tuple[np.ndarray, bool]:
@@ -447,18 +503,23 @@ class _Splice:
         if value.reshape(value.shape[:2] + (-1,)).shape[-1] != sae.d_out:
             raise ValueError(f"{sae!r} writes {sae.d_out} features, but {name} has shape {value.shape}")
         x = x.astype(value.dtype, copy=False)
-        clean_pre = sae.encode_pre(x)  # (B, L, S)
+        xn, scale, shift = sae.normalize(x)  # (B, L, D); (B, L, 1) each or None
+
+        def restored(recons: np.ndarray) -> np.ndarray:
+            return recons if scale is None else recons * scale + shift  # (B, L, D_out)
+
+        clean_pre = sae._pre(xn)  # (B, L, S)
         pre, pre_cut = self._user("hook_sae_acts_pre", clean_pre, "forward")
         opened = sae._open(pre)  # (B, L, S)
         acts, acts_cut = self._user("hook_sae_acts_post", pre * opened, "forward")
         recons = sae.decode(acts)  # (B, L, D_out)
-        out = recons
+        out = restored(recons)
         error = None
         if self.use_error_term:
-            clean = recons if not (pre_cut or acts_cut) else sae.decode(sae.activate(clean_pre))
+            clean = out if not (pre_cut or acts_cut) else restored(sae.decode(sae.activate(clean_pre)))
             error = value.reshape(recons.shape) - clean  # (B, L, D_out)
-            out = recons + error
-        self.saved = (opened, pre_cut, acts_cut, source.shape)
+            out = out + error
+        self.saved = (opened, pre_cut, acts_cut, source.shape, x, scale, shift, recons)
         self.acts, self.error = acts, error
         if self.keep is not None:
             found = {"hook_sae_input": x, "hook_sae_acts_pre": pre, "hook_sae_acts_post": acts,
@@ -474,11 +535,12 @@ class _Splice:
         if self.saved is None:
             raise RuntimeError(f"{self.sae!r}: backward without a forward through the SAE")
         sae = self.sae
-        opened, pre_cut, acts_cut, source_shape = self.saved
+        opened, pre_cut, acts_cut, source_shape, x, scale, shift, recons = self.saved
         self.output_grad = np.array(grad)
         w_enc, _, w_dec, _, norms = sae._weights(grad.dtype)
         g = grad.reshape(grad.shape[:2] + (-1,))  # (B, L, D_out)
-        g_acts = g @ w_dec.T  # (B, L, S)
+        self.recons_grad = g if scale is None else g * scale  # (B, L, D_out): the normalised reconstruction's
+        g_acts = self.recons_grad @ w_dec.T  # (B, L, S)
         if sae.rescale_acts_by_decoder_norm:
             g_acts = g_acts / norms
         g_acts, _ = self._user("hook_sae_acts_post", g_acts, "backward")
@@ -490,6 +552,8 @@ class _Splice:
             if sae.rescale_acts_by_decoder_norm:
                 g_pre = g_pre * norms
             g_in = g_pre @ w_enc.T  # (B, L, D)
+        if scale is not None:  # through the normalisation, and the output's scale and shift (the error is constant)
+            g_in = sae.normalize_backward(x, g_in, (g * recons).sum(-1, keepdims=True), g.sum(-1, keepdims=True))
         g_in = g_in.reshape(source_shape)
         if not sae.is_transcoder:
             return g_in
@@ -675,8 +739,9 @@ class FeatureAttribution:
         terms constant, as in SAELens), and their product.
     error_attributions, bias_attributions : dict of str to ndarray (B, L)
         The error term's and ``b_dec``'s share (the gradient at the written point dotted with them; the error's
-        is zero without the error term). Where the metric is linear in the written point (an SAE at
-        ``ln_final.hook_normalized``) the three sum to the metric exactly.
+        is zero without the error term; ``b_dec``'s includes a layer-norm normalisation's restored mean). Where
+        the metric is linear in the written point (an SAE at ``ln_final.hook_normalized``) the three sum to the
+        metric exactly.
     target : ndarray (B,) int64
         The explained token of each row.
     """
@@ -741,7 +806,9 @@ def feature_attribution(model: Any, input_ids: Any, saes: Any, *, target_positio
             result.attributions[name] = acts * splice.feature_grad  # (B, L, S)
             result.error_attributions[name] = (error * g_out).sum(-1) if error is not None else \
                 np.zeros(acts.shape[:2], acts.dtype)  # (B, L)
-            result.bias_attributions[name] = g_out @ sae.b_dec.astype(g_out.dtype)  # (B, L)
+            shift = splice.saved[6]  # the normalisation's shift (B, L, 1), or None
+            result.bias_attributions[name] = splice.recons_grad.reshape(g_out.shape) @ sae.b_dec.astype(g_out.dtype) \
+                + (0 if shift is None else (g_out * shift).sum(-1))  # (B, L)
     return result
 
 
