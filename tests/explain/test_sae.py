@@ -201,6 +201,15 @@ def test_gradients_through_normalising_saes_match_finite_differences(lm):
     np.testing.assert_allclose((grad * direction).sum(), embedding_fd(lm, chain, False, direction), rtol=1e-6)
 
 
+def test_a_backward_after_the_block_is_refused(lm):
+    """Leaving the block discards the spliced forward's saved state: the backward cannot silently differentiate
+    the unspliced model at the spliced forward's activations."""
+    with saes(lm, [SPLICES["transcoder"]()]):
+        lm(IDS)
+    with pytest.raises(RuntimeError, match="forward without a cache"):
+        lm.backward(np.zeros((2, IDS.shape[1], 11)))
+
+
 def test_a_replaced_feature_is_a_constant_of_the_backward(lm):
     """Ablating every feature of the first SAE leaves the model's input nothing to change through it: the input
     embeddings' gradient is then that of the path around the splice (zero for a resid_post SAE without error)."""

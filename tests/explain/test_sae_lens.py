@@ -44,6 +44,7 @@ CASES = {
     "topk_attn_out": ("TopKSAE", {"k": 5}, {"hook_name": "blocks.0.hook_attn_out"}),
     "topk_rescaled": ("TopKSAE", {"k": 7, "rescale_acts_by_decoder_norm": True},
                       {"hook_name": "blocks.0.hook_resid_post"}),
+    "hook_z": ("StandardSAE", {"reshape_activations": "hook_z"}, {"hook_name": "blocks.1.attn.hook_z"}),
     "layer_norm": ("StandardSAE", {"normalize_activations": "layer_norm"}, {"hook_name": "blocks.1.hook_resid_post"}),
     "norm_rescale_topk": ("TopKSAE", {"k": 6, "normalize_activations": "constant_norm_rescale"},
                           {"hook_name": "blocks.0.hook_attn_out"}),
@@ -108,9 +109,12 @@ def test_features_equal_sae_lens_encode_and_decode(label, lens, tmp_path):
     _, cache = run_with_cache_with_saes(lm, IDS, [ours], names=[])
     prefix = ours.output_hook_name
     x = cache[f"{prefix}.hook_sae_input"]  # (B, L, D)
+    if label == "hook_z":  # SAELens's hook_z SAE reads the heads' outputs unflattened, (B, L, H, Dh)
+        x = x.reshape(x.shape[:2] + (lm.config.num_heads, -1))
     with torch.no_grad():  # SAELens's decode undoes the normalisation of the encode just before it
         acts = theirs.encode(torch.from_numpy(x)).numpy()
         out = theirs.decode(torch.from_numpy(cache[f"{prefix}.hook_sae_acts_post"])).numpy()
+    out = out.reshape(acts.shape[:2] + (-1,))
     assert all(cache[f"{prefix}.{p}"].dtype == np.float32 for p in ("hook_sae_acts_post", "hook_sae_output"))
     assert 0 < (acts > 0).mean() < 0.9, "some features fire and some do not"
     assert relative(cache[f"{prefix}.hook_sae_acts_post"], acts) <= ALONE

@@ -10,11 +10,13 @@ An SAE reads the activation x at one hook point and writes a reconstruction ther
 - ``"topk"``: the k largest ``pre`` of each position through ``relu``, the others 0 (``pre`` times the decoder
   rows' norms first, and ``acts`` divided by them before decoding, with ``rescale_acts_by_decoder_norm``);
 
-and decode ``acts @ W_dec + b_dec``. With the error term the model's value is kept whole: what the spliced point
-passes on is ``recons(acts) + (x - recons(clean acts))``, the error computed from the features before any feature
-hook ran, so without hooks the model's outputs are unchanged (to rounding) and with them only the hooks' edits
-reach the model. As in SAELens, the error is a constant for the backward (it is computed under ``no_grad``
-there): the gradient reaches the point's input through the encoder only.
+and decode ``acts @ W_dec + b_dec``. An SAE may normalise each position first, as SAELens's
+``normalize_activations`` does (``"layer_norm"``: ``(x - mean) / (std + 1e-5)``; ``"constant_norm_rescale"``:
+``x * sqrt(D) / |x|``), and restore the output with the same statistics. With the error term the model's value is
+kept whole: what the spliced point passes on is ``recons(acts) + (x - recons(clean acts))``, the error computed
+from the features before any feature hook ran, so without hooks the model's outputs are unchanged (to rounding)
+and with them only the hooks' edits reach the model. As in SAELens, the error is a constant for the backward (it
+is computed under ``no_grad`` there): the gradient reaches the point's input through the encoder only.
 
 :func:`load_sae` reads a SAELens folder (``cfg.json`` and ``sae_weights.safetensors``, as ``SAE.save_model``
 writes them) with attnkit's own safetensors reader; SAELens is never imported. Hook names are SAELens's, which
@@ -600,7 +602,7 @@ def _check_saes(sae_list: Any) -> list[SAE]:
 @contextmanager
 def saes(model: Any, sae_list: Any, *, use_error_term: bool = False,
          forward: Mapping[str, Callable] | None = None,
-         backward: Mapping[str, Callable] | None = None) -> Iterator[list[_Splice]]:
+         backward: Mapping[str, Callable] | None = None) -> Iterator[None]:
     """Run ``model`` with SAEs spliced in (SAELens's ``HookedSAETransformer.saes``), under forward, ``generate``
     and the exact backward.
 
@@ -617,10 +619,8 @@ def saes(model: Any, sae_list: Any, *, use_error_term: bool = False,
         backward too, the features' gradient). A feature hook that returns a replacement ablates or steers the
         features; as at the model's points, a replaced value is a constant (the gradient below it stops).
 
-    Yields
-    ------
-    list
-        One splice per SAE, in the order given: ``.saved`` and ``.feature_grad`` (B, L, S) after a backward.
+    The block holds the model for the calling thread (as :func:`~attnkit.explain.hooks`); leaving it discards the
+    spliced forward's saved state, so a backward after it raises instead of differentiating the wrong model.
 
     Examples
     --------
@@ -636,8 +636,8 @@ def saes(model: Any, sae_list: Any, *, use_error_term: bool = False,
     >>> bool(np.allclose(spliced, lm(np.array([[1, 2, 3]])), atol=1e-5))
     True
     """
-    with _spliced(model, sae_list, use_error_term, forward, backward, None) as splices:
-        yield splices
+    with _spliced(model, sae_list, use_error_term, forward, backward, None):
+        yield
 
 
 @contextmanager
