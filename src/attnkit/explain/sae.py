@@ -312,10 +312,6 @@ def _activation(x: Any, width: int, name: str) -> np.ndarray:
 
 
 # -- loading SAELens's folders ------------------------------------------------------------------------------
-_ACCEPTED_CFG = {"d_in", "d_sae", "d_out", "dtype", "device", "apply_b_dec_to_input", "normalize_activations",
-                 "reshape_activations", "metadata", "architecture", "k", "rescale_acts_by_decoder_norm",
-                 "use_sparse_activations", "hook_name", "hook_name_out"}
-
 
 def load_sae(path: str | os.PathLike) -> SAE:
     """An SAE or transcoder from a SAELens folder: ``cfg.json`` and ``sae_weights.safetensors`` (what SAELens's
