@@ -47,7 +47,8 @@ from .patching import activation_patching, attribution_patching
 from .path_patching import path_patching
 from .prompts import PromptTest, test_prompt, to_str_tokens
 from .rollout import attention_rollout
-from .sae import SAE, FeatureAttribution, feature_attribution, load_sae, run_with_cache_with_saes, saes
+from .sae import SAE, load_sae
+from .sae_splice import FeatureAttribution, feature_attribution, run_with_cache_with_saes, saes
 from .similarity import SimilarityAttribution, similarity_attribution
 from .steering import ControlVector, control_vector, steering
 
