@@ -217,6 +217,9 @@ def saes(model: Any, sae_list: Any, *, use_error_term: bool = False,
     """Run ``model`` with SAEs spliced in (SAELens's ``HookedSAETransformer.saes``), under forward, ``generate``
     and the exact backward.
 
+    The block holds the model for the calling thread (as :func:`~attnkit.explain.hooks`); leaving it discards the
+    spliced forward's saved state, so a backward after it raises instead of differentiating the wrong model.
+
     Parameters
     ----------
     model : CausalLM
@@ -229,9 +232,6 @@ def saes(model: Any, sae_list: Any, *, use_error_term: bool = False,
         each SAE's ``{hook}.hook_sae_acts_pre`` / ``.hook_sae_acts_post`` (forward; ``hook_sae_acts_post``
         backward too, the features' gradient). A feature hook that returns a replacement ablates or steers the
         features; as at the model's points, a replaced value is a constant (the gradient below it stops).
-
-    The block holds the model for the calling thread (as :func:`~attnkit.explain.hooks`); leaving it discards the
-    spliced forward's saved state, so a backward after it raises instead of differentiating the wrong model.
 
     Examples
     --------
