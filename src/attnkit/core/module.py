@@ -151,14 +151,15 @@ class Module:
 
     def hook_backward(self, name: str, grad: np.ndarray) -> np.ndarray:
         """The gradient arriving at point ``name`` through its backward hooks; zeros if the last forward
-        replaced the value there (a replaced value is a constant, so nothing upstream of it gets a gradient)."""
+        replaced the value there (a replaced value is a constant, so nothing upstream of it gets a gradient) with a
+        hook that does not pass the gradient (:mod:`attnkit.core.hooks`)."""
         table = self._hook_table
         if table is None:
             return grad
         if self._holder is not None:
             self._holder.check()
         grad = table.apply(name, grad, "backward")
-        return np.zeros_like(grad) if name in table.replaced else grad
+        return np.zeros_like(grad) if name in table.cut else grad
 
     def hook_replaced(self, name: str) -> bool:
         """Whether the last forward replaced the value at point ``name`` (a forward hook returned one)."""

@@ -25,6 +25,10 @@ the layers, and what each layer would predict.
   from contrastive prompt pairs as repeng computes them, added to each layer's output inside ``generate`` as
   llama.cpp adds them; :func:`load_control_vector` and :func:`save_control_vector` read and write llama.cpp's
   control-vector GGUF files.
+- :func:`load_sae`, :func:`run_with_cache_with_saes`, :func:`saes`, :func:`feature_attribution`: sparse
+  autoencoders and transcoders (an :class:`SAE`) from SAELens's folders, spliced in at a hook point with or
+  without the error term, their features cached, ablated or steered by hooks, and attributed from the exact
+  gradient.
 - :func:`explain_html`: all of it, with the attention of every head, in one offline HTML page;
   :func:`explain_similarity_html` the same for a sentence encoder and two sentences.
 """
@@ -43,13 +47,16 @@ from .patching import activation_patching, attribution_patching
 from .path_patching import path_patching
 from .prompts import PromptTest, test_prompt, to_str_tokens
 from .rollout import attention_rollout
+from .sae import SAE, load_sae
+from .sae_splice import FeatureAttribution, feature_attribution, run_with_cache_with_saes, saes
 from .similarity import SimilarityAttribution, similarity_attribution
 from .steering import ControlVector, control_vector, steering
 
-__all__ = ["ActivationCache", "ControlVector", "GenerationAttribution", "IntegratedGradients", "LogitLens",
-           "PromptTest", "SimilarityAttribution", "activation_patching", "attention_flow", "attention_rollout",
-           "attribution_patching", "control_vector", "detect_head", "direct_logit_attribution", "encode_attention",
-           "explain_html",
-           "explain_similarity_html", "generation_attribution", "gradient_x_input", "hook_names", "hooks",
-           "integrated_gradients", "load_control_vector", "logit_lens", "path_patching", "run_with_cache",
-           "saliency", "save_control_vector", "similarity_attribution", "steering", "test_prompt", "to_str_tokens"]
+__all__ = ["SAE", "ActivationCache", "ControlVector", "FeatureAttribution", "GenerationAttribution",
+           "IntegratedGradients", "LogitLens", "PromptTest", "SimilarityAttribution", "activation_patching",
+           "attention_flow", "attention_rollout", "attribution_patching", "control_vector", "detect_head",
+           "direct_logit_attribution", "encode_attention", "explain_html", "explain_similarity_html",
+           "feature_attribution", "generation_attribution", "gradient_x_input", "hook_names", "hooks",
+           "integrated_gradients", "load_control_vector", "load_sae", "logit_lens", "path_patching",
+           "run_with_cache", "run_with_cache_with_saes", "saes", "saliency", "save_control_vector",
+           "similarity_attribution", "steering", "test_prompt", "to_str_tokens"]

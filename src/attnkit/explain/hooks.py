@@ -109,8 +109,10 @@ def hooks(model, forward: Mapping[str, Callable] | None = None, *,
     index should check the length), and the backward after an uncached forward.
 
     The backward is exact for the hooked model: a replaced value is a constant, so its gradient stops at the
-    hook point. Run the backward inside the block; leaving a block in which a value was replaced discards the
-    model's saved forward state, so a backward after it raises instead of silently ignoring the replacement.
+    hook point (unless the forward hook is marked ``passes_gradient = True`` and a backward hook at the same point
+    maps the gradient through it, as a spliced SAE does: :mod:`attnkit.core.hooks`). Run the backward inside the
+    block; leaving a block in which a value was replaced discards the model's saved forward state, so a backward
+    after it raises instead of silently ignoring the replacement.
     Blocks nest (inner hooks run after outer ones at the same point); the model is as before after the block.
 
     The hooks are the model's: inside the block only the calling thread may run it. Another thread's forward,

@@ -32,7 +32,7 @@ from .families import family
 from .tensor_map import TensorMap
 
 __all__ = ["TensorMap", "checkpoint_map", "checkpoint_tensors",
-           "TensorHeader", "CheckpointIndex", "read_checkpoint_index",
+           "TensorHeader", "CheckpointIndex", "read_checkpoint_index", "read_file_headers", "read_tensor",
            "validate_checkpoint", "expected_parameter_shapes", "check_model_matches", "load_tensors_into",
            "pack_mxfp4_tensors",
            "SINGLE_FILE", "INDEX_FILE", "HEAD_NAMES"]
@@ -163,22 +163,10 @@ def read_checkpoint_index(folder: str | Path) -> CheckpointIndex:
     shards, weight_map = _shard_files(folder)
     tensors: dict[str, TensorHeader] = {}
     for shard in shards:
-        try:
-            with safetensors.safe_open(str(shard), framework="numpy") as handle:
-                names = list(handle.keys())
-                pieces = {name: handle.get_slice(name) for name in names}
-        except Exception as exc:  # safetensors raises its own error types for a corrupt header
-            raise ValueError(f"{shard} is not a readable safetensors file: {exc}") from None
-        # safetensors has checked the header (offsets inside the file, no overlaps); its byte ranges let the
-        # loader read each tensor straight into place without mapping the whole file.
-        data_start, ranges = _data_ranges(shard)
-        for name in names:
+        for name, header in read_file_headers(shard, safetensors).items():
             if name in tensors:
                 raise ValueError(f"tensor {name!r} is in both {tensors[name].file.name} and {shard.name}")
-            begin, end = ranges[name]
-            tensors[name] = TensorHeader(shard, pieces[name].get_dtype(),
-                                         tuple(int(n) for n in pieces[name].get_shape()), data_start + begin,
-                                         end - begin)
+            tensors[name] = header
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors or tensors[name].file.name != file:
@@ -187,6 +175,28 @@ def read_checkpoint_index(folder: str | Path) -> CheckpointIndex:
         if unlisted:
             raise ValueError(f"shards hold tensors {INDEX_FILE} does not list: {unlisted[:5]}")
     return CheckpointIndex(folder, tensors)
+
+
+def read_file_headers(file: Path, safetensors: Any = None) -> dict[str, TensorHeader]:
+    """Every tensor's header in one safetensors file (no tensor data read), checked by safetensors itself.
+
+    Raises
+    ------
+    ValueError
+        Naming the file, when safetensors cannot read its header.
+    """
+    safetensors = safetensors or import_extra("safetensors", "read safetensors files")
+    try:
+        with safetensors.safe_open(str(file), framework="numpy") as handle:
+            names = list(handle.keys())
+            pieces = {name: handle.get_slice(name) for name in names}
+    except Exception as exc:  # safetensors raises its own error types for a corrupt header
+        raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
+    # safetensors has checked the header (offsets inside the file, no overlaps); its byte ranges let the
+    # loader read each tensor straight into place without mapping the whole file.
+    data_start, ranges = _data_ranges(file)
+    return {name: TensorHeader(file, pieces[name].get_dtype(), tuple(int(n) for n in pieces[name].get_shape()),
+                               data_start + ranges[name][0], ranges[name][1] - ranges[name][0]) for name in names}
 
 
 def validate_checkpoint(index: CheckpointIndex, config: DecoderConfig) -> dict[str, TensorMap]:
@@ -301,7 +311,7 @@ def _read_into(fh: Any, header: TensorHeader, target: np.ndarray, name: str) -> 
         raise ValueError(f"{header.file}: tensor {name!r} should hold {header.nbytes} bytes, the file gave {got}")
 
 
-def _read_tensor(fh: Any, header: TensorHeader, name: str) -> np.ndarray:
+def read_tensor(fh: Any, header: TensorHeader, name: str) -> np.ndarray:
     """One tensor as a new array (BF16 widened to float32: NumPy has no bfloat16, and a BF16 value is the top
     half of the float32 with the same bits)."""
     stored = _NUMPY_DTYPES[header.dtype]
@@ -347,7 +357,7 @@ def _load_one(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap, pa
             and target.flags.c_contiguous and target.nbytes == header.nbytes):
         _read_into(fh, header, target, name)
         return
-    for target_name, value in mapping.convert(_read_tensor(fh, header, name)).items():
+    for target_name, value in mapping.convert(read_tensor(fh, header, name)).items():
         np.copyto(mapping.destination(params, target_name), value, casting="unsafe")
 
 
@@ -372,9 +382,9 @@ def _read_mxfp4(fh: Any, index: CheckpointIndex, name: str, mapping: TensorMap
     scales_name = name[:-len(mapping.source)] + mapping.scales
     scales_header = index.tensors[scales_name]
     with open(scales_header.file, "rb") as sfh:
-        scales = _read_tensor(sfh, scales_header, scales_name)  # (E, R, C / 32)
+        scales = read_tensor(sfh, scales_header, scales_name)  # (E, R, C / 32)
     check_scales(scales, scales_name)
-    return _read_tensor(fh, index.tensors[name], name), scales, scales_name
+    return read_tensor(fh, index.tensors[name], name), scales, scales_name
 
 
 def pack_mxfp4_tensors(index: CheckpointIndex, stored: dict[str, TensorMap]
