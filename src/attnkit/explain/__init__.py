@@ -14,7 +14,8 @@ the layers, and what each layer would predict.
 - :func:`activation_patching`, :func:`attribution_patching`: which layer, position or head carries the
   difference between clean and corrupted prompts (for any metric, over a batch of pairs), patched or estimated
   from the exact gradient; :func:`path_patching` the part of one head's effect that reaches later heads' queries,
-  keys or values.
+  keys or values; :func:`edge_attribution` every edge of the residual-stream graph (embeddings, heads, MLPs,
+  logits) by edge attribution patching (EAP) or EAP-IG, from the exact gradient.
 - :func:`integrated_gradients`: input attributions along a path from a baseline, with the completeness gap.
 - :func:`generation_attribution`: per generated token, which tokens before it made the model choose it (inseq's
   matrix), with a contrastive variant against a foil.
@@ -32,6 +33,7 @@ from .attribution import gradient_x_input, saliency
 from .cache import ActivationCache
 from .control_vector_file import load_control_vector, save_control_vector
 from .direct_logit import direct_logit_attribution
+from .edge_attribution import EdgeAttribution, edge_attribution
 from .flow import attention_flow
 from .generation import GenerationAttribution, generation_attribution
 from .head_detector import detect_head
@@ -46,10 +48,10 @@ from .rollout import attention_rollout
 from .similarity import SimilarityAttribution, similarity_attribution
 from .steering import ControlVector, control_vector, steering
 
-__all__ = ["ActivationCache", "ControlVector", "GenerationAttribution", "IntegratedGradients", "LogitLens",
-           "PromptTest", "SimilarityAttribution", "activation_patching", "attention_flow", "attention_rollout",
-           "attribution_patching", "control_vector", "detect_head", "direct_logit_attribution", "encode_attention",
-           "explain_html",
-           "explain_similarity_html", "generation_attribution", "gradient_x_input", "hook_names", "hooks",
-           "integrated_gradients", "load_control_vector", "logit_lens", "path_patching", "run_with_cache",
-           "saliency", "save_control_vector", "similarity_attribution", "steering", "test_prompt", "to_str_tokens"]
+__all__ = ["ActivationCache", "ControlVector", "EdgeAttribution", "GenerationAttribution", "IntegratedGradients",
+           "LogitLens", "PromptTest", "SimilarityAttribution", "activation_patching", "attention_flow",
+           "attention_rollout", "attribution_patching", "control_vector", "detect_head", "direct_logit_attribution",
+           "edge_attribution", "encode_attention", "explain_html", "explain_similarity_html", "generation_attribution",
+           "gradient_x_input", "hook_names", "hooks", "integrated_gradients", "load_control_vector", "logit_lens",
+           "path_patching", "run_with_cache", "saliency", "save_control_vector", "similarity_attribution", "steering",
+           "test_prompt", "to_str_tokens"]
