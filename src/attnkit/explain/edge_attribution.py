@@ -38,9 +38,11 @@ Identities, exact for both methods (the scores are linear in the gradients), che
   together its ``"attn_out"`` one;
 - completeness: the scores out of ``input`` sum to the integrated gradients of the metric on the input
   embeddings, which equal ``metric(clean) - metric(corrupted)`` up to the quadrature's error (the completeness
-  axiom); the residual returned is that error (for ``"eap"``, the first-order estimate's). Where the metric is a
-  polynomial of degree p along the path, Gauss-Legendre with ``steps >= p / 2`` points is exact (with frozen
-  attention and no norms or nonlinear MLPs the metric is linear, and every rule is exact).
+  axiom); the residual returned is that error (for ``"eap"``, the first-order estimate's). It is zero, to
+  rounding, where the rule integrates the metric's derivative along the path exactly: Gauss-Legendre with
+  ``steps >= p / 2`` points when the metric is a polynomial of degree p along the path, ``"riemann_trapezoid"`` and
+  ``"riemann_middle"`` when it is quadratic, every rule (``"riemann_left"``, ``"riemann_right"`` too) when it is
+  linear, as with frozen attention patterns, no norms and linear MLPs, where EAP is exact as well.
 
 Shapes: B prompt pairs, L tokens, D model width, N layers, H query heads, U upstream nodes, V downstream nodes,
 R = H + 3 copies of the batch in one backward (the true gradient, one per head, the mixer's, the MLP's).
