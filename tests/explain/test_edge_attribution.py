@@ -279,3 +279,12 @@ def test_bad_arguments_are_refused(hf_root):
         edge_attribution(lm, CLEAN, CORRUPT, metric=lambda logits: (1.0, np.zeros(3)))
     with pytest.raises(ValueError, match="layer 0 is a PerLayerInputBlock"):
         edge_attribution(_lm("gemma4_text", hf_root), CLEAN, CORRUPT, answer_ids=ANSWERS)
+
+
+def test_a_float32_model_gives_float64_scores_near_the_float64_models(hf_root):
+    lm = _lm("llama_gqa", hf_root)
+    wide = edge_attribution(lm, CLEAN, CORRUPT, answer_ids=ANSWERS, method="eap-ig", steps=2)
+    narrow = edge_attribution(lm.astype(np.float32), CLEAN, CORRUPT, answer_ids=ANSWERS, method="eap-ig", steps=2)
+    assert narrow.scores.dtype == np.float64
+    np.testing.assert_allclose(narrow.scores, wide.scores, rtol=0, atol=1e-6 * np.abs(wide.scores).max())
+    assert narrow.residuals["incoming"] < 1e-6 and narrow.residuals["outgoing"] < 1e-6

@@ -208,7 +208,8 @@ def edge_attribution(model, clean_ids: Any, corrupted_ids: Any, answer_ids: Any 
     rule : str, default "gausslegendre"
         The quadrature of ``"eap-ig"``: one of :data:`~attnkit.explain.integrated_gradients.QUADRATURES`.
     progress : bool or None, default None
-        A line on stderr counting the backwards (:mod:`attnkit._progress`).
+        A line on stderr counting the runs (:mod:`attnkit._progress`): the two caches, then one forward and
+        backward per point; None shows it when stderr is a terminal, True always, False never.
 
     Returns
     -------
@@ -244,7 +245,7 @@ def edge_attribution(model, clean_ids: Any, corrupted_ids: Any, answer_ids: Any 
     sequential = _check_blocks(model)
     score = _metric_and_grad(metric, answers, model.config.vocab_size)
     _progress.check_progress(progress)
-    with _progress.progress(len(alphas), f"edge attribution ({method})", unit="backward",
+    with _progress.progress(2 + len(alphas), f"edge attribution ({method})", unit="run",
                             enabled=progress) as line:
         return _edges(model, clean, corrupt, score, sequential, method, alphas, weights, line)
 
@@ -354,6 +355,7 @@ def _edges(model, clean: np.ndarray, corrupt: np.ndarray, score: Callable, seque
     clean_logits, clean_cache = run_with_cache(model, clean, names=names, logits_to_keep=1)
     corrupt_logits, corrupt_cache = run_with_cache(model, corrupt, names=names, logits_to_keep=1)
     metric_clean, metric_corrupted = score(clean_logits)[0], score(corrupt_logits)[0]
+    line.update(2)
     delta = np.stack([c - r for c, r in zip(_writes(model, clean_cache, headed),
                                             _writes(model, corrupt_cache, headed))])  # (U, B, L, D)
     start = corrupt_cache["blocks.0.hook_resid_pre"]  # (B, L, D)
