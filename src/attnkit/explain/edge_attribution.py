@@ -12,9 +12,11 @@ final norm's input, read by the metric). A downstream node reads the sum of ever
 there is an edge from each upstream node to each later downstream node (in a parallel block the layer's MLP
 does not read its attention).
 
-A head's input is its whole input residual: its query, key and value together, as in Syed et al.'s EAP and
-Auto-Circuit. The eap-ig library splits it into ``<q>``, ``<k>`` and ``<v>`` edges; the gradient is linear, so
-the three of them sum to the edge here. With grouped queries, head h's input gradient is the part of the layer's
+A head's input is its whole input residual: its query, key and value together, one edge from each upstream
+node, which works the same for every attention (latent, gated, grouped) and does not depend on how a family
+computes q, k and v. Implementations that split it into ``<q>``, ``<k>`` and ``<v>`` edges (the eap-ig library,
+TransformerLens's split q/k/v inputs) get three edges that sum to the edge here, with one key/value head per
+query head: the gradient is linear in them. With grouped queries, head h's input gradient is the part of the layer's
 input gradient that flows through head h's output ``z_h`` (its query and its use of the shared key and value), so
 the heads' input gradients sum to the attention's.
 
