@@ -303,8 +303,11 @@ def _gradients(model, ids: np.ndarray, score: Callable, headed: list[bool], path
     def copies_of(g: np.ndarray) -> np.ndarray:
         return np.array(g).reshape((copies, b) + g.shape[1:])  # (R, B, ...), a copy
 
+    def zeros(g: np.ndarray) -> np.ndarray:
+        return np.zeros((copies, b) + g.shape[1:], g.dtype)  # (R, B, ...)
+
     def z_grad(g: np.ndarray, name: str) -> np.ndarray:
-        out = np.zeros_like(copies_of(g))  # (R, B, L, H, Dh)
+        out = zeros(g)  # (R, B, L, H, Dh)
         true = np.asarray(g)[:b]  # (B, L, H, Dh)
         out[0] = out[mixer] = true
         out[1 + np.arange(heads), :, :, np.arange(heads)] = true.transpose(2, 0, 1, 3)  # head h alone in copy 1 + h
@@ -312,13 +315,13 @@ def _gradients(model, ids: np.ndarray, score: Callable, headed: list[bool], path
 
     def attn_grad(g: np.ndarray, name: str) -> np.ndarray:
         kept[name] = np.array(g[:b])
-        out = np.zeros_like(copies_of(g))  # (R, B, L, D): the heads' copies set hook_z's (or keep none)
+        out = zeros(g)  # (R, B, L, D): the heads' copies get theirs at hook_z (a layer without heads: none)
         out[0] = out[mixer] = g[:b]
         return out.reshape(g.shape)
 
     def mlp_grad(g: np.ndarray, name: str) -> np.ndarray:
         kept[name] = np.array(g[:b])
-        out = np.zeros_like(copies_of(g))  # (R, B, L, D)
+        out = zeros(g)  # (R, B, L, D)
         out[0] = out[mlp] = g[:b]
         return out.reshape(g.shape)
 
