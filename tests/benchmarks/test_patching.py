@@ -1,4 +1,5 @@
-"""The attribution-patching benchmark times both sides on a one-layer model and refuses bad arguments."""
+"""The attribution-patching benchmark (edge attribution too) times both sides on a one-layer model and refuses
+bad arguments."""
 import numpy as np
 import pytest
 
@@ -8,7 +9,7 @@ from attnkit.benchmarks import patching
 def test_run_times_attnkit_and_torch(capsys):
     rows = patching.run(patching.parse_args(["--lengths", "4", "--layers", "1", "--repeats", "1", "--threads", "1"]))
     ours = rows[0]["attnkit"]
-    assert rows[0]["length"] == 4 and min(ours.values()) > 0 and set(ours) == {"base", "resid_pre", "z"}
+    assert rows[0]["length"] == 4 and min(ours.values()) > 0 and set(ours) == {"base", "resid_pre", "z", "eap"}
     out = capsys.readouterr().out
     assert out.startswith("# machine: ") and "target: attribution patching at most 3x" in out
     if rows[0]["torch"] is not None:

@@ -1,6 +1,7 @@
 """Every explanation runs on every family of the tiny-model registry (``hf_models.FAMILY_MODELS``): direct logit
-attribution sums to the logit, activation and path patching give the numbers the definitions give, and
-``attnkit explain`` writes its page, on grouped-query, latent (DeepSeek-V3), hybrid Gated DeltaNet (Qwen3.5,
+attribution sums to the logit, activation and path patching give the numbers the definitions give, edge
+attribution's identities hold (or a block that is not a plain residual sum is refused), and ``attnkit explain``
+writes its page, on grouped-query, latent (DeepSeek-V3), hybrid Gated DeltaNet (Qwen3.5,
 Qwen3-Next) and shared-KV (Gemma 4) models alike."""
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from attnkit.explain import (  # noqa: E402
     SAE,
     activation_patching,
     direct_logit_attribution,
+    edge_attribution,
     feature_attribution,
     hook_names,
     hooks,
@@ -101,6 +103,23 @@ def test_path_patching_runs_over_the_heads_that_exist(name, hf_root):
     assert np.nanmax(np.abs(found - logit_difference(lm, CORRUPT))) > 1e-9
     same = path_patching(lm, CORRUPT, CORRUPT, ANSWERS, receivers)
     np.testing.assert_allclose(same[senders], logit_difference(lm, CORRUPT), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_edge_attribution_identities_hold(name, hf_root):
+    """The scores into and out of every node sum to its attribution at float64 rounding, for EAP and EAP-IG;
+    Gemma 4's layers (a layer scalar, per-layer inputs) are refused naming the block."""
+    lm = load_causal_lm(saved_model(name, hf_root)[0], dtype=np.float64)
+    if lm.config.layerwise is not None:
+        with pytest.raises(ValueError, match="layer 0 is a .*Block, which scales or adds to it otherwise"):
+            edge_attribution(lm, CLEAN, CORRUPT, ANSWERS)
+        return
+    for method in ("eap", "eap-ig"):
+        found = edge_attribution(lm, CLEAN, CORRUPT, ANSWERS, method=method, steps=2)
+        assert found.residuals["incoming"] < 1e-10 and found.residuals["outgoing"] < 1e-10
+        assert np.abs(found.node_inputs).max() > 1e-6
+        heads = [node for node in found.upstream if ".h" in node]
+        assert len(heads) == len(with_heads(lm)) * lm.config.num_heads
 
 
 def _embedded(page) -> dict:

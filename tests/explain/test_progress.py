@@ -9,6 +9,7 @@ from attnkit import _progress
 from attnkit.explain import (
     activation_patching,
     attribution_patching,
+    edge_attribution,
     explain_html,
     integrated_gradients,
     path_patching,
@@ -47,6 +48,9 @@ CALLS = {
     "path patching": (lambda lm, progress: path_patching(lm, CLEAN, CORRUPT, ANSWERS, receivers=[(2, 0)],
                                                           progress=progress),
                       "path patching: 100% 6/6 forwards"),  # 2 caches, 2 forwards for each of 2 sender layers
+    "edge attribution": (lambda lm, progress: edge_attribution(lm, CLEAN, CORRUPT, ANSWERS, method="eap-ig", steps=3,
+                                                                progress=progress).scores,
+                         "edge attribution (eap-ig): 100% 5/5 runs"),  # 2 caches and 3 points
     "integrated gradients": (lambda lm, progress: integrated_gradients(lm, CLEAN, target=5, steps=10, batch_size=4,
                                                                         progress=progress).attributions,
                              "integrated gradients: 100% 12/12 points"),  # 10 points and the two ends

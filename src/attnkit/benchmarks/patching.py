@@ -6,8 +6,9 @@ text): at most 3x the time of one forward plus backward of the same prompt. For 
 in float32, batch 1, best of ``--repeats``:
 
 * attnkit: one forward and backward of the metric ``logit[a] - logit[b]`` after the last token (the base), and
-  ``attribution_patching`` of the residual stream (``resid_pre``) and of the heads' outputs (``z``); the ratios
-  to the base;
+  ``attribution_patching`` of the residual stream (``resid_pre``) and of the heads' outputs (``z``), and
+  ``edge_attribution`` (EAP, every edge of the graph: two caches and one backward of H + 3 copies of the batch);
+  the ratios to the base;
 * transformers (when torch is installed): the same base with autograd (the parameters' gradients included, as
   attnkit's backward computes them), and attribution patching of the residual stream done the usual torch way
   (``output_hidden_states`` of the clean run under ``no_grad``, then ``torch.autograd.grad`` of the metric
@@ -74,7 +75,7 @@ def _attnkit_model(layers: int):
 
 def _attnkit_times(lm, clean: np.ndarray, corrupt: np.ndarray, answers: tuple[int, int],
                    repeats: int) -> dict[str, float]:
-    from ..explain import attribution_patching
+    from ..explain import attribution_patching, edge_attribution
 
     def forward_backward():
         logits = lm(corrupt[None])  # (1, L, V)
@@ -85,7 +86,8 @@ def _attnkit_times(lm, clean: np.ndarray, corrupt: np.ndarray, answers: tuple[in
 
     return {"base": _best(forward_backward, repeats),
             "resid_pre": _best(lambda: attribution_patching(lm, clean, corrupt, answers, "resid_pre"), repeats),
-            "z": _best(lambda: attribution_patching(lm, clean, corrupt, answers, "z"), repeats)}
+            "z": _best(lambda: attribution_patching(lm, clean, corrupt, answers, "z"), repeats),
+            "eap": _best(lambda: edge_attribution(lm, clean, corrupt, answers), repeats)}
 
 
 def _torch_times(torch: Any, layers: int, clean: np.ndarray, corrupt: np.ndarray, answers: tuple[int, int],
@@ -132,7 +134,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     rng = np.random.default_rng(0)
     print(f"llama, SmolLM-135M's shape, {args.layers} layers, float32, batch 1; seconds (best of {args.repeats}) "
           f"and ratios to one forward + backward")
-    print(f"{'L':>5} {'fwd+bwd':>9} {'AP resid':>9} {'ratio':>6} {'AP z':>9} {'ratio':>6} | {'torch f+b':>9} "
+    print(f"{'L':>5} {'fwd+bwd':>9} {'AP resid':>9} {'ratio':>6} {'AP z':>9} {'ratio':>6} {'EAP':>9} {'ratio':>6} | "
+          f"{'torch f+b':>9} "
           f"{'torch AP':>9} {'ratio':>6} {'attnkit/torch AP':>17}")
     rows = []
     for length in args.lengths:
@@ -147,7 +150,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         row = {"length": length, "attnkit": ours, "torch": theirs}
         rows.append(row)
         line = (f"{length:>5} {ours['base']:>9.4f} {ours['resid_pre']:>9.4f} {ours['resid_pre'] / ours['base']:>5.2f}x "
-                f"{ours['z']:>9.4f} {ours['z'] / ours['base']:>5.2f}x |")
+                f"{ours['z']:>9.4f} {ours['z'] / ours['base']:>5.2f}x {ours['eap']:>9.4f} "
+                f"{ours['eap'] / ours['base']:>5.2f}x |")
         if theirs is not None:
             line += (f" {theirs['base']:>9.4f} {theirs['resid_pre']:>9.4f} "
                      f"{theirs['resid_pre'] / theirs['base']:>5.2f}x {ours['resid_pre'] / theirs['resid_pre']:>16.2f}x")

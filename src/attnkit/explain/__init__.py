@@ -14,7 +14,8 @@ the layers, and what each layer would predict.
 - :func:`activation_patching`, :func:`attribution_patching`: which layer, position or head carries the
   difference between clean and corrupted prompts (for any metric, over a batch of pairs), patched or estimated
   from the exact gradient; :func:`path_patching` the part of one head's effect that reaches later heads' queries,
-  keys or values.
+  keys or values; :func:`edge_attribution` every edge of the residual-stream graph (embeddings, heads, MLPs,
+  logits) by edge attribution patching (EAP) or EAP-IG, from the exact gradient.
 - :func:`integrated_gradients`: input attributions along a path from a baseline, with the completeness gap.
 - :func:`generation_attribution`: per generated token, which tokens before it made the model choose it (inseq's
   matrix), with a contrastive variant against a foil.
@@ -36,6 +37,7 @@ from .attribution import gradient_x_input, saliency
 from .cache import ActivationCache
 from .control_vector_file import load_control_vector, save_control_vector
 from .direct_logit import direct_logit_attribution
+from .edge_attribution import EdgeAttribution, edge_attribution
 from .flow import attention_flow
 from .generation import GenerationAttribution, generation_attribution
 from .head_detector import detect_head
@@ -52,11 +54,11 @@ from .sae_splice import FeatureAttribution, feature_attribution, run_with_cache_
 from .similarity import SimilarityAttribution, similarity_attribution
 from .steering import ControlVector, control_vector, steering
 
-__all__ = ["SAE", "ActivationCache", "ControlVector", "FeatureAttribution", "GenerationAttribution",
-           "IntegratedGradients", "LogitLens", "PromptTest", "SimilarityAttribution", "activation_patching",
+__all__ = ["ActivationCache", "ControlVector", "EdgeAttribution", "FeatureAttribution", "GenerationAttribution",
+           "IntegratedGradients", "LogitLens", "PromptTest", "SAE", "SimilarityAttribution", "activation_patching",
            "attention_flow", "attention_rollout", "attribution_patching", "control_vector", "detect_head",
-           "direct_logit_attribution", "encode_attention", "explain_html", "explain_similarity_html",
-           "feature_attribution", "generation_attribution", "gradient_x_input", "hook_names", "hooks",
-           "integrated_gradients", "load_control_vector", "load_sae", "logit_lens", "path_patching",
-           "run_with_cache", "run_with_cache_with_saes", "saes", "saliency", "save_control_vector",
+           "direct_logit_attribution", "edge_attribution", "encode_attention", "explain_html",
+           "explain_similarity_html", "feature_attribution", "generation_attribution", "gradient_x_input",
+           "hook_names", "hooks", "integrated_gradients", "load_control_vector", "load_sae", "logit_lens",
+           "path_patching", "run_with_cache", "run_with_cache_with_saes", "saes", "saliency", "save_control_vector",
            "similarity_attribution", "steering", "test_prompt", "to_str_tokens"]

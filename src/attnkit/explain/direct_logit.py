@@ -24,29 +24,36 @@ from ._inputs import as_id_batch, check_position
 from .cache import output_factors
 from .hooks import run_with_cache
 
-__all__ = ["direct_logit_attribution"]
+__all__ = ["direct_logit_attribution", "head_writes"]
+
+
+def head_writes(layer, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What each head of ``layer``'s attention writes into the residual stream (..., H, D), and the rest of the
+    attention's output (..., D): its output bias, through the same post-norm and scale.
+
+    ``z`` (..., H, Dv) is ``hook_z``; head h's write is ``z_h @ W_O[h]`` with ``W_O`` (H * Dv, D) read as
+    (H, Dv, D): Dv is the head's value width (``v_head_dim`` in latent attention, a global layer's wider heads in
+    Gemma 4), taken from ``z`` itself. The attention output's post-norm (Gemma, OLMo 2) and the branch's scale
+    (Granite) are frozen at the output the run made, so the writes and the rest sum to ``hook_attn_out``."""
+    attention = layer.attention
+    heads, width = z.shape[-2:]
+    lead = z.shape[:-2]
+    # each head's z alone in its rows of W_O's input, the other heads' zero: one product through W_O (dense or
+    # packed, whose rows cannot be cut per head) gives every head's write
+    alone = np.zeros(lead + (heads, heads, width), z.dtype)  # (..., H, H, Dv)
+    alone[..., np.arange(heads), np.arange(heads), :] = z
+    per_head = linear(alone.reshape(lead + (heads, heads * width)), attention.W_O)  # (..., H, D)
+    b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(per_head.shape[-1], z.dtype)  # (D,)
+    # the post-norm (an identity where there is none) and the scale (an identity where it is 1), frozen
+    post_scale, _, _ = frozen_norm(layer.attn_post_norm, per_head.sum(axis=-2) + b_o)  # (..., D)
+    post_scale = post_scale * frozen_norm(layer.attn_scale, post_scale)[0]  # (..., D)
+    return per_head * post_scale[..., None, :], b_o * post_scale  # (..., H, D), (..., D)
 
 
 def _head_shares(layer, z: np.ndarray, direction: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each head's share (B, H) of what ``layer``'s attention writes, and its output bias's share (B,).
-
-    ``z`` (B, H, Dv) is ``hook_z`` at the explained position; head h's write is ``z_h @ W_O[h]`` with ``W_O``
-    (H * Dv, D) read as (H, Dv, D): Dv is the head's value width (``v_head_dim`` in latent attention, a global
-    layer's wider heads in Gemma 4), taken from ``z`` itself."""
-    attention = layer.attention
-    heads, width = z.shape[1:]
-    # each head's z alone in its rows of W_O's input, the other heads' zero: one product through W_O (dense or
-    # packed, whose rows cannot be cut per head) gives every head's write
-    alone = np.zeros((z.shape[0], heads, heads, width), z.dtype)  # (B, H, H, Dv)
-    alone[:, np.arange(heads), np.arange(heads)] = z
-    per_head = linear(alone.reshape(z.shape[0], heads, -1), attention.W_O)  # (B, H, D)
-    b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(per_head.shape[-1], z.dtype)  # (D,)
-    # the attention output's post-norm (Gemma, OLMo 2; an identity elsewhere), frozen at the output the run made,
-    # and the branch's scale (Granite's residual multiplier; an identity elsewhere)
-    post_scale, _, _ = frozen_norm(layer.attn_post_norm, per_head.sum(axis=1) + b_o)  # (B, D)
-    post_scale = post_scale * frozen_norm(layer.attn_scale, post_scale)[0]  # (B, D)
-    per_head = per_head * post_scale[:, None]  # (B, H, D)
-    b_o = b_o * post_scale  # (B, D)
+    """Each head's share (B, H) of what ``layer``'s attention writes along ``direction`` (B, D), and its output
+    bias's share (B,); ``z`` (B, H, Dv) is ``hook_z`` at the explained position."""
+    per_head, b_o = head_writes(layer, z)  # (B, H, D), (B, D)
     return np.einsum("bhd,bd->bh", per_head, direction), (b_o * direction).sum(axis=-1)  # (B, H), (B,)
 
 

@@ -71,6 +71,16 @@ def logit_difference(logits: np.ndarray, answers: np.ndarray) -> float:
     return float(np.mean(logits[rows, -1, answers[:, 0]] - logits[rows, -1, answers[:, 1]]))
 
 
+def logit_difference_grad(answers: np.ndarray, vocab_size: int, dtype) -> np.ndarray:
+    """The gradient (B, 1, V) of :func:`logit_difference` with respect to the last position's logits: +1/B at each
+    row's correct token, -1/B at its incorrect one."""
+    b = len(answers)
+    grad_logits = np.zeros((b, 1, vocab_size), dtype)  # (B, 1, V)
+    np.add.at(grad_logits, (np.arange(b), -1, answers[:, 0]), 1.0 / b)
+    np.add.at(grad_logits, (np.arange(b), -1, answers[:, 1]), -1.0 / b)
+    return grad_logits
+
+
 def _metric_of(metric: Callable | None, answers: np.ndarray | None) -> Callable[[np.ndarray], float]:
     """``logits (B, K, V) -> float``: the caller's metric, its result checked, or the logit difference."""
     if metric is None:
@@ -242,14 +252,9 @@ def _attribute(model, clean: np.ndarray, corrupt: np.ndarray, answers: np.ndarra
     def keep_grad(grad: np.ndarray, name: str) -> None:
         grads[name] = np.array(grad)
 
-    b = clean.shape[0]
     with model.input_gradients_only(), hooks(model, backward={name: keep_grad for name in names}):
         _, corrupt_cache = run_with_cache(model, corrupt, names=names, logits_to_keep=1)
-        # d metric / d logits: +1/B at each row's correct token, -1/B at its incorrect one, after the last position
-        grad_logits = np.zeros((b, 1, model.config.vocab_size), model.dtype)  # (B, 1, V)
-        np.add.at(grad_logits, (np.arange(b), -1, answers[:, 0]), 1.0 / b)
-        np.add.at(grad_logits, (np.arange(b), -1, answers[:, 1]), -1.0 / b)
-        model.backward(grad_logits)
+        model.backward(logit_difference_grad(answers, model.config.vocab_size, model.dtype))
     axes = (0, 1, 3) if hook == "z" else (0, 2)  # a head: its positions and features; a position: its features
     rows = model.config.num_heads if hook == "z" else clean.shape[1]
     out = np.full((len(per_layer), rows), np.nan)
