@@ -24,6 +24,8 @@ NOT_LOADED = {
     "ministral": "its architecture list has Ministral3 only, not MinistralForCausalLM",
     "gpt_neox_sequential": "its GPT-NeoX adapter needs the attention biases (attention_bias=False fails an assert "
                            "in split_qkv_matrix)",
+    "granitemoehybrid_dense": "its Granite 4 hybrid adapter needs the rotary embedding: without one (NoPE) the "
+                              "forward raises 'Original component not set for model.rotary_emb'",
 }
 
 

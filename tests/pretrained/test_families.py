@@ -29,8 +29,8 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
                      "qwen3_next_unnormalised",
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
-                     "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                     "apertus")
+                     "bamba_bias", "granitemoehybrid", "granitemoehybrid_dense", "olmo3", "glm4", "granite",
+                     "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -65,6 +65,8 @@ def test_gradients_match_hf_autograd(name, hf_root):
         buffer.grad = None
     if lm.config.family in EXPERT_NAMES:
         theirs_by_name = _experts_one_by_one(theirs_by_name, *EXPERT_NAMES[lm.config.family])
+    for memory, disk in FUSED_EXPERT_NAMES.get(lm.config.family, {}).items():
+        theirs_by_name = {n.replace(memory, disk): g for n, g in theirs_by_name.items()}
     maps, prefix = checkpoint_map(lm.config)
     ours = dict(lm.named_gradients())
     checked = set()
@@ -96,6 +98,13 @@ EXPERT_NAMES = {"qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
 
+# families whose checkpoints keep the experts fused, under names of their own: transformers' name in memory ->
+# the checkpoint's (its conversion mapping, read backwards)
+_MOE = "block_sparse_moe."
+FUSED_EXPERT_NAMES = {"granitemoehybrid": {_MOE + "experts.gate_up_proj": _MOE + "input_linear.weight",
+                                           _MOE + "experts.down_proj": _MOE + "output_linear.weight",
+                                           _MOE + "router.weight": _MOE + "router.layer.weight"}}
+
 
 def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> dict:
     """transformers keeps a mixture's experts fused in memory (``mlp.experts.gate_up_proj`` (E, 2F, D),
@@ -124,7 +133,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias"),
                                        ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
                                        ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
-                                       ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta")])
+                                       ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta"),
+                                       ("granitemoehybrid", "router_jitter_noise")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -250,7 +260,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
                                                       ("granite", "GraniteConfig"), ("seed_oss", "SeedOssConfig"),
                                                       ("ernie4_5", "Ernie4_5Config"),
                                                       ("hunyuan_v1_dense", "HunYuanDenseV1Config"),
-                                                      ("apertus", "ApertusConfig")])
+                                                      ("apertus", "ApertusConfig"),
+                                                      ("granitemoehybrid", "GraniteMoeHybridConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -283,6 +294,30 @@ def test_lfm2_reads_liquidais_own_config_keys_and_refuses_a_repeat_that_disagree
                              ("block_use_swiglu", False, "'block_use_swiglu' must be true")):
         with pytest.raises(ValueError, match=said):
             load_causal_lm(edit_config(folder, tmp_path / key, **{**LIQUID_KEYS, key: value}))
+
+
+def test_granitemoehybrid_reads_the_layer_kinds_under_every_name_transformers_accepts(hf_root, tmp_path):
+    """IBM's config.json files name the layers "mamba" and "attention" (transformers reads them as linear_attention
+    and full_attention, and accepts ``layers_block_type`` for ``layer_types``): the same model either way."""
+    folder, _ = saved_model("granitemoehybrid", hf_root)
+    ids = np.array([[3, 4, 5, 6, 7]])
+    expected = load_causal_lm(folder)(ids)
+    legacy = ["mamba", "attention", "mamba"]
+    for name, changes in (("legacy", dict(layer_types=legacy)),
+                          ("block_type", dict(layer_types=..., layers_block_type=legacy))):
+        np.testing.assert_array_equal(load_causal_lm(edit_config(folder, tmp_path / name, **changes))(ids), expected)
+
+
+@pytest.mark.parametrize("changes, said", [
+    (dict(position_embedding_type="alibi"), "'position_embedding_type' must be 'rope', 'nope' or null"),
+    (dict(layer_types=["mamba", "moe", "mamba"]), "'layer_types' must list one of"),
+    (dict(layer_types=["mamba", "attention"]), "for each of the 3 layers"),
+    (dict(layers_block_type=["attention", "attention", "mamba"]), "'layer_types' and 'layers_block_type' disagree"),
+])
+def test_granitemoehybrid_refuses_what_it_cannot_read_by_name(changes, said, hf_root, tmp_path):
+    folder, _ = saved_model("granitemoehybrid", hf_root)
+    with pytest.raises(ValueError, match=said):
+        load_causal_lm(edit_config(folder, tmp_path / "edited", **changes))
 
 
 @pytest.mark.parametrize("model_type, config_class, keys, rotary", [
