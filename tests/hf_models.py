@@ -251,6 +251,22 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                               attention_bias=True, tie_word_embeddings=True,
                                                               embedding_multiplier=2.0, residual_multiplier=0.7,
                                                               logits_scaling=1.5), {}),
+    # Nemotron-H: one branch per layer (Mamba-2 with 2 groups, attention without positions, a squared-ReLU MLP)
+    "nemotron_h": ("NemotronHConfig", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           max_position_embeddings=64, bos_token_id=1, eos_token_id=EOS,
+                                           layers_block_type=["linear_attention", "full_attention", "mlp",
+                                                              "linear_attention", "full_attention", "mlp"],
+                                           mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8,
+                                           conv_kernel=3, chunk_size=4), {}),
+    # projection and MLP biases, one group, no convolution bias, MLP first, the pattern string, a higher dt floor
+    "nemotron_h_bias": ("NemotronHConfig", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
+                                                num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                                max_position_embeddings=64, bos_token_id=1, eos_token_id=EOS,
+                                                hybrid_override_pattern="-M*M", mamba_num_heads=2,
+                                                mamba_head_dim=16, n_groups=1, ssm_state_size=6, conv_kernel=4,
+                                                chunk_size=3, use_bias=True, mlp_bias=True, use_conv_bias=False,
+                                                time_step_min=0.01), {}),
     # Qwen3-MoE: Qwen3's attention, layer 1 dense, the others the top 2 of a softmax over 4 experts (not
     # renormalised)
     "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -294,7 +310,7 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_next_unnormalised", "qwen3_moe",
                  "qwen3_moe_window", "mixtral",
                  "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
-                 "granitemoehybrid", "granitemoehybrid_dense",
+                 "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h", "nemotron_h_bias",
                  "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config",)

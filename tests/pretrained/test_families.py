@@ -29,8 +29,8 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "gpt_oss", "gpt_oss_clamped", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
                      "qwen3_next_unnormalised",
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
-                     "bamba_bias", "granitemoehybrid", "granitemoehybrid_dense", "olmo3", "glm4", "granite",
-                     "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
+                     "bamba_bias", "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h", "nemotron_h_bias",
+                     "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -68,6 +68,7 @@ def test_gradients_match_hf_autograd(name, hf_root):
     for memory, disk in FUSED_EXPERT_NAMES.get(lm.config.family, {}).items():
         theirs_by_name = {n.replace(memory, disk): g for n, g in theirs_by_name.items()}
     maps, prefix = checkpoint_map(lm.config)
+    prefix = MEMORY_PREFIXES.get(lm.config.family, prefix)
     ours = dict(lm.named_gradients())
     checked = set()
     for m in maps:
@@ -98,6 +99,8 @@ EXPERT_NAMES = {"qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
 
+# the base model's prefix in memory where transformers renames the checkpoint's on load (Nemotron-H's backbone.)
+MEMORY_PREFIXES = {"nemotron_h": "model."}
 # families whose checkpoints keep the experts fused, under names of their own: transformers' name in memory ->
 # the checkpoint's (its conversion mapping, read backwards)
 _MOE = "block_sparse_moe."
@@ -134,7 +137,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
                                        ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
                                        ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta"),
-                                       ("granitemoehybrid", "router_jitter_noise")])
+                                       ("granitemoehybrid", "router_jitter_noise"),
+                                       ("nemotron_h", "rms_norm_eps")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -318,6 +322,46 @@ def test_granitemoehybrid_refuses_what_it_cannot_read_by_name(changes, said, hf_
     folder, _ = saved_model("granitemoehybrid", hf_root)
     with pytest.raises(ValueError, match=said):
         load_causal_lm(edit_config(folder, tmp_path / "edited", **changes))
+
+
+def test_nemotron_h_reads_the_pattern_string_and_the_older_key_names(hf_root, tmp_path):
+    """NVIDIA's config.json files give the layers as hybrid_override_pattern ("M*-M*-") and some Mamba keys under
+    older names (mamba_n_groups, mamba_d_conv, mamba_chunk_size, ...), which transformers reads: the same model."""
+    folder, _ = saved_model("nemotron_h", hf_root)
+    ids = np.array([[3, 4, 5, 6, 7]])
+    expected = load_causal_lm(folder)(ids)
+    older = dict(layers_block_type=..., hybrid_override_pattern="M*-M*-", num_hidden_layers=6, n_groups=...,
+                 mamba_n_groups=2, conv_kernel=..., mamba_d_conv=3, chunk_size=..., mamba_chunk_size=4)
+    np.testing.assert_array_equal(load_causal_lm(edit_config(folder, tmp_path / "older", **older))(ids), expected)
+
+
+@pytest.mark.parametrize("changes, said", [
+    (dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "mlp", "mlp"]),
+     "'moe' layers \\(layer 1: a mixture of ungated experts\\) are not supported"),
+    (dict(layers_block_type=..., hybrid_override_pattern="M*E-"), "'moe' layers"),
+    (dict(hybrid_override_pattern="M*X-", layers_block_type=...), "'hybrid_override_pattern' must be a string"),
+    (dict(num_nextn_predict_layers=1), "'num_nextn_predict_layers' > 0"),
+    (dict(mamba_hidden_act="gelu"), "'mamba_hidden_act' must be 'silu'"),
+    (dict(time_step_min=-1.0), "'time_step_min' must be a finite number >= 0"),
+])
+def test_nemotron_h_refuses_what_it_cannot_read_by_name(changes, said, hf_root, tmp_path):
+    folder, _ = saved_model("nemotron_h", hf_root)
+    with pytest.raises(ValueError, match=said):
+        load_causal_lm(edit_config(folder, tmp_path / "edited", **changes))
+
+
+def test_a_nemotron_h_config_without_optional_keys_reads_as_transformers_defaults_it():
+    """transformers' default layers include a mixture of experts (refused): with the layers given, every other
+    default of the reader is transformers'."""
+    import transformers
+
+    from attnkit.pretrained.families import family
+
+    sizes = dict(vocab_size=1000, hidden_size=64, intermediate_size=48, num_attention_heads=8,
+                 layers_block_type=["linear_attention", "full_attention", "mlp"])
+    full = json.loads(transformers.NemotronHConfig(**sizes).to_json_string())
+    reader = family("nemotron_h")
+    assert reader.config_from_hf(dict(sizes, model_type="nemotron_h")) == reader.config_from_hf(full)
 
 
 @pytest.mark.parametrize("model_type, config_class, keys, rotary", [

@@ -353,6 +353,11 @@ FAMILIES = {
                                                  conv_kernel_size=3, chunk_size=2),
                              experts=ExpertsConfig(3, 2, 5, layers=(0, 1, 2), router="topk_softmax",
                                                    shared_expert_intermediate_size=6)),
+    "nemotron_h": dict(family="nemotron_h", rotary=RotaryConfig(skip_layers=(0, 1, 2, 3)), num_layers=4,
+                       residual="single", mlp="ungated", activation="relu2", mlp_bias=True,
+                       layer_types=("mamba2", "full_attention", "mlp", "mamba2"),
+                       mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
+                                           chunk_size=2, time_step_min=0.5)),
 }
 
 
