@@ -302,18 +302,23 @@ def test_lfm2_reads_liquidais_own_config_keys_and_refuses_a_repeat_that_disagree
 
 def test_granitemoehybrid_reads_the_layer_kinds_under_every_name_transformers_accepts(hf_root, tmp_path):
     """IBM's config.json files name the layers "mamba" and "attention" (transformers reads them as linear_attention
-    and full_attention, and accepts ``layers_block_type`` for ``layer_types``): the same model either way."""
+    and full_attention, and accepts ``layers_block_type`` for ``layer_types``) and the norm ("rmsnorm"): the same
+    model either way."""
     folder, _ = saved_model("granitemoehybrid", hf_root)
     ids = np.array([[3, 4, 5, 6, 7]])
     expected = load_causal_lm(folder)(ids)
     legacy = ["mamba", "attention", "mamba"]
-    for name, changes in (("legacy", dict(layer_types=legacy)),
+    for name, changes in (("legacy", dict(layer_types=legacy, normalization_function="rmsnorm")),
                           ("block_type", dict(layer_types=..., layers_block_type=legacy))):
         np.testing.assert_array_equal(load_causal_lm(edit_config(folder, tmp_path / name, **changes))(ids), expected)
+    dense, _ = saved_model("granitemoehybrid_dense", hf_root)  # IBM's dense models: no experts, none per token
+    np.testing.assert_array_equal(load_causal_lm(edit_config(dense, tmp_path / "dense", num_experts_per_tok=0))(ids),
+                                  load_causal_lm(dense)(ids))
 
 
 @pytest.mark.parametrize("changes, said", [
     (dict(position_embedding_type="alibi"), "'position_embedding_type' must be 'rope', 'nope' or null"),
+    (dict(normalization_function="layernorm"), "'normalization_function' must be 'rmsnorm'"),
     (dict(layer_types=["mamba", "moe", "mamba"]), "'layer_types' must list one of"),
     (dict(layer_types=["mamba", "attention"]), "for each of the 3 layers"),
     (dict(layers_block_type=["attention", "attention", "mamba"]), "'layer_types' and 'layers_block_type' disagree"),

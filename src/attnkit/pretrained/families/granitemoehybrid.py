@@ -50,6 +50,10 @@ def _layer_types(read: Reader, layers: int) -> tuple[str, ...]:
 
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
+    # IBM's config.json files name the norm, which transformers never reads: RMSNorm, the one it builds
+    if read.raw("normalization_function", "rmsnorm") != "rmsnorm":
+        raise ValueError(f"{read.family} config: 'normalization_function' must be 'rmsnorm' (the norm transformers "
+                         f"builds), got {read.raw('normalization_function')!r}")
     position = read.raw("position_embedding_type", None)
     if position not in _POSITIONS:
         raise ValueError(f"{read.family} config: 'position_embedding_type' must be 'rope', 'nope' or null, got "
@@ -127,7 +131,8 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
 FAMILY = Family(
     model_type="granitemoehybrid",
     keys=frozenset(COMMON_KEYS + MAMBA_KEYS + MULTIPLIER_KEYS + EXPERT_KEYS
-                   + ("attention_bias", "position_embedding_type", "layer_types", "layers_block_type")),
+                   + ("attention_bias", "position_embedding_type", "layer_types", "layers_block_type",
+                      "normalization_function")),
     read_config=_read, tensors=_tensors, architecture="GraniteMoeHybridForCausalLM",
     hf_config_class="GraniteMoeHybridConfig",
     # the benchmark's shape with one attention layer in six, Mamba-2 heads of 64, eight experts of width 384, two
