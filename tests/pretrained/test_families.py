@@ -330,13 +330,15 @@ def test_granitemoehybrid_refuses_what_it_cannot_read_by_name(changes, said, hf_
 
 
 def test_nemotron_h_reads_the_pattern_string_and_the_older_key_names(hf_root, tmp_path):
-    """NVIDIA's config.json files give the layers as hybrid_override_pattern ("M*-M*-") and some Mamba keys under
-    older names (mamba_n_groups, mamba_d_conv, mamba_chunk_size, ...), which transformers reads: the same model."""
+    """NVIDIA's config.json files give the layers as hybrid_override_pattern ("M*-M*-"), some Mamba keys under
+    older names (mamba_n_groups, mamba_d_conv, mamba_chunk_size, ...), which transformers reads, the heads' width as
+    attention_head_dim and their remote code's classes: the same model."""
     folder, _ = saved_model("nemotron_h", hf_root)
     ids = np.array([[3, 4, 5, 6, 7]])
     expected = load_causal_lm(folder)(ids)
     older = dict(layers_block_type=..., hybrid_override_pattern="M*-M*-", num_hidden_layers=6, n_groups=...,
-                 mamba_n_groups=2, conv_kernel=..., mamba_d_conv=3, chunk_size=..., mamba_chunk_size=4)
+                 mamba_n_groups=2, conv_kernel=..., mamba_d_conv=3, chunk_size=..., mamba_chunk_size=4,
+                 attention_head_dim=8, auto_map={"AutoConfig": "configuration_nemotron_h.NemotronHConfig"})
     np.testing.assert_array_equal(load_causal_lm(edit_config(folder, tmp_path / "older", **older))(ids), expected)
 
 
@@ -348,6 +350,7 @@ def test_nemotron_h_reads_the_pattern_string_and_the_older_key_names(hf_root, tm
     (dict(num_nextn_predict_layers=1), "'num_nextn_predict_layers' > 0"),
     (dict(mamba_hidden_act="gelu"), "'mamba_hidden_act' must be 'silu'"),
     (dict(time_step_min=-1.0), "'time_step_min' must be a finite number >= 0"),
+    (dict(attention_head_dim=16), "'attention_head_dim' \\(16\\) must equal head_dim \\(8\\)"),
 ])
 def test_nemotron_h_refuses_what_it_cannot_read_by_name(changes, said, hf_root, tmp_path):
     folder, _ = saved_model("nemotron_h", hf_root)

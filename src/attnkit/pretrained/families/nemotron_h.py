@@ -36,17 +36,18 @@ _READ = ("vocab_size", "hidden_size", "layers_block_type", "hybrid_override_patt
          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "intermediate_size",
          "mlp_hidden_act", "mlp_bias", "ssm_state_size", "mamba_num_heads", "mamba_head_dim", "mamba_hidden_act",
          "n_groups", "conv_kernel", "time_step_min", "use_conv_bias", "chunk_size", "use_bias", "layer_norm_epsilon",
-         "num_nextn_predict_layers")
+         "num_nextn_predict_layers", "attention_head_dim")
 # keys that change no forward pass of transformers' NemotronH: its attention has no biases and no window whatever
 # they say, its Mamba-2 clamps dt to [time_step_min, inf) whatever time_step_limit says, its head is never tied,
-# the rest are initialisation, cache dtype and generation settings; and the mixture's keys, read by no layer
+# the rest are initialisation, cache dtype, generation settings and remote code's classes (auto_map); and the
+# mixture's keys, read by no layer
 # once "moe" layers are refused
 _IGNORED = ("attention_bias", "sliding_window", "time_step_limit", "time_step_max", "time_step_floor", "expand",
             "mamba_proj_bias", "mamba_ssm_cache_dtype", "residual_in_fp32", "rescale_prenorm_residual",
             "use_mamba_kernels", "num_logits_to_keep", "n_routed_experts", "num_local_experts", "output_router_logits",
             "n_shared_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size",
             "moe_shared_expert_overlap", "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group",
-            "norm_topk_prob", "mtp_layers_block_type", "mtp_hybrid_override_pattern")
+            "norm_topk_prob", "mtp_layers_block_type", "mtp_hybrid_override_pattern", "auto_map")
 
 
 def _unaliased(config: dict) -> dict:
@@ -93,6 +94,12 @@ def _read(read: Reader) -> DecoderConfig:
     if heads % kv_heads:
         raise ValueError(f"{read.family} config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
                          f"({heads})")
+    head_dim = read.int("head_dim", 128)
+    # NVIDIA's config.json files name the heads' width attention_head_dim, which transformers does not read (its
+    # head_dim, 128 by default, decides): the two must agree
+    if read.int("attention_head_dim", head_dim) != head_dim:
+        raise ValueError(f"{read.family} config: 'attention_head_dim' ({read.raw('attention_head_dim')}) must equal "
+                         f"head_dim ({head_dim}), the width transformers uses")
     eps = read.eps("layer_norm_epsilon", 1e-5)
     fields: dict[str, Any] = {}
     if "mamba2" in types:
@@ -106,7 +113,7 @@ def _read(read: Reader) -> DecoderConfig:
     layers = len(types)
     return DecoderConfig(
         family=read.family, vocab_size=read.int("vocab_size", 131072), hidden_size=hidden, num_layers=layers,
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=read.int("head_dim", 128),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=read.int("intermediate_size", 21504),
         max_position_embeddings=read.int("max_position_embeddings", 4096),
         activation=read.activation("mlp_hidden_act", "relu2"), mlp="ungated", mlp_bias=read.bool("mlp_bias", False),
