@@ -5,6 +5,9 @@ layer): a Mamba-2 mixer ("linear_attention", ``M``; its ``n_groups`` groups, dt 
 squared ReLU ("mlp", ``-``); the mixture-of-experts layers ("moe", ``E``: ungated experts) and the multi-token
 prediction layers are refused by name.
 
+transformers holds dt up in its chunked scan (a prompt) but not in its one-token step; attnkit holds it up in both,
+so that cached decoding equals the uncached forward.
+
 Checkpoint (under ``backbone.``): ``embeddings``; per layer ``norm`` and ``mixer.`` holding Bamba's Mamba-2 tensors
 (:mod:`attnkit.layers.mamba2` maps them), ``{q,k,v,o}_proj`` or ``{up,down}_proj``; ``norm_f``; ``lm_head`` (never
 tied: transformers ties nothing here).
