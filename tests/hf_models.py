@@ -230,6 +230,43 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                        mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=3, mamba_proj_bias=True,
                                        mamba_conv_bias=False, attention_bias=True, mlp_bias=True,
                                        tie_word_embeddings=True), {}),
+    # Granite 4 hybrid: Bamba's Mamba-2 layers beside rotary attention, Granite's four scalars, every MLP the top
+    # 2 of 4 experts (a softmax over the chosen logits) plus a shared MLP
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(_COMMON, intermediate_size=16, num_hidden_layers=3,
+                                                        num_key_value_heads=2, num_local_experts=4,
+                                                        num_experts_per_tok=2, shared_intermediate_size=24,
+                                                        layer_types=["mamba", "attention", "mamba"],
+                                                        mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
+                                                        mamba_d_conv=3, mamba_chunk_size=4,
+                                                        position_embedding_type="rope", embedding_multiplier=3.0,
+                                                        attention_multiplier=0.3, residual_multiplier=0.5,
+                                                        logits_scaling=2.0), {}),
+    # no experts (the shared MLP alone), no rotary, attention first, projection and attention biases, a tied head
+    "granitemoehybrid_dense": ("GraniteMoeHybridConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1,
+                                                              num_local_experts=0, shared_intermediate_size=20,
+                                                              layer_types=["attention", "mamba", "attention"],
+                                                              mamba_n_heads=2,
+                                                              mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=3,
+                                                              mamba_proj_bias=True, mamba_conv_bias=False,
+                                                              attention_bias=True, tie_word_embeddings=True,
+                                                              embedding_multiplier=2.0, residual_multiplier=0.7,
+                                                              logits_scaling=1.5), {}),
+    # Nemotron-H: one branch per layer (Mamba-2 with 2 groups, attention without positions, a squared-ReLU MLP)
+    "nemotron_h": ("NemotronHConfig", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           max_position_embeddings=64, bos_token_id=1, eos_token_id=EOS,
+                                           layers_block_type=["linear_attention", "full_attention", "mlp",
+                                                              "linear_attention", "full_attention", "mlp"],
+                                           mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8,
+                                           conv_kernel=3, chunk_size=4), {}),
+    # projection and MLP biases, one group, no convolution bias, MLP first, the pattern string, a higher dt floor
+    "nemotron_h_bias": ("NemotronHConfig", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
+                                                num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                                max_position_embeddings=64, bos_token_id=1, eos_token_id=EOS,
+                                                hybrid_override_pattern="-M*M", mamba_num_heads=2,
+                                                mamba_head_dim=16, n_groups=1, ssm_state_size=6, conv_kernel=4,
+                                                chunk_size=3, use_bias=True, mlp_bias=True, use_conv_bias=False,
+                                                time_step_min=0.01), {}),
     # Qwen3-MoE: Qwen3's attention, layer 1 dense, the others the top 2 of a softmax over 4 experts (not
     # renormalised)
     "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -310,7 +347,8 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "qwen3_moe_window", "mixtral",
                  "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2", "lfm2_bias", "bamba",
                  "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                 "apertus", "glm4_moe", "glm4_moe_plain")
+                 "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h",
+                 "nemotron_h_bias")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config", "DeepseekV32Config", "Glm4MoeConfig")
 

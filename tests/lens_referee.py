@@ -26,6 +26,8 @@ NOT_LOADED = {
                            "in split_qkv_matrix)",
     "deepseek_v32": "no adapter for DeepseekV32ForCausalLM",
     "deepseek_v32_mixed": "no adapter for DeepseekV32ForCausalLM",
+    "granitemoehybrid_dense": "its Granite 4 hybrid adapter needs the rotary embedding: without one (NoPE) the "
+                              "forward raises 'Original component not set for model.rotary_emb'",
 }
 
 

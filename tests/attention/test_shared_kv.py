@@ -51,8 +51,19 @@ def test_the_cache_stores_only_the_owners_and_counts_their_length():
         cache.update(1, k, k)
     with pytest.raises(ValueError, match="layer_shapes has 2 entries"):
         KVCache(3, 1, 2, 4, layer_shapes=[(2, 4), None])
-    with pytest.raises(ValueError, match="at least one layer"):
-        KVCache(2, 1, 2, 4, layer_shapes=[None, None])
+
+
+def test_a_cache_whose_layers_hold_nothing_counts_the_ids_it_recorded():
+    """An early exit of Nemotron-H that keeps only layers of the MLP alone stores nothing: its length is the ids
+    the model's forward recorded, and cropping or reordering them moves it."""
+    cache = KVCache(2, 2, 2, 4, layer_shapes=[None, None])
+    assert cache.length == 0 and cache.nbytes == 0
+    cache.record(np.array([[1, 2, 3], [4, 5, 6]]))
+    assert cache.length == 3
+    cache.crop(1)
+    assert cache.length == 1
+    cache.reorder(np.array([1, 1]))
+    np.testing.assert_array_equal(cache.token_ids, [[4], [4]])
 
 
 def test_a_reader_before_its_owner_ran_is_refused():

@@ -66,11 +66,13 @@ def test_direct_logit_attribution_sums_to_the_logit(name, hf_root):
     np.testing.assert_allclose(parts["logit"], lm(CLEAN[None])[0, 5, 7], rtol=1e-12, atol=1e-14)
     assert abs(shares_total(parts) - parts["logit"]) < 1e-10
     heads = with_heads(lm)
-    headless = sorted(set(range(lm.config.num_layers)) - set(heads))
+    mlp_alone = [i for i, kind in enumerate(lm.config.layer_types) if kind == "mlp"]  # no token mixer at all
+    headless = sorted(set(range(lm.config.num_layers)) - set(heads) - set(mlp_alone))
     # every head of a layer with heads writes something; a layer without heads is one share, never zero
     assert np.abs(parts["heads"][heads]).min() > 0 and not parts["heads"][headless].any()
     assert np.abs(parts["linear_attn"][headless]).min(initial=1.0) > 0 and not parts["linear_attn"][heads].any()
     assert headless == [i for i, kind in enumerate(lm.config.layer_types) if kind in STATE_LAYER_TYPES]
+    assert not parts["linear_attn"][mlp_alone].any() and not parts["heads"][mlp_alone].any()
 
 
 @pytest.mark.parametrize("name", FAMILY_MODELS)
@@ -146,7 +148,8 @@ def test_the_explain_command_writes_its_page(name, hf_root, tmp_path):
         np.testing.assert_allclose(candidate["dla"]["heads"], parts["heads"], atol=1e-6)
         np.testing.assert_allclose(candidate["dla"]["linear_attn"], parts["linear_attn"], atol=1e-6)
     patched = np.array(data["patching"]["z"], dtype=np.float64)  # None (no heads) reads as NaN
-    assert np.isnan(patched[linear]).all() and not np.isnan(np.delete(patched, linear, axis=0)).any()
+    headless = sorted(set(range(lm.config.num_layers)) - set(data["attention_layers"]))  # state layers, MLPs alone
+    assert np.isnan(patched[headless]).all() and not np.isnan(np.delete(patched, headless, axis=0)).any()
 
 
 @pytest.mark.parametrize("name", FAMILY_MODELS)

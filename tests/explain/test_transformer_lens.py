@@ -19,7 +19,9 @@ from lens_referee import NOT_LOADED, boot, compare, lens_cache  # noqa: E402
 
 IDS = np.array([[5, 17, 3, 60, 42, 9, 77, 21, 3], [8, 2, 94, 13, 13, 50, 7, 66, 31]])  # (2, 9): 9 tokens, no head count
 TOL = 2e-5
-LOADED = [name for name in FAMILY_MODELS if name not in NOT_LOADED]
+# families TransformerLens boots but whose blocks it does not know: it hooks their residual stream only
+RESIDUAL_ONLY = ("nemotron_h", "nemotron_h_bias")
+LOADED = [name for name in FAMILY_MODELS if name not in NOT_LOADED and name not in RESIDUAL_ONLY]
 # attnkit's points TransformerLens's bridge has no hook for, per family: exactly these (one more missing is a
 # failure, and so is one fewer: the guide's table would be out of date)
 ATTNKIT_ONLY = {
@@ -36,6 +38,9 @@ ATTNKIT_ONLY = {
     "lfm2_bias": {"attn.hook_conv_in", "attn.hook_conv_out", "hook_attn_out"},
     "bamba": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out"},
     "bamba_bias": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out"},
+    # and Granite 4 hybrid's mixture and shared MLP: no hook on the routing, nor on the MLP's sum
+    "granitemoehybrid": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out", "mlp.hook_expert_indices",
+                         "mlp.hook_router_weights", "hook_mlp_out"},
 }
 
 
@@ -85,7 +90,21 @@ def test_a_wrong_activation_is_seen(name, hf_root):
 def test_the_families_transformer_lens_does_not_load(name, hf_root):
     """What attnkit loads and TransformerLens 4.3 does not: the guide's table says so; this test says when that
     changes."""
-    with pytest.raises((ValueError, AssertionError)):
-        boot(name, hf_root)
+    with pytest.raises((ValueError, AssertionError, RuntimeError)):  # booting, or the first forward
+        lens_cache(boot(name, hf_root)[0], IDS)
     lm = load_causal_lm(saved_model(name, hf_root)[0])
     assert run_with_cache(lm, IDS)[1]["blocks.0.attn.hook_pattern"].shape == (2, 4, 9, 9)
+
+
+@pytest.mark.parametrize("name", RESIDUAL_ONLY)
+def test_the_families_transformer_lens_hooks_only_the_residual_stream_of(name, hf_root):
+    """Nemotron-H: TransformerLens 4.3 boots it with no hook inside a block; the residual stream it does hook
+    equals attnkit's, and so do the logits (the guide's table says so; this test says when that changes)."""
+    bridge, folder = boot(name, hf_root)
+    lens = lens_cache(bridge, IDS)
+    lm = load_causal_lm(folder)
+    logits, cache = run_with_cache(lm, IDS)
+    diffs, _ = compare(lm, cache, lens)
+    assert {local(n) for n in diffs} == {"hook_embed", "hook_resid_pre", "hook_resid_post", "ln_final.hook_normalized"}
+    assert max(diffs.values()) <= TOL
+    np.testing.assert_allclose(logits, lens["logits"], rtol=0, atol=TOL * max(1.0, np.abs(logits).max()))

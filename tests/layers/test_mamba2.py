@@ -3,6 +3,8 @@ padded batch (every parameter's gradient), passes float64 finite differences for
 its steps and cached chunks equal the whole forward, and its cache goes back to a marked length."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from transformers.models.granitemoehybrid.configuration_granitemoehybrid import GraniteMoeHybridConfig
@@ -158,3 +160,68 @@ def test_bad_arguments_are_refused():
         layer(np.ones((3, 2, 6)), layer.new_cache(2))
     with pytest.raises(RuntimeError, match="before a forward without a cache"):
         _layer().backward(np.ones((1, 2, 6)))
+
+
+def _nemotron_h_layer(floor: float):
+    from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    torch.manual_seed(0)
+    config = NemotronHConfig(hidden_size=D, mamba_num_heads=4, mamba_head_dim=6, n_groups=2, ssm_state_size=5,
+                             conv_kernel=3, chunk_size=4, use_bias=True, time_step_min=floor, vocab_size=10,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=6,
+                             layers_block_type=["linear_attention"])
+    layer = NemotronHMamba2Mixer(config, 0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+        layer.A_log.uniform_(-1.0, 1.0)
+    return layer, Mamba2Config(num_heads=4, head_dim=6, state_size=5, n_groups=2, conv_kernel_size=3,
+                               proj_bias=True, chunk_size=5, time_step_min=floor)
+
+
+def test_the_step_floor_equals_nemotron_h_forward_and_backward():
+    """Nemotron-H clamps dt below at time_step_min (0.7 here: softplus(0) = 0.69, so about half the steps are held
+    up): forward and every gradient equal its layer's on a padded batch."""
+    hf, shape = _nemotron_h_layer(0.7)
+    rng = make_rng(7)
+    x, grad_y = randn(rng, 3, 9, D), randn(rng, 3, 9, D)
+    mask = np.ones((3, 9), bool)
+    mask[1, :4] = False
+    grad_y[~mask] = 0
+    tx = torch.tensor(x, requires_grad=True)
+    hf = hf.double()
+    ty = hf(tx, attention_mask=torch.from_numpy(mask.astype(np.int64)))
+    ty.backward(torch.tensor(grad_y))
+    layer = Mamba2(D, shape, eps=1e-5)  # its gated norm's eps is layer_norm_epsilon
+    layer.load_state_dict(_ours_from({n: to_numpy(p) for n, p in hf.named_parameters()}))
+    y = layer(x, attention_mask=mask)
+    ours = {"y": y[mask], "grad x": layer.backward(grad_y), **layer.grads}
+    theirs = {"y": to_numpy(ty)[mask], "grad x": to_numpy(tx.grad),
+              **_ours_from({n: to_numpy(p.grad) for n, p in hf.named_parameters()})}
+    for name, ref in theirs.items():  # transformers scans in float32 whatever the dtype
+        assert np.max(np.abs(ours[name] - ref)) <= 2e-5 * np.max(np.abs(ref)), name
+    unfloored = Mamba2(D, replace(shape, time_step_min=0.0), eps=1e-5)
+    unfloored.load_state_dict(layer.state_dict())
+    assert np.max(np.abs(unfloored(x, attention_mask=mask) - y)) > 1e-3  # the floor changes the output
+
+
+@pytest.mark.parametrize("quantile", [0.3, 0.7])
+def test_the_step_floor_passes_finite_differences(quantile):
+    layer, rng = _layer(), make_rng(8)
+    x, grad_y = randn(rng, 2, 7, 6), randn(rng, 2, 7, 6)
+    layer(x)
+    steps = np.logaddexp(0, layer.saved_tensors[3][4])  # (B, L, H): dt without a floor
+    floor = float(np.quantile(steps, quantile))
+    layer.shape = replace(layer.shape, time_step_min=floor)
+    layer(x)
+    held = steps < floor
+    assert 0 < held.mean() < 1  # some steps held up by the floor, some not
+    grad_x = layer.backward(grad_y)
+
+    def loss():
+        return np.sum(layer(x) * grad_y)
+
+    assert_gradient(loss, x, grad_x, "x")
+    for name, value in layer.named_parameters():
+        assert_gradient(loss, value, layer.grads[name], name)

@@ -85,8 +85,8 @@ def test_greedy_tokens_equal_hf_generate(name, hf_root):
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window", "mixtral",
                                   "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2",
                                   "lfm2_bias", "bamba", "bamba_bias", "seed_oss", "exaone4", "ernie4_5",
-                                  "hunyuan_v1_dense", "apertus", "glm4_moe",
-                                  "glm4_moe_plain"])
+                                  "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid",
+                                  "granitemoehybrid_dense", "nemotron_h", "nemotron_h_bias"])
 def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root):
     lm, _ = loaded(name, hf_root)
     ids, mask = left_padded_batch(np.random.default_rng(2), (3, 2))
@@ -100,15 +100,16 @@ def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root)
     first_divergence_is_a_near_tie(lm, cached, seq, mask)
 
 
-# Not lfm2_bias and bamba_bias: as in transformers, a padded position's input is zeroed before projections with
-# biases, so those biases reach the convolution window of a row's first real tokens.
+# Not lfm2_bias, bamba_bias, granitemoehybrid_dense and nemotron_h_bias: as in transformers, a padded position's
+# input is zeroed before projections with biases, so those biases reach the convolution window of a row's first
+# real tokens.
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2_untied", "qwen2_mixed", "mistral_window", "qwen3", "olmo2",
                                   "gpt_neox", "gpt_oss", "qwen3_5_text",
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window",
                                   "mixtral", "gemma4_text", "deepseek_v3", "deepseek_v3_plain", "deepseek_v32",
-                                  "deepseek_v32_mixed", "lfm2", "bamba",
-                                  "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                                  "apertus", "glm4_moe", "glm4_moe_plain"])
+                                  "deepseek_v32_mixed", "lfm2", "bamba", "olmo3", "glm4", "granite", "seed_oss",
+                                  "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain",
+                                  "granitemoehybrid", "nemotron_h"])
 def test_left_padded_batch_equals_each_row_alone(name, hf_root):
     lm, _ = loaded(name, hf_root)
     lengths = (6, 2, 4)
@@ -190,9 +191,9 @@ BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, length_penalty=0.5, early_
                                   "gpt_oss", "qwen3_5_text",
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "mixtral", "gemma4_text",
                                   "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2",
-                                  "lfm2_bias", "bamba", "bamba_bias", "olmo3", "glm4", "granite", "seed_oss",
-                                  "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "glm4_moe",
-                                  "glm4_moe_plain"])
+                                  "lfm2_bias", "bamba", "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4",
+                                  "ernie4_5", "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain",
+                                  "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h", "nemotron_h_bias"])
 @pytest.mark.parametrize("setting", range(len(BEAM_SETTINGS)))
 def test_beam_search_equals_transformers(name, setting, hf_root):
     """Sequences equal to transformers' generate(num_beams=...) token for token, on a left-padded batch, with

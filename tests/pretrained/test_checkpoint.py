@@ -253,3 +253,25 @@ def test_a_reshaped_tensor_gathers_back_to_its_checkpoint_shape(shape, sizes):
     back = m.gather(params)
     assert back.shape == shape and back.flags.c_contiguous
     np.testing.assert_array_equal(back, stored)
+
+
+@pytest.mark.parametrize("layout, shape, sizes", [("transpose", (3, 5, 4), ()),
+                                                  ("row_split_transpose", (3, 6, 4), (2, 4)),
+                                                  ("transpose", (5, 4), ()), ("row_split_transpose", (6, 4), (2, 4))])
+def test_a_stack_of_matrices_is_transposed_matrix_by_matrix(layout, shape, sizes):
+    """Granite 4 hybrid's experts (E, 2F, D) and (E, D, F): each expert's matrix split and transposed on its own,
+    as one matrix is; and gathered back to the checkpoint's array."""
+    from attnkit.pretrained.tensor_map import TensorMap
+
+    targets = ("a", "b") if sizes else ("a",)
+    m = TensorMap("t", shape, targets, layout, sizes=sizes)
+    stored = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    params = m.convert(stored)
+    rows = np.split(stored, np.cumsum(sizes)[:-1], axis=-2) if sizes else [stored]
+    for target, part in zip(targets, rows, strict=True):
+        expected = np.stack([p.T for p in part]) if stored.ndim == 3 else part.T
+        np.testing.assert_array_equal(params[target], expected)
+        assert params[target].shape == m.target_shapes()[target]
+    back = m.gather(params)
+    assert back.flags.c_contiguous
+    np.testing.assert_array_equal(back, stored)

@@ -30,7 +30,8 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "qwen3_next_unnormalised",
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
                      "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                     "apertus", "glm4_moe", "glm4_moe_plain")
+                     "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid", "granitemoehybrid_dense",
+                     "nemotron_h", "nemotron_h_bias")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -65,7 +66,10 @@ def test_gradients_match_hf_autograd(name, hf_root):
         buffer.grad = None
     if lm.config.family in EXPERT_NAMES:
         theirs_by_name = _experts_one_by_one(theirs_by_name, *EXPERT_NAMES[lm.config.family])
+    for memory, disk in FUSED_EXPERT_NAMES.get(lm.config.family, {}).items():
+        theirs_by_name = {n.replace(memory, disk): g for n, g in theirs_by_name.items()}
     maps, prefix = checkpoint_map(lm.config)
+    prefix = MEMORY_PREFIXES.get(lm.config.family, prefix)
     ours = dict(lm.named_gradients())
     checked = set()
     for m in maps:
@@ -100,6 +104,15 @@ EXPERT_NAMES = {"qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
                 "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 
+# the base model's prefix in memory where transformers renames the checkpoint's on load (Nemotron-H's backbone.)
+MEMORY_PREFIXES = {"nemotron_h": "model."}
+# families whose checkpoints keep the experts fused, under names of their own: transformers' name in memory ->
+# the checkpoint's (its conversion mapping, read backwards)
+_MOE = "block_sparse_moe."
+FUSED_EXPERT_NAMES = {"granitemoehybrid": {_MOE + "experts.gate_up_proj": _MOE + "input_linear.weight",
+                                           _MOE + "experts.down_proj": _MOE + "output_linear.weight",
+                                           _MOE + "router.weight": _MOE + "router.layer.weight"}}
+
 
 def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> dict:
     """transformers keeps a mixture's experts fused in memory (``mlp.experts.gate_up_proj`` (E, 2F, D),
@@ -130,7 +143,9 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
                                        ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta"),
                                        ("glm4_moe", "scoring_func"),
-                                       ("deepseek_v32", "rope_interleave")])
+                                       ("deepseek_v32", "rope_interleave"),
+                                       ("granitemoehybrid", "router_jitter_noise"),
+                                       ("nemotron_h", "rms_norm_eps")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -258,7 +273,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
                                                       ("hunyuan_v1_dense", "HunYuanDenseV1Config"),
                                                       ("apertus", "ApertusConfig"),
                                                       ("glm4_moe", "Glm4MoeConfig"),
-                                                      ("deepseek_v32", "DeepseekV32Config")])
+                                                      ("deepseek_v32", "DeepseekV32Config"),
+                                                      ("granitemoehybrid", "GraniteMoeHybridConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -291,6 +307,78 @@ def test_lfm2_reads_liquidais_own_config_keys_and_refuses_a_repeat_that_disagree
                              ("block_use_swiglu", False, "'block_use_swiglu' must be true")):
         with pytest.raises(ValueError, match=said):
             load_causal_lm(edit_config(folder, tmp_path / key, **{**LIQUID_KEYS, key: value}))
+
+
+def test_granitemoehybrid_reads_the_layer_kinds_under_every_name_transformers_accepts(hf_root, tmp_path):
+    """IBM's config.json files name the layers "mamba" and "attention" (transformers reads them as linear_attention
+    and full_attention, and accepts ``layers_block_type`` for ``layer_types``) and the norm ("rmsnorm"): the same
+    model either way."""
+    folder, _ = saved_model("granitemoehybrid", hf_root)
+    ids = np.array([[3, 4, 5, 6, 7]])
+    expected = load_causal_lm(folder)(ids)
+    legacy = ["mamba", "attention", "mamba"]
+    for name, changes in (("legacy", dict(layer_types=legacy, normalization_function="rmsnorm")),
+                          ("block_type", dict(layer_types=..., layers_block_type=legacy))):
+        np.testing.assert_array_equal(load_causal_lm(edit_config(folder, tmp_path / name, **changes))(ids), expected)
+    dense, _ = saved_model("granitemoehybrid_dense", hf_root)  # IBM's dense models: no experts, none per token
+    np.testing.assert_array_equal(load_causal_lm(edit_config(dense, tmp_path / "dense", num_experts_per_tok=0))(ids),
+                                  load_causal_lm(dense)(ids))
+
+
+@pytest.mark.parametrize("changes, said", [
+    (dict(position_embedding_type="alibi"), "'position_embedding_type' must be 'rope', 'nope' or null"),
+    (dict(normalization_function="layernorm"), "'normalization_function' must be 'rmsnorm'"),
+    (dict(layer_types=["mamba", "moe", "mamba"]), "'layer_types' must list one of"),
+    (dict(layer_types=["mamba", "attention"]), "for each of the 3 layers"),
+    (dict(layers_block_type=["attention", "attention", "mamba"]), "'layer_types' and 'layers_block_type' disagree"),
+])
+def test_granitemoehybrid_refuses_what_it_cannot_read_by_name(changes, said, hf_root, tmp_path):
+    folder, _ = saved_model("granitemoehybrid", hf_root)
+    with pytest.raises(ValueError, match=said):
+        load_causal_lm(edit_config(folder, tmp_path / "edited", **changes))
+
+
+def test_nemotron_h_reads_the_pattern_string_and_the_older_key_names(hf_root, tmp_path):
+    """NVIDIA's config.json files give the layers as hybrid_override_pattern ("M*-M*-"), some Mamba keys under
+    older names (mamba_n_groups, mamba_d_conv, mamba_chunk_size, ...), which transformers reads, the heads' width as
+    attention_head_dim and their remote code's classes: the same model."""
+    folder, _ = saved_model("nemotron_h", hf_root)
+    ids = np.array([[3, 4, 5, 6, 7]])
+    expected = load_causal_lm(folder)(ids)
+    older = dict(layers_block_type=..., hybrid_override_pattern="M*-M*-", num_hidden_layers=6, n_groups=...,
+                 mamba_n_groups=2, conv_kernel=..., mamba_d_conv=3, chunk_size=..., mamba_chunk_size=4,
+                 attention_head_dim=8, auto_map={"AutoConfig": "configuration_nemotron_h.NemotronHConfig"})
+    np.testing.assert_array_equal(load_causal_lm(edit_config(folder, tmp_path / "older", **older))(ids), expected)
+
+
+@pytest.mark.parametrize("changes, said", [
+    (dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "mlp", "mlp"]),
+     "'moe' layers \\(layer 1: a mixture of ungated experts\\) are not supported"),
+    (dict(layers_block_type=..., hybrid_override_pattern="M*E-"), "'moe' layers"),
+    (dict(hybrid_override_pattern="M*X-", layers_block_type=...), "'hybrid_override_pattern' must be a string"),
+    (dict(num_nextn_predict_layers=1), "'num_nextn_predict_layers' > 0"),
+    (dict(mamba_hidden_act="gelu"), "'mamba_hidden_act' must be 'silu'"),
+    (dict(time_step_min=-1.0), "'time_step_min' must be a finite number >= 0"),
+    (dict(attention_head_dim=16), "'attention_head_dim' \\(16\\) must equal head_dim \\(8\\)"),
+])
+def test_nemotron_h_refuses_what_it_cannot_read_by_name(changes, said, hf_root, tmp_path):
+    folder, _ = saved_model("nemotron_h", hf_root)
+    with pytest.raises(ValueError, match=said):
+        load_causal_lm(edit_config(folder, tmp_path / "edited", **changes))
+
+
+def test_a_nemotron_h_config_without_optional_keys_reads_as_transformers_defaults_it():
+    """transformers' default layers include a mixture of experts (refused): with the layers given, every other
+    default of the reader is transformers'."""
+    import transformers
+
+    from attnkit.pretrained.families import family
+
+    sizes = dict(vocab_size=1000, hidden_size=64, intermediate_size=48, num_attention_heads=8,
+                 layers_block_type=["linear_attention", "full_attention", "mlp"])
+    full = json.loads(transformers.NemotronHConfig(**sizes).to_json_string())
+    reader = family("nemotron_h")
+    assert reader.config_from_hf(dict(sizes, model_type="nemotron_h")) == reader.config_from_hf(full)
 
 
 @pytest.mark.parametrize("model_type, config_class, keys, rotary", [

@@ -354,6 +354,18 @@ FAMILIES = {
                   layer_types=("mamba2", "full_attention", "mamba2"),
                   mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
                                       chunk_size=2)),
+    "granitemoehybrid": dict(family="granitemoehybrid", rotary=RotaryConfig(skip_layers=(0, 1, 2)), num_layers=3,
+                             layer_types=("mamba2", "full_attention", "mamba2"), embedding_scale=2.0,
+                             residual_scale=0.6, logit_scale=0.5, attention=AttentionConfig(scale=0.3),
+                             mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2,
+                                                 conv_kernel_size=3, chunk_size=2),
+                             experts=ExpertsConfig(3, 2, 5, layers=(0, 1, 2), router="topk_softmax",
+                                                   shared_expert_intermediate_size=6)),
+    "nemotron_h": dict(family="nemotron_h", rotary=RotaryConfig(skip_layers=(0, 1, 2, 3)), num_layers=4,
+                       residual="single", mlp="ungated", activation="relu2", mlp_bias=True,
+                       layer_types=("mamba2", "full_attention", "mlp", "mamba2"),
+                       mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
+                                           chunk_size=2, time_step_min=0.5)),
 }
 
 

@@ -91,8 +91,8 @@ class KVCache:
         ``length``, ``nbytes`` and ``reorder(index)``. The layer fetches it with :meth:`state`.
     layer_shapes : sequence of ((int, int) or None), optional
         Per-layer (Hkv, Dh) where layers differ (Gemma 4's wider global layers); None for a layer that stores
-        nothing because it reads another layer's keys and values (it is left out of ``length``). Default: every
-        layer (``num_kv_heads``, ``head_dim``).
+        nothing because it reads another layer's keys and values or has no token mixer (it is left out of
+        ``length``). Default: every layer (``num_kv_heads``, ``head_dim``).
     rollback : int, default 0
         Slots a ring-buffer layer keeps beyond its window, so :meth:`crop` can go back that far without a mark
         (a speculative draft's length). Its attention still sees only the window.
@@ -187,8 +187,6 @@ class KVCache:
         shapes = list(layer_shapes)
         if len(shapes) != self.num_layers:
             raise ValueError(f"layer_shapes has {len(shapes)} entries but num_layers is {self.num_layers}")
-        if all(shape is None for shape in shapes):
-            raise ValueError("layer_shapes: at least one layer must store keys and values")
         return [None if shape is None else (check_positive_int(shape[0], f"layer_shapes[{i}][0]"),
                                             check_positive_int(shape[1], f"layer_shapes[{i}][1]"))
                 for i, shape in enumerate(shapes)]
@@ -215,7 +213,10 @@ class KVCache:
     # ------------------------------------------------------------------------------------------------
     @property
     def length(self) -> int:
-        """Slots filled in every layer (pad slots included): the attention-mask columns seen so far."""
+        """Slots filled in every layer (pad slots included): the attention-mask columns seen so far. A cache
+        whose layers hold nothing (an early exit's first layers, each an MLP alone) counts the ids it recorded."""
+        if not self._holding:
+            return self.token_ids.shape[1]
         return min(self._states[i].length if i in self._states else self._lengths[i] for i in self._holding)
 
     @property

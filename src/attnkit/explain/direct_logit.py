@@ -132,7 +132,7 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     bias = rows @ shift  # (B,)
 
     head_parts, linear_parts = np.zeros((b, n, heads), scale.dtype), np.zeros((b, n), scale.dtype)
-    mlp_parts, per_layer_parts = np.empty((b, n), scale.dtype), np.zeros((b, n), scale.dtype)
+    mlp_parts, per_layer_parts = np.zeros((b, n), scale.dtype), np.zeros((b, n), scale.dtype)
     factors = output_factors(model).astype(scale.dtype)  # (N + 1,)
     reaching = direction
     for i, layer in enumerate(model.layers):
@@ -141,9 +141,10 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
             head_parts[:, i], layer_bias = _head_shares(layer, at[f"blocks.{i}.attn.hook_z"],
                                                         direction)  # (B, H), (B,)
             bias = bias + layer_bias
-        else:  # no heads: the layer's whole output is one share
+        elif f"blocks.{i}.hook_attn_out" in at:  # no heads: the layer's whole output is one share
             linear_parts[:, i] = (at[f"blocks.{i}.hook_attn_out"] * direction).sum(axis=-1)  # (B,)
-        mlp_parts[:, i] = (at[f"blocks.{i}.hook_mlp_out"] * direction).sum(axis=-1)  # (B,)
+        if f"blocks.{i}.hook_mlp_out" in at:  # a layer that is its token mixer alone has no MLP
+            mlp_parts[:, i] = (at[f"blocks.{i}.hook_mlp_out"] * direction).sum(axis=-1)  # (B,)
         if f"blocks.{i}.hook_per_layer_out" in at:
             per_layer_parts[:, i] = (at[f"blocks.{i}.hook_per_layer_out"] * direction).sum(axis=-1)  # (B,)
     direction = reaching * factors[0]  # (B, D): the embeddings pass through every layer's scalar

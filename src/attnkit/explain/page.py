@@ -162,7 +162,8 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     # Gated DeltaNet and short-convolution layers have no softmax pattern: the page draws the other layers'
     # attention, and leaves out rollout and flow, which compose every layer's pattern as shares of attention
     linear = [i for i, kind in enumerate(lm.config.layer_types) if kind in STATE_LAYER_TYPES]
-    drawn = [i for i in range(lm.config.num_layers) if i not in linear]
+    # a layer of the MLP alone has no pattern at all (and passes every token's stream on unmixed)
+    drawn = [i for i, kind in enumerate(lm.config.layer_types) if i not in linear and kind != "mlp"]
     max_bytes, target, corrupted = _checked_page_arguments(lm, batch, path, candidates, top_k, max_bytes, corrupt,
                                                            generate, progress)
     piece = (lambda i: str(i)) if token_text is None else (lambda i: str(token_text(int(i))))

@@ -97,11 +97,11 @@ def _frozen_run(model, corrupt: np.ndarray, clean_z: np.ndarray, corrupt_cache: 
 def _component_outputs(layer: int, cache: dict, sender_layer: int) -> list[str]:
     """What layer ``layer`` writes into the residual stream, by the points step 1 freezes: its heads' ``z`` (or a
     Gated DeltaNet layer's whole output) after the sender's layer, its MLP's and per-layer input's outputs from the
-    sender's layer on."""
+    sender's layer on (each where the layer has it)."""
     names = []
     if layer > sender_layer:
-        z = f"blocks.{layer}.attn.hook_z"
-        names.append(z if z in cache else f"blocks.{layer}.hook_attn_out")
+        z, out = f"blocks.{layer}.attn.hook_z", f"blocks.{layer}.hook_attn_out"
+        names += [z] if z in cache else [out] if out in cache else []  # an MLP-only layer has neither
     names += [name for name in (f"blocks.{layer}.hook_mlp_out", f"blocks.{layer}.hook_per_layer_out") if name in cache]
     return names
 

@@ -7,6 +7,7 @@ GELU error) and is ~15x faster, which matters for BERT-sized feed-forward layers
 ``gelu_tanh`` is the tanh approximation (GPT-2; torch's ``approximate="tanh"``).
 ``silu`` is ``x * sigmoid(x)`` (SwiGLU's gate in Llama, Mistral, Qwen2), with the sigmoid written as
 ``(1 + tanh(x / 2)) / 2`` so that it never overflows.
+``relu2`` is ``relu(x) ** 2`` (squared ReLU: Nemotron-H's MLP), derivative ``2 relu(x)``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from . import _threads
 
 __all__ = ["ACTIVATIONS", "activation_forward", "activation_backward", "erf"]
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "relu2")
 
 # Cody's coefficients: erf on |x| < 0.5, erfc on 0.5 <= |x| < 4, and the asymptotic erfc beyond.
 _A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02, 3.20937758913846947e03,
@@ -125,6 +126,9 @@ def activation_forward(pre: np.ndarray, name: str) -> np.ndarray:
         return 0.5 * pre * (1.0 + np.tanh(_gelu_tanh_inner(pre)))
     if name == "silu":
         return pre * _sigmoid(pre)
+    if name == "relu2":
+        positive = np.maximum(pre, 0)
+        return positive * positive
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 
@@ -150,6 +154,8 @@ def activation_backward(grad: np.ndarray, pre: np.ndarray, post: np.ndarray, nam
     if name == "silu":
         s = _sigmoid(pre)
         return grad * (s * (1.0 + pre * (1.0 - s)))
+    if name == "relu2":
+        return grad * (2 * np.maximum(pre, 0))
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 

@@ -7,7 +7,8 @@
   and the :class:`TransformerEncoder` stack;
 - :class:`TransformerDecoderBlock` (self-attention, cross-attention, feed-forward), the
   :class:`TransformerDecoder` stack and the encoder-decoder :class:`Transformer`;
-- the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`MixtureOfExperts`
+- the parts of decoder-only language models: :class:`RMSNorm`, :class:`GatedMLP`, :class:`UngatedMLP`,
+  :class:`XIELUMLP`, :class:`MixtureOfExperts`
   (with its :class:`Router`, shaped by an :class:`ExpertsConfig`), :class:`RotaryEmbedding` and :class:`LMBlock`
   (built on :class:`~attnkit.attention.GroupedQueryAttention`);
 - :class:`GatedDeltaNet`, the linear-attention layer of Qwen3-Next and Qwen3.5, and its
@@ -41,6 +42,7 @@ from .rotary import RotaryEmbedding
 from .router import Router
 from .short_conv import ShortConv, ShortConvCache, ShortConvConfig, ShortConvMixer
 from .transformer import Transformer
+from .ungated_mlp import UngatedMLP
 from .xielu_mlp import XIELUMLP
 
 __all__ = [
@@ -48,7 +50,7 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding",
     "TransformerEncoderBlock", "TransformerEncoder",
     "TransformerDecoderBlock", "TransformerDecoder", "Transformer",
-    "RMSNorm", "GatedMLP", "XIELUMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
+    "RMSNorm", "GatedMLP", "UngatedMLP", "XIELUMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
     "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
     "ShortConv", "ShortConvCache", "ShortConvConfig", "ShortConvMixer",

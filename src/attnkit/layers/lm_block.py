@@ -31,9 +31,11 @@ from .mamba2 import Mamba2Mixer
 from .per_layer_input import PerLayerInputBranch
 from .rms_norm import RMSNorm
 from .short_conv import ShortConvMixer
+from .ungated_mlp import UngatedMLP
 from .xielu_mlp import XIELUMLP
 
-__all__ = ["LMBlock", "ParallelLMBlock", "LayerwiseBlock", "PerLayerInputBlock", "BLOCKS", "MIXERS",
+__all__ = ["LMBlock", "ParallelLMBlock", "MixerOnlyBlock", "MLPOnlyBlock", "LayerwiseBlock", "PerLayerInputBlock",
+           "BLOCKS", "MIXERS",
            "SHARED_KV_MIXERS", "MLPS", "make_norm", "make_block"]
 
 
@@ -57,7 +59,7 @@ def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> 
 
 
 MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "xielu": XIELUMLP,
-                                          "experts": MixtureOfExperts}
+                                          "ungated": UngatedMLP, "experts": MixtureOfExperts}
 """The MLP of each kind ``DecoderConfig.mlp_of(layer)`` names: ``build(config, rng=...)``."""
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
@@ -243,6 +245,100 @@ class ParallelLMBlock(LMBlock):
         return g + self._attention_branch_backward(g) + g_mlp  # (B, L, D)
 
 
+class MixerOnlyBlock(LMBlock):
+    """A layer that is its token mixer alone: ``y = x + scale(post_norm(mixer(attn_norm(x))))``, no MLP (a
+    Nemotron-H layer of Mamba-2 or attention). The MLP's parts are identities.
+
+    Hook points: ``hook_resid_pre``, ``hook_attn_out``, ``hook_resid_post``.
+
+    Shapes
+    ------
+    x (B, L, D) -> (B, L, D).
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="nemotron_h", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, residual="single",
+    ...                     layer_types=("full_attention", "mlp"))
+    >>> block = make_block(cfg, 0, rng=0)
+    >>> y = block(np.ones((1, 3, 8)))
+    >>> type(block).__name__, type(block.mlp).__name__, y.shape, block.backward(np.ones_like(y)).shape
+    ('MixerOnlyBlock', 'Identity', (1, 3, 8), (1, 3, 8))
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        Module.__init__(self)
+        gen = as_generator(rng)
+        self.attn_norm = make_norm(config) if config.norm.before else Identity()
+        self.attention = self.mixer_of(config, layer_index)(config, layer_index, rng=gen)
+        self.attn_post_norm = make_norm(config) if config.norm.after else Identity()
+        self.attn_scale = Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
+        self.mlp_norm, self.mlp, self.mlp_post_norm, self.mlp_scale = Identity(), Identity(), Identity(), Identity()
+
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_resid_pre``, ``hook_attn_out`` (what the mixer adds), ``hook_resid_post``; all (B, L, D)."""
+        return ("hook_resid_pre", "hook_attn_out", "hook_resid_post")
+
+    def _residuals(self, x: np.ndarray, kwargs: dict):
+        attended, weights = self._attention_branch(x, kwargs)
+        return x + attended, weights  # (B, L, D)
+
+    def _residuals_step(self, x: np.ndarray, kwargs: dict) -> np.ndarray:
+        return x + self._attention_step(x, kwargs)  # (B, D)
+
+    def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
+        return g + self._attention_branch_backward(g)  # (B, L, D)
+
+
+class MLPOnlyBlock(LMBlock):
+    """A layer that is its MLP alone: ``y = x + scale(post_norm(mlp(mlp_norm(x))))``, no token mixer (a Nemotron-H
+    ``"mlp"`` layer). The mixer's parts are identities; its cache entry holds nothing.
+
+    Hook points: ``hook_resid_pre``, ``hook_mlp_out``, ``hook_resid_post``.
+
+    Shapes
+    ------
+    x (B, L, D) -> (B, L, D); ``rotary``, ``attention_mask`` and ``cache`` are not read.
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="nemotron_h", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, residual="single",
+    ...                     layer_types=("full_attention", "mlp"))
+    >>> block = make_block(cfg, 1, rng=0)
+    >>> y = block(np.ones((1, 3, 8)))
+    >>> type(block).__name__, type(block.attention).__name__, y.shape, block.backward(np.ones_like(y)).shape
+    ('MLPOnlyBlock', 'Identity', (1, 3, 8), (1, 3, 8))
+    """
+
+    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
+        Module.__init__(self)
+        gen = as_generator(rng)
+        self.attn_norm, self.attention, self.attn_post_norm, self.attn_scale = (Identity(), Identity(), Identity(),
+                                                                                Identity())
+        self.mlp_norm = make_norm(config) if config.norm.before else Identity()
+        self.mlp = MLPS[config.mlp_of(layer_index)](config, rng=gen)
+        self.mlp_post_norm = make_norm(config) if config.norm.after else Identity()
+        self.mlp_scale = Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
+
+    def hook_points(self) -> tuple[str, ...]:
+        """``hook_resid_pre``, ``hook_mlp_out`` (what the MLP adds), ``hook_resid_post``; all (B, L, D)."""
+        return ("hook_resid_pre", "hook_mlp_out", "hook_resid_post")
+
+    def _residuals(self, x: np.ndarray, kwargs: dict):
+        if kwargs["output_attentions"]:
+            raise ValueError("this layer is its MLP alone: it has no attention weights")
+        return x + self._mlp_branch(x), None  # (B, L, D)
+
+    def _residuals_step(self, x: np.ndarray, kwargs: dict) -> np.ndarray:
+        return x + self._mlp_step(x)  # (B, D)
+
+    def _residuals_backward(self, g: np.ndarray) -> np.ndarray:
+        return g + self._mlp_branch_backward(g)  # (B, L, D)
+
+
 class LayerwiseBlock(LMBlock):
     """Gemma 4's layer without per-layer inputs: :class:`LMBlock` (norms before and after each branch), its
     output times a learned ``layer_scalar`` (1,), and its token mixer from :data:`SHARED_KV_MIXERS` (a layer
@@ -367,11 +463,12 @@ class PerLayerInputBlock(LayerwiseBlock):
 
 
 BLOCKS: dict[str, type[LMBlock]] = {"sequential": LMBlock, "parallel": ParallelLMBlock,
+                                    "mixer_only": MixerOnlyBlock, "mlp_only": MLPOnlyBlock,
                                     "layerwise": LayerwiseBlock, "per_layer_input": PerLayerInputBlock}
-"""The block of each ``DecoderConfig.residual`` kind, and of each ``LayerwiseConfig.block`` kind."""
+"""The block of each kind ``DecoderConfig.block_of(layer)`` names: a ``residual`` kind (``"single"`` is one of the
+two one-branch blocks, by the layer's type), or a ``LayerwiseConfig.block`` kind."""
 
 
 def make_block(config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> LMBlock:
     """Layer ``layer_index`` of the decoder ``config`` describes, composed from its parts."""
-    kind = config.residual if config.layerwise is None else config.layerwise.block
-    return BLOCKS[kind](config, layer_index, rng=rng)
+    return BLOCKS[config.block_of(layer_index)](config, layer_index, rng=rng)

@@ -10,7 +10,7 @@ The layer, in order (Hugging Face's ``BambaMixer`` / ``GraniteMoeHybridMambaLaye
     z, xBC, dt = split(x W_in + b_in)                    # (B, L, I), (B, L, Cc), (B, L, H)
     xBC = silu(causal_conv(xBC) + conv_bias)             # :mod:`attnkit.kernels.causal_conv`
     xs, Bm, Cm = split(xBC)                              # (B, L, H, P), (B, L, G, N) twice
-    dt = softplus(dt + dt_bias);  A = -exp(A_log)        # (B, L, H), (H,)
+    dt = max(softplus(dt + dt_bias), dt_min);  A = -exp(A_log)   # (B, L, H), (H,)
     y = ssd(q=Cm, k=Bm, v=dt xs, g=dt A) + D_skip xs     # :mod:`attnkit.kernels.ssd`, per head
     out = (gamma * group_rms_norm(y * silu(z))) W_out + b_out
 
@@ -92,6 +92,9 @@ class Mamba2Config:
         The convolution's bias (``mamba_conv_bias``, default True) and the projections' (``mamba_proj_bias``).
     chunk_size : int, default 64
         C of the chunked scan; any C gives the same result up to rounding.
+    time_step_min : float, default 0.0
+        The floor of the step sizes: ``dt = max(softplus(...), time_step_min)`` (Nemotron-H's ``time_step_min``;
+        0: no floor, Bamba's); the gradient passes where ``dt`` is at or above it, as ``torch.clamp``'s does.
     """
 
     num_heads: int
@@ -102,6 +105,7 @@ class Mamba2Config:
     conv_bias: bool = True
     proj_bias: bool = False
     chunk_size: int = 64
+    time_step_min: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel_size", "chunk_size"):
@@ -109,6 +113,9 @@ class Mamba2Config:
         for name in ("conv_bias", "proj_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        floor = self.time_step_min
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor < float("inf"):
+            raise ValueError(f"time_step_min must be a finite number >= 0, got {floor!r}")
         if self.num_heads % self.n_groups:
             raise ValueError(f"n_groups ({self.n_groups}) must divide num_heads ({self.num_heads})")
 
@@ -212,6 +219,8 @@ class Mamba2(Module):
                  for part in (xbc[..., self.inner_size + gn:], xbc[..., self.inner_size:self.inner_size + gn])]
         pre = dt_raw + p["dt_bias"].astype(dt_raw.dtype, copy=False)  # (B, L, H)
         dt = np.logaddexp(dt_raw.dtype.type(0), pre)  # (B, L, H): softplus
+        if s.time_step_min:
+            dt = np.maximum(dt, dt.dtype.type(s.time_step_min))  # (B, L, H): the floor
         rate = -np.exp(p["A_log"].astype(dt.dtype, copy=False))  # (H,): A
         v = (xs * dt[..., None]).transpose(0, 2, 1, 3)  # (B, H, L, P)
         return heads[0], heads[1], v, (dt * rate).transpose(0, 2, 1), xs, dt, pre, rate
@@ -294,6 +303,8 @@ class Mamba2(Module):
         d_dt = np.einsum("blhp,blhp->blh", dv, xs) + dg * rate  # (B, L, H)
         grads["A_log"] = np.einsum("blh,blh->h", dg, dt) * rate  # dA / dA_log = A
         d_pre = d_dt * (0.5 * (1.0 + np.tanh(0.5 * pre)))  # (B, L, H): softplus' = sigmoid
+        if s.time_step_min:  # the floor passes no gradient where it holds dt up
+            d_pre = d_pre * (np.logaddexp(pre.dtype.type(0), pre) >= pre.dtype.type(s.time_step_min))
         grads["dt_bias"] = d_pre.sum(axis=(0, 1))
         b, length = xs.shape[:2]
         group_shape = (b, s.n_groups, s.num_heads // s.n_groups, length, s.state_size)

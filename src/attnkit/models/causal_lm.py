@@ -180,6 +180,8 @@ class CausalLM(Module):
             return f"a {kind} (gated short convolution) layer"
         if kind == "mamba2":
             return f"a {kind} (Mamba-2 state space) layer"
+        if kind == "mlp":
+            return f"a {kind} layer (its MLP alone, no token mixer)"
         if c.latent is not None:
             return f"a {kind} layer with multi-head latent attention"
         owner = None if c.layerwise is None else c.layerwise.kv_owners(c.layer_types)[index]
@@ -234,8 +236,9 @@ class CausalLM(Module):
                   num_layers: int | None = None) -> KVCache | LatentCache:
         """An empty cache for this model: a :class:`~attnkit.decoding.cache.LatentCache` of every layer's latents
         for latent attention, else a :class:`~attnkit.decoding.cache.KVCache` with ring buffers for sliding
-        layers (``rollback`` slots beyond each window, see :class:`~attnkit.decoding.cache.KVCache`) and a
-        fixed-size state for each linear-attention layer (its mixer's ``new_cache``). ``num_layers``: for the
+        layers (``rollback`` slots beyond each window, see :class:`~attnkit.decoding.cache.KVCache`), a
+        fixed-size state for each linear-attention layer (its mixer's ``new_cache``) and nothing for a layer of
+        the MLP alone. ``num_layers``: for the
         first layers only (an :meth:`early_exit`'s)."""
         c = self.config
         n = c.num_layers if num_layers is None else check_positive_int(num_layers, "num_layers",
@@ -245,6 +248,8 @@ class CausalLM(Module):
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
                   if i < n and c.layer_types[i] in STATE_LAYER_TYPES}
         shapes = None if c.layerwise is None else c.layerwise.cache_shapes(c)[:n]
+        if "mlp" in c.layer_types[:n]:  # a layer of the MLP alone keeps nothing
+            shapes = [None if kind == "mlp" else (c.num_kv_heads, c.head_dim) for kind in c.layer_types[:n]]
         return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
                        windows=[c.window_of(i) for i in range(n)], states=states, rollback=rollback,
                        layer_shapes=shapes)

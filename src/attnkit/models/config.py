@@ -29,7 +29,8 @@ __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "Ex
            "MAX_LAYERS",
            "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
-_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "short_conv", "mamba2")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "short_conv", "mamba2",
+                "mlp")
 STATE_LAYER_TYPES = ("linear_attention", "short_conv", "mamba2")
 """The layer types whose cache entry is a fixed-size state (their mixer's ``new_cache``), not keys and values."""
 
@@ -258,8 +259,8 @@ class AttentionConfig:
         return None if self.logit_softcap is None else softcap(self.logit_softcap)
 
 
-MLP_KINDS = ("gated", "plain", "xielu")
-RESIDUALS = ("sequential", "parallel")
+MLP_KINDS = ("gated", "plain", "xielu", "ungated")
+RESIDUALS = ("sequential", "parallel", "single")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
           "linear_attention": GatedDeltaNetConfig, "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig,
@@ -298,16 +299,18 @@ class DecoderConfig:
         F, the hidden width of the MLP.
     max_position_embeddings : int, default 2048
         The longest context the model was trained for (the size of GPT-2's position table).
-    activation : {"silu", "gelu", "gelu_tanh", "relu"}, default "silu"
-    mlp : {"gated", "plain", "xielu"}, default "gated"
+    activation : {"silu", "gelu", "gelu_tanh", "relu", "relu2"}, default "silu"
+    mlp : {"gated", "plain", "xielu", "ungated"}, default "gated"
         The MLP of the layers without experts: ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for
         silu); ``plain``: ``act(x W1 + b1) W2 + b2``; ``xielu``: ``xielu(x W_up) W_down`` without biases, the
-        xIELU activation with two learned slopes of its own (Apertus; ``activation`` is not read).
+        xIELU activation with two learned slopes of its own (Apertus; ``activation`` is not read); ``ungated``:
+        ``act(x W_up + b_up) W_down + b_down``, the biases with ``mlp_bias`` (Nemotron-H's squared ReLU).
     mlp_bias : bool, default False
-        Biases in a gated MLP (a plain MLP always has them).
-    residual : {"sequential", "parallel"}, default "sequential"
+        Biases in a gated or ungated MLP (a plain MLP always has them).
+    residual : {"sequential", "parallel", "single"}, default "sequential"
         ``parallel``: ``x + attention(attn_norm(x)) + mlp(mlp_norm(x))``, both branches read the block's input
-        (GPT-NeoX).
+        (GPT-NeoX); ``single``: each layer is one branch, ``x + mixer(attn_norm(x))``, or for an ``"mlp"`` layer
+        ``x + mlp(mlp_norm(x))`` (Nemotron-H: :meth:`block_of`).
     norm : NormConfig
         Which norm, its epsilon and gain offset, and where it sits (the final norm is of the same kind).
     rotary : RotaryConfig or None
@@ -339,7 +342,8 @@ class DecoderConfig:
         outputs pass through a sigmoid gate (Qwen3-Next, Qwen3.5); ``linear_attention``: a Gated DeltaNet layer
         shaped by ``linear_attention``; ``short_conv``: LFM2's gated short convolution shaped by ``short_conv``;
         ``mamba2``: a Mamba-2 mixer shaped by ``mamba2`` (the cache entry of these three is a fixed-size state, not
-        keys and values: :data:`STATE_LAYER_TYPES`).
+        keys and values: :data:`STATE_LAYER_TYPES`); ``mlp``: no token mixer, the layer is its MLP alone (with
+        ``residual="single"`` only; its cache entry holds nothing).
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
     layerwise : LayerwiseConfig, optional
@@ -479,6 +483,9 @@ class DecoderConfig:
         bad = sorted(set(types) - set(_LAYER_TYPES))
         if bad:
             raise ValueError(f"layer_types must hold only {', '.join(_LAYER_TYPES)}, got {bad}")
+        if "mlp" in types and self.residual != "single":
+            raise ValueError(f"layer_types has mlp layers (a layer of the MLP alone), which only residual='single' "
+                             f"builds, got residual={self.residual!r}")
         if "sliding_attention" in types and self.attention.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but attention.sliding_window is None")
         if ("linear_attention" in types) != (self.linear_attention is not None):
@@ -564,6 +571,16 @@ class DecoderConfig:
         """The kind of layer ``layer``'s MLP: ``"experts"`` on the layers the ``experts`` part lists, else
         ``mlp``."""
         return "experts" if self.experts is not None and layer in self.experts.layers else self.mlp
+
+    def block_of(self, layer: int) -> str:
+        """The kind of block layer ``layer`` is (:data:`attnkit.layers.lm_block.BLOCKS`): the ``layerwise`` part's,
+        else ``residual``, where ``"single"`` is ``"mlp_only"`` for an ``"mlp"`` layer and ``"mixer_only"`` for the
+        others."""
+        if self.layerwise is not None:
+            return self.layerwise.block
+        if self.residual == "single":
+            return "mlp_only" if self.layer_types[layer] == "mlp" else "mixer_only"
+        return self.residual
 
     def head_dim_of(self, layer: int) -> int:
         """Dh of layer ``layer``: ``head_dim``, or the ``layerwise`` part's for its global layers."""

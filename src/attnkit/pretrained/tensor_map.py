@@ -5,7 +5,8 @@ reader (:mod:`attnkit.pretrained.checkpoint`) validates headers and converts ten
 :func:`~attnkit.pretrained.checkpoint.checkpoint_tensors` gathers them back for saving.
 
 Weight layouts. attnkit computes ``x @ W`` with W (in, out). Hugging Face ``nn.Linear`` stores (out, in), so
-those weights are transposed. GPT-2's ``Conv1D`` already stores (in, out).
+those weights are transposed. GPT-2's ``Conv1D`` already stores (in, out). A transposing layout turns the last two
+axes, so a stack of matrices (experts' (E, out, in)) is transposed matrix by matrix.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class TensorMap:
         attnkit parameter names (three for a fused ``c_attn``, else one).
     layout : {"copy", "transpose", "split", "head_split", "head_split_transpose", "row_split_transpose",
               "interleaved_split", "reshape", "head_row_split_transpose"}
-        ``copy``: same layout; ``transpose``: (out, in) -> (in, out); ``split``: equal parts of the last axis;
+        ``copy``: same layout; ``transpose``: (..., out, in) -> (..., in, out); ``split``: equal parts of the
+        last axis;
         ``head_split``: a first axis laid out (heads, parts, Dh), each part gathered over the heads (GPT-NeoX's
         fused ``query_key_value``: every head's q, k, v rows together); ``head_split_transpose``: that, then
         each part transposed.
@@ -45,8 +47,9 @@ class TensorMap:
         Set when ``source`` holds MXFP4 blocks (gpt-oss's quantized experts): the name of their scales tensor;
         ``shape`` and ``layout`` then describe the dequantized array.
     sizes : tuple of int
-        ``row_split_transpose``: the first axis cut into parts of these sizes, each transposed (Phi-3's fused
-        ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D)). ``reshape``: the parameter's shape,
+        ``row_split_transpose``: the rows (the next-to-last axis) cut into parts of these sizes, each transposed
+        (Phi-3's fused ``qkv_proj`` (Hq*Dh + 2 Hkv*Dh, D) and ``gate_up_proj`` (2F, D); Granite 4 hybrid's stacked
+        experts' ``input_linear`` (E, 2F, D)). ``reshape``: the parameter's shape,
         the same numbers in the same order (a depthwise ``Conv1d``'s (C, 1, K) weight as (C, K)).
         ``head_row_split_transpose``: the first axis laid out (heads, sum(sizes)), every head's rows cut into
         parts of these sizes, each part gathered over the heads; parts whose target repeats are stacked in
@@ -98,12 +101,12 @@ class TensorMap:
         if self.layout == "head_row_split_transpose":
             return {t: (self.shape[1], self.heads * sum(n for _, n in p)) for t, p in self._head_rows().items()}
         if self.layout == "transpose":
-            return {self.targets[0]: self.shape[::-1]}
+            return {self.targets[0]: (*self.shape[:-2], *self.shape[-2:][::-1])}
         if self.layout == "split":
             part = self.shape[:-1] + (self.shape[-1] // len(self.targets),)
             return {t: part for t in self.targets}
         if self.layout == "row_split_transpose":
-            return {t: self.shape[1:][::-1] + (n,) for t, n in zip(self.targets, self.sizes)}
+            return {t: (*self.shape[:-2], self.shape[-1], n) for t, n in zip(self.targets, self.sizes)}
         if self.layout == "interleaved_split":
             part = self.shape[:-1] + (self.shape[-1] // len(self.targets),)
             return {t: part for t in self.targets}
@@ -117,12 +120,12 @@ class TensorMap:
     def convert(self, array: np.ndarray) -> dict[str, np.ndarray]:
         """The attnkit arrays made from the checkpoint array (views where possible)."""
         if self.layout == "transpose":
-            return {self.targets[0]: array.T}
+            return {self.targets[0]: array.swapaxes(-1, -2)}
         if self.layout == "split":
             return dict(zip(self.targets, np.split(array, len(self.targets), axis=-1)))
         if self.layout == "row_split_transpose":
-            parts = np.split(array, np.cumsum(self.sizes)[:-1], axis=0)  # (size, In) each
-            return {t: p.T for t, p in zip(self.targets, parts)}
+            parts = np.split(array, np.cumsum(self.sizes)[:-1], axis=-2)  # (..., size, In) each
+            return {t: p.swapaxes(-1, -2) for t, p in zip(self.targets, parts)}
         if self.layout == "interleaved_split":
             n = len(self.targets)
             return {t: np.ascontiguousarray(array[..., i::n]) for i, t in enumerate(self.targets)}  # (..., F) each
@@ -181,11 +184,12 @@ class TensorMap:
             return grouped.reshape(self.shape)
         parts = [np.asarray(self.destination(params, t)) for t in self.targets]
         if self.layout == "transpose":
-            return np.ascontiguousarray(parts[0].T)
+            return np.ascontiguousarray(parts[0].swapaxes(-1, -2))
         if self.layout == "split":
             return np.concatenate(parts, axis=-1)
         if self.layout == "row_split_transpose":
-            return np.ascontiguousarray(np.concatenate([p.T for p in parts], axis=0))  # (sum(sizes), In)
+            rows = [p.swapaxes(-1, -2) for p in parts]  # (..., size, In) each
+            return np.ascontiguousarray(np.concatenate(rows, axis=-2))  # (..., sum(sizes), In)
         if self.layout == "interleaved_split":
             return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # (..., n*F), parts alternating
         if self.layout.startswith("head_split"):

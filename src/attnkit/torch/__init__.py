@@ -34,6 +34,8 @@ from .attention import (  # noqa: E402
 )
 from .blocks import (
     LMBlock,
+    MixerOnlyBlock,
+    MLPOnlyBlock,
     ParallelLMBlock,
     Transformer,
     TransformerDecoder,
@@ -58,6 +60,7 @@ from .layers import (
     Router,
     Scale,
     SinusoidalPositionalEncoding,
+    UngatedMLP,
     Zero,
 )
 from .layerwise import (
@@ -74,14 +77,15 @@ from .short_conv import ShortConv, ShortConvMixer
 
 __all__ = [
     "from_numpy", "to_numpy",
-    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "XIELUMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
+    "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "UngatedMLP", "XIELUMLP", "Router", "MixtureOfExperts",
+    "GatedSharedExpert",
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
-    "Transformer", "LMBlock", "ParallelLMBlock", "CausalLM", "Seq2SeqTransformer",
+    "Transformer", "LMBlock", "ParallelLMBlock", "MixerOnlyBlock", "MLPOnlyBlock", "CausalLM", "Seq2SeqTransformer",
     "KVOwnerAttention", "KVReaderAttention", "PerLayerInputs", "PerLayerInputBranch", "LayerwiseBlock",
     "PerLayerInputBlock",
 ]

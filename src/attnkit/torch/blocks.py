@@ -11,11 +11,13 @@ import torch
 
 from .. import layers as _layers
 from ..layers.lm_block import LMBlock as _LMBlock
+from ..layers.lm_block import MixerOnlyBlock as _MixerOnlyBlock
+from ..layers.lm_block import MLPOnlyBlock as _MLPOnlyBlock
 from ..layers.lm_block import ParallelLMBlock as _ParallelLMBlock
 from ._twin import TwinModule, as_tensor
 
 __all__ = ["TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
-           "Transformer", "LMBlock", "ParallelLMBlock"]
+           "Transformer", "LMBlock", "ParallelLMBlock", "MixerOnlyBlock", "MLPOnlyBlock"]
 
 
 def _no_weights(need_weights: bool, owner: str) -> None:
@@ -216,3 +218,21 @@ class ParallelLMBlock(LMBlock):
 
     def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None) -> torch.Tensor:
         return x + self._attention_branch(x, rotary, attention_mask) + self._mlp_branch(x)  # (B, L, D)
+
+
+class MixerOnlyBlock(LMBlock):
+    """Twin of :class:`attnkit.layers.lm_block.MixerOnlyBlock`: ``x + mixer(x)``, no MLP."""
+
+    numpy_class = _MixerOnlyBlock
+
+    def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None) -> torch.Tensor:
+        return x + self._attention_branch(x, rotary, attention_mask)  # (B, L, D)
+
+
+class MLPOnlyBlock(LMBlock):
+    """Twin of :class:`attnkit.layers.lm_block.MLPOnlyBlock`: ``x + mlp(x)``, no token mixer."""
+
+    numpy_class = _MLPOnlyBlock
+
+    def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None) -> torch.Tensor:
+        return x + self._mlp_branch(x)  # (B, L, D)

@@ -26,17 +26,18 @@ from ..layers.identity import Zero as _Zero
 from ..layers.rms_norm import RMSNorm as _RMSNorm
 from ..layers.rotary import RotaryEmbedding as _RotaryEmbedding
 from ..layers.router import Router as _Router
+from ..layers.ungated_mlp import UngatedMLP as _UngatedMLP
 from ..layers.xielu_mlp import XIELUMLP as _XIELUMLP
 from ._twin import TwinModule, as_tensor
 
-__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "XIELUMLP", "Router", "MixtureOfExperts",
+__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "UngatedMLP", "XIELUMLP", "Router", "MixtureOfExperts",
            "GatedSharedExpert",
            "Embedding", "Projection", "Dropout", "Identity", "Zero", "Scale", "SinusoidalPositionalEncoding",
            "RotaryEmbedding", "activation"]
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:
-    """attnkit's activations: ``relu``, ``gelu`` (exact erf), ``gelu_tanh`` and ``silu``."""
+    """attnkit's activations: ``relu``, ``gelu`` (exact erf), ``gelu_tanh``, ``silu`` and ``relu2``."""
     if name == "relu":
         return F.relu(x)
     if name == "gelu":
@@ -45,7 +46,9 @@ def activation(x: torch.Tensor, name: str) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if name == "silu":
         return F.silu(x)
-    raise ValueError(f"activation must be relu, gelu, gelu_tanh or silu, got {name!r}")
+    if name == "relu2":
+        return torch.square(F.relu(x))
+    raise ValueError(f"activation must be relu, gelu, gelu_tanh, silu or relu2, got {name!r}")
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,6 +163,24 @@ class GatedMLP(TwinModule):
         b = (self.b_gate, self.b_up, self.b_down) if self.bias else (None, None, None)
         gate = activation(_linear(x, self.W_gate, b[0]), self.activation)  # (..., F)
         return _linear(gate * _linear(x, self.W_up, b[1]), self.W_down, b[2])  # (..., D)
+
+
+class UngatedMLP(TwinModule):
+    """Twin of :class:`attnkit.layers.ungated_mlp.UngatedMLP`: ``act(x W_up + b_up) W_down + b_down``.
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+    """
+
+    numpy_class = _UngatedMLP
+
+    def setup(self, source) -> None:
+        self.activation = source.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = activation(_linear(x, self.W_up, getattr(self, "b_up", None)), self.activation)  # (..., F)
+        return _linear(hidden, self.W_down, getattr(self, "b_down", None))  # (..., D)
 
 
 class XIELUMLP(TwinModule):

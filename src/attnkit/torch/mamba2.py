@@ -92,6 +92,8 @@ class Mamba2(TwinModule):
 
         k, q = heads(xbc[..., self.inner_size:self.inner_size + gn]), heads(xbc[..., self.inner_size + gn:])
         dt = F.softplus(dt + self.dt_bias)  # (B, L, H)
+        if s.time_step_min:
+            dt = torch.clamp(dt, min=s.time_step_min)  # (B, L, H): the floor
         g = (dt * -torch.exp(self.A_log)).transpose(1, 2)  # (B, H, L)
         o = ssd(q, k, (xs * dt[..., None]).transpose(1, 2), g, s.chunk_size).transpose(1, 2)  # (B, L, H, P)
         y = (o + self.D_skip[:, None] * xs).reshape(b, length, self.inner_size) * F.silu(z)  # (B, L, I)

@@ -27,7 +27,7 @@ _MAX_SIZE = 2**31 - 1
 # Hugging Face activation names -> DecoderConfig.activation. gelu_new, gelu_fast and gelu_pytorch_tanh are
 # the same tanh approximation written three ways.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
-                "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+                "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
 
 # The numbers each scaling needs (beyond rope_type), and the optional ones attnkit's rotary understands.
 _ROPE_REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
