@@ -18,8 +18,10 @@ The gate multiplies before the norm (``norm_before_gate=False``), and the norm i
 I / G features; :attr:`Mamba2Config.norm` chooses instead the norm before the gate, ``silu(z) * gamma *
 group_rms_norm(y)`` (Falcon-H1's ``mamba_norm_before_gate``), or no norm, ``y * silu(z)`` (Falcon-H1 without
 ``mamba_rms_norm``). With :attr:`Mamba2Config.projection_multipliers` (Falcon-H1's ``ssm_multipliers``) the
-projection's z, x, B, C and dt columns are each multiplied by a fixed factor before the split. A padded position's input, and its convolution's output, are zeroed (as Hugging Face does), so it
-leaves the state as it found it. What decoding keeps is fixed-size: the convolution's last K - 1 inputs and the
+projection's z, x, B, C and dt columns are each multiplied by a fixed factor before the split.
+
+A padded position's input, and its convolution's output, are zeroed (as Hugging Face does), so it leaves the
+state as it found it. What decoding keeps is fixed-size: the convolution's last K - 1 inputs and the
 scan's state (:class:`Mamba2Cache`).
 
 Parameter names and a Hugging Face checkpoint (``mamba.`` of a layer; linear weights stored ``(In, Out)``, the
@@ -47,7 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, check_eps, check_factor, check_features, check_grad_output, check_ndim, check_positive_int
+from .._validation import (
+    as_bool_mask,
+    check_eps,
+    check_factor,
+    check_features,
+    check_grad_output,
+    check_ndim,
+    check_positive_int,
+)
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
