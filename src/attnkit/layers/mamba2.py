@@ -70,6 +70,8 @@ from .recurrent_state import RecurrentState
 __all__ = ["Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer", "MAMBA2_NORMS"]
 
 MAMBA2_NORMS = ("after_gate", "before_gate", None)
+# Mamba2Config.norm -> the Mamba2 method (and its "_backward") that applies the gate and the norm
+_GATE_AND_NORM = {"after_gate": "_norm_after_gate", "before_gate": "_norm_before_gate", None: "_gate_only"}
 
 
 @dataclass
@@ -215,11 +217,13 @@ class Mamba2(Module):
             self.register_parameter("b_in", np.zeros(sum(self.widths)))
         if shape.output_bias:
             self.register_parameter("b_out", np.zeros(d))
-        # the projection's per-column factors (W,), z x B C dt each its own, or None
+        # the projection's per-column factors (W,): z x B C dt each its own (ones without multipliers: x * 1.0 is
+        # x, bit for bit)
         gn = g * n
-        factors = shape.projection_multipliers
-        self.projection_scale = None if factors is None else np.repeat(np.asarray(factors, np.float64),
-                                                                       (inner, inner, gn, gn, h))
+        factors = shape.projection_multipliers or (1.0,) * 5
+        self.projection_scale = np.repeat(np.asarray(factors, np.float64), (inner, inner, gn, gn, h))
+        # the gate and the norm as shape.norm places them (method names: a copy of the module keeps its own)
+        self.gate_and_norm = _GATE_AND_NORM[shape.norm]
 
     def extra_repr(self) -> str:
         s = self.shape
@@ -263,39 +267,52 @@ class Mamba2(Module):
         v = (xs * dt[..., None]).transpose(0, 2, 1, 3)  # (B, H, L, P)
         return heads[0], heads[1], v, (dt * rate).transpose(0, 2, 1), xs, dt, pre, rate
 
-    def _gated_norm(self, y: np.ndarray, z: np.ndarray):
-        """The gate and the group RMSNorm as ``shape.norm`` places them (B, L, I), and what its backward needs."""
-        act = activation_forward(z, "silu")  # (B, L, I)
-        where = self.shape.norm
-        if where is None:
-            return y * act, (y, z, act, None, None, None)  # (B, L, I)
-        normed_input = y * act if where == "after_gate" else y  # (B, L, I)
-        groups = normed_input.reshape(normed_input.shape[:2] + (self.shape.n_groups, -1))  # (B, L, G, I / G)
-        unit, x_hat, rstd = rms_norm_forward(groups, np.ones(groups.shape[-1], y.dtype), self.eps)
-        unit = unit.reshape(y.shape)  # (B, L, I)
-        out = unit * self._parameters["norm_gamma"].astype(unit.dtype, copy=False)  # (B, L, I)
-        if where == "before_gate":
-            out = out * act  # (B, L, I)
-        return out, (y, z, act, unit, x_hat, rstd)
+    def _group_norm(self, h: np.ndarray):
+        """``gamma * group_rms_norm(h)`` (B, L, I) and the unit-gain norm's output, x_hat and rstd."""
+        groups = h.reshape(h.shape[:2] + (self.shape.n_groups, -1))  # (B, L, G, I / G)
+        unit, x_hat, rstd = rms_norm_forward(groups, np.ones(groups.shape[-1], h.dtype), self.eps)
+        unit = unit.reshape(h.shape)  # (B, L, I)
+        return unit * self._parameters["norm_gamma"].astype(unit.dtype, copy=False), (unit, x_hat, rstd)
 
-    def _gated_norm_backward(self, d_out: np.ndarray, saved, grads: dict) -> tuple[np.ndarray, np.ndarray]:
-        """The gradients of :meth:`_gated_norm`'s ``y`` and ``z`` (B, L, I) each; ``norm_gamma``'s into grads."""
-        y, z, act, unit, x_hat, rstd = saved
-        where = self.shape.norm
-        if where is None:
-            return d_out * act, activation_backward(d_out * y, z, act, "silu")  # (B, L, I) each
-        gamma = self._parameters["norm_gamma"].astype(d_out.dtype, copy=False)
-        if where == "before_gate":
-            d_normed, d_act = d_out * act, d_out * unit * gamma  # (B, L, I) each
-        else:
-            d_normed, d_act = d_out, None
-        grads["norm_gamma"] = np.einsum("bli,bli->i", d_normed, unit)
-        d_unit = (d_normed * gamma).reshape(x_hat.shape)  # (B, L, G, I / G)
+    def _group_norm_backward(self, d_out: np.ndarray, saved, grads: dict) -> np.ndarray:
+        """The gradient of :meth:`_group_norm`'s input (B, L, I); ``norm_gamma``'s into ``grads``."""
+        unit, x_hat, rstd = saved
+        grads["norm_gamma"] = np.einsum("bli,bli->i", d_out, unit)
+        d_unit = (d_out * self._parameters["norm_gamma"].astype(d_out.dtype, copy=False)).reshape(x_hat.shape)
         d_in, _ = rms_norm_backward(d_unit, x_hat, rstd, np.ones(x_hat.shape[-1], x_hat.dtype))
-        d_in = d_in.reshape(y.shape)  # (B, L, I)
-        if where == "before_gate":
-            return d_in, activation_backward(d_act, z, act, "silu")
-        return d_in * act, activation_backward(d_in * y, z, act, "silu")  # (B, L, I) each
+        return d_in.reshape(d_out.shape)  # (B, L, I)
+
+    def _norm_after_gate(self, y: np.ndarray, z: np.ndarray):
+        """``gamma * group_rms_norm(y * silu(z))`` (B, L, I) and what its backward needs."""
+        act = activation_forward(z, "silu")  # (B, L, I)
+        out, norm_saved = self._group_norm(y * act)  # (B, L, I)
+        return out, (y, z, act, norm_saved)
+
+    def _norm_after_gate_backward(self, d_out: np.ndarray, saved, grads: dict):
+        """The gradients of ``y`` and ``z`` (B, L, I) each."""
+        y, z, act, norm_saved = saved
+        d_gated = self._group_norm_backward(d_out, norm_saved, grads)  # (B, L, I)
+        return d_gated * act, activation_backward(d_gated * y, z, act, "silu")
+
+    def _norm_before_gate(self, y: np.ndarray, z: np.ndarray):
+        """``silu(z) * gamma * group_rms_norm(y)`` (B, L, I) and what its backward needs."""
+        act = activation_forward(z, "silu")  # (B, L, I)
+        normed, norm_saved = self._group_norm(y)  # (B, L, I)
+        return normed * act, (z, act, normed, norm_saved)
+
+    def _norm_before_gate_backward(self, d_out: np.ndarray, saved, grads: dict):
+        z, act, normed, norm_saved = saved
+        d_y = self._group_norm_backward(d_out * act, norm_saved, grads)  # (B, L, I)
+        return d_y, activation_backward(d_out * normed, z, act, "silu")
+
+    def _gate_only(self, y: np.ndarray, z: np.ndarray):
+        """``y * silu(z)`` (B, L, I), no norm, and what its backward needs."""
+        act = activation_forward(z, "silu")  # (B, L, I)
+        return y * act, (y, z, act)
+
+    def _gate_only_backward(self, d_out: np.ndarray, saved, grads: dict):
+        y, z, act = saved
+        return d_out * act, activation_backward(d_out * y, z, act, "silu")
 
     def forward(self, x: Any, cache: Mamba2Cache | None = None, *, attention_mask: Any = None) -> np.ndarray:
         """Run the layer over ``x`` (B, L, D).
@@ -314,8 +331,7 @@ class Mamba2(Module):
         padding = self._check_padding(attention_mask, x)
         inputs = x if padding is None else x * padding  # (B, L, D)
         projected = linear(inputs, p["W_in"], p.get("b_in"))  # (B, L, I + Cc + H)
-        if self.projection_scale is not None:
-            projected = projected * self.projection_scale.astype(projected.dtype)  # (B, L, I + Cc + H)
+        projected = projected * self.projection_scale.astype(projected.dtype)  # (B, L, I + Cc + H)
         z, xbc, dt_raw = np.split(projected, np.cumsum(self.widths)[:-1], axis=-1)
         conv_out, conv_state, conv_saved = _conv.causal_conv_forward(
             xbc, p["conv_weight"], None if cache is None else cache.conv_state, bias=p.get("conv_bias"),
@@ -331,7 +347,7 @@ class Mamba2(Module):
             o, state, scan_ctx = _ssd.chunked_forward(q, k, v, g, state, chunk_size=self.shape.chunk_size)
         skip = p["D_skip"].astype(xs.dtype, copy=False)[:, None]  # (H, 1)
         y = self.hook_point("hook_ssm_out", o.transpose(0, 2, 1, 3) + skip * xs).reshape(z.shape)  # (B, L, I)
-        normed, norm_saved = self._gated_norm(y, z)  # (B, L, I)
+        normed, norm_saved = getattr(self, self.gate_and_norm)(y, z)  # (B, L, I)
         out = linear(normed, p["W_out"], p.get("b_out")).astype(x.dtype, copy=False)  # (B, L, D)
         if cache is None:
             self.save_for_backward(inputs, padding, conv_saved, (q, k, xs, dt, pre, rate), scan_ctx, norm_saved,
@@ -354,7 +370,7 @@ class Mamba2(Module):
         grads: dict[str, np.ndarray | None] = {}
         d_normed, grads["W_out"], grads["b_out"] = linear_backward(dy, normed, p["W_out"].astype(x.dtype, copy=False),
                                                                    need_bias=s.output_bias)  # (B, L, I)
-        d_y, dz = self._gated_norm_backward(d_normed, norm_saved, grads)  # (B, L, I) each
+        d_y, dz = getattr(self, self.gate_and_norm + "_backward")(d_normed, norm_saved, grads)  # (B, L, I) each
         d_y = self.hook_backward("hook_ssm_out", d_y.reshape(xs.shape))  # (B, L, H, P)
         grads["D_skip"] = np.einsum("blhp,blhp->h", d_y, xs)
         dq, dk, dv, dg, _ = _ssd.chunked_backward(d_y.transpose(0, 2, 1, 3), scan_ctx)  # (B, H, L, *)
@@ -376,8 +392,7 @@ class Mamba2(Module):
         d_xbc, grads["conv_weight"], _, grads["conv_bias"] = _conv.causal_conv_backward(d_conv_out, p["conv_weight"],
                                                                                        conv_saved)  # (B, L, Cc)
         d_proj = np.concatenate([dz, d_xbc, d_pre], axis=-1)  # (B, L, I + Cc + H)
-        if self.projection_scale is not None:
-            d_proj = d_proj * self.projection_scale.astype(d_proj.dtype)
+        d_proj = d_proj * self.projection_scale.astype(d_proj.dtype)
         grad_x, grads["W_in"], grads["b_in"] = linear_backward(d_proj, x, p["W_in"].astype(x.dtype, copy=False),
                                                                need_bias=s.proj_bias)  # (B, L, D)
         for name in self._parameters:  # the biases' only where the layer has them

@@ -9,6 +9,7 @@
 from .causal_lm import CausalLM
 from .config import (
     AttentionConfig,
+    AttentionMamba2Config,
     DecoderConfig,
     ExpertsConfig,
     NormConfig,
@@ -20,6 +21,7 @@ from .layerwise import LayerwiseConfig
 from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "ExpertsConfig", "LayerwiseConfig", "NormConfig",
+__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "AttentionMamba2Config", "ExpertsConfig", "LayerwiseConfig",
+           "NormConfig",
            "RotaryConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

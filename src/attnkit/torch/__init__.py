@@ -57,6 +57,7 @@ from .layers import (
     RotaryEmbedding,
     Router,
     Scale,
+    ScaledGatedMLP,
     SinusoidalPositionalEncoding,
     Zero,
 )
@@ -68,7 +69,7 @@ from .layerwise import (
     PerLayerInputBranch,
     PerLayerInputs,
 )
-from .mamba2 import Mamba2, Mamba2Mixer
+from .mamba2 import AttentionMamba2Mixer, Mamba2, Mamba2Mixer
 from .models import CausalLM, Seq2SeqTransformer
 from .short_conv import ShortConv, ShortConvMixer
 
@@ -78,6 +79,7 @@ __all__ = [
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
+    "AttentionMamba2Mixer", "ScaledGatedMLP",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
