@@ -36,6 +36,8 @@ ATTNKIT_ONLY = {
     "lfm2_bias": {"attn.hook_conv_in", "attn.hook_conv_out", "hook_attn_out"},
     "bamba": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out"},
     "bamba_bias": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out"},
+    "falcon_h1": {"attn.hook_conv_out", "attn.hook_ssm_out"},
+    "falcon_h1_bias": {"attn.hook_conv_out", "attn.hook_ssm_out"},
 }
 
 
