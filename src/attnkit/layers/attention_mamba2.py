@@ -104,6 +104,11 @@ class AttentionMamba2Mixer(Module):
         self.mamba = Mamba2Mixer(config, layer_index, rng=gen)
         self.mamba_out = _scale(factors.mamba_out)
 
+    def head_writer(self) -> tuple[GroupedQueryAttention, float]:
+        """The module whose ``W_O`` rows write the heads' outputs, and the factor after it (``attention_out``):
+        what direct logit attribution splits into heads; the rest of the output is the Mamba-2 half's."""
+        return self.attn, getattr(self.attn_out, "factor", 1.0)
+
     def new_cache(self, batch_size: int, dtype: Any = None) -> Mamba2Cache:
         """The Mamba-2 half of the layer's cache entry (the attention's keys and values are the KVCache's slots)."""
         return self.mamba.new_cache(batch_size, dtype)
