@@ -80,7 +80,7 @@ class AttentionMamba2Mixer(Module):
 
     Examples
     --------
-    >>> from attnkit.layers import Mamba2Config
+    >>> from attnkit.layers import AttentionMamba2Config, AttentionMamba2Mixer, Mamba2Config
     >>> from attnkit.models import DecoderConfig
     >>> cfg = DecoderConfig(family="falcon_h1", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
     ...                     num_kv_heads=1, head_dim=4, intermediate_size=8, layer_types=("attention_mamba2",),
