@@ -1,11 +1,11 @@
-"""Falcon-H1 (TII): every layer runs attention and a Mamba-2 mixer side by side on the same normed input and sums
-their scaled outputs (an ``attention_mamba2`` layer, :class:`~attnkit.layers.attention_mamba2.AttentionMamba2Mixer`),
-then a gated MLP; muP multipliers everywhere: the embeddings times ``embedding_multiplier``, the logits times
-``lm_head_multiplier``, the attention's input and output times ``attention_in_multiplier`` and
-``attention_out_multiplier``, its keys times ``key_multiplier``, the Mamba-2 mixer's input and output times
-``ssm_in_multiplier`` and ``ssm_out_multiplier``, its projection's z, x, B, C and dt columns each times one of
-``ssm_multipliers``, the MLP's gate pre-activation and output times ``mlp_multipliers``. The Mamba-2 inner width
-is ``mamba_d_ssm``, its group RMSNorm present only with ``mamba_rms_norm`` and before the gate with
+"""Falcon-H1 (TII): Bamba, except that every layer runs attention and the Mamba-2 mixer side by side on the same
+normed input and sums their scaled outputs (an ``attention_mamba2`` layer,
+:class:`~attnkit.layers.attention_mamba2.AttentionMamba2Mixer`), the whole head is rotated, and muP multipliers
+scale the embeddings (``embedding_multiplier``), the logits (``lm_head_multiplier``), the attention's input,
+output and keys (``attention_in_multiplier``, ``attention_out_multiplier``, ``key_multiplier``), the Mamba-2
+mixer's input and output (``ssm_in_multiplier``, ``ssm_out_multiplier``) and each of its projection's z, x, B, C
+and dt columns (``ssm_multipliers``), the MLP's gate pre-activation and output (``mlp_multipliers``). The Mamba-2
+inner width is ``mamba_d_ssm``, its group RMSNorm present only with ``mamba_rms_norm`` and before the gate with
 ``mamba_norm_before_gate``; its output projection's bias is ``projectors_bias``.
 
 Every multiplier is a fixed factor applied where transformers applies it (a ``Scale`` part, a factor of the Mamba-2
