@@ -327,3 +327,20 @@ def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transform
         else:
             with pytest.raises(ValueError, match="unexpected tensor 'model.layers.2.self_attn.z_proj.weight'"):
                 load_causal_lm(target)
+
+
+# the keys of TII's Falcon-H1-0.5B config.json beyond transformers' (at the tiny model's sizes)
+TII_FALCON_H1_KEYS = dict(attn_layer_indices=None, mamba_use_mlp=True, mlp_expansion_factor=8, time_step_min=0.001,
+                          time_step_max=0.1, time_step_floor=1e-4)
+
+
+def test_falcon_h1_reads_tiis_config_keys_and_refuses_attention_on_some_layers_only(hf_root, tmp_path):
+    folder, _ = saved_model("falcon_h1", hf_root)
+    ids = np.array([[3, 17, 5, 40, 2]])
+    ours, plain = load_causal_lm(edit_config(folder, tmp_path / "tii", **TII_FALCON_H1_KEYS)), load_causal_lm(folder)
+    assert ours.config == plain.config  # none of them changes the computation
+    np.testing.assert_array_equal(ours(ids), plain(ids))
+    with pytest.raises(ValueError, match=r"'attn_layer_indices' other than null is not supported"):
+        load_causal_lm(edit_config(folder, tmp_path / "some", attn_layer_indices=[1]))
+    # key_multiplier is the attention's scale (head_dim ** -0.5 times it): the tiny model's head_dim is 8
+    assert ours.config.attention.scale == pytest.approx(0.8 * 8 ** -0.5)

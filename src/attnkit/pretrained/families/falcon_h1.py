@@ -40,8 +40,12 @@ MAMBA_KEYS = ("mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", 
 MULTIPLIER_KEYS = ("lm_head_multiplier", "embedding_multiplier", "mlp_multipliers", "key_multiplier",
                    "attention_out_multiplier", "attention_in_multiplier", "ssm_multipliers", "ssm_in_multiplier",
                    "ssm_out_multiplier")
-# how many logits generate keeps: no forward pass changes
-_GENERATION_KEYS = ("num_logits_to_keep",)
+# Keys TII's config.json files carry that change no forward pass of transformers' Falcon-H1: how many logits generate
+# keeps, the step sizes' initialisation range, the MLP's width as a factor (intermediate_size is the width read), and
+# mamba_use_mlp (every layer has its MLP whatever it says). attn_layer_indices is read: only null (every layer has
+# its attention) is what transformers computes.
+_IGNORED_KEYS = ("num_logits_to_keep", "time_step_min", "time_step_max", "time_step_floor", "mlp_expansion_factor",
+                 "mamba_use_mlp")
 
 
 def _factors(read: Reader, key: str, count: int) -> tuple[float, ...]:
@@ -76,6 +80,9 @@ def _mamba2_config(read: Reader) -> Mamba2Config:
 
 def _config(read: Reader) -> DecoderConfig:
     read = Reader({"pad_token_id": 0, **read.config}, read.family)  # transformers' Falcon-H1 default
+    if read.raw("attn_layer_indices", None) is not None:
+        raise ValueError(f"{read.family} config: 'attn_layer_indices' other than null is not supported (transformers "
+                         f"runs attention in every layer), got {read.raw('attn_layer_indices')!r}")
 
     def fields(read: Reader, layers: int) -> dict[str, Any]:
         bias = read.bool("attention_bias", False)
@@ -117,7 +124,8 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
 
 FAMILY = Family(
     model_type="falcon_h1",
-    keys=frozenset(COMMON_KEYS + MAMBA_KEYS + MULTIPLIER_KEYS + _GENERATION_KEYS + ("attention_bias", "mlp_bias")),
+    keys=frozenset(COMMON_KEYS + MAMBA_KEYS + MULTIPLIER_KEYS + _IGNORED_KEYS
+                   + ("attention_bias", "mlp_bias", "attn_layer_indices")),
     read_config=_config, tensors=_tensors, architecture="FalconH1ForCausalLM", hf_config_class="FalconH1Config",
     # the benchmark's shape with Mamba-2 heads of 64 beside every attention, muP-like multipliers
     benchmark=dict(BENCHMARK_SHAPE, mamba_d_ssm=1152, mamba_n_heads=18, mamba_d_head=64, mamba_d_state=64,
