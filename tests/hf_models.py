@@ -267,6 +267,25 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                 mamba_head_dim=16, n_groups=1, ssm_state_size=6, conv_kernel=4,
                                                 chunk_size=3, use_bias=True, mlp_bias=True, use_conv_bias=False,
                                                 time_step_min=0.01), {}),
+    # Falcon-H1: attention and Mamba-2 (4 heads of 12 in mamba_d_ssm = 48, 2 groups of 8 state channels, kernel 3,
+    # chunks of 4) side by side in every layer, the group norm before the gate, every muP multiplier away from 1
+    "falcon_h1": ("FalconH1Config", dict(_COMMON, num_key_value_heads=2, mamba_d_ssm=48, mamba_n_heads=4,
+                                         mamba_d_head=12, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3,
+                                         mamba_chunk_size=4, mamba_rms_norm=True, embedding_multiplier=3.0,
+                                         lm_head_multiplier=0.4, attention_in_multiplier=0.6,
+                                         attention_out_multiplier=1.5, ssm_in_multiplier=1.3, ssm_out_multiplier=0.7,
+                                         key_multiplier=0.8, mlp_multipliers=[0.9, 1.4],
+                                         ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0]), {}),
+    # no Mamba norm (the gate alone), the inner width from mamba_expand, one group, the output projections'
+    # biases (projectors_bias), attention and MLP biases, a tied head, three layers
+    "falcon_h1_bias": ("FalconH1Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, mamba_d_ssm=None,
+                                              mamba_n_heads=4, mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=3,
+                                              projectors_bias=True, attention_bias=True, mlp_bias=True,
+                                              tie_word_embeddings=True, embedding_multiplier=0.5,
+                                              lm_head_multiplier=2.0, attention_out_multiplier=0.8,
+                                              ssm_out_multiplier=1.2, key_multiplier=1.5,
+                                              mlp_multipliers=[1.2, 0.7],
+                                              ssm_multipliers=[1.1, 0.9, 1.3, 0.8, 0.6]), {}),
     # Qwen3-MoE: Qwen3's attention, layer 1 dense, the others the top 2 of a softmax over 4 experts (not
     # renormalised)
     "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -348,7 +367,7 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2", "lfm2_bias", "bamba",
                  "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                  "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h",
-                 "nemotron_h_bias")
+                 "nemotron_h_bias", "falcon_h1", "falcon_h1_bias")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config", "DeepseekV32Config", "Glm4MoeConfig")
 

@@ -150,9 +150,33 @@ def interleaved_rotary_order(config) -> np.ndarray | None:
     return np.concatenate([np.arange(nope), nope + np.arange(0, rope, 2), nope + np.arange(1, rope, 2)])
 
 
+def in_attnkit_meaning(lm, lens: dict) -> dict:
+    """TransformerLens's cache with its Falcon-H1 points brought to attnkit's meaning (other families: as it is).
+
+    TransformerLens's Falcon-H1 bridge hooks transformers' modules before the muP multipliers the decoder layer and
+    the model apply: its ``hook_embed`` is before ``embedding_multiplier``, its ``hook_attn_out`` is the attention's
+    output alone before ``attention_out_multiplier`` (the Mamba-2 mixer's is its ``mamba.hook_out``, before
+    ``ssm_out_multiplier``), and its ``hook_rot_k`` is after ``key_multiplier``, which attnkit folds into the
+    attention's scale (its keys are the projection's). attnkit's ``hook_attn_out`` is what the layer adds to the
+    residual stream: both mixers, scaled."""
+    if lm.config.family != "falcon_h1":
+        return lens
+    out, c = dict(lens), lm.config
+    out["hook_embed"] = lens["hook_embed"] * np.float32(c.embedding_scale)
+    key_multiplier = c.attention.scale * c.head_dim ** 0.5
+    for i in range(c.num_layers):
+        factors = c.attention_mamba2
+        out[f"blocks.{i}.attn.hook_rot_k"] = lens[f"blocks.{i}.attn.hook_rot_k"] / np.float32(key_multiplier)
+        out[f"blocks.{i}.hook_attn_out"] = (lens[f"blocks.{i}.hook_attn_out"] * np.float32(factors.attention_out)
+                                            + lens[f"blocks.{i}.mamba.hook_out"] * np.float32(factors.mamba_out))
+    return out
+
+
 def compare(lm, cache, lens: dict) -> tuple[dict[str, float], list[str]]:
     """``({attnkit name: max |attnkit - TransformerLens| / max(1, max |TransformerLens|)}, [attnkit names
-    TransformerLens does not have])``."""
+    TransformerLens does not have])``, TransformerLens's points read in attnkit's meaning
+    (:func:`in_attnkit_meaning`)."""
+    lens = in_attnkit_meaning(lm, lens)
     diffs, absent = {}, []
     order = interleaved_rotary_order(lm.config)
     for name, ours in cache.items():

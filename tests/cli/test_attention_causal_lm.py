@@ -182,6 +182,11 @@ def test_short_convolution_and_mamba2_models_draw_their_attention_layers_and_ref
         capsys.readouterr().err
     assert main(["explain", str(bamba), "--ids", "3,17,5,40", "--html", str(page), "--candidates", "2"]) == 0
     assert "note: layers 0, 2 are Mamba-2 layers" in capsys.readouterr().out
+    falcon = saved_model("falcon_h1", tmp_path)[0]  # attention beside Mamba-2: every layer has a pattern
+    assert main(["attention", str(falcon), "--ids", "3,17", "--layer", "1", "--html", str(page)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(falcon), "--ids", "3,17,5,40", "--html", str(page), "--candidates", "2"]) == 0
+    assert "note: layers 0, 1 run attention beside a Mamba-2 mixer" in capsys.readouterr().out
 
 
 def test_explain_draws_a_hybrid_models_softmax_layers_and_says_why_it_has_no_rollout(tmp_path, capsys):

@@ -29,7 +29,7 @@ from attnkit.explain import (  # noqa: E402
     run_with_cache_with_saes,
     saes,
 )
-from attnkit.models.config import STATE_LAYER_TYPES  # noqa: E402
+from attnkit.models.config import PAIRED_LAYER_TYPES, STATE_LAYER_TYPES  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import FAMILY_MODELS, saved_model  # noqa: E402
 
@@ -68,9 +68,13 @@ def test_direct_logit_attribution_sums_to_the_logit(name, hf_root):
     heads = with_heads(lm)
     mlp_alone = [i for i, kind in enumerate(lm.config.layer_types) if kind == "mlp"]  # no token mixer at all
     headless = sorted(set(range(lm.config.num_layers)) - set(heads) - set(mlp_alone))
-    # every head of a layer with heads writes something; a layer without heads is one share, never zero
+    # every head of a layer with heads writes something; a layer without heads is one share, never zero, and so
+    # is the state-space half beside the heads of a paired layer (Falcon-H1's)
+    paired = [i for i, kind in enumerate(lm.config.layer_types) if kind in PAIRED_LAYER_TYPES]
+    attention_only = sorted(set(heads) - set(paired))
     assert np.abs(parts["heads"][heads]).min() > 0 and not parts["heads"][headless].any()
-    assert np.abs(parts["linear_attn"][headless]).min(initial=1.0) > 0 and not parts["linear_attn"][heads].any()
+    assert np.abs(parts["linear_attn"][headless + paired]).min(initial=1.0) > 0
+    assert not parts["linear_attn"][attention_only].any()
     assert headless == [i for i, kind in enumerate(lm.config.layer_types) if kind in STATE_LAYER_TYPES]
     assert not parts["linear_attn"][mlp_alone].any() and not parts["heads"][mlp_alone].any()
 
@@ -142,7 +146,8 @@ def test_the_explain_command_writes_its_page(name, hf_root, tmp_path):
     data = _embedded(page)
     lm = load_causal_lm(folder)
     linear = [i for i, kind in enumerate(lm.config.layer_types) if kind in STATE_LAYER_TYPES]
-    assert data["linear_layers"] == linear and (data["rollout"] is None) == bool(linear)
+    paired = any(kind in PAIRED_LAYER_TYPES for kind in lm.config.layer_types)  # attention beside a state space
+    assert data["linear_layers"] == linear and (data["rollout"] is None) == (bool(linear) or paired)
     for candidate in data["candidates"]:
         parts = direct_logit_attribution(lm, CLEAN, candidate["id"])
         np.testing.assert_allclose(candidate["dla"]["heads"], parts["heads"], atol=1e-6)

@@ -82,6 +82,24 @@ def test_a_mamba2_layer_has_its_own_points_and_no_attention_ones(hf_root):
         run_with_cache(lm, CLEAN, names=["blocks.0.attn.hook_z"])
 
 
+def test_an_attention_beside_mamba2_layer_has_both_mixers_points(hf_root):
+    """Falcon-H1's layer: the attention's points then the Mamba-2 half's, under ``attn.``; cutting the Mamba-2
+    half's scan output changes the model, and hook_attn_out is both halves' sum."""
+    lm = model("falcon_h1", hf_root)
+    assert lm.layer_kind(1) == "an attention_mamba2 layer (attention beside a Mamba-2 mixer)"
+    points = lm.layer_hook_points(1)
+    assert points.index("blocks.1.attn.hook_z") < points.index("blocks.1.attn.hook_conv_out") < \
+        points.index("blocks.1.attn.hook_ssm_out") < points.index("blocks.1.hook_attn_out")
+    names = ["blocks.1.attn.hook_ssm_out", "blocks.1.attn.hook_z"]
+    logits, cache = run_with_cache(lm, CLEAN, names=names)
+    shape = lm.config.mamba2
+    assert cache["blocks.1.attn.hook_ssm_out"].shape == (1, len(CLEAN), shape.num_heads, shape.head_dim)
+    assert cache["blocks.1.attn.hook_z"].shape == (1, len(CLEAN), lm.config.num_heads, lm.config.head_dim)
+    with hooks(lm, {"blocks.1.attn.hook_ssm_out": lambda value, name: np.zeros_like(value)}):
+        cut = lm(np.asarray(CLEAN)[None])
+    assert not np.allclose(cut, logits)
+
+
 def test_a_layer_reusing_keys_and_values_says_it_has_none_of_its_own(hf_root):
     lm = model("gemma4_text", hf_root)  # layers 3 and 4 reuse layers 2's and 1's keys and values
     assert lm.layer_kind(3) == "a sliding_attention layer that reuses layer 2's keys and values"

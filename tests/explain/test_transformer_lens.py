@@ -41,6 +41,8 @@ ATTNKIT_ONLY = {
     # and Granite 4 hybrid's mixture and shared MLP: no hook on the routing, nor on the MLP's sum
     "granitemoehybrid": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out", "mlp.hook_expert_indices",
                          "mlp.hook_router_weights", "hook_mlp_out"},
+    "falcon_h1": {"attn.hook_conv_out", "attn.hook_ssm_out"},
+    "falcon_h1_bias": {"attn.hook_conv_out", "attn.hook_ssm_out"},
 }
 
 

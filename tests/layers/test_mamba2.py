@@ -162,6 +162,115 @@ def test_bad_arguments_are_refused():
         _layer().backward(np.ones((1, 2, 6)))
 
 
+# -- Falcon-H1's options: the norm before the gate or none, the projection's per-slice factors, the output bias --
+FALCON_OPTIONS = [dict(norm="before_gate", projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0)),
+                  dict(norm=None, out_bias=True, projection_multipliers=(1.2, 0.6, 1.4, 0.9, 0.7)),
+                  dict(norm="after_gate", proj_bias=True, out_bias=False)]
+
+
+def _falcon_hf_layer(groups: int, options: dict):
+    from transformers.models.falcon_h1.configuration_falcon_h1 import FalconH1Config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, compute_mup_vector
+
+    torch.manual_seed(0)
+    config = FalconH1Config(hidden_size=D, mamba_d_ssm=24, mamba_n_heads=4, mamba_n_groups=groups, mamba_d_state=5,
+                            mamba_d_conv=3, mamba_chunk_size=4, mamba_proj_bias=options.get("proj_bias", False),
+                            projectors_bias=bool(options.get("out_bias", options.get("proj_bias", False))),
+                            mamba_rms_norm=options["norm"] is not None,
+                            mamba_norm_before_gate=options["norm"] == "before_gate",
+                            ssm_multipliers=list(options.get("projection_multipliers", (1.0,) * 5)),
+                            num_hidden_layers=1, num_attention_heads=2, vocab_size=10)
+    layer = FalconH1Mixer(config, 0).eval()
+    layer.register_buffer("mup_vector", compute_mup_vector(config), persistent=False)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+        layer.A_log.uniform_(-1.0, 1.0)
+    return layer, Mamba2Config(num_heads=4, head_dim=6, state_size=5, n_groups=groups, conv_kernel_size=3,
+                               chunk_size=5, **options)
+
+
+@pytest.mark.parametrize("options", FALCON_OPTIONS)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_equals_falcon_h1s_mixer_forward_and_backward_on_a_padded_batch(groups, options):
+    """Each option as transformers' FalconH1Mixer computes it (its PyTorch path), every gradient included."""
+    hf, shape = _falcon_hf_layer(groups, options)
+    rng = make_rng(7)
+    x, grad_y = randn(rng, 3, 9, D), randn(rng, 3, 9, D)
+    mask = np.ones((3, 9), bool)
+    mask[1, :4] = mask[2, :1] = False
+    grad_y[~mask] = 0
+    tx = torch.tensor(x.astype(np.float32), requires_grad=True)
+    ty = hf(tx, attention_mask=torch.from_numpy(mask.astype(np.int64)))
+    ty.backward(torch.tensor(grad_y.astype(np.float32)))
+    named = {n: to_numpy(p) for n, p in hf.named_parameters()}
+    layer = Mamba2(D, shape, eps=hf.layer_norm_epsilon).astype(np.float32)
+    assert ("norm_gamma" in layer._parameters) == ("norm.weight" in named)
+    plain = {n: v for n, v in named.items() if not n.endswith(".bias") or n == "conv1d.bias"}
+    ours_from = {k: v for k, v in _ours_from({**plain, "norm.weight": named.get("norm.weight")}).items()
+                 if k in layer._parameters}
+    ours_from.update({k: named[n] for k, n in (("b_in", "in_proj.bias"), ("b_out", "out_proj.bias"))
+                      if k in layer._parameters})
+    layer.load_state_dict(ours_from)
+    y = layer(x.astype(np.float32), attention_mask=mask)
+    grad_x = layer.backward(grad_y.astype(np.float32))
+    hf_grads = {n: to_numpy(p.grad) for n, p in hf.named_parameters()}
+    theirs = {"y": to_numpy(ty)[mask], "grad x": to_numpy(tx.grad)}
+    ours = {"y": y[mask], "grad x": grad_x}
+    names = {"W_in": "in_proj.weight", "W_out": "out_proj.weight", "A_log": "A_log", "dt_bias": "dt_bias",
+             "D_skip": "D", "norm_gamma": "norm.weight", "conv_bias": "conv1d.bias", "b_in": "in_proj.bias",
+             "b_out": "out_proj.bias"}
+    for ours_name, hf_name in names.items():
+        if ours_name in layer._parameters:
+            grad = hf_grads[hf_name]
+            theirs["grad " + ours_name] = grad.T if ours_name.startswith("W_") else grad
+            ours["grad " + ours_name] = layer.grads[ours_name]
+    assert len(ours) == len(layer._parameters) + 2 - 1  # every parameter but the convolution's weight by name
+    for name, ref in theirs.items():
+        error = float(np.max(np.abs(ours[name] - ref))) / float(np.max(np.abs(ref)))
+        assert error < 2e-5, f"{name}: {error:.2e} from Hugging Face"
+
+
+@pytest.mark.parametrize("options", FALCON_OPTIONS)
+def test_falcon_h1s_options_pass_finite_differences_with_padding(options):
+    layer = Mamba2(6, Mamba2Config(num_heads=2, head_dim=3, state_size=2, n_groups=2, conv_kernel_size=3,
+                                   chunk_size=3, **options), rng=2)
+    for name, value in layer.named_parameters():
+        value += 0.3 * make_rng(len(name)).standard_normal(value.shape)
+    rng = make_rng(8)
+    x, grad_y = randn(rng, 2, 7, 6), randn(rng, 2, 7, 6)
+    mask = np.array([[True] * 7, [False, False, True, True, True, True, True]])
+    layer(x, attention_mask=mask)
+    grad_x = layer.backward(grad_y)
+
+    def loss():
+        return np.sum(layer(x, attention_mask=mask) * grad_y)
+
+    assert_gradient(loss, x, grad_x, "x")
+    for name, value in layer.named_parameters():
+        assert_gradient(loss, value, layer.grads[name], name)
+
+
+@pytest.mark.parametrize("options", FALCON_OPTIONS[:2])
+def test_falcon_h1s_options_step_as_the_whole_forward(options):
+    layer = Mamba2(6, Mamba2Config(num_heads=2, head_dim=3, state_size=2, chunk_size=3, **options), rng=3)
+    x = randn(make_rng(9), 2, 8, 6)
+    whole = layer(x)
+    cache = layer.new_cache(2)
+    got = np.concatenate([layer(x[:, :3], cache)] + [layer.step(x[:, t], cache=cache)[:, None] for t in range(3, 8)],
+                         axis=1)
+    np.testing.assert_allclose(got, whole, rtol=1e-12, atol=1e-12 * np.abs(whole).max())
+
+
+def test_falcon_h1s_bad_options_are_refused():
+    with pytest.raises(ValueError, match="norm must be one of"):
+        Mamba2Config(num_heads=2, head_dim=2, state_size=2, norm="after")
+    with pytest.raises(ValueError, match=r"projection_multipliers must be 5 factors \(z, x, B, C, dt\)"):
+        Mamba2Config(num_heads=2, head_dim=2, state_size=2, projection_multipliers=(1.0, 2.0))
+    with pytest.raises(TypeError, match="out_bias must be True, False or None"):
+        Mamba2Config(num_heads=2, head_dim=2, state_size=2, out_bias=1)
+
+
 def _nemotron_h_layer(floor: float):
     from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer

@@ -31,7 +31,7 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
                      "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                      "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid", "granitemoehybrid_dense",
-                     "nemotron_h", "nemotron_h_bias")
+                     "nemotron_h", "nemotron_h_bias", "falcon_h1", "falcon_h1_bias")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -145,7 +145,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("glm4_moe", "scoring_func"),
                                        ("deepseek_v32", "rope_interleave"),
                                        ("granitemoehybrid", "router_jitter_noise"),
-                                       ("nemotron_h", "rms_norm_eps")])
+                                       ("nemotron_h", "rms_norm_eps"),
+                                       ("falcon_h1", "mamba_d_inner")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -274,7 +275,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
                                                       ("apertus", "ApertusConfig"),
                                                       ("glm4_moe", "Glm4MoeConfig"),
                                                       ("deepseek_v32", "DeepseekV32Config"),
-                                                      ("granitemoehybrid", "GraniteMoeHybridConfig")])
+                                                      ("granitemoehybrid", "GraniteMoeHybridConfig"),
+                                                      ("falcon_h1", "FalconH1Config")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
@@ -464,3 +466,20 @@ def test_glm4_moe_refuses_tensors_past_the_multi_token_prediction_layer(index, e
     folder, _ = saved_model("glm4_moe", hf_root)
     with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.[34]\."):
         load_causal_lm(_with_extra_layer(folder, tmp_path / "extra", index, extra))
+
+
+# the keys of TII's Falcon-H1-0.5B config.json beyond transformers' (at the tiny model's sizes)
+TII_FALCON_H1_KEYS = dict(attn_layer_indices=None, mamba_use_mlp=True, mlp_expansion_factor=8, time_step_min=0.001,
+                          time_step_max=0.1, time_step_floor=1e-4)
+
+
+def test_falcon_h1_reads_tiis_config_keys_and_refuses_attention_on_some_layers_only(hf_root, tmp_path):
+    folder, _ = saved_model("falcon_h1", hf_root)
+    ids = np.array([[3, 17, 5, 40, 2]])
+    ours, plain = load_causal_lm(edit_config(folder, tmp_path / "tii", **TII_FALCON_H1_KEYS)), load_causal_lm(folder)
+    assert ours.config == plain.config  # none of them changes the computation
+    np.testing.assert_array_equal(ours(ids), plain(ids))
+    with pytest.raises(ValueError, match=r"'attn_layer_indices' other than null is not supported"):
+        load_causal_lm(edit_config(folder, tmp_path / "some", attn_layer_indices=[1]))
+    # key_multiplier is the attention's scale (head_dim ** -0.5 times it): the tiny model's head_dim is 8
+    assert ours.config.attention.scale == pytest.approx(0.8 * 8 ** -0.5)

@@ -212,6 +212,14 @@ FAMILY_CONFIGS = {
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_indices": [1],
               "mamba_n_heads": 4, "mamba_d_state": 4, "mamba_n_groups": 2, "mamba_d_conv": 3, "mamba_chunk_size": 4,
               "max_position_embeddings": 64},
+    "falcon_h1": {"model_type": "falcon_h1", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_d_ssm": 16,
+                  "mamba_n_heads": 4, "mamba_d_state": 4, "mamba_n_groups": 2, "mamba_d_conv": 3,
+                  "mamba_chunk_size": 4, "mamba_rms_norm": True, "max_position_embeddings": 64,
+                  "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "key_multiplier": 0.7,
+                  "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.2, "ssm_in_multiplier": 1.1,
+                  "ssm_out_multiplier": 0.9, "mlp_multipliers": [0.8, 1.25],
+                  "ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 2.0]},
 }
 
 

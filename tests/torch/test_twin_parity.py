@@ -18,6 +18,7 @@ from attnkit.layers.rms_norm import RMSNorm
 from attnkit.layers.rotary import RotaryEmbedding
 from attnkit.models import (
     AttentionConfig,
+    AttentionMamba2Config,
     CausalLM,
     DecoderConfig,
     ExpertsConfig,
@@ -366,6 +367,20 @@ FAMILIES = {
                        layer_types=("mamba2", "full_attention", "mlp", "mamba2"),
                        mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
                                            chunk_size=2, time_step_min=0.5)),
+    # attention beside Mamba-2 in every layer, every multiplier away from 1, the norm before the gate
+    "falcon_h1": dict(family="falcon_h1", attention=AttentionConfig(scale=0.3), mlp="scaled_gated",
+                      mlp_multipliers=(0.7, 1.3), layer_types=("attention_mamba2",) * 2, embedding_scale=2.0,
+                      logit_scale=0.5,
+                      mamba2=Mamba2Config(num_heads=4, head_dim=6, state_size=3, n_groups=2, conv_kernel_size=3,
+                                          chunk_size=2, norm="before_gate", out_bias=True,
+                                          projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0)),
+                      attention_mamba2=AttentionMamba2Config(0.6, 1.5, 1.3, 0.7)),
+    # no Mamba norm, projection biases, MLP biases
+    "falcon_h1_bias": dict(family="falcon_h1", mlp="scaled_gated", mlp_bias=True, mlp_multipliers=(1.2, 0.8),
+                           layer_types=("attention_mamba2",) * 2,
+                           mamba2=Mamba2Config(num_heads=2, head_dim=8, state_size=4, chunk_size=3, norm=None,
+                                               proj_bias=True),
+                           attention_mamba2=AttentionMamba2Config(mamba_out=1.2)),
 }
 
 

@@ -185,6 +185,13 @@ def _report(name: str, model: Any, ids: list[int], data: dict, page: Path) -> No
               f"softmax pattern: the page draws the attention of layers "
               f"{', '.join(map(str, data['attention_layers']))}, leaves out the rollout and flow, and gives each "
               f"{kind} layer's whole output one share of the logit")
+    from ..models.config import PAIRED_LAYER_TYPES  # the model is loaded: its modules are imported already
+
+    paired = [i for i, kind in enumerate(model.config.layer_types) if kind in PAIRED_LAYER_TYPES]
+    if paired:
+        print(f"note: layers {', '.join(map(str, paired))} run attention beside a Mamba-2 mixer, which moves "
+              f"information between tokens outside the attention pattern: the page leaves out the rollout and flow, "
+              f"and gives each such layer's Mamba-2 half one share of the logit beside its heads")
     patching = data["patching"]
     if patching is not None:
         print(f"patching: logit[{printable(repr(patching['correct_text']))}] - "

@@ -96,6 +96,10 @@ class KVCache:
     rollback : int, default 0
         Slots a ring-buffer layer keeps beyond its window, so :meth:`crop` can go back that far without a mark
         (a speculative draft's length). Its attention still sees only the window.
+    paired : iterable of int, default ()
+        Layers of ``states`` that keep keys and values beside their state (Falcon-H1's attention beside a
+        Mamba-2 mixer): the pair marks, crops, reorders and saves together (:meth:`crop` goes back as the state
+        allows).
 
     Attributes
     ----------
@@ -135,7 +139,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  dtype=np.float32, *, max_length: int | None = None, windows=None, states=None,
-                 layer_shapes=None, rollback: int = 0) -> None:
+                 layer_shapes=None, rollback: int = 0, paired=()) -> None:
         self.num_layers = check_positive_int(num_layers, "num_layers")
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
@@ -150,6 +154,12 @@ class KVCache:
         self.windows = [None if w is None else check_positive_int(w, f"windows[{i}]") for i, w in enumerate(windows)]
         self.rollback = check_positive_int(rollback, "rollback", allow_zero=True)
         self._states = self._check_states(states)
+        self._paired = frozenset(int(layer) for layer in paired)
+        if not self._paired <= set(self._states):
+            raise ValueError(f"paired layers {sorted(self._paired - set(self._states))} have no state: a paired layer "
+                             f"keeps keys and values beside the state given in states")
+        # the layers keeping a state and no keys or values
+        self._state_only = frozenset(self._states) - self._paired
         self._shapes = self._check_shapes(layer_shapes)
         self._holding = [i for i, shape in enumerate(self._shapes) if shape is not None]
         self._lengths = [0] * self.num_layers
@@ -172,7 +182,7 @@ class KVCache:
     # ------------------------------------------------------------------------------------------------
     def _initial_capacity(self, layer: int) -> int:
         window = self.windows[layer]
-        if layer in self._states:
+        if layer in self._state_only:
             return 0  # a state layer keeps no keys or values
         if window is not None:
             return window + self.rollback if self.max_length is None else min(window + self.rollback,
@@ -252,7 +262,7 @@ class KVCache:
             ``keys``, ``values`` (B, Hkv, S, Dh) in slot order and ``slots`` (S,).
         """
         layer = self._check_layer(layer)
-        if layer in self._states:
+        if layer in self._state_only:
             raise ValueError(f"layer {layer} keeps a state, not keys and values: use state({layer})")
         if self._shapes[layer] is None:
             raise ValueError(f"layer {layer} stores no keys and values (layer_shapes[{layer}] is None): it reads "
@@ -415,7 +425,7 @@ class KVCache:
         length = _consistent_length(self)
         out = {"token_ids": self.token_ids.copy()}
         for layer in self._holding:
-            if layer in self._states:
+            if layer in self._state_only:
                 continue
             if self.windows[layer] is None:
                 keys, values = self._keys[layer][:, :, :length].copy(), self._values[layer][:, :, :length].copy()
@@ -435,7 +445,7 @@ class KVCache:
         length = ids.shape[1]
         expected = {"token_ids"}
         for layer in self._holding:
-            if layer in self._states:
+            if layer in self._state_only:
                 continue
             heads, dim = self._shapes[layer]
             capacity = length if self.windows[layer] is None else min(length, self._keys[layer].shape[2])
@@ -469,7 +479,7 @@ class KVCache:
             raise ValueError(f"load_arrays fills an empty cache; this one holds {self.length} positions")
         length = self.check_arrays(arrays)
         for layer in self._holding:
-            if layer in self._states:
+            if layer in self._state_only:
                 continue
             keys, values = arrays[f"layers.{layer}.keys"], arrays[f"layers.{layer}.values"]
             if self.windows[layer] is None:

@@ -3,7 +3,9 @@ read straight through the final norm and the output head as a share of one logit
 
 A head is one slice of its layer's ``hook_z`` through its rows of the output projection, whatever the attention
 (grouped-query, gated, latent, or reading an earlier layer's keys and values). A layer without heads (a Gated
-DeltaNet layer) is split no further: its whole output (``hook_attn_out``) is one share.
+DeltaNet layer) is split no further: its whole output (``hook_attn_out``) is one share. A mixer whose attention
+sits beside a state-space half (Falcon-H1's) names its heads' writer and their factor (``head_writer()``); its heads
+are split as any, and the rest of its output (the state-space half's) is one share.
 
 The final norm is linear in its input once its scale is fixed, so with the scale taken from the run (frozen)
 every component's share is a dot product, and the shares sum to the logit. Post-norms on the branches (Gemma,
@@ -34,27 +36,33 @@ def head_writes(layer, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``z`` (..., H, Dv) is ``hook_z``; head h's write is ``z_h @ W_O[h]`` with ``W_O`` (H * Dv, D) read as
     (H, Dv, D): Dv is the head's value width (``v_head_dim`` in latent attention, a global layer's wider heads in
     Gemma 4), taken from ``z`` itself. The attention output's post-norm (Gemma, OLMo 2) and the branch's scale
-    (Granite) are frozen at the output the run made, so the writes and the rest sum to ``hook_attn_out``."""
-    attention = layer.attention
+    (Granite) are frozen at the output the run made, so the writes and the rest sum to ``hook_attn_out``. A mixer
+    with a ``head_writer()`` (the attention beside a Mamba-2 mixer) names the module holding ``W_O`` and the factor
+    of its output; what the other half writes is not in these."""
+    attention, factor = layer.attention.head_writer() if hasattr(layer.attention, "head_writer") \
+        else (layer.attention, 1.0)
     heads, width = z.shape[-2:]
     lead = z.shape[:-2]
     # each head's z alone in its rows of W_O's input, the other heads' zero: one product through W_O (dense or
     # packed, whose rows cannot be cut per head) gives every head's write
     alone = np.zeros(lead + (heads, heads, width), z.dtype)  # (..., H, H, Dv)
     alone[..., np.arange(heads), np.arange(heads), :] = z
-    per_head = linear(alone.reshape(lead + (heads, heads * width)), attention.W_O)  # (..., H, D)
+    per_head = linear(alone.reshape(lead + (heads, heads * width)), attention.W_O) * z.dtype.type(factor)  # (..., H, D)
     b_o = attention.b_O if "b_O" in attention._parameters else np.zeros(per_head.shape[-1], z.dtype)  # (D,)
+    b_o = b_o * z.dtype.type(factor)  # (D,)
     # the post-norm (an identity where there is none) and the scale (an identity where it is 1), frozen
     post_scale, _, _ = frozen_norm(layer.attn_post_norm, per_head.sum(axis=-2) + b_o)  # (..., D)
     post_scale = post_scale * frozen_norm(layer.attn_scale, post_scale)[0]  # (..., D)
     return per_head * post_scale[..., None, :], b_o * post_scale  # (..., H, D), (..., D)
 
 
-def _head_shares(layer, z: np.ndarray, direction: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each head's share (B, H) of what ``layer``'s attention writes along ``direction`` (B, D), and its output
-    bias's share (B,); ``z`` (B, H, Dv) is ``hook_z`` at the explained position."""
+def _head_shares(layer, z: np.ndarray, direction: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each head's share (B, H) of what ``layer``'s attention writes along ``direction`` (B, D), its output bias's
+    share (B,), and what the heads and the bias write together (B, D); ``z`` (B, H, Dv) is ``hook_z`` at the
+    explained position."""
     per_head, b_o = head_writes(layer, z)  # (B, H, D), (B, D)
-    return np.einsum("bhd,bd->bh", per_head, direction), (b_o * direction).sum(axis=-1)  # (B, H), (B,)
+    shares = np.einsum("bhd,bd->bh", per_head, direction)  # (B, H)
+    return shares, (b_o * direction).sum(axis=-1), per_head.sum(axis=1) + b_o  # (B, H), (B,), (B, D)
 
 
 def direct_logit_attribution(model, input_ids: Any, target: Any, target_position: int = -1) -> dict[str, Any]:
@@ -73,15 +81,15 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     -------
     dict
         ``"embed"``: the token embeddings' share (times Gemma's ``embedding_scale``); ``"pos_embed"``: the learned
-        position embeddings' (0 for rotary models); ``"heads"`` (N, H): each head's output through its slice of
-        the output projection (its query, key and value biases are in it; 0 in the rows of layers without
-        heads); ``"linear_attn"`` (N,): the whole output of each Gated DeltaNet layer, which has no heads (0 for
-        attention layers); ``"mlp"`` (N,): each MLP's output, its biases included; ``"per_layer"`` (N,): what
-        each layer's per-layer input adds (Gemma 4; 0 otherwise); ``"bias"``: the attention output biases of
-        every layer and the final LayerNorm's shift, which belong to no head; ``"logit"``: the model's logit.
-        Each is a float for one sequence, with a leading (B,) for a batch; ``embed + pos_embed + heads.sum() +
-        linear_attn.sum() + mlp.sum() + per_layer.sum() + bias == logit`` to rounding (about 1e-15 relative in
-        float64). Where layers scale their output (Gemma 4's ``layer_scalar``), a share is what reaches the
+        position embeddings' (0 for rotary models); ``"heads"`` (N, H): each head's output through its slice of the
+        output projection (its query, key and value biases are in it; 0 in the rows of layers without heads);
+        ``"linear_attn"`` (N,): the whole output of each Gated DeltaNet layer, which has no heads (0 for attention
+        layers; the Mamba-2 half of an attention-beside-Mamba-2 layer); ``"mlp"`` (N,): each MLP's output, its biases
+        included; ``"per_layer"`` (N,): what each layer's per-layer input adds (Gemma 4; 0 otherwise); ``"bias"``: the
+        attention output biases of every layer and the final LayerNorm's shift, which belong to no head; ``"logit"``:
+        the model's logit. Each is a float for one sequence, with a leading (B,) for a batch; ``embed + pos_embed +
+        heads.sum() + linear_attn.sum() + mlp.sum() + per_layer.sum() + bias == logit`` to rounding (about 1e-15
+        relative in float64). Where layers scale their output (Gemma 4's ``layer_scalar``), a share is what reaches the
         final norm: times the scalars of its layer and every later one.
 
     Notes
@@ -138,9 +146,11 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     for i, layer in enumerate(model.layers):
         direction = reaching * factors[i]  # (B, D): d logit / d what layer i writes
         if f"blocks.{i}.attn.hook_z" in at:
-            head_parts[:, i], layer_bias = _head_shares(layer, at[f"blocks.{i}.attn.hook_z"],
-                                                        direction)  # (B, H), (B,)
+            head_parts[:, i], layer_bias, written = _head_shares(layer, at[f"blocks.{i}.attn.hook_z"],
+                                                                 direction)  # (B, H), (B,), (B, D)
             bias = bias + layer_bias
+            if hasattr(layer.attention, "head_writer"):  # the state-space half beside the heads: the rest
+                linear_parts[:, i] = ((at[f"blocks.{i}.hook_attn_out"] - written) * direction).sum(axis=-1)
         elif f"blocks.{i}.hook_attn_out" in at:  # no heads: the layer's whole output is one share
             linear_parts[:, i] = (at[f"blocks.{i}.hook_attn_out"] * direction).sum(axis=-1)  # (B,)
         if f"blocks.{i}.hook_mlp_out" in at:  # a layer that is its token mixer alone has no MLP

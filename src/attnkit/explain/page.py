@@ -33,7 +33,7 @@ from .. import _progress, viz
 from .._display import readable_token
 from .._validation import check_positive_int
 from ..io import atomic_write
-from ..models.config import STATE_LAYER_TYPES
+from ..models.config import PAIRED_LAYER_TYPES, STATE_LAYER_TYPES
 from ..viz import encode_attention, fit_attention
 from ._inputs import as_id_batch
 from .attribution import embedding_gradient
@@ -133,7 +133,8 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         The data the page holds (``tokens``, ``raw_tokens``, ``attention_layers`` (the layers whose attention it
         draws: all but the Gated DeltaNet and short-convolution layers, listed in ``linear_layers``), ``rollout``
         (L, L), ``flow`` (L, L; up to 24 tokens, else None: :func:`attention_flow` costs L * L maximum flows; both
-        None for a model with such layers, which have no shares of attention), ``candidates`` with their
+        None for a model with such layers, which have no shares of attention, or with attention beside a
+        state-space mixer), ``candidates`` with their
         ``gradient_x_input`` and ``saliency`` (L,) and ``dla`` (:func:`direct_logit_attribution` of their logit:
         ``heads`` (N, H), ``linear_attn`` (N,), ``mlp`` (N,), ``embed`` (with the position embeddings), ``bias``
         and ``logit``),
@@ -188,7 +189,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
             line.update()
         line.set_desc("explain: rollout and flow")
         raw = [piece(i) for i in batch[0]]
-        composed = not linear
+        # a layer whose attention sits beside a state-space mixer (Falcon-H1) moves information between tokens
+        # outside its pattern too: no rollout or flow either
+        composed = not linear and not any(kind in PAIRED_LAYER_TYPES for kind in lm.config.layer_types)
         data = {"tokens": [readable(t) for t in raw], "raw_tokens": raw,
                 "num_layers": lm.config.num_layers, "num_heads": weights.shape[1],
                 "layer_names": [f"layer {i}" for i in range(lm.config.num_layers)],

@@ -17,11 +17,14 @@
 - :class:`ShortConv`, LFM2's gated short convolution, and its :class:`ShortConvCache`; :class:`ShortConvMixer` is
   it as a decoder block's token mixer, shaped by a :class:`ShortConvConfig`;
 - :class:`Mamba2`, the Mamba-2 mixer of the state-space hybrids (the SSD scan), and its :class:`Mamba2Cache`;
-  :class:`Mamba2Mixer` is it as a decoder block's token mixer, shaped by a :class:`Mamba2Config`.
+  :class:`Mamba2Mixer` is it as a decoder block's token mixer, shaped by a :class:`Mamba2Config`;
+  :class:`AttentionMamba2Mixer` runs attention beside it (Falcon-H1), its factors an
+  :class:`AttentionMamba2Config`; :class:`ScaledGatedMLP` is the gated MLP with fixed gate and output factors.
 
 Every layer's ``forward`` saves what its ``backward`` needs; ``backward(grad_output)`` returns the gradient
 of the input and adds (``+=``) the parameter gradients into ``self.grads``.
 """
+from .attention_mamba2 import AttentionMamba2Config, AttentionMamba2Mixer
 from .decoder import TransformerDecoder, TransformerDecoderBlock
 from .dropout import Dropout
 from .embedding import Embedding
@@ -30,7 +33,7 @@ from .encoder_block import TransformerEncoderBlock
 from .experts import ExpertsConfig, MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache, GatedDeltaNetConfig, GatedDeltaNetMixer
-from .gated_mlp import GatedMLP
+from .gated_mlp import GatedMLP, ScaledGatedMLP
 from .identity import Identity, Scale, Zero
 from .layer_norm import LayerNorm
 from .lm_block import LMBlock, ParallelLMBlock
@@ -54,5 +57,6 @@ __all__ = [
     "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
     "ShortConv", "ShortConvCache", "ShortConvConfig", "ShortConvMixer",
-    "Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer",
+    "Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer", "AttentionMamba2Config", "AttentionMamba2Mixer",
+    "ScaledGatedMLP",
 ]

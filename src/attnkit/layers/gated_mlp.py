@@ -13,9 +13,10 @@ from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import decode_step as _step
 from ..kernels import gated_mlp as _gated
-from ..kernels.activations import ACTIVATIONS
+from ..kernels.activations import ACTIVATIONS, activation_forward
+from ..kernels.linear import product
 
-__all__ = ["GatedMLP"]
+__all__ = ["GatedMLP", "ScaledGatedMLP"]
 
 _NAMES = ("W_gate", "W_up", "W_down")
 _BIASES = ("b_gate", "b_up", "b_down")
@@ -113,4 +114,94 @@ class GatedMLP(Module):
                                                   need_weights=self.grads.wanted)
         for name, value in grads.items():
             self.grads.add(name, value)
+        return grad_x
+
+
+class ScaledGatedMLP(GatedMLP):
+    """:class:`GatedMLP` with two fixed factors (Falcon-H1's ``mlp_multipliers``, an MLP of kind
+    ``"scaled_gated"``): ``y = m_down * (act(m_gate * (x W_gate + b_gate)) * (x W_up + b_up)) W_down + b_down``
+    (``b_down`` scaled too, as ``down_proj(h) * m_down`` does).
+
+    The factors are applied to the weights as each call reads them (``m_gate * W_gate``, ``m_gate * b_gate``,
+    ``m_down * W_down``, ``m_down * b_down``, temporaries), never stored: the parameters stay the checkpoint's
+    and their gradients are the chain rule's (the kernel's gradient of a scaled weight times its factor).
+
+    Parameters
+    ----------
+    config : DecoderConfig
+        :class:`GatedMLP`'s fields and ``mlp_multipliers`` (gate, output).
+    rng : numpy.random.Generator or int, optional
+
+    Shapes
+    ------
+    x : (..., D) -> y : (..., D).
+
+    Examples
+    --------
+    >>> from attnkit.models import DecoderConfig
+    >>> cfg = DecoderConfig(family="falcon_h1", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
+    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="scaled_gated",
+    ...                     mlp_multipliers=(0.5, 2.0))
+    >>> mlp = ScaledGatedMLP(cfg, rng=0)
+    >>> y = mlp(np.ones((2, 3, 4)))
+    >>> y.shape, mlp.backward(np.ones_like(y)).shape, mlp.gate_scale, mlp.output_scale
+    ((2, 3, 4), (2, 3, 4), 0.5, 2.0)
+    """
+
+    def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
+        super().__init__(config, rng=rng)
+        self.gate_scale, self.output_scale = (float(m) for m in config.mlp_multipliers)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gate_scale={self.gate_scale}, output_scale={self.output_scale}"
+
+    def _scaled(self, dtype: np.dtype) -> list[np.ndarray | None]:
+        """W_gate, W_up, W_down, b_gate, b_up, b_down with the factors applied (temporaries), in ``dtype``."""
+        p, factors = self._parameters, (self.gate_scale, 1.0, self.output_scale)
+        weights = [p[name] if f == 1.0 else p[name] * p[name].dtype.type(f) for name, f in zip(_NAMES, factors)]
+        biases = [None if p.get(name) is None else p[name] if f == 1.0 else p[name] * p[name].dtype.type(f)
+                  for name, f in zip(_BIASES, factors)]
+        return weights + biases
+
+    def forward(self, x: Any) -> np.ndarray:
+        """Apply the MLP to every position of ``x`` (..., D); saves what :meth:`backward` needs."""
+        x = check_features(x, "x", self.hidden_size, "ScaledGatedMLP", "hidden_size")
+        y, saved = _gated.gated_mlp_forward(x, *self._scaled(x.dtype), activation=self.activation)  # (..., D)
+        self.save_for_backward(x, saved)
+        return y
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D), nothing saved: gate and up in one product of the fused weights, the
+        factors on the (B, F) gate and the (B, D) output rather than on weights (a step reads each weight once and
+        copies none)."""
+        fused = self.fused_weight_and_bias("W_gate_up", "b_gate_up")
+        if fused is None:
+            y, _ = _gated.gated_mlp_forward(x, *self._scaled(x.dtype), activation=self.activation)  # (B, D)
+            return y
+        w_gate_up, b_gate_up = fused
+        p = self._parameters
+        both = x @ w_gate_up  # (B, 2F)
+        if b_gate_up is not None:
+            both += b_gate_up
+        width = self.intermediate_size
+        gate = activation_forward(both[:, :width] * both.dtype.type(self.gate_scale), self.activation)  # (B, F)
+        y = product(gate * both[:, width:], p["W_down"])  # (B, D)
+        if p.get("b_down") is not None:
+            y += p["b_down"]
+        return y * y.dtype.type(self.output_scale)  # (B, D)
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        """Add the parameter gradients into ``self.grads``; return ``grad_x`` (..., D)."""
+        if self.saved_tensors is None:
+            raise RuntimeError("ScaledGatedMLP.backward called before forward")
+        x, saved = self.saved_tensors
+        g = check_grad_output(grad_output, x.shape, x.dtype, "ScaledGatedMLP")
+        w_gate, w_up, w_down = self._scaled(x.dtype)[:3]
+        grad_x, grads = _gated.gated_mlp_backward(g, x, w_gate, w_up, w_down, saved, self.activation,
+                                                  need_bias=self.bias, need_weights=self.grads.wanted)
+        factors = {"W_gate": self.gate_scale, "b_gate": self.gate_scale, "W_down": self.output_scale,
+                   "b_down": self.output_scale}
+        for name, value in grads.items():  # d/dW of (m W) is m times the kernel's gradient of (m W)
+            f = factors.get(name, 1.0)
+            self.grads.add(name, value if value is None or f == 1.0 else value * value.dtype.type(f))
         return grad_x

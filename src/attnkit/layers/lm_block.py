@@ -21,10 +21,11 @@ from ..attention.latent import MultiHeadLatentAttention
 from ..attention.shared_kv import KVOwnerAttention, KVReaderAttention
 from ..core.module import Module
 from ..init import as_generator, normal
+from .attention_mamba2 import AttentionMamba2Mixer
 from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNetMixer
-from .gated_mlp import GatedMLP
+from .gated_mlp import GatedMLP, ScaledGatedMLP
 from .identity import Identity, Scale
 from .layer_norm import LayerNorm
 from .mamba2 import Mamba2Mixer
@@ -59,7 +60,8 @@ def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> 
 
 
 MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "xielu": XIELUMLP,
-                                          "ungated": UngatedMLP, "experts": MixtureOfExperts}
+                                          "ungated": UngatedMLP, "scaled_gated": ScaledGatedMLP,
+                                          "experts": MixtureOfExperts}
 """The MLP of each kind ``DecoderConfig.mlp_of(layer)`` names: ``build(config, rng=...)``."""
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
@@ -67,7 +69,8 @@ MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttent
                                             "gated_attention": GatedAttention,
                                             "linear_attention": GatedDeltaNetMixer,
                                             "short_conv": ShortConvMixer,
-                                            "mamba2": Mamba2Mixer}
+                                            "mamba2": Mamba2Mixer,
+                                            "attention_mamba2": AttentionMamba2Mixer}
 """The token mixer of each layer type (``DecoderConfig.layer_types``): ``build(config, layer_index, rng=...)``.
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``

@@ -15,8 +15,13 @@ The layer, in order (Hugging Face's ``BambaMixer`` / ``GraniteMoeHybridMambaLaye
     out = (gamma * group_rms_norm(y * silu(z))) W_out + b_out
 
 The gate multiplies before the norm (``norm_before_gate=False``), and the norm is over each of the G groups of
-I / G features. A padded position's input, and its convolution's output, are zeroed (as Hugging Face does), so it
-leaves the state as it found it. What decoding keeps is fixed-size: the convolution's last K - 1 inputs and the
+I / G features; :attr:`Mamba2Config.norm` chooses instead the norm before the gate, ``silu(z) * gamma *
+group_rms_norm(y)`` (Falcon-H1's ``mamba_norm_before_gate``), or no norm, ``y * silu(z)`` (Falcon-H1 without
+``mamba_rms_norm``). With :attr:`Mamba2Config.projection_multipliers` (Falcon-H1's ``ssm_multipliers``) the
+projection's z, x, B, C and dt columns are each multiplied by a fixed factor before the split.
+
+A padded position's input, and its convolution's output, are zeroed (as Hugging Face does), so it leaves the
+state as it found it. What decoding keeps is fixed-size: the convolution's last K - 1 inputs and the
 scan's state (:class:`Mamba2Cache`).
 
 Parameter names and a Hugging Face checkpoint (``mamba.`` of a layer; linear weights stored ``(In, Out)``, the
@@ -32,9 +37,9 @@ attnkit           Hugging Face                      shape
 ``dt_bias``       ``dt_bias``                       (H,)
 ``A_log``         ``A_log``                         (H,)
 ``D_skip``        ``D``                             (H,)
-``norm_gamma``    ``norm.weight``                   (I,)
+``norm_gamma``    ``norm.weight``                   (I,), unless ``norm`` is None
 ``W_out``         ``out_proj.weight.T``             (I, D)
-``b_out``         ``out_proj.bias``                 (D,), with ``proj_bias``
+``b_out``         ``out_proj.bias``                 (D,), with ``out_bias``
 ================  ================================  ==========================================
 """
 from __future__ import annotations
@@ -44,7 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import as_bool_mask, check_eps, check_features, check_grad_output, check_ndim, check_positive_int
+from .._validation import (
+    as_bool_mask,
+    check_eps,
+    check_factor,
+    check_features,
+    check_grad_output,
+    check_ndim,
+    check_positive_int,
+)
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
@@ -54,7 +67,11 @@ from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 from .recurrent_state import RecurrentState
 
-__all__ = ["Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer"]
+__all__ = ["Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer", "MAMBA2_NORMS"]
+
+MAMBA2_NORMS = ("after_gate", "before_gate", None)
+# Mamba2Config.norm -> the Mamba2 method (and its "_backward") that applies the gate and the norm
+_GATE_AND_NORM = {"after_gate": "_norm_after_gate", "before_gate": "_norm_before_gate", None: "_gate_only"}
 
 
 @dataclass
@@ -95,6 +112,13 @@ class Mamba2Config:
     time_step_min : float, default 0.0
         The floor of the step sizes: ``dt = max(softplus(...), time_step_min)`` (Nemotron-H's ``time_step_min``;
         0: no floor, Bamba's); the gradient passes where ``dt`` is at or above it, as ``torch.clamp``'s does.
+    norm : {"after_gate", "before_gate", None}, default "after_gate"
+        Where the group RMSNorm sits: on ``y * silu(z)`` (Bamba), on ``y`` before the gate multiplies
+        (``mamba_norm_before_gate``), or nowhere (no ``norm_gamma``).
+    out_bias : bool, optional
+        The output projection's bias (Falcon-H1's ``projectors_bias``); None: as ``proj_bias``.
+    projection_multipliers : tuple of 5 floats, optional
+        Fixed factors of the input projection's z, x, B, C and dt columns (Falcon-H1's ``ssm_multipliers``).
     """
 
     num_heads: int
@@ -106,6 +130,9 @@ class Mamba2Config:
     proj_bias: bool = False
     chunk_size: int = 64
     time_step_min: float = 0.0
+    norm: str | None = "after_gate"
+    out_bias: bool | None = None
+    projection_multipliers: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel_size", "chunk_size"):
@@ -118,6 +145,21 @@ class Mamba2Config:
             raise ValueError(f"time_step_min must be a finite number >= 0, got {floor!r}")
         if self.num_heads % self.n_groups:
             raise ValueError(f"n_groups ({self.n_groups}) must divide num_heads ({self.num_heads})")
+        if self.norm not in MAMBA2_NORMS:
+            raise ValueError(f"norm must be one of {MAMBA2_NORMS}, got {self.norm!r}")
+        if self.out_bias is not None and not isinstance(self.out_bias, bool):
+            raise TypeError(f"out_bias must be True, False or None, got {self.out_bias!r}")
+        factors = self.projection_multipliers
+        if factors is not None:
+            if not isinstance(factors, (tuple, list)) or len(factors) != 5:
+                raise ValueError(f"projection_multipliers must be 5 factors (z, x, B, C, dt), got {factors!r}")
+            object.__setattr__(self, "projection_multipliers",
+                               tuple(check_factor(f, "projection_multipliers") for f in factors))
+
+    @property
+    def output_bias(self) -> bool:
+        """Whether the output projection has a bias (``out_bias``, else ``proj_bias``)."""
+        return self.proj_bias if self.out_bias is None else self.out_bias
 
 
 class Mamba2(Module):
@@ -173,13 +215,22 @@ class Mamba2(Module):
         self.register_parameter("dt_bias", np.ones(h))
         self.register_parameter("A_log", np.log(np.arange(1.0, h + 1.0)))
         self.register_parameter("D_skip", np.ones(h))
-        self.register_parameter("norm_gamma", np.ones(inner))
+        if shape.norm is not None:
+            self.register_parameter("norm_gamma", np.ones(inner))
         self.register_parameter("W_out", normal(gen, (inner, d), std=0.02))
         if shape.conv_bias:
             self.register_parameter("conv_bias", np.zeros(self.conv_dim))
         if shape.proj_bias:
             self.register_parameter("b_in", np.zeros(sum(self.widths)))
+        if shape.output_bias:
             self.register_parameter("b_out", np.zeros(d))
+        # the projection's per-column factors (W,): z x B C dt each its own (ones without multipliers: x * 1.0 is
+        # x, bit for bit)
+        gn = g * n
+        factors = shape.projection_multipliers or (1.0,) * 5
+        self.projection_scale = np.repeat(np.asarray(factors, np.float64), (inner, inner, gn, gn, h))
+        # the gate and the norm as shape.norm places them (method names: a copy of the module keeps its own)
+        self.gate_and_norm = _GATE_AND_NORM[shape.norm]
 
     def extra_repr(self) -> str:
         s = self.shape
@@ -225,14 +276,52 @@ class Mamba2(Module):
         v = (xs * dt[..., None]).transpose(0, 2, 1, 3)  # (B, H, L, P)
         return heads[0], heads[1], v, (dt * rate).transpose(0, 2, 1), xs, dt, pre, rate
 
-    def _gated_norm(self, y: np.ndarray, z: np.ndarray):
+    def _group_norm(self, h: np.ndarray):
+        """``gamma * group_rms_norm(h)`` (B, L, I) and the unit-gain norm's output, x_hat and rstd."""
+        groups = h.reshape(h.shape[:2] + (self.shape.n_groups, -1))  # (B, L, G, I / G)
+        unit, x_hat, rstd = rms_norm_forward(groups, np.ones(groups.shape[-1], h.dtype), self.eps)
+        unit = unit.reshape(h.shape)  # (B, L, I)
+        return unit * self._parameters["norm_gamma"].astype(unit.dtype, copy=False), (unit, x_hat, rstd)
+
+    def _group_norm_backward(self, d_out: np.ndarray, saved, grads: dict) -> np.ndarray:
+        """The gradient of :meth:`_group_norm`'s input (B, L, I); ``norm_gamma``'s into ``grads``."""
+        unit, x_hat, rstd = saved
+        grads["norm_gamma"] = np.einsum("bli,bli->i", d_out, unit)
+        d_unit = (d_out * self._parameters["norm_gamma"].astype(d_out.dtype, copy=False)).reshape(x_hat.shape)
+        d_in, _ = rms_norm_backward(d_unit, x_hat, rstd, np.ones(x_hat.shape[-1], x_hat.dtype))
+        return d_in.reshape(d_out.shape)  # (B, L, I)
+
+    def _norm_after_gate(self, y: np.ndarray, z: np.ndarray):
         """``gamma * group_rms_norm(y * silu(z))`` (B, L, I) and what its backward needs."""
         act = activation_forward(z, "silu")  # (B, L, I)
-        gated = y * act  # (B, L, I)
-        groups = gated.reshape(gated.shape[:2] + (self.shape.n_groups, -1))  # (B, L, G, I / G)
-        unit, x_hat, rstd = rms_norm_forward(groups, np.ones(groups.shape[-1], gated.dtype), self.eps)
-        unit = unit.reshape(gated.shape)  # (B, L, I)
-        return unit * self._parameters["norm_gamma"].astype(unit.dtype, copy=False), (y, z, act, unit, x_hat, rstd)
+        out, norm_saved = self._group_norm(y * act)  # (B, L, I)
+        return out, (y, z, act, norm_saved)
+
+    def _norm_after_gate_backward(self, d_out: np.ndarray, saved, grads: dict):
+        """The gradients of ``y`` and ``z`` (B, L, I) each."""
+        y, z, act, norm_saved = saved
+        d_gated = self._group_norm_backward(d_out, norm_saved, grads)  # (B, L, I)
+        return d_gated * act, activation_backward(d_gated * y, z, act, "silu")
+
+    def _norm_before_gate(self, y: np.ndarray, z: np.ndarray):
+        """``silu(z) * gamma * group_rms_norm(y)`` (B, L, I) and what its backward needs."""
+        act = activation_forward(z, "silu")  # (B, L, I)
+        normed, norm_saved = self._group_norm(y)  # (B, L, I)
+        return normed * act, (z, act, normed, norm_saved)
+
+    def _norm_before_gate_backward(self, d_out: np.ndarray, saved, grads: dict):
+        z, act, normed, norm_saved = saved
+        d_y = self._group_norm_backward(d_out * act, norm_saved, grads)  # (B, L, I)
+        return d_y, activation_backward(d_out * normed, z, act, "silu")
+
+    def _gate_only(self, y: np.ndarray, z: np.ndarray):
+        """``y * silu(z)`` (B, L, I), no norm, and what its backward needs."""
+        act = activation_forward(z, "silu")  # (B, L, I)
+        return y * act, (y, z, act)
+
+    def _gate_only_backward(self, d_out: np.ndarray, saved, grads: dict):
+        y, z, act = saved
+        return d_out * act, activation_backward(d_out * y, z, act, "silu")
 
     def forward(self, x: Any, cache: Mamba2Cache | None = None, *, attention_mask: Any = None) -> np.ndarray:
         """Run the layer over ``x`` (B, L, D).
@@ -250,7 +339,9 @@ class Mamba2(Module):
         p = self._parameters
         padding = self._check_padding(attention_mask, x)
         inputs = x if padding is None else x * padding  # (B, L, D)
-        z, xbc, dt_raw = np.split(linear(inputs, p["W_in"], p.get("b_in")), np.cumsum(self.widths)[:-1], axis=-1)
+        projected = linear(inputs, p["W_in"], p.get("b_in"))  # (B, L, I + Cc + H)
+        projected = projected * self.projection_scale.astype(projected.dtype)  # (B, L, I + Cc + H)
+        z, xbc, dt_raw = np.split(projected, np.cumsum(self.widths)[:-1], axis=-1)
         conv_out, conv_state, conv_saved = _conv.causal_conv_forward(
             xbc, p["conv_weight"], None if cache is None else cache.conv_state, bias=p.get("conv_bias"),
             activation="silu")  # (B, L, Cc)
@@ -265,7 +356,7 @@ class Mamba2(Module):
             o, state, scan_ctx = _ssd.chunked_forward(q, k, v, g, state, chunk_size=self.shape.chunk_size)
         skip = p["D_skip"].astype(xs.dtype, copy=False)[:, None]  # (H, 1)
         y = self.hook_point("hook_ssm_out", o.transpose(0, 2, 1, 3) + skip * xs).reshape(z.shape)  # (B, L, I)
-        normed, norm_saved = self._gated_norm(y, z)  # (B, L, I)
+        normed, norm_saved = getattr(self, self.gate_and_norm)(y, z)  # (B, L, I)
         out = linear(normed, p["W_out"], p.get("b_out")).astype(x.dtype, copy=False)  # (B, L, D)
         if cache is None:
             self.save_for_backward(inputs, padding, conv_saved, (q, k, xs, dt, pre, rate), scan_ctx, norm_saved,
@@ -283,18 +374,13 @@ class Mamba2(Module):
             raise RuntimeError("Mamba2.backward called before a forward without a cache")
         x, padding, conv_saved, scan_inputs, scan_ctx, norm_saved, normed = self.saved_tensors
         q, k, xs, dt, pre, rate = scan_inputs
-        y, z, act, unit, x_hat, rstd = norm_saved
         s, p = self.shape, self._parameters
         dy = check_grad_output(grad_output, x.shape, x.dtype, "Mamba2")
         grads: dict[str, np.ndarray | None] = {}
         d_normed, grads["W_out"], grads["b_out"] = linear_backward(dy, normed, p["W_out"].astype(x.dtype, copy=False),
-                                                                   need_bias=s.proj_bias)  # (B, L, I)
-        grads["norm_gamma"] = np.einsum("bli,bli->i", d_normed, unit)
-        d_unit = (d_normed * p["norm_gamma"].astype(d_normed.dtype, copy=False)).reshape(x_hat.shape)
-        d_gated, _ = rms_norm_backward(d_unit, x_hat, rstd, np.ones(x_hat.shape[-1], x_hat.dtype))
-        d_gated = d_gated.reshape(y.shape)  # (B, L, I)
-        dz = activation_backward(d_gated * y, z, act, "silu")  # (B, L, I)
-        d_y = self.hook_backward("hook_ssm_out", (d_gated * act).reshape(xs.shape))  # (B, L, H, P)
+                                                                   need_bias=s.output_bias)  # (B, L, I)
+        d_y, dz = getattr(self, self.gate_and_norm + "_backward")(d_normed, norm_saved, grads)  # (B, L, I) each
+        d_y = self.hook_backward("hook_ssm_out", d_y.reshape(xs.shape))  # (B, L, H, P)
         grads["D_skip"] = np.einsum("blhp,blhp->h", d_y, xs)
         dq, dk, dv, dg, _ = _ssd.chunked_backward(d_y.transpose(0, 2, 1, 3), scan_ctx)  # (B, H, L, *)
         dv = dv.transpose(0, 2, 1, 3)  # (B, L, H, P)
@@ -317,6 +403,7 @@ class Mamba2(Module):
         d_xbc, grads["conv_weight"], _, grads["conv_bias"] = _conv.causal_conv_backward(d_conv_out, p["conv_weight"],
                                                                                        conv_saved)  # (B, L, Cc)
         d_proj = np.concatenate([dz, d_xbc, d_pre], axis=-1)  # (B, L, I + Cc + H)
+        d_proj = d_proj * self.projection_scale.astype(d_proj.dtype)
         grad_x, grads["W_in"], grads["b_in"] = linear_backward(d_proj, x, p["W_in"].astype(x.dtype, copy=False),
                                                                need_bias=s.proj_bias)  # (B, L, D)
         for name in self._parameters:  # the biases' only where the layer has them

@@ -10,6 +10,7 @@
 from .causal_lm import CausalLM
 from .config import (
     AttentionConfig,
+    AttentionMamba2Config,
     DecoderConfig,
     ExpertsConfig,
     NormConfig,
@@ -22,7 +23,8 @@ from .multi_token import MultiTokenPredictor
 from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "ExpertsConfig", "LayerwiseConfig", "MultiTokenPredictor",
+__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "AttentionMamba2Config", "ExpertsConfig", "LayerwiseConfig",
+           "MultiTokenPredictor",
            "NormConfig",
            "RotaryConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

@@ -27,7 +27,7 @@ from ..layers.identity import Identity, Scale
 from ..layers.lm_block import make_block, make_norm
 from ..layers.per_layer_input import PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
-from .config import STATE_LAYER_TYPES, DecoderConfig
+from .config import PAIRED_LAYER_TYPES, STATE_LAYER_TYPES, DecoderConfig
 
 __all__ = ["CausalLM", "EarlyExit", "positions_from_mask"]
 
@@ -182,6 +182,8 @@ class CausalLM(Module):
             return f"a {kind} (Mamba-2 state space) layer"
         if kind == "mlp":
             return f"a {kind} layer (its MLP alone, no token mixer)"
+        if kind == "attention_mamba2":
+            return f"an {kind} layer (attention beside a Mamba-2 mixer)"
         if c.latent is not None:
             return f"a {kind} layer with multi-head latent attention"
         owner = None if c.layerwise is None else c.layerwise.kv_owners(c.layer_types)[index]
@@ -238,21 +240,22 @@ class CausalLM(Module):
         for latent attention, else a :class:`~attnkit.decoding.cache.KVCache` with ring buffers for sliding
         layers (``rollback`` slots beyond each window, see :class:`~attnkit.decoding.cache.KVCache`), a
         fixed-size state for each linear-attention layer (its mixer's ``new_cache``) and nothing for a layer of
-        the MLP alone. ``num_layers``: for the
-        first layers only (an :meth:`early_exit`'s)."""
+        the MLP alone. ``num_layers``: for the first layers only (an :meth:`early_exit`'s). A layer with attention
+        beside a state-space mixer keeps both (a ``paired`` layer of the cache)."""
         c = self.config
         n = c.num_layers if num_layers is None else check_positive_int(num_layers, "num_layers",
                                                                        maximum=c.num_layers)
         if c.latent is not None:
             return LatentCache(n, batch_size, c.latent.cache_dim, self.dtype, max_length=max_length)
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
-                  if i < n and c.layer_types[i] in STATE_LAYER_TYPES}
+                  if i < n and c.layer_types[i] in STATE_LAYER_TYPES + PAIRED_LAYER_TYPES}
+        paired = [i for i in states if c.layer_types[i] in PAIRED_LAYER_TYPES]
         shapes = None if c.layerwise is None else c.layerwise.cache_shapes(c)[:n]
         if "mlp" in c.layer_types[:n]:  # a layer of the MLP alone keeps nothing
             shapes = [None if kind == "mlp" else (c.num_kv_heads, c.head_dim) for kind in c.layer_types[:n]]
         return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
                        windows=[c.window_of(i) for i in range(n)], states=states, rollback=rollback,
-                       layer_shapes=shapes)
+                       layer_shapes=shapes, paired=paired)
 
     def early_exit(self, num_layers: int) -> EarlyExit:
         """This model cut after its first ``num_layers`` blocks, then its final norm and head: a draft for

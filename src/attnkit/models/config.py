@@ -18,6 +18,7 @@ from .._validation import check_eps, check_factor, check_positive_int, check_rea
 from ..attention.latent import LatentAttentionConfig
 from ..flex.modifiers import ScoreMod, softcap
 from ..kernels.activations import ACTIVATIONS
+from ..layers.attention_mamba2 import AttentionMamba2Config
 from ..layers.decoder import CROSS_ATTENTION_KINDS
 from ..layers.experts import ExpertsConfig
 from ..layers.gated_deltanet import GatedDeltaNetConfig
@@ -27,12 +28,15 @@ from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
            "MAX_LAYERS",
-           "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES"]
+           "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES", "PAIRED_LAYER_TYPES", "AttentionMamba2Config"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 _LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "short_conv", "mamba2",
-                "mlp")
+                "mlp", "attention_mamba2")
 STATE_LAYER_TYPES = ("linear_attention", "short_conv", "mamba2")
 """The layer types whose cache entry is a fixed-size state (their mixer's ``new_cache``), not keys and values."""
+PAIRED_LAYER_TYPES = ("attention_mamba2",)
+"""The layer types whose cache entry is both: keys and values (their attention's) and a state (their mixer's
+``new_cache``, the state-space half's)."""
 
 
 _MAX_SIZE = 2**31 - 1  # no real model comes near it; beyond it a size could only allocate without end
@@ -259,13 +263,14 @@ class AttentionConfig:
         return None if self.logit_softcap is None else softcap(self.logit_softcap)
 
 
-MLP_KINDS = ("gated", "plain", "xielu", "ungated")
+MLP_KINDS = ("gated", "plain", "xielu", "ungated", "scaled_gated")
 RESIDUALS = ("sequential", "parallel", "single")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
           "linear_attention": GatedDeltaNetConfig, "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig,
-          "short_conv": ShortConvConfig, "mamba2": Mamba2Config}
-_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent", "short_conv", "mamba2")
+          "short_conv": ShortConvConfig, "mamba2": Mamba2Config, "attention_mamba2": AttentionMamba2Config}
+_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent", "short_conv", "mamba2",
+                   "attention_mamba2")
 
 
 @dataclass(frozen=True)
@@ -337,13 +342,15 @@ class DecoderConfig:
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
     layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention", \
-"short_conv", "mamba2"}
+"short_conv", "mamba2", "mlp", "attention_mamba2"}
         Each layer's token mixer; default: every layer full. ``gated_attention``: full attention whose heads'
         outputs pass through a sigmoid gate (Qwen3-Next, Qwen3.5); ``linear_attention``: a Gated DeltaNet layer
         shaped by ``linear_attention``; ``short_conv``: LFM2's gated short convolution shaped by ``short_conv``;
         ``mamba2``: a Mamba-2 mixer shaped by ``mamba2`` (the cache entry of these three is a fixed-size state, not
         keys and values: :data:`STATE_LAYER_TYPES`); ``mlp``: no token mixer, the layer is its MLP alone (with
-        ``residual="single"`` only; its cache entry holds nothing).
+        ``residual="single"`` only; its cache entry holds nothing); ``attention_mamba2``: attention and a Mamba-2
+        mixer side by side (Falcon-H1, factors in ``attention_mamba2``), whose cache entry is keys and values and a
+        state (:data:`PAIRED_LAYER_TYPES`).
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
         Special tokens from the checkpoint (``eos_token_id`` may list several).
     layerwise : LayerwiseConfig, optional
@@ -359,7 +366,13 @@ class DecoderConfig:
     short_conv : ShortConvConfig, optional
         The shape of the ``short_conv`` layers (given exactly when there are some).
     mamba2 : Mamba2Config, optional
-        The shape of the ``mamba2`` layers (given exactly when there are some).
+        The shape of the ``mamba2`` layers, and of the Mamba-2 half of the ``attention_mamba2`` layers (given
+        exactly when there are some).
+    attention_mamba2 : AttentionMamba2Config, optional
+        The factors of the ``attention_mamba2`` layers' two branches (given exactly when there are some).
+    mlp_multipliers : (float, float), default (1.0, 1.0)
+        The ``scaled_gated`` MLP's fixed factors of the gate's pre-activation and of the output (Falcon-H1's
+        ``mlp_multipliers``); 1 for every other MLP.
     mtp_layers : int, default 0
         Multi-token-prediction layers the checkpoint may carry after the last layer (DeepSeek-V3's
         ``num_nextn_predict_layers``): not part of the model's forward; read on request as a draft for speculative
@@ -406,6 +419,8 @@ class DecoderConfig:
     latent: LatentAttentionConfig | None = None
     short_conv: ShortConvConfig | None = None
     mamba2: Mamba2Config | None = None
+    attention_mamba2: AttentionMamba2Config | None = None
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)
     mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -433,6 +448,13 @@ class DecoderConfig:
             _check_flag(getattr(self, name), name)
         for name in ("embedding_scale", "residual_scale", "logit_scale"):
             _factor(getattr(self, name), name)
+        multipliers = self.mlp_multipliers
+        if not isinstance(multipliers, (tuple, list)) or len(multipliers) != 2:
+            raise ValueError(f"mlp_multipliers must be two factors (gate, output), got {multipliers!r}")
+        object.__setattr__(self, "mlp_multipliers", tuple(_factor(m, "mlp_multipliers") for m in multipliers))
+        if self.mlp_multipliers != (1.0, 1.0) and self.mlp != "scaled_gated":
+            raise ValueError(f"mlp_multipliers {self.mlp_multipliers} scale the 'scaled_gated' MLP only; mlp is "
+                             f"{self.mlp!r}")
         if self.final_logit_softcap is not None:
             _factor(self.final_logit_softcap, "final_logit_softcap")
 
@@ -492,10 +514,13 @@ class DecoderConfig:
             raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
                              f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
         for kind, what in (("short_conv", "the short-convolution layers' shape"),
-                           ("mamba2", "the Mamba-2 layers' shape")):
+                           ("attention_mamba2", "the attention-beside-Mamba-2 layers' factors")):
             if (kind in types) != (getattr(self, kind) is not None):
                 raise ValueError(f"{kind} ({what}) must be given exactly when layer_types has {kind} layers, got "
                                  f"{getattr(self, kind)!r} for {types}")
+        if (("mamba2" in types) or ("attention_mamba2" in types)) != (self.mamba2 is not None):
+            raise ValueError(f"mamba2 (the Mamba-2 layers' shape) must be given exactly when layer_types has mamba2 "
+                             f"or attention_mamba2 layers, got {self.mamba2!r} for {types}")
         moe = self.experts
         if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp != "gated"):
             raise ValueError(f"experts.layers must be layer indices below num_layers ({self.num_layers}) and the "

@@ -59,6 +59,7 @@ from .layers import (
     RotaryEmbedding,
     Router,
     Scale,
+    ScaledGatedMLP,
     SinusoidalPositionalEncoding,
     UngatedMLP,
     Zero,
@@ -71,7 +72,7 @@ from .layerwise import (
     PerLayerInputBranch,
     PerLayerInputs,
 )
-from .mamba2 import Mamba2, Mamba2Mixer
+from .mamba2 import AttentionMamba2Mixer, Mamba2, Mamba2Mixer
 from .models import CausalLM, Seq2SeqTransformer
 from .short_conv import ShortConv, ShortConvMixer
 
@@ -82,6 +83,7 @@ __all__ = [
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
+    "AttentionMamba2Mixer", "ScaledGatedMLP",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",

@@ -20,6 +20,7 @@ from ..kernels import rotary as _rotary
 from ..layers.experts import GatedSharedExpert as _GatedSharedExpert
 from ..layers.experts import MixtureOfExperts as _MixtureOfExperts
 from ..layers.gated_mlp import GatedMLP as _GatedMLP
+from ..layers.gated_mlp import ScaledGatedMLP as _ScaledGatedMLP
 from ..layers.identity import Identity as _Identity
 from ..layers.identity import Scale as _Scale
 from ..layers.identity import Zero as _Zero
@@ -30,8 +31,8 @@ from ..layers.ungated_mlp import UngatedMLP as _UngatedMLP
 from ..layers.xielu_mlp import XIELUMLP as _XIELUMLP
 from ._twin import TwinModule, as_tensor
 
-__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "UngatedMLP", "XIELUMLP", "Router", "MixtureOfExperts",
-           "GatedSharedExpert",
+__all__ = ["LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "ScaledGatedMLP", "UngatedMLP", "XIELUMLP", "Router",
+           "MixtureOfExperts", "GatedSharedExpert",
            "Embedding", "Projection", "Dropout", "Identity", "Zero", "Scale", "SinusoidalPositionalEncoding",
            "RotaryEmbedding", "activation"]
 
@@ -181,6 +182,27 @@ class UngatedMLP(TwinModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = activation(_linear(x, self.W_up, getattr(self, "b_up", None)), self.activation)  # (..., F)
         return _linear(hidden, self.W_down, getattr(self, "b_down", None))  # (..., D)
+
+
+class ScaledGatedMLP(GatedMLP):
+    """Twin of :class:`attnkit.layers.gated_mlp.ScaledGatedMLP`:
+    ``m_down * (act(m_gate * (x W_gate + b_g)) * (x W_up + b_u)) W_down + b_d`` (``b_d`` scaled too).
+
+    Shapes
+    ------
+    x (..., D) -> (..., D).
+    """
+
+    numpy_class = _ScaledGatedMLP
+
+    def setup(self, source) -> None:
+        super().setup(source)
+        self.gate_scale, self.output_scale = source.gate_scale, source.output_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = (self.b_gate, self.b_up, self.b_down) if self.bias else (None, None, None)
+        gate = activation(_linear(x, self.W_gate, b[0]) * self.gate_scale, self.activation)  # (..., F)
+        return _linear(gate * _linear(x, self.W_up, b[1]), self.W_down, b[2]) * self.output_scale  # (..., D)
 
 
 class XIELUMLP(TwinModule):

@@ -1,4 +1,4 @@
-"""Twins of attnkit's Mamba-2 mixer and its decoder-block mixer.
+"""Twins of attnkit's Mamba-2 mixer, its decoder-block mixer, and that mixer beside attention (Falcon-H1).
 
 Dimension letters: B batch, L length, D hidden size, H heads, P head dim, I = H P, G groups, N state size,
 Cc = I + 2 G N the convolved channels, K the convolution's kernel size, C the chunk size.
@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 import torch
 
+from ..layers.attention_mamba2 import AttentionMamba2Mixer as _AttentionMamba2Mixer
 from ..layers.mamba2 import Mamba2 as _Mamba2
 from ..layers.mamba2 import Mamba2Mixer as _Mamba2Mixer
 from ._twin import TwinModule, as_tensor
 
-__all__ = ["Mamba2", "Mamba2Mixer", "ssd"]
+__all__ = ["Mamba2", "Mamba2Mixer", "AttentionMamba2Mixer", "ssd"]
 
 
 def ssd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
@@ -64,7 +65,7 @@ class Mamba2(TwinModule):
     numpy_class = _Mamba2
 
     def setup(self, source) -> None:
-        for name in ("hidden_size", "shape", "eps", "inner_size", "conv_dim", "widths"):
+        for name in ("hidden_size", "shape", "eps", "inner_size", "conv_dim", "widths", "projection_scale"):
             setattr(self, name, getattr(source, name))
 
     def _optional(self, name: str) -> Any:
@@ -76,6 +77,7 @@ class Mamba2(TwinModule):
         if keep is not None:
             x = x * keep  # (B, L, D): pads zeroed
         projected = F.linear(x, self.W_in.T, self._optional("b_in"))  # (B, L, I + Cc + H)
+        projected = projected * torch.as_tensor(self.projection_scale, dtype=x.dtype, device=x.device)
         z, xbc, dt = projected.split(list(self.widths), dim=-1)
         xbc = F.pad(xbc.transpose(1, 2), (s.conv_kernel_size - 1, 0))  # (B, Cc, K - 1 + L)
         xbc = F.silu(F.conv1d(xbc, self.conv_weight[:, None, :], self._optional("conv_bias"),
@@ -96,10 +98,16 @@ class Mamba2(TwinModule):
             dt = torch.clamp(dt, min=s.time_step_min)  # (B, L, H): the floor
         g = (dt * -torch.exp(self.A_log)).transpose(1, 2)  # (B, H, L)
         o = ssd(q, k, (xs * dt[..., None]).transpose(1, 2), g, s.chunk_size).transpose(1, 2)  # (B, L, H, P)
-        y = (o + self.D_skip[:, None] * xs).reshape(b, length, self.inner_size) * F.silu(z)  # (B, L, I)
-        grouped = y.reshape(b, length, s.n_groups, -1)  # (B, L, G, I / G)
-        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return F.linear(normed.reshape(y.shape) * self.norm_gamma, self.W_out.T, self._optional("b_out"))
+        y = (o + self.D_skip[:, None] * xs).reshape(b, length, self.inner_size)  # (B, L, I)
+        if s.norm is None:
+            gated = y * F.silu(z)  # (B, L, I)
+        else:
+            grouped = (y * F.silu(z) if s.norm == "after_gate" else y).reshape(b, length, s.n_groups, -1)
+            normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)  # (B, L, G, I / G)
+            gated = normed.reshape(y.shape) * self.norm_gamma  # (B, L, I)
+            if s.norm == "before_gate":
+                gated = gated * F.silu(z)
+        return F.linear(gated, self.W_out.T, self._optional("b_out"))
 
 
 class Mamba2Mixer(Mamba2):
@@ -124,3 +132,23 @@ class Mamba2Mixer(Mamba2):
             raise ValueError("Mamba2Mixer (torch twin) has no cache; decode with attnkit's CausalLM "
                              "(attnkit.torch.to_numpy) or transformers")
         return super().forward(x, attention_mask=attention_mask)
+
+
+class AttentionMamba2Mixer(TwinModule):
+    """Twin of :class:`attnkit.layers.attention_mamba2.AttentionMamba2Mixer`: attention and the Mamba-2 mixer on
+    the same input, ``attn_out(attn(attn_in(x))) + mamba_out(mamba(mamba_in(x)))``.
+
+    Shapes
+    ------
+    x (B, L, D) -> (B, L, D); ``rotary`` goes to the attention, ``attention_mask`` (B, L) to both.
+    """
+
+    numpy_class = _AttentionMamba2Mixer
+
+    def forward(self, x: torch.Tensor, *, rotary=None, attention_mask: Any = None, cache=None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("AttentionMamba2Mixer (torch twin) has no cache; decode with attnkit's CausalLM "
+                             "(attnkit.torch.to_numpy) or transformers")
+        attended = self.attn(self.attn_in(x), rotary=rotary, attention_mask=attention_mask)  # (B, L, D)
+        mixed = self.mamba(self.mamba_in(x), attention_mask=attention_mask)  # (B, L, D)
+        return self.attn_out(attended) + self.mamba_out(mixed)  # (B, L, D)

@@ -83,7 +83,8 @@ def _config(read: Reader) -> DecoderConfig:
 
 
 def mamba2_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    """The table of :mod:`attnkit.layers.mamba2`, one to one."""
+    """The table of :mod:`attnkit.layers.mamba2`, one to one (the norm's weight and each bias where the shape has
+    them)."""
     s, d = cfg.mamba2, cfg.hidden_size
     inner = s.num_heads * s.head_dim
     conv, width, h = inner + 2 * s.n_groups * s.state_size, 2 * inner + 2 * s.n_groups * s.state_size + s.num_heads, \
@@ -94,14 +95,16 @@ def mamba2_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
                       sizes=(conv, s.conv_kernel_size)),
             TensorMap(hf + "dt_bias", (h,), (ak + "dt_bias",), "copy"),
             TensorMap(hf + "A_log", (h,), (ak + "A_log",), "copy"),
-            TensorMap(hf + "D", (h,), (ak + "D_skip",), "copy"),
-            TensorMap(hf + "norm.weight", (inner,), (ak + "norm_gamma",), "copy"),
-            TensorMap(hf + "out_proj.weight", (d, inner), (ak + "W_out",), "transpose")]
+            TensorMap(hf + "D", (h,), (ak + "D_skip",), "copy")]
+    if s.norm is not None:
+        maps.append(TensorMap(hf + "norm.weight", (inner,), (ak + "norm_gamma",), "copy"))
+    maps.append(TensorMap(hf + "out_proj.weight", (d, inner), (ak + "W_out",), "transpose"))
     if s.conv_bias:
         maps.append(TensorMap(hf + "conv1d.bias", (conv,), (ak + "conv_bias",), "copy"))
     if s.proj_bias:
-        maps += [TensorMap(hf + "in_proj.bias", (width,), (ak + "b_in",), "copy"),
-                 TensorMap(hf + "out_proj.bias", (d,), (ak + "b_out",), "copy")]
+        maps.append(TensorMap(hf + "in_proj.bias", (width,), (ak + "b_in",), "copy"))
+    if s.output_bias:
+        maps.append(TensorMap(hf + "out_proj.bias", (d,), (ak + "b_out",), "copy"))
     return maps
 
 
