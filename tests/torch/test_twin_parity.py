@@ -247,6 +247,15 @@ def test_gated_deltanet(padded):
 
 
 @pytest.mark.parametrize("padded", [False, True])
+def test_kimi_delta_attention(padded):
+    layer = L.KimiDeltaAttention(16, 2, 4, conv_kernel_size=3, chunk_size=4, rng=0)
+    for _, p in layer.named_parameters():
+        p += 0.3 * np.random.default_rng(p.size).normal(size=p.shape)
+    mask = left_padding(2, 7, [7, 4]) if padded else None
+    check_parity(layer, [randn(2, 7, 16)], dict(attention_mask=mask))
+
+
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_short_conv(padded, bias):
     layer = L.ShortConv(16, kernel_size=3, bias=bias, rng=0)

@@ -42,6 +42,7 @@ from .blocks import (
     TransformerEncoderBlock,
 )
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetMixer
+from .kimi_delta_attention import KimiDeltaAttention, KimiDeltaAttentionMixer
 from .layers import (
     XIELUMLP,
     Dropout,
@@ -77,7 +78,8 @@ __all__ = [
     "LayerNorm", "RMSNorm", "FeedForward", "GatedMLP", "XIELUMLP", "Router", "MixtureOfExperts", "GatedSharedExpert",
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero", "Scale",
-    "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
+    "GatedDeltaNet", "GatedDeltaNetMixer", "KimiDeltaAttention", "KimiDeltaAttentionMixer",
+    "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",
