@@ -24,6 +24,8 @@ NOT_LOADED = {
     "ministral": "its architecture list has Ministral3 only, not MinistralForCausalLM",
     "gpt_neox_sequential": "its GPT-NeoX adapter needs the attention biases (attention_bias=False fails an assert "
                            "in split_qkv_matrix)",
+    "kimi_linear": "it has no adapter for KimiLinearForCausalLM",
+    "kimi_linear_plain": "it has no adapter for KimiLinearForCausalLM",
 }
 
 

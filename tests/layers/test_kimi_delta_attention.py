@@ -32,7 +32,7 @@ def _ours_from(named: dict) -> dict:
     """attnkit's names for Hugging Face's tensors: the map of the layer's module docstring."""
     return {"W_q": named["q_proj.weight"].T, "W_k": named["k_proj.weight"].T, "W_v": named["v_proj.weight"].T,
             "W_fa": named["forget_gate.f_a_proj.weight"].T, "W_b": named["b_proj.weight"].T,
-            "W_ga": named["g_a_proj.weight"].T, "conv_weight": named["conv1d.weight"][:, 0, :],
+            "W_ga": named["g_a_proj.weight"].T, "conv_weight": named["conv1d.weight"].reshape(3, H * DH, -1),
             "W_fb": named["forget_gate.f_b_proj.weight"].T, "dt_bias": named["forget_gate.dt_bias"],
             "A_log": named["forget_gate.A_log"].reshape(-1), "W_gb": named["g_b_proj.weight"].T,
             "norm_gamma": named["o_norm.weight"], "W_out": named["o_proj.weight"].T}
@@ -113,6 +113,7 @@ def test_cached_decoding_equals_the_whole_forward(prefill):
     parts += [layer(x[:, t:t + 1], cache=cache) for t in range(prefill, 75)]
     assert cache.length == 75 and layer.saved_tensors is None
     assert cache.recurrent_state.shape == (2, H, DH, DH) and cache.conv_state.shape == (2, 3, 3 * H * DH)
+    assert layer.conv_weight.shape == (3, H * DH, 4)
     steps = np.concatenate(parts, axis=1)
     assert float(np.max(np.abs(steps - whole)) / np.max(np.abs(whole))) < 1e-12
 

@@ -84,7 +84,8 @@ def test_greedy_tokens_equal_hf_generate(name, hf_root):
                                   "qwen3_5_text",
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window", "mixtral",
                                   "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
-                                  "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus"])
+                                  "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "kimi_linear",
+                                  "kimi_linear_plain"])
 def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root):
     lm, _ = loaded(name, hf_root)
     ids, mask = left_padded_batch(np.random.default_rng(2), (3, 2))
@@ -105,7 +106,7 @@ def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root)
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen3_moe_window",
                                   "mixtral", "gemma4_text", "deepseek_v3", "deepseek_v3_plain", "lfm2", "bamba",
                                   "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                                  "apertus"])
+                                  "apertus", "kimi_linear", "kimi_linear_plain"])
 def test_left_padded_batch_equals_each_row_alone(name, hf_root):
     lm, _ = loaded(name, hf_root)
     lengths = (6, 2, 4)
@@ -188,7 +189,7 @@ BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, length_penalty=0.5, early_
                                   "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "mixtral", "gemma4_text",
                                   "deepseek_v3", "deepseek_v3_plain", "lfm2", "lfm2_bias", "bamba", "bamba_bias",
                                   "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                                  "apertus"])
+                                  "apertus", "kimi_linear", "kimi_linear_plain"])
 @pytest.mark.parametrize("setting", range(len(BEAM_SETTINGS)))
 def test_beam_search_equals_transformers(name, setting, hf_root):
     """Sequences equal to transformers' generate(num_beams=...) token for token, on a left-padded batch, with

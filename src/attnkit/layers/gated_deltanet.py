@@ -354,10 +354,11 @@ class GatedDeltaNet(Module):
         dk = _delta.l2_normalize_backward(dk.reshape(heads).sum(axis=2), kn, k_rstd)  # (B, Hk, L, Dk)
         d_mixed = np.concatenate([t.transpose(0, 2, 1, 3).reshape(bsz, length, -1) for t in (dq, dk, dv)],
                                  axis=-1)  # (B, L, Cc)
-        d_conv_in, grad_conv, _, _ = _conv.causal_conv_backward(d_mixed, p["conv_weight"], conv_saved)  # (B, L, Cc)
+        conv_weight = p["conv_weight"].reshape(self.conv_dim, -1)  # (Cc, K), whatever the layer's storage shape
+        d_conv_in, grad_conv, _, _ = _conv.causal_conv_backward(d_mixed, conv_weight, conv_saved)  # (B, L, Cc)
         d_parts = self._gates_backward(dg, dbeta, dz.reshape(bsz, length, self.value_dim), gates)
         grad_x = self._input_backward(np.concatenate([d_conv_in, *d_parts], axis=-1), x)  # (B, L, D)
-        self.grads["conv_weight"] += grad_conv
+        self.grads["conv_weight"] += grad_conv.reshape(p["conv_weight"].shape)
         self.grads["norm_gamma"] += grad_gamma
         self.grads["W_out"] += grad_w_out
         return grad_x if padding is None else grad_x * padding  # a zeroed input has no gradient

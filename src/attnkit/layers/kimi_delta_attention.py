@@ -27,7 +27,7 @@ attnkit          Kimi Linear
 ``W_fa``         ``forget_gate.f_a_proj.weight.T`` (D, Dh)
 ``W_b``          ``b_proj.weight.T``
 ``W_ga``         ``g_a_proj.weight.T`` (D, Dh)
-``conv_weight``  ``conv1d.weight[:, 0, :]`` (3 E, K)
+``conv_weight``  ``conv1d.weight`` (3 E, 1, K) as (3, E, K): on disk ``{q,k,v}_conv1d.weight``
 ``W_fb``         ``forget_gate.f_b_proj.weight.T`` (Dh, E)
 ``dt_bias``      ``forget_gate.dt_bias`` (E,)
 ``A_log``        ``forget_gate.A_log`` (1, 1, H, 1) flattened
@@ -98,7 +98,7 @@ class KimiDeltaAttention(GatedDeltaNet):
 
     Attributes
     ----------
-    W_q, W_k, W_v (D, E), W_fa (D, Dh), W_b (D, H), W_ga (D, Dh), conv_weight (3 E, K), W_fb (Dh, E),
+    W_q, W_k, W_v (D, E), W_fa (D, Dh), W_b (D, H), W_ga (D, Dh), conv_weight (3, E, K), W_fb (Dh, E),
     dt_bias (E,), A_log (H,), W_gb (Dh, E), norm_gamma (Dh,), W_out (E, D); ``grads`` with the same names.
 
     Shapes
@@ -138,7 +138,7 @@ class KimiDeltaAttention(GatedDeltaNet):
         gen = as_generator(rng)
         for name, width in zip(self.input_names, (e, e, e, dh, h, dh)):
             self.register_parameter(name, normal(gen, (d, width), std=0.02))
-        self.register_parameter("conv_weight", gen.uniform(-1.0, 1.0, (self.conv_dim, taps)) / np.sqrt(taps))
+        self.register_parameter("conv_weight", gen.uniform(-1.0, 1.0, (3, e, taps)) / np.sqrt(taps))
         self.register_parameter("W_fb", normal(gen, (dh, e), std=0.02))
         self.register_parameter("dt_bias", np.ones(e))
         self.register_parameter("A_log", np.log(gen.uniform(1.0, 16.0, h)))
@@ -157,7 +157,8 @@ class KimiDeltaAttention(GatedDeltaNet):
         p = self._parameters
         q_in, k_in, v_in, fa, b, ga = self._project(x)
         mixed = np.concatenate([q_in, k_in, v_in], axis=-1)  # (B, L, 3 E)
-        conv_out, conv_state, conv_saved = _conv.causal_conv_forward(mixed, p["conv_weight"], conv_state)
+        conv_weight = p["conv_weight"].reshape(self.conv_dim, -1)  # (3 E, K): q's channels, then k's, then v's
+        conv_out, conv_state, conv_saved = _conv.causal_conv_forward(mixed, conv_weight, conv_state)  # (B, L, 3 E)
         q, k, v = self._heads(conv_out)  # (B, H, L, Dh) each
         qn, q_rstd = _delta.l2_normalize_forward(q)  # (B, H, L, Dh)
         kn, k_rstd = _delta.l2_normalize_forward(k)  # (B, H, L, Dh)

@@ -21,6 +21,7 @@ from ..kernels.activations import ACTIVATIONS
 from ..layers.decoder import CROSS_ATTENTION_KINDS
 from ..layers.experts import ExpertsConfig
 from ..layers.gated_deltanet import GatedDeltaNetConfig
+from ..layers.kimi_delta_attention import KimiDeltaAttentionConfig
 from ..layers.mamba2 import Mamba2Config
 from ..layers.short_conv import ShortConvConfig
 from .layerwise import LayerwiseConfig
@@ -29,8 +30,9 @@ __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "Ex
            "MAX_LAYERS",
            "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
-_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "short_conv", "mamba2")
-STATE_LAYER_TYPES = ("linear_attention", "short_conv", "mamba2")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "kimi_delta_attention",
+                "short_conv", "mamba2")
+STATE_LAYER_TYPES = ("linear_attention", "kimi_delta_attention", "short_conv", "mamba2")
 """The layer types whose cache entry is a fixed-size state (their mixer's ``new_cache``), not keys and values."""
 
 
@@ -263,8 +265,9 @@ RESIDUALS = ("sequential", "parallel")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
           "linear_attention": GatedDeltaNetConfig, "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig,
-          "short_conv": ShortConvConfig, "mamba2": Mamba2Config}
-_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent", "short_conv", "mamba2")
+          "short_conv": ShortConvConfig, "mamba2": Mamba2Config, "kimi_delta": KimiDeltaAttentionConfig}
+_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent", "short_conv", "mamba2",
+                   "kimi_delta")
 
 
 @dataclass(frozen=True)
@@ -334,10 +337,11 @@ class DecoderConfig:
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
     layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention", \
-"short_conv", "mamba2"}
+"kimi_delta_attention", "short_conv", "mamba2"}
         Each layer's token mixer; default: every layer full. ``gated_attention``: full attention whose heads'
         outputs pass through a sigmoid gate (Qwen3-Next, Qwen3.5); ``linear_attention``: a Gated DeltaNet layer
-        shaped by ``linear_attention``; ``short_conv``: LFM2's gated short convolution shaped by ``short_conv``;
+        shaped by ``linear_attention``; ``kimi_delta_attention``: a Kimi Delta Attention layer shaped by
+        ``kimi_delta``; ``short_conv``: LFM2's gated short convolution shaped by ``short_conv``;
         ``mamba2``: a Mamba-2 mixer shaped by ``mamba2`` (the cache entry of these three is a fixed-size state, not
         keys and values: :data:`STATE_LAYER_TYPES`).
     bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
@@ -356,6 +360,8 @@ class DecoderConfig:
         The shape of the ``short_conv`` layers (given exactly when there are some).
     mamba2 : Mamba2Config, optional
         The shape of the ``mamba2`` layers (given exactly when there are some).
+    kimi_delta : KimiDeltaAttentionConfig, optional
+        The shape of the ``kimi_delta_attention`` layers (Kimi Delta Attention, given exactly when there are some).
 
     Examples
     --------
@@ -398,6 +404,7 @@ class DecoderConfig:
     latent: LatentAttentionConfig | None = None
     short_conv: ShortConvConfig | None = None
     mamba2: Mamba2Config | None = None
+    kimi_delta: KimiDeltaAttentionConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_sizes_and_kinds()
@@ -438,10 +445,11 @@ class DecoderConfig:
                 raise ValueError(f"latent describes hidden_size {latent.hidden_size} and {latent.num_heads} heads, "
                                  f"the model {self.hidden_size} and {self.num_heads}")
             if rotary is None or self.head_dim != latent.qk_rope_head_dim or rotary.partial_factor != 1.0 \
-                    or rotary.interleaved != latent.rope_interleaved or rotary.skip_layers:
-                raise ValueError("latent attention rotates its qk_rope_head_dim features in every layer: the model "
-                                 "needs a rotary part with partial_factor 1, no skip_layers and the latent's "
-                                 "rope_interleaved as interleaved, and head_dim = qk_rope_head_dim")
+                    or rotary.interleaved != latent.rope_interleaved:
+                raise ValueError("latent attention rotates its qk_rope_head_dim features (except in the rotary "
+                                 "part's skip_layers: NoPE, Kimi Linear): the model needs a rotary part with "
+                                 "partial_factor 1 and the latent's rope_interleaved as interleaved, and head_dim = "
+                                 "qk_rope_head_dim")
             if self.attention != AttentionConfig():
                 raise ValueError(f"latent attention takes no setting of the attention part (its biases, scale and "
                                  f"window are the latent part's), got {self.attention}")
@@ -478,11 +486,12 @@ class DecoderConfig:
         if ("linear_attention" in types) != (self.linear_attention is not None):
             raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
                              f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
-        for kind, what in (("short_conv", "the short-convolution layers' shape"),
-                           ("mamba2", "the Mamba-2 layers' shape")):
-            if (kind in types) != (getattr(self, kind) is not None):
-                raise ValueError(f"{kind} ({what}) must be given exactly when layer_types has {kind} layers, got "
-                                 f"{getattr(self, kind)!r} for {types}")
+        for kind, part, what in (("short_conv", "short_conv", "the short-convolution layers' shape"),
+                                 ("mamba2", "mamba2", "the Mamba-2 layers' shape"),
+                                 ("kimi_delta_attention", "kimi_delta", "the Kimi Delta Attention layers' shape")):
+            if (kind in types) != (getattr(self, part) is not None):
+                raise ValueError(f"{part} ({what}) must be given exactly when layer_types has {kind} layers, got "
+                                 f"{getattr(self, part)!r} for {types}")
         moe = self.experts
         if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp != "gated"):
             raise ValueError(f"experts.layers must be layer indices below num_layers ({self.num_layers}) and the "

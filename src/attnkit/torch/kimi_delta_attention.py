@@ -48,7 +48,8 @@ class KimiDeltaAttention(TwinModule):
             x = x * as_tensor(attention_mask, x.device).to(x.dtype)[..., None]  # (B, L, D): pads zeroed
         mixed = torch.cat([x @ self.W_q, x @ self.W_k, x @ self.W_v], dim=-1).transpose(1, 2)  # (B, 3 E, L)
         mixed = F.pad(mixed, (self.conv_kernel_size - 1, 0))  # (B, 3 E, K - 1 + L)
-        mixed = F.silu(F.conv1d(mixed, self.conv_weight[:, None, :], groups=mixed.shape[1])).transpose(1, 2)
+        weight = self.conv_weight.reshape(-1, 1, self.conv_kernel_size)  # (3 E, 1, K)
+        mixed = F.silu(F.conv1d(mixed, weight, groups=mixed.shape[1])).transpose(1, 2)  # (B, L, 3 E)
         q, k, v = (self._heads(t) for t in mixed.chunk(3, dim=-1))  # (B, H, L, Dh) each
         beta = torch.sigmoid(x @ self.W_b).transpose(1, 2)  # (B, H, L)
         pre = self._heads(x @ self.W_fa @ self.W_fb + self.dt_bias)  # (B, H, L, Dh)

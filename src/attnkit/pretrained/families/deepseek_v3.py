@@ -28,7 +28,7 @@ from ._reader import COMMON_KEYS, Reader, read_rope
 from .llama import BENCHMARK_SHAPE
 from .qwen3_moe import mlp_tensors
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "latent_attention_tensors"]
 
 # transformers' DeepseekV3Config defaults (DeepSeek-V3's own shape) for the keys a config.json may leave out
 DEFAULTS = dict(max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
@@ -119,7 +119,8 @@ def _read_config(read: Reader) -> DecoderConfig:
         latent=latent, experts=_experts(read, layers))
 
 
-def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+def latent_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    """A latent attention layer's ``self_attn.`` tensors (the module docstring's list)."""
     lat = cfg.latent
     d, q_width = cfg.hidden_size, cfg.num_heads * lat.qk_head_dim
     hf, ak = hf + "self_attn.", ak + "attention."
@@ -150,7 +151,7 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     for i in range(cfg.num_layers):
         hf = ak = f"layers.{i}."
         maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
-        maps += _attention_tensors(cfg, hf, ak)
+        maps += latent_attention_tensors(cfg, hf, ak)
         maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
         maps += mlp_tensors(cfg, hf, ak, shared="shared_experts")
     maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
