@@ -87,7 +87,7 @@ def test_gradients_match_hf_autograd(name, hf_root):
                 # near zero (float64 finite differences agree with attnkit's), measured against the other scalars'.
                 scale = max(np.max(np.abs(v)) for k, v in ours.items() if k.endswith("layer_scalar"))
             err = np.max(np.abs(got - expected)) / max(scale, 1e-30)
-            assert err <= GRAD_TOL, (target, m.index, err)
+            assert err <= GRAD_TOL, (target, m.source, err)
             checked.add(target)
     # a router's correction bias only picks the experts (torch gives it no gradient): attnkit's is zero
     unused = {n for n, grad in ours.items() if n.endswith("e_score_correction_bias") and not grad.any()}

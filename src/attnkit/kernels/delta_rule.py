@@ -79,18 +79,21 @@ def _decayed_products(a: np.ndarray, b: np.ndarray, gamma: np.ndarray) -> np.nda
     return np.einsum("...id,...jd,...ijd->...ij", a, b, gamma, optimize=True)  # (..., C, C)
 
 
-def _decayed_products_backward(grad: np.ndarray, a: np.ndarray, b: np.ndarray, gamma: np.ndarray):
-    """Gradients of :func:`_decayed_products` w.r.t. a, b (..., C, D) and the cumulative log-decay G (..., C, Dg)
-    that ``gamma_ijd = exp(G_id - G_jd)`` is made of: ``dG_i = a_i * da_i - b_i * db_i``."""
-    width = gamma.shape[-1]
-    if width == 1:
+def _decayed_products_backward(grad: np.ndarray, a: np.ndarray, b: np.ndarray, gamma: np.ndarray,
+                               products: np.ndarray):
+    """Gradients of :func:`_decayed_products` (whose result was ``products``) w.r.t. a, b (..., C, D), and its
+    flow ``F_ijd = grad_ij a_id b_jd gamma_ijd`` (..., C, C, Dg; summed over d for a scalar gate, where it is
+    ``grad * products``): the cumulative log-decay G that ``gamma_ijd = exp(G_id - G_jd)`` is made of has the
+    gradient ``sum_j F_ijd - sum_j F_jid``. The caller adds the flows of every product before those sums: the
+    terms cancel heavily, and one subtraction of summed flows rounds least."""
+    if gamma.shape[-1] == 1:
         weighted = grad * gamma[..., 0]  # (..., C, C)
         da, db = weighted @ b, weighted.swapaxes(-1, -2) @ a  # (..., C, D)
-    else:
-        weighted = grad[..., None] * gamma  # (..., C, C, Dk)
-        da = np.einsum("...ijd,...jd->...id", weighted, b)  # (..., C, Dk)
-        db = np.einsum("...ijd,...id->...jd", weighted, a)  # (..., C, Dk)
-    return da, db, _to_gate_width(a * da, width) - _to_gate_width(b * db, width)
+        return da, db, (grad * products)[..., None]  # (..., C, C, 1)
+    weighted = grad[..., None] * gamma  # (..., C, C, Dk)
+    da = np.einsum("...ijd,...jd->...id", weighted, b)  # (..., C, Dk)
+    db = np.einsum("...ijd,...id->...jd", weighted, a)  # (..., C, Dk)
+    return da, db, weighted * a[..., :, None, :] * b[..., None, :, :]  # (..., C, C, Dk)
 
 
 def _relative_decays(cum: np.ndarray) -> np.ndarray:
@@ -348,17 +351,18 @@ def chunked_backward(grad_out, ctx: ChunkedContext, grad_state=None):
     t_t = t.swapaxes(-1, -2)  # (..., N, C, C)
     dvb, dkb = t_t @ du, t_t @ dw  # (..., N, C, Dv), (..., N, C, Dk)
     da = np.tril(-(t_t @ dt @ t_t), -1)  # (..., N, C, C), M's strictly lower part is diag(beta) (K . K)
-    dq_attn, dk_attn, d_cum_attn = _decayed_products_backward(d_attn, q, k, gamma)
-    dk_left, dk_right, d_cum_kk = _decayed_products_backward(beta[..., :, None] * da, k, k, gamma)
+    dq_attn, dk_attn, flow_attn = _decayed_products_backward(d_attn, q, k, gamma, ctx.attn)
+    dk_left, dk_right, flow_kk = _decayed_products_backward(beta[..., :, None] * da, k, k, gamma, ctx.kk)
     dq = dq_attn + decay_in * dqd  # (..., N, C, Dk)
     dk = dk_attn + dk_left + dk_right + beta[..., None] * decay_in * dkb + decay_out * dkd  # (..., N, C, Dk)
     dv = beta[..., None] * dvb  # (..., N, C, Dv)
     dbeta = (np.einsum("...cd,...cd->...c", dvb, v) + np.einsum("...cd,...cd->...c", dkb, decay_in * k)
              + np.einsum("...ij,...ij->...i", da, ctx.kk))  # (..., N, C)
     # the cumulative log-decay G reaches everything through exp(G_i - G_j), exp(G), exp(G_C - G), exp(G_C)
-    out_part = _to_gate_width(dkd * ctx.kd, width)  # (..., N, C, Dg)
-    d_cum = (d_cum_attn + d_cum_kk + _to_gate_width(dkb * kb, width) + _to_gate_width(dqd * ctx.qd, width)
-             - out_part)  # (..., N, C, Dg)
+    out_part = _to_gate_width(dkd * k, width) * decay_out  # (..., N, C, Dg)
+    flow = flow_attn + flow_kk  # (..., N, C, C, Dg): through exp(G_i - G_j)
+    d_cum = (flow.sum(axis=-2) - flow.sum(axis=-3) + _to_gate_width(dkb * kb, width)
+             + _to_gate_width(dqd * q, width) * decay_in - out_part)  # (..., N, C, Dg)
     d_cum[..., -1, :] += out_part.sum(axis=-2) + d_chunk_decay * decay_in[..., -1, :]
     dg = np.flip(np.cumsum(np.flip(d_cum, -2), axis=-2), -2)  # (..., N, C, Dg): G is a cumulative sum of g
 
