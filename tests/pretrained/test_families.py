@@ -345,3 +345,31 @@ def test_gemma4_key_value_tensors_of_the_reusing_layers_are_ignored_as_transform
         else:
             with pytest.raises(ValueError, match="unexpected tensor 'model.layers.2.self_attn.z_proj.weight'"):
                 load_causal_lm(target)
+
+
+def test_kimi_linear_reads_moonshots_own_config_keys_as_transformers_does():
+    """Moonshot's config.json nests the linear attention's shape and 1-based layer lists in ``linear_attn_config``
+    and names the experts' settings its own way; transformers' KimiLinearConfig reads them into its flat keys, and
+    so does attnkit: the two configs read alike, and a layer number out of range is refused by name."""
+    import transformers
+
+    from attnkit.pretrained.families import family
+
+    moonshot = dict(model_type="kimi_linear", vocab_size=100, hidden_size=32, intermediate_size=48, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=0,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8,
+                    qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6, moe_intermediate_size=8,
+                    num_experts=4, num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=2,
+                    linear_attn_config={"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 3,
+                                        "kda_layers": [1, 2, 4], "full_attn_layers": [3]})
+    flat = json.loads(transformers.KimiLinearConfig(**{k: v for k, v in moonshot.items()
+                                                       if k != "model_type"}).to_json_string())
+    ours = family("kimi_linear").config_from_hf(moonshot)
+    assert ours == family("kimi_linear").config_from_hf(flat)
+    assert ours.layer_types == ("kimi_delta_attention", "kimi_delta_attention", "full_attention",
+                                "kimi_delta_attention")
+    assert (ours.kimi_delta.num_heads, ours.kimi_delta.head_dim, ours.kimi_delta.conv_kernel_size) == (2, 8, 3)
+    assert ours.experts.layers == (2, 3)
+    bad = dict(moonshot, linear_attn_config=dict(moonshot["linear_attn_config"], full_attn_layers=[5]))
+    with pytest.raises(ValueError, match=r"linear_attn_config\['full_attn_layers'\] must hold layer numbers"):
+        family("kimi_linear").config_from_hf(bad)
