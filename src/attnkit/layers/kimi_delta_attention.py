@@ -90,8 +90,10 @@ class KimiDeltaAttention(GatedDeltaNet):
         K (``linear_conv_kernel_dim``).
     eps : float, default 1e-5
         The gated RMSNorm's epsilon (``rms_norm_eps``, whose default in ``KimiLinearConfig`` this is).
-    chunk_size : int, default 64
-        C of the chunked delta rule (a whole-sequence forward); any C gives the same result up to rounding.
+    chunk_size : int, default 16
+        C of the chunked delta rule (a whole-sequence forward); any C gives the same result up to rounding. A
+        channel-wise gate costs C^2 Dk per chunk for its decayed products (a scalar gate C^2): 16 ran a (1, 8,
+        512, 64) forward and backward in a tenth of 64's time (measured on a busy 2-core machine).
     rng : numpy.random.Generator or int, optional
         Source of the initial weights: ``N(0, 0.02^2)`` linear weights, ``U(-1/sqrt(K), 1/sqrt(K))``
         convolution, ``dt_bias`` ones and ``A_log = log(U(1, 16))``, ``norm_gamma`` ones.
@@ -122,7 +124,7 @@ class KimiDeltaAttention(GatedDeltaNet):
     gate_activation = "sigmoid"
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, conv_kernel_size: int = 4,
-                 eps: float = 1e-5, chunk_size: int = 64, rng: np.random.Generator | int | None = None) -> None:
+                 eps: float = 1e-5, chunk_size: int = 16, rng: np.random.Generator | int | None = None) -> None:
         Module.__init__(self)
         d = self.hidden_size = check_positive_int(hidden_size, "hidden_size")
         h = self.num_heads = check_positive_int(num_heads, "num_heads")
