@@ -355,6 +355,25 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                      norm_topk_prob=False, routed_scaling_factor=1.5,
                                                      attention_bias=True, tie_word_embeddings=True, pad_token_id=0,
                                                      index_topk=3, index_n_heads=8, index_head_dim=6), {}),
+    # Kimi Linear: Kimi Delta Attention layers beside NoPE latent attention, a dense first layer, then grouped
+    # sigmoid-routed experts with a shared expert
+    "kimi_linear": ("KimiLinearConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=4, q_lora_rank=12,
+                                             kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+                                             moe_intermediate_size=6, num_local_experts=4, num_experts_per_tok=2,
+                                             n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                                             routed_scaling_factor=2.5, linear_num_heads=2, linear_head_dim=8,
+                                             linear_conv_kernel_dim=3, pad_token_id=0,
+                                             layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                          "full_attention"]), {}),
+    # its defaults: every fourth layer latent (layer 4), one query projection; MLP kinds listed, unnormalised weights
+    "kimi_linear_plain": ("KimiLinearConfig", dict(_COMMON, num_hidden_layers=5, num_key_value_heads=2,
+                                                   num_attention_heads=2, q_lora_rank=None, kv_lora_rank=8,
+                                                   qk_nope_head_dim=6, qk_rope_head_dim=2, v_head_dim=8,
+                                                   moe_intermediate_size=8, num_local_experts=3,
+                                                   num_experts_per_tok=2, n_shared_experts=2,
+                                                   norm_topk_prob=False, linear_num_heads=4, linear_head_dim=4,
+                                                   mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"],
+                                                   pad_token_id=0), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
@@ -367,9 +386,9 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2", "lfm2_bias", "bamba",
                  "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                  "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h",
-                 "nemotron_h_bias", "falcon_h1", "falcon_h1_bias")
+                 "nemotron_h_bias", "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain")
 
-_LOOPED_EXPERTS = ("DeepseekV3Config", "DeepseekV32Config", "Glm4MoeConfig")
+_LOOPED_EXPERTS = ("DeepseekV3Config", "DeepseekV32Config", "Glm4MoeConfig", "KimiLinearConfig")
 
 _CACHE: dict[str, tuple[Path, Any]] = {}
 

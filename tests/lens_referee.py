@@ -28,6 +28,8 @@ NOT_LOADED = {
     "deepseek_v32_mixed": "no adapter for DeepseekV32ForCausalLM",
     "granitemoehybrid_dense": "its Granite 4 hybrid adapter needs the rotary embedding: without one (NoPE) the "
                               "forward raises 'Original component not set for model.rotary_emb'",
+    "kimi_linear": "it has no adapter for KimiLinearForCausalLM",
+    "kimi_linear_plain": "it has no adapter for KimiLinearForCausalLM",
 }
 
 

@@ -288,7 +288,7 @@ def test_float32_stays_float32_and_errors_name_arguments():
     with pytest.raises(ValueError, match="attention_mask"):
         attn(x, rotary=rotary, attention_mask=np.ones((1, 4), bool))
     with pytest.raises(ValueError, match="rotary"):
-        attn(x, rotary=None)
+        attn(x, rotary=rotary[:1])
     with pytest.raises(ValueError, match=r"\(B, L, R\)"):
         attn(x, rotary=_rotary(cfg, np.arange(4)[None], np.float32))
     with pytest.raises(ValueError, match="form"):
@@ -299,3 +299,63 @@ def test_float32_stays_float32_and_errors_name_arguments():
         LatentAttentionConfig(**{**BASE, "qk_rope_head_dim": 3})
     with pytest.raises(ValueError, match="latent_new"):
         LatentCache(1, 1, cfg.latent_dim).update(0, np.zeros((1, 1, cfg.latent_dim + 1)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_rotary_tables_is_no_rotation(case):
+    """``rotary=None`` (Kimi Linear's NoPE latent attention) is the rotation by angle zero (cos 1, sin 0), forward,
+    backward and through a cache."""
+    rng = make_rng(len(case), 11)
+    cfg = _config(case)
+    attn = _layer(cfg, rng)
+    x, g = randn(rng, 2, 5, 16), randn(rng, 2, 5, 16)
+    still = (np.ones((2, 5, cfg.qk_rope_head_dim)), np.zeros((2, 5, cfg.qk_rope_head_dim)))
+    y = attn(x, rotary=None)
+    grad_x = attn.backward(g)
+    grads = {n: v.copy() for n, v in attn.grads.items()}
+    attn.zero_grad()
+    np.testing.assert_allclose(y, attn(x, rotary=still), rtol=0, atol=1e-14)
+    np.testing.assert_allclose(grad_x, attn.backward(g), rtol=0, atol=1e-13)
+    for name, grad in attn.grads.items():
+        np.testing.assert_allclose(grad, grads[name], rtol=0, atol=1e-13)
+    cache = LatentCache(1, 2, cfg.latent_dim, np.float64)
+    steps = np.concatenate([attn(x[:, t:t + 1], rotary=None, cache=cache) for t in range(5)], axis=1)
+    np.testing.assert_allclose(steps, y, rtol=0, atol=1e-13)
+
+
+def test_a_latent_cache_keeps_the_states_of_the_layers_beside_it():
+    """Kimi Linear's cache: latents for the attention layer, a state for the other; a mark and a crop bring the
+    state back, a reorder moves its rows, and arrays / load_arrays round-trip both."""
+    from attnkit.layers import KimiDeltaAttention
+
+    rng = make_rng(12)
+    layer = KimiDeltaAttention(16, 2, 4, rng=0)
+    cache = LatentCache(2, 2, 6, np.float64, states={0: layer.new_cache(2, np.float64)})
+    x = randn(rng, 2, 4, 16)
+    with pytest.raises(ValueError, match="keeps a state, not latents"):
+        cache.update(0, np.zeros((2, 1, 6)))
+    with pytest.raises(ValueError, match="keeps latents, not a state"):
+        cache.state(1)
+    layer(x[:, :2], cache=cache.state(0))
+    cache.update(1, randn(rng, 2, 2, 6))
+    cache.record(np.zeros((2, 2), np.int64))
+    assert cache.length == 2 and cache.needs_marks and cache.mark() == 2
+    kept = cache.state(0).recurrent_state.copy()
+    layer(x[:, 2:], cache=cache.state(0))
+    cache.update(1, randn(rng, 2, 2, 6))
+    cache.record(np.zeros((2, 2), np.int64))
+    assert not cache.can_crop(3) and cache.can_crop(2) and cache.can_crop(0)
+    with pytest.raises(ValueError, match="marked: \\[2\\]"):
+        cache.crop(3)
+    cache.crop(2)
+    assert cache.length == 2 and np.array_equal(cache.state(0).recurrent_state, kept)
+    cache.reorder(np.array([1, 1, 0]))
+    assert np.array_equal(cache.state(0).recurrent_state, kept[[1, 1, 0]]) and cache.batch_size == 3
+    arrays = cache.arrays()
+    assert set(arrays) == {"token_ids", "layers.1.latent", "layers.0.state.conv_state",
+                           "layers.0.state.recurrent_state"}
+    fresh = LatentCache(2, 3, 6, np.float64, states={0: layer.new_cache(3, np.float64)})
+    fresh.load_arrays(arrays)
+    assert fresh.length == 2 and np.array_equal(fresh.state(0).recurrent_state, kept[[1, 1, 0]])
+    cache.crop(0)
+    assert cache.length == 0 and not cache.state(0).recurrent_state.any()

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("transformer_lens", reason="TransformerLens is the referee: pip install --no-deps "
                     "transformer-lens==4.3.0 and its imported dependencies (see constraints.txt)")
 from attnkit.explain import run_with_cache  # noqa: E402
+from attnkit.models.config import STATE_LAYER_TYPES  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import FAMILY_MODELS, saved_model  # noqa: E402
 from lens_referee import NOT_LOADED, boot, compare, lens_cache  # noqa: E402
@@ -95,7 +96,8 @@ def test_the_families_transformer_lens_does_not_load(name, hf_root):
     with pytest.raises((ValueError, AssertionError, RuntimeError)):  # booting, or the first forward
         lens_cache(boot(name, hf_root)[0], IDS)
     lm = load_causal_lm(saved_model(name, hf_root)[0])
-    assert run_with_cache(lm, IDS)[1]["blocks.0.attn.hook_pattern"].shape == (2, 4, 9, 9)
+    first = next(i for i, kind in enumerate(lm.config.layer_types) if kind not in STATE_LAYER_TYPES)
+    assert run_with_cache(lm, IDS)[1][f"blocks.{first}.attn.hook_pattern"].shape == (2, lm.config.num_heads, 9, 9)
 
 
 @pytest.mark.parametrize("name", RESIDUAL_ONLY)

@@ -87,7 +87,7 @@ def test_greedy_tokens_equal_hf_generate(name, hf_root):
                                   "lfm2_bias", "bamba", "bamba_bias", "seed_oss", "exaone4", "ernie4_5",
                                   "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid",
                                   "granitemoehybrid_dense", "nemotron_h", "nemotron_h_bias", "falcon_h1",
-                                  "falcon_h1_bias"])
+                                  "falcon_h1_bias", "kimi_linear", "kimi_linear_plain"])
 def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root):
     lm, _ = loaded(name, hf_root)
     ids, mask = left_padded_batch(np.random.default_rng(2), (3, 2))
@@ -110,7 +110,8 @@ def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root)
                                   "mixtral", "gemma4_text", "deepseek_v3", "deepseek_v3_plain", "deepseek_v32",
                                   "deepseek_v32_mixed", "lfm2", "bamba", "olmo3", "glm4", "granite", "seed_oss",
                                   "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain",
-                                  "granitemoehybrid", "nemotron_h", "falcon_h1", "falcon_h1_bias"])
+                                  "granitemoehybrid", "nemotron_h", "falcon_h1", "falcon_h1_bias", "kimi_linear",
+                                  "kimi_linear_plain"])
 def test_left_padded_batch_equals_each_row_alone(name, hf_root):
     lm, _ = loaded(name, hf_root)
     lengths = (6, 2, 4)
@@ -195,7 +196,7 @@ BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, length_penalty=0.5, early_
                                   "lfm2_bias", "bamba", "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4",
                                   "ernie4_5", "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain",
                                   "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h", "nemotron_h_bias",
-                                  "falcon_h1", "falcon_h1_bias"])
+                                  "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain"])
 @pytest.mark.parametrize("setting", range(len(BEAM_SETTINGS)))
 def test_beam_search_equals_transformers(name, setting, hf_root):
     """Sequences equal to transformers' generate(num_beams=...) token for token, on a left-padded batch, with

@@ -31,7 +31,7 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
                      "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                      "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid", "granitemoehybrid_dense",
-                     "nemotron_h", "nemotron_h_bias", "falcon_h1", "falcon_h1_bias")
+                     "nemotron_h", "nemotron_h_bias", "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -68,6 +68,8 @@ def test_gradients_match_hf_autograd(name, hf_root):
         theirs_by_name = _experts_one_by_one(theirs_by_name, *EXPERT_NAMES[lm.config.family])
     for memory, disk in FUSED_EXPERT_NAMES.get(lm.config.family, {}).items():
         theirs_by_name = {n.replace(memory, disk): g for n, g in theirs_by_name.items()}
+    if lm.config.family == "kimi_linear":
+        theirs_by_name = _kimi_delta_names(theirs_by_name)
     maps, prefix = checkpoint_map(lm.config)
     prefix = MEMORY_PREFIXES.get(lm.config.family, prefix)
     ours = dict(lm.named_gradients())
@@ -91,10 +93,9 @@ def test_gradients_match_hf_autograd(name, hf_root):
             err = np.max(np.abs(got - expected)) / max(scale, 1e-30)
             assert err <= GRAD_TOL, (target, m.source, err)
             checked.add(target)
-    # the router's correction bias is a buffer in torch; it only chooses experts, so its gradient is zero
-    biases = {n for n in ours if n.endswith("e_score_correction_bias")}
-    assert not any(ours[n].any() for n in biases)
-    assert checked | biases == set(ours)
+    # a router's correction bias only picks the experts (torch gives it no gradient): attnkit's is zero
+    unused = {n for n, grad in ours.items() if n.endswith("e_score_correction_bias") and not grad.any()}
+    assert checked == set(ours) - unused
 
 
 # the checkpoint's name of a mixture's module and of each expert's gate, up and down matrices
@@ -102,7 +103,8 @@ EXPERT_NAMES = {"qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_5_moe_text": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                 "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
-                "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+                "glm4_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+                "kimi_linear": ("block_sparse_moe.", ("w1", "w3", "w2"))}
 
 # the base model's prefix in memory where transformers renames the checkpoint's on load (Nemotron-H's backbone.)
 MEMORY_PREFIXES = {"nemotron_h": "model."}
@@ -112,6 +114,20 @@ _MOE = "block_sparse_moe."
 FUSED_EXPERT_NAMES = {"granitemoehybrid": {_MOE + "experts.gate_up_proj": _MOE + "input_linear.weight",
                                            _MOE + "experts.down_proj": _MOE + "output_linear.weight",
                                            _MOE + "router.weight": _MOE + "router.layer.weight"}}
+
+
+def _kimi_delta_names(grads: dict) -> dict:
+    """transformers' in-memory Kimi Delta Attention names as its checkpoints' (Moonshot's): the forget gate's
+    parameters directly under ``self_attn.``, the one (3 E, 1, K) ``conv1d`` as ``q_conv1d``, ``k_conv1d`` and
+    ``v_conv1d``."""
+    out = {}
+    for name, grad in grads.items():
+        if name.endswith("self_attn.conv1d.weight"):
+            base = name[:-len("conv1d.weight")]
+            out.update({f"{base}{part}_conv1d.weight": piece for part, piece in zip("qkv", np.split(grad, 3))})
+        else:
+            out[name.replace("self_attn.forget_gate.", "self_attn.")] = grad
+    return out
 
 
 def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> dict:
@@ -146,7 +162,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("deepseek_v32", "rope_interleave"),
                                        ("granitemoehybrid", "router_jitter_noise"),
                                        ("nemotron_h", "rms_norm_eps"),
-                                       ("falcon_h1", "mamba_d_inner")])
+                                       ("falcon_h1", "mamba_d_inner"),
+                                       ("kimi_linear", "rope_interleave")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -483,3 +500,31 @@ def test_falcon_h1_reads_tiis_config_keys_and_refuses_attention_on_some_layers_o
         load_causal_lm(edit_config(folder, tmp_path / "some", attn_layer_indices=[1]))
     # key_multiplier is the attention's scale (head_dim ** -0.5 times it): the tiny model's head_dim is 8
     assert ours.config.attention.scale == pytest.approx(0.8 * 8 ** -0.5)
+
+
+def test_kimi_linear_reads_moonshots_own_config_keys_as_transformers_does():
+    """Moonshot's config.json nests the linear attention's shape and 1-based layer lists in ``linear_attn_config``
+    and names the experts' settings its own way; transformers' KimiLinearConfig reads them into its flat keys, and
+    so does attnkit: the two configs read alike, and a layer number out of range is refused by name."""
+    import transformers
+
+    from attnkit.pretrained.families import family
+
+    moonshot = dict(model_type="kimi_linear", vocab_size=100, hidden_size=32, intermediate_size=48, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=0,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8,
+                    qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6, moe_intermediate_size=8,
+                    num_experts=4, num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=2,
+                    linear_attn_config={"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 3,
+                                        "kda_layers": [1, 2, 4], "full_attn_layers": [3]})
+    flat = json.loads(transformers.KimiLinearConfig(**{k: v for k, v in moonshot.items()
+                                                       if k != "model_type"}).to_json_string())
+    ours = family("kimi_linear").config_from_hf(moonshot)
+    assert ours == family("kimi_linear").config_from_hf(flat)
+    assert ours.layer_types == ("kimi_delta_attention", "kimi_delta_attention", "full_attention",
+                                "kimi_delta_attention")
+    assert (ours.kimi_delta.num_heads, ours.kimi_delta.head_dim, ours.kimi_delta.conv_kernel_size) == (2, 8, 3)
+    assert ours.experts.layers == (2, 3)
+    bad = dict(moonshot, linear_attn_config=dict(moonshot["linear_attn_config"], full_attn_layers=[5]))
+    with pytest.raises(ValueError, match=r"linear_attn_config\['full_attn_layers'\] must hold layer numbers"):
+        family("kimi_linear").config_from_hf(bad)

@@ -11,7 +11,7 @@ from attnkit import layers as L
 from attnkit.attention.grouped_query import GroupedQueryAttention
 from attnkit.attention.latent import LatentAttentionConfig
 from attnkit.attention.multi_head_attention import MultiHeadAttention
-from attnkit.layers import GatedDeltaNetConfig, Mamba2Config, ShortConvConfig
+from attnkit.layers import GatedDeltaNetConfig, KimiDeltaAttentionConfig, Mamba2Config, ShortConvConfig
 from attnkit.layers.gated_mlp import GatedMLP
 from attnkit.layers.lm_block import LMBlock
 from attnkit.layers.rms_norm import RMSNorm
@@ -248,6 +248,15 @@ def test_gated_deltanet(padded):
 
 
 @pytest.mark.parametrize("padded", [False, True])
+def test_kimi_delta_attention(padded):
+    layer = L.KimiDeltaAttention(16, 2, 4, conv_kernel_size=3, chunk_size=4, rng=0)
+    for _, p in layer.named_parameters():
+        p += 0.3 * np.random.default_rng(p.size).normal(size=p.shape)
+    mask = left_padding(2, 7, [7, 4]) if padded else None
+    check_parity(layer, [randn(2, 7, 16)], dict(attention_mask=mask))
+
+
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_short_conv(padded, bias):
     layer = L.ShortConv(16, kernel_size=3, bias=bias, rng=0)
@@ -334,6 +343,16 @@ FAMILIES = {
                          experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
                                                layers=(1,), router="sigmoid_group_topk", n_group=2, topk_group=1,
                                                routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
+    "kimi_linear": dict(family="kimi_linear", num_kv_heads=4, head_dim=2, num_layers=3,
+                        rotary=RotaryConfig(interleaved=False, skip_layers=(0, 1, 2)),
+                        layer_types=("kimi_delta_attention", "full_attention", "kimi_delta_attention"),
+                        kimi_delta=KimiDeltaAttentionConfig(num_heads=2, head_dim=3, conv_kernel_size=3),
+                        latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5, qk_nope_head_dim=3,
+                                                     qk_rope_head_dim=2, v_head_dim=3, q_lora_rank=4,
+                                                     rope_interleaved=False),
+                        experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
+                                              layers=(1, 2), router="sigmoid_group_topk", n_group=2, topk_group=1,
+                                              routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
     "qwen3_5_text": dict(family="qwen3_5_text", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
                          attention=AttentionConfig(qk_norm="head"), layer_types=("linear_attention", "gated_attention"),
                          linear_attention=GatedDeltaNetConfig(1, 2, 4, 3)),

@@ -185,6 +185,13 @@ class LatentAttentionConfig:
         return self.qk_head_dim ** -0.5 if self.attention_scale is None else float(self.attention_scale)
 
 
+def _turn(x: np.ndarray, cos, sin, interleaved: bool, *, backward: bool = False) -> np.ndarray:
+    """The rotation of the R rotary features (or its gradient's, ``backward``); none without tables (NoPE)."""
+    if cos is None:
+        return x
+    return (_rotary.rotary_backward if backward else _rotary.rotary_apply)(x, cos, sin, interleaved)
+
+
 class MultiHeadLatentAttention(Module):
     """Causal self-attention through a compressed key/value latent (DeepSeek-V2/V3, Kimi K2, GLM-5).
 
@@ -227,7 +234,8 @@ class MultiHeadLatentAttention(Module):
     ------
     x : (B, L, D) -> (B, L, D) in ``x``'s float dtype.
     rotary : ``(cos, sin)`` each (B, L, R), from :func:`attnkit.kernels.rotary.rotary_cos_sin` with
-    ``interleaved=config.rope_interleaved``.
+    ``interleaved=config.rope_interleaved``; None: the R "rotary" features are not turned (a NoPE layer: Kimi
+    Linear's latent attention keeps DeepSeek-V3's shapes but rotates nothing).
     attention_mask : (B, S) bool/0-1, ``True`` = real token, over the cache slots (past + new); None = all real.
     cache : :class:`~attnkit.decoding.cache.LatentCache`, optional: appends the new tokens' ``[c, k_r]`` (C + R
     each) and attends to every kept slot; inference only (no :meth:`backward`).
@@ -310,7 +318,7 @@ class MultiHeadLatentAttention(Module):
             saved = None
         q = q.reshape(b, length, cfg.num_heads, cfg.qk_head_dim).transpose(0, 2, 1, 3)  # (B, H, L, Dn+R)
         dn = cfg.qk_nope_head_dim
-        q_rope = _rotary.rotary_apply(q[..., dn:], cos, sin, cfg.rope_interleaved)  # (B, H, L, R)
+        q_rope = _turn(q[..., dn:], cos, sin, cfg.rope_interleaved)  # (B, H, L, R)
         return np.concatenate([q[..., :dn], q_rope], axis=-1), saved  # (B, H, L, Dn+R)
 
     def _latent(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
@@ -318,8 +326,7 @@ class MultiHeadLatentAttention(Module):
         cfg, p = self.config, self._parameters
         kv_a = linear(x, p["W_KVA"], p.get("b_KVA"))  # (B, L, C+R)
         c, c_hat, c_rstd = rms_norm_forward(kv_a[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.norm_eps)  # (B, L, C)
-        k_rope = _rotary.rotary_apply(kv_a[:, None, :, cfg.kv_lora_rank:], cos, sin,
-                                      cfg.rope_interleaved)[:, 0]  # (B, L, R)
+        k_rope = _turn(kv_a[:, None, :, cfg.kv_lora_rank:], cos, sin, cfg.rope_interleaved)[:, 0]  # (B, L, R)
         return c, k_rope, (c_hat, c_rstd)
 
     def _check_inputs(self, x, rotary, attention_mask, form: str):
@@ -329,15 +336,18 @@ class MultiHeadLatentAttention(Module):
             raise ValueError(f"MultiHeadLatentAttention: x must be (B, L, D), got shape {x.shape}")
         if form not in FORMS:
             raise ValueError(f"form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
-        if rotary is None or len(rotary) != 2:
+        mask = as_bool_mask(attention_mask, "attention_mask", allow_int=True)
+        if rotary is None:  # a NoPE layer (Kimi Linear): the "rotary" features pass unturned
+            return x, None, None, mask
+        if len(rotary) != 2:
             raise ValueError("MultiHeadLatentAttention: rotary must be the (cos, sin) pair of the new tokens "
-                             "(the decoupled rotary key is part of the layer)")
+                             "(the decoupled rotary key is part of the layer), or None for no rotation")
         expected = (x.shape[0], x.shape[1], cfg.qk_rope_head_dim)
         cos, sin = (np.asarray(t) for t in rotary)
         if cos.shape != expected or sin.shape != expected:
             raise ValueError(f"MultiHeadLatentAttention: rotary cos and sin must have shape (B, L, R) = {expected}, "
                              f"got {cos.shape} and {sin.shape}")
-        return x, cos, sin, as_bool_mask(attention_mask, "attention_mask", allow_int=True)
+        return x, cos, sin, mask
 
     def forward(self, x: Any, *, rotary, attention_mask: Any = None, cache=None, output_attentions: bool = False,
                 form: str = "auto"):
@@ -497,7 +507,7 @@ class MultiHeadLatentAttention(Module):
             dq, dk, dv = (hook_heads_backward(self, name, d) for name, d in (("hook_q", dq), ("hook_k", dk),
                                                                              ("hook_v", dv)))
         grad_x = self._latent_backward(x, cos, sin, c, c_norm, dk, dv)  # (B, L, D)
-        dq_rope = _rotary.rotary_backward(dq[..., dn:], cos, sin, cfg.rope_interleaved)  # (B, H, L, R)
+        dq_rope = _turn(dq[..., dn:], cos, sin, cfg.rope_interleaved, backward=True)  # (B, H, L, R)
         dq = np.concatenate([dq[..., :dn], dq_rope], axis=-1)  # (B, H, L, Dn+R)
         dq = dq.transpose(0, 2, 1, 3).reshape(b, length, -1)  # (B, L, H*(Dn+R))
         grad_x += self._queries_backward(x, q_saved, dq)  # (B, L, D)
@@ -510,7 +520,7 @@ class MultiHeadLatentAttention(Module):
         dc, dk_rope, grad_w = _latent.expand_latent_backward(dk, dv, c, p["W_KVB"],
                                                              cfg.qk_nope_head_dim)  # (B, L, C), (B, L, R)
         self.grads["W_KVB"] += grad_w
-        dk_rope = _rotary.rotary_backward(dk_rope[:, None], cos, sin, cfg.rope_interleaved)[:, 0]  # (B, L, R)
+        dk_rope = _turn(dk_rope[:, None], cos, sin, cfg.rope_interleaved, backward=True)[:, 0]  # (B, L, R)
         dc, grad_gain = rms_norm_backward(dc, *c_norm, p["kv_a_norm"])  # (B, L, C)
         self.grads["kv_a_norm"] += grad_gain
         d_kv_a = np.concatenate([dc, dk_rope], axis=-1)  # (B, L, C+R)

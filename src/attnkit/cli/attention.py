@@ -233,26 +233,29 @@ def _causal_lm_dir(args: argparse.Namespace) -> str | None:
 
 # the layer types without attention weights of any kind, in words
 _STATE_SPACE_KINDS = {"short_conv": "short-convolution", "mamba2": "Mamba-2"}
+_DELTA_RULE_KINDS = {"linear_attention": "Gated DeltaNet", "kimi_delta_attention": "Kimi Delta Attention"}
 
 
 def _drawn_layers(config: Any, chosen: int | None, one_picture: bool) -> list[int]:
     """The layers whose weights are computed: ``chosen``, else every softmax-attention layer (only the first
     when one picture of many layers would be too tall). A Gated DeltaNet layer has no softmax pattern (its
     token weights are signed), so it is left out, and naming it is refused."""
-    linear = [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
+    linear = [i for i, kind in enumerate(config.layer_types) if kind in _DELTA_RULE_KINDS]
     convolutions = [i for i, kind in enumerate(config.layer_types) if kind in _STATE_SPACE_KINDS]
     softmax = [i for i in range(config.num_layers) if i not in linear + convolutions]
     if chosen in convolutions:
         raise UsageError(f"--layer {chosen} is a {_STATE_SPACE_KINDS[config.layer_types[chosen]]} layer, which has no "
                          f"attention pattern; its softmax layers are {', '.join(map(str, softmax))}", PROG)
     if chosen in linear:
-        raise UsageError(f"--layer {chosen} is a Gated DeltaNet layer, which has no attention pattern (its token "
+        raise UsageError(f"--layer {chosen} is a {_DELTA_RULE_KINDS[config.layer_types[chosen]]} layer, which has "
+                         f"no attention pattern (its token "
                          f"weights are signed: GatedDeltaNet.token_weights, drawn by attnkit.viz.plot_attention on "
                          f"a scale centred on 0); its softmax layers are {', '.join(map(str, softmax))}", PROG)
     if chosen is not None:
         return [chosen]
     if linear:
-        print(f"note: layers {', '.join(map(str, linear))} are Gated DeltaNet layers, which have no attention "
+        names = " and ".join(sorted({_DELTA_RULE_KINDS[config.layer_types[i]] for i in linear}))
+        print(f"note: layers {', '.join(map(str, linear))} are {names} layers, which have no attention "
               f"pattern: drawing the softmax layers {', '.join(map(str, softmax))}")
     if convolutions:
         kinds = " and ".join(sorted({_STATE_SPACE_KINDS[config.layer_types[i]] for i in convolutions}))

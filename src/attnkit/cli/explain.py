@@ -179,7 +179,8 @@ def _report(name: str, model: Any, ids: list[int], data: dict, page: Path) -> No
           f"{len(data['candidates'])}")
     if data["linear_layers"]:
         kinds = sorted({model.config.layer_types[i] for i in data["linear_layers"]})
-        kind = " and ".join({"linear_attention": "Gated DeltaNet", "short_conv": "short-convolution",
+        kind = " and ".join({"linear_attention": "Gated DeltaNet", "kimi_delta_attention": "Kimi Delta Attention",
+                             "short_conv": "short-convolution",
                              "mamba2": "Mamba-2"}[k] for k in kinds)
         print(f"note: layers {', '.join(map(str, data['linear_layers']))} are {kind} layers, which have no "
               f"softmax pattern: the page draws the attention of layers "

@@ -169,15 +169,11 @@ class KVCache:
         self.token_ids = np.zeros((self.batch_size, 0), np.int64)
 
     def _check_states(self, states) -> dict[int, Any]:
-        states = {} if states is None else dict(states)
-        for layer, state in states.items():
-            _check_layer(layer, self.num_layers)
-            if not all(hasattr(state, name) for name in ("length", "nbytes", "reorder", "copy", "cleared")):
-                raise TypeError(f"states[{layer}] must have length, nbytes, reorder, copy and cleared (e.g. a "
-                                f"GatedDeltaNetCache), got {type(state).__name__}")
+        states = _checked_states(states, self.num_layers)
+        for layer in states:
             if self.windows[layer] is not None:
                 raise ValueError(f"layer {layer} has both a window and a state: a layer keeps one or the other")
-        return {int(layer): state for layer, state in states.items()}
+        return states
 
     # ------------------------------------------------------------------------------------------------
     def _initial_capacity(self, layer: int) -> int:
@@ -538,6 +534,17 @@ class _Mark:
         self.rings = {layer: (k[index], v[index], slots) for layer, (k, v, slots) in self.rings.items()}
 
 
+def _checked_states(states, num_layers: int) -> dict[int, Any]:
+    """``states`` (layer -> a state layer's state, or None) as a dict by layer index, each state checked."""
+    states = {} if states is None else dict(states)
+    for layer, state in states.items():
+        _check_layer(layer, num_layers)
+        if not all(hasattr(state, name) for name in ("length", "nbytes", "reorder", "copy", "cleared")):
+            raise TypeError(f"states[{layer}] must have length, nbytes, reorder, copy and cleared (e.g. a "
+                            f"GatedDeltaNetCache), got {type(state).__name__}")
+    return {int(layer): state for layer, state in states.items()}
+
+
 def _check_layer(layer: Any, num_layers: int) -> int:
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
         raise ValueError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
@@ -719,6 +726,10 @@ class LatentCache:
     dtype : numpy dtype, default float32
     max_length : int, optional
         Bound on the slots of every layer (memory follows what is written, doubling from 256 slots up to it).
+    states : dict of int to state, optional
+        The fixed-size states of the layers that are not latent attention (Kimi Linear's Kimi Delta Attention
+        layers), as :class:`KVCache` keeps them: :meth:`state` hands a layer its own, :meth:`mark` copies them
+        and :meth:`crop` goes back to a marked length (or 0).
 
     Shapes
     ------
@@ -735,7 +746,7 @@ class LatentCache:
     """
 
     def __init__(self, num_layers: int, batch_size: int, latent_dim: int, dtype=np.float32, *,
-                 max_length: int | None = None) -> None:
+                 max_length: int | None = None, states: dict[int, Any] | None = None) -> None:
         self.num_layers = check_positive_int(num_layers, "num_layers")
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.latent_dim = check_positive_int(latent_dim, "latent_dim")
@@ -744,8 +755,13 @@ class LatentCache:
             raise TypeError(f"dtype must be a floating dtype, got {self.dtype}")
         self.max_length = None if max_length is None else check_positive_int(max_length, "max_length")
         first = 0 if self.max_length is None else min(self.max_length, _FIRST_SLOTS)
+        self._states = _checked_states(states, self.num_layers)
+        self._holding = [i for i in range(self.num_layers) if i not in self._states]  # the latent layers
+        if not self._holding:
+            raise ValueError("states: at least one layer must be latent attention (else use a KVCache)")
         self._lengths = [0] * self.num_layers
-        self._latents = [self._empty(first) for _ in range(self.num_layers)]
+        self._latents = [self._empty(0 if i in self._states else first) for i in range(self.num_layers)]
+        self._marks: dict[int, dict[int, Any]] = {}
         self.token_ids = np.zeros((self.batch_size, 0), np.int64)
 
     def _empty(self, slots: int) -> np.ndarray:
@@ -754,12 +770,19 @@ class LatentCache:
     @property
     def length(self) -> int:
         """Slots filled in every layer (pad slots included)."""
-        return min(self._lengths)
+        return min(self._states[i].length if i in self._states else self._lengths[i] for i in range(self.num_layers))
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the latent storage of all layers."""
-        return sum(a.nbytes for a in self._latents)
+        """Bytes held by the latent storage and the states of all layers."""
+        return sum(a.nbytes for a in self._latents) + sum(state.nbytes for state in self._states.values())
+
+    def state(self, layer: int) -> Any:
+        """The state object of a layer given in ``states`` (the layer reads and rewrites it in place)."""
+        layer = _check_layer(layer, self.num_layers)
+        if layer not in self._states:
+            raise ValueError(f"layer {layer} keeps latents, not a state (state layers: {sorted(self._states)})")
+        return self._states[layer]
 
     def stored(self, layer: int) -> None:
         """Always ``None``: the layer hands over its new tokens' latents every step."""
@@ -775,6 +798,8 @@ class LatentCache:
         latent_new : (B, Lnew, C + R)
         """
         layer = _check_layer(layer, self.num_layers)
+        if layer in self._states:
+            raise ValueError(f"layer {layer} keeps a state, not latents: use state({layer})")
         latent_new = np.asarray(latent_new)
         if latent_new.ndim != 3 or latent_new.shape[0] != self.batch_size or latent_new.shape[2] != self.latent_dim:
             raise ValueError(f"latent_new must have shape ({self.batch_size}, Lnew, {self.latent_dim}), got "
@@ -801,49 +826,77 @@ class LatentCache:
         self.token_ids = np.concatenate([self.token_ids, np.asarray(ids, np.int64)], axis=1)  # (B, length)
 
     def mark(self) -> int:
-        """The current length: every slot stays until cropped, so any length can be returned to unmarked."""
-        return self.length
+        """Make the current length one that :meth:`crop` can return to and return it: the latent slots stay until
+        cropped, so only the states are copied (as :meth:`KVCache.mark` does; the latest eight marks are kept)."""
+        length = self.length
+        if self._states:
+            self._marks[length] = {layer: state.copy() for layer, state in self._states.items()}
+            while len(self._marks) > _MAX_MARKS:
+                del self._marks[min(self._marks)]
+        return length
 
     @property
     def marks(self) -> list[int]:
-        """No marks are kept (none is needed)."""
-        return []
+        """The lengths marked with :meth:`mark` (and not cropped past), in order; none without states."""
+        return sorted(self._marks)
 
     @property
     def needs_marks(self) -> bool:
-        """False: every slot stays until cropped."""
-        return False
+        """Whether some layer keeps a state, which can go back only to a marked length (latents go anywhere)."""
+        return bool(self._states)
 
     def can_crop(self, length: int) -> bool:
-        """Whether ``length`` is in [0, length]: a latent cache can go back anywhere."""
-        return not isinstance(length, bool) and isinstance(length, (int, np.integer)) and 0 <= length <= self.length
+        """Whether :meth:`crop` can go back to ``length``: in [0, length], and marked (or 0, or where every state
+        stands) when there are states."""
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.length:
+            return False
+        return length in self._marks or length == 0 or all(s.length == length for s in self._states.values())
 
     def crop(self, length: int) -> None:
-        """Forget every slot from ``length`` on (e.g. rejected draft tokens)."""
+        """Forget every slot from ``length`` on (e.g. rejected draft tokens); a state goes back to the mark of
+        ``length`` (or is cleared at 0), else this is a ``ValueError`` and nothing changes."""
         if not self.can_crop(length):
-            raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
-        self._lengths = [int(length)] * self.num_layers
-        self.token_ids = self.token_ids[:, :int(length)]
+            raise ValueError(f"the cache cannot go back to {length!r} positions: it holds {self.length}, and its "
+                             f"states go back only to a marked length (marked: {self.marks}) or 0")
+        length = int(length)
+        mark = self._marks.get(length)
+        for layer, state in self._states.items():
+            if state.length != length:
+                self._states[layer] = mark[layer].copy() if mark is not None else state.cleared()
+        self._lengths = [length] * self.num_layers
+        self.token_ids = self.token_ids[:, :length]
+        self._marks = {at: kept for at, kept in self._marks.items() if at <= length}
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Everything the cache holds, as named arrays (copies), for a file: ``token_ids`` (B, n) and each layer's
-        ``layers.{i}.latent`` (B, n, C + R). :meth:`load_arrays` puts them back into an empty cache."""
+        ``layers.{i}.latent`` (B, n, C + R), and each state layer's array fields (``layers.{i}.state.{field}``).
+        :meth:`load_arrays` puts them back into an empty cache."""
         length = _consistent_length(self)
         out = {"token_ids": self.token_ids.copy()}
-        out.update({f"layers.{i}.latent": store[:, :length].copy() for i, store in enumerate(self._latents)})
+        out.update({f"layers.{i}.latent": self._latents[i][:, :length].copy() for i in self._holding})
+        for layer, state in self._states.items():
+            out.update({f"layers.{layer}.state.{name}": array.copy() for name, array in _state_arrays(state, layer)})
         return out
 
     def check_arrays(self, arrays: dict[str, np.ndarray]) -> int:
         """The checks of :meth:`load_arrays`, writing nothing; returns the positions held (see
         :meth:`KVCache.check_arrays`)."""
         length = _checked_ids(arrays, self.batch_size, self.max_length).shape[1]
-        for layer in range(self.num_layers):
+        expected = {"token_ids"}
+        for layer in self._holding:
             name = f"layers.{layer}.latent"
             array = _checked_array(arrays, name, self.dtype)
             if array.shape != (self.batch_size, length, self.latent_dim):
                 raise ValueError(f"{name} must have shape {(self.batch_size, length, self.latent_dim)}, got "
                                  f"{array.shape}")
-        unknown = sorted(set(arrays) - {"token_ids"} - {f"layers.{i}.latent" for i in range(self.num_layers)})
+            expected.add(name)
+        for layer, state in self._states.items():
+            for field, empty in _state_arrays(state, layer):
+                name = f"layers.{layer}.state.{field}"
+                if _checked_array(arrays, name, empty.dtype).shape != empty.shape:
+                    raise ValueError(f"{name} must have shape {empty.shape}, got {arrays[name].shape}")
+                expected.add(name)
+        unknown = sorted(set(arrays) - expected)
         if unknown:
             raise ValueError(f"arrays holds {unknown[0]!r}, which no layer of this cache keeps")
         return length
@@ -853,9 +906,12 @@ class LatentCache:
         if self.length or self.token_ids.shape[1]:
             raise ValueError(f"load_arrays fills an empty cache; this one holds {self.length} positions")
         length = self.check_arrays(arrays)
-        for layer in range(self.num_layers):
+        for layer in self._holding:
             self._latents[layer] = self._empty(max(length, self._latents[layer].shape[1]))  # (B, S, C+R)
             self._latents[layer][:, :length] = arrays[f"layers.{layer}.latent"]
+        for layer, state in self._states.items():
+            fields = {field: arrays[f"layers.{layer}.state.{field}"].copy() for field, _ in _state_arrays(state, layer)}
+            self._states[layer] = dataclasses.replace(state, length=length, **fields)
         self._lengths = [length] * self.num_layers
         self.token_ids = arrays["token_ids"].copy()
 
@@ -863,6 +919,11 @@ class LatentCache:
         """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows)."""
         index = _check_index(index, self.batch_size)
         self._latents = [a[index] for a in self._latents]  # (B', S, C+R)
+        for state in self._states.values():
+            state.reorder(index)
+        for kept in self._marks.values():
+            for state in kept.values():
+                state.reorder(index)
         self.token_ids = self.token_ids[index]  # (B', length)
         self.batch_size = int(index.size)
 
@@ -871,8 +932,9 @@ class LatentCache:
         self.reorder(_check_rows(rows, self.batch_size))
 
     def __repr__(self) -> str:
+        states = f", states={sorted(self._states)}" if self._states else ""
         return (f"LatentCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
-                f"latent_dim={self.latent_dim}, length={self.length}, max_length={self.max_length})")
+                f"latent_dim={self.latent_dim}, length={self.length}, max_length={self.max_length}{states})")
 
 
 def _consistent_length(cache: Any) -> int:

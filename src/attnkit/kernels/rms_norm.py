@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .activations import activation_backward, activation_forward
+from .activations import _sigmoid, activation_backward, activation_forward
 
 __all__ = ["gated_rms_norm_backward", "gated_rms_norm_forward", "rms_norm_backward", "rms_norm_forward"]
 
@@ -51,22 +51,31 @@ def rms_norm_backward(grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, g
     return grad_x.astype(grad_y.dtype, copy=False), grad_gamma
 
 
-def gated_rms_norm_forward(x: np.ndarray, gate: np.ndarray, gamma: np.ndarray, eps: float):
-    """``gamma * x / sqrt(mean(x^2) + eps) * silu(gate)``: normalise first, then gate (Gated DeltaNet's output
-    norm, Hugging Face's ``Qwen3NextRMSNormGated``).
+GATES = ("silu", "sigmoid")
+
+
+def gated_rms_norm_forward(x: np.ndarray, gate: np.ndarray, gamma: np.ndarray, eps: float, activation: str = "silu"):
+    """``gamma * x / sqrt(mean(x^2) + eps) * act(gate)``: normalise first, then gate. ``activation`` "silu" is
+    Gated DeltaNet's output norm (Hugging Face's ``Qwen3NextRMSNormGated``), "sigmoid" Kimi Delta Attention's
+    (``KimiLinearRMSNormGated``).
 
     Returns
     -------
     y : (..., D) in ``x``'s dtype, and ``saved`` for :func:`gated_rms_norm_backward`.
     """
+    if activation not in GATES:
+        raise ValueError(f"activation must be one of {GATES}, got {activation!r}")
     normed, x_hat, rstd = rms_norm_forward(x, gamma, eps)  # (..., D)
-    act = activation_forward(gate, "silu")  # (..., D)
-    return normed * act.astype(normed.dtype, copy=False), (normed, x_hat, rstd, gate, act)
+    act = activation_forward(gate, "silu") if activation == "silu" else _sigmoid(gate)  # (..., D)
+    return normed * act.astype(normed.dtype, copy=False), (normed, x_hat, rstd, gate, act, activation)
 
 
 def gated_rms_norm_backward(grad_y: np.ndarray, saved, gamma: np.ndarray):
     """Gradients of :func:`gated_rms_norm_forward`: ``grad_x``, ``grad_gate`` (..., D) and ``grad_gamma`` (D,)."""
-    normed, x_hat, rstd, gate, act = saved
-    grad_gate = activation_backward(grad_y * normed, gate, act, "silu")  # (..., D)
+    normed, x_hat, rstd, gate, act, activation = saved
+    if activation == "silu":
+        grad_gate = activation_backward(grad_y * normed, gate, act, "silu")  # (..., D)
+    else:
+        grad_gate = grad_y * normed * act * (1.0 - act)  # (..., D): sigmoid' = s (1 - s)
     grad_x, grad_gamma = rms_norm_backward(grad_y * act, x_hat, rstd, gamma)  # (..., D), (D,)
     return grad_x, grad_gate, grad_gamma

@@ -14,6 +14,9 @@
 - :class:`GatedDeltaNet`, the linear-attention layer of Qwen3-Next and Qwen3.5, and its
   :class:`GatedDeltaNetCache`; :class:`GatedDeltaNetMixer` is it as a decoder block's token mixer, shaped by a
   :class:`GatedDeltaNetConfig`;
+- :class:`KimiDeltaAttention`, Kimi Linear's linear-attention layer (the delta rule with a decay per key channel),
+  which keeps Gated DeltaNet's cache; :class:`KimiDeltaAttentionMixer` is it as a decoder block's token mixer,
+  shaped by a :class:`KimiDeltaAttentionConfig`;
 - :class:`ShortConv`, LFM2's gated short convolution, and its :class:`ShortConvCache`; :class:`ShortConvMixer` is
   it as a decoder block's token mixer, shaped by a :class:`ShortConvConfig`;
 - :class:`Mamba2`, the Mamba-2 mixer of the state-space hybrids (the SSD scan), and its :class:`Mamba2Cache`;
@@ -35,6 +38,7 @@ from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetCache, GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_mlp import GatedMLP, ScaledGatedMLP
 from .identity import Identity, Scale, Zero
+from .kimi_delta_attention import KimiDeltaAttention, KimiDeltaAttentionConfig, KimiDeltaAttentionMixer
 from .layer_norm import LayerNorm
 from .lm_block import LMBlock, ParallelLMBlock
 from .mamba2 import Mamba2, Mamba2Cache, Mamba2Config, Mamba2Mixer
@@ -56,6 +60,7 @@ __all__ = [
     "RMSNorm", "GatedMLP", "UngatedMLP", "XIELUMLP", "MixtureOfExperts", "ExpertsConfig", "Router",
     "RotaryEmbedding", "LMBlock", "ParallelLMBlock", "Identity", "Zero", "Scale",
     "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer",
+    "KimiDeltaAttention", "KimiDeltaAttentionConfig", "KimiDeltaAttentionMixer",
     "ShortConv", "ShortConvCache", "ShortConvConfig", "ShortConvMixer",
     "Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer", "AttentionMamba2Config", "AttentionMamba2Mixer",
     "ScaledGatedMLP",

@@ -52,7 +52,8 @@ from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import gated_rms_norm_backward, gated_rms_norm_forward
 from .recurrent_state import RecurrentState
 
-__all__ = ["GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedDeltaNetMixer"]
+__all__ = ["DeltaRuleMixer", "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig",
+           "GatedDeltaNetMixer"]
 
 _INPUTS = ("W_qkv", "W_z", "W_b", "W_a")
 
@@ -150,6 +151,12 @@ class GatedDeltaNet(Module):
     (True, 5)
     """
 
+    input_names: tuple[str, ...] = _INPUTS
+    """The maps of x, in the order of :meth:`_project`'s parts (fused into one ``W_in``); the convolution's
+    input comes first."""
+    gate_activation = "silu"
+    """The output norm's gate (:func:`attnkit.kernels.rms_norm.gated_rms_norm_forward`)."""
+
     def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, *, conv_kernel_size: int = 4, eps: float = 1e-6, chunk_size: int = 64,
                  rng: np.random.Generator | int | None = None) -> None:
@@ -177,7 +184,7 @@ class GatedDeltaNet(Module):
         self.register_parameter("norm_gamma", np.ones(dv))
         self.register_parameter("W_out", normal(gen, (self.value_dim, d), std=0.02))
         # the four input maps read the same x: one product computes them all (one read in a decoding step)
-        self.fuse_parameters("W_in", _INPUTS)
+        self.fuse_parameters("W_in", self.input_names)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_key_heads={self.num_key_heads}, "
@@ -195,27 +202,28 @@ class GatedDeltaNet(Module):
 
     # -- forward ----------------------------------------------------------------------------------------
     def _project(self, x: np.ndarray):
-        """``x W_in`` split into the convolution's input (B, L, Cc), z (B, L, Vd), b and a (B, L, Hv)."""
-        p = self._parameters
+        """``x W_in`` split into the parts of :attr:`input_names`: here the convolution's input (B, L, Cc), z
+        (B, L, Vd), b and a (B, L, Hv)."""
+        p, names = self._parameters, self.input_names
         fused = self.fused_parameter("W_in")
-        parts = ([linear(x, p[name]) for name in _INPUTS] if fused is None else
-                 np.split(linear(x, fused), np.cumsum([p[n].shape[1] for n in _INPUTS])[:-1], axis=-1))
+        parts = ([linear(x, p[name]) for name in names] if fused is None else
+                 np.split(linear(x, fused), np.cumsum([p[n].shape[1] for n in names])[:-1], axis=-1))
         return parts  # (B, L, Cc), (B, L, Vd), (B, L, Hv), (B, L, Hv)
 
     def _input_backward(self, d_in: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """Gradients of :meth:`_project` from ``d_in`` (B, L, Cc + Vd + 2 Hv): ``grad_x`` (B, L, D), the input
-        projections' gradients added into ``grads``. One product with the fused ``W_in``, else one per input
+        """Gradients of :meth:`_project` from ``d_in`` (B, L, total width of the parts): ``grad_x`` (B, L, D), the
+        input projections' gradients added into ``grads``. One product with the fused ``W_in``, else one per input
         (their own storage, or packed weights), as :meth:`_project` took them."""
-        p = self._parameters
-        cuts = np.cumsum([p[n].shape[1] for n in _INPUTS])[:-1]
+        p, names = self._parameters, self.input_names
+        cuts = np.cumsum([p[n].shape[1] for n in names])[:-1]
         fused = self.fused_parameter("W_in")
         if fused is not None:
             grad_x, grad_w_in, _ = linear_backward(d_in, x, fused)  # (B, L, D), (D, Cc + Vd + 2 Hv)
-            for name, grad in zip(_INPUTS, np.split(grad_w_in, cuts, axis=-1)):
+            for name, grad in zip(names, np.split(grad_w_in, cuts, axis=-1)):
                 self.grads[name] += grad
             return grad_x
         grad_x = np.zeros_like(x)  # (B, L, D)
-        for name, part in zip(_INPUTS, np.split(d_in, cuts, axis=-1)):
+        for name, part in zip(names, np.split(d_in, cuts, axis=-1)):
             grad_part, grad_w, _ = linear_backward(part, x, p[name], need_weight=self.grads.wanted)  # (B, L, D)
             grad_x += grad_part
             self.grads.add(name, grad_w)
@@ -312,7 +320,8 @@ class GatedDeltaNet(Module):
                                                  chunk_size=self.chunk_size)
         o = o.transpose(0, 2, 1, 3)  # (B, L, Hv, Dv)
         zh = z.reshape(o.shape)  # (B, L, Hv, Dv)
-        normed, norm_saved = gated_rms_norm_forward(o, zh, p["norm_gamma"].astype(o.dtype, copy=False), self.eps)
+        normed, norm_saved = gated_rms_norm_forward(o, zh, p["norm_gamma"].astype(o.dtype, copy=False), self.eps,
+                                                    self.gate_activation)
         flat = normed.reshape(x.shape[0], x.shape[1], self.value_dim)  # (B, L, Vd)
         y = linear(flat, p["W_out"]).astype(x.dtype, copy=False)  # (B, L, D)
         if cache is None:
@@ -330,7 +339,7 @@ class GatedDeltaNet(Module):
         if self.saved_tensors is None:
             raise RuntimeError("GatedDeltaNet.backward called before a forward without a cache")
         x, padding, conv_saved, normalised, gates, delta_ctx, norm_saved, flat = self.saved_tensors
-        (qn, q_rstd, kn, k_rstd), (beta, g, pre, rate) = normalised, gates
+        qn, q_rstd, kn, k_rstd = normalised
         dy = check_grad_output(grad_output, x.shape, x.dtype, "GatedDeltaNet")
         p = self._parameters
         d_flat, grad_w_out, _ = linear_backward(dy, flat, p["W_out"].astype(x.dtype, copy=False))  # (B, L, Vd)
@@ -345,21 +354,53 @@ class GatedDeltaNet(Module):
         dk = _delta.l2_normalize_backward(dk.reshape(heads).sum(axis=2), kn, k_rstd)  # (B, Hk, L, Dk)
         d_mixed = np.concatenate([t.transpose(0, 2, 1, 3).reshape(bsz, length, -1) for t in (dq, dk, dv)],
                                  axis=-1)  # (B, L, Cc)
-        d_conv_in, grad_conv, _, _ = _conv.causal_conv_backward(d_mixed, p["conv_weight"], conv_saved)  # (B, L, Cc)
-        dg = dg.transpose(0, 2, 1)  # (B, L, Hv)
-        db = dbeta.transpose(0, 2, 1) * beta * (1.0 - beta)  # (B, L, Hv)
-        d_pre = -rate * dg * _sigmoid(pre)  # (B, L, Hv): softplus' = sigmoid
-        d_in = np.concatenate([d_conv_in, dz.reshape(bsz, length, self.value_dim), db, d_pre], axis=-1)
-        grad_x = self._input_backward(d_in, x)  # (B, L, D)
-        self.grads["conv_weight"] += grad_conv
-        self.grads["dt_bias"] += d_pre.sum(axis=(0, 1))
-        self.grads["A_log"] += np.einsum("blh,blh->h", dg, g)  # g = -exp(A_log) softplus: dg/dA_log = g
+        conv_weight = p["conv_weight"].reshape(self.conv_dim, -1)  # (Cc, K), whatever the layer's storage shape
+        d_conv_in, grad_conv, _, _ = _conv.causal_conv_backward(d_mixed, conv_weight, conv_saved)  # (B, L, Cc)
+        d_parts = self._gates_backward(dg, dbeta, dz.reshape(bsz, length, self.value_dim), gates)
+        grad_x = self._input_backward(np.concatenate([d_conv_in, *d_parts], axis=-1), x)  # (B, L, D)
+        self.grads["conv_weight"] += grad_conv.reshape(p["conv_weight"].shape)
         self.grads["norm_gamma"] += grad_gamma
         self.grads["W_out"] += grad_w_out
         return grad_x if padding is None else grad_x * padding  # a zeroed input has no gradient
 
+    def _gates_backward(self, dg: np.ndarray, dbeta: np.ndarray, dz: np.ndarray, gates) -> list[np.ndarray]:
+        """The gradients of :meth:`_project`'s parts after the convolution's (here z, b and a, (B, L, *)) from
+        those of the log-decay ``dg``, ``beta`` (B, Hv, L) and the output gate ``dz`` (B, L, Vd); ``dt_bias``'s
+        and ``A_log``'s added into ``grads``."""
+        beta, g, pre, rate = gates
+        dg = dg.transpose(0, 2, 1)  # (B, L, Hv)
+        db = dbeta.transpose(0, 2, 1) * beta * (1.0 - beta)  # (B, L, Hv)
+        d_pre = -rate * dg * _sigmoid(pre)  # (B, L, Hv): softplus' = sigmoid
+        self.grads["dt_bias"] += d_pre.sum(axis=(0, 1))
+        self.grads["A_log"] += np.einsum("blh,blh->h", dg, g)  # g = -exp(A_log) softplus: dg/dA_log = g
+        return [dz, db, d_pre]
 
-class GatedDeltaNetMixer(GatedDeltaNet):
+
+class DeltaRuleMixer:
+    """The mixers' protocol for a delta-rule layer (:class:`GatedDeltaNetMixer`, Kimi Delta Attention's mixer):
+    put before the layer's class in the bases, its ``forward`` reads the model's mask and cache and calls the
+    layer's."""
+
+    def hook_points(self) -> tuple[str, ...]:
+        """None: the layer has no softmax pattern (see :meth:`~GatedDeltaNet.token_weights` for what it has)."""
+        return ()
+
+    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
+                output_attentions: bool = False):
+        """The layer's output (B, L, D), or ``(output, token weights (B, Hv, L, L))`` with ``output_attentions``."""
+        length = np.shape(x)[1]
+        mask = None if attention_mask is None else np.asarray(attention_mask)[:, -length:]  # (B, L)
+        state = None if cache is None else cache.state(self.layer_index)
+        if output_attentions and cache is not None:
+            raise ValueError(f"a {type(self).__name__} layer's token weights exist for a whole sequence only (no "
+                             "cache): its past is a state, not tokens")
+        y = super().forward(x, state, attention_mask=mask)  # (B, L, D)
+        if not output_attentions:
+            return y
+        return y, self.token_weights(x, attention_mask=mask)[0]
+
+
+class GatedDeltaNetMixer(DeltaRuleMixer, GatedDeltaNet):
     """A :class:`GatedDeltaNet` as the token mixer of a decoder block (a ``"linear_attention"`` layer).
 
     It speaks the mixers' protocol: ``forward(x, *, rotary, attention_mask, cache, output_attentions)``, where
@@ -382,21 +423,3 @@ class GatedDeltaNetMixer(GatedDeltaNet):
         super().__init__(config.hidden_size, shape.num_key_heads, shape.num_value_heads, shape.key_head_dim,
                          shape.value_head_dim, conv_kernel_size=shape.conv_kernel_size, eps=config.norm.eps, rng=rng)
         self.layer_index = layer_index
-
-    def hook_points(self) -> tuple[str, ...]:
-        """None: the layer has no softmax pattern (see :meth:`~GatedDeltaNet.token_weights` for what it has)."""
-        return ()
-
-    def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
-                output_attentions: bool = False):
-        """The layer's output (B, L, D), or ``(output, token weights (B, Hv, L, L))`` with ``output_attentions``."""
-        length = np.shape(x)[1]
-        mask = None if attention_mask is None else np.asarray(attention_mask)[:, -length:]  # (B, L)
-        state = None if cache is None else cache.state(self.layer_index)
-        if output_attentions and cache is not None:
-            raise ValueError("a Gated DeltaNet layer's token weights exist for a whole sequence only (no cache): "
-                             "its past is a state, not tokens")
-        y = super().forward(x, state, attention_mask=mask)  # (B, L, D)
-        if not output_attentions:
-            return y
-        return y, self.token_weights(x, attention_mask=mask)[0]

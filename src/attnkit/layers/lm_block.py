@@ -27,6 +27,7 @@ from .feed_forward import FeedForward
 from .gated_deltanet import GatedDeltaNetMixer
 from .gated_mlp import GatedMLP, ScaledGatedMLP
 from .identity import Identity, Scale
+from .kimi_delta_attention import KimiDeltaAttentionMixer
 from .layer_norm import LayerNorm
 from .mamba2 import Mamba2Mixer
 from .per_layer_input import PerLayerInputBranch
@@ -68,6 +69,7 @@ MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttent
                                             "sliding_attention": GroupedQueryAttention,
                                             "gated_attention": GatedAttention,
                                             "linear_attention": GatedDeltaNetMixer,
+                                            "kimi_delta_attention": KimiDeltaAttentionMixer,
                                             "short_conv": ShortConvMixer,
                                             "mamba2": Mamba2Mixer,
                                             "attention_mamba2": AttentionMamba2Mixer}
@@ -141,9 +143,11 @@ class LMBlock(Module):
 
     @staticmethod
     def mixer_of(config, layer_index: int) -> Callable[..., Module]:
-        """The builder of layer ``layer_index``'s token mixer: multi-head latent attention with the ``latent``
-        part, else :data:`MIXERS`' entry for the layer's type."""
-        return MIXERS[config.layer_types[layer_index]] if config.latent is None else _latent_attention
+        """The builder of layer ``layer_index``'s token mixer: multi-head latent attention for its attention
+        layers with the ``latent`` part (a state layer beside them keeps its kind: Kimi Linear), else
+        :data:`MIXERS`' entry for the layer's type."""
+        kind = config.layer_types[layer_index]
+        return _latent_attention if config.latent is not None and kind == "full_attention" else MIXERS[kind]
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre`` (the block's input), ``hook_attn_out`` and ``hook_mlp_out`` (what each branch adds

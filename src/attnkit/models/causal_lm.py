@@ -176,6 +176,8 @@ class CausalLM(Module):
         kind = c.layer_types[index]
         if kind == "linear_attention":
             return f"a {kind} (Gated DeltaNet) layer"
+        if kind == "kimi_delta_attention":
+            return f"a {kind} (Kimi Delta Attention) layer"
         if kind == "short_conv":
             return f"a {kind} (gated short convolution) layer"
         if kind == "mamba2":
@@ -236,19 +238,20 @@ class CausalLM(Module):
 
     def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0,
                   num_layers: int | None = None) -> KVCache | LatentCache:
-        """An empty cache for this model: a :class:`~attnkit.decoding.cache.LatentCache` of every layer's latents
-        for latent attention, else a :class:`~attnkit.decoding.cache.KVCache` with ring buffers for sliding
-        layers (``rollback`` slots beyond each window, see :class:`~attnkit.decoding.cache.KVCache`), a
-        fixed-size state for each linear-attention layer (its mixer's ``new_cache``) and nothing for a layer of
-        the MLP alone. ``num_layers``: for the first layers only (an :meth:`early_exit`'s). A layer with attention
-        beside a state-space mixer keeps both (a ``paired`` layer of the cache)."""
+        """An empty cache for this model: a :class:`~attnkit.decoding.cache.LatentCache` of every attention layer's
+        latents for latent attention (and the states of the state layers beside them), else a
+        :class:`~attnkit.decoding.cache.KVCache` with ring buffers for sliding layers (``rollback`` slots beyond
+        each window, see :class:`~attnkit.decoding.cache.KVCache`), a fixed-size state for each linear-attention
+        layer (its mixer's ``new_cache``) and nothing for a layer of the MLP alone. ``num_layers``: for the first
+        layers only (an :meth:`early_exit`'s). A layer with attention beside a state-space mixer keeps both (a
+        ``paired`` layer of the cache)."""
         c = self.config
         n = c.num_layers if num_layers is None else check_positive_int(num_layers, "num_layers",
                                                                        maximum=c.num_layers)
-        if c.latent is not None:
-            return LatentCache(n, batch_size, c.latent.cache_dim, self.dtype, max_length=max_length)
         states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
                   if i < n and c.layer_types[i] in STATE_LAYER_TYPES + PAIRED_LAYER_TYPES}
+        if self._cache_class(n) is LatentCache:
+            return LatentCache(n, batch_size, c.latent.cache_dim, self.dtype, max_length=max_length, states=states)
         paired = [i for i in states if c.layer_types[i] in PAIRED_LAYER_TYPES]
         shapes = None if c.layerwise is None else c.layerwise.cache_shapes(c)[:n]
         if "mlp" in c.layer_types[:n]:  # a layer of the MLP alone keeps nothing
@@ -256,6 +259,13 @@ class CausalLM(Module):
         return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
                        windows=[c.window_of(i) for i in range(n)], states=states, rollback=rollback,
                        layer_shapes=shapes, paired=paired)
+
+    def _cache_class(self, num_layers: int) -> type:
+        """The cache of the first ``num_layers`` layers: a LatentCache when one of them is latent attention (the
+        states of the others beside it), else a KVCache."""
+        c = self.config
+        latent = c.latent is not None and any(c.layer_types[i] not in STATE_LAYER_TYPES for i in range(num_layers))
+        return LatentCache if latent else KVCache
 
     def early_exit(self, num_layers: int) -> EarlyExit:
         """This model cut after its first ``num_layers`` blocks, then its final norm and head: a draft for
@@ -282,7 +292,7 @@ class CausalLM(Module):
             raise ValueError("input_ids must hold at least one token per row, got shape (B, 0)")
         past = 0
         if cache is not None:
-            expected = KVCache if self.config.latent is None else LatentCache
+            expected = self._cache_class(getattr(cache, "num_layers", self.config.num_layers))
             if not isinstance(cache, expected):
                 raise TypeError(f"cache must be a {expected.__name__} (from new_cache), got {type(cache).__name__}")
             if cache.batch_size != b:

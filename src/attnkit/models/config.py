@@ -22,6 +22,7 @@ from ..layers.attention_mamba2 import AttentionMamba2Config
 from ..layers.decoder import CROSS_ATTENTION_KINDS
 from ..layers.experts import ExpertsConfig
 from ..layers.gated_deltanet import GatedDeltaNetConfig
+from ..layers.kimi_delta_attention import KimiDeltaAttentionConfig
 from ..layers.mamba2 import Mamba2Config
 from ..layers.short_conv import ShortConvConfig
 from .layerwise import LayerwiseConfig
@@ -30,9 +31,9 @@ __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "Ex
            "MAX_LAYERS",
            "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES", "PAIRED_LAYER_TYPES", "AttentionMamba2Config"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
-_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "short_conv", "mamba2",
-                "mlp", "attention_mamba2")
-STATE_LAYER_TYPES = ("linear_attention", "short_conv", "mamba2")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "kimi_delta_attention",
+                "short_conv", "mamba2", "mlp", "attention_mamba2")
+STATE_LAYER_TYPES = ("linear_attention", "kimi_delta_attention", "short_conv", "mamba2")
 """The layer types whose cache entry is a fixed-size state (their mixer's ``new_cache``), not keys and values."""
 PAIRED_LAYER_TYPES = ("attention_mamba2",)
 """The layer types whose cache entry is both: keys and values (their attention's) and a state (their mixer's
@@ -268,9 +269,10 @@ RESIDUALS = ("sequential", "parallel", "single")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
           "linear_attention": GatedDeltaNetConfig, "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig,
-          "short_conv": ShortConvConfig, "mamba2": Mamba2Config, "attention_mamba2": AttentionMamba2Config}
+          "short_conv": ShortConvConfig, "mamba2": Mamba2Config, "attention_mamba2": AttentionMamba2Config,
+          "kimi_delta": KimiDeltaAttentionConfig}
 _OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent", "short_conv", "mamba2",
-                   "attention_mamba2")
+                   "attention_mamba2", "kimi_delta")
 
 
 @dataclass(frozen=True)
@@ -342,10 +344,11 @@ class DecoderConfig:
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
     layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention", \
-"short_conv", "mamba2", "mlp", "attention_mamba2"}
+"kimi_delta_attention", "short_conv", "mamba2", "mlp", "attention_mamba2"}
         Each layer's token mixer; default: every layer full. ``gated_attention``: full attention whose heads'
         outputs pass through a sigmoid gate (Qwen3-Next, Qwen3.5); ``linear_attention``: a Gated DeltaNet layer
-        shaped by ``linear_attention``; ``short_conv``: LFM2's gated short convolution shaped by ``short_conv``;
+        shaped by ``linear_attention``; ``kimi_delta_attention``: a Kimi Delta Attention layer shaped by
+        ``kimi_delta``; ``short_conv``: LFM2's gated short convolution shaped by ``short_conv``;
         ``mamba2``: a Mamba-2 mixer shaped by ``mamba2`` (the cache entry of these three is a fixed-size state, not
         keys and values: :data:`STATE_LAYER_TYPES`); ``mlp``: no token mixer, the layer is its MLP alone (with
         ``residual="single"`` only; its cache entry holds nothing); ``attention_mamba2``: attention and a Mamba-2
@@ -377,6 +380,8 @@ class DecoderConfig:
         Multi-token-prediction layers the checkpoint may carry after the last layer (DeepSeek-V3's
         ``num_nextn_predict_layers``): not part of the model's forward; read on request as a draft for speculative
         decoding (:func:`attnkit.pretrained.load_multi_token_predictor`).
+    kimi_delta : KimiDeltaAttentionConfig, optional
+        The shape of the ``kimi_delta_attention`` layers (Kimi Delta Attention, given exactly when there are some).
 
     Examples
     --------
@@ -421,6 +426,7 @@ class DecoderConfig:
     mamba2: Mamba2Config | None = None
     attention_mamba2: AttentionMamba2Config | None = None
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)
+    kimi_delta: KimiDeltaAttentionConfig | None = None
     mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -470,10 +476,11 @@ class DecoderConfig:
                 raise ValueError(f"latent describes hidden_size {latent.hidden_size} and {latent.num_heads} heads, "
                                  f"the model {self.hidden_size} and {self.num_heads}")
             if rotary is None or self.head_dim != latent.qk_rope_head_dim or rotary.partial_factor != 1.0 \
-                    or rotary.interleaved != latent.rope_interleaved or rotary.skip_layers:
-                raise ValueError("latent attention rotates its qk_rope_head_dim features in every layer: the model "
-                                 "needs a rotary part with partial_factor 1, no skip_layers and the latent's "
-                                 "rope_interleaved as interleaved, and head_dim = qk_rope_head_dim")
+                    or rotary.interleaved != latent.rope_interleaved:
+                raise ValueError("latent attention rotates its qk_rope_head_dim features (except in the rotary "
+                                 "part's skip_layers: NoPE, Kimi Linear): the model needs a rotary part with "
+                                 "partial_factor 1 and the latent's rope_interleaved as interleaved, and head_dim = "
+                                 "qk_rope_head_dim")
             if self.attention != AttentionConfig():
                 raise ValueError(f"latent attention takes no setting of the attention part (its biases, scale and "
                                  f"window are the latent part's), got {self.attention}")
@@ -513,11 +520,13 @@ class DecoderConfig:
         if ("linear_attention" in types) != (self.linear_attention is not None):
             raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
                              f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
-        for kind, what in (("short_conv", "the short-convolution layers' shape"),
-                           ("attention_mamba2", "the attention-beside-Mamba-2 layers' factors")):
-            if (kind in types) != (getattr(self, kind) is not None):
-                raise ValueError(f"{kind} ({what}) must be given exactly when layer_types has {kind} layers, got "
-                                 f"{getattr(self, kind)!r} for {types}")
+        for kind, part, what in (("short_conv", "short_conv", "the short-convolution layers' shape"),
+                                 ("attention_mamba2", "attention_mamba2",
+                                  "the attention-beside-Mamba-2 layers' factors"),
+                                 ("kimi_delta_attention", "kimi_delta", "the Kimi Delta Attention layers' shape")):
+            if (kind in types) != (getattr(self, part) is not None):
+                raise ValueError(f"{part} ({what}) must be given exactly when layer_types has {kind} layers, got "
+                                 f"{getattr(self, part)!r} for {types}")
         if (("mamba2" in types) or ("attention_mamba2" in types)) != (self.mamba2 is not None):
             raise ValueError(f"mamba2 (the Mamba-2 layers' shape) must be given exactly when layer_types has mamba2 "
                              f"or attention_mamba2 layers, got {self.mamba2!r} for {types}")

@@ -44,6 +44,7 @@ from .blocks import (
     TransformerEncoderBlock,
 )
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetMixer
+from .kimi_delta_attention import KimiDeltaAttention, KimiDeltaAttentionMixer
 from .layers import (
     XIELUMLP,
     Dropout,
@@ -82,8 +83,8 @@ __all__ = [
     "GatedSharedExpert",
     "Embedding", "Projection",
     "Dropout", "SinusoidalPositionalEncoding", "RotaryEmbedding", "Identity", "Zero", "Scale",
-    "GatedDeltaNet", "GatedDeltaNetMixer", "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer",
-    "AttentionMamba2Mixer", "ScaledGatedMLP",
+    "GatedDeltaNet", "GatedDeltaNetMixer", "KimiDeltaAttention", "KimiDeltaAttentionMixer",
+    "ShortConv", "ShortConvMixer", "Mamba2", "Mamba2Mixer", "AttentionMamba2Mixer", "ScaledGatedMLP",
     "ScaledDotProductAttention", "MultiHeadAttention", "GroupedQueryAttention", "GatedAttention",
     "MultiHeadLatentAttention",
     "TransformerEncoderBlock", "TransformerEncoder", "TransformerDecoderBlock", "TransformerDecoder",

@@ -233,7 +233,8 @@ class MultiHeadLatentAttention(TwinModule):
 
     Shapes
     ------
-    x (B, L, D) -> (B, L, D); rotary ``(cos, sin)`` each (B, L, R); attention_mask (B, L) bool, ``True`` = real
+    x (B, L, D) -> (B, L, D); rotary ``(cos, sin)`` each (B, L, R), or None (no rotation); attention_mask (B, L)
+    bool, ``True`` = real
     token. No cache: the twin is for training (decode with attnkit, whose cached path is the absorbed form).
 
     Examples
@@ -265,16 +266,20 @@ class MultiHeadLatentAttention(TwinModule):
         else:
             q = _linear(x, self.W_Q)  # (B, L, H*(Dn+R))
         q = _split(q, h)  # (B, H, L, Dn+R)
-        cos, sin = rotary
-        q = torch.cat([q[..., :dn], rotary_apply(q[..., dn:], cos, sin, cfg.rope_interleaved)], dim=-1)
+
+        def turn(t: torch.Tensor) -> torch.Tensor:  # no tables: a NoPE layer, the features pass unturned
+            return t if rotary is None else rotary_apply(t, *rotary, cfg.rope_interleaved)
+
+        q = torch.cat([q[..., :dn], turn(q[..., dn:])], dim=-1)
         mask = _bool_mask(attention_mask, x.device, "attention_mask")
         mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, S)
         if cfg.index_topk:  # only the keys the indexer chose (it has no gradient from attention)
+            cos, sin = rotary
             chosen = self.indexer.select(x, a, cos, sin, cfg.rope_interleaved, mask)  # (B, 1, L, S)
             mask = chosen if mask is None else mask & chosen  # (B, 1, L, S)
         kv_a = _linear(x, self.W_KVA, getattr(self, "b_KVA", None))  # (B, L, C+R)
         c = _rms(kv_a[..., :c_width], self.kv_a_norm, cfg.norm_eps)  # (B, L, C)
-        k_rope = rotary_apply(kv_a[:, None, :, c_width:], cos, sin, cfg.rope_interleaved)  # (B, 1, L, R)
+        k_rope = turn(kv_a[:, None, :, c_width:])  # (B, 1, L, R)
         kv = (c @ self.W_KVB.to(c.dtype)).view(b, length, h, -1).transpose(1, 2)  # (B, H, L, Dn+Dv)
         k = torch.cat([kv[..., :dn], k_rope.expand(b, h, length, -1)], dim=-1)  # (B, H, L, Dn+R)
         out = attend(q, k, kv[..., dn:], mask, causal=True, window=cfg.sliding_window, scale=cfg.scale)

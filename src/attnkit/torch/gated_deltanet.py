@@ -29,30 +29,37 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
     Shapes
     ------
-    q, k (B, H, L, Dk); v (B, H, L, Dv); g, beta (B, H, L) -> (B, H, L, Dv). q is scaled by ``Dk ** -0.5``.
+    q, k (B, H, L, Dk); v (B, H, L, Dv); g (B, H, L) (Gated DeltaNet) or (B, H, L, Dk) (one log-decay per key
+    channel, Kimi Delta Attention); beta (B, H, L) -> (B, H, L, Dv). q is scaled by ``Dk ** -0.5``.
     """
     length, c = q.shape[2], chunk_size
+    g = g if g.dim() == q.dim() else g[..., None]  # (B, H, L, Dg), Dg = 1 for a scalar gate
     pad = (-length) % c  # zero keys, values, betas and log-decays leave the state as it is
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q * q.shape[-1] ** -0.5, k, v))  # (B, H, N C, D)
-    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))  # (B, H, N C)
-    q, k, v = (t.reshape(*t.shape[:2], -1, c, t.shape[-1]) for t in (q, k, v))  # (B, H, N, C, D)
-    cum = g.reshape(*g.shape[:2], -1, c).cumsum(-1)  # (B, H, N, C): G
-    beta = beta.reshape(cum.shape)  # (B, H, N, C)
-    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # (C, C)
-    gamma = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # (B, H, N, C, C)
-    system = torch.eye(c, dtype=q.dtype, device=q.device) + (beta[..., None] * (k @ k.transpose(-1, -2))
-                                                             * gamma).tril(-1)  # (B, H, N, C, C)
+    q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q * q.shape[-1] ** -0.5, k, v, g))  # (B, H, N C, D)
+    beta = F.pad(beta, (0, pad))  # (B, H, N C)
+    q, k, v, g = (t.reshape(*t.shape[:2], -1, c, t.shape[-1]) for t in (q, k, v, g))  # (B, H, N, C, D)
+    cum = g.cumsum(-2)  # (B, H, N, C, Dg): G
+    beta = beta.reshape(cum.shape[:-1])  # (B, H, N, C)
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()[..., None]  # (C, C, 1)
+    gamma = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(~lower, float("-inf")).exp()  # (.., C, C, Dg)
+
+    def decayed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # sum_d a_id b_jd gamma_ijd: (B, H, N, C, C)
+        if gamma.shape[-1] == 1:
+            return (a @ b.transpose(-1, -2)) * gamma[..., 0]
+        return torch.einsum("...id,...jd,...ijd->...ij", a, b, gamma)
+
+    system = torch.eye(c, dtype=q.dtype, device=q.device) + (beta[..., None] * decayed(k, k)).tril(-1)
     u = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)  # (.., C, Dv)
-    w = torch.linalg.solve_triangular(system, (beta * cum.exp())[..., None] * k, upper=False,
+    w = torch.linalg.solve_triangular(system, beta[..., None] * cum.exp() * k, upper=False,
                                       unitriangular=True)  # (B, H, N, C, Dk)
-    attn = (q @ k.transpose(-1, -2)) * gamma  # (B, H, N, C, C)
-    qd, kd = q * cum.exp()[..., None], k * (cum[..., -1:] - cum).exp()[..., None]  # (B, H, N, C, Dk)
+    attn = decayed(q, k)  # (B, H, N, C, C)
+    qd, kd = q * cum.exp(), k * (cum[..., -1:, :] - cum).exp()  # (B, H, N, C, Dk)
     state = q.new_zeros(q.shape[:2] + (k.shape[-1], v.shape[-1]))  # (B, H, Dk, Dv)
     out = []
     for i in range(q.shape[2]):  # the chunks are sequential: each starts from the state the last one left
         v_new = u[:, :, i] - w[:, :, i] @ state  # (B, H, C, Dv)
         out.append(qd[:, :, i] @ state + attn[:, :, i] @ v_new)
-        state = cum[:, :, i, -1, None, None].exp() * state + kd[:, :, i].transpose(-1, -2) @ v_new
+        state = cum[:, :, i, -1, :, None].exp() * state + kd[:, :, i].transpose(-1, -2) @ v_new
     return torch.cat(out, dim=2)[:, :, :length]  # (B, H, L, Dv)
 
 

@@ -29,7 +29,7 @@ from ._reader import COMMON_KEYS, Reader, read_rope
 from .llama import BENCHMARK_SHAPE
 from .qwen3_moe import mlp_tensors
 
-__all__ = ["FAMILY", "attention_tensors", "group_routed_experts", "keys", "model_tensors", "read_config"]
+__all__ = ["FAMILY", "group_routed_experts", "keys", "latent_attention_tensors", "model_tensors", "read_config"]
 
 # transformers' DeepseekV3Config defaults (DeepSeek-V3's own shape) for the keys a config.json may leave out
 DEFAULTS = dict(max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
@@ -127,7 +127,8 @@ def read_config(read: Reader, *, indexer: dict | None = None, sparse: tuple[int,
         latent=latent, experts=group_routed_experts(read, layers, sparse=sparse), mtp_layers=mtp_layer_count(read))
 
 
-def attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+def latent_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    """A latent attention layer's ``self_attn.`` tensors (the module docstring's list)."""
     lat = cfg.latent
     d, q_width = cfg.hidden_size, cfg.num_heads * lat.qk_head_dim
     hf, ak = hf + "self_attn.", ak + "attention."
@@ -151,7 +152,8 @@ def attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     return maps
 
 
-def model_tensors(cfg: DecoderConfig, mxfp4: bool = False, attention=attention_tensors) -> tuple[list[TensorMap], str]:
+def model_tensors(cfg: DecoderConfig, mxfp4: bool = False,
+                  attention=latent_attention_tensors) -> tuple[list[TensorMap], str]:
     """Llama's embedding, norms and head around each layer's latent ``attention`` and MLP (dense or experts)."""
     d, v = cfg.hidden_size, cfg.vocab_size
     maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]

@@ -17,7 +17,7 @@ from . import Family
 from ._multi_token import multi_token_tensors
 from ._reader import Reader
 from .deepseek_v3 import FAMILY as DEEPSEEK_V3
-from .deepseek_v3 import attention_tensors, keys, model_tensors, read_config
+from .deepseek_v3 import keys, latent_attention_tensors, model_tensors, read_config
 
 __all__ = ["FAMILY"]
 
@@ -61,7 +61,7 @@ def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     lat = cfg.latent
     hi, di = lat.index_n_heads, lat.index_head_dim
     d, hf_index, ak_index = cfg.hidden_size, hf + "self_attn.indexer.", ak + "attention.indexer."
-    return attention_tensors(cfg, hf, ak) + [
+    return latent_attention_tensors(cfg, hf, ak) + [
         TensorMap(hf_index + "wq_b.weight", (hi * di, lat.q_lora_rank), (ak_index + "W_QB",), "transpose"),
         TensorMap(hf_index + "wk.weight", (di, d), (ak_index + "W_K",), "transpose"),
         TensorMap(hf_index + "k_norm.weight", (di,), (ak_index + "k_norm",), "copy"),
