@@ -114,10 +114,15 @@ def test_path_patching_runs_over_the_heads_that_exist(name, hf_root):
 @pytest.mark.parametrize("name", FAMILY_MODELS)
 def test_edge_attribution_identities_hold(name, hf_root):
     """The scores into and out of every node sum to its attribution at float64 rounding, for EAP and EAP-IG;
-    Gemma 4's layers (a layer scalar, per-layer inputs) are refused naming the block."""
+    Gemma 4's layers (a layer scalar, per-layer inputs) and Nemotron-H's one-branch blocks are refused naming the
+    block, Falcon-H1's attention beside Mamba-2 naming the mixer."""
     lm = load_causal_lm(saved_model(name, hf_root)[0], dtype=np.float64)
-    if lm.config.layerwise is not None:
+    if lm.config.layerwise is not None or lm.config.residual == "single":
         with pytest.raises(ValueError, match="layer 0 is a .*Block, which scales or adds to it otherwise"):
+            edge_attribution(lm, CLEAN, CORRUPT, ANSWERS)
+        return
+    if set(lm.config.layer_types) & set(PAIRED_LAYER_TYPES):
+        with pytest.raises(ValueError, match="layer 0's AttentionMamba2Mixer writes heads and a second mixer"):
             edge_attribution(lm, CLEAN, CORRUPT, ANSWERS)
         return
     for method in ("eap", "eap-ig"):

@@ -256,7 +256,7 @@ def test_the_block_is_built_from_the_parts():
 @pytest.mark.parametrize("change, match", [
     (dict(rotary=None), "needs a rotary part"),
     (dict(rotary=RotaryConfig(theta=100.0, interleaved=False)), "rope_interleaved as interleaved"),
-    (dict(rotary=RotaryConfig(theta=100.0, interleaved=True, skip_layers=(1,))), "no skip_layers"),
+    (dict(rotary=RotaryConfig(theta=100.0, interleaved=True, partial_factor=0.5)), "partial_factor 1"),
     (dict(head_dim=4), "head_dim = qk_rope_head_dim"),
     (dict(attention=AttentionConfig(bias=True)), "no setting of the attention part"),
     (dict(num_heads=1, num_kv_heads=1), "latent describes hidden_size 8 and 2 heads"),

@@ -161,6 +161,9 @@ def _check_blocks(model) -> list[bool]:
         if type(layer) not in (LMBlock, ParallelLMBlock) or getattr(model, "layer_inputs", None):
             raise ValueError(f"edge_attribution needs a residual stream that is the sum of what the layers write; "
                              f"layer {i} is a {type(layer).__name__}, which scales or adds to it otherwise")
+        if hasattr(layer.attention, "head_writer"):  # attention and another mixer summed in one branch
+            raise ValueError(f"edge_attribution takes a layer's attention as its heads or as one mixer node; layer "
+                             f"{i}'s {type(layer.attention).__name__} writes heads and a second mixer in one branch")
         sequential.append(type(layer) is LMBlock)
     return sequential
 
