@@ -246,7 +246,7 @@ class CausalLM(Module):
                   if i < n and c.layer_types[i] in STATE_LAYER_TYPES}
         shapes = None if c.layerwise is None else c.layerwise.cache_shapes(c)[:n]
         return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[c.window_of(i) for i in range(n)], states=states, rollback=rollback,
+                       windows=[c.keys_kept_of(i) for i in range(n)], states=states, rollback=rollback,
                        layer_shapes=shapes)
 
     def early_exit(self, num_layers: int) -> EarlyExit:
