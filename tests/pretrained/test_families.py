@@ -30,7 +30,7 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "qwen3_next_unnormalised",
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
                      "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
-                     "apertus")
+                     "apertus", "llama4_text")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -124,7 +124,8 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("olmo3", "use_sliding_window"), ("glm4", "attention_out_bias"),
                                        ("granite", "residual_scale"), ("seed_oss", "qk_layernorm"),
                                        ("exaone4", "sliding_window_size"), ("ernie4_5", "attention_bias"),
-                                       ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta")])
+                                       ("hunyuan_v1_dense", "qk_layernorm"), ("apertus", "xielu_beta"),
+                                       ("llama4_text", "sliding_window")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
@@ -250,7 +251,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
                                                       ("granite", "GraniteConfig"), ("seed_oss", "SeedOssConfig"),
                                                       ("ernie4_5", "Ernie4_5Config"),
                                                       ("hunyuan_v1_dense", "HunYuanDenseV1Config"),
-                                                      ("apertus", "ApertusConfig")])
+                                                      ("apertus", "ApertusConfig"),
+                                                      ("llama4_text", "Llama4TextConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""
