@@ -36,6 +36,8 @@ ATTNKIT_ONLY = {
     "lfm2_bias": {"attn.hook_conv_in", "attn.hook_conv_out", "hook_attn_out"},
     "bamba": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out"},
     "bamba_bias": {"attn.hook_conv_out", "attn.hook_ssm_out", "hook_attn_out"},
+    # Llama 4: the bridge hooks neither the rotated queries and keys nor the router
+    "llama4_text": {"attn.hook_rot_q", "attn.hook_rot_k", "mlp.hook_expert_indices", "mlp.hook_router_weights"},
 }
 
 
