@@ -132,6 +132,17 @@ def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
         load_causal_lm(edit_config(folder, tmp_path / "edited", **{key: True}))
 
 
+def test_a_multimodal_llama4_folder_is_refused_naming_the_text_family(hf_root, tmp_path):
+    folder, _ = saved_model("llama4_text", hf_root)
+    text = json.loads((folder / "config.json").read_text())
+    edited = edit_config(folder, tmp_path / "llama4", model_type="llama4", text_config=text, vision_config={})
+    with pytest.raises(ValueError, match="'llama4' is a multimodal folder .* load a text-only 'llama4_text' folder "
+                                         r"\(Llama4ForCausalLM\)"):
+        load_causal_lm(edited)
+    with pytest.raises(ValueError, match="model_type 'llama5' is not supported"):
+        load_causal_lm(edit_config(folder, tmp_path / "llama5", model_type="llama5"))
+
+
 def test_supported_model_types_lists_the_new_families():
     families = {"qwen3", "olmo2", "smollm3", "gpt_neox", "gemma2", "gemma3_text", "phi3", "gpt_oss"}
     assert families <= set(supported_model_types())

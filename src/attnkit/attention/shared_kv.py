@@ -90,6 +90,9 @@ def _common(module: GroupedQueryAttention, config, layer_index: int, rng) -> np.
     module.num_groups = module.num_heads // module.num_kv_heads
     module.window = config.window_of(layer_index)
     module.reach = module.window or np.inf  # how far back a query sees: a decoding step within it needs no mask
+    # full and sliding layers only (LayerwiseConfig.check): no chunks, no temperature, no positions
+    module.chunk = module.temperature = None
+    module.needs_positions = False
     rotary = config.rotary_of(layer_index)
     module.uses_rotary = rotary is not None
     module.interleaved = rotary is not None and rotary.interleaved

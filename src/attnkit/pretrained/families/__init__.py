@@ -111,14 +111,24 @@ def model_types() -> list[str]:
     return list(REGISTRY)
 
 
+# multimodal model_types whose text decoder is a family: their folders (the decoder's config nested in
+# ``text_config``, its tensors beside a vision tower's) are refused naming the family to load instead
+TEXT_FAMILY_OF = {"llama4": "llama4_text"}
+
+
 def family(model_type: Any) -> Family:
     """The :class:`Family` of ``model_type``.
 
     Raises
     ------
     ValueError
-        Not a family attnkit loads (the message lists them).
+        Not a family attnkit loads (the message lists them; for a multimodal folder, the text family to load).
     """
+    if isinstance(model_type, str) and model_type in TEXT_FAMILY_OF:
+        text = TEXT_FAMILY_OF[model_type]
+        raise ValueError(f"model_type {model_type!r} is a multimodal folder (its decoder in 'text_config', a vision "
+                         f"tower beside it), which attnkit does not read; load a text-only {text!r} folder "
+                         f"({REGISTRY[text].architecture})")
     if model_type not in REGISTRY:
         raise ValueError(f"model_type {model_type!r} is not supported; attnkit loads " + ", ".join(REGISTRY))
     return REGISTRY[model_type]
