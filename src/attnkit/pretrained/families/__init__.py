@@ -53,6 +53,9 @@ class Family:
     unused_tensors : callable (DecoderConfig) -> frozenset of str, optional
         Checkpoint tensors (under the base prefix) that may be present and are not read, as transformers
         ignores them (Gemma 4's key/value projections of the layers that reuse another layer's).
+    multimodal_model_types : tuple of str
+        The ``model_type`` of the multimodal folders whose text decoder this family is (Llama 4's ``"llama4"``):
+        such a folder is refused naming this family.
     gguf : GGUFArchitecture, optional
         How llama.cpp's GGUF files of this family are read (its ``general.architecture`` name, metadata reader
         and what the converter changed); None where attnkit reads no GGUF file of it.
@@ -70,6 +73,7 @@ class Family:
     benchmark: dict[str, Any] = field(default_factory=dict)
     quantizations: tuple[str, ...] = ()
     unused_tensors: Callable[[DecoderConfig], frozenset[str]] | None = None
+    multimodal_model_types: tuple[str, ...] = ()
     gguf: GGUFArchitecture | None = None
     summary: str = ""
 
@@ -111,11 +115,6 @@ def model_types() -> list[str]:
     return list(REGISTRY)
 
 
-# multimodal model_types whose text decoder is a family: their folders (the decoder's config nested in
-# ``text_config``, its tensors beside a vision tower's) are refused naming the family to load instead
-TEXT_FAMILY_OF = {"llama4": "llama4_text"}
-
-
 def family(model_type: Any) -> Family:
     """The :class:`Family` of ``model_type``.
 
@@ -124,11 +123,11 @@ def family(model_type: Any) -> Family:
     ValueError
         Not a family attnkit loads (the message lists them; for a multimodal folder, the text family to load).
     """
-    if isinstance(model_type, str) and model_type in TEXT_FAMILY_OF:
-        text = TEXT_FAMILY_OF[model_type]
+    text = next((f for f in REGISTRY.values() if model_type in f.multimodal_model_types), None)
+    if text is not None:
         raise ValueError(f"model_type {model_type!r} is a multimodal folder (its decoder in 'text_config', a vision "
-                         f"tower beside it), which attnkit does not read; load a text-only {text!r} folder "
-                         f"({REGISTRY[text].architecture})")
+                         f"tower beside it), which attnkit does not read; load a text-only {text.model_type!r} folder "
+                         f"({text.architecture})")
     if model_type not in REGISTRY:
         raise ValueError(f"model_type {model_type!r} is not supported; attnkit loads " + ", ".join(REGISTRY))
     return REGISTRY[model_type]

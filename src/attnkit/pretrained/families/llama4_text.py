@@ -146,7 +146,7 @@ FAMILY = Family(
     keys=frozenset(COMMON_KEYS + KEYS),
     read_config=_read,
     tensors=lambda cfg, mxfp4=False: rotary_tensors(cfg, _mlp_tensors),
-    architecture="Llama4ForCausalLM", hf_config_class="Llama4TextConfig",
+    architecture="Llama4ForCausalLM", hf_config_class="Llama4TextConfig", multimodal_model_types=("llama4",),
     # Llama's benchmark shape, every second layer eight experts of width 768 (one per token) and a shared one,
     # chunks of 8192 (longer than the benchmark's text) and every fourth layer without rotary
     benchmark=dict(BENCHMARK_SHAPE, head_dim=64, intermediate_size=768, intermediate_size_mlp=1536,
