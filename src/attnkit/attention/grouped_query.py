@@ -35,7 +35,7 @@ from ..kernels.linear import linear, linear_backward
 from ..kernels.registry import ATTENTION_KERNELS
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
-__all__ = ["GroupedQueryAttention", "QK_NORMS", "QueryTemperature", "slot_positions"]
+__all__ = ["GroupedQueryAttention", "QK_NORMS", "NoQueryTemperature", "QueryTemperature", "slot_positions"]
 
 ONE_QUERY = ATTENTION_KERNELS["one_query"]  # a decoding step's kernel (see kernels.registry)
 
@@ -155,6 +155,32 @@ QK_NORMS = {None: NoQKNorm, "head": HeadQKNorm, "projection": ProjectionQKNorm,
 layer is built."""
 
 
+def causal_span(length: int, seq_k: int, positions: np.ndarray | None):
+    """The mask of a full layer: each of the last ``length`` of ``seq_k`` positions sees itself and every earlier
+    one."""
+    return causal_lower_right(length, seq_k)
+
+
+class WindowSpan:
+    """The mask of a sliding-window layer: the last W keys, the query's own included."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def __call__(self, length: int, seq_k: int, positions: np.ndarray | None):
+        return sliding_window_mask(self.window, offset=seq_k - length)
+
+
+class ChunkSpan:
+    """The mask of a chunked layer: the keys of the query's own chunk of C positions, up to itself."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+
+    def __call__(self, length: int, seq_k: int, positions: np.ndarray):
+        return chunked_mask(self.chunk, offset=seq_k - length, positions=positions)
+
+
 def slot_positions(attention_mask: np.ndarray | None, slots: np.ndarray) -> np.ndarray:
     """The position of the token in each of ``slots``: its row's count of real tokens before it (``cumsum(mask) -
     1``, clipped at 0 for the pads before the first), as the model's positions are made from the mask; the slot
@@ -163,6 +189,23 @@ def slot_positions(attention_mask: np.ndarray | None, slots: np.ndarray) -> np.n
         return np.asarray(slots, dtype=np.int64)[None]  # (1, S')
     counts = np.cumsum(attention_mask, axis=1, dtype=np.int64) - 1  # (B, S)
     return np.maximum(counts[:, slots], 0)  # (B, S')
+
+
+def no_positions(attention_mask: np.ndarray | None, slots: np.ndarray) -> None:
+    """The positions of a layer that needs none (neither chunks nor a temperature): None."""
+    return None
+
+
+class NoQueryTemperature:
+    """The queries as they are: the temperature of a layer without one."""
+
+    def forward(self, q: np.ndarray, positions: np.ndarray | None):
+        """(q, None)."""
+        return q, None
+
+    @staticmethod
+    def backward(dq: np.ndarray, scales: None) -> np.ndarray:
+        return dq
 
 
 class QueryTemperature:
@@ -190,8 +233,9 @@ class QueryTemperature:
         return (1.0 + self.attn_scale * np.log1p(steps)).astype(dtype)  # (B, L)
 
     def forward(self, q: np.ndarray, positions: np.ndarray):
-        """(q (B, H, L, Dh) scaled per position, the scales (B, 1, L, 1) its backward multiplies by)."""
-        scales = self.scales(positions, q.dtype)[:, None, :, None]  # (B, 1, L, 1)
+        """(q (B, H, L, Dh) scaled per position, the scales (B, 1, L, 1) its backward multiplies by); ``positions``
+        (B, S) end with the L queries'."""
+        scales = self.scales(positions[:, positions.shape[1] - q.shape[2]:], q.dtype)[:, None, :, None]  # (B, 1, L, 1)
         return q * scales, scales
 
     @staticmethod
@@ -254,10 +298,12 @@ class GroupedQueryAttention(Module):
         # how far back a query sees for certain: a decoding step within it needs no mask (a chunk may start at the
         # query itself)
         self.reach = self.window or (1 if self.chunk else np.inf)
+        # which keys a query may see, as a flex mask: the layer's one choice of mask
+        self.span = ChunkSpan(self.chunk) if self.chunk else WindowSpan(self.window) if self.window else causal_span
         temperature = config.query_temperature_of(layer_index)
-        self.temperature = None if temperature is None else QueryTemperature(*temperature)
+        self.temperature = NoQueryTemperature() if temperature is None else QueryTemperature(*temperature)
         # chunks and the temperature follow the tokens' positions, made from the mask as the model's are
-        self.needs_positions = self.chunk is not None or self.temperature is not None
+        self.positions = slot_positions if self.chunk is not None or temperature is not None else no_positions
         rotary = config.rotary_of(layer_index)
         self.uses_rotary = rotary is not None
         self.interleaved = rotary is not None and rotary.interleaved
@@ -369,10 +415,8 @@ class GroupedQueryAttention(Module):
         else:
             full_mask = key_mask = self._check_mask(attention_mask, b, length)
             slots = np.arange(length)
-        positions = slot_positions(full_mask, slots) if self.needs_positions else None  # (B|1, S)
-        scales = None
-        if self.temperature is not None:
-            q, scales = self.temperature.forward(q, positions[:, -length:])  # (B, Hq, L, Dh)
+        positions = self.positions(full_mask, slots)  # (B|1, S) or None
+        q, scales = self.temperature.forward(q, positions)  # (B, Hq, L, Dh)
         out, weights, ctx = self._attend(q, k, v, key_mask, output_attentions, positions)  # (B, Hq, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
         merged, gate_saved = self._gate(x, merged)  # (B, L, Hq, Dh)
@@ -404,12 +448,7 @@ class GroupedQueryAttention(Module):
         if length == 1 and key_mask is None and self.reach >= seq_k:
             block_mask = None  # one query after every key it may see (a decoding step): nothing to hide
         else:
-            if self.chunk:
-                mask = chunked_mask(self.chunk, offset=seq_k - length, positions=positions)
-            elif self.window:
-                mask = sliding_window_mask(self.window, offset=seq_k - length)
-            else:
-                mask = causal_lower_right(length, seq_k)
+            mask = self.span(length, seq_k, positions)
             if key_mask is not None:
                 mask = and_masks(mask, padding_mask(key_mask))
             block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
@@ -443,13 +482,11 @@ class GroupedQueryAttention(Module):
         q, k, _ = self.qk_norm.on_rotated(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
         kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
         key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
-        if self.needs_positions:
-            positions = slot_positions(attention_mask, kept.slots)  # (B|1, S)
-            if self.temperature is not None:
-                q, _ = self.temperature.forward(q, positions[:, -1:])  # (B, Hq, 1, Dh)
-            if self.chunk:  # the keys of the query's own chunk
-                same = positions // self.chunk == positions[:, -1:] // self.chunk  # (B|1, S)
-                key_mask = same if key_mask is None else key_mask & same  # (B, S)
+        positions = self.positions(attention_mask, kept.slots)  # (B|1, S) or None
+        q, _ = self.temperature.forward(q, positions)  # (B, Hq, 1, Dh)
+        if self.chunk:  # the keys of the query's own chunk
+            same = positions // self.chunk == positions[:, -1:] // self.chunk  # (B|1, S)
+            key_mask = same if key_mask is None else key_mask & same  # (B, S)
         heads = self._attend_step(q, kept.keys, kept.values, key_mask)  # (B, Hq, Dh)
         heads = self._gate(x[:, None], heads[:, None])[0][:, 0]  # (B, Hq, Dh)
         return linear(heads.reshape(b, -1), self._parameters["W_O"], self._parameters.get("b_O"))  # (B, D)
@@ -505,8 +542,7 @@ class GroupedQueryAttention(Module):
             dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
             for name, grad in zip(self._sink_names, dsinks):
                 self.grads[name] += grad
-        if scales is not None:
-            dq = QueryTemperature.backward(dq, scales)  # (B, Hq, L, Dh)
+        dq = self.temperature.backward(dq, scales)  # (B, Hq, L, Dh)
         if rotary is not None and hooked:
             dq, dk = hook_heads_backward(self, "hook_rot_q", dq), hook_heads_backward(self, "hook_rot_k", dk)
         dq, dk = self.qk_norm.on_rotated_backward(self, dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)

@@ -15,6 +15,7 @@ import torch
 
 from ..attention.gated import GatedAttention as _GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention as _GroupedQueryAttention
+from ..attention.grouped_query import QueryTemperature
 from ..attention.latent import MultiHeadLatentAttention as _MultiHeadLatentAttention
 from ..attention.multi_head_attention import MultiHeadAttention as _MultiHeadAttention
 from ..attention.scaled_dot_product import ScaledDotProductAttention as _ScaledDotProductAttention
@@ -156,7 +157,8 @@ class GroupedQueryAttention(TwinModule):
                      "scale", "uses_rotary", "has_sinks", "chunk"):
             setattr(self, name, getattr(source, name))
         temperature = source.temperature
-        self.temperature = None if temperature is None else (temperature.floor_scale, temperature.attn_scale)
+        self.temperature = ((temperature.floor_scale, temperature.attn_scale)
+                            if isinstance(temperature, QueryTemperature) else None)
         self.qk_norm_scope, self.norm_eps, self.norm_offset = (source.qk_norm.scope, source.qk_norm.eps,
                                                                source.qk_norm.offset)
         self.softcap = None if source.score_mod is None else source.score_mod.cap
