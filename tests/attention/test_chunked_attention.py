@@ -211,3 +211,17 @@ def test_chunked_mask_with_positions_is_its_definition_on_every_kernel(offset):
     for kernel in ("reference", "tiled"):
         out, _ = F.flex_attention(q, k, v, None, block, kernel=kernel)
         np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-13, err_msg=kernel)
+
+
+def test_gemma4s_layerwise_layers_refuse_chunks_and_the_temperature():
+    """Gemma 4's shared-key/value attention builds its own layers, without chunks, temperature or the unit norm: a
+    config asking for them is refused when made rather than run with a full mask."""
+    from attnkit.models.layerwise import LayerwiseConfig
+
+    part = LayerwiseConfig(global_head_dim=8, global_kv_heads=1)
+    for attention, types in ((dict(chunk_size=2), ("chunked_attention", "full_attention")),
+                             (dict(query_temperature=(2.0, 0.5)), ("full_attention",) * 2),
+                             (dict(qk_norm="unit_after_rotary"), ("full_attention",) * 2)):
+        with pytest.raises(ValueError, match="layerwise layers are full_attention and sliding_attention layers"):
+            tiny_config("gemma4_text", layerwise=part, norm=dict(placement="sandwich"), attention=attention,
+                        layer_types=types)
