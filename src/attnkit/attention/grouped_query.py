@@ -4,8 +4,8 @@ Dimension letters: B batch, L new tokens, S keys (past + new), D ``hidden_size``
 heads, G = Hq / Hkv queries per key/value head, Dh ``head_dim``, R rotated features.
 
 Grouped-query attention shares each key/value head among G query heads. The layer's attention is one
-:func:`attnkit.flex.flex_attention` call: its causal (or sliding-window) and padding mask, its score modifier
-(Gemma 2's soft-cap) and its sinks (gpt-oss) describe the variant, and flex attention picks the kernel (the
+:func:`attnkit.flex.flex_attention` call: its causal (sliding-window or chunked: the layer's span) and padding
+mask, its score modifier (Gemma 2's soft-cap) and its sinks (gpt-oss) describe the variant, and flex attention picks the kernel (the
 tiled FlashAttention kernel for a plain causal layer). Either kernel reads each key/value head for its G
 query heads and sums their gradients over the group, so repeated K/V are never materialised.
 """
@@ -244,14 +244,16 @@ class QueryTemperature:
 
 
 class GroupedQueryAttention(Module):
-    """Causal self-attention with rotary queries/keys, Hkv <= Hq key/value heads and an optional window.
+    """Causal self-attention with rotary queries/keys, Hkv <= Hq key/value heads and an optional window or chunk.
 
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention`` (biases, q/k norms,
-        scale, soft-cap, sinks), ``norm`` (the q/k norms' epsilon and offset) and this layer's window and
-        rotary (``config.window_of(layer_index)``, ``config.rotary_of(layer_index)``).
+        Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention`` (biases, scale,
+        soft-cap, sinks), ``norm`` (the q/k norms' epsilon and offset) and this layer's window, chunk, q/k norm,
+        query temperature and rotary (``config.window_of(layer_index)``, ``chunk_of``, ``qk_norm_of``,
+        ``query_temperature_of``, ``rotary_of``). A chunked layer's chunks and the temperature follow the tokens'
+        positions, made from ``attention_mask`` as the model's are (``cumsum(mask) - 1``).
     layer_index : int
         Which layer this is (its window, and its entry in a :class:`~attnkit.decoding.cache.KVCache`).
     rng : numpy.random.Generator or int, optional
