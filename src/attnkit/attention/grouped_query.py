@@ -5,9 +5,9 @@ heads, G = Hq / Hkv queries per key/value head, Dh ``head_dim``, R rotated featu
 
 Grouped-query attention shares each key/value head among G query heads. The layer's attention is one
 :func:`attnkit.flex.flex_attention` call: its causal (sliding-window or chunked: the layer's span) and padding
-mask, its score modifier (Gemma 2's soft-cap) and its sinks (gpt-oss) describe the variant, and flex attention picks the kernel (the
-tiled FlashAttention kernel for a plain causal layer). Either kernel reads each key/value head for its G
-query heads and sums their gradients over the group, so repeated K/V are never materialised.
+mask, its score modifier (Gemma 2's soft-cap) and its sinks (gpt-oss) describe the variant, and flex attention
+picks the kernel (the tiled FlashAttention kernel for a plain causal layer). Either kernel reads each key/value
+head for its G query heads and sums their gradients over the group, so repeated K/V are never materialised.
 """
 from __future__ import annotations
 
