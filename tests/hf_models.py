@@ -374,6 +374,27 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                                    norm_topk_prob=False, linear_num_heads=4, linear_head_dim=4,
                                                    mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"],
                                                    pad_token_id=0), {}),
+    # Llama 4 (text): chunks of 3 on the rotary layers (0, 2), NoPE layers 1 and 3 seeing everything, the weightless
+    # q/k norm, interleaved rotary; layers 1 and 2 the top 2 of 4 input-weighted experts beside a shared expert,
+    # layers 0 and 3 a dense MLP of intermediate_size_mlp (the temperature's default floor keeps it at one here)
+    "llama4_text": ("Llama4TextConfig", dict(_COMMON, intermediate_size=16, intermediate_size_mlp=48,
+                                             num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                             num_local_experts=4, num_experts_per_tok=2, moe_layers=[1, 2],
+                                             no_rope_layers=[1, 0, 1, 0], attention_chunk_size=3,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 500.0}), {}),
+    # the query temperature acting from position 1 (floor_scale 2), every second layer sparse (top 1 of 3), every
+    # second layer NoPE by the interval, chunks of 4, no q/k norm, llama3 scaling, a tied head. transformers counts
+    # the temperature's positions over the cache's slots, pads included: compared on unpadded rows only
+    "llama4_text_tuned": ("Llama4TextConfig", dict(_COMMON, intermediate_size=12, intermediate_size_mlp=40,
+                                                   num_hidden_layers=4, num_key_value_heads=1, head_dim=8,
+                                                   num_local_experts=3, num_experts_per_tok=1,
+                                                   interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                                                   attention_chunk_size=4, floor_scale=2, attn_scale=0.5,
+                                                   use_qk_norm=False, tie_word_embeddings=True,
+                                                   rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                                                    "rope_theta": 500.0, "low_freq_factor": 1.0,
+                                                                    "high_freq_factor": 4.0,
+                                                                    "original_max_position_embeddings": 16}), {}),
 }
 
 FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear", "llama_dynamic", "llama_yarn",
@@ -386,7 +407,7 @@ FAMILY_MODELS = ("gpt2", "gpt2_untied", "llama_gqa", "llama_mqa", "llama_linear"
                  "deepseek_v3", "deepseek_v3_plain", "deepseek_v32", "deepseek_v32_mixed", "lfm2", "lfm2_bias", "bamba",
                  "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                  "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h",
-                 "nemotron_h_bias", "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain")
+                 "nemotron_h_bias", "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain", "llama4_text")
 
 _LOOPED_EXPERTS = ("DeepseekV3Config", "DeepseekV32Config", "Glm4MoeConfig", "KimiLinearConfig")
 

@@ -44,6 +44,8 @@ ATTNKIT_ONLY = {
                          "mlp.hook_router_weights", "hook_mlp_out"},
     "falcon_h1": {"attn.hook_conv_out", "attn.hook_ssm_out"},
     "falcon_h1_bias": {"attn.hook_conv_out", "attn.hook_ssm_out"},
+    # Llama 4: the bridge hooks neither the rotated queries and keys nor the router
+    "llama4_text": {"attn.hook_rot_q", "attn.hook_rot_k", "mlp.hook_expert_indices", "mlp.hook_router_weights"},
 }
 
 

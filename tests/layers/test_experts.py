@@ -127,7 +127,8 @@ def test_a_state_dict_of_the_earlier_names_loads(earlier, current):
 
 
 @pytest.mark.parametrize("settings, match", [
-    (dict(router="softmax"), "experts.router must be one of 'softmax_topk', 'topk_softmax', 'sigmoid_group_topk'"),
+    (dict(router="softmax"), "experts.router must be one of 'softmax_topk', 'topk_softmax', 'topk_sigmoid', "
+                               "'sigmoid_group_topk'"),
     (dict(n_group=2), "n_group and experts.topk_group are the 'sigmoid_group_topk' router's"),
     (dict(norm_topk_prob=False), "'topk_softmax' router's weights are a softmax over the chosen k"),
     (dict(swiglu_limit=0.0), "experts.swiglu_limit must be a finite positive number"),

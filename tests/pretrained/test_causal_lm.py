@@ -87,7 +87,8 @@ def test_greedy_tokens_equal_hf_generate(name, hf_root):
                                   "lfm2_bias", "bamba", "bamba_bias", "seed_oss", "exaone4", "ernie4_5",
                                   "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid",
                                   "granitemoehybrid_dense", "nemotron_h", "nemotron_h_bias", "falcon_h1",
-                                  "falcon_h1_bias", "kimi_linear", "kimi_linear_plain"])
+                                  "falcon_h1_bias", "kimi_linear", "kimi_linear_plain", "llama4_text",
+                                  "llama4_text_tuned"])
 def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root):
     lm, _ = loaded(name, hf_root)
     ids, mask = left_padded_batch(np.random.default_rng(2), (3, 2))
@@ -111,7 +112,7 @@ def test_cached_generation_equals_uncached_argmax_past_the_window(name, hf_root)
                                   "deepseek_v32_mixed", "lfm2", "bamba", "olmo3", "glm4", "granite", "seed_oss",
                                   "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain",
                                   "granitemoehybrid", "nemotron_h", "falcon_h1", "falcon_h1_bias", "kimi_linear",
-                                  "kimi_linear_plain"])
+                                  "kimi_linear_plain", "llama4_text", "llama4_text_tuned"])
 def test_left_padded_batch_equals_each_row_alone(name, hf_root):
     lm, _ = loaded(name, hf_root)
     lengths = (6, 2, 4)
@@ -124,6 +125,27 @@ def test_left_padded_batch_equals_each_row_alone(name, hf_root):
         assert err <= 1e-5, (row, err)
         solo = generate(lm, ids[row:row + 1, -n:], max_new_tokens=6, eos_token_id=[])
         np.testing.assert_array_equal(out[row, -6:], solo[0, -6:])
+
+
+def test_llama4_query_temperature_matches_hf_by_position(hf_root):
+    """With the temperature acting (floor_scale 2), logits and greedy tokens equal transformers' on unpadded rows, and
+    a left-padded row equals transformers' run of that row alone: attnkit counts a row's positions from its first
+    real token, transformers the cache's slots (pads included), so on padded rows only the former is the row's."""
+    lm, hf = loaded("llama4_text_tuned", hf_root)
+    ids = np.random.default_rng(9).integers(2, 90, (2, 11))
+    err = relative(lm(ids), hf_logits(hf, ids, np.ones(ids.shape, bool)), np.ones(ids.shape, bool))
+    PARITY["llama4_text_tuned"] = err
+    assert err <= LOGIT_TOL
+    ours = generate(lm, ids[:, :5], max_new_tokens=8, eos_token_id=EOS, pad_token_id=0)
+    theirs = hf_greedy(hf, ids[:, :5], np.ones((2, 5), bool), max_new_tokens=8, eos_token_id=EOS, pad_token_id=0)
+    first_divergence_is_a_near_tie(lm, ours, theirs, np.ones((2, 5), bool))
+    padded, mask = left_padded_batch(np.random.default_rng(10), (9, 4))
+    batch = lm(padded, mask)
+    for row, n in enumerate((9, 4)):
+        alone = padded[row:row + 1, -n:]
+        theirs = hf_logits(hf, alone, np.ones(alone.shape, bool))
+        assert relative(batch[row:row + 1, -n:], theirs, np.ones(alone.shape, bool)) <= LOGIT_TOL
+    assert relative(batch, hf_logits(hf, padded, mask), mask) > 1e-3  # transformers' padded row is another text
 
 
 # HF computes rotary cos/sin in float32 even for a float64 model, which bounds the rotary families' agreement.
@@ -196,7 +218,7 @@ BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, length_penalty=0.5, early_
                                   "lfm2_bias", "bamba", "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4",
                                   "ernie4_5", "hunyuan_v1_dense", "apertus", "glm4_moe", "glm4_moe_plain",
                                   "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h", "nemotron_h_bias",
-                                  "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain"])
+                                  "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain", "llama4_text"])
 @pytest.mark.parametrize("setting", range(len(BEAM_SETTINGS)))
 def test_beam_search_equals_transformers(name, setting, hf_root):
     """Sequences equal to transformers' generate(num_beams=...) token for token, on a left-padded batch, with

@@ -31,7 +31,8 @@ NEW_FAMILY_MODELS = ("olmo2_bias_mqa", "smollm3_window", "gpt_neox", "gpt_neox_s
                      "qwen3_moe", "qwen3_moe_window", "mixtral", "gemma4_text", "lfm2", "lfm2_bias", "bamba",
                      "bamba_bias", "olmo3", "glm4", "granite", "seed_oss", "exaone4", "ernie4_5", "hunyuan_v1_dense",
                      "apertus", "glm4_moe", "glm4_moe_plain", "granitemoehybrid", "granitemoehybrid_dense",
-                     "nemotron_h", "nemotron_h_bias", "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain")
+                     "nemotron_h", "nemotron_h_bias", "falcon_h1", "falcon_h1_bias", "kimi_linear", "kimi_linear_plain",
+                     "llama4_text")
 GRAD_TOL = 2e-4  # max |ours - HF| / max |HF| per parameter, float32 through a two-layer model
 
 
@@ -163,11 +164,23 @@ def _experts_one_by_one(grads: dict, moe: str, names: tuple[str, str, str]) -> d
                                        ("granitemoehybrid", "router_jitter_noise"),
                                        ("nemotron_h", "rms_norm_eps"),
                                        ("falcon_h1", "mamba_d_inner"),
-                                       ("kimi_linear", "rope_interleave")])
+                                       ("kimi_linear", "rope_interleave"),
+                                       ("llama4_text", "sliding_window")])
 def test_unknown_config_keys_are_refused_by_name(name, key, hf_root, tmp_path):
     folder, _ = saved_model(name, hf_root)
     with pytest.raises(ValueError, match=f"{key!r} is not understood"):
         load_causal_lm(edit_config(folder, tmp_path / "edited", **{key: True}))
+
+
+def test_a_multimodal_llama4_folder_is_refused_naming_the_text_family(hf_root, tmp_path):
+    folder, _ = saved_model("llama4_text", hf_root)
+    text = json.loads((folder / "config.json").read_text())
+    edited = edit_config(folder, tmp_path / "llama4", model_type="llama4", text_config=text, vision_config={})
+    with pytest.raises(ValueError, match="'llama4' is a multimodal folder .* load a text-only 'llama4_text' folder "
+                                         r"\(Llama4ForCausalLM\)"):
+        load_causal_lm(edited)
+    with pytest.raises(ValueError, match="model_type 'llama5' is not supported"):
+        load_causal_lm(edit_config(folder, tmp_path / "llama5", model_type="llama5"))
 
 
 def test_supported_model_types_lists_the_new_families():
@@ -293,7 +306,8 @@ def test_a_hybrid_models_weights_are_its_linear_layers_token_weights(hf_root, tm
                                                       ("glm4_moe", "Glm4MoeConfig"),
                                                       ("deepseek_v32", "DeepseekV32Config"),
                                                       ("granitemoehybrid", "GraniteMoeHybridConfig"),
-                                                      ("falcon_h1", "FalconH1Config")])
+                                                      ("falcon_h1", "FalconH1Config"),
+                                                      ("llama4_text", "Llama4TextConfig")])
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_it(model_type, config_class):
     """Every default of the family's reader is transformers': a config.json holding only the required sizes reads
     as the full config transformers writes for the same sizes."""

@@ -118,7 +118,7 @@ def test_qwen2_explicit_layer_types_win_over_max_window_layers():
 
 
 @pytest.mark.parametrize("raw, words", [
-    ({"model_type": "bert", **SMALL}, ["bert", "gpt2, gpt_neox, gpt_oss, granite, granitemoehybrid, hunyuan_v1_dense,"]),
+    ({"model_type": "bert", **SMALL}, ["bert", "gpt2, gpt_neox, gpt_oss, granite, granitemoehybrid, hunyuan_v1_dense"]),
     (dict(SMALL), ["model_type"]),
     ({"model_type": "llama", **{k: v for k, v in SMALL.items() if k != "hidden_size"}}, ["'hidden_size'", "missing"]),
     ({"model_type": "llama", **SMALL, "num_hidden_layers": "4"}, ["'num_hidden_layers'", "'4'"]),

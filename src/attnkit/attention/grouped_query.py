@@ -4,10 +4,10 @@ Dimension letters: B batch, L new tokens, S keys (past + new), D ``hidden_size``
 heads, G = Hq / Hkv queries per key/value head, Dh ``head_dim``, R rotated features.
 
 Grouped-query attention shares each key/value head among G query heads. The layer's attention is one
-:func:`attnkit.flex.flex_attention` call: its causal (or sliding-window) and padding mask, its score modifier
-(Gemma 2's soft-cap) and its sinks (gpt-oss) describe the variant, and flex attention picks the kernel (the
-tiled FlashAttention kernel for a plain causal layer). Either kernel reads each key/value head for its G
-query heads and sums their gradients over the group, so repeated K/V are never materialised.
+:func:`attnkit.flex.flex_attention` call: its causal (sliding-window or chunked: the layer's span) and padding
+mask, its score modifier (Gemma 2's soft-cap) and its sinks (gpt-oss) describe the variant, and flex attention
+picks the kernel (the tiled FlashAttention kernel for a plain causal layer). Either kernel reads each key/value
+head for its G query heads and sums their gradients over the group, so repeated K/V are never materialised.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from ..core.module import Module
 from ..flex import (
     and_masks,
     causal_lower_right,
+    chunked_mask,
     create_block_mask,
     flex_attention,
     flex_attention_backward,
@@ -34,7 +35,7 @@ from ..kernels.linear import linear, linear_backward
 from ..kernels.registry import ATTENTION_KERNELS
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
-__all__ = ["GroupedQueryAttention", "QK_NORMS"]
+__all__ = ["GroupedQueryAttention", "QK_NORMS", "NoQueryTemperature", "QueryTemperature", "slot_positions"]
 
 ONE_QUERY = ATTENTION_KERNELS["one_query"]  # a decoding step's kernel (see kernels.registry)
 
@@ -128,21 +129,131 @@ class RotatedHeadQKNorm(NoQKNorm):
         return self._backward(attention, dq, dk, saved)
 
 
+class UnitRotatedQKNorm(NoQKNorm):
+    """RMSNorm of each head's Dh features after the rotation, without weights (Llama 4's ``use_qk_norm``, its
+    "L2 norm": ``x / sqrt(mean(x^2) + eps)``)."""
+
+    scope = "unit_after_rotary"
+
+    def on_rotated(self, attention, q, k, saved):
+        unit = np.ones(q.shape[-1], q.dtype)  # (Dh,): the norm's gain is one
+        q, q_hat, q_rstd = rms_norm_forward(q, unit, self.eps)  # (B, Hq, L, Dh)
+        k, k_hat, k_rstd = rms_norm_forward(k, unit, self.eps)  # (B, Hkv, L, Dh)
+        return q, k, (q_hat, q_rstd, k_hat, k_rstd)
+
+    def on_rotated_backward(self, attention, dq, dk, saved):
+        q_hat, q_rstd, k_hat, k_rstd = saved
+        unit = np.ones(dq.shape[-1], q_hat.dtype)  # (Dh,)
+        dq, _ = rms_norm_backward(dq, q_hat, q_rstd, unit)  # (B, Hq, L, Dh)
+        dk, _ = rms_norm_backward(dk, k_hat, k_rstd, unit)  # (B, Hkv, L, Dh)
+        return dq, dk
+
+
 QK_NORMS = {None: NoQKNorm, "head": HeadQKNorm, "projection": ProjectionQKNorm,
-            "head_after_rotary": RotatedHeadQKNorm}
+            "head_after_rotary": RotatedHeadQKNorm, "unit_after_rotary": UnitRotatedQKNorm}
 """The q/k normalisation of each ``AttentionConfig.qk_norm``: where in the projection it acts, chosen when the
 layer is built."""
 
 
+def causal_span(length: int, seq_k: int, positions: np.ndarray | None):
+    """The mask of a full layer: each of the last ``length`` of ``seq_k`` positions sees itself and every earlier
+    one."""
+    return causal_lower_right(length, seq_k)
+
+
+class WindowSpan:
+    """The mask of a sliding-window layer: the last W keys, the query's own included."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def __call__(self, length: int, seq_k: int, positions: np.ndarray | None):
+        return sliding_window_mask(self.window, offset=seq_k - length)
+
+
+class ChunkSpan:
+    """The mask of a chunked layer: the keys of the query's own chunk of C positions, up to itself."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+
+    def __call__(self, length: int, seq_k: int, positions: np.ndarray):
+        return chunked_mask(self.chunk, offset=seq_k - length, positions=positions)
+
+
+def slot_positions(attention_mask: np.ndarray | None, slots: np.ndarray) -> np.ndarray:
+    """The position of the token in each of ``slots``: its row's count of real tokens before it (``cumsum(mask) -
+    1``, clipped at 0 for the pads before the first), as the model's positions are made from the mask; the slot
+    itself without a mask. (B, S) bool or None, (S',) int -> (B or 1, S') int64."""
+    if attention_mask is None:
+        return np.asarray(slots, dtype=np.int64)[None]  # (1, S')
+    counts = np.cumsum(attention_mask, axis=1, dtype=np.int64) - 1  # (B, S)
+    return np.maximum(counts[:, slots], 0)  # (B, S')
+
+
+def no_positions(attention_mask: np.ndarray | None, slots: np.ndarray) -> None:
+    """The positions of a layer that needs none (neither chunks nor a temperature): None."""
+    return None
+
+
+class NoQueryTemperature:
+    """The queries as they are: the temperature of a layer without one."""
+
+    def forward(self, q: np.ndarray, positions: np.ndarray | None):
+        """(q, None)."""
+        return q, None
+
+    @staticmethod
+    def backward(dq: np.ndarray, scales: None) -> np.ndarray:
+        return dq
+
+
+class QueryTemperature:
+    """Llama 4's attention temperature on its layers without rotary: the query at position p is multiplied by
+    ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``, which grows with the distance the layer must see
+    across (https://arxiv.org/abs/2501.19399). A constant per position, so its backward scales the query's
+    gradient alike.
+
+    Parameters
+    ----------
+    floor_scale, attn_scale : float
+
+    Examples
+    --------
+    >>> QueryTemperature(2.0, 0.5).scales(np.array([[0, 1, 5]]), np.float64).round(4).tolist()
+    [[1.0, 1.3466, 1.6931]]
+    """
+
+    def __init__(self, floor_scale: float, attn_scale: float) -> None:
+        self.floor_scale, self.attn_scale = float(floor_scale), float(attn_scale)
+
+    def scales(self, positions: np.ndarray, dtype) -> np.ndarray:
+        """The factor of each query (B, L) from its position (B, L), computed in float64 and given in ``dtype``."""
+        steps = np.floor((positions + 1.0) / self.floor_scale)  # (B, L)
+        return (1.0 + self.attn_scale * np.log1p(steps)).astype(dtype)  # (B, L)
+
+    def forward(self, q: np.ndarray, positions: np.ndarray):
+        """(q (B, H, L, Dh) scaled per position, the scales (B, 1, L, 1) its backward multiplies by); ``positions``
+        (B, S) end with the L queries'."""
+        scales = self.scales(positions[:, positions.shape[1] - q.shape[2]:], q.dtype)[:, None, :, None]  # (B, 1, L, 1)
+        return q * scales, scales
+
+    @staticmethod
+    def backward(dq: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        return dq * scales  # (B, H, L, Dh)
+
+
 class GroupedQueryAttention(Module):
-    """Causal self-attention with rotary queries/keys, Hkv <= Hq key/value heads and an optional window.
+    """Causal self-attention with rotary queries/keys, Hkv <= Hq key/value heads and an optional window or chunk.
 
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention`` (biases, q/k norms,
-        scale, soft-cap, sinks), ``norm`` (the q/k norms' epsilon and offset) and this layer's window and
-        rotary (``config.window_of(layer_index)``, ``config.rotary_of(layer_index)``).
+        Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention`` (biases, scale,
+        soft-cap, sinks), ``norm`` (the q/k norms' epsilon and offset) and this layer's window, chunk, q/k norm,
+        query temperature and rotary (``config.window_of(layer_index)``, ``chunk_of``, ``qk_norm_of``,
+        ``query_temperature_of``, ``rotary_of``). A chunked layer's chunks and the temperature follow the tokens'
+        positions, made from ``attention_mask`` as the model's are (``cumsum(mask) - 1``).
     layer_index : int
         Which layer this is (its window, and its entry in a :class:`~attnkit.decoding.cache.KVCache`).
     rng : numpy.random.Generator or int, optional
@@ -184,8 +295,17 @@ class GroupedQueryAttention(Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.num_groups = config.num_groups
         self.window = config.window_of(layer_index)
-        # how far back a query sees: a decoding step within it needs no mask
-        self.reach = self.window or np.inf
+        # a chunked layer's query sees its own chunk of positions (chunked_mask)
+        self.chunk = config.chunk_of(layer_index)
+        # how far back a query sees for certain: a decoding step within it needs no mask (a chunk may start at the
+        # query itself)
+        self.reach = self.window or (1 if self.chunk else np.inf)
+        # which keys a query may see, as a flex mask: the layer's one choice of mask
+        self.span = ChunkSpan(self.chunk) if self.chunk else WindowSpan(self.window) if self.window else causal_span
+        temperature = config.query_temperature_of(layer_index)
+        self.temperature = NoQueryTemperature() if temperature is None else QueryTemperature(*temperature)
+        # chunks and the temperature follow the tokens' positions, made from the mask as the model's are
+        self.positions = slot_positions if self.chunk is not None or temperature is not None else no_positions
         rotary = config.rotary_of(layer_index)
         self.uses_rotary = rotary is not None
         self.interleaved = rotary is not None and rotary.interleaved
@@ -211,9 +331,10 @@ class GroupedQueryAttention(Module):
         self._sink_names = ("sinks",) if self.has_sinks else ()
         if self.has_sinks:
             self.register_parameter("sinks", normal(gen, (self.num_heads,), std=0.02))
-        self.qk_norm = QK_NORMS[attention.qk_norm](config.norm.eps, config.norm.offset)
-        if attention.qk_norm is not None:
-            whole = attention.qk_norm == "projection"
+        qk_norm = config.qk_norm_of(layer_index)
+        self.qk_norm = QK_NORMS[qk_norm](config.norm.eps, config.norm.offset)
+        if qk_norm not in (None, "unit_after_rotary"):  # the unit norm has no weights
+            whole = qk_norm == "projection"
             self.register_parameter("q_norm", np.ones(q_width if whole else self.head_dim))
             self.register_parameter("k_norm", np.ones(kv_width if whole else self.head_dim))
 
@@ -291,11 +412,14 @@ class GroupedQueryAttention(Module):
             kept = cache.update(self.layer_index, k, v)
             k, v = kept.keys, kept.values  # (B, Hkv, S, Dh)
             past = int(kept.slots[-1]) + 1  # slots filled after this update
-            key_mask = self._check_mask(attention_mask, b, past)
-            key_mask = None if key_mask is None else key_mask[:, kept.slots]  # (B, S)
+            full_mask, slots = self._check_mask(attention_mask, b, past), kept.slots
+            key_mask = None if full_mask is None else full_mask[:, slots]  # (B, S)
         else:
-            key_mask = self._check_mask(attention_mask, b, length)
-        out, weights, ctx = self._attend(q, k, v, key_mask, output_attentions)  # (B, Hq, L, Dh)
+            full_mask = key_mask = self._check_mask(attention_mask, b, length)
+            slots = np.arange(length)
+        positions = self.positions(full_mask, slots)  # (B|1, S) or None
+        q, scales = self.temperature.forward(q, positions)  # (B, Hq, L, Dh)
+        out, weights, ctx = self._attend(q, k, v, key_mask, output_attentions, positions)  # (B, Hq, L, Dh)
         merged = out.reshape(b, self.num_heads, length, self.head_dim).transpose(0, 2, 1, 3)  # (B, L, Hq, Dh)
         merged, gate_saved = self._gate(x, merged)  # (B, L, Hq, Dh)
         if hooked:
@@ -303,7 +427,7 @@ class GroupedQueryAttention(Module):
         merged = merged.reshape(b, length, self.num_heads * self.head_dim)  # (B, L, Hq*Dh)
         y = linear(merged, self._parameters["W_O"], self._parameters.get("b_O"))  # (B, L, D)
         if cache is None:  # the cached path is inference: it keeps nothing
-            self.save_for_backward(x, merged, gate_saved, ctx, rotary, normed)
+            self.save_for_backward(x, merged, gate_saved, ctx, rotary, normed, scales)
         else:
             self.save_for_backward()
         if not output_attentions:
@@ -312,12 +436,13 @@ class GroupedQueryAttention(Module):
         return y, weights.reshape(b, self.num_heads, length, weights.shape[-1])  # (B, Hq, L, S)
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray | None,
-                need_weights: bool):
+                need_weights: bool, positions: np.ndarray | None = None):
         """Causal (windowed, padded) attention with the layer's score modifier and sinks, through
         :func:`attnkit.flex.flex_attention`: ``(out (B, Hq, L, Dh), weights (B, Hq, L, S) or None, ctx)``.
 
         The cache returns consecutive slots ending at the new tokens, so the mask's bottom-right causal
-        alignment holds for cached steps too. The kernel is flex's ``"auto"`` (the reference kernel when the weights
+        alignment holds for cached steps too. ``positions`` (B|1, S): the keys' positions (a chunked layer's).
+        The kernel is flex's ``"auto"`` (the reference kernel when the weights
         are needed or for one decoding step, the tiled FlashAttention kernel otherwise).
         """
         b, _, length, _ = q.shape
@@ -325,8 +450,7 @@ class GroupedQueryAttention(Module):
         if length == 1 and key_mask is None and self.reach >= seq_k:
             block_mask = None  # one query after every key it may see (a decoding step): nothing to hide
         else:
-            mask = sliding_window_mask(self.window, offset=seq_k - length) if self.window else \
-                causal_lower_right(length, seq_k)
+            mask = self.span(length, seq_k, positions)
             if key_mask is not None:
                 mask = and_masks(mask, padding_mask(key_mask))
             block_mask = create_block_mask(mask, None if key_mask is None else b, None, length, seq_k)
@@ -360,6 +484,11 @@ class GroupedQueryAttention(Module):
         q, k, _ = self.qk_norm.on_rotated(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
         kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
         key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
+        positions = self.positions(attention_mask, kept.slots)  # (B|1, S) or None
+        q, _ = self.temperature.forward(q, positions)  # (B, Hq, 1, Dh)
+        if self.chunk:  # the keys of the query's own chunk
+            same = positions // self.chunk == positions[:, -1:] // self.chunk  # (B|1, S)
+            key_mask = same if key_mask is None else key_mask & same  # (B, S)
         heads = self._attend_step(q, kept.keys, kept.values, key_mask)  # (B, Hq, Dh)
         heads = self._gate(x[:, None], heads[:, None])[0][:, 0]  # (B, Hq, Dh)
         return linear(heads.reshape(b, -1), self._parameters["W_O"], self._parameters.get("b_O"))  # (B, D)
@@ -396,7 +525,7 @@ class GroupedQueryAttention(Module):
         """Add the parameter gradients into ``self.grads``; return ``grad_x`` (B, L, D) (uncached path only)."""
         if self.saved_tensors is None:
             raise RuntimeError("GroupedQueryAttention.backward needs a forward without a cache just before it")
-        x, merged, gate_saved, ctx, rotary, normed = self.saved_tensors
+        x, merged, gate_saved, ctx, rotary, normed, scales = self.saved_tensors
         b, length, _ = x.shape
         g = check_grad_output(grad_output, x.shape, x.dtype, "GroupedQueryAttention")
         p = self._parameters
@@ -415,6 +544,7 @@ class GroupedQueryAttention(Module):
             dq, dk, dv, *dsinks = flex_attention_backward(np.ascontiguousarray(grad_out), ctx)  # (B, H, L, Dh)
             for name, grad in zip(self._sink_names, dsinks):
                 self.grads[name] += grad
+        dq = self.temperature.backward(dq, scales)  # (B, Hq, L, Dh)
         if rotary is not None and hooked:
             dq, dk = hook_heads_backward(self, "hook_rot_q", dq), hook_heads_backward(self, "hook_rot_k", dk)
         dq, dk = self.qk_norm.on_rotated_backward(self, dq, dk, normed)  # (B, Hq, L, Dh), (B, Hkv, L, Dh)

@@ -31,7 +31,7 @@ from ..kernels import rotary as _rotary
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
-from .grouped_query import GroupedQueryAttention
+from .grouped_query import GroupedQueryAttention, NoQueryTemperature, WindowSpan, causal_span, no_positions
 
 __all__ = ["SharedKV", "KVOwnerAttention", "KVReaderAttention", "connect_shared_kv"]
 
@@ -90,6 +90,9 @@ def _common(module: GroupedQueryAttention, config, layer_index: int, rng) -> np.
     module.num_groups = module.num_heads // module.num_kv_heads
     module.window = config.window_of(layer_index)
     module.reach = module.window or np.inf  # how far back a query sees: a decoding step within it needs no mask
+    # full and sliding layers only (LayerwiseConfig.check): no chunks, no temperature, no positions
+    module.chunk, module.temperature, module.positions = None, NoQueryTemperature(), no_positions
+    module.span = WindowSpan(module.window) if module.window else causal_span
     rotary = config.rotary_of(layer_index)
     module.uses_rotary = rotary is not None
     module.interleaved = rotary is not None and rotary.interleaved

@@ -134,14 +134,46 @@ def sliding_window_mask(window: int, *, offset: int = 0) -> Callable:
     return _describe(mask, KernelMask(offset=offset, window=window))
 
 
-def chunked_mask(chunk: int) -> Callable:
-    """Causal attention inside chunks of ``chunk`` positions: ``q_idx // C == kv_idx // C`` and causal."""
+def chunked_mask(chunk: int, *, offset: int = 0, positions=None) -> Callable:
+    """Causal attention inside chunks of ``chunk`` positions (Llama 4's chunked layers): query q, the key index
+    ``q + offset``, sees key k iff ``k <= q + offset`` and both lie in one chunk, ``pos[k] // C == pos[q + offset]
+    // C``.
+
+    ``positions`` (Lk,) or (B, Lk) non-negative ints: each key's position (a left-padded row's count of real
+    tokens before it, so that its chunks start at its first real token, as transformers' chunked mask does);
+    default: its index. ``offset`` = ``kv_len - q_len`` aligns the queries at the bottom-right corner (new tokens
+    after a cache). With positions the mask also carries its :class:`KernelMask` (the same-chunk pairs as a dense
+    (B', 1, Lq, Lk) part), so the tiled kernel runs it.
+
+    Examples
+    --------
+    >>> chunked_mask(2)(0, 0, np.arange(4)[:, None], np.arange(4)[None]).astype(int).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    >>> m = chunked_mask(2, offset=1, positions=np.array([[0, 0, 1, 2]]))  # a left pad, then positions 1 and 2
+    >>> m(0, 0, np.arange(3)[:, None], np.arange(4)[None]).astype(int).tolist()
+    [[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    """
     chunk = check_positive_int(chunk, "chunk")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise TypeError(f"offset must be a non-negative int, got {offset!r}")
+    offset = int(offset)
+    if positions is None:
+        def by_index(b, h, q_idx, kv_idx):
+            q, k = np.asarray(q_idx) + offset, np.asarray(kv_idx)
+            return (q // chunk == k // chunk) & (k <= q)
+        return by_index
+    pos = _per_batch(positions, "positions")
+    if pos.dtype.kind not in "iu" or (pos < 0).any() or pos.shape[1] <= offset:
+        raise ValueError(f"positions must be non-negative ints of shape (Lk,) or (B, Lk) with Lk > offset "
+                         f"({offset}), got dtype {pos.dtype} and shape {pos.shape}")
+    chunks = pos // chunk  # (B', Lk)
 
     def mask(b, h, q_idx, kv_idx):
-        q, k = np.asarray(q_idx), np.asarray(kv_idx)
-        return (q // chunk == k // chunk) & (k <= q)
-    return mask
+        row = b if chunks.shape[0] > 1 else 0
+        q, k = np.asarray(q_idx) + offset, np.asarray(kv_idx)
+        return (k <= q) & (chunks[row, q] == chunks[row, k])
+    same = (chunks[:, offset:, None] == chunks[:, None, :])[:, None]  # (B', 1, Lq, Lk)
+    return _describe(mask, KernelMask(offset=offset, dense=same))
 
 
 def _per_batch(values, name: str) -> np.ndarray:

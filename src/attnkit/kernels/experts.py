@@ -15,8 +15,9 @@ stack of packed expert weights, :class:`~attnkit.kernels.packed.PackedWeight`, w
       hidden = (u + 1) * g * sigmoid(alpha * g)
 
 A token's output is the weighted sum of its k chosen experts' outputs (:mod:`attnkit.kernels.routing` chooses
-and weighs). The experts run one after another over the tokens routed to them (each a few matrix products over
-its own group of tokens), never over all N tokens times E experts.
+and weighs); with ``weigh_inputs`` each weight scales its expert's input instead, ``expert(w x)`` (Llama 4).
+The experts run one after another over the tokens routed to them (each a few matrix products over its own group
+of tokens), never over all N tokens times E experts.
 """
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def _clamped_backward(grad_out, xe, w_gate, w_up, w_down, parts, has_bias, activ
 
 
 def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
-                    activation: str = "silu", limit: float | None = None, alpha: float = 1.702):
+                    activation: str = "silu", limit: float | None = None, alpha: float = 1.702, *,
+                    weigh_inputs: bool = False):
     """The weighted sum of each token's chosen experts.
 
     Parameters
@@ -111,6 +113,8 @@ def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, para
         The gate's activation without ``limit``.
     limit, alpha : float
         gpt-oss's clamped SwiGLU when ``limit`` is given.
+    weigh_inputs : bool
+        Each weight scales its expert's input rather than its output.
 
     Returns
     -------
@@ -121,15 +125,17 @@ def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, para
     y = np.zeros_like(x)  # (N, D)
     saved = []
     for expert, tokens, slot in _groups(chosen, params["W_gate"].shape[0]):
-        out, parts = forward(x[tokens], *_expert(params, expert), activation, limit, alpha)  # (n, D)
-        y[tokens] += out * weights[tokens, slot][:, None]  # (n, D): the rows are distinct
-        saved.append((expert, tokens, slot, out, parts))
+        w = weights[tokens, slot][:, None]  # (n, 1)
+        xe = x[tokens] * w if weigh_inputs else x[tokens]  # (n, D)
+        out, parts = forward(xe, *_expert(params, expert), activation, limit, alpha)  # (n, D)
+        y[tokens] += out if weigh_inputs else out * w  # (n, D): the rows are distinct
+        saved.append((expert, tokens, slot, out, parts, xe))
     return y, saved
 
 
 def experts_backward(grad_y: np.ndarray, x: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
                      saved: list, activation: str = "silu", limit: float | None = None, alpha: float = 1.702,
-                     need_weights: bool = True):
+                     need_weights: bool = True, weigh_inputs: bool = False):
     """Gradients of :func:`experts_forward` with respect to x, the routing weights and every expert parameter.
 
     Returns
@@ -144,14 +150,19 @@ def experts_backward(grad_y: np.ndarray, x: np.ndarray, weights: np.ndarray, par
     grad_x = np.zeros_like(x)  # (N, D)
     grad_weights = np.zeros_like(weights)  # (N, k)
     grads = {name: np.zeros(value.shape, value.dtype) for name, value in params.items()} if need_weights else {}
-    for expert, tokens, slot, out, parts in saved:
+    for expert, tokens, slot, out, parts, xe in saved:
         ge = grad_y[tokens]  # (n, D)
-        grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)  # (n,)
-        grad_out = ge * weights[tokens, slot][:, None]  # (n, D)
+        w = weights[tokens, slot][:, None]  # (n, 1)
+        if not weigh_inputs:
+            grad_weights[tokens, slot] = np.einsum("nd,nd->n", ge, out)  # (n,)
+            ge = ge * w  # (n, D)
         w_gate, w_up, w_down = _expert(params, expert)[:3]
-        grad_xe, expert_grads = backward(grad_out, x[tokens], w_gate, w_up, w_down, parts, has_bias, activation,
+        grad_xe, expert_grads = backward(ge, xe, w_gate, w_up, w_down, parts, has_bias, activation,
                                          limit, alpha, need_weights)  # (n, D)
         for name, value in expert_grads.items():
             grads[name][expert] = value
+        if weigh_inputs:  # xe = w x
+            grad_weights[tokens, slot] = np.einsum("nd,nd->n", grad_xe, x[tokens])  # (n,)
+            grad_xe = grad_xe * w  # (n, D)
         grad_x[tokens] += grad_xe
     return grad_x, grad_weights, grads

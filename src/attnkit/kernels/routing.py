@@ -11,6 +11,8 @@ weights of their outputs. :data:`ROUTERS` names the three rules the open checkpo
 ``"topk_softmax"`` (gpt-oss)
     The k largest logits, weighted by the softmax over those k alone: ``"softmax_topk"`` normalised, computed
     as gpt-oss computes it (its rounding differs in the last bits).
+``"topk_sigmoid"`` (Llama 4)
+    The k largest logits, each weighted by its own sigmoid (no normalisation).
 ``"sigmoid_group_topk"`` (DeepSeek-V3)
     ``s = sigmoid(logits)``, each expert scored alone. The choice is made on the corrected scores ``s + b``
     (``b`` the ``e_score_correction_bias``, (E,), which a trainer moves to balance the experts' load):
@@ -34,7 +36,7 @@ import numpy as np
 
 __all__ = ["ROUTERS", "route", "route_backward"]
 
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
+ROUTERS = ("softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_group_topk")
 
 _NORM_EPS = 1e-20  # keeps an all-zero sigmoid weight row finite, as transformers does
 
@@ -67,6 +69,18 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     """``1 / (1 + exp(-z))`` through tanh, which cannot overflow."""
     half = z.dtype.type(0.5)
     return half + half * np.tanh(half * z)
+
+
+def _topk_sigmoid(logits, top_k, normalize, bias, n_group, topk_group):
+    chosen = _top(logits, top_k)  # (N, k)
+    weights = _sigmoid(np.take_along_axis(logits, chosen, axis=-1))  # (N, k)
+    return chosen, weights, None
+
+
+def _topk_sigmoid_backward(g, chosen, weights, saved, num_experts, normalize):
+    grad_logits = np.zeros((g.shape[0], num_experts), dtype=g.dtype)  # (N, E)
+    np.put_along_axis(grad_logits, chosen, g * weights * (1 - weights), axis=-1)  # sigmoid' = s (1 - s)
+    return grad_logits
 
 
 def _sigmoid_group_topk(logits, top_k, normalize, bias, n_group, topk_group):
@@ -160,4 +174,5 @@ def route_backward(grad_weights: np.ndarray, chosen: np.ndarray, saved, rule: st
 
 _RULES = {"softmax_topk": (_softmax_topk, _softmax_topk_backward),
           "topk_softmax": (_topk_softmax, _topk_softmax_backward),
+          "topk_sigmoid": (_topk_sigmoid, _topk_sigmoid_backward),
           "sigmoid_group_topk": (_sigmoid_group_topk, _sigmoid_group_topk_backward)}

@@ -50,10 +50,10 @@ class ExpertsConfig:
         The layers whose MLP is the mixture (the others keep the dense ``mlp`` of ``intermediate_size``); each
         family's reader resolves its own rule into it (``first_k_dense_replace``, ``decoder_sparse_step`` and
         ``mlp_only_layers``, every layer).
-    router : {"softmax_topk", "topk_softmax", "sigmoid_group_topk"}, default "softmax_topk"
+    router : {"softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_group_topk"}, default "softmax_topk"
         How the k experts are chosen and weighed (:mod:`attnkit.kernels.routing`): the top k of a softmax
-        (Mixtral, Qwen), a softmax over the top k logits (gpt-oss), or group-limited sigmoid scores with a
-        correction bias (DeepSeek-V3).
+        (Mixtral, Qwen), a softmax over the top k logits (gpt-oss), the top k logits each weighed by its sigmoid
+        (Llama 4), or group-limited sigmoid scores with a correction bias (DeepSeek-V3).
     norm_topk_prob : bool, default True
         Divide the k chosen weights by their sum (``"topk_softmax"``'s always are).
     routed_scaling_factor : float, default 1.0
@@ -75,6 +75,8 @@ class ExpertsConfig:
         ``n_shared_experts * moe_intermediate_size``); 0: none.
     shared_expert_gate : bool, default False
         The shared expert's output is scaled by ``sigmoid(x W_shared_gate)`` (Qwen3-Next's ``shared_expert_gate``).
+    weigh_inputs : bool, default False
+        A chosen expert's weight scales its input, ``expert(w x)``, rather than its output (Llama 4).
 
     Examples
     --------
@@ -98,6 +100,7 @@ class ExpertsConfig:
     swiglu_alpha: float = 1.702
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    weigh_inputs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"):
@@ -109,7 +112,7 @@ class ExpertsConfig:
                              f"experts.num_experts ({self.num_experts})")
         if self.router not in ROUTERS:
             raise ValueError(f"experts.router must be one of {', '.join(map(repr, ROUTERS))}, got {self.router!r}")
-        for name in ("norm_topk_prob", "router_bias", "expert_bias", "shared_expert_gate"):
+        for name in ("norm_topk_prob", "router_bias", "expert_bias", "shared_expert_gate", "weigh_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"experts.{name} must be True or False, got {getattr(self, name)!r}")
         _positive_number(self.routed_scaling_factor, "experts.routed_scaling_factor")
@@ -139,6 +142,9 @@ class ExpertsConfig:
             if self.router == "topk_softmax" and not self.norm_topk_prob:
                 raise ValueError("experts.norm_topk_prob=False: the 'topk_softmax' router's weights are a softmax "
                                  "over the chosen k, which always sums to one")
+            if self.router == "topk_sigmoid" and self.norm_topk_prob:
+                raise ValueError("experts.norm_topk_prob=True: the 'topk_sigmoid' router weighs each chosen expert "
+                                 "by its own sigmoid, never normalised; give norm_topk_prob=False")
             return
         if e % groups or e // groups < 2:
             raise ValueError(f"experts.n_group ({groups}) must divide experts.num_experts ({e}) into groups of at "
@@ -216,8 +222,9 @@ def _shared_expert(config, rng: np.random.Generator) -> Module:
 
 
 class MixtureOfExperts(Module):
-    """``y = sum_j w_j expert_{c_j}(x) + shared_expert(x)``: a :class:`~attnkit.layers.router.Router` picks k of E
-    gated experts per token (``c``) and weighs them (``w``); the shared expert, if any, sees every token.
+    """``y = sum_j w_j expert_{c_j}(x) + shared_expert(x)`` (``weigh_inputs``: ``expert_{c_j}(w_j x)``): a
+    :class:`~attnkit.layers.router.Router` picks k of E gated experts per token (``c``) and weighs them (``w``);
+    the shared expert, if any, sees every token.
 
     Expert e is ``(act(x W_gate[e] + b_gate[e]) * (x W_up[e] + b_up[e])) W_down[e] + b_down[e]`` (biases with
     ``expert_bias``), or gpt-oss's clamped SwiGLU with ``swiglu_limit``; see :mod:`attnkit.kernels.experts`.
@@ -277,6 +284,7 @@ class MixtureOfExperts(Module):
         d, f, e = config.hidden_size, part.moe_intermediate_size, part.num_experts
         self.hidden_size, self.num_experts, self.top_k = d, e, part.num_experts_per_tok
         self.activation, self.limit, self.alpha = config.activation, part.swiglu_limit, float(part.swiglu_alpha)
+        self.weigh_inputs = part.weigh_inputs
         self.router = Router(d, part, rng=gen)
         for name, shape in (("W_gate", (e, d, f)), ("W_up", (e, d, f)), ("W_down", (e, f, d))):
             self.register_parameter(name, normal(gen, shape, std=0.02))
@@ -315,7 +323,7 @@ class MixtureOfExperts(Module):
         weights = self.hook_point("hook_router_weights", weights)
         chosen, weights = chosen.reshape(-1, self.top_k), weights.reshape(-1, self.top_k)  # (N, k) each
         y, saved = _experts.experts_forward(flat, chosen, weights, self._parameters, self.activation, self.limit,
-                                            self.alpha)  # (N, D)
+                                            self.alpha, weigh_inputs=self.weigh_inputs)  # (N, D)
         y += self.shared_expert(flat)  # (N, D)
         self.save_for_backward(x.shape, flat, weights, saved)
         return y.reshape(x.shape)
@@ -329,7 +337,8 @@ class MixtureOfExperts(Module):
         g = check_grad_output(grad_output, shape, flat.dtype, "MixtureOfExperts").reshape(flat.shape)  # (N, D)
         grad_x, grad_weights, grads = _experts.experts_backward(g, flat, weights, self._parameters, saved,
                                                                 self.activation, self.limit, self.alpha,
-                                                                need_weights=self.grads.wanted)  # (N, D)
+                                                                need_weights=self.grads.wanted,
+                                                                weigh_inputs=self.weigh_inputs)  # (N, D)
         for name, value in grads.items():
             self.grads[name] += value
         grad_weights = self.hook_backward("hook_router_weights", grad_weights.reshape(*shape[:-1], self.top_k))

@@ -67,6 +67,7 @@ MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
                                             "sliding_attention": GroupedQueryAttention,
+                                            "chunked_attention": GroupedQueryAttention,
                                             "gated_attention": GatedAttention,
                                             "linear_attention": GatedDeltaNetMixer,
                                             "kimi_delta_attention": KimiDeltaAttentionMixer,

@@ -257,7 +257,7 @@ class CausalLM(Module):
         if "mlp" in c.layer_types[:n]:  # a layer of the MLP alone keeps nothing
             shapes = [None if kind == "mlp" else (c.num_kv_heads, c.head_dim) for kind in c.layer_types[:n]]
         return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[c.window_of(i) for i in range(n)], states=states, rollback=rollback,
+                       windows=[c.keys_kept_of(i) for i in range(n)], states=states, rollback=rollback,
                        layer_shapes=shapes, paired=paired)
 
     def _cache_class(self, num_layers: int) -> type:

@@ -31,8 +31,8 @@ __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "Ex
            "MAX_LAYERS",
            "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES", "PAIRED_LAYER_TYPES", "AttentionMamba2Config"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
-_LAYER_TYPES = ("full_attention", "sliding_attention", "gated_attention", "linear_attention", "kimi_delta_attention",
-                "short_conv", "mamba2", "mlp", "attention_mamba2")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "gated_attention", "linear_attention",
+                "kimi_delta_attention", "short_conv", "mamba2", "mlp", "attention_mamba2")
 STATE_LAYER_TYPES = ("linear_attention", "kimi_delta_attention", "short_conv", "mamba2")
 """The layer types whose cache entry is a fixed-size state (their mixer's ``new_cache``), not keys and values."""
 PAIRED_LAYER_TYPES = ("attention_mamba2",)
@@ -203,7 +203,7 @@ class NormConfig:
         return self.placement != "pre"
 
 
-QK_NORMS = ("head", "projection", "head_after_rotary")
+QK_NORMS = ("head", "projection", "head_after_rotary", "unit_after_rotary")
 
 
 @dataclass(frozen=True)
@@ -217,11 +217,12 @@ class AttentionConfig:
         Biases on the query, key and value projections.
     output_bias : bool, default False
         Bias on the output projection.
-    qk_norm : {None, "head", "projection", "head_after_rotary"}, default None
+    qk_norm : {None, "head", "projection", "head_after_rotary", "unit_after_rotary"}, default None
         RMS-normalise queries and keys with learned weights (``q_norm``, ``k_norm``) before the rotary
         embedding: ``head``, over each head's Dh features, one weight per feature shared by the heads (Qwen3);
         ``projection``, over the whole projection, Hq*Dh and Hkv*Dh weights (OLMo 2); or after it,
-        ``head_after_rotary``, per head as ``head`` (HunYuan).
+        ``head_after_rotary``, per head as ``head`` (HunYuan); ``unit_after_rotary``: per head after the rotation
+        without weights, on the rotary layers only (Llama 4's ``use_qk_norm``).
     scale : float, optional
         The factor of ``q k^T`` (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
     logit_softcap : float, optional
@@ -233,6 +234,12 @@ class AttentionConfig:
         the keys without contributing a value (gpt-oss).
     sliding_window : int, optional
         W, the keys a sliding-window layer sees (itself included); the decoder's ``layer_types`` say which.
+    chunk_size : int, optional
+        C: a ``chunked_attention`` layer's query at position p sees the keys at positions ``p - p % C`` to p, its
+        own chunk of C positions (Llama 4's ``attention_chunk_size``); positions count a row's real tokens.
+    query_temperature : (float, float), optional
+        ``(floor_scale, attn_scale)``: on the layers without rotary, the query at position p is multiplied by
+        ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` (Llama 4's ``attn_temperature_tuning``).
 
     Examples
     --------
@@ -247,6 +254,8 @@ class AttentionConfig:
     logit_softcap: float | None = None
     sinks: bool = False
     sliding_window: int | None = None
+    chunk_size: int | None = None
+    query_temperature: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("bias", "output_bias", "sinks"):
@@ -258,6 +267,14 @@ class AttentionConfig:
                 _factor(getattr(self, name), f"attention.{name}")
         if self.sliding_window is not None:
             check_positive_int(self.sliding_window, "attention.sliding_window", maximum=_MAX_SIZE)
+        if self.chunk_size is not None:
+            check_positive_int(self.chunk_size, "attention.chunk_size", maximum=_MAX_SIZE)
+        if self.query_temperature is not None:
+            given = tuple(self.query_temperature)
+            if len(given) != 2:
+                raise ValueError(f"attention.query_temperature must be (floor_scale, attn_scale), got {given!r}")
+            checked = tuple(_finite_positive(v, f"attention.query_temperature[{i}]") for i, v in enumerate(given))
+            object.__setattr__(self, "query_temperature", checked)
 
     def score_mod(self) -> ScoreMod | None:
         """The :mod:`attnkit.flex` score modifier of the scores (Gemma 2's soft-cap), or None for plain scores."""
@@ -517,6 +534,8 @@ class DecoderConfig:
                              f"builds, got residual={self.residual!r}")
         if "sliding_attention" in types and self.attention.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but attention.sliding_window is None")
+        if "chunked_attention" in types and self.attention.chunk_size is None:
+            raise ValueError("layer_types has chunked_attention layers but attention.chunk_size is None")
         if ("linear_attention" in types) != (self.linear_attention is not None):
             raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
                              f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
@@ -623,6 +642,26 @@ class DecoderConfig:
     def window_of(self, layer: int) -> int | None:
         """The sliding window W of layer ``layer``, or None for a full-attention layer."""
         return self.attention.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def chunk_of(self, layer: int) -> int | None:
+        """The chunk C of a ``chunked_attention`` layer ``layer`` (its queries see their own chunk of C positions),
+        or None."""
+        return self.attention.chunk_size if self.layer_types[layer] == "chunked_attention" else None
+
+    def keys_kept_of(self, layer: int) -> int | None:
+        """The most recent cache slots layer ``layer`` can read: its window or its chunk, None for all."""
+        return self.window_of(layer) or self.chunk_of(layer)
+
+    def qk_norm_of(self, layer: int) -> str | None:
+        """The q/k norm of layer ``layer``: the attention part's, except that ``unit_after_rotary`` acts on the
+        rotary layers only."""
+        kind = self.attention.qk_norm
+        return None if kind == "unit_after_rotary" and self.rotary_of(layer) is None else kind
+
+    def query_temperature_of(self, layer: int) -> tuple[float, float] | None:
+        """``(floor_scale, attn_scale)`` of the query temperature of layer ``layer`` (the layers without rotary), or
+        None."""
+        return self.attention.query_temperature if self.rotary_of(layer) is None else None
 
     def score_mod_of(self, layer: int) -> ScoreMod | None:
         """The :mod:`attnkit.flex` score modifier of layer ``layer``'s attention, or None for plain scores.

@@ -84,6 +84,12 @@ class LayerwiseConfig:
             raise ValueError(f"layerwise needs norms before and after both branches, a sequential residual and a "
                              f"gated MLP, got norm.placement={config.norm.placement!r}, "
                              f"residual={config.residual!r}, mlp={config.mlp!r}")
+        others = sorted(set(config.layer_types) - {"full_attention", "sliding_attention"})
+        temperature = config.attention.query_temperature is not None
+        if others or temperature or config.attention.qk_norm == "unit_after_rotary":
+            raise ValueError(f"layerwise layers are full_attention and sliding_attention layers with weighted q/k "
+                             f"norms and no query temperature, got layer types {others}, attention "
+                             f"{config.attention}")
         if config.rotary is not None and self.global_head_dim % 2:
             raise ValueError(f"layerwise.global_head_dim must be even with rotary positions, got "
                              f"{self.global_head_dim}")

@@ -17,6 +17,7 @@ import torch
 
 from ..attention.gated import GatedAttention as _GatedAttention
 from ..attention.grouped_query import GroupedQueryAttention as _GroupedQueryAttention
+from ..attention.grouped_query import QueryTemperature
 from ..attention.latent import MultiHeadLatentAttention as _MultiHeadLatentAttention
 from ..attention.lightning_indexer import KEY_NORM_EPS
 from ..attention.lightning_indexer import LightningIndexer as _LightningIndexer
@@ -134,8 +135,9 @@ class MultiHeadAttention(TwinModule):
 
 class GroupedQueryAttention(TwinModule):
     """Twin of :class:`attnkit.attention.grouped_query.GroupedQueryAttention`: causal self-attention with
-    rotary queries/keys, Hkv <= Hq key/value heads (SDPA's ``enable_gqa``: K/V never repeated) and the layer's
-    sliding window (a band mask).
+    rotary queries/keys, Hkv <= Hq key/value heads (SDPA's ``enable_gqa``: K/V never repeated), the layer's
+    sliding window (a band mask) or chunk (a same-chunk mask over the positions made from the mask), and Llama 4's
+    query temperature.
 
     Shapes
     ------
@@ -157,8 +159,11 @@ class GroupedQueryAttention(TwinModule):
 
     def setup(self, source) -> None:
         for name in ("layer_index", "hidden_size", "head_dim", "num_heads", "num_kv_heads", "window", "interleaved",
-                     "scale", "uses_rotary", "has_sinks"):
+                     "scale", "uses_rotary", "has_sinks", "chunk"):
             setattr(self, name, getattr(source, name))
+        temperature = source.temperature
+        self.temperature = ((temperature.floor_scale, temperature.attn_scale)
+                            if isinstance(temperature, QueryTemperature) else None)
         self.qk_norm_scope, self.norm_eps, self.norm_offset = (source.qk_norm.scope, source.qk_norm.eps,
                                                                source.qk_norm.offset)
         self.softcap = None if source.score_mod is None else source.score_mod.cap
@@ -185,11 +190,25 @@ class GroupedQueryAttention(TwinModule):
             k = rotary_apply(k, cos, sin, self.interleaved)  # (B, Hkv, L, Dh)
         if self.qk_norm_scope == "head_after_rotary":  # per head, after the rotation (HunYuan)
             q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")  # as above
+        if self.qk_norm_scope == "unit_after_rotary":  # per head, after the rotation, no weights (Llama 4)
+            q, k = _rms(q, None, self.norm_eps), _rms(k, None, self.norm_eps)  # as above
         mask = _bool_mask(attention_mask, x.device, "attention_mask")
-        if mask is not None:
-            if mask.shape != (x.shape[0], x.shape[1]):
-                raise ValueError(f"GroupedQueryAttention: attention_mask must have shape (B, L) = "
-                                 f"{tuple(x.shape[:2])}, got {tuple(mask.shape)}")
+        if mask is not None and mask.shape != (x.shape[0], x.shape[1]):
+            raise ValueError(f"GroupedQueryAttention: attention_mask must have shape (B, L) = "
+                             f"{tuple(x.shape[:2])}, got {tuple(mask.shape)}")
+        if self.chunk is not None or self.temperature is not None:
+            real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask  # (B, L)
+            positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L), as the model's
+            if self.temperature is not None:
+                floor_scale, attn_scale = self.temperature
+                steps = torch.floor((positions.double() + 1.0) / floor_scale)  # (B, L)
+                q = q * (1.0 + attn_scale * torch.log1p(steps)).to(q.dtype)[:, None, :, None]  # (B, Hq, L, Dh)
+            if self.chunk is not None:
+                chunks = positions // self.chunk  # (B, L)
+                same = chunks[:, :, None] == chunks[:, None, :]  # (B, L, L)
+                mask = same if mask is None else same & mask[:, None, :]  # (B, L, L)
+                mask = mask[:, None]  # (B, 1, L, L)
+        if mask is not None and mask.ndim == 2:
             mask = mask[:, None, None, :]  # (B, 1, 1, S)
         if self.softcap is None and not self.has_sinks:
             out = attend(q, k, v, mask, causal=True, window=self.window, scale=self.scale)  # (B, Hq, L, Dh)

@@ -107,12 +107,13 @@ class RMSNorm(TwinModule):
         return _rms(x, self.gamma + self.offset if self.offset else self.gamma, self.eps)  # (..., D)
 
 
-def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    """``gamma * x / sqrt(mean(x^2) + eps)`` over the last axis, normalised in float32 at least."""
+def _rms(x: torch.Tensor, gamma: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``gamma * x / sqrt(mean(x^2) + eps)`` over the last axis (no gain when ``gamma`` is None), normalised in
+    float32 at least."""
     compute = torch.promote_types(x.dtype, torch.float32)
     xc = x.to(compute)
     x_hat = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., D)
-    return gamma.to(x.dtype) * x_hat.to(x.dtype)  # (..., D)
+    return x_hat.to(x.dtype) if gamma is None else gamma.to(x.dtype) * x_hat.to(x.dtype)  # (..., D)
 
 
 class FeedForward(TwinModule):
@@ -267,6 +268,10 @@ class Router(TwinModule):
         top, chosen = torch.topk(logits, self.top_k, dim=-1)  # (N, k) each, largest first
         return chosen, torch.softmax(top, dim=-1)
 
+    def _topk_sigmoid(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)  # (N, k) each, largest first
+        return chosen, torch.sigmoid(top)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, x.shape[-1])  # (N, D)
         logits = _linear(flat, self.W_router.to(flat.dtype), getattr(self, "b_router", None))  # (N, E)
@@ -298,6 +303,7 @@ class MixtureOfExperts(TwinModule):
 
     def setup(self, source) -> None:
         self.activation, self.limit, self.alpha = source.activation, source.limit, source.alpha
+        self.weigh_inputs = source.weigh_inputs
 
     def _expert(self, xe: torch.Tensor, e: int) -> torch.Tensor:
         """Expert ``e`` over its tokens (n, D) -> (n, D)."""
@@ -318,7 +324,12 @@ class MixtureOfExperts(TwinModule):
             tokens, slot = torch.where(chosen == expert)  # (n,) each
             if tokens.numel() == 0:
                 continue
-            y = y.index_add(0, tokens, self._expert(flat[tokens], expert) * weights[tokens, slot, None])  # (N, D)
+            w = weights[tokens, slot, None]  # (n, 1)
+            if self.weigh_inputs:  # the weight scales the expert's input (Llama 4)
+                out = self._expert(flat[tokens] * w, expert)  # (n, D)
+            else:
+                out = self._expert(flat[tokens], expert) * w  # (n, D)
+            y = y.index_add(0, tokens, out)  # (N, D)
         return y.reshape(x.shape)
 
 

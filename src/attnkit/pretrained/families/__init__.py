@@ -58,6 +58,9 @@ class Family:
         prefix), mapped to a :class:`~attnkit.models.multi_token.MultiTokenPredictor`'s parameters, and the ones
         among them that are not read; skipped when the model is loaded, read by
         :func:`~attnkit.pretrained.load_multi_token_predictor`. None where the family has none.
+    multimodal_model_types : tuple of str
+        The ``model_type`` of the multimodal folders whose text decoder this family is (Llama 4's ``"llama4"``):
+        such a folder is refused naming this family.
     gguf : GGUFArchitecture, optional
         How llama.cpp's GGUF files of this family are read (its ``general.architecture`` name, metadata reader
         and what the converter changed); None where attnkit reads no GGUF file of it.
@@ -76,6 +79,7 @@ class Family:
     quantizations: tuple[str, ...] = ()
     unused_tensors: Callable[[DecoderConfig], frozenset[str]] | None = None
     mtp_tensors: Callable[[DecoderConfig], tuple[list[TensorMap], frozenset[str]]] | None = None
+    multimodal_model_types: tuple[str, ...] = ()
     gguf: GGUFArchitecture | None = None
     summary: str = ""
 
@@ -123,8 +127,13 @@ def family(model_type: Any) -> Family:
     Raises
     ------
     ValueError
-        Not a family attnkit loads (the message lists them).
+        Not a family attnkit loads (the message lists them; for a multimodal folder, the text family to load).
     """
+    text = next((f for f in REGISTRY.values() if model_type in f.multimodal_model_types), None)
+    if text is not None:
+        raise ValueError(f"model_type {model_type!r} is a multimodal folder (its decoder in 'text_config', a vision "
+                         f"tower beside it), which attnkit does not read; load a text-only {text.model_type!r} folder "
+                         f"({text.architecture})")
     if model_type not in REGISTRY:
         raise ValueError(f"model_type {model_type!r} is not supported; attnkit loads " + ", ".join(REGISTRY))
     return REGISTRY[model_type]

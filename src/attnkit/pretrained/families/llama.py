@@ -129,7 +129,7 @@ def rotary_tensors(cfg: DecoderConfig, mlp: Callable[[DecoderConfig, str, str], 
             maps.append(TensorMap(f"{hf}self_attn.{proj}.weight", (width, d), (attn + "W_" + name,), "transpose"))
             if attention.bias:
                 maps.append(TensorMap(f"{hf}self_attn.{proj}.bias", (width,), (attn + "b_" + name,), "copy"))
-        if attention.qk_norm is not None:
+        if attention.qk_norm not in (None, "unit_after_rotary"):  # the unit norm has no weights
             whole = attention.qk_norm == "projection"
             for norm, width in (("q_norm", q), ("k_norm", kv)):
                 maps.append(TensorMap(f"{hf}self_attn.{norm}.weight", (width if whole else cfg.head_dim,),
