@@ -329,3 +329,78 @@ def test_bad_input_is_refused_by_name():
         attribution_graph(_model("llama", residual="parallel"), PROMPT, tcs)
     with pytest.raises(ValueError, match="soft-cap"):
         attribution_graph(_model("llama", final_logit_softcap=30.0), PROMPT, tcs)
+
+
+# -- on the explain page and the command line ------------------------------------------------------------------
+def _page_data(page) -> dict:
+    import json
+    import re
+
+    return json.loads(re.search(r'id="attnkit-data" type="application/json">(.*?)</script>',
+                                page.read_text(encoding="utf-8"), flags=re.DOTALL).group(1))
+
+
+def test_the_explain_page_draws_the_pruned_graph(tmp_path):
+    from attnkit.explain import explain_html
+
+    model = _model("llama")
+    tcs = _transcoders(model, "ln2.hook_normalized")
+    page = tmp_path / "graph.html"
+    data = explain_html(model, PROMPT, page, candidates=2, transcoders=tcs, progress=False)
+    graph = attribution_graph(model, PROMPT, tcs)
+    shown = _page_data(page)["graph"]
+    assert shown == data["graph"]
+    kept = np.nonzero(graph.node_mask)[0]
+    assert len(shown["nodes"]) == len(kept) and len(shown["edges"]) > 0
+    assert [n["kind"] for n in shown["nodes"]].count("token") == len(PROMPT)
+    assert [n["kind"] for n in shown["nodes"]].count("logit") == graph.n_logits
+    for source, target, weight in shown["edges"]:
+        assert weight == pytest.approx(graph.adjacency_matrix[kept[target], kept[source]], abs=1e-6)
+        assert graph.edge_mask[kept[target], kept[source]]
+    assert len(shown["edges"]) == graph.edge_mask[np.ix_(kept, kept)].sum()
+    assert 'id="graph-panel"' in page.read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match=r"transcoders\[0\] must read"):
+        explain_html(model, PROMPT, page, transcoders=_transcoders(model)[::-1], progress=False)
+
+
+def _write_transcoder(folder, tc):
+    import json
+
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True)
+    cfg = {"d_in": tc.d_in, "d_sae": tc.d_sae, "d_out": tc.d_out, "architecture": "transcoder",
+           "apply_b_dec_to_input": False, "normalize_activations": "none",
+           "metadata": {"hook_name": tc.hook_name, "hook_name_out": tc.output_hook_name}}
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    save_file({name: np.ascontiguousarray(getattr(tc, name), dtype=np.float32)
+               for name in ("W_enc", "b_enc", "W_dec", "b_dec")}, str(folder / "sae_weights.safetensors"))
+
+
+def test_attnkit_explain_graph_adds_the_graph_and_refuses_missing_layers(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from attnkit.cli import main
+    from attnkit.explain import load_sae
+    from attnkit.pretrained import load_causal_lm
+    from hf_models import saved_model
+
+    folder = saved_model("llama_gqa", tmp_path)[0]
+    model = load_causal_lm(folder)
+    tcs = _transcoders(model, "ln2.hook_normalized")
+    for i, tc in enumerate(tcs):
+        _write_transcoder(tmp_path / "tcs" / f"layer_{i:02d}", tc)
+    page = tmp_path / "page.html"
+    ids = "3,17,5,40,8"
+    assert main(["explain", str(folder), "--ids", ids, "--html", str(page), "--candidates", "2",
+                 "--graph", str(tmp_path / "tcs")]) == 0
+    assert "attribution graph: kept" in capsys.readouterr().out
+    loaded = [load_sae(tmp_path / "tcs" / f"layer_{i:02d}") for i in range(len(tcs))]
+    graph = attribution_graph(model, [3, 17, 5, 40, 8], loaded)
+    assert len(_page_data(page)["graph"]["nodes"]) == graph.node_mask.sum()
+    # a layer without its transcoder: one line, exit 2
+    import shutil
+
+    shutil.rmtree(tmp_path / "tcs" / "layer_01")
+    assert main(["explain", str(folder), "--ids", ids, "--html", str(page), "--graph", str(tmp_path / "tcs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs one transcoder per layer" in err and len(err.splitlines()) == 1

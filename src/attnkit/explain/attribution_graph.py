@@ -246,6 +246,12 @@ def _check_transcoders(model, transcoders: Any) -> tuple[list[SAE], list[bool]]:
     return list(transcoders), normed
 
 
+def check_graph_arguments(model, transcoders: Any) -> None:
+    """Refuse, before any forward, a model or transcoders :func:`attribution_graph` cannot take (by name)."""
+    _check_model(model)
+    _check_transcoders(model, transcoders)
+
+
 def _check_fraction(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or \
             not 0.0 <= float(value) <= 1.0:
