@@ -263,6 +263,19 @@ def test_batches_of_targets_give_the_same_graph():
     assert one.node_labels()[-one.n_logits] == f"L{one.logit_tokens[0]}"
 
 
+def test_float32_model_gives_a_float32_graph_within_float32_rounding_of_float64():
+    wide = _model("llama")
+    narrow = CausalLM(tiny_config("llama"), rng=3).astype(np.float32)
+    tcs = _transcoders(wide, "ln2.hook_normalized")
+    g64, g32 = attribution_graph(wide, PROMPT, tcs), attribution_graph(narrow, PROMPT, tcs)
+    for name in ("adjacency_matrix", "constants", "pre_activations", "activation_values", "logit_values",
+                 "logit_probabilities", "error_vectors"):
+        assert getattr(g32, name).dtype == np.float32, name
+    assert (g32.active_features == g64.active_features).all()
+    scale = np.abs(g64.adjacency_matrix).max()
+    np.testing.assert_allclose(g32.adjacency_matrix, g64.adjacency_matrix, rtol=0, atol=1e-6 * scale)
+
+
 # -- pruning ---------------------------------------------------------------------------------------------------
 def _toy(adjacency, n_features, n_pos, n_layers, probs):
     m = len(probs)
