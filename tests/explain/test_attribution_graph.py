@@ -165,6 +165,8 @@ CASES = {
     "llama_resid_mid": dict(family="llama", read="hook_resid_mid"),
     "llama_ln2": dict(family="llama", read="ln2.hook_normalized"),
     "gpt2_layernorm_biases": dict(family="gpt2", read="ln2.hook_normalized"),
+    "mistral_window": dict(family="mistral", read="hook_resid_mid", attention=dict(sliding_window=3),
+                           layer_types=("sliding_attention", "full_attention")),
     "sandwich_jumprelu": dict(family="llama", read="mlp.hook_in", norm=dict(placement="sandwich"),
                               architecture="jumprelu_transcoder"),
 }
