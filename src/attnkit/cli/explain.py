@@ -76,6 +76,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--generate", metavar="N", type=bounded_int(1, 256), default=None,
                    help="causal LMs: decode N tokens greedily after the prompt; the page adds, for each generated "
                         "token, which tokens before it made the model choose it")
+    p.add_argument("--graph", metavar="DIR", default=None,
+                   help="a folder of SAELens transcoder folders, one per layer (each cfg.json naming blocks.{i}'s "
+                        "MLP input and hook_mlp_out): the page adds the prompt's pruned attribution graph")
     p.add_argument("--html", metavar="FILE", required=True, help="the page to write (.html)")
     p.add_argument("--candidates", type=bounded_int(1, 50), default=5,
                    help="how many of the most likely next tokens to explain (default 5)")
@@ -102,16 +105,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no model: give a folder (DIR) or --model minilm", PROG)
     corrupting = args.corrupt is not None or args.corrupt_ids is not None
     if args.model_dir == "minilm" or (Path(args.model_dir) / "modules.json").is_file():
-        if corrupting or args.generate is not None:
-            raise UsageError(f"{'--corrupt' if corrupting else '--generate'} is for causal LMs (a sentence encoder "
+        if corrupting or args.generate is not None or args.graph is not None:
+            flag = "--corrupt" if corrupting else "--generate" if args.generate is not None else "--graph"
+            raise UsageError(f"{flag} is for causal LMs (a sentence encoder "
                              f"predicts no token)", PROG)
         return _run_encoder(args)
     from ..demos import addition
 
     if addition.is_addition_folder(args.model_dir):
-        if corrupting or args.generate is not None:
-            raise UsageError(f"{'--corrupt' if corrupting else '--generate'} is for Hugging Face causal-LM folders "
-                             f"and GGUF files", PROG)
+        if corrupting or args.generate is not None or args.graph is not None:
+            flag = "--corrupt" if corrupting else "--generate" if args.generate is not None else "--graph"
+            raise UsageError(f"{flag} is for Hugging Face causal-LM folders and GGUF files", PROG)
         return _run_addition(args)
     if args.compare is not None:
         raise UsageError("--compare is for sentence encoders (--model minilm or a sentence-transformers folder); "
@@ -140,6 +144,7 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     model = model_for_command(args.model_dir, prog=PROG, keep_quantized=args.keep_quantized,
                               progress=progress_of(args), dtype=args.dtype)
     ids = prompt_ids(args, tokenizer, model.config, prog=PROG)
+    transcoders = None if args.graph is None else _transcoders(args.graph, model)
     corrupt = None
     if corrupting:
         corrupt = prompt_ids(argparse.Namespace(prompt=args.corrupt, ids=args.corrupt_ids), tokenizer, model.config,
@@ -165,9 +170,41 @@ def _run_causal_lm(args: argparse.Namespace, corrupting: bool) -> int:
     data = explain_html(model, np.array(ids, dtype=np.int64), page, token_text=piece, candidates=args.candidates,
                         top_k=args.top_k, title=f"{name}: {said}", byte_level=is_byte_level_tokenizer(tokenizer),
                         corrupt=None if corrupt is None else np.array(corrupt, dtype=np.int64),
-                        generate=args.generate or 0, progress=progress_of(args))
+                        generate=args.generate or 0, progress=progress_of(args), transcoders=transcoders)
     _report(name, model, ids, data, page)
     return 0
+
+
+def _transcoders(folder: str, model: Any) -> list:
+    """The transcoders in ``folder``'s SAELens folders, in layer order, checked against ``model``."""
+    from ..explain import load_sae
+    from ..explain.attribution_graph import check_graph_arguments
+
+    root = Path(folder)
+    if not root.is_dir():
+        raise UsageError(f"--graph {printable(repr(folder))} is not a folder", PROG)
+    found = []
+    for sub in sorted(p for p in root.iterdir() if (p / "cfg.json").is_file()):
+        try:
+            sae = load_sae(sub)
+        except (ValueError, TypeError, OSError) as err:
+            raise UsageError(f"--graph: {printable(str(err), 200)}", PROG) from None
+        layer = sae.hook_name.split(".")[1] if sae.hook_name.startswith("blocks.") else ""
+        if not layer.isdigit():
+            raise UsageError(f"--graph: {printable(sub.name)} reads {printable(sae.hook_name)}, not a layer's "
+                             f"MLP input (blocks.{{i}}.hook_resid_mid or ln2.hook_normalized)", PROG)
+        found.append((int(layer), sae))
+    found.sort(key=lambda pair: pair[0])
+    layers = [layer for layer, _ in found]
+    if layers != list(range(model.config.num_layers)):
+        raise UsageError(f"--graph needs one transcoder per layer 0..{model.config.num_layers - 1}; "
+                         f"{printable(repr(folder))} has them for layers {layers}", PROG)
+    transcoders = [sae for _, sae in found]
+    try:
+        check_graph_arguments(model, transcoders)
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"--graph: {printable(str(err), 300)}", PROG) from None
+    return transcoders
 
 
 def _report(name: str, model: Any, ids: list[int], data: dict, page: Path) -> None:
@@ -203,6 +240,11 @@ def _report(name: str, model: Any, ids: list[int], data: dict, page: Path) -> No
         new = "".join(generation["tokens"][generation["prompt_length"]:])
         print(f"generated: {printable(repr(new), 80)}; attributed each of its {len(generation['attributions'])} "
               f"tokens to the tokens before it")
+    graph = data.get("graph")
+    if graph is not None:
+        features = sum(node["kind"] == "feature" for node in graph["nodes"])
+        print(f"attribution graph: kept {len(graph['nodes'])} nodes ({features} features) and "
+              f"{len(graph['edges'])} edges")
     print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
 
 
@@ -224,6 +266,11 @@ def _run_encoder(args: argparse.Namespace) -> int:
     print(f"model: {name} (sentence encoder, {encoder.num_layers} layers, {encoder.num_heads} heads); "
           f"{len(data['tokens'])} and {len(data['candidates'][1]['tokens'])} tokens")
     print(f"cosine similarity: {data['similarity']:.4f}; explained both sentences' tokens")
+    graph = data.get("graph")
+    if graph is not None:
+        features = sum(node["kind"] == "feature" for node in graph["nodes"])
+        print(f"attribution graph: kept {len(graph['nodes'])} nodes ({features} features) and "
+              f"{len(graph['edges'])} edges")
     print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
     return 0
 
@@ -252,5 +299,10 @@ def _run_addition(args: argparse.Namespace) -> int:
     best = data["candidates"][0]
     print(f"model: addition demo ({model.config.num_layers} layers, {model.config.num_heads} heads); {len(ids)} tokens")
     print(f"next token: {printable(repr(best['text']))} ({best['prob']:.1%}); explained the top {candidates}")
+    graph = data.get("graph")
+    if graph is not None:
+        features = sum(node["kind"] == "feature" for node in graph["nodes"])
+        print(f"attribution graph: kept {len(graph['nodes'])} nodes ({features} features) and "
+              f"{len(graph['edges'])} edges")
     print(f"wrote {printable(page)} ({page.stat().st_size / 1e6:.1f} MB; open it in a browser)")
     return 0

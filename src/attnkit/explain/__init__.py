@@ -30,10 +30,14 @@ the layers, and what each layer would predict.
   autoencoders and transcoders (an :class:`SAE`) from SAELens's folders, spliced in at a hook point with or
   without the error term, their features cached, ablated or steered by hooks, and attributed from the exact
   gradient.
+- :func:`attribution_graph`: circuit-tracer's attribution graph of one prompt (an :class:`AttributionGraph`): every
+  MLP replaced by its transcoder, attention patterns and norm scales frozen, the direct effects between features,
+  error nodes, token embeddings and logits, pruned by influence (:func:`prune_graph`).
 - :func:`explain_html`: all of it, with the attention of every head, in one offline HTML page;
   :func:`explain_similarity_html` the same for a sentence encoder and two sentences.
 """
 from .attribution import gradient_x_input, saliency
+from .attribution_graph import AttributionGraph, attribution_graph, prune_graph
 from .cache import ActivationCache
 from .control_vector_file import load_control_vector, save_control_vector
 from .direct_logit import direct_logit_attribution
@@ -54,11 +58,11 @@ from .sae_splice import FeatureAttribution, feature_attribution, run_with_cache_
 from .similarity import SimilarityAttribution, similarity_attribution
 from .steering import ControlVector, control_vector, steering
 
-__all__ = ["ActivationCache", "ControlVector", "EdgeAttribution", "FeatureAttribution", "GenerationAttribution",
-           "IntegratedGradients", "LogitLens", "PromptTest", "SAE", "SimilarityAttribution", "activation_patching",
-           "attention_flow", "attention_rollout", "attribution_patching", "control_vector", "detect_head",
-           "direct_logit_attribution", "edge_attribution", "encode_attention", "explain_html",
-           "explain_similarity_html", "feature_attribution", "generation_attribution", "gradient_x_input",
-           "hook_names", "hooks", "integrated_gradients", "load_control_vector", "load_sae", "logit_lens",
-           "path_patching", "run_with_cache", "run_with_cache_with_saes", "saes", "saliency", "save_control_vector",
-           "similarity_attribution", "steering", "test_prompt", "to_str_tokens"]
+__all__ = ["ActivationCache", "AttributionGraph", "ControlVector", "EdgeAttribution", "FeatureAttribution",
+           "GenerationAttribution", "IntegratedGradients", "LogitLens", "PromptTest", "SAE", "SimilarityAttribution",
+           "activation_patching", "attention_flow", "attention_rollout", "attribution_graph", "attribution_patching",
+           "control_vector", "detect_head", "direct_logit_attribution", "edge_attribution", "encode_attention",
+           "explain_html", "explain_similarity_html", "feature_attribution", "generation_attribution",
+           "gradient_x_input", "hook_names", "hooks", "integrated_gradients", "load_control_vector", "load_sae",
+           "logit_lens", "path_patching", "prune_graph", "run_with_cache", "run_with_cache_with_saes", "saes",
+           "saliency", "save_control_vector", "similarity_attribution", "steering", "test_prompt", "to_str_tokens"]

@@ -37,6 +37,7 @@ from ..models.config import PAIRED_LAYER_TYPES, STATE_LAYER_TYPES
 from ..viz import encode_attention, fit_attention
 from ._inputs import as_id_batch
 from .attribution import embedding_gradient
+from .attribution_graph import AttributionGraph, attribution_graph, check_graph_arguments
 from .direct_logit import direct_logit_attribution
 from .flow import attention_flow
 from .generation import generation_attribution
@@ -86,7 +87,7 @@ def _checked_page_arguments(lm, batch: np.ndarray, path: Any, candidates: Any, t
 def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[[int], str] | None = None,
                  candidates: int = 5, top_k: int = 5, title: str = "attnkit: explain a prediction",
                  max_bytes: int | None = None, corrupt: Any = None, byte_level: bool | None = None,
-                 generate: int = 0, progress: bool | None = None) -> dict:
+                 generate: int = 0, progress: bool | None = None, transcoders: Any = None) -> dict:
     """Explain ``lm``'s next-token prediction after ``ids`` in one offline HTML page.
 
     Parameters
@@ -126,6 +127,8 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     progress : bool or None, default None
         A line on stderr naming each step as it runs, the patching's forwards as its detail
         (:mod:`attnkit._progress`): None shows it when stderr is a terminal, True always, False never.
+    transcoders : list of SAE, optional
+        One transcoder per layer: the page then draws the pruned :func:`attribution_graph` of the prompt.
 
     Returns
     -------
@@ -143,8 +146,11 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
         ``clean_metric``, ``corrupt_metric``, ``corrupt_tokens``, ``resid_pre`` (N, L) and ``z`` (N, H), None in the
         rows of layers without heads),
         ``generation``: None without ``generate``, else ``tokens`` and ``raw_tokens`` of all L + G tokens,
-        ``prompt_length`` and ``attributions`` (G, L + G)) and ``bits``, the bits per stored attention weight:
-        what the page shows is exactly this.
+        ``prompt_length`` and ``attributions`` (G, L + G)), ``graph``: None without ``transcoders``, else the
+        pruned attribution graph's kept ``nodes`` (each a dict: ``kind`` ``"feature"``, ``"error"``, ``"token"`` or
+        ``"logit"``, ``layer`` (-1 for tokens, N for logits), ``pos``, ``label``, ``value``, ``influence``) and
+        ``edges`` ``[source, target, weight]`` (indices into ``nodes``), and ``bits``, the bits per stored
+        attention weight: what the page shows is exactly this.
 
     Examples
     --------
@@ -167,13 +173,16 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     drawn = [i for i, kind in enumerate(lm.config.layer_types) if i not in linear and kind != "mlp"]
     max_bytes, target, corrupted = _checked_page_arguments(lm, batch, path, candidates, top_k, max_bytes, corrupt,
                                                            generate, progress)
+    if transcoders is not None:
+        check_graph_arguments(lm, transcoders)
     piece = (lambda i: str(i)) if token_text is None else (lambda i: str(token_text(int(i))))
 
     def readable(raw: str) -> str:
         return readable_token(raw, byte_level)
 
     # the attention, the lenses, each candidate, rollout and flow, each patching, the generation, the page
-    steps = 4 + candidates + (2 if corrupted is not None else 0) + (1 if generate else 0) + 1
+    steps = 4 + candidates + (2 if corrupted is not None else 0) + (1 if generate else 0) + \
+        (1 if transcoders is not None else 0) + 1
     with _progress.progress(steps, "explain: attention", enabled=progress) as line:
         weights = np.stack([w[0] for w in lm.attention_weights(batch, layers=drawn)])  # (A, H, L, L)
         line.update()
@@ -202,15 +211,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
                 "lens": {"ids": lens.token_ids.tolist(), "probs": _rounded(lens.probs, 4)},
                 # each id's text once: N x L x K cells repeat few distinct tokens
                 "vocab": {str(t): readable(piece(t)) for t in np.unique(lens.token_ids).tolist()},
-                "patching": None, "generation": None}
+                "patching": None, "generation": None, "graph": None}
         line.update()
-        if corrupted is not None:
-            line.set_desc("explain: patching")
-            data["patching"] = _patching(lm, batch, corrupted, lambda i: readable(piece(i)), line)
-        if generate:
-            line.set_desc("explain: generation")
-            data["generation"] = _generation(lm, batch[0], generate, piece, readable)
-            line.update()
+        _optional_views(lm, batch, data, corrupted, generate, transcoders, piece, readable, line)
         line.set_desc("explain: writing the page")
         data = _write_page(data, weights, target, title, top_k, max_bytes)
         line.update()
@@ -263,6 +266,51 @@ def _patching(lm, clean: np.ndarray, corrupt: np.ndarray, text: Callable[[int], 
 
 
 FLOW_MAX_TOKENS = 24  # the pages add attention flow up to this length (L * L max-flows: seconds, not minutes)
+
+
+def _optional_views(lm, batch: np.ndarray, data: dict, corrupted, generate: int, transcoders, piece: Callable,
+                    readable: Callable, line) -> None:
+    """The views asked for into ``data``: patching, the generation's attributions, the attribution graph."""
+    if corrupted is not None:
+        line.set_desc("explain: patching")
+        data["patching"] = _patching(lm, batch, corrupted, lambda i: readable(piece(i)), line)
+    if generate:
+        line.set_desc("explain: generation")
+        data["generation"] = _generation(lm, batch[0], generate, piece, readable)
+        line.update()
+    if transcoders is not None:
+        line.set_desc("explain: attribution graph")
+        data["graph"] = _graph_data(attribution_graph(lm, batch[0], transcoders), lambda i: readable(piece(i)))
+        line.update()
+
+
+def _graph_data(graph: AttributionGraph, text: Callable[[int], str]) -> dict:
+    """The pruned graph's kept nodes and edges, as the page draws them."""
+    kept = np.nonzero(graph.node_mask)[0]  # (kept,)
+    k, n, length = graph.n_features, graph.n_layers, graph.n_pos
+    nodes = []
+    for index in kept.tolist():
+        if index < k:
+            layer, pos, feature = graph.active_features[index].tolist()
+            node = dict(kind="feature", layer=layer, pos=pos, label=f"feature {feature} (layer {layer})",
+                        value=float(graph.activation_values[index]))
+        elif index < k + n * length:
+            layer, pos = divmod(index - k, length)
+            node = dict(kind="error", layer=layer, pos=pos, label=f"error (layer {layer})",
+                        value=float(np.linalg.norm(graph.error_vectors[layer, pos])))
+        elif index < k + (n + 1) * length:
+            pos = index - k - n * length
+            node = dict(kind="token", layer=-1, pos=pos, label=text(int(graph.input_ids[pos])), value=1.0)
+        else:
+            j = index - k - (n + 1) * length
+            node = dict(kind="logit", layer=n, pos=length - 1, label=text(int(graph.logit_tokens[j])),
+                        value=float(graph.logit_probabilities[j]))
+        nodes.append(dict(node, influence=round(float(graph.cumulative_scores[index]), 6)))
+    where = {int(index): j for j, index in enumerate(kept.tolist())}
+    targets, sources = np.nonzero(graph.edge_mask)  # (E,) each
+    edges = [[where[int(s)], where[int(t)], float(np.round(graph.adjacency_matrix[t, s], 6))]
+             for t, s in zip(targets.tolist(), sources.tolist(), strict=True) if s in where and t in where]
+    return {"nodes": nodes, "edges": edges, "num_layers": n}
 
 
 def _flow(weights: np.ndarray) -> list | None:
@@ -352,5 +400,6 @@ def explain_similarity_html(encoder, sentence: str, other: str, path: str | os.P
             "layer_names": [f"layer {i}" for i in range(weights.shape[0])],
             "head_names": [f"head {j}" for j in range(weights.shape[1])],
             "rollout": _rounded(attention_rollout(weights)), "flow": _flow(weights), "candidates": chosen,
-            "lens": None, "vocab": {}, "patching": None, "generation": None}
+            "lens": None, "vocab": {}, "patching": None, "generation": None,
+            "graph": None}
     return _write_page(data, weights, target, title, 0, int(max_bytes))
