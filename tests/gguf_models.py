@@ -8,7 +8,10 @@ the ``gguf`` package's own ``GGUFWriter``: llama.cpp's metadata keys, its tensor
   Hugging Face's half-split rotary layout to GGML's interleaved one;
 - Gemma 2 / 3: every RMSNorm weight stored as ``1 + w`` (GGML's RMSNorm multiplies by the weight alone);
 - GPT-2: the ``Conv1D`` weights stored as (out, in), like every other GGML matrix;
-- a tied head written once (no ``output.weight``).
+- a tied head written once (no ``output.weight``);
+- Qwen3.5 (``qwen35``): every RMSNorm but the Gated DeltaNet's stored as ``1 + w``, ``A_log`` as ``-exp(A_log)``,
+  ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed to (C, K), and, when there are more value heads than key
+  heads, the value heads reordered from grouped (by key head) to tiled.
 
 Matrices are stored in the requested quantisation type (``gguf.quants.quantize`` where it implements it), and
 vectors in F32 as llama.cpp keeps them. The K-quants (Q2_K .. Q6_K) have no quantizer in ``gguf``: their
@@ -27,7 +30,7 @@ from gguf import GGMLQuantizationType as Q
 
 # The HF model_type -> the GGUF architecture llama.cpp's converter writes.
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2"}
+         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "qwen3_5_text": "qwen35"}
 
 # Byte offsets of the float16 scale fields in each K-quant block (the rest is quantized bits).
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -128,9 +131,20 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
             raise NotImplementedError(f"this test converter does not write rope_type {kind}")
     if model_type in ("llama", "mistral"):
         writer.add_rope_dimension_count(head_dim)
-    if model_type in ("qwen3", "gemma2", "gemma3_text"):
+    if model_type in ("qwen3", "gemma2", "gemma3_text", "qwen3_5_text"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if model_type == "qwen3_5_text":
+        full = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
+        interval = full[0] + 1
+        assert full == list(range(interval - 1, cfg.num_hidden_layers, interval)), "llama.cpp reads an interval"
+        writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 0.25)))
+        writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        writer.add_ssm_state_size(cfg.linear_key_head_dim)
+        writer.add_ssm_group_count(cfg.linear_num_key_heads)
+        writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+        writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+        writer.add_full_attention_interval(interval)
     if model_type == "phi3":
         writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
         if cfg.sliding_window is not None:
@@ -144,9 +158,46 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> 
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
+def _tiled(w: np.ndarray, axis: int, key_heads: int, width: int) -> np.ndarray:
+    """llama.cpp's ``_reorder_v_heads``: value heads grouped by key head (K, R, W) -> tiled (R, K, W) on ``axis``."""
+    shape = w.shape
+    grouped = w.reshape(shape[:axis] + (key_heads, shape[axis] // (key_heads * width), width) + shape[axis + 1:])
+    return np.swapaxes(grouped, axis, axis + 1).reshape(shape)
+
+
+def _qwen35_tensor(hf_name: str, w: np.ndarray, cfg: Any) -> tuple[str, np.ndarray]:
+    """Qwen3NextModel's and _LinearAttentionVReorderBase's ``modify_tensors`` for one Qwen3.5 tensor."""
+    k, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if "linear_attn." in hf_name and k != cfg.linear_num_value_heads:
+        qk = 2 * k * dk
+        if ".in_proj_qkv." in hf_name:
+            w = np.concatenate([w[:qk], _tiled(w[qk:], 0, k, dv)])
+        elif ".in_proj_z." in hf_name:
+            w = _tiled(w, 0, k, dv)
+        elif ".in_proj_b." in hf_name or ".in_proj_a." in hf_name or hf_name.endswith((".A_log", ".dt_bias")):
+            w = _tiled(w, 0, k, 1)
+        elif ".conv1d." in hf_name:
+            w = w.squeeze()
+            w = np.concatenate([w[:qk], _tiled(w[qk:], 0, k, dv)])
+        elif ".out_proj." in hf_name:
+            w = _tiled(w, 1, k, dv)
+    if hf_name.endswith(".A_log"):
+        w = -np.exp(w)
+    elif hf_name.endswith(".dt_bias"):
+        hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
+    elif "conv1d" in hf_name:
+        w = w.squeeze()
+    elif hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+        w = w + 1.0
+    return hf_name, w
+
+
 def _tensor_name(name_map: Any, hf_name: str) -> str | None:
     if hf_name == "lm_head.weight":
         return "output.weight"
+    whole = name_map.get_name(hf_name)  # a name gguf maps whole, without .weight / .bias (A_log)
+    if whole is not None:
+        return whole
     stem, suffix = hf_name.rsplit(".", 1)
     gguf_name = name_map.get_name(stem)
     return None if gguf_name is None else f"{gguf_name}.{suffix}"
@@ -179,6 +230,8 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
         if hf_name == "lm_head.weight" and tied:
             continue
         full = ("model." if model_type != "gpt2" else "transformer.") + hf_name
+        if model_type == "qwen3_5_text":
+            full, w = _qwen35_tensor(full, w, cfg)
         gguf_name = _tensor_name(name_map, "lm_head.weight" if hf_name == "lm_head.weight" else full)
         assert gguf_name is not None, f"no GGUF name for {hf_name}"
         if model_type in ("llama", "mistral"):
@@ -335,6 +388,14 @@ FLOAT_ONLY = {
                                                                                    "rope_theta": 1000.0},
                                                                 "sliding_attention": {"rope_type": "default",
                                                                                       "rope_theta": 10000.0}})),
+    # Qwen3.5: more value heads than key heads (reordered by the converter), then as many
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                               linear_value_head_dim=6, full_attention_interval=2)),
+    "qwen3_5_text_even": ("Qwen3_5TextConfig", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=16,
+                                                    linear_num_key_heads=2, linear_num_value_heads=2,
+                                                    linear_key_head_dim=4, linear_value_head_dim=8,
+                                                    linear_conv_kernel_dim=3, full_attention_interval=3)),
     # sliding and full layers in an order of their own: one flag per layer in the metadata
     "gemma3_layer_types": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
                                                     query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,

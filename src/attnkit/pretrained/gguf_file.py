@@ -362,11 +362,18 @@ def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
         if m.source in HEAD_NAMES:
             name = "output.weight"
         else:
-            stem, suffix = (prefix + m.source).rsplit(".", 1)
-            base = table.get_name(stem)
-            if base is None:
-                raise RuntimeError(f"gguf has no {file.architecture} tensor name for {prefix + m.source}")
-            name = f"{base}.{suffix}"
+            source = prefix + m.source
+            for old, new in arch.renamed:
+                if source.endswith(old):
+                    source = source[:-len(old)] + new
+            # a name gguf maps whole has no .weight / .bias of its own (Mamba's and Gated DeltaNet's A_log)
+            name = table.get_name(source)
+            if name is None:
+                stem, suffix = source.rsplit(".", 1)
+                base = table.get_name(stem)
+                if base is None:
+                    raise RuntimeError(f"gguf has no {file.architecture} tensor name for {prefix + m.source}")
+                name = f"{base}.{suffix}"
         entries[name] = _Entry(m, arch.fix(name))
     return entries
 
@@ -411,6 +418,8 @@ def validate_gguf_tensors(file: GGUFFile, config: DecoderConfig) -> dict[str, _E
             raise file.fail(f"tensor {name!r} is of type {kind}, which attnkit does not dequantize; it reads "
                             f"{', '.join(GGUF_TENSOR_TYPES)}")
         expected = entry.mapping.shape[::-1] if entry.fix == "transpose" else entry.mapping.shape
+        if entry.fix == "restore" and math.prod(_stored_shape(tensor)) == math.prod(expected):
+            continue  # the family's restore gives the shape back (a squeezed convolution, a reshaped vector)
         if _stored_shape(tensor) != expected:
             raise file.fail(f"tensor {name!r} has shape {_stored_shape(tensor)}, but the metadata implies {expected}")
     return entries
@@ -479,7 +488,8 @@ def pack_gguf_tensors(file: GGUFFile, entries: dict[str, _Entry], config: Decode
     dense: dict[str, _Entry] = {}
     with open(file.path, "rb") as fh:
         for name, entry in entries.items():
-            weight = _packed_tensor(fh, file.tensors[name])
+            # a family's own restore works on values: such a tensor is read dense
+            weight = None if entry.fix == "restore" else _packed_tensor(fh, file.tensors[name])
             parts = None if weight is None else entry.mapping.convert_packed(_fixed_packed(weight, entry, config))
             if parts is None:
                 dense[name] = entry
@@ -498,11 +508,14 @@ def load_gguf_tensors_into(params: dict[str, np.ndarray], file: GGUFFile, entrie
     float32 (twice for a permuted q/k matrix, which is small), never a second copy of the model.
     """
     gguf = import_extra("gguf", "read GGUF files")
+    arch = gguf_architecture(file)
     for name, entry in entries.items():
         tensor = file.tensors[name]
         stored = _stored_shape(tensor)  # NumPy order: (out, in) for a matrix, as Hugging Face stores nn.Linear
         values = _dequantize(gguf, tensor, stored)  # float32, stored shape
-        if entry.fix == "permute_q":
+        if entry.fix == "restore":
+            values = arch.restore(name, values, config).reshape(entry.mapping.shape)  # the Hugging Face tensor
+        elif entry.fix == "permute_q":
             values = _reverse_permute(values, config.num_heads)  # (Hq*Dh, D) or (Hq*Dh,)
         elif entry.fix == "permute_k":
             values = _reverse_permute(values, config.num_kv_heads)  # (Hkv*Dh, D) or (Hkv*Dh,)

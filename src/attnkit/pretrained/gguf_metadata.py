@@ -46,6 +46,16 @@ class GGUFArchitecture:
     tokenizer_style : str
         How a SentencePiece vocabulary's spaces are read: ``"llama"``, ``"gemma"`` (no space prepended) or
         ``"phi3"`` (a normalizer's prefix space).
+    plain_norms : tuple of str
+        With ``norm_offset``, the norm weights (name endings) stored as they are (Qwen3.5's Gated DeltaNet norm).
+    renamed : tuple of (str, str)
+        Hugging Face name endings the converter renames before it looks the GGUF name up (``"dt_bias"`` ->
+        ``"dt_proj.bias"``).
+    restored : tuple of str
+        Tensor-name endings the converter changed in a way of the family's own: read back by ``restore``.
+    restore : callable (name, values, DecoderConfig) -> ndarray, optional
+        The family's undoing of them: the dequantized float32 values in their stored shape -> the Hugging Face
+        tensor (any shape of the same size).
     """
 
     name: str
@@ -56,6 +66,10 @@ class GGUFArchitecture:
     norm_offset: bool = False
     transposed: tuple[str, ...] = ()
     tokenizer_style: str = "llama"
+    plain_norms: tuple[str, ...] = ()
+    renamed: tuple[tuple[str, str], ...] = ()
+    restored: tuple[str, ...] = ()
+    restore: Callable[[str, Any, Any], Any] | None = None
 
     def hf_config(self, file: Any) -> dict[str, Any]:
         """The ``config.json`` dict of ``file``'s metadata, biases read from its tensors."""
@@ -66,13 +80,16 @@ class GGUFArchitecture:
         return config
 
     def fix(self, name: str) -> str:
-        """What llama.cpp changed in tensor ``name``, to undo: ``"permute_q"``, ``"permute_k"``,
-        ``"norm_offset"``, ``"transpose"`` or ``""``."""
+        """What llama.cpp changed in tensor ``name``, to undo: ``"restore"`` (the family's own), ``"permute_q"``,
+        ``"permute_k"``, ``"norm_offset"``, ``"transpose"`` or ``""``."""
+        if self.restored and name.endswith(self.restored):
+            return "restore"
         if self.permuted_qk and ".attn_q." in name:
             return "permute_q"
         if self.permuted_qk and ".attn_k." in name:
             return "permute_k"
-        if self.norm_offset and name.endswith("norm.weight"):
+        if self.norm_offset and name.endswith("norm.weight") and not (self.plain_norms and
+                                                                     name.endswith(self.plain_norms)):
             return "norm_offset"
         if self.transposed and name.endswith(self.transposed):
             return "transpose"

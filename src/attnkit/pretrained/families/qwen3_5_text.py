@@ -19,8 +19,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from ...layers.gated_deltanet import GatedDeltaNetConfig
 from ...models.config import AttentionConfig, DecoderConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rotated_features
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -141,12 +144,64 @@ def hybrid_tensors(cfg: DecoderConfig, linear: MixerTensors = linear_attention_t
     return maps, "model."
 
 
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """llama.cpp's ``qwen35`` metadata as Qwen3.5's ``config.json``: the Gated DeltaNet shape from the ``ssm.*`` keys
+    (``group_count`` key heads of ``state_size``, ``time_step_rank`` value heads sharing ``inner_size``) and every
+    ``full_attention_interval``-th layer full."""
+    config = common_config(file, meta)
+    value_heads, inner = meta.int("ssm.time_step_rank"), meta.int("ssm.inner_size")
+    if inner % value_heads:
+        raise file.fail(f"metadata '{meta.arch}.ssm.inner_size' = {inner} is not a multiple of "
+                        f"'{meta.arch}.ssm.time_step_rank' = {value_heads} (the value heads)")
+    rotated = rotated_features(meta, config["head_dim"])
+    config.update(linear_conv_kernel_dim=meta.int("ssm.conv_kernel"), linear_key_head_dim=meta.int("ssm.state_size"),
+                  linear_num_key_heads=meta.int("ssm.group_count"), linear_num_value_heads=value_heads,
+                  linear_value_head_dim=inner // value_heads,
+                  full_attention_interval=meta.int("full_attention_interval"),
+                  # always stated: Qwen3.5's default (a quarter) is not the whole head common_config assumes
+                  partial_rotary_factor=rotated / config["head_dim"])
+    return config
+
+
+def _grouped(values: np.ndarray, axis: int, key_heads: int, width: int) -> np.ndarray:
+    """Value heads back in Hugging Face's order along ``axis``: llama.cpp's converter stores them tiled (the first
+    of each key head's group, then the second, ...) where Hugging Face groups them by key head."""
+    shape = values.shape
+    per_key = shape[axis] // (key_heads * width)
+    tiled = values.reshape(shape[:axis] + (per_key, key_heads, width) + shape[axis + 1:])  # (..., R, K, W, ...)
+    return np.swapaxes(tiled, axis, axis + 1).reshape(shape)  # (..., K*R*W, ...)
+
+
+def _gguf_restore(name: str, values: np.ndarray, cfg: DecoderConfig) -> np.ndarray:
+    """What llama.cpp's converter changed in a Gated DeltaNet tensor, undone: ``A`` stored as ``-exp(A_log)``, the
+    convolution squeezed to (C, K), and the value heads reordered (when there are more than key heads)."""
+    s = cfg.linear_attention
+    qk = 2 * s.num_key_heads * s.key_head_dim  # the q and k channels, ahead of the values
+    if name.endswith("ssm_a"):
+        values = np.log(-values.astype(np.float64))  # A_log; -exp(A_log) is negative
+    if name.endswith(("ssm_a", "ssm_dt.bias", "ssm_beta.weight", "ssm_alpha.weight")):
+        return _grouped(values, 0, s.num_key_heads, 1)  # (Hv, ...)
+    if name.endswith("ssm_out.weight"):
+        return _grouped(values, 1, s.num_key_heads, s.value_head_dim)  # (D, Hv*Dv)
+    if name.endswith("attn_gate.weight"):
+        return _grouped(values, 0, s.num_key_heads, s.value_head_dim)  # (Hv*Dv, D)
+    # ssm_conv1d.weight (C, K) and attn_qkv.weight (C, D): only the value channels moved
+    return np.concatenate([values[:qk], _grouped(values[qk:], 0, s.num_key_heads, s.value_head_dim)])
+
+
+GGUF = GGUFArchitecture(
+    "qwen35", _gguf_config, norm_offset=True, plain_norms=("ssm_norm.weight",), renamed=(("dt_bias", "dt_proj.bias"),),
+    restored=("ssm_a", "ssm_dt.bias", "ssm_beta.weight", "ssm_alpha.weight", "ssm_out.weight", "attn_gate.weight",
+              "ssm_conv1d.weight", "attn_qkv.weight"),
+    restore=_gguf_restore)
+
+
 FAMILY = Family(
     model_type="qwen3_5_text",
     keys=frozenset(HYBRID_KEYS),
     read_config=lambda read: hybrid_config(read, DEFAULTS),
     tensors=lambda cfg, mxfp4=False: hybrid_tensors(cfg),
-    architecture="Qwen3_5ForCausalLM", hf_config_class="Qwen3_5TextConfig",
+    architecture="Qwen3_5ForCausalLM", hf_config_class="Qwen3_5TextConfig", gguf=GGUF,
     # the benchmark's shape: 3 Gated DeltaNet layers to 1 gated full layer, heads of 64
     benchmark=dict(BENCHMARK_SHAPE, num_hidden_layers=28, head_dim=64, linear_num_key_heads=3,
                    linear_num_value_heads=6, linear_key_head_dim=64, linear_value_head_dim=64))
