@@ -11,7 +11,12 @@ the ``gguf`` package's own ``GGUFWriter``: llama.cpp's metadata keys, its tensor
 - a tied head written once (no ``output.weight``);
 - Qwen3.5 (``qwen35``): every RMSNorm but the Gated DeltaNet's stored as ``1 + w``, ``A_log`` as ``-exp(A_log)``,
   ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed to (C, K), and, when there are more value heads than key
-  heads, the value heads reordered from grouped (by key head) to tiled.
+  heads, the value heads reordered from grouped (by key head) to tiled;
+- Bamba and Granite 4 hybrid (both ``granitehybrid``): the Mamba-2 layers' ``A_log`` as ``-exp(A_log)`` and ``A``,
+  ``D`` as (H, 1), ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed to (C, K), the gated norm as (groups,
+  features per group); the attention layers' q and k permuted as Llama's; each fused ``input_linear`` split into
+  its gate and up tensors; one key/value head count per layer (0 on a Mamba-2 layer); ``rope.scaling.finetuned``
+  true for Bamba (rotary) and false for Granite 4 hybrid (position-free, context 2**20).
 
 Matrices are stored in the requested quantisation type (``gguf.quants.quantize`` where it implements it), and
 vectors in F32 as llama.cpp keeps them. The K-quants (Q2_K .. Q6_K) have no quantizer in ``gguf``: their
@@ -30,7 +35,8 @@ from gguf import GGMLQuantizationType as Q
 
 # The HF model_type -> the GGUF architecture llama.cpp's converter writes.
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "qwen3_5_text": "qwen35"}
+         "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "qwen3_5_text": "qwen35",
+         "bamba": "granitehybrid", "granitemoehybrid": "granitehybrid"}
 
 # Byte offsets of the float16 scale fields in each K-quant block (the rest is quantized bits).
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -77,8 +83,95 @@ def _hf_tensors(model: Any) -> dict[str, np.ndarray]:
     return {name: p.detach().float().numpy().copy() for name, p in model.state_dict().items()}
 
 
+def _attention_layers(cfg: Any) -> list[int]:
+    """GraniteHybridModel.get_attn_layers: Granite's ``layer_types`` "attention", or Bamba's ``attn_layer_indices``
+    (transformers names the kinds "full_attention" / "linear_attention" in both)."""
+    return [i for i, kind in enumerate(cfg.layers_block_type) if kind in ("attention", "full_attention")]
+
+
+def _granite_hybrid_metadata(writer: gguf.GGUFWriter, cfg: Any, model_type: str) -> None:
+    """GraniteHybridModel.set_gguf_parameters (through GraniteMoeModel, GraniteModel and LlamaModel)."""
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    head_dim = hidden // heads  # GraniteModel drops any head_dim
+    attention = _attention_layers(cfg)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    # Bamba's published config.json states attn_rotary_emb (the rotated features), which the converter writes
+    rotated = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(rotated if model_type == "bamba" else head_dim)
+    if model_type == "granitemoehybrid":
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        for value, add in ((cfg.attention_multiplier, writer.add_attention_scale),
+                           (cfg.embedding_multiplier, writer.add_embedding_scale),
+                           (cfg.residual_multiplier, writer.add_residual_scale),
+                           (cfg.logits_scaling, writer.add_logit_scale)):
+            if value:
+                add(value)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    writer.add_ssm_state_size(cfg.mamba_d_state)
+    writer.add_ssm_group_count(cfg.mamba_n_groups)
+    writer.add_ssm_inner_size(cfg.mamba_expand * hidden)
+    writer.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    writer.add_head_count_kv([cfg.num_key_value_heads if i in attention else 0 for i in range(cfg.num_hidden_layers)])
+    use_rope = model_type == "bamba" or len(attention) == cfg.num_hidden_layers
+    writer.add_rope_scaling_finetuned(use_rope)
+    writer.add_context_length(cfg.max_position_embeddings if use_rope else 2**20)
+
+
+# transformers' names of Granite's expert tensors in memory -> in the checkpoint (its conversion_mapping)
+_GRANITE_SAVED_NAMES = (("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
+                        ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),
+                        ("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"))
+
+
+def _granite_hybrid_tensors(name_map: Any, hf_name: str, w: np.ndarray, cfg: Any) -> list[tuple[str, np.ndarray]]:
+    """GraniteHybridModel.modify_tensors for one tensor: (GGUF name, stored array) pairs, the Mamba-2 layers'
+    through Mamba2Model's, the attention layers' through LlamaModel's permutation, ``input_linear`` split."""
+    layer = int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else None
+    experts = bool(getattr(cfg, "num_local_experts", 0))
+    for loaded, saved in _GRANITE_SAVED_NAMES:  # the converter reads the checkpoint's names
+        hf_name = hf_name.replace(loaded, saved)
+    if hf_name.endswith("input_linear.weight"):
+        half = w.shape[-2] // 2
+        kinds = ((gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP) if "block_sparse_moe" in hf_name
+                 else (gguf.MODEL_TENSOR.FFN_GATE_SHEXP, gguf.MODEL_TENSOR.FFN_UP_SHEXP) if experts
+                 else (gguf.MODEL_TENSOR.FFN_GATE, gguf.MODEL_TENSOR.FFN_UP))
+        return [(gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight", part)
+                for kind, part in zip(kinds, (w[..., :half, :], w[..., half:, :]))]
+    if hf_name.endswith("shared_mlp.output_linear.weight") and not experts:
+        return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_DOWN].format(bid=layer) + ".weight", w)]
+    if hf_name.endswith(".dt_bias"):
+        hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
+    gguf_name = _tensor_name(name_map, hf_name)
+    assert gguf_name is not None, f"no GGUF name for {hf_name}"
+    if ".mamba." in hf_name:
+        if ".conv1d.weight" in hf_name:
+            w = w.squeeze()
+        elif hf_name.endswith((".A_log", ".D")):
+            w = w.reshape(-1, 1)
+        elif hf_name.endswith(".norm.weight"):
+            w = w.reshape(cfg.mamba_n_groups, -1)
+        if hf_name.endswith(".A_log"):
+            w = -np.exp(w)
+    elif gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        w = llama_permute(w, cfg.num_attention_heads)
+    elif gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        w = llama_permute(w, cfg.num_key_value_heads)
+    return [(gguf_name, w)]
+
+
 def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> None:
     """What llama.cpp's converter writes for each family (``set_gguf_parameters``)."""
+    if arch == "granitehybrid":
+        _granite_hybrid_metadata(writer, cfg, model_type)
+        return
     if model_type == "gpt2":
         writer.add_block_count(cfg.n_layer)
         writer.add_context_length(cfg.n_positions)
@@ -220,7 +313,8 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
     tokenizer = tokenizer or plain_vocabulary(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     _add_tokenizer(writer, tokenizer)
     writer.add_file_type(int(qtype) if qtype in (Q.F32, Q.F16) else 7)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    model_arch = {n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}[arch]  # "granitehybrid" is GRANITE_HYBRID
+    name_map = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     stored = {}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for hf_name, w in _hf_tensors(model).items():
@@ -230,6 +324,11 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
         if hf_name == "lm_head.weight" and tied:
             continue
         full = ("model." if model_type != "gpt2" else "transformer.") + hf_name
+        if arch == "granitehybrid":
+            source = "lm_head.weight" if hf_name == "lm_head.weight" else full
+            for gguf_name, part in _granite_hybrid_tensors(name_map, source, w, cfg):
+                stored[gguf_name] = _add_tensor(writer, gguf_name, part, qtype, rng)
+            continue
         if model_type == "qwen3_5_text":
             full, w = _qwen35_tensor(full, w, cfg)
         gguf_name = _tensor_name(name_map, "lm_head.weight" if hf_name == "lm_head.weight" else full)
@@ -254,7 +353,9 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if w.ndim == 1 or qtype == Q.F32 or w.shape[-1] % block:
+    # the converter keeps vectors, norms, routers and Mamba's A, D and convolution in float32
+    kept = name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ssm_a", "ssm_d", "ssm_conv1d.weight"))
+    if w.ndim == 1 or kept or qtype == Q.F32 or w.shape[-1] % block:
         data = w.astype(np.float32)
         writer.add_tensor(name, data)
         return data
@@ -396,6 +497,17 @@ FLOAT_ONLY = {
                                                     linear_num_key_heads=2, linear_num_value_heads=2,
                                                     linear_key_head_dim=4, linear_value_head_dim=8,
                                                     linear_conv_kernel_dim=3, full_attention_interval=3)),
+    # Granite 4 hybrid as llama.cpp runs it (position-free): Mamba-2 layers (4 heads of 16, 2 groups of 8 state
+    # channels) beside attention, Granite's four scalars, the top 2 of 4 experts beside a shared MLP
+    "granitemoehybrid_nope": ("GraniteMoeHybridConfig", dict(_COMMON, intermediate_size=12, num_hidden_layers=3,
+                                                             num_key_value_heads=2, num_local_experts=4,
+                                                             num_experts_per_tok=2, shared_intermediate_size=24,
+                                                             layer_types=["mamba", "attention", "mamba"],
+                                                             mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
+                                                             mamba_d_conv=3, mamba_chunk_size=4,
+                                                             position_embedding_type="nope", embedding_multiplier=3.0,
+                                                             attention_multiplier=0.3, residual_multiplier=0.5,
+                                                             logits_scaling=2.0)),
     # sliding and full layers in an order of their own: one flag per layer in the metadata
     "gemma3_layer_types": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
                                                     query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,

@@ -31,7 +31,10 @@ from text_models import CHATML, CORPUS, LLAMA2, write_chat_tokenizer  # noqa: E4
 TOL = 2e-5  # max |ours - theirs| / max |theirs| over the logits
 # hf_models specs llama.cpp reads whole but transformers' GGUF loader does not (see the module docstring).
 FLOAT_ONLY_HF = ("gpt2", "llama_gqa", "llama_yarn", "llama_llama3", "llama_linear", "qwen3", "olmo2",
-                 "olmo2_bias_mqa", "phi3_longrope", "phi3_partial_window")
+                 "olmo2_bias_mqa", "phi3_longrope", "phi3_partial_window",
+                 # llama.cpp's granitehybrid: Bamba (rotary, read as Granite 4 hybrid) and Granite 4 hybrid without
+                 # experts (position-free, attention first, biases, a tied head)
+                 "bamba", "granitemoehybrid_dense")
 TEXTS = [" Héllo wörld, naïve café", "  two leading spaces", "日本語の文章です。", "emoji \U0001f600\U0001f680 €£¥",
          "mixed: Crème brûlée 😀 日本 \n\tnew line", "<|im_start|>user\nhi<|im_end|>", ""]
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},

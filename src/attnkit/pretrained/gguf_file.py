@@ -352,11 +352,16 @@ class _Entry:
 
 
 def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
-    """GGUF tensor name -> its entry, for every tensor ``config`` needs (names from ``gguf``'s own table)."""
+    """GGUF tensor name -> its entry, for every tensor ``config`` needs (names from ``gguf``'s own table; a
+    family whose converter writes a fused tensor as its parts maps them with its ``GGUFArchitecture.tensors``)."""
     gguf = import_extra("gguf", "read GGUF files")
     arch = gguf_architecture(file)
     maps, prefix = checkpoint_map(config)
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH[file.architecture.upper()], config.num_layers)
+    if arch.tensors is not None:
+        maps = arch.tensors(config, maps)
+    # gguf's own names of its architectures (not always the upper-cased name: "granitehybrid" is GRANITE_HYBRID)
+    model_arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[file.architecture]
+    table = gguf.get_tensor_name_map(model_arch, config.num_layers)
     entries: dict[str, _Entry] = {}
     for m in maps:
         if m.source in HEAD_NAMES:

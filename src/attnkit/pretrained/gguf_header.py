@@ -51,12 +51,19 @@ METADATA_TYPES: dict[str, tuple[frozenset[str], str]] = {
     "split.count": _INTEGER,
     **{f"{{arch}}.{key}": _INTEGER for key in (
         "vocab_size", "context_length", "embedding_length", "block_count", "feed_forward_length",
-        "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.sliding_window",
-        "rope.dimension_count", "rope.scaling.original_context_length")},
+        "attention.head_count", "attention.key_length", "attention.sliding_window",
+        "rope.dimension_count", "rope.scaling.original_context_length", "expert_count", "expert_used_count",
+        "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.state_size", "ssm.group_count",
+        "ssm.inner_size", "ssm.time_step_rank")},
+    # a hybrid's (Granite 4's, Jamba's) is one count per layer, 0 on a layer without attention
+    "{arch}.attention.head_count_kv": (_INTEGER[0] | {f"array[{t}]" for t in _INTEGERS},
+                                       "an integer or an array of integers (one per layer)"),
     **{f"{{arch}}.{key}": _NUMBER for key in (
         "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attn_logit_softcapping",
         "final_logit_softcapping", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",
-        "rope.scaling.attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")},
+        "rope.scaling.attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+        "attention.scale", "embedding_scale", "residual_scale", "logit_scale")},
+    "{arch}.rope.scaling.finetuned": _BOOL,
     "{arch}.rope.scaling.type": _TEXT,
     "{arch}.attention.sliding_window_pattern": (_INTEGER[0] | {"array[bool]"},
                                                 "an integer (a period) or an array of bools (one per layer)"),

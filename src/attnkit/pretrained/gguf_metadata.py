@@ -56,6 +56,12 @@ class GGUFArchitecture:
     restore : callable (name, values, DecoderConfig) -> ndarray, optional
         The family's undoing of them: the dequantized float32 values in their stored shape -> the Hugging Face
         tensor (any shape of the same size).
+    tensors : callable (DecoderConfig, list of TensorMap) -> list of TensorMap, optional
+        The family's checkpoint maps (without the base prefix) as the converter writes them, where it does not
+        write each Hugging Face tensor as one GGUF tensor: a fused tensor stored as its parts becomes one map per
+        part (:meth:`~attnkit.pretrained.tensor_map.TensorMap.parts_apart`), each source a Hugging Face name
+        that ``gguf``'s table gives the part's GGUF name (Granite's ``input_linear`` as ``gate_proj`` and
+        ``up_proj``). Default: the checkpoint maps as they are.
     """
 
     name: str
@@ -70,6 +76,7 @@ class GGUFArchitecture:
     renamed: tuple[tuple[str, str], ...] = ()
     restored: tuple[str, ...] = ()
     restore: Callable[[str, Any, Any], Any] | None = None
+    tensors: Callable[[Any, list[Any]], list[Any]] | None = None
 
     def hf_config(self, file: Any) -> dict[str, Any]:
         """The ``config.json`` dict of ``file``'s metadata, biases read from its tensors."""

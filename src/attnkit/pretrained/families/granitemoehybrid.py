@@ -13,9 +13,13 @@ Checkpoint (under ``model.``): Bamba's mixers (``mamba.``, ``self_attn.``) with 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from ...models.config import AttentionConfig, DecoderConfig, ExpertsConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -124,12 +128,113 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return maps, "model."
 
 
+def _gguf_layer_kv_heads(file: Any, meta: GGUFMetadata, layers: int) -> list[int]:
+    """``attention.head_count_kv``, one count per layer (0 on a Mamba-2 layer); one number: every layer's."""
+    key = f"{meta.arch}.attention.head_count_kv"
+    value = file.metadata.get(key)
+    if value is None:
+        raise file.fail(f"the metadata has no {key!r}, which a {meta.arch} model needs (one count per layer, 0 on "
+                        f"a Mamba-2 layer)")
+    counts = [int(n) for n in np.atleast_1d(value)]
+    if np.ndim(value) == 0:
+        counts *= layers
+    if len(counts) != layers or min(counts) < 0:
+        raise file.fail(f"metadata {key!r} must hold a non-negative count for each of the {layers} layers "
+                        f"('{meta.arch}.block_count'), got {counts}")
+    if len(set(counts) - {0}) > 1:
+        raise file.fail(f"metadata {key!r} gives the attention layers different key/value head counts "
+                        f"{sorted(set(counts) - {0})}; attnkit reads one count for every attention layer")
+    return counts
+
+
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """llama.cpp's ``granitehybrid`` metadata as Granite 4 hybrid's ``config.json``.
+
+    llama.cpp's converter writes Bamba and Granite 4 hybrid alike: a layer is a Mamba-2 layer where
+    ``attention.head_count_kv`` is 0; the ``ssm.*`` keys give its shape (``time_step_rank`` heads sharing
+    ``inner_size`` features, ``group_count`` groups of ``state_size``); ``rope.scaling.finetuned`` says whether the
+    attention rotates (Bamba) or is position-free (Granite 4); Granite's four scalars are written when set, and
+    llama.cpp's defaults (scores scaled by ``1 / sqrt(head_dim)``, the other three 1) stand for the absent ones;
+    ``expert_shared_feed_forward_length`` is the shared MLP's width (Bamba's MLP: ``feed_forward_length``).
+    """
+    layers = meta.int("block_count")
+    counts = _gguf_layer_kv_heads(file, meta, layers)
+    kv = max(counts) or meta.int("attention.head_count")
+    flat = replace(file, metadata={**file.metadata, f"{meta.arch}.attention.head_count_kv": kv})
+    config = common_config(flat, GGUFMetadata(flat, meta.architecture))
+    experts = file.metadata.get(f"{meta.arch}.expert_count", 0)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
+        raise file.fail(f"metadata '{meta.arch}.expert_count' must be a non-negative integer, got {experts!r}")
+    attention = [i for i, n in enumerate(counts) if n]
+    mamba = [i for i, n in enumerate(counts) if not n]
+    config.update(
+        layer_types=["attention" if n else "mamba" for n in counts],
+        position_embedding_type="rope" if meta.get("rope.scaling.finetuned", False) else "nope",
+        attention_bias=bool(attention) and f"blk.{attention[0]}.attn_q.bias" in file.tensors,
+        attention_multiplier=meta.float("attention.scale", config["head_dim"] ** -0.5),
+        embedding_multiplier=meta.float("embedding_scale", 1.0),
+        residual_multiplier=meta.float("residual_scale", 1.0), logits_scaling=meta.float("logit_scale", 1.0),
+        num_local_experts=experts,
+        shared_intermediate_size=meta.int("expert_shared_feed_forward_length", config["intermediate_size"]))
+    if experts:
+        config["num_experts_per_tok"] = meta.int("expert_used_count")
+    if mamba:
+        hidden, inner, heads = config["hidden_size"], meta.int("ssm.inner_size"), meta.int("ssm.time_step_rank")
+        if inner % hidden or inner % heads:
+            raise file.fail(f"metadata '{meta.arch}.ssm.inner_size' = {inner} must be a multiple of "
+                            f"'{meta.arch}.embedding_length' = {hidden} and of '{meta.arch}.ssm.time_step_rank' = "
+                            f"{heads} (the Mamba-2 heads)")
+        config.update(mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_expand=inner // hidden,
+                      mamba_d_state=meta.int("ssm.state_size"), mamba_n_groups=meta.int("ssm.group_count"),
+                      mamba_d_conv=meta.int("ssm.conv_kernel"),
+                      mamba_conv_bias=f"blk.{mamba[0]}.ssm_conv1d.bias" in file.tensors,
+                      mamba_proj_bias=f"blk.{mamba[0]}.ssm_in.bias" in file.tensors)
+    return config
+
+
+def _gguf_tensors(cfg: DecoderConfig, maps: list[TensorMap]) -> list[TensorMap]:
+    """The checkpoint maps as llama.cpp's converter writes them: each fused ``input_linear`` as its gate and up
+    parts (``ffn_gate_exps`` / ``ffn_up_exps``; the shared MLP's ``ffn_gate_shexp`` / ``ffn_up_shexp``, or with no
+    experts ``ffn_gate`` / ``ffn_up``, its ``output_linear`` then ``ffn_down``)."""
+    shared = "mlp.shared_expert." if cfg.experts is not None else "mlp."
+    fused = {"shared_mlp.input_linear.weight": shared, "block_sparse_moe.input_linear.weight": "mlp.experts."}
+    read = []
+    for m in maps:
+        ending = next((e for e in fused if m.source.endswith(e)), None)
+        if ending is not None:
+            part = m.source[:-len(ending)] + fused[ending]  # "layers.{i}.mlp.experts." ...
+            read += m.parts_apart((part + "gate_proj.weight", part + "up_proj.weight"))
+        elif m.source.endswith("shared_mlp.output_linear.weight"):
+            read.append(replace(m, source=m.source.replace("shared_mlp.output_linear", shared + "down_proj")))
+        else:
+            read.append(m)
+    return read
+
+
+def _gguf_restore(name: str, values: np.ndarray, cfg: DecoderConfig) -> np.ndarray:
+    """A Mamba-2 tensor as Hugging Face stores it: ``A`` is stored as ``-exp(A_log)``; ``D`` and ``A`` as (H, 1),
+    the gated norm as (groups, features per group) and the convolution squeezed to (C, K) change only their
+    shape, which the loader gives back."""
+    if not name.endswith("ssm_a"):
+        return values
+    if not np.all(values < 0):
+        raise ValueError(f"GGUF tensor {name!r} must hold Mamba-2's A = -exp(A_log), all negative; it holds "
+                         f"{float(np.max(values))}")
+    return np.log(-values.astype(np.float64))  # A_log, (H, 1)
+
+
+GGUF = GGUFArchitecture(
+    "granitehybrid", _gguf_config, permuted_qk=True, renamed=(("dt_bias", "dt_proj.bias"),),
+    restored=("ssm_a", "ssm_d", "ssm_norm.weight", "ssm_conv1d.weight"), restore=_gguf_restore,
+    tensors=_gguf_tensors)
+
+
 FAMILY = Family(
     model_type="granitemoehybrid",
     keys=frozenset(COMMON_KEYS + MAMBA_KEYS + MULTIPLIER_KEYS + EXPERT_KEYS
                    + ("attention_bias", "position_embedding_type", "layer_types", "layers_block_type")),
     read_config=_read, tensors=_tensors, architecture="GraniteMoeHybridForCausalLM",
-    hf_config_class="GraniteMoeHybridConfig",
+    hf_config_class="GraniteMoeHybridConfig", gguf=GGUF,
     # the benchmark's shape with one attention layer in six, Mamba-2 heads of 64, eight experts of width 384, two
     # per token, and a shared MLP of 768: the same active MLP width as the other families
     benchmark=dict(BENCHMARK_SHAPE, intermediate_size=384, layer_types=(["mamba"] * 5 + ["attention"]) * 5,
