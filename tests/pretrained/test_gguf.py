@@ -158,6 +158,33 @@ def test_quantized_weights_equal_gguf_dequantize(qtype, wide):
         assert np.max(np.abs(params["layers.0.attention.W_Q"] - original)) < 0.02
 
 
+def test_a_quantized_granite_hybrid_file_reads_the_parts_the_converter_split(root):
+    """Granite 4 hybrid in Q8_0: each fused input_linear is read from its two quantized GGUF tensors (the experts'
+    and the shared MLP's gate and up), q unpermuted; kept packed it computes what the dequantized model does."""
+    model = gm.build_model("granitemoehybrid_nope")
+    path = root / "granitehybrid_Q8_0.gguf"
+    stored = gm.write_gguf(model, path, gm.Q.Q8_0)
+    params = dict(load_causal_lm(path, dtype=np.float64).named_parameters())
+
+    def dequantized(name):
+        assert stored[name].dtype == np.uint8, name  # really quantized
+        return gguf.quants.dequantize(stored[name], gm.Q.Q8_0)
+
+    np.testing.assert_array_equal(params["layers.0.mlp.W_gate"], dequantized("blk.0.ffn_gate_exps.weight")
+                                  .swapaxes(-1, -2))  # (E, D, F)
+    np.testing.assert_array_equal(params["layers.2.mlp.W_up"], dequantized("blk.2.ffn_up_exps.weight").swapaxes(-1, -2))
+    np.testing.assert_array_equal(params["layers.1.mlp.shared_expert.W_gate"],
+                                  dequantized("blk.1.ffn_gate_shexp.weight").T)
+    np.testing.assert_array_equal(params["layers.1.mlp.shared_expert.W_up"], dequantized("blk.1.ffn_up_shexp.weight").T)
+    q = dequantized("blk.1.attn_q.weight")
+    unpermuted = q.reshape(model.config.num_attention_heads, -1, 2, q.shape[1]).swapaxes(1, 2).reshape(q.shape)
+    np.testing.assert_array_equal(params["layers.1.attention.W_Q"], unpermuted.T)
+    ids, mask = left_padded_batch(np.random.default_rng(7), (9, 3))
+    dense = load_causal_lm(path)(ids, mask).astype(np.float64)
+    assert _rel(load_causal_lm(path, keep_quantized=True)(ids, mask)[mask], dense[mask]) <= TOL
+    assert _rel(dense[mask], hf_logits(model, ids, mask)[mask]) < 0.05  # Q8_0's rounding, through three layers
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_dtype_is_the_requested_one(dtype, wide):
     _, files = wide
@@ -337,7 +364,8 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path, no_model_built):
 def test_an_unknown_architecture_is_refused(tmp_path, no_model_built):
     path = _raw_file(tmp_path / "mamba.gguf", "mamba", [("token_embd.weight", np.zeros((4, 8), np.float32), None)])
     with pytest.raises(ValueError, match=r"mamba\.gguf: GGUF architecture 'mamba' is not one attnkit loads; it "
-                                         r"loads gemma2, gemma3, gpt2, llama, olmo2, phi3, qwen2, qwen3, qwen35$"):
+                                         r"loads gemma2, gemma3, gpt2, granitehybrid, llama, olmo2, phi3, qwen2, "
+                                         r"qwen3, qwen35$"):
         load_causal_lm(path)
 
 
@@ -394,6 +422,20 @@ def test_a_corrupt_header_is_refused_by_what_is_wrong(case, message, good_file, 
     path.write_bytes(data)
     with pytest.raises(ValueError, match=r"corrupt\.gguf.*" + message):
         load(path)
+
+
+@pytest.mark.parametrize("counts, message", [
+    ([0, 2, 1], r"gives the attention layers different key/value head counts \[1, 2\]; attnkit reads one count"),
+    ([0, 2], r"must hold a non-negative count for each of the 3 layers \('granitehybrid\.block_count'\), got "
+             r"\[0, 2\]")])
+def test_a_granite_hybrid_files_per_layer_kv_heads_are_checked(counts, message, tmp_path, no_model_built):
+    meta = {"general.architecture": ("string", "granitehybrid"), "granitehybrid.block_count": ("uint32", 3),
+            "granitehybrid.embedding_length": ("uint32", 32), "granitehybrid.attention.head_count": ("uint32", 4),
+            "granitehybrid.attention.head_count_kv": ("array[uint32]", counts)}
+    path = gm.write_raw_gguf(tmp_path / "hybrid.gguf", meta, (("token_embd.weight", np.zeros((4, 32))),))
+    with pytest.raises(ValueError, match=r"hybrid\.gguf: metadata 'granitehybrid\.attention\.head_count_kv' "
+                                         + message):
+        load_causal_lm(path)
 
 
 def test_missing_metadata_and_wrong_tensors_are_named(good_file, tmp_path, no_model_built):

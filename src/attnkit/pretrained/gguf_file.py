@@ -23,6 +23,9 @@ architecture's name, its metadata reader and the changes to undo), and this modu
 - ``gemma2`` / ``gemma3``: every RMSNorm weight is stored as ``1 + w``; ``1`` is subtracted.
 - ``gpt2``: the ``Conv1D`` matrices are stored (out, in) like every GGML matrix; they are transposed back.
 - ``phi3``: ``longrope``'s divisors are the tensors ``rope_factors_short`` / ``rope_factors_long``.
+- ``granitehybrid`` (Bamba and Granite 4 hybrid): Mamba-2's ``A_log`` stored as ``-exp(A_log)`` and its tensors
+  reshaped; each fused ``input_linear`` stored as its gate and up tensors, read with the family's own maps
+  (``GGUFArchitecture.tensors``).
 
 Dimension letters: V vocabulary, D hidden size, Hq/Hkv heads, Dh head features, R rotated features.
 """
