@@ -425,7 +425,7 @@ def test_a_corrupt_header_is_refused_by_what_is_wrong(case, message, good_file, 
 
 
 @pytest.mark.parametrize("counts, message", [
-    ([0, 2, 1], r"gives the attention layers different key/value head counts \[1, 2\]; attnkit reads one count"),
+    ([0, 2, 1], r"gives the layers different counts \[1, 2\]; attnkit reads one for every layer that has one"),
     ([0, 2], r"must hold a non-negative count for each of the 3 layers \('granitehybrid\.block_count'\), got "
              r"\[0, 2\]")])
 def test_a_granite_hybrid_files_per_layer_kv_heads_are_checked(counts, message, tmp_path, no_model_built):

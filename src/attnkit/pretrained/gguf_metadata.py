@@ -14,10 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ._extra import import_extra
 
 __all__ = ["GGUFArchitecture", "GGUFMetadata", "common_config", "special_token_ids", "special_ids", "vocab_size",
-           "rope_factors", "rope_scaling", "head_counts", "rotated_features"]
+           "rope_factors", "rope_scaling", "head_counts", "rotated_features", "layer_counts"]
 
 _MAX_INT = 2**31 - 1  # no size of a real model comes near it (the config reader's bound)
 
@@ -245,6 +247,34 @@ def head_counts(meta: GGUFMetadata, hidden: int) -> tuple[int, int, int]:
                              f"'{arch}.attention.head_count' = {heads}, and there is no '{arch}.attention.key_length' "
                              f"to give the width of a head")
     return heads, kv, meta.int("attention.key_length", hidden // heads)
+
+
+def layer_counts(meta: GGUFMetadata, key: str, layers: int, what: str) -> list[int]:
+    """``{arch}.{key}`` as one count per layer: a hybrid's array (0 on a layer without the part, as llama.cpp's
+    converter writes ``attention.head_count_kv`` and Nemotron-H's ``feed_forward_length``), or one number for
+    every layer. The layers that have the part must agree: attnkit reads one size for them all.
+
+    Raises
+    ------
+    ValueError
+        The key missing, an array of another length than ``layers`` or with a negative count, or two different
+        counts on the layers that have the part (naming the file, the key and ``what`` a 0 means).
+    """
+    full = f"{meta.arch}.{key}"
+    value = meta.file.metadata.get(full)
+    if value is None:
+        raise meta.file.fail(f"the metadata has no {full!r}, which a {meta.arch} model needs (one count per layer, "
+                             f"0 on {what})")
+    counts = [int(n) for n in np.atleast_1d(value)]
+    if np.ndim(value) == 0:
+        counts *= layers
+    if len(counts) != layers or min(counts) < 0:
+        raise meta.file.fail(f"metadata {full!r} must hold a non-negative count for each of the {layers} layers "
+                             f"('{meta.arch}.block_count'), got {counts}")
+    if len(set(counts) - {0}) > 1:
+        raise meta.file.fail(f"metadata {full!r} gives the layers different counts {sorted(set(counts) - {0})}; "
+                             f"attnkit reads one for every layer that has one")
+    return counts
 
 
 def rotated_features(meta: GGUFMetadata, head_dim: int) -> int:

@@ -16,14 +16,19 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from ...models.config import AttentionConfig, DecoderConfig, ExpertsConfig
-from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, layer_counts
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .bamba import MAMBA_KEYS, mamba2_config, mamba2_tensors
+from .bamba import (
+    MAMBA2_GGUF_RENAMED,
+    MAMBA2_GGUF_RESTORED,
+    MAMBA_KEYS,
+    mamba2_config,
+    mamba2_gguf_restore,
+    mamba2_tensors,
+)
 from .llama import BENCHMARK_SHAPE, rotary_config
 from .qwen3_moe import num_experts
 
@@ -128,25 +133,6 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return maps, "model."
 
 
-def _gguf_layer_kv_heads(file: Any, meta: GGUFMetadata, layers: int) -> list[int]:
-    """``attention.head_count_kv``, one count per layer (0 on a Mamba-2 layer); one number: every layer's."""
-    key = f"{meta.arch}.attention.head_count_kv"
-    value = file.metadata.get(key)
-    if value is None:
-        raise file.fail(f"the metadata has no {key!r}, which a {meta.arch} model needs (one count per layer, 0 on "
-                        f"a Mamba-2 layer)")
-    counts = [int(n) for n in np.atleast_1d(value)]
-    if np.ndim(value) == 0:
-        counts *= layers
-    if len(counts) != layers or min(counts) < 0:
-        raise file.fail(f"metadata {key!r} must hold a non-negative count for each of the {layers} layers "
-                        f"('{meta.arch}.block_count'), got {counts}")
-    if len(set(counts) - {0}) > 1:
-        raise file.fail(f"metadata {key!r} gives the attention layers different key/value head counts "
-                        f"{sorted(set(counts) - {0})}; attnkit reads one count for every attention layer")
-    return counts
-
-
 def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
     """llama.cpp's ``granitehybrid`` metadata as Granite 4 hybrid's ``config.json``.
 
@@ -158,7 +144,7 @@ def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
     ``expert_shared_feed_forward_length`` is the shared MLP's width (Bamba's MLP: ``feed_forward_length``).
     """
     layers = meta.int("block_count")
-    counts = _gguf_layer_kv_heads(file, meta, layers)
+    counts = layer_counts(meta, "attention.head_count_kv", layers, "a Mamba-2 layer")
     kv = max(counts) or meta.int("attention.head_count")
     flat = replace(file, metadata={**file.metadata, f"{meta.arch}.attention.head_count_kv": kv})
     config = common_config(flat, GGUFMetadata(flat, meta.architecture))
@@ -211,22 +197,9 @@ def _gguf_tensors(cfg: DecoderConfig, maps: list[TensorMap]) -> list[TensorMap]:
     return read
 
 
-def _gguf_restore(name: str, values: np.ndarray, cfg: DecoderConfig) -> np.ndarray:
-    """A Mamba-2 tensor as Hugging Face stores it: ``A`` is stored as ``-exp(A_log)``; ``D`` and ``A`` as (H, 1),
-    the gated norm as (groups, features per group) and the convolution squeezed to (C, K) change only their
-    shape, which the loader gives back."""
-    if not name.endswith("ssm_a"):
-        return values
-    if not np.all(values < 0):
-        raise ValueError(f"GGUF tensor {name!r} must hold Mamba-2's A = -exp(A_log), all negative; it holds "
-                         f"{float(np.max(values))}")
-    return np.log(-values.astype(np.float64))  # A_log, (H, 1)
-
-
 GGUF = GGUFArchitecture(
-    "granitehybrid", _gguf_config, permuted_qk=True, renamed=(("dt_bias", "dt_proj.bias"),),
-    restored=("ssm_a", "ssm_d", "ssm_norm.weight", "ssm_conv1d.weight"), restore=_gguf_restore,
-    tensors=_gguf_tensors)
+    "granitehybrid", _gguf_config, permuted_qk=True, renamed=MAMBA2_GGUF_RENAMED, restored=MAMBA2_GGUF_RESTORED,
+    restore=mamba2_gguf_restore, tensors=_gguf_tensors)
 
 
 FAMILY = Family(
