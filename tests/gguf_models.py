@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as Q
 # The HF model_type -> the GGUF architecture llama.cpp's converter writes.
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
          "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "qwen3_5_text": "qwen35",
-         "bamba": "granitehybrid", "granitemoehybrid": "granitehybrid"}
+         "bamba": "granitehybrid", "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h"}
 
 # Byte offsets of the float16 scale fields in each K-quant block (the rest is quantized bits).
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -151,26 +151,70 @@ def _granite_hybrid_tensors(name_map: Any, hf_name: str, w: np.ndarray, cfg: Any
         hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
     gguf_name = _tensor_name(name_map, hf_name)
     assert gguf_name is not None, f"no GGUF name for {hf_name}"
-    if ".mamba." in hf_name:
-        if ".conv1d.weight" in hf_name:
-            w = w.squeeze()
-        elif hf_name.endswith((".A_log", ".D")):
-            w = w.reshape(-1, 1)
-        elif hf_name.endswith(".norm.weight"):
-            w = w.reshape(cfg.mamba_n_groups, -1)
-        if hf_name.endswith(".A_log"):
-            w = -np.exp(w)
-    elif gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
-        w = llama_permute(w, cfg.num_attention_heads)
-    elif gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
-        w = llama_permute(w, cfg.num_key_value_heads)
-    return [(gguf_name, w)]
+    return [(gguf_name, _mamba2_or_attention(gguf_name, w, cfg, cfg.mamba_n_groups))]
+
+
+def _mamba2_or_attention(gguf_name: str, w: np.ndarray, cfg: Any, groups: int) -> np.ndarray:
+    """Mamba2Model.modify_tensors on a Mamba-2 layer's tensor (the convolution squeezed, A and D as (H, 1), A as
+    -exp(A_log), the norm as (groups, features per group)), LlamaModel's permutation on q and k; others as they
+    are."""
+    if gguf_name.endswith("ssm_conv1d.weight"):
+        return w.squeeze()
+    if gguf_name.endswith("ssm_a"):
+        return -np.exp(w.reshape(-1, 1))
+    if gguf_name.endswith("ssm_d"):
+        return w.reshape(-1, 1)
+    if gguf_name.endswith("ssm_norm.weight"):
+        return w.reshape(groups, -1)
+    if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        return llama_permute(w, cfg.num_attention_heads)
+    if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        return llama_permute(w, cfg.num_key_value_heads)
+    return w
+
+
+def _nemotron_h_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
+    """NemotronHModel.set_gguf_parameters (GraniteHybridModel's, then the key length and one MLP width per
+    layer): no rotary, so context 2**20."""
+    kinds = cfg.layers_block_type
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_block_count(len(kinds))
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    # published Nemotron-H configs state rms_norm_eps beside layer_norm_epsilon (llama.cpp needs the first)
+    writer.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    writer.add_ssm_conv_kernel(cfg.conv_kernel)
+    writer.add_ssm_state_size(cfg.ssm_state_size)
+    writer.add_ssm_group_count(cfg.n_groups)
+    writer.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    writer.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    writer.add_head_count_kv([cfg.num_key_value_heads if k == "full_attention" else 0 for k in kinds])
+    writer.add_feed_forward_length([cfg.intermediate_size if k == "mlp" else 0 for k in kinds])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_context_length(2**20)
+
+
+def _nemotron_h_tensors(name_map: Any, hf_name: str, w: np.ndarray, cfg: Any) -> list[tuple[str, np.ndarray]]:
+    """NemotronHModel.modify_tensors (a dense model's: GraniteHybridModel's) for one tensor, read under the
+    checkpoint's ``backbone.`` names."""
+    hf_name = "backbone." + hf_name.removeprefix("model.") if hf_name.startswith("model.") else hf_name
+    if hf_name.endswith(".dt_bias"):
+        hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
+    gguf_name = _tensor_name(name_map, hf_name)
+    assert gguf_name is not None, f"no GGUF name for {hf_name}"
+    return [(gguf_name, _mamba2_or_attention(gguf_name, w, cfg, cfg.n_groups))]
 
 
 def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> None:
     """What llama.cpp's converter writes for each family (``set_gguf_parameters``)."""
     if arch == "granitehybrid":
         _granite_hybrid_metadata(writer, cfg, model_type)
+        return
+    if arch == "nemotron_h":
+        _nemotron_h_metadata(writer, cfg)
         return
     if model_type == "gpt2":
         writer.add_block_count(cfg.n_layer)
@@ -324,9 +368,10 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
         if hf_name == "lm_head.weight" and tied:
             continue
         full = ("model." if model_type != "gpt2" else "transformer.") + hf_name
-        if arch == "granitehybrid":
+        if arch in ("granitehybrid", "nemotron_h"):
             source = "lm_head.weight" if hf_name == "lm_head.weight" else full
-            for gguf_name, part in _granite_hybrid_tensors(name_map, source, w, cfg):
+            convert = _granite_hybrid_tensors if arch == "granitehybrid" else _nemotron_h_tensors
+            for gguf_name, part in convert(name_map, source, w, cfg):
                 stored[gguf_name] = _add_tensor(writer, gguf_name, part, qtype, rng)
             continue
         if model_type == "qwen3_5_text":
@@ -508,6 +553,25 @@ FLOAT_ONLY = {
                                                              position_embedding_type="nope", embedding_multiplier=3.0,
                                                              attention_multiplier=0.3, residual_multiplier=0.5,
                                                              logits_scaling=2.0)),
+    # Nemotron-H with no floor on dt that can act (llama.cpp holds it at none; transformers' initialisation takes
+    # the log of the floor, so 1e-9, below any step size softplus gives here): Mamba-2 with 2 groups,
+    # position-free attention, the squared-ReLU MLP; then one group, projection and MLP biases, no convolution
+    # bias, the MLP first
+    "nemotron_h_no_floor": ("NemotronHConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                    max_position_embeddings=64, bos_token_id=1, eos_token_id=95,
+                                                    layers_block_type=["linear_attention", "full_attention", "mlp",
+                                                                       "linear_attention", "full_attention", "mlp"],
+                                                    mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                                                    ssm_state_size=8, conv_kernel=3, chunk_size=4,
+                                                    time_step_min=1e-9)),
+    "nemotron_h_bias_no_floor": ("NemotronHConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=40,
+                                                         num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                                         max_position_embeddings=64, bos_token_id=1, eos_token_id=95,
+                                                         hybrid_override_pattern="-M*M", mamba_num_heads=2,
+                                                         mamba_head_dim=16, n_groups=1, ssm_state_size=6,
+                                                         conv_kernel=4, chunk_size=3, use_bias=True, mlp_bias=True,
+                                                         use_conv_bias=False, time_step_min=1e-9)),
     # sliding and full layers in an order of their own: one flag per layer in the metadata
     "gemma3_layer_types": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
                                                     query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,

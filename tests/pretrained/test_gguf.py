@@ -364,8 +364,8 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path, no_model_built):
 def test_an_unknown_architecture_is_refused(tmp_path, no_model_built):
     path = _raw_file(tmp_path / "mamba.gguf", "mamba", [("token_embd.weight", np.zeros((4, 8), np.float32), None)])
     with pytest.raises(ValueError, match=r"mamba\.gguf: GGUF architecture 'mamba' is not one attnkit loads; it "
-                                         r"loads gemma2, gemma3, gpt2, granitehybrid, llama, olmo2, phi3, qwen2, "
-                                         r"qwen3, qwen35$"):
+                                         r"loads gemma2, gemma3, gpt2, granitehybrid, llama, nemotron_h, olmo2, "
+                                         r"phi3, qwen2, qwen3, qwen35$"):
         load_causal_lm(path)
 
 
@@ -422,6 +422,16 @@ def test_a_corrupt_header_is_refused_by_what_is_wrong(case, message, good_file, 
     path.write_bytes(data)
     with pytest.raises(ValueError, match=r"corrupt\.gguf.*" + message):
         load(path)
+
+
+def test_a_nemotron_h_file_reads_its_layer_kinds_from_the_per_layer_counts(root):
+    """A layer with key/value heads is attention, one with an MLP width the MLP, one with neither Mamba-2; dt has
+    no floor (llama.cpp's)."""
+    model = gm.build_model("nemotron_h_bias_no_floor")
+    lm = load_causal_lm(_written(root, "float_nemotron_h_bias_no_floor", model))
+    assert lm.config.layer_types == ("mlp", "mamba2", "full_attention", "mamba2")
+    assert lm.config.mamba2.time_step_min == 0.0 and lm.config.mamba2.proj_bias and not lm.config.mamba2.conv_bias
+    assert lm.config.mlp_bias and lm.config.intermediate_size == 40 and lm.config.num_kv_heads == 1
 
 
 @pytest.mark.parametrize("counts, message", [

@@ -26,6 +26,7 @@ architecture's name, its metadata reader and the changes to undo), and this modu
 - ``granitehybrid`` (Bamba and Granite 4 hybrid): Mamba-2's ``A_log`` stored as ``-exp(A_log)`` and its tensors
   reshaped; each fused ``input_linear`` stored as its gate and up tensors, read with the family's own maps
   (``GGUFArchitecture.tensors``).
+- ``nemotron_h``: Mamba-2's tensors as for ``granitehybrid``; q and k permuted as Llama's.
 
 Dimension letters: V vocabulary, D hidden size, Hq/Hkv heads, Dh head features, R rotated features.
 """

@@ -50,14 +50,15 @@ METADATA_TYPES: dict[str, tuple[frozenset[str], str]] = {
     "general.alignment": (frozenset({"uint32"}), "a uint32"),
     "split.count": _INTEGER,
     **{f"{{arch}}.{key}": _INTEGER for key in (
-        "vocab_size", "context_length", "embedding_length", "block_count", "feed_forward_length",
+        "vocab_size", "context_length", "embedding_length", "block_count",
         "attention.head_count", "attention.key_length", "attention.sliding_window",
         "rope.dimension_count", "rope.scaling.original_context_length", "expert_count", "expert_used_count",
         "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.state_size", "ssm.group_count",
         "ssm.inner_size", "ssm.time_step_rank")},
-    # a hybrid's (Granite 4's, Jamba's) is one count per layer, 0 on a layer without attention
-    "{arch}.attention.head_count_kv": (_INTEGER[0] | {f"array[{t}]" for t in _INTEGERS},
-                                       "an integer or an array of integers (one per layer)"),
+    # a hybrid's (Granite 4's, Nemotron-H's) are one count per layer, 0 on a layer without the part
+    **{f"{{arch}}.{key}": (_INTEGER[0] | {f"array[{t}]" for t in _INTEGERS},
+                           "an integer or an array of integers (one per layer)")
+       for key in ("attention.head_count_kv", "feed_forward_length")},
     **{f"{{arch}}.{key}": _NUMBER for key in (
         "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attn_logit_softcapping",
         "final_logit_softcapping", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",
