@@ -10,6 +10,10 @@ Checkpoint (under ``model.``): Bamba's mixers (``mamba.``, ``self_attn.``) with 
 ``shared_mlp.input_linear`` (2 Fs, D, gate rows first) and ``shared_mlp.output_linear``, and with experts
 ``block_sparse_moe.router.layer`` and the experts stacked in two tensors, ``block_sparse_moe.input_linear``
 (E, 2F, D) and ``block_sparse_moe.output_linear`` (E, D, F).
+
+GGUF: llama.cpp's ``granitehybrid``, which its converter writes for Bamba too; a Bamba file reads as the
+equivalent Granite 4 hybrid (no multipliers or experts, its MLP the shared MLP, rotary). The converter stores each
+``input_linear`` as its gate and up tensors (:data:`GGUF`).
 """
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ prediction layers are refused by name.
 Checkpoint (under ``backbone.``): ``embeddings``; per layer ``norm`` and ``mixer.`` holding Bamba's Mamba-2 tensors
 (:mod:`attnkit.layers.mamba2` maps them), ``{q,k,v,o}_proj`` or ``{up,down}_proj``; ``norm_f``; ``lm_head`` (never
 tied: transformers ties nothing here).
+
+GGUF: llama.cpp's ``nemotron_h`` (a dense model; its ``nemotron_h_moe`` is not read), each layer's kind from the
+per-layer counts, the step sizes without a floor as llama.cpp computes them (:data:`GGUF`).
 """
 from __future__ import annotations
 
