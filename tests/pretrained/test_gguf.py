@@ -1,6 +1,6 @@
 """GGUF files on attnkit, built offline in the test: tiny random transformers models written the way llama.cpp's
 converter writes them (tests/gguf_models.py: its metadata, tensor names, q/k permutation, Gemma's norm offset,
-GPT-2's transposes), in every quantisation type attnkit reads.
+GPT-2's transposes, the hybrids' Mamba-2 tensors and split input_linear), in every quantisation type attnkit reads.
 
 References. Logits are compared with transformers' own GGUF loading of the same file
 (``from_pretrained(folder, gguf_file=...)``) and with the float model the file was written from, within 2e-5
@@ -432,6 +432,15 @@ def test_a_nemotron_h_file_reads_its_layer_kinds_from_the_per_layer_counts(root)
     assert lm.config.layer_types == ("mlp", "mamba2", "full_attention", "mamba2")
     assert lm.config.mamba2.time_step_min == 0.0 and lm.config.mamba2.proj_bias and not lm.config.mamba2.conv_bias
     assert lm.config.mlp_bias and lm.config.intermediate_size == 40 and lm.config.num_kv_heads == 1
+
+
+def test_a_bamba_file_with_mlp_biases_is_refused_by_its_tensors(tmp_path, no_model_built):
+    """Granite 4 hybrid's MLP, which a Bamba file is read as, has no biases: Bamba's mlp_bias tensors are named."""
+    path = tmp_path / "bamba_bias.gguf"
+    gm.write_gguf(build_hf_model("bamba_bias"), path)
+    with pytest.raises(ValueError, match=r"bamba_bias\.gguf: unexpected tensor 'blk\.0\.ffn_gate\.bias' \(and 5 more\) "
+                                         r"for this granitehybrid model"):
+        load_causal_lm(path)
 
 
 @pytest.mark.parametrize("counts, message", [
