@@ -90,6 +90,16 @@ def test_greedy_tokens_equal_transformers_gguf_generate(name, root):
     np.testing.assert_array_equal(ours, hf_greedy(theirs, ids, mask, 8, eos_token_id=None, pad_token_id=0))
 
 
+@pytest.mark.parametrize("name", ["granitemoehybrid_nope", "nemotron_h_no_floor"])
+def test_greedy_tokens_of_a_hybrid_file_equal_the_float_models(name, root):
+    """Decoding through the Mamba-2 layers' state caches of a GGUF-read hybrid (transformers reads neither file)."""
+    model = gm.build_model(name)
+    lm = load_causal_lm(_written(root, f"float_{name}", model))
+    ids, mask = left_padded_batch(np.random.default_rng(5), (5, 3))
+    ours = lm.generate(ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
+    np.testing.assert_array_equal(ours, hf_greedy(model, ids, mask, 8, eos_token_id=None, pad_token_id=0))
+
+
 def test_llama3_rope_freqs_become_the_rotary_divisors(root):
     lm = load_causal_lm(_written(root, "float_llama_llama3", build_hf_model("llama_llama3")))
     scaling = lm.config.rotary.scaling
