@@ -16,6 +16,11 @@ the ``gguf`` package's own ``GGUFWriter``: llama.cpp's metadata keys, its tensor
 - Qwen3.5 (``qwen35``): every RMSNorm but the Gated DeltaNet's stored as ``1 + w``, ``A_log`` as ``-exp(A_log)``,
   ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed to (C, K), and, when there are more value heads than key
   heads, the value heads reordered from grouped (by key head) to tiled;
+- Bamba and Granite 4 hybrid (both ``granitehybrid``): the Mamba-2 layers' ``A_log`` as ``-exp(A_log)`` and ``A``,
+  ``D`` as (H, 1), ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed to (C, K), the gated norm as (groups,
+  features per group); the attention layers' q and k permuted as Llama's; each fused ``input_linear`` split into
+  its gate and up tensors; one key/value head count per layer (0 on a Mamba-2 layer); ``rope.scaling.finetuned``
+  true for Bamba (rotary) and false for Granite 4 hybrid (position-free, context 2**20);
 - a tied head written once (no ``output.weight``).
 
 Matrices are stored in the requested quantisation type (``gguf.quants.quantize`` where it implements it), and
@@ -37,7 +42,8 @@ from gguf import GGMLQuantizationType as Q
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
          "gemma3_text": "gemma3", "phi3": "phi3", "gpt2": "gpt2", "olmo2": "olmo2", "olmo3": "olmo2", "glm4": "glm4",
          "lfm2": "lfm2", "glm4_moe": "glm4moe",
-         "qwen3_5_text": "qwen35"}
+         "qwen3_5_text": "qwen35", "bamba": "granitehybrid", "granitemoehybrid": "granitehybrid",
+         "nemotron_h": "nemotron_h"}
 # the multi-token-prediction block's own tensors (llama.cpp's NEXTN tensors) and their shapes in units of (V, D)
 NEXTN = {"eh_proj.weight": ("D", "2D"), "embed_tokens.weight": ("V", "D"), "enorm.weight": ("D",),
          "hnorm.weight": ("D",), "shared_head.head.weight": ("V", "D"), "shared_head.norm.weight": ("D",)}
@@ -87,8 +93,139 @@ def _hf_tensors(model: Any) -> dict[str, np.ndarray]:
     return {name: p.detach().float().numpy().copy() for name, p in model.state_dict().items()}
 
 
+def _attention_layers(cfg: Any) -> list[int]:
+    """GraniteHybridModel.get_attn_layers: Granite's ``layer_types`` "attention", or Bamba's ``attn_layer_indices``
+    (transformers names the kinds "full_attention" / "linear_attention" in both)."""
+    return [i for i, kind in enumerate(cfg.layers_block_type) if kind in ("attention", "full_attention")]
+
+
+def _granite_hybrid_metadata(writer: gguf.GGUFWriter, cfg: Any, model_type: str) -> None:
+    """GraniteHybridModel.set_gguf_parameters (through GraniteMoeModel, GraniteModel and LlamaModel)."""
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    head_dim = hidden // heads  # GraniteModel drops any head_dim
+    attention = _attention_layers(cfg)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    # Bamba's published config.json states attn_rotary_emb (the rotated features), which the converter writes
+    rotated = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(rotated if model_type == "bamba" else head_dim)
+    if model_type == "granitemoehybrid":
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        for value, add in ((cfg.attention_multiplier, writer.add_attention_scale),
+                           (cfg.embedding_multiplier, writer.add_embedding_scale),
+                           (cfg.residual_multiplier, writer.add_residual_scale),
+                           (cfg.logits_scaling, writer.add_logit_scale)):
+            if value:
+                add(value)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    writer.add_ssm_state_size(cfg.mamba_d_state)
+    writer.add_ssm_group_count(cfg.mamba_n_groups)
+    writer.add_ssm_inner_size(cfg.mamba_expand * hidden)
+    writer.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    writer.add_head_count_kv([cfg.num_key_value_heads if i in attention else 0 for i in range(cfg.num_hidden_layers)])
+    use_rope = model_type == "bamba" or len(attention) == cfg.num_hidden_layers
+    writer.add_rope_scaling_finetuned(use_rope)
+    writer.add_context_length(cfg.max_position_embeddings if use_rope else 2**20)
+
+
+# transformers' names of Granite's expert tensors in memory -> in the checkpoint (its conversion_mapping)
+_GRANITE_SAVED_NAMES = (("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
+                        ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),
+                        ("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"))
+
+
+def _granite_hybrid_tensors(name_map: Any, hf_name: str, w: np.ndarray, cfg: Any) -> list[tuple[str, np.ndarray]]:
+    """GraniteHybridModel.modify_tensors for one tensor: (GGUF name, stored array) pairs, the Mamba-2 layers'
+    through Mamba2Model's, the attention layers' through LlamaModel's permutation, ``input_linear`` split."""
+    layer = int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else None
+    experts = bool(getattr(cfg, "num_local_experts", 0))
+    for loaded, saved in _GRANITE_SAVED_NAMES:  # the converter reads the checkpoint's names
+        hf_name = hf_name.replace(loaded, saved)
+    if hf_name.endswith("input_linear.weight"):
+        half = w.shape[-2] // 2
+        kinds = ((gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP) if "block_sparse_moe" in hf_name
+                 else (gguf.MODEL_TENSOR.FFN_GATE_SHEXP, gguf.MODEL_TENSOR.FFN_UP_SHEXP) if experts
+                 else (gguf.MODEL_TENSOR.FFN_GATE, gguf.MODEL_TENSOR.FFN_UP))
+        return [(gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight", part)
+                for kind, part in zip(kinds, (w[..., :half, :], w[..., half:, :]))]
+    if hf_name.endswith("shared_mlp.output_linear.weight") and not experts:
+        return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_DOWN].format(bid=layer) + ".weight", w)]
+    if hf_name.endswith(".dt_bias"):
+        hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
+    gguf_name = _tensor_name(name_map, hf_name)
+    assert gguf_name is not None, f"no GGUF name for {hf_name}"
+    return [(gguf_name, _mamba2_or_attention(gguf_name, w, cfg, cfg.mamba_n_groups))]
+
+
+def _mamba2_or_attention(gguf_name: str, w: np.ndarray, cfg: Any, groups: int) -> np.ndarray:
+    """Mamba2Model.modify_tensors on a Mamba-2 layer's tensor (the convolution squeezed, A and D as (H, 1), A as
+    -exp(A_log), the norm as (groups, features per group)), LlamaModel's permutation on q and k; others as they
+    are."""
+    if gguf_name.endswith("ssm_conv1d.weight"):
+        return w.squeeze()
+    if gguf_name.endswith("ssm_a"):
+        return -np.exp(w.reshape(-1, 1))
+    if gguf_name.endswith("ssm_d"):
+        return w.reshape(-1, 1)
+    if gguf_name.endswith("ssm_norm.weight"):
+        return w.reshape(groups, -1)
+    if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        return llama_permute(w, cfg.num_attention_heads)
+    if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        return llama_permute(w, cfg.num_key_value_heads)
+    return w
+
+
+def _nemotron_h_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
+    """NemotronHModel.set_gguf_parameters (GraniteHybridModel's, then the key length and one MLP width per
+    layer): no rotary, so context 2**20."""
+    kinds = cfg.layers_block_type
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_block_count(len(kinds))
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    # published Nemotron-H configs state rms_norm_eps beside layer_norm_epsilon (llama.cpp needs the first)
+    writer.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    writer.add_ssm_conv_kernel(cfg.conv_kernel)
+    writer.add_ssm_state_size(cfg.ssm_state_size)
+    writer.add_ssm_group_count(cfg.n_groups)
+    writer.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    writer.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    writer.add_head_count_kv([cfg.num_key_value_heads if k == "full_attention" else 0 for k in kinds])
+    writer.add_feed_forward_length([cfg.intermediate_size if k == "mlp" else 0 for k in kinds])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_context_length(2**20)
+
+
+def _nemotron_h_tensors(name_map: Any, hf_name: str, w: np.ndarray, cfg: Any) -> list[tuple[str, np.ndarray]]:
+    """NemotronHModel.modify_tensors (a dense model's: GraniteHybridModel's) for one tensor, read under the
+    checkpoint's ``backbone.`` names."""
+    hf_name = "backbone." + hf_name.removeprefix("model.") if hf_name.startswith("model.") else hf_name
+    if hf_name.endswith(".dt_bias"):
+        hf_name = hf_name[:-len("dt_bias")] + "dt_proj.bias"
+    gguf_name = _tensor_name(name_map, hf_name)
+    assert gguf_name is not None, f"no GGUF name for {hf_name}"
+    return [(gguf_name, _mamba2_or_attention(gguf_name, w, cfg, cfg.n_groups))]
+
+
 def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any, model_type: str) -> None:
     """What llama.cpp's converter writes for each family (``set_gguf_parameters``)."""
+    if arch == "granitehybrid":
+        _granite_hybrid_metadata(writer, cfg, model_type)
+        return
+    if arch == "nemotron_h":
+        _nemotron_h_metadata(writer, cfg)
+        return
     if model_type == "gpt2":
         writer.add_block_count(cfg.n_layer)
         writer.add_context_length(cfg.n_positions)
@@ -300,7 +437,8 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
     blocks = cfg.num_hidden_layers
     if model_type == "glm4_moe":
         tensors, blocks = _glm4_moe_tensors(tensors, cfg, rng), blocks + 1
-    model_arch = next(a for a, known in gguf.MODEL_ARCH_NAMES.items() if known == arch)  # glm4moe is GLM4_MOE
+    # gguf's own names of its architectures: "glm4moe" is GLM4_MOE, "granitehybrid" GRANITE_HYBRID
+    model_arch = {n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, blocks)
     stored = {}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -311,6 +449,12 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
         if hf_name == "lm_head.weight" and tied:
             continue
         full = ("model." if model_type != "gpt2" else "transformer.") + hf_name
+        if arch in ("granitehybrid", "nemotron_h"):
+            source = "lm_head.weight" if hf_name == "lm_head.weight" else full
+            convert = _granite_hybrid_tensors if arch == "granitehybrid" else _nemotron_h_tensors
+            for gguf_name, part in convert(name_map, source, w, cfg):
+                stored[gguf_name] = _add_tensor(writer, gguf_name, part, qtype, rng)
+            continue
         if model_type == "qwen3_5_text":
             full, w = _qwen35_tensor(full, w, cfg)
         gguf_name = _tensor_name(name_map, "lm_head.weight" if hf_name == "lm_head.weight" else full)
@@ -337,7 +481,9 @@ def write_gguf(model: Any, path: Path, qtype: Q = Q.F32, tokenizer: dict | None 
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if w.ndim == 1 or qtype == Q.F32 or w.shape[-1] % block:
+    # the converter keeps vectors, norms, routers and Mamba's A, D and convolution in float32
+    kept = name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ssm_a", "ssm_d", "ssm_conv1d.weight"))
+    if w.ndim == 1 or kept or qtype == Q.F32 or w.shape[-1] % block:
         data = w.astype(np.float32)
         writer.add_tensor(name, data)
         return data
@@ -496,6 +642,36 @@ FLOAT_ONLY = {
                                                     linear_num_key_heads=2, linear_num_value_heads=2,
                                                     linear_key_head_dim=4, linear_value_head_dim=8,
                                                     linear_conv_kernel_dim=3, full_attention_interval=3)),
+    # Granite 4 hybrid as llama.cpp runs it (position-free): Mamba-2 layers (4 heads of 16, 2 groups of 8 state
+    # channels) beside attention, Granite's four scalars, the top 2 of 4 experts beside a shared MLP
+    "granitemoehybrid_nope": ("GraniteMoeHybridConfig", dict(_COMMON, intermediate_size=12, num_hidden_layers=3,
+                                                             num_key_value_heads=2, num_local_experts=4,
+                                                             num_experts_per_tok=2, shared_intermediate_size=24,
+                                                             layer_types=["mamba", "attention", "mamba"],
+                                                             mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
+                                                             mamba_d_conv=3, mamba_chunk_size=4,
+                                                             position_embedding_type="nope", embedding_multiplier=3.0,
+                                                             attention_multiplier=0.3, residual_multiplier=0.5,
+                                                             logits_scaling=2.0)),
+    # Nemotron-H with no floor on dt that can act (llama.cpp holds it at none; transformers' initialisation takes
+    # the log of the floor, so 1e-9, below any step size softplus gives here): Mamba-2 with 2 groups,
+    # position-free attention, the squared-ReLU MLP; then one group, projection and MLP biases, no convolution
+    # bias, the MLP first
+    "nemotron_h_no_floor": ("NemotronHConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                    max_position_embeddings=64, bos_token_id=1, eos_token_id=95,
+                                                    layers_block_type=["linear_attention", "full_attention", "mlp",
+                                                                       "linear_attention", "full_attention", "mlp"],
+                                                    mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                                                    ssm_state_size=8, conv_kernel=3, chunk_size=4,
+                                                    time_step_min=1e-9)),
+    "nemotron_h_bias_no_floor": ("NemotronHConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=40,
+                                                         num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                                         max_position_embeddings=64, bos_token_id=1, eos_token_id=95,
+                                                         hybrid_override_pattern="-M*M", mamba_num_heads=2,
+                                                         mamba_head_dim=16, n_groups=1, ssm_state_size=6,
+                                                         conv_kernel=4, chunk_size=3, use_bias=True, mlp_bias=True,
+                                                         use_conv_bias=False, time_step_min=1e-9)),
     # sliding and full layers in an order of their own: one flag per layer in the metadata
     "gemma3_layer_types": ("Gemma3TextConfig", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
                                                     query_pre_attn_scalar=8, sliding_window=3, pad_token_id=0,

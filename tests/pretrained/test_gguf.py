@@ -1,6 +1,6 @@
 """GGUF files on attnkit, built offline in the test: tiny random transformers models written the way llama.cpp's
 converter writes them (tests/gguf_models.py: its metadata, tensor names, q/k permutation, Gemma's norm offset,
-GPT-2's transposes), in every quantisation type attnkit reads.
+GPT-2's transposes, the hybrids' Mamba-2 tensors and split input_linear), in every quantisation type attnkit reads.
 
 References. Logits are compared with transformers' own GGUF loading of the same file
 (``from_pretrained(folder, gguf_file=...)``) and with the float model the file was written from, within 2e-5
@@ -32,7 +32,10 @@ TOL = 2e-5  # max |ours - theirs| / max |theirs| over the logits
 # hf_models specs llama.cpp reads whole but transformers' GGUF loader does not (see the module docstring).
 FLOAT_ONLY_HF = ("gpt2", "llama_gqa", "llama_yarn", "llama_llama3", "llama_linear", "qwen3", "olmo2",
                  "olmo2_bias_mqa", "phi3_longrope", "phi3_partial_window", "glm4", "lfm2", "lfm2_bias", "glm4_moe",
-                 "glm4_moe_plain")
+                 "glm4_moe_plain",
+                 # llama.cpp's granitehybrid: Bamba (rotary, read as Granite 4 hybrid) and Granite 4 hybrid without
+                 # experts (position-free, attention first, biases, a tied head)
+                 "bamba", "granitemoehybrid_dense")
 TEXTS = [" Héllo wörld, naïve café", "  two leading spaces", "日本語の文章です。", "emoji \U0001f600\U0001f680 €£¥",
          "mixed: Crème brûlée 😀 日本 \n\tnew line", "<|im_start|>user\nhi<|im_end|>", ""]
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
@@ -86,6 +89,16 @@ def test_greedy_tokens_equal_transformers_gguf_generate(name, root):
     ids, mask = left_padded_batch(np.random.default_rng(5), (5, 3))
     ours = lm.generate(ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
     np.testing.assert_array_equal(ours, hf_greedy(theirs, ids, mask, 8, eos_token_id=None, pad_token_id=0))
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid_nope", "nemotron_h_no_floor"])
+def test_greedy_tokens_of_a_hybrid_file_equal_the_float_models(name, root):
+    """Decoding through the Mamba-2 layers' state caches of a GGUF-read hybrid (transformers reads neither file)."""
+    model = gm.build_model(name)
+    lm = load_causal_lm(_written(root, f"float_{name}", model))
+    ids, mask = left_padded_batch(np.random.default_rng(5), (5, 3))
+    ours = lm.generate(ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
+    np.testing.assert_array_equal(ours, hf_greedy(model, ids, mask, 8, eos_token_id=None, pad_token_id=0))
 
 
 def test_llama3_rope_freqs_become_the_rotary_divisors(root):
@@ -178,6 +191,33 @@ def test_quantized_weights_equal_gguf_dequantize(qtype, wide):
     if qtype in (gm.Q.F32, gm.Q.F16, gm.Q.BF16, gm.Q.Q8_0):  # the formats with a float twin, near it
         original = model.model.layers[0].self_attn.q_proj.weight.detach().numpy().T
         assert np.max(np.abs(params["layers.0.attention.W_Q"] - original)) < 0.02
+
+
+def test_a_quantized_granite_hybrid_file_reads_the_parts_the_converter_split(root):
+    """Granite 4 hybrid in Q8_0: each fused input_linear is read from its two quantized GGUF tensors (the experts'
+    and the shared MLP's gate and up), q unpermuted; kept packed it computes what the dequantized model does."""
+    model = gm.build_model("granitemoehybrid_nope")
+    path = root / "granitehybrid_Q8_0.gguf"
+    stored = gm.write_gguf(model, path, gm.Q.Q8_0)
+    params = dict(load_causal_lm(path, dtype=np.float64).named_parameters())
+
+    def dequantized(name):
+        assert stored[name].dtype == np.uint8, name  # really quantized
+        return gguf.quants.dequantize(stored[name], gm.Q.Q8_0)
+
+    np.testing.assert_array_equal(params["layers.0.mlp.W_gate"], dequantized("blk.0.ffn_gate_exps.weight")
+                                  .swapaxes(-1, -2))  # (E, D, F)
+    np.testing.assert_array_equal(params["layers.2.mlp.W_up"], dequantized("blk.2.ffn_up_exps.weight").swapaxes(-1, -2))
+    np.testing.assert_array_equal(params["layers.1.mlp.shared_expert.W_gate"],
+                                  dequantized("blk.1.ffn_gate_shexp.weight").T)
+    np.testing.assert_array_equal(params["layers.1.mlp.shared_expert.W_up"], dequantized("blk.1.ffn_up_shexp.weight").T)
+    q = dequantized("blk.1.attn_q.weight")
+    unpermuted = q.reshape(model.config.num_attention_heads, -1, 2, q.shape[1]).swapaxes(1, 2).reshape(q.shape)
+    np.testing.assert_array_equal(params["layers.1.attention.W_Q"], unpermuted.T)
+    ids, mask = left_padded_batch(np.random.default_rng(7), (9, 3))
+    dense = load_causal_lm(path)(ids, mask).astype(np.float64)
+    assert _rel(load_causal_lm(path, keep_quantized=True)(ids, mask)[mask], dense[mask]) <= TOL
+    assert _rel(dense[mask], hf_logits(model, ids, mask)[mask]) < 0.05  # Q8_0's rounding, through three layers
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -359,8 +399,8 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path, no_model_built):
 def test_an_unknown_architecture_is_refused(tmp_path, no_model_built):
     path = _raw_file(tmp_path / "mamba.gguf", "mamba", [("token_embd.weight", np.zeros((4, 8), np.float32), None)])
     with pytest.raises(ValueError, match=r"mamba\.gguf: GGUF architecture 'mamba' is not one attnkit loads; it "
-                                         r"loads gemma2, gemma3, glm4, glm4moe, gpt2, lfm2, llama, olmo2, phi3, qwen2, "
-                                         r"qwen3, qwen35$"):
+                                         r"loads gemma2, gemma3, glm4, glm4moe, gpt2, granitehybrid, lfm2, llama, "
+                                         r"nemotron_h, olmo2, phi3, qwen2, qwen3, qwen35$"):
         load_causal_lm(path)
 
 
@@ -417,6 +457,39 @@ def test_a_corrupt_header_is_refused_by_what_is_wrong(case, message, good_file, 
     path.write_bytes(data)
     with pytest.raises(ValueError, match=r"corrupt\.gguf.*" + message):
         load(path)
+
+
+def test_a_nemotron_h_file_reads_its_layer_kinds_from_the_per_layer_counts(root):
+    """A layer with key/value heads is attention, one with an MLP width the MLP, one with neither Mamba-2; dt has
+    no floor (llama.cpp's)."""
+    model = gm.build_model("nemotron_h_bias_no_floor")
+    lm = load_causal_lm(_written(root, "float_nemotron_h_bias_no_floor", model))
+    assert lm.config.layer_types == ("mlp", "mamba2", "full_attention", "mamba2")
+    assert lm.config.mamba2.time_step_min == 0.0 and lm.config.mamba2.proj_bias and not lm.config.mamba2.conv_bias
+    assert lm.config.mlp_bias and lm.config.intermediate_size == 40 and lm.config.num_kv_heads == 1
+
+
+def test_a_bamba_file_with_mlp_biases_is_refused_by_its_tensors(tmp_path, no_model_built):
+    """Granite 4 hybrid's MLP, which a Bamba file is read as, has no biases: Bamba's mlp_bias tensors are named."""
+    path = tmp_path / "bamba_bias.gguf"
+    gm.write_gguf(build_hf_model("bamba_bias"), path)
+    with pytest.raises(ValueError, match=r"bamba_bias\.gguf: unexpected tensor 'blk\.0\.ffn_gate\.bias' \(and 5 more\) "
+                                         r"for this granitehybrid model"):
+        load_causal_lm(path)
+
+
+@pytest.mark.parametrize("counts, message", [
+    ([0, 2, 1], r"gives the layers different counts \[1, 2\]; attnkit reads one for every layer that has one"),
+    ([0, 2], r"must hold a non-negative count for each of the 3 layers \('granitehybrid\.block_count'\), got "
+             r"\[0, 2\]")])
+def test_a_granite_hybrid_files_per_layer_kv_heads_are_checked(counts, message, tmp_path, no_model_built):
+    meta = {"general.architecture": ("string", "granitehybrid"), "granitehybrid.block_count": ("uint32", 3),
+            "granitehybrid.embedding_length": ("uint32", 32), "granitehybrid.attention.head_count": ("uint32", 4),
+            "granitehybrid.attention.head_count_kv": ("array[uint32]", counts)}
+    path = gm.write_raw_gguf(tmp_path / "hybrid.gguf", meta, (("token_embd.weight", np.zeros((4, 32))),))
+    with pytest.raises(ValueError, match=r"hybrid\.gguf: metadata 'granitehybrid\.attention\.head_count_kv' "
+                                         + message):
+        load_causal_lm(path)
 
 
 def test_missing_metadata_and_wrong_tensors_are_named(good_file, tmp_path, no_model_built):

@@ -26,6 +26,10 @@ architecture's name, its metadata reader and the changes to undo), and this modu
 - ``lfm2``: the short convolution's weights (C, 1, K) are stored as (C, K).
 - a mixture's experts, one tensor per expert in Hugging Face's checkpoints, are one (E, ...) tensor per matrix
   (``ffn_gate_exps``, ...); GLM-4.5's multi-token-prediction blocks after the model's are left unread.
+- ``granitehybrid`` (Bamba and Granite 4 hybrid): Mamba-2's ``A_log`` stored as ``-exp(A_log)`` and its tensors
+  reshaped; each fused ``input_linear`` stored as its gate and up tensors, read with the family's own maps
+  (``GGUFArchitecture.tensors``).
+- ``nemotron_h``: Mamba-2's tensors as for ``granitehybrid``; q and k permuted as Llama's.
 
 Dimension letters: V vocabulary, D hidden size, Hq/Hkv heads, Dh head features, R rotated features.
 """
@@ -357,12 +361,16 @@ class _Entry:
 
 
 def _gguf_names(file: GGUFFile, config: DecoderConfig) -> dict[str, _Entry]:
-    """GGUF tensor name -> its entry, for every tensor ``config`` needs (names from ``gguf``'s own table)."""
+    """GGUF tensor name -> its entry, for every tensor ``config`` needs (names from ``gguf``'s own table; a
+    family whose converter writes a fused tensor as its parts maps them with its ``GGUFArchitecture.tensors``)."""
     gguf = import_extra("gguf", "read GGUF files")
     arch = gguf_architecture(file)
     maps, prefix = checkpoint_map(config)
-    # by llama.cpp's name, not the enum's (glm4moe is GLM4_MOE)
-    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == file.architecture)
+    if arch.tensors is not None:
+        maps = arch.tensors(config, maps)
+    # gguf's own names of its architectures (not always the upper-cased name: glm4moe is GLM4_MOE,
+    # granitehybrid GRANITE_HYBRID)
+    model_arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[file.architecture]
     table = gguf.get_tensor_name_map(model_arch, config.num_layers)
     entries: dict[str, _Entry] = {}
     for m in maps:

@@ -50,20 +50,23 @@ METADATA_TYPES: dict[str, tuple[frozenset[str], str]] = {
     "general.alignment": (frozenset({"uint32"}), "a uint32"),
     "split.count": _INTEGER,
     **{f"{{arch}}.{key}": _INTEGER for key in (
-        "vocab_size", "context_length", "embedding_length", "block_count", "feed_forward_length",
+        "vocab_size", "context_length", "embedding_length", "block_count",
         "attention.head_count", "attention.key_length", "attention.sliding_window", "rope.dimension_count",
         "rope.scaling.original_context_length", "shortconv.l_cache", "expert_count", "expert_used_count",
         "expert_feed_forward_length", "expert_shared_count", "leading_dense_block_count", "expert_group_count",
-        "expert_group_used_count", "expert_gating_func", "nextn_predict_layers")},
+        "expert_group_used_count", "expert_gating_func", "nextn_predict_layers", "expert_shared_feed_forward_length",
+        "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.inner_size", "ssm.time_step_rank")},
     "{arch}.expert_weights_norm": _BOOL,
-    # LFM2: one count per layer, 0 for its convolution layers
-    "{arch}.attention.head_count_kv": (_INTEGER[0] | {f"array[{t}]" for t in _INTEGERS},
-                                       "an integer, or an array of integers (one per layer)"),
+    # a hybrid's (LFM2's, Granite 4's, Nemotron-H's) are one count per layer, 0 on a layer without the part
+    **{f"{{arch}}.{key}": (_INTEGER[0] | {f"array[{t}]" for t in _INTEGERS},
+                           "an integer or an array of integers (one per layer)")
+       for key in ("attention.head_count_kv", "feed_forward_length")},
     **{f"{{arch}}.{key}": _NUMBER for key in (
         "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attn_logit_softcapping",
         "final_logit_softcapping", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",
         "rope.scaling.attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
-        "expert_weights_scale")},
+        "expert_weights_scale", "attention.scale", "embedding_scale", "residual_scale", "logit_scale")},
+    "{arch}.rope.scaling.finetuned": _BOOL,
     "{arch}.rope.scaling.type": _TEXT,
     "{arch}.attention.sliding_window_pattern": (_INTEGER[0] | {"array[bool]"},
                                                 "an integer (a period) or an array of bools (one per layer)"),

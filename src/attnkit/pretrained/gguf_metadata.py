@@ -14,10 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ._extra import import_extra
 
 __all__ = ["GGUFArchitecture", "GGUFMetadata", "common_config", "special_token_ids", "special_ids", "vocab_size",
-           "rope_factors", "rope_scaling", "head_counts", "rotated_features"]
+           "rope_factors", "rope_scaling", "head_counts", "rotated_features", "layer_counts"]
 
 _MAX_INT = 2**31 - 1  # no size of a real model comes near it (the config reader's bound)
 
@@ -62,6 +64,12 @@ class GGUFArchitecture:
     restore : callable (name, values, DecoderConfig) -> ndarray, optional
         The family's undoing of them: the dequantized float32 values in their stored shape -> the Hugging Face
         tensor (any shape of the same size).
+    tensors : callable (DecoderConfig, list of TensorMap) -> list of TensorMap, optional
+        The family's checkpoint maps (without the base prefix) as the converter writes them, where it does not
+        write each Hugging Face tensor as one GGUF tensor: a fused tensor stored as its parts becomes one map per
+        part (:meth:`~attnkit.pretrained.tensor_map.TensorMap.parts_apart`), each source a Hugging Face name
+        that ``gguf``'s table gives the part's GGUF name (Granite's ``input_linear`` as ``gate_proj`` and
+        ``up_proj``). Default: the checkpoint maps as they are.
     """
 
     name: str
@@ -78,6 +86,7 @@ class GGUFArchitecture:
     plain_norms: tuple[str, ...] = ()
     restored: tuple[str, ...] = ()
     restore: Callable[[str, Any, Any], Any] | None = None
+    tensors: Callable[[Any, list[Any]], list[Any]] | None = None
 
     def hf_config(self, file: Any) -> dict[str, Any]:
         """The ``config.json`` dict of ``file``'s metadata, biases read from its tensors."""
@@ -250,6 +259,34 @@ def head_counts(meta: GGUFMetadata, hidden: int) -> tuple[int, int, int]:
                              f"'{arch}.attention.head_count' = {heads}, and there is no '{arch}.attention.key_length' "
                              f"to give the width of a head")
     return heads, kv, meta.int("attention.key_length", hidden // heads)
+
+
+def layer_counts(meta: GGUFMetadata, key: str, layers: int, what: str) -> list[int]:
+    """``{arch}.{key}`` as one count per layer: a hybrid's array (0 on a layer without the part, as llama.cpp's
+    converter writes ``attention.head_count_kv`` and Nemotron-H's ``feed_forward_length``), or one number for
+    every layer. The layers that have the part must agree: attnkit reads one size for them all.
+
+    Raises
+    ------
+    ValueError
+        The key missing, an array of another length than ``layers`` or with a negative count, or two different
+        counts on the layers that have the part (naming the file, the key and ``what`` a 0 means).
+    """
+    full = f"{meta.arch}.{key}"
+    value = meta.file.metadata.get(full)
+    if value is None:
+        raise meta.file.fail(f"the metadata has no {full!r}, which a {meta.arch} model needs (one count per layer, "
+                             f"0 on {what})")
+    counts = [int(n) for n in np.atleast_1d(value)]
+    if np.ndim(value) == 0:
+        counts *= layers
+    if len(counts) != layers or min(counts) < 0:
+        raise meta.file.fail(f"metadata {full!r} must hold a non-negative count for each of the {layers} layers "
+                             f"('{meta.arch}.block_count'), got {counts}")
+    if len(set(counts) - {0}) > 1:
+        raise meta.file.fail(f"metadata {full!r} gives the layers different counts {sorted(set(counts) - {0})}; "
+                             f"attnkit reads one for every layer that has one")
+    return counts
 
 
 def rotated_features(meta: GGUFMetadata, head_dim: int) -> int:

@@ -117,6 +117,23 @@ class TensorMap:
             return {self.targets[0]: self.sizes}
         return {self.targets[0]: self.shape}
 
+    def parts_apart(self, sources: tuple[str, ...]) -> list[TensorMap]:
+        """A ``row_split_transpose`` map as one ``transpose`` map per part, part ``i`` read from the tensor
+        ``sources[i]``: the same parameters, from a checkpoint that stores the fused tensor's parts apart
+        (llama.cpp's ``ffn_gate`` and ``ffn_up`` of Granite's ``input_linear``).
+
+        Raises
+        ------
+        ValueError
+            For another layout, or a count of sources other than the parts'.
+        """
+        if self.layout != "row_split_transpose" or len(sources) != len(self.targets) or self.stack_size:
+            raise ValueError(f"{self.source}: only an unstacked row_split_transpose map is read from its parts apart, "
+                             f"one source per target ({len(self.targets)}); got layout {self.layout!r} and "
+                             f"{len(sources)} sources")
+        return [TensorMap(source, (*self.shape[:-2], size, self.shape[-1]), (target,), "transpose")
+                for source, target, size in zip(sources, self.targets, self.sizes)]
+
     def convert(self, array: np.ndarray) -> dict[str, np.ndarray]:
         """The attnkit arrays made from the checkpoint array (views where possible)."""
         if self.layout == "transpose":

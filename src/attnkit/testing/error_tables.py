@@ -78,7 +78,10 @@ def _transformers_run(model, ids: np.ndarray) -> dict[str, np.ndarray]:
 
     tokens = torch.from_numpy(ids)
     with torch.no_grad():
-        hidden = model.base_model(input_ids=tokens).last_hidden_state  # (B, L, D)
+        # the decoder stack itself (Llama 4's text model answers get_decoder and base_model with itself)
+        decoder = model.get_decoder()
+        decoder = model.model if decoder is model else decoder
+        hidden = decoder(input_ids=tokens).last_hidden_state  # (B, L, D)
     model.zero_grad()
     logits = model(input_ids=tokens).logits  # (B, L, V)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))

@@ -14,6 +14,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from ...layers.mamba2 import Mamba2Config
 from ...models.config import AttentionConfig, DecoderConfig
 from ..tensor_map import TensorMap
@@ -21,7 +23,8 @@ from . import Family
 from ._reader import COMMON_KEYS, Reader
 from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, rotary_config
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "MAMBA_KEYS", "MAMBA2_GGUF_RENAMED", "MAMBA2_GGUF_RESTORED", "mamba2_config", "mamba2_tensors",
+           "mamba2_gguf_restore"]
 
 DEFAULTS = {"max_position_embeddings": 262144, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             "num_key_value_heads": 8, "rms_norm_eps": 1e-5}
@@ -57,6 +60,24 @@ def mamba2_config(read: Reader) -> Mamba2Config:
     return Mamba2Config(heads, head_dim, read.int("mamba_d_state", 256), read.int("mamba_n_groups", 1),
                         read.int("mamba_d_conv", 4), read.bool("mamba_conv_bias", True),
                         read.bool("mamba_proj_bias", False), read.int("mamba_chunk_size", 256))
+
+
+# llama.cpp's converter renames dt_bias and changes these Mamba-2 tensors (its GGUF files of Bamba, Granite 4
+# hybrid and Nemotron-H): mamba2_gguf_restore undoes it
+MAMBA2_GGUF_RENAMED = (("dt_bias", "dt_proj.bias"),)
+MAMBA2_GGUF_RESTORED = ("ssm_a", "ssm_d", "ssm_norm.weight", "ssm_conv1d.weight")
+
+
+def mamba2_gguf_restore(name: str, values: np.ndarray, cfg: DecoderConfig) -> np.ndarray:
+    """A Mamba-2 tensor of llama.cpp's converter (``Mamba2Model.modify_tensors``) as Hugging Face stores it:
+    ``A`` is stored as ``-exp(A_log)``; ``D`` and ``A`` as (H, 1), the gated norm as (groups, features per group)
+    and the convolution squeezed to (C, K) change only their shape, which the loader gives back."""
+    if not name.endswith("ssm_a"):
+        return values
+    if not np.all(values < 0):
+        raise ValueError(f"GGUF tensor {name!r} must hold Mamba-2's A = -exp(A_log), all negative; it holds "
+                         f"{float(np.max(values))}")
+    return np.log(-values.astype(np.float64))  # A_log, (H, 1)
 
 
 def _layer_types(read: Reader, layers: int) -> tuple[str, ...]:

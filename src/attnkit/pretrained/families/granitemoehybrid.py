@@ -10,16 +10,29 @@ Checkpoint (under ``model.``): Bamba's mixers (``mamba.``, ``self_attn.``) with 
 ``shared_mlp.input_linear`` (2 Fs, D, gate rows first) and ``shared_mlp.output_linear``, and with experts
 ``block_sparse_moe.router.layer`` and the experts stacked in two tensors, ``block_sparse_moe.input_linear``
 (E, 2F, D) and ``block_sparse_moe.output_linear`` (E, D, F).
+
+GGUF: llama.cpp's ``granitehybrid``, which its converter writes for Bamba too; a Bamba file reads as the
+equivalent Granite 4 hybrid (no multipliers or experts, its MLP the shared MLP, rotary). The converter stores each
+``input_linear`` as its gate and up tensors (:data:`GGUF`).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ...models.config import AttentionConfig, DecoderConfig, ExpertsConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, layer_counts
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .bamba import MAMBA_KEYS, mamba2_config, mamba2_tensors
+from .bamba import (
+    MAMBA2_GGUF_RENAMED,
+    MAMBA2_GGUF_RESTORED,
+    MAMBA_KEYS,
+    mamba2_config,
+    mamba2_gguf_restore,
+    mamba2_tensors,
+)
 from .llama import BENCHMARK_SHAPE, rotary_config
 from .qwen3_moe import num_experts
 
@@ -128,13 +141,82 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return maps, "model."
 
 
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """llama.cpp's ``granitehybrid`` metadata as Granite 4 hybrid's ``config.json``.
+
+    llama.cpp's converter writes Bamba and Granite 4 hybrid alike: a layer is a Mamba-2 layer where
+    ``attention.head_count_kv`` is 0; the ``ssm.*`` keys give its shape (``time_step_rank`` heads sharing
+    ``inner_size`` features, ``group_count`` groups of ``state_size``); ``rope.scaling.finetuned`` says whether the
+    attention rotates (Bamba) or is position-free (Granite 4); Granite's four scalars are written when set, and
+    llama.cpp's defaults (scores scaled by ``1 / sqrt(head_dim)``, the other three 1) stand for the absent ones;
+    ``expert_shared_feed_forward_length`` is the shared MLP's width (Bamba's MLP: ``feed_forward_length``).
+    """
+    layers = meta.int("block_count")
+    counts = layer_counts(meta, "attention.head_count_kv", layers, "a Mamba-2 layer")
+    kv = max(counts) or meta.int("attention.head_count")
+    flat = replace(file, metadata={**file.metadata, f"{meta.arch}.attention.head_count_kv": kv})
+    config = common_config(flat, GGUFMetadata(flat, meta.architecture))
+    experts = file.metadata.get(f"{meta.arch}.expert_count", 0)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
+        raise file.fail(f"metadata '{meta.arch}.expert_count' must be a non-negative integer, got {experts!r}")
+    attention = [i for i, n in enumerate(counts) if n]
+    mamba = [i for i, n in enumerate(counts) if not n]
+    config.update(
+        layer_types=["attention" if n else "mamba" for n in counts],
+        position_embedding_type="rope" if meta.get("rope.scaling.finetuned", False) else "nope",
+        attention_bias=bool(attention) and f"blk.{attention[0]}.attn_q.bias" in file.tensors,
+        attention_multiplier=meta.float("attention.scale", config["head_dim"] ** -0.5),
+        embedding_multiplier=meta.float("embedding_scale", 1.0),
+        residual_multiplier=meta.float("residual_scale", 1.0), logits_scaling=meta.float("logit_scale", 1.0),
+        num_local_experts=experts,
+        shared_intermediate_size=meta.int("expert_shared_feed_forward_length", config["intermediate_size"]))
+    if experts:
+        config["num_experts_per_tok"] = meta.int("expert_used_count")
+    if mamba:
+        hidden, inner, heads = config["hidden_size"], meta.int("ssm.inner_size"), meta.int("ssm.time_step_rank")
+        if inner % hidden or inner % heads:
+            raise file.fail(f"metadata '{meta.arch}.ssm.inner_size' = {inner} must be a multiple of "
+                            f"'{meta.arch}.embedding_length' = {hidden} and of '{meta.arch}.ssm.time_step_rank' = "
+                            f"{heads} (the Mamba-2 heads)")
+        config.update(mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_expand=inner // hidden,
+                      mamba_d_state=meta.int("ssm.state_size"), mamba_n_groups=meta.int("ssm.group_count"),
+                      mamba_d_conv=meta.int("ssm.conv_kernel"),
+                      mamba_conv_bias=f"blk.{mamba[0]}.ssm_conv1d.bias" in file.tensors,
+                      mamba_proj_bias=f"blk.{mamba[0]}.ssm_in.bias" in file.tensors)
+    return config
+
+
+def _gguf_tensors(cfg: DecoderConfig, maps: list[TensorMap]) -> list[TensorMap]:
+    """The checkpoint maps as llama.cpp's converter writes them: each fused ``input_linear`` as its gate and up
+    parts (``ffn_gate_exps`` / ``ffn_up_exps``; the shared MLP's ``ffn_gate_shexp`` / ``ffn_up_shexp``, or with no
+    experts ``ffn_gate`` / ``ffn_up``, its ``output_linear`` then ``ffn_down``)."""
+    shared = "mlp.shared_expert." if cfg.experts is not None else "mlp."
+    fused = {"shared_mlp.input_linear.weight": shared, "block_sparse_moe.input_linear.weight": "mlp.experts."}
+    read = []
+    for m in maps:
+        ending = next((e for e in fused if m.source.endswith(e)), None)
+        if ending is not None:
+            part = m.source[:-len(ending)] + fused[ending]  # "layers.{i}.mlp.experts." ...
+            read += m.parts_apart((part + "gate_proj.weight", part + "up_proj.weight"))
+        elif m.source.endswith("shared_mlp.output_linear.weight"):
+            read.append(replace(m, source=m.source.replace("shared_mlp.output_linear", shared + "down_proj")))
+        else:
+            read.append(m)
+    return read
+
+
+GGUF = GGUFArchitecture(
+    "granitehybrid", _gguf_config, permuted_qk=True, renamed=MAMBA2_GGUF_RENAMED, restored=MAMBA2_GGUF_RESTORED,
+    restore=mamba2_gguf_restore, tensors=_gguf_tensors)
+
+
 FAMILY = Family(
     model_type="granitemoehybrid",
     keys=frozenset(COMMON_KEYS + MAMBA_KEYS + MULTIPLIER_KEYS + EXPERT_KEYS
                    + ("attention_bias", "position_embedding_type", "layer_types", "layers_block_type",
                       "normalization_function")),
     read_config=_read, tensors=_tensors, architecture="GraniteMoeHybridForCausalLM",
-    hf_config_class="GraniteMoeHybridConfig",
+    hf_config_class="GraniteMoeHybridConfig", gguf=GGUF,
     # the benchmark's shape with one attention layer in six, Mamba-2 heads of 64, eight experts of width 384, two
     # per token, and a shared MLP of 768: the same active MLP width as the other families
     benchmark=dict(BENCHMARK_SHAPE, intermediate_size=384, layer_types=(["mamba"] * 5 + ["attention"]) * 5,

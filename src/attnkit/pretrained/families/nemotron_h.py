@@ -11,18 +11,23 @@ so that cached decoding equals the uncached forward.
 Checkpoint (under ``backbone.``): ``embeddings``; per layer ``norm`` and ``mixer.`` holding Bamba's Mamba-2 tensors
 (:mod:`attnkit.layers.mamba2` maps them), ``{q,k,v,o}_proj`` or ``{up,down}_proj``; ``norm_f``; ``lm_head`` (never
 tied: transformers ties nothing here).
+
+GGUF: llama.cpp's ``nemotron_h`` (a dense model; its ``nemotron_h_moe`` is not read), each layer's kind from the
+per-layer counts, the step sizes without a floor as llama.cpp computes them (:data:`GGUF`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 from ...layers.mamba2 import Mamba2Config
 from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, layer_counts, special_ids, vocab_size
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import Reader
-from .bamba import mamba2_tensors
+from .bamba import MAMBA2_GGUF_RENAMED, MAMBA2_GGUF_RESTORED, mamba2_gguf_restore, mamba2_tensors
 from .llama import BENCHMARK_SHAPE
 
 __all__ = ["FAMILY"]
@@ -158,10 +163,61 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     return maps, "backbone."
 
 
+def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
+    """llama.cpp's ``nemotron_h`` metadata as Nemotron-H's ``config.json``.
+
+    A layer's kind is where its per-layer counts are not 0: ``attention.head_count_kv`` (attention),
+    ``feed_forward_length`` (the MLP), neither (Mamba-2, its shape from the ``ssm.*`` keys). Biases are read from
+    the tensors. llama.cpp holds dt at no floor, so neither does the model read here (``time_step_min`` 0;
+    transformers' default is 0.001).
+    """
+    layers, hidden = meta.int("block_count"), meta.int("embedding_length")
+    kv = layer_counts(meta, "attention.head_count_kv", layers, "a layer without attention")
+    widths = layer_counts(meta, "feed_forward_length", layers, "a layer without an MLP")
+    both = [i for i in range(layers) if kv[i] and widths[i]]
+    if both:
+        raise file.fail(f"layer {both[0]} has both attention ('{meta.arch}.attention.head_count_kv') and an MLP "
+                        f"('{meta.arch}.feed_forward_length'); a Nemotron-H layer has one branch")
+    kinds = ["full_attention" if k else "mlp" if f else "linear_attention" for k, f in zip(kv, widths)]
+    heads = meta.int("attention.head_count")
+    head_dim = meta.int("attention.key_length", hidden // heads)
+    scale = meta.get("attention.scale")
+    if scale is not None and not math.isclose(meta.float("attention.scale"), head_dim ** -0.5, rel_tol=1e-6):
+        raise file.fail(f"metadata '{meta.arch}.attention.scale' = {scale} is not 1 / sqrt(head_dim) = "
+                        f"{head_dim ** -0.5:.6g}; Nemotron-H's attention scales its scores by that alone")
+    eps_key = ("attention.layer_norm_rms_epsilon" if meta.get("attention.layer_norm_rms_epsilon") is not None
+               else "attention.layer_norm_epsilon")
+    config = {"model_type": file.model_type, "vocab_size": vocab_size(file, meta), "hidden_size": hidden,
+              "layers_block_type": kinds, "num_attention_heads": heads, "num_key_value_heads": max(kv) or heads,
+              "head_dim": head_dim,
+              "max_position_embeddings": meta.int("context_length"), "layer_norm_epsilon": meta.float(eps_key),
+              **special_ids(file)}
+    if "mlp" in kinds:
+        config.update(intermediate_size=max(widths),
+                      mlp_bias=f"blk.{kinds.index('mlp')}.ffn_up.bias" in file.tensors)
+    if "linear_attention" in kinds:
+        first, inner, ssm_heads = kinds.index("linear_attention"), meta.int("ssm.inner_size"), \
+            meta.int("ssm.time_step_rank")
+        if inner % ssm_heads:
+            raise file.fail(f"metadata '{meta.arch}.ssm.inner_size' = {inner} must be a multiple of "
+                            f"'{meta.arch}.ssm.time_step_rank' = {ssm_heads} (the Mamba-2 heads)")
+        config.update(mamba_num_heads=ssm_heads, mamba_head_dim=inner // ssm_heads,
+                      ssm_state_size=meta.int("ssm.state_size"), n_groups=meta.int("ssm.group_count"),
+                      conv_kernel=meta.int("ssm.conv_kernel"), time_step_min=0.0,
+                      use_conv_bias=f"blk.{first}.ssm_conv1d.bias" in file.tensors,
+                      use_bias=f"blk.{first}.ssm_in.bias" in file.tensors)
+    return config
+
+
+GGUF = GGUFArchitecture("nemotron_h", _gguf_config, permuted_qk=True, renamed=MAMBA2_GGUF_RENAMED,
+                        restored=MAMBA2_GGUF_RESTORED, restore=mamba2_gguf_restore)
+
+
 FAMILY = Family(
     model_type="nemotron_h",
     keys=frozenset(_READ + _IGNORED + tuple(_ALIASES.values())),
     read_config=_read, tensors=_tensors, architecture="NemotronHForCausalLM", hf_config_class="NemotronHConfig",
+    gguf=GGUF,
     # the benchmark's shape (30 layers: mamba, mlp, mamba, mlp, attention, mlp, five times) with Mamba-2 heads of 64
     benchmark=dict({k: v for k, v in BENCHMARK_SHAPE.items() if k not in ("num_hidden_layers", "rms_norm_eps",
                                                                           "tie_word_embeddings")},
