@@ -9,7 +9,6 @@ activations.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import shutil
 import warnings
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_models import EOS, saved_model, write_word_tokenizer
+from hf_models import EOS, build_hf_model, saved_model, write_word_tokenizer
 
 # The families TransformerLens 4.3 does not load, and why (what it says when asked).
 NOT_LOADED = {
@@ -71,16 +70,18 @@ def boot(name: str, root: Path):
 
     if name in _BRIDGES:
         return _BRIDGES[name]
-    shared, hf = saved_model(name, root)
+    shared, _ = saved_model(name, root)
     folder = Path(root) / "lens" / name  # a copy: the tokenizer written into it must not reach other tests' folder
     if not folder.exists():
         shutil.copytree(shared, folder)
     tokenizer = tokenizer_for(folder)
     with offline(), warnings.catch_warnings():  # TransformerLens's own notices are not attnkit's to fix
         warnings.simplefilter("ignore")
-        # a copy: the bridge wraps the model's modules, and other tests share this one
-        bridge = TransformerBridge.boot_transformers(str(folder), hf_model=copy.deepcopy(hf), tokenizer=tokenizer,
-                                                     device="cpu")
+        # a model of its own, built as the saved one was: the bridge wraps its modules, and the shared one carries
+        # what other tests ran through it (a dynamic rotary's tables grown by a longer sequence)
+        hf = build_hf_model(name)
+        hf.config.architectures = [type(hf).__name__]  # what save_pretrained writes, and the bridge reads
+        bridge = TransformerBridge.boot_transformers(str(folder), hf_model=hf, tokenizer=tokenizer, device="cpu")
     _BRIDGES[name] = bridge, folder
     return _BRIDGES[name]
 

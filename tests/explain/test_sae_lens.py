@@ -61,9 +61,14 @@ def lens(tmp_path_factory):
     sae_modules, bridge_module = import_sae_lens()
     root = tmp_path_factory.mktemp("hf_sae")
     bridge, folder = boot(MODEL, root)
+    plain = bridge.__class__
     bridge.__class__ = bridge_module.SAETransformerBridge  # as SAETransformerBridge.boot_transformers does
     bridge._acts_to_saes, bridge._transcoder_output_hooks = {}, {}
-    return sae_modules, bridge, load_causal_lm(folder), root
+    yield sae_modules, bridge, load_causal_lm(folder), root
+    # the bridge is booted once for every referee test: give the others back the bridge they booted
+    bridge.__class__ = plain
+    for name in ("_acts_to_saes", "_transcoder_output_hooks"):
+        bridge.__dict__.pop(name, None)
 
 
 def make_sae(sae_modules, label: str, d_model: int, folder, seed: int):
