@@ -328,14 +328,18 @@ def render_chat_template(template: Any, seconds: float = TEMPLATE_SECONDS, **var
         raise _template_error(exc, jinja2, seconds, compiling=False) from None
 
 
+_INTERRUPT_AGAIN = 0.01  # seconds between a deadline's interrupts, until one is raised where it is seen
+
+
 class _deadline:  # noqa: N801 - used as a context manager
     """Interrupt this thread with :class:`_OverTime` after ``seconds`` (CPython; elsewhere a no-op).
 
-    A timer thread sets an asynchronous exception on this thread. Leaving the block (normally or not) cancels
-    the timer under the same lock; an interrupt set but not yet raised is then let through inside ``__exit__``
-    and dropped there, so it can never surface after the block. It is never cleared by setting ``NULL``:
-    CPython keeps its eval-breaker flag raised after that, for good, and a profiled or traced call then never
-    gets past its first instruction (the process hangs in ``sys.setprofile``).
+    A timer thread sets an asynchronous exception on this thread, and again every ``_INTERRUPT_AGAIN`` seconds
+    (one raised inside a gc callback or a ``__del__`` is printed and dropped by CPython, and the block would run
+    on). Leaving the block (normally or not) cancels the timer under the same lock; an interrupt set but not yet
+    raised is then let through inside ``__exit__`` and dropped there, so it can never surface after the block. It
+    is never cleared by setting ``NULL``: CPython keeps its eval-breaker flag raised after that, for good, and a
+    profiled or traced call then never gets past its first instruction (the process hangs in ``sys.setprofile``).
     """
 
     def __init__(self, seconds: float) -> None:
@@ -355,6 +359,11 @@ class _deadline:  # noqa: N801 - used as a context manager
             if not self.done:
                 self.fired = True
                 self.setter(ctypes.c_ulong(self.thread), ctypes.py_object(_OverTime))
+                # raised where CPython ignores exceptions (a gc callback, a __del__), an interrupt is lost: the
+                # next one follows until the block ends
+                self.timer = threading.Timer(_INTERRUPT_AGAIN, self._expire)
+                self.timer.daemon = True
+                self.timer.start()
 
     def __enter__(self) -> _deadline:
         if self.setter is not None:
@@ -365,9 +374,9 @@ class _deadline:  # noqa: N801 - used as a context manager
         with self.lock:
             self.done = True
             self.timer.cancel()
-        if self.fired and kind is not _OverTime:
-            # Set, and not raised yet (the block ended inside C code): a loop's backward jump is where CPython
-            # delivers it, so it arrives, and is dropped, here.
+        if self.fired:
+            # Set, and not raised yet (the block ended inside C code, or a repeat came after the one that ended
+            # it): a loop's backward jump is where CPython delivers it, so it arrives, and is dropped, here.
             try:
                 for _ in range(1 << 20):
                     pass
