@@ -6,7 +6,6 @@ Templates that would hang or fill memory on a sandbox without these budgets run 
 address-space limit and a deadline, so that such a sandbox fails the test instead of taking the machine."""
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -25,6 +24,8 @@ from attnkit.pretrained.chat_template import (  # noqa: E402
     TEMPLATE_CHARS,
     TEMPLATE_INT_BITS,
     ChatTemplateError,
+    _deadline,
+    _OverTime,
     compile_chat_template,
     render_chat_template,
 )
@@ -147,33 +148,22 @@ def test_compiling_is_held_to_the_time_budget():
     assert compile_chat_template(source) is not None  # with the default budget it compiles
 
 
-@LOST_INTERRUPTS
-@pytest.mark.parametrize("work", ["compile", "render"])
-def test_an_interrupt_lost_in_a_gc_callback_is_sent_again(work):
-    """CPython drops an exception raised inside a gc callback; with the collector running all through the work and
-    its callback taking most of the time, the first interrupts land there: a later one must still end the work."""
-    macros = "".join(f"{{% macro m{i}(x) %}}{{{{ x ~ {i} }}}}{{% endmacro %}}" for i in range(300))  # ~0.3 s
-    loop = "{% for i in range(99999) %}{% for j in range(99999) %}{{ i * j }}{% endfor %}{% endfor %}"
-
-    def busy(phase, info):
-        end = time.perf_counter() + 0.005
-        while time.perf_counter() < end:
-            pass
-
-    threshold = gc.get_threshold()
-    gc.callbacks.append(busy)
-    gc.set_threshold(20)
-    start = time.perf_counter()
-    try:
-        with pytest.raises(ChatTemplateError, match="took longer than the budget of 0.05 s"):
-            if work == "compile":
-                compile_chat_template(macros, seconds=0.05)
-            else:
-                render(loop, seconds=0.05)
-    finally:
-        gc.callbacks.remove(busy)
-        gc.set_threshold(*threshold)
-    assert time.perf_counter() - start < 10
+def test_an_interrupt_dropped_where_python_ignores_exceptions_is_sent_again():
+    """CPython prints and drops an exception raised inside a gc callback or a ``__del__``; the deadline's
+    interrupts are dropped here for 0.1 s (as there), and a later one must still end the work that follows."""
+    dropped = 0
+    with pytest.raises(_OverTime):
+        with _deadline(0.02):
+            end = time.perf_counter() + 0.1
+            while time.perf_counter() < end:
+                try:
+                    while time.perf_counter() < end:
+                        pass
+                except _OverTime:
+                    dropped += 1
+            for _ in range(10**9):  # some seconds of work: an interrupt must end it
+                pass
+    assert dropped >= 1
 
 
 def test_a_template_within_budget_renders_and_leaves_no_pending_interrupt():
