@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,17 @@ def make_norm(config) -> Module:
     if norm.kind == "rmsnorm":
         return RMSNorm(config.hidden_size, eps=norm.eps, offset=norm.offset)
     return LayerNorm(config.hidden_size, eps=norm.eps)
+
+
+def _optional_norm(config, present: bool) -> Module:
+    """The model's norm where a block has one at this place (``present``), else an identity."""
+    return make_norm(config) if present else Identity()
+
+
+def _branch_scale(config) -> Module:
+    """What a residual branch's output is multiplied by before it joins the stream: Granite's
+    ``residual_multiplier``, an identity where it is 1."""
+    return Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
 
 
 def _plain_mlp(config, *, rng: np.random.Generator) -> FeedForward:
@@ -126,13 +138,7 @@ class LMBlock(Module):
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         gen = as_generator(rng)
-
-        def norm(present: bool) -> Module:
-            return make_norm(config) if present else Identity()
-
-        def scale() -> Module:
-            return Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
-
+        norm, scale = partial(_optional_norm, config), partial(_branch_scale, config)
         self.attn_norm = norm(config.norm.before)
         self.attention = self.mixer_of(config, layer_index)(config, layer_index, rng=gen)
         self.attn_post_norm = norm(config.norm.after)
@@ -278,10 +284,10 @@ class MixerOnlyBlock(LMBlock):
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         Module.__init__(self)
         gen = as_generator(rng)
-        self.attn_norm = make_norm(config) if config.norm.before else Identity()
+        self.attn_norm = _optional_norm(config, config.norm.before)
         self.attention = self.mixer_of(config, layer_index)(config, layer_index, rng=gen)
-        self.attn_post_norm = make_norm(config) if config.norm.after else Identity()
-        self.attn_scale = Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
+        self.attn_post_norm = _optional_norm(config, config.norm.after)
+        self.attn_scale = _branch_scale(config)
         self.mlp_norm, self.mlp, self.mlp_post_norm, self.mlp_scale = Identity(), Identity(), Identity(), Identity()
 
     def hook_points(self) -> tuple[str, ...]:
@@ -326,10 +332,10 @@ class MLPOnlyBlock(LMBlock):
         gen = as_generator(rng)
         self.attn_norm, self.attention, self.attn_post_norm, self.attn_scale = (Identity(), Identity(), Identity(),
                                                                                 Identity())
-        self.mlp_norm = make_norm(config) if config.norm.before else Identity()
+        self.mlp_norm = _optional_norm(config, config.norm.before)
         self.mlp = MLPS[config.mlp_of(layer_index)](config, rng=gen)
-        self.mlp_post_norm = make_norm(config) if config.norm.after else Identity()
-        self.mlp_scale = Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
+        self.mlp_post_norm = _optional_norm(config, config.norm.after)
+        self.mlp_scale = _branch_scale(config)
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre``, ``hook_mlp_out`` (what the MLP adds), ``hook_resid_post``; all (B, L, D)."""
