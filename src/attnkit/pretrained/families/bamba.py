@@ -23,8 +23,8 @@ from . import Family
 from ._reader import COMMON_KEYS, Reader
 from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, rotary_config
 
-__all__ = ["FAMILY", "MAMBA_KEYS", "MAMBA2_GGUF_RENAMED", "MAMBA2_GGUF_RESTORED", "mamba2_config", "mamba2_tensors",
-           "mamba2_gguf_restore"]
+__all__ = ["FAMILY", "MAMBA_KEYS", "MAMBA2_GGUF_RENAMED", "MAMBA2_GGUF_RESTORED", "attention_tensors",
+           "mamba2_config", "mamba2_tensors", "mamba2_gguf_restore"]
 
 DEFAULTS = {"max_position_embeddings": 262144, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             "num_key_value_heads": 8, "rms_norm_eps": 1e-5}
@@ -129,7 +129,8 @@ def mamba2_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     return maps
 
 
-def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+def attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    """A Llama attention layer's ``self_attn.`` projections (their biases with ``attention.bias``)."""
     d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     hf, ak = hf + "self_attn.", ak + "attention."
     maps = []
@@ -146,7 +147,7 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
     for i, kind in enumerate(cfg.layer_types):
         hf = ak = f"layers.{i}."
-        mixer = mamba2_tensors if kind == "mamba2" else _attention_tensors
+        mixer = mamba2_tensors if kind == "mamba2" else attention_tensors
         mlp = [replace(m, source=m.source.replace(".mlp.", ".feed_forward.")) for m in gated_mlp_tensors(cfg, hf, ak)]
         maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
                  *mixer(cfg, hf, ak),

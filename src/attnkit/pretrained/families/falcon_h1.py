@@ -27,7 +27,7 @@ from ...models.config import AttentionConfig, AttentionMamba2Config, DecoderConf
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .bamba import _attention_tensors, _check_time_step_limit, mamba2_tensors
+from .bamba import _check_time_step_limit, attention_tensors, mamba2_tensors
 from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, rotary_config
 
 __all__ = ["FAMILY"]
@@ -111,7 +111,7 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
         hf = ak = f"layers.{i}."
         mlp = [replace(m, source=m.source.replace(".mlp.", ".feed_forward.")) for m in gated_mlp_tensors(cfg, hf, ak)]
         attention = [replace(m, targets=tuple(t.replace(".attention.", ".attention.attn.") for t in m.targets))
-                     for m in _attention_tensors(cfg, hf, ak)]
+                     for m in attention_tensors(cfg, hf, ak)]
         mamba = [replace(m, targets=tuple(t.replace(".attention.", ".attention.mamba.") for t in m.targets))
                  for m in mamba2_tensors(cfg, hf, ak)]
         maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"), *attention,

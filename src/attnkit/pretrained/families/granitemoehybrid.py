@@ -29,6 +29,7 @@ from .bamba import (
     MAMBA2_GGUF_RENAMED,
     MAMBA2_GGUF_RESTORED,
     MAMBA_KEYS,
+    attention_tensors,
     mamba2_config,
     mamba2_gguf_restore,
     mamba2_tensors,
@@ -95,18 +96,6 @@ def _read(read: Reader) -> DecoderConfig:
     return rotary_config(read, DEFAULTS, _fields)
 
 
-def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    hf, ak = hf + "self_attn.", ak + "attention."
-    maps = []
-    for proj, shape, name in (("q_proj", (q, d), "Q"), ("k_proj", (kv, d), "K"), ("v_proj", (kv, d), "V"),
-                              ("o_proj", (d, q), "O")):
-        maps.append(TensorMap(f"{hf}{proj}.weight", shape, (ak + "W_" + name,), "transpose"))
-        if cfg.attention.bias:
-            maps.append(TensorMap(f"{hf}{proj}.bias", (shape[0],), (ak + "b_" + name,), "copy"))
-    return maps
-
-
 def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """The shared MLP (attnkit's shared expert, or with no experts the layer's MLP), then the router and the
     stacked experts."""
@@ -130,7 +119,7 @@ def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], 
     maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
     for i, kind in enumerate(cfg.layer_types):
         hf = ak = f"layers.{i}."
-        mixer = mamba2_tensors if kind == "mamba2" else _attention_tensors
+        mixer = mamba2_tensors if kind == "mamba2" else attention_tensors
         maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
                  *mixer(cfg, hf, ak),
                  TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"),
