@@ -47,17 +47,18 @@ def _positions(mask):
 
 
 def _rotary(cfg, layer, positions, dtype=np.float64):
-    rotary = cfg.rotary_of(layer)
+    rotary = cfg.layers[layer].rotary
     return None if rotary is None else RotaryEmbedding(rotary, cfg.head_dim, cfg.max_position_embeddings)(
         positions, dtype=dtype)
 
 
 def test_the_config_places_each_part_on_its_layers():
     cfg = _config()
-    assert (cfg.chunk_of(0), cfg.chunk_of(1)) == (CHUNK, None)
-    assert (cfg.keys_kept_of(0), cfg.keys_kept_of(1)) == (CHUNK, None)
-    assert (cfg.qk_norm_of(0), cfg.qk_norm_of(1)) == ("unit_after_rotary", None)  # rotary layers only
-    assert (cfg.query_temperature_of(0), cfg.query_temperature_of(1)) == (None, (2.0, 0.5))  # NoPE layers only
+    first, second = cfg.layers
+    assert (first.chunk, second.chunk) == (CHUNK, None)
+    assert (first.keys_kept, second.keys_kept) == (CHUNK, None)
+    assert (first.qk_norm, second.qk_norm) == ("unit_after_rotary", None)  # rotary layers only
+    assert (first.query_temperature, second.query_temperature) == (None, (2.0, 0.5))  # NoPE layers only
     assert GroupedQueryAttention(cfg, 0, rng=0).state_dict().keys() == {"W_Q", "W_K", "W_V", "W_O"}  # no norm weights
     with pytest.raises(ValueError, match="chunked_attention layers but attention.chunk_size is None"):
         tiny_config("llama4_text", layer_types=("chunked_attention", "full_attention"))
@@ -148,7 +149,7 @@ def test_cached_pieces_and_steps_equal_the_uncached_forward(layer, pieces):
     x = randn(rng, b, length, cfg.hidden_size)
     full = attn(x, rotary=rotary, attention_mask=mask)
     cache = KVCache(cfg.num_layers, b, cfg.num_kv_heads, cfg.head_dim, np.float64,
-                    windows=[cfg.keys_kept_of(i) for i in range(cfg.num_layers)])
+                    windows=[s.keys_kept for s in cfg.layers])
     start, outs = 0, []
     for n in pieces:
         end = start + n

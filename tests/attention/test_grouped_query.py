@@ -122,7 +122,7 @@ def test_matches_hugging_face_forward_and_backward(case, dtype):
     grad_x = ours.backward(g)
 
     allowed = np.tril(np.ones((length, length), bool)) & mask[:, None, :]  # (B, Lq, Lk)
-    window = cfg.window_of(0)
+    window = cfg.layers[0].window
     if window is not None:
         allowed &= band_mask(length, length, window)
     additive = torch.from_numpy(np.where(allowed, 0.0, torch.finfo(tdtype).min)[:, None]).to(tdtype)  # (B, 1, L, L)
@@ -151,7 +151,7 @@ def test_cached_steps_equal_the_uncached_forward(case, chunks):
     x = randn(rng, b, length, cfg.hidden_size)
     full = attn(x, rotary=(cos, sin), attention_mask=mask)
     cache = KVCache(cfg.num_layers, b, cfg.num_kv_heads, cfg.head_dim, np.float64,
-                    windows=[cfg.window_of(i) for i in range(cfg.num_layers)])
+                    windows=[s.window for s in cfg.layers])
     start, pieces = 0, []
     for n in chunks:
         end = start + n

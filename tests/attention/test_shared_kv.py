@@ -28,7 +28,10 @@ def _config(placement="sandwich", **part):
 def test_the_last_layers_reuse_the_last_earlier_layer_of_their_type():
     cfg = _config()
     assert cfg.layerwise.kv_owners(TYPES) == (None, None, None, 2, 1)
-    assert cfg.layerwise.cache_shapes(cfg) == [(2, 4), (1, 8), (2, 4), None, None]
+    assert [(s.num_kv_heads, s.head_dim) if s.cache == "keys_values" else None for s in cfg.layers] == \
+        [(2, 4), (1, 8), (2, 4), None, None]
+    assert [s.mixer for s in cfg.layers] == ["kv_owner_attention"] * 3 + ["kv_reader_attention"] * 2
+    assert [s.kv_owner for s in cfg.layers] == [None, None, None, 2, 1]
     lm = CausalLM(cfg, rng=0)
     names = {name for name, _ in lm.named_parameters()}
     assert "layers.1.attention.W_K" in names and "layers.1.attention.W_V" not in names  # keys are the values

@@ -48,7 +48,8 @@ def test_parameters_of_different_leading_shapes_cannot_be_fused():
 def test_the_layers_give_the_same_output_and_gradients_fused_or_not(fused):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 12))
-    attn, mlp = GroupedQueryAttention(CFG, 0, rng=1), GatedMLP(CFG, rng=2)
+    attn = GroupedQueryAttention(CFG, 0, rng=1)
+    mlp = GatedMLP(CFG.hidden_size, CFG.intermediate_size, CFG.activation, rng=2)
     reference = {}
     for layer in (attn, mlp):
         y = layer(x)

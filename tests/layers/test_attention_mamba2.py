@@ -63,7 +63,9 @@ def test_each_factor_scales_its_branch_and_a_factor_of_one_is_an_identity():
 
 
 def test_the_scaled_gated_mlp_passes_finite_differences_and_scales_as_transformers_does():
-    mlp = _bumped(ScaledGatedMLP(_config(mlp_bias=True), rng=0))
+    cfg = _config(mlp_bias=True)
+    mlp = _bumped(ScaledGatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, True,
+                                 gate_scale=cfg.mlp_multipliers[0], output_scale=cfg.mlp_multipliers[1], rng=0))
     rng = make_rng(3)
     x, grad_y = randn(rng, 2, 3, 8), randn(rng, 2, 3, 8)
     mlp(x)

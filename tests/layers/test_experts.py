@@ -35,7 +35,7 @@ def _randomised(moe, rng):
 @pytest.mark.parametrize("top_k", [1, 2, 5])
 def test_matches_transformers_gpt_oss_mlp_forward_and_backward(dtype, top_k):
     rng = make_rng(top_k, 7)
-    moe = _randomised(MixtureOfExperts(_config(top_k)), rng).astype(dtype)
+    moe = _randomised(MixtureOfExperts(D, _config(top_k).experts), rng).astype(dtype)
     theirs = GptOssMLP(GptOssConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
                                     num_experts_per_tok=top_k, swiglu_limit=0.7, swiglu_alpha=1.3))
     theirs = theirs.to(torch.float64 if dtype == np.float64 else torch.float32)
@@ -70,7 +70,7 @@ def test_matches_transformers_gpt_oss_mlp_forward_and_backward(dtype, top_k):
 
 def test_every_gradient_by_finite_differences():
     rng = make_rng(11)
-    moe = _randomised(MixtureOfExperts(_config(top_k=3, limit=0.8)), rng)
+    moe = _randomised(MixtureOfExperts(D, _config(top_k=3, limit=0.8).experts), rng)
     x, g = randn(rng, 2, 5, D), randn(rng, 2, 5, D)
     grad_x = moe.backward(g) if moe(x) is not None else None
     gate = np.einsum("btd,edf->btef", x, moe.W_gate) + moe.b_gate  # (B, T, E, F)
@@ -85,7 +85,7 @@ def test_every_gradient_by_finite_differences():
 
 def test_only_the_chosen_experts_run_and_weights_are_a_softmax_over_them():
     rng = make_rng(12)
-    moe = _randomised(MixtureOfExperts(_config(top_k=2)), rng)
+    moe = _randomised(MixtureOfExperts(D, _config(top_k=2).experts), rng)
     x = randn(rng, 4, 3, D)
     chosen, weights = moe.router(x)
     assert chosen.shape == weights.shape == (4, 3, 2)
@@ -109,8 +109,7 @@ def _every_part(**settings):
     part = ExpertsConfig(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=F, layers=(0,),
                          router="topk_softmax", router_bias=True, shared_expert_intermediate_size=3,
                          shared_expert_gate=True, **settings)
-    return MixtureOfExperts(DecoderConfig(family="qwen3_next", vocab_size=4, hidden_size=D, num_layers=1,
-                                          num_heads=1, num_kv_heads=1, head_dim=D, intermediate_size=F, experts=part))
+    return MixtureOfExperts(D, part)
 
 
 # gpt-oss's router, Qwen3-Next's shared expert gate and DeepSeek-V3's shared experts had other names

@@ -31,7 +31,7 @@ def _moe(top_k, groups, topk_groups, normalize, scaling, shared, rng):
                  topk_group=topk_groups, norm_topk_prob=normalize, routed_scaling_factor=scaling)
     cfg = DecoderConfig(family="deepseek_v3", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1,
                         num_kv_heads=1, head_dim=D, intermediate_size=6, experts=part)
-    moe = MixtureOfExperts(cfg)
+    moe = MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.activation)
     for _, p in moe.named_parameters():
         p[...] = 0.5 * rng.standard_normal(p.shape)
     return moe

@@ -37,7 +37,7 @@ def _randomised(moe, rng):
 @pytest.mark.parametrize("top_k", [1, 2, 5])
 def test_matches_transformers_llama4_moe_forward_and_backward(dtype, top_k):
     rng = make_rng(top_k, 41)
-    moe = _randomised(MixtureOfExperts(_config(top_k)), rng).astype(dtype)
+    moe = _randomised(MixtureOfExperts(D, _config(top_k).experts), rng).astype(dtype)
     theirs = Llama4TextMoe(Llama4TextConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
                                             num_experts_per_tok=top_k))
     theirs = theirs.to(torch.float64 if dtype == np.float64 else torch.float32)
@@ -73,7 +73,7 @@ def test_matches_transformers_llama4_moe_forward_and_backward(dtype, top_k):
 @pytest.mark.parametrize("weigh_inputs", [True, False])
 def test_every_gradient_by_finite_differences(weigh_inputs):
     rng = make_rng(42, int(weigh_inputs))
-    moe = _randomised(MixtureOfExperts(_config(top_k=2, weigh_inputs=weigh_inputs)), rng)
+    moe = _randomised(MixtureOfExperts(D, _config(top_k=2, weigh_inputs=weigh_inputs).experts), rng)
     x, g = randn(rng, 2, 5, D), randn(rng, 2, 5, D)
     grad_x = moe.backward(g) if moe(x) is not None else None
     assert_gradient(lambda: np.sum(moe(x) * g), x, grad_x, "x")
@@ -88,8 +88,8 @@ def test_the_weight_scales_the_input_not_the_output():
     """SwiGLU is not linear, so expert(w x) and w expert(x) differ; with one expert per token and no shared expert
     the mixture is exactly the chosen expert on its scaled input."""
     rng = make_rng(43)
-    moe = _randomised(MixtureOfExperts(_config(top_k=1, shared=0)), rng)
-    plain = _randomised(MixtureOfExperts(_config(top_k=1, shared=0, weigh_inputs=False)), make_rng(43))
+    moe = _randomised(MixtureOfExperts(D, _config(top_k=1, shared=0).experts), rng)
+    plain = _randomised(MixtureOfExperts(D, _config(top_k=1, shared=0, weigh_inputs=False).experts), make_rng(43))
     x = randn(rng, 4, D)
     logits = x @ moe.router.W_router  # (4, E)
     chosen = np.argmax(logits, axis=-1)  # (4,)

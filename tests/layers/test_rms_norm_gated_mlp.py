@@ -63,8 +63,7 @@ def test_rms_norm_float16_statistics_in_float32():
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_mlp_gradients_by_finite_differences(activation, bias):
     rng = make_rng(3, bias)
-    cfg = tiny_config(hidden_size=4, intermediate_size=5, activation=activation, mlp_bias=bias)
-    mlp = GatedMLP(cfg, rng=rng)
+    mlp = GatedMLP(4, 5, activation, bias, rng=rng)
     for name, p in mlp.named_parameters():
         setattr(mlp, name, randn(rng, *p.shape, scale=0.7))
     x, g = randn(rng, 2, 3, 4), randn(rng, 2, 3, 4)
@@ -81,7 +80,7 @@ def test_gated_mlp_gradients_by_finite_differences(activation, bias):
 def test_gated_mlp_matches_hugging_face(dtype, activation, bias):
     rng = make_rng(4, bias)
     cfg = tiny_config(activation=activation, mlp_bias=bias)
-    ours = GatedMLP(cfg, rng=rng).astype(dtype)
+    ours = GatedMLP(cfg.hidden_size, cfg.intermediate_size, activation, bias, rng=rng).astype(dtype)
     for name, p in ours.named_parameters():
         setattr(ours, name, randn(rng, *p.shape, scale=0.3))
     tdtype = torch.float64 if dtype == np.float64 else torch.float32
@@ -105,7 +104,7 @@ def test_gated_mlp_matches_hugging_face(dtype, activation, bias):
 
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="hidden_size"):
-        GatedMLP(tiny_config())(np.zeros((2, 3)))
+        GatedMLP(4, 6)(np.zeros((2, 3)))
     with pytest.raises(ValueError, match="normalized_shape"):
         RMSNorm(4)(np.zeros((2, 3)))
     with pytest.raises(RuntimeError, match="before forward"):

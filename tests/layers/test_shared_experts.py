@@ -26,7 +26,7 @@ def _part(num_experts, top_k, width, shared_width, normalise=True, layers=(0,)):
 def _moe(top_k, normalise, rng, dtype=np.float64):
     cfg = DecoderConfig(family="qwen3_next", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
                         head_dim=D, intermediate_size=7, experts=_part(E, top_k, F, FS, normalise))
-    moe = MixtureOfExperts(cfg)
+    moe = MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.activation)
     for _, p in moe.named_parameters():
         p[...] = 0.5 * rng.standard_normal(p.shape)
     return moe.astype(dtype)

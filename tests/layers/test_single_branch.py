@@ -44,7 +44,7 @@ def test_relu2_is_the_square_of_relu_and_its_derivative_twice_relu():
 @pytest.mark.parametrize("bias, activation", [(False, "relu2"), (True, "relu2"), (True, "silu")])
 def test_ungated_mlp_passes_finite_differences(bias, activation):
     rng = make_rng(3)
-    mlp = _moved(UngatedMLP(_config(mlp_bias=bias, activation=activation), rng=0), rng)
+    mlp = _moved(UngatedMLP(8, 6, activation, bias, rng=0), rng)
     x, g = randn(rng, 2, 5, 8), randn(rng, 2, 5, 8)
     mlp(x)
     grad_x = mlp.backward(g)
@@ -70,7 +70,7 @@ def test_ungated_mlp_equals_nemotron_h_mlp_forward_and_backward(bias):
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0.0, 0.5)
-    ours = UngatedMLP(_config(mlp_bias=bias), rng=0)
+    ours = UngatedMLP(8, 6, "relu2", bias, rng=0)
     weights = {"W_up": hf.up_proj.weight.T, "W_down": hf.down_proj.weight.T}
     if bias:
         weights.update(b_up=hf.up_proj.bias, b_down=hf.down_proj.bias)
@@ -111,4 +111,7 @@ def test_one_branch_blocks_pass_finite_differences(layer, kind):
 def test_an_mlp_layer_needs_the_single_branch_residual():
     with pytest.raises(ValueError, match="only residual='single' builds"):
         _config(residual="sequential")
-    assert [_config().block_of(i) for i in range(3)] == ["mixer_only", "mixer_only", "mlp_only"]
+    specs = _config().layers
+    assert [s.block for s in specs] == ["mixer_only", "mixer_only", "mlp_only"]
+    assert [(s.mixer, s.mlp, s.cache) for s in specs] == [("mamba2", None, "state"), ("full_attention", None,
+                                                          "keys_values"), (None, "ungated", "none")]

@@ -83,7 +83,7 @@ def test_gradients_match_hf_autograd(name, hf_root):
         for target, expected in m.convert(theirs_by_name[hf_name]).items():
             got = m.destination(ours, target)  # one expert's slice of a stacked parameter, or the parameter
             scale = np.max(np.abs(expected))
-            if target.endswith("b_K") and not lm.config.rotary_of(int(target.split(".")[1])):
+            if target.endswith("b_K") and not lm.config.layers[int(target.split(".")[1])].rotary:
                 # Without rotary a key bias adds one constant to a query's scores, which softmax ignores: both
                 # gradients are rounding noise, measured against the key weights' gradient.
                 scale = np.max(np.abs(ours[target[:-3] + "W_K"]))

@@ -90,7 +90,7 @@ def test_mistral_defaults_eight_kv_heads_and_slides_every_layer():
     cfg = decoder_config_from_hf({**raw, "sliding_window": None})
     assert cfg.attention.sliding_window is None and cfg.layer_types == ("full_attention",) * 4
     hf = saved(transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=6))
-    assert decoder_config_from_hf(hf).window_of(3) == 6
+    assert decoder_config_from_hf(hf).layers[3].window == 6
 
 
 @pytest.mark.parametrize("use, max_window_layers, expected", [
@@ -114,7 +114,7 @@ def test_qwen2_explicit_layer_types_win_over_max_window_layers():
     cfg = decoder_config_from_hf({"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "use_sliding_window": True,
                                   "sliding_window": 3,
                                   "max_window_layers": 1, "layer_types": types})
-    assert cfg.layer_types == tuple(types) and cfg.window_of(0) == 3 and cfg.window_of(1) is None
+    assert cfg.layer_types == tuple(types) and cfg.layers[0].window == 3 and cfg.layers[1].window is None
 
 
 @pytest.mark.parametrize("raw, words", [

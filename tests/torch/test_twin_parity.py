@@ -125,7 +125,7 @@ def test_feed_forward(activation):
 
 @pytest.mark.parametrize("activation,bias", [("silu", False), ("gelu_tanh", True)])
 def test_gated_mlp(activation, bias):
-    mlp = GatedMLP(_config(hidden_size=6, intermediate_size=10, activation=activation, mlp_bias=bias), rng=0)
+    mlp = GatedMLP(6, 10, activation, bias, rng=0)
     if bias:
         for name in ("b_gate", "b_up", "b_down"):
             setattr(mlp, name, randn(*getattr(mlp, name).shape, seed=7))
@@ -289,7 +289,7 @@ def test_gated_attention_and_shared_experts(normalise):
     rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)(np.tile(np.arange(5), (2, 1)),
                                                                                    dtype=np.float64)
     check_parity(GatedAttention(cfg, 1, rng=0), [randn(2, 5, 16)], dict(rotary=rotary))
-    check_parity(MixtureOfExperts(cfg, rng=0), [randn(2, 5, 16)])
+    check_parity(MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.activation, rng=0), [randn(2, 5, 16)])
 
 
 # -- models ----------------------------------------------------------------------------------------------

@@ -251,8 +251,8 @@ class GroupedQueryAttention(Module):
     config : DecoderConfig
         Reads ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``attention`` (biases, scale,
         soft-cap, sinks), ``norm`` (the q/k norms' epsilon and offset) and this layer's window, chunk, q/k norm,
-        query temperature and rotary (``config.window_of(layer_index)``, ``chunk_of``, ``qk_norm_of``,
-        ``query_temperature_of``, ``rotary_of``). A chunked layer's chunks and the temperature follow the tokens'
+        query temperature and rotary (its :class:`~attnkit.models.layer_spec.LayerSpec`,
+        ``config.layers[layer_index]``). A chunked layer's chunks and the temperature follow the tokens'
         positions, made from ``attention_mask`` as the model's are (``cumsum(mask) - 1``).
     layer_index : int
         Which layer this is (its window, and its entry in a :class:`~attnkit.decoding.cache.KVCache`).
@@ -291,22 +291,23 @@ class GroupedQueryAttention(Module):
                 or not 0 <= layer_index < config.num_layers):
             raise ValueError(f"layer_index must be an integer in [0, {config.num_layers}), got {layer_index!r}")
         self.layer_index = layer_index
-        self.hidden_size, self.head_dim = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.num_groups = config.num_groups
-        self.window = config.window_of(layer_index)
+        spec = config.layers[layer_index]
+        self.hidden_size, self.head_dim = config.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads = config.num_heads, spec.num_kv_heads
+        self.num_groups = self.num_heads // self.num_kv_heads
+        self.window = spec.window
         # a chunked layer's query sees its own chunk of positions (chunked_mask)
-        self.chunk = config.chunk_of(layer_index)
+        self.chunk = spec.chunk
         # how far back a query sees for certain: a decoding step within it needs no mask (a chunk may start at the
         # query itself)
         self.reach = self.window or (1 if self.chunk else np.inf)
         # which keys a query may see, as a flex mask: the layer's one choice of mask
         self.span = ChunkSpan(self.chunk) if self.chunk else WindowSpan(self.window) if self.window else causal_span
-        temperature = config.query_temperature_of(layer_index)
+        temperature = spec.query_temperature
         self.temperature = NoQueryTemperature() if temperature is None else QueryTemperature(*temperature)
         # chunks and the temperature follow the tokens' positions, made from the mask as the model's are
         self.positions = slot_positions if self.chunk is not None or temperature is not None else no_positions
-        rotary = config.rotary_of(layer_index)
+        rotary = spec.rotary
         self.uses_rotary = rotary is not None
         self.interleaved = rotary is not None and rotary.interleaved
         gen = as_generator(rng)
@@ -326,12 +327,12 @@ class GroupedQueryAttention(Module):
         attention = config.attention
         self.scale = attention.scale  # None: head_dim ** -0.5
         # The layer's score modifier (Gemma 2's soft-cap) and sinks go through flex attention (exact gradients).
-        self.score_mod = config.score_mod_of(layer_index)
+        self.score_mod = spec.score_mod
         self.has_sinks = attention.sinks
         self._sink_names = ("sinks",) if self.has_sinks else ()
         if self.has_sinks:
             self.register_parameter("sinks", normal(gen, (self.num_heads,), std=0.02))
-        qk_norm = config.qk_norm_of(layer_index)
+        qk_norm = spec.qk_norm
         self.qk_norm = QK_NORMS[qk_norm](config.norm.eps, config.norm.offset)
         if qk_norm not in (None, "unit_after_rotary"):  # the unit norm has no weights
             whole = qk_norm == "projection"

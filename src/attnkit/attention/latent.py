@@ -285,6 +285,11 @@ class MultiHeadLatentAttention(Module):
             self.indexer = LightningIndexer(d, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
                                             cfg.qk_rope_head_dim, cfg.index_topk, rng=gen)
 
+    @property
+    def cache_dim(self) -> int:
+        """What its entry of a :class:`~attnkit.decoding.cache.LatentCache` keeps per token (the config's)."""
+        return self.config.cache_dim
+
     def extra_repr(self) -> str:
         cfg = self.config
         return (f"hidden_size={cfg.hidden_size}, num_heads={cfg.num_heads}, q_lora_rank={cfg.q_lora_rank}, "

@@ -83,21 +83,21 @@ def _common(module: GroupedQueryAttention, config, layer_index: int, rng) -> np.
     if (isinstance(layer_index, bool) or not isinstance(layer_index, int)
             or not 0 <= layer_index < config.num_layers):
         raise ValueError(f"layer_index must be an integer in [0, {config.num_layers}), got {layer_index!r}")
-    part = config.layerwise
+    spec = config.layers[layer_index]
     module.layer_index = layer_index
     module.hidden_size, module.num_heads = config.hidden_size, config.num_heads
-    module.head_dim, module.num_kv_heads = part.head_dim_of(config, layer_index), part.kv_heads_of(config, layer_index)
+    module.head_dim, module.num_kv_heads = spec.head_dim, spec.num_kv_heads
     module.num_groups = module.num_heads // module.num_kv_heads
-    module.window = config.window_of(layer_index)
+    module.window = spec.window
     module.reach = module.window or np.inf  # how far back a query sees: a decoding step within it needs no mask
     # full and sliding layers only (LayerwiseConfig.check): no chunks, no temperature, no positions
     module.chunk, module.temperature, module.positions = None, NoQueryTemperature(), no_positions
     module.span = WindowSpan(module.window) if module.window else causal_span
-    rotary = config.rotary_of(layer_index)
+    rotary = spec.rotary
     module.uses_rotary = rotary is not None
     module.interleaved = rotary is not None and rotary.interleaved
     module.scale = config.attention.scale
-    module.score_mod = config.score_mod_of(layer_index)
+    module.score_mod = spec.score_mod
     module.norm_eps, module.norm_offset = config.norm.eps, config.norm.offset
     gen = as_generator(rng)
     q_width = module.num_heads * module.head_dim
@@ -331,7 +331,7 @@ class KVReaderAttention(_LayerwiseAttention):
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         _common(self, config, layer_index, rng)
-        self.owner_index = config.layerwise.kv_owners(config.layer_types)[layer_index]
+        self.owner_index = config.layers[layer_index].kv_owner
         if self.owner_index is None:
             raise ValueError(f"layer {layer_index} computes its own keys and values: it is no KVReaderAttention")
         self.shared = SharedKV()  # replaced by the owner's when the model connects its layers

@@ -7,7 +7,7 @@ k ``num_experts_per_tok``, F ``moe_intermediate_size``, Fs ``shared_expert_inter
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ from ..init import as_generator, normal
 from ..kernels import experts as _experts
 from ..kernels.linear import linear, linear_backward
 from ..kernels.routing import ROUTERS
-from .gated_mlp import GatedMLP
+from .gated_mlp import GatedMLP, check_mlp_kind
 from .identity import Zero
 from .router import Router
 
@@ -166,8 +166,8 @@ class GatedSharedExpert(GatedMLP):
 
     Parameters
     ----------
-    config : DecoderConfig or namespace
-        As :class:`GatedMLP`'s (``intermediate_size`` the shared expert's width).
+    hidden_size, intermediate_size, activation
+        As :class:`GatedMLP`'s (``intermediate_size`` the shared expert's width; no biases).
     rng : numpy.random.Generator or int, optional
 
     Attributes
@@ -180,10 +180,11 @@ class GatedSharedExpert(GatedMLP):
     x : (..., D) -> (..., D).
     """
 
-    def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", *,
+                 rng: np.random.Generator | int | None = None) -> None:
         gen = as_generator(rng)
-        gate = normal(gen, (config.hidden_size, 1), std=0.02)  # drawn first, as the mixture drew it before
-        super().__init__(config, rng=gen)
+        gate = normal(gen, (hidden_size, 1), std=0.02)  # drawn first, as the mixture drew it before
+        super().__init__(hidden_size, intermediate_size, activation, rng=gen)
         self.register_parameter("W_shared_gate", gate)
 
     def forward(self, x: Any) -> np.ndarray:
@@ -211,14 +212,13 @@ class GatedSharedExpert(GatedMLP):
         return grad_x + grad_xg
 
 
-def _shared_expert(config, rng: np.random.Generator) -> Module:
+def _shared_expert(hidden_size: int, part: ExpertsConfig, activation: str, rng: np.random.Generator) -> Module:
     """The shared expert the experts part describes: none (a :class:`~attnkit.layers.identity.Zero`), a
     :class:`GatedMLP` or a :class:`GatedSharedExpert`, without biases."""
-    part = config.experts
     if not part.shared_expert_intermediate_size:
         return Zero()
-    shared = replace(config, intermediate_size=part.shared_expert_intermediate_size, mlp_bias=False)
-    return (GatedSharedExpert if part.shared_expert_gate else GatedMLP)(shared, rng=rng)
+    kind = GatedSharedExpert if part.shared_expert_gate else GatedMLP
+    return kind(hidden_size, part.shared_expert_intermediate_size, activation, rng=rng)
 
 
 class MixtureOfExperts(Module):
@@ -234,8 +234,12 @@ class MixtureOfExperts(Module):
 
     Parameters
     ----------
-    config : DecoderConfig
-        Reads ``hidden_size``, ``activation`` and ``experts``.
+    hidden_size : int
+        D.
+    experts : ExpertsConfig
+        The experts, their router and the shared expert.
+    activation : {"silu", "gelu", "gelu_tanh", "relu", "relu2"}, default "silu"
+        The experts' gate activation.
     rng : numpy.random.Generator or int, optional
         Source of the ``N(0, 0.02^2)`` initial weights (biases start at zero).
 
@@ -261,12 +265,10 @@ class MixtureOfExperts(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig, ExpertsConfig
+    >>> from attnkit.models import ExpertsConfig
     >>> part = ExpertsConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=5, layers=(0,),
     ...                      shared_expert_intermediate_size=7, shared_expert_gate=True)
-    >>> cfg = DecoderConfig(family="qwen3_next", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, experts=part)
-    >>> moe = MixtureOfExperts(cfg, rng=0)
+    >>> moe = MixtureOfExperts(4, part, "silu", rng=0)
     >>> y = moe(np.ones((2, 3, 4)))
     >>> y.shape, moe.backward(np.ones_like(y)).shape, moe.W_gate.shape, moe.shared_expert.W_gate.shape
     ((2, 3, 4), (2, 3, 4), (3, 4, 5), (4, 7))
@@ -277,13 +279,18 @@ class MixtureOfExperts(Module):
                           "W_shared_gate": "shared_expert.W_shared_gate", "shared_experts": "shared_expert"}
     FORWARD_ONLY_HOOKS = ("hook_expert_indices",)
 
-    def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
+    def __init__(self, hidden_size: int, experts: ExpertsConfig, activation: str = "silu", *,
+                 rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
-        part = config.experts
+        if not isinstance(experts, ExpertsConfig):
+            raise TypeError(f"experts must be an ExpertsConfig, got {type(experts).__name__}")
+        part = experts
         gen = as_generator(rng)
-        d, f, e = config.hidden_size, part.moe_intermediate_size, part.num_experts
+        d = check_positive_int(hidden_size, "hidden_size", maximum=_MAX_SIZE)
+        f, e = part.moe_intermediate_size, part.num_experts
+        activation, _ = check_mlp_kind(activation, False)
         self.hidden_size, self.num_experts, self.top_k = d, e, part.num_experts_per_tok
-        self.activation, self.limit, self.alpha = config.activation, part.swiglu_limit, float(part.swiglu_alpha)
+        self.activation, self.limit, self.alpha = activation, part.swiglu_limit, float(part.swiglu_alpha)
         self.weigh_inputs = part.weigh_inputs
         self.router = Router(d, part, rng=gen)
         for name, shape in (("W_gate", (e, d, f)), ("W_up", (e, d, f)), ("W_down", (e, f, d))):
@@ -291,7 +298,7 @@ class MixtureOfExperts(Module):
         if part.expert_bias:
             for name, shape in (("b_gate", (e, f)), ("b_up", (e, f)), ("b_down", (e, d))):
                 self.register_parameter(name, np.zeros(shape))
-        self.shared_expert = _shared_expert(config, gen)
+        self.shared_expert = _shared_expert(d, part, activation, gen)
 
     def extra_repr(self) -> str:
         e, d, f = self.W_gate.shape

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_features, check_grad_output
+from .._validation import check_factor, check_features, check_grad_output, check_positive_int
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import decode_step as _step
@@ -16,10 +16,26 @@ from ..kernels import gated_mlp as _gated
 from ..kernels.activations import ACTIVATIONS, activation_forward
 from ..kernels.linear import product
 
-__all__ = ["GatedMLP", "ScaledGatedMLP"]
+__all__ = ["GatedMLP", "ScaledGatedMLP", "check_mlp_sizes", "check_mlp_kind"]
 
 _NAMES = ("W_gate", "W_up", "W_down")
 _BIASES = ("b_gate", "b_up", "b_down")
+_MAX_SIZE = 2**31 - 1
+
+
+def check_mlp_sizes(hidden_size: int, intermediate_size: int) -> tuple[int, int]:
+    """``(hidden_size, intermediate_size)`` of an MLP, each a positive int (else a ValueError naming it)."""
+    return (check_positive_int(hidden_size, "hidden_size", maximum=_MAX_SIZE),
+            check_positive_int(intermediate_size, "intermediate_size", maximum=_MAX_SIZE))
+
+
+def check_mlp_kind(activation: str, bias: bool) -> tuple[str, bool]:
+    """``(activation, bias)`` of an MLP: a name of :data:`attnkit.kernels.activations.ACTIVATIONS` and a bool."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias must be True or False, got {bias!r}")
+    return activation, bias
 
 
 class GatedMLP(Module):
@@ -27,8 +43,13 @@ class GatedMLP(Module):
 
     Parameters
     ----------
-    config : DecoderConfig
-        Reads ``hidden_size``, ``intermediate_size``, ``activation`` and ``mlp_bias``.
+    hidden_size : int
+        D.
+    intermediate_size : int
+        F.
+    activation : {"silu", "gelu", "gelu_tanh", "relu", "relu2"}, default "silu"
+    bias : bool, default False
+        Biases on the three projections.
     rng : numpy.random.Generator or int, optional
         Source of the ``N(0, 0.02^2)`` initial weights (biases start at zero).
 
@@ -44,21 +65,17 @@ class GatedMLP(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
-    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6)
-    >>> mlp = GatedMLP(cfg, rng=0)
+    >>> mlp = GatedMLP(4, 6, "silu", rng=0)
     >>> y = mlp(np.ones((2, 3, 4)))
     >>> y.shape, mlp.backward(np.ones_like(y)).shape, sorted(mlp.grads)
     ((2, 3, 4), (2, 3, 4), ['W_down', 'W_gate', 'W_up'])
     """
 
-    def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False, *,
+                 rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
-        if config.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {config.activation!r}")
-        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
-        self.activation, self.bias = config.activation, config.mlp_bias
+        self.hidden_size, self.intermediate_size = check_mlp_sizes(hidden_size, intermediate_size)
+        self.activation, self.bias = check_mlp_kind(activation, bias)
         gen = as_generator(rng)
         d, f = self.hidden_size, self.intermediate_size
         for name, shape in zip(_NAMES, ((d, f), (d, f), (f, d))):
@@ -128,8 +145,10 @@ class ScaledGatedMLP(GatedMLP):
 
     Parameters
     ----------
-    config : DecoderConfig
-        :class:`GatedMLP`'s fields and ``mlp_multipliers`` (gate, output).
+    hidden_size, intermediate_size, activation, bias
+        As :class:`GatedMLP`'s.
+    gate_scale, output_scale : float, default 1.0
+        m_gate and m_down (Falcon-H1's ``mlp_multipliers``).
     rng : numpy.random.Generator or int, optional
 
     Shapes
@@ -138,19 +157,18 @@ class ScaledGatedMLP(GatedMLP):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
-    >>> cfg = DecoderConfig(family="falcon_h1", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="scaled_gated",
-    ...                     mlp_multipliers=(0.5, 2.0))
-    >>> mlp = ScaledGatedMLP(cfg, rng=0)
+    >>> mlp = ScaledGatedMLP(4, 6, "silu", gate_scale=0.5, output_scale=2.0, rng=0)
     >>> y = mlp(np.ones((2, 3, 4)))
     >>> y.shape, mlp.backward(np.ones_like(y)).shape, mlp.gate_scale, mlp.output_scale
     ((2, 3, 4), (2, 3, 4), 0.5, 2.0)
     """
 
-    def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
-        super().__init__(config, rng=rng)
-        self.gate_scale, self.output_scale = (float(m) for m in config.mlp_multipliers)
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False, *,
+                 gate_scale: float = 1.0, output_scale: float = 1.0,
+                 rng: np.random.Generator | int | None = None) -> None:
+        super().__init__(hidden_size, intermediate_size, activation, bias, rng=rng)
+        self.gate_scale = check_factor(gate_scale, "gate_scale")
+        self.output_scale = check_factor(output_scale, "output_scale")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gate_scale={self.gate_scale}, output_scale={self.output_scale}"

@@ -2,16 +2,15 @@
 
 Dimension letters: B batch, L new tokens, D ``hidden_size``.
 
-The config is read once, when the block is built: which norm sits before and after each branch (an
-:class:`~attnkit.layers.identity.Identity` where there is none), which token mixer (:data:`MIXERS`, by the
-layer's type and the attention's kind), which MLP (:data:`MLPS`), and how the residuals join (:data:`BLOCKS`).
+The config is read once, when the block is built, through the layer's spec (``config.layers[i]``, a
+:class:`~attnkit.models.layer_spec.LayerSpec`): which norm sits before and after each branch (an
+:class:`~attnkit.layers.identity.Identity` where there is none), which token mixer (:data:`MIXERS`), which MLP
+(:data:`MLPS`), and how the residuals join (:data:`BLOCKS`): table lookups by the kinds the spec names.
 forward and backward read no setting.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,8 +37,12 @@ from .ungated_mlp import UngatedMLP
 from .xielu_mlp import XIELUMLP
 
 __all__ = ["LMBlock", "ParallelLMBlock", "MixerOnlyBlock", "MLPOnlyBlock", "LayerwiseBlock", "PerLayerInputBlock",
-           "BLOCKS", "MIXERS",
-           "SHARED_KV_MIXERS", "MLPS", "make_norm", "make_block"]
+           "BLOCKS", "MIXERS", "MLPS", "make_norm", "make_block"]
+
+
+def _absent_branch() -> tuple[Module, Module, Module, Module]:
+    """The norm, sublayer, post-norm and scale of a branch a layer does not have: four identities."""
+    return Identity(), Identity(), Identity(), Identity()
 
 
 def make_norm(config) -> Module:
@@ -61,40 +64,65 @@ def _branch_scale(config) -> Module:
     return Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
 
 
-def _plain_mlp(config, *, rng: np.random.Generator) -> FeedForward:
-    mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, rng=rng)
+def _gated_mlp(config, spec, *, rng: np.random.Generator) -> GatedMLP:
+    return GatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias, rng=rng)
+
+
+def _scaled_gated_mlp(config, spec, *, rng: np.random.Generator) -> ScaledGatedMLP:
+    gate_scale, output_scale = config.mlp_multipliers
+    return ScaledGatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias,
+                          gate_scale=gate_scale, output_scale=output_scale, rng=rng)
+
+
+def _ungated_mlp(config, spec, *, rng: np.random.Generator) -> UngatedMLP:
+    return UngatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias, rng=rng)
+
+
+def _xielu_mlp(config, spec, *, rng: np.random.Generator) -> XIELUMLP:
+    return XIELUMLP(config.hidden_size, spec.intermediate_size, rng=rng)
+
+
+def _plain_mlp(config, spec, *, rng: np.random.Generator) -> FeedForward:
+    mlp = FeedForward(config.hidden_size, spec.intermediate_size, config.activation, rng=rng)
     for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
         setattr(mlp, name, normal(rng, mlp._parameters[name].shape, std=0.02))
     return mlp
+
+
+def _experts(config, spec, *, rng: np.random.Generator) -> MixtureOfExperts:
+    return MixtureOfExperts(config.hidden_size, config.experts, config.activation, rng=rng)
 
 
 def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> MultiHeadLatentAttention:
     return MultiHeadLatentAttention(config.latent, layer_index, rng=rng)
 
 
-MLPS: dict[str, Callable[..., Module]] = {"gated": GatedMLP, "plain": _plain_mlp, "xielu": XIELUMLP,
-                                          "ungated": UngatedMLP, "scaled_gated": ScaledGatedMLP,
-                                          "experts": MixtureOfExperts}
-"""The MLP of each kind ``DecoderConfig.mlp_of(layer)`` names: ``build(config, rng=...)``."""
+MLPS: dict[str, Callable[..., Module]] = {"gated": _gated_mlp, "plain": _plain_mlp, "xielu": _xielu_mlp,
+                                          "ungated": _ungated_mlp, "scaled_gated": _scaled_gated_mlp,
+                                          "experts": _experts}
+"""The MLP of each kind a layer's spec names (``LayerSpec.mlp``): ``build(config, spec, rng=...)``, the module
+made from its own sizes (the spec's width, the model's hidden size, activation and biases)."""
 
 MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttention,
                                             "sliding_attention": GroupedQueryAttention,
                                             "chunked_attention": GroupedQueryAttention,
                                             "gated_attention": GatedAttention,
+                                            "latent_attention": _latent_attention,
+                                            "kv_owner_attention": KVOwnerAttention,
+                                            "kv_reader_attention": KVReaderAttention,
                                             "linear_attention": GatedDeltaNetMixer,
                                             "kimi_delta_attention": KimiDeltaAttentionMixer,
                                             "short_conv": ShortConvMixer,
                                             "mamba2": Mamba2Mixer,
                                             "attention_mamba2": AttentionMamba2Mixer}
-"""The token mixer of each layer type (``DecoderConfig.layer_types``): ``build(config, layer_index, rng=...)``.
+"""The token mixer of each kind a layer's spec names (``LayerSpec.mixer``): ``build(config, layer_index,
+rng=...)``, the layer reading its own settings from ``config.layers[layer_index]``.
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``
-and ``backward``; a new kind of layer or of attention is a new entry here."""
-
-
-SHARED_KV_MIXERS: dict[str, Callable[..., Module]] = {"owner": KVOwnerAttention, "reader": KVReaderAttention}
-"""The token mixers of a :class:`LayerwiseBlock` (a config with ``layerwise``): the layers that compute their
-keys and values, and those that reuse an earlier layer's (:mod:`attnkit.attention.shared_kv`)."""
+and ``backward``; a new kind of layer or of attention is a new entry here. ``latent_attention``: every attention
+layer of a config with the ``latent`` part; ``kv_owner_attention`` / ``kv_reader_attention``: the layers of a
+config with the ``layerwise`` part that compute their keys and values, and those that reuse an earlier layer's
+(:mod:`attnkit.attention.shared_kv`)."""
 
 
 class LMBlock(Module):
@@ -109,9 +137,9 @@ class LMBlock(Module):
     Parameters
     ----------
     config : DecoderConfig
-        ``norm`` (kind and placement), the layer's MLP (``mlp_of(layer_index)``, :data:`MLPS`) and its token
-        mixer (:meth:`mixer_of`): by its type (:data:`MIXERS`: grouped-query attention, gated attention or a Gated
-        DeltaNet), or multi-head latent attention in every layer with the ``latent`` part.
+        ``norm`` (kind and placement), and the layer's spec (``config.layers[layer_index]``): its token mixer
+        (:data:`MIXERS`) and its MLP (:data:`MLPS`) by the kinds it names; a branch the spec has none of (a layer
+        of its mixer or its MLP alone) is four identities.
     layer_index : int
     rng : numpy.random.Generator or int, optional
 
@@ -138,23 +166,22 @@ class LMBlock(Module):
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         gen = as_generator(rng)
-        norm, scale = partial(_optional_norm, config), partial(_branch_scale, config)
-        self.attn_norm = norm(config.norm.before)
-        self.attention = self.mixer_of(config, layer_index)(config, layer_index, rng=gen)
-        self.attn_post_norm = norm(config.norm.after)
-        self.attn_scale = scale()
-        self.mlp_norm = norm(config.norm.before)
-        self.mlp = MLPS[config.mlp_of(layer_index)](config, rng=gen)
-        self.mlp_post_norm = norm(config.norm.after)
-        self.mlp_scale = scale()
-
-    @staticmethod
-    def mixer_of(config, layer_index: int) -> Callable[..., Module]:
-        """The builder of layer ``layer_index``'s token mixer: multi-head latent attention for its attention
-        layers with the ``latent`` part (a state layer beside them keeps its kind: Kimi Linear), else
-        :data:`MIXERS`' entry for the layer's type."""
-        kind = config.layer_types[layer_index]
-        return _latent_attention if config.latent is not None and kind == "full_attention" else MIXERS[kind]
+        spec = config.layers[layer_index]
+        # A branch the layer does not have (a layer of its mixer or its MLP alone) is four identities.
+        if spec.mixer is None:
+            self.attn_norm, self.attention, self.attn_post_norm, self.attn_scale = _absent_branch()
+        else:
+            self.attn_norm = _optional_norm(config, config.norm.before)
+            self.attention = MIXERS[spec.mixer](config, layer_index, rng=gen)
+            self.attn_post_norm = _optional_norm(config, config.norm.after)
+            self.attn_scale = _branch_scale(config)
+        if spec.mlp is None:
+            self.mlp_norm, self.mlp, self.mlp_post_norm, self.mlp_scale = _absent_branch()
+        else:
+            self.mlp_norm = _optional_norm(config, config.norm.before)
+            self.mlp = MLPS[spec.mlp](config, spec, rng=gen)
+            self.mlp_post_norm = _optional_norm(config, config.norm.after)
+            self.mlp_scale = _branch_scale(config)
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre`` (the block's input), ``hook_attn_out`` and ``hook_mlp_out`` (what each branch adds
@@ -281,15 +308,6 @@ class MixerOnlyBlock(LMBlock):
     ('MixerOnlyBlock', 'Identity', (1, 3, 8), (1, 3, 8))
     """
 
-    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
-        Module.__init__(self)
-        gen = as_generator(rng)
-        self.attn_norm = _optional_norm(config, config.norm.before)
-        self.attention = self.mixer_of(config, layer_index)(config, layer_index, rng=gen)
-        self.attn_post_norm = _optional_norm(config, config.norm.after)
-        self.attn_scale = _branch_scale(config)
-        self.mlp_norm, self.mlp, self.mlp_post_norm, self.mlp_scale = Identity(), Identity(), Identity(), Identity()
-
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre``, ``hook_attn_out`` (what the mixer adds), ``hook_resid_post``; all (B, L, D)."""
         return ("hook_resid_pre", "hook_attn_out", "hook_resid_post")
@@ -327,16 +345,6 @@ class MLPOnlyBlock(LMBlock):
     ('MLPOnlyBlock', 'Identity', (1, 3, 8), (1, 3, 8))
     """
 
-    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
-        Module.__init__(self)
-        gen = as_generator(rng)
-        self.attn_norm, self.attention, self.attn_post_norm, self.attn_scale = (Identity(), Identity(), Identity(),
-                                                                                Identity())
-        self.mlp_norm = _optional_norm(config, config.norm.before)
-        self.mlp = MLPS[config.mlp_of(layer_index)](config, rng=gen)
-        self.mlp_post_norm = _optional_norm(config, config.norm.after)
-        self.mlp_scale = _branch_scale(config)
-
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre``, ``hook_mlp_out`` (what the MLP adds), ``hook_resid_post``; all (B, L, D)."""
         return ("hook_resid_pre", "hook_mlp_out", "hook_resid_post")
@@ -355,13 +363,14 @@ class MLPOnlyBlock(LMBlock):
 
 class LayerwiseBlock(LMBlock):
     """Gemma 4's layer without per-layer inputs: :class:`LMBlock` (norms before and after each branch), its
-    output times a learned ``layer_scalar`` (1,), and its token mixer from :data:`SHARED_KV_MIXERS` (a layer
-    that reuses an earlier layer's keys and values reads them; the others own theirs)::
+    output times a learned ``layer_scalar`` (1,), and its token mixer a ``kv_reader_attention`` or a
+    ``kv_owner_attention`` of :data:`MIXERS` (a layer that reuses an earlier layer's keys and values reads them;
+    the others own theirs)::
 
         y = layer_scalar * (m + mlp_post_norm(mlp(mlp_norm(m)))),  m = x + attn_post_norm(attention(attn_norm(x)))
 
-    The block is built with its layer's MLP width (``layerwise.intermediate_size_of``: the layers that reuse keys
-    and values may have a double-wide MLP). Hook points are LMBlock's, ``hook_resid_post`` after the scalar.
+    The block is built with its layer's MLP width (its spec's: the layers that reuse keys and values may have a
+    double-wide MLP). Hook points are LMBlock's, ``hook_resid_post`` after the scalar.
 
     Shapes
     ------
@@ -369,16 +378,8 @@ class LayerwiseBlock(LMBlock):
     """
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
-        super().__init__(replace(config, intermediate_size=config.layerwise.intermediate_size_of(config, layer_index)),
-                         layer_index, rng=rng)
+        super().__init__(config, layer_index, rng=rng)
         self.register_parameter("layer_scalar", np.ones(1))
-
-    @staticmethod
-    def mixer_of(config, layer_index: int) -> Callable[..., Module]:
-        """:data:`SHARED_KV_MIXERS`' reader for a layer that reuses an earlier layer's keys and values, else its
-        owner."""
-        reads = config.layerwise.kv_owners(config.layer_types)[layer_index] is not None
-        return SHARED_KV_MIXERS["reader" if reads else "owner"]
 
     def _residuals(self, x: np.ndarray, kwargs: dict):
         y, weights = super()._residuals(x, kwargs)  # (B, L, D)
@@ -479,10 +480,10 @@ class PerLayerInputBlock(LayerwiseBlock):
 BLOCKS: dict[str, type[LMBlock]] = {"sequential": LMBlock, "parallel": ParallelLMBlock,
                                     "mixer_only": MixerOnlyBlock, "mlp_only": MLPOnlyBlock,
                                     "layerwise": LayerwiseBlock, "per_layer_input": PerLayerInputBlock}
-"""The block of each kind ``DecoderConfig.block_of(layer)`` names: a ``residual`` kind (``"single"`` is one of the
-two one-branch blocks, by the layer's type), or a ``LayerwiseConfig.block`` kind."""
+"""The block of each kind a layer's spec names (``LayerSpec.block``): a ``residual`` kind (``"single"`` is one of
+the two one-branch blocks, by the layer's type), or a ``LayerwiseConfig.block`` kind."""
 
 
 def make_block(config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> LMBlock:
     """Layer ``layer_index`` of the decoder ``config`` describes, composed from its parts."""
-    return BLOCKS[config.block_of(layer_index)](config, layer_index, rng=rng)
+    return BLOCKS[config.layers[layer_index].block](config, layer_index, rng=rng)

@@ -12,8 +12,9 @@ import numpy as np
 from .._validation import check_features, check_grad_output
 from ..core.module import Module
 from ..init import as_generator, normal
-from ..kernels.activations import ACTIVATIONS, activation_backward, activation_forward
+from ..kernels.activations import activation_backward, activation_forward
 from ..kernels.linear import linear, linear_backward
+from .gated_mlp import check_mlp_kind, check_mlp_sizes
 
 __all__ = ["UngatedMLP"]
 
@@ -23,8 +24,13 @@ class UngatedMLP(Module):
 
     Parameters
     ----------
-    config : DecoderConfig
-        Reads ``hidden_size``, ``intermediate_size``, ``activation`` and ``mlp_bias``.
+    hidden_size : int
+        D.
+    intermediate_size : int
+        F.
+    activation : {"silu", "gelu", "gelu_tanh", "relu", "relu2"}, default "relu2"
+    bias : bool, default False
+        Biases on both projections.
     rng : numpy.random.Generator or int, optional
         Source of the ``N(0, 0.02^2)`` initial weights (biases start at zero).
 
@@ -39,21 +45,17 @@ class UngatedMLP(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
-    >>> cfg = DecoderConfig(family="nemotron_h", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="ungated", activation="relu2")
-    >>> mlp = UngatedMLP(cfg, rng=0)
+    >>> mlp = UngatedMLP(4, 6, "relu2", rng=0)
     >>> y = mlp(np.ones((2, 3, 4)))
     >>> y.shape, mlp.backward(np.ones_like(y)).shape, sorted(mlp.grads)
     ((2, 3, 4), (2, 3, 4), ['W_down', 'W_up'])
     """
 
-    def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "relu2", bias: bool = False, *,
+                 rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
-        if config.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {config.activation!r}")
-        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
-        self.activation, self.bias = config.activation, config.mlp_bias
+        self.hidden_size, self.intermediate_size = check_mlp_sizes(hidden_size, intermediate_size)
+        self.activation, self.bias = check_mlp_kind(activation, bias)
         gen = as_generator(rng)
         d, f = self.hidden_size, self.intermediate_size
         self.register_parameter("W_up", normal(gen, (d, f), std=0.02))

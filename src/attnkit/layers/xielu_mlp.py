@@ -15,6 +15,7 @@ from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import xielu as _xielu
 from ..kernels.linear import linear, linear_backward
+from .gated_mlp import check_mlp_sizes
 
 __all__ = ["XIELUMLP"]
 
@@ -30,8 +31,10 @@ class XIELUMLP(Module):
 
     Parameters
     ----------
-    config : DecoderConfig
-        Reads ``hidden_size`` and ``intermediate_size``.
+    hidden_size : int
+        D.
+    intermediate_size : int
+        F.
     rng : numpy.random.Generator or int, optional
         Source of the ``N(0, 0.02^2)`` initial weights (xIELU's parameters start as transformers' do).
 
@@ -45,18 +48,16 @@ class XIELUMLP(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
-    >>> cfg = DecoderConfig(family="apertus", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, mlp="xielu")
-    >>> mlp = XIELUMLP(cfg, rng=0)
+    >>> mlp = XIELUMLP(4, 6, rng=0)
     >>> y = mlp(np.ones((2, 3, 4)))
     >>> y.shape, mlp.backward(np.ones_like(y)).shape, sorted(mlp.grads)
     ((2, 3, 4), (2, 3, 4), ['W_down', 'W_up', 'alpha_n', 'alpha_p', 'beta', 'eps'])
     """
 
-    def __init__(self, config, *, rng: np.random.Generator | int | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, *,
+                 rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
-        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
+        self.hidden_size, self.intermediate_size = check_mlp_sizes(hidden_size, intermediate_size)
         gen = as_generator(rng)
         d, f = self.hidden_size, self.intermediate_size
         self.register_parameter("W_up", normal(gen, (d, f), std=0.02))

@@ -3,6 +3,7 @@
 - :class:`TokenTagger`: embedding + encoder + projection, one class per token;
 - :class:`DecoderConfig`: the architecture of a decoder-only language model, read from a Hugging Face
   ``config.json`` by :mod:`attnkit.pretrained` (one module per family in :mod:`attnkit.pretrained.families`);
+- :class:`LayerSpec`: what one decoder layer is (``DecoderConfig.layers``: its mixer, MLP, sizes and cache);
 - :class:`CausalLM`: the decoder-only language model a :class:`DecoderConfig` describes;
 - :class:`MultiTokenPredictor`: a checkpoint's multi-token-prediction layers on a :class:`CausalLM` (a draft);
 - :class:`Seq2SeqTransformer`: embeddings + encoder-decoder Transformer + head, with greedy and beam search.
@@ -18,12 +19,14 @@ from .config import (
     Seq2SeqConfig,
     TokenTaggerConfig,
 )
+from .layer_spec import LayerSpec
 from .layerwise import LayerwiseConfig
 from .multi_token import MultiTokenPredictor
 from .seq2seq import Seq2SeqTransformer
 from .token_tagger import TokenTagger, token_accuracy, train_step
 
-__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "AttentionMamba2Config", "ExpertsConfig", "LayerwiseConfig",
+__all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "AttentionMamba2Config", "ExpertsConfig", "LayerSpec",
+           "LayerwiseConfig",
            "MultiTokenPredictor",
            "NormConfig",
            "RotaryConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",

@@ -27,7 +27,7 @@ from ..layers.identity import Identity, Scale
 from ..layers.lm_block import make_block, make_norm
 from ..layers.per_layer_input import PerLayerInputs
 from ..layers.rotary import RotaryEmbedding
-from .config import PAIRED_LAYER_TYPES, STATE_LAYER_TYPES, DecoderConfig
+from .config import DecoderConfig
 
 __all__ = ["CausalLM", "EarlyExit", "positions_from_mask"]
 
@@ -110,7 +110,7 @@ class CausalLM(Module):
         # One table of each rotary, and head width, the layers use (Gemma 3's sliding layers rotate with a base of
         # their own, Gemma 4's global layers over wider heads; a NoPE layer with none): self.rotary,
         # self.sliding_rotary, and which of them each layer reads.
-        uses = [(config.rotary_of(i), config.head_dim_of(i)) for i in range(config.num_layers)]
+        uses = [(spec.rotary, spec.head_dim) for spec in config.layers]
         self.rotary = self.sliding_rotary = None
         tables = {}
         for name, rotary in (("rotary", config.rotary),
@@ -121,8 +121,7 @@ class CausalLM(Module):
                 tables[name] = use
         self.layer_rotary = tuple(next((name for name, u in tables.items() if u == use), None) for use in uses)
         self.layers = ModuleList([make_block(config, i, rng=gen) for i in range(config.num_layers)])
-        if config.layerwise is not None:  # the layers reusing keys and values read their owners'
-            connect_shared_kv([layer.attention for layer in self.layers])
+        connect_shared_kv([layer.attention for layer in self.layers])  # a reader of keys and values, its owner's
         # The inputs every block reads its slice of, by the block's keyword -> the module making them: Gemma 4's
         # per-layer inputs, or none.
         self.layer_inputs = {"per_layer_input": "per_layer_inputs"} if config.layerwise is not None and \
@@ -186,11 +185,11 @@ class CausalLM(Module):
             return f"a {kind} layer (its MLP alone, no token mixer)"
         if kind == "attention_mamba2":
             return f"an {kind} layer (attention beside a Mamba-2 mixer)"
-        if c.latent is not None:
+        spec = c.layers[index]
+        if spec.mixer == "latent_attention":
             return f"a {kind} layer with multi-head latent attention"
-        owner = None if c.layerwise is None else c.layerwise.kv_owners(c.layer_types)[index]
-        if owner is not None:
-            return f"a {kind} layer that reuses layer {owner}'s keys and values"
+        if spec.kv_owner is not None:
+            return f"a {kind} layer that reuses layer {spec.kv_owner}'s keys and values"
         return f"a {kind} layer"
 
     def layer_hook_points(self, index: int) -> list[str]:
@@ -238,34 +237,28 @@ class CausalLM(Module):
 
     def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0,
                   num_layers: int | None = None) -> KVCache | LatentCache:
-        """An empty cache for this model: a :class:`~attnkit.decoding.cache.LatentCache` of every attention layer's
-        latents for latent attention (and the states of the state layers beside them), else a
-        :class:`~attnkit.decoding.cache.KVCache` with ring buffers for sliding layers (``rollback`` slots beyond
-        each window, see :class:`~attnkit.decoding.cache.KVCache`), a fixed-size state for each linear-attention
-        layer (its mixer's ``new_cache``) and nothing for a layer of the MLP alone. ``num_layers``: for the first
-        layers only (an :meth:`early_exit`'s). A layer with attention beside a state-space mixer keeps both (a
-        ``paired`` layer of the cache)."""
+        """An empty cache for this model, made from what each layer's spec says its entry holds
+        (``LayerSpec.cache``): a :class:`~attnkit.decoding.cache.LatentCache` when a layer keeps the latents of
+        latent attention (the states of the state layers beside them), else a
+        :class:`~attnkit.decoding.cache.KVCache`: keys and values (a ring buffer for a sliding layer, ``rollback``
+        slots beyond its window, see :class:`~attnkit.decoding.cache.KVCache`), a fixed-size state (the layer's
+        mixer's ``new_cache``), both for a layer with attention beside a state-space mixer (a ``paired`` layer of
+        the cache), nothing for a layer that reads another's keys and values or is its MLP alone. ``num_layers``:
+        for the first layers only (an :meth:`early_exit`'s)."""
         c = self.config
         n = c.num_layers if num_layers is None else check_positive_int(num_layers, "num_layers",
                                                                        maximum=c.num_layers)
-        states = {i: layer.attention.new_cache(batch_size, self.dtype) for i, layer in enumerate(self.layers)
-                  if i < n and c.layer_types[i] in STATE_LAYER_TYPES + PAIRED_LAYER_TYPES}
-        if self._cache_class(n) is LatentCache:
-            return LatentCache(n, batch_size, c.latent.cache_dim, self.dtype, max_length=max_length, states=states)
-        paired = [i for i in states if c.layer_types[i] in PAIRED_LAYER_TYPES]
-        shapes = None if c.layerwise is None else c.layerwise.cache_shapes(c)[:n]
-        if "mlp" in c.layer_types[:n]:  # a layer of the MLP alone keeps nothing
-            shapes = [None if kind == "mlp" else (c.num_kv_heads, c.head_dim) for kind in c.layer_types[:n]]
+        specs = c.layers[:n]
+        states = {s.index: self.layers[s.index].attention.new_cache(batch_size, self.dtype) for s in specs
+                  if s.cache in ("state", "paired")}
+        latent = [s.index for s in specs if s.cache == "latent"]
+        if latent:
+            dim = self.layers[latent[0]].attention.cache_dim
+            return LatentCache(n, batch_size, dim, self.dtype, max_length=max_length, states=states)
+        shapes = [(s.num_kv_heads, s.head_dim) if s.cache in ("keys_values", "paired") else None for s in specs]
         return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[c.keys_kept_of(i) for i in range(n)], states=states, rollback=rollback,
-                       layer_shapes=shapes, paired=paired)
-
-    def _cache_class(self, num_layers: int) -> type:
-        """The cache of the first ``num_layers`` layers: a LatentCache when one of them is latent attention (the
-        states of the others beside it), else a KVCache."""
-        c = self.config
-        latent = c.latent is not None and any(c.layer_types[i] not in STATE_LAYER_TYPES for i in range(num_layers))
-        return LatentCache if latent else KVCache
+                       windows=[s.keys_kept for s in specs], states=states, rollback=rollback,
+                       layer_shapes=shapes, paired=[s.index for s in specs if s.cache == "paired"])
 
     def early_exit(self, num_layers: int) -> EarlyExit:
         """This model cut after its first ``num_layers`` blocks, then its final norm and head: a draft for
@@ -292,7 +285,8 @@ class CausalLM(Module):
             raise ValueError("input_ids must hold at least one token per row, got shape (B, 0)")
         past = 0
         if cache is not None:
-            expected = self._cache_class(getattr(cache, "num_layers", self.config.num_layers))
+            layers = self.config.layers[:getattr(cache, "num_layers", self.config.num_layers)]
+            expected = LatentCache if any(s.cache == "latent" for s in layers) else KVCache
             if not isinstance(cache, expected):
                 raise TypeError(f"cache must be a {expected.__name__} (from new_cache), got {type(cache).__name__}")
             if cache.batch_size != b:

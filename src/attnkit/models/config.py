@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from .._validation import check_eps, check_factor, check_positive_int, check_real
@@ -25,6 +26,7 @@ from ..layers.gated_deltanet import GatedDeltaNetConfig
 from ..layers.kimi_delta_attention import KimiDeltaAttentionConfig
 from ..layers.mamba2 import Mamba2Config
 from ..layers.short_conv import ShortConvConfig
+from .layer_spec import LayerSpec
 from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
@@ -334,7 +336,7 @@ class DecoderConfig:
     residual : {"sequential", "parallel", "single"}, default "sequential"
         ``parallel``: ``x + attention(attn_norm(x)) + mlp(mlp_norm(x))``, both branches read the block's input
         (GPT-NeoX); ``single``: each layer is one branch, ``x + mixer(attn_norm(x))``, or for an ``"mlp"`` layer
-        ``x + mlp(mlp_norm(x))`` (Nemotron-H: :meth:`block_of`).
+        ``x + mlp(mlp_norm(x))`` (Nemotron-H: each layer's ``block`` in :attr:`layers`).
     norm : NormConfig
         Which norm, its epsilon and gain offset, and where it sits (the final norm is of the same kind).
     rotary : RotaryConfig or None
@@ -406,8 +408,8 @@ class DecoderConfig:
     ...                     num_kv_heads=2, head_dim=4, intermediate_size=24)
     >>> cfg.num_groups, cfg.layer_types, cfg.norm.placement
     (2, ('full_attention', 'full_attention'), 'pre')
-    >>> cfg.window_of(1) is None
-    True
+    >>> cfg.layers[1].window is None, cfg.layers[1].mixer, cfg.layers[1].mlp
+    (True, 'full_attention', 'gated')
     """
 
     family: str
@@ -605,71 +607,72 @@ class DecoderConfig:
         """G = Hq / Hkv, the query heads that share one key/value head."""
         return self.num_heads // self.num_kv_heads
 
-    def rotary_of(self, layer: int) -> RotaryConfig | None:
-        """The rotary embedding of layer ``layer``'s queries and keys, or None (learned positions, a NoPE layer).
+    @cached_property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """What each layer is (:class:`~attnkit.models.layer_spec.LayerSpec`), resolved once from the parts: its
+        token mixer and MLP, its block, its sizes, window, rotary and q/k norm, and what its cache entry holds.
 
+        Examples
+        --------
         >>> cfg = DecoderConfig(family="gemma3_text", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
         ...                     num_kv_heads=1, head_dim=4, intermediate_size=8,
         ...                     rotary=RotaryConfig(theta=1e6, sliding_theta=1e4),
         ...                     attention=AttentionConfig(sliding_window=4),
         ...                     layer_types=("sliding_attention", "full_attention"))
-        >>> cfg.rotary_of(0).theta, cfg.rotary_of(1).theta
-        (10000.0, 1000000.0)
+        >>> [(s.rotary.theta, s.window) for s in cfg.layers]
+        [(10000.0, 4), (1000000.0, None)]
         """
-        if self.rotary is None or layer in self.rotary.skip_layers:
-            return None
-        return self.rotary.sliding() if self.window_of(layer) is not None else self.rotary
+        owners = (None,) * self.num_layers if self.layerwise is None else self.layerwise.kv_owners(self.layer_types)
+        return tuple(self._layer_spec(i, owners[i]) for i in range(self.num_layers))
 
-    def mlp_of(self, layer: int) -> str:
-        """The kind of layer ``layer``'s MLP: ``"experts"`` on the layers the ``experts`` part lists, else
-        ``mlp``."""
-        return "experts" if self.experts is not None and layer in self.experts.layers else self.mlp
-
-    def block_of(self, layer: int) -> str:
-        """The kind of block layer ``layer`` is (:data:`attnkit.layers.lm_block.BLOCKS`): the ``layerwise`` part's,
-        else ``residual``, where ``"single"`` is ``"mlp_only"`` for an ``"mlp"`` layer and ``"mixer_only"`` for the
-        others."""
-        if self.layerwise is not None:
-            return self.layerwise.block
+    def _layer_spec(self, index: int, kv_owner: int | None) -> LayerSpec:
+        kind, part = self.layer_types[index], self.layerwise
+        window = self.attention.sliding_window if kind == "sliding_attention" else None
+        chunk = self.attention.chunk_size if kind == "chunked_attention" else None
+        if self.rotary is None or index in self.rotary.skip_layers:
+            rotary = None
+        else:
+            rotary = self.rotary.sliding() if window is not None else self.rotary
         if self.residual == "single":
-            return "mlp_only" if self.layer_types[layer] == "mlp" else "mixer_only"
-        return self.residual
-
-    def head_dim_of(self, layer: int) -> int:
-        """Dh of layer ``layer``: ``head_dim``, or the ``layerwise`` part's for its global layers."""
-        return self.head_dim if self.layerwise is None else self.layerwise.head_dim_of(self, layer)
-
-    def window_of(self, layer: int) -> int | None:
-        """The sliding window W of layer ``layer``, or None for a full-attention layer."""
-        return self.attention.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-
-    def chunk_of(self, layer: int) -> int | None:
-        """The chunk C of a ``chunked_attention`` layer ``layer`` (its queries see their own chunk of C positions),
-        or None."""
-        return self.attention.chunk_size if self.layer_types[layer] == "chunked_attention" else None
-
-    def keys_kept_of(self, layer: int) -> int | None:
-        """The most recent cache slots layer ``layer`` can read: its window or its chunk, None for all."""
-        return self.window_of(layer) or self.chunk_of(layer)
-
-    def qk_norm_of(self, layer: int) -> str | None:
-        """The q/k norm of layer ``layer``: the attention part's, except that ``unit_after_rotary`` acts on the
-        rotary layers only."""
-        kind = self.attention.qk_norm
-        return None if kind == "unit_after_rotary" and self.rotary_of(layer) is None else kind
-
-    def query_temperature_of(self, layer: int) -> tuple[float, float] | None:
-        """``(floor_scale, attn_scale)`` of the query temperature of layer ``layer`` (the layers without rotary), or
-        None."""
-        return self.attention.query_temperature if self.rotary_of(layer) is None else None
-
-    def score_mod_of(self, layer: int) -> ScoreMod | None:
-        """The :mod:`attnkit.flex` score modifier of layer ``layer``'s attention, or None for plain scores.
-
-        Every layer of a family is modified alike today (Gemma 2's soft-capping); the attention layer asks
-        here, so a family whose layers differ is a change to this method, not a new flag on the layer.
-        """
-        return self.attention.score_mod()
+            block = "mlp_only" if kind == "mlp" else "mixer_only"
+        else:
+            block = self.residual if part is None else part.block
+        if kind == "mlp":
+            mixer = None
+        elif self.latent is not None and kind == "full_attention":
+            mixer = "latent_attention"
+        elif part is not None:
+            mixer = "kv_owner_attention" if kv_owner is None else "kv_reader_attention"
+        else:
+            mixer = kind
+        if block == "mixer_only":
+            mlp = None
+        else:
+            mlp = "experts" if self.experts is not None and index in self.experts.layers else self.mlp
+        head_dim, kv_heads, width = self.head_dim, self.num_kv_heads, self.intermediate_size
+        if part is not None:
+            if kind == "full_attention":
+                head_dim, kv_heads = part.global_head_dim, part.global_kv_heads
+            if part.wide_shared_mlp and kv_owner is not None:
+                width *= 2
+        if kind == "mlp":
+            cache = "none"
+        elif kind in STATE_LAYER_TYPES:
+            cache = "state"
+        elif kind in PAIRED_LAYER_TYPES:
+            cache = "paired"
+        elif mixer == "latent_attention":
+            cache = "latent"
+        else:
+            cache = "keys_values" if kv_owner is None else "shared"
+        qk_norm = self.attention.qk_norm
+        if qk_norm == "unit_after_rotary" and rotary is None:  # the unit norm acts on the rotary layers only
+            qk_norm = None
+        temperature = self.attention.query_temperature if rotary is None else None  # the NoPE layers'
+        return LayerSpec(index=index, layer_type=kind, mixer=mixer, mlp=mlp, block=block, head_dim=head_dim,
+                         num_kv_heads=kv_heads, intermediate_size=width, rotary=rotary, window=window, chunk=chunk,
+                         kv_owner=kv_owner, qk_norm=qk_norm, query_temperature=temperature, cache=cache,
+                         score_mod=self.attention.score_mod())
 
 
 _POSITIONAL = ("sinusoidal", "learned")

@@ -112,22 +112,3 @@ class LayerwiseConfig:
                                  f"no layer before them is a {kind} layer")
             owners.append(earlier[-1])
         return tuple(owners)
-
-    def head_dim_of(self, config, layer: int) -> int:
-        """Dh of layer ``layer``."""
-        return self.global_head_dim if config.layer_types[layer] == "full_attention" else config.head_dim
-
-    def kv_heads_of(self, config, layer: int) -> int:
-        """Hkv of layer ``layer``."""
-        return self.global_kv_heads if config.layer_types[layer] == "full_attention" else config.num_kv_heads
-
-    def intermediate_size_of(self, config, layer: int) -> int:
-        """F of layer ``layer``'s MLP."""
-        wide = self.wide_shared_mlp and self.kv_owners(config.layer_types)[layer] is not None
-        return config.intermediate_size * (2 if wide else 1)
-
-    def cache_shapes(self, config) -> list[tuple[int, int] | None]:
-        """(Hkv, Dh) of every layer's cache entry, None for the layers that reuse another layer's."""
-        owners = self.kv_owners(config.layer_types)
-        return [None if owners[i] is not None else (self.kv_heads_of(config, i), self.head_dim_of(config, i))
-                for i in range(config.num_layers)]

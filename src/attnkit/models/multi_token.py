@@ -155,7 +155,7 @@ class MultiTokenPredictor(Module):
         if c.latent is not None:
             return LatentCache(c.num_layers, batch_size, c.latent.cache_dim, dtype, max_length=max_length)
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype, max_length=max_length,
-                       windows=[c.window_of(i) for i in range(c.num_layers)], rollback=rollback)
+                       windows=[s.window for s in c.layers], rollback=rollback)
 
     def forward(self, input_ids: Any, hidden: Any, attention_mask: Any = None, *, position_ids: Any = None,
                 cache=None) -> np.ndarray:

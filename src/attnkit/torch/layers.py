@@ -149,10 +149,7 @@ class GatedMLP(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
-    >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6)
-    >>> [name for name, _ in GatedMLP(cfg, rng=0).named_parameters()]
+    >>> [name for name, _ in GatedMLP(4, 6, "silu", rng=0).named_parameters()]
     ['W_gate', 'W_up', 'W_down']
     """
 
@@ -290,12 +287,10 @@ class MixtureOfExperts(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig, ExpertsConfig
+    >>> from attnkit.models import ExpertsConfig
     >>> part = ExpertsConfig(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=5, layers=(0,),
     ...                      router="topk_softmax", router_bias=True, expert_bias=True, swiglu_limit=7.0)
-    >>> cfg = DecoderConfig(family="gpt_oss", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=6, experts=part)
-    >>> MixtureOfExperts(cfg, rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
+    >>> MixtureOfExperts(4, part, "silu", rng=0)(torch.ones(2, 3, 4, dtype=torch.float64)).shape
     torch.Size([2, 3, 4])
     """
 

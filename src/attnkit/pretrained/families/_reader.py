@@ -334,15 +334,15 @@ def check_rope_tables(cfg: DecoderConfig, config: Mapping[str, Any]) -> None:
     per_type = isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values())
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     checked: list[tuple[Any, int]] = []
-    for layer in range(cfg.num_layers):
-        rotary = cfg.rotary_of(layer)
+    for spec in cfg.layers:
+        rotary = spec.rotary
         if rotary is None or rotary.scaling is None:
             continue
-        use = (rotary, int(cfg.head_dim_of(layer) * min(rotary.partial_factor, 1.0)))
+        use = (rotary, int(spec.head_dim * min(rotary.partial_factor, 1.0)))
         if use in checked:
             continue
         checked.append(use)
-        kind = "sliding_attention" if cfg.window_of(layer) is not None else "full_attention"
+        kind = "sliding_attention" if spec.window is not None else "full_attention"
         where = f"{key}[{kind!r}]" if per_type else key
         _refuse_overflowing_tables(f"{cfg.family} config: {where}", rotary.theta, rotary.scaling, use[1],
                                    cfg.max_position_embeddings)

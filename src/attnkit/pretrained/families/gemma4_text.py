@@ -124,10 +124,10 @@ def gemma4_config(read: Reader) -> DecoderConfig:
                    layer_types=types, layerwise=part)
 
 
-def _layer_tensors(cfg: DecoderConfig, i: int, owner: int | None) -> list[TensorMap]:
-    part, d = cfg.layerwise, cfg.hidden_size
-    head_dim, kv = part.head_dim_of(cfg, i), part.kv_heads_of(cfg, i) * part.head_dim_of(cfg, i)
-    q, f = cfg.num_heads * head_dim, part.intermediate_size_of(cfg, i)
+def _layer_tensors(cfg: DecoderConfig, i: int) -> list[TensorMap]:
+    part, d, spec = cfg.layerwise, cfg.hidden_size, cfg.layers[i]
+    head_dim, kv = spec.head_dim, spec.num_kv_heads * spec.head_dim
+    q, f, owner = cfg.num_heads * head_dim, spec.intermediate_size, spec.kv_owner
     hf = ak = f"layers.{i}."
     attn = ak + "attention."
     projections = [("q_proj", q, "W_Q")]
@@ -160,8 +160,8 @@ def gemma4_tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[Tensor
     """The checkpoint as ``cfg`` shapes it, and the base prefix ``"model."``."""
     part, d, v = cfg.layerwise, cfg.hidden_size, cfg.vocab_size
     maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
-    for i, owner in enumerate(part.kv_owners(cfg.layer_types)):
-        maps += _layer_tensors(cfg, i, owner)
+    for i in range(cfg.num_layers):
+        maps += _layer_tensors(cfg, i)
     maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
     if part.per_layer_input_size:
         width, p = cfg.num_layers * part.per_layer_input_size, part.per_layer_input_size
@@ -178,7 +178,7 @@ def gemma4_tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[Tensor
 def unused_tensors(cfg: DecoderConfig) -> frozenset[str]:
     """The key/value projections and norms a checkpoint may still hold for the layers that reuse another
     layer's keys and values (transformers ignores them on loading; so does attnkit)."""
-    readers = [i for i, owner in enumerate(cfg.layerwise.kv_owners(cfg.layer_types)) if owner is not None]
+    readers = [spec.index for spec in cfg.layers if spec.kv_owner is not None]
     return frozenset(f"layers.{i}.self_attn.{name}.weight" for i in readers
                      for name in ("k_proj", "v_proj", "k_norm"))
 
