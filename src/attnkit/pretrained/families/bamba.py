@@ -21,7 +21,7 @@ from ...models.config import AttentionConfig, DecoderConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, rotary_config
+from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, pre_norm_tensors, rotary_config
 
 __all__ = ["FAMILY", "MAMBA_KEYS", "MAMBA2_GGUF_RENAMED", "MAMBA2_GGUF_RESTORED", "attention_tensors",
            "mamba2_config", "mamba2_tensors", "mamba2_gguf_restore"]
@@ -142,20 +142,14 @@ def attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     return maps
 
 
+def _feed_forward_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    """Llama's gated MLP under the name ``feed_forward``."""
+    return [replace(m, source=m.source.replace(".mlp.", ".feed_forward.")) for m in gated_mlp_tensors(cfg, hf, ak)]
+
+
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    d, v = cfg.hidden_size, cfg.vocab_size
-    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
-    for i, kind in enumerate(cfg.layer_types):
-        hf = ak = f"layers.{i}."
-        mixer = mamba2_tensors if kind == "mamba2" else attention_tensors
-        mlp = [replace(m, source=m.source.replace(".mlp.", ".feed_forward.")) for m in gated_mlp_tensors(cfg, hf, ak)]
-        maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
-                 *mixer(cfg, hf, ak),
-                 TensorMap(hf + "pre_ff_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"), *mlp]
-    maps.append(TensorMap("final_layernorm.weight", (d,), ("norm.gamma",), "copy"))
-    if not cfg.tie_word_embeddings:
-        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
-    return maps, "model."
+    return pre_norm_tensors(cfg, attention_tensors, _feed_forward_tensors, {"mamba2": mamba2_tensors},
+                            norms=("input_layernorm", "pre_ff_layernorm"), final_norm="final_layernorm")
 
 
 FAMILY = Family(

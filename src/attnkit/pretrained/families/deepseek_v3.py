@@ -19,6 +19,8 @@ transformers stacks them into ``gate_up_proj`` and ``down_proj``) and ``mlp.shar
 """
 from __future__ import annotations
 
+from functools import partial
+
 from ..._validation import check_factor
 from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
 from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
@@ -26,7 +28,7 @@ from ..tensor_map import TensorMap
 from . import Family
 from ._multi_token import MTP_KEYS, mtp_layer_count, multi_token_tensors
 from ._reader import COMMON_KEYS, Reader, read_rope
-from .llama import BENCHMARK_SHAPE
+from .llama import BENCHMARK_SHAPE, pre_norm_tensors
 from .qwen3_moe import mlp_tensors
 
 __all__ = ["FAMILY", "group_routed_experts", "keys", "latent_attention_tensors", "model_tensors", "read_config"]
@@ -155,18 +157,7 @@ def latent_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[Tenso
 def model_tensors(cfg: DecoderConfig, mxfp4: bool = False,
                   attention=latent_attention_tensors) -> tuple[list[TensorMap], str]:
     """Llama's embedding, norms and head around each layer's latent ``attention`` and MLP (dense or experts)."""
-    d, v = cfg.hidden_size, cfg.vocab_size
-    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
-    for i in range(cfg.num_layers):
-        hf = ak = f"layers.{i}."
-        maps.append(TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"))
-        maps += attention(cfg, hf, ak)
-        maps.append(TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"))
-        maps += mlp_tensors(cfg, hf, ak, shared="shared_experts")
-    maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
-    if not cfg.tie_word_embeddings:
-        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
-    return maps, "model."
+    return pre_norm_tensors(cfg, attention, partial(mlp_tensors, shared="shared_experts"))
 
 
 def keys() -> frozenset[str]:

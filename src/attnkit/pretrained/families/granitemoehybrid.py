@@ -34,7 +34,7 @@ from .bamba import (
     mamba2_gguf_restore,
     mamba2_tensors,
 )
-from .llama import BENCHMARK_SHAPE, rotary_config
+from .llama import BENCHMARK_SHAPE, pre_norm_tensors, rotary_config
 from .qwen3_moe import num_experts
 
 __all__ = ["FAMILY"]
@@ -115,19 +115,7 @@ def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 
 
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    d, v = cfg.hidden_size, cfg.vocab_size
-    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
-    for i, kind in enumerate(cfg.layer_types):
-        hf = ak = f"layers.{i}."
-        mixer = mamba2_tensors if kind == "mamba2" else attention_tensors
-        maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
-                 *mixer(cfg, hf, ak),
-                 TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"),
-                 *_mlp_tensors(cfg, hf, ak)]
-    maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
-    if not cfg.tie_word_embeddings:
-        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
-    return maps, "model."
+    return pre_norm_tensors(cfg, attention_tensors, _mlp_tensors, {"mamba2": mamba2_tensors})
 
 
 def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
 from .deepseek_v3 import latent_attention_tensors
-from .llama import BENCHMARK_SHAPE
+from .llama import BENCHMARK_SHAPE, pre_norm_tensors
 from .qwen3_moe import mlp_tensors
 
 __all__ = ["FAMILY"]
@@ -188,19 +188,7 @@ def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 
 
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    d, v = cfg.hidden_size, cfg.vocab_size
-    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
-    for i, kind in enumerate(cfg.layer_types):
-        hf = ak = f"layers.{i}."
-        mixer = _kda_tensors if kind == "kimi_delta_attention" else latent_attention_tensors
-        maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
-                 *mixer(cfg, hf, ak),
-                 TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"),
-                 *_mlp_tensors(cfg, hf, ak)]
-    maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
-    if not cfg.tie_word_embeddings:
-        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
-    return maps, "model."
+    return pre_norm_tensors(cfg, latent_attention_tensors, _mlp_tensors, {"kimi_delta_attention": _kda_tensors})
 
 
 def _keys() -> frozenset[str]:

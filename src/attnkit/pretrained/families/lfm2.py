@@ -25,7 +25,7 @@ from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, rope_scaling, specia
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import Reader
-from .llama import BENCHMARK_SHAPE, rotary_config
+from .llama import BENCHMARK_SHAPE, pre_norm_tensors, rotary_config
 
 __all__ = ["FAMILY"]
 
@@ -139,22 +139,16 @@ def _conv_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     return maps
 
 
+def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return [TensorMap(hf + "feed_forward.w1.weight", (f, d), (ak + "mlp.W_gate",), "transpose"),
+            TensorMap(hf + "feed_forward.w3.weight", (f, d), (ak + "mlp.W_up",), "transpose"),
+            TensorMap(hf + "feed_forward.w2.weight", (d, f), (ak + "mlp.W_down",), "transpose")]
+
+
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    d, v, f = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
-    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
-    for i, kind in enumerate(cfg.layer_types):
-        hf = ak = f"layers.{i}."
-        mixer = _conv_tensors if kind == "short_conv" else _attention_tensors
-        maps += [TensorMap(hf + "operator_norm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
-                 *mixer(cfg, hf, ak),
-                 TensorMap(hf + "ffn_norm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"),
-                 TensorMap(hf + "feed_forward.w1.weight", (f, d), (ak + "mlp.W_gate",), "transpose"),
-                 TensorMap(hf + "feed_forward.w3.weight", (f, d), (ak + "mlp.W_up",), "transpose"),
-                 TensorMap(hf + "feed_forward.w2.weight", (d, f), (ak + "mlp.W_down",), "transpose")]
-    maps.append(TensorMap("embedding_norm.weight", (d,), ("norm.gamma",), "copy"))
-    if not cfg.tie_word_embeddings:
-        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
-    return maps, "model."
+    return pre_norm_tensors(cfg, _attention_tensors, _mlp_tensors, {"short_conv": _conv_tensors},
+                            norms=("operator_norm", "ffn_norm"), final_norm="embedding_norm")
 
 
 def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:

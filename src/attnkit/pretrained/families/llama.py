@@ -23,7 +23,7 @@ from . import Family
 from ._reader import COMMON_KEYS, Reader, read_rope
 
 __all__ = ["FAMILY", "BENCHMARK_SHAPE", "rotary_config", "rotary_tensors", "gated_mlp_tensors",
-           "fused_gated_mlp_tensors", "plain_tensors"]
+           "fused_gated_mlp_tensors", "plain_tensors", "pre_norm_tensors", "LayerTensors"]
 
 DEFAULTS = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             "num_key_value_heads": None}
@@ -152,6 +152,31 @@ def rotary_tensors(cfg: DecoderConfig, mlp: Callable[[DecoderConfig, str, str], 
             maps.append(TensorMap(hf + "post_feedforward_layernorm.weight", (d,), (ak + "mlp_post_norm.gamma",),
                                   "copy"))
     maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
+    if not cfg.tie_word_embeddings:
+        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
+    return maps, "model."
+
+
+LayerTensors = Callable[[DecoderConfig, str, str], list[TensorMap]]
+"""A part of a layer's checkpoint: ``(cfg, hf_prefix, attnkit_prefix) -> [TensorMap, ...]``."""
+
+
+def pre_norm_tensors(cfg: DecoderConfig, attention: LayerTensors, mlp: LayerTensors,
+                     states: Mapping[str, LayerTensors] | None = None, *,
+                     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm"),
+                     final_norm: str = "norm") -> tuple[list[TensorMap], str]:
+    """The checkpoint of a pre-norm family whose layers differ in their token mixer, and the base prefix
+    ``"model."``: the embedding; per layer its input norm (``norms[0]``), its mixer's tensors (``states[kind]`` for
+    a layer whose type ``states`` names, e.g. ``{"mamba2": ...}``, else ``attention``), the MLP's input norm
+    (``norms[1]``) and ``mlp``; the final norm and the head."""
+    d, v, states = cfg.hidden_size, cfg.vocab_size, states or {}
+    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
+    for spec in cfg.layers:
+        hf = ak = f"layers.{spec.index}."
+        mixer = states.get(spec.layer_type, attention)
+        maps += [TensorMap(f"{hf}{norms[0]}.weight", (d,), (ak + "attn_norm.gamma",), "copy"), *mixer(cfg, hf, ak),
+                 TensorMap(f"{hf}{norms[1]}.weight", (d,), (ak + "mlp_norm.gamma",), "copy"), *mlp(cfg, hf, ak)]
+    maps.append(TensorMap(f"{final_norm}.weight", (d,), ("norm.gamma",), "copy"))
     if not cfg.tie_word_embeddings:
         maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
     return maps, "model."

@@ -27,7 +27,7 @@ from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rotat
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
-from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, rotary_config
+from .llama import BENCHMARK_SHAPE, LayerTensors, gated_mlp_tensors, pre_norm_tensors, rotary_config
 
 __all__ = ["FAMILY", "HYBRID_KEYS", "hybrid_config", "hybrid_tensors", "linear_attention_tensors"]
 
@@ -121,27 +121,12 @@ def linear_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[Tenso
             TensorMap(hf + "out_proj.weight", (d, vd), (ak + "W_out",), "transpose")]
 
 
-MixerTensors = Callable[[DecoderConfig, str, str], list[TensorMap]]
-
-
-def hybrid_tensors(cfg: DecoderConfig, linear: MixerTensors = linear_attention_tensors,
-                   mlp: MixerTensors = gated_mlp_tensors) -> tuple[list[TensorMap], str]:
+def hybrid_tensors(cfg: DecoderConfig, linear: LayerTensors = linear_attention_tensors,
+                   mlp: LayerTensors = gated_mlp_tensors) -> tuple[list[TensorMap], str]:
     """The hybrid's checkpoint and the base prefix ``"model."``: per layer its input norm, its mixer's tensors
     (gated attention, or ``linear(cfg, hf_prefix, attnkit_prefix)`` for a linear layer), the MLP's input norm
     and ``mlp(cfg, hf_prefix, attnkit_prefix)``."""
-    d, v = cfg.hidden_size, cfg.vocab_size
-    maps = [TensorMap("embed_tokens.weight", (v, d), ("embed.weight",), "copy")]
-    for i, kind in enumerate(cfg.layer_types):
-        hf = ak = f"layers.{i}."
-        mixer = linear if kind == "linear_attention" else _gated_attention_tensors
-        maps += [TensorMap(hf + "input_layernorm.weight", (d,), (ak + "attn_norm.gamma",), "copy"),
-                 *mixer(cfg, hf, ak),
-                 TensorMap(hf + "post_attention_layernorm.weight", (d,), (ak + "mlp_norm.gamma",), "copy"),
-                 *mlp(cfg, hf, ak)]
-    maps.append(TensorMap("norm.weight", (d,), ("norm.gamma",), "copy"))
-    if not cfg.tie_word_embeddings:
-        maps.append(TensorMap("lm_head.weight", (v, d), ("head.weight",), "copy"))
-    return maps, "model."
+    return pre_norm_tensors(cfg, _gated_attention_tensors, mlp, {"linear_attention": linear})
 
 
 def _gguf_config(file: Any, meta: GGUFMetadata) -> dict[str, Any]:
