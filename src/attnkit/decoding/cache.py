@@ -66,7 +66,53 @@ class CachedKV(NamedTuple):
     slots: np.ndarray
 
 
-class KVCache:
+class _SlotCache:
+    """What :class:`KVCache` and :class:`LatentCache` share: the ids fed (``token_ids``), the marks of the lengths
+    :meth:`crop` can go back to, and the rows (``batch_size``, each state layer's ``_states``)."""
+
+    token_ids: np.ndarray
+    batch_size: int
+    _states: dict[int, Any]
+    _marks: dict[int, _Mark]
+
+    def record(self, ids: np.ndarray) -> None:
+        """Append the ids (B, Lnew) just fed to :attr:`token_ids` (the model's forward calls it)."""
+        self.token_ids = np.concatenate([self.token_ids, np.asarray(ids, np.int64)], axis=1)  # (B, length)
+
+    @property
+    def marks(self) -> list[int]:
+        """The lengths marked with :meth:`mark` (and not cropped past), in order."""
+        return sorted(self._marks)
+
+    @property
+    def needs_marks(self) -> bool:
+        """Whether some layer keeps a recurrent state, which can go back only to a marked length (keys, values
+        and latents go back anywhere, a ring buffer within its ``rollback`` slots unmarked)."""
+        return bool(self._states)
+
+    def _keep_mark(self, length: int, mark: _Mark) -> None:
+        self._marks[length] = mark
+        while len(self._marks) > _MAX_MARKS:  # a long conversation marks every turn: keep the latest
+            del self._marks[min(self._marks)]
+
+    def _forget_marks_after(self, length: int) -> None:
+        self._marks = {at: kept for at, kept in self._marks.items() if at <= length}
+
+    def _reorder_rows(self, index: np.ndarray) -> None:
+        """Reorder what both caches hold by row: the states, the marks, the ids; the batch size follows."""
+        for state in self._states.values():
+            state.reorder(index)
+        for mark in self._marks.values():
+            mark.reorder(index)
+        self.token_ids = self.token_ids[index]  # (B', length)
+        self.batch_size = int(index.size)
+
+    def select(self, rows) -> None:
+        """Keep only ``rows`` (a boolean (B,) mask or distinct integer indices), e.g. rows still decoding."""
+        self.reorder(_check_rows(rows, self.batch_size))
+
+
+class KVCache(_SlotCache):
     """Keys and values of every layer of a decoder for incremental decoding.
 
     Parameters
@@ -312,10 +358,6 @@ class KVCache:
         return CachedKV(keys, values, slots)
 
     # ------------------------------------------------------------------------------------------------
-    def record(self, ids: np.ndarray) -> None:
-        """Append the ids (B, Lnew) just fed to :attr:`token_ids` (the model's forward calls it)."""
-        self.token_ids = np.concatenate([self.token_ids, np.asarray(ids, np.int64)], axis=1)  # (B, length)
-
     def mark(self) -> int:
         """Make the current length one that :meth:`crop` can return to, whatever is fed after it: keep a copy of
         every state layer's state and of every ring layer's kept slots. Returns the length marked.
@@ -331,21 +373,8 @@ class KVCache:
                 raise TypeError(f"layer {layer}'s state ({type(state).__name__}) has no copy(): it cannot be marked")
             states[layer] = state.copy()
         rings = {layer: self._ring_slots(layer) for layer in self._holding if self.windows[layer] is not None}
-        self._marks[length] = _Mark(states, rings)
-        while len(self._marks) > _MAX_MARKS:  # a long conversation marks every turn: keep the latest
-            del self._marks[min(self._marks)]
+        self._keep_mark(length, _Mark(states, rings))
         return length
-
-    @property
-    def marks(self) -> list[int]:
-        """The lengths marked with :meth:`mark` (and not cropped past), in order."""
-        return sorted(self._marks)
-
-    @property
-    def needs_marks(self) -> bool:
-        """Whether some layer keeps a recurrent state, which can go back only to a marked length (a ring buffer
-        goes back within its ``rollback`` slots unmarked)."""
-        return bool(self._states)
 
     def can_crop(self, length: int) -> bool:
         """Whether :meth:`crop` can go back to ``length`` (every layer holds what it would need, or it is marked)."""
@@ -390,7 +419,7 @@ class KVCache:
                 self._restore_ring(layer, *mark.rings[layer])
         self._lengths = [length] * self.num_layers
         self.token_ids = self.token_ids[:, :length]
-        self._marks = {at: kept for at, kept in self._marks.items() if at <= length}
+        self._forget_marks_after(length)
 
     def _ring_slots_start(self, layer: int) -> int:
         """The oldest slot a ring-buffer layer still holds."""
@@ -504,16 +533,7 @@ class KVCache:
         index = _check_index(index, self.batch_size)
         self._keys = [k[index] for k in self._keys]  # (B', Hkv, S, Dh)
         self._values = [v[index] for v in self._values]  # (B', Hkv, S, Dh)
-        for state in self._states.values():
-            state.reorder(index)
-        for mark in self._marks.values():
-            mark.reorder(index)
-        self.token_ids = self.token_ids[index]  # (B', length)
-        self.batch_size = int(index.size)
-
-    def select(self, rows) -> None:
-        """Keep only ``rows`` (a boolean (B,) mask or distinct integer indices), e.g. rows still decoding."""
-        self.reorder(_check_rows(rows, self.batch_size))
+        self._reorder_rows(index)
 
     def __repr__(self) -> str:
         states = f", states={sorted(self._states)}" if self._states else ""
@@ -523,7 +543,8 @@ class KVCache:
 
 
 class _Mark:
-    """What :meth:`KVCache.mark` kept: each state layer's state, each ring layer's kept (keys, values, slots)."""
+    """What :meth:`KVCache.mark` or :meth:`LatentCache.mark` kept: each state layer's state, each ring layer's kept
+    (keys, values, slots)."""
 
     def __init__(self, states: dict[int, Any], rings: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]):
         self.states, self.rings = states, rings
@@ -707,7 +728,7 @@ class CachedLatent(NamedTuple):
     slots: np.ndarray
 
 
-class LatentCache:
+class LatentCache(_SlotCache):
     """Each layer's compressed latents for incremental decoding with multi-head latent attention.
 
     :class:`~attnkit.attention.latent.MultiHeadLatentAttention` attends from its ``[c, k_r]`` latent (C + R
@@ -761,7 +782,7 @@ class LatentCache:
             raise ValueError("states: at least one layer must be latent attention (else use a KVCache)")
         self._lengths = [0] * self.num_layers
         self._latents = [self._empty(0 if i in self._states else first) for i in range(self.num_layers)]
-        self._marks: dict[int, dict[int, Any]] = {}
+        self._marks: dict[int, _Mark] = {}
         self.token_ids = np.zeros((self.batch_size, 0), np.int64)
 
     def _empty(self, slots: int) -> np.ndarray:
@@ -821,29 +842,13 @@ class LatentCache:
         self._lengths[layer] = end
         return CachedLatent(store[:, :end], np.arange(end, dtype=np.int64))
 
-    def record(self, ids: np.ndarray) -> None:
-        """Append the ids (B, Lnew) just fed to ``token_ids`` (the model's forward calls it)."""
-        self.token_ids = np.concatenate([self.token_ids, np.asarray(ids, np.int64)], axis=1)  # (B, length)
-
     def mark(self) -> int:
         """Make the current length one that :meth:`crop` can return to and return it: the latent slots stay until
         cropped, so only the states are copied (as :meth:`KVCache.mark` does; the latest eight marks are kept)."""
         length = self.length
         if self._states:
-            self._marks[length] = {layer: state.copy() for layer, state in self._states.items()}
-            while len(self._marks) > _MAX_MARKS:
-                del self._marks[min(self._marks)]
+            self._keep_mark(length, _Mark({layer: state.copy() for layer, state in self._states.items()}, {}))
         return length
-
-    @property
-    def marks(self) -> list[int]:
-        """The lengths marked with :meth:`mark` (and not cropped past), in order; none without states."""
-        return sorted(self._marks)
-
-    @property
-    def needs_marks(self) -> bool:
-        """Whether some layer keeps a state, which can go back only to a marked length (latents go anywhere)."""
-        return bool(self._states)
 
     def can_crop(self, length: int) -> bool:
         """Whether :meth:`crop` can go back to ``length``: in [0, length], and marked (or 0, or where every state
@@ -862,10 +867,10 @@ class LatentCache:
         mark = self._marks.get(length)
         for layer, state in self._states.items():
             if state.length != length:
-                self._states[layer] = mark[layer].copy() if mark is not None else state.cleared()
+                self._states[layer] = mark.states[layer].copy() if mark is not None else state.cleared()
         self._lengths = [length] * self.num_layers
         self.token_ids = self.token_ids[:, :length]
-        self._marks = {at: kept for at, kept in self._marks.items() if at <= length}
+        self._forget_marks_after(length)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Everything the cache holds, as named arrays (copies), for a file: ``token_ids`` (B, n) and each layer's
@@ -919,17 +924,7 @@ class LatentCache:
         """Make row ``r`` a copy of row ``index[r]`` (beam search: rows may repeat; the batch size follows)."""
         index = _check_index(index, self.batch_size)
         self._latents = [a[index] for a in self._latents]  # (B', S, C+R)
-        for state in self._states.values():
-            state.reorder(index)
-        for kept in self._marks.values():
-            for state in kept.values():
-                state.reorder(index)
-        self.token_ids = self.token_ids[index]  # (B', length)
-        self.batch_size = int(index.size)
-
-    def select(self, rows) -> None:
-        """Keep only ``rows`` (a boolean (B,) mask or distinct integer indices)."""
-        self.reorder(_check_rows(rows, self.batch_size))
+        self._reorder_rows(index)
 
     def __repr__(self) -> str:
         states = f", states={sorted(self._states)}" if self._states else ""
