@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("jinja2")
 import attnkit  # noqa: E402
+from attnkit.pretrained import chat_template  # noqa: E402
 from attnkit.pretrained.chat_template import (  # noqa: E402
     TEMPLATE_BYTES,
     TEMPLATE_CHARS,
@@ -164,6 +165,42 @@ def test_an_interrupt_dropped_where_python_ignores_exceptions_is_sent_again():
             for _ in range(10**9):  # some seconds of work: an interrupt must end it
                 pass
     assert dropped >= 1
+
+
+def test_a_template_runs_on_a_thread_of_its_own():
+    """The deadline's interrupts are aimed at the template's thread: never the caller's."""
+    seen = []
+    template = compile_chat_template("{{ where() }}{{ messages|length }}")
+    assert render_chat_template(template, messages=MESSAGES, where=lambda: seen.append(threading.get_ident()) or "") \
+        == "1"
+    assert seen and seen[0] != threading.get_ident()
+
+
+@LOST_INTERRUPTS
+@pytest.mark.parametrize("step", ["render", "compile"])
+def test_interrupts_that_keep_coming_as_the_work_unwinds_never_reach_the_caller(step, monkeypatch):
+    """Interrupts sent again every 0.1 ms land while the over-time work unwinds, and some in the deadline's own
+    exit before it stops its timer: on the caller's thread those escaped and kept coming. Whatever the caller runs
+    next must see none."""
+    monkeypatch.setattr(chat_template, "_INTERRUPT_AGAIN", 1e-4)
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    macros = "".join(f"{{% macro m{i}(x) %}}{{{{ x ~ {i} }}}}{{% endmacro %}}" for i in range(300))
+    template = compile_chat_template(endless)
+    stray = 0
+    for _ in range(20):
+        with pytest.raises(ChatTemplateError, match="took longer than the budget"):
+            if step == "render":
+                render_chat_template(template, seconds=0.002, messages=MESSAGES)
+            else:
+                compile_chat_template(macros, seconds=0.002)
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            try:
+                while time.perf_counter() < end:
+                    pass
+            except _OverTime:
+                stray += 1
+    assert stray == 0
 
 
 def test_a_template_within_budget_renders_and_leaves_no_pending_interrupt():

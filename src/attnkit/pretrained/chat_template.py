@@ -10,9 +10,9 @@ that, for compiling a template as for rendering it, and a template past any of t
 :class:`ChatTemplateError`:
 
 - **time**: :data:`TEMPLATE_SECONDS` (5 s) to compile a template, and again to render each conversation; real
-  templates take milliseconds. The thread is interrupted where Python code next runs (CPython's asynchronous
-  exceptions; on other interpreters there is no time budget), so the other budgets keep every single operation
-  that runs in C short.
+  templates take milliseconds. The template runs on a thread of its own, interrupted where Python code next runs
+  (CPython's asynchronous exceptions; on other interpreters there is no time budget), so the other budgets keep
+  every single operation that runs in C short; no interrupt ever reaches the caller's thread.
 - **text, memory and numbers** (:mod:`.template_budget`): no value longer than :data:`TEMPLATE_CHARS` (2**25)
   characters, at most :data:`TEMPLATE_BYTES` (2**27) bytes of values created per render, no integer wider than
   :data:`TEMPLATE_INT_BITS` (2**14) bits. Every binary operator (``+ - * / // % **``), every call, filter,
@@ -119,9 +119,12 @@ def compile_chat_template(source: str, seconds: float = TEMPLATE_SECONDS) -> Any
                                 f"{TEMPLATE_SOURCE_CHARS:,}; a chat template is a page of jinja")
     env = _budgeted_environment()
     env.globals.update(_template_globals(jinja2))
-    try:
-        with tb.active(tb.Budget()), _deadline(seconds):
+    def compile_it() -> Any:
+        with tb.active(tb.Budget()):
             return env.from_string(source)
+
+    try:
+        return _run_within(seconds, compile_it)
     except (Exception, _OverTime) as exc:  # noqa: BLE001 - whatever the template makes jinja2 or Python raise
         raise _template_error(exc, jinja2, seconds, compiling=True) from None
 
@@ -315,8 +318,8 @@ def render_chat_template(template: Any, seconds: float = TEMPLATE_SECONDS, **var
         past a budget.
     """
     jinja2 = _jinja2()
-    try:
-        with tb.active(tb.Budget()) as spent, _deadline(seconds):
+    def render_it() -> str:
+        with tb.active(tb.Budget()) as spent:
             pieces, size = [], 0
             for piece in template.generate(**variables):
                 size += len(piece)
@@ -324,11 +327,53 @@ def render_chat_template(template: Any, seconds: float = TEMPLATE_SECONDS, **var
                 spent.spend(8, "the rendered text")
                 pieces.append(piece)
             return tb.check_result("".join(pieces), "the rendered text")
+
+    try:
+        return _run_within(seconds, render_it)
     except (Exception, _OverTime) as exc:  # noqa: BLE001 - whatever the template makes jinja2 or Python raise
         raise _template_error(exc, jinja2, seconds, compiling=False) from None
 
 
 _INTERRUPT_AGAIN = 0.01  # seconds between a deadline's interrupts, until one is raised where it is seen
+
+
+def _run_within(seconds: float, work: Callable[[], Any]) -> Any:
+    """``work()`` run on a thread of its own under a :class:`_deadline` of ``seconds``: its result, or what it
+    raised raised here.
+
+    The deadline's interrupts go to that thread alone. Under load, the work's exception can take longer to unwind
+    than the deadline waits before interrupting again, and an interrupt that lands at the start of the deadline's
+    own exit, before it has stopped its timer, escapes the block and leaves the timer running; on the caller's
+    thread that would interrupt whatever the caller did next. On a thread of its own it can only end that thread,
+    and the caller, which no interrupt reaches, stops the timer for good once the thread is over.
+    """
+    outcome: list[tuple[bool, Any]] = []
+    deadlines: list[_deadline] = []
+
+    def run() -> None:
+        try:
+            try:
+                deadline = _deadline(seconds)
+                deadlines.append(deadline)
+                with deadline:
+                    result = work()
+                outcome.append((True, result))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+                outcome.append((False, exc))
+        except _OverTime:  # a late interrupt: the outcome (if any) is recorded; end the thread quietly
+            pass
+
+    worker = threading.Thread(target=run, name="attnkit-chat-template", daemon=True)
+    worker.start()
+    worker.join()
+    for deadline in deadlines:
+        deadline.stop()
+    if not outcome:  # an interrupt ended the thread before it could record how the work went
+        raise _OverTime()
+    finished, value = outcome[0]
+    if finished:
+        return value
+    raise value
 
 
 class _deadline:  # noqa: N801 - used as a context manager
@@ -370,10 +415,14 @@ class _deadline:  # noqa: N801 - used as a context manager
             self.timer.start()
         return self
 
-    def __exit__(self, kind: type | None, *exc: Any) -> None:
+    def stop(self) -> None:
+        """Stop the timer for good (no interrupt is set after this returns)."""
         with self.lock:
             self.done = True
             self.timer.cancel()
+
+    def __exit__(self, kind: type | None, *exc: Any) -> None:
+        self.stop()
         if self.fired:
             # Set, and not raised yet (the block ended inside C code, or a repeat came after the one that ended
             # it): a loop's backward jump is where CPython delivers it, so it arrives, and is dropped, here.
