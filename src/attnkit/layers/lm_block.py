@@ -40,9 +40,14 @@ __all__ = ["LMBlock", "ParallelLMBlock", "MixerOnlyBlock", "MLPOnlyBlock", "Laye
            "BLOCKS", "MIXERS", "MLPS", "make_norm", "make_block"]
 
 
-def _absent_branch() -> tuple[Module, Module, Module, Module]:
-    """The norm, sublayer, post-norm and scale of a branch a layer does not have: four identities."""
-    return Identity(), Identity(), Identity(), Identity()
+def _branch(config, sublayer: Module | None) -> tuple[Module, Module, Module, Module]:
+    """The norm, ``sublayer``, post-norm and scale of one residual branch (the norms where ``config.norm``
+    places them); a branch the layer does not have (``sublayer`` None: a layer of its mixer or its MLP alone) is
+    four identities."""
+    if sublayer is None:
+        return Identity(), Identity(), Identity(), Identity()
+    return (_optional_norm(config, config.norm.before), sublayer, _optional_norm(config, config.norm.after),
+            _branch_scale(config))
 
 
 def make_norm(config) -> Module:
@@ -167,21 +172,10 @@ class LMBlock(Module):
         super().__init__()
         gen = as_generator(rng)
         spec = config.layers[layer_index]
-        # A branch the layer does not have (a layer of its mixer or its MLP alone) is four identities.
-        if spec.mixer is None:
-            self.attn_norm, self.attention, self.attn_post_norm, self.attn_scale = _absent_branch()
-        else:
-            self.attn_norm = _optional_norm(config, config.norm.before)
-            self.attention = MIXERS[spec.mixer](config, layer_index, rng=gen)
-            self.attn_post_norm = _optional_norm(config, config.norm.after)
-            self.attn_scale = _branch_scale(config)
-        if spec.mlp is None:
-            self.mlp_norm, self.mlp, self.mlp_post_norm, self.mlp_scale = _absent_branch()
-        else:
-            self.mlp_norm = _optional_norm(config, config.norm.before)
-            self.mlp = MLPS[spec.mlp](config, spec, rng=gen)
-            self.mlp_post_norm = _optional_norm(config, config.norm.after)
-            self.mlp_scale = _branch_scale(config)
+        mixer = None if spec.mixer is None else MIXERS[spec.mixer](config, layer_index, rng=gen)
+        self.attn_norm, self.attention, self.attn_post_norm, self.attn_scale = _branch(config, mixer)
+        mlp = None if spec.mlp is None else MLPS[spec.mlp](config, spec, rng=gen)
+        self.mlp_norm, self.mlp, self.mlp_post_norm, self.mlp_scale = _branch(config, mlp)
 
     def hook_points(self) -> tuple[str, ...]:
         """``hook_resid_pre`` (the block's input), ``hook_attn_out`` and ``hook_mlp_out`` (what each branch adds
