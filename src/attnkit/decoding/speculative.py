@@ -30,11 +30,11 @@ step reads). It estimates the chance ``a`` that a draft token is kept (the kept 
 recent rounds weighing more, starting from one half), expects ``1 + a + ... + a**K`` tokens from a round of K,
 and drafts the K that gives the most tokens per step, but only when that beats plain decoding by a tenth.
 Otherwise it decodes plainly and still learns: prompt lookup, whose drafts are free, checks what it would have
-drafted against the tokens that came; a draft model probes, a round of its best K, only while the steps drafting
-has lost in all stay within 3% of the tokens decoded. The first round always may: it rides on the prompt's
-forward, where a few more rows add little (the draft model's own pass over the prompt is its cost). So a free
-draft that is never kept is never sent, and a costly one costs its first round and then at most 3%. In a batch
-a round keeps the fewest drafts any row keeps.
+drafted against the tokens that came; a draft model probes, a round of its best K, only when, should none of it
+be kept, what drafting has lost in this sequence would stay within 3% of what plain decoding has cost so far
+(the prompt's forward, which a first round rides on, and a step per token since), counting the draft's own
+reading of the tokens it has not seen. So a free draft that is never kept is never sent, and a costly one costs
+at most 3% more than plain decoding. In a batch a round keeps the fewest drafts any row keeps.
 """
 from __future__ import annotations
 
@@ -49,10 +49,15 @@ from .config import MAX_DRAFT_TOKENS
 __all__ = ["Proposer", "PromptLookup", "DraftModel", "MultiTokenDraft", "VERIFY_COST", "verify_cost",
            "draft_step_cost"]
 
-VERIFY_COST = (1.0, 2.7, 2.8, 2.9, 3.0, 3.0, 3.0, 3.1, 3.3, 3.35, 3.4, 3.4, 3.5, 3.6, 3.7, 3.7, 3.8)
-"""What a forward of r = 1 .. 17 rows through the cache costs in one-row decoding steps: SmolLM2-135M, float32,
-OpenBLAS, 2 threads, medians of repeated runs (docs/benchmarks.md). Past the table each row adds the last
-row's increment."""
+# What a forward of r rows through the cache costs, in one-row decoding steps, measured at these r: SmolLM2-135M,
+# float32, OpenBLAS's sgemm, 2 threads, medians of repeated runs (docs/benchmarks.md). OpenBLAS packs the whole
+# weight for a product of a few rows: two rows cost almost three one-row GEMVs.
+_MEASURED_COST = {1: 1.0, 2: 2.7, 3: 2.8, 4: 2.9, 5: 3.0, 6: 3.0, 7: 3.0, 8: 3.1, 9: 3.3, 10: 3.35, 11: 3.4, 12: 3.4,
+                  13: 3.5, 14: 3.6, 15: 3.7, 16: 3.7, 17: 3.8, 32: 5.0, 64: 7.6, 130: 9.6}
+VERIFY_COST = tuple(float(c) for c in np.interp(np.arange(1, 131), list(_MEASURED_COST), list(_MEASURED_COST.values())))
+"""What a forward of r = 1 .. 130 rows through the cache costs in one-row decoding steps on a CPU (measured at
+r = 1 .. 17, 32, 64 and 130, linear between; docs/benchmarks.md). Past the table each row adds the last row's
+increment."""
 
 _MIN_GAIN = 1.1  # draft only when the expected tokens per step beat plain decoding's by this factor
 _LOSS_BUDGET = 0.03  # a proposer that cannot check its drafts for free probes while its losses stay this share
@@ -134,7 +139,8 @@ class Proposer:
     rounds : int
         Rounds that drafted (each a forward of K + 1 rows).
     loss : float
-        Steps the drafting rounds cost beyond the tokens they gave, by the cost model (negative: they gained).
+        Steps the drafting rounds cost beyond the tokens they gave, by the cost model (negative: they gained),
+        with what a draft model spent reading the tokens it had not seen.
     """
 
     reads_hidden = False
@@ -156,6 +162,9 @@ class Proposer:
         self._first_length: int | None = None  # the first sequence's length: tokens decoded count from it
         self._length = 0  # the length of the last sequence seen
         self._shadow: tuple[int, np.ndarray] | None = None  # (length, drafts (B, K)): a free draft not sent
+        self._loss_here, self._rounds_here = 0.0, 0  # this sequence's: what the budget bounds
+        self._overhead = 0.0  # the catch-up steps of the round sent
+        self._riding = 0  # the prompt's rows when the round sent rides on the prompt's forward, else 0
 
     @property
     def acceptance(self) -> float:
@@ -179,16 +188,19 @@ class Proposer:
     def propose(self, sequences: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
         """Drafts (B, K) to continue ``sequences`` (B, T) (``mask`` (B, T), ``True`` = real token), or None."""
         length = sequences.shape[1]
-        if self._first_length is None or length < self._length:
-            self._first_length, self._shadow = length, None  # a new sequence
+        if self._first_length is None or length < self._length:  # a new sequence: a budget of its own
+            self._first_length, self._shadow, self._loss_here, self._rounds_here = length, None, 0.0, 0
         self._length = length
         kept, checked = self._check_shadow(sequences)
         rate = (self._kept_weight + kept + _PRIOR_KEPT) / (self._checked_weight + checked + _PRIOR_CHECKED)
         size, ratio = self.best_length(rate)
-        if ratio >= _MIN_GAIN or (self.draft_cost > 0 and self._may_probe(size, rate, length)):
+        overhead = self._catch_up_cost(sequences)
+        riding = length if self._rounds_here == 0 and length == self._first_length else 0
+        if ratio >= _MIN_GAIN or (self.draft_cost > 0 and self._may_probe(size, length, overhead, riding)):
             if self._shadow is not None:  # drafting for real from here: what the free draft showed so far counts
                 self._learn(kept, checked)
                 self._shadow = None
+            self._overhead, self._riding = overhead, riding
             return self._draft(sequences, mask, size)
         if self.draft_cost == 0 and self._shadow is None:
             drafts = self._draft(sequences, mask, self.num_tokens)
@@ -200,7 +212,11 @@ class Proposer:
         self.proposed += proposed
         self.kept += count
         self.rounds += 1
-        self.loss += self.round_cost(proposed) - (count + 1)
+        self._rounds_here += 1
+        lost = self._sent_cost(proposed, self._overhead, self._riding) - (count + 1)
+        self.loss += lost
+        self._loss_here += lost
+        self._overhead, self._riding = 0.0, 0
         self._learn(count, count + 1 if count < proposed else proposed)
 
     def observe(self, hidden: np.ndarray, start: int) -> None:
@@ -211,13 +227,24 @@ class Proposer:
         self._kept_weight = self._kept_weight * _MEMORY + kept
         self._checked_weight = self._checked_weight * _MEMORY + checked
 
-    def _may_probe(self, size: int, rate: float, length: int) -> bool:
-        """Whether a round of ``size`` drafts keeps the losses within the budget, expected at ``rate`` (the first
-        round always may)."""
-        if self.rounds == 0:
-            return True
-        expected_loss = self.round_cost(size) - expected_tokens(rate, size)
-        return self.loss + max(expected_loss, 0.0) <= _LOSS_BUDGET * (length - self._first_length)
+    def _may_probe(self, size: int, length: int, overhead: float, riding: int) -> bool:
+        """Whether a round of ``size`` drafts (``overhead`` steps before them; ``riding``: the prompt's rows it
+        rides on, or 0) keeps this sequence's losses within the budget should none of its drafts be kept: 3% of
+        what plain decoding has cost so far (the prompt's forward and a step per token since)."""
+        spent = verify_cost(self._first_length, self.verify_costs) + length - self._first_length
+        return self._loss_here + self._sent_cost(size, overhead, riding) - 1 <= _LOSS_BUDGET * spent
+
+    def _sent_cost(self, size: int, overhead: float, riding: int) -> float:
+        """Steps a round of ``size`` drafts costs with ``overhead`` steps before them; one riding on a forward of
+        ``riding`` prompt rows costs only the rows it adds to it, and a step."""
+        if not riding:
+            return self.round_cost(size) + overhead
+        added = verify_cost(riding + size, self.verify_costs) - verify_cost(riding, self.verify_costs)
+        return 1.0 + added + size * self.draft_cost + overhead
+
+    def _catch_up_cost(self, sequences: np.ndarray) -> float:
+        """Steps spent before the first draft token on what the draft has not read yet (none here)."""
+        return 0.0
 
     def _check_shadow(self, sequences: np.ndarray) -> tuple[int, int]:
         """``(kept, checked)``: how the free draft not sent fared against the tokens that came (the fewest over
@@ -325,6 +352,13 @@ class DraftModel(Proposer):
         self.model = model
         self.vocab_size = vocab_size
         self._cache = None
+
+    def _catch_up_cost(self, sequences: np.ndarray) -> float:
+        """The draft's forward of the tokens its cache lacks (the whole prompt at first), less the one step its
+        first token is counted as: ``draft_cost * (verify_cost(P) - 1)``."""
+        cache = self._cache
+        held = cache.length if cache is not None and cache.batch_size == sequences.shape[0] else 0
+        return self.draft_cost * (verify_cost(max(sequences.shape[1] - held, 1), self.verify_costs) - 1)
 
     def _draft(self, sequences: np.ndarray, mask: np.ndarray, length: int) -> np.ndarray | None:
         cache = self._reusable_cache(sequences)
