@@ -53,7 +53,7 @@ __all__ = ["Proposer", "PromptLookup", "DraftModel", "MultiTokenDraft", "VERIFY_
 # float32, OpenBLAS's sgemm, 2 threads, medians of repeated runs (docs/benchmarks.md). OpenBLAS packs the whole
 # weight for a product of a few rows: two rows cost almost three one-row GEMVs.
 _MEASURED_COST = {1: 1.0, 2: 2.7, 3: 2.8, 4: 2.9, 5: 3.0, 6: 3.0, 7: 3.0, 8: 3.1, 9: 3.3, 10: 3.35, 11: 3.4, 12: 3.4,
-                  13: 3.5, 14: 3.6, 15: 3.7, 16: 3.7, 17: 3.8, 32: 5.0, 64: 7.6, 130: 9.6}
+                  13: 3.5, 14: 3.6, 15: 3.7, 16: 3.7, 17: 3.8, 32: 5.0, 64: 7.2, 130: 9.5}
 VERIFY_COST = tuple(float(c) for c in np.interp(np.arange(1, 131), list(_MEASURED_COST), list(_MEASURED_COST.values())))
 """What a forward of r = 1 .. 130 rows through the cache costs in one-row decoding steps on a CPU (measured at
 r = 1 .. 17, 32, 64 and 130, linear between; docs/benchmarks.md). Past the table each row adds the last row's
