@@ -47,7 +47,7 @@ from .._validation import check_positive_int
 from .config import MAX_DRAFT_TOKENS
 
 __all__ = ["Proposer", "PromptLookup", "DraftModel", "MultiTokenDraft", "VERIFY_COST", "verify_cost",
-           "draft_step_cost"]
+           "expected_tokens", "draft_step_cost"]
 
 # What a forward of r rows through the cache costs, in one-row decoding steps, measured at these r: SmolLM2-135M,
 # float32, OpenBLAS's sgemm, 2 threads, medians of repeated runs (docs/benchmarks.md). OpenBLAS packs the whole
@@ -60,7 +60,7 @@ r = 1 .. 17, 32, 64 and 130, linear between; docs/benchmarks.md). Past the table
 increment."""
 
 _MIN_GAIN = 1.1  # draft only when the expected tokens per step beat plain decoding's by this factor
-_LOSS_BUDGET = 0.03  # a proposer that cannot check its drafts for free probes while its losses stay this share
+_LOSS_BUDGET = 0.03  # a costly draft probes only if, were nothing kept, its losses stay this share of plain's cost
 _MEMORY = 0.8  # each later round weighs a round's evidence by this (the estimate follows the text)
 _PRIOR_KEPT, _PRIOR_CHECKED = 0.5, 1.0  # before any evidence, a draft token is kept one time in two
 
@@ -83,8 +83,8 @@ def expected_tokens(rate: float, length: int) -> float:
 def draft_step_cost(draft: Any, model: Any) -> float:
     """The share of a decoding step of ``model`` that one token of ``draft`` costs: the weights each reads per
     token (its blocks and its head). ``draft`` is a causal LM, :meth:`~attnkit.models.CausalLM.early_exit`'s
-    model or a multi-token predictor of ``model`` (one of its layers and the model's head per token); 1.0 when
-    either does not show its layers."""
+    model or a multi-token predictor of ``model`` (one of its layers and the model's head per token); every
+    expert of a mixture counted; 1.0 when either does not show its layers."""
     try:
         full = _weights_per_token(model.layers, model)
         if hasattr(draft, "num_layers") and getattr(draft, "model", None) is model and hasattr(draft, "draft"):
@@ -284,7 +284,7 @@ class PromptLookup(Proposer):
 
     Examples
     --------
-    Where a forward of a few rows costs what one does (``verify_costs=[1.0]``), drafting always pays:
+    Where a forward of a few rows costs what one does (``verify_costs=[1.0]``), drafting pays from the start:
 
     >>> lookup = PromptLookup(3, verify_costs=[1.0])
     >>> lookup.propose(np.array([[5, 6, 7, 8, 9, 5, 6]]), np.ones((1, 7), bool)).tolist()  # "5 6" was followed by 7 8 9
