@@ -209,3 +209,44 @@ def test_bad_costs_are_refused():
         PromptLookup(4, verify_costs=[])
     with pytest.raises(ValueError, match="verify_costs"):
         PromptLookup(4, verify_costs=[1.0, float("nan")])
+
+
+def _counted_generate(lm, monkeypatch, ids, **options) -> tuple[np.ndarray, float]:
+    """``generate``'s output and the steps its forwards cost beyond plain decoding's, by the cost model: the
+    model's forwards of r rows, and the early-exit draft's at its share of a step."""
+    spent = []
+    share = draft_step_cost(lm.early_exit(1), lm)
+    forward, early = CausalLM.forward, type(lm.early_exit(1)).forward
+
+    def counting(self, input_ids, *args, **kwargs):
+        spent.append(verify_cost(np.shape(input_ids)[1]))
+        return forward(self, input_ids, *args, **kwargs)
+
+    def counting_draft(self, input_ids, *args, **kwargs):
+        spent.append(share * verify_cost(np.shape(input_ids)[1]))
+        return early(self, input_ids, *args, **kwargs)
+    monkeypatch.setattr(CausalLM, "forward", counting)
+    monkeypatch.setattr(type(lm.early_exit(1)), "forward", counting_draft)
+    out = lm.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=[], **options)
+    monkeypatch.undo()
+    plain = verify_cost(ids.shape[1]) + NEW - 1
+    return out, sum(spent) - plain
+
+
+def test_one_token_lookup_whose_every_draft_is_banned_costs_nothing(lm, monkeypatch, prompt_and_truth):
+    """With no bigram repeated, a draft from a one-token match (the token that followed the last token before)
+    would repeat a bigram: its first token is never kept."""
+    ids, _ = prompt_and_truth
+    options = dict(no_repeat_ngram_size=2)
+    plain = lm.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=[], **options)
+    out, extra = _counted_generate(lm, monkeypatch, ids, prompt_lookup_num_tokens=10, max_matching_ngram_size=1,
+                                   **options)
+    np.testing.assert_array_equal(out, plain)
+    assert extra == 0.0  # no draft was sent: every one was checked against the token that came
+
+
+def test_the_models_first_layer_as_a_draft_costs_at_most_three_percent(lm, monkeypatch, prompt_and_truth):
+    ids, truth = prompt_and_truth
+    out, extra = _counted_generate(lm, monkeypatch, ids, assistant_early_exit=1)
+    np.testing.assert_array_equal(out[0], truth)
+    assert extra <= 0.03 * (verify_cost(ids.shape[1]) + NEW - 1)
