@@ -7,13 +7,14 @@ from scipy import stats
 
 pytest.importorskip("transformers")
 from attnkit.decoding.sampling import generate, generate_stream, speculative_sample  # noqa: E402
-from attnkit.decoding.speculative import PromptLookup  # noqa: E402
+from attnkit.decoding.speculative import DraftModel, PromptLookup  # noqa: E402
 from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import FAMILY_MODELS, saved_model  # noqa: E402
 
 LENGTH_DEPENDENT = ("phi3_longrope",)  # refused: a draft could cross the change of its rotary tables
 SPECULATIVE = [name for name in FAMILY_MODELS if name not in LENGTH_DEPENDENT]
+FREE = [1.0]  # verification costs what a step does: the proposers draft every round they expect to gain in
 
 
 def _repetitive_prompt(vocab: int, rows: int, seed: int):
@@ -38,9 +39,15 @@ def test_every_speculative_method_keeps_greedy_output_token_for_token(tmp_path, 
     ids, mask = _repetitive_prompt(lm.config.vocab_size, rows, seed=rows)
     new = dict(max_new_tokens=14, min_new_tokens=14, eos_token_id=[])
     plain = lm.generate(ids, mask, **new)
-    for method in (dict(prompt_lookup_num_tokens=4), dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=1),
-                   dict(assistant_early_exit=1, num_assistant_tokens=3), dict(assistant_model=draft)):
-        np.testing.assert_array_equal(lm.generate(ids, mask, **new, **method), plain, err_msg=str(method))
+    methods = {"lookup": lambda: PromptLookup(4, verify_costs=FREE),
+               "one-token lookup": lambda: PromptLookup(3, max_ngram=1, verify_costs=FREE),
+               "early exit": lambda: DraftModel(lm.early_exit(1), 3, draft_cost=0.0, verify_costs=FREE),
+               "draft model": lambda: DraftModel(draft, 5, draft_cost=0.0, verify_costs=FREE)}
+    for method, make in methods.items():
+        proposer = make()
+        np.testing.assert_array_equal(lm.generate(ids, mask, **new, assistant_model=proposer), plain, err_msg=method)
+        assert proposer.rounds >= 1, method  # drafts were checked, not only compared with the tokens that came
+    np.testing.assert_array_equal(lm.generate(ids, mask, **new, assistant_early_exit=1), plain)  # as generate builds
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen3_5_text", "mistral_window", "gemma4_text"])
@@ -53,31 +60,22 @@ def test_greedy_stays_the_same_with_stops_eos_and_processors(tmp_path, name):
     for options in (dict(eos_token_id=[eos]), dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=3),
                     dict(min_new_tokens=8, eos_token_id=[eos])):
         want = lm.generate(ids, mask, max_new_tokens=16, **options)
-        got = lm.generate(ids, mask, max_new_tokens=16, prompt_lookup_num_tokens=5, **options)
+        got = lm.generate(ids, mask, max_new_tokens=16, assistant_model=PromptLookup(5, verify_costs=FREE),
+                          **options)
         np.testing.assert_array_equal(got, want, err_msg=str(options))
 
 
 def test_prompt_lookup_drafts_what_followed_the_last_match():
-    lookup = PromptLookup(3, max_ngram=2)
+    lookup = PromptLookup(3, max_ngram=2, verify_costs=FREE)
     mask = np.ones((2, 8), bool)
     seqs = np.array([[1, 2, 9, 4, 5, 6, 2, 9], [5, 6, 7, 5, 6, 7, 8, 6]])
     # row 0: "2 9" last seen at 1 -> 4 5 6; row 1: "8 6" unseen, and a one-token match is not used -> no draft
     # (a row without one is padded with its last token, which the model rejects there)
     assert lookup.propose(seqs, mask).tolist() == [[4, 5, 6], [6, 6, 6]]
     # a one-token match only when asked for: "6" last seen at 4 -> 7 8 6
-    assert PromptLookup(3, max_ngram=1).propose(seqs[1:], mask[1:]).tolist() == [[7, 8, 6]]
+    assert PromptLookup(3, max_ngram=1, verify_costs=FREE).propose(seqs[1:], mask[1:]).tolist() == [[7, 8, 6]]
     mask[1, :3] = False  # padding is not text
     assert lookup.propose(np.array([[1, 2, 3, 4, 5, 6, 7, 8]]), mask[:1]) is None
-
-
-def test_a_proposer_that_keeps_failing_pauses():
-    lookup = PromptLookup(2)
-    seqs, mask = np.array([[1, 2, 1, 2, 1]]), np.ones((1, 5), bool)
-    assert lookup.propose(seqs, mask) is not None
-    for _ in range(2):
-        lookup.accepted(0, 2)
-    assert lookup.propose(seqs, mask) is None  # one quiet round after two failures
-    assert lookup.propose(seqs, mask) is not None
 
 
 def test_speculative_sampling_keeps_the_models_distribution():
@@ -98,7 +96,9 @@ def test_sampled_speculative_decoding_has_the_frequencies_of_plain_sampling():
     prompt = np.tile([[1, 2, 3, 1, 2, 3, 1, 2]], (2000, 1))
     options = dict(max_new_tokens=3, do_sample=True, temperature=2.0, eos_token_id=[])
     plain = lm.generate(prompt, seed=1, **options)[:, -2]
-    spec = lm.generate(prompt, seed=2, prompt_lookup_num_tokens=2, **options)[:, -2]
+    lookup = PromptLookup(2, verify_costs=FREE)
+    spec = lm.generate(prompt, seed=2, assistant_model=lookup, **options)[:, -2]
+    assert lookup.rounds >= 1  # the first round drafted: its second token went through the accept rule
     table = np.stack([np.bincount(plain, minlength=6), np.bincount(spec, minlength=6)])
     table = table[:, table.sum(axis=0) > 0]
     assert stats.chi2_contingency(table).pvalue > 1e-3

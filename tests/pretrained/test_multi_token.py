@@ -135,19 +135,21 @@ def test_greedy_drafting_with_prediction_layers_is_plain_greedy(with_mtp, rows):
 
 
 class _Checked(MultiTokenDraft):
-    """Every draft checked against the predictor run afresh, without a cache, on the whole sequence so far."""
+    """Every draft checked against the predictor run afresh, without a cache, on the whole sequence so far; its
+    drafts cost nothing and verifying costs a step, so it drafts every round it expects to gain in (and checks
+    its drafts against the tokens that came in the others)."""
 
     def __init__(self, predictor, model):
-        super().__init__(predictor)
+        super().__init__(predictor, draft_cost=0.0, verify_costs=[1.0])
         self.model, self.checked = model, 0
 
-    def _draft(self, sequences, mask):
-        drafts = super()._draft(sequences, mask)
+    def _draft(self, sequences, mask, size):
+        drafts = super()._draft(sequences, mask, size)
         if drafts is not None:
             _, hidden = self.model(sequences[:, :-1], mask[:, :-1], return_hidden=True)
             positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
             _, fresh = self.predictor.draft(sequences[:, 1:], hidden, mask[:, :-1], position_ids=positions[:, 1:])
-            np.testing.assert_array_equal(drafts, fresh)
+            np.testing.assert_array_equal(drafts, fresh[:, :size])
             self.checked += 1
         return drafts
 

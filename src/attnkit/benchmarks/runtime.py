@@ -46,7 +46,7 @@ from .decode import gemv_bandwidth, weights_read_per_token
 from .machine import describe, machine_info
 
 __all__ = ["main", "parse_args", "check_args", "load_model", "run", "summary", "load_transformers",
-           "llama_bench_command", "parse_llama_bench", "PROMPT_TOKENS"]
+           "llama_bench_command", "parse_llama_bench", "llama_bench_round", "PROMPT_TOKENS"]
 
 PROMPT_TOKENS = 16  # the decode runs' prompt
 _LLAMA_TIMEOUT_S = 3600
@@ -225,7 +225,7 @@ def parse_llama_bench(text: str) -> dict[str, Any]:
     return figures
 
 
-def _llama_round(command: list[str]) -> dict[str, Any]:
+def llama_bench_round(command: list[str]) -> dict[str, Any]:
     """One llama-bench run's figures, or ``{"error": ...}`` (the run goes on without llama.cpp)."""
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_LLAMA_TIMEOUT_S, check=False)
@@ -270,7 +270,7 @@ def _rounds(args: argparse.Namespace, lm: Any, hf: Any, torch: Any) -> list[dict
             with torch.inference_mode():
                 row["transformers"] = _transformers_round(hf, torch, prompts, long, args.new)
         if command is not None:
-            row["llama.cpp"] = _llama_round(command)
+            row["llama.cpp"] = llama_bench_round(command)
         rounds.append(row)
         print(_round_line(row, args), flush=True)
     return rounds

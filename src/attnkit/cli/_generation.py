@@ -166,7 +166,7 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the checkpoint's multi-token-prediction layers (DeepSeek-V3's) draft one token each from "
                         "the model's own hidden states (safetensors folders that hold them)")
     g.add_argument("--num-assistant-tokens", type=draft, default=None, metavar="N",
-                   help="a drafting model's first round drafts N tokens (default 20); later rounds adapt it")
+                   help="a drafting model drafts at most N tokens a round (default 20), fewer as fewer are kept")
 
 
 def speculation_kwargs(args: argparse.Namespace, prog: str) -> dict[str, Any]:

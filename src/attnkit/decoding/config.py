@@ -80,8 +80,9 @@ class GenerationConfig:
     max_matching_ngram_size : int, optional
         The longest n-gram prompt lookup matches (None: 2, as transformers).
     num_assistant_tokens : int, default 20
-        Draft tokens of a draft model's first round (``assistant_model`` or ``assistant_early_exit``); then two
-        more after a round that kept them all, one fewer after one that did not.
+        Draft tokens of a draft model's round at most (``assistant_model`` or ``assistant_early_exit``); each
+        round drafts the number expected to give the most tokens per step, none when drafting does not pay
+        (:class:`~attnkit.decoding.speculative.Proposer`).
     assistant_early_exit : int, optional
         Speculative decoding with the model's own first N layers (and its final norm and head) as the draft.
 

@@ -33,7 +33,7 @@ from .config import (
     check_top_k,
     check_unit,
 )
-from .speculative import DraftModel, MultiTokenDraft, PromptLookup, Proposer
+from .speculative import DraftModel, MultiTokenDraft, PromptLookup, Proposer, draft_step_cost
 
 __all__ = ["check_generation_config", "resolve_generation_options",
            "temperature_warp", "top_k_filter", "top_p_filter", "min_p_filter", "warp_logits", "sample_tokens",
@@ -532,7 +532,8 @@ def _proposer(model: Any, o: dict[str, Any], assistant_model: Any) -> Proposer |
                                                                                           None)):
         raise TypeError(f"assistant_model must be a causal LM (forward and new_cache), got "
                         f"{type(assistant_model).__name__}")
-    return DraftModel(assistant_model, o["num_assistant_tokens"], vocab_size=vocab)
+    return DraftModel(assistant_model, o["num_assistant_tokens"], vocab_size=vocab,
+                      draft_cost=draft_step_cost(assistant_model, model))
 
 
 def left_padding(mask: np.ndarray) -> np.ndarray:
