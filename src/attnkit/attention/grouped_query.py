@@ -477,38 +477,52 @@ class GroupedQueryAttention(Module):
         ``rotary`` is (cos, sin) each (B, 1, R); ``attention_mask`` (B, S) over every slot, or None.
         """
         b = x.shape[0]
-        q, k, v = self._project_step(x)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh), (B, Hkv, 1, Dh)
-        if rotary is not None:
-            q = _rotary.rotary_apply(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
-            k = _rotary.rotary_apply(k, *rotary, self.interleaved)  # (B, Hkv, 1, Dh)
+        q, k, v, qk = self._project_step(x)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh), (B, Hkv, 1, Dh)
+        if rotary is not None:  # q and k are the step's own arrays: rotated where they are
+            if qk is not None:  # side by side in the projection: one rotation turns both
+                _rotary.rotary_apply_in_place(qk, *rotary, self.interleaved)  # (B, Hq + Hkv, 1, Dh)
+            else:
+                _rotary.rotary_apply_in_place(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
+                _rotary.rotary_apply_in_place(k, *rotary, self.interleaved)  # (B, Hkv, 1, Dh)
         q, k, _ = self.qk_norm.on_rotated(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
         kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
-        key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
-        positions = self.positions(attention_mask, kept.slots)  # (B|1, S) or None
-        q, _ = self.temperature.forward(q, positions)  # (B, Hq, 1, Dh)
-        if self.chunk:  # the keys of the query's own chunk
-            same = positions // self.chunk == positions[:, -1:] // self.chunk  # (B|1, S)
-            key_mask = same if key_mask is None else key_mask & same  # (B, S)
-        heads = self._attend_step(q, kept.keys, kept.values, key_mask)  # (B, Hq, Dh)
+        if attention_mask is None and self.positions is no_positions:  # a plain layer: nothing hides a key
+            heads = self._attend_step(q, kept.keys, kept.values, None)  # (B, Hq, Dh)
+        else:
+            key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
+            positions = self.positions(attention_mask, kept.slots)  # (B|1, S) or None
+            q, _ = self.temperature.forward(q, positions)  # (B, Hq, 1, Dh)
+            if self.chunk:  # the keys of the query's own chunk
+                same = positions // self.chunk == positions[:, -1:] // self.chunk  # (B|1, S)
+                key_mask = same if key_mask is None else key_mask & same  # (B, S)
+            heads = self._attend_step(q, kept.keys, kept.values, key_mask)  # (B, Hq, Dh)
         heads = self._gate(x[:, None], heads[:, None])[0][:, 0]  # (B, Hq, Dh)
-        return linear(heads.reshape(b, -1), self._parameters["W_O"], self._parameters.get("b_O"))  # (B, D)
+        p = self._parameters
+        return linear(heads.reshape(b, -1), p["W_O"], p.get("b_O"))  # (B, D)
 
     def _project_step(self, x: np.ndarray):
-        """:meth:`_project` of one position per row: query, key and value heads (B, H, 1, Dh), q/k normalised."""
+        """:meth:`_project` of one position per row: query, key and value heads (B, H, 1, Dh), q/k normalised,
+        each an array of the step's own (a view of its fresh projection or the norm's output); and, when the
+        norms left queries and keys as they were projected, both side by side as one view (B, Hq + Hkv, 1, Dh)
+        (else None), which one rotation can turn."""
         p = self._parameters
         fused = self.fused_weight_and_bias("W_QKV", "b_QKV")
+        b, hq, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if fused is not None:
             qkv = linear(x, *fused)  # (B, (Hq + 2 Hkv)*Dh)
-            q_width, kv_width = p["W_Q"].shape[1], p["W_K"].shape[1]
+            q_width, kv_width = hq * dh, hkv * dh
             q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + kv_width], qkv[:, q_width + kv_width:]
         else:
             q, k, v = (linear(x, p[f"W_{n}"], p.get(f"b_{n}")) for n in "QKV")  # (B, H*Dh) each
-        b = x.shape[0]
-        q, k, _ = self.qk_norm.on_projection(self, q, k)  # (B, Hq*Dh), (B, Hkv*Dh)
-        q = q.reshape(b, self.num_heads, 1, self.head_dim)  # (B, Hq, 1, Dh)
-        k = k.reshape(b, self.num_kv_heads, 1, self.head_dim)  # (B, Hkv, 1, Dh)
-        q, k, _ = self.qk_norm.on_heads(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
-        return q, k, v.reshape(b, self.num_kv_heads, 1, self.head_dim)
+        normed_q, normed_k, _ = self.qk_norm.on_projection(self, q, k)  # (B, Hq*Dh), (B, Hkv*Dh)
+        untouched = normed_q is q and normed_k is k
+        q = normed_q.reshape(b, hq, 1, dh)  # (B, Hq, 1, Dh)
+        k = normed_k.reshape(b, hkv, 1, dh)  # (B, Hkv, 1, Dh)
+        normed_q, normed_k, _ = self.qk_norm.on_heads(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
+        untouched = untouched and normed_q is q and normed_k is k
+        joint = qkv[:, :(hq + hkv) * dh].reshape(b, hq + hkv, 1, dh) if fused is not None and untouched else None
+        q, k = normed_q, normed_k  # joint: (B, Hq + Hkv, 1, Dh)
+        return q, k, v.reshape(b, hkv, 1, dh), joint
 
     def _attend_step(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                      key_mask: np.ndarray | None) -> np.ndarray:
