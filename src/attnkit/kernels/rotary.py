@@ -30,8 +30,8 @@ import math
 
 import numpy as np
 
-__all__ = ["rotary_apply", "rotary_apply_in_place", "rotary_backward", "rotary_cos_sin", "rotary_frequencies", "rotary_table_fault",
-           "TABLE_DTYPE", "turn"]
+__all__ = ["rotary_apply", "rotary_apply_in_place", "rotary_backward", "rotary_cos_sin", "rotary_frequencies",
+           "rotary_table_fault", "TABLE_DTYPE", "turn"]
 
 # The narrowest dtype the cos/sin tables are computed in (a model loaded in float16): tables finite in it are
 # finite in every float dtype.
