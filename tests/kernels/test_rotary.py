@@ -6,6 +6,7 @@ import pytest
 
 from attnkit.kernels.rotary import (
     rotary_apply,
+    rotary_apply_in_place,
     rotary_backward,
     rotary_cos_sin,
     rotary_frequencies,
@@ -72,3 +73,22 @@ def test_float32_in_float32_out():
     cos, sin = rotary_cos_sin(rng.integers(0, 9, (B, L)), rotary_frequencies(8, 1e4)[0])
     assert rotary_apply(x, cos, sin).dtype == np.float32
     assert rotary_backward(x, cos, sin).dtype == np.float32
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dh, r", [(8, 8), (8, 4), (6, 2)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_rotation_in_place_is_rotary_apply_bit_for_bit(interleaved, dh, r, dtype):
+    """The decoding step's in-place rotation writes exactly rotary_apply's numbers (a cos - b sin and
+    a cos + (-b) sin round alike), on a view of a wider array too (the queries and keys of one projection)."""
+    rng = make_rng(dh, r, 7)
+    wide = rng.standard_normal((B, 2 * H * dh + 3)).astype(dtype)  # (B, W): queries and keys, then more
+    x = wide[:, :2 * H * dh].reshape(B, 2 * H, 1, dh)  # (B, 2H, 1, Dh) view
+    cos, sin = rotary_cos_sin(rng.integers(0, 500, (B, 1)), rotary_frequencies(r, 100.0)[0], 1.3,
+                              interleaved=interleaved, dtype=np.float32)  # (B, 1, R)
+    want = rotary_apply(x, cos, sin, interleaved)
+    rest = wide[:, 2 * H * dh:].copy()
+    assert rotary_apply_in_place(x, cos, sin, interleaved) is x
+    assert x.dtype == dtype
+    np.testing.assert_array_equal(x, want)
+    np.testing.assert_array_equal(wide[:, 2 * H * dh:], rest)  # nothing past the view is written

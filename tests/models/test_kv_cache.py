@@ -30,8 +30,9 @@ def test_full_layer_returns_every_slot_in_order(max_length):
     assert cache.length == 10
 
 
-@pytest.mark.parametrize("window", [1, 3, 4])
+@pytest.mark.parametrize("window", [1, 3, 4, 8, 16])
 def test_ring_layer_keeps_last_window_and_returns_needed_keys(window):
+    """Windows 8 and 16 fill in place before the ring comes round (17 slots in all), then wrap."""
     rng = make_rng(2, window)
     cache = KVCache(2, B, H, DH, windows=[None, window])
     chunks = _chunks(rng, [5, 1, 2, 1, 1, 6, 1])

@@ -30,6 +30,7 @@ from ..flex import (
 )
 from ..init import as_generator, normal
 from ..kernels import rotary as _rotary
+from ..kernels.decode_step import rms_norm_into
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.registry import ATTENTION_KERNELS
@@ -59,6 +60,11 @@ class NoQKNorm:
     def on_heads_backward(self, attention, dq: np.ndarray, dk: np.ndarray, saved):
         """The input gradients of :meth:`on_heads` (the norm weights' go into ``attention.grads``)."""
         return dq, dk
+
+    def on_heads_in_place(self, attention, qk: np.ndarray, num_q: int) -> None:
+        """:meth:`on_heads` of a decoding step, written over the query and key heads side by side (B, Hq + Hkv,
+        1, Dh), the first ``num_q`` the queries (nothing here). Not for the projection-wide norm, which acts
+        before the heads exist."""
 
     def on_rotated(self, attention, q: np.ndarray, k: np.ndarray, saved):
         """(q, k, saved) after the step on the heads after the rotation (B, H, L, Dh)."""
@@ -102,6 +108,14 @@ class HeadQKNorm(NoQKNorm):
 
     def on_heads_backward(self, attention, dq, dk, saved):
         return self._backward(attention, dq, dk, saved)
+
+    def on_heads_in_place(self, attention, qk, num_q):
+        # one norm over every head, the queries' weight on the first num_q and the keys' on the rest: the
+        # numbers of on_heads (rms_norm_into is rms_norm_forward bit for bit) in one pass instead of two
+        gains = np.empty((qk.shape[1], 1, qk.shape[-1]), qk.dtype)  # (Hq + Hkv, 1, Dh)
+        gains[:num_q] = self._gain(attention, "q_norm")
+        gains[num_q:] = self._gain(attention, "k_norm")
+        rms_norm_into(qk, gains, self.eps, qk, np.empty_like(qk))
 
 
 class ProjectionQKNorm(NoQKNorm):
@@ -478,38 +492,53 @@ class GroupedQueryAttention(Module):
         ``rotary`` is (cos, sin) each (B, 1, R); ``attention_mask`` (B, S) over every slot, or None.
         """
         b = x.shape[0]
-        q, k, v = self._project_step(x)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh), (B, Hkv, 1, Dh)
-        if rotary is not None:
-            q = _rotary.rotary_apply(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
-            k = _rotary.rotary_apply(k, *rotary, self.interleaved)  # (B, Hkv, 1, Dh)
+        q, k, v, qk = self._project_step(x)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh), (B, Hkv, 1, Dh)
+        if rotary is not None:  # q and k are the step's own arrays: rotated where they are
+            if qk is not None:  # side by side in the projection: one rotation turns both
+                _rotary.rotary_apply_in_place(qk, *rotary, self.interleaved)  # (B, Hq + Hkv, 1, Dh)
+            else:
+                _rotary.rotary_apply_in_place(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
+                _rotary.rotary_apply_in_place(k, *rotary, self.interleaved)  # (B, Hkv, 1, Dh)
         q, k, _ = self.qk_norm.on_rotated(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
         kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
-        key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
-        positions = self.positions(attention_mask, kept.slots)  # (B|1, S) or None
-        q, _ = self.temperature.forward(q, positions)  # (B, Hq, 1, Dh)
-        if self.chunk:  # the keys of the query's own chunk
-            same = positions // self.chunk == positions[:, -1:] // self.chunk  # (B|1, S)
-            key_mask = same if key_mask is None else key_mask & same  # (B, S)
-        heads = self._attend_step(q, kept.keys, kept.values, key_mask)  # (B, Hq, Dh)
+        if attention_mask is None and self.positions is no_positions:  # a plain layer: nothing hides a key
+            heads = self._attend_step(q, kept.keys, kept.values, None)  # (B, Hq, Dh)
+        else:
+            key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
+            positions = self.positions(attention_mask, kept.slots)  # (B|1, S) or None
+            q, _ = self.temperature.forward(q, positions)  # (B, Hq, 1, Dh)
+            if self.chunk:  # the keys of the query's own chunk
+                same = positions // self.chunk == positions[:, -1:] // self.chunk  # (B|1, S)
+                key_mask = same if key_mask is None else key_mask & same  # (B, S)
+            heads = self._attend_step(q, kept.keys, kept.values, key_mask)  # (B, Hq, Dh)
         heads = self._gate(x[:, None], heads[:, None])[0][:, 0]  # (B, Hq, Dh)
-        return linear(heads.reshape(b, -1), self._parameters["W_O"], self._parameters.get("b_O"))  # (B, D)
+        p = self._parameters
+        return linear(heads.reshape(b, -1), p["W_O"], p.get("b_O"))  # (B, D)
 
     def _project_step(self, x: np.ndarray):
-        """:meth:`_project` of one position per row: query, key and value heads (B, H, 1, Dh), q/k normalised."""
+        """:meth:`_project` of one position per row: query, key and value heads (B, H, 1, Dh), q/k normalised,
+        each an array of the step's own (views of its fresh projection or the norm's output); and the query and
+        key heads side by side as one view (B, Hq + Hkv, 1, Dh) where they are (the fused projection without a
+        projection-wide norm), else None: one rotation then turns both."""
         p = self._parameters
         fused = self.fused_weight_and_bias("W_QKV", "b_QKV")
+        b, hq, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if fused is not None and self.qk_norm.scope != "projection":
+            qkv = linear(x, *fused)  # (B, (Hq + 2 Hkv)*Dh)
+            qk = qkv[:, :(hq + hkv) * dh].reshape(b, hq + hkv, 1, dh)  # (B, Hq + Hkv, 1, Dh), a view
+            self.qk_norm.on_heads_in_place(self, qk, hq)
+            v = qkv[:, (hq + hkv) * dh:].reshape(b, hkv, 1, dh)  # (B, Hkv, 1, Dh)
+            return qk[:, :hq], qk[:, hq:], v, qk
         if fused is not None:
             qkv = linear(x, *fused)  # (B, (Hq + 2 Hkv)*Dh)
-            q_width, kv_width = p["W_Q"].shape[1], p["W_K"].shape[1]
-            q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + kv_width], qkv[:, q_width + kv_width:]
+            q, k, v = qkv[:, :hq * dh], qkv[:, hq * dh:(hq + hkv) * dh], qkv[:, (hq + hkv) * dh:]  # (B, H*Dh) each
         else:
             q, k, v = (linear(x, p[f"W_{n}"], p.get(f"b_{n}")) for n in "QKV")  # (B, H*Dh) each
-        b = x.shape[0]
         q, k, _ = self.qk_norm.on_projection(self, q, k)  # (B, Hq*Dh), (B, Hkv*Dh)
-        q = q.reshape(b, self.num_heads, 1, self.head_dim)  # (B, Hq, 1, Dh)
-        k = k.reshape(b, self.num_kv_heads, 1, self.head_dim)  # (B, Hkv, 1, Dh)
+        q = q.reshape(b, hq, 1, dh)  # (B, Hq, 1, Dh)
+        k = k.reshape(b, hkv, 1, dh)  # (B, Hkv, 1, Dh)
         q, k, _ = self.qk_norm.on_heads(self, q, k, None)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh)
-        return q, k, v.reshape(b, self.num_kv_heads, 1, self.head_dim)
+        return q, k, v.reshape(b, hkv, 1, dh), None
 
     def _attend_step(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                      key_mask: np.ndarray | None) -> np.ndarray:

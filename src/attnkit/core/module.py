@@ -298,9 +298,13 @@ class Module:
         if entry is None:
             return None
         buffer, names, views = entry
-        if buffer is not None and all(self._parameters.get(name) is view for name, view in zip(names, views)):
-            return buffer
-        return None
+        if buffer is None:
+            return None
+        params = self._parameters
+        for name, view in zip(names, views):  # a loop, not all(generator): a decoding step asks twice a layer
+            if params.get(name) is not view:
+                return None
+        return buffer
 
     def fused_weight_and_bias(self, weights: str, biases: str) -> tuple[np.ndarray, np.ndarray | None] | None:
         """``(fused weights, fused biases)`` of a fused linear map, biases None when the group was never made;

@@ -318,8 +318,9 @@ class KVCache(_SlotCache):
         if self.max_length is not None and end > self.max_length:
             raise ValueError(f"the cache holds max_length={self.max_length} slots but layer {layer} would "
                              f"reach {end} ({past} filled + {new} new)")
-        if self.windows[layer] is not None:
+        if self.windows[layer] is not None and end > self._keys[layer].shape[2]:
             return self._update_ring(layer, k_new, v_new)
+        # a window layer whose ring has not come round yet keeps slot s at index s, as a full layer does
         if end > self._keys[layer].shape[2]:
             capacity = max(end, 2 * self._keys[layer].shape[2])
             self._grow(layer, capacity if self.max_length is None else min(capacity, self.max_length))

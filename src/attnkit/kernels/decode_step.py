@@ -31,7 +31,7 @@ def rms_norm_into(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray, 
     x, out, scratch : (B, D) float32 or float64 (``scratch`` is overwritten); gain : (D,) -> ``out``.
     """
     np.multiply(x, x, out=scratch)  # (B, D)
-    rstd = scratch.sum(axis=-1, keepdims=True)  # (B, 1)
+    rstd = np.add.reduce(scratch, axis=-1, keepdims=True)  # (B, 1): sum's reduction without its Python wrapper
     rstd /= x.shape[-1]
     rstd += eps
     np.sqrt(rstd, out=rstd)
@@ -111,7 +111,7 @@ def one_query_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
         scores = np.asarray(modified, dtype=scores.dtype).reshape(b, hkv, group, slots)  # (B, Hkv, G, S)
     if key_mask is not None:
         scores = np.where(key_mask[:, None, None, :], scores, -np.inf)  # (B, Hkv, G, S)
-    peak = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, Hkv, G, 1)
+    peak = np.maximum.reduce(scores, axis=-1, keepdims=True, initial=-np.inf)  # (B, Hkv, G, 1)
     sink = None if sinks is None else sinks.astype(scores.dtype).reshape(1, hkv, group, 1)  # (1, Hkv, G, 1)
     if sink is not None:
         peak = np.maximum(peak, sink)
@@ -119,7 +119,7 @@ def one_query_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
         peak = np.where(np.isfinite(peak), peak, 0)  # a fully masked row: exp(-inf) = 0 everywhere
     scores -= peak
     np.exp(scores, out=scores)
-    total = scores.sum(axis=-1, keepdims=True)  # (B, Hkv, G, 1)
+    total = np.add.reduce(scores, axis=-1, keepdims=True)  # (B, Hkv, G, 1)
     if sink is not None:
         total += np.exp(sink - peak)
     if key_mask is not None:

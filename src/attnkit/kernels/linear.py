@@ -43,8 +43,11 @@ def product(a: np.ndarray, b: np.ndarray | PackedWeight) -> np.ndarray:
     if not isinstance(b, np.ndarray):  # a PackedWeight
         return packed_product(a, b)
     rows, split_rows = a.shape[0], current_choices().split_rows
+    # a decoding step's few rows decide here, before the thread count is looked up (five products a layer)
+    if rows < split_rows or rows * a.shape[1] * b.shape[1] < _SPLIT_WORK:
+        return a @ b
     workers = min(default_num_threads(), rows // max(1, split_rows // 2))
-    if rows < split_rows or rows * a.shape[1] * b.shape[1] < _SPLIT_WORK or workers < 2 or in_worker():
+    if workers < 2 or in_worker():
         return a @ b
     return split_product(a, b, workers)
 

@@ -30,8 +30,8 @@ import math
 
 import numpy as np
 
-__all__ = ["rotary_apply", "rotary_backward", "rotary_cos_sin", "rotary_frequencies", "rotary_table_fault",
-           "TABLE_DTYPE", "turn"]
+__all__ = ["rotary_apply", "rotary_apply_in_place", "rotary_backward", "rotary_cos_sin", "rotary_frequencies",
+           "rotary_table_fault", "TABLE_DTYPE", "turn"]
 
 # The narrowest dtype the cos/sin tables are computed in (a model loaded in float16): tables finite in it are
 # finite in every float dtype.
@@ -232,6 +232,30 @@ def rotary_apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: b
     if r == x.shape[-1]:
         return rotated
     return np.concatenate([rotated, x[..., r:]], axis=-1)  # (B, H, L, Dh)
+
+
+def rotary_apply_in_place(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False) -> np.ndarray:
+    """:func:`rotary_apply` written over ``x`` itself, the same numbers bit for bit, in five NumPy calls.
+
+    For a decoding step, whose query and key heads are a few hundred numbers: the cost is the calls, not the
+    arithmetic. Each pair ``(a, b)`` becomes ``(a cos - b sin, b cos + a sin)``, which is what
+    ``x * cos + turn(x) * sin`` rounds to (``a cos + (-b) sin`` and ``a cos - b sin`` are the same float).
+    ``x`` must be an array the caller owns (a fresh projection), never a caller's input.
+
+    Shapes
+    ------
+    x (B, H, L, Dh) writable, cos/sin (B, L, R) -> ``x``, its first R features rotated.
+    """
+    r = cos.shape[-1]
+    c, s = cos[:, None].astype(x.dtype, copy=False), sin[:, None].astype(x.dtype, copy=False)  # (B, 1, L, R)
+    first, second = (slice(0, r, 2), slice(1, r, 2)) if interleaved else (slice(0, r // 2), slice(r // 2, r))
+    rot = x[..., :r]  # (B, H, L, R)
+    minus = rot[..., second] * s[..., first]  # (B, H, L, R/2): b sin, before x changes
+    plus = rot[..., first] * s[..., second]  # (B, H, L, R/2): a sin
+    rot *= c
+    rot[..., first] -= minus
+    rot[..., second] += plus
+    return x
 
 
 def rotary_backward(grad: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False) -> np.ndarray:

@@ -75,6 +75,11 @@ class FeedForward(Module):
         self.save_for_backward(x, pre, hidden)
         return y
 
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D): :meth:`forward`'s kernel on the rows, nothing saved."""
+        p = self._parameters
+        return _ffn.feed_forward_forward(x, p["W1"], p["b1"], p["W2"], p["b2"], self.activation)[0]  # (B, D)
+
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradients of W1, b1, W2, b2 into ``self.grads``; return ``grad_x`` (..., D)."""
         if self.saved_tensors is None:

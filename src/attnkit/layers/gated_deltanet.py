@@ -206,8 +206,13 @@ class GatedDeltaNet(Module):
         (B, L, Vd), b and a (B, L, Hv)."""
         p, names = self._parameters, self.input_names
         fused = self.fused_parameter("W_in")
-        parts = ([linear(x, p[name]) for name in names] if fused is None else
-                 np.split(linear(x, fused), np.cumsum([p[n].shape[1] for n in names])[:-1], axis=-1))
+        if fused is None:
+            return [linear(x, p[name]) for name in names]  # (B, L, Cc), (B, L, Vd), (B, L, Hv), (B, L, Hv)
+        both, parts, start = linear(x, fused), [], 0  # both: (B, L, Cc + Vd + 2 Hv)
+        for name in names:  # slices, as np.split makes them, without its Python cost (a decoding step's)
+            width = p[name].shape[1]
+            parts.append(both[..., start:start + width])
+            start += width
         return parts  # (B, L, Cc), (B, L, Vd), (B, L, Hv), (B, L, Hv)
 
     def _input_backward(self, d_in: np.ndarray, x: np.ndarray) -> np.ndarray:

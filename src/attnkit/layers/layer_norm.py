@@ -70,6 +70,10 @@ class LayerNorm(Module):
         self.save_for_backward(x_hat, rstd, x.dtype)
         return y
 
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D): :meth:`forward`'s kernel on the rows, nothing saved."""
+        return _norm.layer_norm_forward(x, self._parameters["gamma"], self._parameters["beta"], self.eps)[0]
+
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradients of ``gamma`` and ``beta`` into ``self.grads``; return ``grad_x`` (..., D)."""
         if self.saved_tensors is None:
