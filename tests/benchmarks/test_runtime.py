@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 from attnkit.benchmarks import runtime  # noqa: E402
+from bench_helpers import fake_llama_bench, llama_bench_runs  # noqa: E402
 from gguf_models import write_gguf  # noqa: E402
 from hf_models import saved_model  # noqa: E402
 
@@ -27,15 +28,6 @@ LLAMA_JSON = [
 def _options(model, **changes) -> Namespace:
     options = dict(model=str(model), threads=1, prefill=8, new=3, batches=[1, 2], repeats=2, llama_bench=None)
     return Namespace(**{**options, **changes})
-
-
-def _fake_llama_bench(folder, stdout: str, status: int = 0):
-    """An executable that prints ``stdout`` and its arguments' model path to a file, as llama-bench would run."""
-    script = folder / "llama-bench"
-    script.write_text(f"#!{sys.executable}\nimport sys\nopen({str(folder / 'argv.json')!r}, 'w').write("
-                      f"__import__('json').dumps(sys.argv[1:]))\nprint({stdout!r})\nsys.exit({status})\n")
-    script.chmod(0o755)
-    return script
 
 
 @pytest.fixture
@@ -65,13 +57,13 @@ def test_a_folder_reports_both_engines_the_gemv_share_and_equal_greedy_tokens(tm
 
 def test_a_gguf_file_runs_transformers_and_llama_cpp_on_the_same_file(tiny_gguf, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(runtime, "gemv_bandwidth", lambda **_: 1e10)
-    binary = _fake_llama_bench(tmp_path, json.dumps(LLAMA_JSON))
+    binary = fake_llama_bench(tmp_path, json.dumps(LLAMA_JSON))
     figures = runtime.run(_options(tiny_gguf, batches=[1], llama_bench=str(binary)))
     assert figures["greedy_equal"] == {"b1": 1.0}  # transformers read the same dequantized weights
     llama = figures["llama.cpp"]
     assert llama["prefill_tps"]["median"] == 812.5 and llama["decode_b1_tps"]["median"] == 97.25
     assert llama["build"] == "abc1234" and llama["cpu"] == "Test CPU"
-    argv = json.loads((tmp_path / "argv.json").read_text())
+    argv = llama_bench_runs(tmp_path)[-1]
     assert argv == ["-m", str(tiny_gguf), "-t", "1", "-p", "8", "-n", "3", "-r", "1", "-o", "json"]
     out = capsys.readouterr().out
     assert "| llama.cpp | 812.5 (812.5-812.5) | 97.2 (97.2-97.2) |" in out
@@ -82,7 +74,7 @@ def test_a_gguf_file_runs_transformers_and_llama_cpp_on_the_same_file(tiny_gguf,
 
 def test_a_failing_llama_bench_is_one_line_and_the_run_goes_on(tiny_gguf, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(runtime, "gemv_bandwidth", lambda **_: 1e10)
-    binary = _fake_llama_bench(tmp_path, "", status=3)
+    binary = fake_llama_bench(tmp_path, "", status=3)
     figures = runtime.run(_options(tiny_gguf, batches=[1], repeats=1, llama_bench=str(binary)))
     assert figures["llama.cpp"] == {"error": "llama-bench exited with status 3: (no message)"}
     assert figures["attnkit"]["decode_b1_tps"]["median"] > 0

@@ -2,7 +2,6 @@
 figures in every kind of prompt's table, and the options refused before anything loads. A fake ``llama-bench``
 stands in for the binary; no figure here is a timing claim."""
 import json
-import sys
 from argparse import Namespace
 
 import numpy as np
@@ -10,18 +9,10 @@ import pytest
 
 from attnkit.benchmarks import speculative
 from attnkit.models import CausalLM, DecoderConfig
+from bench_helpers import fake_llama_bench, llama_bench_runs
 
 DECODE_JSON = [{"build_commit": "abc1234", "cpu_info": "Test CPU", "model_type": "llama ?B all F32", "n_prompt": 0,
                 "n_gen": 12, "avg_ts": 97.25, "stddev_ts": 1.0}]
-
-
-def _fake_llama_bench(folder, stdout: str, status: int = 0):
-    """An executable that prints ``stdout``, exits with ``status`` and appends its arguments to ``argv.jsonl``."""
-    script = folder / "llama-bench"
-    script.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(folder / 'argv.jsonl')!r}, 'a').write("
-                      f"json.dumps(sys.argv[1:]) + '\\n')\nprint({stdout!r})\nsys.exit({status})\n")
-    script.chmod(0o755)
-    return script
 
 
 @pytest.fixture
@@ -39,12 +30,12 @@ def _args(tmp_path, binary, **changes):
 
 
 def test_llama_cpp_decodes_in_every_round_beside_the_methods(lm, tmp_path):
-    binary = _fake_llama_bench(tmp_path, "build: abc1234\n" + json.dumps(DECODE_JSON))
+    binary = fake_llama_bench(tmp_path, "build: abc1234\n" + json.dumps(DECODE_JSON))
     args = _args(tmp_path, binary)
     command = speculative.llama_command(args)
     ids = np.array([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
     rows = speculative._measure(lm, ids, speculative._methods(lm, args, draft=None), args, command)
-    runs = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+    runs = llama_bench_runs(tmp_path)
     # one plain decoding of --new tokens per round, no prompt test, on the F32 file
     assert runs == [["-m", args.llama_gguf, "-t", "2", "-p", "0", "-n", "12", "-r", "1", "-o", "json"]] * 2
     llama = rows[speculative.LLAMA]
@@ -58,7 +49,7 @@ def test_llama_cpp_decodes_in_every_round_beside_the_methods(lm, tmp_path):
 
 
 def test_a_failing_llama_bench_is_one_line_and_the_methods_still_run(lm, tmp_path):
-    binary = _fake_llama_bench(tmp_path, "", status=3)
+    binary = fake_llama_bench(tmp_path, "", status=3)
     args = _args(tmp_path, binary, rounds=1)
     ids = np.array([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
     rows = speculative._measure(lm, ids, speculative._methods(lm, args, draft=None), args,
@@ -70,7 +61,7 @@ def test_a_failing_llama_bench_is_one_line_and_the_methods_still_run(lm, tmp_pat
 
 
 def test_llama_bench_needs_a_gguf_file_and_an_executable(tmp_path, capsys):
-    binary = _fake_llama_bench(tmp_path, "[]")
+    binary = fake_llama_bench(tmp_path, "[]")
     folder = tmp_path / "model"
     folder.mkdir()
     for argv, message in (([str(folder), "--llama-bench", str(binary)], "--llama-bench runs a GGUF file"),
