@@ -251,14 +251,19 @@ class CausalLM(Module):
         specs = c.layers[:n]
         states = {s.index: self.layers[s.index].attention.new_cache(batch_size, self.dtype) for s in specs
                   if s.cache in ("state", "paired")}
-        latent = [s.index for s in specs if s.cache == "latent"]
-        if latent:
-            dim = self.layers[latent[0]].attention.cache_dim
+        if self._cache_class(n) is LatentCache:
+            dim = next(self.layers[s.index].attention.cache_dim for s in specs if s.cache == "latent")
             return LatentCache(n, batch_size, dim, self.dtype, max_length=max_length, states=states)
         shapes = [(s.num_kv_heads, s.head_dim) if s.cache in ("keys_values", "paired") else None for s in specs]
         return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
                        windows=[s.keys_kept for s in specs], states=states, rollback=rollback,
                        layer_shapes=shapes, paired=[s.index for s in specs if s.cache == "paired"])
+
+    def _cache_class(self, num_layers: int) -> type:
+        """The cache of the first ``num_layers`` layers: a LatentCache when one of them keeps latents (the states
+        of the others beside them), else a KVCache."""
+        latent = any(s.cache == "latent" for s in self.config.layers[:num_layers])
+        return LatentCache if latent else KVCache
 
     def early_exit(self, num_layers: int) -> EarlyExit:
         """This model cut after its first ``num_layers`` blocks, then its final norm and head: a draft for
@@ -285,8 +290,7 @@ class CausalLM(Module):
             raise ValueError("input_ids must hold at least one token per row, got shape (B, 0)")
         past = 0
         if cache is not None:
-            layers = self.config.layers[:getattr(cache, "num_layers", self.config.num_layers)]
-            expected = LatentCache if any(s.cache == "latent" for s in layers) else KVCache
+            expected = self._cache_class(getattr(cache, "num_layers", self.config.num_layers))
             if not isinstance(cache, expected):
                 raise TypeError(f"cache must be a {expected.__name__} (from new_cache), got {type(cache).__name__}")
             if cache.batch_size != b:
