@@ -330,7 +330,7 @@ def test_a_latent_cache_keeps_the_states_of_the_layers_beside_it():
 
     rng = make_rng(12)
     layer = KimiDeltaAttention(16, 2, 4, rng=0)
-    cache = LatentCache(2, 2, 6, np.float64, states={0: layer.new_cache(2, np.float64)})
+    cache = LatentCache(2, 2, 6, np.float64, states={0: layer.new_cache(2, dtype=np.float64)})
     x = randn(rng, 2, 4, 16)
     with pytest.raises(ValueError, match="keeps a state, not latents"):
         cache.update(0, np.zeros((2, 1, 6)))
@@ -345,7 +345,7 @@ def test_a_latent_cache_keeps_the_states_of_the_layers_beside_it():
     cache.update(1, randn(rng, 2, 2, 6))
     cache.record(np.zeros((2, 2), np.int64))
     assert not cache.can_crop(3) and cache.can_crop(2) and cache.can_crop(0)
-    with pytest.raises(ValueError, match="marked: \\[2\\]"):
+    with pytest.raises(ValueError, match="marked lengths: \\[2\\]"):
         cache.crop(3)
     cache.crop(2)
     assert cache.length == 2 and np.array_equal(cache.state(0).recurrent_state, kept)
@@ -354,7 +354,7 @@ def test_a_latent_cache_keeps_the_states_of_the_layers_beside_it():
     arrays = cache.arrays()
     assert set(arrays) == {"token_ids", "layers.1.latent", "layers.0.state.conv_state",
                            "layers.0.state.recurrent_state"}
-    fresh = LatentCache(2, 3, 6, np.float64, states={0: layer.new_cache(3, np.float64)})
+    fresh = LatentCache(2, 3, 6, np.float64, states={0: layer.new_cache(3, dtype=np.float64)})
     fresh.load_arrays(arrays)
     assert fresh.length == 2 and np.array_equal(fresh.state(0).recurrent_state, kept[[1, 1, 0]])
     cache.crop(0)

@@ -49,7 +49,7 @@ def test_ring_layer_keeps_last_window_and_returns_needed_keys(window):
         np.testing.assert_array_equal(out.slots, expected)
         np.testing.assert_array_equal(out.keys, all_k[:, :, expected])
         np.testing.assert_array_equal(out.values, all_v[:, :, expected])
-    assert cache._keys[1].shape[2] == window  # memory stays O(W)
+    assert cache.entries[1].capacity == window  # memory stays O(W)
 
 
 def test_fixed_size_allocates_once_and_refuses_overflow():
@@ -151,7 +151,7 @@ def _hybrid_cache():
     from attnkit.layers import GatedDeltaNet
 
     gdn = GatedDeltaNet(4, num_key_heads=1, num_value_heads=2, key_head_dim=2, value_head_dim=3, rng=0)
-    return gdn, KVCache(3, 2, 1, 2, np.float64, states={1: gdn.new_cache(2, np.float64)})
+    return gdn, KVCache(3, 2, 1, 2, np.float64, states={1: gdn.new_cache(2, dtype=np.float64)})
 
 
 def test_a_state_layer_holds_a_fixed_size_state_beside_keys_and_values():
@@ -169,7 +169,7 @@ def test_a_state_layer_holds_a_fixed_size_state_beside_keys_and_values():
     gdn(np.ones((2, 1, 4)), cache=state)
     assert cache.length == 4
     assert state.nbytes == before == state.conv_state.nbytes + state.recurrent_state.nbytes  # whatever the length
-    assert cache.nbytes == state.nbytes + sum(k.nbytes + v.nbytes for k, v in zip(cache._keys, cache._values))
+    assert cache.nbytes == state.nbytes + sum(e.nbytes for i, e in enumerate(cache.entries) if i != 1)
     with pytest.raises(ValueError, match="keeps a state, not keys and values"):
         cache.update(1, k, k)
     with pytest.raises(ValueError, match="keeps keys and values, not a state"):

@@ -59,6 +59,10 @@ def check_model_against_its_specs(lm: CausalLM) -> None:
             assert (block.attention.head_dim, block.attention.num_kv_heads) == (spec.head_dim, spec.num_kv_heads)
             assert block.attention.window == spec.window
         assert (lm.layer_rotary[i] is None) == (spec.rotary is None), i
+        # the model's cache is the list its layers' mixers make
+        assert cache.kinds[i] == ("none" if spec.cache == "shared" else spec.cache), (i, cache.kinds[i])
+        made = None if spec.mixer is None else block.attention.new_cache(1)
+        assert type(cache.entries[i]) is type(made), (i, type(cache.entries[i]).__name__)
         held = {name.split(".", 2)[2] for name in arrays if name.startswith(f"layers.{i}.")}
         keys = {"keys", "values"} <= held
         states = any(name.startswith("state.") for name in held)

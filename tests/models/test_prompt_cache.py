@@ -167,8 +167,9 @@ def test_saving_writes_atomically_and_refuses_a_cache_left_between_layers(saved,
     lm, path = saved
     cache = load_prompt_cache(path, lm)
     before = path.read_bytes()
-    layer = cache._holding[0]
-    cache._lengths[layer] += 1  # as a forward stopped after its first layer leaves it
+    first = next(entry for entry in cache.entries if entry is not None)
+    step = np.zeros((first.batch_size, first.num_kv_heads, 1, first.head_dim), first.dtype)  # (B, Hkv, 1, Dh)
+    first.update(step, step)  # as a forward stopped after its first layer leaves it
     with pytest.raises(ValueError, match="stopped part-way"):
         save_prompt_cache(path, lm, cache)
     assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == [path.name]

@@ -35,6 +35,7 @@ from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_
 from ..kernels.linear import linear, linear_backward
 from ..kernels.registry import ATTENTION_KERNELS
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
+from .cache_entry import KeysValues
 
 __all__ = ["GroupedQueryAttention", "QK_NORMS", "NoQueryTemperature", "QueryTemperature", "slot_positions"]
 
@@ -269,7 +270,7 @@ class GroupedQueryAttention(Module):
         ``config.layers[layer_index]``). A chunked layer's chunks and the temperature follow the tokens'
         positions, made from ``attention_mask`` as the model's are (``cumsum(mask) - 1``).
     layer_index : int
-        Which layer this is (its window, and its entry in a :class:`~attnkit.decoding.cache.KVCache`).
+        Which layer this is (its window, and its entry in a :class:`~attnkit.decoding.cache.ModelCache`).
     rng : numpy.random.Generator or int, optional
         Source of the ``N(0, 0.02^2)`` initial weights (biases start at zero).
 
@@ -285,7 +286,7 @@ class GroupedQueryAttention(Module):
     rotary : ``(cos, sin)`` each (B, L, R) from :class:`~attnkit.layers.rotary.RotaryEmbedding`, or None
     (no rotary, e.g. GPT-2's learned positions).
     attention_mask : (B, S) bool/0-1, ``True`` = real token, over the cache slots (past + new); None = all real.
-    cache : :class:`~attnkit.decoding.cache.KVCache`, optional. With a cache the new keys/values are appended and the
+    cache : :class:`~attnkit.decoding.cache.ModelCache`, optional. With a cache the new keys/values are appended and the
     queries attend to every kept slot; the cached path is for inference (no :meth:`backward`).
 
     Examples
@@ -482,6 +483,15 @@ class GroupedQueryAttention(Module):
                 return out, (hooked.copy() if need_weights else None), ctx
         weights = None if ctx.weights is None or not need_weights else ctx.weights.copy()  # (B, Hq, L, S)
         return out, weights, ctx
+
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, dtype: Any = None,
+                  rollback: int = 0) -> KeysValues:
+        """This layer's entry of a model's cache: its keys and values, a ring of its window (or chunk) plus
+        ``rollback`` slots when it has one (:class:`~attnkit.decoding.cache.KeysValues`), in ``dtype`` (default:
+        the parameters')."""
+        dtype = self._parameters["W_O"].dtype if dtype is None else dtype
+        return KeysValues(batch_size, self.num_kv_heads, self.head_dim, dtype, max_length=max_length,
+                          window=self.window or self.chunk, rollback=rollback, layer=self.layer_index)
 
     def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None) -> np.ndarray:
         """One decoding step: :meth:`forward` of one new token per row with a cache, (B, D) -> (B, D).

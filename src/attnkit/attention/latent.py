@@ -59,6 +59,7 @@ from ..kernels import rotary as _rotary
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
+from .cache_entry import Latents
 from .lightning_indexer import LightningIndexer, half_split_rotary
 
 __all__ = ["LatentAttentionConfig", "MultiHeadLatentAttention", "yarn_softmax_scale"]
@@ -205,7 +206,7 @@ class MultiHeadLatentAttention(Module):
     ----------
     config : LatentAttentionConfig
     layer_index : int, default 0
-        This layer's entry in a :class:`~attnkit.decoding.cache.LatentCache`.
+        Which layer this is (its entry in a model's :class:`~attnkit.decoding.cache.ModelCache`).
     rng : numpy.random.Generator or int, optional
         Source of the ``N(0, 0.02^2)`` initial weights (norm gains start at one, biases at zero).
 
@@ -237,7 +238,7 @@ class MultiHeadLatentAttention(Module):
     ``interleaved=config.rope_interleaved``; None: the R "rotary" features are not turned (a NoPE layer: Kimi
     Linear's latent attention keeps DeepSeek-V3's shapes but rotates nothing).
     attention_mask : (B, S) bool/0-1, ``True`` = real token, over the cache slots (past + new); None = all real.
-    cache : :class:`~attnkit.decoding.cache.LatentCache`, optional: appends the new tokens' ``[c, k_r]`` (C + R
+    cache : :class:`~attnkit.decoding.cache.ModelCache`, optional: appends the new tokens' ``[c, k_r]`` (C + R
     each) and attends to every kept slot; inference only (no :meth:`backward`).
     output_attentions : bool, default False
         Also return the weights (B, H, L, S), an array the caller owns (the reference kernel computes them).
@@ -287,8 +288,16 @@ class MultiHeadLatentAttention(Module):
 
     @property
     def cache_dim(self) -> int:
-        """What its entry of a :class:`~attnkit.decoding.cache.LatentCache` keeps per token (the config's)."""
+        """What its cache entry keeps per token (the config's ``cache_dim``)."""
         return self.config.cache_dim
+
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, dtype: Any = None,
+                  rollback: int = 0) -> Latents:
+        """This layer's entry of a model's cache: its tokens' latents (:class:`~attnkit.attention.cache_entry.Latents`,
+        ``cache_dim`` numbers per token) in ``dtype`` (default: the parameters'); ``rollback`` needs nothing (the
+        slots stay until cropped)."""
+        dtype = self._parameters["W_O"].dtype if dtype is None else dtype
+        return Latents(batch_size, self.cache_dim, dtype, max_length=max_length, layer=self.layer_index)
 
     def extra_repr(self) -> str:
         cfg = self.config

@@ -356,6 +356,11 @@ class KVReaderAttention(_LayerwiseAttention):
             self.save_for_backward()
         return self._finish(y, weights, b, length, output_attentions)
 
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, dtype: Any = None,
+                  rollback: int = 0) -> None:
+        """Nothing: the layer reads its owner's keys and values, which the owner's entry keeps."""
+        return None
+
     def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None) -> np.ndarray:
         """One decoding step (B, D) -> (B, D) over the keys and values the owner's step handed over."""
         q = self._queries_step(x, rotary)  # (B, Hq, 1, Dh)

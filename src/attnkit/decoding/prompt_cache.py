@@ -2,7 +2,7 @@
 later run whose prompt starts with the same ids loads it and reads only the rest.
 
 The file is a NumPy ``.npz`` (a zip of ``.npy`` arrays, never pickles): the cache's :meth:`arrays
-<attnkit.decoding.cache.KVCache.arrays>` and a JSON header naming the format, its version, the cache's dtype and
+<attnkit.decoding.cache.ModelCache.arrays>` and a JSON header naming the format, its version, the cache's dtype and
 the model's :func:`fingerprint`. Loading refuses, with a :class:`PromptCacheError` saying why in one line, a file
 that is not one of these, is cut short or damaged, was written for another model (another config, other
 weights, another dtype), or does not fit this model's cache; nothing from a refused file is used. Every array's
@@ -79,7 +79,7 @@ def prefill(model: Any, cache: Any, ids: Any) -> int:
     Parameters
     ----------
     model : CausalLM
-    cache : KVCache or LatentCache
+    cache : ModelCache
         The model's, B rows.
     ids : int array (B, L)
         No padding.
@@ -102,7 +102,7 @@ def save_prompt_cache(path: str | os.PathLike, model: Any, cache: Any) -> Path:
     path : str or path-like
     model : CausalLM
         The model whose forward filled ``cache`` (its :func:`fingerprint` is recorded).
-    cache : KVCache or LatentCache
+    cache : ModelCache
         Holding the ids it was fed (``token_ids``) and their keys, values and states.
     """
     path = Path(path)

@@ -1,7 +1,8 @@
 """Text generation for causal language models: logits warpers, greedy and sampled decoding, streaming.
 
 Decoding follows Hugging Face's ``generate`` (``do_sample`` with ``num_beams=1``): the prompt runs through the
-model once (prefill) into a :class:`~attnkit.decoding.cache.KVCache`, then each step feeds the one new token per row.
+model once (prefill) into its cache (:class:`~attnkit.decoding.cache.ModelCache`), then each step feeds the one
+new token per row.
 With ``do_sample=True`` the last logits pass through the warpers in Hugging Face's order, each only when it
 changes something: temperature (``!= 1``), top-k (``> 0``), top-p (``< 1``), min-p (any value), and the next
 token is drawn from the softmax of what is left. Without sampling the next token is the argmax of the raw
@@ -731,10 +732,10 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
         Anything with ``decode(ids)``, e.g. :func:`attnkit.pretrained.load_tokenizer`'s; for ``stop_strings``.
     seed : int or numpy.random.Generator, optional
         The same seed gives the same samples.
-    past_key_values : KVCache or LatentCache, optional
+    past_key_values : ModelCache, optional
         A cache of this model (``model.new_cache(B)``) that earlier calls filled: it is cropped to the longest
         prefix of ``input_ids`` it holds and can go back to (any length for attention layers; a marked one for
-        recurrent states, see :meth:`~attnkit.decoding.cache.KVCache.mark`), only the rest is prefilled, and it
+        recurrent states, see :meth:`~attnkit.decoding.cache.ModelCache.mark`), only the rest is prefilled, and it
         is left holding the prompt and the new tokens (all but the last). Not with beam search.
     assistant_model : CausalLM or Proposer, optional
         A draft model with the same tokenizer, for speculative decoding

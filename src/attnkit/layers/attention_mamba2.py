@@ -9,9 +9,8 @@ Dimension letters: B batch, L new tokens, D ``hidden_size``.
 
 Each factor is a :class:`~attnkit.layers.identity.Scale` part (an identity where it is 1), so the checkpoint's
 weights are used as they are and every gradient is the gradient of the checkpoint's own parameters. The layer's
-cache entry is the pair of its mixers': the attention's keys and values in the model's
-:class:`~attnkit.decoding.cache.KVCache` slots of the layer, the Mamba-2 state as that layer's state (a
-"paired" layer of the cache), so marks, crops and beam reorders move both together.
+cache entry is the pair of its mixers' (a :class:`~attnkit.attention.cache_entry.PairedCache`): the attention's
+keys and values and the Mamba-2 state, so marks, crops and beam reorders move both together.
 """
 from __future__ import annotations
 
@@ -21,11 +20,12 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_factor
+from ..attention.cache_entry import PairedCache
 from ..attention.grouped_query import GroupedQueryAttention
 from ..core.module import Module
 from ..init import as_generator
 from .identity import Identity, Scale
-from .mamba2 import Mamba2Cache, Mamba2Mixer
+from .mamba2 import Mamba2Mixer
 
 __all__ = ["AttentionMamba2Config", "AttentionMamba2Mixer"]
 
@@ -109,9 +109,12 @@ class AttentionMamba2Mixer(Module):
         what direct logit attribution splits into heads; the rest of the output is the Mamba-2 half's."""
         return self.attn, getattr(self.attn_out, "factor", 1.0)
 
-    def new_cache(self, batch_size: int, dtype: Any = None) -> Mamba2Cache:
-        """The Mamba-2 half of the layer's cache entry (the attention's keys and values are the KVCache's slots)."""
-        return self.mamba.new_cache(batch_size, dtype)
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, dtype: Any = None,
+                  rollback: int = 0) -> PairedCache:
+        """The layer's cache entry: the attention's keys and values beside the Mamba-2 half's state, which go
+        back and are reordered together (:class:`~attnkit.attention.cache_entry.PairedCache`)."""
+        return PairedCache(self.attn.new_cache(batch_size, max_length, dtype=dtype, rollback=rollback),
+                           self.mamba.new_cache(batch_size, dtype=dtype))
 
     # The hook points are the two mixers' own: the attention's (hook_q, ..., hook_pattern, hook_z) then the
     # Mamba-2's (hook_conv_out, hook_ssm_out); a hook is installed on the mixer that owns the point.

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_bool_mask, check_eps, check_features, check_grad_output, check_ndim, check_positive_int
+from ..attention.cache_entry import check_max_length
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
@@ -191,10 +192,13 @@ class GatedDeltaNet(Module):
                 f"num_value_heads={self.num_value_heads}, key_head_dim={self.key_head_dim}, "
                 f"value_head_dim={self.value_head_dim}, conv_kernel_size={self.conv_kernel_size}")
 
-    def new_cache(self, batch_size: int, dtype: Any = None) -> GatedDeltaNetCache:
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, dtype: Any = None,
+                  rollback: int = 0) -> GatedDeltaNetCache:
         """An empty cache for ``batch_size`` sequences: zero convolution inputs and a zero state, in ``dtype``
-        (default: the parameters' dtype)."""
+        (default: the parameters' dtype);
+        ``max_length`` and ``rollback`` change nothing (a state has one size at every length)."""
         b = check_positive_int(batch_size, "batch_size")
+        check_max_length(max_length)
         dtype = self._parameters["W_out"].dtype if dtype is None else dtype
         return GatedDeltaNetCache(
             np.zeros((b, self.conv_kernel_size - 1, self.conv_dim), dtype),
@@ -411,7 +415,7 @@ class GatedDeltaNetMixer(DeltaRuleMixer, GatedDeltaNet):
     It speaks the mixers' protocol: ``forward(x, *, rotary, attention_mask, cache, output_attentions)``, where
     ``rotary`` is ignored (the convolution and the recurrence order the tokens), ``attention_mask`` is the
     model's (B, P + L) mask over every column (the layer reads the new L), and ``cache`` the model's
-    :class:`~attnkit.decoding.cache.KVCache`, whose :meth:`~attnkit.decoding.cache.KVCache.state` for this
+    :class:`~attnkit.decoding.cache.ModelCache`, whose :meth:`~attnkit.decoding.cache.ModelCache.state` for this
     layer is its :class:`GatedDeltaNetCache`. ``output_attentions=True`` returns the layer's
     :meth:`~GatedDeltaNet.token_weights` (B, Hv, L, L) beside its output: it has no softmax pattern.
 

@@ -30,14 +30,14 @@ from .identity import Identity, Scale
 from .kimi_delta_attention import KimiDeltaAttentionMixer
 from .layer_norm import LayerNorm
 from .mamba2 import Mamba2Mixer
-from .per_layer_input import PerLayerInputBranch
+from .per_layer_input import PerLayerInputBranch, PerLayerInputs
 from .rms_norm import RMSNorm
 from .short_conv import ShortConvMixer
 from .ungated_mlp import UngatedMLP
 from .xielu_mlp import XIELUMLP
 
 __all__ = ["LMBlock", "ParallelLMBlock", "MixerOnlyBlock", "MLPOnlyBlock", "LayerwiseBlock", "PerLayerInputBlock",
-           "BLOCKS", "MIXERS", "MLPS", "make_norm", "make_block"]
+           "BLOCKS", "MIXERS", "MLPS", "LAYER_INPUTS", "make_norm", "make_block"]
 
 
 def _branch(config, sublayer: Module | None) -> tuple[Module, Module, Module, Module]:
@@ -134,6 +134,9 @@ class LMBlock(Module):
     """One decoder layer with sequential residuals: ``x = x + attention(x)``, then ``x = x + mlp(x)``, each branch
     between its norms.
 
+    ``INPUTS`` names what a block reads beside the residual stream, each made once for every layer by the
+    model (the modules of :data:`LAYER_INPUTS`) and handed to the block as a keyword: none here.
+
     Each branch is ``scale(post_norm(sublayer(pre_norm(x))))``; ``config.norm.placement`` decides which of the
     two norms exist (``pre``: the input's, Llama; ``post``: the output's, OLMo 2; ``sandwich``: both, Gemma), the
     others are identities; ``scale`` is a :class:`~attnkit.layers.identity.Scale` by ``config.residual_scale``
@@ -167,6 +170,8 @@ class LMBlock(Module):
     >>> y.shape, block.backward(np.ones_like(y)).shape, type(block.attn_post_norm).__name__
     ((1, 3, 8), (1, 3, 8), 'Identity')
     """
+
+    INPUTS: tuple[str, ...] = ()
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
@@ -436,6 +441,8 @@ class PerLayerInputBlock(LayerwiseBlock):
     ((1, 3, 8), (1, 3, 3))
     """
 
+    INPUTS = ("per_layer_input",)
+
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         gen = as_generator(rng)
         super().__init__(config, layer_index, rng=gen)
@@ -476,6 +483,10 @@ BLOCKS: dict[str, type[LMBlock]] = {"sequential": LMBlock, "parallel": ParallelL
                                     "layerwise": LayerwiseBlock, "per_layer_input": PerLayerInputBlock}
 """The block of each kind a layer's spec names (``LayerSpec.block``): a ``residual`` kind (``"single"`` is one of
 the two one-branch blocks, by the layer's type), or a ``LayerwiseConfig.block`` kind."""
+
+LAYER_INPUTS: dict[str, tuple[str, type[Module]]] = {"per_layer_input": ("per_layer_inputs", PerLayerInputs)}
+"""What a block's ``INPUTS`` name: the model's attribute and the module that makes the input of every layer at once
+(Gemma 4's per-layer inputs, (B, L, N, P), layer i reading ``[:, :, i]``)."""
 
 
 def make_block(config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> LMBlock:

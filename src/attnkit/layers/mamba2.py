@@ -58,6 +58,7 @@ from .._validation import (
     check_ndim,
     check_positive_int,
 )
+from ..attention.cache_entry import check_max_length
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
@@ -242,9 +243,12 @@ class Mamba2(Module):
         (B, L, H, P): the scan's output with the skip ``D x``, before the gate and the norm."""
         return ("hook_conv_out", "hook_ssm_out")
 
-    def new_cache(self, batch_size: int, dtype: Any = None) -> Mamba2Cache:
-        """An empty cache for ``batch_size`` sequences, in ``dtype`` (default: the parameters' dtype)."""
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, dtype: Any = None,
+                  rollback: int = 0) -> Mamba2Cache:
+        """An empty cache for ``batch_size`` sequences, in ``dtype`` (default: the parameters' dtype);
+        ``max_length`` and ``rollback`` change nothing (a state has one size at every length)."""
         b, s = check_positive_int(batch_size, "batch_size"), self.shape
+        check_max_length(max_length)
         dtype = self._parameters["W_out"].dtype if dtype is None else dtype
         return Mamba2Cache(np.zeros((b, s.conv_kernel_size - 1, self.conv_dim), dtype),
                            np.zeros((b, s.num_heads, s.state_size, s.head_dim), dtype))
@@ -416,8 +420,8 @@ class Mamba2Mixer(Mamba2):
 
     It speaks the mixers' protocol: ``forward(x, *, rotary, attention_mask, cache, output_attentions)``, where
     ``rotary`` is ignored, ``attention_mask`` is the model's (B, P + L) mask over every column (the layer reads the
-    new L) and ``cache`` the model's :class:`~attnkit.decoding.cache.KVCache`, whose
-    :meth:`~attnkit.decoding.cache.KVCache.state` for this layer is its :class:`Mamba2Cache`. It has no attention
+    new L) and ``cache`` the model's :class:`~attnkit.decoding.cache.ModelCache`, whose
+    :meth:`~attnkit.decoding.cache.ModelCache.state` for this layer is its :class:`Mamba2Cache`. It has no attention
     weights: ``output_attentions=True`` is refused.
 
     Parameters

@@ -1,7 +1,7 @@
 """The decoding cache of a layer that keeps a fixed-size state instead of keys and values (Gated DeltaNet, a short
 convolution, Mamba-2): a dataclass of arrays, each with the batch on its first axis, and ``length``.
 
-:class:`RecurrentState` gives such a dataclass what :class:`~attnkit.decoding.cache.KVCache` asks of a state
+:class:`RecurrentState` gives such a dataclass what :class:`~attnkit.decoding.cache.ModelCache` asks of a state
 (``reorder``, ``copy``, ``cleared``, ``nbytes``), written once over its array fields, so a new state layer declares
 its fields and nothing else.
 """
@@ -42,7 +42,7 @@ class RecurrentState:
             setattr(self, name, array[index])  # (B', ...)
 
     def copy(self):
-        """An independent copy (what :meth:`attnkit.decoding.cache.KVCache.mark` keeps)."""
+        """An independent copy (what :meth:`attnkit.decoding.cache.ModelCache.mark` keeps)."""
         return dataclasses.replace(self, **{name: array.copy() for name, array in self._arrays().items()})
 
     def cleared(self):

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import as_bool_mask, check_features, check_grad_output, check_ndim, check_positive_int
+from ..attention.cache_entry import check_max_length
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
@@ -143,10 +144,12 @@ class ShortConv(Module):
         ``hook_conv_out`` (B, L, D): the convolution's output before the output gate ``c``."""
         return ("hook_conv_in", "hook_conv_out")
 
-    def new_cache(self, batch_size: int, dtype: Any = None) -> ShortConvCache:
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, dtype: Any = None,
+                  rollback: int = 0) -> ShortConvCache:
         """An empty cache for ``batch_size`` sequences: zero convolution inputs, in ``dtype`` (default: the
-        parameters' dtype)."""
+        parameters' dtype); ``max_length`` and ``rollback`` change nothing (a state has one size at every length)."""
         b = check_positive_int(batch_size, "batch_size")
+        check_max_length(max_length)
         dtype = self._parameters["W_out"].dtype if dtype is None else dtype
         return ShortConvCache(np.zeros((b, self.kernel_size - 1, self.hidden_size), dtype))
 
@@ -244,7 +247,7 @@ class ShortConvMixer(ShortConv):
     It speaks the mixers' protocol: ``forward(x, *, rotary, attention_mask, cache, output_attentions)`` and
     ``step``, where ``rotary`` is ignored (the convolution orders the tokens), ``attention_mask`` is the model's
     (B, P + L) mask over every column (the layer reads the new L), and ``cache`` the model's
-    :class:`~attnkit.decoding.cache.KVCache`, whose :meth:`~attnkit.decoding.cache.KVCache.state` for this
+    :class:`~attnkit.decoding.cache.ModelCache`, whose :meth:`~attnkit.decoding.cache.ModelCache.state` for this
     layer is its :class:`ShortConvCache`. It has no attention weights: ``output_attentions=True`` is refused.
 
     Parameters

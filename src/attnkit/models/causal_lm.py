@@ -17,15 +17,14 @@ from .._validation import as_array, as_bool_mask, check_grad_output, check_posit
 from ..attention.shared_kv import connect_shared_kv
 from ..core.hooks import block_hook_points
 from ..core.module import Module, ModuleList
-from ..decoding.cache import KVCache, LatentCache
+from ..decoding.cache import ModelCache
 from ..decoding.config import GenerationConfig
 from ..init import as_generator
 from ..kernels._threads import blas_on_free_cores, decode_blas
 from ..kernels.linear import linear, product
 from ..layers.embedding import Embedding
 from ..layers.identity import Identity, Scale
-from ..layers.lm_block import make_block, make_norm
-from ..layers.per_layer_input import PerLayerInputs
+from ..layers.lm_block import LAYER_INPUTS, make_block, make_norm
 from ..layers.rotary import RotaryEmbedding
 from .config import DecoderConfig
 
@@ -122,12 +121,13 @@ class CausalLM(Module):
         self.layer_rotary = tuple(next((name for name, u in tables.items() if u == use), None) for use in uses)
         self.layers = ModuleList([make_block(config, i, rng=gen) for i in range(config.num_layers)])
         connect_shared_kv([layer.attention for layer in self.layers])  # a reader of keys and values, its owner's
-        # The inputs every block reads its slice of, by the block's keyword -> the module making them: Gemma 4's
-        # per-layer inputs, or none.
-        self.layer_inputs = {"per_layer_input": "per_layer_inputs"} if config.layerwise is not None and \
-            config.layerwise.per_layer_input_size else {}
-        for name in self.layer_inputs.values():
-            setattr(self, name, PerLayerInputs(config, rng=gen))
+        # The inputs the blocks read their slice of (their INPUTS), by the blocks' keyword -> the attribute of the
+        # module making them for every layer at once
+        wanted = sorted({key for layer in self.layers for key in type(layer).INPUTS})
+        self.layer_inputs = {key: LAYER_INPUTS[key][0] for key in wanted}
+        for key in wanted:
+            name, maker = LAYER_INPUTS[key]
+            setattr(self, name, maker(config, rng=gen))
         self.norm = make_norm(config)
         if not config.tie_word_embeddings:
             self.head = Embedding(config.vocab_size, config.hidden_size, rng=gen, std=0.02)
@@ -236,34 +236,20 @@ class CausalLM(Module):
         return min((getattr(self, name).weight.shape[0] for name in self.position_tables), default=None)
 
     def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0,
-                  num_layers: int | None = None) -> KVCache | LatentCache:
-        """An empty cache for this model, made from what each layer's spec says its entry holds
-        (``LayerSpec.cache``): a :class:`~attnkit.decoding.cache.LatentCache` when a layer keeps the latents of
-        latent attention (the states of the state layers beside them), else a
-        :class:`~attnkit.decoding.cache.KVCache`: keys and values (a ring buffer for a sliding layer, ``rollback``
-        slots beyond its window, see :class:`~attnkit.decoding.cache.KVCache`), a fixed-size state (the layer's
-        mixer's ``new_cache``), both for a layer with attention beside a state-space mixer (a ``paired`` layer of
-        the cache), nothing for a layer that reads another's keys and values or is its MLP alone. ``num_layers``:
-        for the first layers only (an :meth:`early_exit`'s)."""
+                  num_layers: int | None = None) -> ModelCache:
+        """An empty cache for this model: the list of its layers' entries, each made by the layer's token mixer
+        (``new_cache(batch_size, max_length, dtype=, rollback=)``): keys and values (a ring buffer of a sliding
+        layer's window plus ``rollback`` slots), latents, a fixed-size state, keys and values beside a state, or
+        nothing (a layer that reads another's keys and values, or is its MLP alone). ``num_layers``: for the first
+        layers only (an :meth:`early_exit`'s). See :class:`~attnkit.decoding.cache.ModelCache`."""
         c = self.config
         n = c.num_layers if num_layers is None else check_positive_int(num_layers, "num_layers",
                                                                        maximum=c.num_layers)
-        specs = c.layers[:n]
-        states = {s.index: self.layers[s.index].attention.new_cache(batch_size, self.dtype) for s in specs
-                  if s.cache in ("state", "paired")}
-        if self._cache_class(n) is LatentCache:
-            dim = next(self.layers[s.index].attention.cache_dim for s in specs if s.cache == "latent")
-            return LatentCache(n, batch_size, dim, self.dtype, max_length=max_length, states=states)
-        shapes = [(s.num_kv_heads, s.head_dim) if s.cache in ("keys_values", "paired") else None for s in specs]
-        return KVCache(n, batch_size, c.num_kv_heads, c.head_dim, self.dtype, max_length=max_length,
-                       windows=[s.keys_kept for s in specs], states=states, rollback=rollback,
-                       layer_shapes=shapes, paired=[s.index for s in specs if s.cache == "paired"])
-
-    def _cache_class(self, num_layers: int) -> type:
-        """The cache of the first ``num_layers`` layers: a LatentCache when one of them keeps latents (the states
-        of the others beside them), else a KVCache."""
-        latent = any(s.cache == "latent" for s in self.config.layers[:num_layers])
-        return LatentCache if latent else KVCache
+        entries = [None if spec.mixer is None else
+                   self.layers[spec.index].attention.new_cache(batch_size, max_length, dtype=self.dtype,
+                                                               rollback=rollback)
+                   for spec in c.layers[:n]]
+        return ModelCache(entries, batch_size, max_length=max_length)
 
     def early_exit(self, num_layers: int) -> EarlyExit:
         """This model cut after its first ``num_layers`` blocks, then its final norm and head: a draft for
@@ -280,7 +266,20 @@ class CausalLM(Module):
         return EarlyExit(self, check_positive_int(num_layers, "num_layers", maximum=self.config.num_layers))
 
     # ------------------------------------------------------------------------------------------------
-    def _check_inputs(self, input_ids, attention_mask, position_ids, cache):
+    def _check_cache(self, cache: Any, specs: Sequence[Any]) -> None:
+        """``cache`` must be one ``new_cache`` makes for the layers of ``specs``: an entry of the right kind per
+        layer (of the first ones: an early exit's cache is shorter)."""
+        if not isinstance(cache, ModelCache):
+            raise TypeError(f"cache must be a ModelCache (from new_cache), got {type(cache).__name__}")
+        if cache.num_layers > len(specs):
+            raise ValueError(f"cache has {cache.num_layers} layers, the model {len(specs)}")
+        for spec, kind in zip(specs, cache.kinds):
+            wanted = "none" if spec.cache == "shared" else spec.cache
+            if kind != wanted:
+                raise TypeError(f"cache is not this model's (make it with new_cache): its layer {spec.index} holds "
+                                f"{kind}, the model's layer keeps {wanted}")
+
+    def _check_inputs(self, input_ids, attention_mask, position_ids, cache, specs: Sequence[Any] | None = None):
         ids = as_array(input_ids, "input_ids")
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be a 2-D integer array (B, L), got shape {ids.shape} and dtype "
@@ -290,9 +289,7 @@ class CausalLM(Module):
             raise ValueError("input_ids must hold at least one token per row, got shape (B, 0)")
         past = 0
         if cache is not None:
-            expected = self._cache_class(getattr(cache, "num_layers", self.config.num_layers))
-            if not isinstance(cache, expected):
-                raise TypeError(f"cache must be a {expected.__name__} (from new_cache), got {type(cache).__name__}")
+            self._check_cache(cache, self.config.layers if specs is None else specs)
             if cache.batch_size != b:
                 raise ValueError(f"cache holds {cache.batch_size} rows but input_ids has {b}")
             past = cache.length
@@ -316,7 +313,7 @@ class CausalLM(Module):
         return ids, mask, positions
 
     def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
-                cache: KVCache | LatentCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0,
+                cache: ModelCache | None = None, output_attentions: bool = False, logits_to_keep: int = 0,
                 return_hidden: bool = False):
         """Logits (B, L, V) of the next token after every position; with a cache, only the new tokens are fed.
 
@@ -627,7 +624,7 @@ class EarlyExit:
         self.config = model.config
 
     def forward(self, input_ids: Any, attention_mask: Any = None, *, position_ids: Any = None,
-                cache: KVCache | LatentCache | None = None, logits_to_keep: int = 0) -> np.ndarray:
+                cache: ModelCache | None = None, logits_to_keep: int = 0) -> np.ndarray:
         """Logits (B, L, V) after the first ``num_layers`` blocks (see :meth:`CausalLM.forward`)."""
         return self.model._forward(input_ids, attention_mask, position_ids, cache, False, logits_to_keep,
                                    self.num_layers)[0]

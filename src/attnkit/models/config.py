@@ -384,7 +384,8 @@ class DecoderConfig:
         (:class:`~attnkit.attention.latent.MultiHeadLatentAttention`, DeepSeek-V3) instead of grouped-query
         attention; its ``hidden_size`` and heads are this config's, ``head_dim`` is its rotary width R,
         ``rotary.interleaved`` its ``rope_interleaved``, the ``attention`` part stays the default (the latent part
-        holds its biases and scale), and the cache is a :class:`~attnkit.decoding.cache.LatentCache`.
+        holds its biases and scale), and those layers' cache entries are
+        :class:`~attnkit.attention.cache_entry.Latents`.
     short_conv : ShortConvConfig, optional
         The shape of the ``short_conv`` layers (given exactly when there are some).
     mamba2 : Mamba2Config, optional

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..core.module import Module, ModuleList
-from ..decoding.cache import KVCache, LatentCache
+from ..decoding.cache import ModelCache
 from ..init import as_generator
 from ..kernels.linear import linear
 from ..layers.lm_block import make_block, make_norm
@@ -149,13 +149,12 @@ class MultiTokenPredictor(Module):
     def num_layers(self) -> int:
         return self.config.num_layers
 
-    def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0):
-        """An empty cache of the M layers (the model's kind: latents for latent attention, else keys and values)."""
-        c, dtype = self.config, self.model.dtype
-        if c.latent is not None:
-            return LatentCache(c.num_layers, batch_size, c.latent.cache_dim, dtype, max_length=max_length)
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype, max_length=max_length,
-                       windows=[s.window for s in c.layers], rollback=rollback)
+    def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0) -> ModelCache:
+        """An empty cache of the M layers: each block's mixer's entry (latents for latent attention, else keys
+        and values), as :meth:`CausalLM.new_cache` makes the model's."""
+        return ModelCache([layer.block.attention.new_cache(batch_size, max_length, dtype=self.model.dtype,
+                                                           rollback=rollback) for layer in self.layers],
+                          batch_size, max_length=max_length)
 
     def forward(self, input_ids: Any, hidden: Any, attention_mask: Any = None, *, position_ids: Any = None,
                 cache=None) -> np.ndarray:
@@ -170,7 +169,7 @@ class MultiTokenPredictor(Module):
               cache=None) -> tuple[np.ndarray, np.ndarray]:
         """``(logits, tokens)``: each layer's logits at the last slot (B, M, V) and its greedy token (B, M)."""
         model = self.model
-        ids, mask, positions = model._check_inputs(input_ids, attention_mask, position_ids, cache)
+        ids, mask, positions = model._check_inputs(input_ids, attention_mask, position_ids, cache, self.config.layers)
         if position_ids is None:
             positions = positions + 1  # (B, L): slot s holds token s + 1
         h = np.asarray(hidden)
