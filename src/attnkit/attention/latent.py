@@ -430,7 +430,9 @@ class MultiHeadLatentAttention(Module):
             _rotary.rotary_apply_in_place(kv_a[:, None, None, rank:], cos, sin, cfg.rope_interleaved)  # (B, 1, 1, R)
         new = [c, kv_a[:, rank:]]  # (B, C), (B, R)
         sparse = "indexer" in self._modules
-        index_rotary = half_split_rotary(cos, sin, cfg.rope_interleaved) if sparse and cos is not None else None
+        index_rotary = None  # the indexer's half-split tables (B, 1, R) each
+        if sparse and cos is not None:
+            index_rotary = half_split_rotary(cos, sin, cfg.rope_interleaved)  # (B, 1, R) each
         if sparse:
             new.append(self.indexer.keys(x[:, None], index_rotary)[:, 0])  # (B, Di)
         kept = cache.update(self.layer_index, np.concatenate(new, axis=-1)[:, None])  # (B, S, C+R[+Di])
@@ -440,7 +442,8 @@ class MultiHeadLatentAttention(Module):
         q_abs = _latent.absorb_queries(q, w_uk, dn)  # (B, H, 1, C+R)
         if sparse:
             index_keys = kept.latent[..., cfg.latent_dim:]  # (B, S, Di)
-            _, indices, valid = self._select(x[:, None], (a[:, None],), index_rotary, index_keys, key_mask)
+            _, indices, valid = self._select(x[:, None], (a[:, None],), index_rotary, index_keys,
+                                             key_mask)  # (B, 1, K) each
             out_latent = _indexer.gathered_attention(q_abs, latent, indices, valid, cfg.scale, rank)  # (B, H, 1, C)
         else:
             keys = latent[:, None]  # (B, 1, S, C+R): one key head shared by the H queries

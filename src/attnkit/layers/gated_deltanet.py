@@ -146,7 +146,7 @@ class GatedDeltaNet(Module):
     >>> y.shape, layer.backward(np.ones_like(y)).shape
     ((2, 5, 8), (2, 5, 8))
     >>> cache = layer.new_cache(2)
-    >>> steps = np.concatenate([layer(x[:, t:t + 1], cache=cache) for t in range(5)], axis=1)
+    >>> steps = np.stack([layer.step(x[:, t], cache=cache) for t in range(5)], axis=1)
     >>> bool(np.allclose(steps, y)), cache.length
     (True, 5)
     """
@@ -365,7 +365,7 @@ class GatedDeltaNet(Module):
         if attention_mask is not None:
             real = np.asarray(attention_mask)
             x = x * real.reshape(real.shape[0], -1)[:, -1:].astype(x.dtype)  # (B, D): a padded input is zero
-        delta_args, z, conv_state = self._step_inputs(x, cache.conv_state)
+        delta_args, z, conv_state = self._step_inputs(x, cache.conv_state)  # (B, Hv, *) each, (B, Vd), (B, K - 1, Cc)
         o, state = _delta.recurrent_step(*delta_args, cache.recurrent_state)  # (B, Hv, Dv), (B, Hv, Dk, Dv)
         gamma = self._parameters["norm_gamma"].astype(o.dtype, copy=False)
         normed, _ = gated_rms_norm_forward(o, z.reshape(o.shape), gamma, self.eps, self.gate_activation)  # (B, Hv, Dv)

@@ -404,12 +404,13 @@ class Mamba2(Module):
         projected = linear(x, p["W_in"], p.get("b_in"))  # (B, I + Cc + H)
         projected = projected * self.projection_scale.astype(projected.dtype)  # (B, I + Cc + H)
         inner, conv_dim = self.widths[:2]
-        z, xbc, dt_raw = projected[:, :inner], projected[:, inner:inner + conv_dim], projected[:, inner + conv_dim:]
+        z, xbc, dt_raw = (projected[:, :inner], projected[:, inner:inner + conv_dim],
+                          projected[:, inner + conv_dim:])  # (B, I), (B, Cc), (B, H)
         conv_out, conv_state = _conv.causal_conv_step(xbc, p["conv_weight"], cache.conv_state,
                                                       bias=p.get("conv_bias"), activation="silu")  # (B, Cc)
         if real is not None:
             conv_out = conv_out * real  # a padded position's channels stay zero after the convolution too
-        q, k, v, g, xs = self._scan_step_inputs(conv_out, dt_raw)
+        q, k, v, g, xs = self._scan_step_inputs(conv_out, dt_raw)  # (B, H, N) x2, (B, H, P), (B, H), (B, H, P)
         o, state = _ssd.recurrent_step(q, k, v, g, cache.ssm_state)  # (B, H, P), (B, H, N, P)
         y = (o + p["D_skip"].astype(xs.dtype, copy=False)[:, None] * xs).reshape(z.shape)  # (B, I)
         normed, _ = getattr(self, self.gate_and_norm)(y, z)  # (B, I)
