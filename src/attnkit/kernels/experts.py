@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .activations import activation_forward
+from .decode_step import silu_product_into
 from .gated_mlp import gated_mlp_backward, gated_mlp_forward
 from .linear import linear, product
 
@@ -135,13 +136,41 @@ def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, para
 
 
 def _gated_step(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha):
-    """:func:`_gated_forward`'s numbers (``act(gate) * up``, as its SiLU blocks compute it) with nothing kept."""
-    gate = activation_forward(linear(xe, w_gate, b_gate), activation)  # (n, F)
-    return linear(gate * linear(xe, w_up, b_up), w_down, b_down)  # (n, D)
+    """:func:`_gated_forward`'s numbers with nothing kept: ``act(gate) * up``, SiLU in place in one buffer
+    (``(gate * sigmoid(gate)) * up``, the order its SiLU blocks multiply in)."""
+    gate = linear(xe, w_gate, b_gate)  # (n, F), the step's own array
+    up = linear(xe, w_up, b_up)  # (n, F)
+    if activation == "silu" and gate.dtype == up.dtype:
+        hidden = silu_product_into(gate, up, np.empty_like(gate))  # (n, F)
+    else:
+        hidden = activation_forward(gate, activation) * up  # (n, F)
+    return linear(hidden, w_down, b_down)  # (n, D)
 
 
 def _clamped_step(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha):
     return _clamped_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha)[0]  # (n, D)
+
+
+def _step_groups(chosen: np.ndarray):
+    """:func:`_groups` of a decoding step's few (B k) choices, grouped in Python (cheaper than NumPy's calls
+    for a few dozen numbers): (expert, rows, slots), increasing expert, rows ascending within each, as
+    :func:`_groups` yields them; rows and slots as slices for an expert of one row, else index arrays."""
+    k = chosen.shape[1]
+    flat = chosen.ravel().tolist()
+    order = sorted(range(len(flat)), key=flat.__getitem__)  # stable: rows ascending within an expert
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and flat[order[end]] == flat[order[start]]:
+            end += 1
+        picked = order[start:end]
+        if len(picked) == 1:
+            row, slot = divmod(picked[0], k)
+            yield flat[picked[0]], slice(row, row + 1), slice(slot, slot + 1)
+        else:
+            picked = np.array(picked)  # (n,)
+            yield flat[order[start]], picked // k, picked % k
+        start = end
 
 
 def experts_step(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
@@ -156,8 +185,11 @@ def experts_step(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, params:
     """
     step = _gated_step if limit is None else _clamped_step
     y = np.zeros_like(x)  # (B, D)
-    for expert, rows, slot in _groups(chosen, params["W_gate"].shape[0]):
-        w = weights[rows, slot][:, None]  # (n, 1)
+    for expert, rows, slot in _step_groups(chosen):
+        if isinstance(rows, slice):  # one row: views, no gathering
+            w = weights[rows, slot]  # (1, 1)
+        else:
+            w = weights[rows, slot][:, None]  # (n, 1)
         xe = x[rows] * w if weigh_inputs else x[rows]  # (n, D)
         out = step(xe, *_expert(params, expert), activation, limit, alpha)  # (n, D)
         y[rows] += out if weigh_inputs else out * w  # (n, D): the rows are distinct
