@@ -54,6 +54,25 @@ def test_steps_equal_the_uncached_sequence_on_a_padded_batch(tmp_path, monkeypat
     np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
 
 
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_every_part_of_a_step_has_a_step_of_its_own(tmp_path, monkeypatch, name):
+    """No module on any family's decoding path falls back to ``Module.step`` (its forward on a sequence of one)."""
+    from attnkit.core.module import Module
+
+    folder, _ = saved_model(name, tmp_path)
+    lm = load_causal_lm(folder)
+    cache = lm.new_cache(2)
+    lm(np.array([[0, 5, 6], [4, 5, 6]]), np.array([[False, True, True], [True, True, True]]), cache=cache)
+
+    def refused(self, *args, **kwargs):
+        raise AssertionError(f"{type(self).__name__} decodes through Module.step's forward on a sequence of one")
+
+    monkeypatch.setattr(Module, "step", refused)
+    calls = _count_steps(lm, monkeypatch)
+    logits = lm(np.array([[7], [8]]), np.ones((2, 4), bool), cache=cache)
+    assert logits.shape == (2, 1, lm.config.vocab_size) and calls["step"] == lm.config.num_layers
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "gemma2", "gpt_oss", "qwen3_next", "gemma4_text", "deepseek_v3"])
 def test_greedy_tokens_of_the_steps_equal_the_sequence_path(tmp_path, monkeypatch, name):
     """Greedy decoding of a batch equals decoding with a hook installed (a hook that changes nothing, which

@@ -58,6 +58,7 @@ from ..kernels import latent as _latent
 from ..kernels import rotary as _rotary
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
+from ..kernels.registry import ATTENTION_KERNELS
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
 from .cache_entry import Latents
 from .lightning_indexer import LightningIndexer, half_split_rotary
@@ -65,6 +66,7 @@ from .lightning_indexer import LightningIndexer, half_split_rotary
 __all__ = ["LatentAttentionConfig", "MultiHeadLatentAttention", "yarn_softmax_scale"]
 
 FORMS = ("auto", "explicit", "absorbed")
+ONE_QUERY = ATTENTION_KERNELS["one_query"]  # a decoding step's kernel (see kernels.registry)
 
 
 def yarn_softmax_scale(qk_head_dim: int, rope_scaling: dict | None = None) -> float:
@@ -407,6 +409,59 @@ class MultiHeadLatentAttention(Module):
         else:  # inference: keep nothing
             self.save_for_backward()
         return (y, weights) if output_attentions else y
+
+    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D): the cached forward (the absorbed form) of one new token per row.
+
+        The same parts in the same order on (B, *) rows: the query and latent projections and norms, the
+        rotations (in place on the step's own projections), the cache's update with ``[c, k_r]``, each query moved
+        into the latent space (``q_nope_h W_UK_h^T``), attention of the H queries over the one cached latent head
+        with the registry's ``"one_query"`` kernel (or over the indexer's chosen latents in a sparse layer), then
+        ``W_UV_h`` once per head and ``W_O``. No key or value head is ever expanded, no mask is built and nothing
+        is saved (a step is inference). ``rotary`` is (cos, sin) each (B, 1, R), or None (NoPE);
+        ``attention_mask`` (B, S) over every slot, or None.
+        """
+        if cache is None:
+            raise ValueError("MultiHeadLatentAttention.step needs a cache (a LatentCache)")
+        cfg, p = self.config, self._parameters
+        b, h, dn, rank = x.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        cos, sin = (None, None) if rotary is None else rotary  # (B, 1, R) each
+        if cfg.q_lora_rank:
+            a = rms_norm_forward(linear(x, p["W_QA"], p.get("b_QA")), p["q_a_norm"], cfg.norm_eps)[0]  # (B, Cq)
+            q = linear(a, p["W_QB"])  # (B, H*(Dn+R))
+        else:
+            a, q = None, linear(x, p["W_Q"])  # (B, H*(Dn+R))
+        q = q.reshape(b, h, 1, cfg.qk_head_dim)  # (B, H, 1, Dn+R), the step's own array
+        kv_a = linear(x, p["W_KVA"], p.get("b_KVA"))  # (B, C+R), the step's own array
+        c = rms_norm_forward(kv_a[:, :rank], p["kv_a_norm"], cfg.norm_eps)[0]  # (B, C)
+        if cos is not None:
+            _rotary.rotary_apply_in_place(q[..., dn:], cos, sin, cfg.rope_interleaved)  # (B, H, 1, R)
+            _rotary.rotary_apply_in_place(kv_a[:, None, None, rank:], cos, sin, cfg.rope_interleaved)  # (B, 1, 1, R)
+        new = [c, kv_a[:, rank:]]  # (B, C), (B, R)
+        sparse = "indexer" in self._modules
+        index_rotary = None  # the indexer's half-split tables (B, 1, R) each
+        if sparse and cos is not None:
+            index_rotary = half_split_rotary(cos, sin, cfg.rope_interleaved)  # (B, 1, R) each
+        if sparse:
+            new.append(self.indexer.keys(x[:, None], index_rotary)[:, 0])  # (B, Di)
+        kept = cache.update(self.layer_index, np.concatenate(new, axis=-1)[:, None])  # (B, S, C+R[+Di])
+        latent = kept.latent[..., :cfg.latent_dim].astype(q.dtype, copy=False)  # (B, S, C+R)
+        key_mask = None if attention_mask is None else np.asarray(attention_mask)[:, kept.slots]  # (B, S)
+        w_uk, w_uv = _latent.split_up_projection(p["W_KVB"], h, dn, q.dtype)  # (H, Dn, C), (H, C, Dv)
+        q_abs = _latent.absorb_queries(q, w_uk, dn)  # (B, H, 1, C+R)
+        if sparse:
+            index_keys = kept.latent[..., cfg.latent_dim:]  # (B, S, Di)
+            _, indices, valid = self._select(x[:, None], (a[:, None],), index_rotary, index_keys,
+                                             key_mask)  # (B, 1, K) each
+            out_latent = _indexer.gathered_attention(q_abs, latent, indices, valid, cfg.scale, rank)  # (B, H, 1, C)
+        else:
+            keys = latent[:, None]  # (B, 1, S, C+R): one key head shared by the H queries
+            mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S)
+            out_latent, _, _ = ONE_QUERY.forward(q_abs.reshape(b, 1, h, -1), keys, keys[..., :rank], mask=mask,
+                                                 scale=cfg.scale, window=cfg.sliding_window)  # (B, 1, H, C)
+            out_latent = out_latent.reshape(b, h, 1, rank)  # (B, H, 1, C)
+        heads = _latent.absorbed_values(out_latent, w_uv)  # (B, H, 1, Dv)
+        return linear(heads.reshape(b, -1), p["W_O"], p.get("b_O"))  # (B, D)
 
     def _key_mask(self, mask: np.ndarray | None, batch: int, seq_k: int) -> np.ndarray | None:
         if mask is not None and mask.shape != (batch, seq_k):

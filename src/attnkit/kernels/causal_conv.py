@@ -14,7 +14,7 @@ import numpy as np
 
 from .activations import activation_backward, activation_forward
 
-__all__ = ["causal_conv_backward", "causal_conv_forward"]
+__all__ = ["causal_conv_backward", "causal_conv_forward", "causal_conv_step"]
 
 
 def causal_conv_forward(x: np.ndarray, weight: np.ndarray, state: np.ndarray | None = None, *,
@@ -44,6 +44,31 @@ def causal_conv_forward(x: np.ndarray, weight: np.ndarray, state: np.ndarray | N
         pre += bias.astype(x.dtype, copy=False)
     y = pre if activation is None else activation_forward(pre, activation)  # (B, L, C)
     return y, padded[..., length:, :].copy(), (padded, pre, y, activation)  # (B, K - 1, C)
+
+
+def causal_conv_step(x: np.ndarray, weight: np.ndarray, state: np.ndarray, *, bias: np.ndarray | None = None,
+                     activation: str | None = "silu"):
+    """:func:`causal_conv_forward` of one new position per row (a decoding step): the same taps in the same order,
+    so the same numbers, without a length axis and keeping nothing for a backward.
+
+    Shapes
+    ------
+    x (B, C); weight (C, K); state (B, K - 1, C); bias (C,) or None.
+
+    Returns
+    -------
+    y : (B, C) in ``x``'s dtype
+    new_state : (B, K - 1, C), the last K - 1 inputs, a fresh array
+    """
+    window = np.concatenate([state.astype(x.dtype, copy=False), x[:, None]], axis=1)  # (B, K, C)
+    w = weight.astype(x.dtype, copy=False)
+    pre = window[:, 0] * w[:, 0]  # (B, C)
+    for j in range(1, weight.shape[-1]):
+        pre += window[:, j] * w[:, j]
+    if bias is not None:
+        pre += bias.astype(x.dtype, copy=False)
+    y = pre if activation is None else activation_forward(pre, activation)  # (B, C)
+    return y, window[:, 1:].copy()  # (B, K - 1, C)
 
 
 def causal_conv_backward(grad_y: np.ndarray, weight: np.ndarray, saved):

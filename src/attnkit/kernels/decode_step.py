@@ -19,8 +19,8 @@ import numpy as np
 from .activations import activation_forward
 from .linear import product
 
-__all__ = ["rms_norm_into", "silu_gate_into", "gated_mlp_step", "one_query_attention", "one_query_forward",
-           "one_query_backward", "OneQueryContext"]
+__all__ = ["rms_norm_into", "silu_gate_into", "silu_product_into", "gated_mlp_step", "one_query_attention",
+           "one_query_forward", "one_query_backward", "OneQueryContext"]
 
 
 def rms_norm_into(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
@@ -48,7 +48,17 @@ def silu_gate_into(gate_up: np.ndarray, width: int, out: np.ndarray) -> np.ndarr
     ------
     gate_up : (B, 2F), ``width`` = F; out : (B, F) -> ``out``.
     """
-    gate, up = gate_up[:, :width], gate_up[:, width:]  # (B, F) each
+    return silu_product_into(gate_up[:, :width], gate_up[:, width:], out)  # (B, F)
+
+
+def silu_product_into(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``(gate * sigmoid(gate)) * up``, written into ``out`` (an array of its own: both inputs are read after it
+    is first written).
+
+    Shapes
+    ------
+    gate, up, out : (B, F) -> ``out``.
+    """
     np.negative(gate, out=out)
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf below about -88: the sigmoid's limit 0
         np.exp(out, out=out)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["ChunkedContext", "RecurrentContext", "chunked_backward", "chunked_forward", "l2_normalize_backward",
-           "l2_normalize_forward", "recurrent_backward", "recurrent_forward", "token_weights"]
+           "l2_normalize_forward", "recurrent_backward", "recurrent_forward", "recurrent_step", "token_weights"]
 
 CHUNK_SIZE = 64
 
@@ -167,15 +167,45 @@ def recurrent_forward(q, k, v, g, beta, *, scale: float | None = None, initial_s
     for t in range(length):  # a decoding step each: the recurrence is sequential
         if keep_states:
             states[..., t, :, :] = state
-        state = state * decay[..., t, :, None]  # (..., Dk, Dv), each key row by its own decay
-        predicted = np.einsum("...kv,...k->...v", state, k[..., t, :])  # (..., Dv)
-        delta = beta[..., t, None] * (v[..., t, :] - predicted)  # (..., Dv)
-        state += k[..., t, :, None] * delta[..., None, :]
-        out[..., t, :] = np.einsum("...kv,...k->...v", state, q[..., t, :])
+        out[..., t, :], state = _advance(state, q[..., t, :], k[..., t, :], v[..., t, :], decay[..., t, :],
+                                         beta[..., t])  # (..., Dv), (..., Dk, Dv)
     if keep_states:
         states[..., length, :, :] = state
     ctx = RecurrentContext(q, k, v, decay, beta, states, scale, np.shape(g)) if keep_states else None
     return out, state, ctx
+
+
+def _advance(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray):
+    """One step of the recurrence from ``state`` (..., Dk, Dv), which is read, never written: the output
+    ``S_t^T q`` (..., Dv) and the new state S_t (..., Dk, Dv), a fresh array. q (scaled), k (..., Dk); v (..., Dv);
+    decay ``exp(g)`` (..., Dg); beta (...)."""
+    state = state * decay[..., :, None]  # (..., Dk, Dv), each key row by its own decay
+    predicted = np.einsum("...kv,...k->...v", state, k)  # (..., Dv)
+    delta = beta[..., None] * (v - predicted)  # (..., Dv)
+    state += k[..., :, None] * delta[..., None, :]
+    return np.einsum("...kv,...k->...v", state, q), state  # (..., Dv), (..., Dk, Dv)
+
+
+def recurrent_step(q, k, v, g, beta, state, *, scale: float | None = None):
+    """One decoding step of the gated delta rule: :func:`recurrent_forward` of one position, the same operations
+    in the same order, without the length axis and keeping nothing for a backward.
+
+    Shapes
+    ------
+    q, k (..., Dk); v (..., Dv); g (...) or (..., Dk); beta (...); state (..., Dk, Dv), read and never written.
+    ``scale`` multiplies q, default ``Dk ** -0.5``.
+
+    Returns
+    -------
+    out : (..., Dv)
+    state : (..., Dk, Dv), the state after the step, a fresh array
+    """
+    dtype = _compute_dtype(q, k, v, g, beta)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q = q.astype(dtype, copy=False) * dtype.type(scale)  # (..., Dk), a fresh array
+    k, v, beta = k.astype(dtype, copy=False), v.astype(dtype, copy=False), beta.astype(dtype, copy=False)
+    decay = np.exp(_gate(g, k, dtype))  # (..., Dg)
+    return _advance(state.astype(dtype, copy=False), q, k, v, decay, beta)  # (..., Dv), (..., Dk, Dv)
 
 
 def recurrent_backward(grad_out, ctx: RecurrentContext, grad_state=None):

@@ -25,26 +25,28 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .activations import activation_forward
+from .decode_step import silu_product_into
 from .gated_mlp import gated_mlp_backward, gated_mlp_forward
-from .linear import product
+from .linear import linear, product
 
-__all__ = ["experts_backward", "experts_forward"]
+__all__ = ["experts_backward", "experts_forward", "experts_step"]
 
 _BIASES = ("b_gate", "b_up", "b_down")
 
 
 def _groups(chosen: np.ndarray, num_experts: int):
-    """For every expert with tokens: (expert, token indices (n,), slot of that expert in each token's k)."""
-    n, k = chosen.shape
+    """For every expert with tokens, in increasing order: (expert, token indices (n,), slot of that expert in each
+    token's k). Only the experts chosen are visited (a decoding step's k of E)."""
+    k = chosen.shape[1]
     flat = chosen.ravel()  # (N*k,)
     order = np.argsort(flat, kind="stable")  # (N*k,): grouped by expert, tokens ascending within each
-    ends = np.cumsum(np.bincount(flat, minlength=num_experts))  # (E,)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):  # one matrix product pair per expert, over its own tokens
-        if end > start:
-            picked = order[start:end]  # (n_e,)
-            yield expert, picked // k, picked % k
-        start = end
+    ordered = flat[order]  # (N*k,)
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))  # (distinct experts,)
+    ends = np.append(starts[1:], flat.size)  # (distinct experts,)
+    for expert, start, end in zip(ordered[starts].tolist(), starts.tolist(), ends.tolist()):
+        picked = order[start:end]  # (n_e,): one matrix product pair per expert, over its own tokens
+        yield expert, picked // k, picked % k
 
 
 def _expert(params: Mapping[str, np.ndarray], expert: int) -> tuple[np.ndarray, ...]:
@@ -131,6 +133,67 @@ def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, para
         y[tokens] += out if weigh_inputs else out * w  # (n, D): the rows are distinct
         saved.append((expert, tokens, slot, out, parts, xe))
     return y, saved
+
+
+def _gated_step(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha):
+    """:func:`_gated_forward`'s numbers with nothing kept: ``act(gate) * up``, SiLU in place in one buffer
+    (``(gate * sigmoid(gate)) * up``, the order its SiLU blocks multiply in)."""
+    gate = linear(xe, w_gate, b_gate)  # (n, F), the step's own array
+    up = linear(xe, w_up, b_up)  # (n, F)
+    if activation == "silu" and gate.dtype == up.dtype:
+        hidden = silu_product_into(gate, up, np.empty_like(gate))  # (n, F)
+    else:
+        hidden = activation_forward(gate, activation) * up  # (n, F)
+    return linear(hidden, w_down, b_down)  # (n, D)
+
+
+def _clamped_step(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha):
+    return _clamped_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha)[0]  # (n, D)
+
+
+def _step_groups(chosen: np.ndarray):
+    """:func:`_groups` of a decoding step's few (B k) choices, grouped in Python (cheaper than NumPy's calls
+    for a few dozen numbers): (expert, rows, slots), increasing expert, rows ascending within each, as
+    :func:`_groups` yields them; rows and slots as slices for an expert of one row, else index arrays."""
+    k = chosen.shape[1]
+    flat = chosen.ravel().tolist()
+    order = sorted(range(len(flat)), key=flat.__getitem__)  # stable: rows ascending within an expert
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and flat[order[end]] == flat[order[start]]:
+            end += 1
+        picked = order[start:end]
+        if len(picked) == 1:
+            row, slot = divmod(picked[0], k)
+            yield flat[picked[0]], slice(row, row + 1), slice(slot, slot + 1)
+        else:
+            picked = np.array(picked)  # (n,)
+            yield flat[order[start]], picked // k, picked % k
+        start = end
+
+
+def experts_step(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
+                 activation: str = "silu", limit: float | None = None, alpha: float = 1.702, *,
+                 weigh_inputs: bool = False) -> np.ndarray:
+    """:func:`experts_forward` of a decoding step's rows: only the chosen experts run, in the forward's order
+    (increasing expert, each over its rows), so the sums are the forward's; nothing is kept for a backward.
+
+    Shapes
+    ------
+    x (B, D); chosen, weights (B, k) -> y (B, D).
+    """
+    step = _gated_step if limit is None else _clamped_step
+    y = np.zeros_like(x)  # (B, D)
+    for expert, rows, slot in _step_groups(chosen):
+        if isinstance(rows, slice):  # one row: views, no gathering
+            w = weights[rows, slot]  # (1, 1)
+        else:
+            w = weights[rows, slot][:, None]  # (n, 1)
+        xe = x[rows] * w if weigh_inputs else x[rows]  # (n, D)
+        out = step(xe, *_expert(params, expert), activation, limit, alpha)  # (n, D)
+        y[rows] += out if weigh_inputs else out * w  # (n, D): the rows are distinct
+    return y
 
 
 def experts_backward(grad_y: np.ndarray, x: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],

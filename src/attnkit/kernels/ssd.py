@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["ChunkedContext", "chunked_backward", "chunked_forward", "recurrent_forward"]
+__all__ = ["ChunkedContext", "chunked_backward", "chunked_forward", "recurrent_forward", "recurrent_step"]
 
 
 def recurrent_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
@@ -42,10 +42,31 @@ def recurrent_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray
     out = np.empty(v.shape, q.dtype)  # (B, H, L, P)
     decay = np.exp(g)  # (B, H, L)
     for t in range(q.shape[2]):  # sequential by definition: each step reads the state the last one left
-        state *= decay[:, :, t, None, None]
-        state += k[:, :, t, :, None] * v[:, :, t, None, :]  # (B, H, N, P)
-        out[:, :, t] = np.einsum("bhn,bhnp->bhp", q[:, :, t], state)
+        out[:, :, t], state = _advance(state, q[:, :, t], k[:, :, t], v[:, :, t], decay[:, :, t])  # (B, H, P)
     return out, state
+
+
+def _advance(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray):
+    """One step of the scan from ``state`` (B, H, N, P), which is read, never written: the output (B, H, P) and the
+    new state (B, H, N, P), a fresh array. q, k (B, H, N); v (B, H, P); decay ``exp(g)`` (B, H)."""
+    state = state * decay[:, :, None, None]  # (B, H, N, P)
+    state += k[:, :, :, None] * v[:, :, None, :]  # (B, H, N, P)
+    return np.einsum("bhn,bhnp->bhp", q, state), state  # (B, H, P), (B, H, N, P)
+
+
+def recurrent_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, state: np.ndarray):
+    """One decoding step of the scan: :func:`recurrent_forward` of one position, the same operations in the same
+    order, without the length axis.
+
+    Shapes
+    ------
+    q, k (B, H, N); v (B, H, P); g (B, H); state (B, H, N, P), read and never written.
+
+    Returns
+    -------
+    o : (B, H, P) and the new state (B, H, N, P), a fresh array, in q's dtype
+    """
+    return _advance(state.astype(q.dtype, copy=False), q, k, v, np.exp(g))  # (B, H, P), (B, H, N, P)
 
 
 class ChunkedContext(NamedTuple):

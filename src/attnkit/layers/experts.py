@@ -195,6 +195,11 @@ class GatedSharedExpert(GatedMLP):
         self.save_for_backward(*self.saved_tensors, shared, gate)
         return gate * shared
 
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D): the gate times :meth:`GatedMLP.step`'s output, nothing saved."""
+        gate = _sigmoid(linear(x, self._parameters["W_shared_gate"]))  # (B, 1)
+        return gate * super().step(x)  # (B, D)
+
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add the gradients into ``self.grads``; return ``grad_x`` (..., D)."""
         if self.saved_tensors is None:
@@ -334,6 +339,19 @@ class MixtureOfExperts(Module):
         y += self.shared_expert(flat)  # (N, D)
         self.save_for_backward(x.shape, flat, weights, saved)
         return y.reshape(x.shape)
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D): :meth:`forward`'s numbers on a step's rows, nothing saved.
+
+        The router's logits and choice, then only the chosen experts' products
+        (:func:`attnkit.kernels.experts.experts_step`, increasing expert as the forward sums them), then the
+        shared expert's own ``step``; no flattening of leading dims and nothing kept for a backward.
+        """
+        chosen, weights = self.router.step(x)  # (B, k) each
+        y = _experts.experts_step(x, chosen, weights, self._parameters, self.activation, self.limit, self.alpha,
+                                  weigh_inputs=self.weigh_inputs)  # (B, D)
+        y += self.shared_expert.step(x)  # (B, D)
+        return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add every parameter's gradient into the grads (the router's and the shared expert's into theirs);

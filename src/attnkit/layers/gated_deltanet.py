@@ -147,7 +147,7 @@ class GatedDeltaNet(Module):
     >>> y.shape, layer.backward(np.ones_like(y)).shape
     ((2, 5, 8), (2, 5, 8))
     >>> cache = layer.new_cache(2)
-    >>> steps = np.concatenate([layer(x[:, t:t + 1], cache=cache) for t in range(5)], axis=1)
+    >>> steps = np.stack([layer.step(x[:, t], cache=cache) for t in range(5)], axis=1)
     >>> bool(np.allclose(steps, y)), cache.length
     (True, 5)
     """
@@ -342,6 +342,43 @@ class GatedDeltaNet(Module):
             self.save_for_backward()
         return y
 
+    def _step_inputs(self, x: np.ndarray, conv_state: np.ndarray):
+        """:meth:`_delta_inputs` of one position per row: the delta rule's ``(q, k, v, g, beta)`` per value head
+        ((B, Hv, D*) and (B, Hv)), z (B, Vd) and the convolution's new state (B, K - 1, Cc)."""
+        mixed, z, b, a = self._project(x)  # (B, Cc), (B, Vd), (B, Hv), (B, Hv)
+        conv_out, conv_state = _conv.causal_conv_step(mixed, self._parameters["conv_weight"], conv_state)  # (B, Cc)
+        bsz, kd, hk, dk = x.shape[0], self.key_dim, self.num_key_heads, self.key_head_dim
+        qn, _ = _delta.l2_normalize_forward(conv_out[:, :kd].reshape(bsz, hk, dk))  # (B, Hk, Dk)
+        kn, _ = _delta.l2_normalize_forward(conv_out[:, kd:2 * kd].reshape(bsz, hk, dk))  # (B, Hk, Dk)
+        v = conv_out[:, 2 * kd:].reshape(bsz, self.num_value_heads, self.value_head_dim)  # (B, Hv, Dv)
+        group = self.num_value_heads // hk
+        beta, g, _, _ = self._gates(b, a)  # (B, Hv) each
+        return (np.repeat(qn, group, axis=1), np.repeat(kn, group, axis=1), v, g, beta), z, conv_state  # (B, Hv, *)
+
+    def step(self, x: np.ndarray, *, cache: GatedDeltaNetCache, attention_mask: np.ndarray | None = None
+             ) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D) continuing ``cache``: :meth:`forward`'s numbers on one position, nothing
+        saved.
+
+        The cached forward's parts in its order on (B, *) rows: the fused input projection, the convolution's
+        K taps on the kept window (:func:`attnkit.kernels.causal_conv.causal_conv_step`), the L2 norms and gates,
+        one update of the delta rule's state (:func:`attnkit.kernels.delta_rule.recurrent_step`), the gated
+        RMSNorm and ``W_out``; no length axis to add, transpose and take away. ``attention_mask`` (B,) or the
+        model's (B, P + 1) (its last column is this position's), None: a real token.
+        """
+        if attention_mask is not None:
+            real = np.asarray(attention_mask)
+            x = x * real.reshape(real.shape[0], -1)[:, -1:].astype(x.dtype)  # (B, D): a padded input is zero
+        delta_args, z, conv_state = self._step_inputs(x, cache.conv_state)  # (B, Hv, *) each, (B, Vd), (B, K - 1, Cc)
+        o, state = _delta.recurrent_step(*delta_args, cache.recurrent_state)  # (B, Hv, Dv), (B, Hv, Dk, Dv)
+        gamma = self._parameters["norm_gamma"].astype(o.dtype, copy=False)
+        normed, _ = gated_rms_norm_forward(o, z.reshape(o.shape), gamma, self.eps, self.gate_activation)  # (B, Hv, Dv)
+        y = linear(normed.reshape(x.shape[0], self.value_dim), self._parameters["W_out"])  # (B, D)
+        cache.conv_state = conv_state.astype(cache.conv_state.dtype, copy=False)
+        cache.recurrent_state = state.astype(cache.recurrent_state.dtype, copy=False)
+        cache.length += 1
+        return y.astype(x.dtype, copy=False)
+
     # -- backward ---------------------------------------------------------------------------------------
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add every parameter's gradient into ``self.grads``; return ``grad_x`` (B, L, D)."""
@@ -407,6 +444,13 @@ class DeltaRuleMixer:
         if not output_attentions:
             return y
         return y, self.token_weights(x, attention_mask=mask)[0]
+
+    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None,
+             cache=None) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D) with the model's cache (the layer's :meth:`~GatedDeltaNet.step`)."""
+        if cache is None:
+            raise ValueError(f"{type(self).__name__}.step needs the model's cache")
+        return super().step(x, cache=cache.state(self.layer_index), attention_mask=attention_mask)
 
 
 class GatedDeltaNetMixer(DeltaRuleMixer, GatedDeltaNet):

@@ -63,6 +63,10 @@ class Zero(Module):
         """Zeros of ``x``'s shape and dtype."""
         return np.zeros_like(x)
 
+    def step(self, x: Any, **kwargs: Any) -> Any:
+        """Zeros of a decoding step's rows' shape and dtype."""
+        return np.zeros_like(x)
+
     def backward(self, grad_output: Any) -> Any:
         """Zeros of ``grad_output``'s shape and dtype: nothing reaches the input."""
         return np.zeros_like(grad_output)

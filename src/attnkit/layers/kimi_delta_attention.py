@@ -47,6 +47,7 @@ from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
 from ..kernels import delta_rule as _delta
+from ..kernels.linear import linear
 from .gated_deltanet import DeltaRuleMixer, GatedDeltaNet, _sigmoid
 
 __all__ = ["KimiDeltaAttention", "KimiDeltaAttentionConfig", "KimiDeltaAttentionMixer"]
@@ -164,15 +165,34 @@ class KimiDeltaAttention(GatedDeltaNet):
         q, k, v = self._heads(conv_out)  # (B, H, L, Dh) each
         qn, q_rstd = _delta.l2_normalize_forward(q)  # (B, H, L, Dh)
         kn, k_rstd = _delta.l2_normalize_forward(k)  # (B, H, L, Dh)
-        dtype = fa.dtype
-        pre = fa @ p["W_fb"].astype(dtype, copy=False) + p["dt_bias"].astype(dtype, copy=False)  # (B, L, E)
-        pre = pre.reshape(pre.shape[:2] + (self.num_heads, self.head_dim))  # (B, L, H, Dh)
-        rate = np.exp(p["A_log"].astype(dtype, copy=False))[:, None]  # (H, 1)
-        g = -rate * np.logaddexp(dtype.type(0), pre)  # (B, L, H, Dh)
-        beta = _sigmoid(b)  # (B, L, H)
-        z = ga @ p["W_gb"].astype(ga.dtype, copy=False)  # (B, L, E)
+        beta, g, pre, rate, z = self._channel_gates(fa, b, ga)  # (B, L, H), (B, L, H, Dh) x2, (H, 1), (B, L, E)
         delta_args = (qn, kn, v, g.transpose(0, 2, 1, 3), beta.transpose(0, 2, 1))
         return delta_args, z, conv_state, (conv_saved, (qn, q_rstd, kn, k_rstd), (beta, g, pre, rate, fa, ga))
+
+    def _channel_gates(self, fa: np.ndarray, b: np.ndarray, ga: np.ndarray):
+        """From ``x W_fa`` (..., Dh), ``x W_b`` (..., H) and ``x W_ga`` (..., Dh): ``beta = sigmoid(x W_b)``
+        (..., H), the channel-wise log-decay g and softplus's input (..., H, Dh), ``exp(A_log)`` (H, 1) and the
+        output gate's input (..., E)."""
+        p, dtype = self._parameters, fa.dtype
+        pre = linear(fa, p["W_fb"], p["dt_bias"])  # (..., E)
+        pre = pre.reshape(pre.shape[:-1] + (self.num_heads, self.head_dim))  # (..., H, Dh)
+        rate = np.exp(p["A_log"].astype(dtype, copy=False))[:, None]  # (H, 1)
+        g = -rate * np.logaddexp(dtype.type(0), pre)  # (..., H, Dh)
+        return _sigmoid(b), g, pre, rate, linear(ga, p["W_gb"])  # (..., H), (..., H, Dh) x2, (H, 1), (..., E)
+
+    def _step_inputs(self, x: np.ndarray, conv_state: np.ndarray):
+        """:meth:`_delta_inputs` of one position per row: ``(q, k, v, g, beta)`` ((B, H, Dh) each, beta (B, H)),
+        the output gate's input (B, E) and the convolution's new state (B, K - 1, 3 E)."""
+        q_in, k_in, v_in, fa, b, ga = self._project(x)  # (B, E) x3, (B, Dh), (B, H), (B, Dh)
+        mixed = np.concatenate([q_in, k_in, v_in], axis=-1)  # (B, 3 E)
+        conv_weight = self._parameters["conv_weight"].reshape(self.conv_dim, -1)  # (3 E, K)
+        conv_out, conv_state = _conv.causal_conv_step(mixed, conv_weight, conv_state)  # (B, 3 E)
+        bsz, h, dh, e = x.shape[0], self.num_heads, self.head_dim, self.key_dim
+        qn, _ = _delta.l2_normalize_forward(conv_out[:, :e].reshape(bsz, h, dh))  # (B, H, Dh)
+        kn, _ = _delta.l2_normalize_forward(conv_out[:, e:2 * e].reshape(bsz, h, dh))  # (B, H, Dh)
+        v = conv_out[:, 2 * e:].reshape(bsz, h, dh)  # (B, H, Dh)
+        beta, g, _, _, z = self._channel_gates(fa, b, ga)  # (B, H), (B, H, Dh), _, _, (B, E)
+        return (qn, kn, v, g, beta), z, conv_state
 
     def _gates_backward(self, dg: np.ndarray, dbeta: np.ndarray, dz: np.ndarray, gates) -> list[np.ndarray]:
         """The gradients of ``x W_fa``, ``x W_b`` and ``x W_ga`` (B, L, *) from those of the log-decay ``dg``

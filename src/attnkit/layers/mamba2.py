@@ -281,8 +281,9 @@ class Mamba2(Module):
         return heads[0], heads[1], v, (dt * rate).transpose(0, 2, 1), xs, dt, pre, rate
 
     def _group_norm(self, h: np.ndarray):
-        """``gamma * group_rms_norm(h)`` (B, L, I) and the unit-gain norm's output, x_hat and rstd."""
-        groups = h.reshape(h.shape[:2] + (self.shape.n_groups, -1))  # (B, L, G, I / G)
+        """``gamma * group_rms_norm(h)`` (B, L, I), or (B, I) for a step's rows, and the unit-gain norm's output,
+        x_hat and rstd."""
+        groups = h.reshape(h.shape[:-1] + (self.shape.n_groups, -1))  # (B, L, G, I / G)
         unit, x_hat, rstd = rms_norm_forward(groups, np.ones(groups.shape[-1], h.dtype), self.eps)
         unit = unit.reshape(h.shape)  # (B, L, I)
         return unit * self._parameters["norm_gamma"].astype(unit.dtype, copy=False), (unit, x_hat, rstd)
@@ -372,6 +373,56 @@ class Mamba2(Module):
             self.save_for_backward()
         return out
 
+    def _scan_step_inputs(self, xbc: np.ndarray, dt_raw: np.ndarray):
+        """:meth:`_scan_inputs` of one position per row: the scan's q, k (B, H, N), v (B, H, P), g (B, H), and xs
+        (B, H, P), from the convolved channels (B, Cc) and the raw step sizes (B, H)."""
+        s, p = self.shape, self._parameters
+        b, gn, inner = xbc.shape[0], s.n_groups * s.state_size, self.inner_size
+        xs = xbc[:, :inner].reshape(b, s.num_heads, s.head_dim)  # (B, H, P)
+        per_group = s.num_heads // s.n_groups
+        q, k = (np.repeat(part.reshape(b, s.n_groups, s.state_size), per_group, axis=1)  # (B, H, N) each
+                for part in (xbc[:, inner + gn:], xbc[:, inner:inner + gn]))
+        pre = dt_raw + p["dt_bias"].astype(dt_raw.dtype, copy=False)  # (B, H)
+        dt = np.logaddexp(dt_raw.dtype.type(0), pre)  # (B, H): softplus
+        if s.time_step_min:
+            dt = np.maximum(dt, dt.dtype.type(s.time_step_min))  # (B, H): the floor
+        rate = -np.exp(p["A_log"].astype(dt.dtype, copy=False))  # (H,): A
+        return q, k, xs * dt[..., None], dt * rate, xs  # (B, H, N) x2, (B, H, P), (B, H), (B, H, P)
+
+    def step(self, x: np.ndarray, *, cache: Mamba2Cache, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D) continuing ``cache``: :meth:`forward`'s numbers on one position,
+        nothing saved.
+
+        The cached forward's parts in its order on (B, *) rows: the input projection and its factors, the
+        convolution's K taps on the kept window (:func:`attnkit.kernels.causal_conv.causal_conv_step`), one update
+        of the scan's state (:func:`attnkit.kernels.ssd.recurrent_step`) with the skip, the gate and norm, ``W_out``;
+        no length axis to add, transpose and take away. ``attention_mask`` (B,) or the model's (B, P + 1) (its last
+        column is this position's), None: a real token.
+        """
+        p = self._parameters
+        real = None
+        if attention_mask is not None:
+            mask = np.asarray(attention_mask)
+            real = mask.reshape(mask.shape[0], -1)[:, -1:].astype(x.dtype)  # (B, 1)
+            x = x * real  # (B, D): a padded input is zero
+        projected = linear(x, p["W_in"], p.get("b_in"))  # (B, I + Cc + H)
+        projected = projected * self.projection_scale.astype(projected.dtype)  # (B, I + Cc + H)
+        inner, conv_dim = self.widths[:2]
+        z, xbc, dt_raw = (projected[:, :inner], projected[:, inner:inner + conv_dim],
+                          projected[:, inner + conv_dim:])  # (B, I), (B, Cc), (B, H)
+        conv_out, conv_state = _conv.causal_conv_step(xbc, p["conv_weight"], cache.conv_state,
+                                                      bias=p.get("conv_bias"), activation="silu")  # (B, Cc)
+        if real is not None:
+            conv_out = conv_out * real  # a padded position's channels stay zero after the convolution too
+        q, k, v, g, xs = self._scan_step_inputs(conv_out, dt_raw)  # (B, H, N) x2, (B, H, P), (B, H), (B, H, P)
+        o, state = _ssd.recurrent_step(q, k, v, g, cache.ssm_state)  # (B, H, P), (B, H, N, P)
+        y = (o + p["D_skip"].astype(xs.dtype, copy=False)[:, None] * xs).reshape(z.shape)  # (B, I)
+        normed, _ = getattr(self, self.gate_and_norm)(y, z)  # (B, I)
+        cache.conv_state = conv_state.astype(cache.conv_state.dtype, copy=False)
+        cache.ssm_state = state.astype(cache.ssm_state.dtype, copy=False)
+        cache.length += 1
+        return linear(normed, p["W_out"], p.get("b_out")).astype(x.dtype, copy=False)  # (B, D)
+
     def backward(self, grad_output: Any) -> np.ndarray:
         """Add every parameter's gradient into ``self.grads``; return ``grad_x`` (B, L, D)."""
         if self.saved_tensors is None:
@@ -445,3 +496,10 @@ class Mamba2Mixer(Mamba2):
         mask = None if attention_mask is None else np.asarray(attention_mask)[:, -length:]  # (B, L)
         state = None if cache is None else cache.state(self.layer_index)
         return super().forward(x, state, attention_mask=mask)  # (B, L, D)
+
+    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None,
+             cache=None) -> np.ndarray:
+        """One decoding step (B, D) -> (B, D) with the model's cache (the layer's :meth:`~Mamba2.step`)."""
+        if cache is None:
+            raise ValueError("Mamba2Mixer.step needs the model's cache")
+        return super().step(x, cache=cache.state(self.layer_index), attention_mask=attention_mask)

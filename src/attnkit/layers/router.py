@@ -13,6 +13,7 @@ from .._validation import check_features, check_grad_output
 from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import routing as _routing
+from ..kernels.linear import linear
 
 __all__ = ["Router"]
 
@@ -90,6 +91,16 @@ class Router(Module):
         self.save_for_backward(x.shape, flat, chosen, saved)
         lead = x.shape[:-1]
         return chosen.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+
+    def step(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(chosen, weights)`` (B, k) each of a decoding step's rows x (B, D): :meth:`forward`'s numbers, the
+        logits through :func:`~attnkit.kernels.linear.linear`, nothing saved."""
+        p = self._parameters
+        logits = linear(x, p["W_router"], p.get("b_router"))  # (B, E)
+        chosen, weights, _ = _routing.route(
+            logits, self.rule, self.top_k, normalize=self.normalize, scaling=self.scaling,
+            bias=p.get("e_score_correction_bias"), n_group=self.n_group, topk_group=self.topk_group)  # (B, k) each
+        return chosen, weights
 
     def backward(self, grad_weights: Any) -> np.ndarray:
         """Add the router's gradients into ``self.grads``; return ``grad_x`` (..., D)."""
