@@ -342,3 +342,55 @@ def test_config_errors_name_the_indexer_keys():
         LatentAttentionConfig(**BASE, index_topk=4, index_n_heads=2, index_head_dim=2)
     with pytest.raises(ValueError, match="head_dim"):
         LightningIndexer(8, 4, 2, 2, 4, 3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# layers without positions (NoPE): no rotation is a rotation by zero angles
+def _zero_angles(cfg, b, length, dtype=np.float64):
+    shape = (b, length, cfg.qk_rope_head_dim)
+    return np.ones(shape, dtype), np.zeros(shape, dtype)
+
+
+def test_a_sparse_layer_without_positions_is_the_layer_turned_by_zero_angles():
+    """A NoPE sparse latent layer (``rotary=None``): forward, gradients and cached steps equal the same layer
+    given rotary tables of zero angles, whose turn is the identity."""
+    rng = make_rng(41)
+    cfg = _config(3)
+    attn = _layer(cfg, rng)
+    x, mask, _ = _inputs(rng, cfg)
+    zero = _zero_angles(cfg, *x.shape[:2])
+    y0 = attn(x, rotary=zero, attention_mask=mask)
+    gx0 = attn.backward(np.ones_like(y0))
+    grads0 = {name: attn.grads[name].copy() for name in attn.grads}
+    attn.zero_grad()
+    y = attn(x, rotary=None, attention_mask=mask)
+    gx = attn.backward(np.ones_like(y))
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(gx, gx0)
+    for name, grad in grads0.items():
+        np.testing.assert_array_equal(attn.grads[name], grad, err_msg=name)
+    cache = LatentCache(1, x.shape[0], cfg.cache_dim, np.float64)
+    steps = [attn(x[:, :4], rotary=None, attention_mask=mask[:, :4], cache=cache)]
+    for t in range(4, x.shape[1]):
+        steps.append(attn.step(x[:, t], rotary=None, attention_mask=mask[:, :t + 1], cache=cache)[:, None])
+    assert max_rel_diff(np.concatenate(steps, axis=1)[mask], y[mask]) < 1e-12
+
+
+def test_the_indexer_without_positions_is_the_indexer_turned_by_zero_angles():
+    rng = make_rng(42)
+    idx = LightningIndexer(8, 6, num_heads=3, head_dim=4, rope_dim=2, top_k=3, rng=0).astype(np.float64)
+    x, a = randn(rng, 2, 5, 8), randn(rng, 2, 5, 6)
+    zero = (np.ones((2, 5, 2)), np.zeros((2, 5, 2)))
+    g = randn(rng, 2, 5, 5)
+    s0 = idx(x, a, rotary=zero)
+    back0 = idx.backward(g)
+    grads0 = {name: idx.grads[name].copy() for name in idx.grads}
+    idx.zero_grad()
+    s = idx(x, a, rotary=None)
+    back = idx.backward(g)
+    np.testing.assert_array_equal(s, s0)
+    for got, want in zip(back, back0):
+        np.testing.assert_array_equal(got, want)
+    for name, grad in grads0.items():
+        np.testing.assert_array_equal(idx.grads[name], grad, err_msg=name)
+    np.testing.assert_array_equal(idx.keys(x, None), idx.keys(x, zero))

@@ -377,7 +377,9 @@ class MultiHeadLatentAttention(Module):
             q = hook_heads(self, "hook_q", q)
         c, k_rope, c_norm = self._latent(x, cos, sin)  # (B, L, C), (B, L, R)
         sparse = "indexer" in self._modules
-        index_rotary = half_split_rotary(cos, sin, self.config.rope_interleaved) if sparse else None
+        # the indexer's tables in its half-split layout; none for a layer without positions (NoPE)
+        index_rotary = half_split_rotary(cos, sin, self.config.rope_interleaved) if sparse and cos is not None \
+            else None
         if cache is not None:
             new = [c, k_rope] + ([self.indexer.keys(x, index_rotary)] if sparse else [])
             kept = cache.update(self.layer_index, np.concatenate(new, axis=-1))  # (B, S, C+R[+Di])

@@ -114,7 +114,8 @@ class LightningIndexer(Module):
         p = self._parameters
         k = linear(x, p["W_K"])  # (B, L, Di)
         k, k_hat, k_rstd = _layer_norm(k, p["k_norm"], p["k_norm_bias"])  # (B, L, Di)
-        k = _rotary.rotary_apply(k[:, None], *rotary)[:, 0]  # (B, L, Di)
+        if rotary is not None:  # a layer without positions (NoPE) turns nothing
+            k = _rotary.rotary_apply(k[:, None], *rotary)[:, 0]  # (B, L, Di)
         return k, (k_hat, k_rstd)
 
     def forward(self, x: Any, a: Any, *, rotary, keys: np.ndarray | None = None) -> np.ndarray:
@@ -122,9 +123,9 @@ class LightningIndexer(Module):
         :meth:`backward` needs is kept)."""
         p = self._parameters
         b, length, _ = x.shape
-        cos, sin = rotary
         q = linear(a, p["W_QB"]).reshape(b, length, self.num_heads, self.head_dim)  # (B, L, Hi, Di)
-        q = _rotary.rotary_apply(q.transpose(0, 2, 1, 3), cos, sin).transpose(0, 2, 1, 3)  # (B, L, Hi, Di)
+        if rotary is not None:
+            q = _rotary.rotary_apply(q.transpose(0, 2, 1, 3), *rotary).transpose(0, 2, 1, 3)  # (B, L, Hi, Di)
         w = linear(x, p["W_weights"]) * x.dtype.type(self.num_heads ** -0.5)  # (B, L, Hi)
         if keys is None:
             keys, k_norm = self._keys(x, rotary)  # (B, L, Di)
@@ -148,7 +149,7 @@ class LightningIndexer(Module):
         ``(grad_x, grad_a)``. Only after a forward without ``keys``."""
         if self.saved_tensors is None:
             raise RuntimeError("LightningIndexer.backward needs a forward without keys just before it")
-        x, a, (cos, sin), q, keys, (k_hat, k_rstd), w = self.saved_tensors
+        x, a, rotary, q, keys, (k_hat, k_rstd), w = self.saved_tensors
         p = self._parameters
         b, length, _ = x.shape
         g = check_grad_output(grad_scores, (b, length, length), np.promote_types(x.dtype, np.float32),
@@ -158,14 +159,16 @@ class LightningIndexer(Module):
         dw = dw * x.dtype.type(self.num_heads ** -0.5)  # (B, L, Hi)
         grad_x, grad_w, _ = linear_backward(dw, x, p["W_weights"])  # (B, L, D)
         self.grads["W_weights"] += grad_w
-        dk = _rotary.rotary_backward(dk[:, None], cos, sin)[:, 0]  # (B, L, Di)
+        if rotary is not None:
+            dk = _rotary.rotary_backward(dk[:, None], *rotary)[:, 0]  # (B, L, Di)
         dk, grad_gain, grad_bias = layer_norm_backward(dk, k_hat, k_rstd, p["k_norm"])  # (B, L, Di)
         self.grads["k_norm"] += grad_gain
         self.grads["k_norm_bias"] += grad_bias
         gx, grad_w, _ = linear_backward(dk, x, p["W_K"])  # (B, L, D)
         self.grads["W_K"] += grad_w
         grad_x += gx
-        dq = _rotary.rotary_backward(dq.transpose(0, 2, 1, 3), cos, sin).transpose(0, 2, 1, 3)  # (B, L, Hi, Di)
+        if rotary is not None:
+            dq = _rotary.rotary_backward(dq.transpose(0, 2, 1, 3), *rotary).transpose(0, 2, 1, 3)  # (B, L, Hi, Di)
         grad_a, grad_w, _ = linear_backward(dq.reshape(b, length, -1), a, p["W_QB"])  # (B, L, Cq)
         self.grads["W_QB"] += grad_w
         return grad_x, grad_a
