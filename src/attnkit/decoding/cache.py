@@ -167,8 +167,11 @@ class ModelCache:
         """Append ``Lnew`` slots to ``layer``'s entry and return what its attention must read:
         ``update(layer, k_new, v_new)`` for keys and values (:meth:`KeysValues.update`),
         ``update(layer, latent_new)`` for latents (:meth:`Latents.update`)."""
-        layer = self._check_layer(layer)
+        if type(layer) is not int or not 0 <= layer < self.num_layers:  # a step's every layer: the cheap test first
+            layer = self._check_layer(layer)
         entry = self.entries[layer]
+        if type(entry) in (KeysValues, Latents):
+            return entry.update(*new)
         kind = entry_kind(entry)
         if kind == "state":
             held = "latents" if len(new) == 1 else "keys and values"
