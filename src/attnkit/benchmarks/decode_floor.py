@@ -14,7 +14,9 @@ adds) can take the step below it. This benchmark measures, for the benchmark sha
 
 It prints the median of the rounds of each, their ratio and the difference (what the code around the products
 costs). A step within a few percent of its floor can only get faster through faster products: other weight
-layouts, fewer bytes, or another BLAS.
+layouts, fewer bytes, or another BLAS. For the first of these it also times, shape by shape, the same weights
+stored the other way round (column-major, as :meth:`attnkit.core.Module.store_column_major` keeps one): the
+floor with each shape in its faster layout is the floor of any layout choice.
 
 Usage::
 
@@ -41,7 +43,7 @@ from ._support import engine_threads, import_torch, torch_missing_line
 from .decode import FAMILIES, _build
 from .machine import describe, machine_info
 
-__all__ = ["main", "parse_args", "run", "step_weights", "products_time", "step_time"]
+__all__ = ["main", "parse_args", "run", "step_weights", "products_time", "layout_times", "step_time"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,6 +103,28 @@ def products_time(weights: list[np.ndarray], dtype=np.float32) -> float:
         return time.perf_counter() - start
 
 
+def layout_times(weights: list[np.ndarray], dtype=np.float32) -> dict[tuple[int, int], tuple[float, float]]:
+    """Per weight shape (In, Out): seconds for one-row products over every weight of that shape, as stored and
+    stored the other way round (a column-major copy of a row-major array, or the reverse), each pass streaming
+    its weights from memory as a step does."""
+    def one_pass(row: np.ndarray, arrays: list[np.ndarray]) -> float:
+        start = time.perf_counter()
+        for w in arrays:
+            row @ w  # (1, Out)
+        return time.perf_counter() - start
+
+    groups: dict[tuple[int, int], list[np.ndarray]] = {}
+    for w in weights:
+        groups.setdefault(w.shape, []).append(w)
+    times = {}
+    with decode_blas(1):
+        for shape, group in groups.items():
+            row = np.ones((1, shape[0]), dtype)  # (1, In)
+            other = [np.asfortranarray(w) if w.flags.c_contiguous else np.ascontiguousarray(w) for w in group]
+            times[shape] = (min(one_pass(row, group) for _ in range(3)), min(one_pass(row, other) for _ in range(3)))
+    return times
+
+
 def step_time(lm: Any, ids: np.ndarray, new: int) -> float:
     """Seconds per decoding step: ``generate`` of ``new`` greedy tokens less ``generate`` of one, over
     ``new - 1`` steps."""
@@ -122,11 +146,16 @@ def _family(family: str, args: argparse.Namespace, torch: Any) -> dict[str, floa
         steps.append(step_time(lm, ids, args.new))
         floors.append(min(products_time(weights) for _ in range(3)))
     step, floor = statistics.median(steps), statistics.median(floors)
+    layouts = layout_times(weights)
+    best = floor - sum(stored - min(stored, other) for stored, other in layouts.values())
+    turned = [f"{shape[0]}x{shape[1]} {stored / other:.2f}x" for shape, (stored, other) in layouts.items()
+              if other < stored]
     megabytes = sum(w.nbytes for w in weights) / 2**20
     print(f"{family}: step {step * 1e3:.2f} ms, its products alone {floor * 1e3:.2f} ms ({megabytes:.0f} MiB, "
           f"{megabytes * 2**20 / floor / 1e9:.1f} GB/s), step / products {step / floor:.2f}, the rest "
-          f"{(step - floor) * 1e3:.2f} ms", flush=True)
-    return {"step_s": step, "products_s": floor, "weights_mib": megabytes}
+          f"{(step - floor) * 1e3:.2f} ms; each shape in its faster layout {best * 1e3:.2f} ms (faster the other way "
+          f"round: {', '.join(turned) or 'none'})", flush=True)
+    return {"step_s": step, "products_s": floor, "best_layout_s": best, "weights_mib": megabytes}
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -139,11 +168,12 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         print(line)
     with engine_threads(torch, args.threads):
         figures = {family: _family(family, args, torch) for family in args.families}
-    print("| family | step | products alone | step / products | the rest |")
-    print("|---|---|---|---|---|")
+    print("| family | step | products alone | step / products | the rest | products, best layouts |")
+    print("|---|---|---|---|---|---|")
     for family, row in figures.items():
         print(f"| {family} | {row['step_s'] * 1e3:.2f} ms | {row['products_s'] * 1e3:.2f} ms | "
-              f"{row['step_s'] / row['products_s']:.2f} | {(row['step_s'] - row['products_s']) * 1e3:.2f} ms |")
+              f"{row['step_s'] / row['products_s']:.2f} | {(row['step_s'] - row['products_s']) * 1e3:.2f} ms | "
+              f"{row['best_layout_s'] * 1e3:.2f} ms |")
     return figures
 
 
