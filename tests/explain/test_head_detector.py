@@ -139,7 +139,7 @@ def test_bad_arguments_are_named():
     only_linear = DecoderConfig(family="qwen3_5_text", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
                                 num_kv_heads=1, head_dim=4, intermediate_size=12,
                                 layer_types=("linear_attention", "linear_attention"),
-                                linear_attention=GatedDeltaNetConfig(1, 2, 4, 3))
+                                mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 3),))
     with pytest.raises(ValueError, match="no layer with attention heads"):
         detect_head(CausalLM(only_linear, rng=0), [1, 2, 3], "induction_head")
 

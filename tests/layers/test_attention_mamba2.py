@@ -13,16 +13,16 @@ from attnkit.models import AttentionConfig, CausalLM, DecoderConfig
 
 from helpers import assert_gradient, make_rng, randn
 
-FACTORS = AttentionMamba2Config(attention_in=0.6, attention_out=1.5, mamba_in=1.3, mamba_out=0.7)
+SHAPE = Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=3, norm="before_gate",
+                     projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0))
+FACTORS = AttentionMamba2Config(SHAPE, attention_in=0.6, attention_out=1.5, mamba_in=1.3, mamba_out=0.7)
 
 
 def _config(factors=FACTORS, **overrides) -> DecoderConfig:
     base = dict(family="falcon_h1", vocab_size=17, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
                 head_dim=4, intermediate_size=10, layer_types=("attention_mamba2",) * 2,
                 attention=AttentionConfig(scale=0.4), mlp="scaled_gated", mlp_multipliers=(0.8, 1.4),
-                mamba2=Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=3, norm="before_gate",
-                                    projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0)),
-                attention_mamba2=factors)
+                mixer_parts=() if factors is None else (factors,))
     base.update(overrides)
     return DecoderConfig(**base)
 
@@ -53,7 +53,7 @@ def test_the_mixer_passes_finite_differences_with_padding():
 def test_each_factor_scales_its_branch_and_a_factor_of_one_is_an_identity():
     """The output is attn_out * attention(attn_in * x) + mamba_out * mamba(mamba_in * x), term by term."""
     mixer = _bumped(AttentionMamba2Mixer(_config(), 0, rng=0))
-    plain = AttentionMamba2Mixer(_config(AttentionMamba2Config()), 0, rng=0)
+    plain = AttentionMamba2Mixer(_config(AttentionMamba2Config(SHAPE)), 0, rng=0)
     plain.load_state_dict(dict(mixer.named_parameters()))
     assert [type(m) for m in (mixer.attn_in, mixer.mamba_out)] == [Scale, Scale]
     assert [type(m) for m in (plain.attn_in, plain.attn_out, plain.mamba_in, plain.mamba_out)] == [Identity] * 4
@@ -87,8 +87,11 @@ def test_the_scaled_gated_mlp_passes_finite_differences_and_scales_as_transforme
 def test_mlp_multipliers_need_the_scaled_gated_mlp():
     with pytest.raises(ValueError, match="scale the 'scaled_gated' MLP only; mlp is 'gated'"):
         _config(mlp="gated")
-    with pytest.raises(ValueError, match=r"attention_mamba2 \(the attention-beside-Mamba-2 layers' factors\)"):
+    with pytest.raises(ValueError, match=r"layer_types has attention_mamba2 layers, so mixer_parts needs an "
+                                         r"AttentionMamba2Config \(their shape\)"):
         _config(factors=None)
+    with pytest.raises(TypeError, match="attention_mamba2.mamba2 must be a Mamba2Config, got NoneType"):
+        AttentionMamba2Config(None)
 
 
 def test_hooks_reach_the_mixer_that_owns_the_point():

@@ -29,6 +29,10 @@ MIXER_CLASSES = {"full_attention": "GroupedQueryAttention", "sliding_attention":
                  "kv_reader_attention": "KVReaderAttention", "linear_attention": "GatedDeltaNetMixer",
                  "kimi_delta_attention": "KimiDeltaAttentionMixer", "short_conv": "ShortConvMixer",
                  "mamba2": "Mamba2Mixer", "attention_mamba2": "AttentionMamba2Mixer", None: "Identity"}
+# The part that shapes each mixer kind (none: the config's attention part, or no mixer)
+PART_CLASSES = {"latent_attention": "LatentAttentionConfig", "linear_attention": "GatedDeltaNetConfig",
+                "kimi_delta_attention": "KimiDeltaAttentionConfig", "short_conv": "ShortConvConfig",
+                "mamba2": "Mamba2Config", "attention_mamba2": "AttentionMamba2Config"}
 
 
 def _mlp_width(mlp) -> int | None:
@@ -49,6 +53,7 @@ def check_model_against_its_specs(lm: CausalLM) -> None:
         i = spec.index
         assert type(block) is BLOCKS[spec.block], i
         assert type(block.attention).__name__ == MIXER_CLASSES[spec.mixer], (i, spec.mixer)
+        assert type(spec.part).__name__ == PART_CLASSES.get(spec.mixer, "NoneType"), (i, spec.mixer)
         if spec.mlp is None:
             assert type(block.mlp).__name__ == "Identity", i
         elif spec.mlp == "experts":

@@ -4,7 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from attnkit.layers import GatedDeltaNetConfig
+from attnkit.layers import GatedDeltaNetConfig, ShortConvConfig
 from attnkit.models import (
     CausalLM,
     DecoderConfig,
@@ -80,8 +80,12 @@ LLAMA = dict(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_head
     ("offset", r"norm.offset \(1.0\) is an RMSNorm gain's offset; norm.kind is 'layernorm'"),
     ("experts", r"experts.layers must list distinct non-negative layer indices \(at least one\)"),
     ("family", "family must be a model_type such as 'llama'"),
-    ("linear_layers", "linear_attention .* must be given exactly when"),
-    ("linear_shape", "linear_attention .* must be given exactly when"),
+    ("linear_layers", r"layer_types has linear_attention layers, so mixer_parts needs a GatedDeltaNetConfig \(their "
+                      r"shape\); it has \[\]"),
+    ("linear_shape", r"mixer_parts has a GatedDeltaNetConfig, the shape of the linear_attention layers, but "
+                     r"layer_types has none"),
+    ("twice", "mixer_parts must hold at most one part of each class, got 2 parts with more than one "
+              "ShortConvConfig"),
     ("moe_layers", r"experts.layers must be layer indices below num_layers \(1\)"),
     ("moe_mlp", "the other layers' mlp 'gated'"),
 ])
@@ -94,7 +98,8 @@ def test_a_decoder_no_architecture_has_is_refused(changes, match):
             "experts": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=())),
             "family": lambda: dict(family="not a model type"),
             "linear_layers": lambda: dict(layer_types=("linear_attention",)),
-            "linear_shape": lambda: dict(linear_attention=GatedDeltaNetConfig(1, 2, 4, 4)),
+            "linear_shape": lambda: dict(mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 4),)),
+            "twice": lambda: dict(layer_types=("short_conv",), mixer_parts=(ShortConvConfig(3), ShortConvConfig(4))),
             "moe_layers": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=(1,))),
             "moe_mlp": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=(0,)), mlp="plain")}[changes]
     with pytest.raises(ValueError, match=match):

@@ -465,7 +465,8 @@ def test_a_nemotron_h_file_reads_its_layer_kinds_from_the_per_layer_counts(root)
     model = gm.build_model("nemotron_h_bias_no_floor")
     lm = load_causal_lm(_written(root, "float_nemotron_h_bias_no_floor", model))
     assert lm.config.layer_types == ("mlp", "mamba2", "full_attention", "mamba2")
-    assert lm.config.mamba2.time_step_min == 0.0 and lm.config.mamba2.proj_bias and not lm.config.mamba2.conv_bias
+    shape = lm.config.layers[1].part
+    assert shape.time_step_min == 0.0 and shape.proj_bias and not shape.conv_bias
     assert lm.config.mlp_bias and lm.config.intermediate_size == 40 and lm.config.num_kv_heads == 1
 
 

@@ -99,7 +99,7 @@ def _experts(config, spec, *, rng: np.random.Generator) -> MixtureOfExperts:
 
 
 def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> MultiHeadLatentAttention:
-    return MultiHeadLatentAttention(config.latent, layer_index, rng=rng)
+    return MultiHeadLatentAttention(config.layers[layer_index].part, layer_index, rng=rng)
 
 
 MLPS: dict[str, Callable[..., Module]] = {"gated": _gated_mlp, "plain": _plain_mlp, "xielu": _xielu_mlp,
@@ -124,10 +124,11 @@ MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttent
 rng=...)``, the layer reading its own settings from ``config.layers[layer_index]``.
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``
-and ``backward``; a new kind of layer or of attention is a new entry here. ``latent_attention``: every attention
-layer of a config with the ``latent`` part; ``kv_owner_attention`` / ``kv_reader_attention``: the layers of a
-config with the ``layerwise`` part that compute their keys and values, and those that reuse an earlier layer's
-(:mod:`attnkit.attention.shared_kv`)."""
+and ``backward``; a new kind of layer or of attention is a new entry here; a mixer that is not plain attention
+reads its shape from its spec's ``part``. ``latent_attention``: every attention layer of a config with a latent
+part (a :class:`~attnkit.attention.latent.LatentAttentionConfig` in ``mixer_parts``); ``kv_owner_attention`` /
+``kv_reader_attention``: the layers of a config with the ``layerwise`` part that compute their keys and values, and
+those that reuse an earlier layer's (:mod:`attnkit.attention.shared_kv`)."""
 
 
 class LMBlock(Module):

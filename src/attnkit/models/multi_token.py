@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..attention.latent import LatentAttentionConfig
 from ..core.module import Module, ModuleList
 from ..decoding.cache import KVCache, LatentCache
 from ..init import as_generator
@@ -152,8 +153,9 @@ class MultiTokenPredictor(Module):
     def new_cache(self, batch_size: int, max_length: int | None = None, *, rollback: int = 0):
         """An empty cache of the M layers (the model's kind: latents for latent attention, else keys and values)."""
         c, dtype = self.config, self.model.dtype
-        if c.latent is not None:
-            return LatentCache(c.num_layers, batch_size, c.latent.cache_dim, dtype, max_length=max_length)
+        latent = c.mixer_part(LatentAttentionConfig)
+        if latent is not None:
+            return LatentCache(c.num_layers, batch_size, latent.cache_dim, dtype, max_length=max_length)
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype, max_length=max_length,
                        windows=[s.window for s in c.layers], rollback=rollback)
 

@@ -126,12 +126,13 @@ def read_config(read: Reader, *, indexer: dict | None = None, sparse: tuple[int,
         bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
         pad_token_id=read.token_ids("pad_token_id", None, many=False),
-        latent=latent, experts=group_routed_experts(read, layers, sparse=sparse), mtp_layers=mtp_layer_count(read))
+        mixer_parts=(latent,), experts=group_routed_experts(read, layers, sparse=sparse),
+        mtp_layers=mtp_layer_count(read))
 
 
 def latent_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """A latent attention layer's ``self_attn.`` tensors (the module docstring's list)."""
-    lat = cfg.latent
+    lat = cfg.mixer_part(LatentAttentionConfig)
     d, q_width = cfg.hidden_size, cfg.num_heads * lat.qk_head_dim
     hf, ak = hf + "self_attn.", ak + "attention."
     maps = []

@@ -93,11 +93,11 @@ def _config(read: Reader) -> DecoderConfig:
         return dict(attention=AttentionConfig(bias=bias, output_bias=bias, scale=scale),
                     mlp="scaled_gated", mlp_multipliers=_factors(read, "mlp_multipliers", 2),
                     mlp_bias=read.bool("mlp_bias", False), layer_types=("attention_mamba2",) * layers,
-                    mamba2=_mamba2_config(read),
-                    attention_mamba2=AttentionMamba2Config(read.factor("attention_in_multiplier", 1.0),
-                                                           read.factor("attention_out_multiplier", 1.0),
-                                                           read.factor("ssm_in_multiplier", 1.0),
-                                                           read.factor("ssm_out_multiplier", 1.0)),
+                    mixer_parts=(AttentionMamba2Config(_mamba2_config(read),
+                                                       read.factor("attention_in_multiplier", 1.0),
+                                                       read.factor("attention_out_multiplier", 1.0),
+                                                       read.factor("ssm_in_multiplier", 1.0),
+                                                       read.factor("ssm_out_multiplier", 1.0)),),
                     embedding_scale=read.factor("embedding_multiplier", 1.0),
                     logit_scale=read.factor("lm_head_multiplier", 1.0))
 

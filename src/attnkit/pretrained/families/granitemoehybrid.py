@@ -84,7 +84,7 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
                 embedding_scale=read.factor("embedding_multiplier", 1.0),
                 residual_scale=read.factor("residual_multiplier", 1.0),
                 logit_scale=1.0 / read.factor("logits_scaling", 1.0), layer_types=types,
-                mamba2=mamba2_config(read) if "mamba2" in types else None,
+                mixer_parts=(mamba2_config(read),) if "mamba2" in types else (),
                 skip_rotary=() if position == "rope" else tuple(range(layers)), **mixture)
 
 

@@ -154,12 +154,12 @@ def _read_config(read: Reader) -> DecoderConfig:
         bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
         eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
         pad_token_id=read.token_ids("pad_token_id", DEFAULTS["pad_token_id"], many=False),
-        layer_types=_layer_types(read, layers), latent=latent, kimi_delta=kda, experts=_experts(read, layers))
+        layer_types=_layer_types(read, layers), mixer_parts=(kda, latent), experts=_experts(read, layers))
 
 
 def _kda_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """A Kimi Delta Attention layer's ``self_attn.`` (the table of :mod:`attnkit.layers.kimi_delta_attention`)."""
-    shape, d = cfg.kimi_delta, cfg.hidden_size
+    shape, d = cfg.mixer_part(KimiDeltaAttentionConfig), cfg.hidden_size
     h, dh, taps = shape.num_heads, shape.head_dim, shape.conv_kernel_size
     e = h * dh
     hf, ak = hf + "self_attn.", ak + "attention."

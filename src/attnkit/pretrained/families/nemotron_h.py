@@ -114,10 +114,10 @@ def _read(read: Reader) -> DecoderConfig:
         floor = read.raw("time_step_min", 0.001)
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < float("inf"):
             raise ValueError(f"{read.family} config: 'time_step_min' must be a finite number >= 0, got {floor!r}")
-        fields["mamba2"] = Mamba2Config(
+        fields["mixer_parts"] = (Mamba2Config(
             read.int("mamba_num_heads", 128), read.int("mamba_head_dim", 64), read.int("ssm_state_size", 128),
             read.int("n_groups", 8), read.int("conv_kernel", 4), read.bool("use_conv_bias", True),
-            read.bool("use_bias", False), read.int("chunk_size", 128), float(floor))
+            read.bool("use_bias", False), read.int("chunk_size", 128), float(floor)),)
     layers = len(types)
     return DecoderConfig(
         family=read.family, vocab_size=read.int("vocab_size", 131072), hidden_size=hidden, num_layers=layers,

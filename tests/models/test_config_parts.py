@@ -1,0 +1,130 @@
+"""``DecoderConfig``'s parts: the mixers' shapes in one ``mixer_parts`` field, each layer's in its spec; configs
+saved with the older flat fields still load; every part's bad value is refused naming the part."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from attnkit.attention.latent import LatentAttentionConfig
+from attnkit.layers import (
+    AttentionMamba2Config,
+    GatedDeltaNetConfig,
+    KimiDeltaAttentionConfig,
+    Mamba2Config,
+    ShortConvConfig,
+)
+from attnkit.models import DecoderConfig, RotaryConfig
+
+SIZES = dict(vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=6)
+MAMBA = Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=2)
+LATENT = LatentAttentionConfig(hidden_size=8, num_heads=2, kv_lora_rank=5, qk_nope_head_dim=3, qk_rope_head_dim=4,
+                               v_head_dim=3, rope_interleaved=False)
+
+
+def _config(**overrides) -> DecoderConfig:
+    return DecoderConfig(**{"family": "llama", **SIZES, **overrides})
+
+
+def _kimi() -> DecoderConfig:
+    return _config(family="kimi_linear", layer_types=("kimi_delta_attention", "full_attention"),
+                   mixer_parts=(LATENT, KimiDeltaAttentionConfig(num_heads=2, head_dim=3, conv_kernel_size=3)),
+                   rotary=RotaryConfig(skip_layers=(0, 1)))
+
+
+def _falcon_and_bamba() -> DecoderConfig:
+    """Both Mamba-2 layer types in one model, each with its own shape."""
+    return _config(family="falcon_h1", layer_types=("attention_mamba2", "mamba2"),
+                   mixer_parts=(MAMBA, AttentionMamba2Config(dataclasses.replace(MAMBA, head_dim=2), mamba_out=1.5)))
+
+
+def test_the_field_list():
+    assert [f.name for f in dataclasses.fields(DecoderConfig)] == [
+        "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+        "intermediate_size", "max_position_embeddings", "activation", "mlp", "mlp_bias", "residual", "norm",
+        "rotary", "attention", "experts", "embedding_scale", "final_logit_softcap", "residual_scale", "logit_scale",
+        "tie_word_embeddings", "layer_types", "bos_token_id", "eos_token_id", "pad_token_id", "layerwise",
+        "mixer_parts", "mlp_multipliers", "mtp_layers"]
+
+
+def test_each_layer_s_part_is_its_mixer_s_shape():
+    kimi = _kimi()
+    assert [(s.mixer, type(s.part).__name__) for s in kimi.layers] == [
+        ("kimi_delta_attention", "KimiDeltaAttentionConfig"), ("latent_attention", "LatentAttentionConfig")]
+    assert kimi.mixer_parts[-1] is LATENT  # kept in MIXER_PARTS' order, whatever order they were given in
+    both = _falcon_and_bamba()
+    assert [s.part for s in both.layers] == [both.mixer_part(AttentionMamba2Config), MAMBA]
+    assert both.layers[0].part.mamba2.head_dim == 2 and both.layers[1].part.head_dim == 4
+    plain = _config(layer_types=("full_attention", "mlp"), residual="single")
+    assert [s.part for s in plain.layers] == [None, None]
+
+
+def test_the_order_parts_are_given_in_does_not_matter():
+    shortconv, gdn = ShortConvConfig(3), GatedDeltaNetConfig(1, 2, 4, 3)
+    types = ("short_conv", "linear_attention")
+    assert _config(layer_types=types, mixer_parts=(shortconv, gdn)) == \
+        _config(layer_types=types, mixer_parts=[gdn, shortconv])
+    assert hash(_config(layer_types=types, mixer_parts=(shortconv, gdn))) is not None
+
+
+@pytest.mark.parametrize("parts, types, error, match", [
+    ((GatedDeltaNetConfig(1, 2, 4, 3),), ("full_attention",) * 2, ValueError,
+     r"mixer_parts has a GatedDeltaNetConfig, the shape of the linear_attention layers, but layer_types has none"),
+    ((), ("mamba2", "full_attention"), ValueError,
+     r"layer_types has mamba2 layers, so mixer_parts needs a Mamba2Config \(their shape\); it has \[\]"),
+    ((MAMBA,), ("attention_mamba2",) * 2, ValueError,
+     r"layer_types has attention_mamba2 layers, so mixer_parts needs an AttentionMamba2Config .*"
+     r"it has \['Mamba2Config'\]"),
+    ((MAMBA, AttentionMamba2Config(MAMBA)), ("attention_mamba2",) * 2, ValueError,
+     r"mixer_parts has a Mamba2Config, the shape of the mamba2 layers, but layer_types has none"),
+    ((ShortConvConfig(3), ShortConvConfig(4)), ("short_conv",) * 2, ValueError,
+     "mixer_parts must hold at most one part of each class, got 2 parts with more than one ShortConvConfig"),
+    ((RotaryConfig(),), ("full_attention",) * 2, TypeError,
+     "mixer_parts must hold parts of the classes GatedDeltaNetConfig, .*LatentAttentionConfig, got RotaryConfig"),
+    (ShortConvConfig(3), ("short_conv",) * 2, TypeError, "mixer_parts must be a tuple of parts, got ShortConvConfig"),
+])
+def test_a_bad_mixer_part_is_refused_naming_it(parts, types, error, match):
+    with pytest.raises(error, match=match):
+        _config(layer_types=types, mixer_parts=parts)
+
+
+def test_a_latent_part_must_fit_the_model():
+    with pytest.raises(ValueError, match="the LatentAttentionConfig in mixer_parts describes hidden_size 8 and 2 "
+                                         "heads, the model 8 and 4"):
+        _config(family="kimi_linear", num_heads=4, mixer_parts=(LATENT,), rotary=RotaryConfig(skip_layers=(0, 1)))
+    with pytest.raises(ValueError, match="kind must be one of the classes .*, got <class 'int'>"):
+        _kimi().mixer_part(int)
+
+
+@pytest.mark.parametrize("make", [_kimi, _falcon_and_bamba])
+def test_the_parts_survive_a_json_round_trip(make):
+    cfg = make()
+    saved = json.loads(json.dumps(cfg.to_dict()))
+    assert sorted(saved["mixer_parts"]) == sorted(type(p).__name__ for p in cfg.mixer_parts)
+    assert DecoderConfig.from_dict(saved) == cfg
+
+
+def test_a_config_saved_with_the_flat_part_fields_loads():
+    """Falcon-H1 wrote one ``mamba2`` for the Mamba-2 half and ``attention_mamba2`` for the factors; Kimi Linear
+    wrote ``latent`` and ``kimi_delta``."""
+    old = {"family": "falcon_h1", **SIZES, "layer_types": ["attention_mamba2"] * 2, "linear_attention": None,
+           "latent": None, "short_conv": None, "kimi_delta": None,
+           "mamba2": dataclasses.asdict(MAMBA), "attention_mamba2": {"attention_in": 0.5, "attention_out": 1.0,
+                                                                     "mamba_in": 1.0, "mamba_out": 2.0}}
+    cfg = DecoderConfig.from_dict(json.loads(json.dumps(old)))
+    assert cfg.mixer_parts == (AttentionMamba2Config(MAMBA, attention_in=0.5, mamba_out=2.0),)
+    both = {**old, "layer_types": ["attention_mamba2", "mamba2"]}  # the one shape served both layer types
+    assert [type(s.part).__name__ for s in DecoderConfig.from_dict(both).layers] == ["AttentionMamba2Config",
+                                                                                   "Mamba2Config"]
+    kimi = _kimi().to_dict()
+    parts = kimi.pop("mixer_parts")
+    kimi.update(latent=parts["LatentAttentionConfig"], kimi_delta=parts["KimiDeltaAttentionConfig"])
+    assert DecoderConfig.from_dict(kimi) == _kimi()
+
+
+def test_a_saved_part_of_an_unknown_class_is_refused():
+    saved = _kimi().to_dict()
+    saved["mixer_parts"]["SlidingConfig"] = {}
+    with pytest.raises(TypeError, match="mixer_parts has no part class 'SlidingConfig' \\(classes: GatedDeltaNet"):
+        DecoderConfig.from_dict(saved)
