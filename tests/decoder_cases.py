@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import torch
-from attnkit.models import AttentionConfig, DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
+from attnkit.models import AttentionConfig, DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig, ScalesConfig
 
 
 def tiny_config(family="llama", *, attention=None, rotary=None, norm=None, **overrides) -> DecoderConfig:
@@ -198,7 +198,7 @@ DECODER_VARIANTS = {
                                            router="sigmoid_group_topk", n_group=2, topk_group=1,
                                            routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
     # Granite: scaled embeddings, scores, branch outputs and logits, biases on every projection
-    "granite": dict(family="granite", embedding_scale=1.5, residual_scale=0.4, logit_scale=0.7, mlp_bias=True,
+    "granite": dict(family="granite", scales=ScalesConfig(embedding=1.5, residual=0.4, logit=0.7), mlp_bias=True,
                     attention=AttentionConfig(bias=True, output_bias=True, scale=0.3)),
     # Seed-OSS: the output bias without the q/k/v biases (each has its own switch), MLP biases
     "seed_oss": dict(family="seed_oss", mlp_bias=True, attention=AttentionConfig(output_bias=True)),
@@ -222,12 +222,13 @@ DECODER_VARIANTS = {
                      norm=NormConfig(kind="layernorm"), rotary=RotaryConfig(partial_factor=0.5),
                      attention=AttentionConfig(bias=True, output_bias=True)),
     # Gemma 2: soft-capped scores and logits, (1 + w) norms before and after each branch, scaled embeddings
-    "gemma2": dict(family="gemma2", embedding_scale=2.5, final_logit_softcap=2.0, activation="gelu_tanh",
+    "gemma2": dict(family="gemma2", scales=ScalesConfig(embedding=2.5, final_logit_softcap=2.0), activation="gelu_tanh",
                    layer_types=("sliding_attention", "full_attention"),
                    norm=NormConfig(offset=1.0, placement="sandwich"),
                    attention=AttentionConfig(scale=0.3, logit_softcap=1.5, sliding_window=2)),
     # Gemma 3: (1 + w) per-head q/k norms and a rotary base of its own on the sliding layers
-    "gemma3_text": dict(family="gemma3_text", embedding_scale=1.5, layer_types=("sliding_attention", "full_attention"),
+    "gemma3_text": dict(family="gemma3_text", scales=ScalesConfig(embedding=1.5),
+                        layer_types=("sliding_attention", "full_attention"),
                         norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
                         attention=AttentionConfig(sliding_window=2, qk_norm="head")),
     # gpt-oss: learned sinks, biases, a top-2-of-3 mixture of clamped-SwiGLU experts (limit low enough to clamp)

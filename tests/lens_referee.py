@@ -165,7 +165,7 @@ def in_attnkit_meaning(lm, lens: dict) -> dict:
     if lm.config.family != "falcon_h1":
         return lens
     out, c = dict(lens), lm.config
-    out["hook_embed"] = lens["hook_embed"] * np.float32(c.embedding_scale)
+    out["hook_embed"] = lens["hook_embed"] * np.float32(c.scales.embedding)
     key_multiplier = c.attention.scale * c.head_dim ** 0.5
     for i in range(c.num_layers):
         factors = c.layers[i].part

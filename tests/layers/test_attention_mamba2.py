@@ -9,7 +9,7 @@ import pytest
 
 from attnkit.decoding.cache import KVCache
 from attnkit.layers import AttentionMamba2Config, AttentionMamba2Mixer, Identity, Mamba2Config, Scale, ScaledGatedMLP
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, ScalesConfig
 
 from helpers import assert_gradient, make_rng, randn
 
@@ -21,7 +21,8 @@ FACTORS = AttentionMamba2Config(SHAPE, attention_in=0.6, attention_out=1.5, mamb
 def _config(factors=FACTORS, **overrides) -> DecoderConfig:
     base = dict(family="falcon_h1", vocab_size=17, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
                 head_dim=4, intermediate_size=10, layer_types=("attention_mamba2",) * 2,
-                attention=AttentionConfig(scale=0.4), mlp="scaled_gated", mlp_multipliers=(0.8, 1.4),
+                attention=AttentionConfig(scale=0.4), mlp="scaled_gated",
+                scales=ScalesConfig(mlp_gate=0.8, mlp_output=1.4),
                 mixer_parts=() if factors is None else (factors,))
     base.update(overrides)
     return DecoderConfig(**base)
@@ -65,7 +66,7 @@ def test_each_factor_scales_its_branch_and_a_factor_of_one_is_an_identity():
 def test_the_scaled_gated_mlp_passes_finite_differences_and_scales_as_transformers_does():
     cfg = _config(mlp_bias=True)
     mlp = _bumped(ScaledGatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, True,
-                                 gate_scale=cfg.mlp_multipliers[0], output_scale=cfg.mlp_multipliers[1], rng=0))
+                                 gate_scale=cfg.scales.mlp_gate, output_scale=cfg.scales.mlp_output, rng=0))
     rng = make_rng(3)
     x, grad_y = randn(rng, 2, 3, 8), randn(rng, 2, 3, 8)
     mlp(x)

@@ -15,7 +15,7 @@ from attnkit.layers import (
     Mamba2Config,
     ShortConvConfig,
 )
-from attnkit.models import DecoderConfig, RotaryConfig
+from attnkit.models import DecoderConfig, RotaryConfig, ScalesConfig
 
 SIZES = dict(vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=6)
 MAMBA = Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=2)
@@ -43,9 +43,8 @@ def test_the_field_list():
     assert [f.name for f in dataclasses.fields(DecoderConfig)] == [
         "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
         "intermediate_size", "max_position_embeddings", "activation", "mlp", "mlp_bias", "residual", "norm",
-        "rotary", "attention", "experts", "embedding_scale", "final_logit_softcap", "residual_scale", "logit_scale",
-        "tie_word_embeddings", "layer_types", "bos_token_id", "eos_token_id", "pad_token_id", "layerwise",
-        "mixer_parts", "mlp_multipliers", "mtp_layers"]
+        "rotary", "attention", "experts", "scales", "tie_word_embeddings", "layer_types", "bos_token_id",
+        "eos_token_id", "pad_token_id", "layerwise", "mixer_parts", "mtp_layers"]
 
 
 def test_each_layer_s_part_is_its_mixer_s_shape():
@@ -128,3 +127,35 @@ def test_a_saved_part_of_an_unknown_class_is_refused():
     saved["mixer_parts"]["SlidingConfig"] = {}
     with pytest.raises(TypeError, match="mixer_parts has no part class 'SlidingConfig' \\(classes: GatedDeltaNet"):
         DecoderConfig.from_dict(saved)
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("embedding", 0.0, r"scales.embedding must be .*got 0.0"),
+    ("residual", float("inf"), "scales.residual must be"),
+    ("logit", 1e6, "scales.logit must be"),
+    ("final_logit_softcap", -3.0, "scales.final_logit_softcap must be"),
+    ("mlp_gate", 1e-9, "scales.mlp_gate must be"),
+    ("mlp_output", "2", "scales.mlp_output must be a number, got '2'"),
+])
+def test_a_bad_scale_is_refused_naming_it(name, value, match):
+    with pytest.raises(ValueError, match=match):
+        ScalesConfig(**{name: value})
+
+
+def test_the_mlp_factors_need_the_scaled_gated_mlp_and_the_scales_must_be_a_part():
+    with pytest.raises(ValueError, match=r"scales.mlp_gate and scales.mlp_output \(1.0, 2.0\) scale the "
+                                         r"'scaled_gated' MLP only; mlp is 'gated'"):
+        _config(scales=ScalesConfig(mlp_output=2.0))
+    assert _config(mlp="scaled_gated", scales=ScalesConfig(mlp_output=2.0)).scales.mlp_output == 2.0
+    with pytest.raises(TypeError, match="scales must be a ScalesConfig, got dict"):
+        _config(scales={"embedding": 2.0})
+
+
+def test_a_config_saved_with_the_flat_scales_loads():
+    old = {"family": "falcon_h1", **SIZES, "mlp": "scaled_gated", "embedding_scale": 2.0, "residual_scale": 1.0,
+           "logit_scale": 0.5, "final_logit_softcap": None, "mlp_multipliers": [0.8, 1.25]}
+    cfg = DecoderConfig.from_dict(old)
+    assert cfg.scales == ScalesConfig(embedding=2.0, logit=0.5, mlp_gate=0.8, mlp_output=1.25)
+    assert DecoderConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match=r"mlp_multipliers must be 2 values \(mlp_gate, mlp_output\), got \[0.8\]"):
+        DecoderConfig.from_dict({**old, "mlp_multipliers": [0.8]})

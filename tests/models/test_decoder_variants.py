@@ -14,6 +14,7 @@ from attnkit.models import (
     LayerwiseConfig,
     NormConfig,
     RotaryConfig,
+    ScalesConfig,
 )
 from decoder_cases import DECODER_VARIANTS
 
@@ -23,7 +24,7 @@ VARIANTS = {
     **DECODER_VARIANTS,
     # Gemma 4: wider global layers (proportional rotary) whose keys are the values, the last two layers reusing
     # keys and values with double-wide MLPs, per-layer inputs, layer scalars
-    "gemma4_text": dict(family="gemma4_text", num_layers=4, embedding_scale=1.5, final_logit_softcap=2.0,
+    "gemma4_text": dict(family="gemma4_text", num_layers=4, scales=ScalesConfig(embedding=1.5, final_logit_softcap=2.0),
                         activation="gelu_tanh",
                         layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
                         norm=NormConfig(placement="sandwich"),

@@ -336,7 +336,7 @@ class ActivationCache(Mapping):
         correct = rows(tokens, "tokens")
         scaled = self.apply_ln_to_stack(residual_stack, None, pos_slice=pos_slice, batch_slice=batch_slice)
         # the head's rows times the model's logit scale (Granite's 1 / logits_scaling; 1 elsewhere)
-        weight = weight * weight.dtype.type(self.model.config.logit_scale)  # (V, D)
+        weight = weight * weight.dtype.type(self.model.config.scales.logit)  # (V, D)
         direction = weight[correct].astype(scaled.dtype)  # (D,), (B, D) or (B, L, D)
         if incorrect_tokens is not None:
             wrong = rows(incorrect_tokens, "incorrect_tokens")

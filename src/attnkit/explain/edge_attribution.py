@@ -3,7 +3,7 @@ model's computational graph, from exact gradients.
 
 The graph is the residual stream's (Elhage et al.'s framing; Syed et al. 2023, Hanna et al. 2024 "Have faith in
 faithfulness"). Its upstream nodes are what writes into the residual stream: ``input`` (everything before the
-first block: the token embeddings times ``embedding_scale``, plus learned position embeddings), every attention
+first block: the token embeddings times ``scales.embedding``, plus learned position embeddings), every attention
 head ``a{i}.h{h}`` (its ``z`` through its rows of ``W_O``, after the branch's frozen post-norm and scale: what
 :func:`~attnkit.explain.direct_logit_attribution` splits), a token mixer without heads as a whole ``a{i}`` (a
 Gated DeltaNet, short-convolution or Mamba-2 layer) and every MLP ``m{i}`` (a mixture of experts as one node).

@@ -61,7 +61,7 @@ def logit_lens(lm, ids: Any, top_k: int = 5) -> LogitLens:
     for state in states:  # one (B, L, V) at a time: N x L x V at once can be gigabytes
         h = lm.norm(state)  # (B, L, D)
         logits = linear(h, weight.astype(h.dtype, copy=False).T)  # (B, L, V)
-        logits *= logits.dtype.type(lm.config.logit_scale)  # Granite's 1 / logits_scaling; 1 elsewhere
+        logits *= logits.dtype.type(lm.config.scales.logit)  # Granite's 1 / logits_scaling; 1 elsewhere
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))  # (B, L, V)
         probs /= probs.sum(axis=-1, keepdims=True)
         best = np.argpartition(-probs, top_k - 1, axis=-1)[..., :top_k]  # (B, L, K) unordered

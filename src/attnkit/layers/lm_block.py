@@ -66,7 +66,7 @@ def _optional_norm(config, present: bool) -> Module:
 def _branch_scale(config) -> Module:
     """What a residual branch's output is multiplied by before it joins the stream: Granite's
     ``residual_multiplier``, an identity where it is 1."""
-    return Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
+    return Identity() if config.scales.residual == 1.0 else Scale(config.scales.residual)
 
 
 def _gated_mlp(config, spec, *, rng: np.random.Generator) -> GatedMLP:
@@ -74,7 +74,7 @@ def _gated_mlp(config, spec, *, rng: np.random.Generator) -> GatedMLP:
 
 
 def _scaled_gated_mlp(config, spec, *, rng: np.random.Generator) -> ScaledGatedMLP:
-    gate_scale, output_scale = config.mlp_multipliers
+    gate_scale, output_scale = config.scales.mlp_gate, config.scales.mlp_output
     return ScaledGatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias,
                           gate_scale=gate_scale, output_scale=output_scale, rng=rng)
 
@@ -137,7 +137,7 @@ class LMBlock(Module):
 
     Each branch is ``scale(post_norm(sublayer(pre_norm(x))))``; ``config.norm.placement`` decides which of the
     two norms exist (``pre``: the input's, Llama; ``post``: the output's, OLMo 2; ``sandwich``: both, Gemma), the
-    others are identities; ``scale`` is a :class:`~attnkit.layers.identity.Scale` by ``config.residual_scale``
+    others are identities; ``scale`` is a :class:`~attnkit.layers.identity.Scale` by ``config.scales.residual``
     (Granite), an identity where it is 1.
 
     Parameters

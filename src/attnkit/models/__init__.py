@@ -16,6 +16,7 @@ from .config import (
     ExpertsConfig,
     NormConfig,
     RotaryConfig,
+    ScalesConfig,
     Seq2SeqConfig,
     TokenTaggerConfig,
 )
@@ -29,5 +30,5 @@ __all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "AttentionMamba2Confi
            "LayerwiseConfig",
            "MultiTokenPredictor",
            "NormConfig",
-           "RotaryConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
+           "RotaryConfig", "ScalesConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

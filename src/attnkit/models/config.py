@@ -32,7 +32,7 @@ from .layerwise import LayerwiseConfig
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
            "MAX_LAYERS",
            "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES", "PAIRED_LAYER_TYPES", "AttentionMamba2Config",
-           "MIXER_PARTS"]
+           "MIXER_PARTS", "ScalesConfig"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "gated_attention", "linear_attention",
                 "kimi_delta_attention", "short_conv", "mamba2", "mlp", "attention_mamba2")
@@ -206,6 +206,48 @@ class NormConfig:
         return self.placement != "pre"
 
 
+@dataclass(frozen=True)
+class ScalesConfig:
+    """The fixed factors of a model's streams (a part of :class:`DecoderConfig`): each is a number in
+    ``[2**-14, 65504]`` (:func:`attnkit._validation.check_factor`), 1 (or None) where a model has none.
+
+    Parameters
+    ----------
+    embedding : float, default 1.0
+        The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32; Granite's
+        ``embedding_multiplier``).
+    residual : float, default 1.0
+        Each branch's output (after its post-norm) is multiplied by it before it joins the residual stream
+        (Granite's ``residual_multiplier``).
+    logit : float, default 1.0
+        The head's logits are multiplied by it, before a soft-cap (Granite: ``1 / logits_scaling``).
+    final_logit_softcap : float, optional
+        C: the output logits become ``C * tanh(logits / C)`` (Gemma 2).
+    mlp_gate, mlp_output : float, default 1.0
+        The ``scaled_gated`` MLP's fixed factors of the gate's pre-activation and of the output (Falcon-H1's
+        ``mlp_multipliers``); 1 for every other MLP.
+
+    Examples
+    --------
+    >>> ScalesConfig(embedding=2.0).residual, ScalesConfig().final_logit_softcap is None
+    (1.0, True)
+    """
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    logit: float = 1.0
+    final_logit_softcap: float | None = None
+    mlp_gate: float = 1.0
+    mlp_output: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("embedding", "residual", "logit", "mlp_gate", "mlp_output"):
+            object.__setattr__(self, name, _factor(getattr(self, name), f"scales.{name}"))
+        if self.final_logit_softcap is not None:
+            object.__setattr__(self, "final_logit_softcap",
+                               _factor(self.final_logit_softcap, "scales.final_logit_softcap"))
+
+
 QK_NORMS = ("head", "projection", "head_after_rotary", "unit_after_rotary")
 
 
@@ -288,7 +330,7 @@ MLP_KINDS = ("gated", "plain", "xielu", "ungated", "scaled_gated")
 RESIDUALS = ("sequential", "parallel", "single")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
-          "layerwise": LayerwiseConfig}
+          "layerwise": LayerwiseConfig, "scales": ScalesConfig}
 _OPTIONAL_PARTS = ("rotary", "experts", "layerwise")
 MIXER_PARTS = {GatedDeltaNetConfig: "linear_attention", KimiDeltaAttentionConfig: "kimi_delta_attention",
                ShortConvConfig: "short_conv", Mamba2Config: "mamba2", AttentionMamba2Config: "attention_mamba2",
@@ -303,14 +345,24 @@ _NESTED_PARTS = {AttentionMamba2Config: {"mamba2": Mamba2Config}}  # a part's fi
 _OLD_MIXER_FIELDS = {"linear_attention": GatedDeltaNetConfig, "kimi_delta": KimiDeltaAttentionConfig,
                      "short_conv": ShortConvConfig, "mamba2": Mamba2Config,
                      "attention_mamba2": AttentionMamba2Config, "latent": LatentAttentionConfig}
+_OLD_PART_FIELDS = {"embedding_scale": ("scales", ("embedding",)), "residual_scale": ("scales", ("residual",)),
+                    "logit_scale": ("scales", ("logit",)),
+                    "final_logit_softcap": ("scales", ("final_logit_softcap",)),
+                    "mlp_multipliers": ("scales", ("mlp_gate", "mlp_output"))}
 
 
 def _moved_into_parts(fields: dict[str, Any]) -> dict[str, Any]:
     """``fields`` with the flat fields of a config saved before they moved into parts put in their parts."""
+    moved = {k: v for k, v in fields.items() if k not in _OLD_MIXER_FIELDS and k not in _OLD_PART_FIELDS}
+    for name, (part, keys) in _OLD_PART_FIELDS.items():
+        if name in fields:
+            values = fields[name] if len(keys) > 1 else (fields[name],)
+            if not isinstance(values, (list, tuple)) or len(values) != len(keys):
+                raise ValueError(f"{name} must be {len(keys)} values ({', '.join(keys)}), got {fields[name]!r}")
+            moved[part] = {**(moved.get(part) or {}), **dict(zip(keys, values))}
     old = {name: fields[name] for name in _OLD_MIXER_FIELDS if fields.get(name) is not None}
     if not old:
-        return {k: v for k, v in fields.items() if k not in _OLD_MIXER_FIELDS}
-    moved = {k: v for k, v in fields.items() if k not in _OLD_MIXER_FIELDS}
+        return moved
     parts = dict(moved.get("mixer_parts") or {})
     if "attention_mamba2" in old and "mamba2" in old:  # the Mamba-2 shape was one field for both layer types
         old["attention_mamba2"] = {**old["attention_mamba2"], "mamba2": old["mamba2"]}
@@ -387,17 +439,9 @@ class DecoderConfig:
     experts : ExpertsConfig, optional
         The mixture of experts (:class:`~attnkit.layers.experts.MixtureOfExperts`) that is the MLP of the layers
         it lists (``experts.layers``); with it ``mlp`` must be ``gated``.
-    embedding_scale : float, default 1.0
-        The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32); in
-        ``[2**-14, 65504]``.
-    final_logit_softcap : float, optional
-        C: the output logits become ``C * tanh(logits / C)`` (Gemma 2); in ``[2**-14, 65504]``.
-    residual_scale : float, default 1.0
-        Each branch's output (after its post-norm) is multiplied by it before it joins the residual stream
-        (Granite's ``residual_multiplier``); in ``[2**-14, 65504]``.
-    logit_scale : float, default 1.0
-        The head's logits are multiplied by it, before a soft-cap (Granite: ``1 / logits_scaling``); in
-        ``[2**-14, 65504]``.
+    scales : ScalesConfig
+        The fixed factors of the embeddings, of each branch's output, of the logits (and their soft-cap), and of the
+        ``scaled_gated`` MLP's gate and output; all identities by default.
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
     layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention", \
@@ -432,9 +476,6 @@ class DecoderConfig:
         ``head_dim`` is its rotary width R, ``rotary.interleaved`` its ``rope_interleaved``, the ``attention`` part
         stays the default (the latent part holds its biases and scale), and the cache is a
         :class:`~attnkit.decoding.cache.LatentCache`. :meth:`mixer_part` looks one up by class.
-    mlp_multipliers : (float, float), default (1.0, 1.0)
-        The ``scaled_gated`` MLP's fixed factors of the gate's pre-activation and of the output (Falcon-H1's
-        ``mlp_multipliers``); 1 for every other MLP.
     mtp_layers : int, default 0
         Multi-token-prediction layers the checkpoint may carry after the last layer (DeepSeek-V3's
         ``num_nextn_predict_layers``): not part of the model's forward; read on request as a draft for speculative
@@ -467,10 +508,7 @@ class DecoderConfig:
     rotary: RotaryConfig | None = field(default_factory=RotaryConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     experts: ExpertsConfig | None = None
-    embedding_scale: float = 1.0
-    final_logit_softcap: float | None = None
-    residual_scale: float = 1.0
-    logit_scale: float = 1.0
+    scales: ScalesConfig = field(default_factory=ScalesConfig)
     tie_word_embeddings: bool = False
     layer_types: tuple[str, ...] = field(default=())
     bos_token_id: int | tuple[int, ...] | None = None
@@ -478,7 +516,6 @@ class DecoderConfig:
     pad_token_id: int | None = None
     layerwise: LayerwiseConfig | None = None
     mixer_parts: tuple[Any, ...] = ()
-    mlp_multipliers: tuple[float, float] = (1.0, 1.0)
     mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -504,17 +541,6 @@ class DecoderConfig:
         _check_choice(self.residual, "residual", RESIDUALS)
         for name in ("mlp_bias", "tie_word_embeddings"):
             _check_flag(getattr(self, name), name)
-        for name in ("embedding_scale", "residual_scale", "logit_scale"):
-            _factor(getattr(self, name), name)
-        multipliers = self.mlp_multipliers
-        if not isinstance(multipliers, (tuple, list)) or len(multipliers) != 2:
-            raise ValueError(f"mlp_multipliers must be two factors (gate, output), got {multipliers!r}")
-        object.__setattr__(self, "mlp_multipliers", tuple(_factor(m, "mlp_multipliers") for m in multipliers))
-        if self.mlp_multipliers != (1.0, 1.0) and self.mlp != "scaled_gated":
-            raise ValueError(f"mlp_multipliers {self.mlp_multipliers} scale the 'scaled_gated' MLP only; mlp is "
-                             f"{self.mlp!r}")
-        if self.final_logit_softcap is not None:
-            _factor(self.final_logit_softcap, "final_logit_softcap")
 
     def _check_parts(self) -> None:
         for name, kind in _PARTS.items():
@@ -523,6 +549,10 @@ class DecoderConfig:
                 expected = f"a {kind.__name__}" + (" or None" if name in _OPTIONAL_PARTS else "")
                 raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
         self._check_mixer_parts()
+        multipliers = (self.scales.mlp_gate, self.scales.mlp_output)
+        if multipliers != (1.0, 1.0) and self.mlp != "scaled_gated":
+            raise ValueError(f"scales.mlp_gate and scales.mlp_output {multipliers} scale the 'scaled_gated' MLP only; "
+                             f"mlp is {self.mlp!r}")
         latent, rotary = self.mixer_part(LatentAttentionConfig), self.rotary
         if latent is not None:
             if (latent.hidden_size, latent.num_heads) != (self.hidden_size, self.num_heads):
@@ -650,7 +680,8 @@ class DecoderConfig:
 
         A dict saved before fields moved into parts is read too: its flat fields go to their parts (a
         ``linear_attention``, ``kimi_delta``, ``short_conv``, ``mamba2``, ``attention_mamba2`` or ``latent`` dict
-        to its class in ``mixer_parts``; ``mamba2`` also into the ``attention_mamba2`` part).
+        to its class in ``mixer_parts``, ``mamba2`` also into the ``attention_mamba2`` part; ``embedding_scale``,
+        ``residual_scale``, ``logit_scale``, ``final_logit_softcap`` and the two ``mlp_multipliers`` to ``scales``).
 
         Raises
         ------

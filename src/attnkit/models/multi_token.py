@@ -183,7 +183,7 @@ class MultiTokenPredictor(Module):
         layer_mask = None if mask.all() else mask  # (B, S)
         weight = model.head_weight.astype(h.dtype, copy=False)
         all_logits, tokens = [], []
-        scale = h.dtype.type(self.config.embedding_scale)
+        scale = h.dtype.type(self.config.scales.embedding)
         for layer in self.layers:
             # read as the decoding step reads it: the model's embedding saves nothing for its backward here
             embeddings = model.embed.weight[ids].astype(h.dtype) * scale  # (B, L, D)

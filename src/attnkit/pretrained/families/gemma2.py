@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig, ScalesConfig
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rope_scaling
 from . import Family
 from ._reader import COMMON_KEYS, Reader, per_layer_type, read_layer_types, read_rope, read_rope_by_layer_type
@@ -122,8 +122,8 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
                                   scale=read.factor("query_pre_attn_scalar", 256) ** -0.5,
                                   logit_softcap=softcaps["attn_logit_softcap"], sliding_window=window),
         # Hugging Face multiplies by a float32 tensor of sqrt(hidden_size), in every dtype
-        embedding_scale=float(np.float32(math.sqrt(hidden))),
-        final_logit_softcap=softcaps["final_logit_softcap"],
+        scales=ScalesConfig(embedding=float(np.float32(math.sqrt(hidden))),
+                            final_logit_softcap=softcaps["final_logit_softcap"]),
         tie_word_embeddings=read.bool("tie_word_embeddings", True),
         layer_types=types,
         bos_token_id=read.token_ids("bos_token_id", 2, many=False),

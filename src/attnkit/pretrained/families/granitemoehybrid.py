@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ...models.config import AttentionConfig, DecoderConfig, ExpertsConfig
+from ...models.config import AttentionConfig, DecoderConfig, ExpertsConfig, ScalesConfig
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, layer_counts
 from ..tensor_map import TensorMap
 from . import Family
@@ -81,9 +81,9 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
         moe_intermediate_size=read.int("intermediate_size"), layers=tuple(range(layers)), router="topk_softmax",
         shared_expert_intermediate_size=shared))
     return dict(attention=AttentionConfig(bias=bias, output_bias=bias, scale=read.factor("attention_multiplier", 1.0)),
-                embedding_scale=read.factor("embedding_multiplier", 1.0),
-                residual_scale=read.factor("residual_multiplier", 1.0),
-                logit_scale=1.0 / read.factor("logits_scaling", 1.0), layer_types=types,
+                scales=ScalesConfig(embedding=read.factor("embedding_multiplier", 1.0),
+                                    residual=read.factor("residual_multiplier", 1.0),
+                                    logit=1.0 / read.factor("logits_scaling", 1.0)), layer_types=types,
                 mixer_parts=(mamba2_config(read),) if "mamba2" in types else (),
                 skip_rotary=() if position == "rope" else tuple(range(layers)), **mixture)
 

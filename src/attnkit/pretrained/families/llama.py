@@ -40,8 +40,8 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
                   rotary: Callable[[Reader, int], RotaryConfig] | None = None) -> DecoderConfig:
     """The DecoderConfig of a Llama-like family: sizes, heads and rotary read by Llama's rules with the family's
     ``defaults``, and ``fields(read, num_layers)``: the DecoderConfig fields where the family differs (its
-    ``attention`` part, ``layer_types``, ``mlp`` and ``experts``, ``mlp_bias``, ``embedding_scale`` and the
-    other scalars, and ``skip_rotary``: the layers without rotary; Llama's own: no biases, no window).
+    ``attention`` part, ``layer_types``, ``mlp`` and ``experts``, ``mlp_bias``, the ``scales`` part (its
+    fixed factors), and ``skip_rotary``: the layers without rotary; Llama's own: no biases, no window).
     ``norm_placement`` is the family's :class:`~attnkit.models.config.NormConfig` placement; ``rotary(read,
     max_position_embeddings)`` its rotary part where it is not :func:`read_rope`'s default layout (the
     interleaved pairs of GLM-4, a base per layer type)."""
