@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from attnkit.attention.latent import LatentAttentionConfig
@@ -15,7 +16,7 @@ from attnkit.layers import (
     Mamba2Config,
     ShortConvConfig,
 )
-from attnkit.models import DecoderConfig, RotaryConfig, ScalesConfig
+from attnkit.models import DecoderConfig, RotaryConfig, ScalesConfig, SpecialTokens
 
 SIZES = dict(vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=6)
 MAMBA = Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=2)
@@ -43,8 +44,8 @@ def test_the_field_list():
     assert [f.name for f in dataclasses.fields(DecoderConfig)] == [
         "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
         "intermediate_size", "max_position_embeddings", "activation", "mlp", "mlp_bias", "residual", "norm",
-        "rotary", "attention", "experts", "scales", "tie_word_embeddings", "layer_types", "bos_token_id",
-        "eos_token_id", "pad_token_id", "layerwise", "mixer_parts", "mtp_layers"]
+        "rotary", "attention", "experts", "scales", "tie_word_embeddings", "layer_types", "tokens", "layerwise",
+        "mixer_parts", "mtp_layers"]
 
 
 def test_each_layer_s_part_is_its_mixer_s_shape():
@@ -159,3 +160,40 @@ def test_a_config_saved_with_the_flat_scales_loads():
     assert DecoderConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ValueError, match=r"mlp_multipliers must be 2 values \(mlp_gate, mlp_output\), got \[0.8\]"):
         DecoderConfig.from_dict({**old, "mlp_multipliers": [0.8]})
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("bos", -1, r"tokens.bos must be a non-negative token id or a non-empty sequence of them or None, got -1"),
+    ("eos", [], r"tokens.eos must be a non-negative token id or a non-empty sequence of them or None, got \[\]"),
+    ("eos", (2, "3"), r"tokens.eos must be .*, got \(2, '3'\)"),
+    ("pad", (0,), r"tokens.pad must be a non-negative token id or None, got \(0,\)"),
+    ("pad", True, r"tokens.pad must be a non-negative token id or None, got True"),
+])
+def test_a_bad_special_token_is_refused_naming_it(name, value, match):
+    with pytest.raises(ValueError, match=match):
+        SpecialTokens(**{name: value})
+
+
+def test_the_special_tokens_keep_their_ids_and_a_config_saved_with_the_flat_ids_loads():
+    tokens = SpecialTokens(bos=np.int64(1), eos=[2, 7], pad=0)
+    assert (tokens.bos, tokens.eos, tokens.pad) == (1, (2, 7), 0) and type(tokens.bos) is int
+    cfg = _config(tokens=tokens)
+    assert DecoderConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg and hash(cfg)
+    old = {"family": "llama", **SIZES, "bos_token_id": 1, "eos_token_id": [2, 7], "pad_token_id": 0}
+    assert DecoderConfig.from_dict(old) == cfg
+    with pytest.raises(TypeError, match="tokens must be a SpecialTokens, got int"):
+        _config(tokens=3)
+
+
+def test_every_old_flat_field_is_read():
+    """One dict with each field that moved into a part, as configs were saved before: all of them land."""
+    old = {"family": "falcon_h1", **SIZES, "mlp": "scaled_gated", "layer_types": ["attention_mamba2", "mamba2"],
+           "mamba2": dataclasses.asdict(MAMBA), "attention_mamba2": {"mamba_out": 2.0}, "linear_attention": None,
+           "latent": None, "short_conv": None, "kimi_delta": None, "embedding_scale": 2.0, "residual_scale": 0.5,
+           "logit_scale": 0.25, "final_logit_softcap": 30.0, "mlp_multipliers": [0.8, 1.25], "bos_token_id": 1,
+           "eos_token_id": 2, "pad_token_id": None}
+    cfg = DecoderConfig.from_dict(json.loads(json.dumps(old)))
+    assert cfg.mixer_parts == (MAMBA, AttentionMamba2Config(MAMBA, mamba_out=2.0))
+    assert cfg.scales == ScalesConfig(embedding=2.0, residual=0.5, logit=0.25, final_logit_softcap=30.0,
+                                      mlp_gate=0.8, mlp_output=1.25)
+    assert cfg.tokens == SpecialTokens(bos=1, eos=2)

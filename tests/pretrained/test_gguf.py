@@ -113,7 +113,7 @@ def test_end_of_turn_ids_end_generation_as_in_llama_cpp(tmp_path):
     path = tmp_path / "eot.gguf"
     gm.write_gguf(gm.build_model("llama"), path, tokenizer=meta)
     lm, tokenizer = load(path)
-    assert lm.config.eos_token_id == (95, 94) and tokenizer.eos_token_ids == (95, 94)
+    assert lm.config.tokens.eos == (95, 94) and tokenizer.eos_token_ids == (95, 94)
 
 
 def test_mistral_is_written_and_read_as_llama(root):

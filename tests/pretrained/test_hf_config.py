@@ -28,7 +28,7 @@ def test_gpt2_keys_and_defaults():
     assert (cfg.norm.kind, cfg.norm.eps, cfg.activation, cfg.mlp, cfg.rotary) == (
         "layernorm", 1e-4, "gelu_tanh", "plain", None)
     assert cfg.attention.bias and cfg.attention.output_bias and cfg.mlp_bias and cfg.tie_word_embeddings
-    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (50256, 50256, None)
+    assert (cfg.tokens.bos, cfg.tokens.eos, cfg.tokens.pad) == (50256, 50256, None)
 
 
 def test_gpt2_inner_size_activation_and_untied_head():
@@ -77,7 +77,7 @@ def test_llama_head_dim_kv_heads_biases_and_tokens():
                                   "pad_token_id": 0, "hidden_act": "gelu_pytorch_tanh"})
     assert (cfg.head_dim, cfg.num_kv_heads, cfg.num_groups) == (16, 1, 4)
     assert cfg.attention.bias and cfg.attention.output_bias and cfg.mlp_bias
-    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.activation) == (1, (2, 7), 0, "gelu_tanh")
+    assert (cfg.tokens.bos, cfg.tokens.eos, cfg.tokens.pad, cfg.activation) == (1, (2, 7), 0, "gelu_tanh")
     plain = decoder_config_from_hf({"model_type": "llama", **SMALL})
     assert (plain.head_dim, plain.num_kv_heads, plain.tie_word_embeddings) == (8, 4, False)
 

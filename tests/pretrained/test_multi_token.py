@@ -285,7 +285,7 @@ def test_generate_command_drafts_with_prediction_layers_and_keeps_greedy_text(wi
     target = with_mtp[0]
     lm = load_causal_lm(target)
     plain = lm.generate(IDS, max_new_tokens=12, do_sample=False)[0].tolist()
-    eos = lm.config.eos_token_id
+    eos = lm.config.tokens.eos
     cut = next((i + 1 for i, t in enumerate(plain[IDS.shape[1]:], IDS.shape[1]) if t == eos), len(plain))
     ids = ",".join(map(str, IDS[0]))
     assert main(["generate", str(target), "--ids", ids, "--max-new-tokens", "12", "--draft-mtp", "--json"]) == 0

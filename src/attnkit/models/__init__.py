@@ -18,6 +18,7 @@ from .config import (
     RotaryConfig,
     ScalesConfig,
     Seq2SeqConfig,
+    SpecialTokens,
     TokenTaggerConfig,
 )
 from .layer_spec import LayerSpec
@@ -30,5 +31,6 @@ __all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "AttentionMamba2Confi
            "LayerwiseConfig",
            "MultiTokenPredictor",
            "NormConfig",
-           "RotaryConfig", "ScalesConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
+           "RotaryConfig", "ScalesConfig", "Seq2SeqConfig", "Seq2SeqTransformer",
+           "SpecialTokens", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

@@ -11,6 +11,7 @@ MLP, which positions, how many key/value heads, which layers use a sliding windo
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -32,7 +33,7 @@ from .layerwise import LayerwiseConfig
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
            "MAX_LAYERS",
            "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES", "PAIRED_LAYER_TYPES", "AttentionMamba2Config",
-           "MIXER_PARTS", "ScalesConfig"]
+           "MIXER_PARTS", "ScalesConfig", "SpecialTokens"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "gated_attention", "linear_attention",
                 "kimi_delta_attention", "short_conv", "mamba2", "mlp", "attention_mamba2")
@@ -248,6 +249,48 @@ class ScalesConfig:
                                _factor(self.final_logit_softcap, "scales.final_logit_softcap"))
 
 
+def _token_ids(value: Any, name: str, *, many: bool) -> int | tuple[int, ...] | None:
+    """A special token id (or, with ``many``, a non-empty sequence of them, kept as a tuple), or None."""
+    if value is None:
+        return None
+    one = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    items = [value] if one else value
+    if (not isinstance(items, (tuple, list)) or not items or (not many and not one)
+            or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in items)):
+        expected = "a non-negative token id" + (" or a non-empty sequence of them" if many else "")
+        raise ValueError(f"{name} must be {expected} or None, got {value!r}")
+    return int(value) if one else tuple(int(i) for i in items)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The checkpoint's special token ids (a part of :class:`DecoderConfig`): what generation stops at and pads
+    with when its own options do not say.
+
+    Parameters
+    ----------
+    bos : int, tuple of int or None
+        The beginning-of-sequence token.
+    eos : int, tuple of int or None
+        The end-of-sequence token, or several (any of them ends a sequence).
+    pad : int or None
+        The padding token.
+
+    Examples
+    --------
+    >>> SpecialTokens(bos=1, eos=[2, 7]).eos, SpecialTokens().pad is None
+    ((2, 7), True)
+    """
+
+    bos: int | tuple[int, ...] | None = None
+    eos: int | tuple[int, ...] | None = None
+    pad: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("bos", "eos", "pad"):
+            object.__setattr__(self, name, _token_ids(getattr(self, name), f"tokens.{name}", many=name != "pad"))
+
+
 QK_NORMS = ("head", "projection", "head_after_rotary", "unit_after_rotary")
 
 
@@ -330,7 +373,7 @@ MLP_KINDS = ("gated", "plain", "xielu", "ungated", "scaled_gated")
 RESIDUALS = ("sequential", "parallel", "single")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
-          "layerwise": LayerwiseConfig, "scales": ScalesConfig}
+          "layerwise": LayerwiseConfig, "scales": ScalesConfig, "tokens": SpecialTokens}
 _OPTIONAL_PARTS = ("rotary", "experts", "layerwise")
 MIXER_PARTS = {GatedDeltaNetConfig: "linear_attention", KimiDeltaAttentionConfig: "kimi_delta_attention",
                ShortConvConfig: "short_conv", Mamba2Config: "mamba2", AttentionMamba2Config: "attention_mamba2",
@@ -348,7 +391,9 @@ _OLD_MIXER_FIELDS = {"linear_attention": GatedDeltaNetConfig, "kimi_delta": Kimi
 _OLD_PART_FIELDS = {"embedding_scale": ("scales", ("embedding",)), "residual_scale": ("scales", ("residual",)),
                     "logit_scale": ("scales", ("logit",)),
                     "final_logit_softcap": ("scales", ("final_logit_softcap",)),
-                    "mlp_multipliers": ("scales", ("mlp_gate", "mlp_output"))}
+                    "mlp_multipliers": ("scales", ("mlp_gate", "mlp_output")),
+                    "bos_token_id": ("tokens", ("bos",)), "eos_token_id": ("tokens", ("eos",)),
+                    "pad_token_id": ("tokens", ("pad",))}
 
 
 def _moved_into_parts(fields: dict[str, Any]) -> dict[str, Any]:
@@ -456,8 +501,8 @@ class DecoderConfig:
         only; its cache entry holds nothing); ``attention_mamba2``: attention and a Mamba-2 mixer side by side
         (Falcon-H1; an :class:`AttentionMamba2Config`, the Mamba-2 shape and the branches' factors), whose cache
         entry is keys and values and a state (:data:`PAIRED_LAYER_TYPES`).
-    bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
-        Special tokens from the checkpoint (``eos_token_id`` may list several).
+    tokens : SpecialTokens
+        The checkpoint's special token ids, ``bos``, ``eos`` (which may list several) and ``pad``; none by default.
     layerwise : LayerwiseConfig, optional
         Layers that differ in more than their window (Gemma 4: wider global heads, keys that are the values,
         keys and values reused by the last layers, per-layer inputs, a scalar per layer); see
@@ -511,9 +556,7 @@ class DecoderConfig:
     scales: ScalesConfig = field(default_factory=ScalesConfig)
     tie_word_embeddings: bool = False
     layer_types: tuple[str, ...] = field(default=())
-    bos_token_id: int | tuple[int, ...] | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
+    tokens: SpecialTokens = field(default_factory=SpecialTokens)
     layerwise: LayerwiseConfig | None = None
     mixer_parts: tuple[Any, ...] = ()
     mtp_layers: int = 0
@@ -681,7 +724,8 @@ class DecoderConfig:
         A dict saved before fields moved into parts is read too: its flat fields go to their parts (a
         ``linear_attention``, ``kimi_delta``, ``short_conv``, ``mamba2``, ``attention_mamba2`` or ``latent`` dict
         to its class in ``mixer_parts``, ``mamba2`` also into the ``attention_mamba2`` part; ``embedding_scale``,
-        ``residual_scale``, ``logit_scale``, ``final_logit_softcap`` and the two ``mlp_multipliers`` to ``scales``).
+        ``residual_scale``, ``logit_scale``, ``final_logit_softcap`` and the two ``mlp_multipliers`` to ``scales``;
+        ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` to ``tokens``).
 
         Raises
         ------

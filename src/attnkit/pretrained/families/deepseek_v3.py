@@ -23,7 +23,7 @@ from functools import partial
 
 from ..._validation import check_factor
 from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
-from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
+from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..tensor_map import TensorMap
 from . import Family
 from ._multi_token import MTP_KEYS, mtp_layer_count, multi_token_tensors
@@ -123,9 +123,9 @@ def read_config(read: Reader, *, indexer: dict | None = None, sparse: tuple[int,
         activation=read.activation("hidden_act", "silu"),
         rotary=RotaryConfig(theta=theta, scaling=scaling, interleaved=latent.rope_interleaved),
         tie_word_embeddings=read.bool("tie_word_embeddings", DEFAULTS["tie_word_embeddings"]),
-        bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
-        eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
-        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
+                             eos=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
+                             pad=read.token_ids("pad_token_id", None, many=False)),
         mixer_parts=(latent,), experts=group_routed_experts(read, layers, sparse=sparse),
         mtp_layers=mtp_layer_count(read))
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig, ScalesConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig, ScalesConfig, SpecialTokens
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rope_scaling
 from . import Family
 from ._reader import COMMON_KEYS, Reader, per_layer_type, read_layer_types, read_rope, read_rope_by_layer_type
@@ -126,9 +126,9 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
                             final_logit_softcap=softcaps["final_logit_softcap"]),
         tie_word_embeddings=read.bool("tie_word_embeddings", True),
         layer_types=types,
-        bos_token_id=read.token_ids("bos_token_id", 2, many=False),
-        eos_token_id=read.token_ids("eos_token_id", 1, many=True),
-        pad_token_id=read.token_ids("pad_token_id", 0, many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 2, many=False),
+                             eos=read.token_ids("eos_token_id", 1, many=True),
+                             pad=read.token_ids("pad_token_id", 0, many=False)),
     )
 
 

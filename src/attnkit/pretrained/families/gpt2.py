@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, SpecialTokens
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, special_ids, vocab_size
 from ..tensor_map import TensorMap
 from . import Family
@@ -45,9 +45,9 @@ def _read_config(read: Reader) -> DecoderConfig:
         activation=read.activation("activation_function", "gelu_new"), mlp="plain", rotary=None,
         attention=AttentionConfig(bias=True, output_bias=True), mlp_bias=True,
         tie_word_embeddings=read.bool("tie_word_embeddings", True),
-        bos_token_id=read.token_ids("bos_token_id", 50256, many=False),
-        eos_token_id=read.token_ids("eos_token_id", 50256, many=True),
-        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 50256, many=False),
+                             eos=read.token_ids("eos_token_id", 50256, many=True),
+                             pad=read.token_ids("pad_token_id", None, many=False)),
     )
 
 

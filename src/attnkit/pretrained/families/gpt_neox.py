@@ -9,7 +9,7 @@ Checkpoint (under ``gpt_neox.``): ``embed_in``; per layer ``input_layernorm``, `
 """
 from __future__ import annotations
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import ROPE_KEYS, Reader, read_rope
@@ -52,9 +52,9 @@ def _read_config(read: Reader) -> DecoderConfig:
         attention=AttentionConfig(bias=bias, output_bias=bias), mlp_bias=True,
         residual="parallel" if read.bool("use_parallel_residual", True) else "sequential",
         tie_word_embeddings=read.bool("tie_word_embeddings", False),
-        bos_token_id=read.token_ids("bos_token_id", 0, many=False),
-        eos_token_id=read.token_ids("eos_token_id", 2, many=True),
-        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 0, many=False),
+                             eos=read.token_ids("eos_token_id", 2, many=True),
+                             pad=read.token_ids("pad_token_id", None, many=False)),
     )
 
 

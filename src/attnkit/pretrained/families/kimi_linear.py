@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ...attention.latent import LatentAttentionConfig
 from ...layers.kimi_delta_attention import KimiDeltaAttentionConfig
-from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
+from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -151,9 +151,9 @@ def _read_config(read: Reader) -> DecoderConfig:
         # no layer turns its rotary features (NoPE); the part only says so, and that there is no position table
         rotary=RotaryConfig(interleaved=False, skip_layers=tuple(range(layers))),
         tie_word_embeddings=read.bool("tie_word_embeddings", False),
-        bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
-        eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
-        pad_token_id=read.token_ids("pad_token_id", DEFAULTS["pad_token_id"], many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
+                             eos=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
+                             pad=read.token_ids("pad_token_id", DEFAULTS["pad_token_id"], many=False)),
         layer_types=_layer_types(read, layers), mixer_parts=(kda, latent), experts=_experts(read, layers))
 
 

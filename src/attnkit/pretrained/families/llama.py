@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..gguf_metadata import GGUFArchitecture
 from ..tensor_map import TensorMap
 from . import Family
@@ -77,9 +77,9 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
         activation=read.activation("hidden_act", "silu"),
         rotary=replace(part, skip_layers=skip),
         tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),
-        bos_token_id=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
-        eos_token_id=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
-        pad_token_id=read.token_ids("pad_token_id", defaults.get("pad_token_id"), many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
+                             eos=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
+                             pad=read.token_ids("pad_token_id", defaults.get("pad_token_id"), many=False)),
         **settings,
     )
 

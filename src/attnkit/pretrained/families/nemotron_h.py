@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from ...layers.mamba2 import Mamba2Config
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, layer_counts, special_ids, vocab_size
 from ..tensor_map import TensorMap
 from . import Family
@@ -127,9 +127,9 @@ def _read(read: Reader) -> DecoderConfig:
         activation=read.activation("mlp_hidden_act", "relu2"), mlp="ungated", mlp_bias=read.bool("mlp_bias", False),
         residual="single", norm=NormConfig(eps=eps), rotary=RotaryConfig(skip_layers=tuple(range(layers))),
         attention=AttentionConfig(), tie_word_embeddings=False, layer_types=tuple(types),
-        bos_token_id=read.token_ids("bos_token_id", 1, many=False),
-        eos_token_id=read.token_ids("eos_token_id", 2, many=True),
-        pad_token_id=read.token_ids("pad_token_id", 0, many=False), **fields)
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 1, many=False),
+                             eos=read.token_ids("eos_token_id", 2, many=True),
+                             pad=read.token_ids("pad_token_id", 0, many=False)), **fields)
 
 
 def _mixer_tensors(cfg: DecoderConfig, i: int) -> list[TensorMap]:
