@@ -9,7 +9,7 @@ import pytest
 
 from attnkit.decoding.cache import KVCache
 from attnkit.layers import AttentionMamba2Config, AttentionMamba2Mixer, Identity, Mamba2Config, Scale, ScaledGatedMLP
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, ScalesConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, MLPConfig, ScalesConfig
 
 from helpers import assert_gradient, make_rng, randn
 
@@ -18,10 +18,10 @@ SHAPE = Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=3, norm="
 FACTORS = AttentionMamba2Config(SHAPE, attention_in=0.6, attention_out=1.5, mamba_in=1.3, mamba_out=0.7)
 
 
-def _config(factors=FACTORS, **overrides) -> DecoderConfig:
+def _config(factors=FACTORS, mlp=None, **overrides) -> DecoderConfig:
     base = dict(family="falcon_h1", vocab_size=17, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                head_dim=4, intermediate_size=10, layer_types=("attention_mamba2",) * 2,
-                attention=AttentionConfig(scale=0.4), mlp="scaled_gated",
+                head_dim=4, layer_types=("attention_mamba2",) * 2, attention=AttentionConfig(scale=0.4),
+                mlp=MLPConfig(10, **{"kind": "scaled_gated", **(mlp or {})}),
                 scales=ScalesConfig(mlp_gate=0.8, mlp_output=1.4),
                 mixer_parts=() if factors is None else (factors,))
     base.update(overrides)
@@ -64,8 +64,8 @@ def test_each_factor_scales_its_branch_and_a_factor_of_one_is_an_identity():
 
 
 def test_the_scaled_gated_mlp_passes_finite_differences_and_scales_as_transformers_does():
-    cfg = _config(mlp_bias=True)
-    mlp = _bumped(ScaledGatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, True,
+    cfg = _config(mlp=dict(bias=True))
+    mlp = _bumped(ScaledGatedMLP(cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mlp.activation, True,
                                  gate_scale=cfg.scales.mlp_gate, output_scale=cfg.scales.mlp_output, rng=0))
     rng = make_rng(3)
     x, grad_y = randn(rng, 2, 3, 8), randn(rng, 2, 3, 8)
@@ -86,8 +86,8 @@ def test_the_scaled_gated_mlp_passes_finite_differences_and_scales_as_transforme
 
 
 def test_mlp_multipliers_need_the_scaled_gated_mlp():
-    with pytest.raises(ValueError, match="scale the 'scaled_gated' MLP only; mlp is 'gated'"):
-        _config(mlp="gated")
+    with pytest.raises(ValueError, match="scale the 'scaled_gated' MLP only; mlp.kind is 'gated'"):
+        _config(mlp=dict(kind="gated"))
     with pytest.raises(ValueError, match=r"layer_types has attention_mamba2 layers, so mixer_parts needs an "
                                          r"AttentionMamba2Config \(their shape\)"):
         _config(factors=None)

@@ -16,16 +16,17 @@ from attnkit.layers import (
     Mamba2Config,
     ShortConvConfig,
 )
-from attnkit.models import DecoderConfig, RotaryConfig, ScalesConfig, SpecialTokens
+from attnkit.models import DecoderConfig, MLPConfig, RotaryConfig, ScalesConfig, SpecialTokens
 
-SIZES = dict(vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=6)
+SIZES = dict(vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
+OLD_SIZES = {**SIZES, "intermediate_size": 6}  # as configs were saved with the MLP's width a flat field
 MAMBA = Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=2)
 LATENT = LatentAttentionConfig(hidden_size=8, num_heads=2, kv_lora_rank=5, qk_nope_head_dim=3, qk_rope_head_dim=4,
                                v_head_dim=3, rope_interleaved=False)
 
 
 def _config(**overrides) -> DecoderConfig:
-    return DecoderConfig(**{"family": "llama", **SIZES, **overrides})
+    return DecoderConfig(**{"family": "llama", **SIZES, "mlp": MLPConfig(6), **overrides})
 
 
 def _kimi() -> DecoderConfig:
@@ -41,11 +42,11 @@ def _falcon_and_bamba() -> DecoderConfig:
 
 
 def test_the_field_list():
-    assert [f.name for f in dataclasses.fields(DecoderConfig)] == [
-        "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-        "intermediate_size", "max_position_embeddings", "activation", "mlp", "mlp_bias", "residual", "norm",
-        "rotary", "attention", "experts", "scales", "tie_word_embeddings", "layer_types", "tokens", "layerwise",
-        "mixer_parts", "mtp_layers"]
+    names = [f.name for f in dataclasses.fields(DecoderConfig)]
+    assert names == ["family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "mlp", "max_position_embeddings", "residual", "norm", "rotary", "attention", "experts", "scales",
+                     "tie_word_embeddings", "layer_types", "tokens", "layerwise", "mixer_parts", "mtp_layers"]
+    assert len(names) <= 25
 
 
 def test_each_layer_s_part_is_its_mixer_s_shape():
@@ -108,7 +109,7 @@ def test_the_parts_survive_a_json_round_trip(make):
 def test_a_config_saved_with_the_flat_part_fields_loads():
     """Falcon-H1 wrote one ``mamba2`` for the Mamba-2 half and ``attention_mamba2`` for the factors; Kimi Linear
     wrote ``latent`` and ``kimi_delta``."""
-    old = {"family": "falcon_h1", **SIZES, "layer_types": ["attention_mamba2"] * 2, "linear_attention": None,
+    old = {"family": "falcon_h1", **OLD_SIZES, "layer_types": ["attention_mamba2"] * 2, "linear_attention": None,
            "latent": None, "short_conv": None, "kimi_delta": None,
            "mamba2": dataclasses.asdict(MAMBA), "attention_mamba2": {"attention_in": 0.5, "attention_out": 1.0,
                                                                      "mamba_in": 1.0, "mamba_out": 2.0}}
@@ -145,15 +146,15 @@ def test_a_bad_scale_is_refused_naming_it(name, value, match):
 
 def test_the_mlp_factors_need_the_scaled_gated_mlp_and_the_scales_must_be_a_part():
     with pytest.raises(ValueError, match=r"scales.mlp_gate and scales.mlp_output \(1.0, 2.0\) scale the "
-                                         r"'scaled_gated' MLP only; mlp is 'gated'"):
+                                         r"'scaled_gated' MLP only; mlp.kind is 'gated'"):
         _config(scales=ScalesConfig(mlp_output=2.0))
-    assert _config(mlp="scaled_gated", scales=ScalesConfig(mlp_output=2.0)).scales.mlp_output == 2.0
+    assert _config(mlp=MLPConfig(6, kind="scaled_gated"), scales=ScalesConfig(mlp_output=2.0)).scales.mlp_output == 2.0
     with pytest.raises(TypeError, match="scales must be a ScalesConfig, got dict"):
         _config(scales={"embedding": 2.0})
 
 
 def test_a_config_saved_with_the_flat_scales_loads():
-    old = {"family": "falcon_h1", **SIZES, "mlp": "scaled_gated", "embedding_scale": 2.0, "residual_scale": 1.0,
+    old = {"family": "falcon_h1", **OLD_SIZES, "mlp": "scaled_gated", "embedding_scale": 2.0, "residual_scale": 1.0,
            "logit_scale": 0.5, "final_logit_softcap": None, "mlp_multipliers": [0.8, 1.25]}
     cfg = DecoderConfig.from_dict(old)
     assert cfg.scales == ScalesConfig(embedding=2.0, logit=0.5, mlp_gate=0.8, mlp_output=1.25)
@@ -179,7 +180,7 @@ def test_the_special_tokens_keep_their_ids_and_a_config_saved_with_the_flat_ids_
     assert (tokens.bos, tokens.eos, tokens.pad) == (1, (2, 7), 0) and type(tokens.bos) is int
     cfg = _config(tokens=tokens)
     assert DecoderConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg and hash(cfg)
-    old = {"family": "llama", **SIZES, "bos_token_id": 1, "eos_token_id": [2, 7], "pad_token_id": 0}
+    old = {"family": "llama", **OLD_SIZES, "bos_token_id": 1, "eos_token_id": [2, 7], "pad_token_id": 0}
     assert DecoderConfig.from_dict(old) == cfg
     with pytest.raises(TypeError, match="tokens must be a SpecialTokens, got int"):
         _config(tokens=3)
@@ -187,13 +188,40 @@ def test_the_special_tokens_keep_their_ids_and_a_config_saved_with_the_flat_ids_
 
 def test_every_old_flat_field_is_read():
     """One dict with each field that moved into a part, as configs were saved before: all of them land."""
-    old = {"family": "falcon_h1", **SIZES, "mlp": "scaled_gated", "layer_types": ["attention_mamba2", "mamba2"],
+    old = {"family": "falcon_h1", **OLD_SIZES, "mlp": "scaled_gated", "layer_types": ["attention_mamba2", "mamba2"],
            "mamba2": dataclasses.asdict(MAMBA), "attention_mamba2": {"mamba_out": 2.0}, "linear_attention": None,
            "latent": None, "short_conv": None, "kimi_delta": None, "embedding_scale": 2.0, "residual_scale": 0.5,
            "logit_scale": 0.25, "final_logit_softcap": 30.0, "mlp_multipliers": [0.8, 1.25], "bos_token_id": 1,
            "eos_token_id": 2, "pad_token_id": None}
     cfg = DecoderConfig.from_dict(json.loads(json.dumps(old)))
+    assert cfg.mlp == MLPConfig(6, kind="scaled_gated")
     assert cfg.mixer_parts == (MAMBA, AttentionMamba2Config(MAMBA, mamba_out=2.0))
     assert cfg.scales == ScalesConfig(embedding=2.0, residual=0.5, logit=0.25, final_logit_softcap=30.0,
                                       mlp_gate=0.8, mlp_output=1.25)
     assert cfg.tokens == SpecialTokens(bos=1, eos=2)
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    (dict(intermediate_size=0), ValueError, "mlp.intermediate_size must be positive, got 0"),
+    (dict(intermediate_size=6.0), TypeError, "mlp.intermediate_size must be"),
+    (dict(intermediate_size=6, kind="swiglu"), ValueError, "mlp.kind must be one of 'gated', 'plain'"),
+    (dict(intermediate_size=6, activation="swish"), ValueError, "mlp.activation must be one of"),
+    (dict(intermediate_size=6, bias=1), TypeError, "mlp.bias must be True or False, got 1"),
+])
+def test_a_bad_mlp_is_refused_naming_it(fields, error, match):
+    with pytest.raises(error, match=match):
+        MLPConfig(**fields)
+    with pytest.raises(TypeError, match="mlp must be a MLPConfig, got int"):
+        _config(mlp=6)
+    with pytest.raises(TypeError, match=r"mlp must be a MLPConfig, got str \(the MLP's kind is mlp.kind: "
+                                        r"mlp=MLPConfig\(intermediate_size, kind='plain'\)\)"):
+        _config(mlp="plain")
+
+
+def test_a_config_saved_with_the_flat_mlp_fields_loads():
+    old = {"family": "gpt2", **OLD_SIZES, "activation": "gelu_tanh", "mlp": "plain", "mlp_bias": True}
+    cfg = DecoderConfig.from_dict(json.loads(json.dumps(old)))
+    assert cfg.mlp == MLPConfig(6, kind="plain", activation="gelu_tanh", bias=True)
+    assert DecoderConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg.to_dict()["mlp"] == {"intermediate_size": 6, "kind": "plain", "activation": "gelu_tanh", "bias": True}
+    assert [s.intermediate_size for s in cfg.layers] == [6, 6]

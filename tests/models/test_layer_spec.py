@@ -16,6 +16,7 @@ from attnkit.models import (
     DecoderConfig,
     ExpertsConfig,
     LayerwiseConfig,
+    MLPConfig,
     NormConfig,
     RotaryConfig,
 )
@@ -96,7 +97,7 @@ def test_every_family_is_built_from_its_layers_specs(tmp_path):
 
 def _config(**overrides) -> DecoderConfig:
     base = dict(family="llama", vocab_size=11, hidden_size=8, num_layers=4, num_heads=2, num_kv_heads=1,
-                head_dim=4, intermediate_size=6)
+                head_dim=4, mlp=MLPConfig(6))
     base.update(overrides)
     return DecoderConfig(**base)
 
@@ -132,7 +133,7 @@ def test_dense_first_layers_and_one_branch_layers_resolve_their_mlps():
     experts = ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3, layers=(2, 3))
     specs = _config(experts=experts).layers
     assert [s.mlp for s in specs] == ["gated", "gated", "experts", "experts"]
-    single = _config(family="nemotron_h", residual="single", mlp="ungated", activation="relu2",
+    single = _config(family="nemotron_h", residual="single", mlp=MLPConfig(6, kind="ungated", activation="relu2"),
                      layer_types=("full_attention", "mlp", "full_attention", "mlp")).layers
     assert [(s.mixer, s.mlp, s.block, s.cache) for s in single] == [
         ("full_attention", None, "mixer_only", "keys_values"), (None, "ungated", "mlp_only", "none")] * 2

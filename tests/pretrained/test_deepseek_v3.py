@@ -18,7 +18,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek 
 from attnkit.attention.latent import LatentAttentionConfig  # noqa: E402
 from attnkit.decoding.cache import LatentCache  # noqa: E402
 from attnkit.explain import hooks  # noqa: E402
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, ExpertsConfig, RotaryConfig  # noqa: E402
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, ExpertsConfig, MLPConfig, RotaryConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E402
 from hf_models import left_padded_batch, positions_from_mask, saved_model  # noqa: E402
@@ -42,7 +42,7 @@ def _tiny(q_lora: bool) -> DecoderConfig:
                             topk_group=1 if q_lora else 2, norm_topk_prob=q_lora, routed_scaling_factor=2.5,
                             shared_expert_intermediate_size=3 if q_lora else 6)
     return DecoderConfig(family="deepseek_v3", vocab_size=7, hidden_size=8, num_layers=2, num_heads=2,
-                         num_kv_heads=2, head_dim=2, intermediate_size=6,
+                         num_kv_heads=2, head_dim=2, mlp=MLPConfig(6),
                          rotary=RotaryConfig(theta=100.0, interleaved=q_lora), mixer_parts=(latent,),
                          experts=experts)
 
@@ -261,7 +261,7 @@ def test_the_block_is_built_from_the_parts():
     (dict(head_dim=4), "head_dim = qk_rope_head_dim"),
     (dict(attention=AttentionConfig(bias=True)), "no setting of the attention part"),
     (dict(num_heads=1, num_kv_heads=1), "the LatentAttentionConfig in mixer_parts describes hidden_size 8 and 2 heads"),
-    (dict(mlp="plain"), "the other layers' mlp 'gated'"),
+    (dict(mlp=MLPConfig(6, kind="plain")), "the other layers' mlp.kind 'gated'"),
 ])
 def test_the_parts_must_fit_the_model(change, match):
     with pytest.raises(ValueError, match=match):

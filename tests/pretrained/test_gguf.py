@@ -467,7 +467,7 @@ def test_a_nemotron_h_file_reads_its_layer_kinds_from_the_per_layer_counts(root)
     assert lm.config.layer_types == ("mlp", "mamba2", "full_attention", "mamba2")
     shape = lm.config.layers[1].part
     assert shape.time_step_min == 0.0 and shape.proj_bias and not shape.conv_bias
-    assert lm.config.mlp_bias and lm.config.intermediate_size == 40 and lm.config.num_kv_heads == 1
+    assert lm.config.mlp.bias and lm.config.mlp.intermediate_size == 40 and lm.config.num_kv_heads == 1
 
 
 def test_a_bamba_file_with_mlp_biases_is_refused_by_its_tensors(tmp_path, no_model_built):

@@ -30,7 +30,7 @@ from attnkit.models import (
     Seq2SeqTransformer,
 )
 from attnkit.torch import from_numpy, to_numpy
-from decoder_cases import DECODER_VARIANTS
+from decoder_cases import DECODER_VARIANTS, with_mlp
 
 from helpers import group_scale, max_rel_diff
 
@@ -42,9 +42,9 @@ WORST = {"forward": 0.0, "grad": 0.0}
 
 def _config(family="llama", **overrides) -> DecoderConfig:
     base = dict(family=family, vocab_size=13, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=4, intermediate_size=24)
+                head_dim=4)
     base.update(overrides)
-    return DecoderConfig(**base)
+    return DecoderConfig(**with_mlp(base, 24))
 
 
 def _to_torch(value, requires_grad: bool):
@@ -290,14 +290,15 @@ def test_gated_attention_and_shared_experts(normalise):
     rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)(np.tile(np.arange(5), (2, 1)),
                                                                                    dtype=np.float64)
     check_parity(GatedAttention(cfg, 1, rng=0), [randn(2, 5, 16)], dict(rotary=rotary))
-    check_parity(MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.activation, rng=0), [randn(2, 5, 16)])
+    check_parity(MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.mlp.activation, rng=0), [randn(2, 5, 16)])
 
 
 # -- models ----------------------------------------------------------------------------------------------
 FAMILIES = {
     "llama": dict(),
     "llama_tied": dict(tie_word_embeddings=True, num_kv_heads=1),
-    "gpt2": dict(family="gpt2", activation="gelu_tanh", mlp="plain", num_kv_heads=4, tie_word_embeddings=True,
+    "gpt2": dict(family="gpt2", mlp=dict(kind="plain", activation="gelu_tanh"), num_kv_heads=4,
+                 tie_word_embeddings=True,
                  max_position_embeddings=16, norm=NormConfig(kind="layernorm", eps=1e-5), rotary=None,
                  attention=AttentionConfig(bias=True, output_bias=True)),
     "mistral": dict(family="mistral", layer_types=("sliding_attention",) * 2,
@@ -309,7 +310,7 @@ FAMILIES = {
     **DECODER_VARIANTS,
     "gpt_neox": dict(DECODER_VARIANTS["gpt_neox"], num_kv_heads=4),
     "gemma4_text": dict(family="gemma4_text", num_layers=4, scales=ScalesConfig(embedding=1.5, final_logit_softcap=2.0),
-                        activation="gelu_tanh",
+                        mlp=dict(activation="gelu_tanh"),
                         layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
                         norm=NormConfig(placement="sandwich"),
                         rotary=RotaryConfig(scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5},
@@ -391,12 +392,12 @@ FAMILIES = {
                              experts=ExpertsConfig(3, 2, 5, layers=(0, 1, 2), router="topk_softmax",
                                                    shared_expert_intermediate_size=6)),
     "nemotron_h": dict(family="nemotron_h", rotary=RotaryConfig(skip_layers=(0, 1, 2, 3)), num_layers=4,
-                       residual="single", mlp="ungated", activation="relu2", mlp_bias=True,
+                       residual="single", mlp=dict(kind="ungated", activation="relu2", bias=True),
                        layer_types=("mamba2", "full_attention", "mlp", "mamba2"),
                        mixer_parts=(Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2,
                                                  conv_kernel_size=3, chunk_size=2, time_step_min=0.5),)),
     # attention beside Mamba-2 in every layer, every multiplier away from 1, the norm before the gate
-    "falcon_h1": dict(family="falcon_h1", attention=AttentionConfig(scale=0.3), mlp="scaled_gated",
+    "falcon_h1": dict(family="falcon_h1", attention=AttentionConfig(scale=0.3), mlp=dict(kind="scaled_gated"),
                       scales=ScalesConfig(embedding=2.0, logit=0.5, mlp_gate=0.7, mlp_output=1.3),
                       layer_types=("attention_mamba2",) * 2,
                       mixer_parts=(AttentionMamba2Config(
@@ -404,7 +405,7 @@ FAMILIES = {
                                        chunk_size=2, norm="before_gate", out_bias=True,
                                        projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0)), 0.6, 1.5, 1.3, 0.7),)),
     # no Mamba norm, projection biases, MLP biases
-    "falcon_h1_bias": dict(family="falcon_h1", mlp="scaled_gated", mlp_bias=True,
+    "falcon_h1_bias": dict(family="falcon_h1", mlp=dict(kind="scaled_gated", bias=True),
                            scales=ScalesConfig(mlp_gate=1.2, mlp_output=0.8),
                            layer_types=("attention_mamba2",) * 2,
                            mixer_parts=(AttentionMamba2Config(Mamba2Config(num_heads=2, head_dim=8, state_size=4,

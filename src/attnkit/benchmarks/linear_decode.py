@@ -27,7 +27,7 @@ from ..decoding.cache import KVCache
 from ..kernels._threads import num_threads, thread_count_argument
 from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from ..layers.rotary import RotaryEmbedding
-from ..models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ..models.config import AttentionConfig, DecoderConfig, MLPConfig, NormConfig, RotaryConfig
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe
 
@@ -55,7 +55,7 @@ def _config(args: argparse.Namespace) -> DecoderConfig:
     h, dh = args.heads, args.head_dim
     # a family only names checkpoint tensors, and these two layers are never saved
     return DecoderConfig(family="benchmark", vocab_size=8, hidden_size=args.hidden, num_layers=2, num_heads=h,
-                         num_kv_heads=max(1, h // 4), head_dim=dh, intermediate_size=8,
+                         num_kv_heads=max(1, h // 4), head_dim=dh, mlp=MLPConfig(8),
                          rotary=RotaryConfig(partial_factor=0.25), norm=NormConfig(offset=1.0),
                          attention=AttentionConfig(qk_norm="head"), layer_types=("linear_attention", "gated_attention"),
                          mixer_parts=(GatedDeltaNetConfig(max(1, h // 2), h, dh, dh),))

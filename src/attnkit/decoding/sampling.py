@@ -479,9 +479,9 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *,
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
-    ...                             num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
+    ...                             num_kv_heads=1, head_dim=4, mlp=MLPConfig(12)), rng=0)
     >>> steps = list(generate_stream(lm, [[1, 2, 3]], max_new_tokens=4))
     >>> len(steps), steps[0].shape, steps[0].dtype
     (4, (1,), dtype('int64'))
@@ -769,9 +769,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
-    ...                             num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
+    ...                             num_kv_heads=1, head_dim=4, mlp=MLPConfig(12)), rng=0)
     >>> out = generate(lm, [[1, 2, 3]], max_new_tokens=5, do_sample=True, top_k=4, seed=0)
     >>> out.shape, bool((out == generate(lm, [[1, 2, 3]], max_new_tokens=5, do_sample=True, top_k=4,
     ...                                   seed=0)).all())

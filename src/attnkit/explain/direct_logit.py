@@ -100,9 +100,9 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> parts = direct_logit_attribution(lm, [1, 2, 3], target=4)
     >>> parts["heads"].shape, parts["mlp"].shape

@@ -230,9 +230,9 @@ def edge_attribution(model, clean_ids: Any, corrupted_ids: Any, answer_ids: Any 
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> found = edge_attribution(lm, [1, 2, 3], [1, 5, 3], answer_ids=(4, 7))
     >>> found.scores.shape, found.upstream[:3], found.downstream[-1]

@@ -115,9 +115,9 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> ig = integrated_gradients(lm, [1, 2, 3, 4], target=5, steps=8)
     >>> ig.attributions.shape

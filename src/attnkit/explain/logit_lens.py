@@ -42,9 +42,9 @@ def logit_lens(lm, ids: Any, top_k: int = 5) -> LogitLens:
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> lens = logit_lens(lm, [1, 2, 3, 4], top_k=2)
     >>> lens.token_ids.shape, lens.probs.shape

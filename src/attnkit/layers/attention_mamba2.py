@@ -87,9 +87,9 @@ class AttentionMamba2Mixer(Module):
     Examples
     --------
     >>> from attnkit.layers import AttentionMamba2Config, AttentionMamba2Mixer, Mamba2Config
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="falcon_h1", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=8, layer_types=("attention_mamba2",),
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8), layer_types=("attention_mamba2",),
     ...                     mixer_parts=(AttentionMamba2Config(Mamba2Config(num_heads=2, head_dim=4, state_size=3),
     ...                                                        attention_in=0.5, mamba_out=2.0),))
     >>> mixer = AttentionMamba2Mixer(cfg, 0, rng=0)

@@ -70,17 +70,17 @@ def _branch_scale(config) -> Module:
 
 
 def _gated_mlp(config, spec, *, rng: np.random.Generator) -> GatedMLP:
-    return GatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias, rng=rng)
+    return GatedMLP(config.hidden_size, spec.intermediate_size, config.mlp.activation, config.mlp.bias, rng=rng)
 
 
 def _scaled_gated_mlp(config, spec, *, rng: np.random.Generator) -> ScaledGatedMLP:
     gate_scale, output_scale = config.scales.mlp_gate, config.scales.mlp_output
-    return ScaledGatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias,
+    return ScaledGatedMLP(config.hidden_size, spec.intermediate_size, config.mlp.activation, config.mlp.bias,
                           gate_scale=gate_scale, output_scale=output_scale, rng=rng)
 
 
 def _ungated_mlp(config, spec, *, rng: np.random.Generator) -> UngatedMLP:
-    return UngatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias, rng=rng)
+    return UngatedMLP(config.hidden_size, spec.intermediate_size, config.mlp.activation, config.mlp.bias, rng=rng)
 
 
 def _xielu_mlp(config, spec, *, rng: np.random.Generator) -> XIELUMLP:
@@ -88,14 +88,14 @@ def _xielu_mlp(config, spec, *, rng: np.random.Generator) -> XIELUMLP:
 
 
 def _plain_mlp(config, spec, *, rng: np.random.Generator) -> FeedForward:
-    mlp = FeedForward(config.hidden_size, spec.intermediate_size, config.activation, rng=rng)
+    mlp = FeedForward(config.hidden_size, spec.intermediate_size, config.mlp.activation, rng=rng)
     for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
         setattr(mlp, name, normal(rng, mlp._parameters[name].shape, std=0.02))
     return mlp
 
 
 def _experts(config, spec, *, rng: np.random.Generator) -> MixtureOfExperts:
-    return MixtureOfExperts(config.hidden_size, config.experts, config.activation, rng=rng)
+    return MixtureOfExperts(config.hidden_size, config.experts, config.mlp.activation, rng=rng)
 
 
 def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> MultiHeadLatentAttention:
@@ -160,9 +160,9 @@ class LMBlock(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> block = LMBlock(cfg, 0, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
     >>> y.shape, block.backward(np.ones_like(y)).shape, type(block.attn_post_norm).__name__
@@ -255,9 +255,9 @@ class ParallelLMBlock(LMBlock):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="gpt_neox", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=2, head_dim=4, intermediate_size=12, residual="parallel")
+    ...                     num_kv_heads=2, head_dim=4, mlp=MLPConfig(12), residual="parallel")
     >>> block = ParallelLMBlock(cfg, 0, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
     >>> y.shape, block.backward(np.ones_like(y)).shape
@@ -293,9 +293,9 @@ class MixerOnlyBlock(LMBlock):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="nemotron_h", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, residual="single",
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), residual="single",
     ...                     layer_types=("full_attention", "mlp"))
     >>> block = make_block(cfg, 0, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
@@ -330,9 +330,9 @@ class MLPOnlyBlock(LMBlock):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="nemotron_h", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, residual="single",
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), residual="single",
     ...                     layer_types=("full_attention", "mlp"))
     >>> block = make_block(cfg, 1, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
@@ -423,9 +423,9 @@ class PerLayerInputBlock(LayerwiseBlock):
 
     Examples
     --------
-    >>> from attnkit.models import AttentionConfig, DecoderConfig, LayerwiseConfig, NormConfig
+    >>> from attnkit.models import AttentionConfig, DecoderConfig, LayerwiseConfig, NormConfig, MLPConfig
     >>> cfg = DecoderConfig(family="gemma4_text", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, norm=NormConfig(placement="sandwich"),
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), norm=NormConfig(placement="sandwich"),
     ...                     attention=AttentionConfig(scale=1.0),
     ...                     layerwise=LayerwiseConfig(global_head_dim=6, global_kv_heads=1, per_layer_input_size=3,
     ...                                               per_layer_vocab_size=8))

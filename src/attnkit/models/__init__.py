@@ -14,6 +14,7 @@ from .config import (
     AttentionMamba2Config,
     DecoderConfig,
     ExpertsConfig,
+    MLPConfig,
     NormConfig,
     RotaryConfig,
     ScalesConfig,
@@ -29,7 +30,7 @@ from .token_tagger import TokenTagger, token_accuracy, train_step
 
 __all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "AttentionMamba2Config", "ExpertsConfig", "LayerSpec",
            "LayerwiseConfig",
-           "MultiTokenPredictor",
+           "MLPConfig", "MultiTokenPredictor",
            "NormConfig",
            "RotaryConfig", "ScalesConfig", "Seq2SeqConfig", "Seq2SeqTransformer",
            "SpecialTokens", "TokenTagger", "TokenTaggerConfig",

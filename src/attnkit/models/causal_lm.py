@@ -83,8 +83,9 @@ class CausalLM(Module):
 
     Examples
     --------
+    >>> from attnkit.models import MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> ids = np.array([[1, 2, 3]])
     >>> logits = lm(ids)
@@ -198,8 +199,9 @@ class CausalLM(Module):
 
         Examples
         --------
+        >>> from attnkit.models import MLPConfig
         >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
         >>> CausalLM(cfg, rng=0).layer_hook_points(1)[:3]
         ['blocks.1.hook_resid_pre', 'blocks.1.attn.hook_q', 'blocks.1.attn.hook_k']
         """
@@ -271,8 +273,9 @@ class CausalLM(Module):
 
         Examples
         --------
+        >>> from attnkit.models import MLPConfig
         >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
         >>> draft = CausalLM(cfg, rng=0).early_exit(1)
         >>> draft(np.array([[1, 2]])).shape, draft.new_cache(1).num_layers
         ((1, 2, 11), 1)

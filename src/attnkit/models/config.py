@@ -33,7 +33,7 @@ from .layerwise import LayerwiseConfig
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
            "MAX_LAYERS",
            "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES", "PAIRED_LAYER_TYPES", "AttentionMamba2Config",
-           "MIXER_PARTS", "ScalesConfig", "SpecialTokens"]
+           "MIXER_PARTS", "ScalesConfig", "SpecialTokens", "MLPConfig"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "gated_attention", "linear_attention",
                 "kimi_delta_attention", "short_conv", "mamba2", "mlp", "attention_mamba2")
@@ -370,10 +370,47 @@ class AttentionConfig:
 
 
 MLP_KINDS = ("gated", "plain", "xielu", "ungated", "scaled_gated")
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """The dense MLP of the layers without experts (a part of :class:`DecoderConfig`).
+
+    Parameters
+    ----------
+    intermediate_size : int
+        F, the MLP's hidden width.
+    kind : {"gated", "plain", "xielu", "ungated", "scaled_gated"}, default "gated"
+        ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for silu); ``plain``: ``act(x W1 + b1) W2 + b2``;
+        ``xielu``: ``xielu(x W_up) W_down`` without biases, the xIELU activation with two learned slopes of its own
+        (Apertus; ``activation`` is not read); ``ungated``: ``act(x W_up + b_up) W_down + b_down``, the biases with
+        ``bias`` (Nemotron-H's squared ReLU); ``scaled_gated``: ``gated`` with the fixed factors of the decoder's
+        ``scales`` part (``mlp_gate``, ``mlp_output``; Falcon-H1).
+    activation : {"silu", "gelu", "gelu_tanh", "relu", "relu2"}, default "silu"
+        The activation (of the gate, in a gated MLP; the experts' too).
+    bias : bool, default False
+        Biases in a gated or ungated MLP (a plain MLP always has them).
+
+    Examples
+    --------
+    >>> MLPConfig(24).kind, MLPConfig(64, kind="plain", activation="gelu").activation
+    ('gated', 'gelu')
+    """
+
+    intermediate_size: int
+    kind: str = "gated"
+    activation: str = "silu"
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.intermediate_size, "mlp.intermediate_size", maximum=_MAX_SIZE)
+        _check_choice(self.kind, "mlp.kind", MLP_KINDS)
+        _check_choice(self.activation, "mlp.activation", ACTIVATIONS)
+        _check_flag(self.bias, "mlp.bias")
 RESIDUALS = ("sequential", "parallel", "single")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
-          "layerwise": LayerwiseConfig, "scales": ScalesConfig, "tokens": SpecialTokens}
+          "layerwise": LayerwiseConfig, "scales": ScalesConfig, "tokens": SpecialTokens, "mlp": MLPConfig}
 _OPTIONAL_PARTS = ("rotary", "experts", "layerwise")
 MIXER_PARTS = {GatedDeltaNetConfig: "linear_attention", KimiDeltaAttentionConfig: "kimi_delta_attention",
                ShortConvConfig: "short_conv", Mamba2Config: "mamba2", AttentionMamba2Config: "attention_mamba2",
@@ -393,12 +430,15 @@ _OLD_PART_FIELDS = {"embedding_scale": ("scales", ("embedding",)), "residual_sca
                     "final_logit_softcap": ("scales", ("final_logit_softcap",)),
                     "mlp_multipliers": ("scales", ("mlp_gate", "mlp_output")),
                     "bos_token_id": ("tokens", ("bos",)), "eos_token_id": ("tokens", ("eos",)),
-                    "pad_token_id": ("tokens", ("pad",))}
+                    "pad_token_id": ("tokens", ("pad",)), "intermediate_size": ("mlp", ("intermediate_size",)),
+                    "activation": ("mlp", ("activation",)), "mlp_bias": ("mlp", ("bias",))}
 
 
 def _moved_into_parts(fields: dict[str, Any]) -> dict[str, Any]:
     """``fields`` with the flat fields of a config saved before they moved into parts put in their parts."""
     moved = {k: v for k, v in fields.items() if k not in _OLD_MIXER_FIELDS and k not in _OLD_PART_FIELDS}
+    if isinstance(fields.get("mlp"), str):  # the MLP's kind, when it was a flat field beside its width
+        moved["mlp"] = {"kind": fields["mlp"]}
     for name, (part, keys) in _OLD_PART_FIELDS.items():
         if name in fields:
             values = fields[name] if len(keys) > 1 else (fields[name],)
@@ -435,9 +475,11 @@ def _part_from_dict(kind: type, values: dict[str, Any]) -> Any:
 class DecoderConfig:
     """Architecture of a decoder-only Transformer language model: sizes, and the parts a block is made of.
 
-    The sizes are flat fields; each kind of part (positions, norms, attention, experts) is a small frozen
-    dataclass of its own, validated when it is made, and the checks that join them (the rotated features are
-    even, sliding layers have a window, the experts' layers exist) are made here, once. Combinations
+    The sizes are flat fields; each kind of part (the MLP, norms, positions, attention, experts, fixed factors,
+    special tokens, the shapes of the other token mixers) is a small frozen dataclass of its own, validated when it
+    is made, and the checks that join them (the rotated features are even, sliding layers have a window, the
+    experts' layers exist, a mixer's part is given exactly when its layers are) are made here, once. Configs saved
+    with the older flat fields load through :meth:`from_dict`. Combinations
     no architecture has (a block without norms, projection-wide q/k norms without q/k norms) cannot be written.
 
     Parameters
@@ -458,18 +500,10 @@ class DecoderConfig:
         grouped-query attention).
     head_dim : int
         Dh, features per head (``hidden_size // num_heads`` in most checkpoints, but not required).
-    intermediate_size : int
-        F, the hidden width of the MLP.
+    mlp : MLPConfig
+        The MLP of the layers without experts: its hidden width F, kind, activation and biases.
     max_position_embeddings : int, default 2048
         The longest context the model was trained for (the size of GPT-2's position table).
-    activation : {"silu", "gelu", "gelu_tanh", "relu", "relu2"}, default "silu"
-    mlp : {"gated", "plain", "xielu", "ungated"}, default "gated"
-        The MLP of the layers without experts: ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for
-        silu); ``plain``: ``act(x W1 + b1) W2 + b2``; ``xielu``: ``xielu(x W_up) W_down`` without biases, the
-        xIELU activation with two learned slopes of its own (Apertus; ``activation`` is not read); ``ungated``:
-        ``act(x W_up + b_up) W_down + b_down``, the biases with ``mlp_bias`` (Nemotron-H's squared ReLU).
-    mlp_bias : bool, default False
-        Biases in a gated or ungated MLP (a plain MLP always has them).
     residual : {"sequential", "parallel", "single"}, default "sequential"
         ``parallel``: ``x + attention(attn_norm(x)) + mlp(mlp_norm(x))``, both branches read the block's input
         (GPT-NeoX); ``single``: each layer is one branch, ``x + mixer(attn_norm(x))``, or for an ``"mlp"`` layer
@@ -483,7 +517,7 @@ class DecoderConfig:
         Biases, q/k norms, scale, soft-cap, sinks and the sliding window of the self-attention.
     experts : ExpertsConfig, optional
         The mixture of experts (:class:`~attnkit.layers.experts.MixtureOfExperts`) that is the MLP of the layers
-        it lists (``experts.layers``); with it ``mlp`` must be ``gated``.
+        it lists (``experts.layers``); with it ``mlp.kind`` must be ``gated``.
     scales : ScalesConfig
         The fixed factors of the embeddings, of each branch's output, of the logits (and their soft-cap), and of the
         ``scaled_gated`` MLP's gate and output; all identities by default.
@@ -529,7 +563,7 @@ class DecoderConfig:
     Examples
     --------
     >>> cfg = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=2, num_heads=4,
-    ...                     num_kv_heads=2, head_dim=4, intermediate_size=24)
+    ...                     num_kv_heads=2, head_dim=4, mlp=MLPConfig(24))
     >>> cfg.num_groups, cfg.layer_types, cfg.norm.placement
     (2, ('full_attention', 'full_attention'), 'pre')
     >>> cfg.layers[1].window is None, cfg.layers[1].mixer, cfg.layers[1].mlp
@@ -543,11 +577,8 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    mlp: MLPConfig
     max_position_embeddings: int = 2048
-    activation: str = "silu"
-    mlp: str = "gated"
-    mlp_bias: bool = False
     residual: str = "sequential"
     norm: NormConfig = field(default_factory=NormConfig)
     rotary: RotaryConfig | None = field(default_factory=RotaryConfig)
@@ -574,28 +605,27 @@ class DecoderConfig:
             raise ValueError(f"family must be a model_type such as 'llama' (attnkit.pretrained."
                              f"supported_model_types() lists those with checkpoints), got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_position_embeddings"):
+                     "max_position_embeddings"):
             check_positive_int(getattr(self, name), name, maximum=MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
         check_positive_int(self.mtp_layers, "mtp_layers", allow_zero=True, maximum=MAX_LAYERS)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        _check_choice(self.activation, "activation", ACTIVATIONS)
-        _check_choice(self.mlp, "mlp", MLP_KINDS)
         _check_choice(self.residual, "residual", RESIDUALS)
-        for name in ("mlp_bias", "tie_word_embeddings"):
-            _check_flag(getattr(self, name), name)
+        _check_flag(self.tie_word_embeddings, "tie_word_embeddings")
 
     def _check_parts(self) -> None:
         for name, kind in _PARTS.items():
             value = getattr(self, name)
             if not isinstance(value, kind) and not (name in _OPTIONAL_PARTS and value is None):
                 expected = f"a {kind.__name__}" + (" or None" if name in _OPTIONAL_PARTS else "")
-                raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+                hint = (f" (the MLP's kind is mlp.kind: mlp=MLPConfig(intermediate_size, kind={value!r}))"
+                        if name == "mlp" and isinstance(value, str) else "")
+                raise TypeError(f"{name} must be {expected}, got {type(value).__name__}{hint}")
         self._check_mixer_parts()
         multipliers = (self.scales.mlp_gate, self.scales.mlp_output)
-        if multipliers != (1.0, 1.0) and self.mlp != "scaled_gated":
+        if multipliers != (1.0, 1.0) and self.mlp.kind != "scaled_gated":
             raise ValueError(f"scales.mlp_gate and scales.mlp_output {multipliers} scale the 'scaled_gated' MLP only; "
-                             f"mlp is {self.mlp!r}")
+                             f"mlp.kind is {self.mlp.kind!r}")
         latent, rotary = self.mixer_part(LatentAttentionConfig), self.rotary
         if latent is not None:
             if (latent.hidden_size, latent.num_heads) != (self.hidden_size, self.num_heads):
@@ -634,7 +664,7 @@ class DecoderConfig:
         --------
         >>> from attnkit.layers import GatedDeltaNetConfig, ShortConvConfig
         >>> cfg = DecoderConfig(family="qwen3_next", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=8, layer_types=("linear_attention",),
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8), layer_types=("linear_attention",),
         ...                     mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 3),))
         >>> cfg.mixer_part(GatedDeltaNetConfig).num_value_heads, cfg.mixer_part(ShortConvConfig)
         (2, None)
@@ -690,10 +720,10 @@ class DecoderConfig:
                 raise ValueError(f"mixer_parts has a {cls.__name__}, the shape of the {kind} layers, but layer_types "
                                  f"has none: {types}")
         moe = self.experts
-        if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp != "gated"):
+        if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp.kind != "gated"):
             raise ValueError(f"experts.layers must be layer indices below num_layers ({self.num_layers}) and the "
-                             f"other layers' mlp 'gated' (experts are gated MLPs), got {moe.layers} and "
-                             f"{self.mlp!r}")
+                             f"other layers' mlp.kind 'gated' (experts are gated MLPs), got {moe.layers} and "
+                             f"{self.mlp.kind!r}")
         object.__setattr__(self, "layer_types", types)
 
     def to_dict(self) -> dict[str, Any]:
@@ -702,7 +732,7 @@ class DecoderConfig:
         Examples
         --------
         >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=8)
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8))
         >>> DecoderConfig.from_dict(cfg.to_dict()) == cfg, cfg.to_dict()["norm"]["placement"]
         (True, 'pre')
         """
@@ -725,7 +755,8 @@ class DecoderConfig:
         ``linear_attention``, ``kimi_delta``, ``short_conv``, ``mamba2``, ``attention_mamba2`` or ``latent`` dict
         to its class in ``mixer_parts``, ``mamba2`` also into the ``attention_mamba2`` part; ``embedding_scale``,
         ``residual_scale``, ``logit_scale``, ``final_logit_softcap`` and the two ``mlp_multipliers`` to ``scales``;
-        ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` to ``tokens``).
+        ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` to ``tokens``; ``intermediate_size``,
+        ``activation``, ``mlp_bias`` and the kind ``mlp`` to the ``mlp`` part).
 
         Raises
         ------
@@ -778,7 +809,7 @@ class DecoderConfig:
         Examples
         --------
         >>> cfg = DecoderConfig(family="gemma3_text", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=8,
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8),
         ...                     rotary=RotaryConfig(theta=1e6, sliding_theta=1e4),
         ...                     attention=AttentionConfig(sliding_window=4),
         ...                     layer_types=("sliding_attention", "full_attention"))
@@ -811,8 +842,8 @@ class DecoderConfig:
         if block == "mixer_only":
             mlp = None
         else:
-            mlp = "experts" if self.experts is not None and index in self.experts.layers else self.mlp
-        head_dim, kv_heads, width = self.head_dim, self.num_kv_heads, self.intermediate_size
+            mlp = "experts" if self.experts is not None and index in self.experts.layers else self.mlp.kind
+        head_dim, kv_heads, width = self.head_dim, self.num_kv_heads, self.mlp.intermediate_size
         if part is not None:
             if kind == "full_attention":
                 head_dim, kv_heads = part.global_head_dim, part.global_kv_heads

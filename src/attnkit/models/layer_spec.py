@@ -67,9 +67,9 @@ class LayerSpec:
 
     Examples
     --------
-    >>> from attnkit.models import AttentionConfig, DecoderConfig
+    >>> from attnkit.models import AttentionConfig, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="mistral", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12,
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12),
     ...                     attention=AttentionConfig(sliding_window=4),
     ...                     layer_types=("sliding_attention", "full_attention"))
     >>> [(s.mixer, s.mlp, s.window, s.keys_kept, s.cache) for s in cfg.layers]

@@ -128,8 +128,9 @@ class MultiTokenPredictor(Module):
     Examples
     --------
     >>> from attnkit.models import CausalLM
+    >>> from attnkit.models import MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, mtp_layers=1)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), mtp_layers=1)
     >>> lm = CausalLM(cfg, rng=0)
     >>> ids = np.array([[1, 2, 3, 4]])
     >>> _, hidden = lm(ids, return_hidden=True)

@@ -50,9 +50,9 @@ class CausalLM(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> lm(torch.tensor([[1, 2, 3]])).shape, next(lm.parameters()).dtype
     (torch.Size([1, 3, 11]), torch.float64)

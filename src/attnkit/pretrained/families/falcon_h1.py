@@ -91,7 +91,7 @@ def _config(read: Reader) -> DecoderConfig:
         # key_multiplier multiplies every score exactly as the scale does: folded into it (see the module's text)
         scale = read.factor("key_multiplier", 1.0) * head_dim ** -0.5
         gate, output = _factors(read, "mlp_multipliers", 2)
-        return dict(attention=AttentionConfig(bias=bias, output_bias=bias, scale=scale), mlp="scaled_gated",
+        return dict(attention=AttentionConfig(bias=bias, output_bias=bias, scale=scale), mlp_kind="scaled_gated",
                     mlp_bias=read.bool("mlp_bias", False), layer_types=("attention_mamba2",) * layers,
                     mixer_parts=(AttentionMamba2Config(_mamba2_config(read),
                                                        read.factor("attention_in_multiplier", 1.0),

@@ -13,7 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig, ScalesConfig, SpecialTokens
+from ...models.config import (
+    AttentionConfig,
+    DecoderConfig,
+    MLPConfig,
+    NormConfig,
+    RotaryConfig,
+    ScalesConfig,
+    SpecialTokens,
+)
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rope_scaling
 from . import Family
 from ._reader import COMMON_KEYS, Reader, per_layer_type, read_layer_types, read_rope, read_rope_by_layer_type
@@ -113,9 +121,9 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        mlp=MLPConfig(read.int("intermediate_size"), kind="gated", activation=activation),
+        max_position_embeddings=max_positions,
         norm=NormConfig(eps=read.eps("rms_norm_eps", 1e-6), offset=1.0, placement="sandwich"),
-        activation=activation, mlp="gated",
         rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, sliding_theta=sliding_theta,
                             sliding_scaling=sliding_scaling),
         attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head" if rules.qk_norm else None,

@@ -101,7 +101,7 @@ def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     stacked experts."""
     d, part = cfg.hidden_size, cfg.experts
     shared = ak + ("mlp.shared_expert." if part is not None else "mlp.")
-    fs = part.shared_expert_intermediate_size if part is not None else cfg.intermediate_size
+    fs = part.shared_expert_intermediate_size if part is not None else cfg.mlp.intermediate_size
     maps = [TensorMap(hf + "shared_mlp.input_linear.weight", (2 * fs, d), (shared + "W_gate", shared + "W_up"),
                       "row_split_transpose", sizes=(fs, fs)),
             TensorMap(hf + "shared_mlp.output_linear.weight", (d, fs), (shared + "W_down",), "transpose")]

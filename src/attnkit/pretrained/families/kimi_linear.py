@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ...attention.latent import LatentAttentionConfig
 from ...layers.kimi_delta_attention import KimiDeltaAttentionConfig
-from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig, SpecialTokens
+from ...models.config import DecoderConfig, ExpertsConfig, MLPConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -144,10 +144,10 @@ def _read_config(read: Reader) -> DecoderConfig:
                                    conv_kernel_size=_int(read, "linear_conv_kernel_dim"))
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=heads, head_dim=rope, intermediate_size=read.int("intermediate_size"),
+        num_kv_heads=heads, head_dim=rope,
+        mlp=MLPConfig(read.int("intermediate_size"), activation=read.activation("hidden_act", "silu")),
         max_position_embeddings=_int(read, "max_position_embeddings"),
         norm=NormConfig(eps=read.eps("rms_norm_eps", DEFAULTS["rms_norm_eps"])),
-        activation=read.activation("hidden_act", "silu"),
         # no layer turns its rotary features (NoPE); the part only says so, and that there is no position table
         rotary=RotaryConfig(interleaved=False, skip_layers=tuple(range(layers))),
         tie_word_embeddings=read.bool("tie_word_embeddings", False),
@@ -181,7 +181,7 @@ def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     if cfg.experts is not None and int(hf.split(".")[1]) in cfg.experts.layers:
         return mlp_tensors(cfg, hf, ak, moe="block_sparse_moe.", projections=("w1", "w3", "w2"),
                            shared="shared_experts")
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d, f = cfg.hidden_size, cfg.mlp.intermediate_size
     return [TensorMap(f"{hf}block_sparse_moe.{proj}.weight", shape, (f"{ak}mlp.W_{name}",), "transpose")
             for proj, shape, name in (("gate_proj", (f, d), "gate"), ("up_proj", (f, d), "up"),
                                       ("down_proj", (d, f), "down"))]

@@ -141,7 +141,7 @@ def _conv_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 
 
 def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d, f = cfg.hidden_size, cfg.mlp.intermediate_size
     return [TensorMap(hf + "feed_forward.w1.weight", (f, d), (ak + "mlp.W_gate",), "transpose"),
             TensorMap(hf + "feed_forward.w3.weight", (f, d), (ak + "mlp.W_up",), "transpose"),
             TensorMap(hf + "feed_forward.w2.weight", (d, f), (ak + "mlp.W_down",), "transpose")]

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from ...layers.mamba2 import Mamba2Config
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig, SpecialTokens
+from ...models.config import AttentionConfig, DecoderConfig, MLPConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, layer_counts, special_ids, vocab_size
 from ..tensor_map import TensorMap
 from . import Family
@@ -122,9 +122,9 @@ def _read(read: Reader) -> DecoderConfig:
     return DecoderConfig(
         family=read.family, vocab_size=read.int("vocab_size", 131072), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=read.int("intermediate_size", 21504),
+        mlp=MLPConfig(read.int("intermediate_size", 21504), kind="ungated",
+                      activation=read.activation("mlp_hidden_act", "relu2"), bias=read.bool("mlp_bias", False)),
         max_position_embeddings=read.int("max_position_embeddings", 4096),
-        activation=read.activation("mlp_hidden_act", "relu2"), mlp="ungated", mlp_bias=read.bool("mlp_bias", False),
         residual="single", norm=NormConfig(eps=eps), rotary=RotaryConfig(skip_layers=tuple(range(layers))),
         attention=AttentionConfig(), tie_word_embeddings=False, layer_types=tuple(types),
         tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 1, many=False),
@@ -138,10 +138,10 @@ def _mixer_tensors(cfg: DecoderConfig, i: int) -> list[TensorMap]:
     if kind == "mamba2":
         return [replace(m, source=m.source.replace(".mamba.", ".mixer.")) for m in mamba2_tensors(cfg, hf, ak)]
     if kind == "mlp":
-        f, mlp = cfg.intermediate_size, ak + "mlp."
+        f, mlp = cfg.mlp.intermediate_size, ak + "mlp."
         maps = [TensorMap(hf + "mixer.up_proj.weight", (f, d), (mlp + "W_up",), "transpose"),
                 TensorMap(hf + "mixer.down_proj.weight", (d, f), (mlp + "W_down",), "transpose")]
-        if cfg.mlp_bias:
+        if cfg.mlp.bias:
             maps += [TensorMap(hf + "mixer.up_proj.bias", (f,), (mlp + "b_up",), "copy"),
                      TensorMap(hf + "mixer.down_proj.bias", (d,), (mlp + "b_down",), "copy")]
         return maps
