@@ -376,7 +376,7 @@ def test_loading_and_splicing_import_neither_sae_lens_nor_torch(tmp_path):
     folder = write_folder(tmp_path / "sae", *standard_files())
     code = ("import sys, numpy as np\n"
             "from attnkit.explain import load_sae, run_with_cache_with_saes\n"
-            "from attnkit.models import CausalLM, DecoderConfig\n"
+            "from attnkit.models import CausalLM, DecoderConfig, MLPConfig\n"
             f"sae = load_sae({str(folder)!r})\n"
             f"lm = CausalLM(DecoderConfig(family='llama', vocab_size=11, hidden_size={D}, num_layers=1, num_heads=2,"
             " num_kv_heads=1, head_dim=4, mlp=MLPConfig(16)), rng=0)\n"

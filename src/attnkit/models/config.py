@@ -761,7 +761,9 @@ class DecoderConfig:
         Raises
         ------
         TypeError
-            ``fields`` is not a dict, or names a field the config does not have.
+            ``fields`` is not a dict, or names a field (or a part class in ``mixer_parts``) the config does not have.
+        ValueError
+            An old ``mlp_multipliers`` is not two factors; or a value its part refuses.
 
         Examples
         --------
