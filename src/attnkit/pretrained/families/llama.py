@@ -93,7 +93,7 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
 
 
 def gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    """A gated MLP's ``gate_proj``, ``up_proj`` and ``down_proj`` (with biases when ``mlp_bias``)."""
+    """A gated MLP's ``gate_proj``, ``up_proj`` and ``down_proj`` (with biases when ``mlp.bias``)."""
     d, f = cfg.hidden_size, cfg.mlp.intermediate_size
     maps = []
     for proj, shape, name, width in (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
