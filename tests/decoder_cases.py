@@ -8,24 +8,40 @@ from __future__ import annotations
 import numpy as np
 
 import torch
-from attnkit.models import AttentionConfig, DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
+from attnkit.models import (
+    AttentionConfig,
+    DecoderConfig,
+    ExpertsConfig,
+    MLPConfig,
+    NormConfig,
+    RotaryConfig,
+    ScalesConfig,
+)
 
 
-def tiny_config(family="llama", *, attention=None, rotary=None, norm=None, **overrides) -> DecoderConfig:
-    """A small DecoderConfig of ``family``; ``attention``, ``rotary`` and ``norm`` are dicts of the parts' fields
-    that differ from the tiny defaults (``rotary`` with ``learned=True``: learned positions)."""
+def tiny_config(family="llama", *, attention=None, rotary=None, norm=None, mlp=None, **overrides) -> DecoderConfig:
+    """A small DecoderConfig of ``family``; ``attention``, ``rotary``, ``norm`` and ``mlp`` are dicts of the parts'
+    fields that differ from the tiny defaults (``rotary`` with ``learned=True``: learned positions)."""
     gpt2 = family == "gpt2"
     base = {"family": family, "vocab_size": 23, "hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-            "head_dim": 4, "intermediate_size": 24, "max_position_embeddings": 64}
-    parts = dict(norm=dict(eps=1e-6), rotary=dict(theta=100.0), attention={})
+            "head_dim": 4, "max_position_embeddings": 64}
+    parts = dict(norm=dict(eps=1e-6), rotary=dict(theta=100.0), attention={}, mlp=dict(intermediate_size=24))
     if gpt2:
-        base.update(mlp="plain", activation="gelu_tanh", num_kv_heads=4, tie_word_embeddings=True)
+        base.update(num_kv_heads=4, tie_word_embeddings=True)
         parts = dict(norm=dict(kind="layernorm", eps=1e-5), rotary=None,
-                     attention=dict(bias=True, output_bias=True))
+                     attention=dict(bias=True, output_bias=True),
+                     mlp=dict(intermediate_size=24, kind="plain", activation="gelu_tanh"))
     base.update(overrides)
     rotary = None if parts["rotary"] is None else RotaryConfig(**{**parts["rotary"], **(rotary or {})})
     return DecoderConfig(**base, norm=NormConfig(**{**parts["norm"], **(norm or {})}), rotary=rotary,
-                         attention=AttentionConfig(**{**parts["attention"], **(attention or {})}))
+                         attention=AttentionConfig(**{**parts["attention"], **(attention or {})}),
+                         mlp=MLPConfig(**{**parts["mlp"], **(mlp or {})}))
+
+
+def with_mlp(fields: dict, intermediate_size: int) -> dict:
+    """``fields`` (a variant's DecoderConfig fields) with its ``mlp`` entry, a dict of the MLP part's fields that
+    differ from the default, made the part, ``intermediate_size`` wide unless it says otherwise."""
+    return {**fields, "mlp": MLPConfig(**{"intermediate_size": intermediate_size, **fields.get("mlp", {})})}
 
 
 HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
@@ -38,7 +54,7 @@ def hf_config(cfg: DecoderConfig):
     if cfg.family == "gpt2":
         return transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
                                        n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
-                                       n_inner=cfg.intermediate_size, activation_function="gelu_new",
+                                       n_inner=cfg.mlp.intermediate_size, activation_function="gelu_new",
                                        layer_norm_epsilon=cfg.norm.eps, resid_pdrop=0.0, embd_pdrop=0.0,
                                        attn_pdrop=0.0, tie_word_embeddings=cfg.tie_word_embeddings)
     params = {"rope_type": "default", "rope_theta": cfg.rotary.theta}
@@ -47,11 +63,12 @@ def hf_config(cfg: DecoderConfig):
     common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
                   "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim,
-                  "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position_embeddings,
-                  "rms_norm_eps": cfg.norm.eps, "hidden_act": HF_ACT[cfg.activation], "rope_parameters": params,
+                  "intermediate_size": cfg.mlp.intermediate_size,
+                  "max_position_embeddings": cfg.max_position_embeddings,
+                  "rms_norm_eps": cfg.norm.eps, "hidden_act": HF_ACT[cfg.mlp.activation], "rope_parameters": params,
                   "tie_word_embeddings": cfg.tie_word_embeddings, "attention_dropout": 0.0}
     if cfg.family == "llama":
-        return transformers.LlamaConfig(attention_bias=cfg.attention.bias, mlp_bias=cfg.mlp_bias, **common)
+        return transformers.LlamaConfig(attention_bias=cfg.attention.bias, mlp_bias=cfg.mlp.bias, **common)
     if cfg.family == "mistral":
         return transformers.MistralConfig(sliding_window=cfg.attention.sliding_window, **common)
     if cfg.family == "qwen2":
@@ -198,36 +215,38 @@ DECODER_VARIANTS = {
                                            router="sigmoid_group_topk", n_group=2, topk_group=1,
                                            routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
     # Granite: scaled embeddings, scores, branch outputs and logits, biases on every projection
-    "granite": dict(family="granite", embedding_scale=1.5, residual_scale=0.4, logit_scale=0.7, mlp_bias=True,
+    "granite": dict(family="granite", scales=ScalesConfig(embedding=1.5, residual=0.4, logit=0.7), mlp=dict(bias=True),
                     attention=AttentionConfig(bias=True, output_bias=True, scale=0.3)),
     # Seed-OSS: the output bias without the q/k/v biases (each has its own switch), MLP biases
-    "seed_oss": dict(family="seed_oss", mlp_bias=True, attention=AttentionConfig(output_bias=True)),
+    "seed_oss": dict(family="seed_oss", mlp=dict(bias=True), attention=AttentionConfig(output_bias=True)),
     # EXAONE 4: post-norms, per-head q/k norms, a sliding layer with rotary and a full one without
     "exaone4": dict(family="exaone4", norm=NormConfig(placement="post"), rotary=RotaryConfig(skip_layers=(1,)),
                     layer_types=("sliding_attention", "full_attention"),
                     attention=AttentionConfig(qk_norm="head", sliding_window=2)),
     # ERNIE 4.5: interleaved rotary over the whole head, biases on every projection
-    "ernie4_5": dict(family="ernie4_5", mlp_bias=True, rotary=RotaryConfig(interleaved=True),
+    "ernie4_5": dict(family="ernie4_5", mlp=dict(bias=True), rotary=RotaryConfig(interleaved=True),
                      attention=AttentionConfig(bias=True, output_bias=True)),
     # HunYuan: per-head q/k norms after the rotation, biases
     "hunyuan_v1_dense": dict(family="hunyuan_v1_dense",
                              attention=AttentionConfig(bias=True, output_bias=True, qk_norm="head_after_rotary")),
     # Apertus: the ungated xIELU MLP with its learned slopes, per-head q/k norms
-    "apertus": dict(family="apertus", mlp="xielu", attention=AttentionConfig(qk_norm="head")),
+    "apertus": dict(family="apertus", mlp=dict(kind="xielu"), attention=AttentionConfig(qk_norm="head")),
     # SmolLM3: a NoPE layer beside a rotary one, the NoPE layer sliding
-    "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp_bias=True,
+    "smollm3": dict(family="smollm3", layer_types=("full_attention", "sliding_attention"), mlp=dict(bias=True),
                     rotary=RotaryConfig(skip_layers=(1,)), attention=AttentionConfig(sliding_window=2)),
     # GPT-NeoX: LayerNorm, plain MLP, partial rotary, parallel residual
-    "gpt_neox": dict(family="gpt_neox", mlp="plain", activation="gelu", mlp_bias=True, residual="parallel",
+    "gpt_neox": dict(family="gpt_neox", mlp=dict(kind="plain", activation="gelu", bias=True), residual="parallel",
                      norm=NormConfig(kind="layernorm"), rotary=RotaryConfig(partial_factor=0.5),
                      attention=AttentionConfig(bias=True, output_bias=True)),
     # Gemma 2: soft-capped scores and logits, (1 + w) norms before and after each branch, scaled embeddings
-    "gemma2": dict(family="gemma2", embedding_scale=2.5, final_logit_softcap=2.0, activation="gelu_tanh",
+    "gemma2": dict(family="gemma2", scales=ScalesConfig(embedding=2.5, final_logit_softcap=2.0),
+                   mlp=dict(activation="gelu_tanh"),
                    layer_types=("sliding_attention", "full_attention"),
                    norm=NormConfig(offset=1.0, placement="sandwich"),
                    attention=AttentionConfig(scale=0.3, logit_softcap=1.5, sliding_window=2)),
     # Gemma 3: (1 + w) per-head q/k norms and a rotary base of its own on the sliding layers
-    "gemma3_text": dict(family="gemma3_text", embedding_scale=1.5, layer_types=("sliding_attention", "full_attention"),
+    "gemma3_text": dict(family="gemma3_text", scales=ScalesConfig(embedding=1.5),
+                        layer_types=("sliding_attention", "full_attention"),
                         norm=NormConfig(offset=1.0, placement="sandwich"), rotary=RotaryConfig(sliding_theta=7.0),
                         attention=AttentionConfig(sliding_window=2, qk_norm="head")),
     # gpt-oss: learned sinks, biases, a top-2-of-3 mixture of clamped-SwiGLU experts (limit low enough to clamp)

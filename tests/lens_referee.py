@@ -146,7 +146,7 @@ def in_attnkit_layout(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 def interleaved_rotary_order(config) -> np.ndarray | None:
     """For DeepSeek-V3 with interleaved rotary features: the order in which TransformerLens holds attnkit's query
     and key features (transformers de-interleaves the rotary part, pairs (0, 1), (2, 3) ... to halves)."""
-    latent = config.latent
+    latent = next((p for p in config.mixer_parts if type(p).__name__ == "LatentAttentionConfig"), None)
     if latent is None or not latent.rope_interleaved:
         return None
     nope, rope = latent.qk_nope_head_dim, latent.qk_rope_head_dim
@@ -165,10 +165,10 @@ def in_attnkit_meaning(lm, lens: dict) -> dict:
     if lm.config.family != "falcon_h1":
         return lens
     out, c = dict(lens), lm.config
-    out["hook_embed"] = lens["hook_embed"] * np.float32(c.embedding_scale)
+    out["hook_embed"] = lens["hook_embed"] * np.float32(c.scales.embedding)
     key_multiplier = c.attention.scale * c.head_dim ** 0.5
     for i in range(c.num_layers):
-        factors = c.attention_mamba2
+        factors = c.layers[i].part
         out[f"blocks.{i}.attn.hook_rot_k"] = lens[f"blocks.{i}.attn.hook_rot_k"] / np.float32(key_multiplier)
         out[f"blocks.{i}.hook_attn_out"] = (lens[f"blocks.{i}.hook_attn_out"] * np.float32(factors.attention_out)
                                             + lens[f"blocks.{i}.mamba.hook_out"] * np.float32(factors.mamba_out))

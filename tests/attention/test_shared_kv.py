@@ -11,7 +11,7 @@ import pytest
 
 from attnkit.decoding.cache import KVCache
 from attnkit.kernels.rotary import rotary_frequencies
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, LayerwiseConfig, NormConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, LayerwiseConfig, MLPConfig, NormConfig
 
 TYPES = ("sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention")
 
@@ -20,7 +20,7 @@ def _config(placement="sandwich", **part):
     layerwise = LayerwiseConfig(**{**dict(global_head_dim=8, global_kv_heads=1, keys_are_values=True,
                                           shared_kv_layers=2), **part})
     return DecoderConfig(family="gemma4_text", vocab_size=11, hidden_size=8, num_layers=5, num_heads=2,
-                         num_kv_heads=2, head_dim=4, intermediate_size=6, layer_types=TYPES,
+                         num_kv_heads=2, head_dim=4, mlp=MLPConfig(6), layer_types=TYPES,
                          attention=AttentionConfig(sliding_window=2), norm=NormConfig(placement=placement),
                          layerwise=layerwise)
 
@@ -90,7 +90,7 @@ def test_layer_plans_that_cannot_be_built_are_refused(part, message):
 def test_a_shared_layer_type_without_an_owner_is_refused():
     with pytest.raises(ValueError, match="no layer before them is a full_attention layer"):
         DecoderConfig(family="gemma4_text", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=2,
-                      head_dim=4, intermediate_size=6, attention=AttentionConfig(sliding_window=2),
+                      head_dim=4, mlp=MLPConfig(6), attention=AttentionConfig(sliding_window=2),
                       norm=NormConfig(placement="sandwich"),
                       layer_types=("sliding_attention", "sliding_attention", "full_attention"),
                       layerwise=LayerwiseConfig(global_head_dim=8, global_kv_heads=2, shared_kv_layers=1))

@@ -5,12 +5,12 @@ import pytest
 
 pytest.importorskip("transformers")
 from attnkit.benchmarks import decode, decode_floor  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig, ExpertsConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, ExpertsConfig, MLPConfig  # noqa: E402
 
 
 def _config(**extra):
     return DecoderConfig(**{**dict(family="llama", vocab_size=64, hidden_size=16, num_layers=2, num_heads=4,
-                                   num_kv_heads=2, head_dim=4, intermediate_size=24), **extra})
+                                   num_kv_heads=2, head_dim=4, mlp=MLPConfig(24)), **extra})
 
 
 def test_the_step_weights_are_what_one_token_reads():

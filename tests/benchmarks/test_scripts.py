@@ -92,10 +92,10 @@ def test_the_speculative_benchmark_measures_every_method_against_plain_decoding(
     import numpy as np
 
     from attnkit.benchmarks import speculative
-    from attnkit.models import CausalLM, DecoderConfig
+    from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
     lm = CausalLM(DecoderConfig(family="llama", vocab_size=20, hidden_size=16, num_layers=4, num_heads=2,
-                                num_kv_heads=1, head_dim=8, intermediate_size=24), rng=0)
+                                num_kv_heads=1, head_dim=8, mlp=MLPConfig(24)), rng=0)
     args = argparse.Namespace(new=12, rounds=2, lookup=4, early_exit=None)
     ids = np.array([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
     rows = speculative._measure(lm, ids, speculative._methods(lm, args, draft=lm), args)

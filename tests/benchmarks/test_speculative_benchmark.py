@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnkit.benchmarks import speculative
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 from bench_helpers import fake_llama_bench, llama_bench_runs
 
 DECODE_JSON = [{"build_commit": "abc1234", "cpu_info": "Test CPU", "model_type": "llama ?B all F32", "n_prompt": 0,
@@ -18,7 +18,7 @@ DECODE_JSON = [{"build_commit": "abc1234", "cpu_info": "Test CPU", "model_type":
 @pytest.fixture
 def lm():
     return CausalLM(DecoderConfig(family="llama", vocab_size=20, hidden_size=16, num_layers=4, num_heads=2,
-                                  num_kv_heads=1, head_dim=8, intermediate_size=24), rng=0)
+                                  num_kv_heads=1, head_dim=8, mlp=MLPConfig(24)), rng=0)
 
 
 def _args(tmp_path, binary, **changes):

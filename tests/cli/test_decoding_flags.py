@@ -45,7 +45,7 @@ PROMPT = "5,6,7,8,5,6,7,8,5,6"
 def test_each_way_of_drafting_leaves_greedy_text_unchanged(llama, capsys, flags):
     flags = [str(llama) if flag == "SELF" else flag for flag in flags]
     plain = generate(load_causal_lm(llama), np.array([[int(i) for i in PROMPT.split(",")]]), max_new_tokens=16)
-    eos = load_causal_lm(llama).config.eos_token_id
+    eos = load_causal_lm(llama).config.tokens.eos
     ids = plain[0].tolist()
     cut = next((i + 1 for i, t in enumerate(ids[10:], 10) if t == eos), len(ids))
     assert generated(capsys, llama, "--ids", PROMPT, "--max-new-tokens", 16, *flags) == ids[:cut]

@@ -169,7 +169,7 @@ def test_beam_search_option_prints_the_best_beam(model_dirs, capsys):
     lm = load_causal_lm(llama)
     best = generate(lm, np.array([[10, 11]]), max_new_tokens=6, num_beams=3, length_penalty=0.5,
                     early_stopping="never")[0].tolist()
-    eos = lm.config.eos_token_id
+    eos = lm.config.tokens.eos
     cut = next((i + 1 for i, t in enumerate(best[2:], 2) if t == eos), len(best))
     assert record["ids"] == best[:cut] and record["text"] == " ".join(f"w{i}" for i in best[:cut])
     assert main(["generate", str(llama), "--prompt", "w10 w11", "--num-beams", "2", "--seed", "1"]) == 2

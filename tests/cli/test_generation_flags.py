@@ -108,7 +108,7 @@ def test_generate_flags_give_what_the_library_gives(llama, args, kwargs):
 
     record = generate_json(llama, "--ids", "4,5,6", "--max-new-tokens", "12", *args)
     expected = generate(load_causal_lm(llama), np.array([[4, 5, 6]]), max_new_tokens=12, **kwargs)[0].tolist()
-    eos = load_causal_lm(llama).config.eos_token_id
+    eos = load_causal_lm(llama).config.tokens.eos
     cut = next((i + 1 for i, t in enumerate(expected[3:], 3) if t == eos), len(expected))
     assert record["ids"] == expected[:cut]
 

@@ -5,10 +5,10 @@ import pytest
 from attnkit.attention import GroupedQueryAttention
 from attnkit.core.module import Module
 from attnkit.layers.gated_mlp import GatedMLP
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, MLPConfig
 
 CFG = DecoderConfig(family="qwen2", vocab_size=16, hidden_size=12, num_layers=2, num_heads=3, num_kv_heads=1,
-                    head_dim=4, intermediate_size=10, attention=AttentionConfig(bias=True))
+                    head_dim=4, mlp=MLPConfig(10), attention=AttentionConfig(bias=True))
 
 
 class Pair(Module):
@@ -49,7 +49,7 @@ def test_the_layers_give_the_same_output_and_gradients_fused_or_not(fused):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 12))
     attn = GroupedQueryAttention(CFG, 0, rng=1)
-    mlp = GatedMLP(CFG.hidden_size, CFG.intermediate_size, CFG.activation, rng=2)
+    mlp = GatedMLP(CFG.hidden_size, CFG.mlp.intermediate_size, CFG.mlp.activation, rng=2)
     reference = {}
     for layer in (attn, mlp):
         y = layer(x)

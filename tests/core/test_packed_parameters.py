@@ -15,11 +15,11 @@ from attnkit.core.module import Module  # noqa: E402
 from attnkit.init import empty_init, is_placeholder  # noqa: E402
 from attnkit.kernels.packed import PackedWeight  # noqa: E402
 from attnkit.layers import GatedMLP  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from attnkit.optim import Adam  # noqa: E402
 
 CFG = DecoderConfig(family="llama", vocab_size=40, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                    head_dim=16, intermediate_size=96)
+                    head_dim=16, mlp=MLPConfig(96))
 
 
 def _packed(w: np.ndarray, kind: str = "Q8_0") -> PackedWeight:
@@ -38,8 +38,9 @@ def _pack(module: Module, names) -> Module:
 
 def _twins(dtype=np.float64):
     """A GatedMLP whose three weights are packed, and a dense one holding their dequantized values."""
-    packed = _pack(GatedMLP(CFG.hidden_size, CFG.intermediate_size, rng=0), ("W_gate", "W_up", "W_down")).astype(dtype)
-    dense = GatedMLP(CFG.hidden_size, CFG.intermediate_size, rng=1).astype(dtype)
+    packed = _pack(GatedMLP(CFG.hidden_size, CFG.mlp.intermediate_size, rng=0),
+                   ("W_gate", "W_up", "W_down")).astype(dtype)
+    dense = GatedMLP(CFG.hidden_size, CFG.mlp.intermediate_size, rng=1).astype(dtype)
     for name in ("W_gate", "W_up", "W_down"):
         setattr(dense, name, getattr(packed, name).dequantize())
     return packed, dense
@@ -62,7 +63,7 @@ def test_a_packed_mlp_computes_what_its_dequantized_twin_computes():
 def test_a_step_after_a_parameter_got_new_storage_is_the_forward():
     """The broken gate/up group: the step takes the forward's two products (it used to concatenate the
     weights at every step), for dense weights given new storage and packed ones alike."""
-    mlp = GatedMLP(CFG.hidden_size, CFG.intermediate_size, rng=0).astype(np.float64)
+    mlp = GatedMLP(CFG.hidden_size, CFG.mlp.intermediate_size, rng=0).astype(np.float64)
     mlp.set_parameter("W_up", mlp.W_up * 2)
     assert mlp.fused_weight_and_bias("W_gate_up", "b_gate_up") is None
     x = np.random.default_rng(1).standard_normal((3, 64))
@@ -99,7 +100,7 @@ def test_astype_state_dict_and_loading_keep_the_rules_of_packed_weights(tmp_path
     with pytest.raises(TypeError, match=r"GatedMLP holds 3 packed weights \('W_gate', \.\.\.\): save writes float "
                                         r"arrays"):
         packed.save(tmp_path / "mlp.npz")
-    twin = GatedMLP(CFG.hidden_size, CFG.intermediate_size, rng=5).astype(np.float32)
+    twin = GatedMLP(CFG.hidden_size, CFG.mlp.intermediate_size, rng=5).astype(np.float32)
     twin.load_state_dict(state)  # a packed value into a dense parameter: dequantized
     np.testing.assert_array_equal(twin.W_down, dense.W_down)
     packed.load_state_dict(dense.state_dict())  # a dense value replaces a packed parameter
@@ -117,7 +118,7 @@ def test_astype_state_dict_and_loading_keep_the_rules_of_packed_weights(tmp_path
 
 def test_placeholders_take_no_memory_until_allocated():
     cfg = DecoderConfig(family="llama", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
-                        num_kv_heads=2, head_dim=64, intermediate_size=768)
+                        num_kv_heads=2, head_dim=64, mlp=MLPConfig(768))
     tracemalloc.start()
     try:
         with empty_init(np.float32, placeholders=True):

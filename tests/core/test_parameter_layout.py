@@ -4,7 +4,7 @@ import pytest
 
 from attnkit.core.module import Module
 from attnkit.init import empty_init
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 
 class Table(Module):
@@ -47,7 +47,7 @@ def test_under_empty_init_the_column_major_array_is_allocated_in_the_target_dtyp
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_language_model_head_is_column_major_and_gives_the_same_logits_and_gradients(tied):
     cfg = DecoderConfig(family="llama", vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                        head_dim=8, intermediate_size=24, tie_word_embeddings=tied)
+                        head_dim=8, mlp=MLPConfig(24), tie_word_embeddings=tied)
     lm = CausalLM(cfg, rng=0)
     owner = lm.embed if tied else lm.head
     assert lm.head_weight.flags.f_contiguous and lm.head_weight is owner.weight

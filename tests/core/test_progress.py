@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from attnkit import _progress
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 CFG = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
-                    head_dim=8, intermediate_size=24)
+                    head_dim=8, mlp=MLPConfig(24))
 
 
 @pytest.fixture

@@ -82,7 +82,7 @@ def test_logit_attrs_sum_to_the_logit_difference_with_the_final_norm_frozen(name
     shift = direction @ beta
     rows = np.arange(2)
     want = logits[rows, -1, CORRECT] - logits[rows, -1, INCORRECT]
-    cap = lm.config.final_logit_softcap
+    cap = lm.config.scales.final_logit_softcap
     if cap is not None:
         uncapped = cap * np.arctanh(logits[:, -1] / cap)  # (B, V)
         want = uncapped[rows, CORRECT] - uncapped[rows, INCORRECT]

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.explain import gradient_x_input, saliency  # noqa: E402
 from attnkit.explain.attribution import embedding_gradient  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import saved_model  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_causal_positions_after_target_are_zero_and_grads_left_clean(hf_root):
 
 def test_gradient_matches_finite_differences_float64():
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     lm = CausalLM(cfg, rng=3).astype(np.float64)
     ids = np.array([2, 7, 4, 11, 5])  # distinct tokens: perturbing a row of the table moves one input
     grad, _, target = embedding_gradient(lm, ids, target_position=-1)
@@ -87,7 +87,7 @@ def test_gradient_matches_finite_differences_float64():
 
 def test_batch_rows_equal_single_sequences():
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     lm = CausalLM(cfg, rng=1)
     batch = np.array([[2, 7, 4, 11], [1, 1, 9, 3]])
     together = gradient_x_input(lm, batch, target_token=[4, 5])
@@ -105,6 +105,6 @@ def test_batch_rows_equal_single_sequences():
 ])
 def test_bad_arguments(kwargs, match):
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     with pytest.raises(ValueError, match=match):
         saliency(CausalLM(cfg, rng=0), **kwargs)

@@ -16,7 +16,7 @@ from attnkit.explain import SAE, attribution_graph, prune_graph, run_with_cache
 from attnkit.explain.attribution_graph import AttributionGraph
 from attnkit.layers.identity import Identity, Scale
 from attnkit.layers.layer_norm import LayerNorm
-from attnkit.models import CausalLM
+from attnkit.models import CausalLM, ScalesConfig
 from decoder_cases import tiny_config
 
 PROMPT = [1, 5, 7, 2, 9, 3]
@@ -127,7 +127,7 @@ class _Reference:
         inputs, final = self.forward(embed, acts, errors)
         pres = np.array([inputs[i, p] @ self.tcs[i].W_enc[:, f] + self.tcs[i].b_enc[f]
                          for i, p, f in graph.active_features])
-        head = self.model.head_weight * self.model.config.logit_scale
+        head = self.model.head_weight * self.model.config.scales.logit
         logits = head @ final[-1]
         return np.concatenate([pres, logits[graph.logit_tokens] - logits.mean()])
 
@@ -343,7 +343,7 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match="sequential attention blocks"):
         attribution_graph(_model("llama", residual="parallel"), PROMPT, tcs)
     with pytest.raises(ValueError, match="soft-cap"):
-        attribution_graph(_model("llama", final_logit_softcap=30.0), PROMPT, tcs)
+        attribution_graph(_model("llama", scales=ScalesConfig(final_logit_softcap=30.0)), PROMPT, tcs)
 
 
 # -- on the explain page and the command line ------------------------------------------------------------------

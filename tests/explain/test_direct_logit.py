@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.explain import direct_logit_attribution  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import TOL, float64_pair, hf_layers, hf_output_projection, saved_model  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_head_share_equals_torch(hf_root):
 
 def test_errors():
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     lm = CausalLM(cfg, rng=0)
     with pytest.raises(ValueError, match=r"target must be a token id in \[0, 13\) or one per row \(1,\), got 13"):
         direct_logit_attribution(lm, [1, 2], 13)

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.explain import generation_attribution, gradient_x_input, integrated_gradients, saliency  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from hf_models import TOL, float64_pair  # noqa: E402
 
 PROMPT = np.array([5, 17, 3, 60, 42])
@@ -24,7 +24,7 @@ def hf_root(tmp_path_factory):
 
 def _tiny(dtype=np.float64):
     cfg = DecoderConfig(family="llama", vocab_size=100, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=4, intermediate_size=24)
+                        head_dim=4, mlp=MLPConfig(24))
     return CausalLM(cfg, rng=3).astype(dtype)
 
 

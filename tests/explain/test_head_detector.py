@@ -15,14 +15,14 @@ from attnkit.explain.head_detector import (
     get_induction_head_detection_pattern,
     get_previous_token_head_detection_pattern,
 )
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 TOKENS = [1, 7, 8, 9, 7, 8, 9, 7]  # BOS, then A B C A B C A
 
 
 def tiny(dtype=np.float64):
     cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     return CausalLM(cfg, rng=0).astype(dtype)
 
 
@@ -137,9 +137,9 @@ def test_bad_arguments_are_named():
     from attnkit.models.config import GatedDeltaNetConfig
 
     only_linear = DecoderConfig(family="qwen3_5_text", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-                                num_kv_heads=1, head_dim=4, intermediate_size=12,
+                                num_kv_heads=1, head_dim=4, mlp=MLPConfig(12),
                                 layer_types=("linear_attention", "linear_attention"),
-                                linear_attention=GatedDeltaNetConfig(1, 2, 4, 3))
+                                mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 3),))
     with pytest.raises(ValueError, match="no layer with attention heads"):
         detect_head(CausalLM(only_linear, rng=0), [1, 2, 3], "induction_head")
 

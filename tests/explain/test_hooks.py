@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.explain import hook_names, hooks, run_with_cache  # noqa: E402
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from hf_models import TOL, float64_pair, hf_layers, hf_output_projection  # noqa: E402
 
 IDS = np.array([[5, 17, 3, 60, 42, 9, 77, 21]])
@@ -162,7 +162,7 @@ def test_steered_residual_is_a_constant_and_hf_agrees(hf_root):
 
 def tiny(family="llama", **changes):
     cfg = dict(family=family, vocab_size=13, hidden_size=8, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=2,
-               intermediate_size=12)
+               mlp=MLPConfig(12))
     cfg.update(changes)
     return CausalLM(DecoderConfig(**cfg), rng=0).astype(np.float64)
 

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.explain import integrated_gradients  # noqa: E402
 from attnkit.explain.integrated_gradients import QUADRATURES, quadrature  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from hf_models import EOS, TOL, float64_pair  # noqa: E402
 
 IDS = np.array([5, 17, 3, 60, 42, 9, 77, 21])
@@ -59,7 +59,7 @@ def test_completeness_gap_shrinks_with_steps(name, hf_root):
 
 def test_target_position_and_rules():
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     lm = CausalLM(cfg, rng=0).astype(np.float64)
     ids = np.array([1, 2, 3, 4, 5])
     middle = integrated_gradients(lm, ids, target=3, steps=8, target_position=2)

@@ -75,7 +75,7 @@ def test_a_mamba2_layer_has_its_own_points_and_no_attention_ones(hf_root):
     assert lm.layer_kind(2) == "a mamba2 (Mamba-2 state space) layer"
     assert lm.layer_hook_points(2)[1:3] == ["blocks.2.attn.hook_conv_out", "blocks.2.attn.hook_ssm_out"]
     _, cache = run_with_cache(lm, CLEAN, names=["blocks.0.attn.hook_ssm_out"])
-    shape = lm.config.mamba2
+    shape = lm.config.layers[0].part
     assert cache["blocks.0.attn.hook_ssm_out"].shape == (1, len(CLEAN), shape.num_heads, shape.head_dim)
     with pytest.raises(ValueError, match=r"'blocks.0.attn.hook_z': layer 0 is a mamba2 \(Mamba-2 state space\) "
                                          r"layer: it has points .*attn.hook_ssm_out"):
@@ -92,7 +92,7 @@ def test_an_attention_beside_mamba2_layer_has_both_mixers_points(hf_root):
         points.index("blocks.1.attn.hook_ssm_out") < points.index("blocks.1.hook_attn_out")
     names = ["blocks.1.attn.hook_ssm_out", "blocks.1.attn.hook_z"]
     logits, cache = run_with_cache(lm, CLEAN, names=names)
-    shape = lm.config.mamba2
+    shape = lm.config.layers[1].part.mamba2
     assert cache["blocks.1.attn.hook_ssm_out"].shape == (1, len(CLEAN), shape.num_heads, shape.head_dim)
     assert cache["blocks.1.attn.hook_z"].shape == (1, len(CLEAN), lm.config.num_heads, lm.config.head_dim)
     with hooks(lm, {"blocks.1.attn.hook_ssm_out": lambda value, name: np.zeros_like(value)}):

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from attnkit.explain import logit_lens  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import saved_model  # noqa: E402
 
@@ -41,7 +41,7 @@ def test_matches_hf_hidden_states(name, tmp_path):
 
 def test_batch_and_errors():
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     lm = CausalLM(cfg, rng=0)
     batch = np.array([[1, 2, 3], [4, 5, 6]])
     lens = logit_lens(lm, batch, top_k=13)

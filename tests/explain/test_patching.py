@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from attnkit.explain import activation_patching, attribution_patching, run_with_cache  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from hf_models import TOL, float64_pair, hf_layers, hf_output_projection  # noqa: E402
 
 CLEAN = np.array([5, 17, 3, 60, 42, 9, 77, 21])
@@ -146,7 +146,7 @@ def test_attribution_patching_equals_torch_autograd(name, hf_root):
 
 def test_errors():
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     lm = CausalLM(cfg, rng=0)
     for function in (activation_patching, attribution_patching):
         with pytest.raises(ValueError, match="hook must be one of 'resid_pre', 'attn_out', 'mlp_out', 'z', got 'q'"):
@@ -160,7 +160,7 @@ def test_errors():
 
 def _tiny(rng_seed=1):
     cfg = DecoderConfig(family="llama", vocab_size=50, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,
-                        head_dim=4, intermediate_size=32)
+                        head_dim=4, mlp=MLPConfig(32))
     lm = CausalLM(cfg, rng=rng_seed).astype(np.float64)
     for weight in lm.parameters():  # initial weights are small: patches would barely move the metric
         weight *= 6.0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attnkit.explain import hooks, path_patching, run_with_cache
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 CLEAN = np.array([3, 14, 15, 9, 26, 5])
 CORRUPT = np.array([3, 14, 40, 9, 33, 5])
@@ -15,7 +15,7 @@ ANSWERS = (7, 21)
 
 def _lm(family="llama", layers=4, kv_heads=2):
     cfg = DecoderConfig(family=family, vocab_size=50, hidden_size=16, num_layers=layers, num_heads=4,
-                        num_kv_heads=kv_heads, head_dim=4, intermediate_size=32, max_position_embeddings=16)
+                        num_kv_heads=kv_heads, head_dim=4, mlp=MLPConfig(32), max_position_embeddings=16)
     lm = CausalLM(cfg, rng=1).astype(np.float64)
     for weight in lm.parameters():  # initial weights are small: heads would barely differ
         weight *= 6.0

@@ -14,10 +14,10 @@ from attnkit.explain import (
     integrated_gradients,
     path_patching,
 )
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 CFG = DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=1,
-                    head_dim=4, intermediate_size=12)
+                    head_dim=4, mlp=MLPConfig(12))
 CLEAN, CORRUPT, ANSWERS = [1, 2, 3, 4], [1, 5, 3, 4], (6, 7)
 
 

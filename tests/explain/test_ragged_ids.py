@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attnkit import explain
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 RAGGED = [[1, 2, 3], [4, 5]]
 SAME = [[1, 2, 3], [1, 6, 3]]
@@ -15,7 +15,7 @@ SAME = [[1, 2, 3], [1, 6, 3]]
 @pytest.fixture(scope="module")
 def lm():
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     return CausalLM(cfg, rng=0)
 
 

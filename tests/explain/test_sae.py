@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnkit.explain import SAE, feature_attribution, hooks, load_sae, run_with_cache_with_saes, saes
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 IDS = np.array([[1, 4, 2, 7, 3, 9], [5, 5, 0, 8, 6, 2]])  # (2, 6)
 D, HZ = 12, 8  # the model width, and attn.hook_z flattened (2 heads of 4)
@@ -19,7 +19,7 @@ D, HZ = 12, 8  # the model width, and attn.hook_z flattened (2 heads of 4)
 @pytest.fixture(scope="module")
 def lm():
     cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=D, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=16)
+                        head_dim=4, mlp=MLPConfig(16))
     return CausalLM(cfg, rng=0).astype(np.float64)
 
 
@@ -376,10 +376,10 @@ def test_loading_and_splicing_import_neither_sae_lens_nor_torch(tmp_path):
     folder = write_folder(tmp_path / "sae", *standard_files())
     code = ("import sys, numpy as np\n"
             "from attnkit.explain import load_sae, run_with_cache_with_saes\n"
-            "from attnkit.models import CausalLM, DecoderConfig\n"
+            "from attnkit.models import CausalLM, DecoderConfig, MLPConfig\n"
             f"sae = load_sae({str(folder)!r})\n"
             f"lm = CausalLM(DecoderConfig(family='llama', vocab_size=11, hidden_size={D}, num_layers=1, num_heads=2,"
-            " num_kv_heads=1, head_dim=4, intermediate_size=16), rng=0)\n"
+            " num_kv_heads=1, head_dim=4, mlp=MLPConfig(16)), rng=0)\n"
             "run_with_cache_with_saes(lm, np.array([[1, 2, 3]]), [sae])\n"
             "print(sorted(m for m in ('sae_lens', 'torch', 'transformer_lens') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -22,7 +22,7 @@ from attnkit.explain import (  # noqa: E402
     save_control_vector,
     steering,
 )
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm, load_tokenizer  # noqa: E402
 from hf_models import FAMILY_MODELS, hf_layers, hf_logits, left_padded_batch, saved_model  # noqa: E402
 
@@ -162,7 +162,7 @@ def test_the_sign_follows_the_majority_of_pairs():
     """Swapping every pair's positive and negative flips every direction (the principal component is the same
     line; the vote picks the other end)."""
     cfg = DecoderConfig(family="llama", vocab_size=30, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
     lm = CausalLM(cfg, rng=3)
 
     class Letters:
@@ -188,7 +188,7 @@ def test_the_sign_follows_the_majority_of_pairs():
 ])
 def test_control_vector_refuses_bad_arguments(kwargs, match):
     cfg = DecoderConfig(family="llama", vocab_size=30, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
 
     class Letters:
         def encode(self, text):

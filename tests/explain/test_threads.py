@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnkit.explain import hooks, run_with_cache
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 pytestmark = pytest.mark.concurrency
 
@@ -19,7 +19,7 @@ IDS = np.array([[3, 14, 15, 9, 26, 5]])
 
 def _lm():
     cfg = DecoderConfig(family="llama", vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=4, intermediate_size=32)
+                        head_dim=4, mlp=MLPConfig(32))
     return CausalLM(cfg, rng=0).astype(np.float64)
 
 

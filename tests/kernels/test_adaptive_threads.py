@@ -12,7 +12,7 @@ import attnkit
 from attnkit import _cpu
 from attnkit.kernels import _threads, tiled
 from attnkit.kernels.linear import product
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 pytestmark = pytest.mark.concurrency
 
@@ -188,7 +188,7 @@ def test_nested_limits_apply_the_lowest_and_unwind(two_blas_threads):
 def test_a_model_generates_the_same_tokens_on_one_free_core(two_blas_threads, one_core_taken, monkeypatch):
     """The forward and the decoding steps enter the BLAS limit (seen here) and give the idle tokens."""
     cfg = DecoderConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=8, intermediate_size=48)
+                        head_dim=8, mlp=MLPConfig(48))
     lm = CausalLM(cfg, rng=0)
     prompt = np.array([[1, 2, 3, 4]])
     entered = []

@@ -14,7 +14,7 @@ import attnkit.flex as F
 from attnkit.kernels._masked_product import zero_safe_matmul
 from attnkit.kernels.reference import attention_backward, attention_forward
 from attnkit.kernels.tiled import flash_attention_backward, flash_attention_forward
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 B, H, L, D = 2, 3, 11, 4
 KEY = 7  # the poisoned key; under the causal mask queries 0..6 cannot see it
@@ -114,7 +114,7 @@ def test_zero_safe_matmul_keeps_zero_weights_at_zero_and_propagates_the_rest():
 
 def test_a_cached_decode_equals_the_full_forward_with_nan_in_a_later_hidden_state():
     config = DecoderConfig(family="llama", vocab_size=23, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                           head_dim=4, intermediate_size=24, tie_word_embeddings=False)
+                           head_dim=4, mlp=MLPConfig(24), tie_word_embeddings=False)
     lm = CausalLM(config, rng=3).astype(np.float64)
     poisoned_token = 11
     ids = np.array([[3, 5, 1, 8, poisoned_token, 2, 9]])  # (1, 7)

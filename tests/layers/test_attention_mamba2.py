@@ -9,20 +9,21 @@ import pytest
 
 from attnkit.decoding.cache import KVCache
 from attnkit.layers import AttentionMamba2Config, AttentionMamba2Mixer, Identity, Mamba2Config, Scale, ScaledGatedMLP
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, MLPConfig, ScalesConfig
 
 from helpers import assert_gradient, make_rng, randn
 
-FACTORS = AttentionMamba2Config(attention_in=0.6, attention_out=1.5, mamba_in=1.3, mamba_out=0.7)
+SHAPE = Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=3, norm="before_gate",
+                     projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0))
+FACTORS = AttentionMamba2Config(SHAPE, attention_in=0.6, attention_out=1.5, mamba_in=1.3, mamba_out=0.7)
 
 
-def _config(factors=FACTORS, **overrides) -> DecoderConfig:
+def _config(factors=FACTORS, mlp=None, **overrides) -> DecoderConfig:
     base = dict(family="falcon_h1", vocab_size=17, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                head_dim=4, intermediate_size=10, layer_types=("attention_mamba2",) * 2,
-                attention=AttentionConfig(scale=0.4), mlp="scaled_gated", mlp_multipliers=(0.8, 1.4),
-                mamba2=Mamba2Config(num_heads=2, head_dim=4, state_size=3, chunk_size=3, norm="before_gate",
-                                    projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0)),
-                attention_mamba2=factors)
+                head_dim=4, layer_types=("attention_mamba2",) * 2, attention=AttentionConfig(scale=0.4),
+                mlp=MLPConfig(10, **{"kind": "scaled_gated", **(mlp or {})}),
+                scales=ScalesConfig(mlp_gate=0.8, mlp_output=1.4),
+                mixer_parts=() if factors is None else (factors,))
     base.update(overrides)
     return DecoderConfig(**base)
 
@@ -53,7 +54,7 @@ def test_the_mixer_passes_finite_differences_with_padding():
 def test_each_factor_scales_its_branch_and_a_factor_of_one_is_an_identity():
     """The output is attn_out * attention(attn_in * x) + mamba_out * mamba(mamba_in * x), term by term."""
     mixer = _bumped(AttentionMamba2Mixer(_config(), 0, rng=0))
-    plain = AttentionMamba2Mixer(_config(AttentionMamba2Config()), 0, rng=0)
+    plain = AttentionMamba2Mixer(_config(AttentionMamba2Config(SHAPE)), 0, rng=0)
     plain.load_state_dict(dict(mixer.named_parameters()))
     assert [type(m) for m in (mixer.attn_in, mixer.mamba_out)] == [Scale, Scale]
     assert [type(m) for m in (plain.attn_in, plain.attn_out, plain.mamba_in, plain.mamba_out)] == [Identity] * 4
@@ -63,9 +64,9 @@ def test_each_factor_scales_its_branch_and_a_factor_of_one_is_an_identity():
 
 
 def test_the_scaled_gated_mlp_passes_finite_differences_and_scales_as_transformers_does():
-    cfg = _config(mlp_bias=True)
-    mlp = _bumped(ScaledGatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, True,
-                                 gate_scale=cfg.mlp_multipliers[0], output_scale=cfg.mlp_multipliers[1], rng=0))
+    cfg = _config(mlp=dict(bias=True))
+    mlp = _bumped(ScaledGatedMLP(cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mlp.activation, True,
+                                 gate_scale=cfg.scales.mlp_gate, output_scale=cfg.scales.mlp_output, rng=0))
     rng = make_rng(3)
     x, grad_y = randn(rng, 2, 3, 8), randn(rng, 2, 3, 8)
     mlp(x)
@@ -85,10 +86,13 @@ def test_the_scaled_gated_mlp_passes_finite_differences_and_scales_as_transforme
 
 
 def test_mlp_multipliers_need_the_scaled_gated_mlp():
-    with pytest.raises(ValueError, match="scale the 'scaled_gated' MLP only; mlp is 'gated'"):
-        _config(mlp="gated")
-    with pytest.raises(ValueError, match=r"attention_mamba2 \(the attention-beside-Mamba-2 layers' factors\)"):
+    with pytest.raises(ValueError, match="scale the 'scaled_gated' MLP only; mlp.kind is 'gated'"):
+        _config(mlp=dict(kind="gated"))
+    with pytest.raises(ValueError, match=r"layer_types has attention_mamba2 layers, so mixer_parts needs an "
+                                         r"AttentionMamba2Config \(their shape\)"):
         _config(factors=None)
+    with pytest.raises(TypeError, match="attention_mamba2.mamba2 must be a Mamba2Config, got NoneType"):
+        AttentionMamba2Config(None)
 
 
 def test_hooks_reach_the_mixer_that_owns_the_point():

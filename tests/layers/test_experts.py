@@ -10,7 +10,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 import torch
 from attnkit.layers import MixtureOfExperts
-from attnkit.models import DecoderConfig, ExpertsConfig
+from attnkit.models import DecoderConfig, ExpertsConfig, MLPConfig
 
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
@@ -19,7 +19,7 @@ D, F, E = 8, 6, 5
 
 def _config(top_k=2, limit=0.7, alpha=1.3):
     return DecoderConfig(family="gpt_oss", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
-                         head_dim=D, intermediate_size=F,
+                         head_dim=D, mlp=MLPConfig(F),
                          experts=ExpertsConfig(num_experts=E, num_experts_per_tok=top_k, moe_intermediate_size=F,
                                                layers=(0,), router="topk_softmax", router_bias=True, expert_bias=True,
                                                swiglu_limit=limit, swiglu_alpha=alpha))

@@ -10,7 +10,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek
 
 import torch
 from attnkit.layers import MixtureOfExperts, Router
-from attnkit.models import DecoderConfig, ExpertsConfig
+from attnkit.models import DecoderConfig, ExpertsConfig, MLPConfig
 
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
@@ -30,8 +30,8 @@ def _moe(top_k, groups, topk_groups, normalize, scaling, shared, rng):
     part = _part(num_experts_per_tok=top_k, shared_expert_intermediate_size=shared * F, n_group=groups,
                  topk_group=topk_groups, norm_topk_prob=normalize, routed_scaling_factor=scaling)
     cfg = DecoderConfig(family="deepseek_v3", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1,
-                        num_kv_heads=1, head_dim=D, intermediate_size=6, experts=part)
-    moe = MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.activation)
+                        num_kv_heads=1, head_dim=D, mlp=MLPConfig(6), experts=part)
+    moe = MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.mlp.activation)
     for _, p in moe.named_parameters():
         p[...] = 0.5 * rng.standard_normal(p.shape)
     return moe
@@ -149,7 +149,7 @@ def test_config_refuses_routing_that_cannot_work(kwargs, match):
 
 
 def test_the_part_needs_a_gated_mlp():
-    with pytest.raises(ValueError, match="the other layers' mlp 'gated'"):
+    with pytest.raises(ValueError, match="the other layers' mlp.kind 'gated'"):
         DecoderConfig(family="deepseek_v3", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
-                      head_dim=D, intermediate_size=6, mlp="plain", experts=_part())
+                      head_dim=D, mlp=MLPConfig(6, kind="plain"), experts=_part())
 

@@ -12,7 +12,7 @@ from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 import torch
 from attnkit.kernels import routing
 from attnkit.layers import MixtureOfExperts
-from attnkit.models import DecoderConfig, ExpertsConfig
+from attnkit.models import DecoderConfig, ExpertsConfig, MLPConfig
 
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
@@ -24,7 +24,7 @@ def _config(top_k=2, weigh_inputs=True, shared=F):
                          router="topk_sigmoid", norm_topk_prob=False, shared_expert_intermediate_size=shared,
                          weigh_inputs=weigh_inputs)
     return DecoderConfig(family="llama4_text", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1,
-                         num_kv_heads=1, head_dim=D, intermediate_size=F, experts=part)
+                         num_kv_heads=1, head_dim=D, mlp=MLPConfig(F), experts=part)
 
 
 def _randomised(moe, rng):

@@ -18,7 +18,7 @@ from helpers import assert_gradient, make_rng, randn
 def test_block_gradients_by_finite_differences(family):
     rng = make_rng(len(family))
     cfg = tiny_config(family, hidden_size=8, num_heads=2, num_kv_heads=1 if family == "llama" else 2, head_dim=4,
-                      intermediate_size=6)
+                      mlp=dict(intermediate_size=6))
     block = LMBlock(cfg, 1, rng=rng)
     for name, p in block.named_parameters():
         p[...] = (1.0 if name.endswith("gamma") else 0.0) + 0.4 * rng.standard_normal(p.shape)

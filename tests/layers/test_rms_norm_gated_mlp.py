@@ -79,8 +79,8 @@ def test_gated_mlp_gradients_by_finite_differences(activation, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_mlp_matches_hugging_face(dtype, activation, bias):
     rng = make_rng(4, bias)
-    cfg = tiny_config(activation=activation, mlp_bias=bias)
-    ours = GatedMLP(cfg.hidden_size, cfg.intermediate_size, activation, bias, rng=rng).astype(dtype)
+    cfg = tiny_config(mlp=dict(activation=activation, bias=bias))
+    ours = GatedMLP(cfg.hidden_size, cfg.mlp.intermediate_size, activation, bias, rng=rng).astype(dtype)
     for name, p in ours.named_parameters():
         setattr(ours, name, randn(rng, *p.shape, scale=0.3))
     tdtype = torch.float64 if dtype == np.float64 else torch.float32

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import (
 import torch
 from attnkit.kernels.rotary import rotary_apply, rotary_frequencies
 from attnkit.layers.rotary import RotaryEmbedding
-from attnkit.models import DecoderConfig, RotaryConfig
+from attnkit.models import DecoderConfig, MLPConfig, RotaryConfig
 
 from helpers import make_rng, randn
 
@@ -33,7 +33,7 @@ SCALINGS = {
 
 def _configs(scaling):
     ours = DecoderConfig(family="llama", vocab_size=8, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
-                         head_dim=HEAD_DIM, intermediate_size=8, max_position_embeddings=MAX_POS,
+                         head_dim=HEAD_DIM, mlp=MLPConfig(8), max_position_embeddings=MAX_POS,
                          rotary=RotaryConfig(theta=THETA, scaling=scaling))
     params = {"rope_type": "default", "rope_theta": THETA} if scaling is None else {**scaling, "rope_theta": THETA}
     theirs = LlamaConfig(vocab_size=8, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,

@@ -10,7 +10,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMo
 
 import torch
 from attnkit.layers import MixtureOfExperts
-from attnkit.models import DecoderConfig, ExpertsConfig
+from attnkit.models import DecoderConfig, ExpertsConfig, MLPConfig
 
 from helpers import assert_close_rel, assert_gradient, make_rng, randn
 
@@ -25,8 +25,8 @@ def _part(num_experts, top_k, width, shared_width, normalise=True, layers=(0,)):
 
 def _moe(top_k, normalise, rng, dtype=np.float64):
     cfg = DecoderConfig(family="qwen3_next", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
-                        head_dim=D, intermediate_size=7, experts=_part(E, top_k, F, FS, normalise))
-    moe = MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.activation)
+                        head_dim=D, mlp=MLPConfig(7), experts=_part(E, top_k, F, FS, normalise))
+    moe = MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.mlp.activation)
     for _, p in moe.named_parameters():
         p[...] = 0.5 * rng.standard_normal(p.shape)
     return moe.astype(dtype)
@@ -99,4 +99,4 @@ def test_the_config_refuses_what_no_model_has():
         _part(2, 1, 4, 4, layers=(1, 1))
     with pytest.raises(ValueError, match="below num_layers"):
         DecoderConfig(family="qwen3_next", vocab_size=4, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
-                      head_dim=D, intermediate_size=7, experts=_part(2, 1, 4, 4, layers=(1,)))
+                      head_dim=D, mlp=MLPConfig(7), experts=_part(2, 1, 4, 4, layers=(1,)))

@@ -12,7 +12,7 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 import torch
 from attnkit.decoding.cache import KVCache
 from attnkit.layers import ShortConv, ShortConvConfig, ShortConvMixer
-from attnkit.models import DecoderConfig
+from attnkit.models import DecoderConfig, MLPConfig
 
 from helpers import assert_gradient, make_rng, randn, to_numpy
 
@@ -146,8 +146,8 @@ def test_steps_and_cached_chunks_equal_the_whole_forward(prefill, dtype):
 
 def _mixer_and_cache(batch: int):
     cfg = DecoderConfig(family="lfm2", vocab_size=8, hidden_size=D, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=6, intermediate_size=8, layer_types=("full_attention", "short_conv"),
-                        short_conv=ShortConvConfig(3, bias=True))
+                        head_dim=6, mlp=MLPConfig(8), layer_types=("full_attention", "short_conv"),
+                        mixer_parts=(ShortConvConfig(3, bias=True),))
     mixer = ShortConvMixer(cfg, 1, rng=8)
     return mixer, KVCache(2, batch, 1, 6, np.float64, states={1: mixer.new_cache(batch)})
 

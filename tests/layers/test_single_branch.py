@@ -12,17 +12,17 @@ from attnkit.layers import Mamba2Config
 from attnkit.layers.identity import Identity
 from attnkit.layers.lm_block import MixerOnlyBlock, MLPOnlyBlock, make_block
 from attnkit.layers.ungated_mlp import UngatedMLP
-from attnkit.models import DecoderConfig, RotaryConfig
+from attnkit.models import DecoderConfig, MLPConfig, RotaryConfig
 
 from helpers import assert_gradient, make_rng, randn, to_numpy
 
 
 def _config(**overrides) -> DecoderConfig:
     base = dict(family="nemotron_h", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=1,
-                head_dim=4, intermediate_size=6, residual="single", mlp="ungated", activation="relu2",
+                head_dim=4, mlp=MLPConfig(6, kind="ungated", activation="relu2"), residual="single",
                 rotary=RotaryConfig(skip_layers=(0, 1, 2)), layer_types=("mamba2", "full_attention", "mlp"),
-                mamba2=Mamba2Config(num_heads=2, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
-                                    chunk_size=2, time_step_min=0.3))
+                mixer_parts=(Mamba2Config(num_heads=2, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
+                                          chunk_size=2, time_step_min=0.3),))
     base.update(overrides)
     return DecoderConfig(**base)
 

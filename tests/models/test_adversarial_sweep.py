@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 HOSTILE = [10**400, 10**30, 2**63, 2**31, -1, 0, 1e-300, 5e-324, 1e308, float("nan"), float("inf"), float("-inf"), -0.0,
            "3", "", [], [1, 2], (), np.array([]), np.array([[1, 2]]), True, 3.5, {}, None, object()]
@@ -29,7 +29,7 @@ VOCAB = 32
 @pytest.fixture(scope="module")
 def lm():
     config = DecoderConfig(family="llama", vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4,
-                           num_kv_heads=2, head_dim=4, intermediate_size=24, max_position_embeddings=64)
+                           num_kv_heads=2, head_dim=4, mlp=MLPConfig(24), max_position_embeddings=64)
     return CausalLM(config, rng=3)
 
 

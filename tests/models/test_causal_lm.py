@@ -14,7 +14,8 @@ from helpers import assert_close_rel, assert_gradient, make_rng, randn
 FAMILY_CASES = {
     "llama_gqa": {},
     "llama_mqa_tied": {"num_kv_heads": 1, "tie_word_embeddings": True},
-    "llama_bias_gelu": {"attention": {"bias": True, "output_bias": True}, "mlp_bias": True, "activation": "gelu_tanh"},
+    "llama_bias_gelu": {"attention": {"bias": True, "output_bias": True},
+                        "mlp": {"bias": True, "activation": "gelu_tanh"}},
     "llama_linear": {"rotary": {"scaling": {"rope_type": "linear", "factor": 2.0}}},
     "llama_dynamic": {"rotary": {"scaling": {"rope_type": "dynamic", "factor": 2.0}}, "max_position_embeddings": 8},
     "llama_yarn": {"rotary": {"scaling": {"rope_type": "yarn", "factor": 4.0,
@@ -34,7 +35,9 @@ FAMILY_CASES = {
 
 
 def _model(case, rng, dtype=np.float64, scale=None, **extra):
-    cfg = tiny_config(**{**FAMILY_CASES[case], **extra})
+    case = FAMILY_CASES[case]
+    mlp = {**case.get("mlp", {}), **extra.pop("mlp", {})}
+    cfg = tiny_config(**{**case, **extra, "mlp": mlp})
     lm = CausalLM(cfg, rng=rng).astype(dtype)
     if scale is not None:  # larger weights than the init so that every path matters
         for name, p in lm.named_parameters():
@@ -56,8 +59,8 @@ def _left_padded(rng, vocab, lengths, total):
 @pytest.mark.parametrize("case", ["llama_gqa", "gpt2", "mistral_window", "llama_bias_gelu", "qwen3_window"])
 def test_whole_model_gradients_by_finite_differences(case):
     rng = make_rng(len(case))
-    lm = _model(case, rng, scale=0.3, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=6,
-                vocab_size=7)
+    lm = _model(case, rng, scale=0.3, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                mlp={"intermediate_size": 6}, vocab_size=7)
     ids, mask = _left_padded(rng, 7, [4, 2], 4)
     g = randn(rng, 2, 4, 7)
 

@@ -79,10 +79,10 @@ def test_returned_weights_are_copies_and_backward_is_unchanged(folders):
 
 
 def test_chosen_layers_only_and_nothing_past_the_last(folders, monkeypatch):
-    from attnkit.models import CausalLM, DecoderConfig
+    from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
     config = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=4, num_heads=4,
-                           num_kv_heads=2, head_dim=4, intermediate_size=24)
+                           num_kv_heads=2, head_dim=4, mlp=MLPConfig(24))
     lm = CausalLM(config, rng=0)
     ids = np.array([[1, 5, 9, 2, 7], [3, 3, 7, 30, 4]])
     mask = np.array([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], bool)

@@ -12,10 +12,12 @@ from attnkit.models import (
     DecoderConfig,
     ExpertsConfig,
     LayerwiseConfig,
+    MLPConfig,
     NormConfig,
     RotaryConfig,
+    ScalesConfig,
 )
-from decoder_cases import DECODER_VARIANTS
+from decoder_cases import DECODER_VARIANTS, with_mlp
 
 from helpers import assert_gradient, make_rng, numerical_gradient, randn
 
@@ -23,8 +25,8 @@ VARIANTS = {
     **DECODER_VARIANTS,
     # Gemma 4: wider global layers (proportional rotary) whose keys are the values, the last two layers reusing
     # keys and values with double-wide MLPs, per-layer inputs, layer scalars
-    "gemma4_text": dict(family="gemma4_text", num_layers=4, embedding_scale=1.5, final_logit_softcap=2.0,
-                        activation="gelu_tanh",
+    "gemma4_text": dict(family="gemma4_text", num_layers=4, scales=ScalesConfig(embedding=1.5, final_logit_softcap=2.0),
+                        mlp=dict(activation="gelu_tanh"),
                         layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
                         norm=NormConfig(placement="sandwich"),
                         rotary=RotaryConfig(scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5},
@@ -38,8 +40,8 @@ VARIANTS = {
 
 def _model(name, rng, **extra):
     base = dict(vocab_size=7, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
-                intermediate_size=6, max_position_embeddings=32, rotary=RotaryConfig(theta=100.0))
-    lm = CausalLM(DecoderConfig(**{**base, **VARIANTS[name], **extra}), rng=rng).astype(np.float64)
+                max_position_embeddings=32, rotary=RotaryConfig(theta=100.0))
+    lm = CausalLM(DecoderConfig(**with_mlp({**base, **VARIANTS[name], **extra}, 6)), rng=rng).astype(np.float64)
     for pname, p in lm.named_parameters():  # larger weights than the init so that every path matters
         if pname.endswith(("gamma", "q_norm", "k_norm")):
             p[...] = 1.0 - lm.config.norm.offset + 0.3 * rng.standard_normal(p.shape)
@@ -104,7 +106,7 @@ def test_cached_steps_equal_the_full_forward(name):
 
 def test_switches_are_checked():
     base = dict(family="llama", vocab_size=7, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
-                intermediate_size=6)
+                mlp=MLPConfig(6))
     with pytest.raises(ValueError, match="attention.qk_norm"):
         DecoderConfig(**base, attention=AttentionConfig(qk_norm="row"))
     with pytest.raises(ValueError, match="rotary.skip_layers"):

@@ -31,7 +31,7 @@ class BigramLM:
 
     def __init__(self, table: np.ndarray, eos=None, pad=None, position="rotary", max_positions=64):
         self.table = table.astype(np.float32)
-        self.config = SimpleNamespace(vocab_size=table.shape[0], eos_token_id=eos, pad_token_id=pad)
+        self.config = SimpleNamespace(vocab_size=table.shape[0], tokens=SimpleNamespace(eos=eos, pad=pad))
         # what the decoding loop asks the model: how long a sequence it can run (a learned table's rows)
         self.max_sequence_length = max_positions if position == "learned" else None
         self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []

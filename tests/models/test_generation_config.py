@@ -10,10 +10,10 @@ import pytest
 
 from attnkit.decoding import GenerationConfig
 from attnkit.decoding.sampling import generate, generate_stream
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 LM = DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
-                   head_dim=4, intermediate_size=12)
+                   head_dim=4, mlp=MLPConfig(12))
 
 
 def test_the_options_are_written_once_as_the_fields_and_every_entry_point_takes_them():

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 from attnkit.decoding.sampling import generate_stream, sample_tokens, warp_logits
-from attnkit.models import CausalLM, DecoderConfig, Seq2SeqConfig, Seq2SeqTransformer
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig, Seq2SeqConfig, Seq2SeqTransformer
 
 
 @pytest.fixture(scope="module")
 def lm():
     config = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=2, num_heads=4,
-                           num_kv_heads=2, head_dim=4, intermediate_size=24, max_position_embeddings=64)
+                           num_kv_heads=2, head_dim=4, mlp=MLPConfig(24), max_position_embeddings=64)
     return CausalLM(config, rng=3)
 
 

@@ -16,6 +16,7 @@ from attnkit.models import (
     DecoderConfig,
     ExpertsConfig,
     LayerwiseConfig,
+    MLPConfig,
     NormConfig,
     RotaryConfig,
 )
@@ -29,6 +30,10 @@ MIXER_CLASSES = {"full_attention": "GroupedQueryAttention", "sliding_attention":
                  "kv_reader_attention": "KVReaderAttention", "linear_attention": "GatedDeltaNetMixer",
                  "kimi_delta_attention": "KimiDeltaAttentionMixer", "short_conv": "ShortConvMixer",
                  "mamba2": "Mamba2Mixer", "attention_mamba2": "AttentionMamba2Mixer", None: "Identity"}
+# The part that shapes each mixer kind (none: the config's attention part, or no mixer)
+PART_CLASSES = {"latent_attention": "LatentAttentionConfig", "linear_attention": "GatedDeltaNetConfig",
+                "kimi_delta_attention": "KimiDeltaAttentionConfig", "short_conv": "ShortConvConfig",
+                "mamba2": "Mamba2Config", "attention_mamba2": "AttentionMamba2Config"}
 
 
 def _mlp_width(mlp) -> int | None:
@@ -49,6 +54,7 @@ def check_model_against_its_specs(lm: CausalLM) -> None:
         i = spec.index
         assert type(block) is BLOCKS[spec.block], i
         assert type(block.attention).__name__ == MIXER_CLASSES[spec.mixer], (i, spec.mixer)
+        assert type(spec.part).__name__ == PART_CLASSES.get(spec.mixer, "NoneType"), (i, spec.mixer)
         if spec.mlp is None:
             assert type(block.mlp).__name__ == "Identity", i
         elif spec.mlp == "experts":
@@ -95,7 +101,7 @@ def test_every_family_is_built_from_its_layers_specs(tmp_path):
 
 def _config(**overrides) -> DecoderConfig:
     base = dict(family="llama", vocab_size=11, hidden_size=8, num_layers=4, num_heads=2, num_kv_heads=1,
-                head_dim=4, intermediate_size=6)
+                head_dim=4, mlp=MLPConfig(6))
     base.update(overrides)
     return DecoderConfig(**base)
 
@@ -131,7 +137,7 @@ def test_dense_first_layers_and_one_branch_layers_resolve_their_mlps():
     experts = ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3, layers=(2, 3))
     specs = _config(experts=experts).layers
     assert [s.mlp for s in specs] == ["gated", "gated", "experts", "experts"]
-    single = _config(family="nemotron_h", residual="single", mlp="ungated", activation="relu2",
+    single = _config(family="nemotron_h", residual="single", mlp=MLPConfig(6, kind="ungated", activation="relu2"),
                      layer_types=("full_attention", "mlp", "full_attention", "mlp")).layers
     assert [(s.mixer, s.mlp, s.block, s.cache) for s in single] == [
         ("full_attention", None, "mixer_only", "keys_values"), (None, "ungated", "mlp_only", "none")] * 2

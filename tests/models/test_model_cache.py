@@ -10,21 +10,21 @@ from attnkit.attention.cache_entry import KeysValues, Latents, PairedCache, entr
 from attnkit.decoding.cache import KVCache, LatentCache, ModelCache
 from attnkit.layers import GatedDeltaNet, Mamba2, ShortConv
 from attnkit.layers.mamba2 import Mamba2Config
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, MLPConfig
 from attnkit.models.config import GatedDeltaNetConfig
 
 
 def _llama(**overrides) -> CausalLM:
     base = dict(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                head_dim=4, intermediate_size=6)
+                head_dim=4, mlp=MLPConfig(6))
     base.update(overrides)
     return CausalLM(DecoderConfig(**base), rng=0)
 
 
 def _hybrid() -> CausalLM:
     return _llama(family="qwen3_next", layer_types=("linear_attention", "full_attention"),
-                  linear_attention=GatedDeltaNetConfig(num_key_heads=1, num_value_heads=2, key_head_dim=4,
-                                                       value_head_dim=4))
+                  mixer_parts=(GatedDeltaNetConfig(num_key_heads=1, num_value_heads=2, key_head_dim=4,
+                                                   value_head_dim=4),))
 
 
 def test_a_model_takes_only_a_cache_of_its_layers_kinds():

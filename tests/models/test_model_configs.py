@@ -4,10 +4,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from attnkit.layers import GatedDeltaNetConfig
+from attnkit.layers import GatedDeltaNetConfig, ShortConvConfig
 from attnkit.models import (
     CausalLM,
     DecoderConfig,
+    MLPConfig,
     Seq2SeqConfig,
     Seq2SeqTransformer,
     TokenTagger,
@@ -18,7 +19,7 @@ TAGGER = TokenTaggerConfig(vocab_size=7, num_classes=3, max_length=6, d_model=8,
 SEQ2SEQ = Seq2SeqConfig(9, 7, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=2, d_ff=12,
                         max_length=10)
 DECODER = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12)
+                        head_dim=4, mlp=MLPConfig(12))
 
 
 @pytest.mark.parametrize("model_class, config", [(TokenTagger, TAGGER), (Seq2SeqTransformer, SEQ2SEQ),
@@ -71,7 +72,7 @@ def test_configs_are_checked_when_made(make, error, match):
 
 
 LLAMA = dict(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
-             intermediate_size=8)
+             mlp=MLPConfig(8))
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -80,10 +81,14 @@ LLAMA = dict(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_head
     ("offset", r"norm.offset \(1.0\) is an RMSNorm gain's offset; norm.kind is 'layernorm'"),
     ("experts", r"experts.layers must list distinct non-negative layer indices \(at least one\)"),
     ("family", "family must be a model_type such as 'llama'"),
-    ("linear_layers", "linear_attention .* must be given exactly when"),
-    ("linear_shape", "linear_attention .* must be given exactly when"),
+    ("linear_layers", r"layer_types has linear_attention layers, so mixer_parts needs a GatedDeltaNetConfig \(their "
+                      r"shape\); it has \[\]"),
+    ("linear_shape", r"mixer_parts has a GatedDeltaNetConfig, the shape of the linear_attention layers, but "
+                     r"layer_types has none"),
+    ("twice", "mixer_parts must hold at most one part of each class, got 2 parts with more than one "
+              "ShortConvConfig"),
     ("moe_layers", r"experts.layers must be layer indices below num_layers \(1\)"),
-    ("moe_mlp", "the other layers' mlp 'gated'"),
+    ("moe_mlp", "the other layers' mlp.kind 'gated'"),
 ])
 def test_a_decoder_no_architecture_has_is_refused(changes, match):
     from attnkit.models import AttentionConfig, DecoderConfig, ExpertsConfig, NormConfig
@@ -94,9 +99,11 @@ def test_a_decoder_no_architecture_has_is_refused(changes, match):
             "experts": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=())),
             "family": lambda: dict(family="not a model type"),
             "linear_layers": lambda: dict(layer_types=("linear_attention",)),
-            "linear_shape": lambda: dict(linear_attention=GatedDeltaNetConfig(1, 2, 4, 4)),
+            "linear_shape": lambda: dict(mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 4),)),
+            "twice": lambda: dict(layer_types=("short_conv",), mixer_parts=(ShortConvConfig(3), ShortConvConfig(4))),
             "moe_layers": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=(1,))),
-            "moe_mlp": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=(0,)), mlp="plain")}[changes]
+            "moe_mlp": lambda: dict(experts=ExpertsConfig(2, 1, 4, layers=(0,)),
+                                    mlp=MLPConfig(8, kind="plain"))}[changes]
     with pytest.raises(ValueError, match=match):
         DecoderConfig(**{**LLAMA, **make()})
     DecoderConfig(**LLAMA)  # the same config without the change is fine

@@ -8,7 +8,7 @@ from scipy import stats
 pytest.importorskip("transformers")
 from attnkit.decoding.sampling import generate, generate_stream, speculative_sample  # noqa: E402
 from attnkit.decoding.speculative import DraftModel, PromptLookup  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from hf_models import FAMILY_MODELS, saved_model  # noqa: E402
 
@@ -92,7 +92,7 @@ def test_speculative_sampling_keeps_the_models_distribution():
 def test_sampled_speculative_decoding_has_the_frequencies_of_plain_sampling():
     """On a tiny model, the second new token's frequencies under prompt lookup match plain sampling's."""
     lm = CausalLM(DecoderConfig(family="llama", vocab_size=6, hidden_size=8, num_layers=1, num_heads=2,
-                                num_kv_heads=1, head_dim=4, intermediate_size=12), rng=1)
+                                num_kv_heads=1, head_dim=4, mlp=MLPConfig(12)), rng=1)
     prompt = np.tile([[1, 2, 3, 1, 2, 3, 1, 2]], (2000, 1))
     options = dict(max_new_tokens=3, do_sample=True, temperature=2.0, eos_token_id=[])
     plain = lm.generate(prompt, seed=1, **options)[:, -2]

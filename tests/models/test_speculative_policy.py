@@ -17,7 +17,7 @@ from attnkit.decoding.speculative import (
     expected_tokens,
     verify_cost,
 )
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 NEW = 96
 
@@ -44,7 +44,7 @@ class Scripted(Proposer):
 @pytest.fixture(scope="module")
 def lm():
     return CausalLM(DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=4, num_heads=2,
-                                  num_kv_heads=1, head_dim=8, intermediate_size=24), rng=0)
+                                  num_kv_heads=1, head_dim=8, mlp=MLPConfig(24)), rng=0)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ class ScriptedModel:
 
     def __init__(self, script: list[int], vocab: int) -> None:
         self.script, self.vocab = script, vocab
-        self.config = SimpleNamespace(vocab_size=vocab, eos_token_id=None, pad_token_id=None,
+        self.config = SimpleNamespace(vocab_size=vocab, tokens=SimpleNamespace(eos=None, pad=None),
                                       max_position_embeddings=4096, position="rotary")
         self.generation_config = {}
         self.prompt_length = None

@@ -9,14 +9,14 @@ import attnkit
 
 
 def test_the_main_entry_points_import_from_the_root():
-    from attnkit.models import CausalLM, DecoderConfig
+    from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     from attnkit.pretrained import load, load_causal_lm, load_tokenizer, supported_model_types
 
     assert (attnkit.CausalLM, attnkit.DecoderConfig, attnkit.load, attnkit.load_causal_lm, attnkit.load_tokenizer,
             attnkit.supported_model_types) == (CausalLM, DecoderConfig, load, load_causal_lm, load_tokenizer,
                                                supported_model_types)
     config = attnkit.DecoderConfig(family="llama", vocab_size=9, hidden_size=8, num_layers=1, num_heads=2,
-                                   num_kv_heads=1, head_dim=4, intermediate_size=8)
+                                   num_kv_heads=1, head_dim=4, mlp=MLPConfig(8))
     assert attnkit.CausalLM(config, rng=0)(np.array([[1, 2]])).shape == (1, 2, 9)
     assert "llama" in attnkit.supported_model_types()
 

@@ -212,10 +212,10 @@ def test_bad_dtype_argument(hf_root):
 
 
 def test_map_example_matches_gpt2_fused_attention():
-    from attnkit.models import DecoderConfig, NormConfig
+    from attnkit.models import DecoderConfig, MLPConfig, NormConfig
 
     cfg = DecoderConfig(family="gpt2", vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
-                        head_dim=4, intermediate_size=16, mlp="plain", activation="gelu_tanh",
+                        head_dim=4, mlp=MLPConfig(16, kind="plain", activation="gelu_tanh"),
                         tie_word_embeddings=True, norm=NormConfig(kind="layernorm"), rotary=None)
     maps, prefix = checkpoint_map(cfg)
     fused = next(m for m in maps if m.source == "h.0.attn.c_attn.weight")

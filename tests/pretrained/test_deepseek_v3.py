@@ -17,7 +17,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek 
 
 from attnkit.attention.latent import LatentAttentionConfig  # noqa: E402
 from attnkit.explain import hooks  # noqa: E402
-from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, ExpertsConfig, RotaryConfig  # noqa: E402
+from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, ExpertsConfig, MLPConfig, RotaryConfig  # noqa: E402
 from attnkit.pretrained import load_causal_lm  # noqa: E402
 from attnkit.pretrained.checkpoint import HEAD_NAMES, checkpoint_map  # noqa: E402
 from hf_models import left_padded_batch, positions_from_mask, saved_model  # noqa: E402
@@ -41,15 +41,16 @@ def _tiny(q_lora: bool) -> DecoderConfig:
                             topk_group=1 if q_lora else 2, norm_topk_prob=q_lora, routed_scaling_factor=2.5,
                             shared_expert_intermediate_size=3 if q_lora else 6)
     return DecoderConfig(family="deepseek_v3", vocab_size=7, hidden_size=8, num_layers=2, num_heads=2,
-                         num_kv_heads=2, head_dim=2, intermediate_size=6,
-                         rotary=RotaryConfig(theta=100.0, interleaved=q_lora), latent=latent, experts=experts)
+                         num_kv_heads=2, head_dim=2, mlp=MLPConfig(6),
+                         rotary=RotaryConfig(theta=100.0, interleaved=q_lora), mixer_parts=(latent,),
+                         experts=experts)
 
 
 def _tiny_sparse() -> DecoderConfig:
     """DeepSeek-V3.2: the q_lora model with an indexer keeping 2 keys per query."""
     cfg = _tiny(True)
-    return dataclasses.replace(cfg, family="deepseek_v32", latent=dataclasses.replace(
-        cfg.latent, index_topk=2, index_n_heads=4, index_head_dim=3))
+    return dataclasses.replace(cfg, family="deepseek_v32", mixer_parts=(dataclasses.replace(
+        cfg.mixer_part(LatentAttentionConfig), index_topk=2, index_n_heads=4, index_head_dim=3),))
 
 
 @pytest.mark.parametrize("q_lora", [True, False, "sparse"])
@@ -171,7 +172,7 @@ def test_absorbed_decoding_equals_the_explicit_forward(name, hf_root):
 
 def test_the_cache_holds_the_latent_and_the_rotary_key_only(hf_root):
     lm = load_causal_lm(saved_model("deepseek_v3", hf_root)[0])
-    latent = lm.config.latent
+    latent = lm.config.mixer_part(LatentAttentionConfig)
     cache = lm.new_cache(3, max_length=8)
     lm(np.ones((3, 8), dtype=np.int64), cache=cache)
     per_token_layer = cache.nbytes // (3 * 8 * lm.config.num_layers)
@@ -210,7 +211,7 @@ def test_hook_points_see_the_heads_and_the_pattern(hf_root):
     with hooks(lm, {"blocks.1.attn.hook_pattern": lambda v, n: seen.setdefault("pattern", v.copy()),
                     "blocks.1.attn.hook_k": lambda v, n: seen.setdefault("k", v.copy())}):
         logits = lm(ids)
-    latent = lm.config.latent
+    latent = lm.config.layers[1].part
     assert seen["k"].shape == (1, 5, 4, latent.qk_head_dim)
     np.testing.assert_allclose(seen["pattern"], lm.attention_weights(ids, layers=[1])[0], atol=1e-7)
     # a reading hook changes nothing but the kernel (a hooked pattern is computed by the reference kernel)
@@ -258,17 +259,20 @@ def test_the_block_is_built_from_the_parts():
     (dict(rotary=RotaryConfig(theta=100.0, interleaved=True, partial_factor=0.5)), "partial_factor 1"),
     (dict(head_dim=4), "head_dim = qk_rope_head_dim"),
     (dict(attention=AttentionConfig(bias=True)), "no setting of the attention part"),
-    (dict(num_heads=1, num_kv_heads=1), "latent describes hidden_size 8 and 2 heads"),
-    (dict(mlp="plain"), "the other layers' mlp 'gated'"),
+    (dict(num_heads=1, num_kv_heads=1), "the LatentAttentionConfig in mixer_parts describes hidden_size 8 and 2 heads"),
+    (dict(mlp=MLPConfig(6, kind="plain")), "the other layers' mlp.kind 'gated'"),
 ])
 def test_the_parts_must_fit_the_model(change, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(_tiny(True), **change)
 
 
-@pytest.mark.parametrize("name, value", [("latent", {"kv_lora_rank": 5}), ("experts", 3)])
-def test_a_part_must_be_its_dataclass(name, value):
-    with pytest.raises(TypeError, match=f"{name} must be a .* or None, got"):
+@pytest.mark.parametrize("name, value, match", [
+    ("mixer_parts", ({"kv_lora_rank": 5},), "mixer_parts must hold parts of the classes .*LatentAttentionConfig.*, "
+                                            "got dict"),
+    ("experts", 3, "experts must be a ExpertsConfig or None, got int")])
+def test_a_part_must_be_its_dataclass(name, value, match):
+    with pytest.raises(TypeError, match=match):
         dataclasses.replace(_tiny(True), **{name: value})
 
 
@@ -280,7 +284,7 @@ def test_the_parts_survive_to_dict():
 def test_deepseek_v32_caches_the_indexers_keys_beside_the_latent(hf_root):
     """Cached decoding selects over the cached index keys: the cache holds C + R + Di numbers per token and layer."""
     lm = load_causal_lm(saved_model("deepseek_v32", hf_root)[0])
-    latent = lm.config.latent
+    latent = lm.config.mixer_part(LatentAttentionConfig)
     cache = lm.new_cache(3, max_length=8)
     lm(np.ones((3, 8), dtype=np.int64), cache=cache)
     per_token_layer = cache.nbytes // (3 * 8 * lm.config.num_layers)

@@ -537,7 +537,9 @@ def test_kimi_linear_reads_moonshots_own_config_keys_as_transformers_does():
     assert ours == family("kimi_linear").config_from_hf(flat)
     assert ours.layer_types == ("kimi_delta_attention", "kimi_delta_attention", "full_attention",
                                 "kimi_delta_attention")
-    assert (ours.kimi_delta.num_heads, ours.kimi_delta.head_dim, ours.kimi_delta.conv_kernel_size) == (2, 8, 3)
+    kda = ours.layers[0].part
+    assert (type(kda).__name__, kda.num_heads, kda.head_dim, kda.conv_kernel_size) == ("KimiDeltaAttentionConfig",
+                                                                                      2, 8, 3)
     assert ours.experts.layers == (2, 3)
     bad = dict(moonshot, linear_attn_config=dict(moonshot["linear_attn_config"], full_attn_layers=[5]))
     with pytest.raises(ValueError, match=r"linear_attn_config\['full_attn_layers'\] must hold layer numbers"):

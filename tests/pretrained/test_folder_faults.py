@@ -95,7 +95,7 @@ def test_a_class_default_id_past_a_small_vocabulary_reads_as_none():
 
     # GPT-2's defaults are 50256; a config that states no ids and has 64 tokens has no such token
     config = decoder_config_from_hf({"model_type": "gpt2", "vocab_size": 64, "n_embd": 8, "n_layer": 1, "n_head": 2})
-    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (None, None, None)
+    assert (config.tokens.bos, config.tokens.eos, config.tokens.pad) == (None, None, None)
 
 
 def test_a_chat_template_that_is_not_utf8_is_refused_naming_the_file(chat_folder, tmp_path):

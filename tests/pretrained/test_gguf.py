@@ -113,7 +113,7 @@ def test_end_of_turn_ids_end_generation_as_in_llama_cpp(tmp_path):
     path = tmp_path / "eot.gguf"
     gm.write_gguf(gm.build_model("llama"), path, tokenizer=meta)
     lm, tokenizer = load(path)
-    assert lm.config.eos_token_id == (95, 94) and tokenizer.eos_token_ids == (95, 94)
+    assert lm.config.tokens.eos == (95, 94) and tokenizer.eos_token_ids == (95, 94)
 
 
 def test_mistral_is_written_and_read_as_llama(root):
@@ -465,8 +465,9 @@ def test_a_nemotron_h_file_reads_its_layer_kinds_from_the_per_layer_counts(root)
     model = gm.build_model("nemotron_h_bias_no_floor")
     lm = load_causal_lm(_written(root, "float_nemotron_h_bias_no_floor", model))
     assert lm.config.layer_types == ("mlp", "mamba2", "full_attention", "mamba2")
-    assert lm.config.mamba2.time_step_min == 0.0 and lm.config.mamba2.proj_bias and not lm.config.mamba2.conv_bias
-    assert lm.config.mlp_bias and lm.config.intermediate_size == 40 and lm.config.num_kv_heads == 1
+    shape = lm.config.layers[1].part
+    assert shape.time_step_min == 0.0 and shape.proj_bias and not shape.conv_bias
+    assert lm.config.mlp.bias and lm.config.mlp.intermediate_size == 40 and lm.config.num_kv_heads == 1
 
 
 def test_a_bamba_file_with_mlp_biases_is_refused_by_its_tensors(tmp_path, no_model_built):

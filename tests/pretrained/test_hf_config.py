@@ -24,17 +24,17 @@ def test_gpt2_keys_and_defaults():
     cfg = decoder_config_from_hf(saved(transformers.GPT2Config(vocab_size=50257, n_embd=32, n_layer=3, n_head=4,
                                                                n_positions=40, layer_norm_epsilon=1e-4)))
     assert (cfg.family, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads) == ("gpt2", 50257, 32, 3, 4)
-    assert (cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.max_position_embeddings) == (4, 8, 128, 40)
-    assert (cfg.norm.kind, cfg.norm.eps, cfg.activation, cfg.mlp, cfg.rotary) == (
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.mlp.intermediate_size, cfg.max_position_embeddings) == (4, 8, 128, 40)
+    assert (cfg.norm.kind, cfg.norm.eps, cfg.mlp.activation, cfg.mlp.kind, cfg.rotary) == (
         "layernorm", 1e-4, "gelu_tanh", "plain", None)
-    assert cfg.attention.bias and cfg.attention.output_bias and cfg.mlp_bias and cfg.tie_word_embeddings
-    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (50256, 50256, None)
+    assert cfg.attention.bias and cfg.attention.output_bias and cfg.mlp.bias and cfg.tie_word_embeddings
+    assert (cfg.tokens.bos, cfg.tokens.eos, cfg.tokens.pad) == (50256, 50256, None)
 
 
 def test_gpt2_inner_size_activation_and_untied_head():
     cfg = decoder_config_from_hf({"model_type": "gpt2", "vocab_size": 10, "n_embd": 8, "n_layer": 1, "n_head": 2,
                                   "n_inner": 20, "activation_function": "relu", "tie_word_embeddings": False})
-    assert (cfg.intermediate_size, cfg.activation, cfg.tie_word_embeddings) == (20, "relu", False)
+    assert (cfg.mlp.intermediate_size, cfg.mlp.activation, cfg.tie_word_embeddings) == (20, "relu", False)
 
 
 @pytest.mark.parametrize("style", ["rope_scaling_type", "rope_scaling_rope_type", "rope_parameters"])
@@ -76,8 +76,8 @@ def test_llama_head_dim_kv_heads_biases_and_tokens():
                                   "attention_bias": True, "mlp_bias": True, "eos_token_id": [2, 7],
                                   "pad_token_id": 0, "hidden_act": "gelu_pytorch_tanh"})
     assert (cfg.head_dim, cfg.num_kv_heads, cfg.num_groups) == (16, 1, 4)
-    assert cfg.attention.bias and cfg.attention.output_bias and cfg.mlp_bias
-    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.activation) == (1, (2, 7), 0, "gelu_tanh")
+    assert cfg.attention.bias and cfg.attention.output_bias and cfg.mlp.bias
+    assert (cfg.tokens.bos, cfg.tokens.eos, cfg.tokens.pad, cfg.mlp.activation) == (1, (2, 7), 0, "gelu_tanh")
     plain = decoder_config_from_hf({"model_type": "llama", **SMALL})
     assert (plain.head_dim, plain.num_kv_heads, plain.tie_word_embeddings) == (8, 4, False)
 

@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 
 from attnkit.decoding.sampling import generate  # noqa: E402
 from attnkit.decoding.speculative import MultiTokenDraft  # noqa: E402
-from attnkit.models import CausalLM, DecoderConfig, MultiTokenPredictor  # noqa: E402
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig, MultiTokenPredictor  # noqa: E402
 from attnkit.models.multi_token import MTPLayer, mtp_config  # noqa: E402
 from attnkit.pretrained import load_causal_lm, load_multi_token_predictor  # noqa: E402
 from hf_models import saved_model  # noqa: E402
@@ -169,7 +169,7 @@ def test_prediction_cache_gives_the_drafts_of_a_fresh_run(layers, kept):
     equal the layers run afresh on the whole sequence, whether drafts were rejected or all kept (1-3 layers; layer
     k's last k slots read drafts and are run again)."""
     cfg = DecoderConfig(family="llama", vocab_size=13, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=4, intermediate_size=24, mtp_layers=layers)
+                        head_dim=4, mlp=MLPConfig(24), mtp_layers=layers)
     lm = CausalLM(cfg, rng=0).astype(np.float64)
     predictor = MultiTokenPredictor(lm, rng=1)
     if kept == "all":
@@ -186,7 +186,7 @@ def test_prediction_cache_gives_the_drafts_of_a_fresh_run(layers, kept):
 
 def test_prediction_layer_backward_matches_finite_differences():
     cfg = mtp_config(DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-                                   num_kv_heads=1, head_dim=4, intermediate_size=12, mtp_layers=1))
+                                   num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), mtp_layers=1))
     layer = MTPLayer(cfg, 0, rng=0).astype(np.float64)
     rng = np.random.default_rng(1)
     e, h = rng.standard_normal((2, 1, 3, 8))
@@ -273,7 +273,7 @@ def test_the_two_names_of_the_count_are_read_and_must_agree(hf_root, tmp_path):
 
 def test_mtp_drafts_must_be_the_models_own():
     cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=4, intermediate_size=12, mtp_layers=1)
+                        head_dim=4, mlp=MLPConfig(12), mtp_layers=1)
     lm, other = CausalLM(cfg, rng=0), CausalLM(cfg, rng=1)
     with pytest.raises(ValueError, match="another model"):
         lm.generate(IDS[:, :3] % 11, max_new_tokens=3, assistant_model=MultiTokenPredictor(other, rng=2))
@@ -285,7 +285,7 @@ def test_generate_command_drafts_with_prediction_layers_and_keeps_greedy_text(wi
     target = with_mtp[0]
     lm = load_causal_lm(target)
     plain = lm.generate(IDS, max_new_tokens=12, do_sample=False)[0].tolist()
-    eos = lm.config.eos_token_id
+    eos = lm.config.tokens.eos
     cut = next((i + 1 for i, t in enumerate(plain[IDS.shape[1]:], IDS.shape[1]) if t == eos), len(plain))
     ids = ",".join(map(str, IDS[0]))
     assert main(["generate", str(target), "--ids", ids, "--max-new-tokens", "12", "--draft-mtp", "--json"]) == 0

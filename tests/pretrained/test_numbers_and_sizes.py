@@ -80,12 +80,12 @@ def test_an_integer_too_large_for_a_float_in_generation_config_json_is_refused_n
 def test_generation_config_and_generate_refuse_a_huge_integer_naming_the_argument(key, value):
     """The same numbers as arguments: GenerationConfig(...) and generate(...) (whose options are a
     GenerationConfig over the model's), a ValueError naming the argument and the integer's length."""
-    from attnkit.models import CausalLM, DecoderConfig
+    from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
     with pytest.raises(ValueError, match=rf"^{key} must be .*, got (an|a negative) integer of (401|5001) digits"):
         GenerationConfig(**{key: value, "do_sample": True})
     lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
-                                num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
+                                num_kv_heads=1, head_dim=4, mlp=MLPConfig(12)), rng=0)
     with pytest.raises(ValueError, match=rf"^{key} must be"):
         lm.generate(np.array([[1, 2]]), **{key: value, "do_sample": True})
 

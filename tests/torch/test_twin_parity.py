@@ -25,11 +25,12 @@ from attnkit.models import (
     LayerwiseConfig,
     NormConfig,
     RotaryConfig,
+    ScalesConfig,
     Seq2SeqConfig,
     Seq2SeqTransformer,
 )
 from attnkit.torch import from_numpy, to_numpy
-from decoder_cases import DECODER_VARIANTS
+from decoder_cases import DECODER_VARIANTS, with_mlp
 
 from helpers import group_scale, max_rel_diff
 
@@ -41,9 +42,9 @@ WORST = {"forward": 0.0, "grad": 0.0}
 
 def _config(family="llama", **overrides) -> DecoderConfig:
     base = dict(family=family, vocab_size=13, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=4, intermediate_size=24)
+                head_dim=4)
     base.update(overrides)
-    return DecoderConfig(**base)
+    return DecoderConfig(**with_mlp(base, 24))
 
 
 def _to_torch(value, requires_grad: bool):
@@ -289,14 +290,15 @@ def test_gated_attention_and_shared_experts(normalise):
     rotary = RotaryEmbedding(cfg.rotary, cfg.head_dim, cfg.max_position_embeddings)(np.tile(np.arange(5), (2, 1)),
                                                                                    dtype=np.float64)
     check_parity(GatedAttention(cfg, 1, rng=0), [randn(2, 5, 16)], dict(rotary=rotary))
-    check_parity(MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.activation, rng=0), [randn(2, 5, 16)])
+    check_parity(MixtureOfExperts(cfg.hidden_size, cfg.experts, cfg.mlp.activation, rng=0), [randn(2, 5, 16)])
 
 
 # -- models ----------------------------------------------------------------------------------------------
 FAMILIES = {
     "llama": dict(),
     "llama_tied": dict(tie_word_embeddings=True, num_kv_heads=1),
-    "gpt2": dict(family="gpt2", activation="gelu_tanh", mlp="plain", num_kv_heads=4, tie_word_embeddings=True,
+    "gpt2": dict(family="gpt2", mlp=dict(kind="plain", activation="gelu_tanh"), num_kv_heads=4,
+                 tie_word_embeddings=True,
                  max_position_embeddings=16, norm=NormConfig(kind="layernorm", eps=1e-5), rotary=None,
                  attention=AttentionConfig(bias=True, output_bias=True)),
     "mistral": dict(family="mistral", layer_types=("sliding_attention",) * 2,
@@ -307,8 +309,8 @@ FAMILIES = {
                   attention=AttentionConfig(sliding_window=3, qk_norm="head")),
     **DECODER_VARIANTS,
     "gpt_neox": dict(DECODER_VARIANTS["gpt_neox"], num_kv_heads=4),
-    "gemma4_text": dict(family="gemma4_text", num_layers=4, embedding_scale=1.5, final_logit_softcap=2.0,
-                        activation="gelu_tanh",
+    "gemma4_text": dict(family="gemma4_text", num_layers=4, scales=ScalesConfig(embedding=1.5, final_logit_softcap=2.0),
+                        mlp=dict(activation="gelu_tanh"),
                         layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
                         norm=NormConfig(placement="sandwich"),
                         rotary=RotaryConfig(scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5},
@@ -322,54 +324,55 @@ FAMILIES = {
                                      scaling={"rope_type": "longrope", "original_max_position_embeddings": 4,
                                "short_factor": (1.0, 2.0), "long_factor": (3.0, 5.0)})),
     "deepseek_v3": dict(family="deepseek_v3", num_kv_heads=4, head_dim=2, rotary=RotaryConfig(interleaved=True),
-                        latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5, qk_nope_head_dim=3,
-                                                     qk_rope_head_dim=2, v_head_dim=3, q_lora_rank=4,
-                                                     attention_scale=0.4),
+                        mixer_parts=(LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5,
+                                                           qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=3,
+                                                           q_lora_rank=4, attention_scale=0.4),),
                         experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
                                               layers=(1,), router="sigmoid_group_topk", n_group=2, topk_group=1,
                                               routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
     "deepseek_v3_plain": dict(family="deepseek_v3", num_kv_heads=4, head_dim=2,
-                              latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5,
-                                                           qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=3,
-                                                           attention_bias=True, rope_interleaved=False),
+                              mixer_parts=(LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5,
+                                                                 qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=3,
+                                                                 attention_bias=True, rope_interleaved=False),),
                               experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
                                                     layers=(0, 1), router="sigmoid_group_topk", norm_topk_prob=False,
                                                     shared_expert_intermediate_size=6)),
     "deepseek_v32": dict(family="deepseek_v32", num_kv_heads=4, head_dim=2, rotary=RotaryConfig(interleaved=True),
-                         latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5, qk_nope_head_dim=3,
-                                                      qk_rope_head_dim=2, v_head_dim=3, q_lora_rank=4,
-                                                      attention_scale=0.4, index_topk=2, index_n_heads=8,
-                                                      index_head_dim=4),
+                         mixer_parts=(LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5,
+                                                            qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=3,
+                                                            q_lora_rank=4, attention_scale=0.4, index_topk=2,
+                                                            index_n_heads=8, index_head_dim=4),),
                          experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
                                                layers=(1,), router="sigmoid_group_topk", n_group=2, topk_group=1,
                                                routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
     "kimi_linear": dict(family="kimi_linear", num_kv_heads=4, head_dim=2, num_layers=3,
                         rotary=RotaryConfig(interleaved=False, skip_layers=(0, 1, 2)),
                         layer_types=("kimi_delta_attention", "full_attention", "kimi_delta_attention"),
-                        kimi_delta=KimiDeltaAttentionConfig(num_heads=2, head_dim=3, conv_kernel_size=3),
-                        latent=LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5, qk_nope_head_dim=3,
-                                                     qk_rope_head_dim=2, v_head_dim=3, q_lora_rank=4,
-                                                     rope_interleaved=False),
+                        mixer_parts=(KimiDeltaAttentionConfig(num_heads=2, head_dim=3, conv_kernel_size=3),
+                                     LatentAttentionConfig(hidden_size=16, num_heads=4, kv_lora_rank=5,
+                                                           qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=3,
+                                                           q_lora_rank=4, rope_interleaved=False)),
                         experts=ExpertsConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
                                               layers=(1, 2), router="sigmoid_group_topk", n_group=2, topk_group=1,
                                               routed_scaling_factor=2.5, shared_expert_intermediate_size=3)),
     "qwen3_5_text": dict(family="qwen3_5_text", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
                          attention=AttentionConfig(qk_norm="head"), layer_types=("linear_attention", "gated_attention"),
-                         linear_attention=GatedDeltaNetConfig(1, 2, 4, 3)),
+                         mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 3),)),
     "qwen3_next": dict(family="qwen3_next", norm=NormConfig(offset=1.0), rotary=RotaryConfig(partial_factor=0.5),
                        attention=AttentionConfig(qk_norm="head"), num_layers=3,
                        layer_types=("linear_attention", "gated_attention", "linear_attention"),
-                       linear_attention=GatedDeltaNetConfig(2, 4, 4, 3),
+                       mixer_parts=(GatedDeltaNetConfig(2, 4, 4, 3),),
                        experts=ExpertsConfig(3, 2, 5, layers=(0, 1), norm_topk_prob=False,
                                              shared_expert_intermediate_size=6, shared_expert_gate=True)),
     "qwen3_5_moe_text": dict(family="qwen3_5_moe_text", norm=NormConfig(offset=1.0),
                              rotary=RotaryConfig(partial_factor=0.5), attention=AttentionConfig(qk_norm="head"),
                              layer_types=("linear_attention", "gated_attention"),
-                             linear_attention=GatedDeltaNetConfig(1, 2, 4, 3),
+                             mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 3),),
                              experts=ExpertsConfig(3, 2, 5, layers=(0, 1), norm_topk_prob=True,
                                                    shared_expert_intermediate_size=6, shared_expert_gate=True)),
     "lfm2": dict(family="lfm2", attention=AttentionConfig(qk_norm="head"), num_layers=3,
-                 layer_types=("short_conv", "full_attention", "short_conv"), short_conv=ShortConvConfig(3, bias=True)),
+                 layer_types=("short_conv", "full_attention", "short_conv"),
+                 mixer_parts=(ShortConvConfig(3, bias=True),)),
     "llama4_text": dict(family="llama4_text", num_layers=3, rotary=RotaryConfig(interleaved=True, skip_layers=(1,)),
                         attention=AttentionConfig(qk_norm="unit_after_rotary", chunk_size=2,
                                                   query_temperature=(2.0, 0.5)),
@@ -378,34 +381,36 @@ FAMILIES = {
                                               shared_expert_intermediate_size=5, weigh_inputs=True)),
     "bamba": dict(family="bamba", rotary=RotaryConfig(partial_factor=0.5), num_layers=3,
                   layer_types=("mamba2", "full_attention", "mamba2"),
-                  mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
-                                      chunk_size=2)),
+                  mixer_parts=(Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
+                                            chunk_size=2),)),
     "granitemoehybrid": dict(family="granitemoehybrid", rotary=RotaryConfig(skip_layers=(0, 1, 2)), num_layers=3,
-                             layer_types=("mamba2", "full_attention", "mamba2"), embedding_scale=2.0,
-                             residual_scale=0.6, logit_scale=0.5, attention=AttentionConfig(scale=0.3),
-                             mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2,
-                                                 conv_kernel_size=3, chunk_size=2),
+                             layer_types=("mamba2", "full_attention", "mamba2"),
+                             scales=ScalesConfig(embedding=2.0, residual=0.6, logit=0.5),
+                             attention=AttentionConfig(scale=0.3),
+                             mixer_parts=(Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2,
+                                                       conv_kernel_size=3, chunk_size=2),),
                              experts=ExpertsConfig(3, 2, 5, layers=(0, 1, 2), router="topk_softmax",
                                                    shared_expert_intermediate_size=6)),
     "nemotron_h": dict(family="nemotron_h", rotary=RotaryConfig(skip_layers=(0, 1, 2, 3)), num_layers=4,
-                       residual="single", mlp="ungated", activation="relu2", mlp_bias=True,
+                       residual="single", mlp=dict(kind="ungated", activation="relu2", bias=True),
                        layer_types=("mamba2", "full_attention", "mlp", "mamba2"),
-                       mamba2=Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2, conv_kernel_size=3,
-                                           chunk_size=2, time_step_min=0.5)),
+                       mixer_parts=(Mamba2Config(num_heads=4, head_dim=8, state_size=3, n_groups=2,
+                                                 conv_kernel_size=3, chunk_size=2, time_step_min=0.5),)),
     # attention beside Mamba-2 in every layer, every multiplier away from 1, the norm before the gate
-    "falcon_h1": dict(family="falcon_h1", attention=AttentionConfig(scale=0.3), mlp="scaled_gated",
-                      mlp_multipliers=(0.7, 1.3), layer_types=("attention_mamba2",) * 2, embedding_scale=2.0,
-                      logit_scale=0.5,
-                      mamba2=Mamba2Config(num_heads=4, head_dim=6, state_size=3, n_groups=2, conv_kernel_size=3,
-                                          chunk_size=2, norm="before_gate", out_bias=True,
-                                          projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0)),
-                      attention_mamba2=AttentionMamba2Config(0.6, 1.5, 1.3, 0.7)),
+    "falcon_h1": dict(family="falcon_h1", attention=AttentionConfig(scale=0.3), mlp=dict(kind="scaled_gated"),
+                      scales=ScalesConfig(embedding=2.0, logit=0.5, mlp_gate=0.7, mlp_output=1.3),
+                      layer_types=("attention_mamba2",) * 2,
+                      mixer_parts=(AttentionMamba2Config(
+                          Mamba2Config(num_heads=4, head_dim=6, state_size=3, n_groups=2, conv_kernel_size=3,
+                                       chunk_size=2, norm="before_gate", out_bias=True,
+                                       projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0)), 0.6, 1.5, 1.3, 0.7),)),
     # no Mamba norm, projection biases, MLP biases
-    "falcon_h1_bias": dict(family="falcon_h1", mlp="scaled_gated", mlp_bias=True, mlp_multipliers=(1.2, 0.8),
+    "falcon_h1_bias": dict(family="falcon_h1", mlp=dict(kind="scaled_gated", bias=True),
+                           scales=ScalesConfig(mlp_gate=1.2, mlp_output=0.8),
                            layer_types=("attention_mamba2",) * 2,
-                           mamba2=Mamba2Config(num_heads=2, head_dim=8, state_size=4, chunk_size=3, norm=None,
-                                               proj_bias=True),
-                           attention_mamba2=AttentionMamba2Config(mamba_out=1.2)),
+                           mixer_parts=(AttentionMamba2Config(Mamba2Config(num_heads=2, head_dim=8, state_size=4,
+                                                                           chunk_size=3, norm=None, proj_bias=True),
+                                                              mamba_out=1.2),)),
 }
 
 

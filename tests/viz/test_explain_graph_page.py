@@ -8,14 +8,14 @@ import re
 import numpy as np
 
 from attnkit.explain import SAE, explain_html
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
 IDS = [1, 5, 7, 2, 9, 3]
 
 
 def _written(tmp_path):
     cfg = DecoderConfig(family="llama", vocab_size=23, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=4, intermediate_size=24)
+                        head_dim=4, mlp=MLPConfig(24))
     lm = CausalLM(cfg, rng=3).astype(np.float64)
     rng = np.random.default_rng(0)
     tcs = [SAE(rng.normal(size=(16, 24)) / 4, rng.normal(size=24) * 0.5, rng.normal(size=(24, 16)) * 0.3,

@@ -129,10 +129,10 @@ def test_cli_says_what_it_wrote_and_rejects_bad_input(tmp_path, capsys):
 
 def test_a_30_layer_9_head_256_token_page_stays_under_5_mb(tmp_path):
     from attnkit.explain import explain_html
-    from attnkit.models import CausalLM, DecoderConfig
+    from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 
     cfg = DecoderConfig(family="llama", vocab_size=96, hidden_size=72, num_layers=30, num_heads=9, num_kv_heads=3,
-                        head_dim=8, intermediate_size=64)
+                        head_dim=8, mlp=MLPConfig(64))
     lm = CausalLM(cfg, rng=0)  # randomly initialised: near-uniform causal rows, the encoding's hard case
     ids = np.random.default_rng(0).integers(0, 96, 256)
     page = tmp_path / "big.html"

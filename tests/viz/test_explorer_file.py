@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from attnkit import viz
-from attnkit.models import CausalLM, DecoderConfig
+from attnkit.models import CausalLM, DecoderConfig, MLPConfig
 from attnkit.viz import HTML_SIZE_WARNING_BYTES, attention_html, encode_attention
 
 
@@ -99,7 +99,7 @@ def _decoder_weights(layers, heads, length, seed=0):
     """The attention of a randomly initialised decoder (what a fresh model, or one whose weights are noise to
     the eye, gives): causal, near-uniform rows that deflate poorly."""
     cfg = DecoderConfig(family="llama", vocab_size=64, hidden_size=heads * 8, num_layers=layers, num_heads=heads,
-                        num_kv_heads=heads // 3, head_dim=8, intermediate_size=32)
+                        num_kv_heads=heads // 3, head_dim=8, mlp=MLPConfig(32))
     lm = CausalLM(cfg, rng=seed)
     _, per_layer = lm(np.random.default_rng(seed).integers(0, 64, (1, length)), output_attentions=True)
     return np.stack([w[0] for w in per_layer])  # (N, H, L, L)

@@ -291,9 +291,9 @@ class GroupedQueryAttention(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=4,
-    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8)
+    ...                     num_kv_heads=2, head_dim=2, mlp=MLPConfig(8))
     >>> attn = GroupedQueryAttention(cfg, 0, rng=0)
     >>> y = attn(np.ones((2, 3, 8)))
     >>> y.shape, attn.backward(np.ones_like(y)).shape, attn.W_K.shape

@@ -27,7 +27,7 @@ from ..decoding.cache import KVCache
 from ..kernels._threads import num_threads, thread_count_argument
 from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from ..layers.rotary import RotaryEmbedding
-from ..models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ..models.config import AttentionConfig, DecoderConfig, MLPConfig, NormConfig, RotaryConfig
 from ._support import blas_limit, import_torch, torch_missing_line
 from .machine import describe
 
@@ -55,10 +55,10 @@ def _config(args: argparse.Namespace) -> DecoderConfig:
     h, dh = args.heads, args.head_dim
     # a family only names checkpoint tensors, and these two layers are never saved
     return DecoderConfig(family="benchmark", vocab_size=8, hidden_size=args.hidden, num_layers=2, num_heads=h,
-                         num_kv_heads=max(1, h // 4), head_dim=dh, intermediate_size=8,
+                         num_kv_heads=max(1, h // 4), head_dim=dh, mlp=MLPConfig(8),
                          rotary=RotaryConfig(partial_factor=0.25), norm=NormConfig(offset=1.0),
                          attention=AttentionConfig(qk_norm="head"), layer_types=("linear_attention", "gated_attention"),
-                         linear_attention=GatedDeltaNetConfig(max(1, h // 2), h, dh, dh))
+                         mixer_parts=(GatedDeltaNetConfig(max(1, h // 2), h, dh, dh),))
 
 
 def _per_token_us(step, steps: int) -> float:
@@ -76,7 +76,7 @@ def _per_token_us(step, steps: int) -> float:
 def _attnkit_us(cfg: DecoderConfig, context: int, steps: int) -> tuple[float, float]:
     """attnkit's (Gated DeltaNet, gated attention) time per decoding step after ``context`` tokens."""
     rng = np.random.default_rng(0)
-    gdn_shape = cfg.linear_attention
+    gdn_shape = cfg.mixer_part(GatedDeltaNetConfig)
     gdn = GatedDeltaNet(cfg.hidden_size, gdn_shape.num_key_heads, gdn_shape.num_value_heads, gdn_shape.key_head_dim,
                         gdn_shape.value_head_dim, rng=0).astype(np.float32)
     x = rng.standard_normal((1, context + steps + 2, cfg.hidden_size)).astype(np.float32)  # (1, N + T, D)
@@ -101,7 +101,7 @@ def _torch_us(torch: Any, cfg: DecoderConfig, context: int, steps: int) -> tuple
     from transformers import DynamicCache, Qwen3NextConfig
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-    shape = cfg.linear_attention
+    shape = cfg.mixer_part(GatedDeltaNetConfig)
     hf_cfg = Qwen3NextConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
                              num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_hidden_layers=2,
                              layer_types=["linear_attention", "full_attention"],
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
     cfg = _config(args)
     for line in describe(threads=args.threads):
         print(line)
-    print(f"# float32, B=1, D={cfg.hidden_size}; Gated DeltaNet Hk={cfg.linear_attention.num_key_heads} "
+    print(f"# float32, B=1, D={cfg.hidden_size}; Gated DeltaNet Hk={cfg.mixer_part(GatedDeltaNetConfig).num_key_heads} "
           f"Hv={cfg.num_heads} Dk=Dv={cfg.head_dim}; gated attention Hq={cfg.num_heads} Hkv={cfg.num_kv_heads} "
           f"Dh={cfg.head_dim}; median of {args.steps} steps")
     print(f"{'':>12} {'N':>7} {'GDN us/tok':>10} {'vs 1st':>7} {'attn us/tok':>10} {'vs 1st':>7}")

@@ -67,9 +67,11 @@ def _best(fn, repeats: int) -> float:
 
 
 def _attnkit_model(layers: int):
-    from ..models import CausalLM, DecoderConfig
+    from ..models import CausalLM, DecoderConfig, MLPConfig
 
-    cfg = DecoderConfig(family="llama", **{**SHAPE, "num_layers": layers}, max_position_embeddings=2048)
+    sizes = {k: v for k, v in SHAPE.items() if k != "intermediate_size"}
+    cfg = DecoderConfig(family="llama", **{**sizes, "num_layers": layers}, mlp=MLPConfig(SHAPE["intermediate_size"]),
+                        max_position_embeddings=2048)
     return CausalLM(cfg, rng=0).astype(np.float32)  # as transformers' model: float32 both
 
 

@@ -355,7 +355,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         if not args.json and not chat:
             out.write(_shown(prompt_text) if tokenizer is not None else " ".join(map(str, prompt)))
             out.flush()
-        eos = options.get("eos_token_id") or config.eos_token_id
+        eos = options.get("eos_token_id") or config.tokens.eos
         eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
         new = _write_stream(out, watch.watch(stream), tokenizer, prompt, prompt_text, quiet=args.json)
     if args.json:
@@ -485,7 +485,7 @@ def _beam_tokens(model: Any, prompt: list[int], max_new: int, args: argparse.Nam
     out = generate(model, np.array([prompt], dtype=np.int64), max_new_tokens=max_new,
                    length_penalty=args.length_penalty, early_stopping=early, progress=progress,
                    **options)[0, len(prompt):]  # (T,)
-    eos = options.get("eos_token_id") or model.config.eos_token_id
+    eos = options.get("eos_token_id") or model.config.tokens.eos
     eos = set(eos if isinstance(eos, (tuple, list)) else () if eos is None else (eos,))
     ends = [i for i, token in enumerate(out.tolist()) if token in eos]
     return [out[i:i + 1] for i in range(ends[0] + 1 if ends else out.size)]

@@ -309,6 +309,11 @@ def _config_value(model: Any, name: str) -> Any:
     return getattr(getattr(model, "config", None), name, None)
 
 
+def _config_token(model: Any, name: str) -> Any:
+    """The special token ``name`` (``"eos"``, ``"pad"``) of the model's config's ``tokens`` part, or None."""
+    return getattr(_config_value(model, "tokens"), name, None)
+
+
 def _token_set(value: Any, name: str, vocab: int | None, *, single: bool = False) -> tuple[int, ...]:
     """Token ids given as one id or a sequence of ids (``single``: exactly one), each in [0, vocab); an empty
     sequence means none (``eos_token_id=[]`` turns stopping at eos off)."""
@@ -430,11 +435,11 @@ def _setup(model: Any, input_ids: Any, attention_mask: Any, given: dict[str, Any
     _check_tokenizer(o, tokenizer)
     rng = _rng(seed)
     vocab = _config_value(model, "vocab_size")
-    eos = _token_set(_config_value(model, "eos_token_id") if o["eos_token_id"] is None else o["eos_token_id"],
+    eos = _token_set(_config_token(model, "eos") if o["eos_token_id"] is None else o["eos_token_id"],
                      "eos_token_id", vocab)
     pad = o["pad_token_id"]
     if pad is None:
-        pad = _config_value(model, "pad_token_id")
+        pad = _config_token(model, "pad")
     if pad is None and eos:
         pad = eos[0]  # as Hugging Face: pad finished rows with the (first) eos
     if pad is not None:
@@ -475,9 +480,9 @@ def generate_stream(model: Any, input_ids: Any, attention_mask: Any = None, *,
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
-    ...                             num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
+    ...                             num_kv_heads=1, head_dim=4, mlp=MLPConfig(12)), rng=0)
     >>> steps = list(generate_stream(lm, [[1, 2, 3]], max_new_tokens=4))
     >>> len(steps), steps[0].shape, steps[0].dtype
     (4, (1,), dtype('int64'))
@@ -765,9 +770,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, *,
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> lm = CausalLM(DecoderConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
-    ...                             num_kv_heads=1, head_dim=4, intermediate_size=12), rng=0)
+    ...                             num_kv_heads=1, head_dim=4, mlp=MLPConfig(12)), rng=0)
     >>> out = generate(lm, [[1, 2, 3]], max_new_tokens=5, do_sample=True, top_k=4, seed=0)
     >>> out.shape, bool((out == generate(lm, [[1, 2, 3]], max_new_tokens=5, do_sample=True, top_k=4,
     ...                                   seed=0)).all())

@@ -31,7 +31,7 @@ from .._validation import check_positive_int
 from ..io import read_json
 from ..kernels._threads import blas_single_thread
 from ..losses import softmax_cross_entropy
-from ..models import CausalLM, DecoderConfig
+from ..models import CausalLM, DecoderConfig, MLPConfig, SpecialTokens
 from ..optim import Adam, clip_grad_norm, warmup_cosine
 from .training import check_loss
 
@@ -81,8 +81,8 @@ class AdditionConfig:
         head_dim = self.hidden_size // self.num_heads
         return DecoderConfig(family="llama", vocab_size=VOCAB, hidden_size=self.hidden_size,
                              num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                             head_dim=head_dim, intermediate_size=2 * self.hidden_size,
-                             max_position_embeddings=4 * self.digits + 4, eos_token_id=EOS, pad_token_id=EOS)
+                             head_dim=head_dim, mlp=MLPConfig(2 * self.hidden_size),
+                             max_position_embeddings=4 * self.digits + 4, tokens=SpecialTokens(eos=EOS, pad=EOS))
 
 
 @dataclasses.dataclass

@@ -92,9 +92,9 @@ def gradient_x_input(lm, ids: Any, target_position: int = -1, target_token: Any 
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> scores = gradient_x_input(lm, [1, 2, 3, 4], target_position=2)
     >>> scores.shape, float(scores[3])
@@ -114,9 +114,9 @@ def saliency(lm, ids: Any, target_position: int = -1, target_token: Any = None) 
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="gpt2", vocab_size=11, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
-    ...                     head_dim=4, intermediate_size=12, max_position_embeddings=8)
+    ...                     head_dim=4, mlp=MLPConfig(12), max_position_embeddings=8)
     >>> s = saliency(CausalLM(cfg, rng=0), [1, 2, 3])
     >>> s.shape, bool((s > 0).all())
     ((3,), True)

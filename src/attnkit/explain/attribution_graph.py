@@ -215,9 +215,10 @@ def _check_model(model) -> None:
             raise ValueError(f"attribution_graph needs sequential attention blocks (pre-norm or sandwich, grouped-"
                              f"query attention without a gate): layer {i} is {kind} ({type(layer).__name__} with "
                              f"{type(layer.attention).__name__})")
-    if cfg.final_logit_softcap is not None:
+    if cfg.scales.final_logit_softcap is not None:
         raise ValueError("attribution_graph: a final logit soft-cap is not linear in the residual stream "
-                         f"(final_logit_softcap={cfg.final_logit_softcap}); the logit nodes would not be exact")
+                         f"(scales.final_logit_softcap={cfg.scales.final_logit_softcap}); the logit nodes would not "
+                         "be exact")
 
 
 def _check_transcoders(model, transcoders: Any) -> tuple[list[SAE], list[bool]]:
@@ -302,9 +303,9 @@ def attribution_graph(model, input_ids: Any, transcoders: Any, *, max_logits: in
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> rng = np.random.default_rng(0)
     >>> tcs = [SAE(rng.normal(size=(8, 16)), rng.normal(size=16), rng.normal(size=(16, 8)), np.zeros(8),
@@ -340,7 +341,7 @@ def attribution_graph(model, input_ids: Any, transcoders: Any, *, max_logits: in
 
     last = logits[0, -1]  # (V,)
     tokens, probs = _logit_targets(last, int(max_logits), desired_logit_prob)
-    head = model.head_weight.astype(dtype) * dtype.type(cfg.logit_scale)  # (V, D)
+    head = model.head_weight.astype(dtype) * dtype.type(cfg.scales.logit)  # (V, D)
     nodes["logit_vecs"] = head[tokens] - head.mean(axis=0)  # (n_logits, D): circuit-tracer's demeaned unembedding
 
     # the constants: every target's input with every node at zero

@@ -99,9 +99,9 @@ class ActivationCache(Mapping):
     Examples
     --------
     >>> from attnkit.explain import run_with_cache
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> logits, cache = run_with_cache(lm, [1, 2, 3])
     >>> stack, labels = cache.decompose_resid(pos_slice=-1, return_labels=True)
@@ -336,7 +336,7 @@ class ActivationCache(Mapping):
         correct = rows(tokens, "tokens")
         scaled = self.apply_ln_to_stack(residual_stack, None, pos_slice=pos_slice, batch_slice=batch_slice)
         # the head's rows times the model's logit scale (Granite's 1 / logits_scaling; 1 elsewhere)
-        weight = weight * weight.dtype.type(self.model.config.logit_scale)  # (V, D)
+        weight = weight * weight.dtype.type(self.model.config.scales.logit)  # (V, D)
         direction = weight[correct].astype(scaled.dtype)  # (D,), (B, D) or (B, L, D)
         if incorrect_tokens is not None:
             wrong = rows(incorrect_tokens, "incorrect_tokens")

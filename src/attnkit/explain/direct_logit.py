@@ -80,7 +80,7 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     Returns
     -------
     dict
-        ``"embed"``: the token embeddings' share (times Gemma's ``embedding_scale``); ``"pos_embed"``: the learned
+        ``"embed"``: the token embeddings' share (times Gemma's ``scales.embedding``); ``"pos_embed"``: the learned
         position embeddings' (0 for rotary models); ``"heads"`` (N, H): each head's output through its slice of the
         output projection (its query, key and value biases are in it; 0 in the rows of layers without heads);
         ``"linear_attn"`` (N,): the whole output of each Gated DeltaNet layer, which has no heads (0 for attention
@@ -100,9 +100,9 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> parts = direct_logit_attribution(lm, [1, 2, 3], target=4)
     >>> parts["heads"].shape, parts["mlp"].shape
@@ -133,7 +133,7 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
     at = {name: value[:, -1] for name, value in cache.items()}  # (B, D) or (B, H, Dh)
 
     scale, shift, center = frozen_norm(model.norm, at[final])  # (B, D), (D,)
-    rows = model.head_weight[targets].astype(scale.dtype) * scale.dtype.type(cfg.logit_scale)  # (B, D)
+    rows = model.head_weight[targets].astype(scale.dtype) * scale.dtype.type(cfg.scales.logit)  # (B, D)
     direction = rows * scale  # (B, D): d logit / d residual
     if center:
         direction = direction - direction.mean(axis=-1, keepdims=True)  # (B, D): center(c) . u == c . center(u)
@@ -163,7 +163,7 @@ def direct_logit_attribution(model, input_ids: Any, target: Any, target_position
              "heads": head_parts, "linear_attn": linear_parts, "mlp": mlp_parts, "per_layer": per_layer_parts,
              "bias": bias}
     logit = logits[np.arange(b), -1, targets]  # (B,)
-    if cfg.final_logit_softcap is not None:  # logit = C tanh(z / C): the parts of z, times the run's logit / z
+    if cfg.scales.final_logit_softcap is not None:  # logit = C tanh(z / C): the parts of z, times the run's logit / z
         uncapped = sum(part.reshape(b, -1).sum(axis=-1) for part in parts.values())  # (B,): z itself
         ratio = np.divide(logit, uncapped, out=np.ones_like(logit), where=uncapped != 0)  # (B,)
         parts = {k: v * ratio.reshape((b,) + (1,) * (v.ndim - 1)) for k, v in parts.items()}

@@ -3,7 +3,7 @@ model's computational graph, from exact gradients.
 
 The graph is the residual stream's (Elhage et al.'s framing; Syed et al. 2023, Hanna et al. 2024 "Have faith in
 faithfulness"). Its upstream nodes are what writes into the residual stream: ``input`` (everything before the
-first block: the token embeddings times ``embedding_scale``, plus learned position embeddings), every attention
+first block: the token embeddings times ``scales.embedding``, plus learned position embeddings), every attention
 head ``a{i}.h{h}`` (its ``z`` through its rows of ``W_O``, after the branch's frozen post-norm and scale: what
 :func:`~attnkit.explain.direct_logit_attribution` splits), a token mixer without heads as a whole ``a{i}`` (a
 Gated DeltaNet, short-convolution or Mamba-2 layer) and every MLP ``m{i}`` (a mixture of experts as one node).
@@ -230,9 +230,9 @@ def edge_attribution(model, clean_ids: Any, corrupted_ids: Any, answer_ids: Any 
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> found = edge_attribution(lm, [1, 2, 3], [1, 5, 3], answer_ids=(4, 7))
     >>> found.scores.shape, found.upstream[:3], found.downstream[-1]

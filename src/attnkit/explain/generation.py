@@ -124,9 +124,9 @@ def generation_attribution(model, input_ids: Any, max_new_tokens: int | None = N
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> found = generation_attribution(lm, [1, 2, 3], max_new_tokens=2)
     >>> found.attributions.shape, found.ids.shape, float(found.attributions[0, 3])

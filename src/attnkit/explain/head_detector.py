@@ -211,9 +211,9 @@ def detect_head(model, input_ids: Any, detection_pattern: Any, heads: Any = None
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> scores = detect_head(lm, [1, 5, 7, 9, 5, 7, 9], "induction_head")  # (2, 2)
     >>> scores.shape, bool(((scores >= 0) & (scores <= 1)).all())

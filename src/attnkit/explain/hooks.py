@@ -42,9 +42,9 @@ def hook_names(model) -> list[str]:
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> names = hook_names(CausalLM(cfg, rng=0))
     >>> names[:3], names[-1], len(names)
     (['hook_embed', 'blocks.0.hook_resid_pre', 'blocks.0.attn.hook_q'], 'ln_final.hook_normalized', 26)
@@ -130,9 +130,9 @@ def hooks(model, forward: Mapping[str, Callable] | None = None, *,
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> def ablate_head_1(z, name):
     ...     z = z.copy()
@@ -198,9 +198,9 @@ def run_with_cache(model, input_ids: Any, attention_mask: Any = None, names: Any
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> logits, cache = run_with_cache(lm, [1, 2, 3], names=lambda name: name.endswith("hook_pattern"))
     >>> list(cache), cache["blocks.1.attn.hook_pattern"].shape

@@ -58,14 +58,14 @@ def quadrature(method: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _baseline(model, ids: np.ndarray, baseline: Any) -> np.ndarray:
-    """The baseline embeddings (L, D), in ``hook_embed``'s space (after ``embedding_scale``)."""
+    """The baseline embeddings (L, D), in ``hook_embed``'s space (after ``scales.embedding``)."""
     length, width = ids.shape[-1], model.config.hidden_size
     if baseline is None:
         return np.zeros((length, width), model.dtype)
     if isinstance(baseline, (int, np.integer)) and not isinstance(baseline, bool):
         if not 0 <= baseline < model.config.vocab_size:
             raise ValueError(f"baseline token {baseline} is not in [0, {model.config.vocab_size})")
-        row = model.embed.weight[int(baseline)] * model.dtype.type(model.config.embedding_scale)  # (D,)
+        row = model.embed.weight[int(baseline)] * model.dtype.type(model.config.scales.embedding)  # (D,)
         return np.broadcast_to(row, (length, width)).astype(model.dtype)
     arr = as_array(baseline, "baseline")
     if arr.shape != (length, width) or arr.dtype.kind != "f":
@@ -94,7 +94,7 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
         K, the quadrature points (each one forward and one backward, ``batch_size`` at a time).
     baseline : None, int or ndarray (L, D), optional
         Zeros (default), one token's embedding at every position (e.g. EOS), or given embeddings; all in the
-        space of ``hook_embed`` (after Gemma's ``embedding_scale``). Position embeddings are not interpolated.
+        space of ``hook_embed`` (after Gemma's ``scales.embedding``). Position embeddings are not interpolated.
     target_position : int, default -1
         Which position's next-token distribution is explained (the tokens after it get 0).
     method : str, default "gausslegendre"
@@ -115,9 +115,9 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0).astype(np.float64)
     >>> ig = integrated_gradients(lm, [1, 2, 3, 4], target=5, steps=8)
     >>> ig.attributions.shape
@@ -141,7 +141,7 @@ def integrated_gradients(model, input_ids: Any, target: Any, steps: int = 64, ba
     position = check_position(target_position, length)
     ids = batch[:, :position + 1]  # (1, P): the model is causal, later tokens change nothing
     start = _baseline(model, ids, baseline if not isinstance(baseline, np.ndarray) else baseline[:position + 1])
-    end = model.embed.weight[ids[0]] * model.dtype.type(model.config.embedding_scale)  # (P, D)
+    end = model.embed.weight[ids[0]] * model.dtype.type(model.config.scales.embedding)  # (P, D)
 
     def log_prob_and_grad(points: np.ndarray, need_grad: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
         """f at embeddings ``start + alpha (end - start)`` for each alpha (K,), and its gradient (K, P, D)."""

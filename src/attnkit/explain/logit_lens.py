@@ -42,9 +42,9 @@ def logit_lens(lm, ids: Any, top_k: int = 5) -> LogitLens:
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> lens = logit_lens(lm, [1, 2, 3, 4], top_k=2)
     >>> lens.token_ids.shape, lens.probs.shape
@@ -61,7 +61,7 @@ def logit_lens(lm, ids: Any, top_k: int = 5) -> LogitLens:
     for state in states:  # one (B, L, V) at a time: N x L x V at once can be gigabytes
         h = lm.norm(state)  # (B, L, D)
         logits = linear(h, weight.astype(h.dtype, copy=False).T)  # (B, L, V)
-        logits *= logits.dtype.type(lm.config.logit_scale)  # Granite's 1 / logits_scaling; 1 elsewhere
+        logits *= logits.dtype.type(lm.config.scales.logit)  # Granite's 1 / logits_scaling; 1 elsewhere
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))  # (B, L, V)
         probs /= probs.sum(axis=-1, keepdims=True)
         best = np.argpartition(-probs, top_k - 1, axis=-1)[..., :top_k]  # (B, L, K) unordered

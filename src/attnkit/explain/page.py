@@ -155,9 +155,9 @@ def explain_html(lm, ids: Any, path: str | os.PathLike, *, token_text: Callable[
     Examples
     --------
     >>> import tempfile, pathlib
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> page = pathlib.Path(tempfile.mkdtemp()) / "explain.html"
     >>> data = explain_html(CausalLM(cfg, rng=0), [1, 2, 3], page, candidates=3)
     >>> len(data["candidates"]), len(data["candidates"][0]["saliency"]), "https://" in page.read_text()

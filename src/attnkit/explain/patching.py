@@ -155,9 +155,9 @@ def activation_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> activation_patching(lm, [1, 2, 3], [1, 5, 3], answer_ids=(4, 7)).shape
     (2, 3)
@@ -217,9 +217,9 @@ def attribution_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: An
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> attribution_patching(lm, [1, 2, 3], [1, 5, 3], answer_ids=(4, 7), hook="z").shape
     (2, 2)

@@ -147,9 +147,9 @@ def path_patching(model, clean_ids: Any, corrupt_ids: Any, answer_ids: Any, rece
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> found = path_patching(lm, [1, 2, 3], [1, 5, 3], answer_ids=(4, 7), receivers=[(2, 0)])
     >>> found.shape, bool(np.isnan(found[2]).all())

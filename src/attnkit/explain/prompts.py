@@ -132,7 +132,7 @@ def test_prompt(prompt: str, answer: str | list[str], model: Any, tokenizer: Any
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> class Letters:  # a tokenizer of one token per letter, "^" its BOS and " " token 27
     ...     bos_token_id = 0
     ...     def encode(self, text, add_special_tokens=True):
@@ -140,7 +140,7 @@ def test_prompt(prompt: str, answer: str | list[str], model: Any, tokenizer: Any
     ...     def decode(self, ids):
     ...         return "".join({0: "^", 27: " "}.get(i, chr(i + 96)) for i in ids)
     >>> cfg = DecoderConfig(family="llama", vocab_size=28, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> found = test_prompt("ab", "c", CausalLM(cfg, rng=0), Letters(), top_k=2)  # doctest: +ELLIPSIS
     Tokenized prompt: ['^', 'a', 'b']
     Tokenized answer: [' ', 'c']

@@ -235,9 +235,9 @@ def saes(model: Any, sae_list: Any, *, use_error_term: bool = False,
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> rng = np.random.default_rng(0)
     >>> sae = SAE(rng.normal(size=(8, 16)), rng.normal(size=16), rng.normal(size=(16, 8)), np.zeros(8),

@@ -289,9 +289,9 @@ def control_vector(model: Any, tokenizer: Any, pairs: Any, *, layers: Any = None
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=30, hidden_size=8, num_layers=3, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> class Letters:
     ...     def encode(self, text):
@@ -366,9 +366,9 @@ def steering(model: Any, vector: ControlVector, scale: float = 1.0, *,
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> ids = np.array([[1, 2, 3]])
     >>> push = ControlVector({1: np.eye(8)[0]})

@@ -25,29 +25,35 @@ from ..attention.grouped_query import GroupedQueryAttention
 from ..core.module import Module
 from ..init import as_generator
 from .identity import Identity, Scale
-from .mamba2 import Mamba2Mixer
+from .mamba2 import Mamba2Config, Mamba2Mixer
 
 __all__ = ["AttentionMamba2Config", "AttentionMamba2Mixer"]
 
 
 @dataclass(frozen=True)
 class AttentionMamba2Config:
-    """The fixed factors of an ``"attention_mamba2"`` layer's two branches (Falcon-H1's muP multipliers).
+    """The shape of an ``"attention_mamba2"`` layer: its Mamba-2 half's, and the fixed factors of its two branches
+    (Falcon-H1's muP multipliers); the attention half is the decoder's.
 
     Attributes
     ----------
+    mamba2 : Mamba2Config
+        The shape of the Mamba-2 half.
     attention_in, attention_out : float, default 1.0
         The attention's input and output factors (``attention_in_multiplier``, ``attention_out_multiplier``).
     mamba_in, mamba_out : float, default 1.0
         The Mamba-2 mixer's (``ssm_in_multiplier``, ``ssm_out_multiplier``).
     """
 
+    mamba2: Mamba2Config
     attention_in: float = 1.0
     attention_out: float = 1.0
     mamba_in: float = 1.0
     mamba_out: float = 1.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mamba2, Mamba2Config):
+            raise TypeError(f"attention_mamba2.mamba2 must be a Mamba2Config, got {type(self.mamba2).__name__}")
         for name in ("attention_in", "attention_out", "mamba_in", "mamba_out"):
             object.__setattr__(self, name, check_factor(getattr(self, name), f"attention_mamba2.{name}"))
 
@@ -63,8 +69,8 @@ class AttentionMamba2Mixer(Module):
     Parameters
     ----------
     config : DecoderConfig
-        The attention's settings, ``mamba2`` (the Mamba-2 shape) and ``attention_mamba2`` (the factors, an
-        :class:`AttentionMamba2Config`).
+        The attention's settings, and the layer's part (``config.layers[layer_index].part``, an
+        :class:`AttentionMamba2Config`: the Mamba-2 shape and the factors).
     layer_index : int
     rng : numpy.random.Generator or int, optional
 
@@ -81,11 +87,11 @@ class AttentionMamba2Mixer(Module):
     Examples
     --------
     >>> from attnkit.layers import AttentionMamba2Config, AttentionMamba2Mixer, Mamba2Config
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="falcon_h1", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=8, layer_types=("attention_mamba2",),
-    ...                     mamba2=Mamba2Config(num_heads=2, head_dim=4, state_size=3),
-    ...                     attention_mamba2=AttentionMamba2Config(attention_in=0.5, mamba_out=2.0))
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8), layer_types=("attention_mamba2",),
+    ...                     mixer_parts=(AttentionMamba2Config(Mamba2Config(num_heads=2, head_dim=4, state_size=3),
+    ...                                                        attention_in=0.5, mamba_out=2.0),))
     >>> mixer = AttentionMamba2Mixer(cfg, 0, rng=0)
     >>> y = mixer(np.ones((2, 5, 8)))
     >>> y.shape, mixer.backward(np.ones_like(y)).shape, type(mixer.attn_out).__name__
@@ -95,13 +101,13 @@ class AttentionMamba2Mixer(Module):
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         gen = as_generator(rng)
-        factors = config.attention_mamba2 or AttentionMamba2Config()
+        factors = config.layers[layer_index].part
         self.layer_index = layer_index
         self.attn_in = _scale(factors.attention_in)
         self.attn = GroupedQueryAttention(config, layer_index, rng=gen)
         self.attn_out = _scale(factors.attention_out)
         self.mamba_in = _scale(factors.mamba_in)
-        self.mamba = Mamba2Mixer(config, layer_index, rng=gen)
+        self.mamba = Mamba2Mixer(config, layer_index, shape=factors.mamba2, rng=gen)
         self.mamba_out = _scale(factors.mamba_out)
 
     def head_writer(self) -> tuple[GroupedQueryAttention, float]:

@@ -47,7 +47,7 @@ class ExpertsConfig:
     moe_intermediate_size : int
         F, each routed expert's hidden width (gpt-oss and Mixtral: their ``intermediate_size``).
     layers : tuple of int
-        The layers whose MLP is the mixture (the others keep the dense ``mlp`` of ``intermediate_size``); each
+        The layers whose MLP is the mixture (the others keep the dense ``mlp`` of ``mlp.intermediate_size``); each
         family's reader resolves its own rule into it (``first_k_dense_replace``, ``decoder_sparse_step`` and
         ``mlp_only_layers``, every layer).
     router : {"softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_group_topk"}, default "softmax_topk"

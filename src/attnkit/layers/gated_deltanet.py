@@ -77,7 +77,7 @@ class GatedDeltaNetCache(RecurrentState):
 
 @dataclass(frozen=True)
 class GatedDeltaNetConfig:
-    """The shape of a decoder's Gated DeltaNet layers (``DecoderConfig.linear_attention``), with the names of
+    """The shape of a decoder's Gated DeltaNet layers (a part in ``DecoderConfig.mixer_parts``), with the names of
     ``transformers``' Qwen3-Next / Qwen3.5 configs in parentheses.
 
     Attributes
@@ -466,13 +466,14 @@ class GatedDeltaNetMixer(DeltaRuleMixer, GatedDeltaNet):
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size``, ``norm.eps`` and ``linear_attention`` (a :class:`GatedDeltaNetConfig`).
+        Reads ``hidden_size``, ``norm.eps`` and the layer's part (``config.layers[layer_index].part``, a
+        :class:`GatedDeltaNetConfig`).
     layer_index : int
     rng : numpy.random.Generator or int, optional
     """
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
-        shape = config.linear_attention
+        shape = config.layers[layer_index].part
         super().__init__(config.hidden_size, shape.num_key_heads, shape.num_value_heads, shape.key_head_dim,
                          shape.value_head_dim, conv_kernel_size=shape.conv_kernel_size, eps=config.norm.eps, rng=rng)
         self.layer_index = layer_index

@@ -55,7 +55,7 @@ class GatedMLP(Module):
 
     Attributes
     ----------
-    W_gate : (D, F), W_up : (D, F), W_down : (F, D); with ``mlp_bias`` also b_gate (F,), b_up (F,),
+    W_gate : (D, F), W_up : (D, F), W_down : (F, D); with ``bias`` also b_gate (F,), b_up (F,),
     b_down (D,). ``grads`` with the same names. Weights are stored for ``x @ W`` (the transpose of torch's
     ``nn.Linear.weight``).
 

@@ -55,7 +55,7 @@ __all__ = ["KimiDeltaAttention", "KimiDeltaAttentionConfig", "KimiDeltaAttention
 
 @dataclass(frozen=True)
 class KimiDeltaAttentionConfig:
-    """The shape of a decoder's Kimi Delta Attention layers (``DecoderConfig.kimi_delta``), with the names of
+    """The shape of a decoder's Kimi Delta Attention layers (a part in ``DecoderConfig.mixer_parts``), with the names of
     ``transformers``' ``KimiLinearConfig`` in parentheses.
 
     Attributes
@@ -221,13 +221,14 @@ class KimiDeltaAttentionMixer(DeltaRuleMixer, KimiDeltaAttention):
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size``, ``norm.eps`` and ``kimi_delta`` (a :class:`KimiDeltaAttentionConfig`).
+        Reads ``hidden_size``, ``norm.eps`` and the layer's part (``config.layers[layer_index].part``, a
+        :class:`KimiDeltaAttentionConfig`).
     layer_index : int
     rng : numpy.random.Generator or int, optional
     """
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
-        shape = config.kimi_delta
+        shape = config.layers[layer_index].part
         super().__init__(config.hidden_size, shape.num_heads, shape.head_dim, conv_kernel_size=shape.conv_kernel_size,
                          eps=config.norm.eps, rng=rng)
         self.layer_index = layer_index

@@ -66,21 +66,21 @@ def _optional_norm(config, present: bool) -> Module:
 def _branch_scale(config) -> Module:
     """What a residual branch's output is multiplied by before it joins the stream: Granite's
     ``residual_multiplier``, an identity where it is 1."""
-    return Identity() if config.residual_scale == 1.0 else Scale(config.residual_scale)
+    return Identity() if config.scales.residual == 1.0 else Scale(config.scales.residual)
 
 
 def _gated_mlp(config, spec, *, rng: np.random.Generator) -> GatedMLP:
-    return GatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias, rng=rng)
+    return GatedMLP(config.hidden_size, spec.intermediate_size, config.mlp.activation, config.mlp.bias, rng=rng)
 
 
 def _scaled_gated_mlp(config, spec, *, rng: np.random.Generator) -> ScaledGatedMLP:
-    gate_scale, output_scale = config.mlp_multipliers
-    return ScaledGatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias,
+    gate_scale, output_scale = config.scales.mlp_gate, config.scales.mlp_output
+    return ScaledGatedMLP(config.hidden_size, spec.intermediate_size, config.mlp.activation, config.mlp.bias,
                           gate_scale=gate_scale, output_scale=output_scale, rng=rng)
 
 
 def _ungated_mlp(config, spec, *, rng: np.random.Generator) -> UngatedMLP:
-    return UngatedMLP(config.hidden_size, spec.intermediate_size, config.activation, config.mlp_bias, rng=rng)
+    return UngatedMLP(config.hidden_size, spec.intermediate_size, config.mlp.activation, config.mlp.bias, rng=rng)
 
 
 def _xielu_mlp(config, spec, *, rng: np.random.Generator) -> XIELUMLP:
@@ -88,18 +88,18 @@ def _xielu_mlp(config, spec, *, rng: np.random.Generator) -> XIELUMLP:
 
 
 def _plain_mlp(config, spec, *, rng: np.random.Generator) -> FeedForward:
-    mlp = FeedForward(config.hidden_size, spec.intermediate_size, config.activation, rng=rng)
+    mlp = FeedForward(config.hidden_size, spec.intermediate_size, config.mlp.activation, rng=rng)
     for name in ("W1", "W2"):  # GPT-2's N(0, 0.02^2) rather than FeedForward's Glorot default
         setattr(mlp, name, normal(rng, mlp._parameters[name].shape, std=0.02))
     return mlp
 
 
 def _experts(config, spec, *, rng: np.random.Generator) -> MixtureOfExperts:
-    return MixtureOfExperts(config.hidden_size, config.experts, config.activation, rng=rng)
+    return MixtureOfExperts(config.hidden_size, config.experts, config.mlp.activation, rng=rng)
 
 
 def _latent_attention(config, layer_index: int, *, rng: np.random.Generator) -> MultiHeadLatentAttention:
-    return MultiHeadLatentAttention(config.latent, layer_index, rng=rng)
+    return MultiHeadLatentAttention(config.layers[layer_index].part, layer_index, rng=rng)
 
 
 MLPS: dict[str, Callable[..., Module]] = {"gated": _gated_mlp, "plain": _plain_mlp, "xielu": _xielu_mlp,
@@ -124,10 +124,11 @@ MIXERS: dict[str, Callable[..., Module]] = {"full_attention": GroupedQueryAttent
 rng=...)``, the layer reading its own settings from ``config.layers[layer_index]``.
 
 A mixer maps (B, L, D) to (B, L, D) with ``forward(x, *, rotary, attention_mask, cache, output_attentions)``
-and ``backward``; a new kind of layer or of attention is a new entry here. ``latent_attention``: every attention
-layer of a config with the ``latent`` part; ``kv_owner_attention`` / ``kv_reader_attention``: the layers of a
-config with the ``layerwise`` part that compute their keys and values, and those that reuse an earlier layer's
-(:mod:`attnkit.attention.shared_kv`)."""
+and ``backward``; a new kind of layer or of attention is a new entry here; a mixer that is not plain attention
+reads its shape from its spec's ``part``. ``latent_attention``: every attention layer of a config with a latent
+part (a :class:`~attnkit.attention.latent.LatentAttentionConfig` in ``mixer_parts``); ``kv_owner_attention`` /
+``kv_reader_attention``: the layers of a config with the ``layerwise`` part that compute their keys and values, and
+those that reuse an earlier layer's (:mod:`attnkit.attention.shared_kv`)."""
 
 
 class LMBlock(Module):
@@ -139,7 +140,7 @@ class LMBlock(Module):
 
     Each branch is ``scale(post_norm(sublayer(pre_norm(x))))``; ``config.norm.placement`` decides which of the
     two norms exist (``pre``: the input's, Llama; ``post``: the output's, OLMo 2; ``sandwich``: both, Gemma), the
-    others are identities; ``scale`` is a :class:`~attnkit.layers.identity.Scale` by ``config.residual_scale``
+    others are identities; ``scale`` is a :class:`~attnkit.layers.identity.Scale` by ``config.scales.residual``
     (Granite), an identity where it is 1.
 
     Parameters
@@ -162,9 +163,9 @@ class LMBlock(Module):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> block = LMBlock(cfg, 0, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
     >>> y.shape, block.backward(np.ones_like(y)).shape, type(block.attn_post_norm).__name__
@@ -259,9 +260,9 @@ class ParallelLMBlock(LMBlock):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="gpt_neox", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=2, head_dim=4, intermediate_size=12, residual="parallel")
+    ...                     num_kv_heads=2, head_dim=4, mlp=MLPConfig(12), residual="parallel")
     >>> block = ParallelLMBlock(cfg, 0, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
     >>> y.shape, block.backward(np.ones_like(y)).shape
@@ -297,9 +298,9 @@ class MixerOnlyBlock(LMBlock):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="nemotron_h", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, residual="single",
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), residual="single",
     ...                     layer_types=("full_attention", "mlp"))
     >>> block = make_block(cfg, 0, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
@@ -334,9 +335,9 @@ class MLPOnlyBlock(LMBlock):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="nemotron_h", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, residual="single",
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), residual="single",
     ...                     layer_types=("full_attention", "mlp"))
     >>> block = make_block(cfg, 1, rng=0)
     >>> y = block(np.ones((1, 3, 8)))
@@ -427,9 +428,9 @@ class PerLayerInputBlock(LayerwiseBlock):
 
     Examples
     --------
-    >>> from attnkit.models import AttentionConfig, DecoderConfig, LayerwiseConfig, NormConfig
+    >>> from attnkit.models import AttentionConfig, DecoderConfig, LayerwiseConfig, NormConfig, MLPConfig
     >>> cfg = DecoderConfig(family="gemma4_text", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, norm=NormConfig(placement="sandwich"),
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), norm=NormConfig(placement="sandwich"),
     ...                     attention=AttentionConfig(scale=1.0),
     ...                     layerwise=LayerwiseConfig(global_head_dim=6, global_kv_heads=1, per_layer_input_size=3,
     ...                                               per_layer_vocab_size=8))

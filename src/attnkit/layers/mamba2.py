@@ -478,13 +478,19 @@ class Mamba2Mixer(Mamba2):
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size``, ``norm.eps`` and ``mamba2`` (a :class:`Mamba2Config`).
+        Reads ``hidden_size``, ``norm.eps`` and the layer's part (``config.layers[layer_index].part``, a
+        :class:`Mamba2Config`).
     layer_index : int
+    shape : Mamba2Config, optional
+        The shape in place of the layer's part (the Mamba-2 half of an ``"attention_mamba2"`` layer, whose part is
+        an :class:`~attnkit.layers.attention_mamba2.AttentionMamba2Config` holding it).
     rng : numpy.random.Generator or int, optional
     """
 
-    def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
-        super().__init__(config.hidden_size, config.mamba2, eps=config.norm.eps, rng=rng)
+    def __init__(self, config, layer_index: int, *, shape: Mamba2Config | None = None,
+                 rng: np.random.Generator | int | None = None) -> None:
+        shape = config.layers[layer_index].part if shape is None else shape
+        super().__init__(config.hidden_size, shape, eps=config.norm.eps, rng=rng)
         self.layer_index = layer_index
 
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,

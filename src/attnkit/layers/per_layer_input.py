@@ -104,7 +104,7 @@ class PerLayerInputBranch(Module):
         super().__init__()
         gen = as_generator(rng)
         d, p = config.hidden_size, config.layerwise.per_layer_input_size
-        self.activation = config.activation
+        self.activation = config.mlp.activation
         self.register_parameter("W_gate", normal(gen, (d, p), std=0.02))
         self.register_parameter("W_up", normal(gen, (p, d), std=0.02))
         self.norm = RMSNorm(d, eps=config.norm.eps, offset=config.norm.offset)

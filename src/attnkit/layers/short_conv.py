@@ -62,7 +62,7 @@ class ShortConvCache(RecurrentState):
 
 @dataclass(frozen=True)
 class ShortConvConfig:
-    """The shape of a decoder's short-convolution layers (``DecoderConfig.short_conv``), with the names of
+    """The shape of a decoder's short-convolution layers (a part in ``DecoderConfig.mixer_parts``), with the names of
     ``transformers``' LFM2 config in parentheses.
 
     Attributes
@@ -253,13 +253,13 @@ class ShortConvMixer(ShortConv):
     Parameters
     ----------
     config : DecoderConfig
-        Reads ``hidden_size`` and ``short_conv`` (a :class:`ShortConvConfig`).
+        Reads ``hidden_size`` and the layer's part (``config.layers[layer_index].part``, a :class:`ShortConvConfig`).
     layer_index : int
     rng : numpy.random.Generator or int, optional
     """
 
     def __init__(self, config, layer_index: int, *, rng: np.random.Generator | int | None = None) -> None:
-        shape = config.short_conv
+        shape = config.layers[layer_index].part
         super().__init__(config.hidden_size, kernel_size=shape.kernel_size, bias=shape.bias, rng=rng)
         self.layer_index = layer_index
 

@@ -1,5 +1,5 @@
 """``UngatedMLP``: the feed-forward network without a gate of Nemotron-H, ``act(x W_up + b_up) W_down + b_down``
-(squared ReLU there; the biases only with ``mlp_bias``).
+(squared ReLU there; the biases only with the ``mlp`` part's ``bias``).
 
 Dimension letters: ``...`` any leading dims, D ``hidden_size``, F ``intermediate_size``.
 """
@@ -36,7 +36,7 @@ class UngatedMLP(Module):
 
     Attributes
     ----------
-    W_up : (D, F), W_down : (F, D); with ``mlp_bias`` also b_up (F,), b_down (D,). ``grads`` with the same names.
+    W_up : (D, F), W_down : (F, D); with ``bias`` also b_up (F,), b_down (D,). ``grads`` with the same names.
     Weights are stored for ``x @ W`` (the transpose of torch's ``nn.Linear.weight``).
 
     Shapes

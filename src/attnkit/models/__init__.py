@@ -14,9 +14,12 @@ from .config import (
     AttentionMamba2Config,
     DecoderConfig,
     ExpertsConfig,
+    MLPConfig,
     NormConfig,
     RotaryConfig,
+    ScalesConfig,
     Seq2SeqConfig,
+    SpecialTokens,
     TokenTaggerConfig,
 )
 from .layer_spec import LayerSpec
@@ -27,7 +30,8 @@ from .token_tagger import TokenTagger, token_accuracy, train_step
 
 __all__ = ["CausalLM", "DecoderConfig", "AttentionConfig", "AttentionMamba2Config", "ExpertsConfig", "LayerSpec",
            "LayerwiseConfig",
-           "MultiTokenPredictor",
+           "MLPConfig", "MultiTokenPredictor",
            "NormConfig",
-           "RotaryConfig", "Seq2SeqConfig", "Seq2SeqTransformer", "TokenTagger", "TokenTaggerConfig",
+           "RotaryConfig", "ScalesConfig", "Seq2SeqConfig", "Seq2SeqTransformer",
+           "SpecialTokens", "TokenTagger", "TokenTaggerConfig",
            "token_accuracy", "train_step"]

@@ -70,7 +70,7 @@ class CausalLM(Module):
     embed.weight (V, D); pos_embed.weight (P, D) for learned positions; ``layers.{i}`` blocks; ``norm``;
     head.weight (V, D) unless ``tie_word_embeddings`` (then the embedding is the head). Logits are
     ``head_scale(final_hidden @ weight.T)``: ``head_scale`` a :class:`~attnkit.layers.identity.Scale` by
-    ``config.logit_scale`` (Granite), an identity where it is 1.
+    ``config.scales.logit`` (Granite), an identity where it is 1.
 
     Shapes
     ------
@@ -82,8 +82,9 @@ class CausalLM(Module):
 
     Examples
     --------
+    >>> from attnkit.models import MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> ids = np.array([[1, 2, 3]])
     >>> logits = lm(ids)
@@ -134,8 +135,8 @@ class CausalLM(Module):
         # A decoding step's head product is one row against the (V, D) head: stored column-major, its
         # transpose (D, V) is the contiguous array, which a matrix-vector product streams fastest.
         self.head_owner = "embed" if config.tie_word_embeddings else "head"
-        # the logits times config.logit_scale (Granite's 1 / logits_scaling), before a soft-cap
-        self.head_scale = Identity() if config.logit_scale == 1.0 else Scale(config.logit_scale)
+        # the logits times config.scales.logit (Granite's 1 / logits_scaling), before a soft-cap
+        self.head_scale = Identity() if config.scales.logit == 1.0 else Scale(config.scales.logit)
         getattr(self, self.head_owner).store_column_major("weight")
         # generation_config.json's defaults for generate (set by the pretrained loader; explicit arguments win)
         self.generation_config = GenerationConfig()
@@ -146,7 +147,7 @@ class CausalLM(Module):
                 f"num_layers={c.num_layers}, num_heads={c.num_heads}, num_kv_heads={c.num_kv_heads}")
 
     def hook_points(self) -> tuple[str, ...]:
-        """``hook_embed`` (B, L, D): the token embeddings times ``embedding_scale``; ``hook_pos_embed`` (B, L, D)
+        """``hook_embed`` (B, L, D): the token embeddings times ``scales.embedding``; ``hook_pos_embed`` (B, L, D)
         the learned position embeddings (models with them); ``ln_final.hook_normalized`` (B, L, D) the final
         norm's output. The blocks' and attentions' points are in :meth:`named_hook_points`."""
         learned = tuple(f"hook_{name}" for name in self.position_tables)
@@ -198,8 +199,9 @@ class CausalLM(Module):
 
         Examples
         --------
+        >>> from attnkit.models import MLPConfig
         >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
         >>> CausalLM(cfg, rng=0).layer_hook_points(1)[:3]
         ['blocks.1.hook_resid_pre', 'blocks.1.attn.hook_q', 'blocks.1.attn.hook_k']
         """
@@ -257,8 +259,9 @@ class CausalLM(Module):
 
         Examples
         --------
+        >>> from attnkit.models import MLPConfig
         >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=3, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
         >>> draft = CausalLM(cfg, rng=0).early_exit(1)
         >>> draft(np.array([[1, 2]])).shape, draft.new_cache(1).num_layers
         ((1, 2, 11), 1)
@@ -369,8 +372,8 @@ class CausalLM(Module):
             logits = linear(h, weight.T)  # (B, L, V)
         logits = self.head_scale(logits)  # (B, L, V)
         capped = None
-        if self.config.final_logit_softcap is not None:
-            cap = h.dtype.type(self.config.final_logit_softcap)
+        if self.config.scales.final_logit_softcap is not None:
+            cap = h.dtype.type(self.config.scales.final_logit_softcap)
             capped = np.tanh(logits / cap)  # (B, L, V)
             logits = capped * cap
         if cache is None:  # the cached path is inference: it keeps nothing
@@ -395,7 +398,7 @@ class CausalLM(Module):
         """:meth:`forward` of one token per row with a cache, through every layer's ``step``: the same parts in
         the same order on (B, D) rows, nothing saved. Logits (B, 1, V) and the normed hidden state (B, D)."""
         h = self.embed.weight[ids[:, 0]].astype(self.dtype, copy=True)  # (B, D)
-        h *= h.dtype.type(self.config.embedding_scale)  # a scale of 1 changes no bit
+        h *= h.dtype.type(self.config.scales.embedding)  # a scale of 1 changes no bit
         for name in self.position_tables:
             h += getattr(self, name).weight[positions[:, 0]]  # (B, D)
         tables = {name: getattr(self, name)(positions, dtype=h.dtype)  # (B, 1, R) each
@@ -410,7 +413,7 @@ class CausalLM(Module):
         normed = self.norm.step(h)  # (B, D)
         logits = product(normed, self.head_weight.astype(h.dtype, copy=False).T)  # (B, V)
         logits = self.head_scale.step(logits)  # (B, V)
-        cap = self.config.final_logit_softcap
+        cap = self.config.scales.final_logit_softcap
         if cap is not None:
             logits /= cap
             np.tanh(logits, out=logits)
@@ -470,7 +473,7 @@ class CausalLM(Module):
         given) are appended to ``weights`` if given, each layer's output (a copy) to ``states`` if given. With
         ``last_layer`` the blocks after it do not run (and the result is that block's output, not normed)."""
         h = self.embed(ids)  # (B, L, D)
-        h = h * h.dtype.type(self.config.embedding_scale)  # (B, L, D); a scale of 1 changes no bit
+        h = h * h.dtype.type(self.config.scales.embedding)  # (B, L, D); a scale of 1 changes no bit
         h = self.hook_point("hook_embed", h)
         for name in self.position_tables:
             h = h + self.hook_point(f"hook_{name}", getattr(self, name)(positions))  # (B, L, D)
@@ -525,7 +528,7 @@ class CausalLM(Module):
         for name in self.position_tables:
             getattr(self, name).backward(self.hook_backward(f"hook_{name}", grad_h))
         grad_h = self.hook_backward("hook_embed", grad_h)
-        grad_h = grad_h * grad_h.dtype.type(self.config.embedding_scale)  # (B, L, D)
+        grad_h = grad_h * grad_h.dtype.type(self.config.scales.embedding)  # (B, L, D)
         self.embed.backward(grad_h)
         return grad_h
 

@@ -11,6 +11,7 @@ MLP, which positions, how many key/value heads, which layers use a sliding windo
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -31,7 +32,8 @@ from .layerwise import LayerwiseConfig
 
 __all__ = ["DecoderConfig", "RotaryConfig", "NormConfig", "AttentionConfig", "ExpertsConfig", "Seq2SeqConfig",
            "MAX_LAYERS",
-           "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES", "PAIRED_LAYER_TYPES", "AttentionMamba2Config"]
+           "TokenTaggerConfig", "ROPE_TYPES", "STATE_LAYER_TYPES", "PAIRED_LAYER_TYPES", "AttentionMamba2Config",
+           "MIXER_PARTS", "ScalesConfig", "SpecialTokens", "MLPConfig"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "gated_attention", "linear_attention",
                 "kimi_delta_attention", "short_conv", "mamba2", "mlp", "attention_mamba2")
@@ -205,6 +207,90 @@ class NormConfig:
         return self.placement != "pre"
 
 
+@dataclass(frozen=True)
+class ScalesConfig:
+    """The fixed factors of a model's streams (a part of :class:`DecoderConfig`): each is a number in
+    ``[2**-14, 65504]`` (:func:`attnkit._validation.check_factor`), 1 (or None) where a model has none.
+
+    Parameters
+    ----------
+    embedding : float, default 1.0
+        The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32; Granite's
+        ``embedding_multiplier``).
+    residual : float, default 1.0
+        Each branch's output (after its post-norm) is multiplied by it before it joins the residual stream
+        (Granite's ``residual_multiplier``).
+    logit : float, default 1.0
+        The head's logits are multiplied by it, before a soft-cap (Granite: ``1 / logits_scaling``).
+    final_logit_softcap : float, optional
+        C: the output logits become ``C * tanh(logits / C)`` (Gemma 2).
+    mlp_gate, mlp_output : float, default 1.0
+        The ``scaled_gated`` MLP's fixed factors of the gate's pre-activation and of the output (Falcon-H1's
+        ``mlp_multipliers``); 1 for every other MLP.
+
+    Examples
+    --------
+    >>> ScalesConfig(embedding=2.0).residual, ScalesConfig().final_logit_softcap is None
+    (1.0, True)
+    """
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    logit: float = 1.0
+    final_logit_softcap: float | None = None
+    mlp_gate: float = 1.0
+    mlp_output: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("embedding", "residual", "logit", "mlp_gate", "mlp_output"):
+            object.__setattr__(self, name, _factor(getattr(self, name), f"scales.{name}"))
+        if self.final_logit_softcap is not None:
+            object.__setattr__(self, "final_logit_softcap",
+                               _factor(self.final_logit_softcap, "scales.final_logit_softcap"))
+
+
+def _token_ids(value: Any, name: str, *, many: bool) -> int | tuple[int, ...] | None:
+    """A special token id (or, with ``many``, a non-empty sequence of them, kept as a tuple), or None."""
+    if value is None:
+        return None
+    one = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    items = [value] if one else value
+    if (not isinstance(items, (tuple, list)) or not items or (not many and not one)
+            or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in items)):
+        expected = "a non-negative token id" + (" or a non-empty sequence of them" if many else "")
+        raise ValueError(f"{name} must be {expected} or None, got {value!r}")
+    return int(value) if one else tuple(int(i) for i in items)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The checkpoint's special token ids (a part of :class:`DecoderConfig`): what generation stops at and pads
+    with when its own options do not say.
+
+    Parameters
+    ----------
+    bos : int, tuple of int or None
+        The beginning-of-sequence token.
+    eos : int, tuple of int or None
+        The end-of-sequence token, or several (any of them ends a sequence).
+    pad : int or None
+        The padding token.
+
+    Examples
+    --------
+    >>> SpecialTokens(bos=1, eos=[2, 7]).eos, SpecialTokens().pad is None
+    ((2, 7), True)
+    """
+
+    bos: int | tuple[int, ...] | None = None
+    eos: int | tuple[int, ...] | None = None
+    pad: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("bos", "eos", "pad"):
+            object.__setattr__(self, name, _token_ids(getattr(self, name), f"tokens.{name}", many=name != "pad"))
+
+
 QK_NORMS = ("head", "projection", "head_after_rotary", "unit_after_rotary")
 
 
@@ -284,23 +370,116 @@ class AttentionConfig:
 
 
 MLP_KINDS = ("gated", "plain", "xielu", "ungated", "scaled_gated")
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """The dense MLP of the layers without experts (a part of :class:`DecoderConfig`).
+
+    Parameters
+    ----------
+    intermediate_size : int
+        F, the MLP's hidden width.
+    kind : {"gated", "plain", "xielu", "ungated", "scaled_gated"}, default "gated"
+        ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for silu); ``plain``: ``act(x W1 + b1) W2 + b2``;
+        ``xielu``: ``xielu(x W_up) W_down`` without biases, the xIELU activation with two learned slopes of its own
+        (Apertus; ``activation`` is not read); ``ungated``: ``act(x W_up + b_up) W_down + b_down``, the biases with
+        ``bias`` (Nemotron-H's squared ReLU); ``scaled_gated``: ``gated`` with the fixed factors of the decoder's
+        ``scales`` part (``mlp_gate``, ``mlp_output``; Falcon-H1).
+    activation : {"silu", "gelu", "gelu_tanh", "relu", "relu2"}, default "silu"
+        The activation (of the gate, in a gated MLP; the experts' too).
+    bias : bool, default False
+        Biases in a gated or ungated MLP (a plain MLP always has them).
+
+    Examples
+    --------
+    >>> MLPConfig(24).kind, MLPConfig(64, kind="plain", activation="gelu").activation
+    ('gated', 'gelu')
+    """
+
+    intermediate_size: int
+    kind: str = "gated"
+    activation: str = "silu"
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.intermediate_size, "mlp.intermediate_size", maximum=_MAX_SIZE)
+        _check_choice(self.kind, "mlp.kind", MLP_KINDS)
+        _check_choice(self.activation, "mlp.activation", ACTIVATIONS)
+        _check_flag(self.bias, "mlp.bias")
 RESIDUALS = ("sequential", "parallel", "single")
 # DecoderConfig's parts: field name -> its dataclass; the optional ones may be None
 _PARTS = {"norm": NormConfig, "rotary": RotaryConfig, "attention": AttentionConfig, "experts": ExpertsConfig,
-          "linear_attention": GatedDeltaNetConfig, "layerwise": LayerwiseConfig, "latent": LatentAttentionConfig,
-          "short_conv": ShortConvConfig, "mamba2": Mamba2Config, "attention_mamba2": AttentionMamba2Config,
-          "kimi_delta": KimiDeltaAttentionConfig}
-_OPTIONAL_PARTS = ("rotary", "experts", "linear_attention", "layerwise", "latent", "short_conv", "mamba2",
-                   "attention_mamba2", "kimi_delta")
+          "layerwise": LayerwiseConfig, "scales": ScalesConfig, "tokens": SpecialTokens, "mlp": MLPConfig}
+_OPTIONAL_PARTS = ("rotary", "experts", "layerwise")
+MIXER_PARTS = {GatedDeltaNetConfig: "linear_attention", KimiDeltaAttentionConfig: "kimi_delta_attention",
+               ShortConvConfig: "short_conv", Mamba2Config: "mamba2", AttentionMamba2Config: "attention_mamba2",
+               LatentAttentionConfig: "full_attention"}
+"""The parts :attr:`DecoderConfig.mixer_parts` may hold, in their canonical order, each with the layer type it
+shapes: a Gated DeltaNet, Kimi Delta Attention, short-convolution, Mamba-2 or attention-beside-Mamba-2 part is the
+shape of every layer of its type (given exactly when there are some); a latent part turns the ``full_attention``
+layers into multi-head latent attention."""
+_MIXER_PARTS_BY_NAME = {cls.__name__: cls for cls in MIXER_PARTS}
+_NESTED_PARTS = {AttentionMamba2Config: {"mamba2": Mamba2Config}}  # a part's fields that are parts themselves
+# from_dict reads configs saved with the flat fields that are now in parts: old name -> where it went
+_OLD_MIXER_FIELDS = {"linear_attention": GatedDeltaNetConfig, "kimi_delta": KimiDeltaAttentionConfig,
+                     "short_conv": ShortConvConfig, "mamba2": Mamba2Config,
+                     "attention_mamba2": AttentionMamba2Config, "latent": LatentAttentionConfig}
+_OLD_PART_FIELDS = {"embedding_scale": ("scales", ("embedding",)), "residual_scale": ("scales", ("residual",)),
+                    "logit_scale": ("scales", ("logit",)),
+                    "final_logit_softcap": ("scales", ("final_logit_softcap",)),
+                    "mlp_multipliers": ("scales", ("mlp_gate", "mlp_output")),
+                    "bos_token_id": ("tokens", ("bos",)), "eos_token_id": ("tokens", ("eos",)),
+                    "pad_token_id": ("tokens", ("pad",)), "intermediate_size": ("mlp", ("intermediate_size",)),
+                    "activation": ("mlp", ("activation",)), "mlp_bias": ("mlp", ("bias",))}
+
+
+def _moved_into_parts(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with the flat fields of a config saved before they moved into parts put in their parts."""
+    moved = {k: v for k, v in fields.items() if k not in _OLD_MIXER_FIELDS and k not in _OLD_PART_FIELDS}
+    if isinstance(fields.get("mlp"), str):  # the MLP's kind, when it was a flat field beside its width
+        moved["mlp"] = {"kind": fields["mlp"]}
+    for name, (part, keys) in _OLD_PART_FIELDS.items():
+        if name in fields:
+            values = fields[name] if len(keys) > 1 else (fields[name],)
+            if not isinstance(values, (list, tuple)) or len(values) != len(keys):
+                raise ValueError(f"{name} must be {len(keys)} values ({', '.join(keys)}), got {fields[name]!r}")
+            moved[part] = {**(moved.get(part) or {}), **dict(zip(keys, values))}
+    old = {name: fields[name] for name in _OLD_MIXER_FIELDS if fields.get(name) is not None}
+    if not old:
+        return moved
+    parts = dict(moved.get("mixer_parts") or {})
+    if "attention_mamba2" in old and "mamba2" in old:  # the Mamba-2 shape was one field for both layer types
+        old["attention_mamba2"] = {**old["attention_mamba2"], "mamba2": old["mamba2"]}
+        if "mamba2" not in (fields.get("layer_types") or ()):
+            del old["mamba2"]
+    for name, value in old.items():
+        parts[_OLD_MIXER_FIELDS[name].__name__] = value
+    moved["mixer_parts"] = parts
+    return moved
+
+
+def _part_from_dict(kind: type, values: dict[str, Any]) -> Any:
+    """The part ``kind`` from its :func:`dataclasses.asdict` (lists back to tuples, nested parts rebuilt)."""
+    def tupled(value: Any) -> Any:
+        return tuple(tupled(v) for v in value) if isinstance(value, list) else value
+
+    if isinstance(values, kind):
+        return values
+    nested = _NESTED_PARTS.get(kind, {})
+    return kind(**{k: _part_from_dict(nested[k], v) if k in nested and isinstance(v, dict) else tupled(v)
+                   for k, v in values.items()})
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     """Architecture of a decoder-only Transformer language model: sizes, and the parts a block is made of.
 
-    The sizes are flat fields; each kind of part (positions, norms, attention, experts) is a small frozen
-    dataclass of its own, validated when it is made, and the checks that join them (the rotated features are
-    even, sliding layers have a window, the experts' layers exist) are made here, once. Combinations
+    The sizes are flat fields; each kind of part (the MLP, norms, positions, attention, experts, fixed factors,
+    special tokens, the shapes of the other token mixers) is a small frozen dataclass of its own, validated when it
+    is made, and the checks that join them (the rotated features are even, sliding layers have a window, the
+    experts' layers exist, a mixer's part is given exactly when its layers are) are made here, once. Configs saved
+    with the older flat fields load through :meth:`from_dict`. Combinations
     no architecture has (a block without norms, projection-wide q/k norms without q/k norms) cannot be written.
 
     Parameters
@@ -321,18 +500,10 @@ class DecoderConfig:
         grouped-query attention).
     head_dim : int
         Dh, features per head (``hidden_size // num_heads`` in most checkpoints, but not required).
-    intermediate_size : int
-        F, the hidden width of the MLP.
+    mlp : MLPConfig
+        The MLP of the layers without experts: its hidden width F, kind, activation and biases.
     max_position_embeddings : int, default 2048
         The longest context the model was trained for (the size of GPT-2's position table).
-    activation : {"silu", "gelu", "gelu_tanh", "relu", "relu2"}, default "silu"
-    mlp : {"gated", "plain", "xielu", "ungated"}, default "gated"
-        The MLP of the layers without experts: ``gated``: ``down(act(x @ W_gate) * (x @ W_up))`` (SwiGLU for
-        silu); ``plain``: ``act(x W1 + b1) W2 + b2``; ``xielu``: ``xielu(x W_up) W_down`` without biases, the
-        xIELU activation with two learned slopes of its own (Apertus; ``activation`` is not read); ``ungated``:
-        ``act(x W_up + b_up) W_down + b_down``, the biases with ``mlp_bias`` (Nemotron-H's squared ReLU).
-    mlp_bias : bool, default False
-        Biases in a gated or ungated MLP (a plain MLP always has them).
     residual : {"sequential", "parallel", "single"}, default "sequential"
         ``parallel``: ``x + attention(attn_norm(x)) + mlp(mlp_norm(x))``, both branches read the block's input
         (GPT-NeoX); ``single``: each layer is one branch, ``x + mixer(attn_norm(x))``, or for an ``"mlp"`` layer
@@ -346,67 +517,53 @@ class DecoderConfig:
         Biases, q/k norms, scale, soft-cap, sinks and the sliding window of the self-attention.
     experts : ExpertsConfig, optional
         The mixture of experts (:class:`~attnkit.layers.experts.MixtureOfExperts`) that is the MLP of the layers
-        it lists (``experts.layers``); with it ``mlp`` must be ``gated``.
-    linear_attention : GatedDeltaNetConfig, optional
-        The shape of the ``linear_attention`` layers (given exactly when there are some).
-    embedding_scale : float, default 1.0
-        The token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)`` rounded to float32); in
-        ``[2**-14, 65504]``.
-    final_logit_softcap : float, optional
-        C: the output logits become ``C * tanh(logits / C)`` (Gemma 2); in ``[2**-14, 65504]``.
-    residual_scale : float, default 1.0
-        Each branch's output (after its post-norm) is multiplied by it before it joins the residual stream
-        (Granite's ``residual_multiplier``); in ``[2**-14, 65504]``.
-    logit_scale : float, default 1.0
-        The head's logits are multiplied by it, before a soft-cap (Granite: ``1 / logits_scaling``); in
-        ``[2**-14, 65504]``.
+        it lists (``experts.layers``); with it ``mlp.kind`` must be ``gated``.
+    scales : ScalesConfig
+        The fixed factors of the embeddings, of each branch's output, of the logits (and their soft-cap), and of the
+        ``scaled_gated`` MLP's gate and output; all identities by default.
     tie_word_embeddings : bool, default False
         The output head reuses the token embedding matrix.
     layer_types : tuple of {"full_attention", "sliding_attention", "gated_attention", "linear_attention", \
 "kimi_delta_attention", "short_conv", "mamba2", "mlp", "attention_mamba2"}
         Each layer's token mixer; default: every layer full. ``gated_attention``: full attention whose heads'
         outputs pass through a sigmoid gate (Qwen3-Next, Qwen3.5); ``linear_attention``: a Gated DeltaNet layer
-        shaped by ``linear_attention``; ``kimi_delta_attention``: a Kimi Delta Attention layer shaped by
-        ``kimi_delta``; ``short_conv``: LFM2's gated short convolution shaped by ``short_conv``;
-        ``mamba2``: a Mamba-2 mixer shaped by ``mamba2`` (the cache entry of these three is a fixed-size state, not
-        keys and values: :data:`STATE_LAYER_TYPES`); ``mlp``: no token mixer, the layer is its MLP alone (with
-        ``residual="single"`` only; its cache entry holds nothing); ``attention_mamba2``: attention and a Mamba-2
-        mixer side by side (Falcon-H1, factors in ``attention_mamba2``), whose cache entry is keys and values and a
-        state (:data:`PAIRED_LAYER_TYPES`).
-    bos_token_id, eos_token_id, pad_token_id : int, tuple of int or None
-        Special tokens from the checkpoint (``eos_token_id`` may list several).
+        shaped by a :class:`~attnkit.layers.gated_deltanet.GatedDeltaNetConfig` in ``mixer_parts``;
+        ``kimi_delta_attention``: a Kimi Delta Attention layer (shaped by a ``KimiDeltaAttentionConfig``);
+        ``short_conv``: LFM2's gated short convolution (a ``ShortConvConfig``); ``mamba2``: a Mamba-2 mixer (a
+        ``Mamba2Config``; the cache entry of these four is a fixed-size state, not keys and values:
+        :data:`STATE_LAYER_TYPES`); ``mlp``: no token mixer, the layer is its MLP alone (with ``residual="single"``
+        only; its cache entry holds nothing); ``attention_mamba2``: attention and a Mamba-2 mixer side by side
+        (Falcon-H1; an :class:`AttentionMamba2Config`, the Mamba-2 shape and the branches' factors), whose cache
+        entry is keys and values and a state (:data:`PAIRED_LAYER_TYPES`).
+    tokens : SpecialTokens
+        The checkpoint's special token ids, ``bos``, ``eos`` (which may list several) and ``pad``; none by default.
     layerwise : LayerwiseConfig, optional
         Layers that differ in more than their window (Gemma 4: wider global heads, keys that are the values,
         keys and values reused by the last layers, per-layer inputs, a scalar per layer); see
         :class:`LayerwiseConfig`.
-    latent : LatentAttentionConfig, optional
-        The part that makes every layer's token mixer multi-head latent attention
-        (:class:`~attnkit.attention.latent.MultiHeadLatentAttention`, DeepSeek-V3) instead of grouped-query
-        attention; its ``hidden_size`` and heads are this config's, ``head_dim`` is its rotary width R,
-        ``rotary.interleaved`` its ``rope_interleaved``, the ``attention`` part stays the default (the latent part
-        holds its biases and scale), and those layers' cache entries are
-        :class:`~attnkit.attention.cache_entry.Latents`.
-    short_conv : ShortConvConfig, optional
-        The shape of the ``short_conv`` layers (given exactly when there are some).
-    mamba2 : Mamba2Config, optional
-        The shape of the ``mamba2`` layers, and of the Mamba-2 half of the ``attention_mamba2`` layers (given
-        exactly when there are some).
-    attention_mamba2 : AttentionMamba2Config, optional
-        The factors of the ``attention_mamba2`` layers' two branches (given exactly when there are some).
-    mlp_multipliers : (float, float), default (1.0, 1.0)
-        The ``scaled_gated`` MLP's fixed factors of the gate's pre-activation and of the output (Falcon-H1's
-        ``mlp_multipliers``); 1 for every other MLP.
+    mixer_parts : tuple of parts, default ()
+        The shapes of the token mixers that are not plain attention, at most one part of each class of
+        :data:`MIXER_PARTS` (kept in that order; each layer's is its spec's ``part``): a
+        :class:`~attnkit.layers.gated_deltanet.GatedDeltaNetConfig`, a
+        :class:`~attnkit.layers.kimi_delta_attention.KimiDeltaAttentionConfig`, a
+        :class:`~attnkit.layers.short_conv.ShortConvConfig`, a :class:`~attnkit.layers.mamba2.Mamba2Config` or an
+        :class:`AttentionMamba2Config` shapes every layer of its type (``linear_attention``,
+        ``kimi_delta_attention``, ``short_conv``, ``mamba2``, ``attention_mamba2``) and is given exactly when
+        there are some. A :class:`~attnkit.attention.latent.LatentAttentionConfig` makes every ``full_attention``
+        layer multi-head latent attention (:class:`~attnkit.attention.latent.MultiHeadLatentAttention`,
+        DeepSeek-V3) instead of grouped-query attention; its ``hidden_size`` and heads are this config's,
+        ``head_dim`` is its rotary width R, ``rotary.interleaved`` its ``rope_interleaved``, the ``attention`` part
+        stays the default (the latent part holds its biases and scale), and those layers' cache entries are
+        :class:`~attnkit.attention.cache_entry.Latents`. :meth:`mixer_part` looks one up by class.
     mtp_layers : int, default 0
         Multi-token-prediction layers the checkpoint may carry after the last layer (DeepSeek-V3's
         ``num_nextn_predict_layers``): not part of the model's forward; read on request as a draft for speculative
         decoding (:func:`attnkit.pretrained.load_multi_token_predictor`).
-    kimi_delta : KimiDeltaAttentionConfig, optional
-        The shape of the ``kimi_delta_attention`` layers (Kimi Delta Attention, given exactly when there are some).
 
     Examples
     --------
     >>> cfg = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=2, num_heads=4,
-    ...                     num_kv_heads=2, head_dim=4, intermediate_size=24)
+    ...                     num_kv_heads=2, head_dim=4, mlp=MLPConfig(24))
     >>> cfg.num_groups, cfg.layer_types, cfg.norm.placement
     (2, ('full_attention', 'full_attention'), 'pre')
     >>> cfg.layers[1].window is None, cfg.layers[1].mixer, cfg.layers[1].mlp
@@ -420,33 +577,19 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    mlp: MLPConfig
     max_position_embeddings: int = 2048
-    activation: str = "silu"
-    mlp: str = "gated"
-    mlp_bias: bool = False
     residual: str = "sequential"
     norm: NormConfig = field(default_factory=NormConfig)
     rotary: RotaryConfig | None = field(default_factory=RotaryConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     experts: ExpertsConfig | None = None
-    linear_attention: GatedDeltaNetConfig | None = None
-    embedding_scale: float = 1.0
-    final_logit_softcap: float | None = None
-    residual_scale: float = 1.0
-    logit_scale: float = 1.0
+    scales: ScalesConfig = field(default_factory=ScalesConfig)
     tie_word_embeddings: bool = False
     layer_types: tuple[str, ...] = field(default=())
-    bos_token_id: int | tuple[int, ...] | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
+    tokens: SpecialTokens = field(default_factory=SpecialTokens)
     layerwise: LayerwiseConfig | None = None
-    latent: LatentAttentionConfig | None = None
-    short_conv: ShortConvConfig | None = None
-    mamba2: Mamba2Config | None = None
-    attention_mamba2: AttentionMamba2Config | None = None
-    mlp_multipliers: tuple[float, float] = (1.0, 1.0)
-    kimi_delta: KimiDeltaAttentionConfig | None = None
+    mixer_parts: tuple[Any, ...] = ()
     mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -462,39 +605,32 @@ class DecoderConfig:
             raise ValueError(f"family must be a model_type such as 'llama' (attnkit.pretrained."
                              f"supported_model_types() lists those with checkpoints), got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_position_embeddings"):
+                     "max_position_embeddings"):
             check_positive_int(getattr(self, name), name, maximum=MAX_LAYERS if name == "num_layers" else _MAX_SIZE)
         check_positive_int(self.mtp_layers, "mtp_layers", allow_zero=True, maximum=MAX_LAYERS)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        _check_choice(self.activation, "activation", ACTIVATIONS)
-        _check_choice(self.mlp, "mlp", MLP_KINDS)
         _check_choice(self.residual, "residual", RESIDUALS)
-        for name in ("mlp_bias", "tie_word_embeddings"):
-            _check_flag(getattr(self, name), name)
-        for name in ("embedding_scale", "residual_scale", "logit_scale"):
-            _factor(getattr(self, name), name)
-        multipliers = self.mlp_multipliers
-        if not isinstance(multipliers, (tuple, list)) or len(multipliers) != 2:
-            raise ValueError(f"mlp_multipliers must be two factors (gate, output), got {multipliers!r}")
-        object.__setattr__(self, "mlp_multipliers", tuple(_factor(m, "mlp_multipliers") for m in multipliers))
-        if self.mlp_multipliers != (1.0, 1.0) and self.mlp != "scaled_gated":
-            raise ValueError(f"mlp_multipliers {self.mlp_multipliers} scale the 'scaled_gated' MLP only; mlp is "
-                             f"{self.mlp!r}")
-        if self.final_logit_softcap is not None:
-            _factor(self.final_logit_softcap, "final_logit_softcap")
+        _check_flag(self.tie_word_embeddings, "tie_word_embeddings")
 
     def _check_parts(self) -> None:
         for name, kind in _PARTS.items():
             value = getattr(self, name)
             if not isinstance(value, kind) and not (name in _OPTIONAL_PARTS and value is None):
                 expected = f"a {kind.__name__}" + (" or None" if name in _OPTIONAL_PARTS else "")
-                raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
-        latent, rotary = self.latent, self.rotary
+                hint = (f" (the MLP's kind is mlp.kind: mlp=MLPConfig(intermediate_size, kind={value!r}))"
+                        if name == "mlp" and isinstance(value, str) else "")
+                raise TypeError(f"{name} must be {expected}, got {type(value).__name__}{hint}")
+        self._check_mixer_parts()
+        multipliers = (self.scales.mlp_gate, self.scales.mlp_output)
+        if multipliers != (1.0, 1.0) and self.mlp.kind != "scaled_gated":
+            raise ValueError(f"scales.mlp_gate and scales.mlp_output {multipliers} scale the 'scaled_gated' MLP only; "
+                             f"mlp.kind is {self.mlp.kind!r}")
+        latent, rotary = self.mixer_part(LatentAttentionConfig), self.rotary
         if latent is not None:
             if (latent.hidden_size, latent.num_heads) != (self.hidden_size, self.num_heads):
-                raise ValueError(f"latent describes hidden_size {latent.hidden_size} and {latent.num_heads} heads, "
-                                 f"the model {self.hidden_size} and {self.num_heads}")
+                raise ValueError(f"the LatentAttentionConfig in mixer_parts describes hidden_size {latent.hidden_size} "
+                                 f"and {latent.num_heads} heads, the model {self.hidden_size} and {self.num_heads}")
             if rotary is None or self.head_dim != latent.qk_rope_head_dim or rotary.partial_factor != 1.0 \
                     or rotary.interleaved != latent.rope_interleaved:
                 raise ValueError("latent attention rotates its qk_rope_head_dim features (except in the rotary "
@@ -504,6 +640,39 @@ class DecoderConfig:
             if self.attention != AttentionConfig():
                 raise ValueError(f"latent attention takes no setting of the attention part (its biases, scale and "
                                  f"window are the latent part's), got {self.attention}")
+
+    def _check_mixer_parts(self) -> None:
+        given = self.mixer_parts
+        if not isinstance(given, (tuple, list)):
+            raise TypeError(f"mixer_parts must be a tuple of parts, got {type(given).__name__}")
+        names = ", ".join(cls.__name__ for cls in MIXER_PARTS)
+        for part in given:
+            if type(part) not in MIXER_PARTS:
+                raise TypeError(f"mixer_parts must hold parts of the classes {names}, got {type(part).__name__}")
+        kinds = [type(part) for part in given]
+        twice = sorted({cls.__name__ for cls in kinds if kinds.count(cls) > 1})
+        if twice:
+            raise ValueError(f"mixer_parts must hold at most one part of each class, got {len(given)} parts with "
+                             f"more than one {twice[0]}")
+        order = list(MIXER_PARTS)
+        object.__setattr__(self, "mixer_parts", tuple(sorted(given, key=lambda part: order.index(type(part)))))
+
+    def mixer_part(self, kind: type) -> Any:
+        """The part of class ``kind`` (one of :data:`MIXER_PARTS`) in ``mixer_parts``, or None.
+
+        Examples
+        --------
+        >>> from attnkit.layers import GatedDeltaNetConfig, ShortConvConfig
+        >>> cfg = DecoderConfig(family="qwen3_next", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8), layer_types=("linear_attention",),
+        ...                     mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 3),))
+        >>> cfg.mixer_part(GatedDeltaNetConfig).num_value_heads, cfg.mixer_part(ShortConvConfig)
+        (2, None)
+        """
+        if kind not in MIXER_PARTS:
+            names = ", ".join(cls.__name__ for cls in MIXER_PARTS)
+            raise ValueError(f"kind must be one of the classes {names}, got {kind!r}")
+        return next((part for part in self.mixer_parts if type(part) is kind), None)
 
     def _check_rotary(self) -> None:
         if self.rotary is None:
@@ -539,24 +708,22 @@ class DecoderConfig:
             raise ValueError("layer_types has sliding_attention layers but attention.sliding_window is None")
         if "chunked_attention" in types and self.attention.chunk_size is None:
             raise ValueError("layer_types has chunked_attention layers but attention.chunk_size is None")
-        if ("linear_attention" in types) != (self.linear_attention is not None):
-            raise ValueError("linear_attention (the Gated DeltaNet layers' shape) must be given exactly when "
-                             f"layer_types has linear_attention layers, got {self.linear_attention!r} for {types}")
-        for kind, part, what in (("short_conv", "short_conv", "the short-convolution layers' shape"),
-                                 ("attention_mamba2", "attention_mamba2",
-                                  "the attention-beside-Mamba-2 layers' factors"),
-                                 ("kimi_delta_attention", "kimi_delta", "the Kimi Delta Attention layers' shape")):
-            if (kind in types) != (getattr(self, part) is not None):
-                raise ValueError(f"{part} ({what}) must be given exactly when layer_types has {kind} layers, got "
-                                 f"{getattr(self, part)!r} for {types}")
-        if (("mamba2" in types) or ("attention_mamba2" in types)) != (self.mamba2 is not None):
-            raise ValueError(f"mamba2 (the Mamba-2 layers' shape) must be given exactly when layer_types has mamba2 "
-                             f"or attention_mamba2 layers, got {self.mamba2!r} for {types}")
+        # a latent part shapes the full-attention layers when given, none otherwise: it is not checked here
+        shaped = [(cls, kind) for cls, kind in MIXER_PARTS.items() if cls is not LatentAttentionConfig]
+        for cls, kind in shaped:
+            if kind in types and self.mixer_part(cls) is None:
+                article = "an" if cls.__name__[0] in "AEIOU" else "a"
+                raise ValueError(f"layer_types has {kind} layers, so mixer_parts needs {article} {cls.__name__} "
+                                 f"(their shape); it has {[type(p).__name__ for p in self.mixer_parts]}")
+        for cls, kind in shaped:
+            if kind not in types and self.mixer_part(cls) is not None:
+                raise ValueError(f"mixer_parts has a {cls.__name__}, the shape of the {kind} layers, but layer_types "
+                                 f"has none: {types}")
         moe = self.experts
-        if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp != "gated"):
+        if moe is not None and (any(i >= self.num_layers for i in moe.layers) or self.mlp.kind != "gated"):
             raise ValueError(f"experts.layers must be layer indices below num_layers ({self.num_layers}) and the "
-                             f"other layers' mlp 'gated' (experts are gated MLPs), got {moe.layers} and "
-                             f"{self.mlp!r}")
+                             f"other layers' mlp.kind 'gated' (experts are gated MLPs), got {moe.layers} and "
+                             f"{self.mlp.kind!r}")
         object.__setattr__(self, "layer_types", types)
 
     def to_dict(self) -> dict[str, Any]:
@@ -565,7 +732,7 @@ class DecoderConfig:
         Examples
         --------
         >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=8)
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8))
         >>> DecoderConfig.from_dict(cfg.to_dict()) == cfg, cfg.to_dict()["norm"]["placement"]
         (True, 'pre')
         """
@@ -576,19 +743,39 @@ class DecoderConfig:
                 return {k: plain(v) for k, v in value.items()}
             return value
 
-        return plain(asdict(self))
+        fields = plain(asdict(self))
+        fields["mixer_parts"] = {type(part).__name__: plain(asdict(part)) for part in self.mixer_parts}
+        return fields
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> DecoderConfig:
         """The config :meth:`to_dict` wrote (lists back to tuples, parts back to their dataclasses).
 
+        A dict saved before fields moved into parts is read too: its flat fields go to their parts (a
+        ``linear_attention``, ``kimi_delta``, ``short_conv``, ``mamba2``, ``attention_mamba2`` or ``latent`` dict
+        to its class in ``mixer_parts``, ``mamba2`` also into the ``attention_mamba2`` part; ``embedding_scale``,
+        ``residual_scale``, ``logit_scale``, ``final_logit_softcap`` and the two ``mlp_multipliers`` to ``scales``;
+        ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` to ``tokens``; ``intermediate_size``,
+        ``activation``, ``mlp_bias`` and the kind ``mlp`` to the ``mlp`` part).
+
         Raises
         ------
         TypeError
-            ``fields`` is not a dict, or names a field the config does not have.
+            ``fields`` is not a dict, or names a field (or a part class in ``mixer_parts``) the config does not have.
+        ValueError
+            An old ``mlp_multipliers`` is not two factors; or a value its part refuses.
+
+        Examples
+        --------
+        >>> old = {"family": "lfm2", "vocab_size": 8, "hidden_size": 8, "num_layers": 1, "num_heads": 2,
+        ...        "num_kv_heads": 1, "head_dim": 4, "intermediate_size": 8, "layer_types": ["short_conv"],
+        ...        "short_conv": {"kernel_size": 3, "bias": True}}
+        >>> DecoderConfig.from_dict(old).mixer_parts
+        (ShortConvConfig(kernel_size=3, bias=True),)
         """
         if not isinstance(fields, dict):
             raise TypeError(f"fields must be a dict, got {type(fields).__name__}")
+        fields = _moved_into_parts(fields)
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             names = ", ".join(f.name for f in dataclasses.fields(cls))
@@ -600,7 +787,15 @@ class DecoderConfig:
         values = {k: tupled(v) for k, v in fields.items()}
         for name, part in _PARTS.items():
             if isinstance(values.get(name), dict):
-                values[name] = part(**{k: tupled(v) for k, v in values[name].items()})
+                values[name] = _part_from_dict(part, fields[name])
+        parts = fields.get("mixer_parts", {})
+        if isinstance(parts, dict):
+            unknown = sorted(set(parts) - set(_MIXER_PARTS_BY_NAME))
+            if unknown:
+                raise TypeError(f"mixer_parts has no part class {unknown[0]!r} (classes: "
+                                f"{', '.join(_MIXER_PARTS_BY_NAME)})")
+            values["mixer_parts"] = tuple(_part_from_dict(_MIXER_PARTS_BY_NAME[name], part)
+                                          for name, part in parts.items())
         return cls(**values)
 
     @property
@@ -616,7 +811,7 @@ class DecoderConfig:
         Examples
         --------
         >>> cfg = DecoderConfig(family="gemma3_text", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-        ...                     num_kv_heads=1, head_dim=4, intermediate_size=8,
+        ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8),
         ...                     rotary=RotaryConfig(theta=1e6, sliding_theta=1e4),
         ...                     attention=AttentionConfig(sliding_window=4),
         ...                     layer_types=("sliding_attention", "full_attention"))
@@ -627,7 +822,7 @@ class DecoderConfig:
         return tuple(self._layer_spec(i, owners[i]) for i in range(self.num_layers))
 
     def _layer_spec(self, index: int, kv_owner: int | None) -> LayerSpec:
-        kind, part = self.layer_types[index], self.layerwise
+        kind, part, latent = self.layer_types[index], self.layerwise, self.mixer_part(LatentAttentionConfig)
         window = self.attention.sliding_window if kind == "sliding_attention" else None
         chunk = self.attention.chunk_size if kind == "chunked_attention" else None
         if self.rotary is None or index in self.rotary.skip_layers:
@@ -640,7 +835,7 @@ class DecoderConfig:
             block = self.residual if part is None else part.block
         if kind == "mlp":
             mixer = None
-        elif self.latent is not None and kind == "full_attention":
+        elif latent is not None and kind == "full_attention":
             mixer = "latent_attention"
         elif part is not None:
             mixer = "kv_owner_attention" if kv_owner is None else "kv_reader_attention"
@@ -649,8 +844,8 @@ class DecoderConfig:
         if block == "mixer_only":
             mlp = None
         else:
-            mlp = "experts" if self.experts is not None and index in self.experts.layers else self.mlp
-        head_dim, kv_heads, width = self.head_dim, self.num_kv_heads, self.intermediate_size
+            mlp = "experts" if self.experts is not None and index in self.experts.layers else self.mlp.kind
+        head_dim, kv_heads, width = self.head_dim, self.num_kv_heads, self.mlp.intermediate_size
         if part is not None:
             if kind == "full_attention":
                 head_dim, kv_heads = part.global_head_dim, part.global_kv_heads
@@ -670,8 +865,14 @@ class DecoderConfig:
         if qk_norm == "unit_after_rotary" and rotary is None:  # the unit norm acts on the rotary layers only
             qk_norm = None
         temperature = self.attention.query_temperature if rotary is None else None  # the NoPE layers'
-        return LayerSpec(index=index, layer_type=kind, mixer=mixer, mlp=mlp, block=block, head_dim=head_dim,
-                         num_kv_heads=kv_heads, intermediate_size=width, rotary=rotary, window=window, chunk=chunk,
+        if mixer == "latent_attention":
+            shape = latent
+        else:  # the part of the layer's own type; plain attention has none
+            shape = next((p for p in self.mixer_parts if mixer == kind == MIXER_PARTS[type(p)]
+                          and type(p) is not LatentAttentionConfig), None)
+        return LayerSpec(index=index, layer_type=kind, mixer=mixer, part=shape, mlp=mlp, block=block,
+                         head_dim=head_dim, num_kv_heads=kv_heads, intermediate_size=width, rotary=rotary,
+                         window=window, chunk=chunk,
                          kv_owner=kv_owner, qk_norm=qk_norm, query_temperature=temperature, cache=cache,
                          score_mod=self.attention.score_mod())
 

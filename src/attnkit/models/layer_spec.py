@@ -1,9 +1,10 @@
 """``LayerSpec``: what one decoder layer is, resolved once from a :class:`~attnkit.models.DecoderConfig`.
 
-A decoder config says what its layers are in the terms its checkpoint family uses (``layer_types``, a latent part
-that turns every attention layer into latent attention, a layerwise part whose last layers reuse keys and values,
-the experts part's list of layers, NoPE layers in the rotary part). :attr:`DecoderConfig.layers` reads all of them
-once and answers, for each layer, one :class:`LayerSpec`: its token mixer and MLP (keys of
+A decoder config says what its layers are in the terms its checkpoint family uses (``layer_types``, the parts of
+``mixer_parts`` that shape its mixers, a latent part that turns every attention layer into latent attention, a
+layerwise part whose last layers reuse keys and values, the experts part's list of layers, NoPE layers in the
+rotary part). :attr:`DecoderConfig.layers` reads all of them once and answers, for each layer, one
+:class:`LayerSpec`: its token mixer (and the part that shapes it) and MLP (keys of
 :data:`attnkit.layers.lm_block.MIXERS` and :data:`~attnkit.layers.lm_block.MLPS`), its block
 (:data:`~attnkit.layers.lm_block.BLOCKS`), its sizes, its window, rotary and q/k norm, and what its cache entry
 holds. Blocks and layers are built from it by table lookups; nothing else asks the config what a layer is.
@@ -33,6 +34,10 @@ class LayerSpec:
         Its entry of ``DecoderConfig.layer_types``.
     mixer : str or None
         Its token mixer, a key of :data:`attnkit.layers.lm_block.MIXERS`; None for a layer of the MLP alone.
+    part : dataclass or None
+        The shape of its token mixer, the part of ``DecoderConfig.mixer_parts`` that shapes it (a
+        ``GatedDeltaNetConfig``, ``LatentAttentionConfig``, ...); None for grouped-query attention, whose settings
+        are the config's ``attention`` part, and for a layer of the MLP alone.
     mlp : str or None
         Its MLP, a key of :data:`attnkit.layers.lm_block.MLPS`; None for a layer of the mixer alone.
     block : str
@@ -62,9 +67,9 @@ class LayerSpec:
 
     Examples
     --------
-    >>> from attnkit.models import AttentionConfig, DecoderConfig
+    >>> from attnkit.models import AttentionConfig, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="mistral", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12,
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12),
     ...                     attention=AttentionConfig(sliding_window=4),
     ...                     layer_types=("sliding_attention", "full_attention"))
     >>> [(s.mixer, s.mlp, s.window, s.keys_kept, s.cache) for s in cfg.layers]
@@ -74,6 +79,7 @@ class LayerSpec:
     index: int
     layer_type: str
     mixer: str | None
+    part: Any
     mlp: str | None
     block: str
     head_dim: int

@@ -37,7 +37,7 @@ class LayerwiseConfig:
         N: the last N layers reuse the keys and values of the last earlier layer of their own type (sliding or
         full) and have no key/value projections; 0: every layer has its own.
     wide_shared_mlp : bool
-        The layers that reuse keys and values have an MLP of twice ``intermediate_size``.
+        The layers that reuse keys and values have an MLP of twice ``mlp.intermediate_size``.
     per_layer_input_size : int
         P > 0: every layer adds ``norm(W_proj (act(W_gate h) * e_i))``, ``e_i`` (B, L, P) its per-layer input
         (see :class:`~attnkit.layers.per_layer_input.PerLayerInputs`); 0: none.
@@ -80,10 +80,10 @@ class LayerwiseConfig:
         if self.shared_kv_layers >= config.num_layers:
             raise ValueError(f"layerwise.shared_kv_layers ({self.shared_kv_layers}) must be smaller than "
                              f"num_layers ({config.num_layers}): some layer must compute the keys they reuse")
-        if config.norm.placement != "sandwich" or config.residual != "sequential" or config.mlp != "gated":
+        if config.norm.placement != "sandwich" or config.residual != "sequential" or config.mlp.kind != "gated":
             raise ValueError(f"layerwise needs norms before and after both branches, a sequential residual and a "
                              f"gated MLP, got norm.placement={config.norm.placement!r}, "
-                             f"residual={config.residual!r}, mlp={config.mlp!r}")
+                             f"residual={config.residual!r}, mlp.kind={config.mlp.kind!r}")
         others = sorted(set(config.layer_types) - {"full_attention", "sliding_attention"})
         temperature = config.attention.query_temperature is not None
         if others or temperature or config.attention.qk_norm == "unit_after_rotary":

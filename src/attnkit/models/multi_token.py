@@ -127,8 +127,9 @@ class MultiTokenPredictor(Module):
     Examples
     --------
     >>> from attnkit.models import CausalLM
+    >>> from attnkit.models import MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12, mtp_layers=1)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12), mtp_layers=1)
     >>> lm = CausalLM(cfg, rng=0)
     >>> ids = np.array([[1, 2, 3, 4]])
     >>> _, hidden = lm(ids, return_hidden=True)
@@ -180,7 +181,7 @@ class MultiTokenPredictor(Module):
         layer_mask = None if mask.all() else mask  # (B, S)
         weight = model.head_weight.astype(h.dtype, copy=False)
         all_logits, tokens = [], []
-        scale = h.dtype.type(self.config.embedding_scale)
+        scale = h.dtype.type(self.config.scales.embedding)
         for layer in self.layers:
             # read as the decoding step reads it: the model's embedding saves nothing for its backward here
             embeddings = model.embed.weight[ids].astype(h.dtype) * scale  # (B, L, D)

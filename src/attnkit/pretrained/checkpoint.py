@@ -61,10 +61,10 @@ def checkpoint_tensors(config: DecoderConfig, params: dict[str, Any]) -> dict[st
 
     Examples
     --------
-    >>> from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, NormConfig
+    >>> from attnkit.models import AttentionConfig, CausalLM, DecoderConfig, NormConfig, MLPConfig
     >>> cfg = DecoderConfig(family="gpt2", vocab_size=8, hidden_size=4, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8, rotary=None,
-    ...                     norm=NormConfig(kind="layernorm"), mlp="plain", tie_word_embeddings=True,
+    ...                     num_kv_heads=2, head_dim=2, mlp=MLPConfig(8, kind="plain"), rotary=None,
+    ...                     norm=NormConfig(kind="layernorm"), tie_word_embeddings=True,
     ...                     attention=AttentionConfig(bias=True, output_bias=True), max_position_embeddings=6)
     >>> tensors = checkpoint_tensors(cfg, dict(CausalLM(cfg, rng=0).named_parameters()))
     >>> tensors["transformer.h.0.attn.c_attn.weight"].shape, "lm_head.weight" in tensors
@@ -89,9 +89,9 @@ def checkpoint_map(config: DecoderConfig, *, mxfp4: bool = False) -> tuple[list[
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=32, hidden_size=16, num_layers=1, num_heads=4,
-    ...                     num_kv_heads=2, head_dim=4, intermediate_size=24)
+    ...                     num_kv_heads=2, head_dim=4, mlp=MLPConfig(24))
     >>> maps, prefix = checkpoint_map(cfg)
     >>> prefix, [(m.source, m.shape, m.targets[0], m.layout) for m in maps if "k_proj" in m.source][0]
     ('model.', ('layers.0.self_attn.k_proj.weight', (8, 16), 'layers.0.attention.W_K', 'transpose'))

@@ -70,7 +70,7 @@ def decoder_config_from_hf(config: dict) -> DecoderConfig:
     >>> cfg.head_dim, cfg.num_kv_heads, cfg.rotary.theta, cfg.rotary.scaling
     (8, 2, 500000.0, {'rope_type': 'linear', 'factor': 2.0})
     >>> decoder_config_from_hf({"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2,
-    ...     "n_head": 4}).activation
+    ...     "n_head": 4}).mlp.activation
     'gelu_tanh'
     """
     cfg = read_decoder_keys(config)

@@ -254,9 +254,9 @@ def compare(a: Any, b: Any, input_ids: Any, *, reference: Any = None) -> Compari
 
     Examples
     --------
-    >>> from attnkit.models import CausalLM, DecoderConfig
+    >>> from attnkit.models import CausalLM, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> compare(lm, copy.deepcopy(lm).astype(np.float64), [1, 2, 3]).verdict()
     'no divergence'

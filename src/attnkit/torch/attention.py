@@ -146,9 +146,9 @@ class GroupedQueryAttention(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import AttentionConfig, DecoderConfig
+    >>> from attnkit.models import AttentionConfig, DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="mistral", vocab_size=8, hidden_size=8, num_layers=1, num_heads=4,
-    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8,
+    ...                     num_kv_heads=2, head_dim=2, mlp=MLPConfig(8),
     ...                     attention=AttentionConfig(sliding_window=2), layer_types=("sliding_attention",))
     >>> attn = GroupedQueryAttention(cfg, 0, rng=0)
     >>> attn(torch.ones(2, 3, 8, dtype=torch.float64)).shape, attn.window
@@ -232,9 +232,9 @@ class GatedAttention(GroupedQueryAttention):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="qwen3_next", vocab_size=8, hidden_size=8, num_layers=1, num_heads=4,
-    ...                     num_kv_heads=2, head_dim=2, intermediate_size=8, layer_types=("gated_attention",))
+    ...                     num_kv_heads=2, head_dim=2, mlp=MLPConfig(8), layer_types=("gated_attention",))
     >>> GatedAttention(cfg, 0, rng=0)(torch.ones(2, 3, 8, dtype=torch.float64)).shape
     torch.Size([2, 3, 8])
     """

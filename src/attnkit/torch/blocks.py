@@ -190,9 +190,9 @@ class LMBlock(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> LMBlock(cfg, 0, rng=0)(torch.ones(1, 3, 8, dtype=torch.float64)).shape
     torch.Size([1, 3, 8])
     """

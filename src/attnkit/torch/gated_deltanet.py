@@ -117,10 +117,10 @@ class GatedDeltaNetMixer(GatedDeltaNet):
     Examples
     --------
     >>> from attnkit.layers import GatedDeltaNetConfig
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="qwen3_5_text", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=8, layer_types=("linear_attention",),
-    ...                     linear_attention=GatedDeltaNetConfig(1, 2, 4, 3))
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8), layer_types=("linear_attention",),
+    ...                     mixer_parts=(GatedDeltaNetConfig(1, 2, 4, 3),))
     >>> GatedDeltaNetMixer(cfg, 0, rng=0)(torch.ones(2, 5, 8, dtype=torch.float64)).shape
     torch.Size([2, 5, 8])
     """

@@ -117,10 +117,10 @@ class Mamba2Mixer(Mamba2):
     Examples
     --------
     >>> from attnkit.layers import Mamba2Config
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="bamba", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=8, layer_types=("mamba2",),
-    ...                     mamba2=Mamba2Config(num_heads=2, head_dim=4, state_size=3))
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8), layer_types=("mamba2",),
+    ...                     mixer_parts=(Mamba2Config(num_heads=2, head_dim=4, state_size=3),))
     >>> Mamba2Mixer(cfg, 0, rng=0)(torch.ones(2, 5, 8, dtype=torch.float64)).shape
     torch.Size([2, 5, 8])
     """

@@ -50,9 +50,9 @@ class CausalLM(TwinModule):
 
     Examples
     --------
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="llama", vocab_size=11, hidden_size=8, num_layers=2, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=12)
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(12))
     >>> lm = CausalLM(cfg, rng=0)
     >>> lm(torch.tensor([[1, 2, 3]])).shape, next(lm.parameters()).dtype
     (torch.Size([1, 3, 11]), torch.float64)
@@ -100,8 +100,8 @@ class CausalLM(TwinModule):
             positions = torch.arange(length, device=device).expand(b, length)  # (B, L)
         config = self.config
         h = self.embed(ids)  # (B, L, D)
-        if config.embedding_scale != 1.0:
-            h = h * torch.tensor(config.embedding_scale, dtype=h.dtype)  # (B, L, D), rounded as attnkit does
+        if config.scales.embedding != 1.0:
+            h = h * torch.tensor(config.scales.embedding, dtype=h.dtype)  # (B, L, D), rounded as attnkit does
         if config.rotary is None:
             h = h + self.pos_embed(positions)  # (B, L, D)
         tables = {name: getattr(self, name)(positions, dtype=h.dtype)  # (B, L, R) each
@@ -116,8 +116,8 @@ class CausalLM(TwinModule):
         h = self.norm(h)  # (B, L, D)
         logits = h @ self.head_weight.to(h.dtype).T  # (B, L, V)
         logits = self.head_scale(logits)  # (B, L, V)
-        if config.final_logit_softcap is not None:
-            cap = torch.tensor(config.final_logit_softcap, dtype=logits.dtype)
+        if config.scales.final_logit_softcap is not None:
+            cap = torch.tensor(config.scales.final_logit_softcap, dtype=logits.dtype)
             logits = torch.tanh(logits / cap) * cap  # (B, L, V)
         return logits
 

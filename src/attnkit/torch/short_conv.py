@@ -55,10 +55,10 @@ class ShortConvMixer(ShortConv):
     Examples
     --------
     >>> from attnkit.layers import ShortConvConfig
-    >>> from attnkit.models import DecoderConfig
+    >>> from attnkit.models import DecoderConfig, MLPConfig
     >>> cfg = DecoderConfig(family="lfm2", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
-    ...                     num_kv_heads=1, head_dim=4, intermediate_size=8, layer_types=("short_conv",),
-    ...                     short_conv=ShortConvConfig(3))
+    ...                     num_kv_heads=1, head_dim=4, mlp=MLPConfig(8), layer_types=("short_conv",),
+    ...                     mixer_parts=(ShortConvConfig(3),))
     >>> ShortConvMixer(cfg, 0, rng=0)(torch.ones(2, 5, 8, dtype=torch.float64)).shape
     torch.Size([2, 5, 8])
     """

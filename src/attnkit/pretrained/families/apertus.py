@@ -34,11 +34,11 @@ def _config(read: Reader):
 
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
     bias = read.bool("attention_bias", False)
-    return dict(attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head"), mlp="xielu")
+    return dict(attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head"), mlp_kind="xielu")
 
 
 def _xielu_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d, f = cfg.hidden_size, cfg.mlp.intermediate_size
     return [TensorMap(hf + "mlp.up_proj.weight", (f, d), (ak + "mlp.W_up",), "transpose"),
             TensorMap(hf + "mlp.down_proj.weight", (d, f), (ak + "mlp.W_down",), "transpose"),
             TensorMap(hf + "mlp.act_fn.alpha_p", (1,), (ak + "mlp.alpha_p",), "copy"),

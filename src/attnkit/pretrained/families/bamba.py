@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ...layers.attention_mamba2 import AttentionMamba2Config
 from ...layers.mamba2 import Mamba2Config
 from ...models.config import AttentionConfig, DecoderConfig
 from ..tensor_map import TensorMap
@@ -24,7 +25,7 @@ from ._reader import COMMON_KEYS, Reader
 from .llama import BENCHMARK_SHAPE, gated_mlp_tensors, pre_norm_tensors, rotary_config
 
 __all__ = ["FAMILY", "MAMBA_KEYS", "MAMBA2_GGUF_RENAMED", "MAMBA2_GGUF_RESTORED", "attention_tensors",
-           "mamba2_config", "mamba2_tensors", "mamba2_gguf_restore"]
+           "mamba2_config", "mamba2_shape", "mamba2_tensors", "mamba2_gguf_restore"]
 
 DEFAULTS = {"max_position_embeddings": 262144, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             "num_key_value_heads": 8, "rms_norm_eps": 1e-5}
@@ -98,15 +99,21 @@ def _config(read: Reader) -> DecoderConfig:
         return dict(attention=AttentionConfig(bias=read.bool("attention_bias", False),
                                               output_bias=read.bool("attention_bias", False)),
                     mlp_bias=read.bool("mlp_bias", False), layer_types=types,
-                    mamba2=mamba2_config(read) if "mamba2" in types else None)
+                    mixer_parts=(mamba2_config(read),) if "mamba2" in types else ())
 
     return rotary_config(read, DEFAULTS, fields)
+
+
+def mamba2_shape(cfg: DecoderConfig) -> Mamba2Config:
+    """The Mamba-2 shape of a model's ``mamba2`` layers, or of the Mamba-2 half of its ``attention_mamba2`` ones."""
+    shape = cfg.mixer_part(Mamba2Config)
+    return shape if shape is not None else cfg.mixer_part(AttentionMamba2Config).mamba2
 
 
 def mamba2_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """The table of :mod:`attnkit.layers.mamba2`, one to one (the norm's weight and each bias where the shape has
     them)."""
-    s, d = cfg.mamba2, cfg.hidden_size
+    s, d = mamba2_shape(cfg), cfg.hidden_size
     inner = s.num_heads * s.head_dim
     conv, width, h = inner + 2 * s.n_groups * s.state_size, 2 * inner + 2 * s.n_groups * s.state_size + s.num_heads, \
         s.num_heads

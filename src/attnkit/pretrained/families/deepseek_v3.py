@@ -23,7 +23,7 @@ from functools import partial
 
 from ..._validation import check_factor
 from ...attention.latent import LatentAttentionConfig, yarn_softmax_scale
-from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
+from ...models.config import DecoderConfig, ExpertsConfig, MLPConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..tensor_map import TensorMap
 from . import Family
 from ._multi_token import MTP_KEYS, mtp_layer_count, multi_token_tensors
@@ -118,20 +118,21 @@ def read_config(read: Reader, *, indexer: dict | None = None, sparse: tuple[int,
     latent = _latent(read, hidden, heads, scaling, **(indexer or {}))
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=heads, head_dim=rope, intermediate_size=read.int("intermediate_size"),
+        num_kv_heads=heads, head_dim=rope,
+        mlp=MLPConfig(read.int("intermediate_size"), activation=read.activation("hidden_act", "silu")),
         max_position_embeddings=max_positions, norm=NormConfig(eps=read.eps("rms_norm_eps", 1e-6)),
-        activation=read.activation("hidden_act", "silu"),
         rotary=RotaryConfig(theta=theta, scaling=scaling, interleaved=latent.rope_interleaved),
         tie_word_embeddings=read.bool("tie_word_embeddings", DEFAULTS["tie_word_embeddings"]),
-        bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
-        eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
-        pad_token_id=read.token_ids("pad_token_id", None, many=False),
-        latent=latent, experts=group_routed_experts(read, layers, sparse=sparse), mtp_layers=mtp_layer_count(read))
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
+                             eos=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
+                             pad=read.token_ids("pad_token_id", None, many=False)),
+        mixer_parts=(latent,), experts=group_routed_experts(read, layers, sparse=sparse),
+        mtp_layers=mtp_layer_count(read))
 
 
 def latent_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """A latent attention layer's ``self_attn.`` tensors (the module docstring's list)."""
-    lat = cfg.latent
+    lat = cfg.mixer_part(LatentAttentionConfig)
     d, q_width = cfg.hidden_size, cfg.num_heads * lat.qk_head_dim
     hf, ak = hf + "self_attn.", ak + "attention."
     maps = []

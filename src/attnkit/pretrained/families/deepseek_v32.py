@@ -11,6 +11,7 @@ Checkpoint (under ``model.``): DeepSeek-V3's, plus ``self_attn.indexer.{wq_b, wk
 """
 from __future__ import annotations
 
+from ...attention.latent import LatentAttentionConfig
 from ...models.config import DecoderConfig
 from ..tensor_map import TensorMap
 from . import Family
@@ -58,7 +59,7 @@ def _read(read: Reader) -> DecoderConfig:
 
 def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """DeepSeek-V3's latent attention, then its indexer's projections and key norm."""
-    lat = cfg.latent
+    lat = cfg.mixer_part(LatentAttentionConfig)
     hi, di = lat.index_n_heads, lat.index_head_dim
     d, hf_index, ak_index = cfg.hidden_size, hf + "self_attn.indexer.", ak + "attention.indexer."
     return latent_attention_tensors(cfg, hf, ak) + [

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from ...layers.mamba2 import Mamba2Config
-from ...models.config import AttentionConfig, AttentionMamba2Config, DecoderConfig
+from ...models.config import AttentionConfig, AttentionMamba2Config, DecoderConfig, ScalesConfig
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -90,16 +90,17 @@ def _config(read: Reader) -> DecoderConfig:
         head_dim = read.int("head_dim", None, optional=True) or read.int("hidden_size") // heads
         # key_multiplier multiplies every score exactly as the scale does: folded into it (see the module's text)
         scale = read.factor("key_multiplier", 1.0) * head_dim ** -0.5
-        return dict(attention=AttentionConfig(bias=bias, output_bias=bias, scale=scale),
-                    mlp="scaled_gated", mlp_multipliers=_factors(read, "mlp_multipliers", 2),
+        gate, output = _factors(read, "mlp_multipliers", 2)
+        return dict(attention=AttentionConfig(bias=bias, output_bias=bias, scale=scale), mlp_kind="scaled_gated",
                     mlp_bias=read.bool("mlp_bias", False), layer_types=("attention_mamba2",) * layers,
-                    mamba2=_mamba2_config(read),
-                    attention_mamba2=AttentionMamba2Config(read.factor("attention_in_multiplier", 1.0),
-                                                           read.factor("attention_out_multiplier", 1.0),
-                                                           read.factor("ssm_in_multiplier", 1.0),
-                                                           read.factor("ssm_out_multiplier", 1.0)),
-                    embedding_scale=read.factor("embedding_multiplier", 1.0),
-                    logit_scale=read.factor("lm_head_multiplier", 1.0))
+                    mixer_parts=(AttentionMamba2Config(_mamba2_config(read),
+                                                       read.factor("attention_in_multiplier", 1.0),
+                                                       read.factor("attention_out_multiplier", 1.0),
+                                                       read.factor("ssm_in_multiplier", 1.0),
+                                                       read.factor("ssm_out_multiplier", 1.0)),),
+                    scales=ScalesConfig(embedding=read.factor("embedding_multiplier", 1.0),
+                                        logit=read.factor("lm_head_multiplier", 1.0), mlp_gate=gate,
+                                        mlp_output=output))
 
     return rotary_config(read, DEFAULTS, fields)
 

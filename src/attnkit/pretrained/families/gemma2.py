@@ -13,7 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import (
+    AttentionConfig,
+    DecoderConfig,
+    MLPConfig,
+    NormConfig,
+    RotaryConfig,
+    ScalesConfig,
+    SpecialTokens,
+)
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, rope_scaling
 from . import Family
 from ._reader import COMMON_KEYS, Reader, per_layer_type, read_layer_types, read_rope, read_rope_by_layer_type
@@ -113,22 +121,22 @@ def gemma_config(read: Reader, rules: GemmaRules = GemmaRules()) -> DecoderConfi
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        mlp=MLPConfig(read.int("intermediate_size"), kind="gated", activation=activation),
+        max_position_embeddings=max_positions,
         norm=NormConfig(eps=read.eps("rms_norm_eps", 1e-6), offset=1.0, placement="sandwich"),
-        activation=activation, mlp="gated",
         rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial, sliding_theta=sliding_theta,
                             sliding_scaling=sliding_scaling),
         attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head" if rules.qk_norm else None,
                                   scale=read.factor("query_pre_attn_scalar", 256) ** -0.5,
                                   logit_softcap=softcaps["attn_logit_softcap"], sliding_window=window),
         # Hugging Face multiplies by a float32 tensor of sqrt(hidden_size), in every dtype
-        embedding_scale=float(np.float32(math.sqrt(hidden))),
-        final_logit_softcap=softcaps["final_logit_softcap"],
+        scales=ScalesConfig(embedding=float(np.float32(math.sqrt(hidden))),
+                            final_logit_softcap=softcaps["final_logit_softcap"]),
         tie_word_embeddings=read.bool("tie_word_embeddings", True),
         layer_types=types,
-        bos_token_id=read.token_ids("bos_token_id", 2, many=False),
-        eos_token_id=read.token_ids("eos_token_id", 1, many=True),
-        pad_token_id=read.token_ids("pad_token_id", 0, many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 2, many=False),
+                             eos=read.token_ids("eos_token_id", 1, many=True),
+                             pad=read.token_ids("pad_token_id", 0, many=False)),
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig
+from ...models.config import AttentionConfig, DecoderConfig, MLPConfig, NormConfig, SpecialTokens
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, special_ids, vocab_size
 from ..tensor_map import TensorMap
 from . import Family
@@ -39,20 +39,20 @@ def _read_config(read: Reader) -> DecoderConfig:
     return DecoderConfig(
         family="gpt2", vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=read.layers("n_layer"),
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-        intermediate_size=read.int("n_inner", None, optional=True) or 4 * hidden,
+        mlp=MLPConfig(read.int("n_inner", None, optional=True) or 4 * hidden, kind="plain",
+                      activation=read.activation("activation_function", "gelu_new"), bias=True),
         max_position_embeddings=read.int("n_positions", 1024),
-        norm=NormConfig(kind="layernorm", eps=read.eps("layer_norm_epsilon", 1e-5)),
-        activation=read.activation("activation_function", "gelu_new"), mlp="plain", rotary=None,
-        attention=AttentionConfig(bias=True, output_bias=True), mlp_bias=True,
+        norm=NormConfig(kind="layernorm", eps=read.eps("layer_norm_epsilon", 1e-5)), rotary=None,
+        attention=AttentionConfig(bias=True, output_bias=True),
         tie_word_embeddings=read.bool("tie_word_embeddings", True),
-        bos_token_id=read.token_ids("bos_token_id", 50256, many=False),
-        eos_token_id=read.token_ids("eos_token_id", 50256, many=True),
-        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 50256, many=False),
+                             eos=read.token_ids("eos_token_id", 50256, many=True),
+                             pad=read.token_ids("pad_token_id", None, many=False)),
     )
 
 
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    d, f, v = cfg.hidden_size, cfg.mlp.intermediate_size, cfg.vocab_size
     maps = [TensorMap("wte.weight", (v, d), ("embed.weight",), "copy"),
             TensorMap("wpe.weight", (cfg.max_position_embeddings, d), ("pos_embed.weight",), "copy")]
     for i in range(cfg.num_layers):

@@ -9,7 +9,7 @@ Checkpoint (under ``gpt_neox.``): ``embed_in``; per layer ``input_layernorm``, `
 """
 from __future__ import annotations
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import AttentionConfig, DecoderConfig, MLPConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import ROPE_KEYS, Reader, read_rope
@@ -45,21 +45,22 @@ def _read_config(read: Reader) -> DecoderConfig:
     return DecoderConfig(
         family="gpt_neox", vocab_size=read.int("vocab_size"), hidden_size=hidden,
         num_layers=read.layers(), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        mlp=MLPConfig(read.int("intermediate_size"), kind="plain", activation=read.activation("hidden_act", "gelu"),
+                      bias=True),
+        max_position_embeddings=max_positions,
         norm=NormConfig(kind="layernorm", eps=read.eps("layer_norm_eps", 1e-5)),
-        activation=read.activation("hidden_act", "gelu"), mlp="plain",
         rotary=RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial),
-        attention=AttentionConfig(bias=bias, output_bias=bias), mlp_bias=True,
+        attention=AttentionConfig(bias=bias, output_bias=bias),
         residual="parallel" if read.bool("use_parallel_residual", True) else "sequential",
         tie_word_embeddings=read.bool("tie_word_embeddings", False),
-        bos_token_id=read.token_ids("bos_token_id", 0, many=False),
-        eos_token_id=read.token_ids("eos_token_id", 2, many=True),
-        pad_token_id=read.token_ids("pad_token_id", None, many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 0, many=False),
+                             eos=read.token_ids("eos_token_id", 2, many=True),
+                             pad=read.token_ids("pad_token_id", None, many=False)),
     )
 
 
 def _tensors(cfg: DecoderConfig, mxfp4: bool = False) -> tuple[list[TensorMap], str]:
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    d, f, v = cfg.hidden_size, cfg.mlp.intermediate_size, cfg.vocab_size
     maps = [TensorMap("embed_in.weight", (v, d), ("embed.weight",), "copy")]
     for i in range(cfg.num_layers):
         hf, ak = f"layers.{i}.", f"layers.{i}."

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...models.config import AttentionConfig
+from ...models.config import AttentionConfig, ScalesConfig
 from . import Family
 from ._reader import COMMON_KEYS, Reader
 from .llama import BENCHMARK_SHAPE, plain_tensors, rotary_config
@@ -20,9 +20,10 @@ DEFAULTS = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_
 def _fields(read: Reader, layers: int) -> dict[str, Any]:
     bias = read.bool("attention_bias", False)
     return dict(attention=AttentionConfig(bias=bias, output_bias=bias, scale=read.factor("attention_multiplier", 1.0)),
-                mlp_bias=read.bool("mlp_bias", False), embedding_scale=read.factor("embedding_multiplier", 1.0),
-                residual_scale=read.factor("residual_multiplier", 1.0),
-                logit_scale=1.0 / read.factor("logits_scaling", 1.0))
+                mlp_bias=read.bool("mlp_bias", False),
+                scales=ScalesConfig(embedding=read.factor("embedding_multiplier", 1.0),
+                                    residual=read.factor("residual_multiplier", 1.0),
+                                    logit=1.0 / read.factor("logits_scaling", 1.0)))
 
 
 FAMILY = Family(

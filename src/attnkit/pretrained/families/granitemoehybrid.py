@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ...models.config import AttentionConfig, DecoderConfig, ExpertsConfig
+from ...models.config import AttentionConfig, DecoderConfig, ExpertsConfig, ScalesConfig
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, common_config, layer_counts
 from ..tensor_map import TensorMap
 from . import Family
@@ -81,10 +81,10 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
         moe_intermediate_size=read.int("intermediate_size"), layers=tuple(range(layers)), router="topk_softmax",
         shared_expert_intermediate_size=shared))
     return dict(attention=AttentionConfig(bias=bias, output_bias=bias, scale=read.factor("attention_multiplier", 1.0)),
-                embedding_scale=read.factor("embedding_multiplier", 1.0),
-                residual_scale=read.factor("residual_multiplier", 1.0),
-                logit_scale=1.0 / read.factor("logits_scaling", 1.0), layer_types=types,
-                mamba2=mamba2_config(read) if "mamba2" in types else None,
+                scales=ScalesConfig(embedding=read.factor("embedding_multiplier", 1.0),
+                                    residual=read.factor("residual_multiplier", 1.0),
+                                    logit=1.0 / read.factor("logits_scaling", 1.0)), layer_types=types,
+                mixer_parts=(mamba2_config(read),) if "mamba2" in types else (),
                 skip_rotary=() if position == "rope" else tuple(range(layers)), **mixture)
 
 
@@ -101,7 +101,7 @@ def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     stacked experts."""
     d, part = cfg.hidden_size, cfg.experts
     shared = ak + ("mlp.shared_expert." if part is not None else "mlp.")
-    fs = part.shared_expert_intermediate_size if part is not None else cfg.intermediate_size
+    fs = part.shared_expert_intermediate_size if part is not None else cfg.mlp.intermediate_size
     maps = [TensorMap(hf + "shared_mlp.input_linear.weight", (2 * fs, d), (shared + "W_gate", shared + "W_up"),
                       "row_split_transpose", sizes=(fs, fs)),
             TensorMap(hf + "shared_mlp.output_linear.weight", (d, fs), (shared + "W_down",), "transpose")]

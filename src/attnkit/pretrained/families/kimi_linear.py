@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ...attention.latent import LatentAttentionConfig
 from ...layers.kimi_delta_attention import KimiDeltaAttentionConfig
-from ...models.config import DecoderConfig, ExpertsConfig, NormConfig, RotaryConfig
+from ...models.config import DecoderConfig, ExpertsConfig, MLPConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..tensor_map import TensorMap
 from . import Family
 from ._reader import COMMON_KEYS, Reader
@@ -144,22 +144,22 @@ def _read_config(read: Reader) -> DecoderConfig:
                                    conv_kernel_size=_int(read, "linear_conv_kernel_dim"))
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=heads, head_dim=rope, intermediate_size=read.int("intermediate_size"),
+        num_kv_heads=heads, head_dim=rope,
+        mlp=MLPConfig(read.int("intermediate_size"), activation=read.activation("hidden_act", "silu")),
         max_position_embeddings=_int(read, "max_position_embeddings"),
         norm=NormConfig(eps=read.eps("rms_norm_eps", DEFAULTS["rms_norm_eps"])),
-        activation=read.activation("hidden_act", "silu"),
         # no layer turns its rotary features (NoPE); the part only says so, and that there is no position table
         rotary=RotaryConfig(interleaved=False, skip_layers=tuple(range(layers))),
         tie_word_embeddings=read.bool("tie_word_embeddings", False),
-        bos_token_id=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
-        eos_token_id=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
-        pad_token_id=read.token_ids("pad_token_id", DEFAULTS["pad_token_id"], many=False),
-        layer_types=_layer_types(read, layers), latent=latent, kimi_delta=kda, experts=_experts(read, layers))
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", DEFAULTS["bos_token_id"], many=False),
+                             eos=read.token_ids("eos_token_id", DEFAULTS["eos_token_id"], many=True),
+                             pad=read.token_ids("pad_token_id", DEFAULTS["pad_token_id"], many=False)),
+        layer_types=_layer_types(read, layers), mixer_parts=(kda, latent), experts=_experts(read, layers))
 
 
 def _kda_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """A Kimi Delta Attention layer's ``self_attn.`` (the table of :mod:`attnkit.layers.kimi_delta_attention`)."""
-    shape, d = cfg.kimi_delta, cfg.hidden_size
+    shape, d = cfg.mixer_part(KimiDeltaAttentionConfig), cfg.hidden_size
     h, dh, taps = shape.num_heads, shape.head_dim, shape.conv_kernel_size
     e = h * dh
     hf, ak = hf + "self_attn.", ak + "attention."
@@ -181,7 +181,7 @@ def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     if cfg.experts is not None and int(hf.split(".")[1]) in cfg.experts.layers:
         return mlp_tensors(cfg, hf, ak, moe="block_sparse_moe.", projections=("w1", "w3", "w2"),
                            shared="shared_experts")
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d, f = cfg.hidden_size, cfg.mlp.intermediate_size
     return [TensorMap(f"{hf}block_sparse_moe.{proj}.weight", shape, (f"{ak}mlp.W_{name}",), "transpose")
             for proj, shape, name in (("gate_proj", (f, d), "gate"), ("up_proj", (f, d), "up"),
                                       ("down_proj", (d, f), "down"))]

@@ -109,7 +109,7 @@ def _config(read: Reader) -> DecoderConfig:
         shape = ShortConvConfig(read.int("conv_L_cache", 3), read.bool("conv_bias", False))
         types = _layer_types(read, layers)
         return dict(attention=AttentionConfig(qk_norm="head"), layer_types=types,
-                    short_conv=shape if "short_conv" in types else None)
+                    mixer_parts=(shape,) if "short_conv" in types else ())
 
     return rotary_config(Reader(config, read.family), DEFAULTS, fields)
 
@@ -127,12 +127,13 @@ def _attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 
 def _conv_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """The table of :mod:`attnkit.layers.short_conv`, one to one."""
-    d, taps = cfg.hidden_size, cfg.short_conv.kernel_size
+    shape = cfg.mixer_part(ShortConvConfig)
+    d, taps = cfg.hidden_size, shape.kernel_size
     hf, ak = hf + "conv.", ak + "attention."
     maps = [TensorMap(hf + "in_proj.weight", (3 * d, d), (ak + "W_in",), "transpose"),
             TensorMap(hf + "conv.weight", (d, 1, taps), (ak + "conv_weight",), "reshape", sizes=(d, taps)),
             TensorMap(hf + "out_proj.weight", (d, d), (ak + "W_out",), "transpose")]
-    if cfg.short_conv.bias:
+    if shape.bias:
         maps += [TensorMap(hf + "in_proj.bias", (3 * d,), (ak + "b_in",), "copy"),
                  TensorMap(hf + "conv.bias", (d,), (ak + "conv_bias",), "copy"),
                  TensorMap(hf + "out_proj.bias", (d,), (ak + "b_out",), "copy")]
@@ -140,7 +141,7 @@ def _conv_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 
 
 def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d, f = cfg.hidden_size, cfg.mlp.intermediate_size
     return [TensorMap(hf + "feed_forward.w1.weight", (f, d), (ak + "mlp.W_gate",), "transpose"),
             TensorMap(hf + "feed_forward.w3.weight", (f, d), (ak + "mlp.W_up",), "transpose"),
             TensorMap(hf + "feed_forward.w2.weight", (d, f), (ak + "mlp.W_down",), "transpose")]

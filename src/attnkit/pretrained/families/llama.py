@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import AttentionConfig, DecoderConfig, MLPConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..gguf_metadata import GGUFArchitecture
 from ..tensor_map import TensorMap
 from . import Family
@@ -40,8 +40,10 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
                   rotary: Callable[[Reader, int], RotaryConfig] | None = None) -> DecoderConfig:
     """The DecoderConfig of a Llama-like family: sizes, heads and rotary read by Llama's rules with the family's
     ``defaults``, and ``fields(read, num_layers)``: the DecoderConfig fields where the family differs (its
-    ``attention`` part, ``layer_types``, ``mlp`` and ``experts``, ``mlp_bias``, ``embedding_scale`` and the
-    other scalars, and ``skip_rotary``: the layers without rotary; Llama's own: no biases, no window).
+    ``attention`` part, ``layer_types``, ``experts``, the ``scales`` part (its fixed factors)), and three keys of
+    its own: ``mlp_kind`` and ``mlp_bias``, the kind and biases of the ``mlp`` part whose width and activation are
+    read here (default ``"gated"``, no biases), and ``skip_rotary``: the layers without rotary; Llama's own: no
+    biases, no window).
     ``norm_placement`` is the family's :class:`~attnkit.models.config.NormConfig` placement; ``rotary(read,
     max_position_embeddings)`` its rotary part where it is not :func:`read_rope`'s default layout (the
     interleaved pairs of GLM-4, a base per layer type)."""
@@ -66,20 +68,21 @@ def rotary_config(read: Reader, defaults: Mapping[str, Any], fields: Callable[[R
         part = RotaryConfig(theta=theta, scaling=scaling, partial_factor=partial)
     else:
         part = rotary(read, max_positions)
-    settings: dict[str, Any] = dict(attention=AttentionConfig(), mlp_bias=False, layer_types=())
+    settings: dict[str, Any] = dict(attention=AttentionConfig(), layer_types=())
     settings.update(fields(read, layers))
     skip = settings.pop("skip_rotary", ())
+    mlp = MLPConfig(read.int("intermediate_size"), kind=settings.pop("mlp_kind", "gated"),
+                    activation=read.activation("hidden_act", "silu"), bias=settings.pop("mlp_bias", False))
     return DecoderConfig(
         family=family, vocab_size=read.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=read.int("intermediate_size"), max_position_embeddings=max_positions,
+        mlp=mlp, max_position_embeddings=max_positions,
         norm=NormConfig(eps=read.eps("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), placement=norm_placement),
-        activation=read.activation("hidden_act", "silu"),
         rotary=replace(part, skip_layers=skip),
         tie_word_embeddings=read.bool("tie_word_embeddings", defaults["tie_word_embeddings"]),
-        bos_token_id=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
-        eos_token_id=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
-        pad_token_id=read.token_ids("pad_token_id", defaults.get("pad_token_id"), many=False),
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", defaults["bos_token_id"], many=False),
+                             eos=read.token_ids("eos_token_id", defaults["eos_token_id"], many=True),
+                             pad=read.token_ids("pad_token_id", defaults.get("pad_token_id"), many=False)),
         **settings,
     )
 
@@ -90,13 +93,13 @@ def _fields(read: Reader, layers: int) -> dict[str, Any]:
 
 
 def gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
-    """A gated MLP's ``gate_proj``, ``up_proj`` and ``down_proj`` (with biases when ``mlp_bias``)."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    """A gated MLP's ``gate_proj``, ``up_proj`` and ``down_proj`` (with biases when ``mlp.bias``)."""
+    d, f = cfg.hidden_size, cfg.mlp.intermediate_size
     maps = []
     for proj, shape, name, width in (("gate_proj", (f, d), "gate", f), ("up_proj", (f, d), "up", f),
                                      ("down_proj", (d, f), "down", d)):
         maps.append(TensorMap(f"{hf}mlp.{proj}.weight", shape, (ak + "mlp.W_" + name,), "transpose"))
-        if cfg.mlp_bias:
+        if cfg.mlp.bias:
             maps.append(TensorMap(f"{hf}mlp.{proj}.bias", (width,), (ak + "mlp.b_" + name,), "copy"))
     return maps
 
@@ -104,7 +107,7 @@ def gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
 def fused_gated_mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """A gated MLP whose gate and up projections are one ``gate_up_proj`` (2F, D), gate rows first (Phi-3,
     GLM-4), split on load; and ``down_proj``."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d, f = cfg.hidden_size, cfg.mlp.intermediate_size
     return [TensorMap(hf + "mlp.gate_up_proj.weight", (2 * f, d), (ak + "mlp.W_gate", ak + "mlp.W_up"),
                       "row_split_transpose", sizes=(f, f)),
             TensorMap(hf + "mlp.down_proj.weight", (d, f), (ak + "mlp.W_down",), "transpose")]

@@ -128,7 +128,7 @@ def _mlp_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     hf, mlp = hf + "feed_forward.", ak + "mlp."
     part = cfg.experts
     if part is None or int(ak.split(".")[1]) not in part.layers:
-        f = cfg.intermediate_size
+        f = cfg.mlp.intermediate_size
         return [TensorMap(f"{hf}{proj}.weight", shape, (f"{mlp}W_{name}",), "transpose")
                 for proj, shape, name in (("gate_proj", (f, d), "gate"), ("up_proj", (f, d), "up"),
                                           ("down_proj", (d, f), "down"))]

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from ...layers.mamba2 import Mamba2Config
-from ...models.config import AttentionConfig, DecoderConfig, NormConfig, RotaryConfig
+from ...models.config import AttentionConfig, DecoderConfig, MLPConfig, NormConfig, RotaryConfig, SpecialTokens
 from ..gguf_metadata import GGUFArchitecture, GGUFMetadata, layer_counts, special_ids, vocab_size
 from ..tensor_map import TensorMap
 from . import Family
@@ -114,22 +114,22 @@ def _read(read: Reader) -> DecoderConfig:
         floor = read.raw("time_step_min", 0.001)
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < float("inf"):
             raise ValueError(f"{read.family} config: 'time_step_min' must be a finite number >= 0, got {floor!r}")
-        fields["mamba2"] = Mamba2Config(
+        fields["mixer_parts"] = (Mamba2Config(
             read.int("mamba_num_heads", 128), read.int("mamba_head_dim", 64), read.int("ssm_state_size", 128),
             read.int("n_groups", 8), read.int("conv_kernel", 4), read.bool("use_conv_bias", True),
-            read.bool("use_bias", False), read.int("chunk_size", 128), float(floor))
+            read.bool("use_bias", False), read.int("chunk_size", 128), float(floor)),)
     layers = len(types)
     return DecoderConfig(
         family=read.family, vocab_size=read.int("vocab_size", 131072), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=read.int("intermediate_size", 21504),
+        mlp=MLPConfig(read.int("intermediate_size", 21504), kind="ungated",
+                      activation=read.activation("mlp_hidden_act", "relu2"), bias=read.bool("mlp_bias", False)),
         max_position_embeddings=read.int("max_position_embeddings", 4096),
-        activation=read.activation("mlp_hidden_act", "relu2"), mlp="ungated", mlp_bias=read.bool("mlp_bias", False),
         residual="single", norm=NormConfig(eps=eps), rotary=RotaryConfig(skip_layers=tuple(range(layers))),
         attention=AttentionConfig(), tie_word_embeddings=False, layer_types=tuple(types),
-        bos_token_id=read.token_ids("bos_token_id", 1, many=False),
-        eos_token_id=read.token_ids("eos_token_id", 2, many=True),
-        pad_token_id=read.token_ids("pad_token_id", 0, many=False), **fields)
+        tokens=SpecialTokens(bos=read.token_ids("bos_token_id", 1, many=False),
+                             eos=read.token_ids("eos_token_id", 2, many=True),
+                             pad=read.token_ids("pad_token_id", 0, many=False)), **fields)
 
 
 def _mixer_tensors(cfg: DecoderConfig, i: int) -> list[TensorMap]:
@@ -138,10 +138,10 @@ def _mixer_tensors(cfg: DecoderConfig, i: int) -> list[TensorMap]:
     if kind == "mamba2":
         return [replace(m, source=m.source.replace(".mamba.", ".mixer.")) for m in mamba2_tensors(cfg, hf, ak)]
     if kind == "mlp":
-        f, mlp = cfg.intermediate_size, ak + "mlp."
+        f, mlp = cfg.mlp.intermediate_size, ak + "mlp."
         maps = [TensorMap(hf + "mixer.up_proj.weight", (f, d), (mlp + "W_up",), "transpose"),
                 TensorMap(hf + "mixer.down_proj.weight", (d, f), (mlp + "W_down",), "transpose")]
-        if cfg.mlp_bias:
+        if cfg.mlp.bias:
             maps += [TensorMap(hf + "mixer.up_proj.bias", (f,), (mlp + "b_up",), "copy"),
                      TensorMap(hf + "mixer.down_proj.bias", (d,), (mlp + "b_down",), "copy")]
         return maps

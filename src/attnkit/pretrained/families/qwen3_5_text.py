@@ -73,7 +73,7 @@ def hybrid_config(read: Reader, defaults: dict[str, Any],
                                     read.int("linear_key_head_dim", 128), read.int("linear_value_head_dim", 128),
                                     read.int("linear_conv_kernel_dim", 4))
         return dict(attention=AttentionConfig(bias=bias, output_bias=bias, qk_norm="head"),
-                    layer_types=_layer_types(read, layers), linear_attention=shape, **mlp_fields(read, layers))
+                    layer_types=_layer_types(read, layers), mixer_parts=(shape,), **mlp_fields(read, layers))
 
     read = _without_multimodal_rope(read)
     if "partial_rotary_factor" not in read.config and "partial_rotary_factor" not in (
@@ -104,7 +104,7 @@ def _gated_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[Tenso
 
 def linear_attention_tensors(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """Qwen3.5's split projections, one to one (the table of :mod:`attnkit.layers.gated_deltanet`)."""
-    shape, d = cfg.linear_attention, cfg.hidden_size
+    shape, d = cfg.mixer_part(GatedDeltaNetConfig), cfg.hidden_size
     kd, vd, hv = shape.num_key_heads * shape.key_head_dim, shape.num_value_heads * shape.value_head_dim, \
         shape.num_value_heads
     conv = 2 * kd + vd
@@ -160,7 +160,7 @@ def _grouped(values: np.ndarray, axis: int, key_heads: int, width: int) -> np.nd
 def _gguf_restore(name: str, values: np.ndarray, cfg: DecoderConfig) -> np.ndarray:
     """What llama.cpp's converter changed in a Gated DeltaNet tensor, undone: ``A`` stored as ``-exp(A_log)``, the
     convolution squeezed to (C, K), and the value heads reordered (when there are more than key heads)."""
-    s = cfg.linear_attention
+    s = cfg.mixer_part(GatedDeltaNetConfig)
     qk = 2 * s.num_key_heads * s.key_head_dim  # the q and k channels, ahead of the values
     if name.endswith("ssm_a"):
         values = np.log(-values.astype(np.float64))  # A_log; -exp(A_log) is negative

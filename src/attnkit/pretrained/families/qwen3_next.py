@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...layers.gated_deltanet import GatedDeltaNetConfig
 from ...models.config import DecoderConfig, ExpertsConfig
 from ..tensor_map import TensorMap
 from . import Family
@@ -40,7 +41,7 @@ def _experts(read: Reader, layers: int) -> dict[str, Any]:
 
 def _fused_linear_attention(cfg: DecoderConfig, hf: str, ak: str) -> list[TensorMap]:
     """Qwen3.5's Gated DeltaNet tensors with the four input maps fused and grouped per key head."""
-    shape, d = cfg.linear_attention, cfg.hidden_size
+    shape, d = cfg.mixer_part(GatedDeltaNetConfig), cfg.hidden_size
     hk, r = shape.num_key_heads, shape.num_value_heads // shape.num_key_heads
     dk, rdv = shape.key_head_dim, r * shape.value_head_dim
     at = ak + "attention."
