@@ -106,7 +106,7 @@ def products_time(weights: list[np.ndarray], dtype=np.float32) -> float:
 def layout_times(weights: list[np.ndarray], dtype=np.float32) -> dict[tuple[int, int], tuple[float, float]]:
     """Per weight shape (In, Out): seconds for one-row products over every weight of that shape, as stored and
     stored the other way round (a column-major copy of a row-major array, or the reverse), each pass streaming
-    its weights from memory as a step does."""
+    its weights from memory as a step does; the median of seven passes of each, alternated."""
     def one_pass(row: np.ndarray, arrays: list[np.ndarray]) -> float:
         start = time.perf_counter()
         for w in arrays:
@@ -121,7 +121,8 @@ def layout_times(weights: list[np.ndarray], dtype=np.float32) -> dict[tuple[int,
         for shape, group in groups.items():
             row = np.ones((1, shape[0]), dtype)  # (1, In)
             other = [np.asfortranarray(w) if w.flags.c_contiguous else np.ascontiguousarray(w) for w in group]
-            times[shape] = (min(one_pass(row, group) for _ in range(3)), min(one_pass(row, other) for _ in range(3)))
+            passes = [(one_pass(row, group), one_pass(row, other)) for _ in range(7)]  # alternated
+            times[shape] = (statistics.median(a for a, _ in passes), statistics.median(b for _, b in passes))
     return times
 
 
