@@ -189,3 +189,23 @@ def test_bad_arguments_are_refused():
         ShortConvConfig(3, bias=1)
     with pytest.raises(RuntimeError, match="before a forward without a cache"):
         ShortConv(D).backward(np.ones((1, 2, D)))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_step_is_the_one_position_forward_bit_for_bit(dtype, bias):
+    """The step's convolution takes the forward's taps in the forward's order: equal to a cached forward of one
+    position exactly, a padded row's zeroed input included."""
+    layer = ShortConv(D, kernel_size=3, bias=bias, rng=4).astype(dtype)
+    rng = make_rng(11, int(bias))
+    x = randn(rng, 2, 7, D, dtype=dtype)
+    mask = np.ones((2, 7), dtype=bool)
+    mask[1, :2] = False  # a left-padded row
+    by_step, by_forward = layer.new_cache(2), layer.new_cache(2)
+    layer(x[:, :3], by_step, attention_mask=mask[:, :3])
+    layer(x[:, :3], by_forward, attention_mask=mask[:, :3])
+    for t in range(3, 7):
+        step = layer.step(x[:, t], cache=by_step, attention_mask=mask[:, :t + 1])
+        forward = layer(x[:, t:t + 1], by_forward, attention_mask=mask[:, t:t + 1])[:, 0]
+        np.testing.assert_array_equal(step, forward)
+        np.testing.assert_array_equal(by_step.conv_state, by_forward.conv_state)

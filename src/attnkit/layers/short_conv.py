@@ -202,19 +202,18 @@ class ShortConv(Module):
         return y
 
     def step(self, x: np.ndarray, *, cache: ShortConvCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
-        """One decoding step (B, D) -> (B, D) continuing ``cache``: :meth:`forward`'s numbers on one position,
-        the convolution a product of the K kept and new inputs, nothing saved. ``attention_mask`` (B,) or the
-        model's (B, P + 1) (its last column is this position's), None: a real token."""
+        """One decoding step (B, D) -> (B, D) continuing ``cache``: :meth:`forward`'s numbers on one position, bit
+        for bit (the convolution's taps over the K - 1 kept inputs and the new one, in the forward's order), nothing
+        saved. ``attention_mask`` (B,) or the model's (B, P + 1) (its last column is this position's), None: a real
+        token."""
         p = self._parameters
         if attention_mask is not None:
             real = np.asarray(attention_mask)
             x = x * real.reshape(real.shape[0], -1)[:, -1:].astype(x.dtype)  # (B, D): a padded input is zero
         gate_in, gate_out, values = self._gates(x)  # (B, D) each
-        window = np.concatenate([cache.conv_state.astype(x.dtype, copy=False), (gate_in * values)[:, None]],
-                                axis=1)  # (B, K, D)
-        u = np.einsum("bkd,dk->bd", window, p["conv_weight"].astype(x.dtype, copy=False))  # (B, D)
-        u += p.get("conv_bias", x.dtype.type(0))
-        cache.conv_state = window[:, 1:].astype(cache.conv_state.dtype)  # (B, K - 1, D), a fresh array
+        u, new_state = _conv.causal_conv_step(gate_in * values, p["conv_weight"], cache.conv_state,
+                                              bias=p.get("conv_bias"), activation=None)  # (B, D), (B, K - 1, D)
+        cache.conv_state = new_state.astype(cache.conv_state.dtype, copy=False)  # a fresh array
         cache.length += 1
         return linear(gate_out * u, p["W_out"], p.get("b_out")).astype(x.dtype, copy=False)  # (B, D)
 
