@@ -63,6 +63,27 @@ def _check_float_dtype(dtype: Any) -> np.dtype:
     return dtype
 
 
+def _initial_slots(max_length: int | None, ring: int | None = None) -> int:
+    """The slots an entry starts with: a ring's all of them (within the bound). Otherwise ``max_length`` is a bound,
+    not an allocation (a generous ``max_new_tokens`` must not reserve memory for tokens that may never come): none
+    unbounded, else the first 256."""
+    if ring is None:
+        return 0 if max_length is None else min(max_length, _FIRST_SLOTS)
+    return ring if max_length is None else min(ring, max_length)
+
+
+def _grown_slots(end: int, capacity: int, max_length: int | None) -> int:
+    """The slots growing storage takes to hold ``end``: doubling (amortised copies), never past ``max_length``."""
+    capacity = max(end, 2 * capacity)
+    return capacity if max_length is None else min(capacity, max_length)
+
+
+def _check_room(max_length: int | None, layer: int | None, past: int, new: int) -> None:
+    if max_length is not None and past + new > max_length:
+        raise ValueError(f"the cache holds max_length={max_length} slots but {_where(layer)} would reach "
+                         f"{past + new} ({past} filled + {new} new)")
+
+
 def check_max_length(max_length: Any) -> int | None:
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer))):
         raise TypeError(f"max_length must be an int or None, got {max_length!r} (dtype is a keyword "
@@ -120,19 +141,12 @@ class KeysValues:
         self.rollback = check_positive_int(rollback, "rollback", allow_zero=True)
         self.layer = layer
         self._length = 0
-        # A ring holds its window and rollback from the start. Otherwise max_length is a bound, not an
-        # allocation: a generous max_new_tokens must not reserve memory for tokens that may never come; slots
-        # double as they fill (amortised copies), up to max_length.
-        first = _FIRST_SLOTS if window is None else self.window + self.rollback
-        self._first_capacity = first if self.max_length is None else min(first, self.max_length)
-        if window is None and self.max_length is None:
-            self._first_capacity = 0
+        self._first_capacity = _initial_slots(self.max_length, None if window is None else self.window + self.rollback)
         self._keys = self._empty(self._first_capacity)  # (B, Hkv, capacity, Dh)
         self._values = self._empty(self._first_capacity)  # (B, Hkv, capacity, Dh)
 
-    def _empty(self, slots: int, rows: int | None = None) -> np.ndarray:
-        rows = self.batch_size if rows is None else rows
-        return np.zeros((rows, self.num_kv_heads, slots, self.head_dim), dtype=self.dtype)  # (B, Hkv, S, Dh)
+    def _empty(self, slots: int) -> np.ndarray:
+        return np.zeros((self.batch_size, self.num_kv_heads, slots, self.head_dim), dtype=self.dtype)  # (B, Hkv, S, Dh)
 
     @property
     def length(self) -> int:
@@ -176,15 +190,12 @@ class KeysValues:
             raise ValueError(f"k_new and v_new must have the same shape, got {k_new.shape} and {v_new.shape}")
         past, new = self._length, k_new.shape[2]
         end = past + new
-        if self.max_length is not None and end > self.max_length:
-            raise ValueError(f"the cache holds max_length={self.max_length} slots but {_where(self.layer)} would "
-                             f"reach {end} ({past} filled + {new} new)")
+        _check_room(self.max_length, self.layer, past, new)
         if self.window is not None and end > self.capacity:
             return self._update_ring(k_new, v_new)
         # a window layer whose ring has not come round yet keeps slot s at index s, as a full layer does
         if end > self.capacity:
-            capacity = max(end, 2 * self.capacity)
-            self._grow(capacity if self.max_length is None else min(capacity, self.max_length))
+            self._grow(_grown_slots(end, self.capacity, self.max_length))
         self._keys[:, :, past:end] = k_new
         self._values[:, :, past:end] = v_new
         self._length = end
@@ -326,7 +337,7 @@ class Latents:
         self.max_length = check_max_length(max_length)
         self.layer = layer
         self._length = 0
-        self._latent = self._empty(0 if self.max_length is None else min(self.max_length, _FIRST_SLOTS))
+        self._latent = self._empty(_initial_slots(self.max_length))
 
     def _empty(self, slots: int) -> np.ndarray:
         return np.zeros((self.batch_size, slots, self.latent_dim), dtype=self.dtype)  # (B, S, C+R)
@@ -356,12 +367,9 @@ class Latents:
             raise TypeError(f"latent_new must be a floating array, got dtype {latent_new.dtype}")
         past = self._length
         end = past + latent_new.shape[1]
-        if self.max_length is not None and end > self.max_length:
-            raise ValueError(f"the cache holds max_length={self.max_length} slots but {_where(self.layer)} would "
-                             f"reach {end} ({past} filled + {latent_new.shape[1]} new)")
+        _check_room(self.max_length, self.layer, past, latent_new.shape[1])
         if end > self._latent.shape[1]:
-            capacity = max(end, 2 * self._latent.shape[1])
-            bigger = self._empty(capacity if self.max_length is None else min(capacity, self.max_length))
+            bigger = self._empty(_grown_slots(end, self._latent.shape[1], self.max_length))  # (B, S', C+R)
             bigger[:, :past] = self._latent[:, :past]
             self._latent = bigger
         self._latent[:, past:end] = latent_new

@@ -65,28 +65,32 @@ __all__ = ["CachedKV", "KeysValues", "CachedLatent", "Latents", "PairedCache", "
 _MAX_MARKS = 8  # marks a cache keeps (the latest): each holds a copy of the states and windows
 
 
-class _Mark:
-    """What :meth:`ModelCache.mark` kept, by layer: a state's copy, a ring's kept (keys, values, slots), both for a
-    paired entry; nothing for growing slots."""
+def _halves(entry: Any) -> tuple[Any, Any]:
+    """An entry as its two possible halves: ``(slots, state)``, its keys and values or latents (or None) and its
+    recurrent state (or None); a paired entry has both, a layer keeping nothing neither."""
+    kind = entry_kind(entry)
+    if kind == "paired":
+        return entry.keys_values, entry.state
+    if kind == "state":
+        return None, entry
+    return (None if kind == "none" else entry), None
 
-    def __init__(self, snapshots: dict[int, Any]) -> None:
+
+class _Mark:
+    """What :meth:`ModelCache.mark` kept, by layer: ``(ring, state)``, a ring's kept (keys, values, slots) and a
+    state's copy, each None where the layer has none (growing slots keep nothing: they stay)."""
+
+    def __init__(self, snapshots: dict[int, tuple[Any, Any]]) -> None:
         self.snapshots = snapshots
 
     def reorder(self, index: np.ndarray) -> None:
-        for layer, snapshot in self.snapshots.items():
-            self.snapshots[layer] = _reordered_snapshot(snapshot, index)
-
-
-def _reordered_snapshot(snapshot: Any, index: np.ndarray) -> Any:
-    if snapshot is None:
-        return None
-    if isinstance(snapshot, tuple) and len(snapshot) == 2:  # a paired entry's (ring, state)
-        return _reordered_snapshot(snapshot[0], index), _reordered_snapshot(snapshot[1], index)
-    if isinstance(snapshot, tuple):  # a ring's kept keys, values (B, Hkv, S, Dh) and slots
-        keys, values, slots = snapshot
-        return keys[index], values[index], slots
-    snapshot.reorder(index)  # a state's copy
-    return snapshot
+        for layer, (ring, state) in self.snapshots.items():
+            if ring is not None:
+                keys, values, slots = ring
+                ring = keys[index], values[index], slots  # (B', Hkv, S, Dh) each
+            if state is not None:
+                state.reorder(index)
+            self.snapshots[layer] = ring, state
 
 
 class ModelCache:
@@ -186,12 +190,10 @@ class ModelCache:
         rewrites in place."""
         layer = self._check_layer(layer)
         entry = self.entries[layer]
-        kind = entry_kind(entry)
-        if kind == "state":
-            return entry
-        if kind == "paired":
-            return entry.state
-        held = {"keys_values": "keys and values", "latent": "latents", "none": "nothing"}[kind]
+        state = _halves(entry)[1]
+        if state is not None:
+            return state
+        held = {"keys_values": "keys and values", "latent": "latents", "none": "nothing"}[entry_kind(entry)]
         states = [i for i, k in enumerate(self.kinds) if k in ("state", "paired")]
         raise ValueError(f"layer {layer} keeps {held}, not a state (state layers: {states})")
 
@@ -231,17 +233,12 @@ class ModelCache:
         model) and of the windows; :meth:`crop` drops the marks it goes past, and only the latest eight are kept.
         """
         length = self.length
-        snapshots: dict[int, Any] = {}
+        snapshots: dict[int, tuple[Any, Any]] = {}
         for layer, entry in enumerate(self.entries):
-            kind = entry_kind(entry)
-            if kind in ("state", "paired"):
-                state = entry if kind == "state" else entry.state
-                if not callable(getattr(state, "copy", None)):
-                    raise TypeError(f"layer {layer}'s state ({type(state).__name__}) has no copy(): it cannot be "
-                                    f"marked")
-                snapshots[layer] = state.copy() if kind == "state" else (entry.keys_values.snapshot(), state.copy())
-            elif kind != "none":
-                snapshots[layer] = entry.snapshot()
+            slots, state = _halves(entry)
+            if state is not None and not callable(getattr(state, "copy", None)):
+                raise TypeError(f"layer {layer}'s state ({type(state).__name__}) has no copy(): it cannot be marked")
+            snapshots[layer] = (None if slots is None else slots.snapshot(), None if state is None else state.copy())
         self._marks[length] = _Mark(snapshots)
         while len(self._marks) > _MAX_MARKS:  # a long conversation marks every turn: keep the latest
             del self._marks[min(self._marks)]
@@ -253,15 +250,21 @@ class ModelCache:
             return []
         reasons = []
         for layer, entry in enumerate(self.entries):
-            kind = entry_kind(entry)
-            state = entry if kind == "state" else entry.state if kind == "paired" else None
+            slots, state = _halves(entry)
             if state is not None and state.length != length:
                 reasons.append(f"layer {layer} keeps a recurrent state of {state.length} positions")
-            ring = entry.keys_values if kind == "paired" else entry if kind in ("keys_values", "latent") else None
-            reason = None if ring is None else ring.blocking(length)
+            reason = None if slots is None else slots.blocking(length)
             if reason is not None:
                 reasons.append(reason)
         return reasons
+
+    def _set_state(self, layer: int, state: Any) -> None:
+        """Make ``state`` layer ``layer``'s state (a state entry's whole, a paired entry's half)."""
+        entry = self.entries[layer]
+        if isinstance(entry, PairedCache):
+            entry.state = state
+        else:
+            self.entries[layer] = state
 
     def _valid_length(self, length: Any) -> bool:
         return not isinstance(length, bool) and isinstance(length, (int, np.integer)) and 0 <= length <= self.length
@@ -287,17 +290,12 @@ class ModelCache:
             raise ValueError(f"the cache cannot go back to {length} positions: {blocking[0]}; mark the length first "
                              f"(mark()); marked lengths: {self.marks}")
         for layer, entry in enumerate(self.entries):
-            kind = entry_kind(entry)
-            snapshot = None if mark is None else mark.snapshots.get(layer)
-            if kind == "state":
-                if entry.length != length:
-                    self.entries[layer] = snapshot.copy() if snapshot is not None else entry.cleared()
-            elif kind == "paired":
-                if entry.state.length != length:
-                    entry.state = snapshot[1].copy() if snapshot is not None else entry.state.cleared()
-                entry.keys_values.crop(length, None if snapshot is None else snapshot[0])
-            elif kind != "none":
-                entry.crop(length, snapshot)
+            ring, kept = (None, None) if mark is None else mark.snapshots[layer]
+            slots, state = _halves(entry)
+            if state is not None and state.length != length:
+                self._set_state(layer, kept.copy() if kept is not None else state.cleared())
+            if slots is not None:
+                slots.crop(length, ring)
         self.token_ids = self.token_ids[:, :length]
         self._marks = {at: kept for at, kept in self._marks.items() if at <= length}
 
@@ -310,12 +308,9 @@ class ModelCache:
         """
         index = _check_index(index, self.batch_size)
         for entry in self.entries:
-            kind = entry_kind(entry)
-            if kind == "paired":
-                entry.keys_values.reorder(index)
-                entry.state.reorder(index)
-            elif kind != "none":
-                entry.reorder(index)
+            for half in _halves(entry):
+                if half is not None:
+                    half.reorder(index)
         for mark in self._marks.values():
             mark.reorder(index)
         self.token_ids = self.token_ids[index]  # (B', length)
@@ -329,12 +324,7 @@ class ModelCache:
     def _consistent_length(self) -> int:
         """The length every layer and the recorded ids agree on; a ``ValueError`` for a cache left between
         layers (a forward stopped part-way), which cannot be saved."""
-        lengths = []
-        for entry in self.entries:
-            if entry_kind(entry) == "paired":
-                lengths += [entry.keys_values.length, entry.state.length]
-            elif entry is not None:
-                lengths.append(entry.length)
+        lengths = [half.length for entry in self.entries for half in _halves(entry) if half is not None]
         length = self.length
         if any(n != length for n in lengths) or self.token_ids.shape[1] != length:
             raise ValueError(f"the cache's layers hold different lengths ({sorted(set(lengths))}, ids "
@@ -355,11 +345,9 @@ class ModelCache:
         length = self._consistent_length()
         out = {"token_ids": self.token_ids.copy()}
         for layer, entry in enumerate(self.entries):
-            kind = entry_kind(entry)
-            held = entry.keys_values if kind == "paired" else entry if kind in ("keys_values", "latent") else None
-            if held is not None:
-                out.update({f"layers.{layer}.{name}": array for name, array in held.arrays(length).items()})
-            state = entry if kind == "state" else entry.state if kind == "paired" else None
+            slots, state = _halves(entry)
+            if slots is not None:
+                out.update({f"layers.{layer}.{name}": array for name, array in slots.arrays(length).items()})
             if state is not None:
                 out.update({f"layers.{layer}.state.{name}": array.copy()
                             for name, array in _state_arrays(state, layer)})
@@ -373,11 +361,9 @@ class ModelCache:
         length = _checked_ids(arrays, self.batch_size, self.max_length).shape[1]
         expected = {"token_ids"}
         for layer, entry in enumerate(self.entries):
-            kind = entry_kind(entry)
-            held = entry.keys_values if kind == "paired" else entry if kind in ("keys_values", "latent") else None
-            if held is not None:
-                expected.update(held.check_arrays(arrays, f"layers.{layer}.", length))
-            state = entry if kind == "state" else entry.state if kind == "paired" else None
+            slots, state = _halves(entry)
+            if slots is not None:
+                expected.update(slots.check_arrays(arrays, f"layers.{layer}.", length))
             for field, empty in ([] if state is None else _state_arrays(state, layer)):
                 name = f"layers.{layer}.state.{field}"
                 if _checked_array(arrays, name, empty.dtype).shape != empty.shape:
@@ -397,19 +383,13 @@ class ModelCache:
             raise ValueError(f"load_arrays fills an empty cache; this one holds {self.length} positions")
         length = self.check_arrays(arrays)
         for layer, entry in enumerate(self.entries):
-            kind = entry_kind(entry)
-            held = entry.keys_values if kind == "paired" else entry if kind in ("keys_values", "latent") else None
-            if held is not None:
-                held.load_arrays(arrays, f"layers.{layer}.", length)
-            state = entry if kind == "state" else entry.state if kind == "paired" else None
+            slots, state = _halves(entry)
+            if slots is not None:
+                slots.load_arrays(arrays, f"layers.{layer}.", length)
             if state is not None:
                 fields = {field: arrays[f"layers.{layer}.state.{field}"].copy()
                           for field, _ in _state_arrays(state, layer)}
-                loaded = dataclasses.replace(state, length=length, **fields)
-                if kind == "state":
-                    self.entries[layer] = loaded
-                else:
-                    entry.state = loaded
+                self._set_state(layer, dataclasses.replace(state, length=length, **fields))
         self.token_ids = arrays["token_ids"].copy()
 
     def __repr__(self) -> str:
@@ -559,15 +539,12 @@ class LatentCache(ModelCache):
 def _entries_dtype(entries: list) -> np.dtype:
     """The dtype of the first entry that stores something (float32 for a cache of empty entries)."""
     for entry in entries:
-        kind = entry_kind(entry)
-        if kind in ("keys_values", "latent"):
-            return entry.dtype
-        if kind == "paired":
-            return entry.keys_values.dtype
-        if kind == "state":
-            arrays = [value for value in vars(entry).values() if isinstance(value, np.ndarray)]
-            if arrays:
-                return arrays[0].dtype
+        slots, state = _halves(entry)
+        if slots is not None:
+            return slots.dtype
+        arrays = [] if state is None else [value for value in vars(state).values() if isinstance(value, np.ndarray)]
+        if arrays:
+            return arrays[0].dtype
     return np.dtype(np.float32)
 
 
