@@ -51,7 +51,7 @@ from ..kernels import causal_conv as _conv
 from ..kernels import delta_rule as _delta
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import gated_rms_norm_backward, gated_rms_norm_forward
-from .recurrent_state import RecurrentState
+from .recurrent_state import RecurrentState, StateMixer, step_padding
 
 __all__ = ["DeltaRuleMixer", "GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig",
            "GatedDeltaNetMixer"]
@@ -366,9 +366,9 @@ class GatedDeltaNet(Module):
         RMSNorm and ``W_out``; no length axis to add, transpose and take away. ``attention_mask`` (B,) or the
         model's (B, P + 1) (its last column is this position's), None: a real token.
         """
-        if attention_mask is not None:
-            real = np.asarray(attention_mask)
-            x = x * real.reshape(real.shape[0], -1)[:, -1:].astype(x.dtype)  # (B, D): a padded input is zero
+        real = step_padding(attention_mask, x.dtype)  # (B, 1) or None
+        if real is not None:
+            x = x * real  # (B, D): a padded input is zero
         delta_args, z, conv_state = self._step_inputs(x, cache.conv_state)  # (B, Hv, *) each, (B, Vd), (B, K - 1, Cc)
         o, state = _delta.recurrent_step(*delta_args, cache.recurrent_state)  # (B, Hv, Dv), (B, Hv, Dk, Dv)
         gamma = self._parameters["norm_gamma"].astype(o.dtype, copy=False)
@@ -422,7 +422,7 @@ class GatedDeltaNet(Module):
         return [dz, db, d_pre]
 
 
-class DeltaRuleMixer:
+class DeltaRuleMixer(StateMixer):
     """The mixers' protocol for a delta-rule layer (:class:`GatedDeltaNetMixer`, Kimi Delta Attention's mixer):
     put before the layer's class in the bases, its ``forward`` reads the model's mask and cache and calls the
     layer's."""
@@ -434,9 +434,7 @@ class DeltaRuleMixer:
     def forward(self, x: Any, *, rotary=None, attention_mask: Any = None, cache=None,
                 output_attentions: bool = False):
         """The layer's output (B, L, D), or ``(output, token weights (B, Hv, L, L))`` with ``output_attentions``."""
-        length = np.shape(x)[1]
-        mask = None if attention_mask is None else np.asarray(attention_mask)[:, -length:]  # (B, L)
-        state = None if cache is None else cache.state(self.layer_index)
+        mask, state = self._model_inputs(x, attention_mask, cache)  # (B, L) or None, the layer's state or None
         if output_attentions and cache is not None:
             raise ValueError(f"a {type(self).__name__} layer's token weights exist for a whole sequence only (no "
                              "cache): its past is a state, not tokens")
@@ -444,13 +442,6 @@ class DeltaRuleMixer:
         if not output_attentions:
             return y
         return y, self.token_weights(x, attention_mask=mask)[0]
-
-    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None,
-             cache=None) -> np.ndarray:
-        """One decoding step (B, D) -> (B, D) with the model's cache (the layer's :meth:`~GatedDeltaNet.step`)."""
-        if cache is None:
-            raise ValueError(f"{type(self).__name__}.step needs the model's cache")
-        return super().step(x, cache=cache.state(self.layer_index), attention_mask=attention_mask)
 
 
 class GatedDeltaNetMixer(DeltaRuleMixer, GatedDeltaNet):

@@ -66,7 +66,7 @@ from ..kernels import ssd as _ssd
 from ..kernels.activations import activation_backward, activation_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
-from .recurrent_state import RecurrentState
+from .recurrent_state import RecurrentState, StateMixer, step_padding
 
 __all__ = ["Mamba2", "Mamba2Cache", "Mamba2Config", "Mamba2Mixer", "MAMBA2_NORMS"]
 
@@ -400,10 +400,8 @@ class Mamba2(Module):
         column is this position's), None: a real token.
         """
         p = self._parameters
-        real = None
-        if attention_mask is not None:
-            mask = np.asarray(attention_mask)
-            real = mask.reshape(mask.shape[0], -1)[:, -1:].astype(x.dtype)  # (B, 1)
+        real = step_padding(attention_mask, x.dtype)  # (B, 1) or None
+        if real is not None:
             x = x * real  # (B, D): a padded input is zero
         projected = linear(x, p["W_in"], p.get("b_in"))  # (B, I + Cc + H)
         projected = projected * self.projection_scale.astype(projected.dtype)  # (B, I + Cc + H)
@@ -466,7 +464,7 @@ class Mamba2(Module):
         return grad_x if padding is None else grad_x * padding  # a zeroed input has no gradient
 
 
-class Mamba2Mixer(Mamba2):
+class Mamba2Mixer(StateMixer, Mamba2):
     """A :class:`Mamba2` as the token mixer of a decoder block (a ``"mamba2"`` layer).
 
     It speaks the mixers' protocol: ``forward(x, *, rotary, attention_mask, cache, output_attentions)``, where
@@ -498,14 +496,5 @@ class Mamba2Mixer(Mamba2):
         """The layer's output (B, L, D)."""
         if output_attentions:
             raise ValueError(f"layer {self.layer_index} is a Mamba-2 layer: it has no attention weights")
-        length = np.shape(x)[1]
-        mask = None if attention_mask is None else np.asarray(attention_mask)[:, -length:]  # (B, L)
-        state = None if cache is None else cache.state(self.layer_index)
+        mask, state = self._model_inputs(x, attention_mask, cache)  # (B, L) or None, the layer's state or None
         return super().forward(x, state, attention_mask=mask)  # (B, L, D)
-
-    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None,
-             cache=None) -> np.ndarray:
-        """One decoding step (B, D) -> (B, D) with the model's cache (the layer's :meth:`~Mamba2.step`)."""
-        if cache is None:
-            raise ValueError("Mamba2Mixer.step needs the model's cache")
-        return super().step(x, cache=cache.state(self.layer_index), attention_mask=attention_mask)

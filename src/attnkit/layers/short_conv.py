@@ -41,7 +41,7 @@ from ..core.module import Module
 from ..init import as_generator, normal
 from ..kernels import causal_conv as _conv
 from ..kernels.linear import linear, linear_backward
-from .recurrent_state import RecurrentState
+from .recurrent_state import RecurrentState, StateMixer, step_padding
 
 __all__ = ["ShortConv", "ShortConvCache", "ShortConvConfig", "ShortConvMixer"]
 
@@ -207,9 +207,9 @@ class ShortConv(Module):
         saved. ``attention_mask`` (B,) or the model's (B, P + 1) (its last column is this position's), None: a real
         token."""
         p = self._parameters
-        if attention_mask is not None:
-            real = np.asarray(attention_mask)
-            x = x * real.reshape(real.shape[0], -1)[:, -1:].astype(x.dtype)  # (B, D): a padded input is zero
+        real = step_padding(attention_mask, x.dtype)  # (B, 1) or None
+        if real is not None:
+            x = x * real  # (B, D): a padded input is zero
         gate_in, gate_out, values = self._gates(x)  # (B, D) each
         u, new_state = _conv.causal_conv_step(gate_in * values, p["conv_weight"], cache.conv_state,
                                               bias=p.get("conv_bias"), activation=None)  # (B, D), (B, K - 1, D)
@@ -240,7 +240,7 @@ class ShortConv(Module):
         return grad_x if padding is None else grad_x * padding  # a zeroed input has no gradient
 
 
-class ShortConvMixer(ShortConv):
+class ShortConvMixer(StateMixer, ShortConv):
     """A :class:`ShortConv` as the token mixer of a decoder block (a ``"short_conv"`` layer).
 
     It speaks the mixers' protocol: ``forward(x, *, rotary, attention_mask, cache, output_attentions)`` and
@@ -268,14 +268,5 @@ class ShortConvMixer(ShortConv):
         if output_attentions:
             raise ValueError(f"layer {self.layer_index} is a short convolution: it has no attention weights (its "
                              "hook points hook_conv_in and hook_conv_out show what it mixes)")
-        length = np.shape(x)[1]
-        mask = None if attention_mask is None else np.asarray(attention_mask)[:, -length:]  # (B, L)
-        state = None if cache is None else cache.state(self.layer_index)
+        mask, state = self._model_inputs(x, attention_mask, cache)  # (B, L) or None, the layer's state or None
         return super().forward(x, state, attention_mask=mask)  # (B, L, D)
-
-    def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None,
-             cache=None) -> np.ndarray:
-        """One decoding step (B, D) -> (B, D) with the model's cache."""
-        if cache is None:
-            raise ValueError("ShortConvMixer.step needs the model's cache")
-        return super().step(x, cache=cache.state(self.layer_index), attention_mask=attention_mask)
