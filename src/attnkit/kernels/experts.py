@@ -35,7 +35,7 @@ __all__ = ["experts_backward", "experts_forward", "experts_step"]
 _BIASES = ("b_gate", "b_up", "b_down")
 
 
-def _groups(chosen: np.ndarray, num_experts: int):
+def _groups(chosen: np.ndarray):
     """For every expert with tokens, in increasing order: (expert, token indices (n,), slot of that expert in each
     token's k). Only the experts chosen are visited (a decoding step's k of E)."""
     k = chosen.shape[1]
@@ -126,7 +126,7 @@ def experts_forward(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, para
     forward = _gated_forward if limit is None else _clamped_forward
     y = np.zeros_like(x)  # (N, D)
     saved = []
-    for expert, tokens, slot in _groups(chosen, params["W_gate"].shape[0]):
+    for expert, tokens, slot in _groups(chosen):
         w = weights[tokens, slot][:, None]  # (n, 1)
         xe = x[tokens] * w if weigh_inputs else x[tokens]  # (n, D)
         out, parts = forward(xe, *_expert(params, expert), activation, limit, alpha)  # (n, D)
@@ -151,28 +151,6 @@ def _clamped_step(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, li
     return _clamped_forward(xe, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, limit, alpha)[0]  # (n, D)
 
 
-def _step_groups(chosen: np.ndarray):
-    """:func:`_groups` of a decoding step's few (B k) choices, grouped in Python (cheaper than NumPy's calls
-    for a few dozen numbers): (expert, rows, slots), increasing expert, rows ascending within each, as
-    :func:`_groups` yields them; rows and slots as slices for an expert of one row, else index arrays."""
-    k = chosen.shape[1]
-    flat = chosen.ravel().tolist()
-    order = sorted(range(len(flat)), key=flat.__getitem__)  # stable: rows ascending within an expert
-    start = 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and flat[order[end]] == flat[order[start]]:
-            end += 1
-        picked = order[start:end]
-        if len(picked) == 1:
-            row, slot = divmod(picked[0], k)
-            yield flat[picked[0]], slice(row, row + 1), slice(slot, slot + 1)
-        else:
-            picked = np.array(picked)  # (n,)
-            yield flat[order[start]], picked // k, picked % k
-        start = end
-
-
 def experts_step(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, params: Mapping[str, np.ndarray],
                  activation: str = "silu", limit: float | None = None, alpha: float = 1.702, *,
                  weigh_inputs: bool = False) -> np.ndarray:
@@ -185,11 +163,8 @@ def experts_step(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, params:
     """
     step = _gated_step if limit is None else _clamped_step
     y = np.zeros_like(x)  # (B, D)
-    for expert, rows, slot in _step_groups(chosen):
-        if isinstance(rows, slice):  # one row: views, no gathering
-            w = weights[rows, slot]  # (1, 1)
-        else:
-            w = weights[rows, slot][:, None]  # (n, 1)
+    for expert, rows, slot in _groups(chosen):
+        w = weights[rows, slot][:, None]  # (n, 1)
         xe = x[rows] * w if weigh_inputs else x[rows]  # (n, D)
         out = step(xe, *_expert(params, expert), activation, limit, alpha)  # (n, D)
         y[rows] += out if weigh_inputs else out * w  # (n, D): the rows are distinct
