@@ -377,9 +377,7 @@ class MultiHeadLatentAttention(Module):
             q = hook_heads(self, "hook_q", q)
         c, k_rope, c_norm = self._latent(x, cos, sin)  # (B, L, C), (B, L, R)
         sparse = "indexer" in self._modules
-        # the indexer's tables in its half-split layout; none for a layer without positions (NoPE)
-        index_rotary = half_split_rotary(cos, sin, self.config.rope_interleaved) if sparse and cos is not None \
-            else None
+        index_rotary = self._index_rotary(cos, sin)  # (B, L, R) each, or None
         if cache is not None:
             new = [c, k_rope] + ([self.indexer.keys(x, index_rotary)] if sparse else [])
             kept = cache.update(self.layer_index, np.concatenate(new, axis=-1))  # (B, S, C+R[+Di])
@@ -424,7 +422,7 @@ class MultiHeadLatentAttention(Module):
         ``attention_mask`` (B, S) over every slot, or None.
         """
         if cache is None:
-            raise ValueError("MultiHeadLatentAttention.step needs a cache (a LatentCache)")
+            raise ValueError("MultiHeadLatentAttention.step needs a cache (the model's, holding this layer's latents)")
         cfg, p = self.config, self._parameters
         b, h, dn, rank = x.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         cos, sin = (None, None) if rotary is None else rotary  # (B, 1, R) each
@@ -441,9 +439,7 @@ class MultiHeadLatentAttention(Module):
             _rotary.rotary_apply_in_place(kv_a[:, None, None, rank:], cos, sin, cfg.rope_interleaved)  # (B, 1, 1, R)
         new = [c, kv_a[:, rank:]]  # (B, C), (B, R)
         sparse = "indexer" in self._modules
-        index_rotary = None  # the indexer's half-split tables (B, 1, R) each
-        if sparse and cos is not None:
-            index_rotary = half_split_rotary(cos, sin, cfg.rope_interleaved)  # (B, 1, R) each
+        index_rotary = self._index_rotary(cos, sin)  # (B, 1, R) each, or None
         if sparse:
             new.append(self.indexer.keys(x[:, None], index_rotary)[:, 0])  # (B, Di)
         kept = cache.update(self.layer_index, np.concatenate(new, axis=-1)[:, None])  # (B, S, C+R[+Di])
@@ -464,6 +460,13 @@ class MultiHeadLatentAttention(Module):
             out_latent = out_latent.reshape(b, h, 1, rank)  # (B, H, 1, C)
         heads = _latent.absorbed_values(out_latent, w_uv)  # (B, H, 1, Dv)
         return linear(heads.reshape(b, -1), p["W_O"], p.get("b_O"))  # (B, D)
+
+    def _index_rotary(self, cos: np.ndarray | None, sin: np.ndarray | None):
+        """The sparse indexer's rotary tables in its half-split layout ((B, L, R) each); None for a dense layer or
+        one without positions (NoPE), whose indexer turns nothing."""
+        if "indexer" not in self._modules or cos is None:
+            return None
+        return half_split_rotary(cos, sin, self.config.rope_interleaved)
 
     def _key_mask(self, mask: np.ndarray | None, batch: int, seq_k: int) -> np.ndarray | None:
         if mask is not None and mask.shape != (batch, seq_k):
