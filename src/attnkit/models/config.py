@@ -459,15 +459,17 @@ def _moved_into_parts(fields: dict[str, Any]) -> dict[str, Any]:
     return moved
 
 
+def _tupled(value: Any) -> Any:
+    """JSON's lists back to the tuples a frozen config holds (nested lists too)."""
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
+
 def _part_from_dict(kind: type, values: dict[str, Any]) -> Any:
     """The part ``kind`` from its :func:`dataclasses.asdict` (lists back to tuples, nested parts rebuilt)."""
-    def tupled(value: Any) -> Any:
-        return tuple(tupled(v) for v in value) if isinstance(value, list) else value
-
     if isinstance(values, kind):
         return values
     nested = _NESTED_PARTS.get(kind, {})
-    return kind(**{k: _part_from_dict(nested[k], v) if k in nested and isinstance(v, dict) else tupled(v)
+    return kind(**{k: _part_from_dict(nested[k], v) if k in nested and isinstance(v, dict) else _tupled(v)
                    for k, v in values.items()})
 
 
@@ -780,11 +782,7 @@ class DecoderConfig:
         if unknown:
             names = ", ".join(f.name for f in dataclasses.fields(cls))
             raise TypeError(f"DecoderConfig has no field {unknown[0]!r} (fields: {names})")
-
-        def tupled(value: Any) -> Any:
-            return tuple(tupled(v) for v in value) if isinstance(value, list) else value
-
-        values = {k: tupled(v) for k, v in fields.items()}
+        values = {k: _tupled(v) for k, v in fields.items()}
         for name, part in _PARTS.items():
             if isinstance(values.get(name), dict):
                 values[name] = _part_from_dict(part, fields[name])
