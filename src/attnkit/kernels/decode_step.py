@@ -24,19 +24,25 @@ __all__ = ["rms_norm_into", "silu_gate_into", "silu_product_into", "gated_mlp_st
 
 
 def rms_norm_into(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """``gain * x / sqrt(mean(x^2) + eps)`` over the last axis, written into ``out``.
+    """``gain * x / sqrt(mean(x^2) + eps)`` over the last axis, written into ``out`` (which may be ``x``):
+    :func:`~attnkit.kernels.rms_norm.rms_norm_forward`'s numbers bit for bit. Half-precision rows are
+    normalised in float32 as there (their squares overflow float16 from 256 on), the gain applied in their dtype.
 
     Shapes
     ------
-    x, out, scratch : (B, D) float32 or float64 (``scratch`` is overwritten); gain : (D,) -> ``out``.
+    x, out, scratch : (..., D) (``scratch`` is overwritten; unused for float16); gain : (D,) or broadcasting
+    to x -> ``out``.
     """
-    np.multiply(x, x, out=scratch)  # (B, D)
-    rstd = np.add.reduce(scratch, axis=-1, keepdims=True)  # (B, 1): sum's reduction without its Python wrapper
+    if x.dtype == np.float16:
+        x = x.astype(np.float32)  # (..., D): a copy, so out may be the caller's x
+        scratch = np.empty_like(x)
+    np.multiply(x, x, out=scratch)  # (..., D)
+    rstd = np.add.reduce(scratch, axis=-1, keepdims=True)  # (..., 1): sum's reduction without its Python wrapper
     rstd /= x.shape[-1]
     rstd += eps
     np.sqrt(rstd, out=rstd)
     np.reciprocal(rstd, out=rstd)
-    np.multiply(x, rstd, out=out)  # (B, D)
+    np.multiply(x, rstd, out=out)  # (..., D): x_hat, rounded to out's dtype
     out *= gain
     return out
 
