@@ -64,8 +64,11 @@ class NoQKNorm:
 
     def on_heads_in_place(self, attention, qk: np.ndarray, num_q: int) -> None:
         """:meth:`on_heads` of a decoding step, written over the query and key heads side by side (B, Hq + Hkv,
-        1, Dh), the first ``num_q`` the queries (nothing here). Not for the projection-wide norm, which acts
-        before the heads exist."""
+        1, Dh), the first ``num_q`` the queries (nothing here)."""
+
+    def on_projection_in_place(self, attention, q: np.ndarray, k: np.ndarray) -> None:
+        """:meth:`on_projection` of a decoding step, written over the projections (B, Hq*Dh), (B, Hkv*Dh)
+        (views of the step's own fused projection; nothing here)."""
 
     def on_rotated(self, attention, q: np.ndarray, k: np.ndarray, saved):
         """(q, k, saved) after the step on the heads after the rotation (B, H, L, Dh)."""
@@ -129,6 +132,11 @@ class ProjectionQKNorm(NoQKNorm):
 
     def on_projection_backward(self, attention, dq, dk, saved):
         return self._backward(attention, dq, dk, saved)
+
+    def on_projection_in_place(self, attention, q, k):
+        # rms_norm_into is rms_norm_forward bit for bit, without the normalised copies a backward would read
+        for x, name in ((q, "q_norm"), (k, "k_norm")):
+            rms_norm_into(x, self._gain(attention, name), self.eps, x, np.empty(x.shape, x.dtype))
 
 
 class RotatedHeadQKNorm(NoQKNorm):
@@ -528,22 +536,19 @@ class GroupedQueryAttention(Module):
     def _project_step(self, x: np.ndarray):
         """:meth:`_project` of one position per row: query, key and value heads (B, H, 1, Dh), q/k normalised,
         each an array of the step's own (views of its fresh projection or the norm's output); and the query and
-        key heads side by side as one view (B, Hq + Hkv, 1, Dh) where they are (the fused projection without a
-        projection-wide norm), else None: one rotation then turns both."""
+        key heads side by side as one view (B, Hq + Hkv, 1, Dh) where they are (the fused projection), else
+        None: one rotation then turns both."""
         p = self._parameters
         fused = self.fused_weight_and_bias("W_QKV", "b_QKV")
         b, hq, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if fused is not None and self.qk_norm.scope != "projection":
+        if fused is not None:
             qkv = linear(x, *fused)  # (B, (Hq + 2 Hkv)*Dh)
+            self.qk_norm.on_projection_in_place(self, qkv[:, :hq * dh], qkv[:, hq * dh:(hq + hkv) * dh])
             qk = qkv[:, :(hq + hkv) * dh].reshape(b, hq + hkv, 1, dh)  # (B, Hq + Hkv, 1, Dh), a view
             self.qk_norm.on_heads_in_place(self, qk, hq)
             v = qkv[:, (hq + hkv) * dh:].reshape(b, hkv, 1, dh)  # (B, Hkv, 1, Dh)
             return qk[:, :hq], qk[:, hq:], v, qk
-        if fused is not None:
-            qkv = linear(x, *fused)  # (B, (Hq + 2 Hkv)*Dh)
-            q, k, v = qkv[:, :hq * dh], qkv[:, hq * dh:(hq + hkv) * dh], qkv[:, (hq + hkv) * dh:]  # (B, H*Dh) each
-        else:
-            q, k, v = (linear(x, p[f"W_{n}"], p.get(f"b_{n}")) for n in "QKV")  # (B, H*Dh) each
+        q, k, v = (linear(x, p[f"W_{n}"], p.get(f"b_{n}")) for n in "QKV")  # (B, H*Dh) each
         q, k, _ = self.qk_norm.on_projection(self, q, k)  # (B, Hq*Dh), (B, Hkv*Dh)
         q = q.reshape(b, hq, 1, dh)  # (B, Hq, 1, Dh)
         k = k.reshape(b, hkv, 1, dh)  # (B, Hkv, 1, Dh)
