@@ -28,6 +28,7 @@ from ..core.module import Module
 from ..flex import flex_attention_backward
 from ..init import as_generator, normal
 from ..kernels import rotary as _rotary
+from ..kernels.decode_step import rms_norm_into
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
@@ -129,10 +130,12 @@ class _LayerwiseAttention(GroupedQueryAttention):
         return q, (q_hat, q_rstd)
 
     def _queries_step(self, x: np.ndarray, rotary) -> np.ndarray:
-        """:meth:`_queries` of one position per row: normalised, rotated query heads (B, Hq, 1, Dh)."""
+        """:meth:`_queries` of one position per row: normalised, rotated query heads (B, Hq, 1, Dh), normalised
+        and turned where the fresh projection lies (rms_norm_into and the in-place rotation are the forward's
+        numbers bit for bit)."""
         q = linear(x, self._parameters["W_Q"]).reshape(x.shape[0], self.num_heads, 1, self.head_dim)  # (B, Hq, 1, Dh)
-        q = rms_norm_forward(q, self._gain("q_norm"), self.norm_eps)[0]  # (B, Hq, 1, Dh)
-        return q if rotary is None else _rotary.rotary_apply(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
+        rms_norm_into(q, self._gain("q_norm"), self.norm_eps, q, np.empty(q.shape, q.dtype))
+        return q if rotary is None else _rotary.rotary_apply_in_place(q, *rotary, self.interleaved)  # (B, Hq, 1, Dh)
 
     def _output_step(self, heads: np.ndarray) -> np.ndarray:
         """The heads' outputs (B, Hq, Dh) side by side through W_O: (B, D)."""
@@ -225,6 +228,8 @@ class KVOwnerAttention(_LayerwiseAttention):
         # what each key/value projection's output is: W_K's the keys (and the values, when they are the keys)
         self.kv_projections = {"W_K": ("k", "v")} if self.keys_are_values else {"W_K": ("k",), "W_V": ("v",)}
         self.register_parameter("k_norm", np.ones(self.head_dim))
+        # side by side for a decoding step's one product: [queries | keys | values], or [queries | keys]
+        self.fuse_parameters("W_QKV", ("W_Q", *self.kv_projections))
         self.shared = SharedKV()
 
     def hook_points(self) -> tuple[str, ...]:
@@ -276,12 +281,33 @@ class KVOwnerAttention(_LayerwiseAttention):
     def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None) -> np.ndarray:
         """One decoding step (B, D) -> (B, D), as :meth:`forward` with a cache: the new key and value into the
         cache, every kept one handed to ``shared`` for the readers."""
-        q = self._queries_step(x, rotary)  # (B, Hq, 1, Dh)
-        k, v, _ = self._keys_values(x[:, None], rotary)  # (B, Hkv, 1, Dh) each
+        q, k, v = self._project_step(x, rotary)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh), (B, Hkv, 1, Dh)
         kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
         key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
         self.shared.publish(kept.keys, kept.values, key_mask)
         return self._output_step(self._attend_step(q, kept.keys, kept.values, key_mask))  # (B, D)
+
+    def _project_step(self, x: np.ndarray, rotary):
+        """:meth:`_queries` and :meth:`_keys_values` of one position per row, from one product of the side-by-side
+        projections: queries and keys normalised in one pass (each its own gain) and turned in one rotation where
+        they lie in the projection, the values normalised into an array of their own (before the keys, whose
+        projection they may be). Returns q (B, Hq, 1, Dh), k and v (B, Hkv, 1, Dh)."""
+        b, hq, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        p = self._parameters
+        qkv = self.fused_parameter("W_QKV")
+        if qkv is None:  # a parameter was given new storage (or is packed): its own product
+            qkv = np.concatenate([linear(x, p[name]) for name in ("W_Q", *self.kv_projections)], axis=1)
+        else:
+            qkv = linear(x, qkv)  # (B, (Hq + Hkv [+ Hkv]) Dh)
+        qk = qkv[:, :(hq + hkv) * dh].reshape(b, hq + hkv, 1, dh)  # (B, Hq + Hkv, 1, Dh), a view
+        v = qkv[:, (hq if self.keys_are_values else hq + hkv) * dh:].reshape(b, hkv, 1, dh)  # (B, Hkv, 1, Dh)
+        v = rms_norm_into(v, v.dtype.type(1), self.norm_eps, np.empty(v.shape, v.dtype), np.empty(v.shape, v.dtype))
+        gains = np.empty((hq + hkv, 1, dh), qk.dtype)  # (Hq + Hkv, 1, Dh)
+        gains[:hq], gains[hq:] = self._gain("q_norm"), self._gain("k_norm")
+        rms_norm_into(qk, gains, self.norm_eps, qk, np.empty(qk.shape, qk.dtype))
+        if rotary is not None:
+            _rotary.rotary_apply_in_place(qk, *rotary, self.interleaved)  # (B, Hq + Hkv, 1, Dh)
+        return qk[:, :hq], qk[:, hq:], v
 
     def backward(self, grad_output: Any) -> np.ndarray:
         """The parameters' gradients into ``grads`` (the readers' share of the keys' and values' included);
