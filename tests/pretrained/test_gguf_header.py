@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 import gguf_models as gm  # noqa: E402
 from attnkit.pretrained import load, load_causal_lm  # noqa: E402
-from attnkit.pretrained.gguf_file import read_gguf  # noqa: E402
+from attnkit.pretrained.gguf_file import read_gguf, read_gguf_strings  # noqa: E402
 from attnkit.pretrained.gguf_tokenizer import gguf_tokenizer  # noqa: E402
 
 _TENSOR = (("token_embd.weight", np.zeros((4, 8), np.float32)),)
@@ -110,6 +110,27 @@ def test_an_array_of_arrays_is_refused_as_llama_cpp_refuses_it(tmp_path):
     path = _header_file(tmp_path / "nested.gguf", {"junk.nested": ("raw", nested)})
     with pytest.raises(ValueError, match=r"metadata 'junk\.nested' is an array of arrays, which GGUF readers"):
         read_gguf(path)
+
+
+def test_the_strings_alone_are_read_past_every_kind_of_value(tmp_path):
+    """``read_gguf_strings`` walks the header without building what it passes: numbers, strings, arrays of numbers
+    and of strings, and the nested array llama.cpp refuses (stepped over here: no value of it is wanted)."""
+    nested = (9).to_bytes(4, "little") + (9).to_bytes(4, "little") + (1).to_bytes(8, "little") + \
+        (6).to_bytes(4, "little") + (2).to_bytes(8, "little") + np.float32([1, 2]).tobytes()
+    metadata = {"junk.count": ("uint32", 7), "junk.scale": ("float64", 0.5), "junk.note": ("string", "skip me"),
+                "junk.ids": ("array[int32]", [1, 2, 3]), "junk.words": ("array[string]", ["a", "bc"]),
+                "junk.nested": ("raw", nested), "tokenizer.chat_template": ("string", "{{ messages }}"),
+                "tokenizer.chat_template.tool_use": ("string", "tools \u00e9")}
+    path = _header_file(tmp_path / "strings.gguf", metadata)
+    wanted = read_gguf_strings(path, lambda key: key.startswith("tokenizer.chat_template"))
+    assert wanted == {"tokenizer.chat_template": "{{ messages }}", "tokenizer.chat_template.tool_use": "tools \u00e9"}
+    assert read_gguf_strings(path, lambda key: key == "junk.note") == {"junk.note": "skip me"}
+    data = path.read_bytes()
+    end = data.index(b"{{ messages }}")
+    for cut in (10, 40, end - 3, end + 5):  # inside the counts, a skipped value, a wanted value's length and bytes
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=r"cut\.gguf is truncated or corrupt .* runs past the end of the file"):
+            read_gguf_strings(tmp_path / "cut.gguf", lambda key: key.startswith("tokenizer."))
 
 
 def test_a_long_sentencepiece_piece_costs_what_its_characters_do(tmp_path):

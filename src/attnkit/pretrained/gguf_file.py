@@ -51,7 +51,7 @@ from ..models.config import DecoderConfig
 from ._extra import import_extra
 from .checkpoint import HEAD_NAMES, TensorMap, checkpoint_map
 from .families import REGISTRY
-from .gguf_header import GGUFHeader, check_metadata_types, check_tensor_layout, read_header
+from .gguf_header import GGUFHeader, HeaderCursor, check_metadata_types, check_tensor_layout, read_header
 from .gguf_metadata import GGUFArchitecture, special_token_ids
 from .hf_config import read_decoder_keys
 
@@ -69,9 +69,6 @@ GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0
                      "Q6_K")
 
 _MAGIC = b"GGUF"
-_VERSIONS = (2, 3)
-# GGUF value types -> byte size (8 = string and 9 = array are variable): what a walk over the header skips.
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _MAX_INT = 2**31 - 1  # no size of a real model comes near it (the config reader's bound)
 # Tensor types whose data gguf's reader gives as typed values rather than bytes.
 _ITEM_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
@@ -126,49 +123,6 @@ def is_gguf_path(path: str | os.PathLike) -> bool:
     return path.suffix.lower() == ".gguf" and not path.is_dir()
 
 
-class _Header:
-    """A bounds-checked walk over a GGUF header, on the memory-mapped file: every length is checked against the
-    bytes left before it is used, so a truncated or corrupt file fails at the first impossible length instead
-    of reading past the end (or looping over a count no file could hold)."""
-
-    def __init__(self, data: Any, path: Path) -> None:
-        self.data, self.path, self.size, self.at = data, path, len(data), 0
-
-    def truncated(self, what: str) -> ValueError:
-        return ValueError(f"{self.path} is truncated or corrupt ({self.size} bytes): {what} runs past the end of "
-                          f"the file")
-
-    def skip(self, n: int, what: str) -> int:
-        if n < 0 or self.at + n > self.size:
-            raise self.truncated(what)
-        self.at += n
-        return self.at - n
-
-    def take(self, n: int, what: str) -> bytes:
-        begin = self.skip(n, what)
-        return bytes(self.data[begin:self.at])
-
-    def uint(self, n: int, what: str) -> int:
-        return int.from_bytes(self.take(n, what), "little")
-
-    def skip_value(self, kind: int, what: str, depth: int = 0) -> None:
-        if kind in _SCALAR_SIZES:
-            self.skip(_SCALAR_SIZES[kind], what)
-        elif kind == 8:
-            self.skip(self.uint(8, what), what)
-        elif kind == 9 and depth < 2:
-            item, count = self.uint(4, what), self.uint(8, what)
-            if item in _SCALAR_SIZES:  # no walk over the items: their size is known
-                self.skip(count * _SCALAR_SIZES[item], what)
-                return
-            if count > (self.size - self.at) // 8:  # each string or array item holds an 8-byte length
-                raise self.truncated(what)
-            for _ in range(count):
-                self.skip_value(item, what, depth + 1)
-        else:
-            raise ValueError(f"{self.path} is corrupt: {what} has the unknown GGUF value type {kind}")
-
-
 def read_gguf_strings(path: str | os.PathLike, keys: Any) -> dict[str, str]:
     """The string metadata of a GGUF file under the keys ``keys(key)`` accepts, read by walking the header alone
     (no tensor, no vocabulary, no ``gguf`` package): what can be known of a file in milliseconds, before it is
@@ -191,12 +145,8 @@ def read_gguf_strings(path: str | os.PathLike, keys: Any) -> dict[str, str]:
         if fh.read(4) != _MAGIC:
             raise ValueError(f"{path} is not a GGUF file: it does not start with {_MAGIC!r}")
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            header = _Header(data, path)
-            header.skip(4, "the magic")
-            version = header.uint(4, "the version")
-            if version not in _VERSIONS:
-                raise ValueError(f"{path}: GGUF version {version} is not read (attnkit reads versions 2 and 3, "
-                                 f"little-endian)")
+            header = HeaderCursor(data, path)
+            header.prelude()
             header.uint(8, "the tensor count")
             found = {}
             for _ in range(header.uint(8, "the metadata count")):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["METADATA_TYPES", "GGUFHeader", "TensorEntry", "read_header", "check_metadata_types",
+__all__ = ["METADATA_TYPES", "GGUFHeader", "HeaderCursor", "TensorEntry", "read_header", "check_metadata_types",
            "check_tensor_layout"]
 
 _VERSIONS = (2, 3)
@@ -112,8 +112,11 @@ class GGUFHeader:
     data_start: int
 
 
-class _Cursor:
-    """A bounds-checked walk over the memory-mapped bytes of a header."""
+class HeaderCursor:
+    """A bounds-checked walk over the memory-mapped bytes ``data`` of the GGUF file ``path``'s header: every
+    length is checked against the bytes left before it is used, so a truncated or corrupt file fails at the first
+    impossible length instead of reading past the end (or looping over a count no file could hold). ``at`` is the
+    next byte to read."""
 
     def __init__(self, data: Any, path: Path) -> None:
         self.data, self.path, self.size, self.at = data, path, len(data), 0
@@ -123,14 +126,46 @@ class _Cursor:
                           f"the file")
 
     def skip(self, n: int, what: str) -> int:
+        """Step over ``n`` bytes; returns where they begin."""
         if n < 0 or self.at + n > self.size:
             raise self.truncated(what)
         self.at += n
         return self.at - n
 
+    def take(self, n: int, what: str) -> bytes:
+        begin = self.skip(n, what)
+        return bytes(self.data[begin:self.at])
+
     def uint(self, n: int, what: str) -> int:
         begin = self.skip(n, what)
         return int.from_bytes(self.data[begin:self.at], "little")
+
+    def prelude(self) -> None:
+        """Step over the magic (the caller has checked it) and the version, refusing one attnkit does not read."""
+        self.skip(4, "the magic")
+        version = self.uint(4, "the version")
+        if version not in _VERSIONS:
+            raise ValueError(f"{self.path}: GGUF version {version} is not read (attnkit reads versions 2 and 3, "
+                             f"little-endian)")
+
+    def skip_value(self, kind: int, what: str, depth: int = 0) -> None:
+        """Step over one metadata value of GGUF type ``kind`` without building it (an array of fixed-size items
+        in one step)."""
+        if kind in _DTYPES:
+            self.skip(_DTYPES[kind].itemsize, what)
+        elif kind == _STRING:
+            self.skip(self.uint(8, what), what)
+        elif kind == _ARRAY and depth < 2:
+            item, count = self.uint(4, what), self.uint(8, what)
+            if item in _DTYPES:  # no walk over the items: their size is known
+                self.skip(count * _DTYPES[item].itemsize, what)
+                return
+            if count > (self.size - self.at) // 8:  # each string or array item holds an 8-byte length
+                raise self.truncated(what)
+            for _ in range(count):
+                self.skip_value(item, what, depth + 1)
+        else:
+            raise ValueError(f"{self.path} is corrupt: {what} has the unknown GGUF value type {kind}")
 
     def text(self, what: str) -> str:
         n = self.uint(8, what)
@@ -201,12 +236,8 @@ def read_header(path: Path, data: Any, gguf: Any) -> GGUFHeader:
         not UTF-8, a tensor of more than four dimensions or of rows that are not whole blocks of its type, a
         ``general.alignment`` that is not a power of two.
     """
-    cursor = _Cursor(data, path)
-    cursor.skip(4, "the magic")
-    version = cursor.uint(4, "the version")
-    if version not in _VERSIONS:
-        raise ValueError(f"{path}: GGUF version {version} is not read (attnkit reads versions 2 and 3, "
-                         f"little-endian)")
+    cursor = HeaderCursor(data, path)
+    cursor.prelude()
     tensors, keys = cursor.uint(8, "the tensor count"), cursor.uint(8, "the metadata count")
     if keys > cursor.size // 12 or tensors > cursor.size // 24:  # the smallest entries take 12 and 24 bytes
         raise cursor.truncated(f"a header of {keys} metadata entries and {tensors} tensors")
@@ -235,7 +266,7 @@ def _alignment(path: Path, metadata: dict[str, Any], types: dict[str, str]) -> i
     return value
 
 
-def _read_metadata(cursor: _Cursor, count: int) -> tuple[dict[str, Any], dict[str, str]]:
+def _read_metadata(cursor: HeaderCursor, count: int) -> tuple[dict[str, Any], dict[str, str]]:
     metadata: dict[str, Any] = {}
     types: dict[str, str] = {}
     for _ in range(count):
@@ -247,7 +278,7 @@ def _read_metadata(cursor: _Cursor, count: int) -> tuple[dict[str, Any], dict[st
     return metadata, types
 
 
-def _read_tensor_entry(cursor: _Cursor, gguf: Any) -> TensorEntry:
+def _read_tensor_entry(cursor: HeaderCursor, gguf: Any) -> TensorEntry:
     at = cursor.at
     name = cursor.text("a tensor name")
     what = f"tensor {name[:80]!r}"
