@@ -281,13 +281,13 @@ class KVOwnerAttention(_LayerwiseAttention):
     def step(self, x: np.ndarray, *, rotary=None, attention_mask: np.ndarray | None = None, cache=None) -> np.ndarray:
         """One decoding step (B, D) -> (B, D), as :meth:`forward` with a cache: the new key and value into the
         cache, every kept one handed to ``shared`` for the readers."""
-        q, k, v = self._project_step(x, rotary)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh), (B, Hkv, 1, Dh)
+        q, k, v = self._qkv_step(x, rotary)  # (B, Hq, 1, Dh), (B, Hkv, 1, Dh), (B, Hkv, 1, Dh)
         kept = cache.update(self.layer_index, k, v)  # keys, values (B, Hkv, S, Dh)
         key_mask = None if attention_mask is None else attention_mask[:, kept.slots]  # (B, S)
         self.shared.publish(kept.keys, kept.values, key_mask)
         return self._output_step(self._attend_step(q, kept.keys, kept.values, key_mask))  # (B, D)
 
-    def _project_step(self, x: np.ndarray, rotary):
+    def _qkv_step(self, x: np.ndarray, rotary):
         """:meth:`_queries` and :meth:`_keys_values` of one position per row, from one product of the side-by-side
         projections: queries and keys normalised in one pass (each its own gain) and turned in one rotation where
         they lie in the projection, the values normalised into an array of their own (before the keys, whose
