@@ -1,7 +1,8 @@
 """An attention layer's decoding step writes the keys and values its forward over one position writes, bit for
 bit, and gives the same logits to rounding: q/k norms per head and over the whole projection, Gemma 4's owners
-(a global layer's values its keys' projection, a sliding layer's their own) and readers, one fused projection or
-separate ones, float16 to float64. Large projections check that half-precision norms square in float32, as the
+(a global layer's values its keys' projection, a sliding layer's their own) and readers, latent attention's
+normalised, turned latents (queries through a bottleneck), one fused projection or separate ones, float16 to
+float64. Large projections check that half-precision norms square in float32, as the
 forward does. The first layer's entry is compared bit for bit (both paths hand it the same input; later layers
 read attention outputs whose kernels round differently); tests/models/test_decode_step.py runs every family's
 step against its whole sequence."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from attnkit.attention.latent import LatentAttentionConfig
 from attnkit.kernels.decode_step import rms_norm_into
 from attnkit.kernels.rms_norm import rms_norm_forward
 from attnkit.models import (
@@ -38,6 +40,9 @@ CONFIGS = {
     "head_norm": DecoderConfig(family="qwen3", num_layers=2, attention=AttentionConfig(qk_norm="head"), **BASE),
     "projection_norm": DecoderConfig(family="olmo2", num_layers=2, norm=NormConfig(placement="post"),
                                      attention=AttentionConfig(qk_norm="projection"), **BASE),
+    "latent": DecoderConfig(family="deepseek_v3", num_layers=2, **BASE, mixer_parts=(LatentAttentionConfig(
+        hidden_size=16, num_heads=4, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+        q_lora_rank=5, rope_interleaved=False),)),
     "shared_kv_sliding_first": _gemma4(GEMMA4_TYPES),
     "shared_kv_global_first": _gemma4(GEMMA4_TYPES[1:] + GEMMA4_TYPES[:1]),
 }
@@ -48,7 +53,7 @@ def _model(name: str, dtype, *, fused: bool, gain: float) -> CausalLM:
     lm = CausalLM(CONFIGS[name], rng=3).astype(dtype)
     for layer in lm.layers:
         attention = layer.attention
-        for weight in ("W_Q", "W_K"):  # in place: the fused arrays' views stay views
+        for weight in ("W_Q", "W_K", "W_QA", "W_KVA"):  # in place: the fused arrays' views stay views
             if weight in attention._parameters:
                 attention._parameters[weight][...] *= gain
         if not fused:  # new storage for every parameter ends the fused groups: separate products
@@ -77,7 +82,9 @@ def test_a_step_writes_the_forwards_keys_and_values_bit_for_bit(name, fused, dty
     stepped = _after_a_step(_model(name, dtype, fused=fused, gain=gain), ids, through_steps=True)
     reference = _after_a_step(_model(name, dtype, fused=fused, gain=gain), ids, through_steps=False)
     assert stepped[1].keys() == reference[1].keys()
-    for key in ("layers.0.keys", "layers.0.values"):
+    first = [key for key in reference[1] if key.startswith("layers.0.")]  # keys and values, or latents
+    assert first
+    for key in first:
         assert np.isfinite(reference[1][key]).all() and np.abs(reference[1][key]).max() > 0
         np.testing.assert_array_equal(stepped[1][key], reference[1][key], err_msg=key)
     assert stepped[0].dtype == dtype and np.isfinite(stepped[0]).all()

@@ -56,6 +56,7 @@ from ..init import as_generator, normal
 from ..kernels import indexer as _indexer
 from ..kernels import latent as _latent
 from ..kernels import rotary as _rotary
+from ..kernels.decode_step import rms_norm_into
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.registry import ATTENTION_KERNELS
@@ -426,14 +427,17 @@ class MultiHeadLatentAttention(Module):
         cfg, p = self.config, self._parameters
         b, h, dn, rank = x.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         cos, sin = (None, None) if rotary is None else rotary  # (B, 1, R) each
+        # the norms are written over the step's own projections (rms_norm_into: the forward's numbers bit for bit)
         if cfg.q_lora_rank:
-            a = rms_norm_forward(linear(x, p["W_QA"], p.get("b_QA")), p["q_a_norm"], cfg.norm_eps)[0]  # (B, Cq)
+            a = linear(x, p["W_QA"], p.get("b_QA"))  # (B, Cq)
+            rms_norm_into(a, p["q_a_norm"], cfg.norm_eps, a, np.empty(a.shape, a.dtype))
             q = linear(a, p["W_QB"])  # (B, H*(Dn+R))
         else:
             a, q = None, linear(x, p["W_Q"])  # (B, H*(Dn+R))
         q = q.reshape(b, h, 1, cfg.qk_head_dim)  # (B, H, 1, Dn+R), the step's own array
         kv_a = linear(x, p["W_KVA"], p.get("b_KVA"))  # (B, C+R), the step's own array
-        c = rms_norm_forward(kv_a[:, :rank], p["kv_a_norm"], cfg.norm_eps)[0]  # (B, C)
+        c = rms_norm_into(kv_a[:, :rank], p["kv_a_norm"], cfg.norm_eps, kv_a[:, :rank],
+                          np.empty((b, rank), kv_a.dtype))  # (B, C), a view of kv_a
         if cos is not None:
             _rotary.rotary_apply_in_place(q[..., dn:], cos, sin, cfg.rope_interleaved)  # (B, H, 1, R)
             _rotary.rotary_apply_in_place(kv_a[:, None, None, rank:], cos, sin, cfg.rope_interleaved)  # (B, 1, 1, R)
