@@ -30,7 +30,7 @@ from ..flex import (
 )
 from ..init import as_generator, normal
 from ..kernels import rotary as _rotary
-from ..kernels.decode_step import rms_norm_into
+from ..kernels.decode_step import head_norms_into, rms_norm_into
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward, fixed_weights_forward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.registry import ATTENTION_KERNELS
@@ -114,12 +114,8 @@ class HeadQKNorm(NoQKNorm):
         return self._backward(attention, dq, dk, saved)
 
     def on_heads_in_place(self, attention, qk, num_q):
-        # one norm over every head, the queries' weight on the first num_q and the keys' on the rest: the
-        # numbers of on_heads (rms_norm_into is rms_norm_forward bit for bit) in one pass instead of two
-        gains = np.empty((qk.shape[1], 1, qk.shape[-1]), qk.dtype)  # (Hq + Hkv, 1, Dh)
-        gains[:num_q] = self._gain(attention, "q_norm")
-        gains[num_q:] = self._gain(attention, "k_norm")
-        rms_norm_into(qk, gains, self.eps, qk, np.empty_like(qk))
+        # the numbers of on_heads (rms_norm_into is rms_norm_forward bit for bit) in one pass instead of two
+        head_norms_into(qk, num_q, self._gain(attention, "q_norm"), self._gain(attention, "k_norm"), self.eps)
 
 
 class ProjectionQKNorm(NoQKNorm):

@@ -28,7 +28,7 @@ from ..core.module import Module
 from ..flex import flex_attention_backward
 from ..init import as_generator, normal
 from ..kernels import rotary as _rotary
-from ..kernels.decode_step import rms_norm_into
+from ..kernels.decode_step import head_norms_into, rms_norm_into
 from ..kernels.fixed_weights import FixedWeights, fixed_weights_backward
 from ..kernels.linear import linear, linear_backward
 from ..kernels.rms_norm import rms_norm_backward, rms_norm_forward
@@ -302,9 +302,7 @@ class KVOwnerAttention(_LayerwiseAttention):
         qk = qkv[:, :(hq + hkv) * dh].reshape(b, hq + hkv, 1, dh)  # (B, Hq + Hkv, 1, Dh), a view
         v = qkv[:, (hq if self.keys_are_values else hq + hkv) * dh:].reshape(b, hkv, 1, dh)  # (B, Hkv, 1, Dh)
         v = rms_norm_into(v, v.dtype.type(1), self.norm_eps, np.empty(v.shape, v.dtype), np.empty(v.shape, v.dtype))
-        gains = np.empty((hq + hkv, 1, dh), qk.dtype)  # (Hq + Hkv, 1, Dh)
-        gains[:hq], gains[hq:] = self._gain("q_norm"), self._gain("k_norm")
-        rms_norm_into(qk, gains, self.norm_eps, qk, np.empty(qk.shape, qk.dtype))
+        head_norms_into(qk, hq, self._gain("q_norm"), self._gain("k_norm"), self.norm_eps)
         if rotary is not None:
             _rotary.rotary_apply_in_place(qk, *rotary, self.interleaved)  # (B, Hq + Hkv, 1, Dh)
         return qk[:, :hq], qk[:, hq:], v

@@ -19,8 +19,8 @@ import numpy as np
 from .activations import activation_forward
 from .linear import product
 
-__all__ = ["rms_norm_into", "silu_gate_into", "silu_product_into", "gated_mlp_step", "one_query_attention",
-           "one_query_forward", "one_query_backward", "OneQueryContext"]
+__all__ = ["rms_norm_into", "head_norms_into", "silu_gate_into", "silu_product_into", "gated_mlp_step",
+           "one_query_attention", "one_query_forward", "one_query_backward", "OneQueryContext"]
 
 
 def rms_norm_into(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
@@ -45,6 +45,20 @@ def rms_norm_into(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray, 
     np.multiply(x, rstd, out=out)  # (..., D): x_hat, rounded to out's dtype
     out *= gain
     return out
+
+
+def head_norms_into(qk: np.ndarray, num_q: int, q_gain: np.ndarray, k_gain: np.ndarray, eps: float) -> np.ndarray:
+    """The per-head RMS norms of query and key heads side by side, written over them in one pass: the first
+    ``num_q`` heads with ``q_gain``, the rest with ``k_gain`` (each head normalised alone, as two calls of
+    :func:`rms_norm_into` would).
+
+    Shapes
+    ------
+    qk : (B, Hq + Hkv, L, Dh) writable (the step's own projection); q_gain, k_gain : (Dh,) -> ``qk``.
+    """
+    gains = np.empty((qk.shape[1], 1, qk.shape[-1]), qk.dtype)  # (Hq + Hkv, 1, Dh)
+    gains[:num_q], gains[num_q:] = q_gain, k_gain
+    return rms_norm_into(qk, gains, eps, qk, np.empty(qk.shape, qk.dtype))
 
 
 def silu_gate_into(gate_up: np.ndarray, width: int, out: np.ndarray) -> np.ndarray:
