@@ -131,6 +131,9 @@ def test_the_strings_alone_are_read_past_every_kind_of_value(tmp_path):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(ValueError, match=r"cut\.gguf is truncated or corrupt .* runs past the end of the file"):
             read_gguf_strings(tmp_path / "cut.gguf", lambda key: key.startswith("tokenizer."))
+    (tmp_path / "notes.gguf").write_text("{}")
+    with pytest.raises(ValueError, match=r"notes\.gguf is not a GGUF file: it starts with b'\{\}', not b'GGUF'"):
+        read_gguf_strings(tmp_path / "notes.gguf", lambda key: True)
 
 
 def test_a_long_sentencepiece_piece_costs_what_its_characters_do(tmp_path):

@@ -123,6 +123,20 @@ def is_gguf_path(path: str | os.PathLike) -> bool:
     return path.suffix.lower() == ".gguf" and not path.is_dir()
 
 
+def _gguf_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path, once it is known to be a regular file that starts with GGUF's magic."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file; a GGUF model is one file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != _MAGIC:
+        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not {_MAGIC!r}")
+    return path
+
+
 def read_gguf_strings(path: str | os.PathLike, keys: Any) -> dict[str, str]:
     """The string metadata of a GGUF file under the keys ``keys(key)`` accepts, read by walking the header alone
     (no tensor, no vocabulary, no ``gguf`` package): what can be known of a file in milliseconds, before it is
@@ -136,32 +150,25 @@ def read_gguf_strings(path: str | os.PathLike, keys: Any) -> dict[str, str]:
         Naming the file: not a regular file, not GGUF, a version other than 2 and 3, a header whose lengths run
         past the end of the file, or one of the strings asked for that is not UTF-8.
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
-    if not path.is_file():
-        raise ValueError(f"{path} is not a regular file; a GGUF model is one file")
-    with open(path, "rb") as fh:
-        if fh.read(4) != _MAGIC:
-            raise ValueError(f"{path} is not a GGUF file: it does not start with {_MAGIC!r}")
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            header = HeaderCursor(data, path)
-            header.prelude()
-            header.uint(8, "the tensor count")
-            found = {}
-            for _ in range(header.uint(8, "the metadata count")):
-                raw = header.take(header.uint(8, "a metadata key"), "a metadata key")
-                key = raw.decode("utf-8", "replace")
-                kind = header.uint(4, f"metadata {key[:80]!r}")
-                if kind != 8 or not keys(key):
-                    header.skip_value(kind, f"metadata {key[:80]!r}")
-                    continue
-                value = header.take(header.uint(8, f"metadata {key[:80]!r}"), f"metadata {key[:80]!r}")
-                try:
-                    found[key] = value.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise ValueError(f"{path}: metadata {key[:80]!r} is not UTF-8 text (byte {exc.start + 1})") \
-                        from None
+    path = _gguf_path(path)
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        header = HeaderCursor(data, path)
+        header.prelude()
+        header.uint(8, "the tensor count")
+        found = {}
+        for _ in range(header.uint(8, "the metadata count")):
+            raw = header.take(header.uint(8, "a metadata key"), "a metadata key")
+            key = raw.decode("utf-8", "replace")
+            kind = header.uint(4, f"metadata {key[:80]!r}")
+            if kind != 8 or not keys(key):
+                header.skip_value(kind, f"metadata {key[:80]!r}")
+                continue
+            value = header.take(header.uint(8, f"metadata {key[:80]!r}"), f"metadata {key[:80]!r}")
+            try:
+                found[key] = value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}: metadata {key[:80]!r} is not UTF-8 text (byte {exc.start + 1})") \
+                    from None
     return found
 
 
@@ -203,15 +210,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     Traceback (most recent call last):
     ValueError: ...tiny.gguf is truncated: tensor 'token_embd.weight' needs bytes up to ..., the file has ...
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
-    if not path.is_file():
-        raise ValueError(f"{path} is not a regular file; a GGUF model is one file")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != _MAGIC:
-        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not {_MAGIC!r}")
+    path = _gguf_path(path)
     gguf = import_extra("gguf", "read GGUF files")
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
         header = read_header(path, data, gguf)
